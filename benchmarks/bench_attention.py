@@ -1,0 +1,103 @@
+"""Time one training step of the same model with and without the learnable mask, side by side.
+
+    python benchmarks/bench_attention.py                      # the small Boolean preset, CPU
+    python benchmarks/bench_attention.py --device cuda --amp  # on a GPU, bf16 autocast
+    python benchmarks/bench_attention.py --layers 12 --dim 256 --heads 6 --head-dim 64 --batch-size 256
+
+Variants are timed in interleaved rounds (warm-up excluded) so drifts in machine load hit
+all of them alike; the table gives the median step time and its ratio to `default`.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import maskprior as mp  # noqa: E402
+import train  # noqa: E402
+
+
+def build(args, masked: bool, fused: bool, device):
+    small = train.PRESETS["small"]["boolean"]
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers or small["layers"],
+                               n_heads=args.heads or small["heads"], dim=args.dim or small["dim"],
+                               head_dim=args.head_dim, mlp_dim=args.mlp_dim or small["mlp_dim"],
+                               learnable_mask=masked, fused=fused)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg)
+    if masked:
+        mp.init_mask_(model, mp.banded_pattern(cfg.n_positions, 2), 5.0, 5.0)
+    model.to(device)
+    opt = torch.optim.Adam(mp.param_groups(model, 0.0), lr=1e-4)
+    return model, opt
+
+
+def step_fn(model, opt, x, y, device, amp):
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.mse_loss(model(x).squeeze(-1).float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--dim", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--mlp-dim", type=int)
+    p.add_argument("--seq-len", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=train.PRESETS["small"]["boolean"]["batch_size"])
+    p.add_argument("--steps", type=int, default=20, help="steps per round")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--explicit", action="store_true", help="also time default with the explicit attention path")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    x = torch.randint(0, 2, (args.batch_size, args.seq_len), device=device)
+    y = torch.randn(args.batch_size, device=device)
+    # "mask" uses what train.py's --attention auto picks on this device; the other path is shown beside it
+    auto_fused = train.use_fused("auto", "mask", device)
+    other = "mask explicit" if auto_fused else "mask fused"
+    variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
+    if args.explicit:
+        variants["default explicit"] = (False, False)
+    steps = {}
+    for name, (masked, fused) in variants.items():
+        model, opt = build(args, masked, fused, device)
+        steps[name] = step_fn(model, opt, x, y, device, args.amp)
+        for _ in range(5):          # warm-up: allocator, kernels, autotuning
+            steps[name]()
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    base = statistics.median(times["default"])
+    print(f"device {device} | batch {args.batch_size} | seq {args.seq_len + 1} | torch {torch.__version__} | "
+          f"{args.rounds} rounds x {args.steps} steps, median")
+    print(f"{'variant':<18}{'ms/step':>10}{'ratio':>8}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<18}{med * 1e3:>10.2f}{med / base:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,678 @@
+"""maskprior: a structural prior written into the attention logits as a learnable mask.
+
+Reference implementation of "Mask-Based Priors Are More Persistent than Query-Key
+Initializations" (Ma, Saratchandran, Gordon, Lucey, 2026):
+
+    Attention(X) = softmax( X Wq (X Wk)^T / sqrt(d_head) + log sigmoid(M) ) X Wv
+
+M is a learnable (heads, N, N) matrix per layer, initialised from a task's interaction
+pattern P (bool, True = allowed pair): M = +m_on where P, -m_off elsewhere. Because
+log sigmoid(M) <= 0 the mask can only suppress, and its gradient is bounded by the
+attention probability (see `mask_grad_bound`), so the prior survives training. The
+baselines write the same pattern into Wq, Wk instead (`init_qk_svd_`, `init_qk_opt_`).
+
+This file imports only torch and the standard library: copy it into your codebase.
+Reading order: pattern builders -> mask helpers -> attention -> blocks -> models ->
+initialisers -> optimiser groups -> probes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------
+# Pattern builders: bool tensors, (N, N) for all heads or (H, N, N) per head.
+# Row i lists the keys that query i is allowed to attend to.
+
+
+def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool = True) -> torch.Tensor:
+    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal."""
+    p = torch.zeros(n, n, dtype=torch.bool)
+    for i, j in pairs:
+        p[i, j] = True
+        if symmetric:
+            p[j, i] = True
+    if self_loops:
+        p.fill_diagonal_(True)
+    return p
+
+
+def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
+    """(N, N) bool pattern, True where |i - j| <= width (distance taken mod N if circulant)."""
+    i = torch.arange(n)
+    d = (i[:, None] - i[None, :]).abs()
+    if circulant:
+        d = torch.minimum(d, n - d)
+    return d <= width
+
+
+def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False pattern."""
+    out = torch.zeros(*pattern.shape[:-2], n, n, dtype=torch.bool)
+    k = pattern.shape[-1]
+    out[..., offset:offset + k, offset:offset + k] = pattern
+    return out
+
+
+def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
+    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
+
+    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
+    falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
+    `prefix_all` they attend to, and are attended by, every token.
+    """
+    n = n_prefix + grid_h * grid_w
+    pats = []
+    for dr, dc in offsets:
+        p = torch.zeros(n, n, dtype=torch.bool)
+        for r in range(grid_h):
+            for c in range(grid_w):
+                rr, cc = r + dr, c + dc
+                if not (0 <= rr < grid_h and 0 <= cc < grid_w):
+                    rr, cc = r, c
+                p[n_prefix + r * grid_w + c, n_prefix + rr * grid_w + cc] = True
+        if n_prefix:
+            p[:n_prefix, :] = prefix_all
+            p[:, :n_prefix] = prefix_all
+            p[:n_prefix, :n_prefix] |= torch.eye(n_prefix, dtype=torch.bool)
+        pats.append(p)
+    return torch.stack(pats)
+
+
+# The 3x3 offsets in the order of the 2025 structured-initialization code:
+# self, up, right, left, down, then the diagonals.
+IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)]
+
+
+def random_impulse_offsets(n_heads: int, kernel: int = 3, generator: torch.Generator | None = None):
+    """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
+    idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
+    return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
+
+
+def causal_pattern(n: int) -> torch.Tensor:
+    """(N, N) bool, True where key j <= query i."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """(H,) ALiBi slopes 2^(-8 h / H), h = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
+
+
+def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
+    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
+
+    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite
+    and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
+    -self_logit; the hard causal mask removes them anyway.
+    """
+    i = torch.arange(n)
+    d = (i[:, None] - i[None, :]).float()
+    p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
+    m = (torch.log(p) - torch.log1p(-p)).float()          # logit(p), finite for d >= 1
+    m = m.masked_fill(d == 0, self_logit)
+    return m.masked_fill(d < 0, -self_logit)
+
+
+# ----------------------------------------------------------------------------------------
+# Mask helpers
+
+
+def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0) -> torch.Tensor:
+    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`)."""
+    return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
+
+
+def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
+    """The additive attention bias log sigmoid(M), always <= 0."""
+    return F.logsigmoid(mask_logits)
+
+
+def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: torch.Tensor) -> torch.Tensor:
+    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
+
+    attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
+    layer; mask_logits: (H, N, N). Through the softmax and d logsigmoid(m)/dm = sigma(-m),
+        dL/dM_ij = sigma(-M_ij) * sum_b p_bij * (g_bij - sum_k p_bik g_bik),
+    and the bracket lies within max_k g_bik - min_k g_bik, so
+        |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
+    The mask's gradient is thus at most the attention probability (times sigma(-M) <= 1)
+    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do.
+    """
+    spread = attn_grad.amax(-1, keepdim=True) - attn_grad.amin(-1, keepdim=True)
+    return torch.sigmoid(-mask_logits) * (attn * spread).sum(0)
+
+
+# ----------------------------------------------------------------------------------------
+# Attention
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with an optional learnable log-sigmoid mask.
+
+    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N)
+    parameter; the bias log sigmoid(M[:, :T, :T]) is added to the logits. M starts at 0,
+    which adds the same constant to every logit, i.e. no prior until `init_mask_` sets it.
+    `causal=True` adds a hard -inf on future keys. `fused=True` uses
+    F.scaled_dot_product_attention; the explicit path (`fused=False`, or
+    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities.
+    """
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
+                 causal: bool = False, qkv_bias: bool = False, fused: bool = True):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim or dim // n_heads
+        self.causal = causal
+        self.fused = fused
+        inner = n_heads * self.head_dim
+        self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
+        self.proj = nn.Linear(inner, dim)
+        self.mask_logits = nn.Parameter(torch.zeros(n_heads, mask_size, mask_size)) if mask_size else None
+
+    def attn_bias(self, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal."""
+        bias = None
+        if self.mask_logits is not None:
+            if t > self.mask_logits.shape[-1]:
+                raise ValueError(f"sequence length {t} exceeds the mask size {self.mask_logits.shape[-1]}")
+            bias = mask_bias(self.mask_logits[:, :t, :t].float())
+            if self.causal:
+                future = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+                bias = bias.masked_fill(future, float("-inf"))
+            bias = bias.to(dtype)
+        return bias
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        bias = self.attn_bias(t, q.dtype, q.device)
+        attn = None
+        if self.fused and not return_attn:
+            if bias is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            else:  # never pass both attn_mask and is_causal: the causal -inf is already in bias
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            logits = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+            if bias is not None:
+                logits = logits + bias
+            elif self.causal:
+                future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+                logits = logits.masked_fill(future, float("-inf"))
+            attn = logits.softmax(dim=-1)
+            out = attn @ v
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.proj(out), attn
+
+
+class MLP(nn.Sequential):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim),
+                         nn.Dropout(dropout))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same."""
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int | None, mlp_dim: int, mask_size: int | None,
+                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, n_heads, head_dim, mask_size, causal, qkv_bias, fused)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_dim, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False):
+        a, attn = self.attn(self.ln1(x), return_attn)
+        x = x + self.drop(a)
+        x = x + self.mlp(self.ln2(x))
+        return x, attn
+
+
+# ----------------------------------------------------------------------------------------
+# Models
+
+
+@dataclass
+class TransformerConfig:
+    """A token-input Transformer. N = seq_len (+1 with a CLS token) positions."""
+    vocab_size: int = 2
+    seq_len: int = 15
+    n_layers: int = 2
+    n_heads: int = 4
+    dim: int = 64
+    head_dim: int | None = None     # default dim // n_heads
+    mlp_dim: int = 256
+    n_outputs: int = 1
+    readout: str = "cls"            # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
+    causal: bool = False
+    learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
+    fused: bool = True
+    qkv_bias: bool = False
+    dropout: float = 0.0
+    emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
+    pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2) (GOTU: 1)
+    tie_embeddings: bool = False    # output head shares the token embedding (language models)
+
+    @property
+    def n_positions(self) -> int:
+        return self.seq_len + (1 if self.readout == "cls" else 0)
+
+
+def _blocks(n_layers, dim, n_heads, head_dim, mlp_dim, mask_size, causal, qkv_bias, fused, dropout):
+    return nn.ModuleList([Block(dim, n_heads, head_dim, mlp_dim, mask_size, causal, qkv_bias, fused, dropout)
+                          for _ in range(n_layers)])
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
+
+    With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of
+    Abbe et al. 2023; with `causal=True, readout='tokens'` it is a decoder / language model.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        if cfg.readout not in ("cls", "mean", "tokens"):
+            raise ValueError(f"readout must be 'cls', 'mean' or 'tokens', got {cfg.readout!r}")
+        self.cfg = cfg
+        n = cfg.n_positions
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.readout == "cls" else None
+        self.pos_emb = nn.Parameter(torch.zeros(1, n, cfg.dim))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = _blocks(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.head_dim, cfg.mlp_dim,
+                              n if cfg.learnable_mask else None, cfg.causal, cfg.qkv_bias, cfg.fused, cfg.dropout)
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.n_outputs, bias=not cfg.tie_embeddings)
+        for emb in (self.tok_emb.weight, self.cls):
+            if emb is not None:
+                nn.init.normal_(emb, std=cfg.emb_init_std)
+        nn.init.normal_(self.pos_emb, std=cfg.pos_init_std)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, N, dim) input to the first block (CLS prepended, positions added)."""
+        x = self.tok_emb(idx)
+        if self.cls is not None:
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.drop(x + self.pos_emb[:, :x.shape[1]])
+
+    def forward(self, idx: torch.Tensor, return_attn: bool = False):
+        x = self.embed(idx)
+        maps = []
+        for block in self.blocks:
+            x, attn = block(x, return_attn)
+            maps.append(attn)
+        x = self.ln_f(x)
+        if self.cfg.readout == "cls":
+            x = x[:, 0]
+        elif self.cfg.readout == "mean":
+            x = x.mean(dim=1)
+        out = self.head(x)
+        return (out, maps) if return_attn else out
+
+
+@dataclass
+class ViTConfig:
+    """Vision Transformer; ViT-Tiny by default (dim 192, depth 12, 3 heads, MLP ratio 4)."""
+    image_size: int = 32
+    patch_size: int = 4
+    in_chans: int = 3
+    n_classes: int = 10
+    dim: int = 192
+    n_layers: int = 12
+    n_heads: int = 3
+    head_dim: int | None = None
+    mlp_ratio: float = 4.0
+    pool: str = "mean"              # 'mean' (global average pooling) or 'cls'
+    learnable_mask: bool = False
+    fused: bool = True
+    qkv_bias: bool = True
+    dropout: float = 0.0
+    pos_init_std: float = 0.02
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def n_prefix(self) -> int:
+        return 1 if self.pool == "cls" else 0
+
+    @property
+    def n_positions(self) -> int:
+        return self.n_prefix + self.grid ** 2
+
+
+class ViT(nn.Module):
+    """Images (B, C, H, W) float -> logits (B, n_classes). Patches are numbered row-major after the prefix."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        if cfg.pool not in ("mean", "cls"):
+            raise ValueError(f"pool must be 'mean' or 'cls', got {cfg.pool!r}")
+        if cfg.image_size % cfg.patch_size:
+            raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
+        self.cfg = cfg
+        n = cfg.n_positions
+        self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size, cfg.patch_size)
+        self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.pool == "cls" else None
+        self.pos_emb = nn.Parameter(torch.randn(1, n, cfg.dim) * cfg.pos_init_std)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = _blocks(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.head_dim, int(cfg.dim * cfg.mlp_ratio),
+                              n if cfg.learnable_mask else None, False, cfg.qkv_bias, cfg.fused, cfg.dropout)
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.n_classes)
+        self.apply(_vit_init)
+        if self.cls is not None:
+            nn.init.normal_(self.cls, std=0.02)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, dim) tokens (CLS first if any) with positions added."""
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        if self.cls is not None:
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.drop(x + self.pos_emb)
+
+    def forward(self, images: torch.Tensor, return_attn: bool = False):
+        x = self.embed(images)
+        maps = []
+        for block in self.blocks:
+            x, attn = block(x, return_attn)
+            maps.append(attn)
+        x = self.ln_f(x)
+        x = x[:, 0] if self.cls is not None else x.mean(dim=1)
+        out = self.head(x)
+        return (out, maps) if return_attn else out
+
+
+def _vit_init(m: nn.Module):
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+# ----------------------------------------------------------------------------------------
+# Initialisers: act in place, return a small report. `pattern` is (N, N) or (H, N, N) bool.
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _per_head(pattern: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(N, N) or (H, N, N) -> (H, N, N)."""
+    if pattern.dim() == 2:
+        return pattern.unsqueeze(0).expand(n_heads, -1, -1)
+    if pattern.dim() != 3 or pattern.shape[0] != n_heads:
+        raise ValueError(f"pattern must be (N, N) or ({n_heads}, N, N), got {tuple(pattern.shape)}")
+    return pattern
+
+
+@torch.no_grad()
+def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+               logits: torch.Tensor | None = None) -> dict:
+    """Set every layer's M to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
+
+    Creates M where a layer has none. Give M to the optimiser without weight decay
+    (`param_groups`), or the decay pulls it to 0 and erases the prior.
+    """
+    for attn in attention_layers(model):
+        src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
+        src = _per_head(src, attn.n_heads).float()
+        if attn.mask_logits is None or attn.mask_logits.shape != src.shape:
+            attn.mask_logits = nn.Parameter(torch.zeros(src.shape, device=attn.qkv.weight.device))
+        attn.mask_logits.copy_(src)
+    if logits is not None:
+        return {"m_min": float(logits.min()), "m_max": float(logits.max())}
+    return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}
+
+
+def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
+    """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on."""
+    block = block or model.blocks[0]
+    with torch.no_grad():
+        return block.ln1(model.pos_emb[0]).detach()
+
+
+def _set_qk_(attn: Attention, wq: torch.Tensor, wk: torch.Tensor):
+    """wq, wk: (H, dim, head_dim) so that head h computes q = x @ wq[h]."""
+    inner = attn.n_heads * attn.head_dim
+    w = attn.qkv.weight
+    w[:inner].copy_(wq.transpose(1, 2).reshape(inner, -1))
+    w[inner:2 * inner].copy_(wk.transpose(1, 2).reshape(inner, -1))
+    if attn.qkv.bias is not None:
+        attn.qkv.bias[:2 * inner].zero_()
+
+
+def qk_weights(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, dim, head_dim) query and key maps of one attention layer."""
+    h, r = attn.n_heads, attn.head_dim
+    w = attn.qkv.weight
+    wq = w[:h * r].reshape(h, r, -1).transpose(1, 2)
+    wk = w[h * r:2 * h * r].reshape(h, r, -1).transpose(1, 2)
+    return wq, wk
+
+
+@torch.no_grad()
+def pseudo_attention(attn: Attention, pseudo: torch.Tensor) -> torch.Tensor:
+    """(H, N, N) attention of the pseudo input (N, dim) through one layer's Wq, Wk (no mask)."""
+    wq, wk = qk_weights(attn)
+    q = torch.einsum("nd,hdr->hnr", pseudo, wq)
+    k = torch.einsum("nd,hdr->hnr", pseudo, wk)
+    return (q @ k.transpose(1, 2) * attn.head_dim ** -0.5).softmax(-1)
+
+
+def _trunc_normal(shape, std: float, bound: float, generator=None) -> torch.Tensor:
+    """N(0, std^2) samples redrawn until they fall inside [-bound, bound]."""
+    x = torch.randn(shape, generator=generator) * std
+    while True:
+        bad = x.abs() > bound
+        if not bad.any():
+            return x
+        x[bad] = torch.randn(int(bad.sum()), generator=generator) * std
+
+
+def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank-truncated pseudo-inverse of p (N, D) -> (D, N): keep the top `rank` singular values."""
+    u, s, vh = torch.linalg.svd(p, full_matrices=False)
+    keep = min(rank, int((s > s[0] * 1e-6).sum()))
+    return vh[:keep].T @ torch.diag(1.0 / s[:keep]) @ u[:, :keep].T
+
+
+@torch.no_grad()
+def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0, noise: float = 3.0,
+                 factor_norm: float = 7.0, pos_scale: float | None = None,
+                 generator: torch.Generator | None = None) -> dict:
+    """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer.
+
+    Per layer and head: target logits L = scale * pattern + noise * trunc_normal(0.6) off the
+    pattern; A = pinv(P) L pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at
+    head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2, each scaled to Frobenius
+    norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies
+    the model's positional embedding first. Returns the pseudo input's attention mass on
+    the pattern, per layer.
+    """
+    if pos_scale is not None:
+        model.pos_emb.mul_(pos_scale)
+    masses = []
+    for block in model.blocks:
+        attn = block.attn
+        pat = _per_head(pattern, attn.n_heads).to(model.pos_emb.device)
+        p = pseudo_input(model, block).float()
+        pinv = _pinv_rank(p, attn.head_dim)
+        wqs, wks = [], []
+        for h in range(attn.n_heads):
+            off = _trunc_normal(pat.shape[-2:], std=0.6, bound=2.0, generator=generator)
+            target = torch.where(pat[h], torch.tensor(scale), noise * off.to(pat.device))
+            a = pinv @ target @ pinv.T
+            u, s, vh = torch.linalg.svd(a)
+            r = attn.head_dim
+            wq = u[:, :r] * s[:r].sqrt()
+            wk = vh[:r].T * s[:r].sqrt()
+            wqs.append(wq / wq.norm().clamp_min(1e-12) * factor_norm)
+            wks.append(wk / wk.norm().clamp_min(1e-12) * factor_norm)
+        _set_qk_(attn, torch.stack(wqs), torch.stack(wks))
+        masses.append(float(pattern_mass(pseudo_attention(attn, p).unsqueeze(0), pat)))
+    return {"pseudo_mass": masses}
+
+
+def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
+                 norm_every: int = 100, tol: float = 0.0, generator: torch.Generator | None = None) -> dict:
+    """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
+
+    Adam on per-head Q (H, dim, r), K (H, dim, r) minimising
+    MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P = LayerNorm(pos_emb); every
+    `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled
+    to their initial mean norm. Stops early when the loss improves by less than `tol` over
+    `norm_every` steps. Returns the final loss, steps taken and pseudo-input masses.
+    """
+    attn0 = model.blocks[0].attn
+    h, r = attn0.n_heads, attn0.head_dim
+    pat = _per_head(pattern, h).to(model.pos_emb.device)
+    target = pat.float()
+    p = pseudo_input(model).float()
+    d = p.shape[1]
+    bound = math.sqrt(1.0 / (r * h))
+    q = ((torch.rand(h, d, r, generator=generator) * 2 - 1) * bound).to(p.device).requires_grad_()
+    k = ((torch.rand(h, d, r, generator=generator) * 2 - 1) * bound).to(p.device).requires_grad_()
+    nq = q.detach().norm(dim=1).mean()   # per head and column: norm over the input axis
+    nk = k.detach().norm(dim=2).mean()   # per head and input feature: norm over the r axis
+    opt = torch.optim.Adam([q, k], lr=lr)
+    prev, loss_val, step = float("inf"), float("nan"), 0
+    with torch.enable_grad():
+        for step in range(1, steps + 1):
+            att = ((p @ q) @ (p @ k).transpose(1, 2) * r ** -0.5).softmax(-1)
+            loss = F.mse_loss(att, target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_val = float(loss.detach())
+            if step % norm_every == 0:
+                with torch.no_grad():
+                    q.mul_(nq / q.norm(dim=1, keepdim=True).clamp_min(1e-12))
+                    k.mul_(nk / k.norm(dim=2, keepdim=True).clamp_min(1e-12))
+                if prev - loss_val < tol:
+                    break
+                prev = loss_val
+    with torch.no_grad():
+        masses = []
+        for block in model.blocks:
+            _set_qk_(block.attn, q.detach(), k.detach())
+            masses.append(float(pattern_mass(pseudo_attention(block.attn, p).unsqueeze(0), pat)))
+    return {"loss": loss_val, "steps": step, "pseudo_mass": masses}
+
+
+def _ortho_like(dim: int, alpha: float, beta: float, sign: float, generator=None):
+    """A = alpha * U(-sqrt(3/D), sqrt(3/D)) + sign * beta * I = L R, split by SVD."""
+    z = (torch.rand(dim, dim, generator=generator) * 2 - 1) * math.sqrt(3.0 / dim)
+    a = alpha * z + sign * beta * torch.eye(dim)
+    u, s, vh = torch.linalg.svd(a)
+    return u * s.sqrt(), s.sqrt()[:, None] * vh
+
+
+@torch.no_grad()
+def init_mimetic_(model: nn.Module, qk: tuple[float, float] = (0.7, 0.7), vo: tuple[float, float] = (0.4, 0.4),
+                  generator: torch.Generator | None = None) -> dict:
+    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
+
+    Z has entries of variance 1/D. Returns the relative error of the products to their targets.
+    """
+    errs = []
+    for attn in attention_layers(model):
+        h, r = attn.n_heads, attn.head_dim
+        dim = attn.qkv.weight.shape[1]
+        wq, wk = [], []
+        for _ in range(h):
+            left, right = _ortho_like(dim, *qk, sign=1.0, generator=generator)
+            wq.append(left[:, :r])
+            wk.append(right.T[:, :r])
+        dev = attn.qkv.weight.device
+        _set_qk_(attn, torch.stack(wq).to(dev), torch.stack(wk).to(dev))
+        left, right = _ortho_like(dim, *vo, sign=-1.0, generator=generator)
+        inner = h * r
+        attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))     # v = x @ left[:, :inner]
+        attn.proj.weight.copy_(right[:inner].T.to(dev))                  # out = v @ right[:inner]
+        if attn.qkv.bias is not None:
+            attn.qkv.bias.zero_()
+        errs.append(float((left[:, :inner] @ right[:inner] - (left @ right)).norm() / (left @ right).norm()))
+    return {"vo_truncation_error": errs}
+
+
+# ----------------------------------------------------------------------------------------
+# Optimiser parameter groups
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW/Adam groups: decay on matrices of Linear/Conv layers; none on M, biases,
+    norms and embeddings (decay would pull M to 0 and erase the prior). A head tied to
+    the token embedding counts as the embedding (modules are visited in order)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if name == "weight" and isinstance(module, (nn.Linear, nn.Conv2d)):
+                decay.append(p)
+            else:
+                no_decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ----------------------------------------------------------------------------------------
+# Probes: how much of the prior survives.
+
+
+def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+    """Mean attention probability mass on the pattern.
+
+    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool. Sums each row's
+    mass on allowed keys, averages over batch, heads and query rows -> scalar in [0, 1].
+    """
+    n = attn.shape[-1]
+    pat = pattern[..., :n, :n].to(attn.device)
+    return (attn.float() * pat).sum(-1).mean()
+
+
+@torch.no_grad()
+def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
+    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path)."""
+    _, maps = model(inputs, return_attn=True)
+    return [float(pattern_mass(a, pattern)) for a in maps]
+
+
+@torch.no_grad()
+def prior_snapshot(model: nn.Module) -> list[dict]:
+    """Per layer: a copy of M (if any) and of the per-head Wq Wk^T products (H, dim, dim)."""
+    snap = []
+    for attn in attention_layers(model):
+        wq, wk = qk_weights(attn)
+        m = attn.mask_logits.detach().clone() if attn.mask_logits is not None else None
+        snap.append({"mask": m, "qk": (wq @ wk.transpose(1, 2)).detach().clone()})
+    return snap
+
+
+@torch.no_grad()
+def prior_drift(model: nn.Module, start: list[dict]) -> dict:
+    """Relative distance of M and of Wq Wk^T from a `prior_snapshot`, per layer."""
+    now = prior_snapshot(model)
+    out = {"qk_drift": [float((b["qk"] - a["qk"]).norm() / a["qk"].norm().clamp_min(1e-12))
+                        for a, b in zip(start, now)]}
+    if all(a["mask"] is not None for a in start) and start:
+        out["mask_drift"] = [float((b["mask"] - a["mask"]).norm() / a["mask"].norm().clamp_min(1e-12))
+                             for a, b in zip(start, now)]
+    return out

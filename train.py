@@ -1,0 +1,652 @@
+"""Train any task with any initialisation and write a run directory.
+
+    python train.py --task parity2 --init mask
+    python train.py --task cyclic3 --init qk-svd --preset paper --seed 1
+    python train.py --task kparity --bits 0,4,7 --unseen 0,4 --init mask
+    python train.py summarize runs/          # a markdown table of finished runs
+
+A run directory (default runs/TASK-INIT-sSEED) holds args.json, metrics.jsonl (one line
+per log step: loss, metrics, per-layer attention mass on the prior pattern, drift of M
+and Wq Wk^T), result.json (final, written atomically) and ckpt.pt (model, optimiser,
+step, RNG states): `--resume` continues it exactly. Bad input: one line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+import maskprior as mp
+import tasks as T
+
+INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
+
+# Values used when neither the command line nor the preset sets a flag.
+DEFAULTS = dict(
+    layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, emb_init_std=1.0, pos_init_std=1.0, qkv_bias=False,
+    readout=None, attention="auto",
+    lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999", schedule="constant",
+    warmup=0, grad_clip=0.0, steps=None, epochs=None,
+    pattern=None, mask_on=5.0, mask_off=5.0,
+    qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
+    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7,
+    log_every=None, ckpt_every=None, probe_size=512,
+)
+
+# Named presets: PRESETS[preset][task kind] then PRESETS[preset][task name] override DEFAULTS.
+PRESETS = {
+    "small": {  # sized for a 2-core CPU; chosen so that default sits at the MDI (see README)
+        "boolean": dict(layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5, lr=1e-3, batch_size=128,
+                        schedule="cosine", warmup=100, steps=1500, log_every=250),
+        "parity2": dict(steps=1000),
+        "majority3": dict(steps=1500),
+        "cyclic3": dict(steps=4000, log_every=500),
+    },
+    "paper": {  # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
+        "boolean": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256, lr=1e-5, batch_size=256,
+                        weight_decay=1e-3, optimizer="adam", schedule="constant", epochs=20, log_every=500),
+        "parity2": dict(epochs=20),
+        "majority3": dict(epochs=30),
+        "cyclic3": dict(epochs=80, lr=2e-5),
+    },
+}
+
+# Flags that may differ when resuming: they do not change the model, the data or the optimiser.
+RESUMABLE = {"steps", "epochs", "log_every", "ckpt_every", "halt_after", "device", "resume", "amp"}
+# Flags that define the architecture (reported as such when a resume disagrees).
+ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
+        "emb_init_std", "pos_init_std",
+        "unseen", "pattern"}
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} (see python train.py --help)")
+
+
+def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    d = argparse.SUPPRESS if suppress else None
+    p = Parser(
+        description="Train a task with an attention prior. Tasks: " + ", ".join(T.TASKS) + ". Inits: "
+                    + ", ".join(INITS) + ".", argument_default=d,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter if not suppress else argparse.HelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--task", default=d if suppress else "parity2", help="task name: " + ", ".join(T.TASKS))
+    g.add_argument("--init", default=d if suppress else "default", help="initialisation: " + ", ".join(INITS))
+    g.add_argument("--preset", default=d if suppress else "small", help="named hyper-parameters: small (2-core "
+                   "CPU) or paper (the paper's setting, for a GPU)")
+    g.add_argument("--seed", type=int, default=d if suppress else 0, help="seed for data, init and order")
+    g.add_argument("--out", help="run directory (default runs/TASK-INIT-sSEED)")
+    g.add_argument("--resume", action="store_true", default=d if suppress else False,
+                   help="continue the run in --out from its checkpoint")
+    g.add_argument("--device", default=d if suppress else "auto", help="auto (cuda, mps, cpu), cpu, cuda, ...")
+    g.add_argument("--amp", default=d if suppress else "auto", choices=["auto", "bf16", "off"],
+                   help="autocast: auto = bf16 on CUDA only")
+    g.add_argument("--log-every", type=int, help="steps between evaluations and log lines")
+    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: every log step)")
+    g.add_argument("--halt-after", type=int, help="stop at this step as if interrupted (checkpoint kept)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, help="training steps")
+    g.add_argument("--epochs", type=float, help="training epochs (instead of --steps)")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--weight-decay", type=float, help="never applied to M, biases, norms, embeddings")
+    g.add_argument("--optimizer", choices=["adam", "adamw"], help="adam = coupled L2 (GOTU), adamw = decoupled")
+    g.add_argument("--betas", help="Adam betas, e.g. 0.9,0.999")
+    g.add_argument("--schedule", choices=["constant", "cosine"])
+    g.add_argument("--warmup", type=int, help="linear warm-up steps")
+    g.add_argument("--grad-clip", type=float, help="clip the gradient norm (0 = off)")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--dim", type=int)
+    g.add_argument("--head-dim", type=int, help="default dim // heads")
+    g.add_argument("--mlp-dim", type=int)
+    g.add_argument("--readout", choices=["cls", "mean"], help="Boolean tasks: CLS token (GOTU) or mean pooling")
+    g.add_argument("--emb-init-std", type=float, help="std of the token and CLS embeddings (GOTU: 1)")
+    g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
+    g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
+    g.add_argument("--attention", choices=["auto", "fused", "explicit"],
+                   help="scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, except "
+                        "explicit for a masked model on the CPU, where PyTorch's fused kernel takes no float mask")
+    g = p.add_argument_group("prior")
+    g.add_argument("--pattern", help="interaction pattern variant (task-specific; see README)")
+    g.add_argument("--mask-on", type=float, help="initial M on allowed pairs")
+    g.add_argument("--mask-off", type=float, help="initial -M elsewhere")
+    g.add_argument("--qk-svd-scale", type=float, help="qk-svd target logit on the pattern")
+    g.add_argument("--qk-svd-noise", type=float, help="qk-svd off-pattern noise scale")
+    g.add_argument("--qk-svd-norm", type=float, help="qk-svd Frobenius norm of each factor")
+    g.add_argument("--qk-svd-pos-scale", type=float, help="qk-svd: multiply the positional embedding first")
+    g.add_argument("--qk-opt-steps", type=int, help="qk-opt Adam steps (at most)")
+    g.add_argument("--qk-opt-lr", type=float)
+    g.add_argument("--qk-opt-tol", type=float, help="qk-opt stops when 100 steps gain less than this")
+    g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
+    g = p.add_argument_group("custom Boolean tasks (kparity, kmajority)")
+    g.add_argument("--n-bits", type=int, default=d if suppress else 15)
+    g.add_argument("--bits", default=d if suppress else "0,1,2", help="bits the target reads")
+    g.add_argument("--unseen", default=d if suppress else "0,1", help="bits set to -1 in the unseen domain")
+    g.add_argument("--train-size", type=int, help="draws from the seen domain (default: every seen point)")
+    return p
+
+
+def parse_args(argv=None):
+    """Parse, then fill unset flags from the preset, then DEFAULTS. Returns (args, explicit names)."""
+    args = build_parser().parse_args(argv)
+    explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if args.task not in T.TASKS:
+        raise UsageError(f"unknown task {args.task!r}; choose from {', '.join(T.TASKS)}")
+    if args.init not in INITS:
+        raise UsageError(f"unknown init {args.init!r}; choose from {', '.join(INITS)}")
+    return args, explicit
+
+
+def resolve(args, kind: str):
+    """Fill every None flag from PRESETS[preset][kind], PRESETS[preset][task], then DEFAULTS."""
+    preset = dict(PRESETS[args.preset].get(kind, {}))
+    preset.update(PRESETS[args.preset].get(args.task, {}))
+    if "epochs" in preset and args.steps is not None:
+        preset.pop("epochs")        # an explicit --steps wins over a preset's epochs
+    if "steps" in preset and args.epochs is not None:
+        preset.pop("steps")
+    for key, value in {**DEFAULTS, **preset}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = os.path.join("runs", f"{args.task}-{args.init}-s{args.seed}")
+    return args
+
+
+def validate(args, task, explicit: set):
+    for name in ("batch_size", "layers", "heads", "dim", "mlp_dim", "log_every"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if "steps" in explicit and "epochs" in explicit:
+        raise UsageError("give either --steps or --epochs, not both")
+    if args.steps is None and args.epochs is None:
+        raise UsageError("give --steps or --epochs (no preset sets them for this task)")
+    if args.steps is not None and args.steps <= 0:
+        raise UsageError(f"--steps must be a positive integer, got {args.steps}")
+    if args.epochs is not None and args.epochs <= 0:
+        raise UsageError(f"--epochs must be positive, got {args.epochs}")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.init not in task_inits(task):
+        raise UsageError(f"init {args.init!r} does not apply to task {args.task} ({task.kind}); "
+                         f"choose from {', '.join(task_inits(task))}")
+    if args.head_dim is None and args.dim % args.heads:
+        raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}; set --head-dim")
+    try:
+        task.pattern(args.pattern)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+    if args.halt_after is not None and args.halt_after <= 0:
+        raise UsageError(f"--halt-after must be a positive step, got {args.halt_after}")
+    try:
+        b = tuple(float(x) for x in args.betas.split(","))
+        assert len(b) == 2 and all(0 <= x < 1 for x in b)
+    except (ValueError, AssertionError):
+        raise UsageError(f"--betas must be two numbers in [0, 1) like 0.9,0.999, got {args.betas!r}") from None
+
+
+def task_inits(task) -> tuple:
+    return getattr(task, "inits", ("default", "mask", "qk-svd", "qk-opt"))
+
+
+def make_task(args):
+    try:
+        return T.make_task(args.task, n_bits=args.n_bits, bits=args.bits, unseen=args.unseen,
+                           train_size=args.train_size)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:1 or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+    return dev
+
+
+def use_fused(attention: str, init: str, device: torch.device) -> bool:
+    """--attention auto: the fused kernel, except for a masked model on the CPU (measured faster there:
+    PyTorch's CPU scaled_dot_product_attention falls back to its math kernel for a float mask)."""
+    if attention == "auto":
+        return not (init == "mask" and device.type == "cpu")
+    return attention == "fused"
+
+
+def model_config(args, task, device=torch.device("cpu")):
+    arch = task.arch()
+    return mp.TransformerConfig(
+        vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
+        readout=args.readout or arch["readout"], causal=arch.get("causal", False),
+        n_layers=args.layers, n_heads=args.heads, dim=args.dim, head_dim=args.head_dim, mlp_dim=args.mlp_dim,
+        learnable_mask=args.init == "mask", fused=use_fused(args.attention, args.init, device),
+        qkv_bias=bool(args.qkv_bias),
+        emb_init_std=args.emb_init_std, pos_init_std=args.pos_init_std)
+
+
+def build_model(args, task, device):
+    cfg = model_config(args, task, device)
+    torch.manual_seed(args.seed)
+    model = mp.Transformer(cfg)
+    return model.to(device), cfg
+
+
+def apply_init(model, task, args) -> dict:
+    """Write the task's prior into the model as args.init says; returns the init's report."""
+    pattern = task.pattern(args.pattern)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    if args.init == "default":
+        return {}
+    if args.init == "mask":
+        return mp.init_mask_(model, pattern, args.mask_on, args.mask_off)
+    if args.init == "qk-svd":
+        return mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
+                               args.qk_svd_pos_scale, generator=g)
+    if args.init == "qk-opt":
+        return mp.init_qk_opt_(model, pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol, generator=g)
+    raise UsageError(f"init {args.init!r} is not available for task {args.task}")
+
+
+def make_optimizer(model, args):
+    groups = mp.param_groups(model, args.weight_decay)
+    betas = tuple(float(x) for x in args.betas.split(","))
+    cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    return cls(groups, lr=args.lr, betas=betas)
+
+
+def lr_at(step: int, total: int, args) -> float:
+    """Learning rate of a step: linear warm-up, then constant or cosine to 0."""
+    if args.warmup and step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if args.schedule == "cosine":
+        t = (step - args.warmup) / max(1, total - args.warmup)
+        return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    return args.lr
+
+
+# ----------------------------------------------------------------------------------------
+# Files
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temporary file in the same folder, then a rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def prepare_run_dir(args, explicit: set):
+    """New run: refuse a directory that holds another run. Resume: load and check the saved args."""
+    args_path = os.path.join(args.out, "args.json")
+    ckpt_path = os.path.join(args.out, "ckpt.pt")
+    if not args.resume:
+        if os.path.exists(args_path) or os.path.exists(ckpt_path):
+            raise UsageError(f"{args.out} already holds a run; use --resume to continue it, or another --out")
+        return None
+    if not os.path.exists(ckpt_path):
+        raise UsageError(f"--resume: no checkpoint {ckpt_path}; start the run without --resume")
+    try:
+        saved = load_json(args_path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume: cannot read {args_path} ({e})") from None
+    for key in sorted(explicit - RESUMABLE - {"out"}):
+        new = getattr(args, key)
+        if key in saved and saved[key] != new:
+            what = "architecture" if key in ARCH else "setting"
+            raise UsageError(f"--resume: the run in {args.out} has {key}={saved[key]!r} but {key}={new!r} was "
+                             f"given; a resumed run cannot change its {what} (start a new run with another --out)")
+    for key, value in saved.items():
+        if key not in explicit or key not in RESUMABLE:
+            setattr(args, key, value)
+    if "halt_after" not in explicit:
+        args.halt_after = None      # a halt belongs to one invocation
+    args.resume = True
+    return saved
+
+
+# ----------------------------------------------------------------------------------------
+# Training
+
+
+class Interrupt:
+    """Turn the first Ctrl-C into a flag checked between steps; a second one aborts at once."""
+
+    def __init__(self):
+        self.hit = False
+        self.old = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.hit:
+                raise KeyboardInterrupt
+            self.hit = True
+            print("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)", flush=True)
+        try:
+            self.old = signal.signal(signal.SIGINT, handler)
+        except ValueError:      # not in the main thread
+            self.old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+
+
+def autocast(device, args):
+    use = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+
+def measure(model, task, args, device, snapshot, probe, pattern) -> dict:
+    """Evaluate the task and probe the prior: per-layer mass on the pattern, drift of M and QK."""
+    model.eval()
+    with autocast(device, args):
+        metrics = task.evaluate(model)
+        mass = mp.prior_mass(model, probe, pattern)
+    model.train()
+    rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": sum(mass) / len(mass)}
+    rec.update(mp.prior_drift(model, snapshot))
+    return rec
+
+
+def fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def run(args, explicit: set) -> int:
+    task = make_task(args)
+    args = resolve(args, task.kind)
+    saved = prepare_run_dir(args, explicit)
+    validate(args, task, explicit)
+    device = pick_device(args.device)
+
+    task.setup(args.seed, device)
+    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
+        args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
+    args.log_every = args.log_every or max(1, args.steps // 10)
+    args.ckpt_every = args.ckpt_every or args.log_every
+    total = args.steps
+
+    model, cfg = build_model(args, task, device)
+    pattern = task.pattern(args.pattern).to(device)
+    probe = task.probe_inputs(args.probe_size)
+    os.makedirs(args.out, exist_ok=True)
+    args_path, ckpt_path = os.path.join(args.out, "args.json"), os.path.join(args.out, "ckpt.pt")
+    metrics_path, result_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "result.json")
+
+    if saved is None:
+        t0 = time.time()
+        init_report = apply_init(model, task, args)
+        init_report["seconds"] = round(time.time() - t0, 3)
+        model.to(device)
+        optimizer = make_optimizer(model, args)
+        snapshot = mp.prior_snapshot(model)
+        step, elapsed = 0, 0.0
+        start = measure(model, task, args, device, snapshot, probe, pattern)
+        start_rec = {"step": 0, "loss": None, **start}
+        write_json(args_path, {k: v for k, v in vars(args).items()})
+        with open(metrics_path, "w") as f:
+            f.write(json.dumps(start_rec) + "\n")
+        mass_start = start["prior_mass"]
+        save_checkpoint(ckpt_path, checkpoint_state(model, optimizer, 0, 0.0, args, cfg, init_report,
+                                                    snapshot, mass_start))
+        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {sum(p.numel() for p in model.parameters()):,}"
+              f" params | {device} | {total} steps | out {args.out}", flush=True)
+        print(f"step {0:>6}/{total} | {fmt_metrics(start, task)}", flush=True)
+    else:
+        try:
+            ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
+            raise UsageError(f"--resume: cannot read {ckpt_path} ({type(e).__name__}: {e})") from None
+        same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
+            {k: v for k, v in asdict(cfg).items() if k != "fused"}
+        if not same:
+            raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
+                             f"({ckpt['config']} vs {asdict(cfg)})")
+        model.load_state_dict(ckpt["model"])
+        optimizer = make_optimizer(model, args)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, elapsed = ckpt["step"], ckpt["seconds"]
+        init_report, snapshot, mass_start = ckpt["init_report"], ckpt["snapshot"], ckpt["prior_mass_start"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        truncate_log(metrics_path, step)
+        write_json(args_path, {k: v for k, v in vars(args).items()})
+        print(f"resuming {args.out} at step {step}/{total}", flush=True)
+
+    last = None
+    t_start, steps_done = time.time(), 0
+    with Interrupt() as stop:
+        while step < total:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, total, args)
+            batch = task.train_batch(step, args.batch_size)
+            with autocast(device, args):
+                loss = task.loss(model, batch)
+            if not torch.isfinite(loss):
+                print(f"error: the loss became {float(loss.detach())} at step {step}; stopped. The last good checkpoint "
+                      f"is kept in {ckpt_path}; try a lower --lr or --grad-clip", file=sys.stderr, flush=True)
+                return 1
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            step += 1
+            steps_done += 1
+            if step % args.log_every == 0 or step == total:
+                rec = measure(model, task, args, device, snapshot, probe, pattern)
+                now = time.time()
+                rate = steps_done / max(now - t_start, 1e-9)
+                last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
+                        "seconds": round(elapsed + now - t_start, 2), **rec}
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(last) + "\n")
+                print(f"step {step:>6}/{total} | loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
+                      f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
+            halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
+            if step % args.ckpt_every == 0 or step == total or halt:
+                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                    print(f"error: the parameters became non-finite at step {step}; stopped. The last good "
+                          f"checkpoint is kept in {ckpt_path}; try a lower --lr or --grad-clip",
+                          file=sys.stderr, flush=True)
+                    return 1
+                save_checkpoint(ckpt_path, checkpoint_state(model, optimizer, step, elapsed + time.time() - t_start,
+                                                            args, cfg, init_report, snapshot, mass_start))
+            if halt:
+                why = "interrupted" if stop.hit else f"halted at --halt-after {args.halt_after}"
+                print(f"{why}: checkpoint at step {step} in {ckpt_path}; continue with --resume --out {args.out}",
+                      flush=True)
+                return 130 if stop.hit else 0
+
+    elapsed += time.time() - t_start
+    if last is None or last["step"] != step:
+        last = {"step": step, **measure(model, task, args, device, snapshot, probe, pattern)}
+    metrics = dict(last["metrics"])
+    metrics["prior_mass_start"] = sum(mass_start) / len(mass_start)
+    metrics["prior_mass_end"] = last["prior_mass_mean"]
+    result = {"task": args.task, "init": args.init, "seed": args.seed, "preset": args.preset, "steps": step,
+              "seconds": round(elapsed, 2), "metrics": metrics, "prior_mass_start_layers": mass_start,
+              "prior_mass_end_layers": last["prior_mass"],
+              **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
+              "init_report": init_report, "device": str(device), "torch": torch.__version__,
+              "params": sum(p.numel() for p in model.parameters())}
+    write_json(result_path, result)
+    print(f"done: {fmt_metrics(last, task)} | {fmt_time(elapsed)} | {result_path}", flush=True)
+    return 0
+
+
+def checkpoint_state(model, optimizer, step, seconds, args, cfg, init_report, snapshot, mass_start) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "seconds": seconds,
+            "args": vars(args), "config": asdict(cfg), "init_report": init_report, "snapshot": snapshot,
+            "prior_mass_start": mass_start,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+
+
+def truncate_log(path: str, step: int) -> None:
+    """Drop log lines written after the checkpoint's step (they will be written again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+
+
+def fmt_report(report: dict) -> str:
+    if "pseudo_mass" in report:
+        pm = report["pseudo_mass"]
+        return f"(pseudo-input mass {sum(pm) / len(pm):.3f}) "
+    return ""
+
+
+def fmt_metrics(rec: dict, task) -> str:
+    m = rec["metrics"]
+    keys = getattr(task, "headline", ("acc", "acc_unseen", "mse_unseen"))
+    parts = [f"{k} {m[k]:.4f}" for k in keys if k in m]
+    return " | ".join(parts + [f"mass {rec['prior_mass_mean']:.3f}"])
+
+
+# ----------------------------------------------------------------------------------------
+# Summaries: run directories -> a markdown table (mean +- std over seeds)
+
+# The paper's whole-cube accuracies (%), where it states them; "~" marks an approximate value.
+PAPER = {
+    ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
+    ("parity2", "mask"): "100",
+    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87", ("majority3", "qk-opt"): "~87",
+    ("majority3", "mask"): "100",
+    ("cyclic3", "mask"): "99.98",
+}
+
+
+def collect_runs(paths) -> tuple[list, list]:
+    """Read result.json under each path (a run directory or a folder of them).
+
+    Returns (results, problems): problems name every run directory whose result.json is
+    missing (an unfinished run) or unreadable, so nothing is skipped silently.
+    """
+    runs, problems = [], []
+    dirs = []
+    for path in paths:
+        if os.path.exists(os.path.join(path, "args.json")) or os.path.exists(os.path.join(path, "result.json")):
+            dirs.append(path)
+        elif os.path.isdir(path):
+            dirs += sorted(os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+        else:
+            problems.append(f"{path}: no such run directory")
+    for d in dirs:
+        res = os.path.join(d, "result.json")
+        if not os.path.exists(res):
+            problems.append(f"{d}: no result.json (unfinished or failed run)")
+            continue
+        try:
+            r = load_json(res)
+            r["metrics"]["acc"]
+            runs.append(r)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
+    return runs, problems
+
+
+def mean_std(values) -> str:
+    if not values:
+        return ""
+    m = sum(values) / len(values)
+    s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{m:.2f} ± {s:.2f}"
+
+
+def summarize(paths) -> str:
+    """A markdown table per task: whole-cube and unseen accuracy (%), MSE on U, prior mass
+    start -> end, the MDI's prediction and the paper's number."""
+    runs, problems = collect_runs(paths)
+    groups = {}
+    for r in runs:
+        groups.setdefault(r["task"], {}).setdefault(r["init"], []).append(r)
+    out = []
+    order = {name: i for i, name in enumerate(INITS)}
+    for task in sorted(groups):
+        out.append(f"\n**{task}**\n")
+        out.append("| init | seeds | acc % | acc on U % | sign acc % | MSE on U | prior mass start → end | MDI acc % "
+                   "| paper % |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for init in sorted(groups[task], key=lambda i: order.get(i, 99)):
+            rs = groups[task][init]
+            m = [r["metrics"] for r in rs]
+            pct = lambda k: mean_std([100 * x[k] for x in m if k in x])  # noqa: E731
+            mass = f"{mean_std([x['prior_mass_start'] for x in m])} → {mean_std([x['prior_mass_end'] for x in m])}"
+            mdi = f"{100 * m[0]['mdi_acc']:.1f}" if "mdi_acc" in m[0] else ""
+            if "mdi_sign_acc" in m[0]:
+                mdi += f" (sign {100 * m[0]['mdi_sign_acc']:.1f})"
+            out.append(f"| {init} | {','.join(str(r['seed']) for r in sorted(rs, key=lambda r: r['seed']))} | "
+                       f"{pct('acc')} | {pct('acc_unseen')} | {pct('sign_acc')} | "
+                       f"{mean_std([x['mse_unseen'] for x in m])} | {mass} | "
+                       f"{mdi} | {PAPER.get((task, init), '')} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    return "\n".join(out).strip() + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["summarize"]:
+        if len(argv) < 2:
+            print("error: summarize needs run directories, e.g. python train.py summarize runs/", file=sys.stderr)
+            return 2
+        print(summarize(argv[1:]), end="")
+        return 0
+    try:
+        args, explicit = parse_args(argv)
+        return run(args, explicit)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
