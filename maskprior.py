@@ -405,6 +405,25 @@ def _vit_init(m: nn.Module):
         nn.init.zeros_(m.bias)
 
 
+@torch.no_grad()
+def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens';
+    the context is cropped to the last seq_len tokens. temperature 0 = greedy. -> (B, T + n_new)."""
+    for _ in range(n_new):
+        logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
 # ----------------------------------------------------------------------------------------
 # Initialisers: act in place, return a small report. `pattern` is (N, N) or (H, N, N) bool.
 
@@ -585,30 +604,35 @@ def _ortho_like(dim: int, alpha: float, beta: float, sign: float, generator=None
 
 
 @torch.no_grad()
-def init_mimetic_(model: nn.Module, qk: tuple[float, float] = (0.7, 0.7), vo: tuple[float, float] = (0.4, 0.4),
-                  generator: torch.Generator | None = None) -> dict:
+def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
+                  vo: tuple[float, float] | None = (0.4, 0.4), generator: torch.Generator | None = None) -> dict:
     """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
 
-    Z has entries of variance 1/D. Returns the relative error of the products to their targets.
+    Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that
+    product alone. Returns the relative error of the V-proj products to their targets
+    (non-zero only when heads x head_dim < dim truncates them).
     """
     errs = []
     for attn in attention_layers(model):
         h, r = attn.n_heads, attn.head_dim
         dim = attn.qkv.weight.shape[1]
-        wq, wk = [], []
-        for _ in range(h):
-            left, right = _ortho_like(dim, *qk, sign=1.0, generator=generator)
-            wq.append(left[:, :r])
-            wk.append(right.T[:, :r])
         dev = attn.qkv.weight.device
-        _set_qk_(attn, torch.stack(wq).to(dev), torch.stack(wk).to(dev))
-        left, right = _ortho_like(dim, *vo, sign=-1.0, generator=generator)
         inner = h * r
-        attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))     # v = x @ left[:, :inner]
-        attn.proj.weight.copy_(right[:inner].T.to(dev))                  # out = v @ right[:inner]
-        if attn.qkv.bias is not None:
-            attn.qkv.bias.zero_()
-        errs.append(float((left[:, :inner] @ right[:inner] - (left @ right)).norm() / (left @ right).norm()))
+        if qk is not None:
+            wq, wk = [], []
+            for _ in range(h):
+                left, right = _ortho_like(dim, *qk, sign=1.0, generator=generator)
+                wq.append(left[:, :r])
+                wk.append(right.T[:, :r])
+            _set_qk_(attn, torch.stack(wq).to(dev), torch.stack(wk).to(dev))
+        if vo is not None:
+            left, right = _ortho_like(dim, *vo, sign=-1.0, generator=generator)
+            attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))     # v = x @ left[:, :inner]
+            attn.proj.weight.copy_(right[:inner].T.to(dev))                  # out = v @ right[:inner]
+            if attn.qkv.bias is not None:
+                attn.qkv.bias[2 * inner:].zero_()
+            full = left @ right
+            errs.append(float((left[:, :inner] @ right[:inner] - full).norm() / full.norm()))
     return {"vo_truncation_error": errs}
 
 
@@ -637,22 +661,38 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # Probes: how much of the prior survives.
 
 
-def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Mean attention probability mass on the pattern.
 
-    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool. Sums each row's
-    mass on allowed keys, averages over batch, heads and query rows -> scalar in [0, 1].
+    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or
+    (H, N) bool, the query rows (per head) to average over (default all). Sums each row's mass
+    on allowed keys, averages over batch, heads and rows -> scalar in [0, 1].
     """
     n = attn.shape[-1]
     pat = pattern[..., :n, :n].to(attn.device)
-    return (attn.float() * pat).sum(-1).mean()
+    mass = (attn.float() * pat).sum(-1)                      # (B, H, N)
+    if rows is not None:
+        rows = rows[..., :n].to(attn.device)
+        mass = mass[:, rows] if rows.dim() == 2 else mass[..., rows]
+    return mass.mean()
+
+
+def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an
+    (H, N, N) one. A row is free when it allows every key the query can see (all keys, or keys
+    j <= i when causal); free rows carry no prior and are left out of the mass."""
+    n = pattern.shape[-1]
+    visible = causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
+    return ~(pattern.cpu() == visible).all(-1)
 
 
 @torch.no_grad()
 def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
-    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path)."""
+    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
+    averaged over the rows the pattern constrains (`prior_rows`)."""
     _, maps = model(inputs, return_attn=True)
-    return [float(pattern_mass(a, pattern)) for a in maps]
+    rows = prior_rows(pattern, attention_layers(model)[0].causal)
+    return [float(pattern_mass(a, pattern, rows)) for a in maps]
 
 
 @torch.no_grad()

@@ -1,11 +1,13 @@
 """Tests for maskprior.py, tasks.py and train.py. Run: python -m pytest -q test_maskprior.py"""
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -305,6 +307,881 @@ def test_patterns_of_the_gotu_tasks():
     assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
 
 
+# ---------------------------------------------------------------------------------------- arithmetic
+
+
+@pytest.mark.parametrize("name,order", [("addition", "msb"), ("addition", "lsb"), ("multiplication", "msb"),
+                                        ("multiplication", "lsb")])
+def test_arithmetic_tokenisation_round_trip(name, order):
+    task = T.make_task(name, data_frac=0.001, answer_order=order)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 1000, 500), rng.integers(0, 1000, 500)
+    a[:3], b[:3] = [0, 999, 7], [0, 999, 40]
+    seq = task.encode(a, b)
+    assert seq.shape == (500, task.length) and seq.max() < len(T.ARITH_VOCAB)
+    for s, x, y in zip(seq, a, b):
+        assert task.decode(s) == (x, y, x * y if name == "multiplication" else x + y)
+    text = "".join(T.ARITH_VOCAB[i] for i in seq[1])
+    assert text == ("999+999=1998" if name == "addition" else "999*999=998001") if order == "msb" else True
+
+
+@pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
+                                         ("addition", 0.0123, 12300)])
+def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
+    task = T.make_task(name, data_frac=frac).setup(3)
+    assert len(task.train_seq) == n and len(task.test_seq) == 10_000
+    pairs = lambda s: {(int(r[:3].dot([100, 10, 1])), int(r[4:7].dot([100, 10, 1]))) for r in s.numpy()}  # noqa
+    train_pairs, test_pairs = pairs(task.train_seq), pairs(task.test_seq)
+    assert len(train_pairs) == n and len(test_pairs) == 10_000 and not train_pairs & test_pairs
+    assert task.train_batch(0, 64).shape == (64, task.length)
+
+
+def test_arithmetic_pattern_for_known_positions():
+    add = T.make_task("addition")
+    p = add.pattern()
+    assert p.shape == (11, 11)
+    # row 8 holds c3 and predicts c2 (significance 2): a2 a1 a0 b2 b1 b0 allowed, '+' and '=' not
+    assert p[8].tolist() == [True, True, True, False, True, True, True, False, True, False, False]
+    # row 10 predicts c0: only a0 (2), b0 (6) and itself
+    assert torch.nonzero(p[10]).flatten().tolist() == [2, 6, 10]
+    assert p[:7].equal(mp.causal_pattern(11)[:7])          # prompt rows keep the plain causal pattern
+    logits = add.mask_logits(None, 5.0, 5.0)
+    assert logits[8, 0] == 5 and logits[8, 1] == 5 and logits[8, 2] == 0 and logits[8, 3] == -5
+    aligned = add.pattern("aligned")
+    assert torch.nonzero(aligned[10]).flatten().tolist() == [2, 6, 10]
+    mul = T.make_task("multiplication")
+    m = mul.pattern()
+    assert m.shape == (13, 13) and torch.nonzero(m[12]).flatten().tolist() == [2, 6, 12]   # c0: a0, b0
+    assert m[9, :7].tolist() == [True, True, True, False, True, True, True]                # c3: all digits
+    assert not (m & ~mp.causal_pattern(13)).any()           # the prior never reaches into the future
+    lsb = T.make_task("addition", answer_order="lsb").pattern()
+    assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
+
+
+def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "addition", "--init", "mask", "--steps", "250", "--log-every", "250",
+                        "--layers", "2", "--dim", "64", "--heads", "4", "--mlp-dim", "128", "--probe-size", "64")
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    first, last = lines[0]["metrics"], lines[-1]["metrics"]
+    assert last["digit_acc"] > first["digit_acc"] + 0.15 and 0 <= last["seq_acc"] <= 1
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert {"seq_acc", "digit_acc", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+
+
+@pytest.mark.parametrize("frac,needle", [("0", "must be in (0, 1]"), ("1.5", "must be in (0, 1]"),
+                                         ("-0.1", "must be in (0, 1]"), ("1e-7", "gives no training pair"),
+                                         ("1", "disjoint test set")])
+def test_arithmetic_bad_data_frac(tmp_path, capsys, frac, needle):
+    rc, out = run_train(tmp_path, "--task", "addition", "--data-frac", frac)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(out)
+
+
+# ---------------------------------------------------------------------------------------- vision
+
+
+def _images(n, seed=0, size=32):
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
+
+
+def _py2_pickle(path, d):
+    """What a CIFAR / Imagenet32 batch file holds: a dict with bytes keys, pickle protocol 2."""
+    with open(path, "wb") as f:
+        pickle.dump(d, f, protocol=2)
+
+
+def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    xs, ys = [], []
+    for i in range(1, 6):
+        x, y = _images(4, i), [(i + j) % 10 for j in range(4)]
+        _py2_pickle(root / f"data_batch_{i}", {b"batch_label": b"training batch", b"labels": y,
+                                               b"data": x.reshape(4, -1), b"filenames": [b"a.png"] * 4})
+        xs.append(x)
+        ys += y
+    _py2_pickle(root / "test_batch", {b"labels": [3, 1], b"data": _images(2, 9).reshape(2, -1)})
+    d = T.read_cifar(str(tmp_path), "cifar10")
+    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][0].dtype == np.uint8
+    assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
+    assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
+    # the python-3 style (str keys) reads the same
+    _py2_pickle(root / "test_batch", {"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)})
+    assert T.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
+
+
+def test_cifar100_python_and_binary_releases(tmp_path):
+    py = tmp_path / "py" / "cifar-100-python"
+    py.mkdir(parents=True)
+    for split, n in (("train", 5), ("test", 3)):
+        _py2_pickle(py / split, {b"fine_labels": list(range(90, 90 + n)), b"coarse_labels": [1] * n,
+                                 b"data": _images(n, n).reshape(n, -1)})
+    d = T.read_cifar(str(tmp_path / "py"), "cifar100")
+    assert d["train"][1].tolist() == [90, 91, 92, 93, 94] and np.array_equal(d["test"][0], _images(3, 3))
+    # binary: <coarse label byte><fine label byte><3072 pixel bytes> per record
+    b = tmp_path / "bin" / "cifar-100-binary"
+    b.mkdir(parents=True)
+    for split, n in (("train", 4), ("test", 2)):
+        x = _images(n, n + 10)
+        rec = np.concatenate([np.full((n, 1), 7, np.uint8), np.arange(n, dtype=np.uint8)[:, None] + 50,
+                              x.reshape(n, -1)], axis=1)
+        rec.tofile(b / f"{split}.bin")
+    d = T.read_cifar(str(tmp_path / "bin"), "cifar100")
+    assert d["train"][1].tolist() == [50, 51, 52, 53] and np.array_equal(d["test"][0], _images(2, 12))
+
+
+def test_cifar10_binary_release(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        x = _images(2, len(name))
+        np.concatenate([np.array([[4], [9]], np.uint8), x.reshape(2, -1)], axis=1).tofile(b / f"{name}.bin")
+    d = T.read_cifar(str(tmp_path), "cifar10")
+    assert d["train"][0].shape == (10, 3, 32, 32) and d["train"][1].tolist() == [4, 9] * 5
+    assert np.array_equal(d["test"][0], _images(2, len("test_batch")))
+
+
+def test_malformed_and_missing_image_files(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    (b / "data_batch_1.bin").write_bytes(b"\0" * 3000)           # not a whole 3073-byte record
+    with pytest.raises(T.DataError, match="not a whole number of 3073-byte records"):
+        T.read_cifar_binary(str(b / "data_batch_1.bin"))
+    py = tmp_path / "p" / "cifar-10-batches-py"
+    py.mkdir(parents=True)
+    good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
+    (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
+    with pytest.raises(T.DataError, match="truncated or not a pickle"):
+        T.read_cifar(str(tmp_path / "p"), "cifar10")
+    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
+    with pytest.raises(T.DataError, match="2 images but 3 labels"):
+        T.read_cifar_pickle(str(py / "data_batch_1"))
+    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2], b"data": _images(2).reshape(2, -1)})
+    with pytest.raises(T.DataError, match="data_batch_2 is missing"):
+        T.read_cifar(str(tmp_path / "p"), "cifar10")
+    with pytest.raises(T.DataError, match="CIFAR-100 not found.*cifar.html"):
+        T.read_cifar(str(tmp_path / "empty"), "cifar100")
+
+
+def _imagenet_dir(tmp_path, suffix=""):
+    """A downsampled-ImageNet layout: map_clsloc.txt (1000 wnids, 1-based labels) and batches
+    whose labels are 1-based; two of the ImageNet-100 classes and one other class present."""
+    root = tmp_path / ("in" + suffix)
+    root.mkdir()
+    others = [f"n9{i:07d}" for i in range(1000 - 100)]
+    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
+    (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
+    lab = {w: i for i, w in enumerate(wnids, 1)}
+    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
+
+    def write(name, n):
+        x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
+        if suffix:
+            np.savez(root / f"{name}.npz", data=x, labels=np.array(y))
+        else:
+            _py2_pickle(root / name, {b"data": x, b"labels": y, b"mean": np.zeros(3072)})
+    for i in range(1, 11):
+        write(f"train_data_batch_{i}", 1)
+    write("val_data", 2)
+    return root
+
+
+@pytest.mark.parametrize("suffix", ["", ".npz"])
+def test_imagenet100_downsampled_keeps_the_100_classes_in_wnid_order(tmp_path, suffix):
+    assert len(T.IMAGENET100_WNIDS) == 100 and list(T.IMAGENET100_WNIDS) == sorted(set(T.IMAGENET100_WNIDS))
+    root = _imagenet_dir(tmp_path, suffix)
+    d = T.read_imagenet100_downsampled(str(root))
+    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][1].tolist() == [0, 99] * 10
+    assert d["test"][1].tolist() == [0, 99, 0, 99]
+    assert np.array_equal(d["test"][0][:2], _images(6, 2)[:2])
+    os.remove(root / "map_clsloc.txt")
+    with pytest.raises(T.DataError, match="map_clsloc.txt is missing"):
+        T.read_imagenet100_downsampled(str(root))
+
+
+def test_imagenet_labels_must_be_one_based(tmp_path):
+    root = _imagenet_dir(tmp_path)
+    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": [0]})
+    with pytest.raises(T.DataError, match="1-based"):
+        T.read_imagenet100_downsampled(str(root))
+
+
+def test_image_cache_is_written_and_reused(tmp_path):
+    x, y = _images(10), np.arange(10) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    first = T.load_image_dataset("cifar10", str(tmp_path))
+    cache = tmp_path / "maskprior-cache" / "cifar10-32.npz"
+    assert cache.exists()
+    shutil.rmtree(tmp_path / "cifar-10-batches-py")               # the second run reads only the cache
+    again = T.load_image_dataset("cifar10", str(tmp_path))
+    assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
+
+
+def test_augmentation_shapes_and_determinism():
+    x = torch.as_tensor(_images(8))
+    a = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    b = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    c = T.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
+    assert a.shape == x.shape and a.dtype == torch.uint8 and a.equal(b) and not a.equal(c)
+    assert T.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
+    # a crop is a shifted window of the zero-padded image
+    one = torch.arange(16, dtype=torch.uint8).view(1, 1, 4, 4)
+    out = T.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
+    padded = F.pad(one, (1, 1, 1, 1))
+    assert any(out.equal(padded[..., i:i + 4, j:j + 4]) for i in range(3) for j in range(3))
+
+
+def test_image_task_batches_mixup_and_cutmix(tmp_path):
+    x, y = _images(40), np.arange(40) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
+    for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
+        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup(0)
+        xb, yb = task.train_batch(3, 16)
+        assert xb.shape == (16, 3, 32, 32) and yb.shape == (16, 10)
+        torch.testing.assert_close(yb.sum(-1), torch.ones(16))
+        x2, y2 = task.train_batch(3, 16)
+        assert xb.equal(x2) and yb.equal(y2)
+    assert task.pattern().shape == (3, 64, 64)
+
+
+def test_vit_shapes_and_few_steps_lower_the_loss():
+    torch.manual_seed(0)
+    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_classes=2, dim=32, n_layers=2, n_heads=2, pool="cls",
+                       learnable_mask=True)
+    vit = mp.ViT(cfg)
+    mp.init_mask_(vit, mp.impulse_pattern(2, 2, mp.IMPULSE_OFFSETS[:2], n_prefix=1))
+    x = torch.randn(16, 3, 8, 8)
+    y = (x[:, 0, :4, :4].mean((1, 2)) > 0).long()                # learnable from the top-left patch
+    logits, maps = vit(x, return_attn=True)
+    assert logits.shape == (16, 2) and len(maps) == 2 and maps[0].shape == (16, 2, 5, 5)
+    opt = torch.optim.AdamW(mp.param_groups(vit, 0.05), lr=3e-3)
+    with torch.no_grad():
+        first = float(F.cross_entropy(vit(x), y))
+    for _ in range(30):
+        opt.zero_grad()
+        F.cross_entropy(vit(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(F.cross_entropy(vit(x), y)) < 0.5 * first
+
+
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse"])
+def test_vision_run_every_init(tmp_path, init):
+    x, y = _images(64), np.arange(64) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "2",
+                        "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8",
+                        "--batch-size", "16", "--qk-opt-steps", "20", "--probe-size", "8")
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["kind"] == "vision" and {"top1", "loss", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    if init in ("mask", "impulse", "qk-svd"):
+        assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--task", "cifar10"], "--data-dir is required"),
+    (["--task", "cifar10", "--data-dir", "/nonexistent/x"], "is not a folder"),
+    (["--task", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found"),
+    (["--task", "imagenet100", "--data-dir", "EMPTY"], "map_clsloc.txt is missing"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--image-size", "32", "--patch-size", "5"], "not a multiple"),
+])
+def test_vision_bad_input_exits_2(tmp_path, capsys, argv, needle):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out = run_train(tmp_path, *[str(empty) if a == "EMPTY" else a for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(empty) == [] and not os.path.exists(out)       # nothing written
+
+
+def test_image_folder_reader(tmp_path):
+    try:
+        from PIL import Image
+    except ImportError:
+        with pytest.raises(T.DataError, match="needs Pillow: pip install pillow"):
+            T.read_image_folder(str(tmp_path), 32)
+        return
+    for label in (0, 99):
+        folder = tmp_path / T.IMAGENET100_WNIDS[label]
+        folder.mkdir()
+        Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(folder / "a.png")
+    for w in T.IMAGENET100_WNIDS[1:99]:
+        (tmp_path / w).mkdir()
+    x, y = T.read_image_folder(str(tmp_path), 16)
+    assert x.shape == (2, 3, 16, 16) and y.tolist() == [0, 99]
+    (tmp_path / T.IMAGENET100_WNIDS[0] / "b.png").write_bytes(b"not an image")
+    with pytest.raises(T.DataError, match="not a readable image"):
+        T.read_image_folder(str(tmp_path), 16)
+
+
+# ---------------------------------------------------------------------------------------- language models
+# Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
+
+# --------------------------------------------------------------------------- #
+# Fixture text in the real layouts
+# --------------------------------------------------------------------------- #
+
+# wiki.*.tokens: a leading " " line, " = Title = " headings, blank " " lines,
+# @,@ / @.@ / @-@ and <unk> tokens, a trailing space before each newline.
+WIKI_TRAIN = (
+    " \n"
+    " = Robert Boulter = \n"
+    " \n"
+    " Robert Boulter is an English film , television and theatre actor . He had a <unk> role in 2000 . \n"
+    " \n"
+    " = = Career = = \n"
+    " \n"
+    " In 2006 @-@ 07 , Boulter starred in 1 @,@ 000 shows ; it cost 3 @.@ 5 million . \n"
+    " \n"
+)
+WIKI_VALID = " \n = Career = \n \n Boulter had a <unk> role . \n"
+WIKI_TEST = " \n = = Career = = \n He starred in 2000 . \n"
+
+# wiki.*.raw: same shape, but real words with punctuation and no <unk>.
+RAW_TRAIN = " \n = Robert Boulter = \n \n Robert Boulter is an English actor. He starred in 2000.\n"
+RAW_VALID = " \n Boulter is an unseenword actor.\n"
+RAW_TEST = " Robert is an actor.\n"
+
+STORIES = (
+    "Once upon a time, a “Lily” saw a café.\n"
+    "\n"
+    "She said, “Hi!” He wrote <|endoftext|> on a card.\n"
+    "<|endoftext|>\n"
+    "Tom ran.\n"
+    "<|endoftext|>\n"
+    "\n"
+    "  <|endoftext|>  \n"
+    "Ben was very happy é.\n"
+    "<|endoftext|>\n"
+    "Last story with no separator after it.\n"
+)
+VALID_STORIES = "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    path.write_bytes(text)
+    return path
+
+
+def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
+    sub, ext = T.WIKITEXT_RELEASES[release]
+    texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
+    for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
+        write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
+    return root / sub
+
+
+def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORIES, valid=VALID_STORIES) -> Path:
+    write(root / f"{prefix}-train.txt", train)
+    write(root / f"{prefix}-valid.txt", valid)
+    return root
+
+
+def reference_words(text: str) -> list[str]:
+    return [w for line in text.splitlines() for w in line.split() + ["<eos>"]]
+
+
+def reference_bytes(data: bytes) -> list[int]:
+    """Non-streaming reference for the TinyStories byte tokenisation."""
+    out, story = [], []
+
+    def flush():
+        body = b"\n".join(story).strip()
+        if body:
+            out.extend(body)
+            out.append(256)
+        story.clear()
+
+    for line in data.split(b"\n"):
+        if line.strip() == b"<|endoftext|>":
+            flush()
+        else:
+            story.append(line)
+    flush()
+    return out
+
+
+def cache_files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
+
+
+# --------------------------------------------------------------------------- #
+# WikiText-2
+# --------------------------------------------------------------------------- #
+
+
+def test_line_words_follow_word_language_model():
+    assert T.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
+    assert T.wikitext_line_words(" \n") == ["<eos>"]
+    assert T.wikitext_line_words("\n") == ["<eos>"]
+    assert T.wikitext_line_words(" 1 @,@ 000 <unk> \n") == ["1", "@,@", "000", "<unk>", "<eos>"]
+
+
+def test_vocab_order_specials_then_frequency_then_alphabetical(tmp_path):
+    train = "b a b\n\nc a b d c\n"  # b:3, a:2, c:2, d:1, <eos>:3
+    make_wikitext(tmp_path, train=train, valid="a d\n", test="c\n")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert corpus["vocab"] == ["<unk>", "<eos>", "b", "a", "c", "d"]
+    assert corpus["vocab_size"] == 6
+    assert corpus["train"].tolist() == [2, 3, 2, 1, 1, 4, 3, 2, 5, 4, 1]
+    assert corpus["valid"].tolist() == [3, 5, 1]
+    assert corpus["test"].tolist() == [4, 1]
+    assert T.build_vocab(["<eos>", "<unk>", "z", "y", "z"]) == ["<unk>", "<eos>", "z", "y"]
+
+
+def test_wikitext_tokens_release_ids_and_round_trip(tmp_path):
+    make_wikitext(tmp_path)
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    vocab = corpus["vocab"]
+    assert vocab[:2] == ["<unk>", "<eos>"]
+    assert vocab.count("<unk>") == 1  # the train <unk> is the special, not a second entry
+    for split, text in (("train", WIKI_TRAIN), ("valid", WIKI_VALID), ("test", WIKI_TEST)):
+        tokens = corpus[split]
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and not tokens.flags.writeable
+        words = reference_words(text)
+        assert [vocab[i] for i in tokens] == words  # every word of .tokens is in the train vocab
+        expected = "".join(" ".join(line.split()) + "\n" for line in text.splitlines())
+        assert corpus["decode"](tokens.tolist()) == expected
+    # Every line, blank ones included, ends in exactly one <eos>.
+    assert int((np.asarray(corpus["train"]) == 1).sum()) == WIKI_TRAIN.count("\n")
+    for special in ("@,@", "@.@", "@-@", "="):
+        assert special in vocab
+    assert corpus["decode"]([vocab.index("="), vocab.index("Career"), vocab.index("="), 1]) == "= Career =\n"
+
+
+def test_wikitext_raw_release_maps_oov_to_unk(tmp_path):
+    make_wikitext(tmp_path, release="raw")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "raw release" in corpus["source"]
+    vocab = corpus["vocab"]
+    assert "unseenword" not in vocab and "actor." in vocab
+    valid_words = [vocab[i] for i in corpus["valid"]]
+    assert valid_words == ["<eos>", "Boulter", "is", "an", "<unk>", "actor.", "<eos>"]
+    assert corpus["test"].tolist() == [vocab.index(w) for w in ("Robert", "is", "an", "actor.", "<eos>")]
+
+
+def test_wikitext_data_dir_may_be_the_subfolder_and_tokens_is_preferred(tmp_path):
+    sub = make_wikitext(tmp_path, release="tokens")
+    make_wikitext(tmp_path, release="raw")
+    from_parent = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "tokens release" in from_parent["source"]
+    from_sub = T.load_lm_corpus("wikitext2", sub)
+    assert from_sub["train"].tolist() == from_parent["train"].tolist()
+    raw = T.load_lm_corpus("wikitext2", tmp_path, version="raw")
+    assert "raw release" in raw["source"]
+    assert raw["vocab"] != from_parent["vocab"]
+
+
+def test_wikitext_large_vocab_uses_uint32(tmp_path):
+    words = " ".join(f"w{i}" for i in range(70_000))
+    make_wikitext(tmp_path, train=words + "\n", valid="w1 w69999\n", test="w2\n")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert corpus["vocab_size"] == 70_002
+    assert corpus["train"].dtype == np.uint32
+    assert [corpus["vocab"][i] for i in corpus["valid"]] == ["w1", "w69999", "<eos>"]
+
+
+def test_wikitext_missing_files_error(tmp_path):
+    with pytest.raises(T.DataError) as info:
+        T.load_lm_corpus("wikitext2", tmp_path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in ("wiki.{train,valid,test}.tokens", ".raw", str(tmp_path / "wikitext-2"),
+                   "wikitext-2-v1.zip", "huggingface.co/datasets/Salesforce/wikitext"):
+        assert needle in message
+    # An incomplete release is not used.
+    write(tmp_path / "wikitext-2" / "wiki.train.tokens", WIKI_TRAIN)
+    with pytest.raises(T.DataError, match="not found"):
+        T.load_lm_corpus("wikitext2", tmp_path)
+
+
+def test_wikitext_empty_split_error(tmp_path):
+    make_wikitext(tmp_path, valid="")
+    with pytest.raises(T.DataError, match=r"wiki\.valid\.tokens is empty.*Salesforce/wikitext"):
+        T.load_lm_corpus("wikitext2", tmp_path)
+    assert not any(p.suffix == ".json" and ".valid." in p.name for p in (tmp_path / "maskprior-cache").iterdir())
+
+
+def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
+    sub = make_wikitext(tmp_path)
+    first = T.load_lm_corpus("wikitext2", tmp_path)
+    cache = tmp_path / "maskprior-cache"
+    before = cache_files(cache)
+    assert set(before) == {
+        "wikitext2-tokens.vocab.json",
+        *(f"wikitext2-tokens.{s}.{ext}" for s in ("train", "valid", "test") for ext in ("bin", "json")),
+    }
+    assert json.loads((cache / "wikitext2-tokens.vocab.json").read_text("utf-8")) == first["vocab"]
+    meta = json.loads((cache / "wikitext2-tokens.train.json").read_text("utf-8"))
+    assert meta["dtype"] == "uint16" and meta["count"] == len(first["train"])
+    assert meta["vocab_size"] == len(first["vocab"])
+    assert meta["sources"][0]["size"] == len(WIKI_TRAIN.encode())
+
+    # Second load: no tokenisation at all, cache files untouched.
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("re-tokenised although the cache is valid")
+
+    monkeypatch.setattr(T, "iter_wikitext_words", no_tokenising)
+    second = T.load_lm_corpus("wikitext2", tmp_path)
+    assert cache_files(cache) == before
+    assert second["vocab"] == first["vocab"]
+    assert second["train"].tolist() == first["train"].tolist()
+    monkeypatch.undo()
+
+    # A changed train file rebuilds vocab and all splits.
+    write(sub / "wiki.train.tokens", WIKI_TRAIN + " zebra" * 9 + " \n")
+    third = T.load_lm_corpus("wikitext2", tmp_path)
+    assert third["vocab"][2] == "zebra"
+    assert third["valid"].tolist() != first["valid"].tolist()
+
+    # Same size, new mtime: rebuilt too.
+    path = sub / "wiki.test.tokens"
+    write(path, WIKI_TEST.replace("2000", "film"))  # same size
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    fourth = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "He starred in film ." in fourth["decode"](fourth["test"].tolist())
+
+
+# --------------------------------------------------------------------------- #
+# TinyStories
+# --------------------------------------------------------------------------- #
+
+
+def stream(path: Path, chunk_size: int) -> list[int]:
+    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
+    return np.concatenate(arrays).tolist() if arrays else []
+
+
+def test_tinystories_exact_bytes():
+    data = "Hi\n<|endoftext|>\né\n <|endoftext|>\n"
+    assert reference_bytes(data.encode()) == [72, 105, 256, 0xC3, 0xA9, 256]
+
+
+def test_tinystories_stream_matches_reference_for_every_chunk_size(tmp_path):
+    data = STORIES.encode("utf-8")
+    path = write(tmp_path / "TinyStoriesV2-GPT4-train.txt", data)
+    # The fixture really exercises chunk boundaries at chunk_size=7: a separator
+    # line and a 3-byte “ are both cut by a multiple of 7.
+    sep = data.index(b"\n<|endoftext|>\n") + 1
+    assert sep // 7 != (sep + len(b"<|endoftext|>")) // 7
+    quote = data.index("“".encode())
+    assert quote // 7 != (quote + 2) // 7
+    e_acute = data.rindex("é".encode())
+    assert e_acute // 7 != (e_acute + 1) // 7
+    expected = reference_bytes(data)
+    assert expected.count(256) == 4  # the empty story between two separators is skipped
+    assert bytes(t for t in expected if t != 256).count("<|endoftext|>".encode()) == 1  # mid-line text kept
+    for chunk_size in list(range(1, 40)) + [7, 1 << 20]:
+        assert stream(path, chunk_size) == expected, chunk_size
+
+
+def test_tinystories_crlf_and_whitespace_only_lines(tmp_path):
+    data = b"\r\n  \r\nOne\r\n\r\n<|endoftext|>\r\n\t<|endoftext|>\t\r\nTwo\xc3\xa9 \r\n"
+    path = write(tmp_path / "x.txt", data)
+    expected = list(b"One") + [256] + list("Twoé".encode()) + [256]
+    assert reference_bytes(data) == expected
+    for chunk_size in (1, 2, 3, 7, 64):
+        assert stream(path, chunk_size) == expected
+
+
+def test_tinystories_load_decode_round_trip(tmp_path):
+    make_tinystories(tmp_path)
+    corpus = T.load_lm_corpus("tinystories", tmp_path, chunk_size=7)
+    assert corpus["vocab_size"] == 257
+    train, valid = corpus["train"], corpus["valid"]
+    assert isinstance(train, np.memmap) and train.dtype == np.uint16 and not train.flags.writeable
+    assert train.tolist() == reference_bytes(STORIES.encode())
+    stories = [
+        "Once upon a time, a “Lily” saw a café.\n\nShe said, “Hi!” He wrote <|endoftext|> on a card.",
+        "Tom ran.",
+        "Ben was very happy é.",
+        "Last story with no separator after it.",
+    ]
+    assert corpus["decode"](train.tolist()) == "".join(s + "\n<|endoftext|>\n" for s in stories)
+    assert corpus["decode"](valid.tolist()) == "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
+    with pytest.raises(ValueError):
+        corpus["decode"]([257])
+
+
+def test_tinystories_version_choice(tmp_path):
+    make_tinystories(tmp_path, "TinyStories", train="v one\n<|endoftext|>\n", valid="v1 valid\n")
+    assert T.load_lm_corpus("tinystories", tmp_path)["decode"]([118, 32, 111]) == "v o"
+    v1 = T.load_lm_corpus("tinystories", tmp_path)
+    assert "TinyStories-train.txt" in v1["source"]
+    assert bytes(v1["train"][:-1].tolist()) == b"v one"
+    make_tinystories(tmp_path, "TinyStoriesV2-GPT4", train="v two\n", valid="v2 valid\n")
+    auto = T.load_lm_corpus("tinystories", tmp_path)
+    assert bytes(auto["train"][:-1].tolist()) == b"v two"
+    chosen = T.load_lm_corpus("tinystories", tmp_path, version="v1")
+    assert bytes(chosen["train"][:-1].tolist()) == b"v one"
+    with pytest.raises(T.DataError, match="unknown TinyStories version"):
+        T.load_lm_corpus("tinystories", tmp_path, version="v3")
+    with pytest.raises(T.DataError, match="unknown corpus"):
+        T.load_lm_corpus("ptb", tmp_path)
+
+
+def test_tinystories_subfolder(tmp_path):
+    make_tinystories(tmp_path / "TinyStories")
+    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+
+
+def test_tinystories_missing_files_error(tmp_path):
+    write(tmp_path / "TinyStoriesV2-GPT4-train.txt", STORIES)  # valid missing
+    with pytest.raises(T.DataError) as info:
+        T.load_lm_corpus("tinystories", tmp_path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in ("TinyStoriesV2-GPT4-{train,valid}.txt", "TinyStories-{train,valid}.txt",
+                   str(tmp_path), "huggingface.co/datasets/roneneldan/TinyStories"):
+        assert needle in message
+
+
+def test_tinystories_empty_corpus_error(tmp_path):
+    make_tinystories(tmp_path, train="\n<|endoftext|>\n  \n<|endoftext|>\n\n")
+    with pytest.raises(T.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
+        T.load_lm_corpus("tinystories", tmp_path)
+    assert [p.name for p in (tmp_path / "maskprior-cache").iterdir()] == []  # no half cache, no temp file
+
+
+def test_tinystories_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
+    make_tinystories(tmp_path)
+    first = T.load_lm_corpus("tinystories", tmp_path, chunk_size=5)
+    cache = tmp_path / "maskprior-cache"
+    before = cache_files(cache)
+    assert set(before) == {f"tinystories-v2.{s}.{e}" for s in ("train", "valid") for e in ("bin", "json")}
+    assert (cache / "tinystories-v2.train.bin").stat().st_size == 2 * len(first["train"])
+
+    monkeypatch.setattr(T, "iter_tinystories_tokens", lambda *a, **k: pytest.fail("re-tokenised"))
+    second = T.load_lm_corpus("tinystories", tmp_path)
+    assert cache_files(cache) == before
+    assert second["train"].tolist() == first["train"].tolist()
+    monkeypatch.undo()
+
+    write(tmp_path / "TinyStoriesV2-GPT4-valid.txt", "Changed.\n<|endoftext|>\n")
+    third = T.load_lm_corpus("tinystories", tmp_path)
+    assert third["valid"].tolist() == list(b"Changed.") + [256]
+    after = cache_files(cache)
+    assert after["tinystories-v2.train.bin"] == before["tinystories-v2.train.bin"]  # train not rebuilt
+    assert after["tinystories-v2.valid.bin"] != before["tinystories-v2.valid.bin"]
+
+
+def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
+    make_tinystories(tmp_path)
+
+    def interrupted(path, chunk_size):
+        yield np.array([1, 2, 3], dtype=np.uint16)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "iter_tinystories_tokens", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        T.load_lm_corpus("tinystories", tmp_path)
+    assert list((tmp_path / "maskprior-cache").iterdir()) == []
+    monkeypatch.undo()
+    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+
+
+def test_fallback_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatch):
+    data = make_tinystories(tmp_path / "data")
+    write(data / "maskprior-cache", "a file, so the cache folder cannot be created here")
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    corpus = T.load_lm_corpus("tinystories", data)
+    folders = list((home / ".cache" / "maskprior").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("data-") and len(folders[0].name) == 5 + 16
+    assert folders[0] == T.default_cache_dirs(data)[1]
+    assert (folders[0] / "tinystories-v2.train.bin").is_file()
+    assert corpus["train"].tolist() == reference_bytes(STORIES.encode())
+    # Another data_dir with the same folder name gets its own cache folder.
+    other = make_tinystories(tmp_path / "elsewhere" / "data", train="Other.\n")
+    write(other / "maskprior-cache", "blocked")
+    assert T.load_lm_corpus("tinystories", other)["train"].tolist() == list(b"Other.") + [256]
+    assert len(list((home / ".cache" / "maskprior").iterdir())) == 2
+
+
+def test_explicit_cache_dir(tmp_path):
+    make_wikitext(tmp_path / "data")
+    T.load_lm_corpus("wikitext2", tmp_path / "data", cache_dir=tmp_path / "c")
+    assert (tmp_path / "c" / "wikitext2-tokens.train.bin").is_file()
+    assert not (tmp_path / "data" / "maskprior-cache").exists()
+
+
+# --------------------------------------------------------------------------- #
+# Windows
+# --------------------------------------------------------------------------- #
+
+
+def test_random_windows_shapes_shift_and_determinism():
+    tokens = np.arange(1000, 1100, dtype=np.uint16)
+    x, y = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 8) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x, y):
+        start = int(row_x[0]) - 1000
+        assert 0 <= start <= 100 - 9
+        assert row_x.tolist() == tokens[start : start + 8].tolist()
+        assert row_y.tolist() == tokens[start + 1 : start + 9].tolist()
+    x2, y2 = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(1))
+    assert not torch.equal(x, x3)
+
+
+def test_random_windows_reach_both_ends():
+    tokens = np.arange(10, dtype=np.uint32)
+    x, y = T.random_windows(tokens, 9, 64, torch.Generator().manual_seed(0))  # only one possible window
+    assert (x == torch.arange(9)).all() and (y == torch.arange(1, 10)).all()
+    x, _ = T.random_windows(tokens, 3, 2000, torch.Generator().manual_seed(0))
+    assert set(x[:, 0].tolist()) == set(range(7))
+    with pytest.raises(T.DataError, match=r"--context 10 is longer than the training split \(10 tokens\)"):
+        T.random_windows(tokens, 10, 2, torch.Generator())
+
+
+@pytest.mark.parametrize("n, context, batch_size", [(11, 5, 1), (12, 5, 1), (23, 5, 3), (6, 5, 4), (100, 7, 4)])
+def test_eval_windows_cover_the_split(n, context, batch_size):
+    tokens = np.arange(n, dtype=np.uint16) * 3
+    batches = list(T.eval_windows(tokens, context, batch_size))
+    xs = torch.cat([x.reshape(-1) for x, _ in batches])
+    ys = torch.cat([y.reshape(-1) for _, y in batches])
+    assert xs.tolist() == tokens[:-1].tolist()  # consecutive, non-overlapping, nothing dropped
+    assert ys.tolist() == tokens[1:].tolist()
+    for x, y in batches:
+        assert x.dtype == torch.int64 and x.shape == y.shape and x.shape[0] <= batch_size
+        assert x.shape[1] == context or (x.shape[0] == 1 and x is batches[-1][0])
+    assert sum(y.numel() for _, y in batches) == n - 1
+
+
+def test_eval_windows_context_longer_than_validation_split(tmp_path):
+    make_wikitext(tmp_path)
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    n = len(corpus["valid"])
+    with pytest.raises(T.DataError) as info:
+        T.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
+    assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
+    assert len(list(T.eval_windows(corpus["valid"], n - 1))) == 1
+
+
+
+
+@pytest.mark.parametrize("init", ["default", "mask"])
+def test_causal_lm_never_sees_the_future(init):
+    """Changing tokens after position t leaves the outputs at positions <= t unchanged."""
+    cfg = mp.TransformerConfig(vocab_size=11, seq_len=12, n_layers=2, n_heads=4, dim=32, mlp_dim=64,
+                               readout="tokens", causal=True, n_outputs=11, learnable_mask=init == "mask",
+                               tie_embeddings=True)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg).eval()
+    if init == "mask":
+        mp.init_mask_(model, logits=mp.causal_distance_logits(12, 4))
+    x = torch.randint(0, 11, (3, 12))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % 11
+    a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+    fused = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False})).eval()
+    fused.load_state_dict(model.state_dict())
+    torch.testing.assert_close(fused(x), a, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_is_seeded_and_crops_the_context():
+    cfg = mp.TransformerConfig(vocab_size=7, seq_len=5, n_layers=1, n_heads=2, dim=16, mlp_dim=16,
+                               readout="tokens", causal=True, n_outputs=7)
+    model = mp.Transformer(cfg).eval()
+    start = torch.tensor([[1, 2, 3]])
+    a = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
+    b = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
+    assert a.shape == (1, 12) and a.equal(b) and a[:, :3].equal(start)
+    g = mp.generate(model, start, 4, 0.0)
+    assert g[0, 3] == model(start)[0, -1].argmax()
+
+
+def test_lm_patterns_follow_the_alibi_slopes():
+    p = T.lm_patterns(300, 4)
+    assert p.shape == (4, 300, 300) and not (p & ~mp.causal_pattern(300)).any()
+    assert [int(p[h, 299].sum()) for h in range(4)] == [5, 17, 65, 257]      # windows 4, 16, 64, 256
+    m = mp.causal_distance_logits(300, 4)
+    bias = F.logsigmoid(m)
+    assert (bias[p & ~torch.eye(300, dtype=torch.bool)] > -1.0001).all()
+
+
+def test_wikitext_tokenize_and_layout(tmp_path):
+    assert T.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
+        ["A", "well", "@-@", "known", "1", "@,@", "000", "@-@", "page", "book", ",", "3", "@.@", "5", "cm", "."]
+    arts = [(f"Title {i}", ["the cat sat on the mat .", "the dog sat ."]) for i in range(12)]
+    out = T.write_wikitext_layout(arts, str(tmp_path))
+    text = open(os.path.join(out, "wiki.train.tokens")).read()
+    assert text.startswith(" \n = Title <unk> = \n \n the cat sat on the mat . \n \n")
+    assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
+
+
+def _write_text_corpus(folder, n_articles=24):
+    rng = np.random.default_rng(0)
+    nouns, verbs = ["cat", "dog", "bird", "fox"], ["sat", "ran", "slept"]
+    arts = []
+    for i in range(n_articles):          # templated sentences: learnable in a few dozen steps
+        paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
+                 for _ in range(20)]
+        arts.append((f"Story {i % 3}", paras))
+    return T.write_wikitext_layout(arts, str(folder), min_count=1)
+
+
+LM_SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--mlp-dim", "64", "--context", "16",
+            "--batch-size", "16", "--probe-size", "4", "--qk-opt-steps", "20"]
+
+
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt"])
+def test_lm_run_every_init(tmp_path, init):
+    _write_text_corpus(tmp_path / "data")
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", init,
+                        "--steps", "3", *LM_SMALL)
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["kind"] == "lm" and {"val_loss", "val_ppl", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    assert res["metrics"]["val_ppl"] == pytest.approx(np.exp(res["metrics"]["val_loss"]), rel=1e-6)
+
+
+def test_lm_short_run_lowers_validation_loss_and_samples(tmp_path, capsys):
+    _write_text_corpus(tmp_path / "data")
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", "mask",
+                        "--steps", "60", "--log-every", "60", "--lr", "3e-3", *LM_SMALL)
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert lines[-1]["metrics"]["val_loss"] < lines[0]["metrics"]["val_loss"] - 0.5
+    capsys.readouterr()
+    assert train.main(["--out", out, "--sample", "the cat", "--sample-tokens", "5", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text.startswith("the cat") and len(text.split()) == 7
+
+
+@pytest.mark.parametrize("setup,argv,needle", [
+    ("none", [], "WikiText-2 not found"),
+    ("empty", [], "no tokens"),
+    ("small", ["--context", "2000"], "longer than the validation split"),
+    ("small", ["--context", "100000"], "longer than the training split"),
+    ("small", ["--context", "1"], "--context must be at least 2"),
+])
+def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
+    data = tmp_path / "data"
+    data.mkdir()
+    if setup == "small":
+        _write_text_corpus(data)
+    elif setup == "empty":
+        (data / "wikitext-2").mkdir()
+        for split in ("train", "valid", "test"):
+            (data / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", data, "--steps", "2", *argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(out)
+
+
 # ---------------------------------------------------------------------------------------- train.py
 
 
@@ -501,6 +1378,73 @@ def test_cuda_training_run(tmp_path):
     assert rc == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
+
+
+def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8)):
+    """A run directory as train.py writes it: result.json and metrics.jsonl."""
+    d = folder / f"{task}-{init}-s{seed}"
+    d.mkdir(parents=True)
+    metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
+               "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
+    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
+                                               "metrics": metrics}))
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m}) + "\n" for i, m in enumerate(masses)))
+    return d
+
+
+def test_summarize_and_report_from_hand_written_runs(tmp_path):
+    runs = tmp_path / "runs"
+    boolean = runs / "boolean"
+    _fake_run(boolean, "parity2", "mask", 0, 1.0)
+    _fake_run(boolean, "parity2", "mask", 1, 0.5)
+    _fake_run(boolean, "parity2", "default", 0, 0.75)
+    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
+    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
+    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
+    (bad / "result.json").write_text("{not json")                           # corrupt
+    table = train.summarize([str(boolean)])
+    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
+    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
+    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
+    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
+    written = train.report(str(runs), str(tmp_path / "results"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names[:2] == ["boolean.md", "persistence.csv"]
+    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
+    assert csv[0] == "task,init,seed,step,mass_mean,mass_layer0,mass_layer1"
+    assert "parity2,qk-opt,0,20,0.30000,0.30000,0.30000" in csv
+    assert not any(",default," in line for line in csv)                     # only the prior inits
+    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
+    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
+
+
+def _reproduce(*args, env=None):
+    return subprocess.run(["bash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reproduce.sh"), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_reproduce_help_and_dry_run(tmp_path):
+    r = _reproduce("--help")
+    assert r.returncode == 0 and "--quick" in r.stdout and "--only TABLE" in r.stdout
+    runs = tmp_path / "runs"
+    r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 48 and not runs.exists()
+    assert all("--preset small" in line for line in starts)
+    # a finished run is skipped, an interrupted one resumed
+    _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
+    (runs / "boolean" / "parity2-default-s0").mkdir()
+    (runs / "boolean" / "parity2-default-s0" / "ckpt.pt").write_bytes(b"")
+    r = _reproduce("--quick", "--dry-run", "--only", "boolean", "--seeds", "0", "--runs", str(runs))
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
+    assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
+    assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
+    # missing datasets are named, not fatal
+    r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
+    assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
+    assert _reproduce("--only", "tables").returncode == 2
 
 
 def test_ci_runs_the_readme_test_command():

@@ -3,7 +3,12 @@
     python train.py --task parity2 --init mask
     python train.py --task cyclic3 --init qk-svd --preset paper --seed 1
     python train.py --task kparity --bits 0,4,7 --unseen 0,4 --init mask
+    python train.py --task addition --init mask --seed 2
+    python train.py --task cifar10 --data-dir data/ --init impulse
     python train.py summarize runs/          # a markdown table of finished runs
+    python train.py report runs/quick results/quick   # results/*.md tables and the persistence curves
+    python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
+    python train.py make-wikitext data/text FILE...   # any English text in WikiText-2's layout
 
 A run directory (default runs/TASK-INIT-sSEED) holds args.json, metrics.jsonl (one line
 per log step: loss, metrics, per-layer attention mass on the prior pattern, drift of M
@@ -21,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
 import maskprior as mp
@@ -31,6 +37,8 @@ INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
 # Values used when neither the command line nor the preset sets a flag.
 DEFAULTS = dict(
     layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, emb_init_std=1.0, pos_init_std=1.0, qkv_bias=False,
+    dropout=0.0, image_size=None, patch_size=None, pool=None, label_smoothing=None, mixup=0.0, cutmix=0.0,
+    warmup_epochs=None, context=None, val_tokens=None,
     readout=None, attention="auto",
     lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999", schedule="constant",
     warmup=0, grad_clip=0.0, steps=None, epochs=None,
@@ -48,6 +56,20 @@ PRESETS = {
         "parity2": dict(steps=1000),
         "majority3": dict(steps=1500),
         "cyclic3": dict(steps=4000, log_every=500),
+        "arithmetic": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
+                           qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
+                           schedule="cosine", warmup=100, steps=600, log_every=100),
+        "vision": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
+                       pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
+                       batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
+                       qk_opt_steps=2000, log_every=100),
+        # a 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
+        "lm": dict(layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True,
+                   context=64, val_tokens=10_000, dropout=0.1, optimizer="adamw", lr=1e-3, weight_decay=0.1,
+                   betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0,
+                   log_every=50),
+        "addition": dict(steps=600, log_every=100),
+        "multiplication": dict(steps=3000, log_every=500),
     },
     "paper": {  # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "boolean": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256, lr=1e-5, batch_size=256,
@@ -55,14 +77,32 @@ PRESETS = {
         "parity2": dict(epochs=20),
         "majority3": dict(epochs=30),
         "cyclic3": dict(epochs=80, lr=2e-5),
+        # ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024 small-image setting)
+        "vision": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
+                       pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
+                       batch_size=512, schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
+                       log_every=1000),
+        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3, batch 256,
+        # 5,000 iterations, 100 warm-up, cosine
+        "arithmetic": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02,
+                           qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99",
+                           batch_size=256, schedule="cosine", warmup=100, steps=5000, dropout=0.2,
+                           log_every=500),
+        # nanoGPT-like: 6 layers, 6 heads, width 384, context 256, AdamW 6e-4, cosine, dropout 0.2
+        "lm": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True,
+                   context=256, dropout=0.2, optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95",
+                   batch_size=64, schedule="cosine", warmup=200, steps=10000, grad_clip=1.0, log_every=500),
+        "tinystories": dict(dropout=0.0, steps=20000, log_every=1000, val_tokens=2_000_000),
     },
 }
 
 # Flags that may differ when resuming: they do not change the model, the data or the optimiser.
-RESUMABLE = {"steps", "epochs", "log_every", "ckpt_every", "halt_after", "device", "resume", "amp"}
+RESUMABLE = {"steps", "epochs", "log_every", "ckpt_every", "halt_after", "device", "resume", "amp",
+             "sample", "sample_tokens", "temperature", "top_k"}
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
-        "emb_init_std", "pos_init_std",
+        "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
+        "emb_init_std", "pos_init_std", "dropout",
         "unseen", "pattern"}
 
 
@@ -117,6 +157,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--emb-init-std", type=float, help="std of the token and CLS embeddings (GOTU: 1)")
     g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
     g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
+    g.add_argument("--dropout", type=float, help="dropout on embeddings, attention output and MLP")
     g.add_argument("--attention", choices=["auto", "fused", "explicit"],
                    help="scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, except "
                         "explicit for a masked model on the CPU, where PyTorch's fused kernel takes no float mask")
@@ -132,6 +173,30 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--qk-opt-lr", type=float)
     g.add_argument("--qk-opt-tol", type=float, help="qk-opt stops when 100 steps gain less than this")
     g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
+    g = p.add_argument_group("vision (cifar10, cifar100, imagenet100)")
+    g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with cifar-10-batches-py/)")
+    g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)")
+    g.add_argument("--patch-size", type=int, help="ViT patch side in pixels")
+    g.add_argument("--pool", choices=["mean", "cls"], help="ViT readout: global average pooling or a CLS token")
+    g.add_argument("--impulse", default=d if suppress else "fixed", choices=["fixed", "random"],
+                   help="impulse offsets per head: fixed order (self, up, right, ...) or random")
+    g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--mixup", type=float, help="mixup Beta(alpha, alpha); 0 = off")
+    g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off")
+    g.add_argument("--warmup-epochs", type=float, help="warm-up length in epochs (overrides --warmup)")
+    g = p.add_argument_group("language modelling (wikitext2, tinystories)")
+    g.add_argument("--context", type=int, help="context length in tokens (also the model's positions)")
+    g.add_argument("--val-tokens", type=int, help="evaluate on the first N validation tokens (0 = all of them)")
+    g.add_argument("--sample", metavar="PROMPT", help="print a continuation of PROMPT from the checkpoint in --out "
+                   "and exit (no training)")
+    g.add_argument("--sample-tokens", type=int, default=d if suppress else 100, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=d if suppress else 0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=d if suppress else 40, help="sample among the k likeliest (0 = all)")
+    g = p.add_argument_group("arithmetic (addition, multiplication)")
+    g.add_argument("--data-frac", type=float, help="fraction of the 10^6 pairs to train on (default: 0.004 for "
+                   "addition, 0.03 for multiplication)")
+    g.add_argument("--answer-order", default=d if suppress else "msb", choices=["msb", "lsb"],
+                   help="answer digits most significant first (the paper's plain format) or reversed")
     g = p.add_argument_group("custom Boolean tasks (kparity, kmajority)")
     g.add_argument("--n-bits", type=int, default=d if suppress else 15)
     g.add_argument("--bits", default=d if suppress else "0,1,2", help="bits the target reads")
@@ -188,10 +253,14 @@ def validate(args, task, explicit: set):
                          f"choose from {', '.join(task_inits(task))}")
     if args.head_dim is None and args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}; set --head-dim")
-    try:
-        task.pattern(args.pattern)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
+    variants = getattr(task, "PATTERNS", None)          # check the name without building a large pattern
+    if variants is not None and args.pattern is not None and args.pattern not in variants:
+        raise UsageError(f"task {args.task} has no pattern {args.pattern!r}; choose from {list(variants)}")
+    if variants is None:
+        try:
+            task.pattern(args.pattern)
+        except T.TaskError as e:
+            raise UsageError(str(e)) from None
     if args.halt_after is not None and args.halt_after <= 0:
         raise UsageError(f"--halt-after must be a positive step, got {args.halt_after}")
     try:
@@ -205,10 +274,18 @@ def task_inits(task) -> tuple:
     return getattr(task, "inits", ("default", "mask", "qk-svd", "qk-opt"))
 
 
+def kind_of(task_name: str) -> str:
+    return T.KINDS.get(task_name, "boolean")
+
+
 def make_task(args):
     try:
         return T.make_task(args.task, n_bits=args.n_bits, bits=args.bits, unseen=args.unseen,
-                           train_size=args.train_size)
+                           train_size=args.train_size, data_frac=args.data_frac, answer_order=args.answer_order,
+                           data_dir=args.data_dir, image_size=args.image_size, patch_size=args.patch_size,
+                           pool=args.pool, n_heads=args.heads, impulse=args.impulse, mixup=args.mixup,
+                           cutmix=args.cutmix, label_smoothing=args.label_smoothing, context=args.context,
+                           val_tokens=args.val_tokens)
     except T.TaskError as e:
         raise UsageError(str(e)) from None
 
@@ -239,19 +316,27 @@ def use_fused(attention: str, init: str, device: torch.device) -> bool:
 
 def model_config(args, task, device=torch.device("cpu")):
     arch = task.arch()
+    if arch.get("model") == "vit":
+        return mp.ViTConfig(
+            image_size=arch["image_size"], patch_size=arch["patch_size"], n_classes=arch["n_classes"],
+            pool=arch["pool"], dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
+            mlp_ratio=args.mlp_dim / args.dim, learnable_mask=args.init == "mask",
+            fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias), dropout=args.dropout,
+            pos_init_std=args.pos_init_std)
     return mp.TransformerConfig(
         vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
         readout=args.readout or arch["readout"], causal=arch.get("causal", False),
         n_layers=args.layers, n_heads=args.heads, dim=args.dim, head_dim=args.head_dim, mlp_dim=args.mlp_dim,
         learnable_mask=args.init == "mask", fused=use_fused(args.attention, args.init, device),
         qkv_bias=bool(args.qkv_bias),
-        emb_init_std=args.emb_init_std, pos_init_std=args.pos_init_std)
+        emb_init_std=args.emb_init_std, pos_init_std=args.pos_init_std, dropout=args.dropout,
+        tie_embeddings=arch.get("tie_embeddings", False))
 
 
 def build_model(args, task, device):
     cfg = model_config(args, task, device)
     torch.manual_seed(args.seed)
-    model = mp.Transformer(cfg)
+    model = mp.ViT(cfg) if isinstance(cfg, mp.ViTConfig) else mp.Transformer(cfg)
     return model.to(device), cfg
 
 
@@ -262,12 +347,23 @@ def apply_init(model, task, args) -> dict:
     if args.init == "default":
         return {}
     if args.init == "mask":
+        if hasattr(task, "mask_logits"):     # a graded prior (e.g. arithmetic: strongest on the carry digits)
+            return mp.init_mask_(model, logits=task.mask_logits(args.pattern, args.mask_on, args.mask_off))
         return mp.init_mask_(model, pattern, args.mask_on, args.mask_off)
     if args.init == "qk-svd":
         return mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
                                args.qk_svd_pos_scale, generator=g)
     if args.init == "qk-opt":
         return mp.init_qk_opt_(model, pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol, generator=g)
+    if args.init == "mimetic":
+        return mp.init_mimetic_(model, generator=g)
+    if args.init == "impulse":
+        # the 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
+        # for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)
+        report = mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
+                                 args.qk_svd_pos_scale or 18.0, generator=g)
+        report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
+        return report
     raise UsageError(f"init {args.init!r} is not available for task {args.task}")
 
 
@@ -393,14 +489,55 @@ def fmt_time(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def run(args, explicit: set) -> int:
+def sample(args, explicit: set) -> int:
+    """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
+    if "out" not in explicit:
+        raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
+    args.resume = True
+    prepare_run_dir(args, explicit)
     task = make_task(args)
-    args = resolve(args, task.kind)
+    if task.kind != "lm":
+        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
+    device = pick_device(args.device)
+    try:
+        task.setup(args.seed, device)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+    model, _ = build_model(args, task, device)
+    ckpt_path = os.path.join(args.out, "ckpt.pt")
+    try:
+        model.load_state_dict(torch.load(ckpt_path, map_location=device, weights_only=False)["model"])
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
+        raise UsageError(f"--sample: cannot load {ckpt_path} ({type(e).__name__}: {e})") from None
+    ids = task.encode(args.sample)
+    if not ids:
+        raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
+    if args.sample_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise UsageError("--sample-tokens must be >= 1, --temperature and --top-k >= 0")
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    out = mp.generate(model, torch.tensor([ids], device=device), args.sample_tokens, args.temperature,
+                      args.top_k or None, generator=g)
+    sep = " " if task.vocab is not None else ""              # words are joined by spaces, bytes are not
+    print(task.decode(ids) + sep + task.decode(out[0, len(ids):].tolist()))
+    return 0
+
+
+def run(args, explicit: set) -> int:
+    args = resolve(args, kind_of(args.task))
+    if args.sample is not None:
+        return sample(args, explicit)
     saved = prepare_run_dir(args, explicit)
+    task = make_task(args)
     validate(args, task, explicit)
     device = pick_device(args.device)
 
-    task.setup(args.seed, device)
+    try:
+        task.setup(args.seed, device)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+    if args.warmup_epochs is not None:
+        args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
     if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
         args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
     args.log_every = args.log_every or max(1, args.steps // 10)
@@ -483,7 +620,7 @@ def run(args, explicit: set) -> int:
                         "seconds": round(elapsed + now - t_start, 2), **rec}
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(last) + "\n")
-                print(f"step {step:>6}/{total} | loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
+                print(f"step {step:>6}/{total} | train_loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
             halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
             if step % args.ckpt_every == 0 or step == total or halt:
@@ -506,7 +643,8 @@ def run(args, explicit: set) -> int:
     metrics = dict(last["metrics"])
     metrics["prior_mass_start"] = sum(mass_start) / len(mass_start)
     metrics["prior_mass_end"] = last["prior_mass_mean"]
-    result = {"task": args.task, "init": args.init, "seed": args.seed, "preset": args.preset, "steps": step,
+    result = {"task": args.task, "kind": task.kind, "init": args.init, "seed": args.seed, "preset": args.preset,
+              "steps": step,
               "seconds": round(elapsed, 2), "metrics": metrics, "prior_mass_start_layers": mass_start,
               "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
@@ -547,20 +685,24 @@ def fmt_report(report: dict) -> str:
 def fmt_metrics(rec: dict, task) -> str:
     m = rec["metrics"]
     keys = getattr(task, "headline", ("acc", "acc_unseen", "mse_unseen"))
-    parts = [f"{k} {m[k]:.4f}" for k in keys if k in m]
+    parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in keys if k in m]
     return " | ".join(parts + [f"mass {rec['prior_mass_mean']:.3f}"])
 
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
 
-# The paper's whole-cube accuracies (%), where it states them; "~" marks an approximate value.
+# The paper's numbers (%): whole-cube accuracy (Boolean), sequence accuracy (arithmetic);
+# "~" marks an approximate value.
 PAPER = {
     ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
     ("parity2", "mask"): "100",
     ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87", ("majority3", "qk-opt"): "~87",
     ("majority3", "mask"): "100",
     ("cyclic3", "mask"): "99.98",
+    ("addition", "default"): "1.19", ("addition", "mask"): "77.49",
+    ("multiplication", "default"): "5.01", ("multiplication", "mask"): "69.49",
+    ("cifar10", "mask"): "95.66", ("cifar10", "impulse"): "95.12", ("cifar10", "default"): "94.20",
 }
 
 
@@ -586,7 +728,8 @@ def collect_runs(paths) -> tuple[list, list]:
             continue
         try:
             r = load_json(res)
-            r["metrics"]["acc"]
+            if not (isinstance(r["metrics"], dict) and r["task"] and r["init"]):
+                raise ValueError("metrics, task or init missing")
             runs.append(r)
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
@@ -601,9 +744,39 @@ def mean_std(values) -> str:
     return f"{m:.2f} ± {s:.2f}"
 
 
+def _pct(key):
+    return lambda ms: mean_std([100 * m[key] for m in ms if key in m])
+
+
+def _num(key):
+    return lambda ms: mean_std([m[key] for m in ms if key in m])
+
+
+def _mass(ms):
+    return f"{_num('prior_mass_start')(ms)} → {_num('prior_mass_end')(ms)}"
+
+
+def _mdi(ms):
+    if "mdi_acc" not in ms[0]:
+        return ""
+    extra = f" (sign {100 * ms[0]['mdi_sign_acc']:.1f})" if "mdi_sign_acc" in ms[0] else ""
+    return f"{100 * ms[0]['mdi_acc']:.1f}{extra}"
+
+
+# Columns of the summary table by task kind: (header, function of the runs' metrics).
+COLUMNS = {
+    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")), ("sign acc %", _pct("sign_acc")),
+                ("MSE on U", _num("mse_unseen")), ("prior mass start → end", _mass), ("MDI acc %", _mdi)],
+    "arithmetic": [("seq acc %", _pct("seq_acc")), ("digit acc %", _pct("digit_acc")),
+                   ("prior mass start → end", _mass)],
+    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")), ("prior mass start → end", _mass)],
+    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")), ("prior mass start → end", _mass)],
+}
+
+
 def summarize(paths) -> str:
-    """A markdown table per task: whole-cube and unseen accuracy (%), MSE on U, prior mass
-    start -> end, the MDI's prediction and the paper's number."""
+    """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's
+    attention mass at start and end, and the paper's number beside ours."""
     runs, problems = collect_runs(paths)
     groups = {}
     for r in runs:
@@ -611,25 +784,175 @@ def summarize(paths) -> str:
     out = []
     order = {name: i for i, name in enumerate(INITS)}
     for task in sorted(groups):
+        kind = next(iter(groups[task].values()))[0].get("kind", "boolean")
+        cols = COLUMNS.get(kind, COLUMNS["boolean"])
         out.append(f"\n**{task}**\n")
-        out.append("| init | seeds | acc % | acc on U % | sign acc % | MSE on U | prior mass start → end | MDI acc % "
-                   "| paper % |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| init | seeds | " + " | ".join(h for h, _ in cols) + " | paper % |")
+        out.append("|---|---|" + "---|" * len(cols) + "---|")
         for init in sorted(groups[task], key=lambda i: order.get(i, 99)):
-            rs = groups[task][init]
-            m = [r["metrics"] for r in rs]
-            pct = lambda k: mean_std([100 * x[k] for x in m if k in x])  # noqa: E731
-            mass = f"{mean_std([x['prior_mass_start'] for x in m])} → {mean_std([x['prior_mass_end'] for x in m])}"
-            mdi = f"{100 * m[0]['mdi_acc']:.1f}" if "mdi_acc" in m[0] else ""
-            if "mdi_sign_acc" in m[0]:
-                mdi += f" (sign {100 * m[0]['mdi_sign_acc']:.1f})"
-            out.append(f"| {init} | {','.join(str(r['seed']) for r in sorted(rs, key=lambda r: r['seed']))} | "
-                       f"{pct('acc')} | {pct('acc_unseen')} | {pct('sign_acc')} | "
-                       f"{mean_std([x['mse_unseen'] for x in m])} | {mass} | "
-                       f"{mdi} | {PAPER.get((task, init), '')} |")
+            rs = sorted(groups[task][init], key=lambda r: r["seed"])
+            ms = [r["metrics"] for r in rs]
+            cells = [f(ms) for _, f in cols]
+            out.append(f"| {init} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
+                       + f" | {PAPER.get((task, init), '')} |")
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     return "\n".join(out).strip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------
+# Report: a reproduction's run folders -> results/*.md tables and the persistence curves
+
+TABLES = ("boolean", "arithmetic", "vision", "lm")
+TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
+                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
+                "vision": "ViT image classification (top-1 on the test split)",
+                "lm": "Language modelling (validation loss and perplexity)"}
+PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
+
+
+def persistence_rows(boolean_dir: str) -> list[dict]:
+    """Per logged step of every mask / qk-svd / qk-opt Boolean run: the attention mass on the
+    pattern (mean over layers, and per layer) from its metrics.jsonl."""
+    rows = []
+    runs, _ = collect_runs([boolean_dir])
+    for r in runs:
+        if r["init"] not in PERSISTENCE_INITS:
+            continue
+        log = os.path.join(boolean_dir, f"{r['task']}-{r['init']}-s{r['seed']}", "metrics.jsonl")
+        if not os.path.exists(log):
+            continue
+        with open(log) as f:
+            for line in f:
+                rec = json.loads(line)
+                rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
+                             "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"]})
+    rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
+    return rows
+
+
+def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
+    """persistence.csv always; persistence.png when matplotlib is installed. Returns the paths."""
+    csv_path = os.path.join(out_dir, "persistence.csv")
+    n_layers = max((len(r["layers"]) for r in rows), default=0)
+    lines = ["task,init,seed,step,mass_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
+    for r in rows:
+        lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},"
+                     + ",".join(f"{m:.5f}" for m in r["layers"]))
+    write_text(csv_path, "\n".join(lines) + "\n")
+    written = [csv_path]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    tasks = sorted({r["task"] for r in rows})
+    if not tasks:
+        return written
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    colours = {"mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green"}
+    for ax, task in zip(axes[0], tasks):
+        for init in PERSISTENCE_INITS:
+            seeds = sorted({r["seed"] for r in rows if r["task"] == task and r["init"] == init})
+            for k, seed in enumerate(seeds):
+                pts = [(r["step"], r["mass"]) for r in rows if (r["task"], r["init"], r["seed"]) == (task, init, seed)]
+                ax.plot(*zip(*pts), color=colours[init], alpha=0.8, lw=1.5, label=init if k == 0 else None)
+        ax.set_title(task)
+        ax.set_xlabel("training step")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention mass on the prior pattern")
+    axes[0][-1].legend(loc="best")
+    fig.suptitle("Persistence of the prior: mask vs QK initialisations (one line per seed)")
+    fig.tight_layout()
+    png = os.path.join(out_dir, "persistence.png")
+    tmp = png + f".tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return written + [png]
+
+
+def write_text(path: str, text: str):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def report(runs_dir: str, out_dir: str) -> list[str]:
+    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
+    paper's number beside ours), and the persistence curves of the Boolean runs. Unfinished or
+    unreadable runs are listed under their table. Returns the files written."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for table in TABLES:
+        folder = os.path.join(runs_dir, table)
+        if not os.path.isdir(folder):
+            continue
+        text = (f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over seeds; made by "
+                f"`python train.py report {runs_dir} {out_dir}`.\n\n{summarize([folder])}")
+        path = os.path.join(out_dir, f"{table}.md")
+        write_text(path, text)
+        written.append(path)
+    boolean = os.path.join(runs_dir, "boolean")
+    if os.path.isdir(boolean):
+        written += write_persistence(persistence_rows(boolean), out_dir)
+    return written
+
+
+def make_digits(argv) -> int:
+    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits (1,797 8x8 images,
+    no download) upscaled to 32x32 RGB and written in the CIFAR-10 python format, a small, real,
+    learnable image set for trying the vision path on a CPU. Train 1,500 / test 297, by seed 0."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("error: make-digits needs one output folder, e.g. python train.py make-digits data/digits",
+              file=sys.stderr)
+        return 2
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        print("error: make-digits needs scikit-learn for its bundled digits: pip install scikit-learn",
+              file=sys.stderr)
+        return 2
+    d = load_digits()
+    x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
+    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                        # nearest upscaling to 32x32
+    x = np.repeat(x[:, None], 3, axis=1)                                     # grey -> RGB
+    order = np.random.default_rng(0).permutation(len(x))
+    tr, te = order[:1500], order[1500:]
+    out = T.write_cifar10_python(argv[0], x[tr], d.target[tr], x[te], d.target[te])
+    print(f"wrote {len(tr)} train / {len(te)} test digits in CIFAR-10 python format to {out}\n"
+          f"train on them with: python train.py --task cifar10 --data-dir {argv[0]} --init mask")
+    return 0
+
+
+def make_wikitext(argv) -> int:
+    """python train.py make-wikitext DIR FILE...: plain-text files (one article each; paragraphs
+    separated by blank lines; the first line is the title) written in WikiText-2's word-level
+    layout under DIR/wikitext-2/, so that any English text can stand in for the corpus."""
+    if len(argv) < 2 or argv[0].startswith("-"):
+        print("error: make-wikitext needs an output folder and text files, e.g. python train.py make-wikitext "
+              "data/text /usr/share/vim/vim90/doc/usr_*.txt", file=sys.stderr)
+        return 2
+    articles = []
+    for path in argv[1:]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as e:
+            print(f"error: cannot read {path} ({e.strerror})", file=sys.stderr)
+            return 2
+        paras = [" ".join(p.split()) for p in text.split("\n\n")]
+        paras = [p for p in paras if p]
+        if paras:
+            articles.append((paras[0][:80], paras[1:]))
+    out = T.write_wikitext_layout(articles, argv[0])
+    sizes = {s: sum(len(line.split()) + 1 for line in open(os.path.join(out, f"wiki.{s}.tokens"), encoding="utf-8"))
+             for s in ("train", "valid", "test")}
+    print(f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items()))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -640,6 +963,21 @@ def main(argv=None) -> int:
             return 2
         print(summarize(argv[1:]), end="")
         return 0
+    if argv[:1] == ["report"]:
+        if len(argv) != 3:
+            print("error: report needs a runs folder and an output folder, e.g. python train.py report "
+                  "runs/quick results/quick", file=sys.stderr)
+            return 2
+        if not os.path.isdir(argv[1]):
+            print(f"error: report: {argv[1]} is not a folder of runs", file=sys.stderr)
+            return 2
+        for path in report(argv[1], argv[2]):
+            print(f"wrote {path}")
+        return 0
+    if argv[:1] == ["make-digits"]:
+        return make_digits(argv[1:])
+    if argv[:1] == ["make-wikitext"]:
+        return make_wikitext(argv[1:])
     try:
         args, explicit = parse_args(argv)
         return run(args, explicit)

@@ -1,0 +1,94 @@
+"""Images/s of one ViT training step for every init, side by side.
+
+    python benchmarks/bench_vit.py                                   # the small vision preset, CPU
+    python benchmarks/bench_vit.py --preset paper --device cuda      # ViT-Tiny, patch 2, bf16 autocast
+    python benchmarks/bench_vit.py --inits default,mask --batch-size 64
+
+Each init is built exactly as `train.py --task cifar10 --init NAME` builds it (same flags,
+same preset, same attention path), then one step = forward, backward and AdamW update on a
+random batch (timing only: the images' content does not change the cost). Inits are timed in
+interleaved rounds so drifts in machine load hit all alike; the table gives the median
+images/s and the ratio of each init's step time to `default`'s. Only `mask` adds work (the
+additive bias and the gradient of M); the other inits change weights, not the graph.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import maskprior as mp  # noqa: E402
+import train  # noqa: E402
+
+
+def build(init: str, extra: list, device: torch.device):
+    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
+    args, _ = train.parse_args(argv)
+    args = train.resolve(args, "vision")
+    task = train.make_task(args)
+    model, cfg = train.build_model(args, task, device)
+    train.apply_init(model, task, args)
+    opt = torch.optim.AdamW(mp.param_groups(model, args.weight_decay), lr=args.lr)
+    return model, opt, cfg, args
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default="small", choices=list(train.PRESETS))
+    p.add_argument("--inits", default="default,mask,impulse,mimetic,qk-svd,qk-opt")
+    p.add_argument("--batch-size", type=int, help="default: the preset's")
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--qk-opt-steps", type=int, default=50, help="qk-opt fitting steps (its cost is not timed)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    extra = ["--preset", args.preset, "--qk-opt-steps", str(args.qk_opt_steps)]
+    if args.batch_size:
+        extra += ["--batch-size", str(args.batch_size)]
+    inits = args.inits.split(",")
+    steps, shape = {}, None
+    for init in inits:
+        model, opt, cfg, targs = build(init, extra, device)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
+        y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g).to(device)
+        shape = (targs.batch_size, cfg, targs)
+
+        def step(model=model, opt=opt, x=x, y=y, targs=targs):
+            with train.autocast(device, targs):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        for _ in range(2):          # warm-up
+            step()
+        steps[init] = step
+    times = {init: [] for init in inits}
+    for _ in range(args.rounds):
+        for init, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[init].append((time.perf_counter() - t0) / args.steps)
+    batch, cfg, targs = shape
+    base = statistics.median(times[inits[0]])
+    print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} heads, "
+          f"{cfg.n_positions} tokens | batch {batch} | amp {targs.amp} | torch {torch.__version__} | "
+          f"{args.rounds} rounds x {args.steps} steps, median")
+    print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
+    for init, ts in times.items():
+        med = statistics.median(ts)
+        path = "fused" if train.use_fused(targs.attention, init, device) else "explicit"
+        print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

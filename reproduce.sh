@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Reproduce the paper's tables and the persistence curves. See `bash reproduce.sh --help`.
+set -uo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: bash reproduce.sh [--quick] [--only TABLE] [--seeds "0 1 2"] [--jobs N] [--data DIR]
+                         [--runs DIR] [--results DIR] [--dry-run] [--help]
+
+Runs every experiment of the paper with train.py, then writes the tables (RESULTS/*.md) and
+the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is installed).
+
+  (default)      the paper presets on one GPU: Boolean (parity2, majority3, cyclic3),
+                 arithmetic (addition, multiplication), vision (CIFAR-10, CIFAR-100,
+                 ImageNet-100), language modelling (WikiText-2, TinyStories)
+  --quick        a CPU-sized version: the Boolean tasks and addition at the `small`
+                 presets, 3 seeds, 2 runs at a time (about 50 minutes on 2 cores)
+  --only TABLE   one of: boolean arithmetic vision lm persistence (persistence only
+                 aggregates the Boolean runs already made)
+  --seeds LIST   seeds to run (default "0 1 2")
+  --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
+                 on the CPU when N > 1
+  --data DIR     datasets (default data/): cifar-10-batches-py/ or cifar-10-batches-bin/,
+                 cifar-100-python/ or cifar-100-binary/, imagenet100/ (Imagenet32 pickles +
+                 map_clsloc.txt), wikitext-2/ or wikitext-2-raw/, TinyStories*.txt
+  --runs DIR     run directories (default runs/paper, runs/quick with --quick)
+  --results DIR  tables and plots (default results/, results/quick/ with --quick)
+  --dry-run      list the runs it would start or skip, run nothing
+  PYTHON=...     the interpreter (default python)
+
+A run whose result.json exists is skipped, and an interrupted one (a checkpoint, no
+result.json) is resumed, so running it again continues where it stopped. A missing
+dataset is reported and its runs are skipped; a failed run makes the script exit 1 and
+names it (its log is RUNS/TABLE/NAME.log).
+EOF
+}
+
+QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; DATA="data"; RUNS=""; RESULTS=""; DRY=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) QUICK=1 ;;
+        --only) ONLY="${2:-}"; shift ;;
+        --seeds) SEEDS="${2:-}"; shift ;;
+        --jobs) JOBS="${2:-}"; shift ;;
+        --data) DATA="${2:-}"; shift ;;
+        --runs) RUNS="${2:-}"; shift ;;
+        --results) RESULTS="${2:-}"; shift ;;
+        --dry-run) DRY=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "reproduce.sh: unknown option $1 (see bash reproduce.sh --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$ONLY" in
+    ""|boolean|arithmetic|vision|lm|persistence) ;;
+    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm or persistence, not '$ONLY'" >&2; exit 2 ;;
+esac
+[[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
+PY="${PYTHON:-python}"
+cd "$(dirname "$0")"
+if [ "$QUICK" = 1 ]; then
+    PRESET=small; RUNS="${RUNS:-runs/quick}"; RESULTS="${RESULTS:-results/quick}"; JOBS="${JOBS:-2}"
+else
+    PRESET=paper; RUNS="${RUNS:-runs/paper}"; RESULTS="${RESULTS:-results}"; JOBS="${JOBS:-1}"
+fi
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: --jobs needs a positive integer" >&2; exit 2; }
+
+want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
+
+# ---- datasets: where each is looked for, and where to get it
+MISSING=()
+have() {    # have NAME PATH... : true if any PATH exists
+    local name="$1"; shift
+    for p in "$@"; do [ -e "$DATA/$p" ] && return 0; done
+    MISSING+=("$name: none of [$*] in $DATA/")
+    return 1
+}
+URL_CIFAR="https://www.cs.toronto.edu/~kriz/cifar.html"
+URL_IMAGENET="https://image-net.org/download-images.php (Imagenet32 + devkit map_clsloc.txt)"
+URL_WIKITEXT="https://huggingface.co/datasets/Salesforce/wikitext"
+URL_TINY="https://huggingface.co/datasets/roneneldan/TinyStories"
+
+# ---- the run list: "TABLE TASK INIT SEED EXTRA-FLAGS..."
+LIST=()
+add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"]; no trailing blank (xargs would join the next line)
+    for s in $SEEDS; do for i in $3; do LIST+=("$1 $2 $i $s${4:+ $4}"); done; done
+}
+QK="default mask qk-svd qk-opt"
+if want boolean || want persistence; then
+    for t in parity2 majority3 cyclic3; do add boolean "$t" "$QK"; done
+fi
+if want arithmetic; then
+    add arithmetic addition "$QK"
+    [ "$QUICK" = 1 ] || add arithmetic multiplication "$QK"
+fi
+if [ "$QUICK" = 0 ] && want vision; then
+    VI="default mimetic impulse mask"
+    have "cifar10 ($URL_CIFAR)" cifar-10-batches-py/data_batch_1 cifar-10-batches-bin/data_batch_1.bin \
+        && add vision cifar10 "$VI" "--data-dir $DATA"
+    have "cifar100 ($URL_CIFAR)" cifar-100-python/train cifar-100-binary/train.bin \
+        && add vision cifar100 "$VI" "--data-dir $DATA"
+    have "imagenet100 ($URL_IMAGENET)" imagenet100/map_clsloc.txt \
+        && add vision imagenet100 "$VI" "--data-dir $DATA/imagenet100"
+fi
+if [ "$QUICK" = 0 ] && want lm; then
+    have "wikitext2 ($URL_WIKITEXT)" wikitext-2/wiki.train.tokens wikitext-2-raw/wiki.train.raw \
+        && add lm wikitext2 "$QK" "--data-dir $DATA"
+    have "tinystories ($URL_TINY)" TinyStoriesV2-GPT4-train.txt TinyStories-train.txt \
+        TinyStories/TinyStoriesV2-GPT4-train.txt TinyStories/TinyStories-train.txt \
+        && add lm tinystories "default mask" "--data-dir $DATA"
+fi
+[ "$ONLY" = persistence ] && LIST=()
+
+# ---- one run: skip if finished, resume if interrupted, else start
+run_one() {
+    local table="$1" task="$2" init="$3" seed="$4"; shift 4
+    local out="$RUNS/$table/$task-$init-s$seed" log="$RUNS/$table/$task-$init-s$seed.log"
+    if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
+    local resume=() what=start
+    [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }
+    if [ "$DRY" = 1 ]; then
+        echo "$what   $PY train.py --task $task --init $init --seed $seed --preset $PRESET --out $out ${resume[*]} $*"
+        return 0
+    fi
+    mkdir -p "$RUNS/$table"
+    echo "$(date +%H:%M:%S) $what $out"
+    local threads=()
+    [ "$JOBS" -gt 1 ] && threads=(env OMP_NUM_THREADS=1)
+    if "${threads[@]}" "$PY" train.py --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
+            --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1; then
+        echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
+    else
+        echo "$(date +%H:%M:%S) FAILED $out (exit $?): see $log" | tee -a "$RUNS/failed.txt" >&2
+        return 1
+    fi
+}
+export -f run_one
+export RUNS PRESET PY DRY JOBS
+
+START=$(date +%s)
+echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
+[ "$DRY" = 0 ] && mkdir -p "$RUNS" && rm -f "$RUNS/failed.txt"
+STATUS=0
+if [ "${#LIST[@]}" -gt 0 ]; then
+    printf '%s\n' "${LIST[@]}" | xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ || STATUS=1
+fi
+for m in "${MISSING[@]}"; do echo "missing dataset, its runs skipped: $m" >&2; done
+[ "$DRY" = 1 ] && exit 0
+
+if [ -d "$RUNS" ]; then
+    "$PY" train.py report "$RUNS" "$RESULTS" || STATUS=1
+fi
+echo "reproduce.sh: $(( ($(date +%s) - START) / 60 )) min; results in $RESULTS/ (runs in $RUNS/)"
+if [ "$STATUS" != 0 ]; then
+    echo "reproduce.sh: FAILED runs:" >&2
+    cat "$RUNS/failed.txt" >&2 2>/dev/null
+    exit 1
+fi
