@@ -11,9 +11,12 @@ log sigmoid(M) <= 0 the mask can only suppress, and its gradient is bounded by t
 attention probability (see `mask_grad_bound`), so the prior survives training. The
 baselines write the same pattern into Wq, Wk instead (`init_qk_svd_`, `init_qk_opt_`).
 
+Models: `Transformer` (a token encoder with a CLS / mean / per-token readout, or with
+`causal=True` a decoder / language model; `generate` samples from it) and `ViT`.
+
 This file imports only torch and the standard library: copy it into your codebase.
 Reading order: pattern builders -> mask helpers -> attention -> blocks -> models ->
-initialisers -> optimiser groups -> probes.
+sampling -> initialisers -> optimiser groups -> probes.
 """
 from __future__ import annotations
 
@@ -403,6 +406,10 @@ def _vit_init(m: nn.Module):
     elif isinstance(m, nn.LayerNorm):
         nn.init.ones_(m.weight)
         nn.init.zeros_(m.bias)
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling from a causal Transformer
 
 
 @torch.no_grad()

@@ -1380,6 +1380,22 @@ def test_cuda_training_run(tmp_path):
     assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
 
 
+@cuda
+@pytest.mark.parametrize("init", ["mask", "impulse"])
+def test_cuda_vision_run_bf16(tmp_path, init):
+    """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
+    x, y = _images(64), np.arange(64) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
+                        "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
+                        "--batch-size", "16", "--probe-size", "8")
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["device"].startswith("cuda") and np.isfinite(res["metrics"]["loss"])
+    if init == "mask":
+        assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
+
+
 def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8)):
     """A run directory as train.py writes it: result.json and metrics.jsonl."""
     d = folder / f"{task}-{init}-s{seed}"

@@ -567,8 +567,9 @@ def run(args, explicit: set) -> int:
         mass_start = start["prior_mass"]
         save_checkpoint(ckpt_path, checkpoint_state(model, optimizer, 0, 0.0, args, cfg, init_report,
                                                     snapshot, mass_start))
-        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {sum(p.numel() for p in model.parameters()):,}"
-              f" params | {device} | {total} steps | out {args.out}", flush=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device} | "
+              f"{total} steps | out {args.out}", flush=True)
         print(f"step {0:>6}/{total} | {fmt_metrics(start, task)}", flush=True)
     else:
         try:
@@ -602,8 +603,9 @@ def run(args, explicit: set) -> int:
             with autocast(device, args):
                 loss = task.loss(model, batch)
             if not torch.isfinite(loss):
-                print(f"error: the loss became {float(loss.detach())} at step {step}; stopped. The last good checkpoint "
-                      f"is kept in {ckpt_path}; try a lower --lr or --grad-clip", file=sys.stderr, flush=True)
+                print(f"error: the loss became {float(loss.detach())} at step {step}; stopped. The last good "
+                      f"checkpoint is kept in {ckpt_path}; try a lower --lr or --grad-clip",
+                      file=sys.stderr, flush=True)
                 return 1
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
