@@ -126,11 +126,13 @@ run_one() {
     echo "$(date +%H:%M:%S) $what $out"
     local threads=()
     [ "$JOBS" -gt 1 ] && threads=(env OMP_NUM_THREADS=1)
-    if "${threads[@]}" "$PY" train.py --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
-            --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1; then
+    local rc=0
+    "${threads[@]}" "$PY" train.py --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
+        --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1 || rc=$?
+    if [ "$rc" = 0 ]; then
         echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
     else
-        echo "$(date +%H:%M:%S) FAILED $out (exit $?): see $log" | tee -a "$RUNS/failed.txt" >&2
+        echo "$(date +%H:%M:%S) FAILED $out (exit $rc): see $log" | tee -a "$RUNS/failed.txt" >&2
         return 1
     fi
 }

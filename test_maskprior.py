@@ -1461,6 +1461,10 @@ def test_reproduce_help_and_dry_run(tmp_path):
     r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
     assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
     assert _reproduce("--only", "tables").returncode == 2
+    # a failing run makes the script exit 1 and names the run
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--runs", str(tmp_path / "fail"),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": "false"})
+    assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
 
 
 def test_ci_runs_the_readme_test_command():
