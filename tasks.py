@@ -175,7 +175,7 @@ class BooleanTask:
 
     def train_batch(self, step: int, batch_size: int):
         """Batch `step` of an epoch-wise shuffle; epoch e's order is fixed by (seed, e)."""
-        idx = _epoch_batch(self, torch.arange(self.n_train, device=self.device), step, batch_size)
+        idx = _epoch_indices(self, self.n_train, step, batch_size)
         return self.x_train[idx], self.y_train[idx]
 
     def loss(self, model, batch) -> torch.Tensor:
@@ -442,7 +442,7 @@ class ArithmeticTask:
         return math.ceil(self.n_train / batch_size)
 
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
-        return _epoch_batch(self, self.train_seq, step, batch_size)
+        return self.train_seq[_epoch_indices(self, len(self.train_seq), step, batch_size)]
 
     def loss(self, model, batch) -> torch.Tensor:
         logits = model(batch[:, :-1])[:, self.eq_pos:]               # rows that predict answer digits
@@ -468,15 +468,16 @@ class ArithmeticTask:
                 "n_train": self.n_train}
 
 
-def _epoch_batch(task, data: torch.Tensor, step: int, batch_size: int):
-    """Batch `step` of an epoch-wise shuffle of `data`; epoch e's order is fixed by (seed, e)."""
-    spe = math.ceil(len(data) / batch_size)
+def _epoch_indices(task, n: int, step: int, batch_size: int) -> torch.Tensor:
+    """Indices (on task.device) of batch `step` of an epoch-wise shuffle of n examples; epoch e's
+    order is fixed by (seed, e)."""
+    spe = math.ceil(n / batch_size)
     epoch, i = divmod(step, spe)
     if task._cache.get("perm_epoch") != epoch:
         g = torch.Generator().manual_seed(task.seed * 100_003 + epoch)
-        task._cache["perm"] = torch.randperm(len(data), generator=g).to(data.device)
+        task._cache["perm"] = torch.randperm(n, generator=g).to(task.device)
         task._cache["perm_epoch"] = epoch
-    return data[task._cache["perm"][i * batch_size:(i + 1) * batch_size]]
+    return task._cache["perm"][i * batch_size:(i + 1) * batch_size]
 
 
 def addition(data_frac=None, answer_order="msb", **_) -> ArithmeticTask:
@@ -743,35 +744,73 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
-def _cache_paths(data_dir: str, key: str) -> list[str]:
-    """Where a decoded dataset is cached: next to the data, else (read-only data) in ~/.cache/maskprior."""
-    tag = hashlib.sha1(os.path.abspath(data_dir).encode()).hexdigest()[:12]
-    return [os.path.join(data_dir, "maskprior-cache", key + ".npz"),
-            os.path.join(os.path.expanduser("~"), ".cache", "maskprior", f"{key}-{tag}.npz")]
+# ----------------------------------------------------------------------------------------
+# Data files: where decoded data is cached, and writes that appear whole or not at all.
+# Shared by the image cache (.npz) and the token cache (below).
+
+CACHE_DIRNAME = "maskprior-cache"
 
 
-def _save_cache(paths: list[str], data: dict):
-    """Write the cache atomically (a temporary file, then a rename) to the first writable place."""
-    for path in paths:
-        tmp = path + f".tmp{os.getpid()}.npz"
+def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
+    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
+    absolute = Path(data_dir).resolve()
+    digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
+    return [absolute / CACHE_DIRNAME, Path.home() / ".cache" / "maskprior" / f"{name}-{digest}"]
+
+
+def _writable_cache_dir(candidates: list[Path]) -> Path:
+    """The first candidate folder that can be created and written to."""
+    for folder in candidates:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            np.savez(tmp, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
-                     y_test=data["test"][1])
-            os.replace(tmp, path)
-            return
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+            return folder
         except OSError:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            continue
+    raise DataError(f"cannot write a cache in any of: {', '.join(map(str, candidates))}")
+
+
+@contextlib.contextmanager
+def _atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that appears at ``path`` only if the ``with`` body completes."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    with _atomic_output(path) as f:
+        f.write(data)
+
+
+def _save_image_cache(data_dir: str, key: str, data: dict):
+    """Write the decoded arrays to the first writable cache folder; without one, run uncached."""
+    try:
+        folder = _writable_cache_dir(default_cache_dirs(data_dir))
+    except DataError:
+        return
+    with _atomic_output(folder / f"{key}.npz") as f:
+        np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
+                 y_test=data["test"][1])
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the cache."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
-    caches = _cache_paths(data_dir, f"{name}-{image_size}")
-    for cache in caches:
-        if os.path.exists(cache):
+    key = f"{name}-{image_size}"
+    for cache in (folder / f"{key}.npz" for folder in default_cache_dirs(data_dir)):
+        if cache.exists():
             try:
                 with np.load(cache) as z:
                     return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"])}
@@ -788,7 +827,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     size = data["train"][0].shape[-1]
     if size != image_size:
         raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
-    _save_cache(caches, data)
+    _save_image_cache(data_dir, key, data)
     return data
 
 
@@ -877,7 +916,7 @@ class ImageTask:
     def train_batch(self, step: int, batch_size: int):
         """Augmented batch of a step, deterministic in (seed, step): crop + flip, optional mixup/cutmix.
         Returns (images float (B, 3, S, S), soft targets (B, n_classes))."""
-        idx = _epoch_batch(self, torch.arange(self.n_train, device=self.device), step, batch_size)
+        idx = _epoch_indices(self, self.n_train, step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         x = self.normalize(random_crop_flip(self.x_train[idx], self.pad, g))
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
@@ -989,7 +1028,6 @@ WIKITEXT_URL = "https://huggingface.co/datasets/Salesforce/wikitext"
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-CACHE_DIRNAME = "maskprior-cache"
 CACHE_FORMAT = 1  # bump when the cache layout or a tokeniser changes
 
 UNK = "<unk>"
@@ -1467,29 +1505,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
-    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
-    absolute = Path(data_dir).resolve()
-    digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
-    return [absolute / CACHE_DIRNAME, Path.home() / ".cache" / "maskprior" / f"{name}-{digest}"]
-
-
 def _cache_candidates(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> list[Path]:
     return [Path(cache_dir)] if cache_dir is not None else default_cache_dirs(data_dir)
-
-
-def _writable_cache_dir(candidates: list[Path]) -> Path:
-    """The first candidate folder that can be created and written to."""
-    for folder in candidates:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-            return folder
-        except OSError:
-            continue
-    raise DataError(f"cannot write a token cache in any of: {', '.join(map(str, candidates))}")
 
 
 def _source_signature(path: Path) -> dict:
@@ -1548,29 +1565,6 @@ def _write_split(
     full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count, "vocab_size": vocab_size}
     _atomic_write_bytes(meta_path, json.dumps(full_meta, indent=1).encode("utf-8"))
     return count
-
-
-@contextlib.contextmanager
-def _atomic_output(path: Path) -> Iterator[BinaryIO]:
-    """A binary file that appears at ``path`` only if the ``with`` body completes."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    with _atomic_output(path) as f:
-        f.write(data)
-
-
 
 
 _WORD = re.compile(r"\w+(?:[-,.]\w+)*|[^\w\s]")
