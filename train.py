@@ -388,15 +388,18 @@ def lr_at(step: int, total: int, args) -> float:
 # Files
 
 
-def write_json(path: str, obj) -> None:
-    """Write JSON atomically: a temporary file in the same folder, then a rename."""
+def write_text(path: str, text: str) -> None:
+    """Write a file atomically: a temporary file in the same folder, then a rename."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path: str, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -489,6 +492,21 @@ def fmt_time(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def setup_task(task, seed: int, device):
+    """Load the task's data; a data problem is one line for the user (UsageError)."""
+    try:
+        task.setup(seed, device)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+
+
+def read_checkpoint(path: str, device, flag: str) -> dict:
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
+        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
+
+
 def sample(args, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
@@ -499,16 +517,10 @@ def sample(args, explicit: set) -> int:
     if task.kind != "lm":
         raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
     device = pick_device(args.device)
-    try:
-        task.setup(args.seed, device)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
+    setup_task(task, args.seed, device)
     model, _ = build_model(args, task, device)
     ckpt_path = os.path.join(args.out, "ckpt.pt")
-    try:
-        model.load_state_dict(torch.load(ckpt_path, map_location=device, weights_only=False)["model"])
-    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
-        raise UsageError(f"--sample: cannot load {ckpt_path} ({type(e).__name__}: {e})") from None
+    model.load_state_dict(read_checkpoint(ckpt_path, device, "--sample")["model"])
     ids = task.encode(args.sample)
     if not ids:
         raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
@@ -532,10 +544,7 @@ def run(args, explicit: set) -> int:
     validate(args, task, explicit)
     device = pick_device(args.device)
 
-    try:
-        task.setup(args.seed, device)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
+    setup_task(task, args.seed, device)
     if args.warmup_epochs is not None:
         args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
     if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
@@ -572,10 +581,7 @@ def run(args, explicit: set) -> int:
               f"{total} steps | out {args.out}", flush=True)
         print(f"step {0:>6}/{total} | {fmt_metrics(start, task)}", flush=True)
     else:
-        try:
-            ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
-            raise UsageError(f"--resume: cannot read {ckpt_path} ({type(e).__name__}: {e})") from None
+        ckpt = read_checkpoint(ckpt_path, device, "--resume")
         same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
             {k: v for k, v in asdict(cfg).items() if k != "fused"}
         if not same:
@@ -874,13 +880,6 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     plt.close(fig)
     os.replace(tmp, png)
     return written + [png]
-
-
-def write_text(path: str, text: str):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:

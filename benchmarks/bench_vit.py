@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import train  # noqa: E402
+from bench_attention import sync  # noqa: E402
 
 
 def build(init: str, extra: list, device: torch.device):
@@ -70,13 +71,11 @@ def main():
     times = {init: [] for init in inits}
     for _ in range(args.rounds):
         for init, step in steps.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             times[init].append((time.perf_counter() - t0) / args.steps)
     batch, cfg, targs = shape
     base = statistics.median(times[inits[0]])
