@@ -159,10 +159,11 @@ class Attention(nn.Module):
     """Multi-head self-attention with an optional learnable log-sigmoid mask.
 
     x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N)
-    parameter; the bias log sigmoid(M[:, :T, :T]) is added to the logits. M starts at 0,
-    which adds the same constant to every logit, i.e. no prior until `init_mask_` sets it.
-    `causal=True` adds a hard -inf on future keys. `fused=True` uses
-    F.scaled_dot_product_attention; the explicit path (`fused=False`, or
+    parameter, and T must equal N; the bias log sigmoid(M) is added to the logits. M starts
+    at 0, which adds the same constant to every logit, i.e. no prior until `init_mask_` sets
+    it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
+    (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
+    `fused=True` uses F.scaled_dot_product_attention; the explicit path (`fused=False`, or
     `return_attn=True`) also returns the (B, heads, T, T) attention probabilities.
     """
 
@@ -182,8 +183,10 @@ class Attention(nn.Module):
         """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal."""
         bias = None
         if self.mask_logits is not None:
-            if t > self.mask_logits.shape[-1]:
-                raise ValueError(f"sequence length {t} exceeds the mask size {self.mask_logits.shape[-1]}")
+            n = self.mask_logits.shape[-1]
+            if t > n or (t < n and not self.causal):
+                raise ValueError(f"sequence length {t} does not fit the mask size {n}: M covers exactly {n} "
+                                 f"positions (a shorter sequence is allowed only in a causal layer, as a prefix)")
             bias = mask_bias(self.mask_logits[:, :t, :t].float())
             if self.causal:
                 future = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
@@ -439,13 +442,14 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def _per_head(pattern: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(N, N) or (H, N, N) -> (H, N, N)."""
-    if pattern.dim() == 2:
-        return pattern.unsqueeze(0).expand(n_heads, -1, -1)
-    if pattern.dim() != 3 or pattern.shape[0] != n_heads:
-        raise ValueError(f"pattern must be (N, N) or ({n_heads}, N, N), got {tuple(pattern.shape)}")
-    return pattern
+def _per_head(pattern: torch.Tensor, n_heads: int, n: int) -> torch.Tensor:
+    """(N, N) or (H, N, N) -> (H, N, N); raises unless N is the layer's `n` positions."""
+    if pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads) \
+            or tuple(pattern.shape[-2:]) != (n, n):
+        raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer with {n_heads} "
+                         f"heads and {n} positions: expected ({n}, {n}) or ({n_heads}, {n}, {n}); build it "
+                         f"for the model's own token layout (with or without a CLS token)")
+    return pattern.unsqueeze(0).expand(n_heads, -1, -1) if pattern.dim() == 2 else pattern
 
 
 @torch.no_grad()
@@ -453,15 +457,22 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
                logits: torch.Tensor | None = None) -> dict:
     """Set every layer's M to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
 
-    Creates M where a layer has none. Give M to the optimiser without weight decay
+    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the
+    model's own N positions (e.g. with or without a CLS token in front): every layer must
+    already own an M (build the model with `learnable_mask=True`, or `Attention(mask_size=N)`)
+    of that size, or this raises; it never creates or resizes M, since an optimiser made
+    earlier would not see a new parameter. Give M to the optimiser without weight decay
     (`param_groups`), or the decay pulls it to 0 and erases the prior.
     """
-    for attn in attention_layers(model):
-        src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
-        src = _per_head(src, attn.n_heads).float()
-        if attn.mask_logits is None or attn.mask_logits.shape != src.shape:
-            attn.mask_logits = nn.Parameter(torch.zeros(src.shape, device=attn.qkv.weight.device))
-        attn.mask_logits.copy_(src)
+    src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError("init_mask_: the model has no maskprior Attention layer")
+    for attn in layers:
+        if attn.mask_logits is None:
+            raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
+                             "(or Attention(..., mask_size=N))")
+        attn.mask_logits.copy_(_per_head(src, attn.n_heads, attn.mask_logits.shape[-1]).float())
     if logits is not None:
         return {"m_min": float(logits.min()), "m_max": float(logits.max())}
     return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}
@@ -537,8 +548,8 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     masses = []
     for block in model.blocks:
         attn = block.attn
-        pat = _per_head(pattern, attn.n_heads).to(model.pos_emb.device)
         p = pseudo_input(model, block).float()
+        pat = _per_head(pattern, attn.n_heads, p.shape[0]).to(p.device)
         pinv = _pinv_rank(p, attn.head_dim)
         wqs, wks = [], []
         for h in range(attn.n_heads):
@@ -557,20 +568,27 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
 
 
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
-                 norm_every: int = 100, tol: float = 0.0, generator: torch.Generator | None = None) -> dict:
+                 norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
+                 generator: torch.Generator | None = None) -> dict:
     """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
 
     Adam on per-head Q (H, dim, r), K (H, dim, r) minimising
     MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P = LayerNorm(pos_emb); every
     `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled
     to their initial mean norm. Stops early when the loss improves by less than `tol` over
-    `norm_every` steps. Returns the final loss, steps taken and pseudo-input masses.
+    `norm_every` steps. `pos_scale` multiplies the positional embedding first (as in
+    `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are
+    not drowned by the token embeddings). Returns the final loss, steps taken and
+    pseudo-input masses.
     """
+    if pos_scale is not None:
+        with torch.no_grad():
+            model.pos_emb.mul_(pos_scale)
     attn0 = model.blocks[0].attn
     h, r = attn0.n_heads, attn0.head_dim
-    pat = _per_head(pattern, h).to(model.pos_emb.device)
-    target = pat.float()
     p = pseudo_input(model).float()
+    pat = _per_head(pattern, h, p.shape[0]).to(p.device)
+    target = pat.float()
     d = p.shape[1]
     bound = math.sqrt(1.0 / (r * h))
     q = ((torch.rand(h, d, r, generator=generator) * 2 - 1) * bound).to(p.device).requires_grad_()
@@ -676,10 +694,14 @@ def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor |
     on allowed keys, averages over batch, heads and rows -> scalar in [0, 1].
     """
     n = attn.shape[-1]
-    pat = pattern[..., :n, :n].to(attn.device)
+    if pattern.shape[-1] != n or (rows is not None and rows.shape[-1] != n):
+        rows_shape = "" if rows is None else f" and rows of shape {tuple(rows.shape)}"
+        raise ValueError(f"pattern_mass: attention over {n} positions, but a pattern of shape "
+                         f"{tuple(pattern.shape)}{rows_shape}")
+    pat = pattern.to(attn.device)
     mass = (attn.float() * pat).sum(-1)                      # (B, H, N)
     if rows is not None:
-        rows = rows[..., :n].to(attn.device)
+        rows = rows.to(attn.device)
         mass = mass[:, rows] if rows.dim() == 2 else mass[..., rows]
     return mass.mean()
 
@@ -696,9 +718,14 @@ def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
 @torch.no_grad()
 def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
     """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
-    averaged over the rows the pattern constrains (`prior_rows`)."""
+    averaged over the rows the pattern constrains (`prior_rows`). The pattern must cover the
+    model's positions exactly; only a causal model may read a prefix of it (shorter inputs)."""
     _, maps = model(inputs, return_attn=True)
-    rows = prior_rows(pattern, attention_layers(model)[0].causal)
+    causal = attention_layers(model)[0].causal
+    n = maps[0].shape[-1]
+    if causal and n < pattern.shape[-1]:
+        pattern = pattern[..., :n, :n]
+    rows = prior_rows(pattern, causal)
     return [float(pattern_mass(a, pattern, rows)) for a in maps]
 
 

@@ -15,8 +15,13 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  ImageNet-100), language modelling (WikiText-2, TinyStories)
   --quick        a CPU-sized version: the Boolean tasks and addition at the `small`
                  presets, 3 seeds, 2 runs at a time (about 50 minutes on 2 cores)
-  --only TABLE   one of: boolean arithmetic vision lm persistence (persistence only
-                 aggregates the Boolean runs already made)
+  --only TABLE   one of: boolean arithmetic vision lm persistence ablation (persistence
+                 only aggregates the Boolean runs already made)
+  --only ablation  the robustness grid, never part of the default or --quick run: each
+                 Boolean task at the `small` preset, readout {cls, mean} x positional std
+                 {0.02, 0.5} x init {default, mask}, plus qk-svd and qk-opt at the task's
+                 own layout, whose runs are the Boolean table's (RUNS/boolean/, run if
+                 missing); the other cells go to RUNS/ablation/; table RESULTS/ablation.md
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -52,12 +57,17 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$ONLY" in
-    ""|boolean|arithmetic|vision|lm|persistence) ;;
-    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm or persistence, not '$ONLY'" >&2; exit 2 ;;
+    ""|boolean|arithmetic|vision|lm|persistence|ablation) ;;
+    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence or ablation, not '$ONLY'" >&2
+       exit 2 ;;
 esac
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
 PY="${PYTHON:-python}"
 cd "$(dirname "$0")"
+if [ "$ONLY" = ablation ] && [ "$QUICK" = 0 ]; then
+    echo "reproduce.sh: the ablation grid runs at the small preset (as with --quick)"
+    QUICK=1
+fi
 if [ "$QUICK" = 1 ]; then
     PRESET=small; RUNS="${RUNS:-runs/quick}"; RESULTS="${RESULTS:-results/quick}"; JOBS="${JOBS:-2}"
 else
@@ -80,10 +90,10 @@ URL_IMAGENET="https://image-net.org/download-images.php (Imagenet32 + devkit map
 URL_WIKITEXT="https://huggingface.co/datasets/Salesforce/wikitext"
 URL_TINY="https://huggingface.co/datasets/roneneldan/TinyStories"
 
-# ---- the run list: "TABLE TASK INIT SEED EXTRA-FLAGS..."
+# ---- the run list: "TABLE TASK INIT SEED TAG EXTRA-FLAGS..."; the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG]
 LIST=()
-add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"]; no trailing blank (xargs would join the next line)
-    for s in $SEEDS; do for i in $3; do LIST+=("$1 $2 $i $s${4:+ $4}"); done; done
+add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"] [TAG]; no trailing blank (xargs would join the next line)
+    for s in $SEEDS; do for i in $3; do LIST+=("$1 $2 $i $s ${5:--}${4:+ $4}"); done; done
 }
 QK="default mask qk-svd qk-opt"
 if want boolean || want persistence; then
@@ -109,12 +119,25 @@ if [ "$QUICK" = 0 ] && want lm; then
         TinyStories/TinyStoriesV2-GPT4-train.txt TinyStories/TinyStories-train.txt \
         && add lm tinystories "default mask" "--data-dir $DATA"
 fi
+if [ "$ONLY" = ablation ]; then
+    # the cells at a task's own preset are its Boolean-table runs (all four inits); the others go to ablation/
+    for t in parity2 majority3 cyclic3; do
+        add boolean "$t" "$QK"
+        layout=$("$PY" -c "import train; print('%s-pos%s' % train.preset_layout('$t'))") \
+            || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
+        for r in cls mean; do for p in 0.02 0.5; do
+            [ "$r-pos$p" = "$layout" ] || add ablation "$t" "default mask" "--readout $r --pos-init-std $p" "$r-pos$p"
+        done; done
+    done
+fi
 [ "$ONLY" = persistence ] && LIST=()
 
 # ---- one run: skip if finished, resume if interrupted, else start
 run_one() {
-    local table="$1" task="$2" init="$3" seed="$4"; shift 4
-    local out="$RUNS/$table/$task-$init-s$seed" log="$RUNS/$table/$task-$init-s$seed.log"
+    local table="$1" task="$2" init="$3" seed="$4" tag="$5"; shift 5
+    local name="$task-$init-s$seed"
+    [ "$tag" = - ] || name="$name-$tag"
+    local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log"
     if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
     local resume=() what=start
     [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }

@@ -40,7 +40,11 @@ class TaskError(ValueError):
 
 # ----------------------------------------------------------------------------------------
 # Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token
-# per bit after a CLS token (sequence position of bit i is i + 1), MSE regression.
+# per bit, MSE regression. Two token layouts: readout "cls" puts a CLS token first (bit i
+# at sequence position i + 1, N = n + 1); readout "mean" has no CLS token and averages the
+# bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
+
+READOUTS = ("cls", "mean")
 
 
 def cube(n: int) -> np.ndarray:
@@ -119,30 +123,43 @@ class BooleanTask:
     them hold, the seen domain its complement. `train_size=None` trains on every seen point
     (each once per epoch); an integer draws that many seen points uniformly with replacement.
     `exact=True` marks an integer-valued target: accuracy is the rounded exact match (sign
-    accuracy is reported too); otherwise accuracy is sign accuracy.
+    accuracy is reported too); otherwise accuracy is sign accuracy. `readout` picks the token
+    layout ("cls": a CLS token first; "mean": none, mean pooling), and every pattern is built
+    for it by `patterns(cls)`, which returns {variant name: bool (N, N)}.
     """
     name: str
     n_bits: int
     target: Callable[[np.ndarray], np.ndarray]
     unseen: dict
-    patterns: dict                      # variant name -> bool (N, N), N = n_bits + 1 (CLS first)
+    patterns: Callable[[bool], dict]    # has a CLS token in front? -> {variant: bool (N, N)}
     default_pattern: str
     top_monomial: tuple
     train_size: int | None = None
     exact: bool = False
     description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
+    readout: str = "cls"
     kind: str = "boolean"
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        if self.readout not in READOUTS:
+            raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got {self.readout!r}")
+
     def arch(self) -> dict:
-        return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": "cls"}
+        return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": self.readout}
 
     def pattern(self, variant: str | None = None) -> torch.Tensor:
+        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits."""
         variant = variant or self.default_pattern
-        if variant not in self.patterns:
-            raise TaskError(f"task {self.name} has no pattern {variant!r}; choose from {sorted(self.patterns)}")
-        return self.patterns[variant]
+        mine = self.patterns(self.readout == "cls")
+        if variant not in mine:
+            other = "mean" if self.readout == "cls" else "cls"
+            hint = (f" (pattern {variant!r} needs --readout {other})"
+                    if variant in self.patterns(other == "cls") else "")
+            raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout {self.readout}; "
+                            f"choose from {sorted(mine)}{hint}")
+        return mine[variant]
 
     def in_unseen(self, x: np.ndarray) -> np.ndarray:
         return np.all([x[:, b] == v for b, v in self.unseen.items()], axis=0)
@@ -187,26 +204,46 @@ class BooleanTask:
         g = torch.Generator().manual_seed(0)
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
 
-    @torch.no_grad()
-    def predict(self, model, batch_size: int = 8192) -> torch.Tensor:
-        return torch.cat([model(self.x_test[i:i + batch_size]).squeeze(-1).float()
-                          for i in range(0, len(self.x_test), batch_size)])
+    def eval_points(self, n: int) -> torch.Tensor:
+        """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
+        without replacement from U and from the seen domain in proportion to their sizes, so
+        that plain means over the sample estimate the whole-cube metrics."""
+        key = ("eval_points", n)
+        if key not in self._cache:
+            g = torch.Generator().manual_seed(0)
+            u = self.unseen_mask.cpu()
+            n_u = round(n * float(u.float().mean()))
+            parts = [torch.nonzero(part).squeeze(1) for part in (u, ~u)]
+            idx = [p[torch.randperm(len(p), generator=g)[:k]] for p, k in zip(parts, (n_u, n - n_u))]
+            self._cache[key] = torch.cat(idx).sort().values.to(self.device)
+        return self._cache[key]
 
-    def metrics(self, pred: torch.Tensor) -> dict:
-        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient."""
-        y, u = self.y_test, self.unseen_mask
+    @torch.no_grad()
+    def predict(self, model, idx: torch.Tensor | None = None, batch_size: int = 8192) -> torch.Tensor:
+        x = self.x_test if idx is None else self.x_test[idx]
+        return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float() for i in range(0, len(x), batch_size)])
+
+    def metrics(self, pred: torch.Tensor, idx: torch.Tensor | None = None) -> dict:
+        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the mean
+        prediction on U. `pred` covers the whole cube, or the points `idx` only."""
+        y, u, top = (self.y_test, self.unseen_mask, self.chi_top) if idx is None else \
+            (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx])
         sign_ok = (torch.sign(pred) == torch.sign(y)).float()
         ok = (torch.round(pred) == y).float() if self.exact else sign_ok
         err = (pred - y) ** 2
         out = {"acc": ok.mean(), "acc_unseen": ok[u].mean(), "acc_seen": ok[~u].mean(),
                "mse": err.mean(), "mse_unseen": err[u].mean(), "mse_seen": err[~u].mean(),
-               "coef_top": (pred * self.chi_top).mean()}
+               "coef_top": (pred * top).mean(), "pred_unseen": pred[u].mean()}
         if self.exact:
             out["sign_acc"], out["sign_acc_unseen"] = sign_ok.mean(), sign_ok[u].mean()
         return {k: float(v) for k, v in out.items()}
 
-    def evaluate(self, model) -> dict:
-        metrics = self.metrics(self.predict(model))
+    def evaluate(self, model, points: int | None = None) -> dict:
+        """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
+        `eval_points` in the result says which (0 = the whole cube)."""
+        idx = self.eval_points(points) if points and points < len(self.x_test) else None
+        metrics = self.metrics(self.predict(model, idx), idx)
+        metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
         metrics["mdi_acc"] = mdi["acc"]
         metrics["mdi_acc_unseen"] = mdi["acc_unseen"]
@@ -238,53 +275,61 @@ class BooleanTask:
         return self._cache["mdi"]
 
 
-def _pos(bits):
-    """Sequence positions of bits (CLS is position 0)."""
-    return [b + 1 for b in bits]
+def gotu_patterns(n_bits: int, bits):
+    """Pattern variants for a task whose target lives on `bits`, as a function of the layout.
 
-
-def gotu_patterns(n_bits: int, bits) -> dict:
-    """Pattern variants for a task whose target lives on `bits`.
-
-    clique: CLS -> bits, every pair of bits both ways, self-loops (the default);
-    cls:    CLS -> bits and self-loops only (no pairwise edge);
-    Both keep every position's self-loop so no row is empty.
+    clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
+            (the default);
+    cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
+    Every position keeps its self-loop so no row is empty.
     """
-    n = n_bits + 1
-    pos = _pos(bits)
-    cls_edges = [(0, p) for p in pos]
-    pair_edges = [(a, b) for a in pos for b in pos if a != b]
-    return {"clique": mp.pattern_from_pairs(n, cls_edges + pair_edges),
-            "cls": mp.pattern_from_pairs(n, cls_edges)}
+    def build(cls: bool) -> dict:
+        off = 1 if cls else 0
+        pos = [b + off for b in bits]
+        pair_edges = [(a, b) for a in pos for b in pos if a != b]
+        if not cls:
+            return {"clique": mp.pattern_from_pairs(n_bits, pair_edges)}
+        cls_edges = [(0, p) for p in pos]
+        return {"clique": mp.pattern_from_pairs(n_bits + 1, cls_edges + pair_edges),
+                "cls": mp.pattern_from_pairs(n_bits + 1, cls_edges)}
+    return build
 
 
-def cyclic_patterns(n_bits: int, width: int = 2) -> dict:
-    """band: bits attend within |i - j| <= width (mod n), CLS -> every bit (the default);
-    band-only: the band without the CLS row (CLS attends to itself)."""
-    n = n_bits + 1
-    band = mp.embed_pattern(mp.banded_pattern(n_bits, width, circulant=True), 1, n)
-    band_only = band.clone()
-    band_only[0, 0] = True
-    with_cls = band.clone()
-    with_cls[0, :] = True
-    return {"band": with_cls, "band-only": band_only}
+def cyclic_patterns(n_bits: int, width: int = 2):
+    """band: bits attend within |i - j| <= width (mod n), and with a CLS token CLS -> every bit
+    (the default); band-only: the band with the CLS row attending to itself only (CLS layout)."""
+    def build(cls: bool) -> dict:
+        band = mp.banded_pattern(n_bits, width, circulant=True)
+        if not cls:
+            return {"band": band}
+        band = mp.embed_pattern(band, 1, n_bits + 1)
+        band_only = band.clone()
+        band_only[0, 0] = True
+        with_cls = band.clone()
+        with_cls[0, :] = True
+        return {"band": with_cls, "band-only": band_only}
+    return build
 
 
-def parity2(**_) -> BooleanTask:
+def parity2(readout="cls", **_) -> BooleanTask:
     bits = (0, 1)
     return BooleanTask("parity2", 15, parity_fn(bits), {0: -1, 1: -1}, gotu_patterns(15, bits), "clique",
-                       bits, None, False, "x0*x1; unseen x0=x1=-1; all 24,576 seen points", bits)
+                       top_monomial=bits, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
+                       support=bits, readout=readout or "cls")
 
 
-def majority3(**_) -> BooleanTask:
+def majority3(readout="cls", **_) -> BooleanTask:
     bits = (0, 1, 2)
     return BooleanTask("majority3", 15, majority_fn(bits), {0: -1, 1: -1}, gotu_patterns(15, bits), "clique",
-                       bits, 32768, False, "sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws", bits)
+                       top_monomial=bits, train_size=32768,
+                       description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws", support=bits,
+                       readout=readout or "cls")
 
 
-def cyclic3(**_) -> BooleanTask:
+def cyclic3(readout="cls", **_) -> BooleanTask:
     return BooleanTask("cyclic3", 15, cyclic_fn(15), {0: -1, 1: -1, 2: -1}, cyclic_patterns(15), "band",
-                       (0, 1, 2), None, True, "sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1")
+                       top_monomial=(0, 1, 2), exact=True,
+                       description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1", readout=readout or "cls")
 
 
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
@@ -297,7 +342,8 @@ def _parse_bits(text, what: str, n_bits: int) -> tuple:
     return bits
 
 
-def custom_boolean(kind: str, n_bits: int = 15, bits="0,1,2", unseen="0,1", train_size=None, **_) -> BooleanTask:
+def custom_boolean(kind: str, n_bits: int = 15, bits="0,1,2", unseen="0,1", train_size=None, readout="cls",
+                   **_) -> BooleanTask:
     """k-parity or k-majority on chosen `bits`; the unseen domain sets the `unseen` bits to -1."""
     if not 2 <= n_bits <= 20:
         raise TaskError(f"--n-bits must be in 2..20 (the whole cube is enumerated), got {n_bits}")
@@ -308,8 +354,8 @@ def custom_boolean(kind: str, n_bits: int = 15, bits="0,1,2", unseen="0,1", trai
     fn = parity_fn(b) if kind == "kparity" else majority_fn(b)
     name = f"{kind}[{','.join(map(str, b))}|U:{','.join(map(str, u))}]"
     desc = f"{kind} on bits {b}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
-    return BooleanTask(name, n_bits, fn, {i: -1 for i in u}, gotu_patterns(n_bits, b), "clique", b,
-                       train_size, False, desc, b)
+    return BooleanTask(name, n_bits, fn, {i: -1 for i in u}, gotu_patterns(n_bits, b), "clique", top_monomial=b,
+                       train_size=train_size, description=desc, support=b, readout=readout or "cls")
 
 
 # ----------------------------------------------------------------------------------------

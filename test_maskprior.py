@@ -38,7 +38,8 @@ def test_fused_and_explicit_agree(causal, with_mask):
     if with_mask:
         with torch.no_grad():
             attn.mask_logits.copy_(torch.randn(3, 10, 10) * 4)
-    x = torch.randn(2, 9, 24, requires_grad=True)   # T=9 < mask size: the mask is sliced
+    # a causal layer may read a prefix of M (T=9 < 10); a non-causal one needs T = N exactly
+    x = torch.randn(2, 9 if causal else 10, 24, requires_grad=True)
     grads = []
     for fused in (True, False):
         attn.fused = fused
@@ -157,14 +158,39 @@ def gotu_model(**kw):
     return task, mp.Transformer(cfg)
 
 
-def test_init_mask_sets_every_layer_and_creates_missing_masks():
-    task, model = gotu_model()
+def test_init_mask_sets_every_layer():
+    task, model = gotu_model(learnable_mask=True)
     pat = task.pattern()
     rep = mp.init_mask_(model, pat, 5.0, 8.0)
     assert rep["m_off"] == 8.0
     for blk in model.blocks:
         m = blk.attn.mask_logits
         assert m.shape == (4, 16, 16) and (m[:, pat] == 5).all() and (m[:, ~pat] == -8).all()
+
+
+def test_init_mask_never_creates_or_resizes_m():
+    task, model = gotu_model()                       # no learnable mask
+    with pytest.raises(ValueError, match="learnable_mask=True"):
+        mp.init_mask_(model, task.pattern())
+    _, model = gotu_model(learnable_mask=True, readout="mean")     # 15 positions, no CLS
+    before = [b.attn.mask_logits for b in model.blocks]
+    with pytest.raises(ValueError, match=r"\(16, 16\).*15 positions"):
+        mp.init_mask_(model, task.pattern())         # parity2's CLS layout: 16 x 16
+    with pytest.raises(ValueError, match="4 heads and 15 positions"):
+        mp.init_mask_(model, torch.ones(3, 15, 15, dtype=torch.bool))
+    assert [b.attn.mask_logits for b in model.blocks] == before and all((m == 0).all() for m in before)
+
+
+def test_mask_size_must_match_the_sequence_unless_causal():
+    attn = mp.Attention(16, 2, mask_size=6)
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        attn(torch.randn(1, 5, 16))                  # a non-causal layer never reads part of M
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        attn(torch.randn(1, 7, 16))
+    causal = mp.Attention(16, 2, mask_size=6, causal=True)
+    assert causal(torch.randn(1, 5, 16))[0].shape == (1, 5, 16)   # a prefix, e.g. a prompt
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        causal(torch.randn(1, 7, 16))
 
 
 def test_qk_svd_puts_pseudo_input_mass_on_pattern():
@@ -305,6 +331,109 @@ def test_patterns_of_the_gotu_tasks():
     assert p.diagonal().all() and not p[1, 3]
     c = T.make_task("cyclic3").pattern()
     assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
+
+
+def _bit_pattern(name: str) -> torch.Tensor:
+    """What each task's default pattern allows among the 15 bit tokens (bit i -> bit j)."""
+    if name == "cyclic3":
+        d = (torch.arange(15)[:, None] - torch.arange(15)[None, :]).abs()
+        return torch.minimum(d, 15 - d) <= 2
+    bits = {"parity2": [0, 1], "majority3": [0, 1, 2]}[name]
+    p = torch.eye(15, dtype=torch.bool)
+    for i in bits:
+        for j in bits:
+            p[i, j] = True
+    return p
+
+
+@pytest.mark.parametrize("readout", ["cls", "mean"])
+@pytest.mark.parametrize("name", ["parity2", "majority3", "cyclic3"])
+def test_mask_follows_the_token_layout(name, readout):
+    """The pattern is built for the model's own layout (a CLS token first or none), and M after
+    init_mask_ equals it at the bit positions: x0 <-> x1 for parity2 and nothing else among the bits."""
+    task = T.make_task(name, readout=readout)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    model = mp.Transformer(cfg)
+    pat = task.pattern()
+    off = 1 if readout == "cls" else 0
+    assert pat.shape == (15 + off, 15 + off) == (cfg.n_positions, cfg.n_positions)
+    mp.init_mask_(model, pat)
+    for block in model.blocks:
+        for h in range(2):
+            assert torch.equal(block.attn.mask_logits[h, off:, off:] > 0, _bit_pattern(name))
+    if off:   # the CLS row reads the target's bits (cyclic3: every bit); every bit row ignores the CLS
+        m = model.blocks[0].attn.mask_logits[0]
+        assert (m[0, 1:] > 0).sum() == {"parity2": 2, "majority3": 3, "cyclic3": 15}[name] and (m[1:, 0] < 0).all()
+    task.setup(0)      # the probe sees the same pattern the model was given
+    assert len(mp.prior_mass(model, task.probe_inputs(8), pat)) == 2
+
+
+@pytest.mark.parametrize("readout", ["mean", "cls"])
+def test_parity2_mask_ties_the_unseen_corner_to_seen_points(readout):
+    """The mechanism behind parity2 (README): with no CLS token, position-blind tokens (positional
+    embedding 0) and the x0 <-> x1 mask made hard, x0 and x1 at (-1, -1) carry exactly the state of any
+    other bit at -1 (each sees only copies of itself), so for ANY weights the output at x0 = x1 depends
+    only on how many bits are -1: the unseen corner is tied to seen points with x0 = x1 = +1. A CLS
+    token reads x0, x1 through a state nothing ties down, and the outputs differ."""
+    task = T.make_task("parity2", readout=readout)
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=32, learnable_mask=True,
+                               pos_init_std=0.0)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, task.pattern(), m_on=30.0, m_off=30.0)
+    g = torch.Generator().manual_seed(1)
+    rest = torch.randint(0, 2, (64, 13), generator=g)
+    rest[:, :2] = 1                                         # two more +1 bits to turn into -1
+    unseen = torch.cat([torch.zeros(64, 2, dtype=torch.long), rest], 1)     # token 0 = -1, token 1 = +1
+    seen = torch.cat([torch.ones(64, 2, dtype=torch.long), rest.clone()], 1)
+    seen[:, 2:4] = 0                                        # the same number of -1 bits, x0 = x1 = +1
+    with torch.no_grad():
+        gap = (model(unseen) - model(seen)).abs().max()
+    if readout == "mean":
+        assert gap < 1e-5
+    else:
+        assert gap > 1e-2
+
+
+def test_mean_readout_run_trains_the_right_pattern(tmp_path):
+    """The regression of --readout mean: the saved M is parity2's pattern over the 15 bit tokens."""
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", "--steps", "2", *SMALL)
+    assert rc == 0
+    m = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["model"]["blocks.0.attn.mask_logits"]
+    assert m.shape == (2, 15, 15) and torch.equal(m[0] > 0, _bit_pattern("parity2"))
+    assert json.load(open(os.path.join(out, "result.json")))["config"]["readout"] == "mean"
+
+
+def test_cli_pattern_that_does_not_fit_the_model_exits_2(tmp_path, capsys, monkeypatch):
+    """A task whose pattern is built for another layout than the model's: one line, exit 2, nothing written."""
+    monkeypatch.setattr(T.BooleanTask, "pattern", lambda self, variant=None: torch.eye(16, dtype=torch.bool))
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", *SMALL)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "(16, 16)" in err and "15 positions" in err
+    assert not os.path.exists(out)
+
+
+def test_pattern_of_the_other_layout_is_refused():
+    with pytest.raises(T.TaskError, match="needs --readout cls"):
+        T.make_task("parity2", readout="mean").pattern("cls")
+    with pytest.raises(T.TaskError, match="needs --readout cls"):
+        T.make_task("cyclic3", readout="mean").pattern("band-only")
+    with pytest.raises(T.TaskError, match="--readout for majority3 must be one of cls, mean"):
+        T.make_task("majority3", readout="tokens")
+
+
+def test_eval_points_sample_the_cube_in_proportion():
+    task = T.make_task("parity2").setup(0)
+    idx = task.eval_points(4096)
+    assert len(idx) == len(set(idx.tolist())) == 4096 and torch.equal(idx, task.eval_points(4096))
+    assert int(task.unseen_mask[idx].sum()) == 1024                      # U is a quarter of the cube
+    torch.manual_seed(0)
+    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    full, part = task.evaluate(model), task.evaluate(model, points=4096)
+    assert full["eval_points"] == 0 and part["eval_points"] == 4096
+    pred = task.predict(model)
+    assert part["mse_unseen"] == pytest.approx(float(((pred - task.y_test)[idx][task.unseen_mask[idx]] ** 2).mean()))
+    assert full["mse"] == pytest.approx(float(((pred - task.y_test) ** 2).mean()))
 
 
 # ---------------------------------------------------------------------------------------- arithmetic
@@ -1207,6 +1336,16 @@ def test_run_directory_and_result(tmp_path):
     assert [x["step"] for x in lines] == [0, 10, 20] and "mask_drift" in lines[-1]
 
 
+def test_log_steps_use_eval_points_and_the_end_the_whole_cube(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "default", "--steps", "20", "--log-every", "10",
+                        "--eval-points", "512", *SMALL)
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["metrics"]["eval_points"] for x in lines] == [512, 512, 0]
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["acc"] == lines[-1]["metrics"]["acc"]
+
+
 @pytest.mark.parametrize("init", ["qk-svd", "qk-opt"])
 def test_qk_inits_run(tmp_path, init):
     rc, out = run_train(tmp_path, "--task", "majority3", "--init", init, "--steps", "4", "--qk-opt-steps", "200",
@@ -1262,6 +1401,12 @@ def test_resume_is_exact(tmp_path):
     (["--init", "mimetic"], "does not apply"),
     (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
     (["--pattern", "nosuch"], "has no pattern"),
+    (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
+    (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
+    (["--readout", "tokens"], "invalid choice: 'tokens'"),
+    (["--task", "addition", "--readout", "mean"], "--readout applies to the Boolean tasks only"),
+    (["--task", "addition", "--eval-points", "100"], "--eval-points must be >= 0 and applies to the Boolean"),
+    (["--eval-points", "-1"], "--eval-points must be >= 0"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, argv, needle):
     rc, out = run_train(tmp_path, *argv)
@@ -1325,7 +1470,8 @@ def test_epochs_flag_sets_steps(tmp_path):
 def test_maskprior_copied_alone_runs(tmp_path):
     shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
     code = ("import maskprior as mp, torch\n"
-            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16)\n"
+            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16,\n"
+            "                           learnable_mask=True)\n"
             "m = mp.Transformer(cfg)\n"
             "mp.init_mask_(m, mp.banded_pattern(8, 1))\n"
             "y = m(torch.randint(0, 2, (4, 7)))\n"
@@ -1396,16 +1542,19 @@ def test_cuda_vision_run_bf16(tmp_path, init):
         assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
 
 
-def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8)):
-    """A run directory as train.py writes it: result.json and metrics.jsonl."""
-    d = folder / f"{task}-{init}-s{seed}"
+def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5):
+    """A run directory as train.py writes it: result.json and metrics.jsonl (drift grows 0, 0.1, 0.2, ...)."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
     d.mkdir(parents=True)
     metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
                "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
     (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
-                                               "metrics": metrics}))
+                                               "metrics": metrics,
+                                               "config": {"readout": readout, "pos_init_std": pos}}))
+    drift = "mask_drift" if init == "mask" else "qk_drift"
     (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m}) + "\n" for i, m in enumerate(masses)))
+        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i]}) + "\n"
+        for i, m in enumerate(masses)))
     return d
 
 
@@ -1428,11 +1577,28 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     names = sorted(os.path.basename(p) for p in written)
     assert names[:2] == ["boolean.md", "persistence.csv"]
     csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
-    assert csv[0] == "task,init,seed,step,mass_mean,mass_layer0,mass_layer1"
-    assert "parity2,qk-opt,0,20,0.30000,0.30000,0.30000" in csv
+    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
+    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
+    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
     assert not any(",default," in line for line in csv)                     # only the prior inits
     assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
     assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
+
+
+def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
+    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
+    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
+        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
+        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
+    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
+    table = train.ablation([str(grid), str(boolean)])
+    assert train.preset_layout("parity2") == ("mean", 0.02)
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
+                                                  ["| mean*", "0.02", "qk-svd"]]
+    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
+    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("ablation.md") for p in written)
 
 
 def _reproduce(*args, env=None):
@@ -1457,6 +1623,15 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
     assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
     assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
+    # the robustness grid: the off-preset cells in ablation/, the preset's own cells are the Boolean runs
+    r = _reproduce("--only", "ablation", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("start", "resume", "skip"))]
+    grid = [line for line in lines if "/ablation/" in line]
+    assert r.returncode == 0 and len(lines) == 30 and len(grid) == 18 and "small preset" in r.stdout
+    assert all("--preset small" in line for line in grid if line.startswith("start"))
+    assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
+    assert any(line.startswith("start") and "parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line
+               for line in grid)
     # missing datasets are named, not fatal
     r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
     assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr

@@ -17,20 +17,24 @@ step, RNG states): `--resume` continues it exactly. Bad input: one line, exit st
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import signal
-import sys
 import time
-from dataclasses import asdict
 
-import numpy as np
-import torch
+STARTED = time.time()       # the process's start, for the wall time the final line prints
 
-import maskprior as mp
-import tasks as T
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import maskprior as mp  # noqa: E402
+import tasks as T  # noqa: E402
 
 INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
 
@@ -44,18 +48,25 @@ DEFAULTS = dict(
     warmup=0, grad_clip=0.0, steps=None, epochs=None,
     pattern=None, mask_on=5.0, mask_off=5.0,
     qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
-    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7,
-    log_every=None, ckpt_every=None, probe_size=512,
+    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None,
+    log_every=None, ckpt_every=None, probe_size=512, eval_points=0,
 )
 
 # Named presets: PRESETS[preset][task kind] then PRESETS[preset][task name] override DEFAULTS.
 PRESETS = {
     "small": {  # sized for a 2-core CPU; chosen so that default sits at the MDI (see README)
-        "boolean": dict(layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5, lr=1e-3, batch_size=128,
-                        schedule="cosine", warmup=100, steps=1500, log_every=250),
-        "parity2": dict(steps=1000),
-        "majority3": dict(steps=1500),
-        "cyclic3": dict(steps=4000, log_every=500),
+        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (1.0 lets the positions break the
+        # mask's symmetry: majority3 4 / 5 seeds, cyclic3 1 / 2; 0.02 lets every init generalise on majority3)
+        "boolean": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5, lr=1e-3,
+                        batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75, eval_points=4096),
+        # parity2 generalises only without a CLS token and with near-zero positions (README: the grid); the QK
+        # inits then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding
+        "parity2": dict(readout="mean", pos_init_std=0.02, layers=2, steps=300, log_every=25,
+                        qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
+        "kparity": dict(readout="mean", pos_init_std=0.02, layers=2, steps=300, log_every=25,
+                        qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
+        # cyclic3: 8,000 steps, as default and qk-svd often have not fitted the seen domain by 4,000
+        "cyclic3": dict(steps=8000, log_every=400),
         "arithmetic": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
                            qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
                            schedule="cosine", warmup=100, steps=600, log_every=100),
@@ -74,7 +85,8 @@ PRESETS = {
     "paper": {  # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "boolean": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256, lr=1e-5, batch_size=256,
                         weight_decay=1e-3, optimizer="adam", schedule="constant", epochs=20, log_every=500),
-        "parity2": dict(epochs=20),
+        "parity2": dict(epochs=20, readout="mean", pos_init_std=0.02, qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
+        "kparity": dict(readout="mean", pos_init_std=0.02, qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
         "majority3": dict(epochs=30),
         "cyclic3": dict(epochs=80, lr=2e-5),
         # ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024 small-image setting)
@@ -97,7 +109,7 @@ PRESETS = {
 }
 
 # Flags that may differ when resuming: they do not change the model, the data or the optimiser.
-RESUMABLE = {"steps", "epochs", "log_every", "ckpt_every", "halt_after", "device", "resume", "amp",
+RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_after", "device", "resume", "amp",
              "sample", "sample_tokens", "temperature", "top_k"}
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
@@ -153,7 +165,8 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--dim", type=int)
     g.add_argument("--head-dim", type=int, help="default dim // heads")
     g.add_argument("--mlp-dim", type=int)
-    g.add_argument("--readout", choices=["cls", "mean"], help="Boolean tasks: CLS token (GOTU) or mean pooling")
+    g.add_argument("--readout", choices=list(T.READOUTS), help="Boolean tasks: a CLS token in front, read out "
+                   "(GOTU), or no CLS token and mean pooling over the bit tokens; the pattern follows the layout")
     g.add_argument("--emb-init-std", type=float, help="std of the token and CLS embeddings (GOTU: 1)")
     g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
     g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
@@ -172,7 +185,10 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--qk-opt-steps", type=int, help="qk-opt Adam steps (at most)")
     g.add_argument("--qk-opt-lr", type=float)
     g.add_argument("--qk-opt-tol", type=float, help="qk-opt stops when 100 steps gain less than this")
+    g.add_argument("--qk-opt-pos-scale", type=float, help="qk-opt: multiply the positional embedding first")
     g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
+    g.add_argument("--eval-points", type=int, help="Boolean tasks: evaluate the log steps on a fixed sample of this "
+                   "many cube points (0 = the whole cube); the final evaluation always uses the whole cube")
     g = p.add_argument_group("vision (cifar10, cifar100, imagenet100)")
     g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with cifar-10-batches-py/)")
     g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)")
@@ -248,6 +264,11 @@ def validate(args, task, explicit: set):
         raise UsageError(f"--epochs must be positive, got {args.epochs}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and task.kind != "boolean"):
+        raise UsageError(f"--eval-points must be >= 0 and applies to the Boolean tasks only, got {args.eval_points}")
+    if args.readout is not None and task.kind != "boolean":
+        what = "--pool" if task.kind == "vision" else "nothing: the model reads every token"
+        raise UsageError(f"--readout applies to the Boolean tasks only; for {args.task} ({task.kind}) use {what}")
     if args.init not in task_inits(task):
         raise UsageError(f"init {args.init!r} does not apply to task {args.task} ({task.kind}); "
                          f"choose from {', '.join(task_inits(task))}")
@@ -281,7 +302,8 @@ def kind_of(task_name: str) -> str:
 def make_task(args):
     try:
         return T.make_task(args.task, n_bits=args.n_bits, bits=args.bits, unseen=args.unseen,
-                           train_size=args.train_size, data_frac=args.data_frac, answer_order=args.answer_order,
+                           train_size=args.train_size, readout=args.readout, data_frac=args.data_frac,
+                           answer_order=args.answer_order,
                            data_dir=args.data_dir, image_size=args.image_size, patch_size=args.patch_size,
                            pool=args.pool, n_heads=args.heads, impulse=args.impulse, mixup=args.mixup,
                            cutmix=args.cutmix, label_smoothing=args.label_smoothing, context=args.context,
@@ -325,7 +347,7 @@ def model_config(args, task, device=torch.device("cpu")):
             pos_init_std=args.pos_init_std)
     return mp.TransformerConfig(
         vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
-        readout=args.readout or arch["readout"], causal=arch.get("causal", False),
+        readout=arch["readout"], causal=arch.get("causal", False),
         n_layers=args.layers, n_heads=args.heads, dim=args.dim, head_dim=args.head_dim, mlp_dim=args.mlp_dim,
         learnable_mask=args.init == "mask", fused=use_fused(args.attention, args.init, device),
         qkv_bias=bool(args.qkv_bias),
@@ -354,7 +376,8 @@ def apply_init(model, task, args) -> dict:
         return mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
                                args.qk_svd_pos_scale, generator=g)
     if args.init == "qk-opt":
-        return mp.init_qk_opt_(model, pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol, generator=g)
+        return mp.init_qk_opt_(model, pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
+                               pos_scale=args.qk_opt_pos_scale, generator=g)
     if args.init == "mimetic":
         return mp.init_mimetic_(model, generator=g)
     if args.init == "impulse":
@@ -475,11 +498,15 @@ def autocast(device, args):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
-def measure(model, task, args, device, snapshot, probe, pattern) -> dict:
-    """Evaluate the task and probe the prior: per-layer mass on the pattern, drift of M and QK."""
+def measure(model, task, args, device, snapshot, probe, pattern, final: bool = False) -> dict:
+    """Evaluate the task and probe the prior: per-layer mass on the pattern, drift of M and QK.
+    A Boolean task's log steps use --eval-points cube points; the final measurement the whole cube."""
     model.eval()
     with autocast(device, args):
-        metrics = task.evaluate(model)
+        if task.kind == "boolean":
+            metrics = task.evaluate(model, points=None if final else args.eval_points)
+        else:
+            metrics = task.evaluate(model)
         mass = mp.prior_mass(model, probe, pattern)
     model.train()
     rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": sum(mass) / len(mass)}
@@ -556,14 +583,17 @@ def run(args, explicit: set) -> int:
     model, cfg = build_model(args, task, device)
     pattern = task.pattern(args.pattern).to(device)
     probe = task.probe_inputs(args.probe_size)
-    os.makedirs(args.out, exist_ok=True)
     args_path, ckpt_path = os.path.join(args.out, "args.json"), os.path.join(args.out, "ckpt.pt")
     metrics_path, result_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "result.json")
 
     if saved is None:
         t0 = time.time()
-        init_report = apply_init(model, task, args)
+        try:
+            init_report = apply_init(model, task, args)
+        except ValueError as e:     # a pattern that does not fit the model: nothing is written
+            raise UsageError(f"--init {args.init}: {e}") from None
         init_report["seconds"] = round(time.time() - t0, 3)
+        os.makedirs(args.out, exist_ok=True)
         model.to(device)
         optimizer = make_optimizer(model, args)
         snapshot = mp.prior_snapshot(model)
@@ -621,7 +651,7 @@ def run(args, explicit: set) -> int:
             step += 1
             steps_done += 1
             if step % args.log_every == 0 or step == total:
-                rec = measure(model, task, args, device, snapshot, probe, pattern)
+                rec = measure(model, task, args, device, snapshot, probe, pattern, final=step == total)
                 now = time.time()
                 rate = steps_done / max(now - t_start, 1e-9)
                 last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
@@ -647,7 +677,7 @@ def run(args, explicit: set) -> int:
 
     elapsed += time.time() - t_start
     if last is None or last["step"] != step:
-        last = {"step": step, **measure(model, task, args, device, snapshot, probe, pattern)}
+        last = {"step": step, **measure(model, task, args, device, snapshot, probe, pattern, final=True)}
     metrics = dict(last["metrics"])
     metrics["prior_mass_start"] = sum(mass_start) / len(mass_start)
     metrics["prior_mass_end"] = last["prior_mass_mean"]
@@ -656,10 +686,11 @@ def run(args, explicit: set) -> int:
               "seconds": round(elapsed, 2), "metrics": metrics, "prior_mass_start_layers": mass_start,
               "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
-              "init_report": init_report, "device": str(device), "torch": torch.__version__,
+              "init_report": init_report, "config": asdict(cfg), "device": str(device), "torch": torch.__version__,
               "params": sum(p.numel() for p in model.parameters())}
     write_json(result_path, result)
-    print(f"done: {fmt_metrics(last, task)} | {fmt_time(elapsed)} | {result_path}", flush=True)
+    print(f"done: {fmt_metrics(last, task)} | training {fmt_time(elapsed)}, {time.time() - STARTED:.1f} s wall "
+          f"since the command started | {result_path}", flush=True)
     return 0
 
 
@@ -738,7 +769,7 @@ def collect_runs(paths) -> tuple[list, list]:
             r = load_json(res)
             if not (isinstance(r["metrics"], dict) and r["task"] and r["init"]):
                 raise ValueError("metrics, task or init missing")
-            runs.append(r)
+            runs.append({**r, "run_dir": d})
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
     return runs, problems
@@ -820,32 +851,41 @@ PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
 def persistence_rows(boolean_dir: str) -> list[dict]:
-    """Per logged step of every mask / qk-svd / qk-opt Boolean run: the attention mass on the
-    pattern (mean over layers, and per layer) from its metrics.jsonl."""
+    """Per logged step of every mask / qk-svd / qk-opt Boolean run, from its metrics.jsonl: the
+    attention mass on the pattern (mean over layers, and per layer) and the drift of the prior
+    itself, mean over layers: relative Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
     rows = []
     runs, _ = collect_runs([boolean_dir])
     for r in runs:
         if r["init"] not in PERSISTENCE_INITS:
             continue
-        log = os.path.join(boolean_dir, f"{r['task']}-{r['init']}-s{r['seed']}", "metrics.jsonl")
+        log = os.path.join(r["run_dir"], "metrics.jsonl")
         if not os.path.exists(log):
             continue
+        drift_key = "mask_drift" if r["init"] == "mask" else "qk_drift"
         with open(log) as f:
             for line in f:
                 rec = json.loads(line)
+                drift = rec.get(drift_key)
                 rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
-                             "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"]})
+                             "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
+                             "drift": sum(drift) / len(drift) if drift else float("nan")})
     rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
     return rows
 
 
+PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative change of the prior itself (bottom: "
+                       "M for mask, Wq Wk^T for qk-svd and qk-opt) over training; mean over seeds, band = min to max")
+
+
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
-    """persistence.csv always; persistence.png when matplotlib is installed. Returns the paths."""
+    """persistence.csv always; persistence.png (mass and drift per task, mean and min-max band over
+    seeds) when matplotlib is installed. Returns the paths written."""
     csv_path = os.path.join(out_dir, "persistence.csv")
     n_layers = max((len(r["layers"]) for r in rows), default=0)
-    lines = ["task,init,seed,step,mass_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
+    lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
     for r in rows:
-        lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},"
+        lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
     write_text(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
@@ -858,21 +898,32 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     tasks = sorted({r["task"] for r in rows})
     if not tasks:
         return written
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False, sharex="col")
     colours = {"mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green"}
-    for ax, task in zip(axes[0], tasks):
+    for col, task in enumerate(tasks):
         for init in PERSISTENCE_INITS:
-            seeds = sorted({r["seed"] for r in rows if r["task"] == task and r["init"] == init})
-            for k, seed in enumerate(seeds):
-                pts = [(r["step"], r["mass"]) for r in rows if (r["task"], r["init"], r["seed"]) == (task, init, seed)]
-                ax.plot(*zip(*pts), color=colours[init], alpha=0.8, lw=1.5, label=init if k == 0 else None)
-        ax.set_title(task)
-        ax.set_xlabel("training step")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("attention mass on the prior pattern")
+            mine = [r for r in rows if r["task"] == task and r["init"] == init]
+            steps = sorted({r["step"] for r in mine})
+            for row, key in ((0, "mass"), (1, "drift")):
+                vals = [[r[key] for r in mine if r["step"] == st and r[key] == r[key]] for st in steps]
+                pts = [(st, v) for st, v in zip(steps, vals) if v]
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                ax = axes[row][col]
+                ax.plot(xs, [sum(v) / len(v) for _, v in pts], color=colours[init], lw=1.8,
+                        label=init if row == 0 else None)
+                ax.fill_between(xs, [min(v) for _, v in pts], [max(v) for _, v in pts], color=colours[init],
+                                alpha=0.2, lw=0)
+        axes[0][col].set_title(task)
+        axes[0][col].set_ylim(0, 1.02)
+        axes[1][col].set_xlabel("training step")
+        for row in (0, 1):
+            axes[row][col].grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention mass on the pattern")
+    axes[1][0].set_ylabel("relative change of the prior\n(M, or Wq Wk^T)")
     axes[0][-1].legend(loc="best")
-    fig.suptitle("Persistence of the prior: mask vs QK initialisations (one line per seed)")
+    fig.suptitle(textwrap.fill(PERSISTENCE_CAPTION, 40 * len(tasks)), fontsize=9)
     fig.tight_layout()
     png = os.path.join(out_dir, "persistence.png")
     tmp = png + f".tmp{os.getpid()}.png"
@@ -880,6 +931,49 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     plt.close(fig)
     os.replace(tmp, png)
     return written + [png]
+
+
+ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
+
+
+def preset_layout(task: str, preset: str = "small") -> tuple:
+    """(readout, positional std) that `preset` gives a Boolean task."""
+    args = resolve(parse_args(["--task", task, "--preset", preset])[0], kind_of(task))
+    return args.readout or "cls", args.pos_init_std
+
+
+def ablation(folders) -> str:
+    """The robustness grid: per Boolean task, a markdown table over readout x positional std x init
+    (mean ± std over seeds of whole-cube accuracy, accuracy and MSE on U, the mean prediction on U,
+    the prior's attention mass at the end), read from the result.json files of the `small`-preset
+    runs under `folders`; rows at the task's own preset are marked."""
+    runs, problems = collect_runs(folders)
+    groups = {}
+    for r in runs:
+        if r.get("preset", "small") != "small" or r.get("kind", "boolean") != "boolean":
+            continue
+        c = r.get("config") or {}
+        groups.setdefault(r["task"], {}).setdefault((c.get("readout"), c.get("pos_init_std"), r["init"]), []).append(r)
+    order = {name: i for i, name in enumerate(ABLATION_INITS)}
+    out = []
+    for task in sorted(groups):
+        mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
+        layout = preset_layout(task)
+        out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
+        out.append("| readout | pos std | init | seeds | acc % | acc on U % | MSE on U | mean prediction on U | "
+                   "prior mass end |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, order.get(k[2], 99))):
+            readout, pos, init = key
+            rs = sorted(groups[task][key], key=lambda r: r["seed"])
+            ms = [r["metrics"] for r in rs]
+            star = "*" if (readout, pos) == layout else ""
+            out.append(f"| {readout}{star} | {pos} | {init} | {','.join(str(r['seed']) for r in rs)} | "
+                       f"{_pct('acc')(ms)} | {_pct('acc_unseen')(ms)} | {_num('mse_unseen')(ms)} | "
+                       f"{_num('pred_unseen')(ms)} | {_num('prior_mass_end')(ms)} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    return "\n".join(out).strip() + "\n"
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
@@ -897,7 +991,16 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
         path = os.path.join(out_dir, f"{table}.md")
         write_text(path, text)
         written.append(path)
-    boolean = os.path.join(runs_dir, "boolean")
+    grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
+    if os.path.isdir(grid):
+        folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
+        text = (f"# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` preset\n\n"
+                f"Runs: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std over seeds; accuracy "
+                f"over the whole cube (exact match for cyclic3); made by `python train.py report {runs_dir} "
+                f"{out_dir}`.\n\n{ablation(folders)}")
+        path = os.path.join(out_dir, "ablation.md")
+        write_text(path, text)
+        written.append(path)
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir)
     return written
