@@ -506,12 +506,15 @@ class ArithmeticTask:
             seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
         return seq[:, self.eq_pos + 1:]
 
-    def evaluate(self, model, batch_size: int = 2500) -> dict:
-        preds = torch.cat([self.generate(model, self.test_seq[i:i + batch_size, :self.eq_pos + 1])
-                           for i in range(0, len(self.test_seq), batch_size)])
-        ok = preds == self.test_seq[:, self.eq_pos + 1:]
+    def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
+        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0)
+        on the first n of them (a random draw, like the whole test set); `eval_points` says which."""
+        test = self.test_seq[:points] if points and points < len(self.test_seq) else self.test_seq
+        preds = torch.cat([self.generate(model, test[i:i + batch_size, :self.eq_pos + 1])
+                           for i in range(0, len(test), batch_size)])
+        ok = preds == test[:, self.eq_pos + 1:]
         return {"seq_acc": float(ok.all(1).float().mean()), "digit_acc": float(ok.float().mean()),
-                "n_train": self.n_train}
+                "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
 
 def _epoch_indices(task, n: int, step: int, batch_size: int) -> torch.Tensor:

@@ -496,6 +496,17 @@ def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
     assert last["digit_acc"] > first["digit_acc"] + 0.15 and 0 <= last["seq_acc"] <= 1
     res = json.load(open(os.path.join(out, "result.json")))
     assert {"seq_acc", "digit_acc", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    assert first["eval_points"] == 2000 and last["eval_points"] == res["metrics"]["eval_points"] == 0
+
+
+def test_arithmetic_eval_points_are_the_first_test_pairs():
+    task = T.make_task("addition").setup(0)
+    torch.manual_seed(0)
+    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    part, full = task.evaluate(model, points=100), task.evaluate(model)
+    assert part["eval_points"] == 100 and full["eval_points"] == 0
+    preds = task.generate(model, task.test_seq[:100, :task.eq_pos + 1])
+    assert part["digit_acc"] == pytest.approx(float((preds == task.test_seq[:100, task.eq_pos + 1:]).float().mean()))
 
 
 @pytest.mark.parametrize("frac,needle", [("0", "must be in (0, 1]"), ("1.5", "must be in (0, 1]"),
@@ -1405,7 +1416,7 @@ def test_resume_is_exact(tmp_path):
     (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
     (["--readout", "tokens"], "invalid choice: 'tokens'"),
     (["--task", "addition", "--readout", "mean"], "--readout applies to the Boolean tasks only"),
-    (["--task", "addition", "--eval-points", "100"], "--eval-points must be >= 0 and applies to the Boolean"),
+    (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies to the Boolean and arithmetic"),
     (["--eval-points", "-1"], "--eval-points must be >= 0"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, argv, needle):

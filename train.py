@@ -70,7 +70,7 @@ PRESETS = {
         "cyclic3": dict(steps=8000, log_every=400),
         "arithmetic": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
                            qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
-                           schedule="cosine", warmup=100, steps=600, log_every=100),
+                           schedule="cosine", warmup=100, steps=600, log_every=100, eval_points=2000),
         "vision": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
                        pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
                        batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
@@ -188,8 +188,8 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--qk-opt-tol", type=float, help="qk-opt stops when 100 steps gain less than this")
     g.add_argument("--qk-opt-pos-scale", type=float, help="qk-opt: multiply the positional embedding first")
     g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
-    g.add_argument("--eval-points", type=int, help="Boolean tasks: evaluate the log steps on a fixed sample of this "
-                   "many cube points (0 = the whole cube); the final evaluation always uses the whole cube")
+    g.add_argument("--eval-points", type=int, help="Boolean and arithmetic tasks: evaluate the log steps on a fixed "
+                   "sample of this many cube points or test pairs (0 = all); the final evaluation uses all of them")
     g = p.add_argument_group("vision (cifar10, cifar100, imagenet100)")
     g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with cifar-10-batches-py/)")
     g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)")
@@ -265,8 +265,9 @@ def validate(args, task, explicit: set):
         raise UsageError(f"--epochs must be positive, got {args.epochs}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
-    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and task.kind != "boolean"):
-        raise UsageError(f"--eval-points must be >= 0 and applies to the Boolean tasks only, got {args.eval_points}")
+    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and task.kind not in EVAL_POINTS):
+        raise UsageError(f"--eval-points must be >= 0 and applies to the Boolean and arithmetic tasks only, "
+                         f"got {args.eval_points}")
     if args.readout is not None and task.kind != "boolean":
         what = "--pool" if task.kind == "vision" else "nothing: the model reads every token"
         raise UsageError(f"--readout applies to the Boolean tasks only; for {args.task} ({task.kind}) use {what}")
@@ -499,12 +500,16 @@ def autocast(device, args):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
+EVAL_POINTS = ("boolean", "arithmetic")     # task kinds whose log steps may evaluate a sample (--eval-points)
+
+
 def measure(model, task, args, device, snapshot, probe, pattern, final: bool = False) -> dict:
     """Evaluate the task and probe the prior: per-layer mass on the pattern, drift of M and QK.
-    A Boolean task's log steps use --eval-points cube points; the final measurement the whole cube."""
+    Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs; the
+    final measurement always uses the whole test set."""
     model.eval()
     with autocast(device, args):
-        if task.kind == "boolean":
+        if task.kind in EVAL_POINTS:
             metrics = task.evaluate(model, points=None if final else args.eval_points)
         else:
             metrics = task.evaluate(model)
