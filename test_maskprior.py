@@ -1586,7 +1586,7 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
     written = train.report(str(runs), str(tmp_path / "results"))
     names = sorted(os.path.basename(p) for p in written)
-    assert names[:2] == ["boolean.md", "persistence.csv"]
+    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
     csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
     assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
     assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
@@ -1659,3 +1659,57 @@ def test_ci_runs_the_readme_test_command():
     first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
     assert first_block[0] == ci and len(first_block) == 2
     assert first_block[1].startswith("python train.py --task")
+
+
+def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag=""):
+    """A run directory with args.json and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
+                                             "steps": steps, "log_every": log_every, "lr": 1e-3}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
+                                                         "prior_mass_mean": 0.9}) + "\n"
+                                             for i, m in enumerate(curve)))
+    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
+                                               "steps": steps, "metrics": curve[-1]}))
+    return d
+
+
+def test_learning_curves_and_steps_to_target(tmp_path):
+    runs = tmp_path / "runs"
+    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
+    for seed in (0, 1):
+        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
+        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
+    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
+    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
+               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
+    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
+    written = train.report(str(runs), str(tmp_path / "res"))
+    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
+    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert csv[0] == "task,config,init,seed,step,metric,value"
+    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
+    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
+            if line.startswith("| addition") or line.startswith("| parity2")]
+    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
+    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
+    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
+    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
+    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
+
+
+def test_mixed_configurations_are_never_averaged(tmp_path):
+    folder = tmp_path / "runs" / "arithmetic"
+    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
+    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
+    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
+    runs, _ = train.collect_runs([str(folder)])
+    groups, notes = train.config_groups(runs)
+    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
+                                                    "log_every=20, steps=50"]
+    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
+                     "its own, never averaged together"]
+    table = train.summarize([str(folder)])
+    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
+    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three

@@ -6,7 +6,7 @@
     python train.py --task addition --init mask --seed 2
     python train.py --task cifar10 --data-dir data/ --init impulse
     python train.py summarize runs/          # a markdown table of finished runs
-    python train.py report runs/quick results/quick   # results/*.md tables and the persistence curves
+    python train.py report runs/quick results/quick   # results/*.md tables, learning and persistence curves
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
     python train.py make-wikitext data/text FILE...   # any English text in WikiText-2's layout
 
@@ -62,9 +62,9 @@ PRESETS = {
         # parity2 generalises only without a CLS token and with near-zero positions (README: the grid); the QK
         # inits then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding. 600 steps:
         # default fits the seen domain at step 200-300 (the mask generalises by step 150)
-        "parity2": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=50,
+        "parity2": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=25,
                         qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
-        "kparity": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=50,
+        "kparity": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=25,
                         qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
         # cyclic3: 8,000 steps, as default and qk-svd often have not fitted the seen domain by 4,000
         "cyclic3": dict(steps=8000, log_every=400),
@@ -79,9 +79,10 @@ PRESETS = {
         "lm": dict(layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True,
                    context=64, val_tokens=10_000, dropout=0.1, optimizer="adamw", lr=1e-3, weight_decay=0.1,
                    betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0,
-                   log_every=50),
-        "addition": dict(steps=600, log_every=100),
-        "multiplication": dict(steps=3000, log_every=500),
+                   log_every=20),
+        # log often enough for a learning curve: at least ~20 points per run (logging never changes training)
+        "addition": dict(steps=600, log_every=25),
+        "multiplication": dict(steps=3000, log_every=150),
     },
     "paper": {  # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "boolean": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256, lr=1e-5, batch_size=256,
@@ -824,19 +825,21 @@ def summarize(paths) -> str:
     """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's
     attention mass at start and end, and the paper's number beside ours."""
     runs, problems = collect_runs(paths)
+    configs, notes = config_groups(runs)
     groups = {}
-    for r in runs:
-        groups.setdefault(r["task"], {}).setdefault(r["init"], []).append(r)
-    out = []
+    for (task, label), rs in configs.items():
+        for r in rs:
+            groups.setdefault((task, label), {}).setdefault(r["init"], []).append(r)
+    out = [f"- {n}" for n in notes]
     order = {name: i for i, name in enumerate(INITS)}
-    for task in sorted(groups):
-        kind = next(iter(groups[task].values()))[0].get("kind", "boolean")
+    for task, label in groups:
+        kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
         cols = COLUMNS.get(kind, COLUMNS["boolean"])
-        out.append(f"\n**{task}**\n")
+        out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
         out.append("| init | seeds | " + " | ".join(h for h, _ in cols) + " | paper % |")
         out.append("|---|---|" + "---|" * len(cols) + "---|")
-        for init in sorted(groups[task], key=lambda i: order.get(i, 99)):
-            rs = sorted(groups[task][init], key=lambda r: r["seed"])
+        for init in sorted(groups[(task, label)], key=lambda i: order.get(i, 99)):
+            rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
             cells = [f(ms) for _, f in cols]
             out.append(f"| {init} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
@@ -857,6 +860,35 @@ TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-d
 PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
+def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int) -> str:
+    """Save a figure atomically (a temporary file, then a rename) and close it; returns path."""
+    tmp = path + f".tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=dpi)
+    pyplot().close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def log_records(run: dict) -> list[dict]:
+    """The records of a run's metrics.jsonl (one per logged step), or [] when it has none."""
+    path = os.path.join(run["run_dir"], "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def persistence_rows(boolean_dir: str) -> list[dict]:
     """Per logged step of every mask / qk-svd / qk-opt Boolean run, from its metrics.jsonl: the
     attention mass on the pattern (mean over layers, and per layer) and the drift of the prior
@@ -866,17 +898,12 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
     for r in runs:
         if r["init"] not in PERSISTENCE_INITS:
             continue
-        log = os.path.join(r["run_dir"], "metrics.jsonl")
-        if not os.path.exists(log):
-            continue
         drift_key = "mask_drift" if r["init"] == "mask" else "qk_drift"
-        with open(log) as f:
-            for line in f:
-                rec = json.loads(line)
-                drift = rec.get(drift_key)
-                rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
-                             "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
-                             "drift": sum(drift) / len(drift) if drift else float("nan")})
+        for rec in log_records(r):
+            drift = rec.get(drift_key)
+            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
+                         "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
+                         "drift": sum(drift) / len(drift) if drift else float("nan")})
     rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
     return rows
 
@@ -896,11 +923,8 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
     write_text(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return written
     tasks = sorted({r["task"] for r in rows})
     if not tasks:
@@ -932,12 +956,7 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     axes[0][-1].legend(loc="best")
     fig.suptitle(textwrap.fill(PERSISTENCE_CAPTION, 40 * len(tasks)), fontsize=9)
     fig.tight_layout()
-    png = os.path.join(out_dir, "persistence.png")
-    tmp = png + f".tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, png)
-    return written + [png]
+    return written + [save_figure(fig, os.path.join(out_dir, "persistence.png"), dpi=120)]
 
 
 ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
@@ -983,6 +1002,193 @@ def ablation(folders) -> str:
     return "\n".join(out).strip() + "\n"
 
 
+# Learning curves and steps to target: each run's headline metric at every logged step
+
+# Headline metrics by task kind: (metric key, label, higher is better).
+CURVE_METRICS = {
+    "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
+    "arithmetic": (("seq_acc", "sequence accuracy", True),),
+    "vision": (("top1", "top-1", True),),
+    "lm": (("val_ppl", "validation perplexity", False),),
+}
+# Flags that leave a run's curve unchanged (where and how it ran, which run it is): runs that differ only in
+# these (and in init and seed) are one configuration; any other difference draws them apart.
+NOT_CONFIG = {"init", "seed", "out", "resume", "device", "amp", "ckpt_every", "halt_after", "attention",
+              "data_dir", "sample", "sample_tokens", "temperature", "top_k"}
+INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green",
+                "mimetic": "tab:purple", "impulse": "tab:orange"}
+
+
+def run_config(run: dict) -> dict:
+    """The flags that define a run's configuration (args.json minus NOT_CONFIG); the model config
+    of result.json where args.json is missing."""
+    path = os.path.join(run["run_dir"], "args.json")
+    args = load_json(path) if os.path.exists(path) else dict(run.get("config") or {}, steps=run.get("steps"))
+    return {k: v for k, v in args.items() if k not in NOT_CONFIG}
+
+
+def config_groups(runs: list) -> tuple[dict, list]:
+    """Split runs by task, then by configuration. Returns ({(task, label): runs}, notes): label is ""
+    when a task has one configuration, else the flags that tell its configurations apart
+    ("steps=250"), and a note names each such mix in one line."""
+    by_task, notes, groups = {}, [], {}
+    for r in runs:
+        by_task.setdefault(r["task"], []).append((r, run_config(r)))
+    for task in sorted(by_task):
+        configs = []
+        for r, c in by_task[task]:
+            for known in configs:
+                if known[0] == c:
+                    known[1].append(r)
+                    break
+            else:
+                configs.append((c, [r]))
+        if len(configs) == 1:
+            groups[(task, "")] = configs[0][1]
+            continue
+        keys = sorted({k for c, _ in configs for k in c} - {"preset"} | {"preset"})
+        differ = [k for k in keys if len({json.dumps(c.get(k)) for c, _ in configs}) > 1]
+        configs.sort(key=lambda cr: [json.dumps(cr[0].get(k)) for k in differ])
+        for c, rs in configs:
+            groups[(task, ", ".join(f"{k}={c.get(k)}" for k in differ))] = rs
+        notes.append(f"{task}: {len(configs)} configurations differing in {', '.join(differ)}; each is drawn "
+                     f"and tabulated on its own, never averaged together")
+    return groups, notes
+
+
+def curve_points(run: dict) -> dict:
+    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics."""
+    keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
+    points = {k: [] for k in keys}
+    for rec in log_records(run):
+        for k in keys:
+            v = (rec.get("metrics") or {}).get(k)
+            if v is not None and v == v:
+                points[k].append((rec["step"], float(v)))
+    return points
+
+
+def write_curves(groups: dict, out_dir: str) -> list[str]:
+    """curves.csv (one row per run, logged step and headline metric) always; curves.png (per task and
+    configuration, each headline metric against the step: mean over seeds per init, band = min to
+    max) when matplotlib is installed. Returns the paths written."""
+    lines = ["task,config,init,seed,step,metric,value"]
+    panels = []          # (title, metric key, label, {init: {step: [values]}})
+    for (task, label), rs in groups.items():
+        kind = rs[0].get("kind", "boolean")
+        per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
+        for r in sorted(rs, key=lambda r: (INITS.index(r["init"]) if r["init"] in INITS else 99, r["seed"])):
+            for k, pts in curve_points(r).items():
+                for step, v in pts:
+                    lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
+                    per_metric[k].setdefault(r["init"], {}).setdefault(step, []).append(v)
+        for k, name, _ in CURVE_METRICS.get(kind, ()):
+            if per_metric[k]:
+                panels.append((task + (f"\n{label}" if label else ""), k, name, per_metric[k]))
+    csv_path = os.path.join(out_dir, "curves.csv")
+    write_text(csv_path, "\n".join(lines) + "\n")
+    written = [csv_path]
+    plt = pyplot()
+    if plt is None:
+        return written
+    if not panels:
+        return written
+    titles = list(dict.fromkeys(p[0] for p in panels))           # one row per task and configuration
+    cols = max(sum(p[0] == t for p in panels) for t in titles)
+    fig, axes = plt.subplots(len(titles), cols, figsize=(4.4 * cols, 3.2 * len(titles)), squeeze=False)
+    used = {t: 0 for t in titles}
+    for title, key, name, by_init in panels:
+        ax = axes[titles.index(title)][used[title]]
+        used[title] += 1
+        for init, by_step in by_init.items():
+            steps = sorted(by_step)
+            vals = [by_step[s] for s in steps]
+            scale = 100.0 if key in ("acc_unseen", "seq_acc", "top1") else 1.0
+            colour = INIT_COLOURS.get(init)
+            ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init)
+            ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
+                            alpha=0.2, lw=0)
+        if key in ("mse", "val_ppl"):
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(name + (" %" if key in ("acc_unseen", "seq_acc", "top1") else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for t in titles:
+        for ax in axes[titles.index(t)][used[t]:]:
+            ax.axis("off")
+    fig.suptitle("Headline metric against the training step; mean over seeds, band = min to max", fontsize=9)
+    fig.tight_layout()
+    return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
+
+
+def first_step(run: dict, target: list):
+    """The first logged step at which every (metric, threshold, higher is better) of target holds, or None."""
+    for rec in log_records(run):
+        m = rec.get("metrics") or {}
+        if all(k in m and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
+            return rec["step"]
+    return None
+
+
+def targets_for(kind: str, runs: list) -> list:
+    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind: arithmetic
+    50% and 90% sequence accuracy; Boolean 99% on U together with 99% on the seen domain (an
+    untrained model can score 100% on U by its constant sign); vision (LM) the default init's final
+    top-1 (perplexity), mean over its seeds."""
+    if kind == "arithmetic":
+        return [("seq acc 50%", [("seq_acc", 0.5, True)]), ("seq acc 90%", [("seq_acc", 0.9, True)])]
+    if kind == "boolean":
+        return [("99% on U and on the seen domain", [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
+    key, higher = ("top1", True) if kind == "vision" else ("val_ppl", False)
+    finals = [r["metrics"][key] for r in runs if r["init"] == "default" and key in r["metrics"]]
+    if not finals:
+        return []
+    t = sum(finals) / len(finals)
+    desc = f"default's final top-1, {100 * t:.2f}%" if higher else f"default's final val ppl, {t:.2f}"
+    return [(desc, [(key, t, higher)])]
+
+
+def steps_to_target(groups: dict) -> str:
+    """Markdown: per task (and configuration), target and init, the first logged step at which the
+    headline metric reaches the target (mean ± std over the seeds that reach it, how many do), and
+    the ratio default / mask of the mean steps; where default never reaches it and the mask always
+    does, the ratio is a lower bound (default's total steps / the mask's mean)."""
+    out = ["| task | target | init | seeds | reached | step to target | log every | default / mask |",
+           "|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(INITS)}
+    for (task, label), rs in groups.items():
+        name = task + (f" ({label})" if label else "")
+        log_every = run_config(rs[0]).get("log_every", "")
+        by_init = {}
+        for r in sorted(rs, key=lambda r: r["seed"]):
+            by_init.setdefault(r["init"], []).append(r)
+        for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
+            found = {init: [first_step(r, target) for r in by_init[init]]
+                     for init in sorted(by_init, key=lambda i: order.get(i, 99))}
+            ratio = ""
+            ms, ds = found.get("mask"), found.get("default")
+            if ms and ds and all(s is not None for s in ms) and sum(ms) > 0:
+                m = sum(ms) / len(ms)
+                if all(s is not None for s in ds):
+                    ratio = f"{sum(ds) / len(ds) / m:.1f}"
+                elif all(s is None for s in ds):
+                    ratio = f"> {max(r.get('steps') or 0 for r in by_init['default']) / m:.1f}"
+            for init, steps in found.items():
+                hit = [s for s in steps if s is not None]
+                if hit:
+                    mu = sum(hit) / len(hit)
+                    sd = (sum((h - mu) ** 2 for h in hit) / (len(hit) - 1)) ** 0.5 if len(hit) > 1 else 0.0
+                    cell = f"{mu:.0f} ± {sd:.0f}"
+                else:
+                    cell = "not reached"
+                seeds = ",".join(str(r["seed"]) for r in by_init[init])
+                out.append(f"| {name} | {desc} | {init} | {seeds} | {len(hit)}/{len(steps)} | {cell} | {log_every} | "
+                           f"{ratio if init == 'mask' else ''} |")
+    return "\n".join(out) + "\n"
+
+
 def report(runs_dir: str, out_dir: str) -> list[str]:
     """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
     paper's number beside ours), and the persistence curves of the Boolean runs. Unfinished or
@@ -1010,6 +1216,20 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
         written.append(path)
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir)
+    folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
+    if folders:
+        groups, notes = config_groups(collect_runs(folders)[0])
+        written += write_curves(groups, out_dir)
+        text = (f"# Steps to target\n\nThe first logged step at which each run's headline metric reaches the "
+                f"target (mean ± std over the seeds that reach it; the resolution is the log interval; log steps of "
+                f"Boolean and arithmetic runs are measured on `--eval-points` points, the last on the whole test "
+                f"set). default / mask is the ratio of the mean steps: how many times faster the mask gets there; "
+                f"'> x' where default never does within its steps. Runs: {', '.join(f'`{f}`' for f in folders)}; "
+                f"made by `python train.py report {runs_dir} {out_dir}`; the curves are `curves.csv` and "
+                f"`curves.png`.\n\n" + "".join(f"- {n}\n" for n in notes) + "\n" + steps_to_target(groups))
+        path = os.path.join(out_dir, "steps_to_target.md")
+        write_text(path, text)
+        written.append(path)
     return written
 
 
