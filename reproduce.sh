@@ -14,7 +14,7 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  arithmetic (addition, multiplication), vision (CIFAR-10, CIFAR-100,
                  ImageNet-100), language modelling (WikiText-2, TinyStories)
   --quick        a CPU-sized version: the Boolean tasks and addition at the `small`
-                 presets, 3 seeds, 2 runs at a time (about 50 minutes on 2 cores)
+                 presets, 3 seeds, 2 runs at a time (47 minutes on an idle 2-core CPU)
   --only TABLE   one of: boolean arithmetic vision lm persistence ablation (persistence
                  only aggregates the Boolean runs already made)
   --only ablation  the robustness grid, never part of the default or --quick run: each
