@@ -783,12 +783,13 @@ def collect_runs(paths) -> tuple[list, list]:
     return runs, problems
 
 
-def mean_std(values) -> str:
+def mean_std(values, digits: int = 2) -> str:
+    """"mean ± sample std" of the values with `digits` decimals ("" for none; std 0 for one)."""
     if not values:
         return ""
     m = sum(values) / len(values)
     s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return f"{m:.2f} ± {s:.2f}"
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def _pct(key):
@@ -881,6 +882,20 @@ def save_figure(fig, path: str, dpi: int) -> str:
     return path
 
 
+INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green",
+                "mimetic": "tab:purple", "impulse": "tab:orange"}
+
+
+def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1.0) -> None:
+    """Draw {step: [values over seeds]} as the mean line with a min-to-max band, in the init's colour."""
+    steps = sorted(by_step)
+    vals = [by_step[st] for st in steps]
+    colour = INIT_COLOURS.get(init)
+    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init if label else None)
+    ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
+                    alpha=0.2, lw=0)
+
+
 def log_records(run: dict) -> list[dict]:
     """The records of a run's metrics.jsonl (one per logged step), or [] when it has none."""
     path = os.path.join(run["run_dir"], "metrics.jsonl")
@@ -931,22 +946,15 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     if not tasks:
         return written
     fig, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False, sharex="col")
-    colours = {"mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green"}
     for col, task in enumerate(tasks):
         for init in PERSISTENCE_INITS:
-            mine = [r for r in rows if r["task"] == task and r["init"] == init]
-            steps = sorted({r["step"] for r in mine})
             for row, key in ((0, "mass"), (1, "drift")):
-                vals = [[r[key] for r in mine if r["step"] == st and r[key] == r[key]] for st in steps]
-                pts = [(st, v) for st, v in zip(steps, vals) if v]
-                if not pts:
-                    continue
-                xs = [p[0] for p in pts]
-                ax = axes[row][col]
-                ax.plot(xs, [sum(v) / len(v) for _, v in pts], color=colours[init], lw=1.8,
-                        label=init if row == 0 else None)
-                ax.fill_between(xs, [min(v) for _, v in pts], [max(v) for _, v in pts], color=colours[init],
-                                alpha=0.2, lw=0)
+                by_step = {}
+                for r in rows:
+                    if r["task"] == task and r["init"] == init and r[key] == r[key]:     # drift may be NaN
+                        by_step.setdefault(r["step"], []).append(r[key])
+                if by_step:
+                    plot_band(axes[row][col], by_step, init, label=row == 0)
         axes[0][col].set_title(task)
         axes[0][col].set_ylim(0, 1.02)
         axes[1][col].set_xlabel("training step")
@@ -1016,10 +1024,6 @@ CURVE_METRICS = {
 # these (and in init and seed) are one configuration; any other difference draws them apart.
 NOT_CONFIG = {"init", "seed", "out", "resume", "device", "amp", "ckpt_every", "halt_after", "attention",
               "data_dir", "sample", "sample_tokens", "temperature", "top_k"}
-INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green",
-                "mimetic": "tab:purple", "impulse": "tab:orange"}
-
-
 def run_config(run: dict) -> dict:
     """The flags that define a run's configuration (args.json minus NOT_CONFIG); the model config
     of result.json where args.json is missing."""
@@ -1047,7 +1051,7 @@ def config_groups(runs: list) -> tuple[dict, list]:
         if len(configs) == 1:
             groups[(task, "")] = configs[0][1]
             continue
-        keys = sorted({k for c, _ in configs for k in c} - {"preset"} | {"preset"})
+        keys = sorted({k for c, _ in configs for k in c})
         differ = [k for k in keys if len({json.dumps(c.get(k)) for c, _ in configs}) > 1]
         configs.sort(key=lambda cr: [json.dumps(cr[0].get(k)) for k in differ])
         for c, rs in configs:
@@ -1102,13 +1106,7 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
         ax = axes[titles.index(title)][used[title]]
         used[title] += 1
         for init, by_step in by_init.items():
-            steps = sorted(by_step)
-            vals = [by_step[s] for s in steps]
-            scale = 100.0 if key in ("acc_unseen", "seq_acc", "top1") else 1.0
-            colour = INIT_COLOURS.get(init)
-            ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init)
-            ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
-                            alpha=0.2, lw=0)
+            plot_band(ax, by_step, init, scale=100.0 if key in ("acc_unseen", "seq_acc", "top1") else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
@@ -1124,9 +1122,10 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
 
 
-def first_step(run: dict, target: list):
-    """The first logged step at which every (metric, threshold, higher is better) of target holds, or None."""
-    for rec in log_records(run):
+def first_step(records: list, target: list):
+    """The first logged step (of a run's `log_records`) at which every (metric, threshold, higher is
+    better) of target holds, or None."""
+    for rec in records:
         m = rec.get("metrics") or {}
         if all(k in m and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
             return rec["step"]
@@ -1162,11 +1161,12 @@ def steps_to_target(groups: dict) -> str:
     for (task, label), rs in groups.items():
         name = task + (f" ({label})" if label else "")
         log_every = run_config(rs[0]).get("log_every", "")
-        by_init = {}
+        by_init, records = {}, {}
         for r in sorted(rs, key=lambda r: r["seed"]):
             by_init.setdefault(r["init"], []).append(r)
+            records[r["run_dir"]] = log_records(r)
         for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
-            found = {init: [first_step(r, target) for r in by_init[init]]
+            found = {init: [first_step(records[r["run_dir"]], target) for r in by_init[init]]
                      for init in sorted(by_init, key=lambda i: order.get(i, 99))}
             ratio = ""
             ms, ds = found.get("mask"), found.get("default")
@@ -1178,12 +1178,7 @@ def steps_to_target(groups: dict) -> str:
                     ratio = f"> {max(r.get('steps') or 0 for r in by_init['default']) / m:.1f}"
             for init, steps in found.items():
                 hit = [s for s in steps if s is not None]
-                if hit:
-                    mu = sum(hit) / len(hit)
-                    sd = (sum((h - mu) ** 2 for h in hit) / (len(hit) - 1)) ** 0.5 if len(hit) > 1 else 0.0
-                    cell = f"{mu:.0f} ± {sd:.0f}"
-                else:
-                    cell = "not reached"
+                cell = mean_std(hit, digits=0) if hit else "not reached"
                 seeds = ",".join(str(r["seed"]) for r in by_init[init])
                 out.append(f"| {name} | {desc} | {init} | {seeds} | {len(hit)}/{len(steps)} | {cell} | {log_every} | "
                            f"{ratio if init == 'mask' else ''} |")
