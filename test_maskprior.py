@@ -1507,10 +1507,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
     torch.manual_seed(0)
-    attn = mp.Attention(128, 2, mask_size=70, causal=causal).cuda()     # N not a multiple of 8 on purpose
+    # sequence length not a multiple of 8 on purpose; a causal layer reads a prefix of its M, others all of it
+    n, t = (70, 67) if causal else (67, 67)
+    attn = mp.Attention(128, 2, mask_size=n, causal=causal).cuda()
     with torch.no_grad():
-        attn.mask_logits.copy_(torch.randn(2, 70, 70, device="cuda") * 4)
-    x = torch.randn(4, 67, 128, device="cuda", requires_grad=True)
+        attn.mask_logits.copy_(torch.randn(2, n, n, device="cuda") * 4)
+    x = torch.randn(4, t, 128, device="cuda", requires_grad=True)
     res = []
     for fused in (True, False):
         attn.fused = fused
