@@ -730,6 +730,36 @@ def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) ->
 
 
 @torch.no_grad()
+def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
+    """Per layer: by how many nats the content logits (q.k / sqrt(d), the layer's bias taken
+    out) favour the visible keys off `pattern` over those on it, log sum_off exp(c) - log
+    sum_on exp(c), averaged over the constrained rows (`prior_rows`), heads and batch. Read from
+    the attention map a = softmax(c + bias): c = log a - bias up to a per-row constant. With
+    a bias of b_on on the pattern and b_off off it, a row's off/on mass ratio is
+    exp(margin - (b_on - b_off)): the prior holds the majority while the margin stays below
+    its gap (about m_off for a `mask` at m_on = 5)."""
+    _, maps = model(inputs, return_attn=True)
+    layers = attention_layers(model)
+    causal = layers[0].causal
+    n = maps[0].shape[-1]
+    if causal and n < pattern.shape[-1]:
+        pattern = pattern[..., :n, :n]
+    rows = prior_rows(pattern, causal).to(maps[0].device)
+    on = pattern.to(maps[0].device)
+    off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(on.device)
+    out = []
+    for attn, a in zip(layers, maps):
+        c = a.float().clamp_min(1e-30).log()
+        bias = attn.attn_bias(n, torch.float32, a.device)
+        if bias is not None:
+            c = c - bias.nan_to_num(neginf=0.0)                  # future keys (causal) are left out below
+        margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
+        margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
+        out.append(float(margin[margin.isfinite()].mean()))
+    return out
+
+
+@torch.no_grad()
 def prior_snapshot(model: nn.Module) -> list[dict]:
     """Per layer: a copy of M (if any) and of the per-head Wq Wk^T products (H, dim, dim)."""
     snap = []

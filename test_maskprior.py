@@ -1566,7 +1566,8 @@ def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), 
                                                "config": {"readout": readout, "pos_init_std": pos}}))
     drift = "mask_drift" if init == "mask" else "qk_drift"
     (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i]}) + "\n"
+        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
+                    "content_margin": [i, 2 * i]}) + "\n"
         for i, m in enumerate(masses)))
     return d
 
@@ -1625,8 +1626,21 @@ def test_reproduce_help_and_dry_run(tmp_path):
     runs = tmp_path / "runs"
     r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 48 and not runs.exists()
+    assert r.returncode == 0 and len(starts) == 54 and not runs.exists()
     assert all("--preset small" in line for line in starts)
+    short = [line for line in starts if "-250steps " in line]      # addition at the paper's regime, 4 inits x 3
+    assert len(short) == 12 and all("--steps 250 --log-every 10 --eval-points 500" in line for line in short)
+    assert not any("multiplication" in line for line in starts)
+    r = _reproduce("--quick", "--dry-run", "--only", "arithmetic", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert len(starts) == 16 and sum("multiplication-" in line and "-250steps " in line for line in starts) == 4
+    assert sum("addition-qk-svd-s0 " in line for line in starts) == 1          # every init at convergence too
+    # data efficiency: default and mask at four fractions in data/, the 0.4% runs are the arithmetic table's
+    r = _reproduce("--only", "data", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 10 and "small preset" in r.stdout
+    assert sum("/data/addition-mask-s0-frac0.0005 " in line and "--data-frac 0.0005" in line for line in starts) == 1
+    assert sum("/arithmetic/addition-" in line and "--data-frac" not in line for line in starts) == 2
     # a finished run is skipped, an interrupted one resumed
     _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
     (runs / "boolean" / "parity2-default-s0").mkdir()
@@ -1663,12 +1677,12 @@ def test_ci_runs_the_readme_test_command():
     assert first_block[1].startswith("python train.py --task")
 
 
-def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag=""):
-    """A run directory with args.json and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
+def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
+    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
     d = folder / f"{task}-{init}-s{seed}{tag}"
     d.mkdir(parents=True)
     (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
-                                             "steps": steps, "log_every": log_every, "lr": 1e-3}))
+                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
                                                          "prior_mass_mean": 0.9}) + "\n"
                                              for i, m in enumerate(curve)))
@@ -1715,3 +1729,72 @@ def test_mixed_configurations_are_never_averaged(tmp_path):
     table = train.summarize([str(folder)])
     assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
     assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
+
+
+def test_data_efficiency_table(tmp_path):
+    runs = tmp_path / "runs"
+    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
+           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
+    for (init, n), accs in acc.items():
+        for seed, a in enumerate(accs):
+            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
+            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
+                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
+            else:
+                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
+    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
+    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
+               steps=250, tag="-250steps", data_frac=None)
+    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
+    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
+               data_frac=None)
+    written = train.report(str(runs), str(tmp_path / "res"))
+    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
+    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
+    text = (tmp_path / "res" / "data_efficiency.md").read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
+    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
+    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
+    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
+    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
+    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
+
+
+def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
+        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
+    train.report(str(runs), str(tmp_path / "res"))
+    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
+            if line.startswith("| parity2")]
+    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
+    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
+                    for layer, end in ((0, "3.00"), (1, "6.00"))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
+    """One layer: the content margin is the same with M set or zeroed (the bias is taken out); without M it
+    is, row by row, log(mass off / mass on); with a constant on/off bias the mass follows margin - gap."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=9, n_layers=1, n_heads=2, dim=32, mlp_dim=64, readout="tokens",
+                               n_outputs=5, causal=causal, learnable_mask=True)
+    model = mp.Transformer(cfg).eval()
+    x = torch.randint(0, 5, (6, 9))
+    pattern = mp.banded_pattern(9, 1) & (mp.causal_pattern(9) if causal else True)
+    zero = mp.content_margin(model, x, pattern)                      # M = 0: a constant bias, no prior
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    on = (a * pattern).sum(-1)
+    rows = mp.prior_rows(pattern, causal)
+    ratio = ((1 - on) / on).log()[..., rows]
+    # the mean of log-ratios: LSE over off keys minus LSE over on keys of log a, row by row
+    assert zero[0] == pytest.approx(float(ratio.mean()), abs=1e-4)
+    mp.init_mask_(model, pattern, m_on=5.0, m_off=10.0)
+    assert mp.content_margin(model, x, pattern)[0] == pytest.approx(zero[0], abs=1e-3)
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
+    on = (a * pattern).sum(-1)
+    assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
