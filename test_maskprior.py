@@ -1798,3 +1798,22 @@ def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
     gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
     on = (a * pattern).sum(-1)
     assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
+
+
+def test_every_preset_value_takes_effect_and_an_explicit_flag_beats_it():
+    """A preset fills only the flags left unset (None): a flag with a parser default of its own would silently
+    ignore its preset value (as --answer-order once did), so every key of every preset must parse to None."""
+    blank = vars(train.build_parser().parse_args([]))
+    keys = {key for preset in train.PRESETS.values() for group in preset.values() for key in group}
+    assert {key for key in keys if blank.get(key, "missing") is not None} == set()
+    saved = train.PRESETS["small"]["multiplication"]
+    try:
+        train.PRESETS["small"]["multiplication"] = dict(saved, answer_order="lsb", impulse="random")
+        args = train.resolve(train.parse_args(["--task", "multiplication"])[0], "arithmetic")
+        assert (args.answer_order, args.impulse, args.steps) == ("lsb", "random", saved["steps"])
+        args = train.resolve(train.parse_args(["--task", "multiplication", "--answer-order", "msb"])[0], "arithmetic")
+        assert args.answer_order == "msb"
+    finally:
+        train.PRESETS["small"]["multiplication"] = saved
+    args = train.resolve(train.parse_args(["--task", "addition"])[0], "arithmetic")
+    assert (args.answer_order, args.impulse) == ("msb", "fixed")
