@@ -21,7 +21,7 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
   --only TABLE   one of: boolean arithmetic vision lm persistence ablation data
                  (persistence only aggregates the Boolean runs already made)
   --quick --only arithmetic  every init at both budgets, for addition and multiplication
-                 (a 3,000-step multiplication run takes about 6 minutes on an idle core)
+                 (a 6,000-step multiplication run takes about 10 minutes on one core)
   --only data    data efficiency, never part of the default or --quick run: addition
                  at the `small` preset, default and mask, --data-frac 0.0005 0.001 0.002
                  0.008 in RUNS/data/, plus the 0.4% runs of the arithmetic table
