@@ -1266,7 +1266,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
                 hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
                 enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
             md.append(f"| {n:,} | {100 * n / T.UNIVERSE:g} | " + " | ".join(cells) + f" | {enough} |")
-        panels.append((label, by))
+        panels.append((label, {i: by[i] for i in inits}, sizes))
     csv_path = os.path.join(out_dir, "data_efficiency.csv")
     write_text(csv_path, "\n".join(lines) + "\n")
     text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
@@ -1283,17 +1283,19 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     if plt is None or not panels:
         return written
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.6), squeeze=False)
-    for ax, (label, by) in zip(axes[0], panels):
+    for ax, (label, by, sizes) in zip(axes[0], panels):
         for init, by_size in by.items():
             plot_band(ax, by_size, init, scale=100.0)
         ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7)
+        ax.minorticks_off()
         ax.set_xlabel("training pairs (of 10^6)")
         ax.set_ylabel("sequence accuracy %")
         ax.set_title("addition" + (f"\n{label}" if label else ""), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle("Final sequence accuracy against the training set size; mean over seeds, band = min to max",
-                 fontsize=9)
+    fig.suptitle(textwrap.fill("Final sequence accuracy against the training set size; mean over seeds, band = "
+                               "min to max", 60 * len(panels)), fontsize=9)
     fig.tight_layout()
     return written + [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
 
