@@ -715,21 +715,45 @@ def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
     return ~(pattern.cpu() == visible).all(-1)
 
 
+def layer_margin(attn: Attention, a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor) -> float:
+    """One layer's content margin (see `content_margin`) from its (B, H, T, T) attention map `a`:
+    the bias log sigmoid(M) is taken out of log a, then log-sum-exp over the visible keys off
+    `pattern` minus over those on it, averaged over the constrained `rows`, heads and batch."""
+    n = a.shape[-1]
+    on = pattern.to(a.device)
+    off = ~on & (causal_pattern(n) if attn.causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
+    c = a.float().clamp_min(1e-30).log()
+    bias = attn.attn_bias(n, torch.float32, a.device)
+    if bias is not None:
+        c = c - bias.nan_to_num(neginf=0.0)                      # future keys (causal) are left out below
+    margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
+    rows = rows.to(a.device)
+    margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
+    return float(margin[margin.isfinite()].mean())
+
+
 @torch.no_grad()
-def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
-    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
-    averaged over the rows the pattern constrains (`prior_rows`). The pattern must cover the
-    model's positions exactly; only a causal model may read a prefix of it (shorter inputs)."""
+def prior_probe(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(`prior_mass`, `content_margin`) per layer from one explicit forward pass of `inputs`.
+    The pattern must cover the model's positions exactly; only a causal model may read a
+    prefix of it (shorter inputs)."""
     _, maps = model(inputs, return_attn=True)
-    causal = attention_layers(model)[0].causal
+    layers = attention_layers(model)
+    causal = layers[0].causal
     n = maps[0].shape[-1]
     if causal and n < pattern.shape[-1]:
         pattern = pattern[..., :n, :n]
     rows = prior_rows(pattern, causal)
-    return [float(pattern_mass(a, pattern, rows)) for a in maps]
+    mass = [float(pattern_mass(a, pattern, rows)) for a in maps]
+    return mass, [layer_margin(attn, a, pattern, rows) for attn, a in zip(layers, maps)]
 
 
-@torch.no_grad()
+def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
+    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
+    averaged over the rows the pattern constrains (`prior_rows`)."""
+    return prior_probe(model, inputs, pattern)[0]
+
+
 def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
     """Per layer: by how many nats the content logits (q.k / sqrt(d), the layer's bias taken
     out) favour the visible keys off `pattern` over those on it, log sum_off exp(c) - log
@@ -738,25 +762,7 @@ def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor
     a bias of b_on on the pattern and b_off off it, a row's off/on mass ratio is
     exp(margin - (b_on - b_off)): the prior holds the majority while the margin stays below
     its gap (about m_off for a `mask` at m_on = 5)."""
-    _, maps = model(inputs, return_attn=True)
-    layers = attention_layers(model)
-    causal = layers[0].causal
-    n = maps[0].shape[-1]
-    if causal and n < pattern.shape[-1]:
-        pattern = pattern[..., :n, :n]
-    rows = prior_rows(pattern, causal).to(maps[0].device)
-    on = pattern.to(maps[0].device)
-    off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(on.device)
-    out = []
-    for attn, a in zip(layers, maps):
-        c = a.float().clamp_min(1e-30).log()
-        bias = attn.attn_bias(n, torch.float32, a.device)
-        if bias is not None:
-            c = c - bias.nan_to_num(neginf=0.0)                  # future keys (causal) are left out below
-        margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
-        margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
-        out.append(float(margin[margin.isfinite()].mean()))
-    return out
+    return prior_probe(model, inputs, pattern)[1]
 
 
 @torch.no_grad()

@@ -518,8 +518,7 @@ def measure(model, task, args, device, snapshot, probe, pattern, final: bool = F
             metrics = task.evaluate(model, points=None if final else args.eval_points)
         else:
             metrics = task.evaluate(model)
-        mass = mp.prior_mass(model, probe, pattern)
-        margin = mp.content_margin(model, probe, pattern)
+        mass, margin = mp.prior_probe(model, probe, pattern)
     model.train()
     rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": sum(mass) / len(mass), "content_margin": margin}
     rec.update(mp.prior_drift(model, snapshot))
@@ -901,12 +900,16 @@ def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1
 
 
 def log_records(run: dict) -> list[dict]:
-    """The records of a run's metrics.jsonl (one per logged step), or [] when it has none."""
-    path = os.path.join(run["run_dir"], "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a run's metrics.jsonl (one per logged step), or [] when it has none; read
+    once per run dict (the curves, steps to target and the prior per layer all use them)."""
+    if "_records" not in run:
+        path = os.path.join(run["run_dir"], "metrics.jsonl")
+        if not os.path.exists(path):
+            run["_records"] = []
+        else:
+            with open(path) as f:
+                run["_records"] = [json.loads(line) for line in f if line.strip()]
+    return run["_records"]
 
 
 def persistence_rows(boolean_dir: str) -> list[dict]:
@@ -1165,12 +1168,11 @@ def steps_to_target(groups: dict) -> str:
     for (task, label), rs in groups.items():
         name = task + (f" ({label})" if label else "")
         log_every = run_config(rs[0]).get("log_every", "")
-        by_init, records = {}, {}
+        by_init = {}
         for r in sorted(rs, key=lambda r: r["seed"]):
             by_init.setdefault(r["init"], []).append(r)
-            records[r["run_dir"]] = log_records(r)
         for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
-            found = {init: [first_step(records[r["run_dir"]], target) for r in by_init[init]]
+            found = {init: [first_step(log_records(r), target) for r in by_init[init]]
                      for init in sorted(by_init, key=lambda i: order.get(i, 99))}
             ratio = ""
             ms, ds = found.get("mask"), found.get("default")
