@@ -223,17 +223,33 @@ class MLP(nn.Sequential):
                          nn.Dropout(dropout))
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same."""
+@dataclass
+class TrunkConfig:
+    """What every model here shares: a stack of pre-LN blocks (the fields of `Block`)."""
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    head_dim: int | None = None     # default dim // n_heads
+    mlp_dim: int = 256              # hidden units of the MLP
+    learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
+    fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
+    qkv_bias: bool = False
+    dropout: float = 0.0
+    pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
 
-    def __init__(self, dim: int, n_heads: int, head_dim: int | None, mlp_dim: int, mask_size: int | None,
-                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, dropout: float = 0.0):
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same.
+
+    `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys."""
+
+    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False):
         super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, n_heads, head_dim, mask_size, causal, qkv_bias, fused)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, mlp_dim, dropout)
-        self.drop = nn.Dropout(dropout)
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, return_attn: bool = False):
         a, attn = self.attn(self.ln1(x), return_attn)
@@ -243,28 +259,48 @@ class Block(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# Models
+# Models: one trunk, two front ends. `Transformer` embeds tokens, `ViT` embeds patches;
+# both then run the same blocks, final LayerNorm, readout and linear head.
+
+
+class Trunk(nn.Module):
+    """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head.
+
+    A subclass sets `blocks` (via `_build_trunk`), `head`, `readout` ('cls': the first
+    token, 'mean': average over tokens, 'tokens': every token) and defines `embed(inputs)
+    -> (B, N, dim)`. The QK initialisers and probes rely on `blocks` and `pos_emb` (1, N, dim).
+    """
+
+    def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
+        mask_size = n_positions if cfg.learnable_mask else None
+        self.blocks = nn.ModuleList([Block(cfg, mask_size, causal) for _ in range(cfg.n_layers)])
+        self.ln_f = nn.LayerNorm(cfg.dim)
+
+    def forward(self, inputs: torch.Tensor, return_attn: bool = False):
+        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`."""
+        x = self.embed(inputs)
+        maps = []
+        for block in self.blocks:
+            x, attn = block(x, return_attn)
+            maps.append(attn)
+        x = self.ln_f(x)
+        if self.readout == "cls":
+            x = x[:, 0]
+        elif self.readout == "mean":
+            x = x.mean(dim=1)
+        out = self.head(x)
+        return (out, maps) if return_attn else out
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(TrunkConfig):
     """A token-input Transformer. N = seq_len (+1 with a CLS token) positions."""
     vocab_size: int = 2
     seq_len: int = 15
-    n_layers: int = 2
-    n_heads: int = 4
-    dim: int = 64
-    head_dim: int | None = None     # default dim // n_heads
-    mlp_dim: int = 256
     n_outputs: int = 1
     readout: str = "cls"            # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
     causal: bool = False
-    learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
-    fused: bool = True
-    qkv_bias: bool = False
-    dropout: float = 0.0
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
-    pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
 
     @property
@@ -272,12 +308,7 @@ class TransformerConfig:
         return self.seq_len + (1 if self.readout == "cls" else 0)
 
 
-def _blocks(n_layers, dim, n_heads, head_dim, mlp_dim, mask_size, causal, qkv_bias, fused, dropout):
-    return nn.ModuleList([Block(dim, n_heads, head_dim, mlp_dim, mask_size, causal, qkv_bias, fused, dropout)
-                          for _ in range(n_layers)])
-
-
-class Transformer(nn.Module):
+class Transformer(Trunk):
     """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
 
     With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of
@@ -288,15 +319,13 @@ class Transformer(nn.Module):
         super().__init__()
         if cfg.readout not in ("cls", "mean", "tokens"):
             raise ValueError(f"readout must be 'cls', 'mean' or 'tokens', got {cfg.readout!r}")
-        self.cfg = cfg
+        self.cfg, self.readout = cfg, cfg.readout
         n = cfg.n_positions
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.readout == "cls" else None
         self.pos_emb = nn.Parameter(torch.zeros(1, n, cfg.dim))
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = _blocks(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.head_dim, cfg.mlp_dim,
-                              n if cfg.learnable_mask else None, cfg.causal, cfg.qkv_bias, cfg.fused, cfg.dropout)
-        self.ln_f = nn.LayerNorm(cfg.dim)
+        self._build_trunk(cfg, n, cfg.causal)
         self.head = nn.Linear(cfg.dim, cfg.n_outputs, bias=not cfg.tie_embeddings)
         for emb in (self.tok_emb.weight, self.cls):
             if emb is not None:
@@ -312,39 +341,21 @@ class Transformer(nn.Module):
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
         return self.drop(x + self.pos_emb[:, :x.shape[1]])
 
-    def forward(self, idx: torch.Tensor, return_attn: bool = False):
-        x = self.embed(idx)
-        maps = []
-        for block in self.blocks:
-            x, attn = block(x, return_attn)
-            maps.append(attn)
-        x = self.ln_f(x)
-        if self.cfg.readout == "cls":
-            x = x[:, 0]
-        elif self.cfg.readout == "mean":
-            x = x.mean(dim=1)
-        out = self.head(x)
-        return (out, maps) if return_attn else out
-
 
 @dataclass
-class ViTConfig:
-    """Vision Transformer; ViT-Tiny by default (dim 192, depth 12, 3 heads, MLP ratio 4)."""
+class ViTConfig(TrunkConfig):
+    """Vision Transformer; ViT-Tiny by default (dim 192, depth 12, 3 heads, MLP 768)."""
+    dim: int = 192
+    n_layers: int = 12
+    n_heads: int = 3
+    mlp_dim: int = 768
+    qkv_bias: bool = True
+    pos_init_std: float = 0.02
     image_size: int = 32
     patch_size: int = 4
     in_chans: int = 3
     n_classes: int = 10
-    dim: int = 192
-    n_layers: int = 12
-    n_heads: int = 3
-    head_dim: int | None = None
-    mlp_ratio: float = 4.0
     pool: str = "mean"              # 'mean' (global average pooling) or 'cls'
-    learnable_mask: bool = False
-    fused: bool = True
-    qkv_bias: bool = True
-    dropout: float = 0.0
-    pos_init_std: float = 0.02
 
     @property
     def grid(self) -> int:
@@ -359,7 +370,7 @@ class ViTConfig:
         return self.n_prefix + self.grid ** 2
 
 
-class ViT(nn.Module):
+class ViT(Trunk):
     """Images (B, C, H, W) float -> logits (B, n_classes). Patches are numbered row-major after the prefix."""
 
     def __init__(self, cfg: ViTConfig):
@@ -368,15 +379,13 @@ class ViT(nn.Module):
             raise ValueError(f"pool must be 'mean' or 'cls', got {cfg.pool!r}")
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
-        self.cfg = cfg
+        self.cfg, self.readout = cfg, cfg.pool
         n = cfg.n_positions
         self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size, cfg.patch_size)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.pool == "cls" else None
         self.pos_emb = nn.Parameter(torch.randn(1, n, cfg.dim) * cfg.pos_init_std)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = _blocks(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.head_dim, int(cfg.dim * cfg.mlp_ratio),
-                              n if cfg.learnable_mask else None, False, cfg.qkv_bias, cfg.fused, cfg.dropout)
-        self.ln_f = nn.LayerNorm(cfg.dim)
+        self._build_trunk(cfg, n)
         self.head = nn.Linear(cfg.dim, cfg.n_classes)
         self.apply(_vit_init)
         if self.cls is not None:
@@ -388,17 +397,6 @@ class ViT(nn.Module):
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
         return self.drop(x + self.pos_emb)
-
-    def forward(self, images: torch.Tensor, return_attn: bool = False):
-        x = self.embed(images)
-        maps = []
-        for block in self.blocks:
-            x, attn = block(x, return_attn)
-            maps.append(attn)
-        x = self.ln_f(x)
-        x = x[:, 0] if self.cls is not None else x.mean(dim=1)
-        out = self.head(x)
-        return (out, maps) if return_attn else out
 
 
 def _vit_init(m: nn.Module):
@@ -479,7 +477,8 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
 
 
 def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
-    """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on."""
+    """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on. Expects
+    `model.pos_emb` (1, N, dim) and `model.blocks` (each with `ln1`), as `Transformer` and `ViT` have."""
     block = block or model.blocks[0]
     with torch.no_grad():
         return block.ln1(model.pos_emb[0]).detach()
@@ -542,6 +541,9 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies
     the model's positional embedding first. Returns the pseudo input's attention mass on
     the pattern, per layer.
+
+    Expects of `model`: `blocks` (each with `ln1` and a maskprior `attn`) and `pos_emb`
+    (1, N, dim), the positional embedding the pseudo input is made from (`Transformer`, `ViT`).
     """
     if pos_scale is not None:
         model.pos_emb.mul_(pos_scale)
@@ -579,7 +581,8 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
     `norm_every` steps. `pos_scale` multiplies the positional embedding first (as in
     `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are
     not drowned by the token embeddings). Returns the final loss, steps taken and
-    pseudo-input masses.
+    pseudo-input masses. Expects of `model`: `blocks` (each with `ln1` and `attn`, all of the
+    same heads and head_dim) and `pos_emb` (1, N, dim), as `Transformer` and `ViT` have.
     """
     if pos_scale is not None:
         with torch.no_grad():
@@ -635,7 +638,8 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
 
     Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that
     product alone. Returns the relative error of the V-proj products to their targets
-    (non-zero only when heads x head_dim < dim truncates them).
+    (non-zero only when heads x head_dim < dim truncates them). Works on any model whose
+    attention layers are maskprior `Attention` modules (no positional embedding needed).
     """
     errs = []
     for attn in attention_layers(model):
@@ -736,7 +740,9 @@ def layer_margin(attn: Attention, a: torch.Tensor, pattern: torch.Tensor, rows: 
 def prior_probe(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
     """(`prior_mass`, `content_margin`) per layer from one explicit forward pass of `inputs`.
     The pattern must cover the model's positions exactly; only a causal model may read a
-    prefix of it (shorter inputs)."""
+    prefix of it (shorter inputs). Raises ValueError when the pattern constrains no row
+    (`prior_rows` all False: e.g. a causal window wider than the context), where the mass
+    would be an empty mean."""
     _, maps = model(inputs, return_attn=True)
     layers = attention_layers(model)
     causal = layers[0].causal
@@ -744,6 +750,9 @@ def prior_probe(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -
     if causal and n < pattern.shape[-1]:
         pattern = pattern[..., :n, :n]
     rows = prior_rows(pattern, causal)
+    if not rows.any():
+        raise ValueError(f"the pattern of shape {tuple(pattern.shape)} constrains no query row (each row allows "
+                         f"every key it can see), so there is no prior mass to measure")
     mass = [float(pattern_mass(a, pattern, rows)) for a in maps]
     return mass, [layer_margin(attn, a, pattern, rows) for attn, a in zip(layers, maps)]
 

@@ -249,7 +249,7 @@ def test_prior_probes():
     task, model = gotu_model(learnable_mask=True)
     pat = task.pattern()
     mp.init_mask_(model, pat, 5.0, 5.0)
-    task.setup(0)
+    task.setup()
     mass = mp.prior_mass(model, task.probe_inputs(64), pat)
     assert len(mass) == 2 and all(0.5 < m <= 1.0 for m in mass)
     snap = mp.prior_snapshot(model)
@@ -265,7 +265,7 @@ def test_prior_probes():
 @pytest.mark.parametrize("name,size,frac_unseen", [("parity2", 24576, 0.25), ("majority3", 32768, 0.25),
                                                     ("cyclic3", 28672, 0.125)])
 def test_gotu_splits(name, size, frac_unseen):
-    task = T.make_task(name).setup(0)
+    task = T.make_task(name).setup()
     assert task.n_train == size and len(task.x_test) == 2 ** 15
     assert float(task.unseen_mask.float().mean()) == frac_unseen
     x = task.x_train * 2 - 1
@@ -277,16 +277,16 @@ def test_gotu_splits(name, size, frac_unseen):
 
 
 def test_gotu_targets():
-    task = T.make_task("cyclic3").setup(0)
+    task = T.make_task("cyclic3").setup()
     x = task.x_test * 2 - 1
     y = sum(x[:, i] * x[:, (i + 1) % 15] * x[:, (i + 2) % 15] for i in range(15)).float()
     assert torch.equal(task.y_test, y)
-    maj = T.make_task("majority3").setup(0)
+    maj = T.make_task("majority3").setup()
     assert set(maj.y_test.unique().tolist()) == {-1.0, 1.0}
 
 
 def test_epoch_batches_cover_train_set_once():
-    task = T.make_task("parity2").setup(3)
+    task = T.make_task("parity2", seed=3).setup()
     spe = task.steps_per_epoch(1000)
     seen = torch.cat([task.train_batch(s, 1000)[0] for s in range(spe)])
     assert len(seen) == task.n_train and len(torch.unique(seen, dim=0)) == task.n_train
@@ -313,11 +313,11 @@ def test_mdi_prefers_low_degree():
 
 
 def test_custom_boolean_tasks():
-    task = T.make_task("kparity", bits="2,5,9", unseen="2,5").setup(0)
+    task = T.make_task("kparity", bits="2,5,9", unseen="2,5").setup()
     assert task.n_train == 3 * 2 ** 13 and task.mdi()["acc"] == 0.75
     p = task.pattern()
     assert p[0, 3] and p[3, 6] and p[6, 10] and not p[1, 2]
-    maj = T.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup(0)
+    maj = T.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup()
     assert maj.n_train == 1000
     with pytest.raises(T.TaskError):
         T.make_task("kmajority", bits="0,1")
@@ -364,7 +364,7 @@ def test_mask_follows_the_token_layout(name, readout):
     if off:   # the CLS row reads the target's bits (cyclic3: every bit); every bit row ignores the CLS
         m = model.blocks[0].attn.mask_logits[0]
         assert (m[0, 1:] > 0).sum() == {"parity2": 2, "majority3": 3, "cyclic3": 15}[name] and (m[1:, 0] < 0).all()
-    task.setup(0)      # the probe sees the same pattern the model was given
+    task.setup()      # the probe sees the same pattern the model was given
     assert len(mp.prior_mass(model, task.probe_inputs(8), pat)) == 2
 
 
@@ -423,7 +423,7 @@ def test_pattern_of_the_other_layout_is_refused():
 
 
 def test_eval_points_sample_the_cube_in_proportion():
-    task = T.make_task("parity2").setup(0)
+    task = T.make_task("parity2").setup()
     idx = task.eval_points(4096)
     assert len(idx) == len(set(idx.tolist())) == 4096 and torch.equal(idx, task.eval_points(4096))
     assert int(task.unseen_mask[idx].sum()) == 1024                      # U is a quarter of the cube
@@ -457,7 +457,7 @@ def test_arithmetic_tokenisation_round_trip(name, order):
 @pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
                                          ("addition", 0.0123, 12300)])
 def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
-    task = T.make_task(name, data_frac=frac).setup(3)
+    task = T.make_task(name, data_frac=frac, seed=3).setup()
     assert len(task.train_seq) == n and len(task.test_seq) == 10_000
     pairs = lambda s: {(int(r[:3].dot([100, 10, 1])), int(r[4:7].dot([100, 10, 1]))) for r in s.numpy()}  # noqa
     train_pairs, test_pairs = pairs(task.train_seq), pairs(task.test_seq)
@@ -500,7 +500,7 @@ def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
 
 
 def test_arithmetic_eval_points_are_the_first_test_pairs():
-    task = T.make_task("addition").setup(0)
+    task = T.make_task("addition").setup()
     torch.manual_seed(0)
     model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
     part, full = task.evaluate(model, points=100), task.evaluate(model)
@@ -677,7 +677,7 @@ def test_image_task_batches_mixup_and_cutmix(tmp_path):
     x, y = _images(40), np.arange(40) % 10
     T.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
     for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
-        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup(0)
+        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
         xb, yb = task.train_batch(3, 16)
         assert xb.shape == (16, 3, 32, 32) and yb.shape == (16, 10)
         torch.testing.assert_close(yb.sum(-1), torch.ones(16))
@@ -1325,6 +1325,21 @@ def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
 # ---------------------------------------------------------------------------------------- train.py
 
 
+@pytest.fixture
+def image_dir(tmp_path):
+    """A small CIFAR-10 python release (40 train, 8 test images) in a fresh folder."""
+    x, y = _images(40), np.arange(40) % 10
+    T.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
+    return str(tmp_path / "cifar")
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A small WikiText-2 word-level release in a fresh folder."""
+    _write_text_corpus(tmp_path / "text")
+    return str(tmp_path / "text")
+
+
 def run_train(tmp_path, *args, name="run"):
     out = os.path.join(tmp_path, name)
     return train.main(["--out", out, *map(str, args)]), out
@@ -1415,7 +1430,8 @@ def test_resume_is_exact(tmp_path):
     (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
     (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
     (["--readout", "tokens"], "invalid choice: 'tokens'"),
-    (["--task", "addition", "--readout", "mean"], "--readout applies to the Boolean tasks only"),
+    (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+    (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
     (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies to the Boolean and arithmetic"),
     (["--eval-points", "-1"], "--eval-points must be >= 0"),
 ])
@@ -1800,20 +1816,117 @@ def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
     assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
 
 
-def test_every_preset_value_takes_effect_and_an_explicit_flag_beats_it():
-    """A preset fills only the flags left unset (None): a flag with a parser default of its own would silently
-    ignore its preset value (as --answer-order once did), so every key of every preset must parse to None."""
-    blank = vars(train.build_parser().parse_args([]))
-    keys = {key for preset in train.PRESETS.values() for group in preset.values() for key in group}
-    assert {key for key in keys if blank.get(key, "missing") is not None} == set()
-    saved = train.PRESETS["small"]["multiplication"]
-    try:
-        train.PRESETS["small"]["multiplication"] = dict(saved, answer_order="lsb", impulse="random")
-        args = train.resolve(train.parse_args(["--task", "multiplication"])[0], "arithmetic")
-        assert (args.answer_order, args.impulse, args.steps) == ("lsb", "random", saved["steps"])
-        args = train.resolve(train.parse_args(["--task", "multiplication", "--answer-order", "msb"])[0], "arithmetic")
-        assert args.answer_order == "msb"
-    finally:
-        train.PRESETS["small"]["multiplication"] = saved
-    args = train.resolve(train.parse_args(["--task", "addition"])[0], "arithmetic")
-    assert (args.answer_order, args.impulse) == ("msb", "fixed")
+def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
+    """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
+    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
+    args, explicit = train.parse_args([])
+    dests = set(train.vars_of(args))
+    assert explicit == set() and dests == set(train.DEFAULTS)
+    assert all(getattr(args, d) is train.UNSET for d in dests)
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
+        flags = {d for fam in args.families.values() for d in fam} | {"heads"}
+        assert set(cls.OPTIONS) <= flags, name
+
+
+def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
+    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
+    monkeypatch.setitem(T.Multiplication.PRESETS, "small", dict(steps=6000, answer_order="lsb", impulse="random"))
+    args = resolve("--task", "multiplication")
+    assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
+    assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
+    assert (resolve("--task", "addition").answer_order, resolve("--task", "addition").impulse) == ("msb", "fixed")
+    # steps / epochs and warmup / warmup_epochs: the explicit one wins, the preset's other one is dropped
+    vision = resolve("--task", "cifar10", "--warmup", "7")
+    assert (vision.warmup, vision.warmup_epochs, vision.epochs) == (7, None, 30)
+    assert resolve("--task", "cifar10").warmup_epochs == 2
+    assert (resolve("--task", "cifar10", "--steps", "5").epochs, resolve("--task", "cyclic3", "--epochs", "2").steps) \
+        == (None, None)
+    with pytest.raises(train.UsageError, match="either --warmup or --warmup-epochs"):
+        resolve("--task", "cifar10", "--warmup", "7", "--warmup-epochs", "1")
+
+
+def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir):
+    """An explicit --warmup on cifar10 once gave way to the preset's warm-up epochs (the run wrote 32)."""
+    out = str(tmp_path / "run")
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--steps", "2", "--warmup", "7", "--layers",
+                       "1", "--dim", "24", "--mlp-dim", "48", "--out", out]) == 0
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["warmup"], args["warmup_epochs"]) == (7, None)
+
+
+def test_vit_mlp_width_is_the_flag_given():
+    """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
+                                            "--heads", "4"]))
+    task = T.make_task("cifar10", data_dir=".", heads=4)
+    model = mp.ViT(train.model_config(args, task))
+    assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
+
+
+def test_transformer_and_vit_share_one_trunk():
+    assert issubclass(mp.Transformer, mp.Trunk) and issubclass(mp.ViT, mp.Trunk)
+    assert mp.Transformer.forward is mp.ViT.forward is mp.Trunk.forward
+    cfg = mp.TransformerConfig(n_layers=1, dim=16, n_heads=2, mlp_dim=24, dropout=0.1)
+    block = mp.Block(cfg, mask_size=16, causal=False)
+    assert block.mlp[0].out_features == 24 and block.attn.mask_logits.shape == (2, 16, 16)
+
+
+def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
+    for argv, needle in [(["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
+                         (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+                         (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
+                         (["--task", "wikitext2", "--data-dir", ".", "--mask-on", "3"], "--mask-on / --mask-off do not "
+                                                                                         "apply to task wikitext2")]:
+        rc, out = run_train(tmp_path, *argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not os.path.exists(out)
+
+
+def test_registry_and_task_constants():
+    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
+                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
+    for name, cls in T.TASKS.items():
+        assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
+        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
+        assert set(cls.presets()) == {"small", "paper"}
+    with pytest.raises(T.TaskError, match="unknown task"):
+        T.make_task("nosuch")
+    with pytest.raises(T.TaskError, match="takes no option data_frac"):
+        T.make_task("parity2", data_frac=0.1)
+    with pytest.raises(ValueError, match="registered twice"):
+        T.register("parity2")(type("Again", (T.Task,), {}))
+
+
+def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
+    """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
+    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
+    before = task.pattern()
+    task.setup()
+    assert torch.equal(before, task.pattern())
+    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
+    assert not torch.equal(before, other)
+
+
+def test_mdi_needs_no_setup():
+    task = T.make_task("parity2")
+    assert task.mdi()["acc"] == pytest.approx(0.75)
+    assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
+
+
+def test_no_constrained_row_gives_null_mass_with_a_reason(tmp_path, text_dir):
+    """A causal-distance window wider than the context constrains no row: the mass is null with a reason, not NaN."""
+    out = str(tmp_path / "lm")
+    assert train.main(["--task", "wikitext2", "--data-dir", text_dir, "--context", "5", "--heads", "4", "--init",
+                       "mask", "--steps", "2", "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--val-tokens", "50",
+                       "--out", out]) == 0
+    text = open(os.path.join(out, "result.json")).read()
+    assert "NaN" not in text
+    m = json.loads(text)["metrics"]
+    assert m["prior_mass_start"] is None and m["prior_mass_end"] is None and "constrains no query row" in \
+        m["prior_mass_note"]
+    with pytest.raises(ValueError, match="constrains no query row"):
+        mp.prior_probe(mp.Transformer(mp.TransformerConfig(seq_len=4, readout="tokens", causal=True, n_outputs=2)),
+                       torch.zeros(1, 4, dtype=torch.long), mp.causal_pattern(4))

@@ -14,6 +14,9 @@ A run directory (default runs/TASK-INIT-sSEED) holds args.json, metrics.jsonl (o
 per log step: loss, metrics, per-layer attention mass on the prior pattern, drift of M
 and Wq Wk^T), result.json (final, written atomically) and ckpt.pt (model, optimiser,
 step, RNG states): `--resume` continues it exactly. Bad input: one line, exit status 2.
+
+Reading order: config (flags, presets) -> build (task, model, INITS, optimiser) -> loop
+(start or resume, train, finish) -> checkpoint and files -> reporting -> commands.
 """
 from __future__ import annotations
 
@@ -28,100 +31,43 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import maskprior as mp  # noqa: E402
 import tasks as T  # noqa: E402
 
-INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
+# ----------------------------------------------------------------------------------------
+# Config: a flag's value is the one given on the command line, else the task's preset
+# (`T.TASKS[task].preset(name)`: the family's entries, then the task's own), else DEFAULTS.
 
-# Values used when neither the command line nor the preset sets a flag.
 DEFAULTS = dict(
-    layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, emb_init_std=1.0, pos_init_std=1.0, qkv_bias=False,
-    dropout=0.0, image_size=None, patch_size=None, pool=None, label_smoothing=None, mixup=0.0, cutmix=0.0,
-    warmup_epochs=None, context=None, val_tokens=None,
-    readout=None, attention="auto",
-    lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999", schedule="constant",
-    warmup=0, grad_clip=0.0, steps=None, epochs=None,
+    task="parity2", init="default", preset="small", seed=0, out=None, resume=False, device="auto", amp="auto",
+    log_every=None, ckpt_every=None, halt_after=None,
+    steps=None, epochs=None, lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999",
+    schedule="constant", warmup=0, warmup_epochs=None, grad_clip=0.0,
+    layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, readout=None, emb_init_std=1.0, pos_init_std=1.0,
+    qkv_bias=False, dropout=0.0, attention="auto",
     pattern=None, mask_on=5.0, mask_off=5.0,
     qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
-    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None,
-    log_every=None, ckpt_every=None, probe_size=512, eval_points=0, impulse="fixed", answer_order="msb",
+    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None, probe_size=512, eval_points=0,
+    data_dir=None, image_size=None, patch_size=None, pool=None, impulse="fixed", label_smoothing=None,
+    mixup=0.0, cutmix=0.0, context=None, val_tokens=None,
+    sample=None, sample_tokens=100, temperature=0.8, top_k=40,
+    data_frac=None, answer_order="msb", n_bits=15, bits="0,1,2", unseen="0,1", train_size=None,
 )
 
-# Named presets: PRESETS[preset][task kind] then PRESETS[preset][task name] override DEFAULTS.
-PRESETS = {
-    "small": {  # sized for a 2-core CPU; chosen so that default sits at the MDI (see README)
-        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (1.0 lets the positions break the
-        # mask's symmetry: majority3 4 / 5 seeds, cyclic3 1 / 2; 0.02 lets every init generalise on majority3)
-        "boolean": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5, lr=1e-3,
-                        batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75, eval_points=4096),
-        # parity2 generalises only without a CLS token and with near-zero positions (README: the grid); the QK
-        # inits then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding. 600 steps:
-        # default fits the seen domain at step 200-300 (the mask generalises by step 150); 20 log steps of 2,048
-        # cube points keep the demo near 16 s
-        "parity2": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=30, eval_points=2048,
-                        qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
-        "kparity": dict(readout="mean", pos_init_std=0.02, layers=2, steps=600, log_every=30, eval_points=2048,
-                        qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
-        # cyclic3: 8,000 steps, as default and qk-svd often have not fitted the seen domain by 4,000
-        "cyclic3": dict(steps=8000, log_every=400),
-        "arithmetic": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
-                           qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
-                           schedule="cosine", warmup=100, steps=600, log_every=100, eval_points=2000),
-        "vision": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
-                       pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
-                       batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
-                       qk_opt_steps=2000, log_every=100),
-        # a 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
-        "lm": dict(layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True,
-                   context=64, val_tokens=10_000, dropout=0.1, optimizer="adamw", lr=1e-3, weight_decay=0.1,
-                   betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0,
-                   log_every=20),
-        # log often enough for a learning curve: at least ~20 points per run (logging never changes training).
-        # addition: 1,500 steps is convergence (with 3,000 steps, default and mask are flat from step ~1,600, at
-        # 99.6% and 98.4%, seed 0); `--steps 250` is where the paper's numbers show (README)
-        "addition": dict(steps=1500, log_every=75),
-        # multiplication: 6,000 steps (about 10 minutes on one core): after 3,000, every init is at 1-2% (README)
-        "multiplication": dict(steps=6000, log_every=250),
-    },
-    "paper": {  # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
-        "boolean": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256, lr=1e-5, batch_size=256,
-                        weight_decay=1e-3, optimizer="adam", schedule="constant", epochs=20, log_every=500),
-        "parity2": dict(epochs=20, readout="mean", pos_init_std=0.02, qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
-        "kparity": dict(readout="mean", pos_init_std=0.02, qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0),
-        "majority3": dict(epochs=30),
-        "cyclic3": dict(epochs=80, lr=2e-5),
-        # ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024 small-image setting)
-        "vision": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
-                       pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
-                       batch_size=512, schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
-                       log_every=1000),
-        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3, batch 256,
-        # 5,000 iterations, 100 warm-up, cosine
-        "arithmetic": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02,
-                           qkv_bias=True, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99",
-                           batch_size=256, schedule="cosine", warmup=100, steps=5000, dropout=0.2,
-                           log_every=500),
-        # nanoGPT-like: 6 layers, 6 heads, width 384, context 256, AdamW 6e-4, cosine, dropout 0.2
-        "lm": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True,
-                   context=256, dropout=0.2, optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95",
-                   batch_size=64, schedule="cosine", warmup=200, steps=10000, grad_clip=1.0, log_every=500),
-        "tinystories": dict(dropout=0.0, steps=20000, log_every=1000, val_tokens=2_000_000),
-    },
-}
-
+# Two ways to say one thing: a flag given on the command line drops its alternative from the preset.
+ALTERNATIVES = {"steps": "epochs", "epochs": "steps", "warmup": "warmup_epochs", "warmup_epochs": "warmup"}
 # Flags that may differ when resuming: they do not change the model, the data or the optimiser.
 RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_after", "device", "resume", "amp",
              "sample", "sample_tokens", "temperature", "top_k"}
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
         "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
-        "emb_init_std", "pos_init_std", "dropout",
-        "unseen", "pattern"}
+        "emb_init_std", "pos_init_std", "dropout", "unseen", "pattern"}
+COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
 
 
 class UsageError(Exception):
@@ -133,24 +79,29 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see python train.py --help)")
 
 
-def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
-    d = argparse.SUPPRESS if suppress else None
-    p = Parser(
-        description="Train a task with an attention prior. Tasks: " + ", ".join(T.TASKS) + ". Inits: "
-                    + ", ".join(INITS) + ".", argument_default=d,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter if not suppress else argparse.HelpFormatter)
+class _Unset:
+    """The default of every flag: tells a flag given on the command line from one left to the preset."""
+
+    def __repr__(self):
+        return "preset"
+
+
+UNSET = _Unset()
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> dict:
+    """The training flags; returns {family: [flag dests]} of the task-option groups."""
+    inits = ", ".join(INITS)
     g = p.add_argument_group("run")
-    g.add_argument("--task", default=d if suppress else "parity2", help="task name: " + ", ".join(T.TASKS))
-    g.add_argument("--init", default=d if suppress else "default", help="initialisation: " + ", ".join(INITS))
-    g.add_argument("--preset", default=d if suppress else "small", help="named hyper-parameters: small (2-core "
-                   "CPU) or paper (the paper's setting, for a GPU)")
-    g.add_argument("--seed", type=int, default=d if suppress else 0, help="seed for data, init and order")
+    g.add_argument("--task", help=f"task name: {', '.join(T.TASKS)} (default parity2)")
+    g.add_argument("--init", help=f"initialisation: {inits} (default default)")
+    g.add_argument("--preset", help="named hyper-parameters: small (2-core CPU; the default) or paper (the "
+                                    "paper's setting, for a GPU)")
+    g.add_argument("--seed", type=int, help="seed for data, init and order (default 0)")
     g.add_argument("--out", help="run directory (default runs/TASK-INIT-sSEED)")
-    g.add_argument("--resume", action="store_true", default=d if suppress else False,
-                   help="continue the run in --out from its checkpoint")
-    g.add_argument("--device", default=d if suppress else "auto", help="auto (cuda, mps, cpu), cpu, cuda, ...")
-    g.add_argument("--amp", default=d if suppress else "auto", choices=["auto", "bf16", "off"],
-                   help="autocast: auto = bf16 on CUDA only")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    g.add_argument("--device", help="auto (cuda, mps, cpu; the default), cpu, cuda, ...")
+    g.add_argument("--amp", choices=["auto", "bf16", "off"], help="autocast: auto = bf16 on CUDA only")
     g.add_argument("--log-every", type=int, help="steps between evaluations and log lines")
     g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: every log step)")
     g.add_argument("--halt-after", type=int, help="stop at this step as if interrupted (checkpoint kept)")
@@ -164,15 +115,14 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--betas", help="Adam betas, e.g. 0.9,0.999")
     g.add_argument("--schedule", choices=["constant", "cosine"])
     g.add_argument("--warmup", type=int, help="linear warm-up steps")
+    g.add_argument("--warmup-epochs", type=float, help="warm-up length in epochs (instead of --warmup)")
     g.add_argument("--grad-clip", type=float, help="clip the gradient norm (0 = off)")
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int)
     g.add_argument("--heads", type=int)
     g.add_argument("--dim", type=int)
     g.add_argument("--head-dim", type=int, help="default dim // heads")
-    g.add_argument("--mlp-dim", type=int)
-    g.add_argument("--readout", choices=list(T.READOUTS), help="Boolean tasks: a CLS token in front, read out "
-                   "(GOTU), or no CLS token and mean pooling over the bit tokens; the pattern follows the layout")
+    g.add_argument("--mlp-dim", type=int, help="hidden units of each MLP")
     g.add_argument("--emb-init-std", type=float, help="std of the token and CLS embeddings (GOTU: 1)")
     g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
     g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
@@ -195,61 +145,101 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
     g.add_argument("--eval-points", type=int, help="Boolean and arithmetic tasks: evaluate the log steps on a fixed "
                    "sample of this many cube points or test pairs (0 = all); the final evaluation uses all of them")
+    families = {}
+    g = p.add_argument_group("Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority)")
+    families["boolean"] = [
+        g.add_argument("--readout", choices=list(T.READOUTS), help="a CLS token in front, read out (GOTU), or no CLS "
+                       "token and mean pooling over the bit tokens; the pattern follows the layout").dest,
+        g.add_argument("--n-bits", type=int, help="kparity, kmajority: input bits (default 15)").dest,
+        g.add_argument("--bits", help="kparity, kmajority: bits the target reads (default 0,1,2)").dest,
+        g.add_argument("--unseen", help="kparity, kmajority: bits set to -1 in the unseen domain (default 0,1)").dest,
+        g.add_argument("--train-size", type=int, help="kparity, kmajority: draws from the seen domain (default: "
+                       "every seen point)").dest]
+    g = p.add_argument_group("arithmetic (addition, multiplication)")
+    families["arithmetic"] = [
+        g.add_argument("--data-frac", type=float, help="fraction of the 10^6 pairs to train on (default: 0.004 for "
+                       "addition, 0.03 for multiplication)").dest,
+        g.add_argument("--answer-order", choices=["msb", "lsb"], help="answer digits most significant first (the "
+                       "paper's plain format; the default) or reversed").dest]
     g = p.add_argument_group("vision (cifar10, cifar100, imagenet100)")
-    g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with cifar-10-batches-py/)")
-    g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)")
-    g.add_argument("--patch-size", type=int, help="ViT patch side in pixels")
-    g.add_argument("--pool", choices=["mean", "cls"], help="ViT readout: global average pooling or a CLS token")
-    g.add_argument("--impulse", choices=["fixed", "random"],
-                   help="impulse offsets per head: fixed order (self, up, right, ...) or random (default: fixed)")
-    g.add_argument("--label-smoothing", type=float)
-    g.add_argument("--mixup", type=float, help="mixup Beta(alpha, alpha); 0 = off")
-    g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off")
-    g.add_argument("--warmup-epochs", type=float, help="warm-up length in epochs (overrides --warmup)")
-    g = p.add_argument_group("language modelling (wikitext2, tinystories)")
-    g.add_argument("--context", type=int, help="context length in tokens (also the model's positions)")
-    g.add_argument("--val-tokens", type=int, help="evaluate on the first N validation tokens (0 = all of them)")
+    families["vision"] = [
+        g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with "
+                       "cifar-10-batches-py/; for language models the corpus folder)").dest,
+        g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)").dest,
+        g.add_argument("--patch-size", type=int, help="ViT patch side in pixels").dest,
+        g.add_argument("--pool", choices=["mean", "cls"], help="ViT readout: global average pooling or a CLS "
+                       "token").dest,
+        g.add_argument("--impulse", choices=["fixed", "random"], help="impulse offsets per head: fixed order (self, "
+                       "up, right, ...; the default) or random (drawn by the seed)").dest,
+        g.add_argument("--label-smoothing", type=float).dest,
+        g.add_argument("--mixup", type=float, help="mixup Beta(alpha, alpha); 0 = off").dest,
+        g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off").dest]
+    g = p.add_argument_group("language modelling (wikitext2, tinystories; --data-dir as above)")
+    families["lm"] = [
+        g.add_argument("--context", type=int, help="context length in tokens (also the model's positions)").dest,
+        g.add_argument("--val-tokens", type=int, help="evaluate on the first N validation tokens (0 = all)").dest]
+    g = p.add_argument_group("sampling from a trained language model")
     g.add_argument("--sample", metavar="PROMPT", help="print a continuation of PROMPT from the checkpoint in --out "
                    "and exit (no training)")
-    g.add_argument("--sample-tokens", type=int, default=d if suppress else 100, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=d if suppress else 0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=d if suppress else 40, help="sample among the k likeliest (0 = all)")
-    g = p.add_argument_group("arithmetic (addition, multiplication)")
-    g.add_argument("--data-frac", type=float, help="fraction of the 10^6 pairs to train on (default: 0.004 for "
-                   "addition, 0.03 for multiplication)")
-    g.add_argument("--answer-order", choices=["msb", "lsb"],
-                   help="answer digits most significant first (the paper's plain format; the default) or reversed")
-    g = p.add_argument_group("custom Boolean tasks (kparity, kmajority)")
-    g.add_argument("--n-bits", type=int, default=d if suppress else 15)
-    g.add_argument("--bits", default=d if suppress else "0,1,2", help="bits the target reads")
-    g.add_argument("--unseen", default=d if suppress else "0,1", help="bits set to -1 in the unseen domain")
-    g.add_argument("--train-size", type=int, help="draws from the seen domain (default: every seen point)")
+    g.add_argument("--sample-tokens", type=int, help="tokens to generate (default 100)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest (0 = all; default 40)")
+    return families
+
+
+def build_parser() -> Parser:
+    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `make-digits`, `make-wikitext`."""
+    p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
+    sub = p.add_subparsers(dest="command", parser_class=Parser)
+    t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
+                       description="Train a task with an attention prior. A flag not given takes the task's preset "
+                                   "value (--preset small or paper), else the default shown. Other commands: "
+                                   "summarize, report, make-digits, make-wikitext (python train.py COMMAND --help).")
+    t.set_defaults(families=add_train_flags(t))
+    s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
+    s.add_argument("paths", nargs="+", help="run directories or folders of them")
+    r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a reproduction")
+    r.add_argument("runs", help="a reproduce.sh runs folder (e.g. runs/quick)")
+    r.add_argument("out", help="the folder to write the tables and figures to (e.g. results/quick)")
+    d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python layout")
+    d.add_argument("folder")
+    w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's word-level layout")
+    w.add_argument("folder")
+    w.add_argument("files", nargs="+", help="text files: one article each, the first line its title")
     return p
 
 
 def parse_args(argv=None):
-    """Parse, then fill unset flags from the preset, then DEFAULTS. Returns (args, explicit names)."""
+    """-> (namespace, explicit): the command's arguments, and for `train` the flags given on the
+    command line (the others are UNSET until `resolve`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        argv = ["train"] + argv                       # training is the default command
     args = build_parser().parse_args(argv)
-    explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
-    if args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    explicit = {k for k, v in vars(args).items() if v is not UNSET} - {"command", "families"}
+    return args, explicit
+
+
+def resolve(args, explicit: set):
+    """Fill every UNSET flag: the task's preset (without the alternatives of explicit flags), then DEFAULTS."""
+    for key in ("task", "init", "preset"):
+        if key not in explicit:
+            setattr(args, key, DEFAULTS[key])
     if args.task not in T.TASKS:
         raise UsageError(f"unknown task {args.task!r}; choose from {', '.join(T.TASKS)}")
     if args.init not in INITS:
         raise UsageError(f"unknown init {args.init!r}; choose from {', '.join(INITS)}")
-    return args, explicit
-
-
-def resolve(args, kind: str):
-    """Fill every None flag from PRESETS[preset][kind], PRESETS[preset][task], then DEFAULTS."""
-    preset = dict(PRESETS[args.preset].get(kind, {}))
-    preset.update(PRESETS[args.preset].get(args.task, {}))
-    if "epochs" in preset and args.steps is not None:
-        preset.pop("epochs")        # an explicit --steps wins over a preset's epochs
-    if "steps" in preset and args.epochs is not None:
-        preset.pop("steps")
+    task_cls = T.TASKS[args.task]
+    if args.preset not in task_cls.presets():
+        raise UsageError(f"unknown preset {args.preset!r}; choose from {', '.join(task_cls.presets())}")
+    for flag, other in ALTERNATIVES.items():
+        if flag in explicit and other in explicit:
+            raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
+    preset = task_cls.preset(args.preset)
+    for flag in explicit & set(ALTERNATIVES):
+        preset.pop(ALTERNATIVES[flag], None)
     for key, value in {**DEFAULTS, **preset}.items():
-        if getattr(args, key, None) is None:
+        if key not in explicit:
             setattr(args, key, value)
     if args.out is None:
         args.out = os.path.join("runs", f"{args.task}-{args.init}-s{args.seed}")
@@ -260,8 +250,6 @@ def validate(args, task, explicit: set):
     for name in ("batch_size", "layers", "heads", "dim", "mlp_dim", "log_every"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    if "steps" in explicit and "epochs" in explicit:
-        raise UsageError("give either --steps or --epochs, not both")
     if args.steps is None and args.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
     if args.steps is not None and args.steps <= 0:
@@ -270,25 +258,29 @@ def validate(args, task, explicit: set):
         raise UsageError(f"--epochs must be positive, got {args.epochs}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
-    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and task.kind not in EVAL_POINTS):
+    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and not task.EVAL_POINTS):
         raise UsageError(f"--eval-points must be >= 0 and applies to the Boolean and arithmetic tasks only, "
                          f"got {args.eval_points}")
-    if args.readout is not None and task.kind != "boolean":
-        what = "--pool" if task.kind == "vision" else "nothing: the model reads every token"
-        raise UsageError(f"--readout applies to the Boolean tasks only; for {args.task} ({task.kind}) use {what}")
-    if args.init not in task_inits(task):
-        raise UsageError(f"init {args.init!r} does not apply to task {args.task} ({task.kind}); "
-                         f"choose from {', '.join(task_inits(task))}")
+    for family, flags in args.families.items():
+        for flag in sorted(explicit & set(flags)):
+            if flag not in task.OPTIONS:
+                what = f" (use --pool for {args.task})" if flag == "readout" and task.KIND == "vision" else ""
+                raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {args.task} ({task.KIND}){what}; "
+                                 f"its task options are: "
+                                 f"{', '.join('--' + o.replace('_', '-') for o in task.OPTIONS if o != 'heads')}")
+    if not task.MASK_SCALE and explicit & {"mask_on", "mask_off"}:
+        raise UsageError(f"--mask-on / --mask-off do not apply to task {args.task} ({task.KIND}): its M starts "
+                         f"from the causal-distance prior (log sigmoid(M) = -slope_h * distance), which has no "
+                         f"on/off levels")
+    if args.init not in task.INITS:
+        raise UsageError(f"init {args.init!r} does not apply to task {args.task} ({task.KIND}); "
+                         f"choose from {', '.join(task.INITS)}")
     if args.head_dim is None and args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}; set --head-dim")
-    variants = getattr(task, "PATTERNS", None)          # check the name without building a large pattern
-    if variants is not None and args.pattern is not None and args.pattern not in variants:
-        raise UsageError(f"task {args.task} has no pattern {args.pattern!r}; choose from {list(variants)}")
-    if variants is None:
-        try:
-            task.pattern(args.pattern)
-        except T.TaskError as e:
-            raise UsageError(str(e)) from None
+    try:
+        task.check_pattern(args.pattern)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
     if args.halt_after is not None and args.halt_after <= 0:
         raise UsageError(f"--halt-after must be a positive step, got {args.halt_after}")
     try:
@@ -298,23 +290,15 @@ def validate(args, task, explicit: set):
         raise UsageError(f"--betas must be two numbers in [0, 1) like 0.9,0.999, got {args.betas!r}") from None
 
 
-def task_inits(task) -> tuple:
-    return getattr(task, "inits", ("default", "mask", "qk-svd", "qk-opt"))
+# ----------------------------------------------------------------------------------------
+# Build: the task, the model, the init, the optimiser
 
 
-def kind_of(task_name: str) -> str:
-    return T.KINDS.get(task_name, "boolean")
-
-
-def make_task(args):
+def make_task(args) -> T.Task:
+    """The task of args.task, given its options (flags of the same names) and the seed."""
+    options = {k: getattr(args, k) for k in T.TASKS[args.task].OPTIONS if getattr(args, k) is not None}
     try:
-        return T.make_task(args.task, n_bits=args.n_bits, bits=args.bits, unseen=args.unseen,
-                           train_size=args.train_size, readout=args.readout, data_frac=args.data_frac,
-                           answer_order=args.answer_order,
-                           data_dir=args.data_dir, image_size=args.image_size, patch_size=args.patch_size,
-                           pool=args.pool, n_heads=args.heads, impulse=args.impulse, mixup=args.mixup,
-                           cutmix=args.cutmix, label_smoothing=args.label_smoothing, context=args.context,
-                           val_tokens=args.val_tokens)
+        return T.make_task(args.task, seed=args.seed, **options)
     except T.TaskError as e:
         raise UsageError(str(e)) from None
 
@@ -345,21 +329,17 @@ def use_fused(attention: str, init: str, device: torch.device) -> bool:
 
 def model_config(args, task, device=torch.device("cpu")):
     arch = task.arch()
+    trunk = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
+                 mlp_dim=args.mlp_dim, learnable_mask=args.init == "mask",
+                 fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias),
+                 dropout=args.dropout, pos_init_std=args.pos_init_std)
     if arch.get("model") == "vit":
-        return mp.ViTConfig(
-            image_size=arch["image_size"], patch_size=arch["patch_size"], n_classes=arch["n_classes"],
-            pool=arch["pool"], dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
-            mlp_ratio=args.mlp_dim / args.dim, learnable_mask=args.init == "mask",
-            fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias), dropout=args.dropout,
-            pos_init_std=args.pos_init_std)
-    return mp.TransformerConfig(
-        vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
-        readout=arch["readout"], causal=arch.get("causal", False),
-        n_layers=args.layers, n_heads=args.heads, dim=args.dim, head_dim=args.head_dim, mlp_dim=args.mlp_dim,
-        learnable_mask=args.init == "mask", fused=use_fused(args.attention, args.init, device),
-        qkv_bias=bool(args.qkv_bias),
-        emb_init_std=args.emb_init_std, pos_init_std=args.pos_init_std, dropout=args.dropout,
-        tie_embeddings=arch.get("tie_embeddings", False))
+        return mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
+                            n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
+    return mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
+                                readout=arch["readout"], causal=arch.get("causal", False),
+                                emb_init_std=args.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
+                                **trunk)
 
 
 def build_model(args, task, device):
@@ -369,32 +349,48 @@ def build_model(args, task, device):
     return model.to(device), cfg
 
 
+# The inits: name -> function(model, task, args, generator) that writes the task's prior into the
+# model in place and returns a small report. Add one here and it is a --init.
+
+def init_default(model, task, args, g) -> dict:
+    return {}
+
+
+def init_mask(model, task, args, g) -> dict:
+    """M from the task: +m_on on the pattern, -m_off elsewhere, or the task's own graded M."""
+    return mp.init_mask_(model, logits=task.mask_logits(args.pattern, args.mask_on, args.mask_off))
+
+
+def init_qk_svd(model, task, args, g) -> dict:
+    return mp.init_qk_svd_(model, task.pattern(args.pattern), args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
+                           args.qk_svd_pos_scale, generator=g)
+
+
+def init_qk_opt(model, task, args, g) -> dict:
+    return mp.init_qk_opt_(model, task.pattern(args.pattern), args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
+                           pos_scale=args.qk_opt_pos_scale, generator=g)
+
+
+def init_mimetic(model, task, args, g) -> dict:
+    return mp.init_mimetic_(model, generator=g)
+
+
+def init_impulse(model, task, args, g) -> dict:
+    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
+    for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
+    report = mp.init_qk_svd_(model, task.pattern(args.pattern), args.qk_svd_scale, args.qk_svd_noise,
+                             args.qk_svd_norm, args.qk_svd_pos_scale or 18.0, generator=g)
+    report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
+    return report
+
+
+INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-opt": init_qk_opt,
+         "mimetic": init_mimetic, "impulse": init_impulse}
+
+
 def apply_init(model, task, args) -> dict:
     """Write the task's prior into the model as args.init says; returns the init's report."""
-    pattern = task.pattern(args.pattern)
-    g = torch.Generator().manual_seed(args.seed + 1)
-    if args.init == "default":
-        return {}
-    if args.init == "mask":
-        if hasattr(task, "mask_logits"):     # a graded prior (e.g. arithmetic: strongest on the carry digits)
-            return mp.init_mask_(model, logits=task.mask_logits(args.pattern, args.mask_on, args.mask_off))
-        return mp.init_mask_(model, pattern, args.mask_on, args.mask_off)
-    if args.init == "qk-svd":
-        return mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
-                               args.qk_svd_pos_scale, generator=g)
-    if args.init == "qk-opt":
-        return mp.init_qk_opt_(model, pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
-                               pos_scale=args.qk_opt_pos_scale, generator=g)
-    if args.init == "mimetic":
-        return mp.init_mimetic_(model, generator=g)
-    if args.init == "impulse":
-        # the 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
-        # for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)
-        report = mp.init_qk_svd_(model, pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
-                                 args.qk_svd_pos_scale or 18.0, generator=g)
-        report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
-        return report
-    raise UsageError(f"init {args.init!r} is not available for task {args.task}")
+    return INITS[args.init](model, task, args, torch.Generator().manual_seed(args.seed + 1))
 
 
 def make_optimizer(model, args):
@@ -414,33 +410,311 @@ def lr_at(step: int, total: int, args) -> float:
     return args.lr
 
 
+def autocast(device, args):
+    use = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+
+@dataclass
+class Probe:
+    """What every log step measures: the task's metrics, and the prior per layer (attention mass on
+    the pattern and content margin on a fixed real batch, drift of M and Wq Wk^T since the start).
+    When the pattern constrains no query row there is no mass to measure: `no_mass` says why."""
+    task: T.Task
+    pattern: torch.Tensor
+    inputs: torch.Tensor
+    snapshot: list
+    eval_points: int
+    device: torch.device
+    args: argparse.Namespace
+
+    def __post_init__(self):
+        causal = self.task.arch().get("causal", False)
+        self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
+            f"the {self.task.check_pattern(self.args.pattern)} pattern of {self.args.task} constrains no query row "
+            f"at this size (every row allows every key it can see), so there is no prior mass to measure")
+
+    def measure(self, model, final: bool = False) -> dict:
+        """Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs;
+        the final measurement always uses the whole test set."""
+        model.eval()
+        with autocast(self.device, self.args):
+            metrics = self.task.evaluate(model, points=None if final else self.eval_points)
+            if self.no_mass is None:
+                mass, margin = mp.prior_probe(model, self.inputs, self.pattern)
+            else:
+                mass = margin = None
+        model.train()
+        rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
+               "content_margin": margin}
+        rec.update(mp.prior_drift(model, self.snapshot))
+        return rec
+
+
 # ----------------------------------------------------------------------------------------
-# Files
+# Loop: start a run (or resume it), train, finish
 
 
-def write_text(path: str, text: str) -> None:
-    """Write a file atomically: a temporary file in the same folder, then a rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+@dataclass
+class Run:
+    """Everything a run carries from its start to its end."""
+    args: argparse.Namespace
+    task: T.Task
+    model: torch.nn.Module
+    cfg: object
+    optimizer: torch.optim.Optimizer
+    probe: Probe
+    device: torch.device
+    init_report: dict
+    mass_start: list | None
+    step: int = 0
+    seconds: float = 0.0            # training time before this invocation
+    last: dict | None = None        # the latest logged record
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.args.out, name)
+
+
+def run(args, explicit: set) -> int:
+    """The `train` command: resolve the flags, then start or resume, train, finish."""
+    args = resolve(args, explicit)
+    if args.sample is not None:
+        return sample(args, explicit)
+    state = start_or_resume(args, explicit)
+    code = train_loop(state)
+    return finish(state) if code is None else code
+
+
+def start_or_resume(args, explicit: set) -> Run:
+    """Check the flags and the run folder, build everything; a new run is initialised and its first
+    files written (args.json, the step-0 line of metrics.jsonl, ckpt.pt), a resumed one restored."""
+    saved = prepare_run_dir(args, explicit)
+    task = make_task(args)
+    validate(args, task, explicit)
+    device = pick_device(args.device)
+    setup_task(task, device)
+    if args.warmup_epochs is not None:
+        args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
+    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
+        args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
+    args.log_every = args.log_every or max(1, args.steps // 10)
+    args.ckpt_every = args.ckpt_every or args.log_every
+    model, cfg = build_model(args, task, device)
+    pattern = task.pattern(args.pattern).to(device)
+    inputs = task.probe_inputs(args.probe_size)
+    if saved is None:
+        t0 = time.time()
+        try:
+            init_report = apply_init(model, task, args)
+        except ValueError as e:     # a pattern that does not fit the model: nothing is written
+            raise UsageError(f"--init {args.init}: {e}") from None
+        init_report["seconds"] = round(time.time() - t0, 3)
+        model.to(device)
+        probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
+        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None)
+        start = probe.measure(model)
+        state.mass_start = start["prior_mass"]
+        os.makedirs(args.out, exist_ok=True)
+        write_json(state.path("args.json"), vars_of(args))
+        T.atomic_write(state.path("metrics.jsonl"), json.dumps({"step": 0, "loss": None, **start}) + "\n")
+        save_checkpoint(state)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device} | "
+              f"{args.steps} steps | out {args.out}", flush=True)
+        print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
+        return state
+    ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), device, "--resume")
+    same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
+        {k: v for k, v in asdict(cfg).items() if k != "fused"}
+    if not same:
+        raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
+                         f"({ckpt['config']} vs {asdict(cfg)})")
+    model.load_state_dict(ckpt["model"])
+    optimizer = make_optimizer(model, args)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
+    state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
+                step=ckpt["step"], seconds=ckpt["seconds"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    truncate_log(state.path("metrics.jsonl"), state.step)
+    write_json(state.path("args.json"), vars_of(args))
+    print(f"resuming {args.out} at step {state.step}/{args.steps}", flush=True)
+    return state
+
+
+def train_loop(state: Run) -> int | None:
+    """Train from state.step to args.steps, logging and checkpointing; None when it got to the end,
+    else the exit status (interrupted, halted, or a non-finite loss or weight)."""
+    args, model, optimizer, task = state.args, state.model, state.optimizer, state.task
+    total, t_start, steps_done = args.steps, time.time(), 0
+    with Interrupt() as stop:
+        while state.step < total:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(state.step, total, args)
+            batch = task.train_batch(state.step, args.batch_size)
+            with autocast(state.device, args):
+                loss = task.loss(model, batch)
+            if not torch.isfinite(loss):
+                return non_finite(state, f"the loss became {float(loss.detach())} at step {state.step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            state.step += 1
+            steps_done += 1
+            step = state.step
+            if step % args.log_every == 0 or step == total:
+                rec = state.probe.measure(model, final=step == total)
+                now = time.time()
+                rate = steps_done / max(now - t_start, 1e-9)
+                state.last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
+                              "seconds": round(state.seconds + now - t_start, 2), **rec}
+                with open(state.path("metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(state.last) + "\n")
+                print(f"step {step:>6}/{total} | train_loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
+                      f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
+            halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
+            if step % args.ckpt_every == 0 or step == total or halt:
+                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                    return non_finite(state, f"the parameters became non-finite at step {step}")
+                save_checkpoint(state, state.seconds + time.time() - t_start)
+            if halt:
+                why = "interrupted" if stop.hit else f"halted at --halt-after {args.halt_after}"
+                print(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume --out "
+                      f"{args.out}", flush=True)
+                return 130 if stop.hit else 0
+    state.seconds += time.time() - t_start
+    return None
+
+
+def non_finite(state: Run, what: str) -> int:
+    print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower --lr "
+          f"or --grad-clip", file=sys.stderr, flush=True)
+    return 1
+
+
+def finish(state: Run) -> int:
+    """The final measurement (the whole test set) and result.json."""
+    args, last = state.args, state.last
+    if last is None or last["step"] != state.step:
+        last = {"step": state.step, **state.probe.measure(state.model, final=True)}
+    metrics = dict(last["metrics"])
+    if state.mass_start is None:
+        metrics["prior_mass_start"] = metrics["prior_mass_end"] = None
+        metrics["prior_mass_note"] = state.probe.no_mass
+    else:
+        metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
+        metrics["prior_mass_end"] = last["prior_mass_mean"]
+    result = {"task": args.task, "kind": state.task.KIND, "init": args.init, "seed": args.seed, "preset": args.preset,
+              "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
+              "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
+              **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
+              "init_report": state.init_report, "config": asdict(state.cfg), "device": str(state.device),
+              "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
+    write_json(state.path("result.json"), result)
+    print(f"done: {fmt_metrics(last, state.task)} | training {fmt_time(state.seconds)}, "
+          f"{time.time() - STARTED:.1f} s wall since the command started | {state.path('result.json')}", flush=True)
+    return 0
+
+
+class Interrupt:
+    """Turn the first Ctrl-C into a flag checked between steps; a second one aborts at once."""
+
+    def __init__(self):
+        self.hit = False
+        self.old = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.hit:
+                raise KeyboardInterrupt
+            self.hit = True
+            print("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)", flush=True)
+        try:
+            self.old = signal.signal(signal.SIGINT, handler)
+        except ValueError:      # not in the main thread
+            self.old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+
+
+def setup_task(task, device):
+    """Load the task's data; a data problem is one line for the user (UsageError)."""
+    try:
+        task.setup(device)
+    except T.TaskError as e:
+        raise UsageError(str(e)) from None
+
+
+def sample(args, explicit: set) -> int:
+    """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
+    if "out" not in explicit:
+        raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
+    args.resume = True
+    prepare_run_dir(args, explicit)
+    task = make_task(args)
+    if task.KIND != "lm":
+        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
+    device = pick_device(args.device)
+    setup_task(task, device)
+    model, _ = build_model(args, task, device)
+    model.load_state_dict(read_checkpoint(os.path.join(args.out, "ckpt.pt"), device, "--sample")["model"])
+    ids = task.encode(args.sample)
+    if not ids:
+        raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
+    if args.sample_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise UsageError("--sample-tokens must be >= 1, --temperature and --top-k >= 0")
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    out = mp.generate(model, torch.tensor([ids], device=device), args.sample_tokens, args.temperature,
+                      args.top_k or None, generator=g)
+    sep = " " if task.vocab is not None else ""              # words are joined by spaces, bytes are not
+    print(task.decode(ids) + sep + task.decode(out[0, len(ids):].tolist()))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoint and files: every file is written whole or not at all (T.atomic_write / atomic_output)
+
+
+def vars_of(args) -> dict:
+    """The resolved flags, as args.json records them."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "families")}
 
 
 def write_json(path: str, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    T.atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def load_json(path: str):
     with open(path) as f:
         return json.load(f)
+
+
+def save_checkpoint(state: Run, seconds: float | None = None) -> None:
+    """ckpt.pt: model, optimiser, step, training time, flags, config, the init's report, the prior's
+    snapshot and starting mass, RNG states: all `--resume` needs to continue exactly."""
+    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
+            "seconds": state.seconds if seconds is None else seconds, "args": vars_of(state.args),
+            "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
+            "prior_mass_start": state.mass_start,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    with T.atomic_output(state.path("ckpt.pt")) as f:
+        torch.save(ckpt, f)
+
+
+def read_checkpoint(path: str, device, flag: str) -> dict:
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
+        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
 
 
 def prepare_run_dir(args, explicit: set):
@@ -472,257 +746,18 @@ def prepare_run_dir(args, explicit: set):
     return saved
 
 
-# ----------------------------------------------------------------------------------------
-# Training
-
-
-class Interrupt:
-    """Turn the first Ctrl-C into a flag checked between steps; a second one aborts at once."""
-
-    def __init__(self):
-        self.hit = False
-        self.old = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.hit:
-                raise KeyboardInterrupt
-            self.hit = True
-            print("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)", flush=True)
-        try:
-            self.old = signal.signal(signal.SIGINT, handler)
-        except ValueError:      # not in the main thread
-            self.old = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
-
-
-def autocast(device, args):
-    use = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
-
-
-EVAL_POINTS = ("boolean", "arithmetic")     # task kinds whose log steps may evaluate a sample (--eval-points)
-
-
-def measure(model, task, args, device, snapshot, probe, pattern, final: bool = False) -> dict:
-    """Evaluate the task and probe the prior: per-layer mass on the pattern, drift of M and QK.
-    Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs; the
-    final measurement always uses the whole test set."""
-    model.eval()
-    with autocast(device, args):
-        if task.kind in EVAL_POINTS:
-            metrics = task.evaluate(model, points=None if final else args.eval_points)
-        else:
-            metrics = task.evaluate(model)
-        mass, margin = mp.prior_probe(model, probe, pattern)
-    model.train()
-    rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": sum(mass) / len(mass), "content_margin": margin}
-    rec.update(mp.prior_drift(model, snapshot))
-    return rec
-
-
-def fmt_time(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def setup_task(task, seed: int, device):
-    """Load the task's data; a data problem is one line for the user (UsageError)."""
-    try:
-        task.setup(seed, device)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
-
-
-def read_checkpoint(path: str, device, flag: str) -> dict:
-    try:
-        return torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
-        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
-
-
-def sample(args, explicit: set) -> int:
-    """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
-    if "out" not in explicit:
-        raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    args.resume = True
-    prepare_run_dir(args, explicit)
-    task = make_task(args)
-    if task.kind != "lm":
-        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
-    device = pick_device(args.device)
-    setup_task(task, args.seed, device)
-    model, _ = build_model(args, task, device)
-    ckpt_path = os.path.join(args.out, "ckpt.pt")
-    model.load_state_dict(read_checkpoint(ckpt_path, device, "--sample")["model"])
-    ids = task.encode(args.sample)
-    if not ids:
-        raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
-    if args.sample_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        raise UsageError("--sample-tokens must be >= 1, --temperature and --top-k >= 0")
-    model.eval()
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    out = mp.generate(model, torch.tensor([ids], device=device), args.sample_tokens, args.temperature,
-                      args.top_k or None, generator=g)
-    sep = " " if task.vocab is not None else ""              # words are joined by spaces, bytes are not
-    print(task.decode(ids) + sep + task.decode(out[0, len(ids):].tolist()))
-    return 0
-
-
-def run(args, explicit: set) -> int:
-    args = resolve(args, kind_of(args.task))
-    if args.sample is not None:
-        return sample(args, explicit)
-    saved = prepare_run_dir(args, explicit)
-    task = make_task(args)
-    validate(args, task, explicit)
-    device = pick_device(args.device)
-
-    setup_task(task, args.seed, device)
-    if args.warmup_epochs is not None:
-        args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
-    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
-        args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
-    args.log_every = args.log_every or max(1, args.steps // 10)
-    args.ckpt_every = args.ckpt_every or args.log_every
-    total = args.steps
-
-    model, cfg = build_model(args, task, device)
-    pattern = task.pattern(args.pattern).to(device)
-    probe = task.probe_inputs(args.probe_size)
-    args_path, ckpt_path = os.path.join(args.out, "args.json"), os.path.join(args.out, "ckpt.pt")
-    metrics_path, result_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "result.json")
-
-    if saved is None:
-        t0 = time.time()
-        try:
-            init_report = apply_init(model, task, args)
-        except ValueError as e:     # a pattern that does not fit the model: nothing is written
-            raise UsageError(f"--init {args.init}: {e}") from None
-        init_report["seconds"] = round(time.time() - t0, 3)
-        os.makedirs(args.out, exist_ok=True)
-        model.to(device)
-        optimizer = make_optimizer(model, args)
-        snapshot = mp.prior_snapshot(model)
-        step, elapsed = 0, 0.0
-        start = measure(model, task, args, device, snapshot, probe, pattern)
-        start_rec = {"step": 0, "loss": None, **start}
-        write_json(args_path, {k: v for k, v in vars(args).items()})
-        with open(metrics_path, "w") as f:
-            f.write(json.dumps(start_rec) + "\n")
-        mass_start = start["prior_mass"]
-        save_checkpoint(ckpt_path, checkpoint_state(model, optimizer, 0, 0.0, args, cfg, init_report,
-                                                    snapshot, mass_start))
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device} | "
-              f"{total} steps | out {args.out}", flush=True)
-        print(f"step {0:>6}/{total} | {fmt_metrics(start, task)}", flush=True)
-    else:
-        ckpt = read_checkpoint(ckpt_path, device, "--resume")
-        same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
-            {k: v for k, v in asdict(cfg).items() if k != "fused"}
-        if not same:
-            raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
-                             f"({ckpt['config']} vs {asdict(cfg)})")
-        model.load_state_dict(ckpt["model"])
-        optimizer = make_optimizer(model, args)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step, elapsed = ckpt["step"], ckpt["seconds"]
-        init_report, snapshot, mass_start = ckpt["init_report"], ckpt["snapshot"], ckpt["prior_mass_start"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        truncate_log(metrics_path, step)
-        write_json(args_path, {k: v for k, v in vars(args).items()})
-        print(f"resuming {args.out} at step {step}/{total}", flush=True)
-
-    last = None
-    t_start, steps_done = time.time(), 0
-    with Interrupt() as stop:
-        while step < total:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total, args)
-            batch = task.train_batch(step, args.batch_size)
-            with autocast(device, args):
-                loss = task.loss(model, batch)
-            if not torch.isfinite(loss):
-                print(f"error: the loss became {float(loss.detach())} at step {step}; stopped. The last good "
-                      f"checkpoint is kept in {ckpt_path}; try a lower --lr or --grad-clip",
-                      file=sys.stderr, flush=True)
-                return 1
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            step += 1
-            steps_done += 1
-            if step % args.log_every == 0 or step == total:
-                rec = measure(model, task, args, device, snapshot, probe, pattern, final=step == total)
-                now = time.time()
-                rate = steps_done / max(now - t_start, 1e-9)
-                last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
-                        "seconds": round(elapsed + now - t_start, 2), **rec}
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(last) + "\n")
-                print(f"step {step:>6}/{total} | train_loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
-                      f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
-            halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
-            if step % args.ckpt_every == 0 or step == total or halt:
-                if not all(torch.isfinite(p).all() for p in model.parameters()):
-                    print(f"error: the parameters became non-finite at step {step}; stopped. The last good "
-                          f"checkpoint is kept in {ckpt_path}; try a lower --lr or --grad-clip",
-                          file=sys.stderr, flush=True)
-                    return 1
-                save_checkpoint(ckpt_path, checkpoint_state(model, optimizer, step, elapsed + time.time() - t_start,
-                                                            args, cfg, init_report, snapshot, mass_start))
-            if halt:
-                why = "interrupted" if stop.hit else f"halted at --halt-after {args.halt_after}"
-                print(f"{why}: checkpoint at step {step} in {ckpt_path}; continue with --resume --out {args.out}",
-                      flush=True)
-                return 130 if stop.hit else 0
-
-    elapsed += time.time() - t_start
-    if last is None or last["step"] != step:
-        last = {"step": step, **measure(model, task, args, device, snapshot, probe, pattern, final=True)}
-    metrics = dict(last["metrics"])
-    metrics["prior_mass_start"] = sum(mass_start) / len(mass_start)
-    metrics["prior_mass_end"] = last["prior_mass_mean"]
-    result = {"task": args.task, "kind": task.kind, "init": args.init, "seed": args.seed, "preset": args.preset,
-              "steps": step,
-              "seconds": round(elapsed, 2), "metrics": metrics, "prior_mass_start_layers": mass_start,
-              "prior_mass_end_layers": last["prior_mass"],
-              **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
-              "init_report": init_report, "config": asdict(cfg), "device": str(device), "torch": torch.__version__,
-              "params": sum(p.numel() for p in model.parameters())}
-    write_json(result_path, result)
-    print(f"done: {fmt_metrics(last, task)} | training {fmt_time(elapsed)}, {time.time() - STARTED:.1f} s wall "
-          f"since the command started | {result_path}", flush=True)
-    return 0
-
-
-def checkpoint_state(model, optimizer, step, seconds, args, cfg, init_report, snapshot, mass_start) -> dict:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "seconds": seconds,
-            "args": vars(args), "config": asdict(cfg), "init_report": init_report, "snapshot": snapshot,
-            "prior_mass_start": mass_start,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-
-
 def truncate_log(path: str, step: int) -> None:
     """Drop log lines written after the checkpoint's step (they will be written again)."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
+    T.atomic_write(path, "".join(lines))
+
+
+def fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def fmt_report(report: dict) -> str:
@@ -734,9 +769,9 @@ def fmt_report(report: dict) -> str:
 
 def fmt_metrics(rec: dict, task) -> str:
     m = rec["metrics"]
-    keys = getattr(task, "headline", ("acc", "acc_unseen", "mse_unseen"))
-    parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in keys if k in m]
-    return " | ".join(parts + [f"mass {rec['prior_mass_mean']:.3f}"])
+    parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in task.HEADLINE if k in m]
+    mass = rec["prior_mass_mean"]
+    return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -877,11 +912,10 @@ def pyplot():
 
 
 def save_figure(fig, path: str, dpi: int) -> str:
-    """Save a figure atomically (a temporary file, then a rename) and close it; returns path."""
-    tmp = path + f".tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=dpi)
+    """Save a figure as a PNG atomically and close it; returns path."""
+    with T.atomic_output(path) as f:
+        fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -944,7 +978,7 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
-    write_text(csv_path, "\n".join(lines) + "\n")
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
     plt = pyplot()
     if plt is None:
@@ -980,7 +1014,7 @@ ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
 
 def preset_layout(task: str, preset: str = "small") -> tuple:
     """(readout, positional std) that `preset` gives a Boolean task."""
-    args = resolve(parse_args(["--task", task, "--preset", preset])[0], kind_of(task))
+    args = resolve(*parse_args(["--task", task, "--preset", preset]))
     return args.readout or "cls", args.pos_init_std
 
 
@@ -1089,7 +1123,7 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     for (task, label), rs in groups.items():
         kind = rs[0].get("kind", "boolean")
         per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
-        for r in sorted(rs, key=lambda r: (INITS.index(r["init"]) if r["init"] in INITS else 99, r["seed"])):
+        for r in sorted(rs, key=lambda r: (list(INITS).index(r["init"]) if r["init"] in INITS else 99, r["seed"])):
             for k, pts in curve_points(r).items():
                 for step, v in pts:
                     lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
@@ -1098,7 +1132,7 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
             if per_metric[k]:
                 panels.append((task + (f"\n{label}" if label else ""), k, name, per_metric[k]))
     csv_path = os.path.join(out_dir, "curves.csv")
-    write_text(csv_path, "\n".join(lines) + "\n")
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
     plt = pyplot()
     if plt is None:
@@ -1270,7 +1304,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             md.append(f"| {n:,} | {100 * n / T.UNIVERSE:g} | " + " | ".join(cells) + f" | {enough} |")
         panels.append((label, {i: by[i] for i in inits}, sizes))
     csv_path = os.path.join(out_dir, "data_efficiency.csv")
-    write_text(csv_path, "\n".join(lines) + "\n")
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
     text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
             "Final sequence accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). "
             "The last column: the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at "
@@ -1279,7 +1313,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
-    write_text(md_path, text)
+    T.atomic_write(md_path, text)
     written = [md_path, csv_path]
     plt = pyplot()
     if plt is None or not panels:
@@ -1313,7 +1347,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
 
     def emit(name: str, text: str) -> None:
         path = os.path.join(out_dir, name)
-        write_text(path, text)
+        T.atomic_write(path, text)
         written.append(path)
 
     for table in TABLES:
@@ -1358,86 +1392,67 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     return written
 
 
-def make_digits(argv) -> int:
-    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits (1,797 8x8 images,
-    no download) upscaled to 32x32 RGB and written in the CIFAR-10 python format, a small, real,
-    learnable image set for trying the vision path on a CPU. Train 1,500 / test 297, by seed 0."""
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("error: make-digits needs one output folder, e.g. python train.py make-digits data/digits",
-              file=sys.stderr)
-        return 2
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        print("error: make-digits needs scikit-learn for its bundled digits: pip install scikit-learn",
-              file=sys.stderr)
-        return 2
-    d = load_digits()
-    x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
-    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                        # nearest upscaling to 32x32
-    x = np.repeat(x[:, None], 3, axis=1)                                     # grey -> RGB
-    order = np.random.default_rng(0).permutation(len(x))
-    tr, te = order[:1500], order[1500:]
-    out = T.write_cifar10_python(argv[0], x[tr], d.target[tr], x[te], d.target[te])
-    print(f"wrote {len(tr)} train / {len(te)} test digits in CIFAR-10 python format to {out}\n"
-          f"train on them with: python train.py --task cifar10 --data-dir {argv[0]} --init mask")
+# ----------------------------------------------------------------------------------------
+# Commands: train (the default), summarize, report, and the two fixture writers
+
+
+def make_digits(folder: str) -> int:
+    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32
+    RGB and written in the CIFAR-10 python format (`T.digits_arrays`): a small, real, learnable image
+    set for trying the vision path on a CPU."""
+    x_train, y_train, x_test, y_test = T.digits_arrays()
+    out = T.write_cifar10_python(folder, x_train, y_train, x_test, y_test)
+    print(f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\n"
+          f"train on them with: python train.py --task cifar10 --data-dir {folder} --init mask")
     return 0
 
 
-def make_wikitext(argv) -> int:
+def make_wikitext(folder: str, files: list) -> int:
     """python train.py make-wikitext DIR FILE...: plain-text files (one article each; paragraphs
     separated by blank lines; the first line is the title) written in WikiText-2's word-level
     layout under DIR/wikitext-2/, so that any English text can stand in for the corpus."""
-    if len(argv) < 2 or argv[0].startswith("-"):
-        print("error: make-wikitext needs an output folder and text files, e.g. python train.py make-wikitext "
-              "data/text /usr/share/vim/vim90/doc/usr_*.txt", file=sys.stderr)
-        return 2
     articles = []
-    for path in argv[1:]:
+    for path in files:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError as e:
-            print(f"error: cannot read {path} ({e.strerror})", file=sys.stderr)
-            return 2
+            raise UsageError(f"make-wikitext: cannot read {path} ({e.strerror})") from None
         paras = [" ".join(p.split()) for p in text.split("\n\n")]
         paras = [p for p in paras if p]
         if paras:
             articles.append((paras[0][:80], paras[1:]))
-    out = T.write_wikitext_layout(articles, argv[0])
-    sizes = {s: sum(len(line.split()) + 1 for line in open(os.path.join(out, f"wiki.{s}.tokens"), encoding="utf-8"))
-             for s in ("train", "valid", "test")}
+    out = T.write_wikitext_layout(articles, folder)
+    sizes = {}
+    for s in ("train", "valid", "test"):
+        with open(os.path.join(out, f"wiki.{s}.tokens"), encoding="utf-8") as f:
+            sizes[s] = sum(len(line.split()) + 1 for line in f)
     print(f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items()))
     return 0
 
 
+def report_command(runs: str, out: str) -> int:
+    if not os.path.isdir(runs):
+        raise UsageError(f"report: {runs} is not a folder of runs")
+    for path in report(runs, out):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["summarize"]:
-        if len(argv) < 2:
-            print("error: summarize needs run directories, e.g. python train.py summarize runs/", file=sys.stderr)
-            return 2
-        print(summarize(argv[1:]), end="")
-        return 0
-    if argv[:1] == ["report"]:
-        if len(argv) != 3:
-            print("error: report needs a runs folder and an output folder, e.g. python train.py report "
-                  "runs/quick results/quick", file=sys.stderr)
-            return 2
-        if not os.path.isdir(argv[1]):
-            print(f"error: report: {argv[1]} is not a folder of runs", file=sys.stderr)
-            return 2
-        for path in report(argv[1], argv[2]):
-            print(f"wrote {path}")
-        return 0
-    if argv[:1] == ["make-digits"]:
-        return make_digits(argv[1:])
-    if argv[:1] == ["make-wikitext"]:
-        return make_wikitext(argv[1:])
     try:
         args, explicit = parse_args(argv)
+        if args.command == "summarize":
+            print(summarize(args.paths), end="")
+            return 0
+        if args.command == "report":
+            return report_command(args.runs, args.out)
+        if args.command == "make-digits":
+            return make_digits(args.folder)
+        if args.command == "make-wikitext":
+            return make_wikitext(args.folder, args.files)
         return run(args, explicit)
-    except UsageError as e:
+    except (UsageError, T.TaskError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -21,14 +21,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
+import tasks as T  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
 
 def build(init: str, extra: list, device: torch.device):
     argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
-    args, _ = train.parse_args(argv)
-    args = train.resolve(args, "vision")
+    args = train.resolve(*train.parse_args(argv))
     task = train.make_task(args)
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, task, args)
@@ -39,7 +39,7 @@ def build(init: str, extra: list, device: torch.device):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="small", choices=list(train.PRESETS))
+    p.add_argument("--preset", default="small", choices=list(T.ImageTask.presets()))
     p.add_argument("--inits", default="default,mask,impulse,mimetic,qk-svd,qk-opt")
     p.add_argument("--batch-size", type=int, help="default: the preset's")
     p.add_argument("--steps", type=int, default=5, help="steps per round")
