@@ -12,7 +12,8 @@ attention probability (see `mask_grad_bound`), so the prior survives training. T
 baselines write the same pattern into Wq, Wk instead (`init_qk_svd_`, `init_qk_opt_`).
 
 Models: `Transformer` (a token encoder with a CLS / mean / per-token readout, or with
-`causal=True` a decoder / language model; `generate` samples from it) and `ViT`.
+`causal=True` a decoder / language model; `generate` samples from it) and `ViT`, two
+embeddings on one `Trunk` of `Block`s.
 
 This file imports only torch and the standard library: copy it into your codebase.
 Reading order: pattern builders -> mask helpers -> attention -> blocks -> models ->

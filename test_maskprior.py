@@ -451,7 +451,9 @@ def test_arithmetic_tokenisation_round_trip(name, order):
     for s, x, y in zip(seq, a, b):
         assert task.decode(s) == (x, y, x * y if name == "multiplication" else x + y)
     text = "".join(T.ARITH_VOCAB[i] for i in seq[1])
-    assert text == ("999+999=1998" if name == "addition" else "999*999=998001") if order == "msb" else True
+    msb = "999+999=1998" if name == "addition" else "999*999=998001"
+    lsb = "999+999=8991" if name == "addition" else "999*999=100899"      # the answer digits reversed
+    assert text == (msb if order == "msb" else lsb)
 
 
 @pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
@@ -1225,9 +1227,10 @@ def test_causal_lm_never_sees_the_future(init):
     a, b = model(x), model(y)
     torch.testing.assert_close(a[:, :7], b[:, :7])
     assert not torch.allclose(a[:, 7:], b[:, 7:])
-    fused = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False})).eval()
-    fused.load_state_dict(model.state_dict())
-    torch.testing.assert_close(fused(x), a, atol=1e-5, rtol=1e-5)
+    assert cfg.fused                                        # `model` runs the fused path; compare the explicit one
+    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False})).eval()
+    explicit.load_state_dict(model.state_dict())
+    torch.testing.assert_close(explicit(x), a, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_is_seeded_and_crops_the_context():
@@ -1383,9 +1386,10 @@ def test_qk_inits_run(tmp_path, init):
 
 def test_mask_beats_default_on_unseen_majority3(tmp_path):
     """The paper's claim in miniature: on majority3 the mask generalises to the unseen quarter,
-    default stays at the min-degree interpolator (50% on U, 87.5% on the cube)."""
+    default stays at the min-degree interpolator (50% on U, 87.5% on the cube). 400 steps (6 s a run):
+    seed 0 gives default 87.53% / 50.1% on U, mask 100% / 100%, end mass 0.15 vs 0.94."""
     common = ["--task", "majority3", "--layers", "3", "--dim", "32", "--heads", "2", "--mlp-dim", "64",
-              "--steps", "800", "--log-every", "800", "--warmup", "50", "--seed", "0", "--probe-size", "64"]
+              "--steps", "400", "--log-every", "400", "--warmup", "50", "--seed", "0", "--probe-size", "64"]
     rc1, d = run_train(tmp_path, *common, "--init", "default", name="d")
     rc2, m = run_train(tmp_path, *common, "--init", "mask", name="m")
     assert rc1 == rc2 == 0
@@ -1691,6 +1695,40 @@ def test_ci_runs_the_readme_test_command():
     first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
     assert first_block[0] == ci and len(first_block) == 2
     assert first_block[1].startswith("python train.py --task")
+
+
+def _readme_block(start: str) -> str:
+    """The code of the first fenced block after `start` in the README."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    return readme.split(start, 1)[1].split("```", 2)[1].split("\n", 1)[1]
+
+
+def test_readme_add_a_task_example_runs_as_written(tmp_path):
+    """The README's worked example: one class registered as a task trains through train.main with the prior."""
+    (tmp_path / "my_task.py").write_text(_readme_block("<!-- add-a-task -->"))
+    env = {**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
+    for init in ("default", "mask"):
+        r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--init", init, "--steps", "40",
+                            "--log-every", "20", "--out", f"run-{init}"], cwd=tmp_path, capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        res = json.load(open(tmp_path / f"run-{init}" / "result.json"))
+        assert res["task"] == "xor-neighbours" and res["kind"] == "boolean" and 0 <= res["metrics"]["acc"] <= 1
+    assert res["metrics"]["prior_mass_start"] > 0.9          # the mask's start: M = +5 on the band, -5 off it
+    r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--data-frac", "0.1"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "does not apply to task xor-neighbours" in r.stderr
+
+
+def test_readme_own_model_example_runs():
+    code = _readme_block("## Use the prior in your own model")
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["text"].shape == (1, 22) and len(namespace["mass"]) == 2
+
+
+def test_readme_is_a_manual_of_about_15_kb():
+    assert os.path.getsize(os.path.join(HERE, "README.md")) < 20_000
 
 
 def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):

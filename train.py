@@ -831,15 +831,16 @@ def mean_std(values, digits: int = 2) -> str:
 
 
 def _pct(key):
-    return lambda ms: mean_std([100 * m[key] for m in ms if key in m])
+    return lambda ms: mean_std([100 * m[key] for m in ms if m.get(key) is not None])
 
 
 def _num(key):
-    return lambda ms: mean_std([m[key] for m in ms if key in m])
+    return lambda ms: mean_std([m[key] for m in ms if m.get(key) is not None])
 
 
 def _mass(ms):
-    return f"{_num('prior_mass_start')(ms)} → {_num('prior_mass_end')(ms)}"
+    start, end = _num("prior_mass_start")(ms), _num("prior_mass_end")(ms)
+    return f"{start} → {end}" if start or end else ""
 
 
 def _mdi(ms):
@@ -874,7 +875,8 @@ def summarize(paths) -> str:
     order = {name: i for i, name in enumerate(INITS)}
     for task, label in groups:
         kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
-        cols = COLUMNS.get(kind, COLUMNS["boolean"])
+        every = [[r["metrics"] for r in rs] for rs in groups[(task, label)].values()]
+        cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"]) if any(f(ms) for ms in every)]
         out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
         out.append("| init | seeds | " + " | ".join(h for h, _ in cols) + " | paper % |")
         out.append("|---|---|" + "---|" * len(cols) + "---|")
@@ -1290,7 +1292,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             continue
         inits = sorted((i for i in by if len(by[i]) > 1), key=lambda i: order.get(i, 99))    # a series each
         mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
-        md.append(f"\n**addition**" + (f" ({label})" if label else "") + "\n")
+        md.append("\n**addition**" + (f" ({label})" if label else "") + "\n")
         md.append("| training pairs | % of all pairs | " + " | ".join(f"{i} seq acc % (seeds)" for i in inits)
                   + " | fewest pairs with mask >= default here |")
         md.append("|---|---|" + "---|" * len(inits) + "---|")
@@ -1309,7 +1311,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             "Final sequence accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). "
             "The last column: the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at "
             "least default's mean at this size. Runs: " + ", ".join(f"`{f}`" for f in folders)
-            + f"; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
+            + "; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
