@@ -44,22 +44,29 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
   PYTHON=...     the interpreter (default python)
 
 A run whose result.json exists is skipped, and an interrupted one (a checkpoint, no
-result.json) is resumed, so running it again continues where it stopped. A missing
-dataset is reported and its runs are skipped; a failed run makes the script exit 1 and
-names it (its log is RUNS/TABLE/NAME.log).
+result.json) is resumed, so running it again continues where it stopped; Ctrl-C stops
+every run at a checkpoint and the script with status 130. A missing dataset is reported
+and its runs are skipped; a failed run makes the script exit 1 and names it (its log is
+RUNS/TABLE/NAME.log). Each run folder is locked while it trains, and a seed may be given
+once.
 EOF
 }
 
 QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; DATA="data"; RUNS=""; RESULTS=""; DRY=0
+value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none
+    if [ -z "${2:-}" ] || [[ "$2" == --* ]]; then
+        echo "reproduce.sh: $1 needs a value (see bash reproduce.sh --help)" >&2; exit 2
+    fi
+}
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) QUICK=1 ;;
-        --only) ONLY="${2:-}"; shift ;;
-        --seeds) SEEDS="${2:-}"; shift ;;
-        --jobs) JOBS="${2:-}"; shift ;;
-        --data) DATA="${2:-}"; shift ;;
-        --runs) RUNS="${2:-}"; shift ;;
-        --results) RESULTS="${2:-}"; shift ;;
+        --only) value "$1" "${2:-}"; ONLY="$2"; shift ;;
+        --seeds) value "$1" "${2:-}"; SEEDS="$2"; shift ;;
+        --jobs) value "$1" "${2:-}"; JOBS="$2"; shift ;;
+        --data) value "$1" "${2:-}"; DATA="$2"; shift ;;
+        --runs) value "$1" "${2:-}"; RUNS="$2"; shift ;;
+        --results) value "$1" "${2:-}"; RESULTS="$2"; shift ;;
         --dry-run) DRY=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "reproduce.sh: unknown option $1 (see bash reproduce.sh --help)" >&2; exit 2 ;;
@@ -72,6 +79,8 @@ case "$ONLY" in
        exit 2 ;;
 esac
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
+DUP=$(printf '%s\n' $SEEDS | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
+[ -n "$DUP" ] && { echo "reproduce.sh: --seeds lists seed $DUP twice (two runs would share one folder)" >&2; exit 2; }
 PY="${PYTHON:-python}"
 cd "$(dirname "$0")"
 if { [ "$ONLY" = ablation ] || [ "$ONLY" = data ]; } && [ "$QUICK" = 0 ]; then
@@ -181,6 +190,10 @@ run_one() {
         --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1 || rc=$?
     if [ "$rc" = 0 ]; then
         echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
+    elif [ "$rc" = 130 ]; then
+        echo "$(date +%H:%M:%S) interrupted $out (its checkpoint is kept; run the same command to resume)" >&2
+        touch "$RUNS/interrupted"
+        return 1
     else
         echo "$(date +%H:%M:%S) FAILED $out (exit $rc): see $log" | tee -a "$RUNS/failed.txt" >&2
         return 1
@@ -191,10 +204,15 @@ export RUNS PRESET PY DRY JOBS
 
 START=$(date +%s)
 echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
-[ "$DRY" = 0 ] && mkdir -p "$RUNS" && rm -f "$RUNS/failed.txt"
+[ "$DRY" = 0 ] && mkdir -p "$RUNS" && rm -f "$RUNS/failed.txt" "$RUNS/interrupted"
 STATUS=0
 if [ "${#LIST[@]}" -gt 0 ]; then
     printf '%s\n' "${LIST[@]}" | xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ || STATUS=1
+fi
+if [ -f "$RUNS/interrupted" ]; then
+    rm -f "$RUNS/interrupted"
+    echo "reproduce.sh: interrupted; run the same command again to resume (finished runs are skipped)" >&2
+    exit 130
 fi
 for m in "${MISSING[@]}"; do echo "missing dataset, its runs skipped: $m" >&2; done
 [ "$DRY" = 1 ] && exit 0

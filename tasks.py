@@ -775,6 +775,8 @@ def _load_pickle(path: str) -> dict:
     try:
         with open(path, "rb") as f:
             d = pickle.load(f, encoding="bytes")
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); it should be a file of the release") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as e:
         raise DataError(f"{path} is truncated or not a pickle ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict):
@@ -812,7 +814,10 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0) -> 
     CIFAR-10: 1 label byte; CIFAR-100: coarse then fine label (label_bytes=2, label_index=1
     for the fine label).
     """
-    raw = np.fromfile(path, dtype=np.uint8)
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); it should be a file of the release") from None
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
@@ -837,23 +842,26 @@ def read_cifar(data_dir: str, name: str) -> dict:
         py = _find(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
         if py:
             py = os.path.dirname(py)
-            parts = [read_cifar_pickle(_need(os.path.join(py, f"data_batch_{i}"), name)) for i in range(1, 6)]
-            test = read_cifar_pickle(_need(os.path.join(py, "test_batch"), name))
-            return {"train": _cat(parts), "test": test}
+            files = [os.path.join(py, f) for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
+            parts = [read_cifar_pickle(_need(f, name)) for f in files]
+            return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
         binary = _find(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
-            parts = [read_cifar_binary(_need(os.path.join(binary, f"data_batch_{i}.bin"), name)) for i in range(1, 6)]
-            return {"train": _cat(parts), "test": read_cifar_binary(_need(os.path.join(binary, "test_batch.bin"),
-                                                                              name))}
+            files = [os.path.join(binary, f) for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
+            parts = [read_cifar_binary(_need(f, name)) for f in files]
+            return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
         raise DataError(f"CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
                         f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; "
                         f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
     py = _find(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
-        return {s: read_cifar_pickle(_need(os.path.join(py, s), name), "fine_labels") for s in ("train", "test")}
+        files = {s: os.path.join(py, s) for s in ("train", "test")}
+        return {**{s: read_cifar_pickle(_need(f, name), "fine_labels") for s, f in files.items()},
+                "sources": list(files.values())}
     binary = _find(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
-        return {s: read_cifar_binary(_need(os.path.join(binary, f"{s}.bin"), name), 2, 1) for s in ("train", "test")}
+        files = {s: os.path.join(binary, f"{s}.bin") for s in ("train", "test")}
+        return {**{s: read_cifar_binary(_need(f, name), 2, 1) for s, f in files.items()}, "sources": list(files.values())}
     raise DataError(f"CIFAR-100 not found: looked for cifar-100-python/train (python) and "
                     f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; "
                     f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
@@ -862,6 +870,8 @@ def read_cifar(data_dir: str, name: str) -> dict:
 def _need(path: str, name: str) -> str:
     if not os.path.exists(path):
         raise DataError(f"{name}: {path} is missing (the release is incomplete?); re-download it")
+    if not os.path.isfile(path):
+        raise DataError(f"{name}: {path} is not a file (a folder?); it should be the file of the release")
     return path
 
 
@@ -919,6 +929,8 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
     for lab, w in label_to_wnid.items():
         lut[lab] = index.get(w, -1)
 
+    sources = [map_path]
+
     def load(names):
         xs, ys = [], []
         for n in names:
@@ -926,6 +938,7 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
             if path is None:
                 raise DataError(f"ImageNet-100: {os.path.join(data_dir, n)} (or .npz) is missing; get the "
                                 f"downsampled ImageNet from {IMAGENET32_URL}")
+            sources.append(_need(path, "ImageNet-100"))
             x, y = _read_downsampled(path)
             if y.min() < 1 or y.max() >= len(lut):
                 raise DataError(f"{path}: labels must be 1..{len(lut) - 1} (1-based), found {y.min()}..{y.max()}")
@@ -934,7 +947,8 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
             ys.append(lut[y[keep]])
         return np.concatenate(xs), np.concatenate(ys)
 
-    return {"train": load([f"train_data_batch_{i}" for i in range(1, 11)]), "test": load(["val_data"])}
+    return {"train": load([f"train_data_batch_{i}" for i in range(1, 11)]), "test": load(["val_data"]),
+            "sources": sources}
 
 
 def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -960,41 +974,67 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
-def _save_image_cache(data_dir: str, key: str, data: dict):
-    """Write the decoded arrays to the first writable cache folder; without one, run uncached."""
+def _image_signature(data_dir: str, sources) -> str:
+    """JSON of (path relative to data_dir, size, mtime) of every source file: a change in any of
+    them, or another set of files, invalidates the image cache."""
+    out = []
+    for path in sorted(sources):
+        st = os.stat(path)
+        out.append([os.path.relpath(path, data_dir), st.st_size, st.st_mtime_ns])
+    return json.dumps(out)
+
+
+def _save_image_cache(data_dir: str, key: str, data: dict, signature: str):
+    """Write the decoded arrays and their sources' signature to the first writable cache folder;
+    without one, run uncached."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
     except DataError:
         return
     with atomic_output(folder / f"{key}.npz") as f:
         np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
-                 y_test=data["test"][1])
+                 y_test=data["test"][1], sources=np.array(signature))
+
+
+def _cached_images(cache: Path, data_dir: str) -> dict | None:
+    """The cached arrays, or None when the cache is broken, has no signature, or its sources changed."""
+    try:
+        with np.load(cache) as z:
+            saved = json.loads(str(z["sources"]))
+            if _image_signature(data_dir, [os.path.join(data_dir, rel) for rel, _, _ in saved]) != json.dumps(saved):
+                return None
+            return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
-    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the cache."""
+    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the
+    cache while every source file keeps its size and mtime, and rebuild it when one changes."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
     key = f"{name}-{image_size}"
     for cache in (folder / f"{key}.npz" for folder in default_cache_dirs(data_dir)):
         if cache.exists():
-            try:
-                with np.load(cache) as z:
-                    return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"])}
-            except (OSError, ValueError, KeyError):
-                os.remove(cache)                 # a broken cache is rebuilt
+            data = _cached_images(cache, data_dir)
+            if data is not None:
+                return data
+            with contextlib.suppress(OSError):
+                os.remove(cache)                 # a broken or stale cache is rebuilt
     if name in ("cifar10", "cifar100"):
         data = read_cifar(data_dir, name)
     elif os.path.isdir(os.path.join(data_dir, "train")) and not os.path.exists(os.path.join(data_dir, "val_data")) \
             and not os.path.exists(os.path.join(data_dir, "val_data.npz")):
         data = {"train": read_image_folder(os.path.join(data_dir, "train"), image_size),
-                "test": read_image_folder(os.path.join(data_dir, "val"), image_size)}
+                "test": read_image_folder(os.path.join(data_dir, "val"), image_size),
+                "sources": [os.path.join(root, f) for split in ("train", "val")
+                            for root, _, files in os.walk(os.path.join(data_dir, split)) for f in files]}
     else:
         data = read_imagenet100_downsampled(data_dir)
     size = data["train"][0].shape[-1]
     if size != image_size:
         raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
-    _save_image_cache(data_dir, key, data)
+    _save_image_cache(data_dir, key, data, _image_signature(data_dir, data.pop("sources")))
     return data
 
 
@@ -1995,6 +2035,11 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
     folder/wikitext-2/wiki.{train,valid,test}.tokens with ' = Title = ' headings, blank lines
     between paragraphs, and words seen fewer than `min_count` times in train replaced by <unk>.
     Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train."""
+    articles = list(articles)
+    if len(articles) < every:
+        raise DataError(f"make-wikitext needs at least {every} articles (text files) so that train, valid and test "
+                        f"each get one (articles i with i mod {every} = {every - 7} go to valid, {every - 1} to "
+                        f"test); got {len(articles)}")
     out = os.path.join(folder, "wikitext-2")
     os.makedirs(out, exist_ok=True)
     split_of = ["train"] * every

@@ -25,11 +25,13 @@ import time
 STARTED = time.time()       # the process's start, for the wall time the final line prints
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import textwrap  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
@@ -60,9 +62,18 @@ DEFAULTS = dict(
 
 # Two ways to say one thing: a flag given on the command line drops its alternative from the preset.
 ALTERNATIVES = {"steps": "epochs", "epochs": "steps", "warmup": "warmup_epochs", "warmup_epochs": "warmup"}
-# Flags that may differ when resuming: they do not change the model, the data or the optimiser.
+# Flags that may differ when resuming: they do not change the model or the data. --lr and --grad-clip may
+# change too (after a non-finite stop, a lower learning rate or clipping is the way on); --data-dir is a path.
 RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_after", "device", "resume", "amp",
-             "sample", "sample_tokens", "temperature", "top_k"}
+             "sample", "sample_tokens", "temperature", "top_k", "lr", "grad_clip", "data_dir", "out"}
+# The numeric flags: every value must be finite and in its range (None: not set).
+POSITIVE = ("steps", "epochs", "lr", "batch_size", "layers", "heads", "dim", "head_dim", "mlp_dim", "log_every",
+            "ckpt_every", "halt_after", "probe_size", "qk_opt_steps", "qk_opt_lr", "qk_svd_scale", "qk_svd_norm",
+            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "patch_size")
+NON_NEGATIVE = ("seed", "weight_decay", "warmup", "warmup_epochs", "grad_clip", "mask_on", "mask_off", "emb_init_std",
+                "pos_init_std", "qk_svd_noise", "qk_opt_tol", "eval_points", "mixup", "cutmix", "temperature", "top_k",
+                "val_tokens")
+FRACTIONS = ("dropout", "label_smoothing")      # in [0, 1)
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
         "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
@@ -246,21 +257,23 @@ def resolve(args, explicit: set):
     return args
 
 
+def check_numbers(args) -> None:
+    """Every numeric flag finite and in range (POSITIVE, NON_NEGATIVE, FRACTIONS), before anything is written."""
+    for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
+                            (FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1)")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not (math.isfinite(value) and ok(value)):
+                kind = "an integer" if isinstance(value, int) else "a finite number"
+                raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
+
+
 def validate(args, task, explicit: set):
-    for name in ("batch_size", "layers", "heads", "dim", "mlp_dim", "log_every"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.steps is None and args.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
-    if args.steps is not None and args.steps <= 0:
-        raise UsageError(f"--steps must be a positive integer, got {args.steps}")
-    if args.epochs is not None and args.epochs <= 0:
-        raise UsageError(f"--epochs must be positive, got {args.epochs}")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
-    if args.eval_points < 0 or ("eval_points" in explicit and args.eval_points and not task.EVAL_POINTS):
-        raise UsageError(f"--eval-points must be >= 0 and applies to the Boolean and arithmetic tasks only, "
-                         f"got {args.eval_points}")
+    if "eval_points" in explicit and args.eval_points and not task.EVAL_POINTS:
+        raise UsageError(f"--eval-points applies to the Boolean and arithmetic tasks only, got {args.eval_points} "
+                         f"for {args.task}")
     for family, flags in args.families.items():
         for flag in sorted(explicit & set(flags)):
             if flag not in task.OPTIONS:
@@ -281,8 +294,6 @@ def validate(args, task, explicit: set):
         task.check_pattern(args.pattern)
     except T.TaskError as e:
         raise UsageError(str(e)) from None
-    if args.halt_after is not None and args.halt_after <= 0:
-        raise UsageError(f"--halt-after must be a positive step, got {args.halt_after}")
     try:
         b = tuple(float(x) for x in args.betas.split(","))
         assert len(b) == 2 and all(0 <= x < 1 for x in b)
@@ -313,9 +324,16 @@ def pick_device(name: str) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:1 or mps") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, cuda:1 or mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
+                                  and torch.backends.mps.is_available()):
+        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
     return dev
 
 
@@ -467,6 +485,7 @@ class Run:
     device: torch.device
     init_report: dict
     mass_start: list | None
+    folder: RunFolder
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     last: dict | None = None        # the latest logged record
@@ -478,31 +497,63 @@ class Run:
 def run(args, explicit: set) -> int:
     """The `train` command: resolve the flags, then start or resume, train, finish."""
     args = resolve(args, explicit)
+    check_numbers(args)
     if args.sample is not None:
         return sample(args, explicit)
     state = start_or_resume(args, explicit)
-    code = train_loop(state)
-    return finish(state) if code is None else code
+    try:
+        code = train_loop(state)
+        return finish(state) if code is None else code
+    finally:
+        state.folder.release()
 
 
 def start_or_resume(args, explicit: set) -> Run:
     """Check the flags and the run folder, build everything; a new run is initialised and its first
-    files written (args.json, the step-0 line of metrics.jsonl, ckpt.pt), a resumed one restored."""
-    saved = prepare_run_dir(args, explicit)
+    files written (args.json, the step-0 line of metrics.jsonl, then ckpt.pt, which makes it a run),
+    a resumed one restored. The folder stays locked until the run ends; a new run that fails before
+    its first checkpoint leaves no trace."""
+    folder = RunFolder(args.out)
+    if args.resume:
+        folder.open_existing()
+        try:
+            ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
+            restore_args(args, explicit, folder)
+            check_numbers(args)
+            task = make_task(args)
+            validate(args, task, explicit)
+            return build_run(args, explicit, task, pick_device(args.device), folder, ckpt)
+        except BaseException:
+            folder.release()
+            raise
     task = make_task(args)
     validate(args, task, explicit)
     device = pick_device(args.device)
+    folder.create()
+    try:
+        return build_run(args, explicit, task, device, folder, None)
+    except BaseException:
+        folder.abandon()
+        raise
+
+
+def build_run(args, explicit: set, task, device, folder: RunFolder, ckpt: dict | None) -> Run:
+    """Load the data, size the schedule, build the model; then initialise and save a new run
+    (`ckpt` None) or restore the checkpoint's state."""
     setup_task(task, device)
     if args.warmup_epochs is not None:
         args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
     if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
         args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
+    if ckpt is not None and args.steps < ckpt["step"]:
+        raise UsageError(f"--resume: the checkpoint in {args.out} is at step {ckpt['step']}, past --steps "
+                         f"{args.steps}; give --steps {ckpt['step']} or more")
     args.log_every = args.log_every or max(1, args.steps // 10)
     args.ckpt_every = args.ckpt_every or args.log_every
     model, cfg = build_model(args, task, device)
     pattern = task.pattern(args.pattern).to(device)
     inputs = task.probe_inputs(args.probe_size)
-    if saved is None:
+    if ckpt is None:
         t0 = time.time()
         try:
             init_report = apply_init(model, task, args)
@@ -510,20 +561,19 @@ def start_or_resume(args, explicit: set) -> Run:
             raise UsageError(f"--init {args.init}: {e}") from None
         init_report["seconds"] = round(time.time() - t0, 3)
         model.to(device)
+        check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
-        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None)
+        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None, folder)
         start = probe.measure(model)
         state.mass_start = start["prior_mass"]
-        os.makedirs(args.out, exist_ok=True)
         write_json(state.path("args.json"), vars_of(args))
         T.atomic_write(state.path("metrics.jsonl"), json.dumps({"step": 0, "loss": None, **start}) + "\n")
-        save_checkpoint(state)
+        save_checkpoint(state)                  # last: a folder with a checkpoint is a run
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device} | "
               f"{args.steps} steps | out {args.out}", flush=True)
         print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
         return state
-    ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), device, "--resume")
     same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
         {k: v for k, v in asdict(cfg).items() if k != "fused"}
     if not same:
@@ -534,7 +584,7 @@ def start_or_resume(args, explicit: set) -> Run:
     optimizer.load_state_dict(ckpt["optimizer"])
     probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
     state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
-                step=ckpt["step"], seconds=ckpt["seconds"])
+                folder, step=ckpt["step"], seconds=ckpt["seconds"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -542,6 +592,20 @@ def start_or_resume(args, explicit: set) -> Run:
     write_json(state.path("args.json"), vars_of(args))
     print(f"resuming {args.out} at step {state.step}/{args.steps}", flush=True)
     return state
+
+
+def check_start(model, task, args, device) -> None:
+    """A new run's initial state must be finite, in its weights and in its loss on the first batch
+    (an eval-mode forward: no random state is used), or nothing is written."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise UsageError(f"--init {args.init} gave non-finite weights with these flags; nothing was written")
+    model.eval()
+    with torch.no_grad(), autocast(device, args):
+        loss = task.loss(model, task.train_batch(0, args.batch_size))
+    model.train()
+    if not torch.isfinite(loss):
+        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init {args.init}); "
+                         f"nothing was written")
 
 
 def train_loop(state: Run) -> int | None:
@@ -572,8 +636,7 @@ def train_loop(state: Run) -> int | None:
                 rate = steps_done / max(now - t_start, 1e-9)
                 state.last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
-                with open(state.path("metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(state.last) + "\n")
+                append_log(state.path("metrics.jsonl"), state.last)
                 print(f"step {step:>6}/{total} | train_loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
             halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
@@ -604,7 +667,6 @@ def finish(state: Run) -> int:
     metrics = dict(last["metrics"])
     if state.mass_start is None:
         metrics["prior_mass_start"] = metrics["prior_mass_end"] = None
-        metrics["prior_mass_note"] = state.probe.no_mass
     else:
         metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
         metrics["prior_mass_end"] = last["prior_mass_mean"]
@@ -612,6 +674,7 @@ def finish(state: Run) -> int:
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
+              **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
               "init_report": state.init_report, "config": asdict(state.cfg), "device": str(state.device),
               "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
     write_json(state.path("result.json"), result)
@@ -656,15 +719,19 @@ def sample(args, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    args.resume = True
-    prepare_run_dir(args, explicit)
+    folder = RunFolder(args.out)
+    if not os.path.exists(folder.file("ckpt.pt")):
+        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
+    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
+    restore_args(args, explicit, folder)
+    check_numbers(args)
     task = make_task(args)
     if task.KIND != "lm":
         raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
     device = pick_device(args.device)
     setup_task(task, device)
     model, _ = build_model(args, task, device)
-    model.load_state_dict(read_checkpoint(os.path.join(args.out, "ckpt.pt"), device, "--sample")["model"])
+    model.load_state_dict(ckpt["model"])
     ids = task.encode(args.sample)
     if not ids:
         raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
@@ -710,27 +777,120 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
         torch.save(ckpt, f)
 
 
-def read_checkpoint(path: str, device, flag: str) -> dict:
+CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_report", "snapshot",
+             "prior_mass_start", "rng")
+
+
+def read_checkpoint(path: str, flag: str) -> dict:
+    """A checkpoint of this program, read to the CPU; anything else is one clear line."""
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
         raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
+    missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{flag}: {path} is not a checkpoint of train.py (no {', '.join(missing)})")
+    return ckpt
 
 
-def prepare_run_dir(args, explicit: set):
-    """New run: refuse a directory that holds another run. Resume: load and check the saved args."""
-    args_path = os.path.join(args.out, "args.json")
-    ckpt_path = os.path.join(args.out, "ckpt.pt")
-    if not args.resume:
-        if os.path.exists(args_path) or os.path.exists(ckpt_path):
-            raise UsageError(f"{args.out} already holds a run; use --resume to continue it, or another --out")
-        return None
-    if not os.path.exists(ckpt_path):
-        raise UsageError(f"--resume: no checkpoint {ckpt_path}; start the run without --resume")
+try:
+    import fcntl
+except ImportError:             # not on POSIX: runs are not locked
+    fcntl = None
+
+
+class RunFolder:
+    """A run directory, locked by its process from before the first check to the run's end (flock
+    on the folder itself, released when the process exits), so that two processes never share one.
+    A folder holds a run once it has ckpt.pt (the first save writes it last) or result.json; a new
+    run may take over a folder without them (a start that died before its first checkpoint)."""
+    OURS = ("args.json", "metrics.jsonl", "result.json", "ckpt.pt")
+
+    def __init__(self, path: str):
+        if not path:
+            raise UsageError("--out must name a folder, got an empty path")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
+        self.path, self.created, self.fd = path, False, None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def holds_run(self) -> bool:
+        return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
+
+    def open_existing(self) -> None:
+        """Lock the folder of a run to resume; it must hold a checkpoint."""
+        if not os.path.exists(self.file("ckpt.pt")):
+            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
+        self._lock()
+
+    def create(self) -> None:
+        """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
+        try:
+            parent = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(parent, exist_ok=True)
+            try:
+                os.mkdir(self.path)
+                self.created = True
+            except FileExistsError:             # there already, or made by a run starting at the same moment
+                if not os.path.isdir(self.path):
+                    raise
+        except OSError as e:
+            raise UsageError(f"--out {self.path}: cannot create the run folder ({e.strerror or e})") from None
+        self._lock()
+        if self.holds_run():
+            self.release()
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+
+    def _lock(self) -> None:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+            with tempfile.TemporaryFile(dir=self.path):
+                pass
+        except OSError as e:
+            self.release()
+            raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
+        if fcntl is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.release()
+                raise UsageError(f"{self.path} is in use by another process (a run is training there); wait for "
+                                 f"it to end, or use another --out") from None
+        for name in os.listdir(self.path):       # temporary files of a write that was killed
+            if name.startswith(tuple(f".{f}." for f in self.OURS)) and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(self.file(name))
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def abandon(self) -> None:
+        """A new run that failed before its first checkpoint: remove what it wrote, and the folder if
+        it made it and nothing else is there."""
+        if not os.path.exists(self.file("ckpt.pt")):
+            for name in ("args.json", "metrics.jsonl"):
+                with contextlib.suppress(OSError):
+                    os.remove(self.file(name))
+            if self.created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.path)
+        self.release()
+
+
+def restore_args(args, explicit: set, folder: RunFolder) -> None:
+    """Resume: the run's saved flags come back, except its folder (always the --out given: a run
+    folder can be moved) and the RESUMABLE flags given now; any other flag given must agree."""
     try:
-        saved = load_json(args_path)
+        saved = load_json(folder.file("args.json"))
     except (OSError, ValueError) as e:
-        raise UsageError(f"--resume: cannot read {args_path} ({e})") from None
+        raise UsageError(f"--resume: cannot read {folder.file('args.json')} ({e}); the run's flags are lost") from None
+    if not os.path.exists(folder.file("metrics.jsonl")):
+        raise UsageError(f"--resume: {folder.file('metrics.jsonl')} is missing, so the run's log cannot be continued; "
+                         f"start a new run with another --out")
     for key in sorted(explicit - RESUMABLE - {"out"}):
         new = getattr(args, key)
         if key in saved and saved[key] != new:
@@ -738,21 +898,41 @@ def prepare_run_dir(args, explicit: set):
             raise UsageError(f"--resume: the run in {args.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
     for key, value in saved.items():
-        if key not in explicit or key not in RESUMABLE:
+        if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
             setattr(args, key, value)
     if "halt_after" not in explicit:
         args.halt_after = None      # a halt belongs to one invocation
     args.resume = True
-    return saved
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a metrics.jsonl; a line that is not a whole JSON object (a write cut short) is left out."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                records.append(rec)
+    return records
+
+
+def append_log(path: str, record: dict) -> None:
+    """One metrics.jsonl line, written by a single write() so that it is never half there."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 def truncate_log(path: str, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    T.atomic_write(path, "".join(lines))
+    """Drop log lines written after the checkpoint's step (they will be written again), and any broken line."""
+    T.atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
 
 
 def fmt_time(s: float) -> str:
@@ -815,6 +995,10 @@ def collect_runs(paths) -> tuple[list, list]:
             r = load_json(res)
             if not (isinstance(r["metrics"], dict) and r["task"] and r["init"]):
                 raise ValueError("metrics, task or init missing")
+            bad = [k for k, v in r["metrics"].items()
+                   if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+            if bad:
+                raise ValueError(f"metric {bad[0]} is {r['metrics'][bad[0]]!r}, not a number")
             runs.append({**r, "run_dir": d})
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
@@ -940,11 +1124,7 @@ def log_records(run: dict) -> list[dict]:
     once per run dict (the curves, steps to target and the prior per layer all use them)."""
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
-        if not os.path.exists(path):
-            run["_records"] = []
-        else:
-            with open(path) as f:
-                run["_records"] = [json.loads(line) for line in f if line.strip()]
+        run["_records"] = read_log(path) if os.path.exists(path) else []
     return run["_records"]
 
 
