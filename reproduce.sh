@@ -4,7 +4,7 @@ set -uo pipefail
 
 usage() {
     cat <<'EOF'
-usage: bash reproduce.sh [--quick] [--only TABLE] [--seeds "0 1 2"] [--jobs N] [--data DIR]
+usage: bash reproduce.sh [--quick] [--only TABLE] [--seeds "0 1 2"] [--jobs N] [--gpus N] [--data DIR]
                          [--runs DIR] [--results DIR] [--dry-run] [--help]
 
 Runs every experiment of the paper with train.py, then writes the tables (RESULTS/*.md) and
@@ -35,6 +35,9 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
+  --gpus N       each run data-parallel on N GPUs of this machine, through torchrun
+                 (python -m torch.distributed.run --standalone --nproc_per_node N); one
+                 run at a time
   --data DIR     datasets (default data/): cifar-10-batches-py/ or cifar-10-batches-bin/,
                  cifar-100-python/ or cifar-100-binary/, imagenet100/ (Imagenet32 pickles +
                  map_clsloc.txt), wikitext-2/ or wikitext-2-raw/, TinyStories*.txt
@@ -52,7 +55,7 @@ once.
 EOF
 }
 
-QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; DATA="data"; RUNS=""; RESULTS=""; DRY=0
+QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA="data"; RUNS=""; RESULTS=""; DRY=0
 value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none
     if [ -z "${2:-}" ] || [[ "$2" == --* ]]; then
         echo "reproduce.sh: $1 needs a value (see bash reproduce.sh --help)" >&2; exit 2
@@ -63,7 +66,8 @@ while [ $# -gt 0 ]; do
         --quick) QUICK=1 ;;
         --only) value "$1" "${2:-}"; ONLY="$2"; shift ;;
         --seeds) value "$1" "${2:-}"; SEEDS="$2"; shift ;;
-        --jobs) value "$1" "${2:-}"; JOBS="$2"; shift ;;
+        --jobs) value "$1" "${2:-}"; JOBS="$2"; JOBS_GIVEN=1; shift ;;
+        --gpus) value "$1" "${2:-}"; GPUS="$2"; shift ;;
         --data) value "$1" "${2:-}"; DATA="$2"; shift ;;
         --runs) value "$1" "${2:-}"; RUNS="$2"; shift ;;
         --results) value "$1" "${2:-}"; RESULTS="$2"; shift ;;
@@ -93,6 +97,21 @@ else
     PRESET=paper; RUNS="${RUNS:-runs/paper}"; RESULTS="${RESULTS:-results}"; JOBS="${JOBS:-1}"
 fi
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: --jobs needs a positive integer" >&2; exit 2; }
+[[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "reproduce.sh: --gpus needs a number of GPUs" >&2; exit 2; }
+LAUNCH=(train.py)
+if [ "$GPUS" -gt 0 ]; then
+    if [ "$JOBS" -gt 1 ]; then
+        if [ "$JOBS_GIVEN" = 1 ]; then
+            echo "reproduce.sh: --gpus $GPUS runs one run at a time on $GPUS GPUs; leave --jobs at 1" >&2; exit 2
+        fi
+        JOBS=1
+    fi
+    if [ "$DRY" = 0 ]; then
+        HAVE=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+        [ "$HAVE" -ge "$GPUS" ] || { echo "reproduce.sh: --gpus $GPUS, but torch sees $HAVE CUDA GPU(s)" >&2; exit 2; }
+    fi
+    LAUNCH=(-m torch.distributed.run --standalone --nproc_per_node "$GPUS" train.py)
+fi
 
 want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
 
@@ -178,7 +197,7 @@ run_one() {
     local resume=() what=start
     [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }
     if [ "$DRY" = 1 ]; then
-        echo "$what   $PY train.py --task $task --init $init --seed $seed --preset $PRESET --out $out ${resume[*]} $*"
+        echo "$what   $PY $LAUNCH_LINE --task $task --init $init --seed $seed --preset $PRESET --out $out ${resume[*]} $*"
         return 0
     fi
     mkdir -p "$RUNS/$table"
@@ -186,7 +205,9 @@ run_one() {
     local threads=()
     [ "$JOBS" -gt 1 ] && threads=(env OMP_NUM_THREADS=1)
     local rc=0
-    "${threads[@]}" "$PY" train.py --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
+    local launch
+    read -ra launch <<< "$LAUNCH_LINE"
+    "${threads[@]}" "$PY" "${launch[@]}" --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
         --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1 || rc=$?
     if [ "$rc" = 0 ]; then
         echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
@@ -200,7 +221,8 @@ run_one() {
     fi
 }
 export -f run_one
-export RUNS PRESET PY DRY JOBS
+LAUNCH_LINE="${LAUNCH[*]}"
+export RUNS PRESET PY DRY JOBS LAUNCH_LINE
 
 START=$(date +%s)
 echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"

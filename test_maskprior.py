@@ -1773,7 +1773,7 @@ def test_readme_add_a_task_example_runs_as_written(tmp_path):
     """The README's worked example: one class registered as a task trains through train.main with the prior."""
     (tmp_path / "my_task.py").write_text(_readme_block("<!-- add-a-task -->"))
     env = {**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
-    for init in ("default", "mask"):
+    for init in ("mask",):
         r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--init", init, "--steps", "40",
                             "--log-every", "20", "--out", f"run-{init}"], cwd=tmp_path, capture_output=True, text=True,
                            env=env)
@@ -2267,3 +2267,178 @@ def test_every_guarantee_in_the_readme_names_a_test_that_exists():
     assert len(names) >= 20 and all(callable(globals().get(n)) for n in names), names
     cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
     assert f"`test_bad_input_exits_2` ({cases} cases)" in section
+
+
+# ---------------------------------------------------------------------------------------- data parallelism (issue 14)
+
+def _torchrun(*args, n=2, cwd=None, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                           os.path.join(HERE, "train.py"), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def _losses(folder):
+    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
+
+
+def _params(folder):
+    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["model"]
+
+
+DDP_TINY = [*TINY, "--init", "mask", "--steps", "20", "--log-every", "5"]
+
+
+def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_path):
+    """Same global batch: the 2-process gloo run logs the 1-process loss curve (to 1e-5) and ends at its
+    parameters (to 1e-6), M included, in one run folder; a halted 2-process run resumes under torchrun, or
+    in one process (another world size, the same global batch)."""
+    one, two, other = tmp_path / "one", tmp_path / "two", tmp_path / "other"
+    env = os.environ.get("OMP_NUM_THREADS")
+    assert train.main([*DDP_TINY, "--out", str(one)]) == 0
+    r = _torchrun(*DDP_TINY, "--halt-after", "10", "--out", two)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"] and not os.path.exists(two / "result.json")
+    shutil.copytree(two, other)
+    r = _torchrun("--resume", "--out", two)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert train.main(["--resume", "--out", str(other)]) == 0
+    for folder in (two, other):
+        np.testing.assert_allclose(_losses(folder), _losses(one), rtol=1e-5)
+        a, b = _params(one), _params(folder)
+        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), folder
+        assert not torch.equal(b["blocks.0.attn.mask_logits"], _mask_start(folder))      # M trained
+    assert env == os.environ.get("OMP_NUM_THREADS")
+
+
+def _mask_start(folder):
+    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["snapshot"][0]["mask"]
+
+
+def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
+    common = ["--task", "cifar10", "--data-dir", image_dir, "--init", "mask", "--layers", "1", "--dim", "24",
+              "--mlp-dim", "48", "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4"]
+    assert train.main([*common, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(*common, "--out", tmp_path / "two")
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+    a, b = (json.load(open(tmp_path / n / "result.json"))["metrics"] for n in ("one", "two"))
+    assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+DDP_GRAD_SCRIPT = """
+import torch, torch.distributed as dist, maskprior as mp
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="mean",
+                           learnable_mask=True, fused=False)
+torch.manual_seed(0)
+model = mp.Transformer(cfg)
+mp.init_mask_(model, mp.banded_pattern(6, 1))
+x, y = torch.randint(0, 2, (8, 6), generator=torch.Generator().manual_seed(1)), torch.randn(8)
+full = mp.Transformer(cfg)
+full.load_state_dict(model.state_dict())
+torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # one process, the whole batch
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+part = slice(4 * rank, 4 * rank + 4)
+torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
+g, ref = model.blocks[0].attn.mask_logits.grad, full.blocks[0].attn.mask_logits.grad
+assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
+open(f"ok{rank}", "w").write("ok")
+dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
+    (tmp_path / "grad.py").write_text(DDP_GRAD_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(tmp_path / "grad.py")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-2000:]
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    r = _torchrun(*DDP_TINY, "--batch-size", "33", "--out", tmp_path / "odd")
+    assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
+    assert not (tmp_path / "odd").exists()
+    # a rendezvous nobody else joins: rank 0 of 2 alone
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *DDP_TINY, "--dist-timeout", "2", "--out",
+                        str(tmp_path / "alone")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "cannot join the process group" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "alone").exists()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_compiled_model_matches_eager(fused):
+    """torch.compile traces both attention paths with the learnable mask (aot_eager here, no compiler needed;
+    `--compile` uses inductor, checked on a GPU by test_cuda_compile_matches_eager)."""
+    cfg = mp.TransformerConfig(vocab_size=3, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True,
+                               fused=fused, readout="tokens", causal=True, n_outputs=3)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=mp.causal_distance_logits(6, 2))
+    x = torch.randint(0, 3, (4, 6))
+    grads = []
+    for m in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        out = m(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+def test_reproduce_gpus_lines_and_refusals(tmp_path):
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
+                   "--runs", str(tmp_path / "runs"))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
+    assert r.returncode == 0 and len(lines) == 12
+    assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
+    r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
+    assert r.returncode == 2 and "--gpus" in r.stderr
+    if not torch.cuda.is_available():
+        r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
+        assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
+
+
+def test_bench_paper_plans_the_114_runs_and_times_a_table():
+    bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
+    r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
+    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 114
+    assert {row[1]: row[4] for row in rows}["cifar10"] == "19,600"
+    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--batch-size", "4", "--steps", "1", "--warmup",
+                        "1"], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.count("\nboolean") == 12 and "mask / default step time" in r.stdout
+
+
+@cuda
+def test_cuda_compile_matches_eager(tmp_path):
+    """--compile (inductor) on a GPU: both attention paths with the mask give eager's outputs and M gradient."""
+    for fused in (True, False):
+        cfg = mp.TransformerConfig(vocab_size=3, seq_len=10, n_layers=2, n_heads=2, dim=32, mlp_dim=32,
+                                   learnable_mask=True, fused=fused, readout="tokens", causal=True, n_outputs=3)
+        torch.manual_seed(0)
+        model = mp.Transformer(cfg).cuda()
+        mp.init_mask_(model, logits=mp.causal_distance_logits(10, 2))
+        x = torch.randint(0, 3, (4, 10), device="cuda")
+        outs = []
+        for m in (model, torch.compile(model)):
+            model.zero_grad()
+            out = m(x)
+            out.square().sum().backward()
+            outs.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0

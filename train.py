@@ -46,7 +46,7 @@ import tasks as T  # noqa: E402
 
 DEFAULTS = dict(
     task="parity2", init="default", preset="small", seed=0, out=None, resume=False, device="auto", amp="auto",
-    log_every=None, ckpt_every=None, halt_after=None,
+    log_every=None, ckpt_every=None, halt_after=None, compile=False, dist_timeout=1800.0,
     steps=None, epochs=None, lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999",
     schedule="constant", warmup=0, warmup_epochs=None, grad_clip=0.0,
     layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, readout=None, emb_init_std=1.0, pos_init_std=1.0,
@@ -65,11 +65,12 @@ ALTERNATIVES = {"steps": "epochs", "epochs": "steps", "warmup": "warmup_epochs",
 # Flags that may differ when resuming: they do not change the model or the data. --lr and --grad-clip may
 # change too (after a non-finite stop, a lower learning rate or clipping is the way on); --data-dir is a path.
 RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_after", "device", "resume", "amp",
-             "sample", "sample_tokens", "temperature", "top_k", "lr", "grad_clip", "data_dir", "out"}
+             "sample", "sample_tokens", "temperature", "top_k", "lr", "grad_clip", "data_dir", "compile",
+             "dist_timeout"}
 # The numeric flags: every value must be finite and in its range (None: not set).
 POSITIVE = ("steps", "epochs", "lr", "batch_size", "layers", "heads", "dim", "head_dim", "mlp_dim", "log_every",
             "ckpt_every", "halt_after", "probe_size", "qk_opt_steps", "qk_opt_lr", "qk_svd_scale", "qk_svd_norm",
-            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "patch_size")
+            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "patch_size", "dist_timeout")
 NON_NEGATIVE = ("seed", "weight_decay", "warmup", "warmup_epochs", "grad_clip", "mask_on", "mask_off", "emb_init_std",
                 "pos_init_std", "qk_svd_noise", "qk_opt_tol", "eval_points", "mixup", "cutmix", "temperature", "top_k",
                 "val_tokens")
@@ -116,6 +117,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
     g.add_argument("--log-every", type=int, help="steps between evaluations and log lines")
     g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: every log step)")
     g.add_argument("--halt-after", type=int, help="stop at this step as if interrupted (checkpoint kept)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model for training (off by default; "
+                   "the probes run the model uncompiled)")
+    g.add_argument("--dist-timeout", type=float, help="under torchrun: seconds to wait for the other processes "
+                   "(joining, and at each collective; default 1800)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, help="training steps")
     g.add_argument("--epochs", type=float, help="training epochs (instead of --steps)")
@@ -433,6 +438,101 @@ def autocast(device, args):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
+# ----------------------------------------------------------------------------------------
+# Data parallelism: `torchrun --nproc_per_node N train.py ...` (nanoGPT's wiring). Every rank
+# draws the same global batch of a step and trains on its own shard of it, so --batch-size and
+# --lr mean what they mean on one device; DistributedDataParallel averages the gradients (M's
+# too: it is an ordinary parameter); rank 0 alone evaluates, logs and writes the run folder.
+
+
+class QuietExit(Exception):
+    """A rank other than 0 stops because rank 0 reported an error (rank 0 prints it)."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, obj):
+        """rank 0's `obj`, on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(self, error: str | None) -> None:
+        """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit quietly."""
+        error = self.share(error)
+        if error is not None:
+            raise UsageError(error) if self.main else QuietExit()
+
+    def shard(self, batch, step: int):
+        """This rank's part of a global batch (a tensor or a tuple of tensors, split along dim 0) and
+        its loss weight, n_rank * world / n_global, so that the averaged gradients are those of the
+        global mean (the last batch of an epoch may not split evenly)."""
+        if self.world == 1:
+            return batch, None
+        first = batch[0] if isinstance(batch, (tuple, list)) else batch
+        n = len(first)
+        lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
+        weight = (hi - lo) * self.world / n
+        if hi == lo:                             # fewer examples than ranks: a stand-in with no weight
+            lo, hi = 0, 1
+        part = (lambda t: t[lo:hi])
+        return (type(batch)(part(t) for t in batch) if isinstance(batch, (tuple, list)) else part(batch)), weight
+
+    def step_state(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
+        """From this rank's weighted shard loss: the global batch's mean loss and whether any rank was
+        interrupted, the same on every rank."""
+        if self.world == 1:
+            return float(loss), stop
+        t = torch.tensor([float(loss) / self.world, float(stop)], dtype=torch.float64,
+                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        torch.distributed.all_reduce(t)
+        return float(t[0]), bool(t[1] > 0)
+
+
+def init_distributed(args) -> Dist:
+    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo
+    on the CPU) and pin this rank's device; bad settings are one line from rank 0."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world == 1:
+        return Dist()
+    if args.sample is not None:
+        raise UsageError("--sample runs in one process; start it without torchrun")
+    if args.batch_size % world:
+        raise UsageError(f"--batch-size {args.batch_size} (the global batch) does not divide by the {world} "
+                         f"processes; give a multiple of {world}")
+    device = pick_device(args.device)
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
+                             f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+    elif device.type != "cpu":
+        raise UsageError(f"--device {args.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
+    import datetime
+    try:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                             timeout=datetime.timedelta(seconds=args.dist_timeout))
+    except Exception as e:  # noqa: BLE001 - an unreachable rendezvous is one line, not a traceback
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
+                         f"{args.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
+    return Dist(rank, world, local)
+
+
 @dataclass
 class Probe:
     """What every log step measures: the task's metrics, and the prior per layer (attention mass on
@@ -485,61 +585,93 @@ class Run:
     device: torch.device
     init_report: dict
     mass_start: list | None
-    folder: RunFolder
+    folder: RunFolder | None        # rank 0's (the others never touch the run folder)
+    dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     last: dict | None = None        # the latest logged record
+    trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
 
     def path(self, name: str) -> str:
         return os.path.join(self.args.out, name)
+
+    def say(self, text: str) -> None:
+        if self.dist.main:
+            print(text, flush=True)
 
 
 def run(args, explicit: set) -> int:
     """The `train` command: resolve the flags, then start or resume, train, finish."""
     args = resolve(args, explicit)
     check_numbers(args)
-    if args.sample is not None:
-        return sample(args, explicit)
-    state = start_or_resume(args, explicit)
+    dist = init_distributed(args)
     try:
-        code = train_loop(state)
-        return finish(state) if code is None else code
+        if args.sample is not None:
+            return sample(args, explicit)
+        state = start_or_resume(args, explicit, dist)
+        try:
+            code = train_loop(state)
+            return finish(state) if code is None else code
+        finally:
+            if state.folder is not None:
+                state.folder.release()
     finally:
-        state.folder.release()
+        if dist.world > 1:
+            if sys.exc_info()[0] is None:
+                torch.distributed.barrier()     # leave together: gloo aborts a rank whose peer is gone
+            torch.distributed.destroy_process_group()
 
 
-def start_or_resume(args, explicit: set) -> Run:
+def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
     """Check the flags and the run folder, build everything; a new run is initialised and its first
     files written (args.json, the step-0 line of metrics.jsonl, then ckpt.pt, which makes it a run),
     a resumed one restored. The folder stays locked until the run ends; a new run that fails before
-    its first checkpoint leaves no trace."""
-    folder = RunFolder(args.out)
-    if args.resume:
-        folder.open_existing()
+    its first checkpoint leaves no trace. Under torchrun rank 0 alone opens the folder and shares
+    the (restored) flags, or its error, with the others."""
+    folder, error = None, None
+    if dist.main:
+        folder = RunFolder(args.out)
         try:
-            ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
-            restore_args(args, explicit, folder)
-            check_numbers(args)
-            task = make_task(args)
-            validate(args, task, explicit)
-            return build_run(args, explicit, task, pick_device(args.device), folder, ckpt)
-        except BaseException:
+            if args.resume:
+                folder.open_existing()
+                read_checkpoint(folder.file("ckpt.pt"), "--resume")
+                restore_args(args, explicit, folder)
+                check_numbers(args)
+            validate(args, make_task(args), explicit)
+            pick_device(args.device)
+            if not args.resume:
+                folder.create()
+        except UsageError as e:
             folder.release()
-            raise
-    task = make_task(args)
-    validate(args, task, explicit)
-    device = pick_device(args.device)
-    folder.create()
+            if dist.world == 1:
+                raise
+            error = str(e)
+    dist.agree(error)
+    if not dist.main:
+        vars(args).update(dist.share(None))
+    else:
+        dist.share(vars_of(args))
     try:
-        return build_run(args, explicit, task, device, folder, None)
+        ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), "--resume") if args.resume else None
+        state = build_run(args, explicit, make_task(args), pick_device(args.device), folder, ckpt, dist)
+    except UsageError as e:
+        if folder is not None:
+            folder.release() if args.resume else folder.abandon()
+        if dist.world == 1:
+            raise
+        error = str(e) if dist.main else None
     except BaseException:
-        folder.abandon()
+        if folder is not None:
+            folder.release() if args.resume else folder.abandon()
         raise
+    dist.agree(error)
+    return state
 
 
-def build_run(args, explicit: set, task, device, folder: RunFolder, ckpt: dict | None) -> Run:
+def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
+              dist: Dist = Dist()) -> Run:
     """Load the data, size the schedule, build the model; then initialise and save a new run
-    (`ckpt` None) or restore the checkpoint's state."""
+    (`ckpt` None) or restore the checkpoint's state. Only rank 0 writes."""
     setup_task(task, device)
     if args.warmup_epochs is not None:
         args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
@@ -563,34 +695,42 @@ def build_run(args, explicit: set, task, device, folder: RunFolder, ckpt: dict |
         model.to(device)
         check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
-        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None, folder)
-        start = probe.measure(model)
-        state.mass_start = start["prior_mass"]
-        write_json(state.path("args.json"), vars_of(args))
-        T.atomic_write(state.path("metrics.jsonl"), json.dumps({"step": 0, "loss": None, **start}) + "\n")
-        save_checkpoint(state)                  # last: a folder with a checkpoint is a run
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device} | "
-              f"{args.steps} steps | out {args.out}", flush=True)
-        print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
-        return state
-    same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
-        {k: v for k, v in asdict(cfg).items() if k != "fused"}
-    if not same:
-        raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
-                         f"({ckpt['config']} vs {asdict(cfg)})")
-    model.load_state_dict(ckpt["model"])
-    optimizer = make_optimizer(model, args)
-    optimizer.load_state_dict(ckpt["optimizer"])
-    probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
-    state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
-                folder, step=ckpt["step"], seconds=ckpt["seconds"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    truncate_log(state.path("metrics.jsonl"), state.step)
-    write_json(state.path("args.json"), vars_of(args))
-    print(f"resuming {args.out} at step {state.step}/{args.steps}", flush=True)
+        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None, folder,
+                    dist)
+        if dist.main:
+            start = probe.measure(model)
+            state.mass_start = start["prior_mass"]
+            write_json(state.path("args.json"), vars_of(args))
+            T.atomic_write(state.path("metrics.jsonl"), json.dumps({"step": 0, "loss": None, **start}) + "\n")
+            save_checkpoint(state)              # last: a folder with a checkpoint is a run
+            n_params = sum(p.numel() for p in model.parameters())
+            procs = f" x {dist.world} processes" if dist.world > 1 else ""
+            print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device}{procs} | "
+                  f"{args.steps} steps | out {args.out}", flush=True)
+            print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
+    else:
+        same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
+            {k: v for k, v in asdict(cfg).items() if k != "fused"}
+        if not same:
+            raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
+                             f"({ckpt['config']} vs {asdict(cfg)})")
+        model.load_state_dict(ckpt["model"])
+        optimizer = make_optimizer(model, args)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
+        state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
+                    folder, dist, step=ckpt["step"], seconds=ckpt["seconds"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        if dist.main:
+            truncate_log(state.path("metrics.jsonl"), state.step)
+            write_json(state.path("args.json"), vars_of(args))
+            state.say(f"resuming {args.out} at step {state.step}/{args.steps}")
+    state.trained = torch.compile(model) if args.compile else model
+    if dist.world > 1:
+        state.trained = torch.nn.parallel.DistributedDataParallel(
+            state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     return state
 
 
@@ -610,18 +750,22 @@ def check_start(model, task, args, device) -> None:
 
 def train_loop(state: Run) -> int | None:
     """Train from state.step to args.steps, logging and checkpointing; None when it got to the end,
-    else the exit status (interrupted, halted, or a non-finite loss or weight)."""
-    args, model, optimizer, task = state.args, state.model, state.optimizer, state.task
+    else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank takes the
+    same decisions: the loss and the interrupt flag are agreed on each step."""
+    args, model, optimizer, task, dist = state.args, state.model, state.optimizer, state.task, state.dist
     total, t_start, steps_done = args.steps, time.time(), 0
     with Interrupt() as stop:
         while state.step < total:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(state.step, total, args)
-            batch = task.train_batch(state.step, args.batch_size)
+            batch, weight = dist.shard(task.train_batch(state.step, args.batch_size), state.step)
             with autocast(state.device, args):
-                loss = task.loss(model, batch)
-            if not torch.isfinite(loss):
-                return non_finite(state, f"the loss became {float(loss.detach())} at step {state.step}")
+                loss = task.loss(state.trained, batch)
+                if weight is not None:
+                    loss = loss * weight
+            loss_value, interrupted = dist.step_state(loss.detach(), stop.hit)
+            if not math.isfinite(loss_value):
+                return non_finite(state, f"the loss became {loss_value} at step {state.step}")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if args.grad_clip:
@@ -630,37 +774,41 @@ def train_loop(state: Run) -> int | None:
             state.step += 1
             steps_done += 1
             step = state.step
-            if step % args.log_every == 0 or step == total:
+            if dist.main and (step % args.log_every == 0 or step == total):
                 rec = state.probe.measure(model, final=step == total)
                 now = time.time()
                 rate = steps_done / max(now - t_start, 1e-9)
-                state.last = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
+                state.last = {"step": step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
                 append_log(state.path("metrics.jsonl"), state.last)
-                print(f"step {step:>6}/{total} | train_loss {float(loss.detach()):.4f} | {fmt_metrics(rec, task)} | "
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {fmt_metrics(rec, task)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
-            halt = stop.hit or (args.halt_after is not None and step >= args.halt_after and step < total)
+            halt = interrupted or (args.halt_after is not None and step >= args.halt_after and step < total)
             if step % args.ckpt_every == 0 or step == total or halt:
                 if not all(torch.isfinite(p).all() for p in model.parameters()):
                     return non_finite(state, f"the parameters became non-finite at step {step}")
-                save_checkpoint(state, state.seconds + time.time() - t_start)
+                if dist.main:
+                    save_checkpoint(state, state.seconds + time.time() - t_start)
             if halt:
-                why = "interrupted" if stop.hit else f"halted at --halt-after {args.halt_after}"
-                print(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume --out "
-                      f"{args.out}", flush=True)
-                return 130 if stop.hit else 0
+                why = "interrupted" if interrupted else f"halted at --halt-after {args.halt_after}"
+                state.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
+                          f"--out {args.out}")
+                return 130 if interrupted else 0
     state.seconds += time.time() - t_start
     return None
 
 
 def non_finite(state: Run, what: str) -> int:
-    print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower --lr "
-          f"or --grad-clip", file=sys.stderr, flush=True)
+    if state.dist.main:
+        print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower "
+              f"--lr or --grad-clip (both may change on --resume)", file=sys.stderr, flush=True)
     return 1
 
 
 def finish(state: Run) -> int:
-    """The final measurement (the whole test set) and result.json."""
+    """The final measurement (the whole test set) and result.json, by rank 0."""
+    if not state.dist.main:
+        return 0
     args, last = state.args, state.last
     if last is None or last["step"] != state.step:
         last = {"step": state.step, **state.probe.measure(state.model, final=True)}
@@ -1246,7 +1394,9 @@ CURVE_METRICS = {
 # Flags that leave a run's curve unchanged (where and how it ran, which run it is): runs that differ only in
 # these (and in init and seed) are one configuration; any other difference draws them apart.
 NOT_CONFIG = {"init", "seed", "out", "resume", "device", "amp", "ckpt_every", "halt_after", "attention",
-              "data_dir", "sample", "sample_tokens", "temperature", "top_k"}
+              "data_dir", "sample", "sample_tokens", "temperature", "top_k", "compile", "dist_timeout"}
+
+
 def run_config(run: dict, ignore=frozenset()) -> dict:
     """The flags that define a run's configuration (args.json minus NOT_CONFIG and `ignore`); the
     model config of result.json where args.json is missing."""
@@ -1635,7 +1785,10 @@ def main(argv=None) -> int:
             return make_wikitext(args.folder, args.files)
         return run(args, explicit)
     except (UsageError, T.TaskError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except QuietExit:
         return 2
 
 
