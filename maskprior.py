@@ -153,6 +153,130 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: to
 
 
 # ----------------------------------------------------------------------------------------
+# The prior: one small module that owns M and gives the additive bias, for our Attention or
+# for any attention that adds a mask to its logits.
+
+
+class MaskPrior(nn.Module):
+    """The learnable prior of one attention layer: M (heads, n, n) -> the additive bias
+    log sigmoid(M), plus -inf on future keys when `causal`. M starts from `pattern` (bool (n, n)
+    or (heads, n, n): +m_on on allowed pairs, -m_off elsewhere), from `logits`, or at 0 (the same
+    constant on every logit: no prior until `init_mask_` sets it). Shaped for the caller:
+
+        prior(t)                -> (heads, t, t)          F.scaled_dot_product_attention(attn_mask=...)
+        prior.for_mha(b, t)     -> (b * heads, t, t)      nn.MultiheadAttention(attn_mask=...)
+        prior.for_4d(b, t)      -> (b, heads, t, t)       a 4-D additive mask (Hugging Face style)
+
+    t defaults to n and must equal it, except in a causal prior, which may read a prefix (a
+    prompt). Keep M out of weight decay (`param_groups` does), or the decay erases the prior.
+    """
+
+    def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = 5.0,
+                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None):
+        super().__init__()
+        self.n, self.heads, self.causal = n, heads, causal
+        self.mask_logits = nn.Parameter(torch.zeros(heads, n, n))
+        src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
+                                                                                                       m_off)
+        if src is not None:
+            with torch.no_grad():
+                self.mask_logits.copy_(_per_head(src, heads, n).float())
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, heads={self.heads}, causal={self.causal}"
+
+    def forward(self, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.n if t is None else t
+        if t > self.n or (t < self.n and not self.causal):
+            raise ValueError(f"sequence length {t} does not fit the mask size {self.n}: M covers exactly {self.n} "
+                             f"positions (a shorter sequence is allowed only in a causal layer, as a prefix)")
+        bias = mask_bias(self.mask_logits[:, :t, :t].float())
+        if self.causal:
+            future = torch.ones(t, t, dtype=torch.bool, device=bias.device).triu(1)
+            bias = bias.masked_fill(future, float("-inf"))
+        return bias if dtype is None else bias.to(dtype)
+
+    def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(batch * heads, t, t), batch-major as nn.MultiheadAttention reads a 3-D attn_mask."""
+        return self(t, dtype).repeat(batch, 1, 1)
+
+    def for_4d(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(batch, heads, t, t): add a padding mask of shape (batch, 1, 1, t) to it if you have one."""
+        b = self(t, dtype)
+        return b.unsqueeze(0).expand(batch, *b.shape)
+
+
+def mask_priors(model: nn.Module) -> list[MaskPrior]:
+    return [m for m in model.modules() if isinstance(m, MaskPrior)]
+
+
+def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
+    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the
+    attn_mask (added to one the caller gave; a causal call's -inf folded in, since MHA drops a
+    mask it takes for the causal one)."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+    kwargs = {**dict(zip(names, args)), **kwargs}
+    query, key = kwargs["query"], kwargs["key"]
+    batched = query.dim() == 3
+    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
+    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
+    if s != t:
+        raise ValueError(f"a MaskPrior needs self-attention: {t} queries but {s} keys in this nn.MultiheadAttention")
+    bias = mha.mask_prior(t, query.dtype)
+    if batched:
+        bias = bias.repeat(query.shape[0 if mha.batch_first else 1], 1, 1)
+    given = kwargs.get("attn_mask")
+    if given is not None:
+        if given.dtype == torch.bool:                    # True = not allowed, for nn.MultiheadAttention
+            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
+        bias = bias + given
+    if kwargs.get("is_causal"):
+        bias = bias.masked_fill(torch.ones(t, t, dtype=torch.bool, device=bias.device).triu(1), float("-inf"))
+        kwargs["is_causal"] = False
+    padding = kwargs.get("key_padding_mask")
+    if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
+        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
+                                                 device=bias.device).masked_fill(padding, float("-inf"))
+    kwargs["attn_mask"] = bias
+    return (), kwargs
+
+
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+                   causal: bool = False, logits: torch.Tensor | None = None) -> list[MaskPrior]:
+    """Give every nn.MultiheadAttention inside `model` (e.g. an nn.TransformerEncoder's layers) its
+    own MaskPrior, started from `pattern` (bool (N, N) or (heads, N, N)) or `logits`, and passed as
+    its attn_mask on every call (a forward pre-hook; any hook also turns off PyTorch's fused
+    encoder fast path, which would bypass the mask, and nested-tensor inputs are turned off).
+    The priors are submodules (`mha.mask_prior`): make the optimiser after this call, with
+    `param_groups`. Returns the priors. Self-attention over exactly N positions only."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    if not found:
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention; for an attention "
+                         f"that calls scaled_dot_product_attention itself, own a MaskPrior and pass prior(T) as "
+                         f"its attn_mask")
+    src = logits if logits is not None else pattern
+    if src is None or src.dim() not in (2, 3):
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
+    priors = []
+    for name, mha in found:
+        where = name or type(model).__name__
+        if hasattr(mha, "mask_prior"):
+            raise ValueError(f"add_mask_prior: {where} already has a MaskPrior")
+        if src.dim() == 3 and src.shape[0] != mha.num_heads:
+            raise ValueError(f"add_mask_prior: {where} has {mha.num_heads} heads, but the pattern has shape "
+                             f"{tuple(src.shape)}; give (N, N) or ({mha.num_heads}, N, N)")
+        prior = MaskPrior(src.shape[-1], mha.num_heads, pattern, m_on, m_off, causal, logits)
+        mha.mask_prior = prior.to(mha.out_proj.weight.device)
+        mha.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True)
+        priors.append(mha.mask_prior)
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder):
+            m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
+    return priors
+
+
+# ----------------------------------------------------------------------------------------
 # Attention
 
 
@@ -176,24 +300,26 @@ class Attention(nn.Module):
         self.causal = causal
         self.fused = fused
         inner = n_heads * self.head_dim
+        # registered first, so that parameters (and optimiser states) keep the order they had when
+        # M was the layer's own parameter
+        self.prior = MaskPrior(mask_size, n_heads, causal=causal) if mask_size else None
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
-        self.mask_logits = nn.Parameter(torch.zeros(n_heads, mask_size, mask_size)) if mask_size else None
+
+    @property
+    def mask_logits(self) -> nn.Parameter | None:
+        """The layer's M (heads, N, N), or None without a prior."""
+        return None if self.prior is None else self.prior.mask_logits
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        old = prefix + "mask_logits"                   # checkpoints written before M moved into `prior`
+        if old in state_dict:
+            state_dict[prefix + "prior.mask_logits"] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def attn_bias(self, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal."""
-        bias = None
-        if self.mask_logits is not None:
-            n = self.mask_logits.shape[-1]
-            if t > n or (t < n and not self.causal):
-                raise ValueError(f"sequence length {t} does not fit the mask size {n}: M covers exactly {n} "
-                                 f"positions (a shorter sequence is allowed only in a causal layer, as a prefix)")
-            bias = mask_bias(self.mask_logits[:, :t, :t].float())
-            if self.causal:
-                future = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-                bias = bias.masked_fill(future, float("-inf"))
-            bias = bias.to(dtype)
-        return bias
+        """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal (None without M)."""
+        return None if self.prior is None else self.prior(t, dtype)
 
     def forward(self, x: torch.Tensor, return_attn: bool = False):
         b, t, _ = x.shape
@@ -454,24 +580,22 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int) -> torch.Tensor:
 @torch.no_grad()
 def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
                logits: torch.Tensor | None = None) -> dict:
-    """Set every layer's M to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
+    """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
+    given `logits`).
 
     `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the
-    model's own N positions (e.g. with or without a CLS token in front): every layer must
-    already own an M (build the model with `learnable_mask=True`, or `Attention(mask_size=N)`)
-    of that size, or this raises; it never creates or resizes M, since an optimiser made
-    earlier would not see a new parameter. Give M to the optimiser without weight decay
+    model's own N positions (e.g. with or without a CLS token in front): every attention layer
+    must already own an M (build the model with `learnable_mask=True`, `Attention(mask_size=N)`,
+    or `add_mask_prior`) of that size, or this raises; it never creates or resizes M, since an
+    optimiser made earlier would not see a new parameter. Give M to the optimiser without weight decay
     (`param_groups`), or the decay pulls it to 0 and erases the prior.
     """
     src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
-    layers = attention_layers(model)
-    if not layers:
-        raise ValueError("init_mask_: the model has no maskprior Attention layer")
-    for attn in layers:
-        if attn.mask_logits is None:
-            raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
-                             "(or Attention(..., mask_size=N))")
-        attn.mask_logits.copy_(_per_head(src, attn.n_heads, attn.mask_logits.shape[-1]).float())
+    if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
+        raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
+                         "(or Attention(..., mask_size=N)), or give your own attention a MaskPrior")
+    for prior in mask_priors(model):
+        prior.mask_logits.copy_(_per_head(src, prior.heads, prior.n).float())
     if logits is not None:
         return {"m_min": float(logits.min()), "m_max": float(logits.max())}
     return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}
@@ -777,12 +901,15 @@ def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor
 
 @torch.no_grad()
 def prior_snapshot(model: nn.Module) -> list[dict]:
-    """Per layer: a copy of M (if any) and of the per-head Wq Wk^T products (H, dim, dim)."""
+    """Per layer: a copy of M (if any) and of the per-head Wq Wk^T products (H, dim, dim); for a
+    model whose attention is not ours (`add_mask_prior`), per MaskPrior: M alone (qk None)."""
     snap = []
     for attn in attention_layers(model):
         wq, wk = qk_weights(attn)
         m = attn.mask_logits.detach().clone() if attn.mask_logits is not None else None
         snap.append({"mask": m, "qk": (wq @ wk.transpose(1, 2)).detach().clone()})
+    if not snap:
+        snap = [{"mask": prior.mask_logits.detach().clone(), "qk": None} for prior in mask_priors(model)]
     return snap
 
 
@@ -791,7 +918,7 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
     """Relative distance of M and of Wq Wk^T from a `prior_snapshot`, per layer."""
     now = prior_snapshot(model)
     out = {"qk_drift": [float((b["qk"] - a["qk"]).norm() / a["qk"].norm().clamp_min(1e-12))
-                        for a, b in zip(start, now)]}
+                        for a, b in zip(start, now) if a["qk"] is not None]}
     if all(a["mask"] is not None for a in start) and start:
         out["mask_drift"] = [float((b["mask"] - a["mask"]).norm() / a["mask"].norm().clamp_min(1e-12))
                              for a, b in zip(start, now)]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import maskprior as mp
@@ -400,7 +401,7 @@ def test_mean_readout_run_trains_the_right_pattern(tmp_path):
     """The regression of --readout mean: the saved M is parity2's pattern over the 15 bit tokens."""
     rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", "--steps", "2", *SMALL)
     assert rc == 0
-    m = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["model"]["blocks.0.attn.mask_logits"]
+    m = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["model"]["blocks.0.attn.prior.mask_logits"]
     assert m.shape == (2, 15, 15) and torch.equal(m[0] > 0, _bit_pattern("parity2"))
     assert json.load(open(os.path.join(out, "result.json")))["config"]["readout"] == "mean"
 
@@ -1576,6 +1577,11 @@ def test_maskprior_copied_alone_runs(tmp_path):
             "assert m.blocks[0].attn.mask_logits.grad is not None\n"
             "v = mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))\n"
             "v(torch.randn(2, 3, 8, 8)).sum().backward()\n"
+            "enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,\n"
+            "                                  enable_nested_tensor=False)\n"
+            "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
+            "enc(torch.randn(3, 5, 8)).sum().backward()\n"
+            "assert all(p.mask_logits.grad is not None for p in priors)\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
@@ -1786,15 +1792,21 @@ def test_readme_add_a_task_example_runs_as_written(tmp_path):
     assert r.returncode == 2 and "does not apply to task xor-neighbours" in r.stderr
 
 
-def test_readme_own_model_example_runs():
-    code = _readme_block("## Use the prior in your own model")
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    assert namespace["text"].shape == (1, 22) and len(namespace["mass"]) == 2
+def test_readme_own_model_recipes_run_as_written():
+    """Every code block of "Use the prior in your own model", run in order in one namespace."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    section = readme.split("## Use the prior in your own model", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2]]
+    assert len(blocks) == 4 and all(b.startswith("python") is False for b in blocks)
+    ns = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), ns)
+    assert len(ns["mass"]) == 2 and len(ns["priors"]) == 2 and ns["y"].shape == (8, 4, 16, 16)
+    assert all(p.mask_logits.shape == (4, 16, 16) for p in ns["priors"])
 
 
-def test_readme_is_a_manual_of_about_15_kb():
-    assert os.path.getsize(os.path.join(HERE, "README.md")) < 20_000
+def test_readme_is_a_manual():
+    assert os.path.getsize(os.path.join(HERE, "README.md")) < 22_000
 
 
 def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
@@ -2307,7 +2319,7 @@ def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_
         np.testing.assert_allclose(_losses(folder), _losses(one), rtol=1e-5)
         a, b = _params(one), _params(folder)
         assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), folder
-        assert not torch.equal(b["blocks.0.attn.mask_logits"], _mask_start(folder))      # M trained
+        assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(folder))      # M trained
     assert env == os.environ.get("OMP_NUM_THREADS")
 
 
@@ -2442,3 +2454,152 @@ def test_cuda_compile_matches_eager(tmp_path):
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
     out = str(tmp_path / "run")
     assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0
+
+
+# ---------------------------------------------------------------------------------------- the prior in other models (issue 15)
+
+def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
+    """nn.TransformerEncoder (pre-LN, GELU, batch first) holding our Transformer's block weights."""
+    cfg = ours.cfg
+    layer = nn.TransformerEncoderLayer(cfg.dim, cfg.n_heads, cfg.mlp_dim, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+    enc = nn.TransformerEncoder(layer, cfg.n_layers, norm=nn.LayerNorm(cfg.dim), enable_nested_tensor=False)
+    with torch.no_grad():
+        for blk, lay in zip(ours.blocks, enc.layers):
+            lay.self_attn.in_proj_weight.copy_(blk.attn.qkv.weight)
+            lay.self_attn.in_proj_bias.copy_(blk.attn.qkv.bias)
+            lay.self_attn.out_proj.load_state_dict(blk.attn.proj.state_dict())
+            lay.norm1.load_state_dict(blk.ln1.state_dict())
+            lay.norm2.load_state_dict(blk.ln2.state_dict())
+            lay.linear1.load_state_dict(blk.mlp[0].state_dict())
+            lay.linear2.load_state_dict(blk.mlp[3].state_dict())
+        enc.norm.load_state_dict(ours.ln_f.state_dict())
+    return enc
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_transformer_encoder_with_add_mask_prior_equals_our_transformer(fused):
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=12, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
+                               n_outputs=5, qkv_bias=True, learnable_mask=True, fused=fused)
+    torch.manual_seed(0)
+    ours = mp.Transformer(cfg)
+    enc = _twin_encoder(ours)
+    m = torch.randn(4, 12, 12)                                   # any M, the same in both
+    mp.init_mask_(ours, logits=m)
+    priors = mp.add_mask_prior(enc, logits=m)
+    assert len(priors) == 2 and len(mp.mask_priors(enc)) == 2
+    x = ours.embed(torch.randint(0, 5, (3, 12))).detach()
+    a, b = ours.ln_f(ours.blocks[1](ours.blocks[0](x)[0])[0]), enc(x)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)      # measured: max |diff| 0 (fused), 3.6e-7 (explicit)
+    r = torch.randn(a.shape, generator=torch.Generator().manual_seed(1))
+    (a * r).sum().backward()
+    (b * r).sum().backward()
+    for blk, prior in zip(ours.blocks, priors):                  # |dL/dM| up to about 0.2; measured diff <= 4e-8
+        assert prior.mask_logits.grad.abs().max() > 0.05
+        torch.testing.assert_close(blk.attn.mask_logits.grad, prior.mask_logits.grad, atol=1e-6, rtol=1e-4)
+    enc.eval()
+    ours.eval()
+    with torch.no_grad():                                        # PyTorch's encoder fast path would skip the mask
+        torch.testing.assert_close(enc(x), ours.ln_f(ours.blocks[1](ours.blocks[0](x)[0])[0]), atol=1e-5, rtol=1e-5)
+        h = ours.blocks[0].ln1(x)
+        _, w = enc.layers[0].self_attn(h, h, h)                  # need_weights=True: weights with the prior
+        _, ref = ours.blocks[0].attn(h, True)
+        torch.testing.assert_close(w, ref.mean(1), atol=1e-5, rtol=1e-4)
+
+
+def test_causal_calls_keep_the_prior():
+    """nn.MultiheadAttention drops an attn_mask it takes for the causal mask when is_causal=True; the hook folds
+    the -inf into the prior's bias instead, so a causal encoder equals our causal Transformer."""
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=10, n_layers=2, n_heads=2, dim=16, mlp_dim=32, readout="tokens",
+                               n_outputs=5, qkv_bias=True, learnable_mask=True, causal=True)
+    torch.manual_seed(1)
+    ours = mp.Transformer(cfg)
+    enc = _twin_encoder(ours)
+    m = torch.randn(2, 10, 10) * 3
+    mp.init_mask_(ours, logits=m)
+    mp.add_mask_prior(enc, logits=m)
+    x = ours.embed(torch.randint(0, 5, (2, 10))).detach()
+    causal = nn.Transformer.generate_square_subsequent_mask(10)
+    torch.testing.assert_close(enc(x, mask=causal, is_causal=True), ours.ln_f(ours.blocks[1](ours.blocks[0](x)[0])[0]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_mask_prior_bias_shapes_for_each_target():
+    pattern = mp.banded_pattern(6, 1)
+    prior = mp.MaskPrior(6, heads=3, pattern=pattern, m_on=5.0, m_off=4.0)
+    b = prior()
+    assert b.shape == (3, 6, 6) and torch.allclose(b[0][pattern], F.logsigmoid(torch.tensor(5.0)))
+    assert torch.allclose(b[1][~pattern], F.logsigmoid(torch.tensor(-4.0)))
+    mha = prior.for_mha(2)
+    assert mha.shape == (6, 6, 6) and torch.equal(mha.view(2, 3, 6, 6)[1], b)      # batch-major, as MHA reads it
+    four = prior.for_4d(2)
+    assert four.shape == (2, 3, 6, 6) and torch.equal(four[1], b)
+    causal = mp.MaskPrior(6, 2, causal=True)
+    assert causal(4).shape == (2, 4, 4) and torch.isinf(causal(4)[0, 0, 1]) and causal(4)[0, 1, 0] == F.logsigmoid(
+        torch.tensor(0.0))
+    assert mp.param_groups(nn.Sequential(nn.Linear(6, 6), prior), 0.1)[1]["params"][-1] is prior.mask_logits
+
+
+def test_mask_prior_bad_input_names_the_module_and_shapes():
+    with pytest.raises(ValueError, match="sequence length 5 does not fit the mask size 6"):
+        mp.MaskPrior(6, 2)(5)
+    with pytest.raises(ValueError, match=r"shape \(3, 6, 6\) does not fit a layer with 2 heads"):
+        mp.MaskPrior(6, 2, pattern=torch.ones(3, 6, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="Sequential holds no nn.MultiheadAttention"):
+        mp.add_mask_prior(nn.Sequential(nn.Linear(4, 4)), mp.banded_pattern(4, 1))
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match=r"layers.0.self_attn has 2 heads, but the pattern has shape \(3, 4, 4\)"):
+        mp.add_mask_prior(enc, torch.ones(3, 4, 4, dtype=torch.bool))
+    mp.add_mask_prior(enc, mp.banded_pattern(4, 1))
+    with pytest.raises(ValueError, match="already has a MaskPrior"):
+        mp.add_mask_prior(enc, mp.banded_pattern(4, 1))
+    with pytest.raises(ValueError, match="sequence length 5 does not fit the mask size 4"):
+        enc(torch.randn(2, 5, 8))
+    mha = enc.layers[0].self_attn
+    with pytest.raises(ValueError, match="needs self-attention: 4 queries but 3 keys"):
+        mha(torch.randn(2, 4, 8), torch.randn(2, 3, 8), torch.randn(2, 3, 8))
+
+
+def test_a_retrofitted_encoder_trains_parity2_and_moves_m():
+    task = T.make_task("parity2", readout="mean").setup()
+    torch.manual_seed(0)
+    emb, pos = nn.Embedding(2, 32), nn.Parameter(torch.randn(1, 15, 32) * 0.02)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True, norm_first=True),
+                                2, enable_nested_tensor=False)
+    head = nn.Linear(32, 1)
+    priors = mp.add_mask_prior(enc, task.pattern())
+    model = nn.ModuleList([emb, enc, head])
+    start = mp.prior_snapshot(model)
+    opt = torch.optim.Adam(mp.param_groups(model, 0.0) + [{"params": [pos]}], lr=3e-3)
+    losses = []
+    for step in range(40):
+        x, y = task.train_batch(step, 64)
+        loss = F.mse_loss(head(enc(emb(x) + pos).mean(1)).squeeze(-1), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    drift = mp.prior_drift(model, start)
+    assert sum(losses[-10:]) < 0.7 * sum(losses[:10])
+    assert len(drift["mask_drift"]) == 2 and all(d > 0 for d in drift["mask_drift"]) and drift["qk_drift"] == []
+    assert all(p.mask_logits.grad is not None for p in priors)
+
+
+def test_checkpoints_from_before_the_mask_prior_module_still_load():
+    cfg = mp.TransformerConfig(n_layers=1, learnable_mask=True)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, mp.banded_pattern(16, 2))
+    old = {k.replace("attn.prior.mask_logits", "attn.mask_logits"): v for k, v in model.state_dict().items()}
+    assert "blocks.0.attn.mask_logits" in old
+    fresh = mp.Transformer(cfg)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.blocks[0].attn.mask_logits, model.blocks[0].attn.mask_logits)
+
+
+def test_bench_retrofit_prints_the_ratio_side_by_side():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "bench_retrofit.py"), "--layers", "1", "--dim",
+                        "16", "--tokens", "8", "--batch-size", "4", "--steps", "1", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=120)
+    rows = r.stdout.splitlines()[-2:]
+    assert r.returncode == 0 and rows[0].split()[-1] == "1.000" and rows[1].startswith("encoder + prior"), r.stderr

@@ -52,6 +52,21 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
+    """{name: median seconds per step}: each step function run `per_round` times a round, the
+    variants taking turns for `rounds` rounds, so that drifts in machine load hit all alike."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / per_round)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -82,21 +97,12 @@ def main():
         steps[name] = step_fn(model, opt, x, y, device, args.amp)
         for _ in range(5):          # warm-up: allocator, kernels, autotuning
             steps[name]()
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    base = statistics.median(times["default"])
+    times = interleaved(steps, device, args.rounds, args.steps)
+    base = times["default"]
     print(f"device {device} | batch {args.batch_size} | seq {args.seq_len + 1} | torch {torch.__version__} | "
           f"{args.rounds} rounds x {args.steps} steps, median")
     print(f"{'variant':<18}{'ms/step':>10}{'ratio':>8}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
+    for name, med in times.items():
         print(f"{name:<18}{med * 1e3:>10.2f}{med / base:>8.3f}")
 
 

@@ -13,9 +13,7 @@ additive bias and the gradient of M); the other inits change weights, not the gr
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -23,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import tasks as T  # noqa: E402
 import train  # noqa: E402
-from bench_attention import sync  # noqa: E402
+from bench_attention import interleaved  # noqa: E402
 
 
 def build(init: str, extra: list, device: torch.device):
@@ -68,23 +66,14 @@ def main():
         for _ in range(2):          # warm-up
             step()
         steps[init] = step
-    times = {init: [] for init in inits}
-    for _ in range(args.rounds):
-        for init, step in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            sync(device)
-            times[init].append((time.perf_counter() - t0) / args.steps)
+    times = interleaved(steps, device, args.rounds, args.steps)
     batch, cfg, targs = shape
-    base = statistics.median(times[inits[0]])
+    base = times[inits[0]]
     print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} heads, "
           f"{cfg.n_positions} tokens | batch {batch} | amp {targs.amp} | torch {torch.__version__} | "
           f"{args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
-    for init, ts in times.items():
-        med = statistics.median(ts)
+    for init, med in times.items():
         path = "fused" if train.use_fused(targs.attention, init, device) else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
 
