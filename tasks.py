@@ -1056,6 +1056,190 @@ def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator, flip
     return x
 
 
+# ---- RandAugment, random resized crop and random erasing, batched on the device. Images stay
+# uint8 (B, 3, H, W) through the photometric and geometric ops (values computed in float,
+# truncated to 0..255 as Pillow does); each op takes per-image arguments, so one call serves a
+# batch whose images drew different magnitudes.
+
+AUG_FILL = (124, 116, 104)              # fill of the geometric ops: the ImageNet mean in 0..255, as timm uses
+
+
+def _truncate(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(0, 255).to(torch.uint8)          # float -> uint8 by truncation toward zero, as Pillow's blend
+
+
+def _per_image(v, x: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(x.shape[0]).view(-1, 1, 1, 1)
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> (B, 1, H, W) float, Pillow's "L": (19595 R + 38470 G + 7471 B + 2^15) >> 16."""
+    r, g, b = x.long().unbind(1)
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).unsqueeze(1).float()
+
+
+def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor) -> torch.Tensor:
+    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate), per image factor."""
+    f = _per_image(factor, x)
+    return _truncate(degenerate + f * (x.float() - degenerate))
+
+
+def aug_brightness(x, factor):
+    return _blend(x, torch.zeros_like(x, dtype=torch.float32), factor)
+
+
+def aug_color(x, factor):
+    return _blend(x, _gray(x).expand_as(x), factor)
+
+
+def aug_contrast(x, factor):
+    mean = (_gray(x).mean(dim=(1, 2, 3), keepdim=True) + 0.5).floor()        # Pillow: int(mean + 0.5)
+    return _blend(x, mean.expand_as(x), factor)
+
+
+def aug_sharpness(x, factor):
+    """Blend with Pillow's SMOOTH filter ([[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded; the border
+    pixels keep their values)."""
+    k = torch.tensor([[1.0, 1, 1], [1, 5, 1], [1, 1, 1]], device=x.device) / 13
+    xf = x.float()
+    smooth = F.conv2d(xf.flatten(0, 1).unsqueeze(1), k.view(1, 1, 3, 3)).view(*x.shape[:2], x.shape[2] - 2,
+                                                                              x.shape[3] - 2)
+    degenerate = xf.clone()
+    degenerate[..., 1:-1, 1:-1] = (smooth + 0.5).floor()
+    return _blend(x, degenerate, factor)
+
+
+def aug_posterize(x, bits):
+    """Keep the top `bits` bits of every value (bits per image, 1..8)."""
+    keep = torch.as_tensor(bits, device=x.device).long().expand(x.shape[0]).view(-1, 1, 1, 1)
+    mask = (255 - ((1 << (8 - keep)) - 1)).to(torch.uint8)
+    return x & mask
+
+
+def aug_solarize(x, threshold):
+    """Invert every value >= threshold (per image; 256 leaves the image as it is)."""
+    t = _per_image(threshold, x)
+    return torch.where(x.float() >= t, 255 - x, x)
+
+
+def aug_autocontrast(x, *_):
+    """Stretch each channel of each image to 0..255 (Pillow's autocontrast, no cutoff)."""
+    xf = x.double()
+    lo, hi = xf.amin(dim=(2, 3), keepdim=True), xf.amax(dim=(2, 3), keepdim=True)
+    scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)          # a true division, as Pillow's
+    out = (xf * scale - lo * scale).clamp(0, 255).floor()
+    return torch.where(hi > lo, out, xf).to(torch.uint8)
+
+
+def aug_equalize(x, *_):
+    """Pillow's equalize per image and channel: lut[i] = (step // 2 + #values below i) // step with
+    step = (#values - #values of the last used level) // 255; an image with one level, or a step of
+    0, is left as it is."""
+    b, c = x.shape[:2]
+    flat = x.flatten(2).long()                                              # (B, C, HW)
+    hist = torch.zeros(b, c, 256, dtype=torch.long, device=x.device).scatter_add_(2, flat, torch.ones_like(flat))
+    last = 255 - (hist.flip(-1) > 0).long().argmax(-1)                     # highest level present
+    step = (flat.shape[-1] - hist.gather(2, last.unsqueeze(-1)).squeeze(-1)) // 255
+    below = hist.cumsum(-1) - hist
+    lut = ((step.unsqueeze(-1) // 2 + below) // step.clamp_min(1).unsqueeze(-1)).clamp(max=255)
+    lut = torch.where((step > 0).unsqueeze(-1), lut, torch.arange(256, device=x.device))
+    return lut.gather(2, flat).view_as(x).to(torch.uint8)
+
+
+def _affine(x: torch.Tensor, m: torch.Tensor, fill=AUG_FILL) -> torch.Tensor:
+    """Sample every output pixel (i, j) at the input point (x, y) = m @ (j, i, 1), pixel units, per
+    image m (B, 2, 3); bilinear, points outside the image take `fill`."""
+    b, c, h, w = x.shape
+    ii, jj = torch.meshgrid(torch.arange(h, device=x.device, dtype=torch.float32),
+                            torch.arange(w, device=x.device, dtype=torch.float32), indexing="ij")
+    pts = torch.stack([jj, ii, torch.ones_like(ii)], -1).view(1, h * w, 3)
+    src = pts @ m.float().transpose(1, 2)                                   # (B, HW, 2): input x, y
+    grid = torch.stack([(src[..., 0] + 0.5) / w * 2 - 1, (src[..., 1] + 0.5) / h * 2 - 1], -1).view(b, h, w, 2)
+    f = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+    out = F.grid_sample(x.float() - f, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + f
+    return (out + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def _matrices(x, a, b, e, d, f_, g):
+    n = x.shape[0]
+    rows = [torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(n) for v in (a, b, e, d, f_, g)]
+    return torch.stack(rows, -1).view(n, 2, 3)
+
+
+def aug_shear_x(x, s):
+    """Input x = j + s * i (Pillow's AFFINE (1, s, 0, 0, 1, 0), origin top left)."""
+    return _affine(x, _matrices(x, 1, s, 0, 0, 1, 0))
+
+
+def aug_shear_y(x, s):
+    return _affine(x, _matrices(x, 1, 0, 0, s, 1, 0))
+
+
+def aug_translate_x(x, fraction):
+    """Shift left by fraction * width (negative: right)."""
+    return _affine(x, _matrices(x, 1, 0, torch.as_tensor(fraction, device=x.device) * x.shape[3], 0, 1, 0))
+
+
+def aug_translate_y(x, fraction):
+    return _affine(x, _matrices(x, 1, 0, 0, 0, 1, torch.as_tensor(fraction, device=x.device) * x.shape[2]))
+
+
+def aug_rotate(x, degrees):
+    """Rotate counter-clockwise by `degrees` about the image centre."""
+    t = torch.deg2rad(torch.as_tensor(degrees, dtype=torch.float32, device=x.device)).expand(x.shape[0])
+    cx, cy = (x.shape[3] - 1) / 2, (x.shape[2] - 1) / 2
+    cos, sin = t.cos(), t.sin()
+    return _affine(x, _matrices(x, cos, -sin, cx - cos * cx + sin * cy, sin, cos, cy - sin * cx - cos * cy))
+
+
+def aug_identity(x, *_):
+    return x
+
+
+# RandAugment's ops and how a magnitude m in [0, 10] maps to each op's argument (a random sign
+# where the op has a direction); every op with an argument is the identity at m = 0.
+RANDAUG_OPS = {
+    "identity": (aug_identity, None),
+    "autocontrast": (aug_autocontrast, None),
+    "equalize": (aug_equalize, None),
+    "rotate": (aug_rotate, lambda m, s: s * 30.0 * m / 10),
+    "solarize": (aug_solarize, lambda m, s: 256.0 - 256.0 * m / 10),
+    "color": (aug_color, lambda m, s: 1.0 + s * 0.9 * m / 10),
+    "posterize": (aug_posterize, lambda m, s: 8 - (4 * m / 10).round()),
+    "contrast": (aug_contrast, lambda m, s: 1.0 + s * 0.9 * m / 10),
+    "brightness": (aug_brightness, lambda m, s: 1.0 + s * 0.9 * m / 10),
+    "sharpness": (aug_sharpness, lambda m, s: 1.0 + s * 0.9 * m / 10),
+    "shear_x": (aug_shear_x, lambda m, s: s * 0.3 * m / 10),
+    "shear_y": (aug_shear_y, lambda m, s: s * 0.3 * m / 10),
+    "translate_x": (aug_translate_x, lambda m, s: s * 0.45 * m / 10),
+    "translate_y": (aug_translate_y, lambda m, s: s * 0.45 * m / 10),
+}
+
+
+def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float = 9.0, std: float = 0.5,
+                 n_ops: int = 2, prob: float = 0.5) -> torch.Tensor:
+    """RandAugment on a uint8 batch (B, 3, H, W): `n_ops` times, every image draws an op of
+    RANDAUG_OPS uniformly and applies it with probability `prob`, at magnitude m ~ N(magnitude,
+    std^2) clipped to [0, 10] (drawn per image and op). Same shape and dtype; deterministic in the
+    generator's state."""
+    names = list(RANDAUG_OPS)
+    b = x.shape[0]
+    x = x.clone()
+    for _ in range(n_ops):
+        op = torch.randint(0, len(names), (b,), generator=generator, device=x.device)
+        use = torch.rand(b, generator=generator, device=x.device) < prob
+        m = (magnitude + std * torch.randn(b, generator=generator, device=x.device)).clamp(0, 10)
+        sign = torch.where(torch.rand(b, generator=generator, device=x.device) < 0.5, -1.0, 1.0)
+        for k, name in enumerate(names):
+            pick = (op == k) & use
+            if not bool(pick.any()):
+                continue
+            fn, arg = RANDAUG_OPS[name]
+            sel = pick.nonzero().squeeze(1)
+            x[sel] = fn(x[sel], None if arg is None else arg(m[sel], sign[sel]))
+    return x
+
+
 @dataclass(kw_only=True)
 class ImageTask(Task):
     """Image classification with a ViT; the prior is an impulse (convolution-like) pattern per head,

@@ -2357,6 +2357,7 @@ torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # th
 g, ref = model.blocks[0].attn.mask_logits.grad, full.blocks[0].attn.mask_logits.grad
 assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
 open(f"ok{rank}", "w").write("ok")
+del ddp                                              # DDP's reducer must go before its process group
 dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
 dist.destroy_process_group()
 """

@@ -615,6 +615,7 @@ def run(args, explicit: set) -> int:
         finally:
             if state.folder is not None:
                 state.folder.release()
+            state.trained = None                # DDP's reducer must go before its process group
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
