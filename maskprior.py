@@ -363,15 +363,27 @@ class TrunkConfig:
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
+    drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth: zero a residual branch for a random fraction p of the samples, scale the
+    others by 1 / (1 - p). x: (B, ...) -> same; the identity when not training or p = 0."""
+    if not training or p == 0.0:
+        return x
+    keep = x.new_empty(x.shape[0], *([1] * (x.dim() - 1))).bernoulli_(1.0 - p)
+    return x * keep / (1.0 - p)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same.
 
-    `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys."""
+    `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys;
+    `drop_path`: this block's stochastic-depth probability."""
 
-    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False):
+    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False, drop_path: float = 0.0):
         super().__init__()
+        self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused)
         self.ln2 = nn.LayerNorm(cfg.dim)
@@ -380,8 +392,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, return_attn: bool = False):
         a, attn = self.attn(self.ln1(x), return_attn)
-        x = x + self.drop(a)
-        x = x + self.mlp(self.ln2(x))
+        x = x + drop_path(self.drop(a), self.drop_path, self.training)
+        x = x + drop_path(self.mlp(self.ln2(x)), self.drop_path, self.training)
         return x, attn
 
 
@@ -400,7 +412,8 @@ class Trunk(nn.Module):
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
-        self.blocks = nn.ModuleList([Block(cfg, mask_size, causal) for _ in range(cfg.n_layers)])
+        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]   # timm's: 0 to drop_path
+        self.blocks = nn.ModuleList([Block(cfg, mask_size, causal, rate) for rate in rates])
         self.ln_f = nn.LayerNorm(cfg.dim)
 
     def forward(self, inputs: torch.Tensor, return_attn: bool = False):

@@ -1240,6 +1240,77 @@ def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float =
     return x
 
 
+def _sample(x: torch.Tensor, x0, y0, w, h, out: int, flip=None) -> torch.Tensor:
+    """Bilinear resampling of the box (x0, y0, w, h) of each image (pixel units, per image) to
+    out x out, mirrored where `flip`; uint8 in and out."""
+    b = x.shape[0]
+    size = x.shape[-1]
+    t = (torch.arange(out, device=x.device, dtype=torch.float32) + 0.5) / out          # (out,) in (0, 1)
+    if flip is not None:
+        tx = torch.where(flip[:, None], 1 - t[None], t[None])
+    else:
+        tx = t[None].expand(b, -1)
+    gx = ((x0[:, None] + tx * w[:, None]) / size * 2 - 1)                              # (B, out)
+    gy = ((y0[:, None] + t[None] * h[:, None]) / size * 2 - 1)
+    grid = torch.stack([gx[:, None, :].expand(b, out, out), gy[:, :, None].expand(b, out, out)], -1)
+    y = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return (y + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, scale=(0.08, 1.0),
+                        ratio=(3 / 4, 4 / 3), flip: bool = True) -> torch.Tensor:
+    """timm's RandomResizedCrop + horizontal flip on a uint8 batch (B, C, S, S) -> (B, C, out, out):
+    per image a box of area fraction U(scale) and log-uniform aspect ratio (first of 10 draws that
+    fits, else the whole image) at a random place, resampled bilinearly (this upsamples 32 x 32
+    CIFAR to a 224 x 224 model input), then mirrored with probability 1/2."""
+    b, s = x.shape[0], x.shape[-1]
+    kw = dict(generator=generator, device=x.device)
+    area = s * s * (scale[0] + (scale[1] - scale[0]) * torch.rand(b, 10, **kw))
+    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, 10, **kw))
+    w, h = (area * r).sqrt().round(), (area / r).sqrt().round()
+    ok = (w <= s) & (h <= s) & (w > 0) & (h > 0)
+    first = ok.float().argmax(1, keepdim=True)
+    w = torch.where(ok.any(1), w.gather(1, first).squeeze(1), torch.full((b,), float(s), device=x.device))
+    h = torch.where(ok.any(1), h.gather(1, first).squeeze(1), torch.full((b,), float(s), device=x.device))
+    x0 = (torch.rand(b, **kw) * (s - w + 1)).floor()
+    y0 = (torch.rand(b, **kw) * (s - h + 1)).floor()
+    mirror = torch.rand(b, **kw) < 0.5 if flip else None
+    return _sample(x, x0, y0, w, h, out, mirror)
+
+
+def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tensor:
+    """The evaluation view: resize to out / crop_pct (bicubic), keep the centre out x out. uint8 in and out."""
+    size = int(math.floor(out / crop_pct))
+    y = F.interpolate(x.float(), size=(size, size), mode="bicubic", align_corners=False)
+    top = (size - out) // 2
+    return (y[..., top:top + out, top:top + out] + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, area=(0.02, 1 / 3),
+                   ratio=(0.3, 1 / 0.3)) -> torch.Tensor:
+    """timm's RandomErasing, mode 'pixel', on a normalised float batch (B, C, H, W): with probability
+    `prob` an image gets one box of area fraction U(area) and log-uniform aspect ratio (the first of
+    10 draws that fits) filled with N(0, 1) noise per pixel and channel."""
+    b, c, hh, ww = x.shape
+    kw = dict(generator=generator, device=x.device)
+    use = torch.rand(b, **kw) < prob
+    a = hh * ww * (area[0] + (area[1] - area[0]) * torch.rand(b, 10, **kw))
+    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, 10, **kw))
+    h, w = (a * r).sqrt().round(), (a / r).sqrt().round()
+    ok = (h < hh) & (w < ww)
+    first = ok.float().argmax(1, keepdim=True)
+    use = use & ok.any(1)
+    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+    top = (torch.rand(b, **kw) * (hh - h + 1)).floor()
+    left = (torch.rand(b, **kw) * (ww - w + 1)).floor()
+    rows = torch.arange(hh, device=x.device)[None, :, None]
+    cols = torch.arange(ww, device=x.device)[None, None, :]
+    box = (rows >= top[:, None, None]) & (rows < (top + h)[:, None, None]) & \
+          (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None]) & use[:, None, None]
+    noise = torch.randn(x.shape, **kw, dtype=x.dtype)
+    return torch.where(box[:, None], noise, x)
+
+
 @dataclass(kw_only=True)
 class ImageTask(Task):
     """Image classification with a ViT; the prior is an impulse (convolution-like) pattern per head,
@@ -1249,23 +1320,34 @@ class ImageTask(Task):
     DEFAULT_PATTERN = "impulse"
     INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
     HEADLINE = ("top1", "loss")
-    OPTIONS = ("data_dir", "image_size", "patch_size", "pool", "heads", "impulse", "label_smoothing", "mixup",
-               "cutmix")
+    OPTIONS = ("data_dir", "image_size", "input_size", "patch_size", "pool", "heads", "impulse", "label_smoothing",
+               "mixup", "cutmix", "crop", "crop_pct", "randaug", "randaug_std", "randaug_ops", "reprob")
     PRESETS = {
         "small": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
                       pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
                       batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
                       qk_opt_steps=2000, log_every=100),
-        # ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024 small-image setting)
-        "paper": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
-                      pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
-                      batch_size=512, schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
-                      log_every=1000),
+        # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
+        # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
+        # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay
+        # 0.05, 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0
+        # (switch 0.5), random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
+        "paper": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
+                      qkv_bias=True, pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=2e-3, weight_decay=0.05,
+                      betas="0.9,0.999", batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300,
+                      label_smoothing=0.1, mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0,
+                      randaug_std=0.5, randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000),
+        # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
+        "paper32": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
+                        pos_init_std=0.02, mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05,
+                        batch_size=512, schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
+                        log_every=1000),
     }
     N_CLASSES: ClassVar[int] = 0
 
     data_dir: str | None = None
-    image_size: int = 32
+    image_size: int = 32                # the images' side as stored
+    input_size: int | None = None       # the model's input side (None: image_size); larger = upsampled
     patch_size: int = 4
     pool: str = "mean"
     heads: int = 3
@@ -1274,19 +1356,37 @@ class ImageTask(Task):
     label_smoothing: float = 0.1
     mixup: float = 0.0
     cutmix: float = 0.0
+    crop: str = "pad"                   # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
+    crop_pct: float = 0.875             # evaluation at another input size: resize to input / crop_pct, centre crop
+    randaug: float = 0.0                # RandAugment magnitude in [0, 10]; 0 = off
+    randaug_std: float = 0.5
+    randaug_ops: int = 2
+    reprob: float = 0.0                 # random erasing probability
     seed: int = 0
 
     def __post_init__(self):
         self.n_classes = self.N_CLASSES
+        self.input_size = self.input_size or self.image_size
         if self.data_dir is None:
             raise DataError(f"--data-dir is required for {self.name}: the folder that holds the dataset files")
-        if self.image_size % self.patch_size:
-            raise TaskError(f"--image-size {self.image_size} is not a multiple of --patch-size {self.patch_size}")
+        if self.input_size % self.patch_size:
+            raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a multiple of "
+                            f"--patch-size {self.patch_size}")
+        if self.crop not in ("pad", "rrc"):
+            raise TaskError(f"--crop must be pad or rrc, got {self.crop!r}")
+        if not 0 <= self.randaug <= 10:
+            raise TaskError(f"--randaug is a magnitude in [0, 10] (0 = off), got {self.randaug}")
+        if not 0 <= self.reprob <= 1:
+            raise TaskError(f"--reprob is a probability in [0, 1], got {self.reprob}")
+        if not 0 < self.crop_pct <= 1:
+            raise TaskError(f"--crop-pct must be in (0, 1], got {self.crop_pct}")
+        if self.randaug_ops < 1:
+            raise TaskError(f"--randaug-ops must be at least 1, got {self.randaug_ops}")
         if self.impulse not in ("fixed", "random"):
             raise TaskError(f"--impulse must be fixed or random, got {self.impulse!r}")
 
     def arch(self) -> dict:
-        return {"model": "vit", "image_size": self.image_size, "patch_size": self.patch_size,
+        return {"model": "vit", "image_size": self.input_size, "patch_size": self.patch_size,
                 "n_classes": self.n_classes, "pool": self.pool}
 
     def offsets(self):
@@ -1296,7 +1396,7 @@ class ImageTask(Task):
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        g = self.image_size // self.patch_size
+        g = self.input_size // self.patch_size
         return mp.impulse_pattern(g, g, self.offsets(), 1 if self.pool == "cls" else 0)
 
     def setup(self, device="cpu"):
@@ -1320,11 +1420,24 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step): crop + flip, optional mixup/cutmix.
-        Returns (images float (B, 3, S, S), soft targets (B, n_classes))."""
+        """Augmented batch of a step, deterministic in (seed, step), all on the device: crop + flip (pad
+        and crop at the stored size, then upsampled to the input size; or a random resized crop to
+        it), RandAugment on the uint8 images, normalisation, random erasing, mixup / cutmix.
+        Returns (images float (B, 3, S, S), soft targets (B, n_classes)), S = the input size."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
-        x = self.normalize(random_crop_flip(self.x_train[idx], self.pad, g))
+        if self.crop == "rrc":
+            x = random_resized_crop(self.x_train[idx], self.input_size, g)
+        else:
+            x = random_crop_flip(self.x_train[idx], self.pad, g)
+            if self.input_size != self.image_size:
+                x = _sample(x, *(torch.zeros(len(x), device=x.device),) * 2,
+                            *(torch.full((len(x),), float(self.image_size), device=x.device),) * 2, self.input_size)
+        if self.randaug > 0:
+            x = rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
+        x = self.normalize(x)
+        if self.reprob > 0:
+            x = random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
         use_mix = self.mixup > 0 or self.cutmix > 0
@@ -1350,14 +1463,21 @@ class ImageTask(Task):
         x, y = batch
         return torch.sum(-y * F.log_softmax(model(x).float(), dim=-1), dim=-1).mean()
 
+    def test_view(self, x_uint8: torch.Tensor) -> torch.Tensor:
+        """Test images as the model sees them: normalised, and at another input size resized to
+        input / crop_pct and centre-cropped (timm's evaluation view)."""
+        if self.input_size != self.image_size:
+            x_uint8 = resize_center_crop(x_uint8, self.input_size, self.crop_pct)
+        return self.normalize(x_uint8)
+
     def probe_inputs(self, n: int = 64) -> torch.Tensor:
-        return self.normalize(self.x_test[:n])
+        return self.test_view(self.x_test[:n])
 
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 500) -> dict:
         correct, loss = 0, 0.0
         for i in range(0, len(self.y_test), batch_size):
-            logits = model(self.normalize(self.x_test[i:i + batch_size])).float()
+            logits = model(self.test_view(self.x_test[i:i + batch_size])).float()
             y = self.y_test[i:i + batch_size]
             correct += int((logits.argmax(-1) == y).sum())
             loss += float(F.cross_entropy(logits, y, reduction="sum"))

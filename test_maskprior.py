@@ -2007,7 +2007,7 @@ def test_registry_and_task_constants():
     for name, cls in T.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
         assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
-        assert set(cls.presets()) == {"small", "paper"}
+        assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
     with pytest.raises(T.TaskError, match="unknown task"):
         T.make_task("nosuch")
     with pytest.raises(T.TaskError, match="takes no option data_frac"):
@@ -2429,7 +2429,7 @@ def test_bench_paper_plans_the_114_runs_and_times_a_table():
     r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
     rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 114
-    assert {row[1]: row[4] for row in rows}["cifar10"] == "19,600"
+    assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
     r = subprocess.run([sys.executable, bench, "--only", "boolean", "--batch-size", "4", "--steps", "1", "--warmup",
                         "1"], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stdout.count("\nboolean") == 12 and "mask / default step time" in r.stdout
@@ -2604,3 +2604,160 @@ def test_bench_retrofit_prints_the_ratio_side_by_side():
                        capture_output=True, text=True, timeout=120)
     rows = r.stdout.splitlines()[-2:]
     assert r.returncode == 0 and rows[0].split()[-1] == "1.000" and rows[1].startswith("encoder + prior"), r.stderr
+
+
+# ---------------------------------------------------------------------------------------- the vision recipe (issue 16)
+
+def _aug_images(n=6, h=9, w=11, seed=0):
+    x = np.random.default_rng(seed).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
+    x[1] = x[1] // 4 + 100                                   # a low-contrast image
+    x[2] = x[2] // 8 + 3                                     # a dark one
+    return torch.as_tensor(x)
+
+
+PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that argument)
+    "brightness": (1.7, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Brightness(im).enhance(a)),
+    "color": (0.3, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Color(im).enhance(a)),
+    "contrast": (1.6, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Contrast(im).enhance(a)),
+    "sharpness": (0.2, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Sharpness(im).enhance(a)),
+    "posterize": (3, lambda im, a: __import__("PIL.ImageOps").ImageOps.posterize(im, a)),
+    "solarize": (100, lambda im, a: __import__("PIL.ImageOps").ImageOps.solarize(im, a)),
+    "autocontrast": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.autocontrast(im)),
+    "equalize": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.equalize(im)),
+}
+
+
+@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
+def test_randaugment_op_shapes_range_determinism_and_identity(name):
+    fn, arg = T.RANDAUG_OPS[name]
+    x = _aug_images()
+    m = torch.full((6,), 7.0)
+    sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
+    out = fn(x, None if arg is None else arg(m, sign))
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    again = fn(x, None if arg is None else arg(m, sign))
+    assert torch.equal(out, again)
+    if arg is not None:                                      # magnitude 0 leaves every image as it is
+        assert torch.equal(fn(x, arg(torch.zeros(6), sign)), x), name
+        assert name == "identity" or not torch.equal(out, x), name
+
+
+@pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
+def test_randaugment_photometric_ops_equal_pillows(name):
+    """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
+    fn = T.RANDAUG_OPS[name][0]
+    a, ref = PIL_EQUIVALENT[name]
+    x = _aug_images()
+    ours = fn(x, a).numpy()
+    try:
+        from PIL import Image
+    except ImportError:
+        hand = {"brightness": lambda v: min(255, int(v * 1.7)), "posterize": lambda v: v & 0b11100000,
+                "solarize": lambda v: 255 - v if v >= 100 else v}
+        if name in hand:
+            assert all(ours.flat[i] == hand[name](int(x.numpy().flat[i])) for i in range(0, ours.size, 7))
+        return
+    want = np.stack([np.asarray(ref(Image.fromarray(img.transpose(1, 2, 0)), a)).transpose(2, 0, 1)
+                     for img in x.numpy()])
+    assert np.array_equal(ours, want), (ours != want).sum()
+
+
+def test_geometric_ops_by_hand():
+    x = _aug_images(4, 9, 9)
+    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
+    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
+    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
+    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
+    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
+    assert torch.equal(t[..., 3:, :], x[..., :6, :])
+    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
+    assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
+    s = T.aug_shear_y(x, 1.0)
+    assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
+
+
+def test_rand_augment_is_seeded_and_mixes_ops():
+    x = _aug_images(64, 16, 16)
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
+    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
+    changed = (a != x).flatten(1).any(1).float().mean()
+    assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
+    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
+    unchanged = (zero == x).flatten(1).all(1).float().mean()
+    assert 0.5 < unchanged < 1.0
+
+
+def test_random_resized_crop_erasing_and_eval_view():
+    x = _aug_images(8, 32, 32)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    out = T.random_resized_crop(x, 224, g())
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
+    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
+    assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
+    view = T.resize_center_crop(x, 224, 0.875)
+    assert view.shape == (8, 3, 224, 224)
+    xf = torch.randn(64, 3, 16, 16)
+    e = T.random_erasing(xf, 0.5, g())
+    erased = (e != xf).flatten(1).any(1)
+    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
+    frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
+    assert 0.02 <= frac <= 0.34
+    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
+
+
+def test_drop_path_schedule_and_identity_in_eval():
+    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_layers=3, dim=16, n_heads=2, mlp_dim=16, drop_path=0.1)
+    model = mp.ViT(cfg)
+    assert [b.drop_path for b in model.blocks] == [0.0, 0.05, 0.1]
+    x = torch.randn(4, 3, 8, 8)
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    h = torch.ones(1000, 4, 8)
+    kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
+    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
+
+
+def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
+    want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
+                warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
+                label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
+    assert {k: getattr(args, k) for k in want} == want
+    task = train.make_task(args)
+    assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
+    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
+    assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
+
+
+def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
+    out = str(tmp_path / "run")
+    common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4", "--init", "mask"]
+    aug = ["--input-size", "48", "--patch-size", "8", "--crop", "rrc", "--randaug", "9", "--reprob", "0.25",
+           "--mixup", "0.8", "--cutmix", "1.0", "--drop-path", "0.1", "--ema", "0.9"]
+    assert train.main([*common, *aug, "--halt-after", "3", "--out", out]) == 0
+    assert train.main(["--resume", "--out", out]) == 0
+    assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
+    a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
+    assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
+    xb, yb = train.make_task(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
+    assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
+    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
+    ("--ema", "1", "--ema must be a finite number in [0, 1)"),
+    ("--ema", "-0.5", "--ema must be a finite number"),
+    ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
+    ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
+    ("--crop-pct", "1.5", "--crop-pct must be in (0, 1]"),
+    ("--randaug-ops", "0", "--randaug-ops must be an integer > 0"),
+])
+def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
+    out = tmp_path / "run"
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, value, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err

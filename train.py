@@ -26,6 +26,7 @@ STARTED = time.time()       # the process's start, for the wall time the final l
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -54,8 +55,9 @@ DEFAULTS = dict(
     pattern=None, mask_on=5.0, mask_off=5.0,
     qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
     qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None, probe_size=512, eval_points=0,
-    data_dir=None, image_size=None, patch_size=None, pool=None, impulse="fixed", label_smoothing=None,
-    mixup=0.0, cutmix=0.0, context=None, val_tokens=None,
+    data_dir=None, image_size=None, input_size=None, patch_size=None, pool=None, impulse="fixed", label_smoothing=None,
+    mixup=0.0, cutmix=0.0, crop="pad", crop_pct=0.875, randaug=0.0, randaug_std=0.5, randaug_ops=2, reprob=0.0,
+    drop_path=0.0, ema=0.0, context=None, val_tokens=None,
     sample=None, sample_tokens=100, temperature=0.8, top_k=40,
     data_frac=None, answer_order="msb", n_bits=15, bits="0,1,2", unseen="0,1", train_size=None,
 )
@@ -70,11 +72,12 @@ RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_
 # The numeric flags: every value must be finite and in its range (None: not set).
 POSITIVE = ("steps", "epochs", "lr", "batch_size", "layers", "heads", "dim", "head_dim", "mlp_dim", "log_every",
             "ckpt_every", "halt_after", "probe_size", "qk_opt_steps", "qk_opt_lr", "qk_svd_scale", "qk_svd_norm",
-            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "patch_size", "dist_timeout")
+            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "input_size", "patch_size",
+            "dist_timeout", "randaug_ops", "crop_pct")
 NON_NEGATIVE = ("seed", "weight_decay", "warmup", "warmup_epochs", "grad_clip", "mask_on", "mask_off", "emb_init_std",
                 "pos_init_std", "qk_svd_noise", "qk_opt_tol", "eval_points", "mixup", "cutmix", "temperature", "top_k",
-                "val_tokens")
-FRACTIONS = ("dropout", "label_smoothing")      # in [0, 1)
+                "val_tokens", "randaug", "randaug_std", "reprob", "ema")
+FRACTIONS = ("dropout", "label_smoothing", "drop_path", "ema")      # in [0, 1)
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
         "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
@@ -143,6 +146,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
     g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
     g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
     g.add_argument("--dropout", type=float, help="dropout on embeddings, attention output and MLP")
+    g.add_argument("--drop-path", type=float, help="stochastic depth: the last block skips its branches with this "
+                   "probability, linearly less before it (timm's schedule; 0 = off)")
+    g.add_argument("--ema", type=float, help="also keep an exponential moving average of the weights with this "
+                   "decay (e.g. 0.9999) and evaluate it beside them (ema_* metrics); 0 = off")
     g.add_argument("--attention", choices=["auto", "fused", "explicit"],
                    help="scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, except "
                         "explicit for a masked model on the CPU, where PyTorch's fused kernel takes no float mask")
@@ -181,7 +188,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
     families["vision"] = [
         g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with "
                        "cifar-10-batches-py/; for language models the corpus folder)").dest,
-        g.add_argument("--image-size", type=int, help="image side in pixels (CIFAR 32; ImageNet-100 32 or 64)").dest,
+        g.add_argument("--image-size", type=int, help="image side in pixels as stored (CIFAR 32; ImageNet-100 32 "
+                       "or 64)").dest,
+        g.add_argument("--input-size", type=int, help="the model's image side (default: the image size); larger "
+                       "upsamples, e.g. 224 for CIFAR as the recipe of the paper preset does").dest,
         g.add_argument("--patch-size", type=int, help="ViT patch side in pixels").dest,
         g.add_argument("--pool", choices=["mean", "cls"], help="ViT readout: global average pooling or a CLS "
                        "token").dest,
@@ -189,7 +199,16 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
                        "up, right, ...; the default) or random (drawn by the seed)").dest,
         g.add_argument("--label-smoothing", type=float).dest,
         g.add_argument("--mixup", type=float, help="mixup Beta(alpha, alpha); 0 = off").dest,
-        g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off").dest]
+        g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off").dest,
+        g.add_argument("--crop", choices=["pad", "rrc"], help="training crop: pad 4 and crop back, or a random "
+                       "resized crop to the input size (scale 0.08-1); a flip either way").dest,
+        g.add_argument("--crop-pct", type=float, help="evaluation at another input size: resize to input / "
+                       "crop-pct, keep the centre (default 0.875)").dest,
+        g.add_argument("--randaug", type=float, help="RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)").dest,
+        g.add_argument("--randaug-std", type=float, help="RandAugment: std of the per-image magnitude noise "
+                       "(default 0.5)").dest,
+        g.add_argument("--randaug-ops", type=int, help="RandAugment: ops per image (default 2)").dest,
+        g.add_argument("--reprob", type=float, help="random erasing probability (0 = off; the recipe: 0.25)").dest]
     g = p.add_argument_group("language modelling (wikitext2, tinystories; --data-dir as above)")
     families["lm"] = [
         g.add_argument("--context", type=int, help="context length in tokens (also the model's positions)").dest,
@@ -355,7 +374,7 @@ def model_config(args, task, device=torch.device("cpu")):
     trunk = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
                  mlp_dim=args.mlp_dim, learnable_mask=args.init == "mask",
                  fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias),
-                 dropout=args.dropout, pos_init_std=args.pos_init_std)
+                 dropout=args.dropout, pos_init_std=args.pos_init_std, drop_path=args.drop_path)
     if arch.get("model") == "vit":
         return mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
                             n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
@@ -545,6 +564,7 @@ class Probe:
     eval_points: int
     device: torch.device
     args: argparse.Namespace
+    ema: torch.nn.Module | None = None         # the moving average of the weights (--ema), evaluated beside them
 
     def __post_init__(self):
         causal = self.task.arch().get("causal", False)
@@ -558,6 +578,10 @@ class Probe:
         model.eval()
         with autocast(self.device, self.args):
             metrics = self.task.evaluate(model, points=None if final else self.eval_points)
+            if self.ema is not None:
+                self.ema.eval()
+                ema = self.task.evaluate(self.ema, points=None if final else self.eval_points)
+                metrics.update({f"ema_{k}": v for k, v in ema.items() if isinstance(v, float)})
             if self.no_mass is None:
                 mass, margin = mp.prior_probe(model, self.inputs, self.pattern)
             else:
@@ -728,6 +752,12 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             truncate_log(state.path("metrics.jsonl"), state.step)
             write_json(state.path("args.json"), vars_of(args))
             state.say(f"resuming {args.out} at step {state.step}/{args.steps}")
+    if args.ema:
+        state.probe.ema = copy.deepcopy(model).requires_grad_(False)
+        if ckpt is not None:
+            if "ema" not in ckpt:
+                raise UsageError(f"--resume: the checkpoint in {args.out} holds no moving average (--ema)")
+            state.probe.ema.load_state_dict(ckpt["ema"])
     state.trained = torch.compile(model) if args.compile else model
     if dist.world > 1:
         state.trained = torch.nn.parallel.DistributedDataParallel(
@@ -772,6 +802,8 @@ def train_loop(state: Run) -> int | None:
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
+            if state.probe.ema is not None:
+                update_ema(state.probe.ema, model, args.ema)
             state.step += 1
             steps_done += 1
             step = state.step
@@ -797,6 +829,15 @@ def train_loop(state: Run) -> int | None:
                 return 130 if interrupted else 0
     state.seconds += time.time() - t_start
     return None
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model, parameter by parameter; buffers copied."""
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.lerp_(p.detach(), 1.0 - decay)
+    for e, b in zip(ema.buffers(), model.buffers()):
+        e.copy_(b)
 
 
 def non_finite(state: Run, what: str) -> int:
@@ -920,6 +961,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "seconds": state.seconds if seconds is None else seconds, "args": vars_of(state.args),
             "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
+            **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     with T.atomic_output(state.path("ckpt.pt")) as f:

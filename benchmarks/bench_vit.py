@@ -9,7 +9,9 @@ same preset, same attention path), then one step = forward, backward and AdamW u
 random batch (timing only: the images' content does not change the cost). Inits are timed in
 interleaved rounds so drifts in machine load hit all alike; the table gives the median
 images/s and the ratio of each init's step time to `default`'s. Only `mask` adds work (the
-additive bias and the gradient of M); the other inits change weights, not the graph.
+additive bias and the gradient of M); the other inits change weights, not the graph. The last
+line times the preset's whole augmentation of one batch on the device (crop, RandAugment,
+erasing, mixup / cutmix, on random uint8 images of the stored size) against a training step.
 """
 import argparse
 import os
@@ -31,7 +33,20 @@ def build(init: str, extra: list, device: torch.device):
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, task, args)
     opt = torch.optim.AdamW(mp.param_groups(model, args.weight_decay), lr=args.lr)
-    return model, opt, cfg, args
+    return model, opt, cfg, args, task
+
+
+def synthetic_data(task, device, n: int = 4096):
+    """Give an image task random uint8 training images of its stored size (timing only), so that
+    its whole augmentation pipeline (train_batch) runs as in training."""
+    g = torch.Generator().manual_seed(0)
+    task.device = device
+    task.x_train = torch.randint(0, 256, (n, 3, task.image_size, task.image_size), generator=g,
+                                 dtype=torch.uint8).to(device)
+    task.y_train = torch.randint(0, task.n_classes, (n,), generator=g).to(device)
+    task.mean, task.std = torch.full((1, 3, 1, 1), 0.5, device=device), torch.full((1, 3, 1, 1), 0.25, device=device)
+    task.n_train = n
+    return task
 
 
 def main():
@@ -51,7 +66,7 @@ def main():
     inits = args.inits.split(",")
     steps, shape = {}, None
     for init in inits:
-        model, opt, cfg, targs = build(init, extra, device)
+        model, opt, cfg, targs, task = build(init, extra, device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
         y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g).to(device)
@@ -66,7 +81,11 @@ def main():
         for _ in range(2):          # warm-up
             step()
         steps[init] = step
+    counter = iter(range(10 ** 9))
+    steps["augmentation"] = lambda task=synthetic_data(task, device), b=targs.batch_size: task.train_batch(
+        next(counter), b)                 # the preset's augmentation of one batch, on the device
     times = interleaved(steps, device, args.rounds, args.steps)
+    augment = times.pop("augmentation")
     batch, cfg, targs = shape
     base = times[inits[0]]
     print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} heads, "
@@ -76,6 +95,9 @@ def main():
     for init, med in times.items():
         path = "fused" if train.use_fused(targs.attention, init, device) else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
+    print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, {augment / (augment + base):.1%} of a "
+          f"{inits[0]} step with it (crop {targs.crop}, RandAugment {targs.randaug}, erasing {targs.reprob}, "
+          f"mixup {targs.mixup}, cutmix {targs.cutmix})")
 
 
 if __name__ == "__main__":
