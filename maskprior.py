@@ -158,8 +158,11 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: to
 
 
 class MaskPrior(nn.Module):
-    """The learnable prior of one attention layer: M (heads, n, n) -> the additive bias
-    log sigmoid(M), plus -inf on future keys when `causal`. M starts from `pattern` (bool (n, n)
+    """The learnable prior of one attention layer: M -> the additive bias log sigmoid(M), plus -inf
+    on future keys when `causal`. `param="full"`: M is (heads, n, n), one logit per (query, key);
+    `param="relative"`: one logit per head and distance i - j, a (heads, n) table when causal
+    ((heads, 2n - 1) otherwise), log sigmoid taken on the table and then gathered, so the prior
+    costs O(heads x n) parameters instead of O(heads x n^2). M starts from `pattern` (bool (n, n)
     or (heads, n, n): +m_on on allowed pairs, -m_off elsewhere), from `logits`, or at 0 (the same
     constant on every logit: no prior until `init_mask_` sets it). Shaped for the caller:
 
@@ -172,25 +175,62 @@ class MaskPrior(nn.Module):
     """
 
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = 5.0,
-                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None):
+                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full"):
         super().__init__()
-        self.n, self.heads, self.causal = n, heads, causal
-        self.mask_logits = nn.Parameter(torch.zeros(heads, n, n))
+        if param not in ("full", "relative"):
+            raise ValueError(f"MaskPrior param must be 'full' or 'relative', got {param!r}")
+        self.n, self.heads, self.causal, self.param = n, heads, causal, param
+        size = (heads, n, n) if param == "full" else (heads, n if causal else 2 * n - 1)
+        self.mask_logits = nn.Parameter(torch.zeros(size))
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
                                                                                                        m_off)
         if src is not None:
-            with torch.no_grad():
-                self.mask_logits.copy_(_per_head(src, heads, n).float())
+            self.set_logits(src)
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, heads={self.heads}, causal={self.causal}"
+        return f"n={self.n}, heads={self.heads}, causal={self.causal}, param={self.param}"
+
+    def _distance(self, t: int) -> torch.Tensor:
+        """(t, t) index into the relative table: i - j (causal; future keys clamped to 0, masked
+        later), or i - j + n - 1."""
+        i = torch.arange(t, device=self.mask_logits.device)
+        d = i[:, None] - i[None, :]
+        return d.clamp(min=0) if self.causal else d + self.n - 1
+
+    @torch.no_grad()
+    def set_logits(self, logits: torch.Tensor) -> None:
+        """M from full logits (n, n) or (heads, n, n); a relative prior takes them only if they depend
+        on i - j alone (on and below the diagonal when causal)."""
+        full = _per_head(logits, self.heads, self.n).float().to(self.mask_logits.device)
+        if self.param == "full":
+            self.mask_logits.copy_(full)
+            return
+        idx = self._distance(self.n).expand(self.heads, -1, -1)
+        seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
+        seen = seen.tril() if self.causal else seen
+        table = torch.zeros_like(self.mask_logits).scatter_(1, idx[:, seen].view(self.heads, -1),
+                                                            full[:, seen].view(self.heads, -1))
+        if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)), full[:, seen].view(self.heads, -1)):
+            raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, but these logits "
+                             "differ along a diagonal; use param='full' for them")
+        self.mask_logits.copy_(table)
+
+    def full_logits(self) -> torch.Tensor:
+        """M as (heads, n, n) logits (a relative table expanded; future entries of a causal one are
+        its distance-0 logit, and masked in the bias)."""
+        if self.param == "full":
+            return self.mask_logits
+        return self.mask_logits[:, self._distance(self.n)]
 
     def forward(self, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = self.n if t is None else t
         if t > self.n or (t < self.n and not self.causal):
             raise ValueError(f"sequence length {t} does not fit the mask size {self.n}: M covers exactly {self.n} "
                              f"positions (a shorter sequence is allowed only in a causal layer, as a prefix)")
-        bias = mask_bias(self.mask_logits[:, :t, :t].float())
+        if self.param == "full":
+            bias = mask_bias(self.mask_logits[:, :t, :t].float())
+        else:                                       # log sigmoid on the small table, then a gather
+            bias = mask_bias(self.mask_logits.float())[:, self._distance(t)]
         if self.causal:
             future = torch.ones(t, t, dtype=torch.bool, device=bias.device).triu(1)
             bias = bias.masked_fill(future, float("-inf"))
@@ -293,7 +333,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
-                 causal: bool = False, qkv_bias: bool = False, fused: bool = True):
+                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full"):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim or dim // n_heads
@@ -302,7 +342,7 @@ class Attention(nn.Module):
         inner = n_heads * self.head_dim
         # registered first, so that parameters (and optimiser states) keep the order they had when
         # M was the layer's own parameter
-        self.prior = MaskPrior(mask_size, n_heads, causal=causal) if mask_size else None
+        self.prior = MaskPrior(mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
@@ -364,6 +404,7 @@ class TrunkConfig:
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
     drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
+    mask_param: str = "full"        # M per (query, key), or "relative": per distance i - j (MaskPrior)
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -385,7 +426,8 @@ class Block(nn.Module):
         super().__init__()
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused,
+                              cfg.mask_param)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
@@ -608,7 +650,7 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
                          "(or Attention(..., mask_size=N)), or give your own attention a MaskPrior")
     for prior in mask_priors(model):
-        prior.mask_logits.copy_(_per_head(src, prior.heads, prior.n).float())
+        prior.set_logits(src)
     if logits is not None:
         return {"m_min": float(logits.min()), "m_max": float(logits.max())}
     return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}

@@ -1582,6 +1582,8 @@ def test_maskprior_copied_alone_runs(tmp_path):
             "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
             "enc(torch.randn(3, 5, 8)).sum().backward()\n"
             "assert all(p.mask_logits.grad is not None for p in priors)\n"
+            "rel = mp.MaskPrior(6, 2, causal=True, logits=mp.causal_distance_logits(6, 2), param=\"relative\")\n"
+            "assert rel.mask_logits.shape == (2, 6) and rel(4).shape == (2, 4, 4)\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
@@ -2761,3 +2763,108 @@ def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, 
     assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, value, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
+
+
+# ---------------------------------------------------------------------------------------- relative-distance M (issue 17)
+
+def _lm_cfg(param, fused=True, n=12):
+    return mp.TransformerConfig(vocab_size=11, seq_len=n, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
+                                causal=True, n_outputs=11, learnable_mask=True, fused=fused, mask_param=param,
+                                tie_embeddings=True)
+
+
+def test_relative_prior_starts_where_the_full_one_does_and_is_small():
+    torch.manual_seed(0)
+    full, rel = mp.Transformer(_lm_cfg("full")), mp.Transformer(_lm_cfg("relative"))
+    rel.load_state_dict({k: v for k, v in full.state_dict().items() if "mask_logits" not in k}, strict=False)
+    logits = mp.causal_distance_logits(12, 4)
+    mp.init_mask_(full, logits=logits)
+    mp.init_mask_(rel, logits=logits)
+    a, b = full.blocks[0].attn, rel.blocks[0].attn
+    assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
+    assert torch.equal(a.attn_bias(12, torch.float32, "cpu"), b.attn_bias(12, torch.float32, "cpu"))
+    assert torch.equal(a.attn_bias(7, torch.float32, "cpu"), b.attn_bias(7, torch.float32, "cpu"))       # a prompt
+    x = torch.randint(0, 11, (3, 12))
+    torch.testing.assert_close(full(x), rel(x))
+    with pytest.raises(ValueError, match="differ along a diagonal"):
+        mp.init_mask_(rel, logits=torch.randn(4, 12, 12))
+    with pytest.raises(ValueError, match="sequence length 13 does not fit the mask size 12"):
+        b.prior(13)                                           # a context longer than the table
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relative_prior_fused_equals_explicit_with_the_table_gradient(causal):
+    n = 10
+    cfg = mp.TransformerConfig(vocab_size=7, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=causal, n_outputs=7, learnable_mask=True, mask_param="relative")
+    torch.manual_seed(0)
+    fused = mp.Transformer(cfg)
+    with torch.no_grad():
+        fused.blocks[0].attn.mask_logits.normal_()
+    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False}))
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 7, (4, n))
+    r = torch.randn(4, n, 7)
+    outs = []
+    for m in (fused, explicit):
+        out = m(x)
+        (out * r).sum().backward()
+        outs.append((out.detach(), m.blocks[0].attn.mask_logits.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    assert outs[0][1].abs().max() > 1e-3
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)
+    if causal:                                                # later tokens never reach earlier outputs
+        y = x.clone()
+        y[:, 6:] = (y[:, 6:] + 1) % 7
+        torch.testing.assert_close(fused(x)[:, :6], fused(y)[:, :6])
+
+
+def test_theorem_1_bound_holds_on_the_relative_table():
+    """dL/dM_d sums dL/dM_ij over the pairs at distance d, so its size is bounded by the sum of their bounds."""
+    n = 8
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=True, n_outputs=5, learnable_mask=True, fused=False, mask_param="relative")
+    torch.manual_seed(2)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=mp.causal_distance_logits(n, 2))
+    x = torch.randint(0, 5, (6, n))
+    out, (attn,) = model(x, return_attn=True)
+    attn.retain_grad()
+    (out * torch.randn(out.shape)).sum().backward()
+    prior = model.blocks[0].attn.prior
+    bound = mp.mask_grad_bound(attn.detach(), attn.grad, prior.full_logits().detach())        # (H, n, n)
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
+    g = prior.mask_logits.grad
+    assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
+
+
+def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--mask-param", "relative",
+              "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--context", "16", "--val-tokens", "200",
+              "--steps", "8", "--log-every", "4", "--batch-size", "4"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert train.main([*common, "--out", a]) == 0
+    assert train.main([*common, "--halt-after", "4", "--out", b]) == 0
+    assert train.main(["--resume", "--out", b]) == 0
+    pa, pb = _params(a), _params(b)
+    assert pa["blocks.0.attn.prior.mask_logits"].shape == (4, 16)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert train.main(["--resume", "--out", b, "--mask-param", "full"]) == 2
+
+
+def test_bench_context_worker_measures_each_variant():
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    try:
+        import bench_context
+    finally:
+        sys.path.pop(0)
+    threads = torch.get_num_threads()
+    try:
+        rows = {v: bench_context.worker(32, v, "cpu", 1) for v in bench_context.VARIANTS}
+    finally:
+        torch.set_num_threads(threads)                         # the worker pins one thread
+    per_layer = 4 * 32 * 32                                   # full M: heads x N x N, in each of 2 layers
+    assert rows["full"]["params"] - rows["default"]["params"] == 2 * per_layer
+    assert rows["relative"]["params"] - rows["default"]["params"] == 2 * 4 * 32
+    assert all(r["ms"] > 0 and r["peak_mib"] > 0 for r in rows.values())

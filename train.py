@@ -52,7 +52,7 @@ DEFAULTS = dict(
     schedule="constant", warmup=0, warmup_epochs=None, grad_clip=0.0,
     layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, readout=None, emb_init_std=1.0, pos_init_std=1.0,
     qkv_bias=False, dropout=0.0, attention="auto",
-    pattern=None, mask_on=5.0, mask_off=5.0,
+    pattern=None, mask_on=5.0, mask_off=5.0, mask_param="full",
     qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
     qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None, probe_size=512, eval_points=0,
     data_dir=None, image_size=None, input_size=None, patch_size=None, pool=None, impulse="fixed", label_smoothing=None,
@@ -81,7 +81,7 @@ FRACTIONS = ("dropout", "label_smoothing", "drop_path", "ema")      # in [0, 1)
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
         "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
-        "emb_init_std", "pos_init_std", "dropout", "unseen", "pattern"}
+        "emb_init_std", "pos_init_std", "dropout", "unseen", "pattern", "mask_param"}
 COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
 
 
@@ -157,6 +157,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
     g.add_argument("--pattern", help="interaction pattern variant (task-specific; see README)")
     g.add_argument("--mask-on", type=float, help="initial M on allowed pairs")
     g.add_argument("--mask-off", type=float, help="initial -M elsewhere")
+    g.add_argument("--mask-param", choices=["full", "relative"], help="M per (query, key) pair (heads x N x N; the "
+                   "paper's), or relative: one logit per head and distance i - j (heads x N), for priors that depend "
+                   "on the distance alone (language models)")
     g.add_argument("--qk-svd-scale", type=float, help="qk-svd target logit on the pattern")
     g.add_argument("--qk-svd-noise", type=float, help="qk-svd off-pattern noise scale")
     g.add_argument("--qk-svd-norm", type=float, help="qk-svd Frobenius norm of each factor")
@@ -374,7 +377,8 @@ def model_config(args, task, device=torch.device("cpu")):
     trunk = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
                  mlp_dim=args.mlp_dim, learnable_mask=args.init == "mask",
                  fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias),
-                 dropout=args.dropout, pos_init_std=args.pos_init_std, drop_path=args.drop_path)
+                 dropout=args.dropout, pos_init_std=args.pos_init_std, drop_path=args.drop_path,
+                 mask_param=args.mask_param)
     if arch.get("model") == "vit":
         return mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
                             n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
@@ -1441,10 +1445,12 @@ NOT_CONFIG = {"init", "seed", "out", "resume", "device", "amp", "ckpt_every", "h
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:
-    """The flags that define a run's configuration (args.json minus NOT_CONFIG and `ignore`); the
-    model config of result.json where args.json is missing."""
+    """The flags that define a run's configuration (args.json minus NOT_CONFIG and `ignore`; a flag
+    added after the run was made counts at its default); the model config of result.json where
+    args.json is missing."""
     path = os.path.join(run["run_dir"], "args.json")
-    args = load_json(path) if os.path.exists(path) else dict(run.get("config") or {}, steps=run.get("steps"))
+    args = {**DEFAULTS, **load_json(path)} if os.path.exists(path) else dict(run.get("config") or {},
+                                                                             steps=run.get("steps"))
     return {k: v for k, v in args.items() if k not in NOT_CONFIG and k not in ignore}
 
 
