@@ -2868,3 +2868,18 @@ def test_bench_context_worker_measures_each_variant():
     assert rows["full"]["params"] - rows["default"]["params"] == 2 * per_layer
     assert rows["relative"]["params"] - rows["default"]["params"] == 2 * 4 * 32
     assert all(r["ms"] > 0 and r["peak_mib"] > 0 for r in rows.values())
+
+
+def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(tmp_path, text_dir):
+    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
+    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
+    out = str(tmp_path / "old")
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
+              "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
+              "--batch-size", "4"]
+    assert train.main([*common, "--mask-param", "full", "--halt-after", "3", "--out", out]) == 0
+    saved = json.load(open(os.path.join(out, "args.json")))
+    del saved["mask_param"]                                   # a run made before the flag existed
+    open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
+    assert train.main(["--resume", "--out", out]) == 0
+    assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"

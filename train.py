@@ -1095,6 +1095,8 @@ def restore_args(args, explicit: set, folder: RunFolder) -> None:
     for key, value in saved.items():
         if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
             setattr(args, key, value)
+    for key in DEFAULTS.keys() - saved.keys() - explicit:      # a flag added after the run was made
+        setattr(args, key, DEFAULTS[key])
     if "halt_after" not in explicit:
         args.halt_after = None      # a halt belongs to one invocation
     args.resume = True
