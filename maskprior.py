@@ -103,6 +103,11 @@ def causal_pattern(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
+def future_keys(t: int, device=None) -> torch.Tensor:
+    """(T, T) bool, True where key j > query i: what a causal layer never sees."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+
+
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """(H,) ALiBi slopes 2^(-8 h / H), h = 1..H."""
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
@@ -232,8 +237,7 @@ class MaskPrior(nn.Module):
         else:                                       # log sigmoid on the small table, then a gather
             bias = mask_bias(self.mask_logits.float())[:, self._distance(t)]
         if self.causal:
-            future = torch.ones(t, t, dtype=torch.bool, device=bias.device).triu(1)
-            bias = bias.masked_fill(future, float("-inf"))
+            bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
     def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -272,7 +276,7 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
             given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
         bias = bias + given
     if kwargs.get("is_causal"):
-        bias = bias.masked_fill(torch.ones(t, t, dtype=torch.bool, device=bias.device).triu(1), float("-inf"))
+        bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
         kwargs["is_causal"] = False
     padding = kwargs.get("key_padding_mask")
     if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
@@ -376,8 +380,7 @@ class Attention(nn.Module):
             if bias is not None:
                 logits = logits + bias
             elif self.causal:
-                future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-                logits = logits.masked_fill(future, float("-inf"))
+                logits = logits.masked_fill(future_keys(t, x.device), float("-inf"))
             attn = logits.softmax(dim=-1)
             out = attn @ v
         out = out.transpose(1, 2).reshape(b, t, -1)

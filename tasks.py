@@ -975,13 +975,10 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _image_signature(data_dir: str, sources) -> str:
-    """JSON of (path relative to data_dir, size, mtime) of every source file: a change in any of
-    them, or another set of files, invalidates the image cache."""
-    out = []
-    for path in sorted(sources):
-        st = os.stat(path)
-        out.append([os.path.relpath(path, data_dir), st.st_size, st.st_mtime_ns])
-    return json.dumps(out)
+    """JSON of every source file's `_source_signature`, named by its path relative to data_dir: a
+    change in any of them, or another set of files, invalidates the image cache."""
+    return json.dumps([{**_source_signature(Path(path)), "name": os.path.relpath(path, data_dir)}
+                       for path in sorted(sources)])
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: str):
@@ -1001,7 +998,7 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
     try:
         with np.load(cache) as z:
             saved = json.loads(str(z["sources"]))
-            if _image_signature(data_dir, [os.path.join(data_dir, rel) for rel, _, _ in saved]) != json.dumps(saved):
+            if _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved]) != json.dumps(saved):
                 return None
             return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"])}
     except (OSError, ValueError, KeyError, TypeError):
@@ -1257,6 +1254,15 @@ def _sample(x: torch.Tensor, x0, y0, w, h, out: int, flip=None) -> torch.Tensor:
     return (y + 0.5).clamp(0, 255).to(torch.uint8)
 
 
+def _box_draws(b: int, pixels: float, fraction, ratio, generator: torch.Generator, device) -> tuple:
+    """10 candidate boxes per image (timm's attempts): area pixels * U(fraction), aspect ratio
+    log-uniform in `ratio`. Returns the rounded sides (sqrt(area * r), sqrt(area / r)), each (b, 10)."""
+    area = pixels * (fraction[0] + (fraction[1] - fraction[0]) * torch.rand(b, 10, generator=generator, device=device))
+    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0]))
+                  * torch.rand(b, 10, generator=generator, device=device))
+    return (area * r).sqrt().round(), (area / r).sqrt().round()
+
+
 def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, scale=(0.08, 1.0),
                         ratio=(3 / 4, 4 / 3), flip: bool = True) -> torch.Tensor:
     """timm's RandomResizedCrop + horizontal flip on a uint8 batch (B, C, S, S) -> (B, C, out, out):
@@ -1265,9 +1271,7 @@ def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, s
     CIFAR to a 224 x 224 model input), then mirrored with probability 1/2."""
     b, s = x.shape[0], x.shape[-1]
     kw = dict(generator=generator, device=x.device)
-    area = s * s * (scale[0] + (scale[1] - scale[0]) * torch.rand(b, 10, **kw))
-    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, 10, **kw))
-    w, h = (area * r).sqrt().round(), (area / r).sqrt().round()
+    w, h = _box_draws(b, s * s, scale, ratio, generator, x.device)
     ok = (w <= s) & (h <= s) & (w > 0) & (h > 0)
     first = ok.float().argmax(1, keepdim=True)
     w = torch.where(ok.any(1), w.gather(1, first).squeeze(1), torch.full((b,), float(s), device=x.device))
@@ -1294,9 +1298,7 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
     b, c, hh, ww = x.shape
     kw = dict(generator=generator, device=x.device)
     use = torch.rand(b, **kw) < prob
-    a = hh * ww * (area[0] + (area[1] - area[0]) * torch.rand(b, 10, **kw))
-    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, 10, **kw))
-    h, w = (a * r).sqrt().round(), (a / r).sqrt().round()
+    h, w = _box_draws(b, hh * ww, area, ratio, generator, x.device)
     ok = (h < hh) & (w < ww)
     first = ok.float().argmax(1, keepdim=True)
     use = use & ok.any(1)
@@ -1430,9 +1432,10 @@ class ImageTask(Task):
             x = random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
             x = random_crop_flip(self.x_train[idx], self.pad, g)
-            if self.input_size != self.image_size:
-                x = _sample(x, *(torch.zeros(len(x), device=x.device),) * 2,
-                            *(torch.full((len(x),), float(self.image_size), device=x.device),) * 2, self.input_size)
+            if self.input_size != self.image_size:             # the whole image, upsampled bilinearly
+                corner = torch.zeros(len(x), device=x.device)
+                side = torch.full((len(x),), float(self.image_size), device=x.device)
+                x = _sample(x, corner, corner, side, side, self.input_size)
         if self.randaug > 0:
             x = rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
         x = self.normalize(x)

@@ -76,7 +76,7 @@ POSITIVE = ("steps", "epochs", "lr", "batch_size", "layers", "heads", "dim", "he
             "dist_timeout", "randaug_ops", "crop_pct")
 NON_NEGATIVE = ("seed", "weight_decay", "warmup", "warmup_epochs", "grad_clip", "mask_on", "mask_off", "emb_init_std",
                 "pos_init_std", "qk_svd_noise", "qk_opt_tol", "eval_points", "mixup", "cutmix", "temperature", "top_k",
-                "val_tokens", "randaug", "randaug_std", "reprob", "ema")
+                "val_tokens", "randaug", "randaug_std", "reprob")
 FRACTIONS = ("dropout", "label_smoothing", "drop_path", "ema")      # in [0, 1)
 # Flags that define the architecture (reported as such when a resume disagrees).
 ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
@@ -341,11 +341,15 @@ def make_task(args) -> T.Task:
         raise UsageError(str(e)) from None
 
 
+def mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        if mps_available():
             return torch.device("mps")
         return torch.device("cpu")
     try:
@@ -358,8 +362,7 @@ def pick_device(name: str) -> torch.device:
         raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
-                                  and torch.backends.mps.is_available()):
+    if dev.type == "mps" and not mps_available():
         raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
     return dev
 
@@ -496,7 +499,7 @@ class Dist:
         if error is not None:
             raise UsageError(error) if self.main else QuietExit()
 
-    def shard(self, batch, step: int):
+    def shard(self, batch):
         """This rank's part of a global batch (a tensor or a tuple of tensors, split along dim 0) and
         its loss weight, n_rank * world / n_global, so that the averaged gradients are those of the
         global mean (the last batch of an epoch may not split evenly)."""
@@ -657,32 +660,34 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
     a resumed one restored. The folder stays locked until the run ends; a new run that fails before
     its first checkpoint leaves no trace. Under torchrun rank 0 alone opens the folder and shares
     the (restored) flags, or its error, with the others."""
-    folder, error = None, None
+    folder = ckpt = task = device = error = None
     if dist.main:
-        folder = RunFolder(args.out)
         try:
+            folder = RunFolder(args.out)
             if args.resume:
                 folder.open_existing()
-                read_checkpoint(folder.file("ckpt.pt"), "--resume")
+                ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
                 restore_args(args, explicit, folder)
                 check_numbers(args)
-            validate(args, make_task(args), explicit)
-            pick_device(args.device)
+            task = make_task(args)
+            validate(args, task, explicit)
+            device = pick_device(args.device)
             if not args.resume:
                 folder.create()
         except UsageError as e:
-            folder.release()
+            if folder is not None:
+                folder.release()
             if dist.world == 1:
                 raise
             error = str(e)
     dist.agree(error)
-    if not dist.main:
-        vars(args).update(dist.share(None))
-    else:
-        dist.share(vars_of(args))
+    shared = dist.share(vars_of(args) if dist.main else None)
     try:
-        ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), "--resume") if args.resume else None
-        state = build_run(args, explicit, make_task(args), pick_device(args.device), folder, ckpt, dist)
+        if not dist.main:                        # the flags rank 0 restored, then this rank's own copies
+            vars(args).update(shared)
+            ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), "--resume") if args.resume else None
+            task, device = make_task(args), pick_device(args.device)
+        state = build_run(args, explicit, task, device, folder, ckpt, dist)
     except UsageError as e:
         if folder is not None:
             folder.release() if args.resume else folder.abandon()
@@ -769,10 +774,14 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
     return state
 
 
+def finite_weights(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 def check_start(model, task, args, device) -> None:
     """A new run's initial state must be finite, in its weights and in its loss on the first batch
     (an eval-mode forward: no random state is used), or nothing is written."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
+    if not finite_weights(model):
         raise UsageError(f"--init {args.init} gave non-finite weights with these flags; nothing was written")
     model.eval()
     with torch.no_grad(), autocast(device, args):
@@ -793,7 +802,7 @@ def train_loop(state: Run) -> int | None:
         while state.step < total:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(state.step, total, args)
-            batch, weight = dist.shard(task.train_batch(state.step, args.batch_size), state.step)
+            batch, weight = dist.shard(task.train_batch(state.step, args.batch_size))
             with autocast(state.device, args):
                 loss = task.loss(state.trained, batch)
                 if weight is not None:
@@ -822,7 +831,7 @@ def train_loop(state: Run) -> int | None:
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
             halt = interrupted or (args.halt_after is not None and step >= args.halt_after and step < total)
             if step % args.ckpt_every == 0 or step == total or halt:
-                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                if not finite_weights(model):
                     return non_finite(state, f"the parameters became non-finite at step {step}")
                 if dist.main:
                     save_checkpoint(state, state.seconds + time.time() - t_start)
