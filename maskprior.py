@@ -21,7 +21,9 @@ sampling -> initialisers -> optimiser groups -> probes.
 """
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,45 +174,68 @@ class MaskPrior(nn.Module):
     constant on every logit: no prior until `init_mask_` sets it). Shaped for the caller:
 
         prior(t)                -> (heads, t, t)          F.scaled_dot_product_attention(attn_mask=...)
+        prior(q_len, k_len=s)   -> (heads, q_len, s)      a causal layer with a KV cache of s keys
         prior.for_mha(b, t)     -> (b * heads, t, t)      nn.MultiheadAttention(attn_mask=...)
         prior.for_4d(b, t)      -> (b, heads, t, t)       a 4-D additive mask (Hugging Face style)
 
-    t defaults to n and must equal it, except in a causal prior, which may read a prefix (a
-    prompt). Keep M out of weight decay (`param_groups` does), or the decay erases the prior.
+    Lengths: by default exactly n tokens. A causal prior reads a prefix (a prompt) and, with a KV
+    cache, the rows of the last q_len of its k_len positions. `prefix=True` lets a non-causal prior
+    read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size is
+    another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of
+    (heads, n, n_keys). M stays float32 when the module is cast to half precision (an Adam step
+    of 1e-3 on |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`,
+    `prior_parameter_names`), or the decay erases the prior.
     """
 
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = 5.0,
-                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full"):
+                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full",
+                 n_keys: int | None = None, prefix: bool = False):
         super().__init__()
         if param not in ("full", "relative"):
             raise ValueError(f"MaskPrior param must be 'full' or 'relative', got {param!r}")
+        if n_keys is not None and (causal or param != "full"):
+            raise ValueError("a cross-attention MaskPrior (n_keys) is non-causal with param='full'")
         self.n, self.heads, self.causal, self.param = n, heads, causal, param
-        size = (heads, n, n) if param == "full" else (heads, n if causal else 2 * n - 1)
-        self.mask_logits = nn.Parameter(torch.zeros(size))
+        self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
+        self.where = "MaskPrior"              # the layer it serves, for error messages (set by add_mask_prior)
+        self.record = None                    # a list while `attention_maps` records probabilities
+        size = (heads, n, self.n_keys) if param == "full" else (heads, n if causal else 2 * n - 1)
+        self.mask_logits = nn.Parameter(torch.zeros(size, dtype=torch.float32))   # whatever the default dtype
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
                                                                                                        m_off)
         if src is not None:
             self.set_logits(src)
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, heads={self.heads}, causal={self.causal}, param={self.param}"
+        keys = f", n_keys={self.n_keys}" if self.cross else ""
+        return f"n={self.n}{keys}, heads={self.heads}, causal={self.causal}, param={self.param}, prefix={self.prefix}"
 
-    def _distance(self, t: int) -> torch.Tensor:
-        """(t, t) index into the relative table: i - j (causal; future keys clamped to 0, masked
-        later), or i - j + n - 1."""
-        i = torch.arange(t, device=self.mask_logits.device)
-        d = i[:, None] - i[None, :]
+    def _apply(self, fn, *args, **kwargs):
+        """M keeps float32 through model.to(bfloat16) / .half(): a cast to a narrower float is undone on M
+        from the float32 values (device moves and float64 pass)."""
+        def keep_float32(t):
+            out = fn(t)
+            if out.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16) and t.dtype == torch.float32:
+                return t.to(out.device)
+            return out
+        return super()._apply(keep_float32, *args, **kwargs)
+
+    def _distance(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """(len(rows), len(cols)) index into the relative table: i - j (causal; future keys clamped to
+        0, masked later), or i - j + n - 1."""
+        d = rows[:, None] - cols[None, :]
         return d.clamp(min=0) if self.causal else d + self.n - 1
 
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
-        """M from full logits (n, n) or (heads, n, n); a relative prior takes them only if they depend
-        on i - j alone (on and below the diagonal when causal)."""
-        full = _per_head(logits, self.heads, self.n).float().to(self.mask_logits.device)
+        """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they
+        depend on i - j alone (on and below the diagonal when causal)."""
+        full = _per_head(logits, self.heads, self.n, self.n_keys).float().to(self.mask_logits.device)
         if self.param == "full":
             self.mask_logits.copy_(full)
             return
-        idx = self._distance(self.n).expand(self.heads, -1, -1)
+        i = torch.arange(self.n, device=full.device)
+        idx = self._distance(i, i).expand(self.heads, -1, -1)
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
         seen = seen.tril() if self.causal else seen
         table = torch.zeros_like(self.mask_logits).scatter_(1, idx[:, seen].view(self.heads, -1),
@@ -221,37 +246,261 @@ class MaskPrior(nn.Module):
         self.mask_logits.copy_(table)
 
     def full_logits(self) -> torch.Tensor:
-        """M as (heads, n, n) logits (a relative table expanded; future entries of a causal one are
+        """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal one are
         its distance-0 logit, and masked in the bias)."""
         if self.param == "full":
             return self.mask_logits
-        return self.mask_logits[:, self._distance(self.n)]
+        i = torch.arange(self.n, device=self.mask_logits.device)
+        return self.mask_logits[:, self._distance(i, i)]
 
-    def forward(self, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _rows(self, t: int, s: int) -> int:
+        """The first of the t query rows the prior serves with s keys; raises in one line when (t, s) does
+        not fit, naming the way out."""
+        fits = (s <= self.n and t <= s) if self.causal else \
+            (t <= self.n and s <= self.n_keys and (self.cross or s == t)
+             and (self.prefix or (t == self.n and s == self.n_keys)))
+        if not fits:
+            size = f"{self.n} x {self.n_keys}" if self.cross else f"{self.n}"
+            keys = f" with {s} keys" if s != t or self.cross else ""
+            way = ("a causal prior serves at most its n positions (with a KV cache, q_len <= k_len <= n)"
+                   if self.causal else "a shorter sequence is served only with prefix=True (positions 0..t-1, "
+                   "right-padded text); an image of another size is another grid: build the prior for that "
+                   "grid, or feed the size it was built for")
+            raise ValueError(f"{self.where}: sequence length {t}{keys} does not fit the mask size {size}: {way}")
+        return s - t if self.causal else 0
+
+    def forward(self, t: int | None = None, dtype: torch.dtype | None = None, k_len: int | None = None) -> torch.Tensor:
         t = self.n if t is None else t
-        if t > self.n or (t < self.n and not self.causal):
-            raise ValueError(f"sequence length {t} does not fit the mask size {self.n}: M covers exactly {self.n} "
-                             f"positions (a shorter sequence is allowed only in a causal layer, as a prefix)")
+        s = (self.n_keys if self.cross else t) if k_len is None else k_len
+        r = self._rows(t, s)
         if self.param == "full":
-            bias = mask_bias(self.mask_logits[:, :t, :t].float())
+            bias = mask_bias(self.mask_logits[:, r:r + t, :s].float())
         else:                                       # log sigmoid on the small table, then a gather
-            bias = mask_bias(self.mask_logits.float())[:, self._distance(t)]
+            dev = self.mask_logits.device
+            idx = self._distance(torch.arange(r, r + t, device=dev), torch.arange(s, device=dev))
+            bias = mask_bias(self.mask_logits.float())[:, idx]
         if self.causal:
-            bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
+            bias = bias.masked_fill(future_keys(s, bias.device)[r:r + t], float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
-    def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(batch * heads, t, t), batch-major as nn.MultiheadAttention reads a 3-D attn_mask."""
-        return self(t, dtype).repeat(batch, 1, 1)
+    def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
+                k_len: int | None = None) -> torch.Tensor:
+        """(batch * heads, t, k_len), batch-major as nn.MultiheadAttention reads a 3-D attn_mask."""
+        return self(t, dtype, k_len).repeat(batch, 1, 1)
 
-    def for_4d(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(batch, heads, t, t): add a padding mask of shape (batch, 1, 1, t) to it if you have one."""
-        b = self(t, dtype)
+    def for_4d(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
+               k_len: int | None = None) -> torch.Tensor:
+        """(batch, heads, t, k_len): add a padding mask of shape (batch, 1, 1, k_len) to it if you have one."""
+        b = self(t, dtype, k_len)
         return b.unsqueeze(0).expand(batch, *b.shape)
 
 
 def mask_priors(model: nn.Module) -> list[MaskPrior]:
     return [m for m in model.modules() if isinstance(m, MaskPrior)]
+
+
+def prior_parameter_names(model: nn.Module) -> list[str]:
+    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser builder must
+    keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay list)."""
+    return [f"{name}.mask_logits" if name else "mask_logits"
+            for name, m in model.named_modules() if isinstance(m, MaskPrior)]
+
+
+# ----------------------------------------------------------------------------------------
+# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
+# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
+#   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
+#   hf       Hugging Face attention modules: an attention function registered with transformers'
+#            AttentionInterface adds the bias, then calls the implementation the model had
+#   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
+#   keyword  any module you name (class or predicate) whose forward takes an additive mask keyword
+# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
+
+HF_ATTENTION = "maskprior"            # the attn_implementation name the priors run under in transformers
+
+
+@dataclass
+class Site:
+    """One attention layer `add_mask_prior` can reach, and what its model says about it."""
+    name: str
+    module: nn.Module
+    kind: str                          # "torch", "hf", "timm" or "keyword"
+    heads: int
+    cross: bool = False                # keys from another sequence
+    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
+    tokens: int | None = None          # exactly this many tokens (an image model's grid), where known
+    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
+    prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
+
+
+def _takes_keyword(module: nn.Module, keyword: str) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _heads_of(module: nn.Module) -> int | None:
+    for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
+        if isinstance(getattr(module, attr, None), int):
+            return getattr(module, attr)
+    cfg = getattr(module, "config", None)
+    return getattr(cfg, "num_attention_heads", None)
+
+
+def _hf_config(module: nn.Module):
+    cfg = getattr(module, "config", None)
+    return cfg if hasattr(cfg, "_attn_implementation") and hasattr(cfg, "to_dict") else None
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama...)."""
+    source = sys.modules.get(type(module).__module__)
+    return (_hf_config(module) is not None and hasattr(module, "is_causal") and hasattr(module, "scaling")
+            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
+
+
+def _is_timm_attention(module: nn.Module) -> bool:
+    return (type(module).__module__.startswith("timm.") and isinstance(getattr(module, "num_heads", None), int)
+            and _takes_keyword(module, "attn_mask"))
+
+
+def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    leaf = name.rpartition(".")[2].lower()
+    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in type(module).__name__.lower()
+            or "cross" in leaf or leaf == "encoder_attn"
+            or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
+
+
+def _positions(model: nn.Module) -> tuple[int | None, int | None]:
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix
+    tokens, or a (1, N, D) position table), else a text model's most positions (its config)."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
+        return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
+    for name, p in model.named_parameters():
+        if name.endswith("position_embeddings") and p.dim() == 3:
+            return p.shape[1], None
+    cfg = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions"):
+        if isinstance(getattr(cfg, attr, None), int):
+            return None, getattr(cfg, attr)
+    return None, None
+
+
+def find_attention(model: nn.Module, modules=None) -> list[Site]:
+    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention,
+    Hugging Face and timm attention modules; or, with `modules` (a class, a tuple of classes, or a
+    predicate `(name, module) -> bool`), exactly the modules it names."""
+    named = dict(model.named_modules())
+    tokens, max_tokens = _positions(model)
+    sites = []
+    for name, m in named.items():
+        parent = named.get(name.rpartition(".")[0]) if name else None
+        where = name or type(model).__name__
+        if modules is not None:
+            hit = modules(name, m) if callable(modules) and not isinstance(modules, (type, tuple)) \
+                else isinstance(m, modules)
+            if hit:
+                sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
+        elif isinstance(m, nn.MultiheadAttention):
+            sites.append(Site(where, m, "torch", m.num_heads, cross=_named_cross(name, m, parent)))
+        elif _is_hf_attention(m):
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
+                              causal=bool(m.is_causal), tokens=tokens, max_tokens=max_tokens, prefix=tokens is None))
+        elif _is_timm_attention(m):
+            sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
+    return sites
+
+
+def _fail(site: Site, what: str) -> ValueError:
+    return ValueError(f"add_mask_prior: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; "
+                      f"no layer was changed")
+
+
+def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix) -> MaskPrior:
+    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
+    shape = tuple(src.shape)
+    if hasattr(site.module, "mask_prior"):
+        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)")
+    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
+    if src.dim() == 3 and shape[0] != heads:
+        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)")
+    is_causal = site.causal if causal is None else causal
+    if site.causal is not None and is_causal != site.causal:
+        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked")
+    n, n_keys = shape[-2], shape[-1]
+    if not site.cross and n != n_keys:
+        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)")
+    if site.tokens is not None and not site.cross and n != site.tokens:
+        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build it for "
+                          f"{site.tokens} positions (the patch grid and any class/prefix tokens)")
+    if site.max_tokens is not None and n > site.max_tokens:
+        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}")
+    try:
+        prior = MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
+                          n_keys=n_keys if site.cross else None, prefix=site.prefix if prefix is None else prefix)
+    except ValueError as e:
+        raise _fail(site, str(e)) from None
+    prior.where = site.name
+    return prior.to(next(site.module.parameters(), prior.mask_logits).device)
+
+
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str = "full",
+                   prefix: bool | None = None, cross_attention: bool = False, modules=None,
+                   mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
+    (heads, N, N)) or `logits`; returns {layer name: MaskPrior}, the layers that got one.
+
+    Reaches nn.MultiheadAttention (self-attention; with `cross_attention=True` the cross-attention layers
+    instead, e.g. nn.Transformer's decoder's, from an (N_query, N_key) pattern), Hugging Face attention modules (GPT-2,
+    BERT, ViT, Llama...: through transformers' attention-function interface, wrapping the model's 'sdpa'
+    or 'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and,
+    with `modules` (a class, tuple of classes or predicate `(name, module) -> bool`), any module whose
+    forward takes an additive mask keyword `mask_kwarg` (nanoGPT-style). `causal` defaults to what the
+    layer is where it says (HF), else False. `prefix` (default: True for HF text models, else False) lets
+    a non-causal prior read shorter inputs as positions 0..t-1. Every layer is checked before any is
+    changed: one that does not fit raises ValueError naming it, its heads and the pattern's shape, and
+    the model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
+    """
+    src = logits if logits is not None else pattern
+    if src is None or src.dim() not in (2, 3):
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
+    sites = find_attention(model, modules)
+    if not sites:
+        how = (f"no module that `modules` names" if modules is not None else
+               "no nn.MultiheadAttention, Hugging Face or timm attention")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds {how}; for an attention of your own, "
+                         f"give its forward an `{mask_kwarg}=None` keyword passed to scaled_dot_product_attention "
+                         f"and name it with modules=YourAttention")
+    other = [s.name for s in sites if s.cross != cross_attention]
+    sites = [s for s in sites if s.cross == cross_attention]
+    if not sites:
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
+                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); "
+                         f"{'leave out cross_attention=True' if cross_attention else 'pass cross_attention=True and an (N_query, N_key) pattern'} "
+                         f"to give it a prior")
+    for s in sites:
+        if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
+            raise _fail(s, f"has no `{mask_kwarg}` keyword in its forward: add `{mask_kwarg}=None` and pass it "
+                           f"to scaled_dot_product_attention")
+        if s.cross and s.kind in ("timm", "keyword"):
+            raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve")
+        if s.kind == "hf":
+            impl = _hf_config(s.module)._attn_implementation
+            if impl not in ("sdpa", "eager", HF_ATTENTION):
+                raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the model with "
+                               f"attn_implementation='sdpa' (or 'eager')")
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
+    for s in sites:                                   # every layer fits: now change them
+        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
+    _after_attach(model, sites, priors)
+    return priors
+
+
+# torch: nn.MultiheadAttention
 
 
 def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
@@ -261,13 +510,15 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
              "is_causal")
     kwargs = {**dict(zip(names, args)), **kwargs}
-    query, key = kwargs["query"], kwargs["key"]
+    query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
     batched = query.dim() == 3
     t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
     s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
-    if s != t:
-        raise ValueError(f"a MaskPrior needs self-attention: {t} queries but {s} keys in this nn.MultiheadAttention")
-    bias = mha.mask_prior(t, query.dtype)
+    if not prior.cross and key is not query:
+        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
+                         f"queries, {s} keys): give cross-attention its own prior with "
+                         f"add_mask_prior(..., cross_attention=True) and an (N_query, N_key) pattern")
+    bias = prior(t, query.dtype, k_len=s)
     if batched:
         bias = bias.repeat(query.shape[0 if mha.batch_first else 1], 1, 1)
     given = kwargs.get("attn_mask")
@@ -282,42 +533,231 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
         kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
                                                  device=bias.device).masked_fill(padding, float("-inf"))
+    if prior.record is not None:
+        kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
     kwargs["attn_mask"] = bias
     return (), kwargs
 
 
-def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
-                   causal: bool = False, logits: torch.Tensor | None = None) -> list[MaskPrior]:
-    """Give every nn.MultiheadAttention inside `model` (e.g. an nn.TransformerEncoder's layers) its
-    own MaskPrior, started from `pattern` (bool (N, N) or (heads, N, N)) or `logits`, and passed as
-    its attn_mask on every call (a forward pre-hook; any hook also turns off PyTorch's fused
-    encoder fast path, which would bypass the mask, and nested-tensor inputs are turned off).
-    The priors are submodules (`mha.mask_prior`): make the optimiser after this call, with
-    `param_groups`. Returns the priors. Self-attention over exactly N positions only."""
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    if not found:
-        raise ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention; for an attention "
-                         f"that calls scaled_dot_product_attention itself, own a MaskPrior and pass prior(T) as "
-                         f"its attn_mask")
-    src = logits if logits is not None else pattern
-    if src is None or src.dim() not in (2, 3):
-        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
-    priors = []
-    for name, mha in found:
-        where = name or type(model).__name__
-        if hasattr(mha, "mask_prior"):
-            raise ValueError(f"add_mask_prior: {where} already has a MaskPrior")
-        if src.dim() == 3 and src.shape[0] != mha.num_heads:
-            raise ValueError(f"add_mask_prior: {where} has {mha.num_heads} heads, but the pattern has shape "
-                             f"{tuple(src.shape)}; give (N, N) or ({mha.num_heads}, N, N)")
-        prior = MaskPrior(src.shape[-1], mha.num_heads, pattern, m_on, m_off, causal, logits)
-        mha.mask_prior = prior.to(mha.out_proj.weight.device)
-        mha.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True)
-        priors.append(mha.mask_prior)
-    for m in model.modules():
-        if isinstance(m, nn.TransformerEncoder):
-            m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
-    return priors
+def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
+    if mha.mask_prior.record is not None:
+        mha.mask_prior.record.append(output[1])
+
+
+def _attach_torch(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    site.module.mask_prior = prior
+    site.module.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True)
+    site.module.register_forward_hook(_mha_record_hook, with_kwargs=True)
+
+
+# timm and keyword: a module whose forward takes an additive mask keyword
+
+
+def _amp_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
+    try:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+    except (TypeError, AttributeError):                 # torch < 2.4: device-type autocast queries missing
+        pass
+    return x.dtype
+
+
+def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added to a
+    mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a call with
+    is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    prior, key = module.mask_prior, module.mask_prior_kwarg
+    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+    t = x.shape[-2]
+    bias = prior(t, _amp_dtype(x))
+    given = kwargs.get(key)
+    if given is not None:
+        bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
+    if kwargs.get("is_causal"):
+        bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
+        kwargs["is_causal"] = False
+    kwargs[key] = bias
+    return args, kwargs
+
+
+def _timm_record_hook(drop: nn.Module, args: tuple, output):
+    prior = drop.mask_prior_owner.mask_prior
+    if prior.record is not None:
+        prior.record.append(args[0])
+
+
+def _attach_keyword(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
+    m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)
+    drop = getattr(m, "attn_drop", None)
+    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
+        object.__setattr__(drop, "mask_prior_owner", m)       # a plain reference, not a submodule (no cycle)
+        drop.register_forward_hook(_timm_record_hook)
+
+
+def _timm_after(model: nn.Module, names: list[str]) -> None:
+    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
+    base = getattr(model, "no_weight_decay", None)
+    if callable(base):
+        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
+
+
+class _NoWeightDecay:
+    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
+    def __init__(self, names: set[str]):
+        self.names = frozenset(names)
+
+    def __call__(self) -> set[str]:
+        return set(self.names)
+
+
+# Hugging Face: an attention function registered with transformers
+
+
+def _register_hf() -> None:
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once, lazily)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+
+
+def _hf_bias(prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) float bias: the prior (rows offset by a KV cache) with HF's mask folded in."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    bias = prior(q_len, query.dtype, k_len=k_len).unsqueeze(0)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        if not prior.cross and not bool(mask[..., -1, 0].all()):
+            raise ValueError(f"{prior.where}: this batch is left-padded (key 0 is masked), but the prior indexes "
+                             f"sequence positions from 0: pad on the right (tokenizer.padding_side = 'right')")
+        return torch.where(mask, bias, torch.finfo(bias.dtype).min)
+    return bias + mask[..., :k_len]
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs):
+    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the module's
+    prior to the logits and runs the implementation the model had before (`sdpa` or its `eager`)."""
+    prior = getattr(module, "mask_prior", None)
+    if prior is None:
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
+                           f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
+    bias = _hf_bias(prior, query, key, attention_mask)
+    if prior.record is not None:
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        prior.record.append(((query @ k.transpose(-2, -1)).float() * scale + bias.float()).softmax(-1))
+    return _hf_base(module)(module, query, key, value, bias, **kwargs)
+
+
+def _hf_base(module: nn.Module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    base = getattr(module, "mask_prior_base", "sdpa")
+    return sys.modules[type(module).__module__].eager_attention_forward if base == "eager" \
+        else ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _hf_guard(module: nn.Module, args: tuple) -> None:
+    """Pre-hook: refuse a forward after the attention implementation was changed away from the priors'."""
+    impl = module.config._attn_implementation
+    if impl != HF_ATTENTION:
+        raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which bypasses its "
+                           f"mask prior; set it before add_mask_prior (the priors wrap the implementation the model "
+                           f"has then), or back with model.set_attn_implementation({HF_ATTENTION!r})")
+
+
+def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    impl = m.config._attn_implementation
+    m.mask_prior_base = getattr(m, "mask_prior_base", impl) if impl == HF_ATTENTION else impl
+    m.mask_prior = prior
+    m.register_forward_pre_hook(_hf_guard)
+
+
+def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
+    """Switch the configs to HF_ATTENTION and record the priors in the model's config: save_pretrained writes
+    them to config.json, mp.from_pretrained re-attaches them, and a plain from_pretrained fails loudly
+    (config.json names the attention implementation, which only maskprior registers)."""
+    _register_hf()
+    for s in sites:
+        s.module.config._attn_implementation = HF_ATTENTION
+    cfg = _hf_config(model)
+    if cfg is not None:
+        layers = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
+                         "param": p.param, "prefix": p.prefix} for name, p in priors.items()}
+        record = getattr(cfg, "mask_prior", None) or {"layers": {}}
+        record["layers"].update(layers)
+        record["base"] = sites[0].module.mask_prior_base
+        cfg.mask_prior = record
+        cfg.attn_implementation = HF_ATTENTION
+
+
+def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
+    if any(s.kind == "torch" for s in sites):
+        for m in model.modules():
+            if isinstance(m, nn.TransformerEncoder):
+                m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
+    hf = [s for s in sites if s.kind == "hf"]
+    if hf:
+        _hf_after(model, hf, priors)
+    _timm_after(model, prior_parameter_names(model))
+
+
+_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
+
+
+def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
+    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors included.
+
+    The priors its config.json records are attached while the model is built, so transformers' own loader
+    reads every M from the checkpoint (sharded or not, keys renamed or not); an M the checkpoint lacks is
+    an error, never a prior left at 0. `model_class` is a concrete class (GPT2LMHeadModel, ...); `kwargs`
+    go to its from_pretrained. A path whose config records no prior is refused."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    record = getattr(config, "mask_prior", None)
+    if not record:
+        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load it with "
+                         f"{model_class.__name__}.from_pretrained")
+    _register_hf()
+
+    class WithPriors(model_class):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            _reattach(self, record)
+
+    for attr in ("__name__", "__qualname__", "__module__"):      # transformers finds key renamings by these
+        setattr(WithPriors, attr, getattr(model_class, attr))
+    model, info = WithPriors.from_pretrained(path, **{"attn_implementation": record["base"], **kwargs},
+                                             output_loading_info=True)
+    model.__class__ = model_class                      # the plain class again: save_pretrained names it
+    missing = [k for k in info["missing_keys"] if k.endswith("mask_prior.mask_logits")]
+    if missing:
+        raise ValueError(f"from_pretrained: {path} holds no {missing[0]} ({len(missing)} priors missing): it was "
+                         f"not saved from the model with its priors")
+    return model
+
+
+def _reattach(model: nn.Module, record: dict) -> None:
+    """Give `model` the priors (at M = 0) that a config's `mask_prior` record describes, layer by layer."""
+    named = dict(model.named_modules())
+    sites, priors = [], {}
+    for name, geo in record["layers"].items():
+        if name not in named:
+            raise ValueError(f"from_pretrained: the config records a prior on {name}, which "
+                             f"{type(model).__name__} does not have")
+        sites.append(Site(name, named[name], "hf", geo["heads"], cross=geo["n_keys"] is not None))
+        priors[name] = MaskPrior(geo["n"], geo["heads"], causal=geo["causal"], param=geo["param"],
+                                 n_keys=geo["n_keys"], prefix=geo["prefix"])
+        priors[name].where = name
+    for s in sites:
+        s.module.mask_prior_base = record["base"]
+        _attach_hf(s, priors[s.name].to(next(s.module.parameters()).device), "attn_mask")
+    _after_attach(model, sites, priors)
 
 
 # ----------------------------------------------------------------------------------------
@@ -625,12 +1065,13 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def _per_head(pattern: torch.Tensor, n_heads: int, n: int) -> torch.Tensor:
-    """(N, N) or (H, N, N) -> (H, N, N); raises unless N is the layer's `n` positions."""
+def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = None) -> torch.Tensor:
+    """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its `n_keys`, default n)."""
+    s = n if n_keys is None else n_keys
     if pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads) \
-            or tuple(pattern.shape[-2:]) != (n, n):
+            or tuple(pattern.shape[-2:]) != (n, s):
         raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer with {n_heads} "
-                         f"heads and {n} positions: expected ({n}, {n}) or ({n_heads}, {n}, {n}); build it "
+                         f"heads and {n} positions: expected ({n}, {s}) or ({n_heads}, {n}, {s}); build it "
                          f"for the model's own token layout (with or without a CLS token)")
     return pattern.unsqueeze(0).expand(n_heads, -1, -1) if pattern.dim() == 2 else pattern
 
@@ -853,16 +1294,18 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW/Adam groups: decay on matrices of Linear/Conv layers; none on M, biases,
-    norms and embeddings (decay would pull M to 0 and erase the prior). A head tied to
-    the token embedding counts as the embedding (modules are visited in order)."""
+    """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or
+    more dimensions: Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases,
+    norms, embedding tables (nn.Embedding) and other parameters (positional embeddings, class
+    tokens). Decay would pull M to 0 and erase the prior. A head tied to the token embedding counts
+    as the embedding (modules are visited in order)."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            if name == "weight" and isinstance(module, (nn.Linear, nn.Conv2d)):
+            if name == "weight" and p.dim() >= 2 and not isinstance(module, (nn.Embedding, MaskPrior)):
                 decay.append(p)
             else:
                 no_decay.append(p)
@@ -902,17 +1345,18 @@ def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
     return ~(pattern.cpu() == visible).all(-1)
 
 
-def layer_margin(attn: Attention, a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor) -> float:
+def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None = None,
+                 causal: bool = False) -> float:
     """One layer's content margin (see `content_margin`) from its (B, H, T, T) attention map `a`:
-    the bias log sigmoid(M) is taken out of log a, then log-sum-exp over the visible keys off
-    `pattern` minus over those on it, averaged over the constrained `rows`, heads and batch."""
+    the layer's (H, T, T) `bias` log sigmoid(M) (None without a prior) is taken out of log a, then
+    log-sum-exp over the visible keys off `pattern` minus over those on it, averaged over the
+    constrained `rows`, heads and batch."""
     n = a.shape[-1]
     on = pattern.to(a.device)
-    off = ~on & (causal_pattern(n) if attn.causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
+    off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
     c = a.float().clamp_min(1e-30).log()
-    bias = attn.attn_bias(n, torch.float32, a.device)
     if bias is not None:
-        c = c - bias.nan_to_num(neginf=0.0)                      # future keys (causal) are left out below
+        c = c - bias.to(a.device).nan_to_num(neginf=0.0)          # future keys (causal) are left out below
     margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
     rows = rows.to(a.device)
     margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
@@ -920,16 +1364,54 @@ def layer_margin(attn: Attention, a: torch.Tensor, pattern: torch.Tensor, rows: 
 
 
 @torch.no_grad()
-def prior_probe(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(`prior_mass`, `content_margin`) per layer from one explicit forward pass of `inputs`.
-    The pattern must cover the model's positions exactly; only a causal model may read a
-    prefix of it (shorter inputs). Raises ValueError when the pattern constrains no row
-    (`prior_rows` all False: e.g. a causal window wider than the context), where the mass
-    would be an empty mean."""
-    _, maps = model(inputs, return_attn=True)
-    layers = attention_layers(model)
-    causal = layers[0].causal
+def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
+    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's
+    own models through their explicit path; a model with `add_mask_prior` through its priors (the
+    nn.MultiheadAttention, Hugging Face and timm layers record their probabilities). Raises for a layer
+    whose softmax the library cannot see (a `modules=` attention of your own: return its maps yourself
+    and use `pattern_mass`)."""
+    if attention_layers(model):
+        return list(model(inputs, return_attn=True)[1])
+    priors = mask_priors(model)
+    if not priors:
+        raise ValueError(f"attention_maps: {type(model).__name__} has no maskprior Attention and no MaskPrior "
+                         f"(add_mask_prior) to read attention maps from")
+    fused = {m: m.fused_attn for m in model.modules() if hasattr(m, "mask_prior") and hasattr(m, "fused_attn")}
+    for m in fused:
+        m.fused_attn = False                          # timm's explicit path, where attn_drop sees the probabilities
+    for p in priors:
+        p.record = []
+    try:
+        model(inputs)
+        maps = [p.record for p in priors]
+    finally:
+        for p in priors:
+            p.record = None
+        for m, flag in fused.items():
+            m.fused_attn = flag
+    for p, got in zip(priors, maps):
+        if len(got) != 1:
+            raise ValueError(f"attention_maps: {p.where} gave {len(got)} attention maps in one forward pass (its "
+                             f"softmax is not one the library can see, or the layer ran {len(got)} times); return "
+                             f"its maps yourself and use mp.pattern_mass")
+    return [got[0] for got in maps]
+
+
+@torch.no_grad()
+def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`:
+    maskprior's own models, or any model with `add_mask_prior`). The pattern must cover the model's
+    positions exactly; only a causal model may read a prefix of it (shorter inputs). Raises ValueError
+    when the pattern constrains no row (`prior_rows` all False: e.g. a causal window wider than the
+    context), where the mass would be an empty mean."""
+    maps = attention_maps(model, inputs)
     n = maps[0].shape[-1]
+    layers = attention_layers(model)
+    if layers:
+        causal, biases = layers[0].causal, [attn.attn_bias(n, torch.float32, None) for attn in layers]
+    else:
+        priors = mask_priors(model)
+        causal, biases = priors[0].causal, [p(n, torch.float32) for p in priors]
     if causal and n < pattern.shape[-1]:
         pattern = pattern[..., :n, :n]
     rows = prior_rows(pattern, causal)
@@ -937,7 +1419,7 @@ def prior_probe(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -
         raise ValueError(f"the pattern of shape {tuple(pattern.shape)} constrains no query row (each row allows "
                          f"every key it can see), so there is no prior mass to measure")
     mass = [float(pattern_mass(a, pattern, rows)) for a in maps]
-    return mass, [layer_margin(attn, a, pattern, rows) for attn, a in zip(layers, maps)]
+    return mass, [layer_margin(a, pattern, rows, bias, causal) for a, bias in zip(maps, biases)]
 
 
 def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:

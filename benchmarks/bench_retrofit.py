@@ -1,13 +1,18 @@
-"""Training-step time of an nn.TransformerEncoder with and without a retrofitted mask prior
-(`mp.add_mask_prior`), side by side.
+"""Forward + backward time of models with and without a retrofitted mask prior (`mp.add_mask_prior`),
+side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging Face) and an
+nn.TransformerEncoder. A model whose library is not installed is left out and named.
 
-    python benchmarks/bench_retrofit.py                      # 4 layers, width 128, 4 heads, 64 tokens, CPU
-    python benchmarks/bench_retrofit.py --device cuda --amp  # bf16 autocast on a GPU
+    python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
+    python benchmarks/bench_retrofit.py --device cuda --amp    # bf16 autocast on a GPU
+    python benchmarks/bench_retrofit.py --models gpt2 --relative   # GPT-2's prior as a relative-distance table
+    python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
-One step = forward, backward and AdamW update on a random batch; the two models are timed in
-interleaved rounds (warm-up excluded) and the table gives median ms/step and the ratio to the
-plain encoder. The prior adds the bias log sigmoid(M) to every layer's logits (and M's gradient);
-with a float attn_mask, PyTorch's attention cannot use its mask-free kernels.
+One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
+model and its twin with the prior are timed in interleaved rounds (warm-up excluded), and the
+table gives median ms/step and the ratio to the plain twin. Ratios, not milliseconds, carry from
+machine to machine. The prior adds log sigmoid(M) to every layer's logits and computes M's
+gradient; with a float mask that needs a gradient, PyTorch's attention leaves its mask-free
+kernels, which is what limits the ratio.
 """
 import argparse
 import os
@@ -21,52 +26,96 @@ import maskprior as mp  # noqa: E402
 from bench_attention import interleaved  # noqa: E402
 
 
-def build(args, prior: bool, device):
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(args.dim, args.heads, 4 * args.dim, dropout=0.0, batch_first=True,
-                                       norm_first=True)
-    enc = nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False)
-    if prior:
-        mp.add_mask_prior(enc, mp.banded_pattern(args.tokens, 4))
-    enc.to(device)
-    return enc, torch.optim.AdamW(mp.param_groups(enc, 0.05), lr=1e-4)
+def vit(args):
+    """timm's ViT-Tiny/16 (12 x 192, 3 heads; 197 tokens at 224), prior: the impulse pattern (self, up,
+    right), m_off 10, the class token free."""
+    import timm
+    kw = dict(img_size=32, patch_size=8, depth=2) if args.tiny else dict(img_size=args.img_size)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kw)
+    grid = model.patch_embed.grid_size
+    x = torch.randn(args.batch_size or (4 if args.tiny else 32), 3, *model.patch_embed.img_size)
+    pattern = mp.impulse_pattern(*grid, mp.IMPULSE_OFFSETS[:3], n_prefix=model.num_prefix_tokens)
+    return model, x, lambda m: mp.add_mask_prior(m, pattern, m_off=10.0), \
+        f"timm ViT-Tiny ({pattern.shape[-1]} tokens)"
+
+
+def gpt2(args):
+    """A GPT-2 small config (12 x 768, 12 heads, random weights), prior: the causal-distance (ALiBi-like) M."""
+    import transformers as tf
+    tf.logging.set_verbosity_error()
+    t = 16 if args.tiny else args.tokens
+    cfg = tf.GPT2Config(n_positions=max(t, 1024), attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                        **(dict(n_layer=2, n_head=4, n_embd=32) if args.tiny else {}))
+    model = tf.GPT2LMHeadModel(cfg)
+    x = torch.randint(0, cfg.vocab_size, (args.batch_size or (2 if args.tiny else 4), t),
+                      generator=torch.Generator().manual_seed(0))
+    logits = mp.causal_distance_logits(t, cfg.n_head)
+    param = "relative" if args.relative else "full"
+    return model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param), \
+        f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M)"
+
+
+def encoder(args):
+    """nn.TransformerEncoder, 4 x 128, 4 heads, 64 tokens; prior: a band of width 4."""
+    dim, t, layers = (16, 8, 1) if args.tiny else (128, 64, 4)
+    layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim, generator=torch.Generator().manual_seed(0))
+    return model, x, lambda m: mp.add_mask_prior(m, mp.banded_pattern(t, 4)), f"nn.TransformerEncoder ({t} tokens)"
+
+
+MODELS = {"vit": vit, "gpt2": gpt2, "encoder": encoder}
+
+
+def step_fn(model, x, args):
+    def step():
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            y = model(x)
+            y = y if isinstance(y, torch.Tensor) else y[0]
+            loss = y.float().square().mean()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+    return step
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="vit,gpt2,encoder", help="comma list of: " + ", ".join(MODELS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p.add_argument("--img-size", type=int, default=224, help="ViT-Tiny input size")
+    p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
+    p.add_argument("--relative", action="store_true", help="GPT-2's prior as a relative-distance table")
+    p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
+    p.add_argument("--tiny", action="store_true", help="two-layer toy models (a smoke run)")
+    p.add_argument("--steps", type=int, default=3, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     device = torch.device(args.device)
-    x = torch.randn(args.batch_size, args.tokens, args.dim, generator=torch.Generator().manual_seed(0)).to(device)
-    steps = {}
-    for name, prior in (("encoder", False), ("encoder + prior", True)):
-        enc, opt = build(args, prior, device)
-
-        def step(enc=enc, opt=opt):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                loss = enc(x).float().square().mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        for _ in range(2):
-            step()
-        steps[name] = step
-    times = interleaved(steps, device, args.rounds, args.steps)
-    base = times["encoder"]
-    print(f"device {device} | amp {args.amp} | nn.TransformerEncoder {args.layers} x {args.dim}, {args.heads} heads, "
-          f"{args.tokens} tokens, batch {args.batch_size} | torch {torch.__version__} | {args.rounds} rounds x "
-          f"{args.steps} steps, median")
-    print(f"{'model':<18}{'ms/step':>9}{'ratio':>8}")
-    for name, med in times.items():
-        print(f"{name:<18}{1000 * med:>9.2f}{med / base:>8.3f}")
+    print(f"device {device} | amp {args.amp} | torch {torch.__version__} | {args.rounds} rounds x {args.steps} "
+          f"steps, median | forward + backward")
+    print(f"{'model':<44}{'ms/step':>9}{'ratio':>8}")
+    for key in args.models.split(","):
+        try:
+            made = [MODELS[key](args) for _ in range(2)]
+        except ImportError as e:
+            print(f"{key:<44}{'not run':>9}  ({e.name} is not installed)")
+            continue
+        (plain, x, _, label), (with_prior, _, attach, _) = made
+        torch.manual_seed(0)
+        with_prior.load_state_dict(plain.state_dict())
+        attach(with_prior)
+        x = x.to(device)
+        steps = {}
+        for name, model in ((label, plain), ("  + prior", with_prior)):
+            model.to(device).train()
+            steps[name] = step_fn(model, x, args)
+            for _ in range(2):
+                steps[name]()
+        times = interleaved(steps, device, args.rounds, args.steps)
+        base = times[label]
+        for name, med in times.items():
+            print(f"{name:<44}{1000 * med:>9.2f}{med / base:>8.3f}")
 
 
 if __name__ == "__main__":
