@@ -745,10 +745,13 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 def _reattach(model: nn.Module, record: dict) -> None:
     """Give `model` the priors (at M = 0) that a config's `mask_prior` record describes, layer by layer."""
     named = dict(model.named_modules())
+    base = getattr(model, "base_model_prefix", "") + "."
     sites, priors = [], {}
-    for name, geo in record["layers"].items():
-        if name not in named:
-            raise ValueError(f"from_pretrained: the config records a prior on {name}, which "
+    for recorded, geo in record["layers"].items():
+        # saved from the model with a head and loaded as the base model, or the other way round
+        name = next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
+        if name is None:
+            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
                              f"{type(model).__name__} does not have")
         sites.append(Site(name, named[name], "hf", geo["heads"], cross=geo["n_keys"] is not None))
         priors[name] = MaskPrior(geo["n"], geo["heads"], causal=geo["causal"], param=geo["param"],
@@ -757,6 +760,7 @@ def _reattach(model: nn.Module, record: dict) -> None:
     for s in sites:
         s.module.mask_prior_base = record["base"]
         _attach_hf(s, priors[s.name].to(next(s.module.parameters()).device), "attn_mask")
+    model.config.mask_prior = None                     # recorded again, under this model's own layer names
     _after_attach(model, sites, priors)
 
 

@@ -2818,6 +2818,9 @@ def test_add_mask_prior_checks_every_layer_before_changing_any():
     with pytest.raises(ValueError, match=r"has at most 64 positions, but the pattern has shape \(65, 65\)"):
         mp.add_mask_prior(gpt2, mp.causal_pattern(65))
     assert not mp.mask_priors(gpt2) and gpt2.config._attn_implementation == "sdpa"
+    gpt2.config._attn_implementation = "flash_attention_2"          # a kernel that takes no bias
+    with pytest.raises(ValueError, match="runs attn_implementation 'flash_attention_2', which cannot add a bias"):
+        mp.add_mask_prior(gpt2, mp.causal_pattern(8))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -2881,6 +2884,15 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         with pytest.raises(RuntimeError, match="holds no MaskPrior: a model saved with mask priors loads with "
                                                "mp.from_pretrained"):
             plain(x)
+    model, x, n = _hf("gpt2")                                 # the prior on the base model, saved with the head
+    mp.add_mask_prior(model.transformer, logits=torch.randn(4, n, n))
+    model.save_pretrained(tmp_path / "head")
+    base = mp.from_pretrained(tf.GPT2Model, str(tmp_path / "head"))
+    torch.testing.assert_close(base(x).last_hidden_state, model.transformer(x).last_hidden_state, atol=0, rtol=0)
+    base.save_pretrained(tmp_path / "base")
+    assert list(json.load(open(tmp_path / "base" / "config.json"))["mask_prior"]["layers"]) == ["h.0.attn", "h.1.attn"]
+    again = mp.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path / "base"))
+    assert [p.where for p in mp.mask_priors(again)] == ["transformer.h.0.attn", "transformer.h.1.attn"]
     code = f"import transformers as tf; tf.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'gpt2')!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0 and "maskprior" in r.stderr.strip().splitlines()[-1]     # a fresh process: refused
