@@ -1487,7 +1487,7 @@ BAD_INPUT = [
     (["--head-dim", "-1"], "--head-dim must be an integer > 0"),
     (["--emb-init-std", "-1"], "--emb-init-std must be a finite number >= 0"),
     (["--probe-size", "0"], "--probe-size must be an integer > 0"),
-    (["--seed", "-1"], "--seed must be an integer >= 0"),
+    (["--seed", "-1"], "--seed must be an integer in 0 .. 4294967295"),
     (["--halt-after", "0"], "--halt-after must be an integer > 0"),
     (["--betas", "0.9"], "--betas must be two numbers"),
     (["--device", "meta"], "is not a device to train on"),
@@ -2160,6 +2160,117 @@ def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoin
     assert "is not a checkpoint of train.py (no optimizer" in capsys.readouterr().err
 
 
+RUN24 = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "32", "--steps", "40",
+         "--log-every", "5", "--batch-size", "32", "--probe-size", "32"]
+
+
+def _halted(tmp_path, name="run", seed=0) -> str:
+    out = str(tmp_path / name)
+    assert train.main([*RUN24, "--seed", str(seed), "--halt-after", "20", "--out", out]) == 0
+    return out
+
+
+def _edit_json(path, change):
+    data = json.load(open(path))
+    change(data)
+    open(path, "w").write(json.dumps(data))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("foreign checkpoint, other seed", "is the checkpoint of another run"),
+    ("foreign checkpoint, same seed", "is the checkpoint of another run"),
+    ("args.json of another task", "has task='majority3' but the checkpoint was trained with task='parity2'"),
+    ("args.json without lr", "lacks lr (the checkpoint has lr=0.001)"),
+    ("args.json a list", "holds a JSON list, not the object of the run's flags"),
+    ("args.json steps a string", "has steps='40', but the checkpoint's steps is a int (40)"),
+    ("args.json lr null", "has lr=None, but the checkpoint's lr is a float (0.001)"),
+    ("args.json from another run", "has seed=1 but the checkpoint was trained with seed=0"),
+    ("log emptied", "holds no records, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
+    ("log cut short", "holds steps 0 .. 10, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
+    ("log without its start", "holds steps 5 .. 20"),
+    ("log of another run", "is the checkpoint of another run"),
+])
+def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
+    """ckpt.pt, args.json and metrics.jsonl are checked against each other before a resume: each broken or
+    swapped file is one line and exit 2, and nothing in the folder changes."""
+    out = _halted(tmp_path)
+    other = _halted(tmp_path, "other", seed=1 if "other seed" in case or "another run" in case else 0)
+    ckpt, args_json, log = (os.path.join(out, f) for f in ("ckpt.pt", "args.json", "metrics.jsonl"))
+    if case.startswith("foreign checkpoint"):
+        shutil.copy(os.path.join(other, "ckpt.pt"), ckpt)
+    elif case == "args.json of another task":
+        _edit_json(args_json, lambda d: d.update(task="majority3"))
+    elif case == "args.json without lr":
+        _edit_json(args_json, lambda d: d.pop("lr"))
+    elif case == "args.json a list":
+        open(args_json, "w").write("[]")
+    elif case == "args.json steps a string":
+        _edit_json(args_json, lambda d: d.update(steps="40"))
+    elif case == "args.json lr null":
+        _edit_json(args_json, lambda d: d.update(lr=None))
+    elif case == "args.json from another run":
+        shutil.copy(os.path.join(other, "args.json"), args_json)
+    elif case == "log emptied":
+        open(log, "w").close()
+    elif case == "log cut short":
+        lines = open(log).readlines()
+        open(log, "w").writelines(lines[:3])
+    elif case == "log without its start":
+        lines = open(log).readlines()
+        open(log, "w").writelines(lines[1:])
+    elif case == "log of another run":
+        shutil.copy(os.path.join(other, "metrics.jsonl"), log)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+
+
+def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
+    """What a resume must still take: a run halted between log steps, resumed with another --log-every and
+    halted again before its next log line; and the three files moved together to another folder."""
+    out = str(tmp_path / "run")
+    assert train.main([*RUN24, "--halt-after", "23", "--out", out]) == 0          # ckpt at 23, log at 20
+    assert train.main(["--resume", "--out", out, "--log-every", "7", "--halt-after", "26"]) == 0
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
+    moved = str(tmp_path / "moved")
+    shutil.copytree(out, moved)
+    assert train.main(["--resume", "--out", moved]) == 0
+    steps = [json.loads(line)["step"] for line in open(os.path.join(moved, "metrics.jsonl"))]
+    assert steps == [0, 5, 10, 15, 20, 28, 35, 40]
+
+
+def test_train_step_is_the_step_the_loop_takes(tmp_path):
+    """train.train_step (what the benchmarks time) replayed from the same start gives bitwise the weights the
+    loop trained (learning-rate schedule, clipping and the update included)."""
+    argv = [*RUN24, "--init", "mask", "--steps", "6", "--log-every", "3", "--grad-clip", "0.5", "--schedule",
+            "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
+    assert train.main(argv) == 0
+    args = train.resolve(*train.parse_args(argv))
+    args.steps, device = 6, torch.device("cpu")
+    task = train.make_task(args)
+    train.setup_task(task, device)
+    model, _ = train.build_model(args, task, device)
+    train.apply_init(model, task, args)
+    opt = train.make_optimizer(model, args)
+    for step in range(6):
+        train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
+    trained = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
+    assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
+
+
+@pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
+def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
+    assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--seed must be an integer in 0 .. 4294967295" in err and str(seed) in err
+    assert not os.path.exists(tmp_path / "run")
+    assert train.main([*RUN24, "--seed", str(2 ** 32 - 1), "--steps", "2", "--out", str(tmp_path / "top")]) == 0
+
+
 def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
     runs = tmp_path / "runs" / "boolean"
     out = str(runs / "parity2-mask-s0")
@@ -2282,7 +2393,7 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
     a = torch.load(os.path.join(ref, "ckpt.pt"), weights_only=False)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
     assert a["step"] == b["step"] == 150 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in open(path)]  # noqa
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")} for line in open(path)]  # noqa
     assert strip(os.path.join(ref, "metrics.jsonl")) == strip(os.path.join(part, "metrics.jsonl"))
 
 
@@ -3277,5 +3388,8 @@ def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(
     saved = json.load(open(os.path.join(out, "args.json")))
     del saved["mask_param"]                                   # a run made before the flag existed
     open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     assert train.main(["--resume", "--out", out]) == 0
     assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"

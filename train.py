@@ -27,6 +27,7 @@ STARTED = time.time()       # the process's start, for the wall time the final l
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -34,6 +35,7 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import textwrap  # noqa: E402
+import uuid  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -112,7 +114,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict:
     g.add_argument("--init", help=f"initialisation: {inits} (default default)")
     g.add_argument("--preset", help="named hyper-parameters: small (2-core CPU; the default) or paper (the "
                                     "paper's setting, for a GPU)")
-    g.add_argument("--seed", type=int, help="seed for data, init and order (default 0)")
+    g.add_argument("--seed", type=int, help="seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
+                                            "keeps 32 bits, so a larger seed would repeat a smaller one; default 0)")
     g.add_argument("--out", help="run directory (default runs/TASK-INIT-sSEED)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     g.add_argument("--device", help="auto (cuda, mps, cpu; the default), cpu, cuda, ...")
@@ -284,8 +287,14 @@ def resolve(args, explicit: set):
     return args
 
 
+SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of a seed
+
+
 def check_numbers(args) -> None:
     """Every numeric flag finite and in range (POSITIVE, NON_NEGATIVE, FRACTIONS), before anything is written."""
+    if isinstance(args.seed, int) and not 0 <= args.seed <= SEED_MAX:
+        raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
+                         f"larger seed would train the same weights as a smaller one), got {args.seed}")
     for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
                             (FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1)")):
         for name in names:
@@ -620,6 +629,8 @@ class Run:
     dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
+    run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
+    log_step: int = 0               # the step of the last line in metrics.jsonl
     last: dict | None = None        # the latest logged record
     trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
 
@@ -667,7 +678,7 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
             if args.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
-                restore_args(args, explicit, folder)
+                restore_args(args, explicit, folder, ckpt)
                 check_numbers(args)
             task = make_task(args)
             validate(args, task, explicit)
@@ -730,12 +741,13 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
         state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None, folder,
-                    dist)
+                    dist, run_id=uuid.uuid4().hex)
         if dist.main:
             start = probe.measure(model)
             state.mass_start = start["prior_mass"]
             write_json(state.path("args.json"), vars_of(args))
-            T.atomic_write(state.path("metrics.jsonl"), json.dumps({"step": 0, "loss": None, **start}) + "\n")
+            T.atomic_write(state.path("metrics.jsonl"),
+                           json.dumps({"step": 0, "loss": None, "run_id": state.run_id, **start}) + "\n")
             save_checkpoint(state)              # last: a folder with a checkpoint is a run
             n_params = sum(p.numel() for p in model.parameters())
             procs = f" x {dist.world} processes" if dist.world > 1 else ""
@@ -753,7 +765,8 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
         probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
         state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
-                    folder, dist, step=ckpt["step"], seconds=ckpt["seconds"])
+                    folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
+                    run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0))
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -800,23 +813,12 @@ def train_loop(state: Run) -> int | None:
     total, t_start, steps_done = args.steps, time.time(), 0
     with Interrupt() as stop:
         while state.step < total:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(state.step, total, args)
             batch, weight = dist.shard(task.train_batch(state.step, args.batch_size))
-            with autocast(state.device, args):
-                loss = task.loss(state.trained, batch)
-                if weight is not None:
-                    loss = loss * weight
+            loss = step_loss(state.trained, task, batch, args, state.device, weight)
             loss_value, interrupted = dist.step_state(loss.detach(), stop.hit)
             if not math.isfinite(loss_value):
                 return non_finite(state, f"the loss became {loss_value} at step {state.step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            if state.probe.ema is not None:
-                update_ema(state.probe.ema, model, args.ema)
+            step_update(model, optimizer, loss, args, state.step, state.probe.ema)
             state.step += 1
             steps_done += 1
             step = state.step
@@ -827,6 +829,7 @@ def train_loop(state: Run) -> int | None:
                 state.last = {"step": step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
                 append_log(state.path("metrics.jsonl"), state.last)
+                state.log_step = step
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {fmt_metrics(rec, task)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
             halt = interrupted or (args.halt_after is not None and step >= args.halt_after and step < total)
@@ -842,6 +845,37 @@ def train_loop(state: Run) -> int | None:
                 return 130 if interrupted else 0
     state.seconds += time.time() - t_start
     return None
+
+
+def step_loss(trained, task, batch, args, device, weight: float | None = None) -> torch.Tensor:
+    """The first half of a training step: the task's loss on `batch` through `trained` (the model, compiled
+    and/or in DDP) under --amp's autocast, times `weight` (a DDP shard's share of the global batch)."""
+    with autocast(device, args):
+        loss = task.loss(trained, batch)
+        return loss if weight is None else loss * weight
+
+
+def step_update(model, optimizer, loss: torch.Tensor, args, step: int, ema: torch.nn.Module | None = None) -> None:
+    """The second half, once the loss is known to be finite: step `step`'s learning rate (--schedule),
+    backward, --grad-clip, the optimiser's update and the moving average (--ema)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args.steps, args)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if args.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    if ema is not None:
+        update_ema(ema, model, args.ema)
+
+
+def train_step(model, trained, optimizer, task, batch, args, device, step: int,
+               ema: torch.nn.Module | None = None) -> torch.Tensor:
+    """One training step exactly as `train_loop` takes it (one process): `step_loss`, then `step_update`.
+    Returns the loss. Benchmarks time this function, so they time the real step."""
+    loss = step_loss(trained, task, batch, args, device)
+    step_update(model, optimizer, loss, args, step, ema)
+    return loss
 
 
 @torch.no_grad()
@@ -926,7 +960,7 @@ def sample(args, explicit: set) -> int:
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
-    restore_args(args, explicit, folder)
+    restore_args(args, explicit, folder, ckpt)
     check_numbers(args)
     task = make_task(args)
     if task.KIND != "lm":
@@ -975,10 +1009,22 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
             **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
+            **({"identity": identity(state.args, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     with T.atomic_output(state.path("ckpt.pt")) as f:
         torch.save(ckpt, f)
+
+
+def fingerprint(flags: dict) -> str:
+    """A short hash of the flags a resume may not change (all but RESUMABLE): one run's configuration."""
+    fixed = {k: v for k, v in flags.items() if k not in RESUMABLE and k != "out"}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+def identity(args, run_id: str) -> dict:
+    """Who a checkpoint belongs to: the run id written at the start, the seed and the configuration's fingerprint."""
+    return {"run_id": run_id, "seed": args.seed, "fingerprint": fingerprint(vars_of(args))}
 
 
 CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_report", "snapshot",
@@ -1085,16 +1131,11 @@ class RunFolder:
         self.release()
 
 
-def restore_args(args, explicit: set, folder: RunFolder) -> None:
-    """Resume: the run's saved flags come back, except its folder (always the --out given: a run
-    folder can be moved) and the RESUMABLE flags given now; any other flag given must agree."""
-    try:
-        saved = load_json(folder.file("args.json"))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--resume: cannot read {folder.file('args.json')} ({e}); the run's flags are lost") from None
-    if not os.path.exists(folder.file("metrics.jsonl")):
-        raise UsageError(f"--resume: {folder.file('metrics.jsonl')} is missing, so the run's log cannot be continued; "
-                         f"start a new run with another --out")
+def restore_args(args, explicit: set, folder: RunFolder, ckpt: dict) -> None:
+    """Resume: the run's saved flags come back (once `check_resume` finds ckpt.pt, args.json and
+    metrics.jsonl to be one run), except its folder (always the --out given: a run folder can be
+    moved) and the RESUMABLE flags given now; any other flag given must agree."""
+    saved = check_resume(folder, ckpt)
     for key in sorted(explicit - RESUMABLE - {"out"}):
         new = getattr(args, key)
         if key in saved and saved[key] != new:
@@ -1111,10 +1152,61 @@ def restore_args(args, explicit: set, folder: RunFolder) -> None:
     args.resume = True
 
 
+_MISSING = object()
+
+
+def check_resume(folder: RunFolder, ckpt: dict) -> dict:
+    """The run's flags from args.json, once the three files agree that they are one run at one step:
+    args.json is a JSON object holding every flag of the checkpoint, of the checkpoint's type, and
+    equal to it where a resume may not change it (a flag added after the run only at its default);
+    metrics.jsonl starts at step 0 and reaches the last step the checkpoint saw logged; and, for a run that has an
+    identity, the log's step-0 line names the checkpoint's run. Anything else is one line."""
+    path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["args"]
+    if not os.path.isfile(log):
+        raise UsageError(f"--resume: {log} is missing, so the run's log cannot be continued; start a new run "
+                         f"with another --out")
+    records, logged = read_log(log), ckpt.get("log_step", 0)
+    ident = ckpt.get("identity")
+    if ident is not None and records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
+        raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run (run "
+                         f"{ident['run_id']}, seed {ident['seed']}; this folder's log is of run "
+                         f"{records[0].get('run_id')}); put back this run's ckpt.pt, or start a new run")
+    if ident is not None and fingerprint(flags) != ident["fingerprint"]:
+        raise UsageError(f"--resume: {folder.file('ckpt.pt')} records flags that do not match its own "
+                         f"fingerprint; the checkpoint was altered")
+    if not records or records[0]["step"] != 0 or records[-1]["step"] < logged:
+        held = "no records" if not records else f"steps {records[0]['step']} .. {records[-1]['step']}"
+        raise UsageError(f"--resume: {log} holds {held}, but the checkpoint (step {ckpt['step']}) was saved after "
+                         f"logging steps 0 .. {logged}: the log lost lines, so the run cannot be continued whole; "
+                         f"start a new run with another --out")
+    try:
+        saved = load_json(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume: cannot read {path} ({e}); the run's flags are lost") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume: {path} holds a JSON {type(saved).__name__}, not the object of the run's flags")
+    for key, value in flags.items():
+        mine = saved.get(key, _MISSING)
+        if mine is _MISSING:
+            raise UsageError(f"--resume: {path} lacks {key} (the checkpoint has {key}={value!r}); args.json was "
+                             f"edited or belongs to another run")
+        if value is not None and type(mine) is not type(value):
+            raise UsageError(f"--resume: {path} has {key}={mine!r}, but the checkpoint's {key} is a "
+                             f"{type(value).__name__} ({value!r})")
+        if key not in RESUMABLE and key != "out" and mine != value:
+            raise UsageError(f"--resume: {path} has {key}={mine!r} but the checkpoint was trained with "
+                             f"{key}={value!r}; args.json does not belong to this checkpoint (restore it, or start "
+                             f"a new run with another --out)")
+    for key in saved.keys() - flags.keys():
+        if key in DEFAULTS and key not in RESUMABLE and saved[key] != DEFAULTS[key]:
+            raise UsageError(f"--resume: {path} has {key}={saved[key]!r}, which the checkpoint does not record")
+    return saved
+
+
 def read_log(path: str) -> list[dict]:
     """The records of a metrics.jsonl; a line that is not a whole JSON object (a write cut short) is left out."""
     records = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:      # a broken byte spoils its line, not the log
         for line in f:
             try:
                 rec = json.loads(line)

@@ -81,16 +81,11 @@ def build(task_name: str, init: str, device: torch.device, extra: list):
     else:
         batch, spe = task.train_batch(0, b), task.steps_per_epoch(b)
     steps = args.steps if args.steps is not None else round(args.epochs * spe)
+    args.steps = steps                                 # the schedule's length, as train.py resolves it
     trained = torch.compile(model) if args.compile else model
 
-    def step():
-        with train.autocast(device, args):
-            loss = task.loss(trained, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+    def step():                                        # train.py's own step (lr schedule, clip, update)
+        train.train_step(model, trained, opt, task, batch, args, device, 0)
     return step, steps, args
 
 
