@@ -1,4 +1,5 @@
 """Tests for maskprior.py, tasks.py and train.py. Run: python -m pytest -q test_maskprior.py"""
+import dataclasses
 import json
 import math
 import os
@@ -1950,19 +1951,33 @@ def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
     """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
     flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
     args, explicit = train.parse_args([])
-    dests = set(train.vars_of(args))
+    dests = set(vars(args)) - {"command"}
     assert explicit == set() and dests == set(train.DEFAULTS)
     assert all(getattr(args, d) is train.UNSET for d in dests)
     for name, cls in T.TASKS.items():
         for preset in cls.presets():
             assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
-        flags = {d for fam in args.families.values() for d in fam} | {"heads"}
-        assert set(cls.OPTIONS) <= flags, name
+        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
+
+
+def test_presets_say_model_size_and_recipe_apart(monkeypatch):
+    """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
+    flat preset is their union, and a preset with anything else in it is an error, not ignored."""
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            model, recipe = cls.preset_parts(preset)
+            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
+            assert cls.preset(preset) == {**model, **recipe}
+    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
+    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
+    with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
+        T.Addition.preset("small")
 
 
 def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
     resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
-    monkeypatch.setitem(T.Multiplication.PRESETS, "small", dict(steps=6000, answer_order="lsb", impulse="random"))
+    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
+                                                             "recipe": dict(steps=6000)})
     args = resolve("--task", "multiplication")
     assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
     assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
@@ -2248,8 +2263,7 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
     argv = [*RUN24, "--init", "mask", "--steps", "6", "--log-every", "3", "--grad-clip", "0.5", "--schedule",
             "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
     assert train.main(argv) == 0
-    args = train.resolve(*train.parse_args(argv))
-    args.steps, device = 6, torch.device("cpu")
+    args, device = dataclasses.replace(train.resolve(*train.parse_args(argv)), steps=6), torch.device("cpu")
     task = train.make_task(args)
     train.setup_task(task, device)
     model, _ = train.build_model(args, task, device)

@@ -36,7 +36,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import textwrap  # noqa: E402
 import uuid  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -44,46 +44,221 @@ import maskprior as mp  # noqa: E402
 import tasks as T  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
-# Config: a flag's value is the one given on the command line, else the task's preset
-# (`T.TASKS[task].preset(name)`: the family's entries, then the task's own), else DEFAULTS.
+# Config: one frozen dataclass holds every setting of a run. Each field carries its flag: the
+# help, a range check, whether --resume may change it, whether it is architecture, its argparse
+# group (a task family's group holds that family's task options), whether it tells runs apart
+# in reports, and its alternative (--steps / --epochs). argparse is generated from the fields;
+# `resolve` fills a Config once: the flag given, else the task's preset
+# (`T.TASKS[task].preset(name)`: the family's entries, then the task's own), else the field's
+# default. Nothing changes a Config after that: what a task sizes (steps from epochs, warm-up
+# from warm-up epochs, the log and checkpoint intervals) `size_schedule` fills into a new one
+# before anything is built, and a resume builds its own from the run's files. args.json is
+# `asdict(config)`.
 
-DEFAULTS = dict(
-    task="parity2", init="default", preset="small", seed=0, out=None, resume=False, device="auto", amp="auto",
-    log_every=None, ckpt_every=None, halt_after=None, compile=False, dist_timeout=1800.0,
-    steps=None, epochs=None, lr=1e-4, batch_size=64, weight_decay=0.0, optimizer="adam", betas="0.9,0.999",
-    schedule="constant", warmup=0, warmup_epochs=None, grad_clip=0.0,
-    layers=2, heads=4, dim=64, head_dim=None, mlp_dim=256, readout=None, emb_init_std=1.0, pos_init_std=1.0,
-    qkv_bias=False, dropout=0.0, attention="auto",
-    pattern=None, mask_on=5.0, mask_off=5.0, mask_param="full",
-    qk_svd_scale=1000.0, qk_svd_noise=3.0, qk_svd_norm=7.0, qk_svd_pos_scale=None,
-    qk_opt_steps=10000, qk_opt_lr=1e-4, qk_opt_tol=1e-7, qk_opt_pos_scale=None, probe_size=512, eval_points=0,
-    data_dir=None, image_size=None, input_size=None, patch_size=None, pool=None, impulse="fixed", label_smoothing=None,
-    mixup=0.0, cutmix=0.0, crop="pad", crop_pct=0.875, randaug=0.0, randaug_std=0.5, randaug_ops=2, reprob=0.0,
-    drop_path=0.0, ema=0.0, context=None, val_tokens=None,
-    sample=None, sample_tokens=100, temperature=0.8, top_k=40,
-    data_frac=None, answer_order="msb", n_bits=15, bits="0,1,2", unseen="0,1", train_size=None,
-)
+GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
+          "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority)",
+          "arithmetic": "arithmetic (addition, multiplication)", "vision": "vision (cifar10, cifar100, imagenet100)",
+          "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
+          "sampling": "sampling from a trained language model"}
+FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
 
-# Two ways to say one thing: a flag given on the command line drops its alternative from the preset.
-ALTERNATIVES = {"steps": "epochs", "epochs": "steps", "warmup": "warmup_epochs", "warmup_epochs": "warmup"}
-# Flags that may differ when resuming: they do not change the model or the data. --lr and --grad-clip may
-# change too (after a non-finite stop, a lower learning rate or clipping is the way on); --data-dir is a path.
-RESUMABLE = {"steps", "epochs", "log_every", "eval_points", "ckpt_every", "halt_after", "device", "resume", "amp",
-             "sample", "sample_tokens", "temperature", "top_k", "lr", "grad_clip", "data_dir", "compile",
-             "dist_timeout"}
-# The numeric flags: every value must be finite and in its range (None: not set).
-POSITIVE = ("steps", "epochs", "lr", "batch_size", "layers", "heads", "dim", "head_dim", "mlp_dim", "log_every",
-            "ckpt_every", "halt_after", "probe_size", "qk_opt_steps", "qk_opt_lr", "qk_svd_scale", "qk_svd_norm",
-            "qk_svd_pos_scale", "qk_opt_pos_scale", "sample_tokens", "image_size", "input_size", "patch_size",
-            "dist_timeout", "randaug_ops", "crop_pct")
-NON_NEGATIVE = ("seed", "weight_decay", "warmup", "warmup_epochs", "grad_clip", "mask_on", "mask_off", "emb_init_std",
-                "pos_init_std", "qk_svd_noise", "qk_opt_tol", "eval_points", "mixup", "cutmix", "temperature", "top_k",
-                "val_tokens", "randaug", "randaug_std", "reprob")
-FRACTIONS = ("dropout", "label_smoothing", "drop_path", "ema")      # in [0, 1)
-# Flags that define the architecture (reported as such when a resume disagrees).
-ARCH = {"task", "layers", "heads", "dim", "head_dim", "mlp_dim", "readout", "qkv_bias", "init", "n_bits", "bits",
-        "data_frac", "answer_order", "image_size", "patch_size", "pool", "impulse", "context",
-        "emb_init_std", "pos_init_std", "dropout", "unseen", "pattern", "mask_param"}
+
+def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None,
+            check=None, resumable=False, arch=False, tells_apart=True, alternative=None):
+    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag
+    without a value; check: "positive" (> 0), "non_negative" (>= 0) or "fraction" (in [0, 1)); resumable:
+    --resume may change it; arch: it shapes the model or the data (named so when a resume disagrees);
+    tells_apart: runs that differ in it are different configurations in reports; alternative: the field
+    this one replaces when given (--steps drops the preset's --epochs and the other way round)."""
+    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch, choices=choices,
+                                                metavar=metavar, check=check, resumable=resumable, arch=arch,
+                                                tells_apart=tells_apart, alternative=alternative))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of a training run, one field per flag (see `setting` for what a field carries)."""
+    # run
+    task: str = setting("parity2", "task name: {tasks} (default parity2)", group="run", arch=True)
+    init: str = setting("default", "initialisation: {inits} (default default)",
+                                   group="run", arch=True, tells_apart=False)
+    preset: str = setting("small", "named hyper-parameters: small (2-core CPU; the default) or paper (the paper's "
+                                   "setting, for a GPU)",
+                                   group="run")
+    seed: int = setting(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator keeps 32 bits, so a "
+                           "larger seed would repeat a smaller one; default 0)",
+                           group="run", type=int, check="non_negative", tells_apart=False)
+    out: str | None = setting(None, "run directory (default runs/TASK-INIT-sSEED)", group="run", tells_apart=False)
+    resume: bool = setting(False, "continue the run in --out from its checkpoint",
+                                  group="run", switch=True, resumable=True, tells_apart=False)
+    device: str = setting("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...",
+                                  group="run", resumable=True, tells_apart=False)
+    amp: str = setting("auto", "autocast: auto = bf16 on CUDA only",
+                               group="run", choices=("auto", "bf16", "off"), resumable=True, tells_apart=False)
+    log_every: int | None = setting(None, "steps between evaluations and log lines",
+                                          group="run", type=int, check="positive", resumable=True)
+    ckpt_every: int | None = setting(None, "steps between checkpoints (default: every log step)",
+                                           group="run", type=int, check="positive", resumable=True, tells_apart=False)
+    halt_after: int | None = setting(None, "stop at this step as if interrupted (checkpoint kept)",
+                                           group="run", type=int, check="positive", resumable=True, tells_apart=False)
+    compile: bool = setting(False, "torch.compile the model for training (off by default; the probes run the model "
+                                   "uncompiled)",
+                                   group="run", switch=True, resumable=True, tells_apart=False)
+    dist_timeout: float = setting(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at "
+                                          "each collective; default 1800)",
+                                          group="run", type=float, check="positive", resumable=True, tells_apart=False)
+    # optimisation
+    steps: int | None = setting(None, "training steps",
+                                      group="optimisation", type=int, check="positive", resumable=True,
+                                      alternative="epochs")
+    epochs: float | None = setting(None, "training epochs (instead of --steps)",
+                                         group="optimisation", type=float, check="positive", resumable=True,
+                                         alternative="steps")
+    lr: float = setting(0.0001, "peak learning rate",
+                                group="optimisation", type=float, check="positive", resumable=True)
+    batch_size: int = setting(64, None, group="optimisation", type=int, check="positive")
+    weight_decay: float = setting(0.0, "never applied to M, biases, norms, embeddings",
+                                       group="optimisation", type=float, check="non_negative")
+    optimizer: str = setting("adam", "adam = coupled L2 (GOTU), adamw = decoupled",
+                                     group="optimisation", choices=("adam", "adamw"))
+    betas: str = setting("0.9,0.999", "Adam betas, e.g. 0.9,0.999", group="optimisation")
+    schedule: str = setting("constant", None, group="optimisation", choices=("constant", "cosine"))
+    warmup: int = setting(0, "linear warm-up steps",
+                             group="optimisation", type=int, check="non_negative", alternative="warmup_epochs")
+    warmup_epochs: float | None = setting(None, "warm-up length in epochs (instead of --warmup)",
+                                                group="optimisation", type=float, check="non_negative",
+                                                alternative="warmup")
+    grad_clip: float = setting(0.0, "clip the gradient norm (0 = off)",
+                                    group="optimisation", type=float, check="non_negative", resumable=True)
+    # model
+    layers: int = setting(2, None, group="model", type=int, check="positive", arch=True)
+    heads: int = setting(4, None, group="model", type=int, check="positive", arch=True)
+    dim: int = setting(64, None, group="model", type=int, check="positive", arch=True)
+    head_dim: int | None = setting(None, "default dim // heads", group="model", type=int, check="positive", arch=True)
+    mlp_dim: int = setting(256, "hidden units of each MLP", group="model", type=int, check="positive", arch=True)
+    emb_init_std: float = setting(1.0, "std of the token and CLS embeddings (GOTU: 1)",
+                                       group="model", type=float, check="non_negative", arch=True)
+    pos_init_std: float = setting(1.0, "std of the positional embedding (GOTU: 1)",
+                                       group="model", type=float, check="non_negative", arch=True)
+    qkv_bias: bool | int = setting(False, "bias on the q, k, v projections",
+                                          group="model", type=int, choices=(0, 1), arch=True)
+    dropout: float = setting(0.0, "dropout on embeddings, attention output and MLP",
+                                  group="model", type=float, check="fraction", arch=True)
+    drop_path: float = setting(0.0, "stochastic depth: the last block skips its branches with this probability, "
+                                    "linearly less before it (timm's schedule; 0 = off)",
+                                    group="model", type=float, check="fraction")
+    ema: float = setting(0.0, "also keep an exponential moving average of the weights with this decay (e.g. 0.9999) "
+                              "and evaluate it beside them (ema_* metrics); 0 = off",
+                              group="model", type=float, check="fraction")
+    attention: str = setting("auto", "scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, "
+                                     "except explicit for a masked model on the CPU, where PyTorch's fused kernel "
+                                     "takes no float mask",
+                                     group="model", choices=("auto", "fused", "explicit"), tells_apart=False)
+    # prior
+    pattern: str | None = setting(None, "interaction pattern variant (task-specific; see README)",
+                                        group="prior", arch=True)
+    mask_on: float = setting(5.0, "initial M on allowed pairs", group="prior", type=float, check="non_negative")
+    mask_off: float = setting(5.0, "initial -M elsewhere", group="prior", type=float, check="non_negative")
+    mask_param: str = setting("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit "
+                                      "per head and distance i - j (heads x N), for priors that depend on the "
+                                      "distance alone (language models)",
+                                      group="prior", choices=("full", "relative"), arch=True)
+    qk_svd_scale: float = setting(1000.0, "qk-svd target logit on the pattern",
+                                          group="prior", type=float, check="positive")
+    qk_svd_noise: float = setting(3.0, "qk-svd off-pattern noise scale",
+                                       group="prior", type=float, check="non_negative")
+    qk_svd_norm: float = setting(7.0, "qk-svd Frobenius norm of each factor",
+                                      group="prior", type=float, check="positive")
+    qk_svd_pos_scale: float | None = setting(None, "qk-svd: multiply the positional embedding first",
+                                                   group="prior", type=float, check="positive")
+    qk_opt_steps: int = setting(10000, "qk-opt Adam steps (at most)", group="prior", type=int, check="positive")
+    qk_opt_lr: float = setting(0.0001, None, group="prior", type=float, check="positive")
+    qk_opt_tol: float = setting(1e-07, "qk-opt stops when 100 steps gain less than this",
+                                       group="prior", type=float, check="non_negative")
+    qk_opt_pos_scale: float | None = setting(None, "qk-opt: multiply the positional embedding first",
+                                                   group="prior", type=float, check="positive")
+    probe_size: int = setting(512, "batch size of the prior-mass probe", group="prior", type=int, check="positive")
+    eval_points: int = setting(0, "Boolean and arithmetic tasks: evaluate the log steps on a fixed sample of this "
+                                  "many cube points or test pairs (0 = all); the final evaluation uses all of them",
+                                  group="prior", type=int, check="non_negative", resumable=True)
+    # boolean
+    readout: str | None = setting(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over"
+                                        " the bit tokens; the pattern follows the layout",
+                                        group="boolean", choices=tuple(T.READOUTS), arch=True)
+    n_bits: int = setting(15, "kparity, kmajority: input bits (default 15)", group="boolean", type=int, arch=True)
+    bits: str = setting("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2)",
+                                 group="boolean", arch=True)
+    unseen: str = setting("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1)",
+                                 group="boolean", arch=True)
+    train_size: int | None = setting(None, "kparity, kmajority: draws from the seen domain (default: every seen "
+                                           "point)",
+                                           group="boolean", type=int)
+    # arithmetic
+    data_frac: float | None = setting(None, "fraction of the 10^6 pairs to train on (default: 0.004 for addition, "
+                                            "0.03 for multiplication)",
+                                            group="arithmetic", type=float, arch=True)
+    answer_order: str = setting("msb", "answer digits most significant first (the paper's plain format; the default) "
+                                       "or reversed",
+                                       group="arithmetic", choices=("msb", "lsb"), arch=True)
+    # vision
+    data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
+                                         "for language models the corpus folder)",
+                                         group="vision", resumable=True, tells_apart=False)
+    image_size: int | None = setting(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
+                                           group="vision", type=int, check="positive", arch=True)
+    input_size: int | None = setting(None, "the model's image side (default: the image size); larger upsamples, e.g. "
+                                           "224 for CIFAR as the recipe of the paper preset does",
+                                           group="vision", type=int, check="positive", arch=True)
+    patch_size: int | None = setting(None, "ViT patch side in pixels",
+                                           group="vision", type=int, check="positive", arch=True)
+    pool: str | None = setting(None, "ViT readout: global average pooling or a CLS token",
+                                     group="vision", choices=("mean", "cls"), arch=True)
+    impulse: str = setting("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
+                                    "random (drawn by the seed)",
+                                    group="vision", choices=("fixed", "random"), arch=True)
+    label_smoothing: float | None = setting(None, None, group="vision", type=float, check="fraction")
+    mixup: float = setting(0.0, "mixup Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
+    cutmix: float = setting(0.0, "cutmix Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
+    crop: str = setting("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale"
+                               " 0.08-1); a flip either way",
+                               group="vision", choices=("pad", "rrc"))
+    crop_pct: float = setting(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
+                                     "(default 0.875)",
+                                     group="vision", type=float, check="positive")
+    randaug: float = setting(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
+                                  group="vision", type=float, check="non_negative")
+    randaug_std: float = setting(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)",
+                                      group="vision", type=float, check="non_negative")
+    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int, check="positive")
+    reprob: float = setting(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
+                                 group="vision", type=float, check="non_negative")
+    # lm
+    context: int | None = setting(None, "context length in tokens (also the model's positions)",
+                                        group="lm", type=int, arch=True)
+    val_tokens: int | None = setting(None, "evaluate on the first N validation tokens (0 = all)",
+                                           group="lm", type=int, check="non_negative")
+    # sampling
+    sample: str | None = setting(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
+                                       "training)",
+                                       group="sampling", metavar="PROMPT", resumable=True, tells_apart=False)
+    sample_tokens: int = setting(100, "tokens to generate (default 100)",
+                                      group="sampling", type=int, check="positive", resumable=True, tells_apart=False)
+    temperature: float = setting(0.8, "0 = greedy (default 0.8)",
+                                      group="sampling", type=float, check="non_negative", resumable=True,
+                                      tells_apart=False)
+    top_k: int = setting(40, "sample among the k likeliest (0 = all; default 40)",
+                             group="sampling", type=int, check="non_negative", resumable=True, tells_apart=False)
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+DEFAULTS = {name: f.default for name, f in FIELDS.items()}
+RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
+ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
+NOT_CONFIG = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
+ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
+TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
+CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
+          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)")}
 COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
 
 
@@ -106,126 +281,19 @@ class _Unset:
 UNSET = _Unset()
 
 
-def add_train_flags(p: argparse.ArgumentParser) -> dict:
-    """The training flags; returns {family: [flag dests]} of the task-option groups."""
-    inits = ", ".join(INITS)
-    g = p.add_argument_group("run")
-    g.add_argument("--task", help=f"task name: {', '.join(T.TASKS)} (default parity2)")
-    g.add_argument("--init", help=f"initialisation: {inits} (default default)")
-    g.add_argument("--preset", help="named hyper-parameters: small (2-core CPU; the default) or paper (the "
-                                    "paper's setting, for a GPU)")
-    g.add_argument("--seed", type=int, help="seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
-                                            "keeps 32 bits, so a larger seed would repeat a smaller one; default 0)")
-    g.add_argument("--out", help="run directory (default runs/TASK-INIT-sSEED)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    g.add_argument("--device", help="auto (cuda, mps, cpu; the default), cpu, cuda, ...")
-    g.add_argument("--amp", choices=["auto", "bf16", "off"], help="autocast: auto = bf16 on CUDA only")
-    g.add_argument("--log-every", type=int, help="steps between evaluations and log lines")
-    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: every log step)")
-    g.add_argument("--halt-after", type=int, help="stop at this step as if interrupted (checkpoint kept)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model for training (off by default; "
-                   "the probes run the model uncompiled)")
-    g.add_argument("--dist-timeout", type=float, help="under torchrun: seconds to wait for the other processes "
-                   "(joining, and at each collective; default 1800)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, help="training steps")
-    g.add_argument("--epochs", type=float, help="training epochs (instead of --steps)")
-    g.add_argument("--lr", type=float, help="peak learning rate")
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--weight-decay", type=float, help="never applied to M, biases, norms, embeddings")
-    g.add_argument("--optimizer", choices=["adam", "adamw"], help="adam = coupled L2 (GOTU), adamw = decoupled")
-    g.add_argument("--betas", help="Adam betas, e.g. 0.9,0.999")
-    g.add_argument("--schedule", choices=["constant", "cosine"])
-    g.add_argument("--warmup", type=int, help="linear warm-up steps")
-    g.add_argument("--warmup-epochs", type=float, help="warm-up length in epochs (instead of --warmup)")
-    g.add_argument("--grad-clip", type=float, help="clip the gradient norm (0 = off)")
-    g = p.add_argument_group("model")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--dim", type=int)
-    g.add_argument("--head-dim", type=int, help="default dim // heads")
-    g.add_argument("--mlp-dim", type=int, help="hidden units of each MLP")
-    g.add_argument("--emb-init-std", type=float, help="std of the token and CLS embeddings (GOTU: 1)")
-    g.add_argument("--pos-init-std", type=float, help="std of the positional embedding (GOTU: 1)")
-    g.add_argument("--qkv-bias", type=int, choices=[0, 1], help="bias on the q, k, v projections")
-    g.add_argument("--dropout", type=float, help="dropout on embeddings, attention output and MLP")
-    g.add_argument("--drop-path", type=float, help="stochastic depth: the last block skips its branches with this "
-                   "probability, linearly less before it (timm's schedule; 0 = off)")
-    g.add_argument("--ema", type=float, help="also keep an exponential moving average of the weights with this "
-                   "decay (e.g. 0.9999) and evaluate it beside them (ema_* metrics); 0 = off")
-    g.add_argument("--attention", choices=["auto", "fused", "explicit"],
-                   help="scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, except "
-                        "explicit for a masked model on the CPU, where PyTorch's fused kernel takes no float mask")
-    g = p.add_argument_group("prior")
-    g.add_argument("--pattern", help="interaction pattern variant (task-specific; see README)")
-    g.add_argument("--mask-on", type=float, help="initial M on allowed pairs")
-    g.add_argument("--mask-off", type=float, help="initial -M elsewhere")
-    g.add_argument("--mask-param", choices=["full", "relative"], help="M per (query, key) pair (heads x N x N; the "
-                   "paper's), or relative: one logit per head and distance i - j (heads x N), for priors that depend "
-                   "on the distance alone (language models)")
-    g.add_argument("--qk-svd-scale", type=float, help="qk-svd target logit on the pattern")
-    g.add_argument("--qk-svd-noise", type=float, help="qk-svd off-pattern noise scale")
-    g.add_argument("--qk-svd-norm", type=float, help="qk-svd Frobenius norm of each factor")
-    g.add_argument("--qk-svd-pos-scale", type=float, help="qk-svd: multiply the positional embedding first")
-    g.add_argument("--qk-opt-steps", type=int, help="qk-opt Adam steps (at most)")
-    g.add_argument("--qk-opt-lr", type=float)
-    g.add_argument("--qk-opt-tol", type=float, help="qk-opt stops when 100 steps gain less than this")
-    g.add_argument("--qk-opt-pos-scale", type=float, help="qk-opt: multiply the positional embedding first")
-    g.add_argument("--probe-size", type=int, help="batch size of the prior-mass probe")
-    g.add_argument("--eval-points", type=int, help="Boolean and arithmetic tasks: evaluate the log steps on a fixed "
-                   "sample of this many cube points or test pairs (0 = all); the final evaluation uses all of them")
-    families = {}
-    g = p.add_argument_group("Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority)")
-    families["boolean"] = [
-        g.add_argument("--readout", choices=list(T.READOUTS), help="a CLS token in front, read out (GOTU), or no CLS "
-                       "token and mean pooling over the bit tokens; the pattern follows the layout").dest,
-        g.add_argument("--n-bits", type=int, help="kparity, kmajority: input bits (default 15)").dest,
-        g.add_argument("--bits", help="kparity, kmajority: bits the target reads (default 0,1,2)").dest,
-        g.add_argument("--unseen", help="kparity, kmajority: bits set to -1 in the unseen domain (default 0,1)").dest,
-        g.add_argument("--train-size", type=int, help="kparity, kmajority: draws from the seen domain (default: "
-                       "every seen point)").dest]
-    g = p.add_argument_group("arithmetic (addition, multiplication)")
-    families["arithmetic"] = [
-        g.add_argument("--data-frac", type=float, help="fraction of the 10^6 pairs to train on (default: 0.004 for "
-                       "addition, 0.03 for multiplication)").dest,
-        g.add_argument("--answer-order", choices=["msb", "lsb"], help="answer digits most significant first (the "
-                       "paper's plain format; the default) or reversed").dest]
-    g = p.add_argument_group("vision (cifar10, cifar100, imagenet100)")
-    families["vision"] = [
-        g.add_argument("--data-dir", help="folder holding the dataset files (e.g. the one with "
-                       "cifar-10-batches-py/; for language models the corpus folder)").dest,
-        g.add_argument("--image-size", type=int, help="image side in pixels as stored (CIFAR 32; ImageNet-100 32 "
-                       "or 64)").dest,
-        g.add_argument("--input-size", type=int, help="the model's image side (default: the image size); larger "
-                       "upsamples, e.g. 224 for CIFAR as the recipe of the paper preset does").dest,
-        g.add_argument("--patch-size", type=int, help="ViT patch side in pixels").dest,
-        g.add_argument("--pool", choices=["mean", "cls"], help="ViT readout: global average pooling or a CLS "
-                       "token").dest,
-        g.add_argument("--impulse", choices=["fixed", "random"], help="impulse offsets per head: fixed order (self, "
-                       "up, right, ...; the default) or random (drawn by the seed)").dest,
-        g.add_argument("--label-smoothing", type=float).dest,
-        g.add_argument("--mixup", type=float, help="mixup Beta(alpha, alpha); 0 = off").dest,
-        g.add_argument("--cutmix", type=float, help="cutmix Beta(alpha, alpha); 0 = off").dest,
-        g.add_argument("--crop", choices=["pad", "rrc"], help="training crop: pad 4 and crop back, or a random "
-                       "resized crop to the input size (scale 0.08-1); a flip either way").dest,
-        g.add_argument("--crop-pct", type=float, help="evaluation at another input size: resize to input / "
-                       "crop-pct, keep the centre (default 0.875)").dest,
-        g.add_argument("--randaug", type=float, help="RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)").dest,
-        g.add_argument("--randaug-std", type=float, help="RandAugment: std of the per-image magnitude noise "
-                       "(default 0.5)").dest,
-        g.add_argument("--randaug-ops", type=int, help="RandAugment: ops per image (default 2)").dest,
-        g.add_argument("--reprob", type=float, help="random erasing probability (0 = off; the recipe: 0.25)").dest]
-    g = p.add_argument_group("language modelling (wikitext2, tinystories; --data-dir as above)")
-    families["lm"] = [
-        g.add_argument("--context", type=int, help="context length in tokens (also the model's positions)").dest,
-        g.add_argument("--val-tokens", type=int, help="evaluate on the first N validation tokens (0 = all)").dest]
-    g = p.add_argument_group("sampling from a trained language model")
-    g.add_argument("--sample", metavar="PROMPT", help="print a continuation of PROMPT from the checkpoint in --out "
-                   "and exit (no training)")
-    g.add_argument("--sample-tokens", type=int, help="tokens to generate (default 100)")
-    g.add_argument("--temperature", type=float, help="0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, help="sample among the k likeliest (0 = all; default 40)")
-    return families
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per Config field, in its group; every flag parses to UNSET when not given (see `resolve`)."""
+    groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
+    for name, f in FIELDS.items():
+        m = f.metadata
+        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS), inits=", ".join(INITS))}
+        if m["switch"]:
+            kw["action"] = "store_true"
+        else:
+            kw.update({k: v for k, v in (("type", m["type"]), ("metavar", m["metavar"])) if v is not None})
+            if m["choices"]:
+                kw["choices"] = list(m["choices"])
+        groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def build_parser() -> Parser:
@@ -236,7 +304,7 @@ def build_parser() -> Parser:
                        description="Train a task with an attention prior. A flag not given takes the task's preset "
                                    "value (--preset small or paper), else the default shown. Other commands: "
                                    "summarize, report, make-digits, make-wikitext (python train.py COMMAND --help).")
-    t.set_defaults(families=add_train_flags(t))
+    add_train_flags(t)
     s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
     s.add_argument("paths", nargs="+", help="run directories or folders of them")
     r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a reproduction")
@@ -257,51 +325,50 @@ def parse_args(argv=None):
     if not argv or argv[0] not in COMMANDS:
         argv = ["train"] + argv                       # training is the default command
     args = build_parser().parse_args(argv)
-    explicit = {k for k, v in vars(args).items() if v is not UNSET} - {"command", "families"}
+    explicit = {k for k, v in vars(args).items() if v is not UNSET} - {"command"}
     return args, explicit
 
 
-def resolve(args, explicit: set):
-    """Fill every UNSET flag: the task's preset (without the alternatives of explicit flags), then DEFAULTS."""
-    for key in ("task", "init", "preset"):
-        if key not in explicit:
-            setattr(args, key, DEFAULTS[key])
-    if args.task not in T.TASKS:
-        raise UsageError(f"unknown task {args.task!r}; choose from {', '.join(T.TASKS)}")
-    if args.init not in INITS:
-        raise UsageError(f"unknown init {args.init!r}; choose from {', '.join(INITS)}")
-    task_cls = T.TASKS[args.task]
-    if args.preset not in task_cls.presets():
-        raise UsageError(f"unknown preset {args.preset!r}; choose from {', '.join(task_cls.presets())}")
+def resolve(flags: argparse.Namespace, explicit: set) -> Config:
+    """The one resolver: each field is the flag given, else the task's preset (less the alternatives of the
+    flags given), else its default."""
+    given = {k: getattr(flags, k) for k in explicit}
+    task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
+    if task not in T.TASKS:
+        raise UsageError(f"unknown task {task!r}; choose from {', '.join(T.TASKS)}")
+    if init not in INITS:
+        raise UsageError(f"unknown init {init!r}; choose from {', '.join(INITS)}")
+    task_cls = T.TASKS[task]
+    if preset not in task_cls.presets():
+        raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
     for flag, other in ALTERNATIVES.items():
         if flag in explicit and other in explicit:
             raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
-    preset = task_cls.preset(args.preset)
+    from_preset = task_cls.preset(preset)
     for flag in explicit & set(ALTERNATIVES):
-        preset.pop(ALTERNATIVES[flag], None)
-    for key, value in {**DEFAULTS, **preset}.items():
-        if key not in explicit:
-            setattr(args, key, value)
-    if args.out is None:
-        args.out = os.path.join("runs", f"{args.task}-{args.init}-s{args.seed}")
-    return args
+        from_preset.pop(ALTERNATIVES[flag], None)
+    values = {**DEFAULTS, **from_preset, **given}
+    if values["out"] is None:
+        values["out"] = os.path.join("runs", f"{task}-{init}-s{values['seed']}")
+    return Config(**values)
 
 
 SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of a seed
 
 
-def check_numbers(args) -> None:
-    """Every numeric flag finite and in range (POSITIVE, NON_NEGATIVE, FRACTIONS), before anything is written."""
+def check_numbers(args: Config) -> None:
+    """Every numeric field finite and in its range (its `check`), before anything is written."""
     if isinstance(args.seed, int) and not 0 <= args.seed <= SEED_MAX:
         raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
                          f"larger seed would train the same weights as a smaller one), got {args.seed}")
-    for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
-                            (FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1)")):
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not (math.isfinite(value) and ok(value)):
-                kind = "an integer" if isinstance(value, int) else "a finite number"
-                raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
+    for name, f in FIELDS.items():
+        value = getattr(args, name)
+        if f.metadata["check"] is None or value is None:
+            continue
+        ok, what = CHECKS[f.metadata["check"]]
+        if not (math.isfinite(value) and ok(value)):
+            kind = "an integer" if isinstance(value, int) else "a finite number"
+            raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
 
 
 def validate(args, task, explicit: set):
@@ -310,13 +377,13 @@ def validate(args, task, explicit: set):
     if "eval_points" in explicit and args.eval_points and not task.EVAL_POINTS:
         raise UsageError(f"--eval-points applies to the Boolean and arithmetic tasks only, got {args.eval_points} "
                          f"for {args.task}")
-    for family, flags in args.families.items():
-        for flag in sorted(explicit & set(flags)):
-            if flag not in task.OPTIONS:
-                what = f" (use --pool for {args.task})" if flag == "readout" and task.KIND == "vision" else ""
-                raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {args.task} ({task.KIND}){what}; "
-                                 f"its task options are: "
-                                 f"{', '.join('--' + o.replace('_', '-') for o in task.OPTIONS if o != 'heads')}")
+    options = [o for o in task.options() if o in FIELDS]
+    for flag in sorted(explicit & TASK_FLAGS):
+        if flag not in options:
+            what = f" (use --pool for {args.task})" if flag == "readout" and task.KIND == "vision" else ""
+            raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {args.task} ({task.KIND}){what}; "
+                             f"its task options are: "
+                             f"{', '.join('--' + o.replace('_', '-') for o in options if o != 'heads')}")
     if not task.MASK_SCALE and explicit & {"mask_on", "mask_off"}:
         raise UsageError(f"--mask-on / --mask-off do not apply to task {args.task} ({task.KIND}): its M starts "
                          f"from the causal-distance prior (log sigmoid(M) = -slope_h * distance), which has no "
@@ -343,7 +410,8 @@ def validate(args, task, explicit: set):
 
 def make_task(args) -> T.Task:
     """The task of args.task, given its options (flags of the same names) and the seed."""
-    options = {k: getattr(args, k) for k in T.TASKS[args.task].OPTIONS if getattr(args, k) is not None}
+    options = {k: getattr(args, k) for k in T.TASKS[args.task].options()
+               if k in FIELDS and getattr(args, k) is not None}
     try:
         return T.make_task(args.task, seed=args.seed, **options)
     except T.TaskError as e:
@@ -534,15 +602,16 @@ class Dist:
         return float(t[0]), bool(t[1] > 0)
 
 
-def init_distributed(args) -> Dist:
+def init_distributed(args: Config) -> tuple[Dist, Config]:
     """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo
-    on the CPU) and pin this rank's device; bad settings are one line from rank 0."""
+    on the CPU) and pin this rank's device (the config it returns names it); bad settings are one line
+    from rank 0."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Dist()
+        return Dist(), args
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if world == 1:
-        return Dist()
+        return Dist(), args
     if args.sample is not None:
         raise UsageError("--sample runs in one process; start it without torchrun")
     if args.batch_size % world:
@@ -554,7 +623,7 @@ def init_distributed(args) -> Dist:
             raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
                              f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local)
-        args.device = f"cuda:{local}"
+        args = replace(args, device=f"cuda:{local}")
     elif device.type != "cpu":
         raise UsageError(f"--device {args.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
     import datetime
@@ -565,7 +634,7 @@ def init_distributed(args) -> Dist:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
                          f"{args.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
-    return Dist(rank, world, local)
+    return Dist(rank, world, local), args
 
 
 @dataclass
@@ -579,7 +648,7 @@ class Probe:
     snapshot: list
     eval_points: int
     device: torch.device
-    args: argparse.Namespace
+    args: Config
     ema: torch.nn.Module | None = None         # the moving average of the weights (--ema), evaluated beside them
 
     def __post_init__(self):
@@ -616,7 +685,7 @@ class Probe:
 @dataclass
 class Run:
     """Everything a run carries from its start to its end."""
-    args: argparse.Namespace
+    args: Config
     task: T.Task
     model: torch.nn.Module
     cfg: object
@@ -642,11 +711,11 @@ class Run:
             print(text, flush=True)
 
 
-def run(args, explicit: set) -> int:
+def run(flags: argparse.Namespace, explicit: set) -> int:
     """The `train` command: resolve the flags, then start or resume, train, finish."""
-    args = resolve(args, explicit)
+    args = resolve(flags, explicit)
     check_numbers(args)
-    dist = init_distributed(args)
+    dist, args = init_distributed(args)
     try:
         if args.sample is not None:
             return sample(args, explicit)
@@ -678,7 +747,7 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
             if args.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
-                restore_args(args, explicit, folder, ckpt)
+                args = restore_args(args, explicit, folder, ckpt)
                 check_numbers(args)
             task = make_task(args)
             validate(args, task, explicit)
@@ -692,10 +761,10 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
                 raise
             error = str(e)
     dist.agree(error)
-    shared = dist.share(vars_of(args) if dist.main else None)
+    shared = dist.share(asdict(args) if dist.main else None)
     try:
         if not dist.main:                        # the flags rank 0 restored, then this rank's own copies
-            vars(args).update(shared)
+            args = Config(**shared)
             ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), "--resume") if args.resume else None
             task, device = make_task(args), pick_device(args.device)
         state = build_run(args, explicit, task, device, folder, ckpt, dist)
@@ -713,20 +782,28 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
     return state
 
 
+def size_schedule(args: Config, explicit: set, task) -> Config:
+    """The config with what the task sizes filled in: --steps from --epochs (unless --steps was given, or
+    kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs, and the log
+    (a tenth of the run) and checkpoint (each log step) intervals where not given."""
+    sized = {}
+    if args.warmup_epochs is not None:
+        sized["warmup"] = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
+    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
+        sized["steps"] = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
+    log_every = args.log_every or max(1, sized.get("steps", args.steps) // 10)
+    return replace(args, **sized, log_every=log_every, ckpt_every=args.ckpt_every or log_every)
+
+
 def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist()) -> Run:
     """Load the data, size the schedule, build the model; then initialise and save a new run
     (`ckpt` None) or restore the checkpoint's state. Only rank 0 writes."""
     setup_task(task, device)
-    if args.warmup_epochs is not None:
-        args.warmup = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
-    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
-        args.steps = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
+    args = size_schedule(args, explicit, task)
     if ckpt is not None and args.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {args.out} is at step {ckpt['step']}, past --steps "
                          f"{args.steps}; give --steps {ckpt['step']} or more")
-    args.log_every = args.log_every or max(1, args.steps // 10)
-    args.ckpt_every = args.ckpt_every or args.log_every
     model, cfg = build_model(args, task, device)
     pattern = task.pattern(args.pattern).to(device)
     inputs = task.probe_inputs(args.probe_size)
@@ -745,7 +822,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         if dist.main:
             start = probe.measure(model)
             state.mass_start = start["prior_mass"]
-            write_json(state.path("args.json"), vars_of(args))
+            write_json(state.path("args.json"), asdict(args))
             T.atomic_write(state.path("metrics.jsonl"),
                            json.dumps({"step": 0, "loss": None, "run_id": state.run_id, **start}) + "\n")
             save_checkpoint(state)              # last: a folder with a checkpoint is a run
@@ -772,7 +849,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         if dist.main:
             truncate_log(state.path("metrics.jsonl"), state.step)
-            write_json(state.path("args.json"), vars_of(args))
+            write_json(state.path("args.json"), asdict(args))
             state.say(f"resuming {args.out} at step {state.step}/{args.steps}")
     if args.ema:
         state.probe.ema = copy.deepcopy(model).requires_grad_(False)
@@ -960,7 +1037,7 @@ def sample(args, explicit: set) -> int:
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
-    restore_args(args, explicit, folder, ckpt)
+    args = restore_args(args, explicit, folder, ckpt)
     check_numbers(args)
     task = make_task(args)
     if task.KIND != "lm":
@@ -987,11 +1064,6 @@ def sample(args, explicit: set) -> int:
 # Checkpoint and files: every file is written whole or not at all (T.atomic_write / atomic_output)
 
 
-def vars_of(args) -> dict:
-    """The resolved flags, as args.json records them."""
-    return {k: v for k, v in vars(args).items() if k not in ("command", "families")}
-
-
 def write_json(path: str, obj) -> None:
     T.atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
@@ -1005,7 +1077,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
     """ckpt.pt: model, optimiser, step, training time, flags, config, the init's report, the prior's
     snapshot and starting mass, RNG states: all `--resume` needs to continue exactly."""
     ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
-            "seconds": state.seconds if seconds is None else seconds, "args": vars_of(state.args),
+            "seconds": state.seconds if seconds is None else seconds, "args": asdict(state.args),
             "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
             **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
@@ -1024,7 +1096,7 @@ def fingerprint(flags: dict) -> str:
 
 def identity(args, run_id: str) -> dict:
     """Who a checkpoint belongs to: the run id written at the start, the seed and the configuration's fingerprint."""
-    return {"run_id": run_id, "seed": args.seed, "fingerprint": fingerprint(vars_of(args))}
+    return {"run_id": run_id, "seed": args.seed, "fingerprint": fingerprint(asdict(args))}
 
 
 CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_report", "snapshot",
@@ -1131,8 +1203,8 @@ class RunFolder:
         self.release()
 
 
-def restore_args(args, explicit: set, folder: RunFolder, ckpt: dict) -> None:
-    """Resume: the run's saved flags come back (once `check_resume` finds ckpt.pt, args.json and
+def restore_args(args: Config, explicit: set, folder: RunFolder, ckpt: dict) -> Config:
+    """Resume: the run's config from its saved flags (once `check_resume` finds ckpt.pt, args.json and
     metrics.jsonl to be one run), except its folder (always the --out given: a run folder can be
     moved) and the RESUMABLE flags given now; any other flag given must agree."""
     saved = check_resume(folder, ckpt)
@@ -1142,14 +1214,15 @@ def restore_args(args, explicit: set, folder: RunFolder, ckpt: dict) -> None:
             what = "architecture" if key in ARCH else "setting"
             raise UsageError(f"--resume: the run in {args.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
+    values = asdict(args)
     for key, value in saved.items():
         if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
-            setattr(args, key, value)
+            values[key] = value
     for key in DEFAULTS.keys() - saved.keys() - explicit:      # a flag added after the run was made
-        setattr(args, key, DEFAULTS[key])
+        values[key] = DEFAULTS[key]
     if "halt_after" not in explicit:
-        args.halt_after = None      # a halt belongs to one invocation
-    args.resume = True
+        values["halt_after"] = None     # a halt belongs to one invocation
+    return Config(**{**values, "resume": True})
 
 
 _MISSING = object()
@@ -1541,10 +1614,8 @@ CURVE_METRICS = {
     "vision": (("top1", "top-1", True),),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
-# Flags that leave a run's curve unchanged (where and how it ran, which run it is): runs that differ only in
-# these (and in init and seed) are one configuration; any other difference draws them apart.
-NOT_CONFIG = {"init", "seed", "out", "resume", "device", "amp", "ckpt_every", "halt_after", "attention",
-              "data_dir", "sample", "sample_tokens", "temperature", "top_k", "compile", "dist_timeout"}
+# Runs that differ only in NOT_CONFIG (Config fields with tells_apart=False: where and how a run ran, which
+# run it is, its init and seed) are one configuration; any other difference draws them apart.
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:

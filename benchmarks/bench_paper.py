@@ -17,6 +17,7 @@ paper's shapes. On a CPU use `--batch-size 2 --steps 1` to check that everything
 times are then meaningless).
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -81,7 +82,7 @@ def build(task_name: str, init: str, device: torch.device, extra: list):
     else:
         batch, spe = task.train_batch(0, b), task.steps_per_epoch(b)
     steps = args.steps if args.steps is not None else round(args.epochs * spe)
-    args.steps = steps                                 # the schedule's length, as train.py resolves it
+    args = dataclasses.replace(args, steps=steps)      # the schedule's length, as train.py sizes it
     trained = torch.compile(model) if args.compile else model
 
     def step():                                        # train.py's own step (lr schedule, clip, update)
