@@ -1,4 +1,8 @@
-"""Tests for maskprior.py, tasks.py and train.py. Run: python -m pytest -q test_maskprior.py"""
+"""Tests for maskprior.py, tasks.py and train.py. Run: python -m pytest -q test_maskprior.py
+
+Grouped by subject: shared constants, model, tasks, config, runs and resume, reporting, reproduce.sh,
+library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
+"""
 import dataclasses
 import json
 import math
@@ -31,7 +35,201 @@ def tiny_cfg(**kw):
     return mp.TransformerConfig(**base)
 
 
-# ---------------------------------------------------------------------------------------- attention
+# ---------------------------------------------------------------------------------------- shared constants
+
+# Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
+
+
+# wiki.*.tokens: a leading " " line, " = Title = " headings, blank " " lines,
+# @,@ / @.@ / @-@ and <unk> tokens, a trailing space before each newline.
+WIKI_TRAIN = (
+    " \n"
+    " = Robert Boulter = \n"
+    " \n"
+    " Robert Boulter is an English film , television and theatre actor . He had a <unk> role in 2000 . \n"
+    " \n"
+    " = = Career = = \n"
+    " \n"
+    " In 2006 @-@ 07 , Boulter starred in 1 @,@ 000 shows ; it cost 3 @.@ 5 million . \n"
+    " \n"
+)
+
+
+WIKI_VALID = " \n = Career = \n \n Boulter had a <unk> role . \n"
+
+
+WIKI_TEST = " \n = = Career = = \n He starred in 2000 . \n"
+
+
+# wiki.*.raw: same shape, but real words with punctuation and no <unk>.
+RAW_TRAIN = " \n = Robert Boulter = \n \n Robert Boulter is an English actor. He starred in 2000.\n"
+
+
+RAW_VALID = " \n Boulter is an unseenword actor.\n"
+
+
+RAW_TEST = " Robert is an actor.\n"
+
+
+STORIES = (
+    "Once upon a time, a “Lily” saw a café.\n"
+    "\n"
+    "She said, “Hi!” He wrote <|endoftext|> on a card.\n"
+    "<|endoftext|>\n"
+    "Tom ran.\n"
+    "<|endoftext|>\n"
+    "\n"
+    "  <|endoftext|>  \n"
+    "Ben was very happy é.\n"
+    "<|endoftext|>\n"
+    "Last story with no separator after it.\n"
+)
+
+
+VALID_STORIES = "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
+
+
+LM_SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--mlp-dim", "64", "--context", "16",
+            "--batch-size", "16", "--probe-size", "4", "--qk-opt-steps", "20"]
+
+
+SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--mlp-dim", "32", "--batch-size", "32", "--probe-size", "32"]
+
+
+BAD_INPUT = [
+    (["--task", "nosuch"], "unknown task"),
+    (["--init", "nosuch"], "unknown init"),
+    (["--preset", "nosuch"], "unknown preset"),
+    (["--steps", "0"], "--steps must be an integer > 0"),
+    (["--steps", "-5"], "--steps must be an integer > 0"),
+    (["--batch-size", "0"], "--batch-size must be an integer > 0"),
+    (["--epochs", "0"], "--epochs must be a finite number > 0"),
+    (["--epochs", "nan"], "--epochs must be a finite number > 0"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--steps", "5", "--epochs", "1"], "either --steps or --epochs"),
+    (["--init", "mimetic"], "does not apply"),
+    (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
+    (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
+    (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
+    (["--pattern", "nosuch"], "has no pattern"),
+    (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
+    (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
+    (["--readout", "tokens"], "invalid choice: 'tokens'"),
+    (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+    (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
+    (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies to the Boolean and arithmetic"),
+    (["--eval-points", "-1"], "--eval-points must be an integer >= 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+    (["--warmup", "-5"], "--warmup must be an integer >= 0"),
+    (["--init", "mask", "--mask-on", "nan"], "--mask-on must be a finite number >= 0"),
+    (["--init", "mask", "--mask-off", "-5"], "--mask-off must be a finite number >= 0"),
+    (["--init", "qk-opt", "--qk-opt-steps", "-1"], "--qk-opt-steps must be an integer > 0"),
+    (["--init", "qk-svd", "--qk-svd-scale", "inf"], "--qk-svd-scale must be a finite number > 0"),
+    (["--dropout", "2"], "--dropout must be a finite number in [0, 1)"),
+    (["--head-dim", "-1"], "--head-dim must be an integer > 0"),
+    (["--emb-init-std", "-1"], "--emb-init-std must be a finite number >= 0"),
+    (["--probe-size", "0"], "--probe-size must be an integer > 0"),
+    (["--seed", "-1"], "--seed must be an integer in 0 .. 4294967295"),
+    (["--halt-after", "0"], "--halt-after must be an integer > 0"),
+    (["--betas", "0.9"], "--betas must be two numbers"),
+    (["--device", "meta"], "is not a device to train on"),
+    (["--device", "nonsense"], "is not a device to train on"),
+    (["--device", "mps"], "torch sees no Apple GPU"),
+    (["--task", "wikitext2", "--data-dir", ".", "--context", "0"], "--context must be at least 2"),
+    (["--task", "wikitext2", "--data-dir", ".", "--mask-off", "3"], "do not apply to task wikitext2"),
+    (["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
+    (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
+    (["--task", "addition", "--data-frac", "2"], "--data-frac must be in (0, 1]"),
+    (["--sample", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--sample", "hi"], "--sample: no checkpoint"),
+    (["--resume"], "--resume: no checkpoint"),
+]
+
+
+if torch.backends.mps.is_available():                   # the machine has the Apple GPU that case asks for
+    BAD_INPUT.remove((["--device", "mps"], "torch sees no Apple GPU"))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+TINY = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "16", "--batch-size", "32",
+        "--probe-size", "16", "--eval-points", "256"]
+
+
+RUN24 = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "32", "--steps", "40",
+         "--log-every", "5", "--batch-size", "32", "--probe-size", "32"]
+
+
+DDP_TINY = [*TINY, "--init", "mask", "--steps", "20", "--log-every", "5"]
+
+
+DDP_GRAD_SCRIPT = """
+import torch, torch.distributed as dist, maskprior as mp
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="mean",
+                           learnable_mask=True, fused=False)
+torch.manual_seed(0)
+model = mp.Transformer(cfg)
+mp.init_mask_(model, mp.banded_pattern(6, 1))
+x, y = torch.randint(0, 2, (8, 6), generator=torch.Generator().manual_seed(1)), torch.randn(8)
+full = mp.Transformer(cfg)
+full.load_state_dict(model.state_dict())
+torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # one process, the whole batch
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+part = slice(4 * rank, 4 * rank + 4)
+torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
+g, ref = model.blocks[0].attn.mask_logits.grad, full.blocks[0].attn.mask_logits.grad
+assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
+open(f"ok{rank}", "w").write("ok")
+del ddp                                              # DDP's reducer must go before its process group
+dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
+dist.destroy_process_group()
+"""
+
+
+PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that argument)
+    "brightness": (1.7, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Brightness(im).enhance(a)),
+    "color": (0.3, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Color(im).enhance(a)),
+    "contrast": (1.6, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Contrast(im).enhance(a)),
+    "sharpness": (0.2, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Sharpness(im).enhance(a)),
+    "posterize": (3, lambda im, a: __import__("PIL.ImageOps").ImageOps.posterize(im, a)),
+    "solarize": (100, lambda im, a: __import__("PIL.ImageOps").ImageOps.solarize(im, a)),
+    "autocontrast": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.autocontrast(im)),
+    "equalize": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.equalize(im)),
+}
+
+
+SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points", "16"],
+               "vision": ["--patch-size", "8"], "lm": ["--context", "8", "--val-tokens", "64"]}
+
+
+# ---------------------------------------------------------------------------------------- model
+
+def gotu_model(**kw):
+    task = T.make_task("parity2")
+    cfg = mp.TransformerConfig(**{**task.arch(), "n_layers": 2, "n_heads": 4, "dim": 64, **kw})
+    torch.manual_seed(0)
+    return task, mp.Transformer(cfg)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A small WikiText-2 word-level release in a fresh folder."""
+    _write_text_corpus(tmp_path / "text")
+    return str(tmp_path / "text")
+
+
+def _lm_cfg(param, fused=True, n=12):
+    return mp.TransformerConfig(vocab_size=11, seq_len=n, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
+                                causal=True, n_outputs=11, learnable_mask=True, fused=fused, mask_param=param,
+                                tie_embeddings=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -111,9 +309,6 @@ def test_mask_gradient_bound_holds():
         assert (bound <= (a.detach() * spread).sum(0) + 1e-9).all()
 
 
-# ---------------------------------------------------------------------------------------- patterns
-
-
 def test_pattern_builders():
     p = mp.pattern_from_pairs(4, [(0, 2)], symmetric=True, self_loops=False)
     assert p.tolist() == [[False, False, True, False], [False] * 4, [True, False, False, False], [False] * 4]
@@ -150,16 +345,6 @@ def test_causal_distance_logits_are_alibi():
             for j in range(i):
                 assert abs(float(bias[h, i, j]) + float(slopes[h]) * (i - j)) < 1e-5
     assert (bias[:, range(6), range(6)] > -1e-4).all()
-
-
-# ---------------------------------------------------------------------------------------- inits
-
-
-def gotu_model(**kw):
-    task = T.make_task("parity2")
-    cfg = mp.TransformerConfig(**{**task.arch(), "n_layers": 2, "n_heads": 4, "dim": 64, **kw})
-    torch.manual_seed(0)
-    return task, mp.Transformer(cfg)
 
 
 def test_init_mask_sets_every_layer():
@@ -263,7 +448,382 @@ def test_prior_probes():
     assert mp.prior_drift(model, snap)["mask_drift"][0] == pytest.approx(1.0)
 
 
-# ---------------------------------------------------------------------------------------- Boolean tasks
+def test_maskprior_copied_alone_runs(tmp_path):
+    shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
+    code = ("import maskprior as mp, torch, sys\n"
+            "assert not {'transformers', 'timm', 'safetensors'} & set(sys.modules)   # adapters import nothing\n"
+            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16,\n"
+            "                           learnable_mask=True)\n"
+            "m = mp.Transformer(cfg)\n"
+            "mp.init_mask_(m, mp.banded_pattern(8, 1))\n"
+            "y = m(torch.randint(0, 2, (4, 7)))\n"
+            "y.sum().backward()\n"
+            "assert m.blocks[0].attn.mask_logits.grad is not None\n"
+            "v = mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))\n"
+            "v(torch.randn(2, 3, 8, 8)).sum().backward()\n"
+            "enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,\n"
+            "                                  enable_nested_tensor=False)\n"
+            "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
+            "enc(torch.randn(3, 5, 8)).sum().backward()\n"
+            "assert all(p.mask_logits.grad is not None for p in priors.values())\n"
+            "rel = mp.MaskPrior(6, 2, causal=True, logits=mp.causal_distance_logits(6, 2), param=\"relative\")\n"
+            "assert rel.mask_logits.shape == (2, 6) and rel(4).shape == (2, 4, 4)\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    src = open(os.path.join(HERE, "maskprior.py")).read()
+    assert "import tasks" not in src and "import train" not in src
+
+
+@cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
+    torch.manual_seed(0)
+    # sequence length not a multiple of 8 on purpose; a causal layer reads a prefix of its M, others all of it
+    n, t = (70, 67) if causal else (67, 67)
+    attn = mp.Attention(128, 2, mask_size=n, causal=causal).cuda()
+    with torch.no_grad():
+        attn.mask_logits.copy_(torch.randn(2, n, n, device="cuda") * 4)
+    x = torch.randn(4, t, 128, device="cuda", requires_grad=True)
+    res = []
+    for fused in (True, False):
+        attn.fused = fused
+        attn.zero_grad()
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _ = attn(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        res.append((out.float().detach(), x.grad.clone(), attn.mask_logits.grad.clone()))
+    (o1, gx1, gm1), (o2, gx2, gm2) = res
+    assert torch.isfinite(gm1).all() and gm1.abs().sum() > 0
+    torch.testing.assert_close(o1, o2, atol=3e-2, rtol=3e-2)
+    assert float((gx1 - gx2).norm() / gx2.norm()) < 3e-2
+    assert float((gm1 - gm2).norm() / gm2.norm()) < 3e-2
+
+
+@cuda
+def test_cuda_training_run(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "majority3", "--init", "mask", "--steps", "20", "--device", "cuda",
+                        *SMALL)
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
+
+
+@cuda
+@pytest.mark.parametrize("init", ["mask", "impulse"])
+def test_cuda_vision_run_bf16(tmp_path, init):
+    """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
+    x, y = _images(64), np.arange(64) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
+                        "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
+                        "--batch-size", "16", "--probe-size", "8")
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["device"].startswith("cuda") and np.isfinite(res["metrics"]["loss"])
+    if init == "mask":
+        assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
+    """One layer: the content margin is the same with M set or zeroed (the bias is taken out); without M it
+    is, row by row, log(mass off / mass on); with a constant on/off bias the mass follows margin - gap."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=9, n_layers=1, n_heads=2, dim=32, mlp_dim=64, readout="tokens",
+                               n_outputs=5, causal=causal, learnable_mask=True)
+    model = mp.Transformer(cfg).eval()
+    x = torch.randint(0, 5, (6, 9))
+    pattern = mp.banded_pattern(9, 1) & (mp.causal_pattern(9) if causal else True)
+    zero = mp.content_margin(model, x, pattern)                      # M = 0: a constant bias, no prior
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    on = (a * pattern).sum(-1)
+    rows = mp.prior_rows(pattern, causal)
+    ratio = ((1 - on) / on).log()[..., rows]
+    # the mean of log-ratios: LSE over off keys minus LSE over on keys of log a, row by row
+    assert zero[0] == pytest.approx(float(ratio.mean()), abs=1e-4)
+    mp.init_mask_(model, pattern, m_on=5.0, m_off=10.0)
+    assert mp.content_margin(model, x, pattern)[0] == pytest.approx(zero[0], abs=1e-3)
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
+    on = (a * pattern).sum(-1)
+    assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
+
+
+def test_transformer_and_vit_share_one_trunk():
+    assert issubclass(mp.Transformer, mp.Trunk) and issubclass(mp.ViT, mp.Trunk)
+    assert mp.Transformer.forward is mp.ViT.forward is mp.Trunk.forward
+    cfg = mp.TransformerConfig(n_layers=1, dim=16, n_heads=2, mlp_dim=24, dropout=0.1)
+    block = mp.Block(cfg, mask_size=16, causal=False)
+    assert block.mlp[0].out_features == 24 and block.attn.mask_logits.shape == (2, 16, 16)
+
+
+def test_no_constrained_row_gives_null_mass_with_a_reason(tmp_path, text_dir):
+    """A causal-distance window wider than the context constrains no row: the mass is null with a reason, not NaN."""
+    out = str(tmp_path / "lm")
+    assert train.main(["--task", "wikitext2", "--data-dir", text_dir, "--context", "5", "--heads", "4", "--init",
+                       "mask", "--steps", "2", "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--val-tokens", "50",
+                       "--out", out]) == 0
+    text = open(os.path.join(out, "result.json")).read()
+    assert "NaN" not in text
+    res = json.loads(text)
+    m = res["metrics"]
+    assert m["prior_mass_start"] is None and m["prior_mass_end"] is None
+    assert "constrains no query row" in res["prior_mass_note"]
+    with pytest.raises(ValueError, match="constrains no query row"):
+        mp.prior_probe(mp.Transformer(mp.TransformerConfig(seq_len=4, readout="tokens", causal=True, n_outputs=2)),
+                       torch.zeros(1, 4, dtype=torch.long), mp.causal_pattern(4))
+
+
+def test_relative_prior_starts_where_the_full_one_does_and_is_small():
+    torch.manual_seed(0)
+    full, rel = mp.Transformer(_lm_cfg("full")), mp.Transformer(_lm_cfg("relative"))
+    rel.load_state_dict({k: v for k, v in full.state_dict().items() if "mask_logits" not in k}, strict=False)
+    logits = mp.causal_distance_logits(12, 4)
+    mp.init_mask_(full, logits=logits)
+    mp.init_mask_(rel, logits=logits)
+    a, b = full.blocks[0].attn, rel.blocks[0].attn
+    assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
+    assert torch.equal(a.attn_bias(12, torch.float32, "cpu"), b.attn_bias(12, torch.float32, "cpu"))
+    assert torch.equal(a.attn_bias(7, torch.float32, "cpu"), b.attn_bias(7, torch.float32, "cpu"))       # a prompt
+    x = torch.randint(0, 11, (3, 12))
+    torch.testing.assert_close(full(x), rel(x))
+    with pytest.raises(ValueError, match="differ along a diagonal"):
+        mp.init_mask_(rel, logits=torch.randn(4, 12, 12))
+    with pytest.raises(ValueError, match="sequence length 13 does not fit the mask size 12"):
+        b.prior(13)                                           # a context longer than the table
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relative_prior_fused_equals_explicit_with_the_table_gradient(causal):
+    n = 10
+    cfg = mp.TransformerConfig(vocab_size=7, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=causal, n_outputs=7, learnable_mask=True, mask_param="relative")
+    torch.manual_seed(0)
+    fused = mp.Transformer(cfg)
+    with torch.no_grad():
+        fused.blocks[0].attn.mask_logits.normal_()
+    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False}))
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 7, (4, n))
+    r = torch.randn(4, n, 7)
+    outs = []
+    for m in (fused, explicit):
+        out = m(x)
+        (out * r).sum().backward()
+        outs.append((out.detach(), m.blocks[0].attn.mask_logits.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    assert outs[0][1].abs().max() > 1e-3
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)
+    if causal:                                                # later tokens never reach earlier outputs
+        y = x.clone()
+        y[:, 6:] = (y[:, 6:] + 1) % 7
+        torch.testing.assert_close(fused(x)[:, :6], fused(y)[:, :6])
+
+
+def test_theorem_1_bound_holds_on_the_relative_table():
+    """dL/dM_d sums dL/dM_ij over the pairs at distance d, so its size is bounded by the sum of their bounds."""
+    n = 8
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=True, n_outputs=5, learnable_mask=True, fused=False, mask_param="relative")
+    torch.manual_seed(2)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=mp.causal_distance_logits(n, 2))
+    x = torch.randint(0, 5, (6, n))
+    out, (attn,) = model(x, return_attn=True)
+    attn.retain_grad()
+    (out * torch.randn(out.shape)).sum().backward()
+    prior = model.blocks[0].attn.prior
+    bound = mp.mask_grad_bound(attn.detach(), attn.grad, prior.full_logits().detach())        # (H, n, n)
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
+    g = prior.mask_logits.grad
+    assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
+
+
+def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--mask-param", "relative",
+              "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--context", "16", "--val-tokens", "200",
+              "--steps", "8", "--log-every", "4", "--batch-size", "4"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert train.main([*common, "--out", a]) == 0
+    assert train.main([*common, "--halt-after", "4", "--out", b]) == 0
+    assert train.main(["--resume", "--out", b]) == 0
+    pa, pb = _params(a), _params(b)
+    assert pa["blocks.0.attn.prior.mask_logits"].shape == (4, 16)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert train.main(["--resume", "--out", b, "--mask-param", "full"]) == 2
+
+
+def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(tmp_path, text_dir):
+    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
+    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
+    out = str(tmp_path / "old")
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
+              "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
+              "--batch-size", "4"]
+    assert train.main([*common, "--mask-param", "full", "--halt-after", "3", "--out", out]) == 0
+    saved = json.load(open(os.path.join(out, "args.json")))
+    del saved["mask_param"]                                   # a run made before the flag existed
+    open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    assert train.main(["--resume", "--out", out]) == 0
+    assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"
+
+
+# ---------------------------------------------------------------------------------------- tasks
+
+def _bit_pattern(name: str) -> torch.Tensor:
+    """What each task's default pattern allows among the 15 bit tokens (bit i -> bit j)."""
+    if name == "cyclic3":
+        d = (torch.arange(15)[:, None] - torch.arange(15)[None, :]).abs()
+        return torch.minimum(d, 15 - d) <= 2
+    bits = {"parity2": [0, 1], "majority3": [0, 1, 2]}[name]
+    p = torch.eye(15, dtype=torch.bool)
+    for i in bits:
+        for j in bits:
+            p[i, j] = True
+    return p
+
+
+def _images(n, seed=0, size=32):
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
+
+
+def _py2_pickle(path, d):
+    """What a CIFAR / Imagenet32 batch file holds: a dict with bytes keys, pickle protocol 2."""
+    with open(path, "wb") as f:
+        pickle.dump(d, f, protocol=2)
+
+
+def _imagenet_dir(tmp_path, suffix=""):
+    """A downsampled-ImageNet layout: map_clsloc.txt (1000 wnids, 1-based labels) and batches
+    whose labels are 1-based; two of the ImageNet-100 classes and one other class present."""
+    root = tmp_path / ("in" + suffix)
+    root.mkdir()
+    others = [f"n9{i:07d}" for i in range(1000 - 100)]
+    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
+    (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
+    lab = {w: i for i, w in enumerate(wnids, 1)}
+    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
+
+    def write(name, n):
+        x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
+        if suffix:
+            np.savez(root / f"{name}.npz", data=x, labels=np.array(y))
+        else:
+            _py2_pickle(root / name, {b"data": x, b"labels": y, b"mean": np.zeros(3072)})
+    for i in range(1, 11):
+        write(f"train_data_batch_{i}", 1)
+    write("val_data", 2)
+    return root
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    path.write_bytes(text)
+    return path
+
+
+def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
+    sub, ext = T.WIKITEXT_RELEASES[release]
+    texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
+    for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
+        write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
+    return root / sub
+
+
+def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORIES, valid=VALID_STORIES) -> Path:
+    write(root / f"{prefix}-train.txt", train)
+    write(root / f"{prefix}-valid.txt", valid)
+    return root
+
+
+def reference_words(text: str) -> list[str]:
+    return [w for line in text.splitlines() for w in line.split() + ["<eos>"]]
+
+
+def reference_bytes(data: bytes) -> list[int]:
+    """Non-streaming reference for the TinyStories byte tokenisation."""
+    out, story = [], []
+
+    def flush():
+        body = b"\n".join(story).strip()
+        if body:
+            out.extend(body)
+            out.append(256)
+        story.clear()
+
+    for line in data.split(b"\n"):
+        if line.strip() == b"<|endoftext|>":
+            flush()
+        else:
+            story.append(line)
+    flush()
+    return out
+
+
+def cache_files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
+
+
+def stream(path: Path, chunk_size: int) -> list[int]:
+    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
+    return np.concatenate(arrays).tolist() if arrays else []
+
+
+def _write_text_corpus(folder, n_articles=24):
+    rng = np.random.default_rng(0)
+    nouns, verbs = ["cat", "dog", "bird", "fox"], ["sat", "ran", "slept"]
+    arts = []
+    for i in range(n_articles):          # templated sentences: learnable in a few dozen steps
+        paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
+                 for _ in range(20)]
+        arts.append((f"Story {i % 3}", paras))
+    return T.write_wikitext_layout(arts, str(folder), min_count=1)
+
+
+def run_train(tmp_path, *args, name="run"):
+    out = os.path.join(tmp_path, name)
+    return train.main(["--out", out, *map(str, args)]), out
+
+
+def _aug_images(n=6, h=9, w=11, seed=0):
+    x = np.random.default_rng(seed).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
+    x[1] = x[1] // 4 + 100                                   # a low-contrast image
+    x[2] = x[2] // 8 + 3                                     # a dark one
+    return torch.as_tensor(x)
+
+
+def _smoke_data(root: Path, task: str) -> list:
+    """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
+    if task == "cifar10":
+        T.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
+    elif task == "cifar100":
+        py = root / "cifar-100-python"
+        py.mkdir(parents=True)
+        for split, n in (("train", 20), ("test", 4)):
+            _py2_pickle(py / split, {b"fine_labels": list(range(n)), b"coarse_labels": [0] * n,
+                                     b"data": _images(n, n).reshape(n, -1)})
+    elif task == "imagenet100":
+        root.mkdir(parents=True)
+        root = _imagenet_dir(root)
+    elif task == "wikitext2":
+        _write_text_corpus(root)
+    elif task == "tinystories":
+        make_tinystories(root)
+    else:
+        return []
+    return ["--data-dir", str(root)]
 
 
 @pytest.mark.parametrize("name,size,frac_unseen", [("parity2", 24576, 0.25), ("majority3", 32768, 0.25),
@@ -335,19 +895,6 @@ def test_patterns_of_the_gotu_tasks():
     assert p.diagonal().all() and not p[1, 3]
     c = T.make_task("cyclic3").pattern()
     assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
-
-
-def _bit_pattern(name: str) -> torch.Tensor:
-    """What each task's default pattern allows among the 15 bit tokens (bit i -> bit j)."""
-    if name == "cyclic3":
-        d = (torch.arange(15)[:, None] - torch.arange(15)[None, :]).abs()
-        return torch.minimum(d, 15 - d) <= 2
-    bits = {"parity2": [0, 1], "majority3": [0, 1, 2]}[name]
-    p = torch.eye(15, dtype=torch.bool)
-    for i in bits:
-        for j in bits:
-            p[i, j] = True
-    return p
 
 
 @pytest.mark.parametrize("readout", ["cls", "mean"])
@@ -440,9 +987,6 @@ def test_eval_points_sample_the_cube_in_proportion():
     assert full["mse"] == pytest.approx(float(((pred - task.y_test) ** 2).mean()))
 
 
-# ---------------------------------------------------------------------------------------- arithmetic
-
-
 @pytest.mark.parametrize("name,order", [("addition", "msb"), ("addition", "lsb"), ("multiplication", "msb"),
                                         ("multiplication", "lsb")])
 def test_arithmetic_tokenisation_round_trip(name, order):
@@ -525,19 +1069,6 @@ def test_arithmetic_bad_data_frac(tmp_path, capsys, frac, needle):
     assert not os.path.exists(out)
 
 
-# ---------------------------------------------------------------------------------------- vision
-
-
-def _images(n, seed=0, size=32):
-    return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
-
-
-def _py2_pickle(path, d):
-    """What a CIFAR / Imagenet32 batch file holds: a dict with bytes keys, pickle protocol 2."""
-    with open(path, "wb") as f:
-        pickle.dump(d, f, protocol=2)
-
-
 def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
     root = tmp_path / "cifar-10-batches-py"
     root.mkdir()
@@ -609,29 +1140,6 @@ def test_malformed_and_missing_image_files(tmp_path):
         T.read_cifar(str(tmp_path / "p"), "cifar10")
     with pytest.raises(T.DataError, match="CIFAR-100 not found.*cifar.html"):
         T.read_cifar(str(tmp_path / "empty"), "cifar100")
-
-
-def _imagenet_dir(tmp_path, suffix=""):
-    """A downsampled-ImageNet layout: map_clsloc.txt (1000 wnids, 1-based labels) and batches
-    whose labels are 1-based; two of the ImageNet-100 classes and one other class present."""
-    root = tmp_path / ("in" + suffix)
-    root.mkdir()
-    others = [f"n9{i:07d}" for i in range(1000 - 100)]
-    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
-    (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
-    lab = {w: i for i, w in enumerate(wnids, 1)}
-    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
-
-    def write(name, n):
-        x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
-        if suffix:
-            np.savez(root / f"{name}.npz", data=x, labels=np.array(y))
-        else:
-            _py2_pickle(root / name, {b"data": x, b"labels": y, b"mean": np.zeros(3072)})
-    for i in range(1, 11):
-        write(f"train_data_batch_{i}", 1)
-    write("val_data", 2)
-    return root
 
 
 @pytest.mark.parametrize("suffix", ["", ".npz"])
@@ -789,105 +1297,6 @@ def test_image_folder_reader(tmp_path):
         T.read_image_folder(str(tmp_path), 16)
 
 
-# ---------------------------------------------------------------------------------------- language models
-# Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
-
-# --------------------------------------------------------------------------- #
-# Fixture text in the real layouts
-# --------------------------------------------------------------------------- #
-
-# wiki.*.tokens: a leading " " line, " = Title = " headings, blank " " lines,
-# @,@ / @.@ / @-@ and <unk> tokens, a trailing space before each newline.
-WIKI_TRAIN = (
-    " \n"
-    " = Robert Boulter = \n"
-    " \n"
-    " Robert Boulter is an English film , television and theatre actor . He had a <unk> role in 2000 . \n"
-    " \n"
-    " = = Career = = \n"
-    " \n"
-    " In 2006 @-@ 07 , Boulter starred in 1 @,@ 000 shows ; it cost 3 @.@ 5 million . \n"
-    " \n"
-)
-WIKI_VALID = " \n = Career = \n \n Boulter had a <unk> role . \n"
-WIKI_TEST = " \n = = Career = = \n He starred in 2000 . \n"
-
-# wiki.*.raw: same shape, but real words with punctuation and no <unk>.
-RAW_TRAIN = " \n = Robert Boulter = \n \n Robert Boulter is an English actor. He starred in 2000.\n"
-RAW_VALID = " \n Boulter is an unseenword actor.\n"
-RAW_TEST = " Robert is an actor.\n"
-
-STORIES = (
-    "Once upon a time, a “Lily” saw a café.\n"
-    "\n"
-    "She said, “Hi!” He wrote <|endoftext|> on a card.\n"
-    "<|endoftext|>\n"
-    "Tom ran.\n"
-    "<|endoftext|>\n"
-    "\n"
-    "  <|endoftext|>  \n"
-    "Ben was very happy é.\n"
-    "<|endoftext|>\n"
-    "Last story with no separator after it.\n"
-)
-VALID_STORIES = "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
-
-
-def write(path: Path, text: str | bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(text, str):
-        text = text.encode("utf-8")
-    path.write_bytes(text)
-    return path
-
-
-def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
-    sub, ext = T.WIKITEXT_RELEASES[release]
-    texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
-    for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
-        write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
-    return root / sub
-
-
-def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORIES, valid=VALID_STORIES) -> Path:
-    write(root / f"{prefix}-train.txt", train)
-    write(root / f"{prefix}-valid.txt", valid)
-    return root
-
-
-def reference_words(text: str) -> list[str]:
-    return [w for line in text.splitlines() for w in line.split() + ["<eos>"]]
-
-
-def reference_bytes(data: bytes) -> list[int]:
-    """Non-streaming reference for the TinyStories byte tokenisation."""
-    out, story = [], []
-
-    def flush():
-        body = b"\n".join(story).strip()
-        if body:
-            out.extend(body)
-            out.append(256)
-        story.clear()
-
-    for line in data.split(b"\n"):
-        if line.strip() == b"<|endoftext|>":
-            flush()
-        else:
-            story.append(line)
-    flush()
-    return out
-
-
-def cache_files(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
-
-
-# --------------------------------------------------------------------------- #
-# WikiText-2
-# --------------------------------------------------------------------------- #
-
-
 def test_line_words_follow_word_language_model():
     assert T.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
     assert T.wikitext_line_words(" \n") == ["<eos>"]
@@ -1019,16 +1428,6 @@ def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     fourth = T.load_lm_corpus("wikitext2", tmp_path)
     assert "He starred in film ." in fourth["decode"](fourth["test"].tolist())
-
-
-# --------------------------------------------------------------------------- #
-# TinyStories
-# --------------------------------------------------------------------------- #
-
-
-def stream(path: Path, chunk_size: int) -> list[int]:
-    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
-    return np.concatenate(arrays).tolist() if arrays else []
 
 
 def test_tinystories_exact_bytes():
@@ -1184,11 +1583,6 @@ def test_explicit_cache_dir(tmp_path):
     assert not (tmp_path / "data" / "maskprior-cache").exists()
 
 
-# --------------------------------------------------------------------------- #
-# Windows
-# --------------------------------------------------------------------------- #
-
-
 def test_random_windows_shapes_shift_and_determinism():
     tokens = np.arange(1000, 1100, dtype=np.uint16)
     x, y = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
@@ -1237,8 +1631,6 @@ def test_eval_windows_context_longer_than_validation_split(tmp_path):
         T.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
     assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
     assert len(list(T.eval_windows(corpus["valid"], n - 1))) == 1
-
-
 
 
 @pytest.mark.parametrize("init", ["default", "mask"])
@@ -1294,21 +1686,6 @@ def test_wikitext_tokenize_and_layout(tmp_path):
     assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
 
 
-def _write_text_corpus(folder, n_articles=24):
-    rng = np.random.default_rng(0)
-    nouns, verbs = ["cat", "dog", "bird", "fox"], ["sat", "ran", "slept"]
-    arts = []
-    for i in range(n_articles):          # templated sentences: learnable in a few dozen steps
-        paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
-                 for _ in range(20)]
-        arts.append((f"Story {i % 3}", paras))
-    return T.write_wikitext_layout(arts, str(folder), min_count=1)
-
-
-LM_SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--mlp-dim", "64", "--context", "16",
-            "--batch-size", "16", "--probe-size", "4", "--qk-opt-steps", "20"]
-
-
 @pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt"])
 def test_lm_run_every_init(tmp_path, init):
     _write_text_corpus(tmp_path / "data")
@@ -1355,8 +1732,202 @@ def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
     assert not os.path.exists(out)
 
 
-# ---------------------------------------------------------------------------------------- train.py
+def test_registry_and_task_constants():
+    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
+                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
+    for name, cls in T.TASKS.items():
+        assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
+        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
+        assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
+    with pytest.raises(T.TaskError, match="unknown task"):
+        T.make_task("nosuch")
+    with pytest.raises(T.TaskError, match="takes no option data_frac"):
+        T.make_task("parity2", data_frac=0.1)
+    with pytest.raises(ValueError, match="registered twice"):
+        T.register("parity2")(type("Again", (T.Task,), {}))
 
+
+def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
+    """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
+    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
+    before = task.pattern()
+    task.setup()
+    assert torch.equal(before, task.pattern())
+    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
+    assert not torch.equal(before, other)
+
+
+def test_mdi_needs_no_setup():
+    task = T.make_task("parity2")
+    assert task.mdi()["acc"] == pytest.approx(0.75)
+    assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
+
+
+def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
+    files = []
+    for i in range(5):
+        files.append(str(tmp_path / f"a{i}.txt"))
+        open(files[-1], "w").write(f"Title {i}\n\nSome words here and there.\n")
+    assert train.main(["make-wikitext", str(tmp_path / "out"), *files]) == 2
+    assert "at least 12" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out" / "wikitext-2" / "wiki.test.tokens")
+    with pytest.raises(SystemExit) as e:
+        train.main(["make-wikitext", "--help"])
+    assert e.value.code == 0 and "text files" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
+def test_randaugment_op_shapes_range_determinism_and_identity(name):
+    fn, arg = T.RANDAUG_OPS[name]
+    x = _aug_images()
+    m = torch.full((6,), 7.0)
+    sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
+    out = fn(x, None if arg is None else arg(m, sign))
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    again = fn(x, None if arg is None else arg(m, sign))
+    assert torch.equal(out, again)
+    if arg is not None:                                      # magnitude 0 leaves every image as it is
+        assert torch.equal(fn(x, arg(torch.zeros(6), sign)), x), name
+        assert name == "identity" or not torch.equal(out, x), name
+
+
+@pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
+def test_randaugment_photometric_ops_equal_pillows(name):
+    """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
+    fn = T.RANDAUG_OPS[name][0]
+    a, ref = PIL_EQUIVALENT[name]
+    x = _aug_images()
+    ours = fn(x, a).numpy()
+    try:
+        from PIL import Image
+    except ImportError:
+        hand = {"brightness": lambda v: min(255, int(v * 1.7)), "posterize": lambda v: v & 0b11100000,
+                "solarize": lambda v: 255 - v if v >= 100 else v}
+        if name in hand:
+            assert all(ours.flat[i] == hand[name](int(x.numpy().flat[i])) for i in range(0, ours.size, 7))
+        return
+    want = np.stack([np.asarray(ref(Image.fromarray(img.transpose(1, 2, 0)), a)).transpose(2, 0, 1)
+                     for img in x.numpy()])
+    assert np.array_equal(ours, want), (ours != want).sum()
+
+
+def test_geometric_ops_by_hand():
+    x = _aug_images(4, 9, 9)
+    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
+    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
+    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
+    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
+    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
+    assert torch.equal(t[..., 3:, :], x[..., :6, :])
+    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
+    assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
+    s = T.aug_shear_y(x, 1.0)
+    assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
+
+
+def test_rand_augment_is_seeded_and_mixes_ops():
+    x = _aug_images(64, 16, 16)
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
+    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
+    changed = (a != x).flatten(1).any(1).float().mean()
+    assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
+    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
+    unchanged = (zero == x).flatten(1).all(1).float().mean()
+    assert 0.5 < unchanged < 1.0
+
+
+def test_random_resized_crop_erasing_and_eval_view():
+    x = _aug_images(8, 32, 32)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    out = T.random_resized_crop(x, 224, g())
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
+    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
+    assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
+    view = T.resize_center_crop(x, 224, 0.875)
+    assert view.shape == (8, 3, 224, 224)
+    xf = torch.randn(64, 3, 16, 16)
+    e = T.random_erasing(xf, 0.5, g())
+    erased = (e != xf).flatten(1).any(1)
+    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
+    frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
+    assert 0.02 <= frac <= 0.34
+    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
+
+
+def test_drop_path_schedule_and_identity_in_eval():
+    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_layers=3, dim=16, n_heads=2, mlp_dim=16, drop_path=0.1)
+    model = mp.ViT(cfg)
+    assert [b.drop_path for b in model.blocks] == [0.0, 0.05, 0.1]
+    x = torch.randn(4, 3, 8, 8)
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    h = torch.ones(1000, 4, 8)
+    kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
+    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
+
+
+def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
+    want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
+                warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
+                label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
+    assert {k: getattr(args, k) for k in want} == want
+    task = train.make_task(args)
+    assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
+    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
+    assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
+
+
+def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
+    out = str(tmp_path / "run")
+    common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4", "--init", "mask"]
+    aug = ["--input-size", "48", "--patch-size", "8", "--crop", "rrc", "--randaug", "9", "--reprob", "0.25",
+           "--mixup", "0.8", "--cutmix", "1.0", "--drop-path", "0.1", "--ema", "0.9"]
+    assert train.main([*common, *aug, "--halt-after", "3", "--out", out]) == 0
+    assert train.main(["--resume", "--out", out]) == 0
+    assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
+    a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
+    assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
+    xb, yb = train.make_task(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
+    assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
+    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
+    ("--ema", "1", "--ema must be a finite number in [0, 1)"),
+    ("--ema", "-0.5", "--ema must be a finite number"),
+    ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
+    ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
+    ("--crop-pct", "1.5", "--crop-pct must be in (0, 1]"),
+    ("--randaug-ops", "0", "--randaug-ops must be an integer > 0"),
+])
+def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
+    out = tmp_path / "run"
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, value, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
+
+
+@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
+def test_every_task_trains_with_every_init(tmp_path, task, init):
+    """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
+    result and, for an init that writes a prior, a prior mass at the start."""
+    out = str(tmp_path / "run")
+    argv = ["--task", task, "--init", init, "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
+            "--heads", "2", "--mlp-dim", "16", "--batch-size", "4", "--probe-size", "4", "--qk-opt-steps", "5",
+            *SMOKE_FLAGS[T.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
+    assert train.main(argv) == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["task"] == task and res["init"] == init and res["steps"] == 2 and res["metrics"]
+    if init != "default":        # a prior's mass at the start, or the reason there is none (no row constrained)
+        assert res["metrics"]["prior_mass_start"] is not None or "constrains no query row" in res["prior_mass_note"]
+
+
+# ---------------------------------------------------------------------------------------- config
 
 @pytest.fixture
 def image_dir(tmp_path):
@@ -1366,19 +1937,156 @@ def image_dir(tmp_path):
     return str(tmp_path / "cifar")
 
 
-@pytest.fixture
-def text_dir(tmp_path):
-    """A small WikiText-2 word-level release in a fresh folder."""
-    _write_text_corpus(tmp_path / "text")
-    return str(tmp_path / "text")
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def run_train(tmp_path, *args, name="run"):
-    out = os.path.join(tmp_path, name)
-    return train.main(["--out", out, *map(str, args)]), out
+@pytest.mark.parametrize("argv,needle", BAD_INPUT)
+def test_bad_input_exits_2(tmp_path, capsys, argv, needle):
+    rc, out = run_train(tmp_path, *argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(out)                                   # nothing written, no folder left
 
 
-SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--mlp-dim", "32", "--batch-size", "32", "--probe-size", "32"]
+def test_epochs_flag_sets_steps(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "kparity", "--bits", "0,1", "--unseen", "0,1", "--n-bits", "6",
+                        "--epochs", "2", "--batch-size", "16", *SMALL[:-4])
+    assert rc == 0
+    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
+
+
+def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
+    """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
+    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
+    args, explicit = train.parse_args([])
+    dests = set(vars(args)) - {"command"}
+    assert explicit == set() and dests == set(train.DEFAULTS)
+    assert all(getattr(args, d) is train.UNSET for d in dests)
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
+        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
+
+
+def test_presets_say_model_size_and_recipe_apart(monkeypatch):
+    """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
+    flat preset is their union, and a preset with anything else in it is an error, not ignored."""
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            model, recipe = cls.preset_parts(preset)
+            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
+            assert cls.preset(preset) == {**model, **recipe}
+    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
+    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
+    with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
+        T.Addition.preset("small")
+
+
+def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
+    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
+    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
+                                                             "recipe": dict(steps=6000)})
+    args = resolve("--task", "multiplication")
+    assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
+    assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
+    assert (resolve("--task", "addition").answer_order, resolve("--task", "addition").impulse) == ("msb", "fixed")
+    # steps / epochs and warmup / warmup_epochs: the explicit one wins, the preset's other one is dropped
+    vision = resolve("--task", "cifar10", "--warmup", "7")
+    assert (vision.warmup, vision.warmup_epochs, vision.epochs) == (7, None, 30)
+    assert resolve("--task", "cifar10").warmup_epochs == 2
+    assert (resolve("--task", "cifar10", "--steps", "5").epochs, resolve("--task", "cyclic3", "--epochs", "2").steps) \
+        == (None, None)
+    with pytest.raises(train.UsageError, match="either --warmup or --warmup-epochs"):
+        resolve("--task", "cifar10", "--warmup", "7", "--warmup-epochs", "1")
+
+
+def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir):
+    """An explicit --warmup on cifar10 once gave way to the preset's warm-up epochs (the run wrote 32)."""
+    out = str(tmp_path / "run")
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--steps", "2", "--warmup", "7", "--layers",
+                       "1", "--dim", "24", "--mlp-dim", "48", "--out", out]) == 0
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["warmup"], args["warmup_epochs"]) == (7, None)
+
+
+def test_vit_mlp_width_is_the_flag_given():
+    """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
+                                            "--heads", "4"]))
+    task = T.make_task("cifar10", data_dir=".", heads=4)
+    model = mp.ViT(train.model_config(args, task))
+    assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
+
+
+def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
+    for argv, needle in [(["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
+                         (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+                         (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
+                         (["--task", "wikitext2", "--data-dir", ".", "--mask-on", "3"], "--mask-on / --mask-off do not "
+                                                                                         "apply to task wikitext2")]:
+        rc, out = run_train(tmp_path, *argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
+def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
+    assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--seed must be an integer in 0 .. 4294967295" in err and str(seed) in err
+    assert not os.path.exists(tmp_path / "run")
+    assert train.main([*RUN24, "--seed", str(2 ** 32 - 1), "--steps", "2", "--out", str(tmp_path / "top")]) == 0
+
+
+def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    r = _torchrun(*DDP_TINY, "--batch-size", "33", "--out", tmp_path / "odd")
+    assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
+    assert not (tmp_path / "odd").exists()
+    # a rendezvous nobody else joins: rank 0 of 2 alone
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *DDP_TINY, "--dist-timeout", "2", "--out",
+                        str(tmp_path / "alone")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "cannot join the process group" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "alone").exists()
+
+
+# ---------------------------------------------------------------------------------------- runs and resume
+
+def _halted(tmp_path, name="run", seed=0) -> str:
+    out = str(tmp_path / name)
+    assert train.main([*RUN24, "--seed", str(seed), "--halt-after", "20", "--out", out]) == 0
+    return out
+
+
+def _edit_json(path, change):
+    data = json.load(open(path))
+    change(data)
+    open(path, "w").write(json.dumps(data))
+
+
+def _torchrun(*args, n=2, cwd=None, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                           os.path.join(HERE, "train.py"), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def _losses(folder):
+    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
+
+
+def _params(folder):
+    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["model"]
+
+
+def _mask_start(folder):
+    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["snapshot"][0]["mask"]
 
 
 def test_run_directory_and_result(tmp_path):
@@ -1450,71 +2158,6 @@ def test_resume_is_exact(tmp_path):
     assert la == lb
 
 
-BAD_INPUT = [
-    (["--task", "nosuch"], "unknown task"),
-    (["--init", "nosuch"], "unknown init"),
-    (["--preset", "nosuch"], "unknown preset"),
-    (["--steps", "0"], "--steps must be an integer > 0"),
-    (["--steps", "-5"], "--steps must be an integer > 0"),
-    (["--batch-size", "0"], "--batch-size must be an integer > 0"),
-    (["--epochs", "0"], "--epochs must be a finite number > 0"),
-    (["--epochs", "nan"], "--epochs must be a finite number > 0"),
-    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
-    (["--steps", "ten"], "invalid int value"),
-    (["--steps", "5", "--epochs", "1"], "either --steps or --epochs"),
-    (["--init", "mimetic"], "does not apply"),
-    (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
-    (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
-    (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
-    (["--pattern", "nosuch"], "has no pattern"),
-    (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
-    (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
-    (["--readout", "tokens"], "invalid choice: 'tokens'"),
-    (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
-    (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
-    (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies to the Boolean and arithmetic"),
-    (["--eval-points", "-1"], "--eval-points must be an integer >= 0"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
-    (["--lr", "inf"], "--lr must be a finite number > 0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
-    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
-    (["--warmup", "-5"], "--warmup must be an integer >= 0"),
-    (["--init", "mask", "--mask-on", "nan"], "--mask-on must be a finite number >= 0"),
-    (["--init", "mask", "--mask-off", "-5"], "--mask-off must be a finite number >= 0"),
-    (["--init", "qk-opt", "--qk-opt-steps", "-1"], "--qk-opt-steps must be an integer > 0"),
-    (["--init", "qk-svd", "--qk-svd-scale", "inf"], "--qk-svd-scale must be a finite number > 0"),
-    (["--dropout", "2"], "--dropout must be a finite number in [0, 1)"),
-    (["--head-dim", "-1"], "--head-dim must be an integer > 0"),
-    (["--emb-init-std", "-1"], "--emb-init-std must be a finite number >= 0"),
-    (["--probe-size", "0"], "--probe-size must be an integer > 0"),
-    (["--seed", "-1"], "--seed must be an integer in 0 .. 4294967295"),
-    (["--halt-after", "0"], "--halt-after must be an integer > 0"),
-    (["--betas", "0.9"], "--betas must be two numbers"),
-    (["--device", "meta"], "is not a device to train on"),
-    (["--device", "nonsense"], "is not a device to train on"),
-    (["--device", "mps"], "torch sees no Apple GPU"),
-    (["--task", "wikitext2", "--data-dir", ".", "--context", "0"], "--context must be at least 2"),
-    (["--task", "wikitext2", "--data-dir", ".", "--mask-off", "3"], "do not apply to task wikitext2"),
-    (["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
-    (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
-    (["--task", "addition", "--data-frac", "2"], "--data-frac must be in (0, 1]"),
-    (["--sample", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
-    (["--sample", "hi"], "--sample: no checkpoint"),
-    (["--resume"], "--resume: no checkpoint"),
-]
-if torch.backends.mps.is_available():                   # the machine has the Apple GPU that case asks for
-    BAD_INPUT.remove((["--device", "mps"], "torch sees no Apple GPU"))
-
-
-@pytest.mark.parametrize("argv,needle", BAD_INPUT)
-def test_bad_input_exits_2(tmp_path, capsys, argv, needle):
-    rc, out = run_train(tmp_path, *argv)
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
-    assert not os.path.exists(out)                                   # nothing written, no folder left
-
-
 def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
     rc, out = run_train(tmp_path, "--steps", "2", *SMALL)
     assert rc == 0
@@ -1558,546 +2201,6 @@ def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
     assert step >= 5
     rc = train.main(["--out", out, "--resume", "--steps", str(step + 5)])
     assert rc == 0 and json.load(open(os.path.join(out, "result.json")))["steps"] == step + 5
-
-
-def test_epochs_flag_sets_steps(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "kparity", "--bits", "0,1", "--unseen", "0,1", "--n-bits", "6",
-                        "--epochs", "2", "--batch-size", "16", *SMALL[:-4])
-    assert rc == 0
-    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
-
-
-def test_maskprior_copied_alone_runs(tmp_path):
-    shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
-    code = ("import maskprior as mp, torch, sys\n"
-            "assert not {'transformers', 'timm', 'safetensors'} & set(sys.modules)   # adapters import nothing\n"
-            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16,\n"
-            "                           learnable_mask=True)\n"
-            "m = mp.Transformer(cfg)\n"
-            "mp.init_mask_(m, mp.banded_pattern(8, 1))\n"
-            "y = m(torch.randint(0, 2, (4, 7)))\n"
-            "y.sum().backward()\n"
-            "assert m.blocks[0].attn.mask_logits.grad is not None\n"
-            "v = mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))\n"
-            "v(torch.randn(2, 3, 8, 8)).sum().backward()\n"
-            "enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,\n"
-            "                                  enable_nested_tensor=False)\n"
-            "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
-            "enc(torch.randn(3, 5, 8)).sum().backward()\n"
-            "assert all(p.mask_logits.grad is not None for p in priors.values())\n"
-            "rel = mp.MaskPrior(6, 2, causal=True, logits=mp.causal_distance_logits(6, 2), param=\"relative\")\n"
-            "assert rel.mask_logits.shape == (2, 6) and rel(4).shape == (2, 4, 4)\n"
-            "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    src = open(os.path.join(HERE, "maskprior.py")).read()
-    assert "import tasks" not in src and "import train" not in src
-
-
-# ---------------------------------------------------------------------------------------- CUDA (skipped without a GPU)
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@cuda
-@pytest.mark.parametrize("causal", [False, True])
-def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
-    torch.manual_seed(0)
-    # sequence length not a multiple of 8 on purpose; a causal layer reads a prefix of its M, others all of it
-    n, t = (70, 67) if causal else (67, 67)
-    attn = mp.Attention(128, 2, mask_size=n, causal=causal).cuda()
-    with torch.no_grad():
-        attn.mask_logits.copy_(torch.randn(2, n, n, device="cuda") * 4)
-    x = torch.randn(4, t, 128, device="cuda", requires_grad=True)
-    res = []
-    for fused in (True, False):
-        attn.fused = fused
-        attn.zero_grad()
-        x.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out, _ = attn(x)
-        assert out.dtype == torch.bfloat16
-        out.float().square().sum().backward()
-        res.append((out.float().detach(), x.grad.clone(), attn.mask_logits.grad.clone()))
-    (o1, gx1, gm1), (o2, gx2, gm2) = res
-    assert torch.isfinite(gm1).all() and gm1.abs().sum() > 0
-    torch.testing.assert_close(o1, o2, atol=3e-2, rtol=3e-2)
-    assert float((gx1 - gx2).norm() / gx2.norm()) < 3e-2
-    assert float((gm1 - gm2).norm() / gm2.norm()) < 3e-2
-
-
-@cuda
-def test_cuda_training_run(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "majority3", "--init", "mask", "--steps", "20", "--device", "cuda",
-                        *SMALL)
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
-
-
-@cuda
-@pytest.mark.parametrize("init", ["mask", "impulse"])
-def test_cuda_vision_run_bf16(tmp_path, init):
-    """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
-    x, y = _images(64), np.arange(64) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
-    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
-                        "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
-                        "--batch-size", "16", "--probe-size", "8")
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["device"].startswith("cuda") and np.isfinite(res["metrics"]["loss"])
-    if init == "mask":
-        assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
-
-
-def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5):
-    """A run directory as train.py writes it: result.json and metrics.jsonl (drift grows 0, 0.1, 0.2, ...)."""
-    d = folder / f"{task}-{init}-s{seed}{tag}"
-    d.mkdir(parents=True)
-    metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
-               "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
-    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
-                                               "metrics": metrics,
-                                               "config": {"readout": readout, "pos_init_std": pos}}))
-    drift = "mask_drift" if init == "mask" else "qk_drift"
-    (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
-                    "content_margin": [i, 2 * i]}) + "\n"
-        for i, m in enumerate(masses)))
-    return d
-
-
-def test_summarize_and_report_from_hand_written_runs(tmp_path):
-    runs = tmp_path / "runs"
-    boolean = runs / "boolean"
-    _fake_run(boolean, "parity2", "mask", 0, 1.0)
-    _fake_run(boolean, "parity2", "mask", 1, 0.5)
-    _fake_run(boolean, "parity2", "default", 0, 0.75)
-    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
-    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
-    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
-    (bad / "result.json").write_text("{not json")                           # corrupt
-    table = train.summarize([str(boolean)])
-    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
-    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
-    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
-    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
-    written = train.report(str(runs), str(tmp_path / "results"))
-    names = sorted(os.path.basename(p) for p in written)
-    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
-    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
-    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
-    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
-    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
-    assert not any(",default," in line for line in csv)                     # only the prior inits
-    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
-    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
-
-
-def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
-    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
-    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
-        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
-        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
-    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
-    table = train.ablation([str(grid), str(boolean)])
-    assert train.preset_layout("parity2") == ("mean", 0.02)
-    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
-    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
-                                                  ["| mean*", "0.02", "qk-svd"]]
-    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
-    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
-    assert any(p.endswith("ablation.md") for p in written)
-
-
-def _reproduce(*args, env=None):
-    return subprocess.run(["bash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reproduce.sh"), *args],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
-
-
-def test_reproduce_help_and_dry_run(tmp_path):
-    r = _reproduce("--help")
-    assert r.returncode == 0 and "--quick" in r.stdout and "--only TABLE" in r.stdout
-    runs = tmp_path / "runs"
-    r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 54 and not runs.exists()
-    assert all("--preset small" in line for line in starts)
-    short = [line for line in starts if "-250steps " in line]      # addition at the paper's regime, 4 inits x 3
-    assert len(short) == 12 and all("--steps 250 --log-every 10 --eval-points 500" in line for line in short)
-    assert not any("multiplication" in line for line in starts)
-    r = _reproduce("--quick", "--dry-run", "--only", "arithmetic", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert len(starts) == 16 and sum("multiplication-" in line and "-250steps " in line for line in starts) == 4
-    assert sum("addition-qk-svd-s0 " in line for line in starts) == 1          # every init at convergence too
-    # data efficiency: default and mask at four fractions in data/, the 0.4% runs are the arithmetic table's
-    r = _reproduce("--only", "data", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 10 and "small preset" in r.stdout
-    assert sum("/data/addition-mask-s0-frac0.0005 " in line and "--data-frac 0.0005" in line for line in starts) == 1
-    assert sum("/arithmetic/addition-" in line and "--data-frac" not in line for line in starts) == 2
-    # a finished run is skipped, an interrupted one resumed
-    _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
-    (runs / "boolean" / "parity2-default-s0").mkdir()
-    (runs / "boolean" / "parity2-default-s0" / "ckpt.pt").write_bytes(b"")
-    r = _reproduce("--quick", "--dry-run", "--only", "boolean", "--seeds", "0", "--runs", str(runs))
-    lines = r.stdout.splitlines()
-    assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
-    assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
-    assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
-    # the robustness grid: the off-preset cells in ablation/, the preset's own cells are the Boolean runs
-    r = _reproduce("--only", "ablation", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    lines = [line for line in r.stdout.splitlines() if line.startswith(("start", "resume", "skip"))]
-    grid = [line for line in lines if "/ablation/" in line]
-    assert r.returncode == 0 and len(lines) == 30 and len(grid) == 18 and "small preset" in r.stdout
-    assert all("--preset small" in line for line in grid if line.startswith("start"))
-    assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
-    assert any(line.startswith("start") and "parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line
-               for line in grid)
-    # missing datasets are named, not fatal
-    r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
-    assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
-    assert _reproduce("--only", "tables").returncode == 2
-    # a failing run makes the script exit 1 and names the run
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--runs", str(tmp_path / "fail"),
-                   "--results", str(tmp_path / "res"), env={"PYTHON": "false"})
-    assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
-
-
-def test_ci_runs_the_readme_test_command():
-    readme = open(os.path.join(HERE, "README.md")).read()
-    ci = open(os.path.join(HERE, ".ci", "run")).read().strip().splitlines()[-1]
-    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert first_block[0] == ci and len(first_block) == 2
-    assert first_block[1].startswith("python train.py --task")
-
-
-def _readme_block(start: str) -> str:
-    """The code of the first fenced block after `start` in the README."""
-    readme = open(os.path.join(HERE, "README.md")).read()
-    return readme.split(start, 1)[1].split("```", 2)[1].split("\n", 1)[1]
-
-
-def test_readme_add_a_task_example_runs_as_written(tmp_path):
-    """The README's worked example: one class registered as a task trains through train.main with the prior."""
-    (tmp_path / "my_task.py").write_text(_readme_block("<!-- add-a-task -->"))
-    env = {**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
-    for init in ("mask",):
-        r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--init", init, "--steps", "40",
-                            "--log-every", "20", "--out", f"run-{init}"], cwd=tmp_path, capture_output=True, text=True,
-                           env=env)
-        assert r.returncode == 0, r.stderr
-        res = json.load(open(tmp_path / f"run-{init}" / "result.json"))
-        assert res["task"] == "xor-neighbours" and res["kind"] == "boolean" and 0 <= res["metrics"]["acc"] <= 1
-    assert res["metrics"]["prior_mass_start"] > 0.9          # the mask's start: M = +5 on the band, -5 off it
-    r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--data-frac", "0.1"], cwd=tmp_path,
-                       capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "does not apply to task xor-neighbours" in r.stderr
-
-
-def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
-    """Every code block of "Use the prior in your own model" (ours, torch, timm, Hugging Face, nanoGPT-style),
-    run in order in one namespace, in an empty folder."""
-    _extra("timm"), _extra("transformers").logging.set_verbosity_error()
-    readme = open(os.path.join(HERE, "README.md")).read()
-    section = readme.split("## Use the prior in your own model", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2]]
-    assert len(blocks) == 5 and all(b.startswith("python") is False for b in blocks)
-    monkeypatch.chdir(tmp_path)
-    ns = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), ns)
-    assert len(ns["mass"]) == 2 and list(ns["priors"]) == ["layers.0.self_attn", "layers.1.self_attn"]
-    assert all(p.mask_logits.shape == (4, 16, 16) for p in ns["priors"].values()) and ns["y"].shape == (8, 16, 64)
-    assert len(mp.mask_priors(ns["seq2seq"])) == 4 and len(mp.mask_priors(ns["vit"])) == 12
-    undecayed = {id(p) for g in ns["vit_opt"].param_groups if g["weight_decay"] == 0 for p in g["params"]}
-    assert all(id(p.mask_logits) in undecayed for p in mp.mask_priors(ns["vit"]))
-    assert len(mp.mask_priors(ns["gpt2"])) == 2 and ns["ids"].shape == (1, 8)          # reloaded with its priors
-    decay = ns["PriorTrainer"].get_decay_parameter_names(object.__new__(ns["PriorTrainer"]), ns["gpt2"])
-    assert decay and not set(mp.prior_parameter_names(ns["gpt2"])) & set(decay)
-    assert len(mp.mask_priors(ns["gpt"])) == 2 and ns["out"].shape == (2, 20, 64)
-
-
-def test_readme_is_a_manual():
-    assert os.path.getsize(os.path.join(HERE, "README.md")) < 25_000      # 22,000 before the framework recipes
-
-
-def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
-    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
-    d = folder / f"{task}-{init}-s{seed}{tag}"
-    d.mkdir(parents=True)
-    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
-                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
-                                                         "prior_mass_mean": 0.9}) + "\n"
-                                             for i, m in enumerate(curve)))
-    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
-                                               "steps": steps, "metrics": curve[-1]}))
-    return d
-
-
-def test_learning_curves_and_steps_to_target(tmp_path):
-    runs = tmp_path / "runs"
-    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
-    for seed in (0, 1):
-        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
-        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
-    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
-    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
-               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
-    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
-    written = train.report(str(runs), str(tmp_path / "res"))
-    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
-    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
-    assert csv[0] == "task,config,init,seed,step,metric,value"
-    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
-    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
-            if line.startswith("| addition") or line.startswith("| parity2")]
-    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
-    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
-    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
-    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
-    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
-
-
-def test_mixed_configurations_are_never_averaged(tmp_path):
-    folder = tmp_path / "runs" / "arithmetic"
-    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
-    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
-    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
-    runs, _ = train.collect_runs([str(folder)])
-    groups, notes = train.config_groups(runs)
-    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
-                                                    "log_every=20, steps=50"]
-    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
-                     "its own, never averaged together"]
-    table = train.summarize([str(folder)])
-    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
-    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
-
-
-def test_data_efficiency_table(tmp_path):
-    runs = tmp_path / "runs"
-    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
-           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
-    for (init, n), accs in acc.items():
-        for seed, a in enumerate(accs):
-            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
-            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
-                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
-            else:
-                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
-    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
-    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
-               steps=250, tag="-250steps", data_frac=None)
-    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
-    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
-               data_frac=None)
-    written = train.report(str(runs), str(tmp_path / "res"))
-    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
-    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
-    text = (tmp_path / "res" / "data_efficiency.md").read_text()
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
-    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
-    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
-    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
-    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
-    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
-
-
-def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
-    runs = tmp_path / "runs"
-    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
-        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
-    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
-    train.report(str(runs), str(tmp_path / "res"))
-    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
-            if line.startswith("| parity2")]
-    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
-    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
-                    for layer, end in ((0, "3.00"), (1, "6.00"))]
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
-    """One layer: the content margin is the same with M set or zeroed (the bias is taken out); without M it
-    is, row by row, log(mass off / mass on); with a constant on/off bias the mass follows margin - gap."""
-    torch.manual_seed(0)
-    cfg = mp.TransformerConfig(vocab_size=5, seq_len=9, n_layers=1, n_heads=2, dim=32, mlp_dim=64, readout="tokens",
-                               n_outputs=5, causal=causal, learnable_mask=True)
-    model = mp.Transformer(cfg).eval()
-    x = torch.randint(0, 5, (6, 9))
-    pattern = mp.banded_pattern(9, 1) & (mp.causal_pattern(9) if causal else True)
-    zero = mp.content_margin(model, x, pattern)                      # M = 0: a constant bias, no prior
-    with torch.no_grad():
-        _, (a,) = model(x, return_attn=True)
-    on = (a * pattern).sum(-1)
-    rows = mp.prior_rows(pattern, causal)
-    ratio = ((1 - on) / on).log()[..., rows]
-    # the mean of log-ratios: LSE over off keys minus LSE over on keys of log a, row by row
-    assert zero[0] == pytest.approx(float(ratio.mean()), abs=1e-4)
-    mp.init_mask_(model, pattern, m_on=5.0, m_off=10.0)
-    assert mp.content_margin(model, x, pattern)[0] == pytest.approx(zero[0], abs=1e-3)
-    with torch.no_grad():
-        _, (a,) = model(x, return_attn=True)
-    gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
-    on = (a * pattern).sum(-1)
-    assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
-
-
-def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
-    """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
-    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
-    args, explicit = train.parse_args([])
-    dests = set(vars(args)) - {"command"}
-    assert explicit == set() and dests == set(train.DEFAULTS)
-    assert all(getattr(args, d) is train.UNSET for d in dests)
-    for name, cls in T.TASKS.items():
-        for preset in cls.presets():
-            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
-        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
-
-
-def test_presets_say_model_size_and_recipe_apart(monkeypatch):
-    """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
-    flat preset is their union, and a preset with anything else in it is an error, not ignored."""
-    for name, cls in T.TASKS.items():
-        for preset in cls.presets():
-            model, recipe = cls.preset_parts(preset)
-            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
-            assert cls.preset(preset) == {**model, **recipe}
-    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
-    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
-    with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
-        T.Addition.preset("small")
-
-
-def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
-    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
-    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
-                                                             "recipe": dict(steps=6000)})
-    args = resolve("--task", "multiplication")
-    assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
-    assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
-    assert (resolve("--task", "addition").answer_order, resolve("--task", "addition").impulse) == ("msb", "fixed")
-    # steps / epochs and warmup / warmup_epochs: the explicit one wins, the preset's other one is dropped
-    vision = resolve("--task", "cifar10", "--warmup", "7")
-    assert (vision.warmup, vision.warmup_epochs, vision.epochs) == (7, None, 30)
-    assert resolve("--task", "cifar10").warmup_epochs == 2
-    assert (resolve("--task", "cifar10", "--steps", "5").epochs, resolve("--task", "cyclic3", "--epochs", "2").steps) \
-        == (None, None)
-    with pytest.raises(train.UsageError, match="either --warmup or --warmup-epochs"):
-        resolve("--task", "cifar10", "--warmup", "7", "--warmup-epochs", "1")
-
-
-def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir):
-    """An explicit --warmup on cifar10 once gave way to the preset's warm-up epochs (the run wrote 32)."""
-    out = str(tmp_path / "run")
-    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--steps", "2", "--warmup", "7", "--layers",
-                       "1", "--dim", "24", "--mlp-dim", "48", "--out", out]) == 0
-    args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["warmup"], args["warmup_epochs"]) == (7, None)
-
-
-def test_vit_mlp_width_is_the_flag_given():
-    """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
-                                            "--heads", "4"]))
-    task = T.make_task("cifar10", data_dir=".", heads=4)
-    model = mp.ViT(train.model_config(args, task))
-    assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
-
-
-def test_transformer_and_vit_share_one_trunk():
-    assert issubclass(mp.Transformer, mp.Trunk) and issubclass(mp.ViT, mp.Trunk)
-    assert mp.Transformer.forward is mp.ViT.forward is mp.Trunk.forward
-    cfg = mp.TransformerConfig(n_layers=1, dim=16, n_heads=2, mlp_dim=24, dropout=0.1)
-    block = mp.Block(cfg, mask_size=16, causal=False)
-    assert block.mlp[0].out_features == 24 and block.attn.mask_logits.shape == (2, 16, 16)
-
-
-def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
-    for argv, needle in [(["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
-                         (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
-                         (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
-                         (["--task", "wikitext2", "--data-dir", ".", "--mask-on", "3"], "--mask-on / --mask-off do not "
-                                                                                         "apply to task wikitext2")]:
-        rc, out = run_train(tmp_path, *argv)
-        err = capsys.readouterr().err
-        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
-        assert not os.path.exists(out)
-
-
-def test_registry_and_task_constants():
-    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
-                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
-    for name, cls in T.TASKS.items():
-        assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
-        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
-        assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
-    with pytest.raises(T.TaskError, match="unknown task"):
-        T.make_task("nosuch")
-    with pytest.raises(T.TaskError, match="takes no option data_frac"):
-        T.make_task("parity2", data_frac=0.1)
-    with pytest.raises(ValueError, match="registered twice"):
-        T.register("parity2")(type("Again", (T.Task,), {}))
-
-
-def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
-    """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
-    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
-    before = task.pattern()
-    task.setup()
-    assert torch.equal(before, task.pattern())
-    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
-    assert not torch.equal(before, other)
-
-
-def test_mdi_needs_no_setup():
-    task = T.make_task("parity2")
-    assert task.mdi()["acc"] == pytest.approx(0.75)
-    assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
-
-
-def test_no_constrained_row_gives_null_mass_with_a_reason(tmp_path, text_dir):
-    """A causal-distance window wider than the context constrains no row: the mass is null with a reason, not NaN."""
-    out = str(tmp_path / "lm")
-    assert train.main(["--task", "wikitext2", "--data-dir", text_dir, "--context", "5", "--heads", "4", "--init",
-                       "mask", "--steps", "2", "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--val-tokens", "50",
-                       "--out", out]) == 0
-    text = open(os.path.join(out, "result.json")).read()
-    assert "NaN" not in text
-    res = json.loads(text)
-    m = res["metrics"]
-    assert m["prior_mass_start"] is None and m["prior_mass_end"] is None
-    assert "constrains no query row" in res["prior_mass_note"]
-    with pytest.raises(ValueError, match="constrains no query row"):
-        mp.prior_probe(mp.Transformer(mp.TransformerConfig(seq_len=4, readout="tokens", causal=True, n_outputs=2)),
-                       torch.zeros(1, 4, dtype=torch.long), mp.causal_pattern(4))
-
-
-# ---------------------------------------------------------------------------------------- hostile use (issue 13)
-
-TINY = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "16", "--batch-size", "32",
-        "--probe-size", "16", "--eval-points", "256"]
-
-
-def _files_whole(folder) -> None:
-    """Every file of a run folder is whole: JSON files parse, every metrics.jsonl line is a record, the
-    checkpoint loads. Hidden temporary files of a killed write may be there (the next start removes them)."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.endswith(".json"):
-            json.load(open(path))
-        elif name == "metrics.jsonl":
-            text = open(path).read()
-            assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
-        elif name == "ckpt.pt":
-            assert set(train.CKPT_KEYS) <= set(torch.load(path, weights_only=False))
-        else:
-            assert name.startswith(".") and name.endswith(".tmp"), name
 
 
 def test_resume_writes_to_the_out_given_so_a_run_folder_can_move(tmp_path):
@@ -2173,22 +2276,6 @@ def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoin
     torch.save({"model": {}}, os.path.join(out, "ckpt.pt"))
     assert train.main(["--resume", "--out", out]) == 2
     assert "is not a checkpoint of train.py (no optimizer" in capsys.readouterr().err
-
-
-RUN24 = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "32", "--steps", "40",
-         "--log-every", "5", "--batch-size", "32", "--probe-size", "32"]
-
-
-def _halted(tmp_path, name="run", seed=0) -> str:
-    out = str(tmp_path / name)
-    assert train.main([*RUN24, "--seed", str(seed), "--halt-after", "20", "--out", out]) == 0
-    return out
-
-
-def _edit_json(path, change):
-    data = json.load(open(path))
-    change(data)
-    open(path, "w").write(json.dumps(data))
 
 
 @pytest.mark.parametrize("case, message", [
@@ -2276,41 +2363,6 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
     assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
 
 
-@pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
-def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
-    assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert f"--seed must be an integer in 0 .. 4294967295" in err and str(seed) in err
-    assert not os.path.exists(tmp_path / "run")
-    assert train.main([*RUN24, "--seed", str(2 ** 32 - 1), "--steps", "2", "--out", str(tmp_path / "top")]) == 0
-
-
-def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
-    runs = tmp_path / "runs" / "boolean"
-    out = str(runs / "parity2-mask-s0")
-    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "5", "--halt-after", "10",
-                       "--out", out]) == 0
-    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write('{"step": 15, "loss": 0.1, "metr')                 # a write cut short
-    assert train.main(["--resume", "--out", out]) == 0
-    _files_whole(out)
-    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
-    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write('{"step": 25, "lo')
-    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
-    assert any(p.endswith("persistence.csv") for p in written)
-
-
-def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
-    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
-    assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
-    res = json.load(open(out / "result.json"))
-    res["metrics"]["acc"] = "high"
-    (out / "result.json").write_text(json.dumps(res))
-    table = open(train.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
-    assert "metric acc is 'high', not a number" in table
-
-
 @pytest.mark.parametrize("where", ["file", "under-file", "empty", "unwritable"])
 def test_an_out_that_cannot_hold_a_run_is_one_line(tmp_path, capsys, where):
     (tmp_path / "f").write_text("not a folder")
@@ -2345,36 +2397,6 @@ def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
     assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
 
 
-def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
-    files = []
-    for i in range(5):
-        files.append(str(tmp_path / f"a{i}.txt"))
-        open(files[-1], "w").write(f"Title {i}\n\nSome words here and there.\n")
-    assert train.main(["make-wikitext", str(tmp_path / "out"), *files]) == 2
-    assert "at least 12" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "out" / "wikitext-2" / "wiki.test.tokens")
-    with pytest.raises(SystemExit) as e:
-        train.main(["make-wikitext", "--help"])
-    assert e.value.code == 0 and "text files" in capsys.readouterr().out
-
-
-def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
-    r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
-    assert r.returncode == 2 and "--only needs a value" in r.stderr
-    r = _reproduce("--quick", "--seeds", "0 0", "--dry-run")
-    assert r.returncode == 2 and "seed 0 twice" in r.stderr
-
-
-def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
-    fake = tmp_path / "py"
-    fake.write_text("#!/bin/sh\nexit 130\n")
-    fake.chmod(0o755)
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1", "--runs", str(tmp_path / "runs"),
-                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
-    assert r.returncode == 130 and "interrupted" in r.stderr and "FAILED" not in r.stderr + r.stdout
-    assert not (tmp_path / "runs" / "failed.txt").exists()
-
-
 def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
     """Fault injection: a run killed with SIGKILL at random moments (checkpoints are written every step, so
     some kills land inside a checkpoint write) and resumed each time ends with the same parameters and the
@@ -2407,37 +2429,9 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
     a = torch.load(os.path.join(ref, "ckpt.pt"), weights_only=False)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
     assert a["step"] == b["step"] == 150 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")} for line in open(path)]  # noqa
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")}  # noqa
+                          for line in open(path)]
     assert strip(os.path.join(ref, "metrics.jsonl")) == strip(os.path.join(part, "metrics.jsonl"))
-
-
-def test_every_guarantee_in_the_readme_names_a_test_that_exists():
-    readme = open(os.path.join(HERE, "README.md")).read()
-    section = readme.split("## What is guaranteed", 1)[1].split("\n## ", 1)[0]
-    names = re.findall(r"`(test_[a-z0-9_]+)`", section)
-    assert len(names) >= 20 and all(callable(globals().get(n)) for n in names), names
-    cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
-    assert f"`test_bad_input_exits_2` ({cases} cases)" in section
-
-
-# ---------------------------------------------------------------------------------------- data parallelism (issue 14)
-
-def _torchrun(*args, n=2, cwd=None, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                           os.path.join(HERE, "train.py"), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
-
-
-def _losses(folder):
-    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
-
-
-def _params(folder):
-    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["model"]
-
-
-DDP_TINY = [*TINY, "--init", "mask", "--steps", "20", "--log-every", "5"]
 
 
 def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_path):
@@ -2462,10 +2456,6 @@ def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_
     assert env == os.environ.get("OMP_NUM_THREADS")
 
 
-def _mask_start(folder):
-    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["snapshot"][0]["mask"]
-
-
 def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
     common = ["--task", "cifar10", "--data-dir", image_dir, "--init", "mask", "--layers", "1", "--dim", "24",
               "--mlp-dim", "48", "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4"]
@@ -2477,57 +2467,12 @@ def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
     assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
-DDP_GRAD_SCRIPT = """
-import torch, torch.distributed as dist, maskprior as mp
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="mean",
-                           learnable_mask=True, fused=False)
-torch.manual_seed(0)
-model = mp.Transformer(cfg)
-mp.init_mask_(model, mp.banded_pattern(6, 1))
-x, y = torch.randint(0, 2, (8, 6), generator=torch.Generator().manual_seed(1)), torch.randn(8)
-full = mp.Transformer(cfg)
-full.load_state_dict(model.state_dict())
-torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # one process, the whole batch
-ddp = torch.nn.parallel.DistributedDataParallel(model)
-part = slice(4 * rank, 4 * rank + 4)
-torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
-g, ref = model.blocks[0].attn.mask_logits.grad, full.blocks[0].attn.mask_logits.grad
-assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
-open(f"ok{rank}", "w").write("ok")
-del ddp                                              # DDP's reducer must go before its process group
-dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
-dist.destroy_process_group()
-"""
-
-
 def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
     (tmp_path / "grad.py").write_text(DDP_GRAD_SCRIPT)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(tmp_path / "grad.py")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert r.returncode == 0 and (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-2000:]
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
-    r = _torchrun(*DDP_TINY, "--batch-size", "33", "--out", tmp_path / "odd")
-    assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
-    assert not (tmp_path / "odd").exists()
-    # a rendezvous nobody else joins: rank 0 of 2 alone
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *DDP_TINY, "--dist-timeout", "2", "--out",
-                        str(tmp_path / "alone")], capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 2 and "cannot join the process group" in r.stderr and len(r.stderr.splitlines()) == 1
-    assert not (tmp_path / "alone").exists()
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -2548,30 +2493,6 @@ def test_compiled_model_matches_eager(fused):
         grads.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0])
     torch.testing.assert_close(grads[0][1], grads[1][1])
-
-
-def test_reproduce_gpus_lines_and_refusals(tmp_path):
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
-                   "--runs", str(tmp_path / "runs"))
-    lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
-    assert r.returncode == 0 and len(lines) == 12
-    assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
-    r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
-    assert r.returncode == 2 and "--gpus" in r.stderr
-    if not torch.cuda.is_available():
-        r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
-        assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
-
-
-def test_bench_paper_plans_the_114_runs_and_times_a_table():
-    bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
-    r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
-    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 114
-    assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
-    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--batch-size", "4", "--steps", "1", "--warmup",
-                        "1"], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0 and r.stdout.count("\nboolean") == 12 and "mask / default step time" in r.stdout
 
 
 @cuda
@@ -2596,7 +2517,293 @@ def test_cuda_compile_matches_eager(tmp_path):
     assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0
 
 
-# ---------------------------------------------------------------------------------------- the prior in other models (issue 15)
+# ---------------------------------------------------------------------------------------- reporting
+
+def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5):
+    """A run directory as train.py writes it: result.json and metrics.jsonl (drift grows 0, 0.1, 0.2, ...)."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
+               "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
+    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
+                                               "metrics": metrics,
+                                               "config": {"readout": readout, "pos_init_std": pos}}))
+    drift = "mask_drift" if init == "mask" else "qk_drift"
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
+                    "content_margin": [i, 2 * i]}) + "\n"
+        for i, m in enumerate(masses)))
+    return d
+
+
+def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
+    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
+                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
+                                                         "prior_mass_mean": 0.9}) + "\n"
+                                             for i, m in enumerate(curve)))
+    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
+                                               "steps": steps, "metrics": curve[-1]}))
+    return d
+
+
+def _files_whole(folder) -> None:
+    """Every file of a run folder is whole: JSON files parse, every metrics.jsonl line is a record, the
+    checkpoint loads. Hidden temporary files of a killed write may be there (the next start removes them)."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".json"):
+            json.load(open(path))
+        elif name == "metrics.jsonl":
+            text = open(path).read()
+            assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
+        elif name == "ckpt.pt":
+            assert set(train.CKPT_KEYS) <= set(torch.load(path, weights_only=False))
+        else:
+            assert name.startswith(".") and name.endswith(".tmp"), name
+
+
+def test_summarize_and_report_from_hand_written_runs(tmp_path):
+    runs = tmp_path / "runs"
+    boolean = runs / "boolean"
+    _fake_run(boolean, "parity2", "mask", 0, 1.0)
+    _fake_run(boolean, "parity2", "mask", 1, 0.5)
+    _fake_run(boolean, "parity2", "default", 0, 0.75)
+    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
+    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
+    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
+    (bad / "result.json").write_text("{not json")                           # corrupt
+    table = train.summarize([str(boolean)])
+    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
+    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
+    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
+    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
+    written = train.report(str(runs), str(tmp_path / "results"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
+    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
+    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
+    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
+    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
+    assert not any(",default," in line for line in csv)                     # only the prior inits
+    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
+    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
+
+
+def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
+    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
+    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
+        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
+        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
+    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
+    table = train.ablation([str(grid), str(boolean)])
+    assert train.preset_layout("parity2") == ("mean", 0.02)
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
+                                                  ["| mean*", "0.02", "qk-svd"]]
+    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
+    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("ablation.md") for p in written)
+
+
+def test_learning_curves_and_steps_to_target(tmp_path):
+    runs = tmp_path / "runs"
+    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
+    for seed in (0, 1):
+        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
+        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
+    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
+    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
+               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
+    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
+    written = train.report(str(runs), str(tmp_path / "res"))
+    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
+    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert csv[0] == "task,config,init,seed,step,metric,value"
+    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
+    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
+            if line.startswith("| addition") or line.startswith("| parity2")]
+    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
+    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
+    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
+    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
+    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
+
+
+def test_mixed_configurations_are_never_averaged(tmp_path):
+    folder = tmp_path / "runs" / "arithmetic"
+    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
+    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
+    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
+    runs, _ = train.collect_runs([str(folder)])
+    groups, notes = train.config_groups(runs)
+    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
+                                                    "log_every=20, steps=50"]
+    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
+                     "its own, never averaged together"]
+    table = train.summarize([str(folder)])
+    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
+    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
+
+
+def test_data_efficiency_table(tmp_path):
+    runs = tmp_path / "runs"
+    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
+           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
+    for (init, n), accs in acc.items():
+        for seed, a in enumerate(accs):
+            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
+            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
+                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
+            else:
+                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
+    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
+    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
+               steps=250, tag="-250steps", data_frac=None)
+    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
+    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
+               data_frac=None)
+    written = train.report(str(runs), str(tmp_path / "res"))
+    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
+    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
+    text = (tmp_path / "res" / "data_efficiency.md").read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
+    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
+    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
+    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
+    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
+    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
+
+
+def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
+        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
+    train.report(str(runs), str(tmp_path / "res"))
+    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
+            if line.startswith("| parity2")]
+    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
+    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
+                    for layer, end in ((0, "3.00"), (1, "6.00"))]
+
+
+def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
+    runs = tmp_path / "runs" / "boolean"
+    out = str(runs / "parity2-mask-s0")
+    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "5", "--halt-after", "10",
+                       "--out", out]) == 0
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 15, "loss": 0.1, "metr')                 # a write cut short
+    assert train.main(["--resume", "--out", out]) == 0
+    _files_whole(out)
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 25, "lo')
+    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("persistence.csv") for p in written)
+
+
+def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
+    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
+    res = json.load(open(out / "result.json"))
+    res["metrics"]["acc"] = "high"
+    (out / "result.json").write_text(json.dumps(res))
+    table = open(train.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
+    assert "metric acc is 'high', not a number" in table
+
+
+# ---------------------------------------------------------------------------------------- reproduce.sh
+
+def _reproduce(*args, env=None):
+    return subprocess.run(["bash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reproduce.sh"), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_reproduce_help_and_dry_run(tmp_path):
+    r = _reproduce("--help")
+    assert r.returncode == 0 and "--quick" in r.stdout and "--only TABLE" in r.stdout
+    runs = tmp_path / "runs"
+    r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 54 and not runs.exists()
+    assert all("--preset small" in line for line in starts)
+    short = [line for line in starts if "-250steps " in line]      # addition at the paper's regime, 4 inits x 3
+    assert len(short) == 12 and all("--steps 250 --log-every 10 --eval-points 500" in line for line in short)
+    assert not any("multiplication" in line for line in starts)
+    r = _reproduce("--quick", "--dry-run", "--only", "arithmetic", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert len(starts) == 16 and sum("multiplication-" in line and "-250steps " in line for line in starts) == 4
+    assert sum("addition-qk-svd-s0 " in line for line in starts) == 1          # every init at convergence too
+    # data efficiency: default and mask at four fractions in data/, the 0.4% runs are the arithmetic table's
+    r = _reproduce("--only", "data", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 10 and "small preset" in r.stdout
+    assert sum("/data/addition-mask-s0-frac0.0005 " in line and "--data-frac 0.0005" in line for line in starts) == 1
+    assert sum("/arithmetic/addition-" in line and "--data-frac" not in line for line in starts) == 2
+    # a finished run is skipped, an interrupted one resumed
+    _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
+    (runs / "boolean" / "parity2-default-s0").mkdir()
+    (runs / "boolean" / "parity2-default-s0" / "ckpt.pt").write_bytes(b"")
+    r = _reproduce("--quick", "--dry-run", "--only", "boolean", "--seeds", "0", "--runs", str(runs))
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
+    assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
+    assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
+    # the robustness grid: the off-preset cells in ablation/, the preset's own cells are the Boolean runs
+    r = _reproduce("--only", "ablation", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("start", "resume", "skip"))]
+    grid = [line for line in lines if "/ablation/" in line]
+    assert r.returncode == 0 and len(lines) == 30 and len(grid) == 18 and "small preset" in r.stdout
+    assert all("--preset small" in line for line in grid if line.startswith("start"))
+    assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
+    assert any(line.startswith("start") and "parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line
+               for line in grid)
+    # missing datasets are named, not fatal
+    r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
+    assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
+    assert _reproduce("--only", "tables").returncode == 2
+    # a failing run makes the script exit 1 and names the run
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--runs", str(tmp_path / "fail"),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": "false"})
+    assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
+
+
+def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
+    r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
+    assert r.returncode == 2 and "--only needs a value" in r.stderr
+    r = _reproduce("--quick", "--seeds", "0 0", "--dry-run")
+    assert r.returncode == 2 and "seed 0 twice" in r.stderr
+
+
+def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
+    fake = tmp_path / "py"
+    fake.write_text("#!/bin/sh\nexit 130\n")
+    fake.chmod(0o755)
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
+    assert r.returncode == 130 and "interrupted" in r.stderr and "FAILED" not in r.stderr + r.stdout
+    assert not (tmp_path / "runs" / "failed.txt").exists()
+
+
+def test_reproduce_gpus_lines_and_refusals(tmp_path):
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
+                   "--runs", str(tmp_path / "runs"))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
+    assert r.returncode == 0 and len(lines) == 12
+    assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
+    r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
+    assert r.returncode == 2 and "--gpus" in r.stderr
+    if not torch.cuda.is_available():
+        r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
+        assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
+
+
+# ---------------------------------------------------------------------------------------- library retrofit
 
 def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
     """nn.TransformerEncoder (pre-LN, GELU, batch first) holding our Transformer's block weights."""
@@ -2615,6 +2822,66 @@ def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
             lay.linear2.load_state_dict(blk.mlp[3].state_dict())
         enc.norm.load_state_dict(ours.ln_f.state_dict())
     return enc
+
+
+def _hf(name: str):
+    """A small Hugging Face model (random weights, nothing downloaded) and an input for it, with the prior's N."""
+    tf = _extra("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0,
+                            eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             intermediate_size=64, max_position_embeddings=64, vocab_size=50, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0)
+        return tf.LlamaForCausalLM(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                            max_position_embeddings=64, vocab_size=50, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        return tf.BertModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 20
+    cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                       image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
+
+
+def _timm(name: str = "vit_tiny_patch16_224", **kw):
+    timm = _extra("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, depth=2, **kw).eval()
+    return model, torch.randn(2, 3, 32, 32), model.patch_embed.num_patches + model.num_prefix_tokens
+
+
+def _out(model, x):
+    y = model(x)
+    return y if isinstance(y, torch.Tensor) else y[0]
+
+
+def _prior_works(model, x, n, plain, priors):
+    """`plain`: the model's output before the priors. M = +30 everywhere (log sigmoid = -1e-13) gives it
+    again; a random M changes it, every M gets a gradient, and three Adam steps (M undecayed) move every M."""
+    for p in priors.values():
+        p.set_logits(torch.full((n, n), 30.0))
+    torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)      # measured: <= 6e-7
+    gen = torch.Generator().manual_seed(1)
+    for p in priors.values():
+        p.set_logits(torch.randn(p.heads, n, n, generator=gen) * 3)
+    start = [p.mask_logits.detach().clone() for p in priors.values()]
+    assert (_out(model, x) - plain).abs().max() > 1e-3                            # measured: 0.009 (BERT) .. 0.45
+    opt = torch.optim.Adam(mp.param_groups(model, 0.05), lr=1e-2)
+    r = torch.randn(plain.shape, generator=gen)
+    for step in range(3):
+        opt.zero_grad()
+        (_out(model, x).float() * r).sum().backward()
+        if step == 0:
+            assert all(p.mask_logits.grad is not None and p.mask_logits.grad.abs().max() > 0 for p in priors.values())
+        opt.step()
+    assert all((p.mask_logits - s).abs().max() > 1e-3 for p, s in zip(priors.values(), start))
+    decay = {id(q) for q in opt.param_groups[0]["params"]}
+    assert not any(id(p.mask_logits) in decay for p in priors.values())
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -2688,7 +2955,8 @@ def test_mask_prior_bad_input_names_the_module_and_shapes():
     with pytest.raises(ValueError, match="Sequential holds no nn.MultiheadAttention"):
         mp.add_mask_prior(nn.Sequential(nn.Linear(4, 4)), mp.banded_pattern(4, 1))
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1, enable_nested_tensor=False)
-    with pytest.raises(ValueError, match=r"layers.0.self_attn \(MultiheadAttention, 2 heads\) does not fit a pattern of shape \(3, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"layers.0.self_attn \(MultiheadAttention, 2 heads\) does not fit a pattern "
+                                         r"of shape \(3, 4, 4\)"):
         mp.add_mask_prior(enc, torch.ones(3, 4, 4, dtype=torch.bool))
     mp.add_mask_prior(enc, mp.banded_pattern(4, 1))
     with pytest.raises(ValueError, match="already has a MaskPrior"):
@@ -2735,88 +3003,6 @@ def test_checkpoints_from_before_the_mask_prior_module_still_load():
     fresh = mp.Transformer(cfg)
     fresh.load_state_dict(old)
     assert torch.equal(fresh.blocks[0].attn.mask_logits, model.blocks[0].attn.mask_logits)
-
-
-def test_bench_retrofit_prints_the_ratio_side_by_side():
-    _extra("timm"), _extra("transformers")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "bench_retrofit.py"), "--tiny", "--steps", "1",
-                        "--rounds", "1"], capture_output=True, text=True, timeout=300)
-    rows = r.stdout.splitlines()[2:]
-    assert r.returncode == 0 and len(rows) == 6, r.stdout + r.stderr
-    for plain, prior, name in zip(rows[::2], rows[1::2], ("timm ViT-Tiny", "GPT-2 toy", "nn.TransformerEncoder")):
-        assert plain.startswith(name) and plain.split()[-1] == "1.000" and prior.startswith("  + prior")
-        assert float(prior.split()[-1]) > 0
-
-
-# ---------------------------------------------------------------------------------------- the prior in timm, Hugging Face, nanoGPT-style and nn.Transformer models
-
-def _extra(name: str):
-    """A test-only library (timm, transformers): skipped where it is not installed, but a failure where
-    MASKPRIOR_REQUIRE_EXTRAS is set (.ci/run sets it, so CI never skips these tests in silence)."""
-    if os.environ.get("MASKPRIOR_REQUIRE_EXTRAS"):
-        import importlib
-        return importlib.import_module(name)
-    return pytest.importorskip(name)
-
-
-def _hf(name: str):
-    """A small Hugging Face model (random weights, nothing downloaded) and an input for it, with the prior's N."""
-    tf = _extra("transformers")
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if name == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0,
-                            eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-        return tf.GPT2LMHeadModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "llama":
-        cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                             intermediate_size=64, max_position_embeddings=64, vocab_size=50, bos_token_id=0,
-                             eos_token_id=0, pad_token_id=0)
-        return tf.LlamaForCausalLM(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "bert":
-        cfg = tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                            max_position_embeddings=64, vocab_size=50, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
-        return tf.BertModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 20
-    cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                       image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
-
-
-def _timm(name: str = "vit_tiny_patch16_224", **kw):
-    timm = _extra("timm")
-    torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, depth=2, **kw).eval()
-    return model, torch.randn(2, 3, 32, 32), model.patch_embed.num_patches + model.num_prefix_tokens
-
-
-def _out(model, x):
-    y = model(x)
-    return y if isinstance(y, torch.Tensor) else y[0]
-
-
-def _prior_works(model, x, n, plain, priors):
-    """`plain`: the model's output before the priors. M = +30 everywhere (log sigmoid = -1e-13) gives it
-    again; a random M changes it, every M gets a gradient, and three Adam steps (M undecayed) move every M."""
-    for p in priors.values():
-        p.set_logits(torch.full((n, n), 30.0))
-    torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)      # measured: <= 6e-7
-    gen = torch.Generator().manual_seed(1)
-    for p in priors.values():
-        p.set_logits(torch.randn(p.heads, n, n, generator=gen) * 3)
-    start = [p.mask_logits.detach().clone() for p in priors.values()]
-    assert (_out(model, x) - plain).abs().max() > 1e-3                            # measured: 0.009 (BERT) .. 0.45
-    opt = torch.optim.Adam(mp.param_groups(model, 0.05), lr=1e-2)
-    r = torch.randn(plain.shape, generator=gen)
-    for step in range(3):
-        opt.zero_grad()
-        (_out(model, x).float() * r).sum().backward()
-        if step == 0:
-            assert all(p.mask_logits.grad is not None and p.mask_logits.grad.abs().max() > 0 for p in priors.values())
-        opt.step()
-    assert all((p.mask_logits - s).abs().max() > 1e-3 for p, s in zip(priors.values(), start))
-    decay = {id(q) for q in opt.param_groups[0]["params"]}
-    assert not any(id(p.mask_logits) in decay for p in priors.values())
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama"])
@@ -3129,249 +3315,28 @@ def test_the_probes_read_retrofitted_models():
         mp.prior_mass(nn.Linear(4, 4), torch.randn(2, 4), band)
 
 
-# ---------------------------------------------------------------------------------------- the vision recipe (issue 16)
+# ---------------------------------------------------------------------------------------- benchmarks
 
-def _aug_images(n=6, h=9, w=11, seed=0):
-    x = np.random.default_rng(seed).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
-    x[1] = x[1] // 4 + 100                                   # a low-contrast image
-    x[2] = x[2] // 8 + 3                                     # a dark one
-    return torch.as_tensor(x)
-
-
-PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that argument)
-    "brightness": (1.7, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Brightness(im).enhance(a)),
-    "color": (0.3, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Color(im).enhance(a)),
-    "contrast": (1.6, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Contrast(im).enhance(a)),
-    "sharpness": (0.2, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Sharpness(im).enhance(a)),
-    "posterize": (3, lambda im, a: __import__("PIL.ImageOps").ImageOps.posterize(im, a)),
-    "solarize": (100, lambda im, a: __import__("PIL.ImageOps").ImageOps.solarize(im, a)),
-    "autocontrast": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.autocontrast(im)),
-    "equalize": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.equalize(im)),
-}
+def test_bench_paper_plans_the_114_runs_and_times_a_table():
+    bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
+    r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
+    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 114
+    assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
+    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--batch-size", "4", "--steps", "1", "--warmup",
+                        "1"], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.count("\nboolean") == 12 and "mask / default step time" in r.stdout
 
 
-@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
-def test_randaugment_op_shapes_range_determinism_and_identity(name):
-    fn, arg = T.RANDAUG_OPS[name]
-    x = _aug_images()
-    m = torch.full((6,), 7.0)
-    sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
-    out = fn(x, None if arg is None else arg(m, sign))
-    assert out.shape == x.shape and out.dtype == torch.uint8
-    again = fn(x, None if arg is None else arg(m, sign))
-    assert torch.equal(out, again)
-    if arg is not None:                                      # magnitude 0 leaves every image as it is
-        assert torch.equal(fn(x, arg(torch.zeros(6), sign)), x), name
-        assert name == "identity" or not torch.equal(out, x), name
-
-
-@pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
-def test_randaugment_photometric_ops_equal_pillows(name):
-    """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
-    fn = T.RANDAUG_OPS[name][0]
-    a, ref = PIL_EQUIVALENT[name]
-    x = _aug_images()
-    ours = fn(x, a).numpy()
-    try:
-        from PIL import Image
-    except ImportError:
-        hand = {"brightness": lambda v: min(255, int(v * 1.7)), "posterize": lambda v: v & 0b11100000,
-                "solarize": lambda v: 255 - v if v >= 100 else v}
-        if name in hand:
-            assert all(ours.flat[i] == hand[name](int(x.numpy().flat[i])) for i in range(0, ours.size, 7))
-        return
-    want = np.stack([np.asarray(ref(Image.fromarray(img.transpose(1, 2, 0)), a)).transpose(2, 0, 1)
-                     for img in x.numpy()])
-    assert np.array_equal(ours, want), (ours != want).sum()
-
-
-def test_geometric_ops_by_hand():
-    x = _aug_images(4, 9, 9)
-    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
-    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
-    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
-    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
-    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
-    assert torch.equal(t[..., 3:, :], x[..., :6, :])
-    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
-    assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
-    s = T.aug_shear_y(x, 1.0)
-    assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
-
-
-def test_rand_augment_is_seeded_and_mixes_ops():
-    x = _aug_images(64, 16, 16)
-    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
-    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
-    changed = (a != x).flatten(1).any(1).float().mean()
-    assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
-    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
-    unchanged = (zero == x).flatten(1).all(1).float().mean()
-    assert 0.5 < unchanged < 1.0
-
-
-def test_random_resized_crop_erasing_and_eval_view():
-    x = _aug_images(8, 32, 32)
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    out = T.random_resized_crop(x, 224, g())
-    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
-    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
-    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
-    assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
-    view = T.resize_center_crop(x, 224, 0.875)
-    assert view.shape == (8, 3, 224, 224)
-    xf = torch.randn(64, 3, 16, 16)
-    e = T.random_erasing(xf, 0.5, g())
-    erased = (e != xf).flatten(1).any(1)
-    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
-    frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
-    assert 0.02 <= frac <= 0.34
-    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
-
-
-def test_drop_path_schedule_and_identity_in_eval():
-    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_layers=3, dim=16, n_heads=2, mlp_dim=16, drop_path=0.1)
-    model = mp.ViT(cfg)
-    assert [b.drop_path for b in model.blocks] == [0.0, 0.05, 0.1]
-    x = torch.randn(4, 3, 8, 8)
-    model.eval()
-    assert torch.equal(model(x), model(x))
-    h = torch.ones(1000, 4, 8)
-    kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
-    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
-
-
-def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
-    want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
-                warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
-                label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
-    assert {k: getattr(args, k) for k in want} == want
-    task = train.make_task(args)
-    assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
-    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
-    assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
-
-
-def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
-    out = str(tmp_path / "run")
-    common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
-              "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4", "--init", "mask"]
-    aug = ["--input-size", "48", "--patch-size", "8", "--crop", "rrc", "--randaug", "9", "--reprob", "0.25",
-           "--mixup", "0.8", "--cutmix", "1.0", "--drop-path", "0.1", "--ema", "0.9"]
-    assert train.main([*common, *aug, "--halt-after", "3", "--out", out]) == 0
-    assert train.main(["--resume", "--out", out]) == 0
-    assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
-    a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
-    assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
-    xb, yb = train.make_task(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
-    assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
-
-
-@pytest.mark.parametrize("flag,value,needle", [
-    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
-    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
-    ("--ema", "1", "--ema must be a finite number in [0, 1)"),
-    ("--ema", "-0.5", "--ema must be a finite number"),
-    ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
-    ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
-    ("--crop-pct", "1.5", "--crop-pct must be in (0, 1]"),
-    ("--randaug-ops", "0", "--randaug-ops must be an integer > 0"),
-])
-def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
-    out = tmp_path / "run"
-    assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, value, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
-
-
-# ---------------------------------------------------------------------------------------- relative-distance M (issue 17)
-
-def _lm_cfg(param, fused=True, n=12):
-    return mp.TransformerConfig(vocab_size=11, seq_len=n, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
-                                causal=True, n_outputs=11, learnable_mask=True, fused=fused, mask_param=param,
-                                tie_embeddings=True)
-
-
-def test_relative_prior_starts_where_the_full_one_does_and_is_small():
-    torch.manual_seed(0)
-    full, rel = mp.Transformer(_lm_cfg("full")), mp.Transformer(_lm_cfg("relative"))
-    rel.load_state_dict({k: v for k, v in full.state_dict().items() if "mask_logits" not in k}, strict=False)
-    logits = mp.causal_distance_logits(12, 4)
-    mp.init_mask_(full, logits=logits)
-    mp.init_mask_(rel, logits=logits)
-    a, b = full.blocks[0].attn, rel.blocks[0].attn
-    assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
-    assert torch.equal(a.attn_bias(12, torch.float32, "cpu"), b.attn_bias(12, torch.float32, "cpu"))
-    assert torch.equal(a.attn_bias(7, torch.float32, "cpu"), b.attn_bias(7, torch.float32, "cpu"))       # a prompt
-    x = torch.randint(0, 11, (3, 12))
-    torch.testing.assert_close(full(x), rel(x))
-    with pytest.raises(ValueError, match="differ along a diagonal"):
-        mp.init_mask_(rel, logits=torch.randn(4, 12, 12))
-    with pytest.raises(ValueError, match="sequence length 13 does not fit the mask size 12"):
-        b.prior(13)                                           # a context longer than the table
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_relative_prior_fused_equals_explicit_with_the_table_gradient(causal):
-    n = 10
-    cfg = mp.TransformerConfig(vocab_size=7, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
-                               causal=causal, n_outputs=7, learnable_mask=True, mask_param="relative")
-    torch.manual_seed(0)
-    fused = mp.Transformer(cfg)
-    with torch.no_grad():
-        fused.blocks[0].attn.mask_logits.normal_()
-    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False}))
-    explicit.load_state_dict(fused.state_dict())
-    x = torch.randint(0, 7, (4, n))
-    r = torch.randn(4, n, 7)
-    outs = []
-    for m in (fused, explicit):
-        out = m(x)
-        (out * r).sum().backward()
-        outs.append((out.detach(), m.blocks[0].attn.mask_logits.grad))
-    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
-    assert outs[0][1].abs().max() > 1e-3
-    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)
-    if causal:                                                # later tokens never reach earlier outputs
-        y = x.clone()
-        y[:, 6:] = (y[:, 6:] + 1) % 7
-        torch.testing.assert_close(fused(x)[:, :6], fused(y)[:, :6])
-
-
-def test_theorem_1_bound_holds_on_the_relative_table():
-    """dL/dM_d sums dL/dM_ij over the pairs at distance d, so its size is bounded by the sum of their bounds."""
-    n = 8
-    cfg = mp.TransformerConfig(vocab_size=5, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
-                               causal=True, n_outputs=5, learnable_mask=True, fused=False, mask_param="relative")
-    torch.manual_seed(2)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, logits=mp.causal_distance_logits(n, 2))
-    x = torch.randint(0, 5, (6, n))
-    out, (attn,) = model(x, return_attn=True)
-    attn.retain_grad()
-    (out * torch.randn(out.shape)).sum().backward()
-    prior = model.blocks[0].attn.prior
-    bound = mp.mask_grad_bound(attn.detach(), attn.grad, prior.full_logits().detach())        # (H, n, n)
-    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
-    per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
-    g = prior.mask_logits.grad
-    assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
-
-
-def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):
-    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--mask-param", "relative",
-              "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--context", "16", "--val-tokens", "200",
-              "--steps", "8", "--log-every", "4", "--batch-size", "4"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert train.main([*common, "--out", a]) == 0
-    assert train.main([*common, "--halt-after", "4", "--out", b]) == 0
-    assert train.main(["--resume", "--out", b]) == 0
-    pa, pb = _params(a), _params(b)
-    assert pa["blocks.0.attn.prior.mask_logits"].shape == (4, 16)
-    assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    assert train.main(["--resume", "--out", b, "--mask-param", "full"]) == 2
+def test_bench_retrofit_prints_the_ratio_side_by_side():
+    _extra("timm"), _extra("transformers")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "bench_retrofit.py"), "--tiny", "--steps", "1",
+                        "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    rows = r.stdout.splitlines()[2:]
+    assert r.returncode == 0 and len(rows) == 6, r.stdout + r.stderr
+    for plain, prior, name in zip(rows[::2], rows[1::2], ("timm ViT-Tiny", "GPT-2 toy", "nn.TransformerEncoder")):
+        assert plain.startswith(name) and plain.split()[-1] == "1.000" and prior.startswith("  + prior")
+        assert float(prior.split()[-1]) > 0
 
 
 def test_bench_context_worker_measures_each_variant():
@@ -3391,62 +3356,79 @@ def test_bench_context_worker_measures_each_variant():
     assert all(r["ms"] > 0 and r["peak_mib"] > 0 for r in rows.values())
 
 
-def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(tmp_path, text_dir):
-    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
-    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
-    out = str(tmp_path / "old")
-    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
-              "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
-              "--batch-size", "4"]
-    assert train.main([*common, "--mask-param", "full", "--halt-after", "3", "--out", out]) == 0
-    saved = json.load(open(os.path.join(out, "args.json")))
-    del saved["mask_param"]                                   # a run made before the flag existed
-    open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    assert train.main(["--resume", "--out", out]) == 0
-    assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"
+# ---------------------------------------------------------------------------------------- README and CI
+
+def _readme_block(start: str) -> str:
+    """The code of the first fenced block after `start` in the README."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    return readme.split(start, 1)[1].split("```", 2)[1].split("\n", 1)[1]
 
 
-# ---------------------------------------------------------------------------------------- every task x every init
-
-def _smoke_data(root: Path, task: str) -> list:
-    """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
-    if task == "cifar10":
-        T.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
-    elif task == "cifar100":
-        py = root / "cifar-100-python"
-        py.mkdir(parents=True)
-        for split, n in (("train", 20), ("test", 4)):
-            _py2_pickle(py / split, {b"fine_labels": list(range(n)), b"coarse_labels": [0] * n,
-                                     b"data": _images(n, n).reshape(n, -1)})
-    elif task == "imagenet100":
-        root.mkdir(parents=True)
-        root = _imagenet_dir(root)
-    elif task == "wikitext2":
-        _write_text_corpus(root)
-    elif task == "tinystories":
-        make_tinystories(root)
-    else:
-        return []
-    return ["--data-dir", str(root)]
+def _extra(name: str):
+    """A test-only library (timm, transformers): skipped where it is not installed, but a failure where
+    MASKPRIOR_REQUIRE_EXTRAS is set (.ci/run sets it, so CI never skips these tests in silence)."""
+    if os.environ.get("MASKPRIOR_REQUIRE_EXTRAS"):
+        import importlib
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
 
-SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points", "16"],
-               "vision": ["--patch-size", "8"], "lm": ["--context", "8", "--val-tokens", "64"]}
+def test_ci_runs_the_readme_test_command():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    ci = open(os.path.join(HERE, ".ci", "run")).read().strip().splitlines()[-1]
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert first_block[0] == ci and len(first_block) == 2
+    assert first_block[1].startswith("python train.py --task")
 
 
-@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
-def test_every_task_trains_with_every_init(tmp_path, task, init):
-    """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
-    result and, for an init that writes a prior, a prior mass at the start."""
-    out = str(tmp_path / "run")
-    argv = ["--task", task, "--init", init, "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
-            "--heads", "2", "--mlp-dim", "16", "--batch-size", "4", "--probe-size", "4", "--qk-opt-steps", "5",
-            *SMOKE_FLAGS[T.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
-    assert train.main(argv) == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["task"] == task and res["init"] == init and res["steps"] == 2 and res["metrics"]
-    if init != "default":        # a prior's mass at the start, or the reason there is none (no row constrained)
-        assert res["metrics"]["prior_mass_start"] is not None or "constrains no query row" in res["prior_mass_note"]
+def test_readme_add_a_task_example_runs_as_written(tmp_path):
+    """The README's worked example: one class registered as a task trains through train.main with the prior."""
+    (tmp_path / "my_task.py").write_text(_readme_block("<!-- add-a-task -->"))
+    env = {**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
+    for init in ("mask",):
+        r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--init", init, "--steps", "40",
+                            "--log-every", "20", "--out", f"run-{init}"], cwd=tmp_path, capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        res = json.load(open(tmp_path / f"run-{init}" / "result.json"))
+        assert res["task"] == "xor-neighbours" and res["kind"] == "boolean" and 0 <= res["metrics"]["acc"] <= 1
+    assert res["metrics"]["prior_mass_start"] > 0.9          # the mask's start: M = +5 on the band, -5 off it
+    r = subprocess.run([sys.executable, "my_task.py", "--task", "xor-neighbours", "--data-frac", "0.1"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "does not apply to task xor-neighbours" in r.stderr
+
+
+def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
+    """Every code block of "Use the prior in your own model" (ours, torch, timm, Hugging Face, nanoGPT-style),
+    run in order in one namespace, in an empty folder."""
+    _extra("timm"), _extra("transformers").logging.set_verbosity_error()
+    readme = open(os.path.join(HERE, "README.md")).read()
+    section = readme.split("## Use the prior in your own model", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2]]
+    assert len(blocks) == 5 and all(b.startswith("python") is False for b in blocks)
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), ns)
+    assert len(ns["mass"]) == 2 and list(ns["priors"]) == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert all(p.mask_logits.shape == (4, 16, 16) for p in ns["priors"].values()) and ns["y"].shape == (8, 16, 64)
+    assert len(mp.mask_priors(ns["seq2seq"])) == 4 and len(mp.mask_priors(ns["vit"])) == 12
+    undecayed = {id(p) for g in ns["vit_opt"].param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert all(id(p.mask_logits) in undecayed for p in mp.mask_priors(ns["vit"]))
+    assert len(mp.mask_priors(ns["gpt2"])) == 2 and ns["ids"].shape == (1, 8)          # reloaded with its priors
+    decay = ns["PriorTrainer"].get_decay_parameter_names(object.__new__(ns["PriorTrainer"]), ns["gpt2"])
+    assert decay and not set(mp.prior_parameter_names(ns["gpt2"])) & set(decay)
+    assert len(mp.mask_priors(ns["gpt"])) == 2 and ns["out"].shape == (2, 20, 64)
+
+
+def test_readme_is_a_manual():
+    assert os.path.getsize(os.path.join(HERE, "README.md")) < 25_000      # 22,000 before the framework recipes
+
+
+def test_every_guarantee_in_the_readme_names_a_test_that_exists():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    section = readme.split("## What is guaranteed", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"`(test_[a-z0-9_]+)`", section)
+    assert len(names) >= 20 and all(callable(globals().get(n)) for n in names), names
+    cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
+    assert f"`test_bad_input_exits_2` ({cases} cases)" in section
