@@ -3,7 +3,6 @@
 Grouped by subject: shared constants, model, tasks, config, runs and resume, reporting, reproduce.sh,
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
-import dataclasses
 import json
 import math
 import os
@@ -2345,17 +2344,14 @@ def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
 
 
 def test_train_step_is_the_step_the_loop_takes(tmp_path):
-    """train.train_step (what the benchmarks time) replayed from the same start gives bitwise the weights the
-    loop trained (learning-rate schedule, clipping and the update included)."""
+    """train.build + train.train_step (what the benchmarks time), replayed, give bitwise the weights the loop
+    trained (learning-rate schedule, clipping and the update included)."""
     argv = [*RUN24, "--init", "mask", "--steps", "6", "--log-every", "3", "--grad-clip", "0.5", "--schedule",
             "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
     assert train.main(argv) == 0
-    args, device = dataclasses.replace(train.resolve(*train.parse_args(argv)), steps=6), torch.device("cpu")
-    task = train.make_task(args)
-    train.setup_task(task, device)
-    model, _ = train.build_model(args, task, device)
-    train.apply_init(model, task, args)
-    opt = train.make_optimizer(model, args)
+    device = torch.device("cpu")
+    b = train.build(train.resolve(*train.parse_args(argv)), device)
+    model, opt, task, args = b.model, b.optimizer, b.task, b.args
     for step in range(6):
         train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
     trained = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]

@@ -795,29 +795,57 @@ def size_schedule(args: Config, explicit: set, task) -> Config:
     return replace(args, **sized, log_every=log_every, ckpt_every=args.ckpt_every or log_every)
 
 
+@dataclass
+class Built:
+    """What a config builds (`build`): the config with its schedule sized, the task set up, the model
+    and its model config, the optimiser, and the init's report (None when the init was not applied)."""
+    args: Config
+    task: T.Task
+    model: torch.nn.Module
+    cfg: object
+    optimizer: torch.optim.Optimizer
+    init_report: dict | None
+
+
+def build(args: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
+          init: bool = True) -> Built:
+    """Everything a run trains, from a config: the task (made from the config unless given) set up on
+    the device, the schedule sized (`size_schedule`), the model built and, with `init`, initialised by
+    --init (its report timed), and the optimiser (M undecayed). `train_loop`, the tests and the
+    benchmarks that train build this way; `train_step` then takes the steps."""
+    device = device or pick_device(args.device)
+    task = task or make_task(args)
+    setup_task(task, device)
+    args = size_schedule(args, explicit, task)
+    model, cfg = build_model(args, task, device)
+    report = None
+    if init:
+        t0 = time.time()
+        try:
+            report = apply_init(model, task, args)
+        except ValueError as e:     # a pattern that does not fit the model: nothing is written
+            raise UsageError(f"--init {args.init}: {e}") from None
+        report["seconds"] = round(time.time() - t0, 3)
+        model.to(device)
+    return Built(args, task, model, cfg, make_optimizer(model, args), report)
+
+
 def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist()) -> Run:
     """Load the data, size the schedule, build the model; then initialise and save a new run
     (`ckpt` None) or restore the checkpoint's state. Only rank 0 writes."""
-    setup_task(task, device)
-    args = size_schedule(args, explicit, task)
+    built = build(args, device, explicit, task, init=ckpt is None)
+    args, model, cfg = built.args, built.model, built.cfg
     if ckpt is not None and args.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {args.out} is at step {ckpt['step']}, past --steps "
                          f"{args.steps}; give --steps {ckpt['step']} or more")
-    model, cfg = build_model(args, task, device)
     pattern = task.pattern(args.pattern).to(device)
     inputs = task.probe_inputs(args.probe_size)
     if ckpt is None:
-        t0 = time.time()
-        try:
-            init_report = apply_init(model, task, args)
-        except ValueError as e:     # a pattern that does not fit the model: nothing is written
-            raise UsageError(f"--init {args.init}: {e}") from None
-        init_report["seconds"] = round(time.time() - t0, 3)
-        model.to(device)
+        init_report = built.init_report
         check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
-        state = Run(args, task, model, cfg, make_optimizer(model, args), probe, device, init_report, None, folder,
+        state = Run(args, task, model, cfg, built.optimizer, probe, device, init_report, None, folder,
                     dist, run_id=uuid.uuid4().hex)
         if dist.main:
             start = probe.measure(model)
@@ -838,7 +866,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
                              f"({ckpt['config']} vs {asdict(cfg)})")
         model.load_state_dict(ckpt["model"])
-        optimizer = make_optimizer(model, args)
+        optimizer = built.optimizer
         optimizer.load_state_dict(ckpt["optimizer"])
         probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
         state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
