@@ -3335,6 +3335,17 @@ def test_bench_retrofit_prints_the_ratio_side_by_side():
         assert float(prior.split()[-1]) > 0
 
 
+def test_bench_attention_and_bench_vit_time_train_py_s_step():
+    """Both benchmarks run train.train_step (the loop's own step) and print a ratio column led by 1.000."""
+    for script, argv in (("bench_attention.py", ["--steps", "1", "--rounds", "1"]),
+                         ("bench_vit.py", ["--steps", "1", "--rounds", "1", "--inits", "default,mask",
+                                           "--batch-size", "4"])):
+        r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", script), *argv], capture_output=True,
+                           text=True, timeout=300)
+        rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("default", "mask"))]
+        assert r.returncode == 0 and rows[0][-1] == "1.000" and len(rows) >= 2, r.stdout + r.stderr
+
+
 def test_bench_context_worker_measures_each_variant():
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
     try:

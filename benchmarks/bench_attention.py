@@ -8,13 +8,13 @@ Variants are timed in interleaved rounds (warm-up excluded) so drifts in machine
 all of them alike; the table gives the median step time and its ratio to `default`.
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
@@ -22,7 +22,14 @@ import tasks as T  # noqa: E402
 import train  # noqa: E402
 
 
-def build(args, masked: bool, fused: bool, device):
+def train_config(args, device):
+    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's
+    data is never read: the batch is random), so that each variant takes train.py's own step."""
+    targs = train.resolve(*train.parse_args(["--task", "parity2", "--device", str(device), "--steps", "1000000"]))
+    return targs, train.make_task(targs)
+
+
+def build(args, masked: bool, fused: bool, device, targs):
     small = T.BooleanTask.preset("small")
     cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers or small["layers"],
                                n_heads=args.heads or small["heads"], dim=args.dim or small["dim"],
@@ -33,17 +40,12 @@ def build(args, masked: bool, fused: bool, device):
     if masked:
         mp.init_mask_(model, mp.banded_pattern(cfg.n_positions, 2), 5.0, 5.0)
     model.to(device)
-    opt = torch.optim.Adam(mp.param_groups(model, 0.0), lr=1e-4)
-    return model, opt
+    return model, train.make_optimizer(model, targs)
 
 
-def step_fn(model, opt, x, y, device, amp):
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = F.mse_loss(model(x).squeeze(-1).float(), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+def step_fn(model, opt, x, y, device, targs, task):
+    def step():                      # train.py's step: its schedule, the task's loss, backward, the update
+        train.train_step(model, model, opt, task, (x, y), targs, device, 0)
     return step
 
 
@@ -91,10 +93,12 @@ def main():
     variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
     if args.explicit:
         variants["default explicit"] = (False, False)
+    targs, task = train_config(args, device)
+    targs = dataclasses.replace(targs, amp="bf16" if args.amp else "off")
     steps = {}
     for name, (masked, fused) in variants.items():
-        model, opt = build(args, masked, fused, device)
-        steps[name] = step_fn(model, opt, x, y, device, args.amp)
+        model, opt = build(args, masked, fused, device, targs)
+        steps[name] = step_fn(model, opt, x, y, device, targs, task)
         for _ in range(5):          # warm-up: allocator, kernels, autotuning
             steps[name]()
     times = interleaved(steps, device, args.rounds, args.steps)

@@ -44,16 +44,16 @@ def worker(n: int, variant: str, device: str, steps: int) -> dict:
     if masked:
         mp.init_mask_(model, logits=mp.causal_distance_logits(n, 4))
     model.to(device)
-    opt = torch.optim.AdamW(mp.param_groups(model, 0.1), lr=1e-3)
+    # train.py's config and task of the language model (the small preset's AdamW; the corpus is never read)
+    targs = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device", str(device),
+                                             "--amp", "off"]))
+    task, opt = train.make_task(targs), train.make_optimizer(model, targs)
     x = torch.randint(0, 257, (4, n + 1), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for i in range(2 + steps):
         sync(device)
         t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train.train_step(model, model, opt, task, (x[:, :-1], x[:, 1:]), targs, device, 0)    # train.py's step
         sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)

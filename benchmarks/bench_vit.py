@@ -14,13 +14,13 @@ line times the preset's whole augmentation of one batch on the device (crop, Ran
 erasing, mixup / cutmix, on random uint8 images of the stored size) against a training step.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import maskprior as mp  # noqa: E402
 import tasks as T  # noqa: E402
 import train  # noqa: E402
 from bench_attention import interleaved  # noqa: E402
@@ -29,11 +29,11 @@ from bench_attention import interleaved  # noqa: E402
 def build(init: str, extra: list, device: torch.device):
     argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
     args = train.resolve(*train.parse_args(argv))
+    args = dataclasses.replace(args, steps=args.steps or 10 ** 6)     # a schedule length for train_step's lr
     task = train.make_task(args)
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, task, args)
-    opt = torch.optim.AdamW(mp.param_groups(model, args.weight_decay), lr=args.lr)
-    return model, opt, cfg, args, task
+    return model, train.make_optimizer(model, args), cfg, args, task
 
 
 def synthetic_data(task, device, n: int = 4096):
@@ -69,15 +69,12 @@ def main():
         model, opt, cfg, targs, task = build(init, extra, device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
-        y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g).to(device)
+        y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g)
+        y = torch.nn.functional.one_hot(y, cfg.n_classes).float().to(device)      # the task's soft targets
         shape = (targs.batch_size, cfg, targs)
 
-        def step(model=model, opt=opt, x=x, y=y, targs=targs):
-            with train.autocast(device, targs):
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+        def step(model=model, opt=opt, x=x, y=y, targs=targs, task=task):          # train.py's own step
+            train.train_step(model, model, opt, task, (x, y), targs, device, 0)
         for _ in range(2):          # warm-up
             step()
         steps[init] = step
