@@ -253,9 +253,15 @@ class MaskPrior(nn.Module):
         i = torch.arange(self.n, device=self.mask_logits.device)
         return self.mask_logits[:, self._distance(i, i)]
 
-    def _rows(self, t: int, s: int) -> int:
-        """The first of the t query rows the prior serves with s keys; raises in one line when (t, s) does
-        not fit, naming the way out."""
+    def _rows(self, t: int, s: int, start: int | None = None) -> int:
+        """The first of the t query rows the prior serves with s keys (`start`, when the caller knows the
+        first query's position, e.g. from a static KV cache whose s keys include empty slots; else s - t);
+        raises in one line when (t, s) does not fit, naming the way out."""
+        if start is not None and self.causal:
+            if start + t > min(s, self.n):
+                raise ValueError(f"{self.where}: queries at positions {start} .. {start + t - 1} with {s} keys do not "
+                                 f"fit the mask size {self.n}: a causal prior serves positions 0 .. {self.n - 1}")
+            return start
         fits = (s <= self.n and t <= s) if self.causal else \
             (t <= self.n and s <= self.n_keys and (self.cross or s == t)
              and (self.prefix or (t == self.n and s == self.n_keys)))
@@ -269,18 +275,21 @@ class MaskPrior(nn.Module):
             raise ValueError(f"{self.where}: sequence length {t}{keys} does not fit the mask size {size}: {way}")
         return s - t if self.causal else 0
 
-    def forward(self, t: int | None = None, dtype: torch.dtype | None = None, k_len: int | None = None) -> torch.Tensor:
+    def forward(self, t: int | None = None, dtype: torch.dtype | None = None, k_len: int | None = None,
+                start: int | None = None) -> torch.Tensor:
         t = self.n if t is None else t
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
-        r = self._rows(t, s)
+        r = self._rows(t, s, start)
+        c = min(s, self.n_keys)                     # keys past M (empty slots of a static cache) are future keys
         if self.param == "full":
-            bias = mask_bias(self.mask_logits[:, r:r + t, :s].float())
+            bias = mask_bias(self.mask_logits[:, r:r + t, :c].float())
         else:                                       # log sigmoid on the small table, then a gather
             dev = self.mask_logits.device
-            idx = self._distance(torch.arange(r, r + t, device=dev), torch.arange(s, device=dev))
+            idx = self._distance(torch.arange(r, r + t, device=dev), torch.arange(c, device=dev))
             bias = mask_bias(self.mask_logits.float())[:, idx]
         if self.causal:
-            bias = bias.masked_fill(future_keys(s, bias.device)[r:r + t], float("-inf"))
+            bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
+            bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
     def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
@@ -624,10 +633,26 @@ def _register_hf() -> None:
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
 
 
-def _hf_bias(prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) float bias: the prior (rows offset by a KV cache) with HF's mask folded in."""
+def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
+    """The first query's position when a KV cache is in use (k_len > q_len) and the model passes position
+    ids (a static cache holds empty slots, so k_len - q_len is not the position); one contiguous run
+    shared by every row of the batch, or one line (left padding, packed sequences)."""
+    if not prior.causal or k_len == q_len or position_ids is None:
+        return None
+    first = position_ids[:, :1]
+    run = first + torch.arange(q_len, device=position_ids.device)
+    if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
+        raise ValueError(f"{prior.where}: the position ids are not one run shared by every row of the batch (left "
+                         f"padding or packed sequences), but the prior indexes positions from 0: pad on the right")
+    return int(first[0, 0])
+
+
+def _hf_bias(prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) float bias: the prior (its rows those of the queries' positions under a
+    KV cache) with HF's mask folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
-    bias = prior(q_len, query.dtype, k_len=k_len).unsqueeze(0)
+    bias = prior(q_len, query.dtype, k_len=k_len, start=_hf_start(prior, q_len, k_len, position_ids)).unsqueeze(0)
     if mask is None:
         return bias
     if mask.dtype == torch.bool:
@@ -646,7 +671,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if prior is None:
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
                            f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
-    bias = _hf_bias(prior, query, key, attention_mask)
+    bias = _hf_bias(prior, query, key, attention_mask, kwargs.get("position_ids"))
     if prior.record is not None:
         k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5

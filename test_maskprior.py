@@ -3136,14 +3136,17 @@ def test_generate_with_a_kv_cache_equals_decoding_without_it(name):
     mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n))
     prompt = x[:, :6]
     kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    cached, plain = model.generate(prompt, use_cache=True, **kw), model.generate(prompt, use_cache=False, **kw)
-    assert torch.equal(cached.sequences, plain.sequences)
-    for a, b in zip(cached.logits, plain.logits):                 # measured: max |diff| 6e-8
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plain = model.generate(prompt, use_cache=False, **kw)
+    for cache in ("dynamic", "static"):          # a static cache holds empty slots: the rows come from the positions
+        cached = model.generate(prompt, use_cache=True, cache_implementation=cache, **kw)
+        assert torch.equal(cached.sequences, plain.sequences), cache
+        for a, b in zip(cached.logits, plain.logits):             # measured: max |diff| 6e-8
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     prior = mp.mask_priors(model)[0]
     assert prior(2, k_len=5).shape == (4, 2, 5)
     torch.testing.assert_close(prior(2, k_len=5), prior(5)[:, 3:])         # the cache's rows are the last ones
-    with pytest.raises(ValueError, match=rf"sequence length 1 with {n + 1} keys does not fit the mask size {n}"):
+    with pytest.raises(ValueError, match=rf"queries at positions {n} .. {n} with {n + 1} keys do not fit the mask "
+                                         rf"size {n}"):
         model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
