@@ -15,8 +15,13 @@ Models: `Transformer` (a token encoder with a CLS / mean / per-token readout, or
 `causal=True` a decoder / language model; `generate` samples from it) and `ViT`, two
 embeddings on one `Trunk` of `Block`s.
 
-This file imports only torch and the standard library: copy it into your codebase.
-Reading order: pattern builders -> mask helpers -> attention -> blocks -> models ->
+In another codebase's model, `add_mask_prior` gives every attention layer its own `MaskPrior`:
+nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama...), or any
+module with an additive-mask keyword; `from_pretrained` loads a Hugging Face model saved with them.
+
+This file imports only torch and the standard library (transformers only inside the Hugging Face
+calls): copy it into your codebase. Reading order: pattern builders -> mask helpers -> the prior
+(`MaskPrior`) -> the prior in other models' attention -> attention -> blocks -> models ->
 sampling -> initialisers -> optimiser groups -> probes.
 """
 from __future__ import annotations
