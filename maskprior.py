@@ -41,9 +41,12 @@ import torch.nn.functional as F
 
 
 def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool = True) -> torch.Tensor:
-    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal."""
+    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal.
+    A pair outside 0 .. N-1 is an error (a negative index would wrap around to the end)."""
     p = torch.zeros(n, n, dtype=torch.bool)
     for i, j in pairs:
+        if not (0 <= i < n and 0 <= j < n):
+            raise ValueError(f"pattern_from_pairs: pair ({i}, {j}) is outside positions 0 .. {n - 1}")
         p[i, j] = True
         if symmetric:
             p[j, i] = True
@@ -140,7 +143,11 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 
 
 def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0) -> torch.Tensor:
-    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`)."""
+    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
+    if pattern is None:
+        raise ValueError("no pattern: give a bool (N, N) or (heads, N, N) pattern, or logits")
+    if not (math.isfinite(m_on) and math.isfinite(m_off)):
+        raise ValueError(f"m_on and m_off must be finite numbers (M is a finite matrix), got {m_on} and {m_off}")
     return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
 
 
@@ -236,6 +243,9 @@ class MaskPrior(nn.Module):
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they
         depend on i - j alone (on and below the diagonal when causal)."""
         full = _per_head(logits, self.heads, self.n, self.n_keys).float().to(self.mask_logits.device)
+        if not bool(torch.isfinite(full).all()):
+            raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite matrix (log sigmoid(M) "
+                             f"of +-inf or nan is no prior)")
         if self.param == "full":
             self.mask_logits.copy_(full)
             return
@@ -492,10 +502,11 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     other = [s.name for s in sites if s.cross != cross_attention]
     sites = [s for s in sites if s.cross == cross_attention]
     if not sites:
+        way = ("leave out cross_attention=True" if cross_attention else
+               "pass cross_attention=True and an (N_query, N_key) pattern")
         raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
-                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); "
-                         f"{'leave out cross_attention=True' if cross_attention else 'pass cross_attention=True and an (N_query, N_key) pattern'} "
-                         f"to give it a prior")
+                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); {way} to give it "
+                         f"a prior")
     for s in sites:
         if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
             raise _fail(s, f"has no `{mask_kwarg}` keyword in its forward: add `{mask_kwarg}=None` and pass it "
@@ -995,6 +1006,9 @@ class Transformer(Trunk):
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) ids -> (B, N, dim) input to the first block (CLS prepended, positions added)."""
+        if idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"an input of {idx.shape[1]} tokens is longer than the model's seq_len "
+                             f"{self.cfg.seq_len} (its positional embedding)")
         x = self.tok_emb(idx)
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
@@ -1052,6 +1066,10 @@ class ViT(Trunk):
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, N, dim) tokens (CLS first if any) with positions added."""
+        size = self.cfg.image_size
+        if images.dim() != 4 or tuple(images.shape[-2:]) != (size, size):
+            raise ValueError(f"images of shape {tuple(images.shape)} do not fit the model: it takes (B, C, {size}, "
+                             f"{size}) (its patch grid and positional embedding)")
         x = self.patch_embed(images).flatten(2).transpose(1, 2)
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)

@@ -677,6 +677,28 @@ def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(
     assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"
 
 
+
+def test_the_library_refuses_what_would_fail_later_or_in_silence():
+    """A NaN strength, a negative pair index, a missing pattern, non-finite logits and inputs of the wrong
+    size are one ValueError each, naming what was wrong, instead of a NaN model or a generic torch error."""
+    model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, learnable_mask=True))
+    before = [p.detach().clone() for p in model.parameters()]
+    for call, message in (
+            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_on=float("nan")), "m_on and m_off must be finite"),
+            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_off=float("inf")),
+             "m_on and m_off must be finite"),
+            (lambda: mp.init_mask_(model), "no pattern: give a bool"),
+            (lambda: mp.init_mask_(model, logits=torch.full((8, 8), float("nan"))), "logits hold non-finite values"),
+            (lambda: mp.pattern_from_pairs(4, [(0, -1)]), r"pair \(0, -1\) is outside positions 0 .. 3"),
+            (lambda: mp.pattern_from_pairs(4, [(4, 0)]), r"pair \(4, 0\) is outside"),
+            (lambda: model(torch.randint(0, 2, (2, 9))), "an input of 9 tokens is longer than the model's seq_len 7"),
+            (lambda: mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))(torch.randn(2, 3, 16, 16)),
+             r"images of shape \(2, 3, 16, 16\) do not fit the model: it takes \(B, C, 8, 8\)")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))       # nothing was changed
+    assert model(torch.randint(0, 2, (2, 7))).shape[0] == 2
+
 # ---------------------------------------------------------------------------------------- tasks
 
 def _bit_pattern(name: str) -> torch.Tensor:
