@@ -670,7 +670,7 @@ def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(
     saved = json.load(open(os.path.join(out, "args.json")))
     del saved["mask_param"]                                   # a run made before the flag existed
     open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
     del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
     torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     assert train.main(["--resume", "--out", out]) == 0
@@ -971,7 +971,7 @@ def test_mean_readout_run_trains_the_right_pattern(tmp_path):
     """The regression of --readout mean: the saved M is parity2's pattern over the 15 bit tokens."""
     rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", "--steps", "2", *SMALL)
     assert rc == 0
-    m = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["model"]["blocks.0.attn.prior.mask_logits"]
+    m = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["model"]["blocks.0.attn.prior.mask_logits"]
     assert m.shape == (2, 15, 15) and torch.equal(m[0] > 0, _bit_pattern("parity2"))
     assert json.load(open(os.path.join(out, "result.json")))["config"]["readout"] == "mean"
 
@@ -2103,11 +2103,11 @@ def _losses(folder):
 
 
 def _params(folder):
-    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["model"]
+    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["model"]
 
 
 def _mask_start(folder):
-    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)["snapshot"][0]["mask"]
+    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["snapshot"][0]["mask"]
 
 
 def test_run_directory_and_result(tmp_path):
@@ -2166,11 +2166,11 @@ def test_resume_is_exact(tmp_path):
     assert rc == 0
     rc, part = run_train(tmp_path, *args, "--halt-after", "10", name="part")
     assert rc == 0 and not os.path.exists(os.path.join(part, "result.json"))
-    assert torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)["step"] == 10
+    assert train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")["step"] == 10
     rc = train.main(["--out", part, "--resume"])
     assert rc == 0
-    a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=False)
-    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
+    a = train.read_checkpoint(str(os.path.join(full, "ckpt.pt")), "test")
+    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
     assert a["step"] == b["step"] == 30
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -2201,7 +2201,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     rc, out = run_train(tmp_path, "--steps", "200", "--lr", "1e30", "--log-every", "1", *SMALL)
     err = capsys.readouterr().err
     assert rc == 1 and "loss became" in err
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert not os.path.exists(os.path.join(out, "result.json"))
 
@@ -2218,7 +2218,7 @@ def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
     proc.send_signal(signal.SIGINT)
     text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, text
-    step = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"]
+    step = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["step"]
     assert step >= 5
     rc = train.main(["--out", out, "--resume", "--steps", str(step + 5)])
     assert rc == 0 and json.load(open(os.path.join(out, "result.json")))["steps"] == step + 5
@@ -2275,7 +2275,7 @@ def test_a_non_finite_stop_keeps_a_finite_checkpoint_and_resumes_with_a_lower_lr
     out = str(tmp_path / "run")
     assert train.main([*TINY, "--steps", "20", "--log-every", "5", "--lr", "1e8", "--out", out]) == 1
     assert "the loss became nan" in capsys.readouterr().err
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert train.main(["--resume", "--out", out, "--lr", "1e-3", "--grad-clip", "1"]) == 0
     saved = json.load(open(os.path.join(out, "args.json")))
@@ -2351,6 +2351,32 @@ def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
 
 
+def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
+    """ckpt.pt holds its contents beside their sha256: a bit flipped in the contents, or anywhere in the file,
+    is one line and exit 2 (never a resume from damaged weights); the intact file resumes."""
+    out = _halted(tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    good = open(path, "rb").read()
+    outer = torch.load(path, weights_only=False)
+    assert outer["format"] == train.CKPT_FORMAT and len(outer["sha256"]) == 64
+    payload = bytearray(outer["payload"])
+    payload[len(payload) // 2] ^= 0x10
+    torch.save({**outer, "payload": bytes(payload)}, path)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is damaged (its contents do not match the checksum" in err and len(err.splitlines()) == 1
+    for offset in (len(good) // 5, len(good) // 2, 4 * len(good) // 5):
+        bad = bytearray(good)
+        bad[offset] ^= 0x01
+        open(path, "wb").write(bytes(bad))
+        assert train.main(["--resume", "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("is damaged" in err or "cannot read" in err), (offset, err)
+    open(path, "wb").write(good)
+    assert train.main(["--resume", "--out", out]) == 0
+
+
 def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
     """What a resume must still take: a run halted between log steps, resumed with another --log-every and
     halted again before its next log line; and the three files moved together to another folder."""
@@ -2376,7 +2402,7 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
     model, opt, task, args = b.model, b.optimizer, b.task, b.args
     for step in range(6):
         train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
-    trained = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    trained = train.read_checkpoint(str(tmp_path / "run" / "ckpt.pt"), "test")["model"]
     assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
     assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
 
@@ -2444,8 +2470,8 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
         assert p.returncode == -signal.SIGKILL, p.stderr.read()
     assert kills >= 1 and os.path.exists(os.path.join(part, "result.json"))
     assert not [n for n in os.listdir(part) if n.endswith(".tmp")]          # the last start cleaned up
-    a = torch.load(os.path.join(ref, "ckpt.pt"), weights_only=False)
-    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)
+    a = train.read_checkpoint(str(os.path.join(ref, "ckpt.pt")), "test")
+    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
     assert a["step"] == b["step"] == 150 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")}  # noqa
                           for line in open(path)]
@@ -2579,7 +2605,7 @@ def _files_whole(folder) -> None:
             text = open(path).read()
             assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
         elif name == "ckpt.pt":
-            assert set(train.CKPT_KEYS) <= set(torch.load(path, weights_only=False))
+            assert set(train.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
         else:
             assert name.startswith(".") and name.endswith(".tmp"), name
 

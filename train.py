@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import hashlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -1101,9 +1102,13 @@ def load_json(path: str):
         return json.load(f)
 
 
+CKPT_FORMAT = "maskprior-checkpoint-2"       # the contents, serialised, beside their sha256
+
+
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
     """ckpt.pt: model, optimiser, step, training time, flags, config, the init's report, the prior's
-    snapshot and starting mass, RNG states: all `--resume` needs to continue exactly."""
+    snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are
+    serialised first and stored with their sha256, which `read_checkpoint` verifies."""
     ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
             "seconds": state.seconds if seconds is None else seconds, "args": asdict(state.args),
             "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
@@ -1112,8 +1117,11 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             **({"identity": identity(state.args, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    payload = buf.getvalue()
     with T.atomic_output(state.path("ckpt.pt")) as f:
-        torch.save(ckpt, f)
+        torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, f)
 
 
 def fingerprint(flags: dict) -> str:
@@ -1132,9 +1140,18 @@ CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_re
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint of this program, read to the CPU; anything else is one clear line."""
+    """A checkpoint of this program, read to the CPU once its contents match their sha256 (a checkpoint
+    written before checksums is read as it is); anything else is one clear line."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT:
+            payload = ckpt.get("payload")
+            if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != ckpt.get("sha256"):
+                raise UsageError(f"{flag}: {path} is damaged (its contents do not match the checksum saved with "
+                                 f"them); restore the file from a copy, or start a new run with another --out")
+            ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
         raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
