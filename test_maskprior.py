@@ -112,6 +112,7 @@ BAD_INPUT = [
     (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
     (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
     (["--pattern", "nosuch"], "has no pattern"),
+    (["--pattern", ""], "--pattern needs a name; parity2's patterns are clique, cls"),
     (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
     (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
     (["--readout", "tokens"], "invalid choice: 'tokens'"),

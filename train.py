@@ -394,6 +394,9 @@ def validate(args, task, explicit: set):
                          f"choose from {', '.join(task.INITS)}")
     if args.head_dim is None and args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}; set --head-dim")
+    if args.pattern == "":
+        raise UsageError(f"--pattern needs a name; {args.task}'s patterns are {', '.join(task.PATTERNS)} (leave the "
+                         f"flag out for the default, {task.check_pattern(None)})")
     try:
         task.check_pattern(args.pattern)
     except T.TaskError as e:
