@@ -809,31 +809,70 @@ def _load_pickle(path: str) -> dict:
     return d
 
 
-def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
-    """(N, 3*S*S) uint8 rows, R then G then B planes -> (N, 3, S, S)."""
+def _pixels(data, path: str) -> np.ndarray:
+    """Pixel rows as stored, refused unless they are integers in 0..255 (a cast would turn 0-1
+    floats into black images, NaN into 0 and 300 into 44)."""
     data = np.asarray(data)
+    if data.dtype == np.uint8:
+        return data
+    if data.dtype.kind not in "iu":
+        what = f"{data.dtype} values" if data.dtype.kind != "f" or not data.size else (
+            f"{data.dtype} values with NaN" if np.isnan(data).any()
+            else f"{data.dtype} values in {data.min():g}..{data.max():g}")
+        raise DataError(f"{path}: pixels must be integers 0..255 (uint8, as in the release), found {what}; "
+                        f"re-download the release or write the images as uint8")
+    if data.size and (data.min() < 0 or data.max() > 255):
+        raise DataError(f"{path}: pixels must be integers 0..255, found {data.min()}..{data.max()}; "
+                        f"re-download the release or write the images as uint8")
+    return data
+
+
+def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
+    """(N, 3*S*S) uint8 rows, R then G then B planes -> (N, 3, S, S); S is `size` when given."""
+    data = _pixels(data, path)
     if data.ndim != 2 or data.shape[1] % 3:
         raise DataError(f"{path}: expected image rows of 3*S*S bytes, got an array of shape {data.shape}")
-    s = size or int(round((data.shape[1] // 3) ** 0.5))
-    if 3 * s * s != data.shape[1]:
+    if len(data) == 0:
+        raise DataError(f"{path} holds no images (an empty batch); re-download the release")
+    side = int(round((data.shape[1] // 3) ** 0.5))
+    if 3 * side * side != data.shape[1]:
         raise DataError(f"{path}: rows of {data.shape[1]} bytes are not 3 square colour planes")
-    return data.astype(np.uint8, copy=False).reshape(-1, 3, s, s)
+    if size and side != size:
+        raise DataError(f"{path}: rows of {data.shape[1]} bytes are {side}x{side} images; expected {size}x{size} "
+                        f"(rows of {3 * size * size} bytes)")
+    return data.astype(np.uint8, copy=False).reshape(-1, 3, side, side)
 
 
-def read_cifar_pickle(path: str, label_key: str = "labels") -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels int64)."""
+def _labels(values, path: str, n_images: int, n_classes: int | None = None, first: int = 0) -> np.ndarray:
+    """A batch's labels as int64 (N,), refused unless they are N integers in first..first+n_classes-1."""
+    y = np.asarray(values)
+    if y.ndim != 1:
+        raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape {y.shape}")
+    if y.size and y.dtype.kind not in "iu":
+        raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. {y[:1].tolist()[0]!r})")
+    if len(y) != n_images:
+        raise DataError(f"{path}: {n_images} images but {len(y)} labels (truncated?)")
+    y = y.astype(np.int64)
+    if n_classes is not None and (y.min() < first or y.max() >= first + n_classes):
+        raise DataError(f"{path}: labels must lie in {first}..{first + n_classes - 1}, found {y.min()}..{y.max()}")
+    return y
+
+
+def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels int64),
+    labels checked against `n_classes` when given."""
     d = _load_pickle(path)
     try:
-        data, labels = _key(d, "data"), np.asarray(_key(d, label_key), dtype=np.int64)
+        data, labels = _key(d, "data"), _key(d, label_key)
     except KeyError as e:
         raise DataError(f"{path} has no {e.args[0]!r} entry; is it a CIFAR python batch?") from None
     x = _images_from_rows(data, path, 32)
-    if len(x) != len(labels):
-        raise DataError(f"{path}: {len(x)} images but {len(labels)} labels (truncated?)")
-    return x, labels
+    return x, _labels(labels, path, len(x), n_classes)
 
 
-def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0, n_classes: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes.
 
     CIFAR-10: 1 label byte; CIFAR-100: coarse then fine label (label_bytes=2, label_index=1
@@ -847,7 +886,7 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0) -> 
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
     raw = raw.reshape(-1, rec)
-    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), raw[:, label_index].astype(np.int64)
+    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path, len(raw), n_classes)
 
 
 def _find(data_dir: str, candidates) -> str | None:
@@ -868,12 +907,12 @@ def read_cifar(data_dir: str, name: str) -> dict:
         if py:
             py = os.path.dirname(py)
             files = [os.path.join(py, f) for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
-            parts = [read_cifar_pickle(_need(f, name)) for f in files]
+            parts = [read_cifar_pickle(_need(f, name), n_classes=10) for f in files]
             return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
         binary = _find(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
             files = [os.path.join(binary, f) for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
-            parts = [read_cifar_binary(_need(f, name)) for f in files]
+            parts = [read_cifar_binary(_need(f, name), n_classes=10) for f in files]
             return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
         raise DataError(f"CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
                         f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; "
@@ -881,12 +920,12 @@ def read_cifar(data_dir: str, name: str) -> dict:
     py = _find(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
         files = {s: os.path.join(py, s) for s in ("train", "test")}
-        return {**{s: read_cifar_pickle(_need(f, name), "fine_labels") for s, f in files.items()},
+        return {**{s: read_cifar_pickle(_need(f, name), "fine_labels", 100) for s, f in files.items()},
                 "sources": list(files.values())}
     binary = _find(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
         files = {s: os.path.join(binary, f"{s}.bin") for s in ("train", "test")}
-        return {**{s: read_cifar_binary(_need(f, name), 2, 1) for s, f in files.items()}, "sources": list(files.values())}
+        return {**{s: read_cifar_binary(_need(f, name), 2, 1, 100) for s, f in files.items()}, "sources": list(files.values())}
     raise DataError(f"CIFAR-100 not found: looked for cifar-100-python/train (python) and "
                     f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; "
                     f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
@@ -932,10 +971,8 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
             data, labels = _key(d, "data"), _key(d, "labels")
         except KeyError as e:
             raise DataError(f"{path} has no {e.args[0]!r} entry; is it an Imagenet32/64 batch?") from None
-    x, y = _images_from_rows(data, path), np.asarray(labels, dtype=np.int64)
-    if len(x) != len(y):
-        raise DataError(f"{path}: {len(x)} images but {len(y)} labels (truncated?)")
-    return x, y
+    x = _images_from_rows(data, path)
+    return x, _labels(labels, path, len(x))
 
 
 def read_imagenet100_downsampled(data_dir: str) -> dict:
@@ -1752,8 +1789,8 @@ def load_wikitext2(
         if loaded is not None:
             break
     if loaded is None:
-        folder = _writable_cache_dir(candidates)
-        _build_wikitext_cache(folder, stem, files, sources)
+        with _cache_folder(candidates) as folder:
+            _build_wikitext_cache(folder, stem, files, sources)
         loaded = _read_wikitext_cache(folder, stem, sources)
         if loaded is None:
             raise DataError(f"token cache written to {folder} could not be read back")
@@ -1844,20 +1881,18 @@ def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
 
 
 def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sources: list[dict]) -> None:
-    """Tokenise the three splits; write the vocab, then each split's tokens and meta."""
+    """Tokenise the three splits, refuse an empty one, then write the vocab and each split's
+    tokens and meta (nothing is written for a corpus that is refused)."""
     vocab = build_vocab(iter_wikitext_words(files["train"]))
-    vocab_path = folder / f"{stem}.vocab.json"
-    atomic_write(vocab_path, _vocab_bytes(vocab))
+    ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
+    for split, tokens in ids.items():
+        if len(tokens) == 0:
+            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it from {WIKITEXT_URL}")
+    atomic_write(folder / f"{stem}.vocab.json", _vocab_bytes(vocab))
     vocab_sha1 = hashlib.sha1(_vocab_bytes(vocab)).hexdigest()
     for split in WIKITEXT_SPLITS:
-        path = files[split]
-        ids = encode_words(iter_wikitext_words(path), vocab)
-        empty = (
-            f"WikiText-2 file {path} is empty (no tokens); "
-            f"re-download it from {WIKITEXT_URL}"
-        )
         meta = _expected_meta(stem, WIKITEXT_TOKENIZER, split, sources, vocab_sha1=vocab_sha1)
-        _write_split(folder, stem, split, meta, [ids], len(vocab), empty)
+        _write_split(folder, stem, split, meta, [ids[split]], len(vocab), "")
 
 
 def _read_wikitext_cache(
@@ -1913,13 +1948,13 @@ def load_tinystories(
             if tokens is not None:
                 break
         if tokens is None:
-            folder = _writable_cache_dir(candidates)
             empty = (
                 f"TinyStories file {path} contains no stories (nothing but whitespace and "
                 f"<|endoftext|> lines); re-download it from {TINYSTORIES_URL}"
             )
-            stream = iter_tinystories_tokens(path, chunk_size)
-            _write_split(folder, stem, split, meta, stream, BYTE_VOCAB_SIZE, empty)
+            with _cache_folder(candidates) as folder:
+                stream = iter_tinystories_tokens(path, chunk_size)
+                _write_split(folder, stem, split, meta, stream, BYTE_VOCAB_SIZE, empty)
             tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
             if tokens is None:
                 raise DataError(f"token cache written to {folder} could not be read back")
@@ -2279,6 +2314,21 @@ def _writable_cache_dir(candidates: list[Path]) -> Path:
         except OSError:
             continue
     raise DataError(f"cannot write a cache in any of: {', '.join(map(str, candidates))}")
+
+
+@contextlib.contextmanager
+def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
+    """The first writable cache folder (see `_writable_cache_dir`); a folder this call created is
+    removed again when the body fails and left nothing in it."""
+    created = [c for c in candidates if not c.exists()]
+    folder = _writable_cache_dir(candidates)
+    try:
+        yield folder
+    except BaseException:
+        if folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()                   # only an empty folder goes
+        raise
 
 
 @contextlib.contextmanager

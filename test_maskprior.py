@@ -1205,6 +1205,49 @@ def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_pat
         T.load_image_dataset("cifar10", str(tmp_path))
 
 
+_U8 = np.zeros((4, 3072), np.uint8)
+
+
+@pytest.mark.parametrize("data,labels,needle", [
+    (np.full((4, 3072), 0.5), [1, 2, 3, 4], "pixels must be integers 0..255 (uint8, as in the release), "
+                                            "found float64 values in 0.5..0.5"),           # 0-1 floats
+    (np.full((4, 3072), 200.0), [1, 2, 3, 4], "found float64 values in 200..200"),        # 0-255 floats
+    (np.full((4, 3072), np.nan), [1, 2, 3, 4], "found float64 values with NaN"),
+    (np.full((4, 3072), 300), [1, 2, 3, 4], "pixels must be integers 0..255, found 300..300"),
+    (np.full((4, 3072), -1), [1, 2, 3, 4], "found -1..-1"),
+    (_U8, ["a", "b", "c", "d"], "labels must be integers, found <U1 values (e.g. 'a')"),
+    (_U8, [[1], [2], [3], [4]], "labels must be a flat list of integers, found an array of shape (4, 1)"),
+    (_U8, [1, 2, 3, 10], "labels must lie in 0..9, found 1..10"),
+    (_U8, [1, 2, 3, -1], "labels must lie in 0..9, found -1..3"),
+    (np.zeros((4, 768), np.uint8), [1, 2, 3, 4], "rows of 768 bytes are 16x16 images; expected 32x32 (rows of 3072"),
+    (np.zeros((0, 3072), np.uint8), [], "data_batch_2 holds no images (an empty batch)"),
+])
+def test_broken_cifar_data_is_refused_before_anything_is_cached(tmp_path, capsys, data, labels, needle):
+    x, y = _images(4), [1, 2, 3, 4]
+    T.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
+    _py2_pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {b"data": data, b"labels": labels})
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--steps", "1", "--layers", "1",
+                        "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8", "--batch-size", "4")
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "data_batch_2" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["cifar-10-batches-py"]        # no cache, no run folder
+
+
+def test_broken_binary_labels_and_imagenet_batches_are_refused(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    np.concatenate([np.array([[4], [12]], np.uint8), _images(2).reshape(2, -1)], axis=1).tofile(b / "x.bin")
+    with pytest.raises(T.DataError, match=r"x.bin: labels must lie in 0..9, found 4..12"):
+        T.read_cifar_binary(str(b / "x.bin"), n_classes=10)
+    root = _imagenet_dir(tmp_path)
+    _py2_pickle(root / "val_data", {b"data": np.full((1, 3072), 0.5), b"labels": [1]})
+    with pytest.raises(T.DataError, match="val_data: pixels must be integers 0..255"):
+        T.read_imagenet100_downsampled(str(root))
+    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": ["n01558993"]})
+    with pytest.raises(T.DataError, match="val_data: labels must be integers"):
+        T.read_imagenet100_downsampled(str(root))
+
+
 def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
     x, y = _images(10), np.arange(10) % 10
     T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
@@ -1404,11 +1447,12 @@ def test_wikitext_missing_files_error(tmp_path):
         T.load_lm_corpus("wikitext2", tmp_path)
 
 
-def test_wikitext_empty_split_error(tmp_path):
-    make_wikitext(tmp_path, valid="")
-    with pytest.raises(T.DataError, match=r"wiki\.valid\.tokens is empty.*Salesforce/wikitext"):
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
+def test_wikitext_empty_split_error(tmp_path, split):
+    make_wikitext(tmp_path, **{split: ""})
+    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*Salesforce/wikitext"):
         T.load_lm_corpus("wikitext2", tmp_path)
-    assert not any(p.suffix == ".json" and ".valid." in p.name for p in (tmp_path / "maskprior-cache").iterdir())
+    assert not (tmp_path / "maskprior-cache").exists()               # no vocab, no split, no folder left
 
 
 def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
@@ -1540,7 +1584,7 @@ def test_tinystories_empty_corpus_error(tmp_path):
     make_tinystories(tmp_path, train="\n<|endoftext|>\n  \n<|endoftext|>\n\n")
     with pytest.raises(T.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
         T.load_lm_corpus("tinystories", tmp_path)
-    assert [p.name for p in (tmp_path / "maskprior-cache").iterdir()] == []  # no half cache, no temp file
+    assert not (tmp_path / "maskprior-cache").exists()  # no half cache, no temp file, no folder
 
 
 def test_tinystories_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
