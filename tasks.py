@@ -2336,17 +2336,30 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary file that appears at ``path`` only if the ``with`` body completes (a temporary
     file in the same folder, flushed to disk, then renamed over ``path``)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())         # mkstemp's 0600 would hide results from the group
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(path)                # a full disk names the file it could not write
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:

@@ -3,6 +3,7 @@
 Grouped by subject: shared constants, model, tasks, config, runs and resume, reporting, reproduce.sh,
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
+import contextlib
 import json
 import math
 import os
@@ -1792,10 +1793,29 @@ def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
         (data / "wikitext-2").mkdir()
         for split in ("train", "valid", "test"):
             (data / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
-    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", data, "--steps", "2", *argv)
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", data, "--steps", "2", *argv,
+                        name="new/parents/run")
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
-    assert not os.path.exists(out)
+    assert not os.path.exists(tmp_path / "new")                      # no run folder, no parent folder left
+    after = sorted(p.relative_to(data) for p in data.rglob("*") if setup != "small" or "maskprior-cache" not in str(p))
+    assert after == before                  # no cache of a refused corpus (a good corpus's cache may stay)
+
+
+def test_an_out_path_that_cannot_be_made_leaves_no_folder(tmp_path, capsys):
+    """A 4 KB --out (each folder name fits, the whole path does not): one line, and none of the folders the
+    attempt made is left; an --out under a file likewise."""
+    deep = tmp_path / "/".join(["d" * 200] * 21) / "run"
+    assert len(str(deep)) > 4096
+    assert train.main([*TINY, "--steps", "1", "--out", str(deep)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot create the run folder (File name too long)" in err and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    assert train.main([*TINY, "--steps", "1", "--out", str(tmp_path / "file" / "a" / "run")]) == 2
+    assert "cannot create the run folder (Not a directory)" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["file"]
 
 
 def test_registry_and_task_constants():
@@ -2357,6 +2377,7 @@ def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoin
     ("log cut short", "holds steps 0 .. 10, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
     ("log without its start", "holds steps 5 .. 20"),
     ("log of another run", "is the checkpoint of another run"),
+    ("log replaced by a folder", "metrics.jsonl is not a file, so the run's log cannot be continued"),
 ])
 def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
     """ckpt.pt, args.json and metrics.jsonl are checked against each other before a resume: each broken or
@@ -2388,12 +2409,17 @@ def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
         open(log, "w").writelines(lines[1:])
     elif case == "log of another run":
         shutil.copy(os.path.join(other, "metrics.jsonl"), log)
-    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    elif case == "log replaced by a folder":
+        os.remove(log)
+        os.mkdir(log)
+    files = lambda: {f: open(os.path.join(out, f), "rb").read() if os.path.isfile(os.path.join(out, f)) else "dir"  # noqa
+                     for f in os.listdir(out)}
+    before = files()
     capsys.readouterr()
     assert train.main(["--resume", "--out", out]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
-    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+    assert files() == before
 
 
 def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
@@ -2619,7 +2645,7 @@ def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), 
                                                "config": {"readout": readout, "pos_init_std": pos}}))
     drift = "mask_drift" if init == "mask" else "qk_drift"
     (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
+        json.dumps({"step": 10 * i, "metrics": {}, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
                     "content_margin": [i, 2 * i]}) + "\n"
         for i, m in enumerate(masses)))
     return d
@@ -2803,7 +2829,133 @@ def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
     res["metrics"]["acc"] = "high"
     (out / "result.json").write_text(json.dumps(res))
     table = open(train.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
-    assert "metric acc is 'high', not a number" in table
+    assert "metric acc is 'high', not a finite number" in table
+
+
+@contextlib.contextmanager
+def _small_disk(path, size="100k", read_only=False):
+    """A tmpfs of `size` mounted at `path` (read-only if asked), unmounted after; the test is skipped, with the
+    reason, where this machine cannot mount one (not root, no mount)."""
+    path.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
+                            str(path)], capture_output=True, text=True)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}); the full-disk and read-only cases need one")
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the full-disk and read-only cases need one")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _report_case(tmp_path, case):
+    """A finished real run in runs/boolean, then broken as `case` says; returns (runs, its folder)."""
+    runs = tmp_path / "runs"
+    out = runs / "boolean" / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "10", "--log-every", "5", "--out", str(out)]) == 0
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75)        # a healthy neighbour: its row must stay
+    res, log = out / "result.json", out / "metrics.jsonl"
+    if case == "result.json without seed":
+        _edit_json(res, lambda d: d.pop("seed"))
+    elif case == "seed a string":
+        _edit_json(res, lambda d: d.update(seed="0"))
+    elif case == "result.json a list":
+        res.write_text("[]")
+    elif case == "NaN metric":
+        _edit_json(res, lambda d: d["metrics"].update(acc=float("nan")))
+    elif case == "non-UTF-8 log line":
+        with open(log, "ab") as f:
+            f.write(b'{"step": 7, "metrics": {"acc": 1.0}, "note": "\xff\xfe"}\n')
+    elif case == "log line without metrics":
+        with open(log, "a") as f:
+            f.write('{"step": 7, "x": 1}\n{"step": 8, "metrics": {}, "prior_mass": ["a"]}\n')
+    elif case == "log a folder":
+        os.remove(log)
+        os.mkdir(log)
+    return runs, out
+
+
+@pytest.mark.parametrize("case,listed", [
+    ("result.json without seed", "parity2-mask-s0: unreadable result.json (ValueError: seed is 'missing')"),
+    ("seed a string", "parity2-mask-s0: unreadable result.json (ValueError: seed is '0')"),
+    ("result.json a list", "parity2-mask-s0: unreadable result.json (ValueError: a JSON list, not an object)"),
+    ("NaN metric", "parity2-mask-s0: unreadable result.json (ValueError: metric acc is nan, not a finite number)"),
+    ("non-UTF-8 log line", None), ("log line without metrics", None), ("log a folder", None),
+])
+def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
+    """The report of a folder with one broken run: exit 0, every table written, the healthy run's row
+    there, and the broken run either listed by name with what is wrong, or in its table (a bad log line is
+    dropped like a cut one; a log that cannot be read leaves the run without curves)."""
+    runs, out = _report_case(tmp_path, case)
+    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    assert capsys.readouterr().err == ""
+    table = (tmp_path / "res" / "boolean.md").read_text()
+    assert "| default | 0 | 75.00 ± 0.00 |" in table
+    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
+    if listed:
+        assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")
+    else:
+        assert "| mask | 0 |" in table
+
+
+def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    runs, _ = _report_case(tmp_path, "")
+    (tmp_path / "file").write_text("x")
+    for out, needle in ((tmp_path / "file", "is a file; give a folder"),
+                        (tmp_path / "file" / "sub", "cannot write")):
+        assert train.main(["report", str(runs), str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "ro", read_only=True) as ro:
+        assert train.main(["report", str(runs), str(ro)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "Read-only file system" in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "full", size="20k") as full:       # the tables fit, the figure does not
+        rc = train.main(["report", str(runs), str(full)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "No space left on device" in err and len(err.splitlines()) == 1, err
+        assert not [n for n in os.listdir(full) if n.endswith(".tmp")]
+
+
+def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
+    runs, _ = _report_case(tmp_path, "")
+    res = tmp_path / "res"
+    res.mkdir()
+    stale = [res / ".curves.png.k3j_x9ab.tmp", res / ".boolean.md.q1w2e3r4.tmp"]   # what SIGKILL leaves
+    for p in stale:
+        p.write_bytes(b"half")
+    (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
+    train.report(str(runs), str(res))
+    assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()
+
+
+def test_a_full_disk_stops_a_run_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, capsys):
+    """--out on a 100 KB tmpfs: the second checkpoint does not fit. One line naming the file and the step of
+    the whole checkpoint, exit 2, no temporary file; the folder moved to a disk with room resumes and ends
+    where an uninterrupted run ends, bit for bit. A disk too small for the first checkpoint leaves nothing."""
+    args = [*TINY, "--init", "mask", "--steps", "30", "--log-every", "5", "--ckpt-every", "10"]
+    assert train.main([*args, "--out", str(tmp_path / "ref")]) == 0
+    with _small_disk(tmp_path / "disk") as disk:
+        out = disk / "run"
+        capsys.readouterr()
+        assert train.main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "No space left on device writing" in err, err
+        saved = train.read_checkpoint(str(out / "ckpt.pt"), "test")["step"]
+        assert f"the checkpoint of step {saved} in {out / 'ckpt.pt'} is whole" in err and f"--resume --out {out}" in err
+        _files_whole(str(out))
+        assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+        shutil.copytree(out, tmp_path / "moved")
+    assert train.main(["--resume", "--out", str(tmp_path / "moved")]) == 0
+    a, b = _params(tmp_path / "ref"), _params(tmp_path / "moved")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with _small_disk(tmp_path / "tiny", size="20k") as tiny:
+        assert train.main([*args, "--out", str(tiny / "run")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "the new run had no checkpoint yet and left nothing behind" in err and len(err.splitlines()) == 1
+        assert os.listdir(tiny) == []
 
 
 # ---------------------------------------------------------------------------------------- reproduce.sh

@@ -27,11 +27,13 @@ STARTED = time.time()       # the process's start, for the wall time the final l
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import errno  # noqa: E402
 import hashlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -704,6 +706,7 @@ class Run:
     seconds: float = 0.0            # training time before this invocation
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
     log_step: int = 0               # the step of the last line in metrics.jsonl
+    saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
     trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
 
@@ -720,6 +723,7 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
     args = resolve(flags, explicit)
     check_numbers(args)
     dist, args = init_distributed(args)
+    state = None
     try:
         if args.sample is not None:
             return sample(args, explicit)
@@ -731,11 +735,32 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
             if state.folder is not None:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
+    except OSError as e:
+        if e.errno not in STORAGE_ERRORS:
+            raise
+        raise UsageError(storage_failed(e, args, state)) from None
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
                 torch.distributed.barrier()     # leave together: gloo aborts a rank whose peer is gone
             torch.distributed.destroy_process_group()
+
+
+# A write that fails for want of room or permission: the run stops with one line, its files whole.
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def storage_failed(e: OSError, args: Config, state: Run | None) -> str:
+    """The line for a write that failed (disk full, quota, read-only): what failed where, and what is
+    kept (every file is written whole or not at all, so the last checkpoint resumes exactly)."""
+    where = f" writing {e.filename}" if e.filename else f" under {args.out}"
+    what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}{where}"
+    if state is None or state.saved_step is None:
+        if args.resume:
+            return f"{what}; the run in {args.out} is unchanged: free space, then --resume --out {args.out} again"
+        return f"{what}; the new run had no checkpoint yet and left nothing behind: free space and start it again"
+    return (f"{what} at step {state.step}; the checkpoint of step {state.saved_step} in {state.path('ckpt.pt')} is "
+            f"whole: free space, then continue with --resume --out {args.out}")
 
 
 def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
@@ -875,7 +900,8 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
         state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
                     folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
-                    run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0))
+                    run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
+                    saved_step=ckpt["step"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -1123,8 +1149,11 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
     buf = io.BytesIO()
     torch.save(ckpt, buf)
     payload = buf.getvalue()
+    outer = io.BytesIO()
+    torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, outer)
     with T.atomic_output(state.path("ckpt.pt")) as f:
-        torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, f)
+        f.write(outer.getbuffer())              # a plain write: a full disk is an OSError (ENOSPC)
+    state.saved_step = state.step
 
 
 def fingerprint(flags: dict) -> str:
@@ -1182,6 +1211,7 @@ class RunFolder:
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
         self.path, self.created, self.fd = path, False, None
+        self.parents: list[str] = []            # the folders above it this run made, deepest first
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -1199,6 +1229,7 @@ class RunFolder:
         """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
         try:
             parent = os.path.dirname(os.path.abspath(self.path))
+            self.parents = missing_folders(parent)
             os.makedirs(parent, exist_ok=True)
             try:
                 os.mkdir(self.path)
@@ -1207,6 +1238,7 @@ class RunFolder:
                 if not os.path.isdir(self.path):
                     raise
         except OSError as e:
+            self._remove_parents()
             raise UsageError(f"--out {self.path}: cannot create the run folder ({e.strerror or e})") from None
         self._lock()
         if self.holds_run():
@@ -1248,7 +1280,27 @@ class RunFolder:
             if self.created:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.path)
+                self._remove_parents()
         self.release()
+
+    def _remove_parents(self) -> None:
+        """Remove the folders above the run that this run made, while they are empty (another run
+        starting under them at the same moment keeps them)."""
+        for folder in self.parents:
+            try:
+                os.rmdir(folder)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    break                       # in use: it and the folders above stay
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders of `path` (absolute) that do not exist yet, deepest first."""
+    out = []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def restore_args(args: Config, explicit: set, folder: RunFolder, ckpt: dict) -> Config:
@@ -1284,7 +1336,8 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
     identity, the log's step-0 line names the checkpoint's run. Anything else is one line."""
     path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["args"]
     if not os.path.isfile(log):
-        raise UsageError(f"--resume: {log} is missing, so the run's log cannot be continued; start a new run "
+        what = "is not a file" if os.path.exists(log) else "is missing"
+        raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
                          f"with another --out")
     records, logged = read_log(log), ckpt.get("log_step", 0)
     ident = ckpt.get("identity")
@@ -1333,9 +1386,23 @@ def read_log(path: str) -> list[dict]:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            if log_line(rec):
                 records.append(rec)
     return records
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def log_line(rec) -> bool:
+    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >= 0), a
+    dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their mean."""
+    if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
+            and isinstance(rec.get("metrics"), dict)):
+        return False
+    mass, mean = rec.get("prior_mass"), rec.get("prior_mass_mean")
+    return (mass is None or isinstance(mass, list) and all(map(_number, mass))) and (mean is None or _number(mean))
 
 
 def append_log(path: str, record: dict) -> None:
@@ -1345,6 +1412,9 @@ def append_log(path: str, record: dict) -> None:
     try:
         while data:
             data = data[os.write(fd, data):]
+    except OSError as e:
+        e.filename = path                       # a full disk names the log (a cut line is dropped on resume)
+        raise
     finally:
         os.close(fd)
 
@@ -1412,12 +1482,15 @@ def collect_runs(paths) -> tuple[list, list]:
             continue
         try:
             r = load_json(res)
-            if not (isinstance(r["metrics"], dict) and r["task"] and r["init"]):
-                raise ValueError("metrics, task or init missing")
-            bad = [k for k, v in r["metrics"].items()
-                   if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+            if not isinstance(r, dict):
+                raise ValueError(f"a JSON {type(r).__name__}, not an object")
+            wrong = [k for k, kind in (("task", str), ("init", str), ("seed", int), ("metrics", dict))
+                     if not isinstance(r.get(k), kind) or isinstance(r.get(k), bool)]
+            if wrong:
+                raise ValueError(f"{wrong[0]} is {r.get(wrong[0], 'missing')!r}")
+            bad = [k for k, v in r["metrics"].items() if v is not None and not (_number(v) and math.isfinite(v))]
             if bad:
-                raise ValueError(f"metric {bad[0]} is {r['metrics'][bad[0]]!r}, not a number")
+                raise ValueError(f"metric {bad[0]} is {r['metrics'][bad[0]]!r}, not a finite number")
             runs.append({**r, "run_dir": d})
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
@@ -1543,7 +1616,10 @@ def log_records(run: dict) -> list[dict]:
     once per run dict (the curves, steps to target and the prior per layer all use them)."""
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
-        run["_records"] = read_log(path) if os.path.exists(path) else []
+        try:
+            run["_records"] = read_log(path) if os.path.isfile(path) else []
+        except OSError:                          # unreadable: the run has no curves, the tables stand
+            run["_records"] = []
     return run["_records"]
 
 
@@ -1558,6 +1634,8 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
             continue
         drift_key = "mask_drift" if r["init"] == "mask" else "qk_drift"
         for rec in log_records(r):
+            if rec.get("prior_mass") is None:
+                continue
             drift = rec.get(drift_key)
             rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
                          "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
@@ -1945,6 +2023,10 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     the data-efficiency table, the learning curves, steps to target and the prior per layer.
     Unfinished or unreadable runs are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):            # the temporary file of a report that was killed mid-write
+        if re.fullmatch(r"\..+\.(md|csv|png)\.[a-z0-9_]+\.tmp", name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, name))
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
 
@@ -2037,7 +2119,16 @@ def make_wikitext(folder: str, files: list) -> int:
 def report_command(runs: str, out: str) -> int:
     if not os.path.isdir(runs):
         raise UsageError(f"report: {runs} is not a folder of runs")
-    for path in report(runs, out):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"report: {out} is a file; give a folder for the tables and figures")
+    try:
+        written = report(runs, out)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRORS and e.errno not in (errno.ENOTDIR, errno.ENOENT):
+            raise
+        raise UsageError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before "
+                         f"is whole: give another folder, or free space, and report again") from None
+    for path in written:
         print(f"wrote {path}")
     return 0
 
