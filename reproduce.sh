@@ -42,20 +42,23 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  cifar-100-python/ or cifar-100-binary/, imagenet100/ (Imagenet32 pickles +
                  map_clsloc.txt), wikitext-2/ or wikitext-2-raw/, TinyStories*.txt
   --runs DIR     run directories (default runs/paper, runs/quick with --quick)
-  --results DIR  tables and plots (default results/, results/quick/ with --quick)
+  --results DIR  tables and plots (default results/, results/quick/ with --quick); a
+                 relative --runs, --results or --data is read from the current folder,
+                 the defaults live beside this script
   --dry-run      list the runs it would start or skip, run nothing
   PYTHON=...     the interpreter (default python)
 
 A run whose result.json exists is skipped, and an interrupted one (a checkpoint, no
-result.json) is resumed, so running it again continues where it stopped; Ctrl-C stops
-every run at a checkpoint and the script with status 130. A missing dataset is reported
+result.json) is resumed, so running it again continues where it stopped. Ctrl-C (SIGINT)
+or SIGTERM to the script is passed on to every running run, which saves a checkpoint; no
+new run starts, and the script waits for them and exits 130 (143). A missing dataset is reported
 and its runs are skipped; a failed run makes the script exit 1 and names it (its log is
 RUNS/TABLE/NAME.log). Each run folder is locked while it trains, and a seed may be given
 once.
 EOF
 }
 
-QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA="data"; RUNS=""; RESULTS=""; DRY=0
+QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA=""; RUNS=""; RESULTS=""; DRY=0
 value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none
     if [ -z "${2:-}" ] || [[ "$2" == --* ]]; then
         echo "reproduce.sh: $1 needs a value (see bash reproduce.sh --help)" >&2; exit 2
@@ -86,6 +89,9 @@ esac
 DUP=$(printf '%s\n' $SEEDS | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -n "$DUP" ] && { echo "reproduce.sh: --seeds lists seed $DUP twice (two runs would share one folder)" >&2; exit 2; }
 PY="${PYTHON:-python}"
+absolute() { if [ -z "$1" ] || [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
+# folders given are read from where the script is started; the defaults live beside it
+RUNS=$(absolute "$RUNS"); RESULTS=$(absolute "$RESULTS"); DATA=$(absolute "$DATA"); DATA="${DATA:-data}"
 cd "$(dirname "$0")"
 if { [ "$ONLY" = ablation ] || [ "$ONLY" = data ]; } && [ "$QUICK" = 0 ]; then
     echo "reproduce.sh: --only $ONLY runs at the small preset (as with --quick)"
@@ -129,8 +135,9 @@ URL_WIKITEXT="https://huggingface.co/datasets/Salesforce/wikitext"
 URL_TINY="https://huggingface.co/datasets/roneneldan/TinyStories"
 
 # ---- the run list: "TABLE TASK INIT SEED TAG EXTRA-FLAGS..."; the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG]
+# (@DATA in the flags stands for the --data folder, passed as one argument whatever it holds)
 LIST=()
-add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"] [TAG]; no trailing blank (xargs would join the next line)
+add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"] [TAG]
     for s in $SEEDS; do for i in $3; do LIST+=("$1 $2 $i $s ${5:--}${4:+ $4}"); done; done
 }
 QK="default mask qk-svd qk-opt"
@@ -161,18 +168,18 @@ fi
 if [ "$QUICK" = 0 ] && want vision; then
     VI="default mimetic impulse mask"
     have "cifar10 ($URL_CIFAR)" cifar-10-batches-py/data_batch_1 cifar-10-batches-bin/data_batch_1.bin \
-        && add vision cifar10 "$VI" "--data-dir $DATA"
+        && add vision cifar10 "$VI" "--data-dir @DATA"
     have "cifar100 ($URL_CIFAR)" cifar-100-python/train cifar-100-binary/train.bin \
-        && add vision cifar100 "$VI" "--data-dir $DATA"
+        && add vision cifar100 "$VI" "--data-dir @DATA"
     have "imagenet100 ($URL_IMAGENET)" imagenet100/map_clsloc.txt \
-        && add vision imagenet100 "$VI" "--data-dir $DATA/imagenet100"
+        && add vision imagenet100 "$VI" "--data-dir @DATA/imagenet100"
 fi
 if [ "$QUICK" = 0 ] && want lm; then
     have "wikitext2 ($URL_WIKITEXT)" wikitext-2/wiki.train.tokens wikitext-2-raw/wiki.train.raw \
-        && add lm wikitext2 "$QK" "--data-dir $DATA"
+        && add lm wikitext2 "$QK" "--data-dir @DATA"
     have "tinystories ($URL_TINY)" TinyStoriesV2-GPT4-train.txt TinyStories-train.txt \
         TinyStories/TinyStoriesV2-GPT4-train.txt TinyStories/TinyStories-train.txt \
-        && add lm tinystories "default mask" "--data-dir $DATA"
+        && add lm tinystories "default mask" "--data-dir @DATA"
 fi
 if [ "$ONLY" = ablation ]; then
     # the cells at a task's own preset are its Boolean-table runs (all four inits); the others go to ablation/
@@ -192,26 +199,27 @@ run_one() {
     local table="$1" task="$2" init="$3" seed="$4" tag="$5"; shift 5
     local name="$task-$init-s$seed"
     [ "$tag" = - ] || name="$name-$tag"
-    local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log"
+    local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log" extra=() a
+    for a in "$@"; do if [[ "$a" == @DATA* ]]; then extra+=("$DATA${a#@DATA}"); else extra+=("$a"); fi; done
     if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
-    local resume=() what=start
+    local resume=() what=start launch
     [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }
+    read -ra launch <<< "$LAUNCH_LINE"
+    local cmd=("$PY" "${launch[@]}" --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" --out "$out"
+               "${resume[@]}" "${extra[@]}")
     if [ "$DRY" = 1 ]; then
-        echo "$what   $PY $LAUNCH_LINE --task $task --init $init --seed $seed --preset $PRESET --out $out ${resume[*]} $*"
+        echo "$what   $(printf '%q ' "${cmd[@]}")"
         return 0
     fi
     mkdir -p "$RUNS/$table"
     echo "$(date +%H:%M:%S) $what $out"
-    local threads=()
+    local threads=() rc=0
     [ "$JOBS" -gt 1 ] && threads=(env OMP_NUM_THREADS=1)
-    local rc=0
-    local launch
-    read -ra launch <<< "$LAUNCH_LINE"
-    "${threads[@]}" "$PY" "${launch[@]}" --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" \
-        --out "$out" "${resume[@]}" "$@" >> "$log" 2>&1 || rc=$?
+    trap ':' INT TERM       # the script passes a signal on to the run; this shell waits for its status
+    "${threads[@]}" "${cmd[@]}" >> "$log" 2>&1 || rc=$?
     if [ "$rc" = 0 ]; then
         echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
-    elif [ "$rc" = 130 ]; then
+    elif [ "$rc" = 130 ] || [ "$rc" = 143 ]; then
         echo "$(date +%H:%M:%S) interrupted $out (its checkpoint is kept; run the same command to resume)" >&2
         touch "$RUNS/interrupted"
         return 1
@@ -220,22 +228,41 @@ run_one() {
         return 1
     fi
 }
-export -f run_one
 LAUNCH_LINE="${LAUNCH[*]}"
-export RUNS PRESET PY DRY JOBS LAUNCH_LINE
+
+# ---- the runs, JOBS at a time. Each is a job with its own process group (set -m), so Ctrl-C at the
+# terminal reaches this script alone; SIGINT or SIGTERM to the script is passed on once to every
+# running run, which saves a checkpoint and exits; no new run starts, and the script waits for them.
+SIGNAL=""
+stop() {
+    SIGNAL="$1"
+    local job
+    for job in $(jobs -p); do kill -s "$1" -- "-$job" 2>/dev/null; done
+}
+trap 'stop INT' INT
+trap 'stop TERM' TERM
 
 START=$(date +%s)
 echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
 [ "$DRY" = 0 ] && mkdir -p "$RUNS" && rm -f "$RUNS/failed.txt" "$RUNS/interrupted"
 STATUS=0
-if [ "${#LIST[@]}" -gt 0 ]; then
-    printf '%s\n' "${LIST[@]}" | xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ || STATUS=1
-fi
-if [ -f "$RUNS/interrupted" ]; then
+set -m
+for item in "${LIST[@]}"; do
+    [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ] && break
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null; done
+    [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ] && break
+    read -ra fields <<< "$item"
+    if [ "$DRY" = 1 ]; then run_one "${fields[@]}"; else run_one "${fields[@]}" & fi
+done
+while [ -n "$(jobs -rp)" ]; do wait 2>/dev/null; done      # a signal ends a wait early: wait again
+set +m
+if [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ]; then
     rm -f "$RUNS/interrupted"
     echo "reproduce.sh: interrupted; run the same command again to resume (finished runs are skipped)" >&2
+    [ "$SIGNAL" = TERM ] && exit 143
     exit 130
 fi
+[ -s "$RUNS/failed.txt" ] && STATUS=1
 for m in "${MISSING[@]}"; do echo "missing dataset, its runs skipped: $m" >&2; done
 [ "$DRY" = 1 ] && exit 0
 

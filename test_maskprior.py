@@ -1620,7 +1620,7 @@ def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "iter_tinystories_tokens", interrupted)
     with pytest.raises(KeyboardInterrupt):
         T.load_lm_corpus("tinystories", tmp_path)
-    assert list((tmp_path / "maskprior-cache").iterdir()) == []
+    assert not (tmp_path / "maskprior-cache").exists()               # no half file, no temp file, no folder
     monkeypatch.undo()
     assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
 
@@ -2271,7 +2271,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     assert not os.path.exists(os.path.join(out, "result.json"))
 
 
-def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code):
     out = os.path.join(tmp_path, "int")
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--steps", "100000", "--log-every", "5",
            *SMALL]
@@ -2280,9 +2281,9 @@ def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
     deadline = time.time() + 60
     while time.time() < deadline and not (os.path.exists(log) and len(open(log).readlines()) >= 2):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     text, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, text
+    assert proc.returncode == code and "finishing this step and saving a checkpoint" in text, text
     step = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["step"]
     assert step >= 5
     rc = train.main(["--out", out, "--resume", "--steps", str(step + 5)])
@@ -3029,6 +3030,76 @@ def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
                    "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
     assert r.returncode == 130 and "interrupted" in r.stderr and "FAILED" not in r.stderr + r.stdout
     assert not (tmp_path / "runs" / "failed.txt").exists()
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of the live processes that mention `text` (from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in line:
+            found.append(line)
+    return found
+
+
+def _wait_for(condition, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not condition():
+        time.sleep(0.3)
+    return condition()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for left-over runs in /proc (Linux)")
+def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path):
+    """SIGTERM to reproduce.sh: both running runs save a checkpoint and exit, no new run starts, the script
+    waits for them and exits 143 with no process of the runs left; the same command again resumes both
+    (no folder in use), and SIGINT then stops it with 130."""
+    runs = tmp_path / "runs"
+    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "2",
+           "--runs", str(runs), "--results", str(tmp_path / "res")]
+    logs = [runs / "boolean" / f"parity2-{i}-s0.log" for i in ("default", "mask")]
+    for sig, code, said in ((signal.SIGTERM, 143, "step "), (signal.SIGINT, 130, "resuming ")):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = _wait_for(lambda: all(log.exists() and said in log.read_text().split("saving a checkpoint")[-1]
+                                        for log in logs))
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+        assert started and p.returncode == code, (out, err)
+        launched = [line for line in out.splitlines() if line.split()[1:2] in (["start"], ["resume"])]
+        assert err.count("interrupted /") == 2 and "FAILED" not in err and len(launched) == 2   # no new run
+        assert _processes_naming(str(runs)) == []                      # no run left behind
+        for i in ("default", "mask"):
+            folder = runs / "boolean" / f"parity2-{i}-s0"
+            assert train.read_checkpoint(str(folder / "ckpt.pt"), "test")["step"] > 0 and not (folder / "result.json").exists()
+        assert sorted(p.name for p in (runs / "boolean").iterdir() if p.is_dir()) == ["parity2-default-s0", "parity2-mask-s0"]
+    text = logs[1].read_text()
+    assert "in use" not in text and text.count("resuming ") == 1 and "saving a checkpoint" in text
+
+
+def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_spaces(tmp_path):
+    """--runs and --results given as relative paths are read from the folder the script is started in, and a
+    --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
+    fake = tmp_path / "py"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done >> "$ARGS_LOG"; echo ok\n')
+    fake.chmod(0o755)
+    data = tmp_path / "my data &1"
+    (data / "cifar-10-batches-py").mkdir(parents=True)
+    (data / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",
+                        "../my data &1", "--runs", "relruns", "--results", "relres"], cwd=work, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHON": str(fake), "ARGS_LOG": str(tmp_path / "args")})
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
+    assert len(dirs) == 4 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's four inits, the path whole
+    assert (work / "relruns" / "vision").is_dir() and not os.path.exists(os.path.join(HERE, "relruns"))
+    assert f"{work}/relruns/vision/cifar10-mask-s0" in args
+    assert f"{work}/relres" in args                                   # the report goes there too
 
 
 def test_reproduce_gpus_lines_and_refusals(tmp_path):

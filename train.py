@@ -977,7 +977,7 @@ def train_loop(state: Run) -> int | None:
                 why = "interrupted" if interrupted else f"halted at --halt-after {args.halt_after}"
                 state.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
                           f"--out {args.out}")
-                return 130 if interrupted else 0
+                return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
 
@@ -1056,27 +1056,33 @@ def finish(state: Run) -> int:
 
 
 class Interrupt:
-    """Turn the first Ctrl-C into a flag checked between steps; a second one aborts at once."""
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag
+    checked between steps: the run saves a checkpoint and exits 130 (SIGINT) or 143 (SIGTERM). A
+    second signal aborts at once."""
+    SIGNALS = {signal.SIGINT: ("interrupt", 130), signal.SIGTERM: ("terminated", 143)}
 
     def __init__(self):
         self.hit = False
-        self.old = None
+        self.code = 130
+        self.old = {}
 
     def __enter__(self):
         def handler(signum, frame):
             if self.hit:
                 raise KeyboardInterrupt
             self.hit = True
-            print("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)", flush=True)
+            what, self.code = self.SIGNALS[signum]
+            print(f"\n{what}: finishing this step and saving a checkpoint (a second signal aborts)", flush=True)
         try:
-            self.old = signal.signal(signal.SIGINT, handler)
+            for sig in self.SIGNALS:
+                self.old[sig] = signal.signal(sig, handler)
         except ValueError:      # not in the main thread
-            self.old = None
+            pass
         return self
 
     def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
 
 
 def setup_task(task, device):
