@@ -2812,8 +2812,8 @@ def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
     out = str(runs / "parity2-mask-s0")
     assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "5", "--halt-after", "10",
                        "--out", out]) == 0
-    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write('{"step": 15, "loss": 0.1, "metr')                 # a write cut short
+    with open(os.path.join(out, "metrics.jsonl"), "ab") as f:
+        f.write(b'\xff\xfe{"step": 3}\n{"step": 15, "loss": 0.1, "metr')   # a non-UTF-8 line, a write cut short
     assert train.main(["--resume", "--out", out]) == 0
     _files_whole(out)
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
