@@ -579,14 +579,17 @@ class KMajority(_CustomBoolean):
 
 ARITH_VOCAB = "0123456789+*="
 ARITH_TOKENS = {ch: i for i, ch in enumerate(ARITH_VOCAB)}
-UNIVERSE = 1000 * 1000          # ordered pairs (a, b), 0 <= a, b <= 999
+UNIVERSE = 1000 * 1000          # ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
+ARITH_TEST_SIZE = 10_000        # held-out pairs, or every pair not trained on where the universe is smaller
 
 
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
-    """Addition (`op='+'`, 4 answer digits) or multiplication (`op='*'`, 6) on 3-digit operands.
+    """Addition (`op='+'`, d + 1 answer digits) or multiplication (`op='*'`, 2d) on d-digit operands
+    (`n_digits`, default 3).
 
-    `data_frac` of the 10^6 ordered pairs train (drawn by seed); a disjoint 10,000 test.
+    `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint: 10,000
+    pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
     """
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower")
@@ -609,20 +612,24 @@ class ArithmeticTask(Task):
     op: str
     data_frac: float
     answer_order: str = "msb"
-    test_size: int = 10_000
     n_digits: int = 3
     seed: int = 0
 
     def __post_init__(self):
+        if not (isinstance(self.n_digits, int) and 1 <= self.n_digits <= 4):
+            raise TaskError(f"--digits must be an integer in 1..4, got {self.n_digits!r}")
         if not (0 < self.data_frac <= 1):
             raise TaskError(f"--data-frac must be in (0, 1], got {self.data_frac}")
-        self.n_train = int(round(self.data_frac * UNIVERSE))
+        self.universe = 10 ** (2 * self.n_digits)                  # ordered pairs of d-digit operands
+        self.n_train = int(round(self.data_frac * self.universe))
         if self.n_train < 1:
-            raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of {UNIVERSE:,}; "
-                            f"use at least {1 / UNIVERSE:g}")
-        if self.n_train + self.test_size > UNIVERSE:
-            raise TaskError(f"--data-frac {self.data_frac} leaves fewer than {self.test_size:,} pairs for the "
-                            f"disjoint test set; use at most {(UNIVERSE - self.test_size) / UNIVERSE:g}")
+            raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of {self.universe:,}; "
+                            f"use at least {1 / self.universe:g}")
+        self.test_size = min(ARITH_TEST_SIZE, self.universe - self.n_train)
+        if self.test_size < min(ARITH_TEST_SIZE, self.universe // 10):
+            most = (self.universe - min(ARITH_TEST_SIZE, self.universe // 10)) / self.universe
+            raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the {self.universe:,} pairs "
+                            f"for the disjoint test set; use at most {most:g}")
         if self.answer_order not in ("msb", "lsb"):
             raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
         self.n_answer = 2 * self.n_digits if self.op == "*" else self.n_digits + 1
@@ -699,11 +706,12 @@ class ArithmeticTask(Task):
     # ---- data
     def setup(self, device="cpu"):
         rng = np.random.default_rng(self.seed)
-        idx = rng.choice(UNIVERSE, size=self.n_train + self.test_size, replace=False)
+        idx = rng.choice(self.universe, size=self.n_train + self.test_size, replace=False)
         self.test_idx, self.train_idx = idx[:self.test_size], idx[self.test_size:]
         self.device = torch.device(device)
-        self.train_seq = torch.as_tensor(self.encode(self.train_idx // 1000, self.train_idx % 1000), device=device)
-        self.test_seq = torch.as_tensor(self.encode(self.test_idx // 1000, self.test_idx % 1000), device=device)
+        base = 10 ** self.n_digits                                 # pair index = a * base + b
+        self.train_seq = torch.as_tensor(self.encode(self.train_idx // base, self.train_idx % base), device=device)
+        self.test_seq = torch.as_tensor(self.encode(self.test_idx // base, self.test_idx % base), device=device)
         return self
 
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
@@ -738,24 +746,24 @@ class ArithmeticTask(Task):
 
 @register("addition")
 class Addition(ArithmeticTask):
-    """a + b for 3-digit a, b: 4 answer digits; trains on 0.4% of the 10^6 pairs by default."""
+    """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
     # log often enough for a learning curve: at least ~20 points per run (logging never changes training).
     # 1,500 steps is convergence (with 3,000 steps, default and mask are flat from step ~1,600, at 99.6% and
     # 98.4%, seed 0); `--steps 250` is where the paper's numbers show (README)
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
 
-    def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", seed: int = 0):
-        super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, seed=seed)
+    def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3, seed: int = 0):
+        super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, n_digits=digits, seed=seed)
 
 
 @register("multiplication")
 class Multiplication(ArithmeticTask):
-    """a * b for 3-digit a, b: 6 answer digits; trains on 3% of the 10^6 pairs by default."""
+    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default."""
     # 6,000 steps (about 10 minutes on one core): after 3,000, every init is at 1-2% (README)
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
 
-    def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", seed: int = 0):
-        super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, seed=seed)
+    def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", digits: int = 3, seed: int = 0):
+        super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, n_digits=digits, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------

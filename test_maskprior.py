@@ -1038,6 +1038,27 @@ def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
     assert task.train_batch(0, 64).shape == (64, task.length)
 
 
+@pytest.mark.parametrize("frac,n_train,n_test", [(0.03, 300, 9_700), (0.3, 3_000, 7_000), (0.9, 9_000, 1_000)])
+def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac, n_train, n_test):
+    """--digits 2: 10^4 pairs; the test set is every pair not trained on (the universe allows no 10,000)."""
+    task = T.make_task("multiplication", digits=2, data_frac=frac, answer_order="lsb", seed=1).setup()
+    assert task.length == 10 and task.n_answer == 4 and task.universe == 10_000
+    rows = lambda s: {tuple(r) for r in s.numpy().tolist()}                                    # noqa: E731
+    train, test = rows(task.train_seq), rows(task.test_seq)
+    assert len(train) == n_train and len(test) == n_test and not train & test
+    assert len({task.decode(r)[:2] for r in train | test}) == n_train + n_test
+    assert all(x * y == c for x, y, c in map(task.decode, task.test_seq[:200]))
+    assert "".join(T.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
+    p = task.pattern()
+    assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
+    assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
+    with pytest.raises(T.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
+        T.make_task("multiplication", digits=2, data_frac=0.95)
+    with pytest.raises(T.TaskError, match="--digits must be an integer in 1..4"):
+        T.make_task("multiplication", digits=5)
+    assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
+
+
 def test_arithmetic_pattern_for_known_positions():
     add = T.make_task("addition")
     p = add.pattern()

@@ -197,12 +197,15 @@ class Config:
                                            "point)",
                                            group="boolean", type=int)
     # arithmetic
-    data_frac: float | None = setting(None, "fraction of the 10^6 pairs to train on (default: 0.004 for addition, "
+    data_frac: float | None = setting(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for addition, "
                                             "0.03 for multiplication)",
                                             group="arithmetic", type=float, arch=True)
     answer_order: str = setting("msb", "answer digits most significant first (the paper's plain format; the default) "
                                        "or reversed",
                                        group="arithmetic", choices=("msb", "lsb"), arch=True)
+    digits: int = setting(3, "digits per operand: 3 (the default; 10^6 pairs) or 2 (10^4 pairs, Lee et al.'s "
+                             "multiplication), 1 or 4",
+                             group="arithmetic", type=int, choices=(1, 2, 3, 4), arch=True)
     # vision
     data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
                                          "for language models the corpus folder)",
