@@ -97,6 +97,43 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
     return torch.stack(pats)
 
 
+def _grid_displacements(grid_h: int, grid_w: int) -> torch.Tensor:
+    """(P, P, 2) float: (row, column) of key patch minus that of query patch, P = grid_h * grid_w."""
+    rc = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
+    return (rc[None, :, :] - rc[:, None, :]).float()
+
+
+def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
+    """(H, P, P) -> (H, n_prefix + P, n_prefix + P): prefix rows and columns (e.g. CLS) set to `fill`."""
+    if not n_prefix:
+        return grid
+    h, p, _ = grid.shape
+    out = torch.full((h, n_prefix + p, n_prefix + p), fill, dtype=grid.dtype)
+    out[:, n_prefix:, n_prefix:] = grid
+    return out
+
+
+def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix: int = 0) -> torch.Tensor:
+    """(H, N, N) bool: every head may see the kernel x kernel window of patches around the query (a
+    local attention shared by all heads); prefix tokens see and are seen by every token."""
+    d = _grid_displacements(grid_h, grid_w).abs()
+    local = (d <= kernel // 2).all(-1)
+    return _with_prefix(local.expand(n_heads, -1, -1).clone(), n_prefix, True)
+
+
+def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
+                       n_prefix: int = 0) -> torch.Tensor:
+    """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
+    initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
+    -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
+    [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
+    d = _grid_displacements(grid_h, grid_w)
+    off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
+    sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
+    p = torch.exp(-alpha * sq).clamp(float(torch.sigmoid(torch.tensor(-m_off))), float(torch.sigmoid(torch.tensor(m_on))))
+    return _with_prefix(torch.logit(p).clamp(-m_off, m_on), n_prefix, float(m_on))
+
+
 # The 3x3 offsets in the order of the 2025 structured-initialization code:
 # self, up, right, left, down, then the diagonals.
 IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)]

@@ -32,6 +32,13 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  {0.02, 0.5} x init {default, mask}, plus qk-svd and qk-opt at the task's
                  own layout, whose runs are the Boolean table's (RUNS/boolean/, run if
                  missing); the other cells go to RUNS/ablation/; table RESULTS/ablation.md
+  --only mult2    two-digit multiplication (Lee et al.'s 10^4 pairs), never part of the
+                 default or --quick run: --digits 2 at 3% and 30% of the pairs, answers
+                 reversed (Lee et al.'s format), every init, 1,000 steps; RUNS/mult2/
+  --only visionprior  the vision prior study on --data (a CIFAR-10 layout, e.g. the
+                 make-digits set), never part of the default or --quick run: --init mask
+                 with --pattern impulse, soft, local and graded, --init impulse and
+                 default; RUNS/visionprior/
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -81,8 +88,9 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$ONLY" in
-    ""|boolean|arithmetic|vision|lm|persistence|ablation|data) ;;
-    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation or data, not '$ONLY'" >&2
+    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior) ;;
+    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation, data, mult2 or" \
+            "visionprior, not '$ONLY'" >&2
        exit 2 ;;
 esac
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
@@ -93,7 +101,7 @@ absolute() { if [ -z "$1" ] || [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/
 # folders given are read from where the script is started; the defaults live beside it
 RUNS=$(absolute "$RUNS"); RESULTS=$(absolute "$RESULTS"); DATA=$(absolute "$DATA"); DATA="${DATA:-data}"
 cd "$(dirname "$0")"
-if { [ "$ONLY" = ablation ] || [ "$ONLY" = data ]; } && [ "$QUICK" = 0 ]; then
+if [[ " ablation data mult2 visionprior " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
     echo "reproduce.sh: --only $ONLY runs at the small preset (as with --quick)"
     QUICK=1
 fi
@@ -180,6 +188,18 @@ if [ "$QUICK" = 0 ] && want lm; then
     have "tinystories ($URL_TINY)" TinyStoriesV2-GPT4-train.txt TinyStories-train.txt \
         TinyStories/TinyStoriesV2-GPT4-train.txt TinyStories/TinyStories-train.txt \
         && add lm tinystories "default mask" "--data-dir @DATA"
+fi
+if [ "$ONLY" = mult2 ]; then
+    for f in 0.03 0.3; do
+        add mult2 multiplication "$QK" "--digits 2 --data-frac $f --answer-order lsb --steps 1000 --log-every 50" "d2-frac$f"
+    done
+fi
+if [ "$ONLY" = visionprior ]; then
+    have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
+        cifar-10-batches-bin/data_batch_1.bin && {
+        for p in impulse soft local graded; do add visionprior cifar10 mask "--data-dir @DATA --pattern $p" "$p"; done
+        add visionprior cifar10 "default impulse" "--data-dir @DATA"
+    }
 fi
 if [ "$ONLY" = ablation ]; then
     # the cells at a task's own preset are its Boolean-table runs (all four inits); the others go to ablation/

@@ -1385,10 +1385,13 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
 
 @dataclass(kw_only=True)
 class ImageTask(Task):
-    """Image classification with a ViT; the prior is an impulse (convolution-like) pattern per head,
-    on the grid of patches (with `--impulse random`, offsets drawn by the seed)."""
+    """Image classification with a ViT; the prior lives on the grid of patches: `impulse` (the
+    default) gives each head one convolution-like offset (with `--impulse random`, drawn by the seed),
+    `soft` a 2-D bump around that offset (`--soft-alpha`, ConViT-like), `local` every head the
+    `--window` x `--window` neighbourhood, `graded` the head's offset at +m_on and the rest of the 3 x 3
+    neighbourhood at 0 (log sigmoid 0 = -0.69)."""
     KIND = "vision"
-    PATTERNS = ("impulse",)
+    PATTERNS = ("impulse", "soft", "local", "graded")
     DEFAULT_PATTERN = "impulse"
     INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
     HEADLINE = ("top1", "loss")
@@ -1425,6 +1428,8 @@ class ImageTask(Task):
     pool: str = "mean"
     heads: int = 3
     impulse: str = "fixed"              # 'fixed' (self, up, right, ...) or 'random' offsets per head
+    soft_alpha: float = 1.0             # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
+    window: int = 3                     # the `local` prior's side in patches (odd)
     pad: int = 4
     label_smoothing: float = 0.1
     mixup: float = 0.0
@@ -1457,6 +1462,10 @@ class ImageTask(Task):
             raise TaskError(f"--randaug-ops must be at least 1, got {self.randaug_ops}")
         if self.impulse not in ("fixed", "random"):
             raise TaskError(f"--impulse must be fixed or random, got {self.impulse!r}")
+        if not (math.isfinite(self.soft_alpha) and self.soft_alpha > 0):
+            raise TaskError(f"--soft-alpha must be a finite number > 0, got {self.soft_alpha}")
+        if self.window < 1 or self.window % 2 == 0:
+            raise TaskError(f"--window is the local prior's side in patches, an odd number >= 1; got {self.window}")
 
     def arch(self) -> dict:
         return {"model": "vit", "image_size": self.input_size, "patch_size": self.patch_size,
@@ -1469,8 +1478,24 @@ class ImageTask(Task):
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        g = self.input_size // self.patch_size
-        return mp.impulse_pattern(g, g, self.offsets(), 1 if self.pool == "cls" else 0)
+        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the keys
+        whose initial log sigmoid(M) is above -1; `graded`: the 3 x 3 neighbourhood it allows)."""
+        g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
+        if variant == "local" or variant == "graded":
+            return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
+        if variant == "soft":
+            return torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0)) > -1
+        return mp.impulse_pattern(g, g, self.offsets(), prefix)
+
+    def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
+        variant = self.check_pattern(variant)
+        g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
+        if variant == "soft":
+            return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off, prefix)
+        if variant == "graded":
+            strong = mp.impulse_pattern(g, g, self.offsets(), prefix)
+            return torch.where(strong, float(m_on), torch.where(self.pattern("graded"), 0.0, -float(m_off)))
+        return super().mask_logits(variant, m_on, m_off)
 
     def setup(self, device="cpu"):
         data = load_image_dataset(self.name, self.data_dir, self.image_size)

@@ -336,6 +336,41 @@ def test_impulse_pattern_on_known_grid():
     assert len(offs) == 5 and all(-1 <= a <= 1 and -1 <= b <= 1 for a, b in offs)
 
 
+def test_soft_and_window_priors_on_a_known_grid():
+    """soft: log sigmoid(M) = -alpha * squared distance to the head's offset, within [-m_off, m_on]; window:
+    every head sees its k x k neighbourhood; a prefix token sees and is seen by all."""
+    m = mp.soft_offset_logits(5, 5, [(0, 0), (-1, 0)], 0.5, 5.0, 10.0)
+    bias = F.logsigmoid(m)
+    centre = 12                                                # row 2, column 2
+    for h, (dr, dc) in enumerate([(0, 0), (-1, 0)]):
+        for key in range(25):
+            r, c = divmod(key, 5)
+            d2 = (r - 2 - dr) ** 2 + (c - 2 - dc) ** 2
+            want = min(max(-0.5 * d2, float(F.logsigmoid(torch.tensor(-10.0)))), float(F.logsigmoid(torch.tensor(5.0))))
+            assert float(bias[h, centre, key]) == pytest.approx(want, abs=1e-4), (h, key)
+    assert float(m.max()) == 5.0 and float(m.min()) == -10.0
+    assert int(bias[1, centre].argmax()) == 7                  # the key one row up
+    w = mp.window_pattern(4, 4, 3, 2, n_prefix=1)
+    assert w.shape == (2, 17, 17) and w[:, 0].all() and w[:, :, 0].all() and w[0].equal(w[1])
+    assert w[0, 1 + 5].sum() == 1 + 9 and w[0, 1 + 0].sum() == 1 + 4      # an inner patch and a corner
+
+
+def test_vision_patterns_and_their_probe_patterns(image_dir):
+    task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
+    imp, soft = task.pattern("impulse"), task.pattern("soft")
+    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1); no fallback to self where it leaves the grid
+    assert not (soft & ~imp).any() and (soft.sum(-1) <= 1).all() and soft[0].equal(imp[0])
+    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
+    graded = task.mask_logits("graded", 5.0, 10.0)
+    assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
+    assert (graded[~task.pattern("graded")] == -10).all()
+    local = T.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
+    assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
+    for bad, needle in (({"window": 4}, "--window is the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
+        with pytest.raises(T.TaskError, match=needle):
+            T.make_task("cifar10", data_dir=image_dir, **bad)
+
+
 def test_causal_distance_logits_are_alibi():
     m = mp.causal_distance_logits(6, 4)
     bias = mp.mask_bias(m)
@@ -3026,6 +3061,17 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
     assert any(line.startswith("start") and "parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line
                for line in grid)
+    # the two studies of the missing claims: two-digit multiplication and the vision priors
+    r = _reproduce("--only", "mult2", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 8 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
+    assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
+    T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
+    r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
+                   str(tmp_path / "digits"))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 6
+    assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
     # missing datasets are named, not fatal
     r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
     assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr

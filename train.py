@@ -222,6 +222,11 @@ class Config:
     impulse: str = setting("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
                                     "random (drawn by the seed)",
                                     group="vision", choices=("fixed", "random"), arch=True)
+    soft_alpha: float = setting(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to "
+                                     "the head's offset (default 1.0)",
+                                     group="vision", type=float, check="positive", arch=True)
+    window: int = setting(3, "--pattern local: the side of every head's window, in patches (odd; default 3)",
+                               group="vision", type=int, check="positive", arch=True)
     label_smoothing: float | None = setting(None, None, group="vision", type=float, check="fraction")
     mixup: float = setting(0.0, "mixup Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
     cutmix: float = setting(0.0, "cutmix Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
