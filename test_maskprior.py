@@ -2765,6 +2765,19 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
 
 
+def test_report_writes_the_tables_of_the_two_studies(tmp_path):
+    runs = tmp_path / "runs"
+    for p, acc in (("soft", 0.8), ("local", 0.5)):
+        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
+    _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
+               data_frac=0.3)
+    written = {os.path.basename(p) for p in train.report(str(runs), str(tmp_path / "res"))}
+    assert {"visionprior.md", "mult2.md"} <= written
+    vision = (tmp_path / "res" / "visionprior.md").read_text()
+    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
+    assert "| mask | 0 | 10.00 ± 0.00 | 50.00 ± 0.00 |" in (tmp_path / "res" / "mult2.md").read_text()
+
+
 def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
     for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs

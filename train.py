@@ -1584,11 +1584,13 @@ def summarize(paths) -> str:
 # ----------------------------------------------------------------------------------------
 # Report: a reproduction's run folders -> results/*.md tables and the persistence curves
 
-TABLES = ("boolean", "arithmetic", "vision", "lm")
+TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior")
 TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
                 "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
                 "vision": "ViT image classification (top-1 on the test split)",
-                "lm": "Language modelling (validation loss and perplexity)"}
+                "lm": "Language modelling (validation loss and perplexity)",
+                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
+                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)"}
 PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
