@@ -2389,6 +2389,15 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
         raise
 
 
+def partial_writes(folder: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """(temporary file, the file it was writing) for each temporary file an `atomic_output` killed
+    mid-write left in `folder` (named ``.<name>.<random characters>.tmp``)."""
+    for entry in os.listdir(folder):
+        m = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", entry)
+        if m:
+            yield os.path.join(folder, entry), m.group(1)
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -33,7 +33,6 @@ import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -1274,10 +1273,10 @@ class RunFolder:
                 self.release()
                 raise UsageError(f"{self.path} is in use by another process (a run is training there); wait for "
                                  f"it to end, or use another --out") from None
-        for name in os.listdir(self.path):       # temporary files of a write that was killed
-            if name.startswith(tuple(f".{f}." for f in self.OURS)) and name.endswith(".tmp"):
+        for tmp, name in T.partial_writes(self.path):    # temporary files of a write that was killed
+            if name in self.OURS:
                 with contextlib.suppress(OSError):
-                    os.remove(self.file(name))
+                    os.remove(tmp)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -2039,10 +2038,10 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     the data-efficiency table, the learning curves, steps to target and the prior per layer.
     Unfinished or unreadable runs are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):            # the temporary file of a report that was killed mid-write
-        if re.fullmatch(r"\..+\.(md|csv|png)\.[a-z0-9_]+\.tmp", name):
+    for tmp, name in T.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
+        if name.endswith((".md", ".csv", ".png")):
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(out_dir, name))
+                os.remove(tmp)
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
 
