@@ -130,8 +130,7 @@ def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: fl
     d = _grid_displacements(grid_h, grid_w)
     off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
     sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
-    p = torch.exp(-alpha * sq).clamp(float(torch.sigmoid(torch.tensor(-m_off))), float(torch.sigmoid(torch.tensor(m_on))))
-    return _with_prefix(torch.logit(p).clamp(-m_off, m_on), n_prefix, float(m_on))
+    return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix, float(m_on))
 
 
 # The 3x3 offsets in the order of the 2025 structured-initialization code:

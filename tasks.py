@@ -851,8 +851,8 @@ def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
     return data.astype(np.uint8, copy=False).reshape(-1, 3, side, side)
 
 
-def _labels(values, path: str, n_images: int, n_classes: int | None = None, first: int = 0) -> np.ndarray:
-    """A batch's labels as int64 (N,), refused unless they are N integers in first..first+n_classes-1."""
+def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> np.ndarray:
+    """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when given)."""
     y = np.asarray(values)
     if y.ndim != 1:
         raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape {y.shape}")
@@ -861,8 +861,8 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None, firs
     if len(y) != n_images:
         raise DataError(f"{path}: {n_images} images but {len(y)} labels (truncated?)")
     y = y.astype(np.int64)
-    if n_classes is not None and (y.min() < first or y.max() >= first + n_classes):
-        raise DataError(f"{path}: labels must lie in {first}..{first + n_classes - 1}, found {y.min()}..{y.max()}")
+    if n_classes is not None and (y.min() < 0 or y.max() >= n_classes):
+        raise DataError(f"{path}: labels must lie in 0..{n_classes - 1}, found {y.min()}..{y.max()}")
     return y
 
 
