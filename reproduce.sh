@@ -38,7 +38,8 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
   --only visionprior  the vision prior study on --data (a CIFAR-10 layout, e.g. the
                  make-digits set), never part of the default or --quick run: --init mask
                  with --pattern impulse, soft, local and graded, --init impulse and
-                 default; RUNS/visionprior/
+                 default, and the strength: impulse at --mask-off 2 and 5, soft at
+                 --soft-alpha 0.3 and 3; RUNS/visionprior/
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -199,6 +200,9 @@ if [ "$ONLY" = visionprior ]; then
         cifar-10-batches-bin/data_batch_1.bin && {
         for p in impulse soft local graded; do add visionprior cifar10 mask "--data-dir @DATA --pattern $p" "$p"; done
         add visionprior cifar10 "default impulse" "--data-dir @DATA"
+        # the prior's strength: the hard impulse's off level, the soft bump's width
+        for m in 2 5; do add visionprior cifar10 mask "--data-dir @DATA --pattern impulse --mask-off $m" "impulse-off$m"; done
+        for a in 0.3 3; do add visionprior cifar10 mask "--data-dir @DATA --pattern soft --soft-alpha $a" "soft-alpha$a"; done
     }
 fi
 if [ "$ONLY" = ablation ]; then

@@ -2776,6 +2776,10 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     vision = (tmp_path / "res" / "visionprior.md").read_text()
     assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
     assert "| mask | 0 | 10.00 ± 0.00 | 50.00 ± 0.00 |" in (tmp_path / "res" / "mult2.md").read_text()
+    # the prior's mass is drawn beside the headline metric: the mass curve of each prior
+    curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
+    assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
 
 
 def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
@@ -3083,8 +3087,10 @@ def test_reproduce_help_and_dry_run(tmp_path):
     r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
                    str(tmp_path / "digits"))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 6
+    assert r.returncode == 0 and len(starts) == 10
     assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
+    assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
+    assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
     # missing datasets are named, not fatal
     r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
     assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr

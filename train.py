@@ -1751,8 +1751,8 @@ def ablation(folders) -> str:
 # Headline metrics by task kind: (metric key, label, higher is better).
 CURVE_METRICS = {
     "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
-    "arithmetic": (("seq_acc", "sequence accuracy", True),),
-    "vision": (("top1", "top-1", True),),
+    "arithmetic": (("seq_acc", "sequence accuracy", True), ("prior_mass_mean", "attention mass on the pattern", True)),
+    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
 # Runs that differ only in NOT_CONFIG (Config fields with tells_apart=False: where and how a run ran, which
@@ -1799,12 +1799,13 @@ def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
 
 
 def curve_points(run: dict) -> dict:
-    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics."""
+    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics (read
+    from the record's metrics, or from the record itself: the prior's mass, prior_mass_mean)."""
     keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
     points = {k: [] for k in keys}
     for rec in log_records(run):
         for k in keys:
-            v = (rec.get("metrics") or {}).get(k)
+            v = (rec.get("metrics") or {}).get(k, rec.get(k))
             if v is not None and v == v:
                 points[k].append((rec["step"], float(v)))
     return points
@@ -1854,7 +1855,8 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     for t in titles:
         for ax in axes[titles.index(t)][used[t]:]:
             ax.axis("off")
-    fig.suptitle("Headline metric against the training step; mean over seeds, band = min to max", fontsize=9)
+    fig.suptitle("Headline metric (and, for arithmetic and vision, the attention mass on the prior pattern) against "
+                 "the training step; mean over seeds, band = min to max", fontsize=9)
     fig.tight_layout()
     return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
 
