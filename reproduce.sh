@@ -34,7 +34,8 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  missing); the other cells go to RUNS/ablation/; table RESULTS/ablation.md
   --only mult2    two-digit multiplication (Lee et al.'s 10^4 pairs), never part of the
                  default or --quick run: --digits 2 at 3% and 30% of the pairs, answers
-                 reversed (Lee et al.'s format), every init, 1,000 steps; RUNS/mult2/
+                 reversed (Lee et al.'s format), every init, 1,000 steps, and the mask
+                 with --pattern partial (a partial product per head); RUNS/mult2/
   --only visionprior  the vision prior study on --data (a CIFAR-10 layout, e.g. the
                  make-digits set), never part of the default or --quick run: --init mask
                  with --pattern impulse, soft, local and graded, --init impulse and
@@ -193,6 +194,8 @@ fi
 if [ "$ONLY" = mult2 ]; then
     for f in 0.03 0.3; do
         add mult2 multiplication "$QK" "--digits 2 --data-frac $f --answer-order lsb --steps 1000 --log-every 50" "d2-frac$f"
+        add mult2 multiplication mask "--digits 2 --data-frac $f --answer-order lsb --steps 1000 --log-every 50 --pattern partial" \
+            "d2-frac$f-partial"
     done
 fi
 if [ "$ONLY" = visionprior ]; then

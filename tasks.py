@@ -700,7 +700,10 @@ class ArithmeticTask(Task):
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 = -0.69),
         -m_off elsewhere."""
-        lv = self._levels(self.check_pattern(variant))
+        variant = self.check_pattern(variant)
+        if variant not in ("carry", "aligned", "lower"):             # a per-head pattern: two levels
+            return super().mask_logits(variant, m_on, m_off)
+        lv = self._levels(variant)
         return torch.where(lv == 2, float(m_on), torch.where(lv == 1, 0.0, -float(m_off)))
 
     # ---- data
@@ -761,9 +764,39 @@ class Multiplication(ArithmeticTask):
     """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default."""
     # 6,000 steps (about 10 minutes on one core): after 3,000, every init is at 1-2% (README)
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
+    PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
-    def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", digits: int = 3, seed: int = 0):
+    def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", digits: int = 3, heads: int = 4,
+                 seed: int = 0):
         super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, n_digits=digits, seed=seed)
+        self.heads = heads
+
+    def build_pattern(self, variant: str) -> torch.Tensor:
+        if variant != "partial":
+            return super().build_pattern(variant)
+        return self._partial_products()
+
+    def _partial_products(self) -> torch.Tensor:
+        """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit of
+        significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is not a
+        digit of b); in head d the answer digits already written (the carries' trace); in any further
+        head the `carry` pattern. Prompt rows keep the plain causal pattern in every head."""
+        d, n = self.n_digits, self.length - 1
+        if self.heads < d + 1:
+            raise TaskError(f"--pattern partial gives each of the {d} digits of a its own head and one head to the "
+                            f"answer so far: it needs --heads >= {d + 1}, got {self.heads}")
+        pos_a = {d - 1 - i: i for i in range(d)}                    # significance -> position
+        pos_b = {j: d + 1 + (d - 1 - j) for j in range(d)}
+        pat = self._levels("carry").gt(0).unsqueeze(0).repeat(self.heads, 1, 1)
+        for q in range(self.eq_pos, n):
+            k = self.answer_significance(q - self.eq_pos)
+            pat[:d + 1, q] = False
+            pat[:d + 1, q, q] = True
+            for i in range(d):
+                if 0 <= k - i < d:
+                    pat[i, q, pos_a[i]] = pat[i, q, pos_b[k - i]] = True
+            pat[d, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
+        return pat
 
 
 # ----------------------------------------------------------------------------------------

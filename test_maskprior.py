@@ -1094,6 +1094,29 @@ def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac,
     assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
 
 
+def test_partial_product_pattern_gives_each_head_one_product():
+    """--pattern partial (multiplication): head i sees a_i and b_(k-i) for the answer digit of significance k,
+    head d the answer written so far, the rest the carry pattern; 2 digits, answers reversed: a1 a0 * b1 b0 = c0.."""
+    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=4)
+    p = task.pattern("partial")
+    rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
+    assert p.shape == (4, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(4))
+    assert rows(0, 5) == [1, 4, 5] and rows(1, 5) == [5]               # '=' predicts c0 = a0 b0: head 0 only
+    assert rows(0, 6) == [1, 3, 6] and rows(1, 6) == [0, 4, 6]         # c1: a0 b1 in head 0, a1 b0 in head 1
+    assert rows(0, 7) == [7] and rows(1, 7) == [0, 3, 7]               # c2: a1 b1 in head 1
+    assert rows(2, 8) == [6, 7, 8] and rows(2, 5) == [5]               # head 2: the answer digits so far
+    assert p[3].equal(task.pattern("carry"))                           # a fourth head: the carry pattern
+    logits = task.mask_logits("partial", 5.0, 10.0)
+    assert logits.shape == (4, 9, 9) and logits[1, 6, 0] == 5 and logits[1, 6, 1] == -10
+    msb = T.make_task("multiplication", digits=2, data_frac=0.3, heads=4).pattern("partial")
+    assert torch.nonzero(msb[1, 5]).flatten().tolist() == [5]         # msb: '=' predicts c3, a carry alone
+    assert torch.nonzero(msb[1, 6]).flatten().tolist() == [0, 3, 6]   # c2: a1 b1 in head 1
+    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
+        T.make_task("multiplication", digits=3, heads=3).pattern("partial")
+    with pytest.raises(T.TaskError, match="has no pattern 'partial'"):
+        T.make_task("addition").pattern("partial")
+
+
 def test_arithmetic_pattern_for_known_positions():
     add = T.make_task("addition")
     p = add.pattern()
@@ -3081,7 +3104,8 @@ def test_reproduce_help_and_dry_run(tmp_path):
     # the two studies of the missing claims: two-digit multiplication and the vision priors
     r = _reproduce("--only", "mult2", "--dry-run", "--seeds", "0", "--runs", str(runs))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 8 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
+    assert r.returncode == 0 and len(starts) == 10 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
+    assert sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
     assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
     T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
     r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
