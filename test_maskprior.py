@@ -2803,6 +2803,8 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
     assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
+    if train.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+        assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):

@@ -1616,11 +1616,12 @@ INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", 
                 "mimetic": "tab:purple", "impulse": "tab:orange"}
 
 
-def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1.0) -> None:
-    """Draw {step: [values over seeds]} as the mean line with a min-to-max band, in the init's colour."""
+def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1.0, colour=None) -> None:
+    """Draw {step: [values over seeds]} as the mean line with a min-to-max band, in the init's colour
+    (or `colour`), labelled `init` (any legend text) when `label`."""
     steps = sorted(by_step)
     vals = [by_step[st] for st in steps]
-    colour = INIT_COLOURS.get(init)
+    colour = colour or INIT_COLOURS.get(init)
     ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init if label else None)
     ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
                     alpha=0.2, lw=0)
@@ -1855,10 +1856,47 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     for t in titles:
         for ax in axes[titles.index(t)][used[t]:]:
             ax.axis("off")
-    fig.suptitle("Headline metric (and, for arithmetic and vision, the attention mass on the prior pattern) against "
-                 "the training step; mean over seeds, band = min to max", fontsize=9)
+    fig.suptitle(textwrap.fill("Headline metric (and, for arithmetic and vision, the attention mass on the prior "
+                               "pattern) against the training step; mean over seeds, band = min to max", 55 * cols),
+                 fontsize=9)
     fig.tight_layout()
     return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
+
+
+def write_comparison(groups: dict, path: str, title: str) -> list[str]:
+    """One figure that sets every configuration and init of `groups` side by side: a panel per curve
+    metric of their kind, a line per (configuration, init), mean over seeds with a min-to-max band.
+    Returns [path], or [] without matplotlib or runs."""
+    plt = pyplot()
+    if plt is None or not groups:
+        return []
+    order = {name: i for i, name in enumerate(INITS)}
+    series = []                                 # (legend, {metric: {step: [values over seeds]}})
+    for (_, label), rs in groups.items():
+        for init in sorted({r["init"] for r in rs}, key=lambda i: order.get(i, 99)):
+            by_metric = {}
+            for r in rs:
+                if r["init"] == init:
+                    for k, pts in curve_points(r).items():
+                        for step, v in pts:
+                            by_metric.setdefault(k, {}).setdefault(step, []).append(v)
+            series.append((init + (f", {label}" if label else ""), by_metric))
+    metrics = CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.0 * len(metrics), 4.4), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for col, (k, name, _) in enumerate(metrics):
+        ax = axes[0][col]
+        scale = 100.0 if k in ("seq_acc", "top1", "acc_unseen") else 1.0
+        for i, (legend, by_metric) in enumerate(series):
+            if by_metric.get(k):
+                plot_band(ax, by_metric[k], legend, scale=scale, colour=colours(i % 10))
+        ax.set_xlabel("training step")
+        ax.set_ylabel(name + (" %" if scale == 100.0 else ""))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6.5, loc="best")
+    fig.suptitle(textwrap.fill(title + "; mean over seeds, band = min to max", 60 * len(metrics)), fontsize=9)
+    fig.tight_layout()
+    return [save_figure(fig, path, dpi=110)]
 
 
 def first_step(records: list, target: list):
@@ -2074,6 +2112,11 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
         return written
     groups, notes = config_groups(collect_runs(folders)[0])
     written += write_curves(groups, out_dir)
+    if os.path.isdir(os.path.join(runs_dir, "visionprior")):
+        written += write_comparison(config_groups(collect_runs([os.path.join(runs_dir, "visionprior")])[0])[0],
+                                    os.path.join(out_dir, "visionprior.png"),
+                                    "The vision priors side by side: top-1 and the attention mass on each prior's "
+                                    "own pattern against the training step")
     runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
                       + "".join(f"- {n}\n" for n in notes) + "\n")
     emit("steps_to_target.md",
