@@ -40,7 +40,8 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  make-digits set), never part of the default or --quick run: --init mask
                  with --pattern impulse, soft, local and graded, --init impulse and
                  default, and the strength: impulse at --mask-off 2 and 5, soft at
-                 --soft-alpha 0.3 and 3; RUNS/visionprior/
+                 --soft-alpha 0.3 and 3, and impulse's parts (qk-svd, without and
+                 with --qk-svd-pos-scale 18); RUNS/visionprior/
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -206,6 +207,9 @@ if [ "$ONLY" = visionprior ]; then
         # the prior's strength: the hard impulse's off level, the soft bump's width
         for m in 2 5; do add visionprior cifar10 mask "--data-dir @DATA --pattern impulse --mask-off $m" "impulse-off$m"; done
         for a in 0.3 3; do add visionprior cifar10 mask "--data-dir @DATA --pattern soft --soft-alpha $a" "soft-alpha$a"; done
+        # impulse taken apart: its QK part alone, then with the positions x18 (impulse adds the mimetic V)
+        add visionprior cifar10 qk-svd "--data-dir @DATA"
+        add visionprior cifar10 qk-svd "--data-dir @DATA --qk-svd-pos-scale 18" pos18
     }
 fi
 if [ "$ONLY" = ablation ]; then

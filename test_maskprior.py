@@ -3113,7 +3113,8 @@ def test_reproduce_help_and_dry_run(tmp_path):
     r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
                    str(tmp_path / "digits"))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 10
+    assert r.returncode == 0 and len(starts) == 12
+    assert sum("cifar10-qk-svd-s0-pos18 " in x and "--qk-svd-pos-scale 18" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
