@@ -701,7 +701,7 @@ class ArithmeticTask(Task):
         """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 = -0.69),
         -m_off elsewhere."""
         variant = self.check_pattern(variant)
-        if variant not in ("carry", "aligned", "lower"):             # a per-head pattern: two levels
+        if variant not in ArithmeticTask.PATTERNS:                    # a per-head pattern: two levels
             return super().mask_logits(variant, m_on, m_off)
         lv = self._levels(variant)
         return torch.where(lv == 2, float(m_on), torch.where(lv == 1, 0.0, -float(m_off)))

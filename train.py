@@ -1749,6 +1749,8 @@ def ablation(folders) -> str:
 
 # Learning curves and steps to target: each run's headline metric at every logged step
 
+# Metrics that are fractions, drawn in percent.
+PERCENT_METRICS = ("acc_unseen", "seq_acc", "top1")
 # Headline metrics by task kind: (metric key, label, higher is better).
 CURVE_METRICS = {
     "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
@@ -1845,12 +1847,12 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
         ax = axes[titles.index(title)][used[title]]
         used[title] += 1
         for init, by_step in by_init.items():
-            plot_band(ax, by_step, init, scale=100.0 if key in ("acc_unseen", "seq_acc", "top1") else 1.0)
+            plot_band(ax, by_step, init, scale=100.0 if key in PERCENT_METRICS else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step")
-        ax.set_ylabel(name + (" %" if key in ("acc_unseen", "seq_acc", "top1") else ""))
+        ax.set_ylabel(name + (" %" if key in PERCENT_METRICS else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     for t in titles:
@@ -1886,7 +1888,7 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
     colours = plt.get_cmap("tab10")
     for col, (k, name, _) in enumerate(metrics):
         ax = axes[0][col]
-        scale = 100.0 if k in ("seq_acc", "top1", "acc_unseen") else 1.0
+        scale = 100.0 if k in PERCENT_METRICS else 1.0
         for i, (legend, by_metric) in enumerate(series):
             if by_metric.get(k):
                 plot_band(ax, by_metric[k], legend, scale=scale, colour=colours(i % 10))
@@ -2110,11 +2112,13 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
     if not folders:
         return written
-    groups, notes = config_groups(collect_runs(folders)[0])
+    runs = collect_runs(folders)[0]
+    groups, notes = config_groups(runs)
     written += write_curves(groups, out_dir)
-    if os.path.isdir(os.path.join(runs_dir, "visionprior")):
-        written += write_comparison(config_groups(collect_runs([os.path.join(runs_dir, "visionprior")])[0])[0],
-                                    os.path.join(out_dir, "visionprior.png"),
+    prior_study = os.path.normpath(os.path.join(runs_dir, "visionprior"))
+    study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == prior_study]
+    if study:
+        written += write_comparison(config_groups(study)[0], os.path.join(out_dir, "visionprior.png"),
                                     "The vision priors side by side: top-1 and the attention mass on each prior's "
                                     "own pattern against the training step")
     runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
