@@ -178,10 +178,19 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 # Mask helpers
 
 
-def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0) -> torch.Tensor:
-    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
+def check_pattern(pattern) -> None:
+    """A pattern is a bool tensor, True = allowed pair; anything else is one ValueError."""
     if pattern is None:
         raise ValueError("no pattern: give a bool (N, N) or (heads, N, N) pattern, or logits")
+    if not isinstance(pattern, torch.Tensor) or pattern.dtype != torch.bool:
+        what = pattern.dtype if isinstance(pattern, torch.Tensor) else type(pattern).__name__
+        raise ValueError(f"a pattern is a bool tensor (True = allowed pair), got {what}; for real-valued M give "
+                         f"logits= instead")
+
+
+def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0) -> torch.Tensor:
+    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
+    check_pattern(pattern)
     if not (math.isfinite(m_on) and math.isfinite(m_off)):
         raise ValueError(f"m_on and m_off must be finite numbers (M is a finite matrix), got {m_on} and {m_off}")
     return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
@@ -241,6 +250,9 @@ class MaskPrior(nn.Module):
         super().__init__()
         if param not in ("full", "relative"):
             raise ValueError(f"MaskPrior param must be 'full' or 'relative', got {param!r}")
+        for what, v in (("n", n), ("heads", heads), ("n_keys", 1 if n_keys is None else n_keys)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MaskPrior {what} must be an integer >= 1, got {v!r}")
         if n_keys is not None and (causal or param != "full"):
             raise ValueError("a cross-attention MaskPrior (n_keys) is non-causal with param='full'")
         self.n, self.heads, self.causal, self.param = n, heads, causal, param
@@ -268,6 +280,18 @@ class MaskPrior(nn.Module):
             return out
         return super()._apply(keep_float32, *args, **kwargs)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the outputs would be nan)."""
+        saved = state_dict.get(prefix + "mask_logits")
+        if isinstance(saved, torch.Tensor) and saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
+            raise ValueError(f"{prefix}mask_logits ({self.where}): the saved M holds non-finite values "
+                             f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is no prior")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _logits(self, m: torch.Tensor) -> torch.Tensor:
+        """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a float64 M."""
+        return m if m.dtype == torch.float64 else m.float()
+
     def _distance(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """(len(rows), len(cols)) index into the relative table: i - j (causal; future keys clamped to
         0, masked later), or i - j + n - 1."""
@@ -278,7 +302,7 @@ class MaskPrior(nn.Module):
     def set_logits(self, logits: torch.Tensor) -> None:
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they
         depend on i - j alone (on and below the diagonal when causal)."""
-        full = _per_head(logits, self.heads, self.n, self.n_keys).float().to(self.mask_logits.device)
+        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.mask_logits.device, self.mask_logits.dtype)
         if not bool(torch.isfinite(full).all()):
             raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite matrix (log sigmoid(M) "
                              f"of +-inf or nan is no prior)")
@@ -333,11 +357,11 @@ class MaskPrior(nn.Module):
         r = self._rows(t, s, start)
         c = min(s, self.n_keys)                     # keys past M (empty slots of a static cache) are future keys
         if self.param == "full":
-            bias = mask_bias(self.mask_logits[:, r:r + t, :c].float())
+            bias = mask_bias(self._logits(self.mask_logits[:, r:r + t, :c]))
         else:                                       # log sigmoid on the small table, then a gather
             dev = self.mask_logits.device
             idx = self._distance(torch.arange(r, r + t, device=dev), torch.arange(c, device=dev))
-            bias = mask_bias(self.mask_logits.float())[:, idx]
+            bias = mask_bias(self._logits(self.mask_logits))[:, idx]
         if self.causal:
             bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
@@ -525,8 +549,10 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     changed: one that does not fit raises ValueError naming it, its heads and the pattern's shape, and
     the model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
     """
+    if logits is None:
+        check_pattern(pattern)
     src = logits if logits is not None else pattern
-    if src is None or src.dim() not in (2, 3):
+    if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
     sites = find_attention(model, modules)
     if not sites:

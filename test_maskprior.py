@@ -751,6 +751,73 @@ def _bit_pattern(name: str) -> torch.Tensor:
     return p
 
 
+def test_a_float64_mask_prior_passes_gradcheck():
+    """M in float64 stays float64 through the bias (no float32 cast), so torch.autograd.gradcheck passes for
+    a full and a relative prior, non-causal and causal (through a softmax, where the future is -inf)."""
+    q = torch.randn(2, 5, 5, dtype=torch.float64)
+    priors = [mp.MaskPrior(5, 2, mp.banded_pattern(5, 1)), mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2),
+                                                                     causal=True),
+              mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2), causal=True, param="relative")]
+    for prior in priors:
+        prior = prior.double()
+        assert prior.mask_logits.dtype == torch.float64 and prior(5).dtype == torch.float64
+
+        def attention(m, prior=prior):
+            return (q + torch.func.functional_call(prior, {"mask_logits": m}, ())).softmax(-1)
+        assert torch.autograd.gradcheck(attention, (prior.mask_logits.detach().clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("call", ["MaskPrior", "init_mask_", "add_mask_prior", "mask_logits_from_pattern"])
+@pytest.mark.parametrize("pattern", ["float", "int", "a list"])
+def test_a_pattern_that_is_not_bool_is_refused(call, pattern):
+    """A pattern is a bool tensor: a float or int tensor (the allowed pairs as 1.0 / 1) or a list is refused in
+    one ValueError that says to give logits= for real values, by every entry point."""
+    p = mp.banded_pattern(6, 1)
+    p = {"float": p.float(), "int": p.long(), "a list": p.tolist()}[pattern]
+    with pytest.raises(ValueError, match="a pattern is a bool tensor .* give logits= instead"):
+        if call == "MaskPrior":
+            mp.MaskPrior(6, 2, p)
+        elif call == "init_mask_":
+            model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1,
+                                                        n_heads=2, dim=16, mlp_dim=16, learnable_mask=True))
+            mp.init_mask_(model, p)
+        elif call == "add_mask_prior":
+            enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
+                                        enable_nested_tensor=False)
+            mp.add_mask_prior(enc, torch.as_tensor(p) if pattern != "a list" else p)
+        else:
+            mp.mask_logits_from_pattern(p)
+
+
+@pytest.mark.parametrize("kw", [dict(n=0), dict(heads=0), dict(heads=-2), dict(n=4, n_keys=0), dict(heads=2.0)])
+def test_a_mask_prior_of_no_size_is_refused(kw):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        mp.MaskPrior(**{"n": 4, **kw})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_saved_m_that_is_not_finite_is_refused_on_load(bad):
+    """load_state_dict of a model (ours, or a retrofitted torch encoder) whose saved M holds nan or +-inf: a
+    ValueError naming the parameter; the model keeps its own M."""
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1, n_heads=2, dim=16, mlp_dim=16,
+                               learnable_mask=True)
+    model = mp.Transformer(cfg)
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("mask_logits"))
+    state[key] = state[key].clone()
+    state[key][0, 1, 2] = bad
+    before = model.state_dict()[key].clone()
+    with pytest.raises(ValueError, match=f"{re.escape(key)} .*the saved M holds non-finite values"):
+        mp.Transformer(cfg).load_state_dict(state)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1, enable_nested_tensor=False)
+    mp.add_mask_prior(enc, mp.banded_pattern(6, 1))
+    s = {k: v.clone() for k, v in enc.state_dict().items()}
+    s["layers.0.self_attn.mask_prior.mask_logits"][0, 0, 0] = bad
+    with pytest.raises(ValueError, match="layers.0.self_attn.mask_prior.mask_logits .*non-finite"):
+        enc.load_state_dict(s)
+    assert torch.equal(model.state_dict()[key], before)
+
+
 def _images(n, seed=0, size=32):
     return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
 
