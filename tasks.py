@@ -22,15 +22,18 @@ real data sets written in the real layouts, for tests and CPU trials).
 from __future__ import annotations
 
 import collections
-import inspect
 import contextlib
+import glob
 import hashlib
+import inspect
+import io
 import itertools
 import json
 import math
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +163,11 @@ class Task:
     def steps_per_epoch(self, batch_size: int) -> int:
         return math.ceil(self.n_train / batch_size)
 
+    def fingerprint(self) -> str | None:
+        """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so that a
+        resume on other data (another --data-dir) is refused. None: the task has no data of its own to check."""
+        return None
+
     def epoch_indices(self, step: int, batch_size: int) -> torch.Tensor:
         """Indices (on the task's device) of batch `step` of an epoch-wise shuffle of the
         n_train examples; epoch e's order is fixed by (seed, e)."""
@@ -169,6 +177,16 @@ class Task:
             self._perm = torch.randperm(self.n_train, generator=g).to(self.device)
             self._perm_epoch = epoch
         return self._perm[i * batch_size:(i + 1) * batch_size]
+
+
+def array_fingerprint(*arrays) -> str:
+    """sha256 of arrays or tensors: their dtypes, shapes and bytes, in order."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a.cpu().numpy() if isinstance(a, torch.Tensor) else a)
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,6 +357,9 @@ class BooleanTask(Task):
     @property
     def n_train(self) -> int:
         return len(self.x_train)
+
+    def fingerprint(self) -> str:
+        return array_fingerprint(self.x_train, self.y_train, self.x_test, self.y_test)
 
     def train_batch(self, step: int, batch_size: int):
         """Batch `step` of an epoch-wise shuffle; epoch e's order is fixed by (seed, e)."""
@@ -720,6 +741,9 @@ class ArithmeticTask(Task):
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
         return self.train_seq[self.epoch_indices(step, batch_size)]
 
+    def fingerprint(self) -> str:
+        return array_fingerprint(self.train_seq, self.test_seq)
+
     def loss(self, model, batch) -> torch.Tensor:
         logits = model(batch[:, :-1])[:, self.eq_pos:]               # rows that predict answer digits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, self.eq_pos + 1:].reshape(-1))
@@ -837,14 +861,79 @@ def _key(d: dict, name: str):
     raise KeyError(name)
 
 
+def _reconstruct(subtype, shape, typecode):
+    """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes after)."""
+    if subtype is not np.ndarray:
+        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not numpy.ndarray")
+    return np.ndarray.__new__(np.ndarray, shape, typecode)
+
+
+def _numeric_dtype(spec, *args):
+    """numpy.dtype for numbers and strings only: an object dtype would let a file place Python objects in an array."""
+    dt = np.dtype(spec.decode("ascii") if isinstance(spec, bytes) else spec, *args)
+    if dt.hasobject:
+        raise pickle.UnpicklingError("an array of Python objects (the releases hold numbers)")
+    return dt
+
+
+def _scalar(dtype, data):
+    """numpy's `scalar`: one number of a numeric dtype from its bytes."""
+    dt = _numeric_dtype(dtype)
+    if dt.hasobject or not isinstance(data, bytes) or len(data) != dt.itemsize:
+        raise pickle.UnpicklingError(f"a numpy scalar of {len(data) if isinstance(data, bytes) else '?'} bytes for "
+                                     f"dtype {dt}")
+    return np.frombuffer(data, dt, count=1)[0]
+
+
+def _frombuffer(buffer, dtype, shape, order):
+    """numpy's `_frombuffer` (an array pickled with protocol 5): a numeric dtype only."""
+    return np.frombuffer(bytes(buffer), _numeric_dtype(dtype)).reshape(shape, order=order).copy()
+
+
+def _latin1(text, encoding):
+    """`_codecs.encode(text, 'latin1')`: how Python 3 writes bytes in a protocol 2 pickle; no other codec."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} (only latin1 writes bytes)")
+    return text.encode("latin1")
+
+
+# The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core, numpy 2
+# writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a checked stand-in.
+RELEASE_GLOBALS = {
+    **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
+    **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
+    **{(f"numpy.{core}.numeric", "_frombuffer"): _frombuffer for core in ("core", "_core")},
+    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype, ("_codecs", "encode"): _latin1,
+}
+
+
+class ReleaseUnpickler(pickle._Unpickler):
+    """An unpickler that admits only what the dataset releases hold: dicts, lists, strings, bytes, numbers and
+    numpy arrays of numbers. Any other global, the way a crafted pickle runs code (os.system, eval, ...), is
+    refused before it is called."""
+
+    def find_class(self, module: str, name: str):
+        found = RELEASE_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which no release file holds (a crafted file "
+                                         f"runs code this way; nothing was run)")
+        return found
+
+
 def _load_pickle(path: str) -> dict:
+    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a file that
+    is damaged, or names anything but numbers and arrays, is one DataError."""
     try:
         with open(path, "rb") as f:
-            d = pickle.load(f, encoding="bytes")
+            raw = f.read()
     except OSError as e:
         raise DataError(f"{path} cannot be read ({e.strerror or e}); it should be a file of the release") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as e:
-        raise DataError(f"{path} is truncated or not a pickle ({type(e).__name__}: {e})") from None
+    try:
+        d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
+        what = str(e).splitlines()[0][:200] if str(e) else ""
+        raise DataError(f"{path} is truncated, damaged or not a release pickle ({type(e).__name__}: {what}); "
+                        f"re-download the release") from None
     if not isinstance(d, dict):
         raise DataError(f"{path} does not hold a dict of arrays (found {type(d).__name__})")
     return d
@@ -853,7 +942,9 @@ def _load_pickle(path: str) -> dict:
 def _pixels(data, path: str) -> np.ndarray:
     """Pixel rows as stored, refused unless they are integers in 0..255 (a cast would turn 0-1
     floats into black images, NaN into 0 and 300 into 44)."""
-    data = np.asarray(data)
+    if not isinstance(data, np.ndarray):
+        raise DataError(f"{path}: pixels must be a numpy array of uint8 rows (as in the release), found "
+                        f"{type(data).__name__}; re-download the release")
     if data.dtype == np.uint8:
         return data
     if data.dtype.kind not in "iu":
@@ -886,11 +977,21 @@ def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
 
 def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> np.ndarray:
     """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when given)."""
-    y = np.asarray(values)
+    if isinstance(values, (list, tuple)):
+        if any(isinstance(v, (list, tuple, dict)) for v in values):
+            raise DataError(f"{path}: labels must be a flat list of integers, found a list of lists")
+        if any(isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63 for v in values):
+            raise DataError(f"{path}: labels must be 64-bit integers, found one outside -2^63 .. 2^63 - 1")
+    elif not isinstance(values, np.ndarray):
+        raise DataError(f"{path}: labels must be a list of integers, found {type(values).__name__}")
+    try:
+        y = np.asarray(values)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise DataError(f"{path}: labels must be a flat list of integers ({type(e).__name__})") from None
     if y.ndim != 1:
         raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape {y.shape}")
     if y.size and y.dtype.kind not in "iu":
-        raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. {y[:1].tolist()[0]!r})")
+        raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. {repr(y[:1].tolist()[0])[:40]})")
     if len(y) != n_images:
         raise DataError(f"{path}: {n_images} images but {len(y)} labels (truncated?)")
     y = y.astype(np.int64)
@@ -1077,23 +1178,23 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
-def _image_signature(data_dir: str, sources) -> str:
-    """JSON of every source file's `_source_signature`, named by its path relative to data_dir: a
-    change in any of them, or another set of files, invalidates the image cache."""
-    return json.dumps([{**_source_signature(Path(path)), "name": os.path.relpath(path, data_dir)}
-                       for path in sorted(sources)])
+def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
+    """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a change in
+    any file's contents, or another set of files, invalidates the image cache."""
+    return [_source_signature(Path(path), known, os.path.relpath(path, data_dir)) for path in sorted(sources)]
 
 
-def _save_image_cache(data_dir: str, key: str, data: dict, signature: str):
-    """Write the decoded arrays and their sources' signature to the first writable cache folder;
-    without one, run uncached."""
+def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
+    """Write the decoded arrays, their fingerprint and their sources' signature to the first writable cache
+    folder; without one, run uncached."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
     except DataError:
         return
     with atomic_output(folder / f"{key}.npz") as f:
         np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
-                 y_test=data["test"][1], sources=np.array(signature))
+                 y_test=data["test"][1], sources=np.array(json.dumps(signature)),
+                 fingerprint=np.array(data["fingerprint"]))
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
@@ -1101,16 +1202,19 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
     try:
         with np.load(cache) as z:
             saved = json.loads(str(z["sources"]))
-            if _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved]) != json.dumps(saved):
+            now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved], known=saved)
+            if not _same_sources(now, saved):
                 return None
-            return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"])}
-    except (OSError, ValueError, KeyError, TypeError):
+            return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"]),
+                    "fingerprint": str(z["fingerprint"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the
-    cache while every source file keeps its size and mtime, and rebuild it when one changes."""
+    cache while every source file keeps its contents (`_source_signature`), and rebuild it when one changes.
+    Returns {"train": (x, y), "test": (x, y), "fingerprint": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
     key = f"{name}-{image_size}"
@@ -1134,6 +1238,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     size = data["train"][0].shape[-1]
     if size != image_size:
         raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
+    data["fingerprint"] = array_fingerprint(*data["train"], *data["test"])
     _save_image_cache(data_dir, key, data, _image_signature(data_dir, data.pop("sources")))
     return data
 
@@ -1533,6 +1638,7 @@ class ImageTask(Task):
     def setup(self, device="cpu"):
         data = load_image_dataset(self.name, self.data_dir, self.image_size)
         (xtr, ytr), (xte, yte) = data["train"], data["test"]
+        self._fingerprint = data["fingerprint"]
         for split, y in (("train", ytr), ("test", yte)):
             if len(y) == 0 or y.min() < 0 or y.max() >= self.n_classes:
                 raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} and be non-empty")
@@ -1546,6 +1652,9 @@ class ImageTask(Task):
         self.std = xf.std(dim=(0, 2, 3)).view(1, 3, 1, 1).clamp_min(1e-3)
         self.n_train = len(self.y_train)
         return self
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
         return (x_uint8.float() / 255 - self.mean) / self.std
@@ -1693,7 +1802,7 @@ WIKITEXT_URL = "https://huggingface.co/datasets/Salesforce/wikitext"
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-CACHE_FORMAT = 1  # bump when the cache layout or a tokeniser changes
+CACHE_FORMAT = 2  # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 
 UNK = "<unk>"
 EOS = "<eos>"
@@ -1741,7 +1850,7 @@ def load_lm_corpus(
 
     Returns:
         ``{"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int,
-        "decode": callable(list[int]) -> str, "source": str}``; WikiText-2 also
+        "decode": callable(list[int]) -> str, "source": str, "fingerprint": a sha256 of the tokens}``; WikiText-2 also
         has ``"test"`` (memmap) and ``"vocab"`` (list[str]).  Arrays are 1-D,
         read-only, ``uint16`` or ``uint32``.
     """
@@ -1847,8 +1956,9 @@ def load_wikitext2(
     """Load WikiText-2 (``release`` "auto", "tokens" or "raw"); see :func:`load_lm_corpus`."""
     release, files = find_wikitext_files(data_dir, release)
     stem = f"wikitext2-{release}"
-    sources = [_source_signature(files[split]) for split in WIKITEXT_SPLITS]
     candidates = _cache_candidates(data_dir, cache_dir)
+    known = _known_sources(candidates, stem)
+    sources = [_source_signature(files[split], known) for split in WIKITEXT_SPLITS]
     loaded = None
     for folder in candidates:
         loaded = _read_wikitext_cache(folder, stem, sources)
@@ -1860,9 +1970,10 @@ def load_wikitext2(
         loaded = _read_wikitext_cache(folder, stem, sources)
         if loaded is None:
             raise DataError(f"token cache written to {folder} could not be read back")
-    splits, vocab = loaded
+    splits, vocab, fingerprint = loaded
     return {
         **splits,
+        "fingerprint": fingerprint,
         "vocab": vocab,
         "vocab_size": len(vocab),
         "decode": lambda ids: decode_words(ids, vocab),
@@ -1963,8 +2074,8 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sourc
 
 def _read_wikitext_cache(
     folder: Path, stem: str, sources: list[dict]
-) -> tuple[dict[str, np.memmap], list[str]] | None:
-    """The cached splits and vocab if all are present and match ``sources``, else None."""
+) -> tuple[dict[str, np.memmap], list[str], str] | None:
+    """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``, else None."""
     try:
         raw = (folder / f"{stem}.vocab.json").read_bytes()
         vocab = json.loads(raw)
@@ -1973,14 +2084,15 @@ def _read_wikitext_cache(
     if not isinstance(vocab, list) or vocab[:2] != [UNK, EOS]:
         return None
     vocab_sha1 = hashlib.sha1(raw).hexdigest()
-    splits = {}
+    splits, digests = {}, [vocab_sha1]
     for split in WIKITEXT_SPLITS:
         meta = _expected_meta(stem, WIKITEXT_TOKENIZER, split, sources, vocab_sha1=vocab_sha1)
-        tokens = _read_split(folder, stem, split, meta, len(vocab))
-        if tokens is None:
+        read = _read_split(folder, stem, split, meta, len(vocab))
+        if read is None:
             return None
-        splits[split] = tokens
-    return splits, vocab
+        splits[split] = read[0]
+        digests.append(read[1])
+    return splits, vocab, hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
 
 def _vocab_bytes(vocab: list[str]) -> bytes:
@@ -2005,9 +2117,10 @@ def load_tinystories(
     stem = f"tinystories-{version}"
     candidates = _cache_candidates(data_dir, cache_dir)
     out: dict = {}
+    known, digests = _known_sources(candidates, stem), []
     for split in TINYSTORIES_SPLITS:
         path = files[split]
-        meta = _expected_meta(stem, TINYSTORIES_TOKENIZER, split, [_source_signature(path)])
+        meta = _expected_meta(stem, TINYSTORIES_TOKENIZER, split, [_source_signature(path, known)])
         tokens = None
         for folder in candidates:
             tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
@@ -2024,8 +2137,10 @@ def load_tinystories(
             tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
             if tokens is None:
                 raise DataError(f"token cache written to {folder} could not be read back")
-        out[split] = tokens
+        out[split], digest = tokens
+        digests.append(digest)
     out.update(
+        fingerprint=hashlib.sha256(" ".join(digests).encode()).hexdigest(),
         vocab_size=BYTE_VOCAB_SIZE,
         decode=decode_bytes,
         source=f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
@@ -2172,10 +2287,44 @@ def _cache_candidates(data_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     return [Path(cache_dir)] if cache_dir is not None else default_cache_dirs(data_dir)
 
 
-def _source_signature(path: Path) -> dict:
-    """File name, size and mtime: a change in any of them invalidates the cache."""
-    stat = path.stat()
-    return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    with open(path, "rb") as f:
+        digest = hashlib.sha256()
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
+    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a file
+    replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave it) is seen;
+    and its stat (size, mtime, ctime, inode): while the stat of a `known` signature (one a cache recorded)
+    still holds, its hash is reused without reading the file (every write moves ctime, and no tool sets it)."""
+    st, name = path.stat(), name or path.name
+    stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    for k in known:
+        if isinstance(k, dict) and k.get("name") == name and k.get("stat") == stat and isinstance(k.get("sha256"), str):
+            return {"name": name, "size": st.st_size, "sha256": k["sha256"], "stat": stat}
+    return {"name": name, "size": st.st_size, "sha256": file_sha256(path), "stat": stat}
+
+
+def _same_sources(a, b) -> bool:
+    """Whether two lists of source signatures name the same files with the same contents (stat aside)."""
+    def content(sigs):
+        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s for s in sigs]
+    return isinstance(a, list) and isinstance(b, list) and content(a) == content(b)
+
+
+def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
+    """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse their hashes)."""
+    known = []
+    for folder in candidates:
+        for meta_path in sorted(folder.glob(f"{glob.escape(stem)}.*.json")):
+            try:
+                known += [s for s in json.loads(meta_path.read_text(encoding="utf-8"))["sources"] if isinstance(s, dict)]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return known
 
 
 def _expected_meta(stem: str, tokenizer: str, split: str, sources: list[dict], **extra) -> dict:
@@ -2188,12 +2337,16 @@ def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
     return folder / f"{stem}.{split}.bin", folder / f"{stem}.{split}.json"
 
 
-def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int) -> np.memmap | None:
-    """The cached split as a read-only memmap (N,), or None if absent, stale or damaged."""
+def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int
+                ) -> tuple[np.memmap, str] | None:
+    """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent, stale or
+    damaged."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if any(meta.get(key) != value for key, value in expected.items()):
+        if any(meta.get(key) != value for key, value in expected.items() if key != "sources"):
+            return None
+        if not _same_sources(meta.get("sources"), expected["sources"]) or not isinstance(meta.get("sha256"), str):
             return None
         dtype = token_dtype(vocab_size)
         if meta.get("dtype") != dtype.name or meta.get("vocab_size") != vocab_size:
@@ -2201,7 +2354,7 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
         count = meta["count"]
         if not isinstance(count, int) or count < 1 or bin_path.stat().st_size != count * dtype.itemsize:
             return None
-        return np.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
+        return np.memmap(bin_path, dtype=dtype, mode="r", shape=(count,)), meta["sha256"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -2215,17 +2368,21 @@ def _write_split(
     vocab_size: int,
     empty_message: str,
 ) -> int:
-    """Stream ``arrays`` into the split's binary file, then write its meta; returns the count."""
+    """Stream ``arrays`` into the split's binary file, then write its meta (with the sha256 of the tokens);
+    returns the count."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
-    count = 0
+    count, digest = 0, hashlib.sha256()
     with atomic_output(bin_path) as f:
         for array in arrays:
-            f.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
+            block = np.ascontiguousarray(array, dtype=dtype).tobytes()
+            f.write(block)
+            digest.update(block)
             count += len(array)
         if count == 0:
             raise DataError(empty_message)
-    full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count, "vocab_size": vocab_size}
+    full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count, "vocab_size": vocab_size,
+                 "sha256": digest.hexdigest()}
     atomic_write(meta_path, json.dumps(full_meta, indent=1).encode("utf-8"))
     return count
 
@@ -2286,10 +2443,14 @@ class LMTask(Task):
         if self.val_tokens:
             self.valid = self.valid[:self.val_tokens]
         self.vocab_size, self.decode, self.vocab = corpus["vocab_size"], corpus["decode"], corpus.get("vocab")
+        self._fingerprint = corpus["fingerprint"]
         _check_context(self.context, len(self.train), "training")
         _check_context(self.context, len(self.valid), "validation")
         self.device = torch.device(device)
         return self
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> token ids (words of the corpus vocabulary, or UTF-8 bytes)."""
@@ -2449,6 +2610,43 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
 # `python train.py make-wikitext DIR FILE...`). Nothing on the run path calls them.
 
 
+def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held: str | None = None) -> str:
+    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside `folder`, which is
+    renamed to folder/name once complete, so an interrupted write leaves no folder/name (a killed process, at
+    most its hidden `.name.*.tmp`). Refused (DataError, nothing written) when folder/name exists or `held`
+    names a set already in `folder` that the new one would shadow. Returns folder/name."""
+    target = os.path.join(folder, name)
+    held = held or (target if os.path.lexists(target) else None)
+    if held:
+        raise DataError(f"{folder} already holds a data set ({held}); a data set is never overwritten or shadowed: "
+                        f"give another folder, or move that one away first")
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())            # mkdtemp's 0700 would hide the set from the group
+        os.rename(tmp, target)                      # refused if a non-empty folder/name appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _held_cifar10(folder: str) -> str | None:
+    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)."""
+    return _find(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
+                          "cifar-10-batches-py", os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
+                          "data_batch_1.bin"])
+
+
+def _held_wikitext(folder: str) -> str | None:
+    """The WikiText-2 release `find_wikitext_files` would read from `folder`, if any."""
+    try:
+        return str(find_wikitext_files(folder)[1]["train"].parent)
+    except DataError:
+        return _find(folder, ["wikitext-2"])
+
+
 def digits_arrays() -> tuple:
     """scikit-learn's bundled handwritten digits (1,797 8x8 images, no download) as 32x32 RGB uint8
     (N, 3, 32, 32), nearest-upscaled, split 1,500 train / 297 test by seed 0.
@@ -2469,25 +2667,25 @@ def digits_arrays() -> tuple:
 def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
                          y_test: np.ndarray, label_names=None) -> str:
     """Write images in the CIFAR-10 python release layout: folder/cifar-10-batches-py/ with
-    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys as
-    Python 2 wrote them. x: (N, 3, 32, 32) uint8, y: (N,) ints. Returns the batches folder."""
-    out = os.path.join(folder, "cifar-10-batches-py")
-    os.makedirs(out, exist_ok=True)
+    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3, 32,
+    32) uint8, y: (N,) ints. Returns the batches folder. A folder that already holds a CIFAR-10 set in
+    any layout `read_cifar` reads is refused (`write_new_dataset`): a set is never overwritten or shadowed."""
+    def write(out):
+        def dump(name, x, y, label):
+            d = {b"batch_label": label.encode(), b"labels": [int(v) for v in y],
+                 b"data": np.ascontiguousarray(x, dtype=np.uint8).reshape(len(x), -1),
+                 b"filenames": [f"{name}_{i}.png".encode() for i in range(len(x))]}
+            atomic_write(os.path.join(out, name), pickle.dumps(d, protocol=2))
 
-    def dump(name, x, y, label):
-        d = {b"batch_label": label.encode(), b"labels": [int(v) for v in y],
-             b"data": np.ascontiguousarray(x, dtype=np.uint8).reshape(len(x), -1),
-             b"filenames": [f"{name}_{i}.png".encode() for i in range(len(x))]}
-        atomic_write(os.path.join(out, name), pickle.dumps(d, protocol=2))
+        for i, part in enumerate(np.array_split(np.arange(len(x_train)), 5), 1):
+            dump(f"data_batch_{i}", x_train[part], y_train[part], f"training batch {i} of 5")
+        dump("test_batch", x_test, y_test, "testing batch 1 of 1")
+        names = label_names or [str(i) for i in range(10)]
+        atomic_write(os.path.join(out, "batches.meta"),
+                     pickle.dumps({b"label_names": [n.encode() for n in names],
+                                   b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072}, protocol=2))
 
-    for i, part in enumerate(np.array_split(np.arange(len(x_train)), 5), 1):
-        dump(f"data_batch_{i}", x_train[part], y_train[part], f"training batch {i} of 5")
-    dump("test_batch", x_test, y_test, "testing batch 1 of 1")
-    names = label_names or [str(i) for i in range(10)]
-    atomic_write(os.path.join(out, "batches.meta"),
-                 pickle.dumps({b"label_names": [n.encode() for n in names], b"num_cases_per_batch": len(x_train) // 5,
-                               b"num_vis": 3072}, protocol=2))
-    return out
+    return write_new_dataset(folder, "cifar-10-batches-py", write, _held_cifar10(folder))
 
 
 
@@ -2507,14 +2705,13 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
     """Write (title, [paragraph, ...]) articles as WikiText-2's word-level release:
     folder/wikitext-2/wiki.{train,valid,test}.tokens with ' = Title = ' headings, blank lines
     between paragraphs, and words seen fewer than `min_count` times in train replaced by <unk>.
-    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train."""
+    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train. A folder
+    that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
     articles = list(articles)
     if len(articles) < every:
         raise DataError(f"make-wikitext needs at least {every} articles (text files) so that train, valid and test "
                         f"each get one (articles i with i mod {every} = {every - 7} go to valid, {every - 1} to "
                         f"test); got {len(articles)}")
-    out = os.path.join(folder, "wikitext-2")
-    os.makedirs(out, exist_ok=True)
     split_of = ["train"] * every
     split_of[every - 7], split_of[every - 1] = "valid", "test"
     toks = {s: [] for s in ("train", "valid", "test")}
@@ -2527,10 +2724,12 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
 
     def line(words):
         return " " + " ".join(w if counts.get(w, 0) >= min_count else "<unk>" for w in words) + " \n"
-    for split, arts in toks.items():
-        text = []
-        for title, paras in arts:
-            text.append(" \n = " + line(title).strip() + " = \n \n")
-            text += [line(p) + " \n" for p in paras if p]
-        atomic_write(os.path.join(out, f"wiki.{split}.tokens"), "".join(text))
-    return out
+    def write(out):
+        for split, arts in toks.items():
+            text = []
+            for title, paras in arts:
+                text.append(" \n = " + line(title).strip() + " = \n \n")
+                text += [line(p) + " \n" for p in paras if p]
+            atomic_write(os.path.join(out, f"wiki.{split}.tokens"), "".join(text))
+
+    return write_new_dataset(folder, "wikitext-2", write, _held_wikitext(folder))

@@ -4,6 +4,9 @@ Grouped by subject: shared constants, model, tasks, config, runs and resume, rep
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
 import contextlib
+import errno
+import hashlib
+import io
 import json
 import math
 import os
@@ -11,6 +14,7 @@ import pickle
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -822,10 +826,36 @@ def _images(n, seed=0, size=32):
     return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
 
 
+class _Py2Pickler(pickle._Pickler):
+    """Pickles as Python 2's cPickle wrote the CIFAR batches: protocol 2, every str and bytes an 8-bit string
+    (SHORT_BINSTRING / BINSTRING; Python 3 writes bytes through _codecs.encode), numpy's functions under
+    numpy.core (numpy 2 names numpy._core)."""
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_bytes(self, obj):
+        data = obj.encode("latin1") if isinstance(obj, str) else obj
+        n = len(data)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) + data if n < 256 else
+                   pickle.BINSTRING + struct.pack("<i", n) + data)
+        self.memoize(obj)
+
+    def save_global(self, obj, name=None):
+        module = obj.__module__.replace("numpy._core", "numpy.core")
+        self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode("ascii"))
+        self.memoize(obj)
+
+    dispatch[bytes] = dispatch[str] = save_bytes
+
+
+def _py2_dumps(d) -> bytes:
+    f = io.BytesIO()
+    _Py2Pickler(f, protocol=2).dump(d)
+    return f.getvalue()
+
+
 def _py2_pickle(path, d):
-    """What a CIFAR / Imagenet32 batch file holds: a dict with bytes keys, pickle protocol 2."""
-    with open(path, "wb") as f:
-        pickle.dump(d, f, protocol=2)
+    """What a CIFAR / Imagenet32 batch file holds, as Python 2 wrote it: a dict with bytes keys (`_Py2Pickler`)."""
+    Path(path).write_bytes(_py2_dumps(d))
 
 
 def _imagenet_dir(tmp_path, suffix=""):
@@ -1254,7 +1284,7 @@ def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
     assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
     assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
     # the python-3 style (str keys) reads the same
-    _py2_pickle(root / "test_batch", {"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)})
+    (root / "test_batch").write_bytes(pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4))
     assert T.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
 
 
@@ -1299,7 +1329,7 @@ def test_malformed_and_missing_image_files(tmp_path):
     py.mkdir(parents=True)
     good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
     (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
-    with pytest.raises(T.DataError, match="truncated or not a pickle"):
+    with pytest.raises(T.DataError, match="truncated, damaged or not a release pickle"):
         T.read_cifar(str(tmp_path / "p"), "cifar10")
     _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
     with pytest.raises(T.DataError, match="2 images but 3 labels"):
@@ -1343,13 +1373,47 @@ def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_pat
     assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
     # the batches replaced in place (other images, other labels): the cache is rebuilt, not trusted
     x2 = 255 - x
-    T.write_cifar10_python(str(tmp_path), x2, y, x2[:4], (y[:4] + 1) % 10)
+    T.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
+    for f in os.listdir(tmp_path / "new" / "cifar-10-batches-py"):
+        shutil.copyfile(tmp_path / "new" / "cifar-10-batches-py" / f, tmp_path / "cifar-10-batches-py" / f)
     os.utime(tmp_path / "cifar-10-batches-py" / "test_batch", ns=(1, 1))      # even with an older mtime
     fresh = T.load_image_dataset("cifar10", str(tmp_path))
     assert np.array_equal(fresh["train"][0], x2) and fresh["test"][1].tolist() == ((y[:4] + 1) % 10).tolist()
     shutil.rmtree(tmp_path / "cifar-10-batches-py")               # sources gone: the cache is not trusted either
     with pytest.raises(T.DataError, match="CIFAR-10 not found"):
         T.load_image_dataset("cifar10", str(tmp_path))
+
+
+@pytest.mark.parametrize("corpus", ["cifar10", "wikitext2", "tinystories"])
+def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, corpus):
+    """A source file replaced by other contents of the same size, its mtime set back (what tar -x, cp -p or
+    rsync -t leave): the cache is rebuilt from the new contents, not served stale. A touch alone (same bytes)
+    keeps the cache."""
+    if corpus == "cifar10":
+        x, y = _images(10), np.arange(10) % 10
+        T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+        source = tmp_path / "cifar-10-batches-py" / "test_batch"
+        load = lambda: T.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
+    elif corpus == "wikitext2":
+        _write_text_corpus(tmp_path)
+        source = tmp_path / "wikitext-2" / "wiki.valid.tokens"
+        load = lambda: np.array(T.load_lm_corpus("wikitext2", tmp_path)["valid"])   # noqa: E731
+    else:
+        make_tinystories(tmp_path)
+        source = next(tmp_path.rglob("*-valid.txt"))
+        load = lambda: np.array(T.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
+    first = load()
+    st = source.stat()
+    data = bytearray(source.read_bytes())
+    i = len(data) // 2 if corpus == "cifar10" else next(j for j, c in enumerate(data) if chr(c).islower())
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))       # a touch: same bytes, the cache holds
+    assert np.array_equal(load(), first)
+    data[i] = (data[i] + 1) % 256 if corpus == "cifar10" else ord("q") if data[i] != ord("q") else ord("z")
+    source.write_bytes(bytes(data))                                       # in place, as cp -p does
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert source.stat().st_size == st.st_size and source.stat().st_mtime_ns == st.st_mtime_ns
+    again = load()
+    assert not np.array_equal(again, first)
 
 
 _U8 = np.zeros((4, 3072), np.uint8)
@@ -1362,8 +1426,9 @@ _U8 = np.zeros((4, 3072), np.uint8)
     (np.full((4, 3072), np.nan), [1, 2, 3, 4], "found float64 values with NaN"),
     (np.full((4, 3072), 300), [1, 2, 3, 4], "pixels must be integers 0..255, found 300..300"),
     (np.full((4, 3072), -1), [1, 2, 3, 4], "found -1..-1"),
-    (_U8, ["a", "b", "c", "d"], "labels must be integers, found <U1 values (e.g. 'a')"),
-    (_U8, [[1], [2], [3], [4]], "labels must be a flat list of integers, found an array of shape (4, 1)"),
+    (_U8, ["a", "b", "c", "d"], "labels must be integers, found |S1 values (e.g. b'a')"),     # Python 2's str
+    (_U8, [[1], [2], [3], [4]], "labels must be a flat list of integers, found a list of lists"),
+    (_U8, np.ones((4, 1), np.int64), "labels must be a flat list of integers, found an array of shape (4, 1)"),
     (_U8, [1, 2, 3, 10], "labels must lie in 0..9, found 1..10"),
     (_U8, [1, 2, 3, -1], "labels must lie in 0..9, found -1..3"),
     (np.zeros((4, 768), np.uint8), [1, 2, 3, 4], "rows of 768 bytes are 16x16 images; expected 32x32 (rows of 3072"),
@@ -1404,6 +1469,192 @@ def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
         T.read_cifar(str(tmp_path), "cifar10")
     with pytest.raises(T.DataError, match="cannot be read"):
         T.read_cifar_pickle(str(tmp_path / "cifar-10-batches-py" / "data_batch_3"))
+
+
+class _Touch:
+    """A pickle payload that, unpickled, would create `path` (with the shell, or from Python)."""
+
+    def __init__(self, path, how="system"):
+        self.path, self.how = str(path), how
+
+    def __reduce__(self):
+        if self.how == "system":
+            return (os.system, (f"touch {self.path}",))
+        if self.how == "eval":
+            return (eval, (f"open({self.path!r}, 'w').close()",))
+        return (subprocess.call, (["touch", self.path],))
+
+
+_PAYLOADS = ["system", "eval", "subprocess"]
+
+
+@pytest.mark.parametrize("how", _PAYLOADS)
+@pytest.mark.parametrize("where", ["cifar10 data_batch_1", "cifar10 test_batch", "cifar100 train",
+                                   "imagenet val_data", "imagenet .npz"])
+def test_a_dataset_file_that_would_run_code_runs_nothing(tmp_path, capsys, where, how):
+    """A dataset file crafted to run a command when unpickled (os.system, eval, subprocess; as the only
+    value, inside the dict, in a Python 2 or a Python 3 pickle) is one line and exit 2, and the command
+    never runs: the batches are read by `T.ReleaseUnpickler`, which admits only numbers and arrays."""
+    marker = tmp_path / "ran"
+    evil = {b"data": _Touch(marker, how), b"labels": [1]}
+    if where.startswith("cifar10 "):
+        data = tmp_path / "data"
+        T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
+        target = data / "cifar-10-batches-py" / where.split()[1]
+        target.write_bytes(pickle.dumps(evil if "test" in where else _Touch(marker, how), protocol=2))
+        argv = ["--task", "cifar10", "--data-dir", data]
+    elif where == "cifar100 train":
+        data = tmp_path / "data" / "cifar-100-python"
+        data.mkdir(parents=True)
+        (data / "train").write_bytes(pickle.dumps(evil, protocol=4))
+        _py2_pickle(data / "test", {b"fine_labels": [1], b"data": _images(1).reshape(1, -1)})
+        argv = ["--task", "cifar100", "--data-dir", data.parent]
+    else:
+        data = _imagenet_dir(tmp_path)
+        if where.endswith(".npz"):
+            os.remove(data / "val_data")
+            np.savez(data / "val_data.npz", data=np.array([_Touch(marker, how)], dtype=object), labels=np.array([1]))
+        else:
+            (data / "val_data").write_bytes(pickle.dumps(evil, protocol=2))
+        argv = ["--task", "imagenet100", "--data-dir", data]
+    before = sorted(os.listdir(tmp_path))
+    rc, _ = run_train(tmp_path, *argv, "--steps", "1", "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim",
+                      "24", "--patch-size", "8", "--batch-size", "2")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and not marker.exists(), err
+    assert ("no release file holds" in err and "nothing was run" in err) or "not an Imagenet32/64 .npz" in err, err
+    assert sorted(os.listdir(tmp_path)) == before                       # no run folder
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_python_3_pickles_of_a_batch_read_the_same(tmp_path, protocol):
+    """A batch re-saved by Python 3 (bytes through _codecs.encode at protocol 2, numpy._core names, protocol 5's
+    _frombuffer), with str or bytes keys, reads as the Python 2 original."""
+    x, y = _images(3, 7).reshape(3, -1), [4, 5, 6]
+    for keys in (bytes, str):
+        k = (lambda s: s.encode()) if keys is bytes else (lambda s: s)
+        (tmp_path / "b").write_bytes(pickle.dumps({k("data"): x, k("labels"): y, k("batch_label"): k("b")},
+                                                  protocol=protocol))
+        got = T.read_cifar_pickle(str(tmp_path / "b"), n_classes=10)
+        assert np.array_equal(got[0].reshape(3, -1), x) and got[1].tolist() == y
+
+
+def test_damaged_copies_of_a_release_batch_are_one_data_error_each(tmp_path):
+    """600 damaged copies of a Python 2 data_batch (bits flipped, bytes changed, cut, inserted or deleted, most
+    in its structure): each reads or is one DataError, never another exception; and a damaged memo index that
+    makes C's unpickler allocate gigabytes costs the pure-Python one nothing (ReleaseUnpickler)."""
+    import random
+    import tracemalloc
+    x = _images(6, 3).reshape(6, -1)
+    good = _py2_dumps({b"batch_label": b"training batch 1 of 5", b"labels": [1, 2, 3, 4, 5, 6], b"data": x,
+                       b"filenames": [b"img_%d.png" % i for i in range(6)]})
+    body = good.index(x.tobytes()[:64])
+    rng, path, read, refused = random.Random(0), tmp_path / "data_batch_1", 0, 0
+    for _ in range(600):
+        b = bytearray(good)
+        p = rng.choice([rng.randrange(body), rng.randrange(body + x.nbytes, len(b)), rng.randrange(len(b))])
+        kind = rng.randrange(5)
+        if kind == 0:
+            b[p] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            b[p] = rng.randrange(256)
+        elif kind == 2:
+            b = b[:p]
+        elif kind == 3:
+            b[p:p] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
+        else:
+            del b[p:p + rng.randint(1, 6)]
+        path.write_bytes(bytes(b))
+        try:
+            T.read_cifar_pickle(str(path), n_classes=10)
+            read += 1
+        except T.DataError:
+            refused += 1
+    assert read + refused == 600 and refused > 300
+    reduce_at = good.index(b"R", good.index(b"numpy\nndarray"))        # REDUCE -> LONG_BINPUT with a huge index
+    path.write_bytes(good[:reduce_at] + b"r" + good[reduce_at + 1:])
+    tracemalloc.start()
+    with pytest.raises(T.DataError):
+        T.read_cifar_pickle(str(path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50e6, peak
+    for labels, needle in (([10 ** 5000], "64-bit integers"), ([[1], [2]] * 3, "a flat list of integers"),
+                           (b"\x01" * 6, "labels must be a list of integers, found bytes")):
+        _py2_pickle(path, {b"data": x, b"labels": labels})
+        with pytest.raises(T.DataError, match=needle):
+            T.read_cifar_pickle(str(path))
+    _py2_pickle(path, {b"data": x.tolist(), b"labels": [1] * 6})
+    with pytest.raises(T.DataError, match="pixels must be a numpy array of uint8 rows"):
+        T.read_cifar_pickle(str(path))
+
+
+def _tree(folder) -> dict:
+    """{relative path: bytes} of every file under folder."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("held", ["cifar-10-batches-py", "cifar-10-batches-bin", "top-level batches", "wikitext-2",
+                                  "wikitext-2-raw", "an empty cifar-10-batches-py"])
+def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path, capsys, held, monkeypatch):
+    """Over a folder that already holds a data set in any layout the readers read, make-digits and
+    make-wikitext refuse in one line and change no file; a write interrupted after three files leaves the
+    folder as it was (the new set is written whole in a hidden folder, then moved in)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    if held == "cifar-10-batches-py":
+        T.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
+    elif held == "cifar-10-batches-bin":
+        (d / "cifar-10-batches-bin").mkdir()
+        (d / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(bytes(3073))
+    elif held == "top-level batches":
+        _py2_pickle(d / "data_batch_1", {b"data": _images(1).reshape(1, -1), b"labels": [1]})
+    elif held == "an empty cifar-10-batches-py":
+        (d / "cifar-10-batches-py").mkdir()
+    else:
+        (d / held).mkdir()
+        for split in ("train", "valid", "test"):
+            (d / held / f"wiki.{split}.{'raw' if held.endswith('raw') else 'tokens'}").write_text(" = A = \n")
+    texts = []
+    for i in range(12):
+        texts.append(tmp_path / f"a{i}.txt")
+        texts[-1].write_text(f"Title {i}\n\nSome words of article {i} here, and more words.\n")
+    before = _tree(d)
+    cifar = "cifar" in held or "batches" in held
+    command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
+    if cifar:
+        monkeypatch.setattr(T, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
+    assert train.main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
+    assert _tree(d) == before and sorted(os.listdir(d)) == sorted({p.split("/")[0] for p in before} | (
+        {"cifar-10-batches-py"} if held.startswith("an empty") else set()))
+    # an interrupted write into a fresh folder leaves nothing of the new set
+    fresh, calls = tmp_path / "fresh", []
+    real = T.atomic_write
+
+    def interrupted(path, data):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(path, data)
+    monkeypatch.setattr(T, "atomic_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["make-digits", str(fresh)] if cifar else ["make-wikitext", str(fresh), *map(str, texts)])
+    assert len(calls) == 3 and os.listdir(fresh) == []
+
+
+def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
+    """make-digits (scikit-learn's digits) writes a whole CIFAR-10 python release that the reader reads: 1,500
+    train and 297 test images, labels 0..9; then a second call over it is refused."""
+    _extra("sklearn")
+    assert train.main(["make-digits", str(tmp_path / "digits")]) == 0
+    assert "wrote 1500 train / 297 test digits" in capsys.readouterr().out
+    d = T.read_cifar(str(tmp_path / "digits"), "cifar10")
+    assert d["train"][0].shape == (1500, 3, 32, 32) and len(d["test"][1]) == 297
+    assert set(d["train"][1].tolist()) == set(range(10)) and d["train"][0].max() == 255
+    assert sorted(os.listdir(tmp_path / "digits")) == ["cifar-10-batches-py"]
+    assert train.main(["make-digits", str(tmp_path / "digits")]) == 2
 
 
 def test_augmentation_shapes_and_determinism():
