@@ -63,8 +63,9 @@ result.json) is resumed, so running it again continues where it stopped. Ctrl-C 
 or SIGTERM to the script is passed on to every running run, which saves a checkpoint; no
 new run starts, and the script waits for them and exits 130 (143). A missing dataset is reported
 and its runs are skipped; a failed run makes the script exit 1 and names it (its log is
-RUNS/TABLE/NAME.log). Each run folder is locked while it trains, and a seed may be given
-once.
+RUNS/TABLE/NAME.log). Each run folder is locked while it trains: a run another process (another
+reproduce.sh on the same --runs) is training is left to it ("busy"), and each invocation reports
+only its own runs' failures. A seed may be given once.
 EOF
 }
 
@@ -233,6 +234,10 @@ run_one() {
     local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log" extra=() a
     for a in "$@"; do if [[ "$a" == @DATA* ]]; then extra+=("$DATA${a#@DATA}"); else extra+=("$a"); fi; done
     if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
+    if [ "$DRY" = 0 ] && [ -d "$out" ] && command -v flock >/dev/null && ! flock -n "$out" true 2>/dev/null; then
+        echo "busy    $out (another process trains it; not started here)" | tee -a "$STATE/busy"
+        return 0
+    fi
     local resume=() what=start launch
     [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }
     read -ra launch <<< "$LAUNCH_LINE"
@@ -250,12 +255,14 @@ run_one() {
     "${threads[@]}" "${cmd[@]}" >> "$log" 2>&1 || rc=$?
     if [ "$rc" = 0 ]; then
         echo "$(date +%H:%M:%S) done  $out: $(tail -n 1 "$log")"
+    elif [ "$rc" = 75 ]; then          # the folder was locked by another process between the check above and now
+        echo "busy    $out (another process trains it; not started here)" | tee -a "$STATE/busy"
     elif [ "$rc" = 130 ] || [ "$rc" = 143 ]; then
         echo "$(date +%H:%M:%S) interrupted $out (its checkpoint is kept; run the same command to resume)" >&2
-        touch "$RUNS/interrupted"
+        touch "$STATE/interrupted"
         return 1
     else
-        echo "$(date +%H:%M:%S) FAILED $out (exit $rc): see $log" | tee -a "$RUNS/failed.txt" >&2
+        echo "$(date +%H:%M:%S) FAILED $out (exit $rc): see $log" | tee -a "$STATE/failed" >&2
         return 1
     fi
 }
@@ -275,25 +282,29 @@ trap 'stop TERM' TERM
 
 START=$(date +%s)
 echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
-[ "$DRY" = 0 ] && mkdir -p "$RUNS" && rm -f "$RUNS/failed.txt" "$RUNS/interrupted"
+[ "$DRY" = 0 ] && mkdir -p "$RUNS"
+# this invocation's own failed / busy / interrupted lists: another reproduce.sh on the same --runs keeps its own
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || { echo "reproduce.sh: cannot make a temporary folder" >&2; exit 1; }
+trap 'rm -rf "$STATE"' EXIT
 STATUS=0
 set -m
 for item in "${LIST[@]}"; do
-    [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ] && break
+    [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null; done
-    [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ] && break
+    [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
     read -ra fields <<< "$item"
     if [ "$DRY" = 1 ]; then run_one "${fields[@]}"; else run_one "${fields[@]}" & fi
 done
 while [ -n "$(jobs -rp)" ]; do wait 2>/dev/null; done      # a signal ends a wait early: wait again
 set +m
-if [ -n "$SIGNAL" ] || [ -f "$RUNS/interrupted" ]; then
-    rm -f "$RUNS/interrupted"
+if [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ]; then
     echo "reproduce.sh: interrupted; run the same command again to resume (finished runs are skipped)" >&2
     [ "$SIGNAL" = TERM ] && exit 143
     exit 130
 fi
-[ -s "$RUNS/failed.txt" ] && STATUS=1
+[ -s "$STATE/failed" ] && STATUS=1
+[ -s "$STATE/busy" ] && echo "reproduce.sh: $(wc -l < "$STATE/busy") run(s) were in training by another process" \
+    "and were left to it; run this again once it is done to report them" >&2
 for m in "${MISSING[@]}"; do echo "missing dataset, its runs skipped: $m" >&2; done
 [ "$DRY" = 1 ] && exit 0
 
@@ -303,6 +314,6 @@ fi
 echo "reproduce.sh: $(( ($(date +%s) - START) / 60 )) min; results in $RESULTS/ (runs in $RUNS/)"
 if [ "$STATUS" != 0 ]; then
     echo "reproduce.sh: FAILED runs:" >&2
-    cat "$RUNS/failed.txt" >&2 2>/dev/null
+    cat "$STATE/failed" >&2 2>/dev/null
     exit 1
 fi

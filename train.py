@@ -33,6 +33,8 @@ import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import pickle  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -274,6 +276,12 @@ COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit status 2."""
+    status = 2
+
+
+class BusyError(UsageError):
+    """The run folder is in use by another process: one line, exit status 75 (EX_TEMPFAIL: try again later)."""
+    status = 75
 
 
 class Parser(argparse.ArgumentParser):
@@ -291,14 +299,26 @@ class _Unset:
 UNSET = _Unset()
 
 
+class Once(argparse.Action):
+    """Store a flag's value (a switch: True), refusing a flag given twice, whose last value would win in silence."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, UNSET)
+        if before is not UNSET:
+            again = "" if self.nargs == 0 else f" ({before!r}, then {values!r})"
+            raise UsageError(f"{option_string} is given twice{again}; give each flag once")
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """One flag per Config field, in its group; every flag parses to UNSET when not given (see `resolve`)."""
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for name, f in FIELDS.items():
         m = f.metadata
-        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS), inits=", ".join(INITS))}
+        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS), inits=", ".join(INITS)),
+              "action": Once}
         if m["switch"]:
-            kw["action"] = "store_true"
+            kw["nargs"] = 0
         else:
             kw.update({k: v for k, v in (("type", m["type"]), ("metavar", m["metavar"])) if v is not None})
             if m["choices"]:
@@ -712,6 +732,7 @@ class Run:
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
+    data: str | None = None         # the task's data fingerprint (T.Task.fingerprint), saved in ckpt.pt
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
@@ -743,6 +764,8 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
+        if e.errno == errno.ENOENT and state is not None and not os.path.isdir(args.out):
+            raise UsageError(folder_vanished(args, state)) from None
         if e.errno not in STORAGE_ERRORS:
             raise
         raise UsageError(storage_failed(e, args, state)) from None
@@ -768,6 +791,13 @@ def storage_failed(e: OSError, args: Config, state: Run | None) -> str:
         return f"{what}; the new run had no checkpoint yet and left nothing behind: free space and start it again"
     return (f"{what} at step {state.step}; the checkpoint of step {state.saved_step} in {state.path('ckpt.pt')} is "
             f"whole: free space, then continue with --resume --out {args.out}")
+
+
+def folder_vanished(args: Config, state: Run) -> str:
+    """The line for a run folder moved or deleted while the run trained (its next write found no folder)."""
+    kept = (f"its files went with it, whole: the checkpoint of step {state.saved_step} resumes exactly with "
+            f"--resume --out NEW_PLACE" if state.saved_step is not None else "it had no checkpoint yet")
+    return f"the run folder {args.out} disappeared at step {state.step} (moved or deleted while training); {kept}"
 
 
 def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
@@ -882,7 +912,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
         state = Run(args, task, model, cfg, built.optimizer, probe, device, init_report, None, folder,
-                    dist, run_id=uuid.uuid4().hex)
+                    dist, run_id=uuid.uuid4().hex, data=task.fingerprint())
         if dist.main:
             start = probe.measure(model)
             state.mass_start = start["prior_mass"]
@@ -894,6 +924,9 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             procs = f" x {dist.world} processes" if dist.world > 1 else ""
             print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device}{procs} | "
                   f"{args.steps} steps | out {args.out}", flush=True)
+            if args.preset == "paper" and device.type == "cpu":
+                print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
+                      f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
             print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
     else:
         same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
@@ -901,6 +934,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         if not same:
             raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
                              f"({ckpt['config']} vs {asdict(cfg)})")
+        check_same_data(ckpt, task, args)
         model.load_state_dict(ckpt["model"])
         optimizer = built.optimizer
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -908,7 +942,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
                     folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
                     run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
-                    saved_step=ckpt["step"])
+                    saved_step=ckpt["step"], data=ckpt.get("data"))
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -916,6 +950,9 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             truncate_log(state.path("metrics.jsonl"), state.step)
             write_json(state.path("args.json"), asdict(args))
             state.say(f"resuming {args.out} at step {state.step}/{args.steps}")
+            note = rounding_note(ckpt, device)
+            if note:
+                state.say(note)
     if args.ema:
         state.probe.ema = copy.deepcopy(model).requires_grad_(False)
         if ckpt is not None:
@@ -927,6 +964,39 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         state.trained = torch.nn.parallel.DistributedDataParallel(
             state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     return state
+
+
+def check_same_data(ckpt: dict, task, args) -> None:
+    """--resume on the data the run trained on: the task's fingerprint must be the checkpoint's (a checkpoint
+    written before fingerprints is not checked)."""
+    saved, now = ckpt.get("data"), task.fingerprint()
+    if saved is not None and now != saved:
+        was = ckpt["args"].get("data_dir")
+        raise UsageError(f"--resume: the data{f' in --data-dir {args.data_dir}' if args.data_dir else ''} is not the "
+                         f"data the run in {args.out} trained on (fingerprint {now[:12]}, the checkpoint's "
+                         f"{saved[:12]}); point --data-dir at the run's own data"
+                         + (f" (it started from {was})" if was else ""))
+
+
+def rounding_note(ckpt: dict, device: torch.device) -> str | None:
+    """A resume on another device type or CPU thread count is exact only to rounding (another order of the
+    float sums): a note that says so, or None when it resumes bitwise."""
+    saved = ckpt.get("machine")
+    if not saved:
+        return None
+    now = machine(device)
+    if saved == now:
+        return None
+    what = (f"{saved['threads']} CPU threads, now {now['threads']}" if saved["device"] == now["device"] == "cpu"
+            else f"on {saved['device']}, now on {now['device']}")
+    fix = f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if saved["device"] == now["device"] else ""
+    return (f"note: the run trained with {what}: its sums round in another order, so the resumed run matches an "
+            f"uninterrupted one to about 1e-6, not bitwise{fix}")
+
+
+def machine(device: torch.device) -> dict:
+    """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
+    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 
 def finite_weights(model) -> bool:
@@ -952,7 +1022,7 @@ def train_loop(state: Run) -> int | None:
     else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank takes the
     same decisions: the loss and the interrupt flag are agreed on each step."""
     args, model, optimizer, task, dist = state.args, state.model, state.optimizer, state.task, state.dist
-    total, t_start, steps_done = args.steps, time.time(), 0
+    total, t_start, steps_done, estimated = args.steps, time.time(), 0, False
     with Interrupt() as stop:
         while state.step < total:
             batch, weight = dist.shard(task.train_batch(state.step, args.batch_size))
@@ -968,12 +1038,20 @@ def train_loop(state: Run) -> int | None:
                 rec = state.probe.measure(model, final=step == total)
                 now = time.time()
                 rate = steps_done / max(now - t_start, 1e-9)
-                state.last = {"step": step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
+                state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
+                              "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
                 append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {fmt_metrics(rec, task)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
+                estimated = True
+            elif dist.main and not estimated and time.time() - t_start >= EARLY_ETA:
+                rate = steps_done / (time.time() - t_start)
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
+                      f"{fmt_time((total - step) / rate)} (an early estimate; the first evaluation is at step "
+                      f"{min(total, (step // args.log_every + 1) * args.log_every)})", flush=True)
+                estimated = True
             halt = interrupted or (args.halt_after is not None and step >= args.halt_after and step < total)
             if step % args.ckpt_every == 0 or step == total or halt:
                 if not finite_weights(model):
@@ -987,6 +1065,9 @@ def train_loop(state: Run) -> int | None:
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
+
+
+EARLY_ETA = 10.0        # seconds of training after which a run that has not logged yet prints its pace and ETA
 
 
 def step_loss(trained, task, batch, args, device, weight: float | None = None) -> torch.Tensor:
@@ -1050,6 +1131,7 @@ def finish(state: Run) -> int:
         metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
         metrics["prior_mass_end"] = last["prior_mass_mean"]
     result = {"task": args.task, "kind": state.task.KIND, "init": args.init, "seed": args.seed, "preset": args.preset,
+              "run_id": state.run_id,
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
@@ -1157,6 +1239,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "prior_mass_start": state.mass_start,
             **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
             **({"identity": identity(state.args, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
+            "data": state.data, "machine": machine(state.device),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     buf = io.BytesIO()
@@ -1184,21 +1267,36 @@ CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_re
              "prior_mass_start", "rng")
 
 
+def _load_tensors(source, path: str, flag: str):
+    """torch.load with weights_only=True: tensors, numbers, strings and containers only, so a crafted file
+    cannot run code while it is read (what it names beyond those is refused before it is called)."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {named.group(1)}" if named else next(
+            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
+        raise UsageError(f"{flag}: {path} holds more than tensors and plain values ({what}), which a checkpoint of "
+                         f"train.py never does and which would run code if unpickled; it was not run. Use a "
+                         f"checkpoint train.py wrote") from None
+
+
 def read_checkpoint(path: str, flag: str) -> dict:
     """A checkpoint of this program, read to the CPU once its contents match their sha256 (a checkpoint
-    written before checksums is read as it is); anything else is one clear line."""
+    written before checksums is read as it is), both levels with weights_only=True (`_load_tensors`: a file
+    from elsewhere runs no code); anything else is one clear line."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = _load_tensors(path, path, flag)
         if isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT:
             payload = ckpt.get("payload")
             if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != ckpt.get("sha256"):
                 raise UsageError(f"{flag}: {path} is damaged (its contents do not match the checksum saved with "
                                  f"them); restore the file from a copy, or start a new run with another --out")
-            ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+            ckpt = _load_tensors(io.BytesIO(payload), path, flag)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
-        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {e})") from None
+        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{flag}: {path} is not a checkpoint of train.py (no {', '.join(missing)})")
@@ -1271,8 +1369,8 @@ class RunFolder:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 self.release()
-                raise UsageError(f"{self.path} is in use by another process (a run is training there); wait for "
-                                 f"it to end, or use another --out") from None
+                raise BusyError(f"{self.path} is in use by another process (a run is training there); wait for "
+                                f"it to end, or use another --out") from None
         for tmp, name in T.partial_writes(self.path):    # temporary files of a write that was killed
             if name in self.OURS:
                 with contextlib.suppress(OSError):
@@ -1352,7 +1450,11 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
         what = "is not a file" if os.path.exists(log) else "is missing"
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
                          f"with another --out")
-    records, logged = read_log(log), ckpt.get("log_step", 0)
+    try:
+        records, logged = read_log(log), ckpt.get("log_step", 0)
+    except LogError as e:
+        raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log from a copy, or "
+                         f"start a new run with another --out") from None
     ident = ckpt.get("identity")
     if ident is not None and records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
         raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run (run "
@@ -1390,18 +1492,47 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
     return saved
 
 
+class LogError(ValueError):
+    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
+
+
 def read_log(path: str) -> list[dict]:
-    """The records of a metrics.jsonl; a line that is not a whole JSON object (a write cut short) is left out."""
+    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed write cut
+    short (no newline at its end) is left out; a damaged, lost, repeated or reordered line is a LogError that
+    names it, so nothing is ever dropped or rewritten away."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    lines.pop()            # the bytes after the last newline: b"", or a write cut short (its step is logged again)
     records = []
-    with open(path, encoding="utf-8", errors="replace") as f:      # a broken byte spoils its line, not the log
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if log_line(rec):
-                records.append(rec)
+    for number, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:                        # UnicodeDecodeError is a ValueError
+            rec = None
+        if not log_line(rec):
+            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py writes it)")
+        records.append(rec)
+    check_log(records, path)
     return records
+
+
+def check_log(records: list[dict], path: str) -> None:
+    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before it, written
+    since logs carry it) is the step of the line before: a lost, repeated or reordered line is a LogError."""
+    for number, (before, rec) in enumerate(zip([None, *records], records), 1):
+        step = rec["step"]
+        if before is None:
+            if step != 0 or rec.get("prev") is not None:
+                raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the log lost its first "
+                               f"lines")
+            continue
+        if step <= before["step"]:
+            what = "repeats" if step == before["step"] else "goes back from"
+            raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of the line before it: "
+                           f"the log holds a repeated or misplaced line")
+        if "prev" in rec and rec["prev"] != before["step"]:
+            raise LogError(f"{path} line {number} (step {step}) was logged after step {rec['prev']}, but the line "
+                           f"before it is step {before['step']}: a line of the log is missing")
 
 
 def _number(v) -> bool:
@@ -1414,8 +1545,9 @@ def log_line(rec) -> bool:
     if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
             and isinstance(rec.get("metrics"), dict)):
         return False
-    mass, mean = rec.get("prior_mass"), rec.get("prior_mass_mean")
-    return (mass is None or isinstance(mass, list) and all(map(_number, mass))) and (mean is None or _number(mean))
+    mass, mean, prev = rec.get("prior_mass"), rec.get("prior_mass_mean"), rec.get("prev")
+    return ((mass is None or isinstance(mass, list) and all(map(_number, mass))) and (mean is None or _number(mean))
+            and (prev is None or isinstance(prev, int) and not isinstance(prev, bool)))
 
 
 def append_log(path: str, record: dict) -> None:
@@ -1433,7 +1565,8 @@ def append_log(path: str, record: dict) -> None:
 
 
 def truncate_log(path: str, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again), and any broken line."""
+    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut
+    short (`read_log`: anything else damaged is refused before this)."""
     T.atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
 
 
@@ -1477,7 +1610,9 @@ def collect_runs(paths) -> tuple[list, list]:
     """Read result.json under each path (a run directory or a folder of them).
 
     Returns (results, problems): problems name every run directory whose result.json is
-    missing (an unfinished run) or unreadable, so nothing is skipped silently.
+    missing (an unfinished run) or unreadable, and every run counted once already (a copy of a run folder,
+    or the same task, init, seed and flags run again: one seed is one result), so nothing is skipped or
+    counted twice silently.
     """
     runs, problems = [], []
     dirs = []
@@ -1507,7 +1642,43 @@ def collect_runs(paths) -> tuple[list, list]:
             runs.append({**r, "run_dir": d})
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
-    return runs, problems
+    return once_each(runs, problems)
+
+
+def once_each(runs: list, problems: list) -> tuple[list, list]:
+    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed and
+    flags (the same run again) is left out and named in problems."""
+    kept, ids, configs = [], {}, {}
+    for r in runs:
+        try:
+            key = json.dumps([r["task"], r["init"], r["seed"], run_config(r)], sort_keys=True, default=repr)
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"{r['run_dir']}: unreadable args.json ({type(e).__name__}: {e})")
+            continue
+        rid = run_id_of(r)
+        if rid in ids:
+            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
+        elif key in configs:
+            problems.append(f"{r['run_dir']}: the same task, init, seed and flags as {configs[key]}: counted once")
+        else:
+            kept.append(r)
+        if rid:
+            ids.setdefault(rid, r["run_dir"])
+        configs.setdefault(key, r["run_dir"])
+    return kept, problems
+
+
+def run_id_of(run: dict) -> str | None:
+    """A finished run's id: result.json's, or the one its log's first line records (runs made before
+    result.json carried it); None for runs made before run ids."""
+    if isinstance(run.get("run_id"), str):
+        return run["run_id"]
+    try:
+        with open(os.path.join(run["run_dir"], "metrics.jsonl"), "rb") as f:
+            first = json.loads(f.readline().decode("utf-8"))
+        return first.get("run_id") if isinstance(first, dict) and isinstance(first.get("run_id"), str) else None
+    except (OSError, ValueError):
+        return None
 
 
 def mean_std(values, digits: int = 2) -> str:
@@ -1634,8 +1805,9 @@ def log_records(run: dict) -> list[dict]:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         try:
             run["_records"] = read_log(path) if os.path.isfile(path) else []
-        except OSError:                          # unreadable: the run has no curves, the tables stand
+        except (OSError, LogError) as e:         # the run has no curves; its result.json still counts in the tables
             run["_records"] = []
+            run["_log_problem"] = f"{e}" if isinstance(e, LogError) else f"{path} cannot be read ({e.strerror})"
     return run["_records"]
 
 
@@ -1767,8 +1939,10 @@ def run_config(run: dict, ignore=frozenset()) -> dict:
     added after the run was made counts at its default); the model config of result.json where
     args.json is missing."""
     path = os.path.join(run["run_dir"], "args.json")
-    args = {**DEFAULTS, **load_json(path)} if os.path.exists(path) else dict(run.get("config") or {},
-                                                                             steps=run.get("steps"))
+    saved = load_json(path) if os.path.exists(path) else None
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"a JSON {type(saved).__name__}, not the object of the run's flags")
+    args = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
     return {k: v for k, v in args.items() if k not in NOT_CONFIG and k not in ignore}
 
 
@@ -2121,6 +2295,10 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
         written += write_comparison(config_groups(study)[0], os.path.join(out_dir, "visionprior.png"),
                                     "The vision priors side by side: top-1 and the attention mass on each prior's "
                                     "own pattern against the training step")
+    for r in runs:
+        log_records(r)                          # read every log once: a damaged one is named below
+    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables ({r['_log_problem']}); its "
+              f"result.json counts in the results tables" for r in runs if "_log_problem" in r]
     runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
                       + "".join(f"- {n}\n" for n in notes) + "\n")
     emit("steps_to_target.md",
@@ -2180,9 +2358,23 @@ def make_wikitext(folder: str, files: list) -> int:
     return 0
 
 
+REPORT_FOLDERS = (*TABLES, "ablation", "data")      # what `report` reads in a runs folder
+
+
 def report_command(runs: str, out: str) -> int:
     if not os.path.isdir(runs):
         raise UsageError(f"report: {runs} is not a folder of runs")
+    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
+        held = [d for d in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, d))]
+        runs_inside = [d for d in held if RunFolder(os.path.join(runs, d)).holds_run()]
+        if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
+            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
+                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
+                    if runs_inside else "give the folder above it")
+        else:
+            hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
+        raise UsageError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there is "
+                         f"nothing to report and nothing was written; {hint}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"report: {out} is a file; give a folder for the tables and figures")
     try:
@@ -2213,7 +2405,7 @@ def main(argv=None) -> int:
     except (UsageError, T.TaskError) as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)
     except QuietExit:
         return 2
 
