@@ -3336,6 +3336,29 @@ def test_compiled_model_matches_eager(fused):
     torch.testing.assert_close(grads[0][1], grads[1][1])
 
 
+def test_the_compile_flag_trains_through_torch_compile_on_the_cpu(tmp_path, monkeypatch):
+    """--compile on the CPU: the steps run through torch.compile's graph (dynamo traces it; the aot_eager
+    backend stands in for inductor, which needs a C++ compiler and minutes here) and train the weights an
+    uncompiled run trains, M included."""
+    import torch._dynamo
+    calls, real = [], torch.compile
+
+    def compile_cpu(model, **kw):
+        calls.append(model)
+        return real(model, backend="aot_eager", **kw)
+    argv = [*TINY, "--init", "mask", "--steps", "4", "--log-every", "2"]
+    assert train.main([*argv, "--out", str(tmp_path / "eager")]) == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(train.torch, "compile", compile_cpu)
+    assert train.main([*argv, "--compile", "--out", str(tmp_path / "compiled")]) == 0
+    monkeypatch.undo()
+    assert len(calls) == 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    a, b = _params(tmp_path / "eager"), _params(tmp_path / "compiled")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(tmp_path / "compiled"))
+
+
 @cuda
 def test_cuda_compile_matches_eager(tmp_path):
     """--compile (inductor) on a GPU: both attention paths with the mask give eager's outputs and M gradient."""
