@@ -1415,11 +1415,11 @@ def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, c
         source = next(tmp_path.rglob("*-valid.txt"))
         load = lambda: np.array(T.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
     first = load()
-    st = source.stat()
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10 ** 9))    # a touch: same bytes
+    assert np.array_equal(load(), first)
+    st = source.stat()                                # what the cache has seen last
     data = bytearray(source.read_bytes())
     i = len(data) // 2 if corpus == "cifar10" else next(j for j, c in enumerate(data) if chr(c).islower())
-    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))       # a touch: same bytes, the cache holds
-    assert np.array_equal(load(), first)
     data[i] = (data[i] + 1) % 256 if corpus == "cifar10" else ord("q") if data[i] != ord("q") else ord("z")
     source.write_bytes(bytes(data))                                       # in place, as cp -p does
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
