@@ -3439,7 +3439,8 @@ def test_hugging_face_models_take_a_prior_per_layer(name):
     assert len(priors) == 2 and [p for p in priors.values()] == [m.mask_prior for m in layers]
     assert priors[next(iter(priors))] is not priors[list(priors)[1]]            # per layer, not one shared mask
     assert all(p.causal == (name in ("gpt2", "llama")) for p in priors.values())
-    assert model.config._attn_implementation == mp.HF_ATTENTION
+    assert all(m.config._attn_implementation == mp.HF_ATTENTION for m in layers)         # each layer's view
+    assert model.config._attn_implementation == "sdpa" and model.config.attn_implementation == mp.HF_ATTENTION
     _prior_works(model, x, n, plain, priors)
 
 
@@ -3480,7 +3481,7 @@ def test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword():
     picked = mp.add_mask_prior(nn.Sequential(CausalSelfAttention()), mp.causal_pattern(12), causal=True,
                                modules=lambda name, m: name == "0")
     assert list(picked) == ["0"]
-    with pytest.raises(ValueError, match=r"0 \(NoKeyword, 4 heads\) has no `attn_mask` keyword in its forward"):
+    with pytest.raises(ValueError, match=r"0 \(NoKeyword, 4 heads\) names no `attn_mask` parameter in its forward"):
         mp.add_mask_prior(nn.Sequential(NoKeyword()), mp.causal_pattern(12), modules=NoKeyword)
 
 
@@ -3646,21 +3647,27 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         mp.from_pretrained(tf.GPT2LMHeadModel, str(broken))
 
 
-def test_changing_the_attention_implementation_after_the_prior_is_refused():
+def test_the_prior_follows_sdpa_and_eager_and_refuses_an_implementation_without_a_bias():
+    """The priors wrap the model's own implementation, read at every call: set_attn_implementation between 'sdpa' and
+    'eager' keeps the prior (the same output); one that cannot add a bias is refused at the next forward."""
     model, x, n = _hf("gpt2")
-    mp.add_mask_prior(model, mp.causal_pattern(n))
+    m = torch.randn(4, n, n) * 3
+    mp.add_mask_prior(model, logits=m)
+    sdpa = _out(model, x)
     model.set_attn_implementation("eager")
-    with pytest.raises(RuntimeError, match="transformer.h.0.attn: attn_implementation is now 'eager', which bypasses"):
+    assert model.transformer.h[0].attn.config._attn_implementation == mp.HF_ATTENTION
+    torch.testing.assert_close(_out(model, x), sdpa, atol=1e-5, rtol=1e-5)         # measured: 2e-7
+    mp.mask_priors(model)[0].set_logits(torch.full((n, n), 30.0))
+    assert (_out(model, x) - sdpa).abs().max() > 1e-3                              # under eager, M still acts
+    model.config._attn_implementation = "flash_attention_2"                        # a kernel that takes no bias
+    with pytest.raises(RuntimeError, match="transformer.h.0.attn: attn_implementation is now 'flash_attention_2', "
+                                           "which cannot add the prior's bias"):
         model(x)
-    model.set_attn_implementation(mp.HF_ATTENTION)
-    model(x)
     eager, x, n = _hf("gpt2")
     eager.set_attn_implementation("eager")                    # chosen before: the priors wrap GPT-2's eager function
-    mp.add_mask_prior(eager, mp.causal_pattern(n))
-    assert eager.transformer.h[0].attn.mask_prior_base == "eager"
-    sdpa, _, _ = _hf("gpt2")
-    mp.add_mask_prior(sdpa, mp.causal_pattern(n))
-    torch.testing.assert_close(_out(eager, x), _out(sdpa, x), atol=1e-5, rtol=1e-5)
+    mp.add_mask_prior(eager, logits=m)
+    assert eager.config.mask_prior["base"] == "eager"
+    torch.testing.assert_close(_out(eager, x), sdpa, atol=1e-5, rtol=1e-5)
 
 
 def test_a_retrofitted_state_dict_loads_exactly_into_a_fresh_retrofit():
