@@ -791,16 +791,22 @@ def _register_hf() -> None:
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(getattr(compiler, "is_compiling", lambda: False)())
+
+
 def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
-    """The first query's position in an unmasked call with a KV cache (k_len > q_len), where the model passes position
-    ids; one contiguous run shared by every row, or one line."""
-    if not prior.causal or k_len == q_len or position_ids is None:
+    """The first query's position in an unmasked causal call, from the model's position ids (a static KV cache holds
+    empty slots, so k_len - q_len is not it): one run shared by every row, else one line. Without ids, or under
+    torch.compile without a cache (no check, so no sync), the queries are the last q_len of the k_len positions."""
+    if not prior.causal or position_ids is None or (k_len == q_len and _compiling()):
         return None
     first = position_ids[:, :1]
     run = first + torch.arange(q_len, device=position_ids.device)
     if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
-        raise ValueError(f"{prior.where}: the position ids are not one run shared by every row of the batch, and "
-                         f"the model gave no attention mask to read each row's positions from")
+        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed sequences) or differ between "
+                         f"rows, but the prior indexes one sequence's positions from 0: give each sequence its own row")
     return int(first[0, 0])
 
 
@@ -1017,11 +1023,11 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
     for m in model.modules():
         if "mask_prior_nested" in m.__dict__:
             m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
-    if isinstance(model.__dict__.get("no_weight_decay"), _NoWeightDecay):
-        del model.__dict__["no_weight_decay"]
-    guard = model.__dict__.pop("mask_prior_guard", None)
-    if guard is not None:
-        guard.remove()
+    for m in model.modules():                         # add_mask_prior was given the model, or parts of it
+        if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
+            del m.__dict__["no_weight_decay"]
+        if "mask_prior_guard" in m.__dict__:
+            m.__dict__.pop("mask_prior_guard").remove()
     return [n or type(model).__name__ for n, _ in layers]
 
 
@@ -1045,8 +1051,9 @@ def _check_record(record, path: str) -> None:
         raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, not "
                          f"{{'layers': {{name: {{...}}}}, 'base': 'sdpa'}}; nothing was loaded")
     if record.get("base") not in ("sdpa", "eager"):
-        raise ValueError(f"{where}: the mask_prior record's base is {record.get('base', 'missing')!r}: expected "
-                         f"'sdpa' or 'eager' (the implementation the priors wrap); nothing was loaded")
+        has = f"base {record['base']!r}" if "base" in record else "no base"
+        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' (the implementation "
+                         f"the priors wrap); nothing was loaded")
     layers = record.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
@@ -1057,8 +1064,9 @@ def _check_record(record, path: str) -> None:
                              f"loaded")
         for field, (ok, want) in _RECORD_FIELDS.items():
             if field not in geo or not ok(geo[field]):
-                raise ValueError(f"{where}: the mask_prior record of layer {name} has {field} "
-                                 f"{geo.get(field, 'missing')!r}: expected {want}; nothing was loaded")
+                has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
+                                 f"nothing was loaded")
 
 
 def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict) -> str | None:
@@ -1115,16 +1123,15 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
                 if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.mask_logits")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
-    for key, what in (("missing_keys", "holds no {} ({} priors missing): it was not saved from the model with its "
-                                       "priors"),
-                      ("mismatched_keys", "holds {} ({} priors) in another shape than its config records (M is "
+    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
+                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
                                           "never re-initialised, ignore_mismatched_sizes or not)"),
-                      ("unexpected_keys", "holds {} ({} priors) on a layer its config records no prior for")):
+                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
         if ours[key]:
             raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
     bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.mask_logits).all())]
     if bad:
-        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} priors)")
+        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
     return model
 
 
