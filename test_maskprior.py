@@ -3230,6 +3230,51 @@ def test_reproduce_gpus_lines_and_refusals(tmp_path):
 
 # ---------------------------------------------------------------------------------------- library retrofit
 
+# What the retrofit tests run, by the names the builders below take; the README's table of models is made from
+# these lists (test_readme_table_of_models_is_what_the_tests_run), so it lists what is tested and nothing else.
+HF_MODELS = ["gpt2", "bert", "vit", "llama", "mistral", "gemma2", "clip-text", "clip-vision", "swin"]
+HF_CAUSAL = ("gpt2", "llama", "mistral", "gemma2")
+SEQ2SEQ = ["bart", "t5", "whisper", "marian"]
+LEFT_PADDED = ["gpt2", "mistral", "gemma2"]
+TIMM_MODELS = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"]
+UNREACHABLE = ["**kwargs", "deberta-v2", "pit", "crossvit", "swin"]
+SHOWN = {"gpt2": "GPT-2", "bert": "BERT", "vit": "ViT", "llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2",
+         "clip-text": "CLIP text", "clip-vision": "CLIP vision", "swin": "Swin", "bart": "BART", "t5": "T5",
+         "whisper": "Whisper", "marian": "Marian", "vit_tiny_patch16_224": "ViT", "deit_tiny_distilled_patch16_224":
+         "DeiT (distilled)", "**kwargs": "a forward that takes the mask only as `**kwargs`",
+         "deberta-v2": "DeBERTa-v2 (its own softmax)", "pit": "timm PiT", "crossvit": "CrossViT (pooled stages, branches)"}
+
+
+def _shown(names) -> str:
+    return ", ".join(SHOWN[n] for n in names)
+
+
+MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs it)
+    ("`nn.MultiheadAttention`, `nn.Transformer`", "works; cross-attention when asked",
+     "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked"),
+    (f"HF {_shown(HF_MODELS)}", "works per layer: M = +30 is the plain model, M moves the output and trains",
+     "test_hugging_face_models_take_a_prior_per_layer"),
+    (f"HF {_shown(SEQ2SEQ)}", "works: encoder and decoder self-attention; cross-attention when asked; generate with "
+     "the cache = without", "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked"),
+    ("HF layers sharing one config", "works for any subset (a part, `modules=`), saved and loaded",
+     "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load"),
+    (f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})", "works: each row's positions",
+     "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt"),
+    (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
+    ("your attention with an `attn_mask` keyword", "works (`modules=`)",
+     "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword"),
+    ("PEFT: the prior first, `modules_to_save=[\"mask_prior\"]`", "works: M trains, is saved with the adapter, merged "
+     "and reloaded; without it, or PEFT first: refused in one line naming it",
+     "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line"),
+    (f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window", "refused in one line, the model unchanged",
+     "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes"),
+    ("`mp.remove_mask_prior(model)`", "the plain model back, exactly",
+     "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
+    ("`mp.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
+     "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
+]
+
+
 def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
     """nn.TransformerEncoder (pre-LN, GELU, batch first) holding our Transformer's block weights."""
     cfg = ours.cfg
@@ -3474,11 +3519,7 @@ def test_checkpoints_from_before_the_mask_prior_module_still_load():
     assert torch.equal(fresh.blocks[0].attn.mask_logits, model.blocks[0].attn.mask_logits)
 
 
-HF_CAUSAL = ("gpt2", "llama", "mistral", "gemma2")
-
-
-@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama", "mistral", "gemma2", "clip-text", "clip-vision",
-                                  "swin"])
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_hugging_face_models_take_a_prior_per_layer(name):
     model, x, n = _hf(name)
     plain, impl = _out(model, x).detach(), model.config._attn_implementation
@@ -3492,7 +3533,7 @@ def test_hugging_face_models_take_a_prior_per_layer(name):
     _prior_works(model, x, n, plain, priors)
 
 
-@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+@pytest.mark.parametrize("name", TIMM_MODELS)
 def test_timm_vits_take_a_prior_per_layer(name):
     model, x, n = _timm(name)
     plain = _out(model, x).detach()
@@ -3811,7 +3852,7 @@ def _diagonal(n: int, heads: int = 4) -> torch.Tensor:
     return (torch.eye(n) * 60 - 30).expand(heads, n, n).clone()
 
 
-@pytest.mark.parametrize("name", ["bart", "t5", "whisper", "marian"])
+@pytest.mark.parametrize("name", SEQ2SEQ)
 def test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked(name):
     """Encoder and decoder self-attention get priors (the decoder's causal); cross-attention (BART's encoder_attn,
     T5's EncDecAttention) keeps its own implementation until cross_attention=True gives it an (N_q, N_k) prior,
@@ -3878,7 +3919,7 @@ def test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load
     torch.testing.assert_close(back(**inputs).logits, out, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "mistral", "gemma2"])
+@pytest.mark.parametrize("name", LEFT_PADDED)
 def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt(name):
     """A causal prior takes each row's positions from the model's position ids and mask: a left-padded batch
     generates what each prompt does alone (dynamic and static caches; Mistral and Gemma2 with a sliding window of 4,
@@ -3908,43 +3949,51 @@ def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals
               position_ids=torch.arange(7).repeat(1, 2))
 
 
+def _refused(name: str):
+    """A model with a layer the prior cannot serve (UNREACHABLE), the pattern asked for, the line that refuses it and
+    add_mask_prior's other arguments."""
+    tf, timm = _extra("transformers"), _extra("timm")
+    if name == "**kwargs":
+        class Swallow(nn.Module):                       # attn_mask would vanish into **kwargs
+            num_heads = 2
+
+            def forward(self, x, **kwargs):
+                return x * 2
+
+        return nn.Sequential(Swallow()), mp.banded_pattern(4, 1), (r"^add_mask_prior: 0 \(Swallow, 2 heads\) names no "
+                                                                   r"`attn_mask` parameter in its forward \(a \*\*kwargs "
+                                                                   r"catch-all is not trusted"), {"modules": Swallow}
+    if name == "deberta-v2":
+        torch.manual_seed(0)
+        model = tf.DebertaV2Model(tf.DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=4, intermediate_size=64))
+        return model, mp.banded_pattern(8, 1), (r"DebertaV2Model holds no attention layer it can reach: "
+                                                r"encoder.layer.0.attention.self \(DisentangledSelfAttention\) computes "
+                                                r"its own softmax .* modules=DisentangledSelfAttention"), {}
+    if name == "swin":
+        return _hf("swin")[0], mp.banded_pattern(64, 1), (r"encoder.layers.0.blocks.0.attention \(SwinAttention, 4 "
+                                                          r"heads\) sees 16 tokens, but the pattern has shape \(64, "
+                                                          r"64\): build it for 16 positions \(its attention window\)"), {}
+    arch, kw = {"pit": ("pit_ti_224", dict(img_size=64)), "crossvit": ("crossvit_tiny_240", dict(img_size=[48, 48]))}[name]
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, num_classes=4, **kw)
+    return model, mp.banded_pattern(8, 1), (rf"is in a timm model \({type(model).__name__}\) without one patch grid .* "
+                                            rf"pooled stages or branches see other token counts"), {}
+
+
 def test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes():
     """No silent no-op: a forward that would swallow the mask in **kwargs, an attention with its own softmax
     (DeBERTa-v2), timm models whose stages see other token counts (PiT, CrossViT), a pattern bigger than Swin's
-    window: each one line naming the layer or class and what to do, the model as it was. CLIP's attention, named
-    with modules= (its forward takes **kwargs), is served as the HF layer it is and its output moves."""
-    tf, timm = _extra("transformers"), _extra("timm")
-
-    class Swallow(nn.Module):                       # attn_mask would vanish into **kwargs
-        num_heads = 2
-
-        def forward(self, x, **kwargs):
-            return x * 2
-
-    model = nn.Sequential(Swallow())
-    with pytest.raises(ValueError, match=r"^add_mask_prior: 0 \(Swallow, 2 heads\) names no `attn_mask` parameter in "
-                                         r"its forward \(a \*\*kwargs catch-all is not trusted"):
-        mp.add_mask_prior(model, mp.banded_pattern(4, 1), modules=Swallow)
-    assert _untouched(model)["hooks"] == 0
-    deberta = tf.DebertaV2Model(tf.DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1,
-                                                   num_attention_heads=4, intermediate_size=64))
-    swin, pixels, _ = _hf("swin")
-    refused = [(deberta, r"DebertaV2Model holds no attention layer it can reach: encoder.layer.0.attention.self "
-                         r"\(DisentangledSelfAttention\) computes its own softmax .* modules=DisentangledSelfAttention",
-                mp.banded_pattern(8, 1)),
-               (swin, r"encoder.layers.0.blocks.0.attention \(SwinAttention, 4 heads\) sees 16 tokens, but the pattern "
-                      r"has shape \(64, 64\): build it for 16 positions \(its attention window\)",
-                mp.banded_pattern(64, 1))]
-    for arch, kw in (("pit_ti_224", dict(img_size=64)), ("crossvit_tiny_240", dict(img_size=[48, 48]))):
-        torch.manual_seed(0)
-        vit = timm.create_model(arch, pretrained=False, num_classes=4, **kw)
-        refused.append((vit, rf"is in a timm model \({type(vit).__name__}\) without one patch grid .* pooled stages "
-                             rf"or branches see other token counts", mp.banded_pattern(8, 1)))
-    for model, message, pattern in refused:
+    window (never cut to it): each one line naming the layer or class and what to do, the model as it was. CLIP's
+    attention, named with modules= (its forward takes **kwargs), is served as the HF layer it is and moves."""
+    tf = _extra("transformers")
+    for name in UNREACHABLE:
+        model, pattern, message, kw = _refused(name)
         before = _untouched(model)
         with pytest.raises(ValueError, match=message + ".*; no layer was changed$"):
-            mp.add_mask_prior(model, pattern)
-        assert _untouched(model) == before and not mp.mask_priors(model)
+            mp.add_mask_prior(model, pattern, **kw)
+        assert _untouched(model) == before and not mp.mask_priors(model), name
+    swin, pixels, _ = _hf("swin")
     plain = swin(pixels).last_hidden_state
     mp.add_mask_prior(swin, logits=_diagonal(16))
     assert (swin(pixels).last_hidden_state - plain).abs().max() > 1e-2
@@ -4214,7 +4263,7 @@ def test_readme_add_a_task_example_runs_as_written(tmp_path):
 def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
     """Every code block of "Use the prior in your own model" (ours, torch, timm, Hugging Face, nanoGPT-style),
     run in order in one namespace, in an empty folder."""
-    _extra("timm"), _extra("transformers").logging.set_verbosity_error()
+    _extra("timm"), _extra("peft"), _extra("transformers").logging.set_verbosity_error()
     readme = open(os.path.join(HERE, "README.md")).read()
     section = readme.split("## Use the prior in your own model", 1)[1].split("\n## ", 1)[0]
     blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2]]
@@ -4232,10 +4281,27 @@ def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
     decay = ns["PriorTrainer"].get_decay_parameter_names(object.__new__(ns["PriorTrainer"]), ns["gpt2"])
     assert decay and not set(mp.prior_parameter_names(ns["gpt2"])) & set(decay)
     assert len(mp.mask_priors(ns["gpt"])) == 2 and ns["out"].shape == (2, 20, 64)
+    bart = ns["bart"].model                                   # the encoder's and cross-attention's priors, in the adapter
+    assert [n for n, m in bart.named_modules() if "mask_prior" in m._modules] == ["encoder.layers.0.self_attn",
+                                                                                 "decoder.layers.0.encoder_attn"]
+    assert {n for n, p in ns["lora"].named_parameters() if p.requires_grad and "mask_prior" in n} == {
+        f"base_model.model.model.{n}.mask_prior.modules_to_save.default.mask_logits"
+        for n in ("encoder.layers.0.self_attn", "decoder.layers.0.encoder_attn")}
+
+
+def test_readme_table_of_models_is_what_the_tests_run():
+    """The README's table of models is MODEL_TABLE, built from the lists the retrofit tests are parametrized with,
+    and every row names a test that exists."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    table = readme.split("<!-- models -->\n", 1)[1].split("<!-- /models -->", 1)[0]
+    rows = ["| model or use | the prior | test |", "|---|---|---|"] + [f"| {a} | {b} | `{c}` |" for a, b, c in MODEL_TABLE]
+    assert table.strip().splitlines() == rows
+    assert all(callable(globals().get(c)) for _, _, c in MODEL_TABLE)
 
 
 def test_readme_is_a_manual():
-    assert os.path.getsize(os.path.join(HERE, "README.md")) < 25_000      # 22,000 before the framework recipes
+    assert os.path.getsize(os.path.join(HERE, "README.md")) < 28_000      # 22,000 before the framework recipes, 25,000
+    #                                                                       before the table of models (issue 35)
 
 
 def test_every_guarantee_in_the_readme_names_a_test_that_exists():
