@@ -449,8 +449,8 @@ def _window_tokens(module: nn.Module) -> int | None:
 def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
     leaf = name.rpartition(".")[2].lower()
     return (bool(getattr(module, "is_cross_attention", False)) or "cross" in type(module).__name__.lower()
-            or "cross" in leaf or "encdec" in leaf or leaf == "encoder_attn"          # BART, Whisper; T5
-            or (parent is not None and "cross" in type(parent).__name__.lower())      # T5LayerCrossAttention
+            or "cross" in leaf or leaf == "encoder_attn"                              # BART, Whisper
+            or (parent is not None and "cross" in type(parent).__name__.lower())      # T5's EncDecAttention
             or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
 
 
