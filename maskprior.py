@@ -16,8 +16,9 @@ Models: `Transformer` (a token encoder with a CLS / mean / per-token readout, or
 embeddings on one `Trunk` of `Block`s.
 
 In another codebase's model, `add_mask_prior` gives every attention layer its own `MaskPrior`:
-nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama...), or any
-module with an additive-mask keyword; `from_pretrained` loads a Hugging Face model saved with them.
+nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
+Whisper, CLIP, Swin...), or any module with an additive-mask keyword; `from_pretrained` loads a Hugging
+Face model saved with them, `remove_mask_prior` takes them out again.
 
 This file imports only torch and the standard library (transformers only inside the Hugging Face
 calls): copy it into your codebase. Reading order: pattern builders -> mask helpers -> the prior

@@ -4,6 +4,7 @@ Grouped by subject: shared constants, model, tasks, config, runs and resume, rep
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
 import contextlib
+import copy
 import json
 import math
 import os
@@ -3767,6 +3768,10 @@ def test_a_retrofitted_state_dict_loads_exactly_into_a_fresh_retrofit():
         mp.add_mask_prior(twin, mp.banded_pattern(n, 1))
         twin.load_state_dict(model.state_dict())             # strict: every M has its place
         torch.testing.assert_close(_out(twin, x), _out(model, x), atol=0, rtol=0)
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):    # hooks and configs travel along
+            assert torch.equal(_out(clone, x), _out(model, x))
+            mp.mask_priors(clone)[0].set_logits(torch.full((n, n), 30.0))
+            assert not torch.equal(_out(clone, x), _out(model, x))                  # the clone's own M
 
 
 def test_m_stays_float32_in_a_half_precision_model_and_small_steps_survive():
