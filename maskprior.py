@@ -552,7 +552,8 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: st
     if s.kind == "timm" and s.tokens is None and found:
         raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid (patch_embed.num_patches): "
                        f"its pooled stages or branches see other token counts, which one prior cannot serve; give a "
-                       f"stage its own prior with modules=lambda name, m: name.startswith('<stage>.')", who)
+                       f"stage its own prior with modules=lambda name, m: name.startswith('<stage>.') and name.endswith('.attn')",
+                       who)
     if s.kind == "hf":
         impl = _hf_impl(s.module)
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
@@ -792,16 +793,12 @@ def _register_hf() -> None:
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(getattr(compiler, "is_compiling", lambda: False)())
-
-
 def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
-    """The first query's position in an unmasked causal call, from the model's position ids (a static KV cache holds
-    empty slots, so k_len - q_len is not it): one run shared by every row, else one line. Without ids, or under
-    torch.compile without a cache (no check, so no sync), the queries are the last q_len of the k_len positions."""
-    if not prior.causal or position_ids is None or (k_len == q_len and _compiling()):
+    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from the model's
+    position ids (a static cache holds empty slots, so k_len - q_len is not it): one run shared by every row, else
+    one line. Without a cache or ids, the queries are the last q_len of the k_len positions (no check, so no sync:
+    HF leaves out the mask only where it sees one unpadded sequence per row)."""
+    if not prior.causal or k_len == q_len or position_ids is None:
         return None
     first = position_ids[:, :1]
     run = first + torch.arange(q_len, device=position_ids.device)

@@ -3949,9 +3949,10 @@ def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals
     right = torch.cat([a, torch.cat([b, pad], 1)])
     logits = model(right, attention_mask=mask.flip(1)).logits
     torch.testing.assert_close(logits[1, :4], model(b).logits[0], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="restart inside a row \\(packed sequences\\)"):
-        model(a.repeat(1, 2), attention_mask=torch.ones(1, 14, dtype=torch.long),
-              position_ids=torch.arange(7).repeat(1, 2))
+    packed = torch.ones(1, 15, dtype=torch.long)
+    packed[0, -1] = 0                                           # two sequences of 7 in one row, one pad
+    with pytest.raises(ValueError, match="the positions restart inside a row \\(packed sequences\\)"):
+        model(torch.cat([a, a, pad[:, :1]], 1), attention_mask=packed, position_ids=torch.arange(15).remainder(7)[None])
 
 
 def _refused(name: str):
