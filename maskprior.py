@@ -418,7 +418,9 @@ def _heads_of(module: nn.Module) -> int | None:
 
 
 def _hf_config(module: nn.Module):
+    """A transformers module's config (the model's own, under a prior's view of it), or None."""
     cfg = getattr(module, "config", None)
+    cfg = cfg.model_config if isinstance(cfg, _PriorConfig) else cfg
     return cfg if hasattr(cfg, "_attn_implementation") and hasattr(cfg, "to_dict") else None
 
 
@@ -535,9 +537,8 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
 
 
 def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its own config's, under a prior's view)."""
-    cfg = module.config
-    return (cfg.model_config if isinstance(cfg, _PriorConfig) else cfg)._attn_implementation
+    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
+    return _hf_config(module)._attn_implementation
 
 
 def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
@@ -559,7 +560,7 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: st
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
             raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors and "
                            f"loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
-        if impl not in ("sdpa", "eager", HF_ATTENTION):
+        if impl not in ("sdpa", "eager"):
             raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the model with "
                            f"attn_implementation='sdpa' (or 'eager')", who)
         if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__], "eager_attention_forward"):
