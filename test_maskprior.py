@@ -4,6 +4,7 @@ Grouped by subject: shared constants, model, tasks, config, runs and resume, rep
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
 import contextlib
+import copy
 import errno
 import hashlib
 import io
@@ -3972,6 +3973,51 @@ def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path
 
 # ---------------------------------------------------------------------------------------- library retrofit
 
+# What the retrofit tests run, by the names the builders below take; the README's table of models is made from
+# these lists (test_readme_table_of_models_is_what_the_tests_run), so it lists what is tested and nothing else.
+HF_MODELS = ["gpt2", "bert", "vit", "llama", "mistral", "gemma2", "clip-text", "clip-vision", "swin"]
+HF_CAUSAL = ("gpt2", "llama", "mistral", "gemma2")
+SEQ2SEQ = ["bart", "t5", "whisper", "marian"]
+LEFT_PADDED = ["gpt2", "mistral", "gemma2"]
+TIMM_MODELS = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"]
+UNREACHABLE = ["**kwargs", "deberta-v2", "pit", "crossvit", "swin"]
+SHOWN = {"gpt2": "GPT-2", "bert": "BERT", "vit": "ViT", "llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2",
+         "clip-text": "CLIP text", "clip-vision": "CLIP vision", "swin": "Swin", "bart": "BART", "t5": "T5",
+         "whisper": "Whisper", "marian": "Marian", "vit_tiny_patch16_224": "ViT", "deit_tiny_distilled_patch16_224":
+         "DeiT (distilled)", "**kwargs": "a forward that takes the mask only as `**kwargs`",
+         "deberta-v2": "DeBERTa-v2 (its own softmax)", "pit": "timm PiT", "crossvit": "CrossViT (pooled stages, branches)"}
+
+
+def _shown(names) -> str:
+    return ", ".join(SHOWN[n] for n in names)
+
+
+MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs it)
+    ("`nn.MultiheadAttention`, `nn.Transformer`", "works; cross-attention when asked",
+     "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked"),
+    (f"HF {_shown(HF_MODELS)}", "works per layer: M = +30 is the plain model, M moves the output and trains",
+     "test_hugging_face_models_take_a_prior_per_layer"),
+    (f"HF {_shown(SEQ2SEQ)}", "works: encoder and decoder self-attention; cross-attention when asked; generate with "
+     "the cache = without", "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked"),
+    ("HF layers sharing one config", "works for any subset (a part, `modules=`), saved and loaded",
+     "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load"),
+    (f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})", "works: each row's positions",
+     "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt"),
+    (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
+    ("your attention with an `attn_mask` keyword", "works (`modules=`)",
+     "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword"),
+    ("PEFT: the prior first, `modules_to_save=[\"mask_prior\"]`", "works: M trains, is saved with the adapter, merged "
+     "and reloaded; without it, or PEFT first: refused in one line naming it",
+     "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line"),
+    (f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window", "refused in one line, the model unchanged",
+     "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes"),
+    ("`mp.remove_mask_prior(model)`", "the plain model back, exactly",
+     "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
+    ("`mp.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
+     "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
+]
+
+
 def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
     """nn.TransformerEncoder (pre-LN, GELU, batch first) holding our Transformer's block weights."""
     cfg = ours.cfg
@@ -4010,9 +4056,53 @@ def _hf(name: str):
                             max_position_embeddings=64, vocab_size=50, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         return tf.BertModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 20
+    if name in ("mistral", "gemma2"):                   # a sliding window of 4, shorter than the input
+        common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=64, vocab_size=50, sliding_window=4,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common)) if name == "mistral" else \
+            tf.Gemma2ForCausalLM(tf.Gemma2Config(**common))          # Gemma2: eager, logit soft-capping
+        return model.eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "clip-text":                             # CLIP's attention names its scale `scale`
+        cfg = tf.CLIPTextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0)
+        return tf.CLIPTextModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "clip-vision":
+        cfg = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8, attention_dropout=0.0)
+        return tf.CLIPVisionModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17           # 16 patches + CLS
+    if name == "swin":                                  # 4 x 4 windows: the prior is a window's, 16 tokens
+        cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[4, 4], window_size=4,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+        return tf.SwinModel(cfg).eval(), torch.randn(2, 3, 32, 32), 16
     cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
                        image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
+
+
+def _seq2seq(name: str):
+    """A small encoder-decoder (random weights), its encoder input and decoder ids: 10 source and 6 target tokens."""
+    tf = _extra("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    ids, dec = torch.randint(3, 50, (2, 10)), torch.randint(3, 50, (2, 6))
+    sizes = dict(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+                 pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
+    if name == "bart":
+        model = tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=32, bos_token_id=0, **sizes))
+    elif name == "marian":
+        model = tf.MarianMTModel(tf.MarianConfig(max_position_embeddings=32, **sizes))
+    elif name == "whisper":                             # 16 mel frames -> 8 encoder positions
+        sizes.update(max_source_positions=8, max_target_positions=32, num_mel_bins=8, begin_suppress_tokens=None,
+                     suppress_tokens=None, bos_token_id=0)
+        model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(**sizes))
+        return model.eval(), {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": dec}, 8
+    else:
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                          pad_token_id=0, eos_token_id=1))
+    return model.eval(), {"input_ids": ids, "decoder_input_ids": dec}, 10
 
 
 def _timm(name: str = "vit_tiny_patch16_224", **kw):
@@ -4172,20 +4262,21 @@ def test_checkpoints_from_before_the_mask_prior_module_still_load():
     assert torch.equal(fresh.blocks[0].attn.mask_logits, model.blocks[0].attn.mask_logits)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama"])
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_hugging_face_models_take_a_prior_per_layer(name):
     model, x, n = _hf(name)
-    plain = _out(model, x).detach()
+    plain, impl = _out(model, x).detach(), model.config._attn_implementation
     priors = mp.add_mask_prior(model, mp.banded_pattern(n, 2))
     layers = [m for m in model.modules() if hasattr(m, "mask_prior")]
     assert len(priors) == 2 and [p for p in priors.values()] == [m.mask_prior for m in layers]
     assert priors[next(iter(priors))] is not priors[list(priors)[1]]            # per layer, not one shared mask
-    assert all(p.causal == (name in ("gpt2", "llama")) for p in priors.values())
-    assert model.config._attn_implementation == mp.HF_ATTENTION
+    assert all(p.causal == (name in HF_CAUSAL) for p in priors.values())
+    assert all(m.config._attn_implementation == mp.HF_ATTENTION for m in layers)         # each layer's view
+    assert model.config._attn_implementation == impl and model.config.attn_implementation == mp.HF_ATTENTION
     _prior_works(model, x, n, plain, priors)
 
 
-@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+@pytest.mark.parametrize("name", TIMM_MODELS)
 def test_timm_vits_take_a_prior_per_layer(name):
     model, x, n = _timm(name)
     plain = _out(model, x).detach()
@@ -4222,7 +4313,7 @@ def test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword():
     picked = mp.add_mask_prior(nn.Sequential(CausalSelfAttention()), mp.causal_pattern(12), causal=True,
                                modules=lambda name, m: name == "0")
     assert list(picked) == ["0"]
-    with pytest.raises(ValueError, match=r"0 \(NoKeyword, 4 heads\) has no `attn_mask` keyword in its forward"):
+    with pytest.raises(ValueError, match=r"0 \(NoKeyword, 4 heads\) names no `attn_mask` parameter in its forward"):
         mp.add_mask_prior(nn.Sequential(NoKeyword()), mp.causal_pattern(12), modules=NoKeyword)
 
 
@@ -4301,7 +4392,7 @@ def test_add_mask_prior_checks_every_layer_before_changing_any():
         mp.add_mask_prior(gpt2, mp.causal_pattern(8))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma2"])
 def test_generate_with_a_kv_cache_equals_decoding_without_it(name):
     model, x, n = _hf(name)
     mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n))
@@ -4316,8 +4407,8 @@ def test_generate_with_a_kv_cache_equals_decoding_without_it(name):
     prior = mp.mask_priors(model)[0]
     assert prior(2, k_len=5).shape == (4, 2, 5)
     torch.testing.assert_close(prior(2, k_len=5), prior(5)[:, 3:])         # the cache's rows are the last ones
-    with pytest.raises(ValueError, match=rf"queries at positions {n} .. {n} with {n + 1} keys do not fit the mask "
-                                         rf"size {n}"):
+    with pytest.raises(ValueError, match=rf"(queries at positions {n} .. {n} with {n + 1} keys do|a query at position "
+                                         rf"{n} does) not fit the mask size {n}"):
         model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
@@ -4388,21 +4479,27 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         mp.from_pretrained(tf.GPT2LMHeadModel, str(broken))
 
 
-def test_changing_the_attention_implementation_after_the_prior_is_refused():
+def test_the_prior_follows_sdpa_and_eager_and_refuses_an_implementation_without_a_bias():
+    """The priors wrap the model's own implementation, read at every call: set_attn_implementation between 'sdpa' and
+    'eager' keeps the prior (the same output); one that cannot add a bias is refused at the next forward."""
     model, x, n = _hf("gpt2")
-    mp.add_mask_prior(model, mp.causal_pattern(n))
+    m = torch.randn(4, n, n) * 3
+    mp.add_mask_prior(model, logits=m)
+    sdpa = _out(model, x)
     model.set_attn_implementation("eager")
-    with pytest.raises(RuntimeError, match="transformer.h.0.attn: attn_implementation is now 'eager', which bypasses"):
+    assert model.transformer.h[0].attn.config._attn_implementation == mp.HF_ATTENTION
+    torch.testing.assert_close(_out(model, x), sdpa, atol=1e-5, rtol=1e-5)         # measured: 2e-7
+    mp.mask_priors(model)[0].set_logits(torch.full((n, n), 30.0))
+    assert (_out(model, x) - sdpa).abs().max() > 1e-3                              # under eager, M still acts
+    model.config._attn_implementation = "flash_attention_2"                        # a kernel that takes no bias
+    with pytest.raises(RuntimeError, match="transformer.h.0.attn: attn_implementation is now 'flash_attention_2', "
+                                           "which cannot add the prior's bias"):
         model(x)
-    model.set_attn_implementation(mp.HF_ATTENTION)
-    model(x)
     eager, x, n = _hf("gpt2")
     eager.set_attn_implementation("eager")                    # chosen before: the priors wrap GPT-2's eager function
-    mp.add_mask_prior(eager, mp.causal_pattern(n))
-    assert eager.transformer.h[0].attn.mask_prior_base == "eager"
-    sdpa, _, _ = _hf("gpt2")
-    mp.add_mask_prior(sdpa, mp.causal_pattern(n))
-    torch.testing.assert_close(_out(eager, x), _out(sdpa, x), atol=1e-5, rtol=1e-5)
+    mp.add_mask_prior(eager, logits=m)
+    assert eager.config.mask_prior["base"] == "eager"
+    torch.testing.assert_close(_out(eager, x), sdpa, atol=1e-5, rtol=1e-5)
 
 
 def test_a_retrofitted_state_dict_loads_exactly_into_a_fresh_retrofit():
@@ -4413,6 +4510,10 @@ def test_a_retrofitted_state_dict_loads_exactly_into_a_fresh_retrofit():
         mp.add_mask_prior(twin, mp.banded_pattern(n, 1))
         twin.load_state_dict(model.state_dict())             # strict: every M has its place
         torch.testing.assert_close(_out(twin, x), _out(model, x), atol=0, rtol=0)
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):    # hooks and configs travel along
+            assert torch.equal(_out(clone, x), _out(model, x))
+            mp.mask_priors(clone)[0].set_logits(torch.full((n, n), 30.0))
+            assert not torch.equal(_out(clone, x), _out(model, x))                  # the clone's own M
 
 
 def test_m_stays_float32_in_a_half_precision_model_and_small_steps_survive():
@@ -4483,6 +4584,337 @@ def test_the_probes_read_retrofitted_models():
         mp.prior_mass(own, torch.randn(2, 8, 16), band)
     with pytest.raises(ValueError, match="Linear has no maskprior Attention and no MaskPrior"):
         mp.prior_mass(nn.Linear(4, 4), torch.randn(2, 4), band)
+
+
+def _untouched(model: nn.Module) -> dict:
+    """What a refused add_mask_prior must leave as it was: parameter names, hooks, the configs' dicts."""
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    configs = [m.config.to_dict() if hasattr(m.config, "to_dict") else m.config for m in model.modules()
+               if hasattr(m, "config")]
+    return {"keys": list(model.state_dict()), "hooks": hooks, "configs": configs}
+
+
+def _diagonal(n: int, heads: int = 4) -> torch.Tensor:
+    """M = +30 on the diagonal, -30 elsewhere: each query sees itself alone, which must change any layer's output."""
+    return (torch.eye(n) * 60 - 30).expand(heads, n, n).clone()
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked(name):
+    """Encoder and decoder self-attention get priors (the decoder's causal); cross-attention (BART's encoder_attn,
+    T5's EncDecAttention) keeps its own implementation until cross_attention=True gives it an (N_q, N_k) prior,
+    whose rows follow the decoder's position under the KV cache: generate with the cache equals without."""
+    model, inputs, n_src = _seq2seq(name)
+    plain = model(**inputs).logits.detach()
+    impl = model.config._attn_implementation
+    selfs = mp.add_mask_prior(model, logits=torch.full((12, 12), 30.0))           # M = +30: the plain model
+    assert len(selfs) == 2 and [p.causal for p in selfs.values()] == [False, True], list(selfs)
+    named = dict(model.named_modules())
+    cross = [s.name for s in mp.find_attention(model) if s.cross]
+    assert len(cross) == 1 and not hasattr(named[cross[0]], "mask_prior")
+    assert named[cross[0]].config._attn_implementation == impl                   # the shared config is not switched
+    torch.testing.assert_close(model(**inputs).logits, plain, atol=2e-5, rtol=1e-5)
+    for p in selfs.values():
+        p.set_logits(_diagonal(12))
+    moved = model(**inputs).logits.detach()
+    assert (moved - plain).abs().max() > 1e-2                                      # measured: 0.05 (T5) .. 1.6
+    priors = mp.add_mask_prior(model, logits=torch.randn(4, 8, n_src) * 3, cross_attention=True)
+    assert list(priors) == cross and priors[cross[0]].mask_logits.shape == (4, 8, n_src)
+    out = model(**inputs).logits
+    assert (out - moved).abs().max() > 1e-3
+    out.float().pow(2).mean().backward()
+    assert all(p.mask_logits.grad.abs().max() > 0 for p in mp.mask_priors(model))
+    source = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached, fresh = model.generate(**source, use_cache=True, **kw), model.generate(**source, use_cache=False, **kw)
+    assert torch.equal(cached.sequences, fresh.sequences)
+    for a, b in zip(cached.logits, fresh.logits):                                  # measured: <= 5e-7
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    decoder_self = named[list(selfs)[1]]
+    with pytest.raises(ValueError, match=rf"{list(selfs)[1]}: a self-attention prior, but this call's keys come from "
+                                         rf"another sequence"):
+        decoder_self(torch.randn(2, 6, 32), key_value_states=torch.randn(2, n_src, 32))
+
+
+def test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load(tmp_path):
+    """BART's layers share one config: a prior on the encoder alone (a part of the model) leaves the decoder's layers
+    running their own implementation; cross-attention alone, then the decoder's self-attention picked with modules=;
+    the part's record is found again in the whole model (save_pretrained, mp.from_pretrained: exact). A second part
+    whose layers have the same names would be ambiguous in the record: refused, nothing changed."""
+    tf = _extra("transformers")
+    model, inputs, _ = _seq2seq("bart")
+    gen = torch.Generator().manual_seed(0)
+    enc = mp.add_mask_prior(model.model.encoder, logits=torch.randn(4, 10, 10, generator=gen) * 3)
+    assert list(enc) == ["layers.0.self_attn"]
+    assert model.model.decoder.layers[0].self_attn.config is model.config
+    model(**inputs)
+    mp.add_mask_prior(model, logits=torch.randn(4, 6, 10, generator=gen) * 3, cross_attention=True)
+    before = _untouched(model)
+    with pytest.raises(ValueError, match=r"layers.0.self_attn \(BartAttention, 4 heads\) has a name the config already "
+                                         r"records a prior under \(given to a layer of BartEncoder"):
+        mp.add_mask_prior(model.model.decoder, mp.causal_pattern(6))
+    assert _untouched(model) == before
+    dec = mp.add_mask_prior(model, logits=torch.randn(4, 6, 6, generator=gen) * 3,
+                            modules=lambda name, m: name == "model.decoder.layers.0.self_attn")
+    assert list(dec) == ["model.decoder.layers.0.self_attn"] and len(mp.mask_priors(model)) == 3
+    out = model(**inputs).logits
+    model.save_pretrained(tmp_path / "bart")
+    back = mp.from_pretrained(tf.AutoModelForSeq2SeqLM, str(tmp_path / "bart")).eval()
+    assert type(back) is type(model) and [p.where for p in mp.mask_priors(back)] == [
+        "model.encoder.layers.0.self_attn", "model.decoder.layers.0.self_attn", "model.decoder.layers.0.encoder_attn"]
+    torch.testing.assert_close(back(**inputs).logits, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", LEFT_PADDED)
+def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt(name):
+    """A causal prior takes each row's positions from the model's position ids and mask: a left-padded batch
+    generates what each prompt does alone (dynamic and static caches; Mistral and Gemma2 with a sliding window of 4,
+    shorter than the prompts); a right-padded batch gives its real tokens the logits they have alone; positions that
+    restart inside a row (packed sequences) are refused in one line."""
+    model, _, n = _hf(name)
+    mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=torch.Generator()
+                                                                                   .manual_seed(0)))
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randint(1, 50, (1, 7), generator=gen), torch.randint(1, 50, (1, 4), generator=gen)
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    left, mask = torch.cat([a, torch.cat([pad, b], 1)]), torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    alone = [model.generate(p, **kw) for p in (a, b)]
+    for cache in ("dynamic", "static"):
+        both = model.generate(left, attention_mask=mask, cache_implementation=cache, **kw)
+        assert torch.equal(both.sequences[0], alone[0].sequences[0]), cache
+        assert torch.equal(both.sequences[1, 3:], alone[1].sequences[0]), cache
+        for step, (x, ya, yb) in enumerate(zip(both.logits, alone[0].logits, alone[1].logits)):   # measured: 1e-7
+            torch.testing.assert_close(x, torch.cat([ya, yb]), atol=1e-5, rtol=1e-5)
+    right = torch.cat([a, torch.cat([b, pad], 1)])
+    logits = model(right, attention_mask=mask.flip(1)).logits
+    torch.testing.assert_close(logits[1, :4], model(b).logits[0], atol=1e-5, rtol=1e-5)
+    packed = torch.ones(1, 15, dtype=torch.long)
+    packed[0, -1] = 0                                           # two sequences of 7 in one row, one pad
+    with pytest.raises(ValueError, match="the positions restart inside a row \\(packed sequences\\)"):
+        model(torch.cat([a, a, pad[:, :1]], 1), attention_mask=packed, position_ids=torch.arange(15).remainder(7)[None])
+
+
+def _refused(name: str):
+    """A model with a layer the prior cannot serve (UNREACHABLE), the pattern asked for, the line that refuses it and
+    add_mask_prior's other arguments."""
+    tf, timm = _extra("transformers"), _extra("timm")
+    if name == "**kwargs":
+        class Swallow(nn.Module):                       # attn_mask would vanish into **kwargs
+            num_heads = 2
+
+            def forward(self, x, **kwargs):
+                return x * 2
+
+        return nn.Sequential(Swallow()), mp.banded_pattern(4, 1), (r"^add_mask_prior: 0 \(Swallow, 2 heads\) names no "
+                                                                   r"`attn_mask` parameter in its forward \(a \*\*kwargs "
+                                                                   r"catch-all is not trusted"), {"modules": Swallow}
+    if name == "deberta-v2":
+        torch.manual_seed(0)
+        model = tf.DebertaV2Model(tf.DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=4, intermediate_size=64))
+        return model, mp.banded_pattern(8, 1), (r"DebertaV2Model holds no attention layer it can reach: "
+                                                r"encoder.layer.0.attention.self \(DisentangledSelfAttention\) computes "
+                                                r"its own softmax .* modules=DisentangledSelfAttention"), {}
+    if name == "swin":
+        return _hf("swin")[0], mp.banded_pattern(64, 1), (r"encoder.layers.0.blocks.0.attention \(SwinAttention, 4 "
+                                                          r"heads\) sees 16 tokens, but the pattern has shape \(64, "
+                                                          r"64\): build it for 16 positions \(its attention window\)"), {}
+    arch, kw = {"pit": ("pit_ti_224", dict(img_size=64)), "crossvit": ("crossvit_tiny_240", dict(img_size=[48, 48]))}[name]
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, num_classes=4, **kw)
+    return model, mp.banded_pattern(8, 1), (rf"is in a timm model \({type(model).__name__}\) without one patch grid .* "
+                                            rf"pooled stages or branches see other token counts"), {}
+
+
+def test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes():
+    """No silent no-op: a forward that would swallow the mask in **kwargs, an attention with its own softmax
+    (DeBERTa-v2), timm models whose stages see other token counts (PiT, CrossViT), a pattern bigger than Swin's
+    window (never cut to it): each one line naming the layer or class and what to do, the model as it was. CLIP's
+    attention, named with modules= (its forward takes **kwargs), is served as the HF layer it is and moves."""
+    tf = _extra("transformers")
+    for name in UNREACHABLE:
+        model, pattern, message, kw = _refused(name)
+        before = _untouched(model)
+        with pytest.raises(ValueError, match=message + ".*; no layer was changed$"):
+            mp.add_mask_prior(model, pattern, **kw)
+        assert _untouched(model) == before and not mp.mask_priors(model), name
+    swin, pixels, _ = _hf("swin")
+    plain = swin(pixels).last_hidden_state
+    mp.add_mask_prior(swin, logits=_diagonal(16))
+    assert (swin(pixels).last_hidden_state - plain).abs().max() > 1e-2
+    clip, ids, n = _hf("clip-text")
+    plain = clip(ids).last_hidden_state
+    mp.add_mask_prior(clip, logits=_diagonal(n), modules=type(clip.encoder.layers[0].self_attn))
+    out = clip(ids).last_hidden_state
+    assert (out - plain).abs().max() > 1e-2                     # was 0.0: the mask went into **kwargs
+    for p in mp.mask_priors(clip):
+        p.set_logits(torch.zeros(n, n))                         # a prior that hides no key
+    later = ids.clone()
+    later[:, 15:] = 1                                           # CLIP's text tower stays causal under the prior
+    torch.testing.assert_close(clip(later).last_hidden_state[:, :15], clip(ids).last_hidden_state[:, :15], atol=1e-6,
+                               rtol=1e-6)
+
+    class Bypass(nn.Module):                        # looks like an HF attention layer, never calls the interface
+        is_causal, scaling, num_heads = False, 1.0, 2
+
+        def __init__(self):
+            super().__init__()
+            self.config = tf.GPT2Config()
+            self.config._attn_implementation = "sdpa"
+
+        def forward(self, hidden_states):
+            return hidden_states
+
+    Bypass.__module__ = tf.models.gpt2.modeling_gpt2.__name__
+    bypass = nn.Sequential(Bypass())
+    mp.add_mask_prior(bypass, mp.banded_pattern(4, 1))
+    with pytest.raises(RuntimeError, match="0: the layer ran without calling transformers' attention function, so its "
+                                           "prior changed nothing"):
+        bypass(torch.randn(1, 4, 8))
+
+
+def test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line(tmp_path):
+    """Prior first, then PEFT with modules_to_save=['mask_prior']: M trains, is saved with the adapter (a fresh
+    base with a prior of that shape takes it back exactly), and the merged model saves and reloads with its priors.
+    Without modules_to_save, the training forward that would leave M frozen is refused in one line; PEFT first, then
+    the prior (whose adapter would not save M) is refused in one line, the model unchanged."""
+    peft = _extra("peft")
+    model, ids, n = _hf("llama")
+    mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
+    lora = dict(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    frozen = peft.get_peft_model(model, peft.LoraConfig(**lora)).train()
+    with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn: M is frozen: PEFT's get_peft_model froze it .* "
+                                           r"pass modules_to_save=\['mask_prior'\]"):
+        frozen(ids)
+    with torch.no_grad():
+        frozen.eval()(ids)                                      # inference with a frozen M is fine
+    model, ids, n = _hf("llama")
+    priors = mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
+    start = [p.mask_logits.detach().clone() for p in priors.values()]
+    tuned = peft.get_peft_model(model, peft.LoraConfig(modules_to_save=["mask_prior"], **lora)).train()
+    opt = torch.optim.Adam([p for p in tuned.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        tuned(ids).logits.float().pow(2).mean().backward()
+        opt.step()
+    tuned.eval()
+    moved = [m.mask_prior.mask_logits for m in model.modules() if hasattr(m, "mask_prior")]   # the adapter's copies
+    assert len(moved) == 2 and all(m.requires_grad and (m - s).abs().max() > 1e-3 for m, s in zip(moved, start))
+    with torch.no_grad():
+        out = tuned(ids).logits
+    tuned.save_pretrained(tmp_path / "adapter")
+    fresh, _, _ = _hf("llama")
+    mp.add_mask_prior(fresh, mp.causal_pattern(n))
+    again = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, out, atol=1e-6, rtol=1e-6)
+    merged = tuned.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    back = mp.from_pretrained(type(merged), str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, out, atol=1e-5, rtol=1e-5)
+    model, ids, n = _hf("llama")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    for target in (wrapped, model):
+        before = _untouched(model)
+        with pytest.raises(ValueError, match=r"is already wrapped by PEFT, whose adapter would not save M: add the "
+                                             r"priors first, then get_peft_model with modules_to_save=\['mask_prior'\]"):
+            mp.add_mask_prior(target, mp.causal_pattern(n))
+        assert _untouched(model) == before
+
+
+def test_remove_mask_prior_gives_the_plain_model_back_exactly():
+    """remove_mask_prior takes out the priors, hooks, layer config views, config records and no_weight_decay names:
+    the outputs equal the plain model's bit for bit, its state_dict keys and config are the plain ones, and a prior can
+    be added again. A model with no prior is refused in one line."""
+    class Own(nn.Module):
+        num_heads = 2
+
+        def forward(self, x, attn_mask=None):
+            b, t, c = x.shape
+            q = x.view(b, t, 2, c // 2).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=attn_mask).transpose(1, 2).reshape(b, t, c)
+
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    bart, inputs, _ = _seq2seq("bart")
+    cases = [(enc.eval(), torch.randn(2, 8, 16), lambda m: mp.add_mask_prior(m, logits=_diagonal(8, 2))),
+             (nn.Sequential(Own()), torch.randn(2, 8, 16),
+              lambda m: mp.add_mask_prior(m, logits=_diagonal(8, 2), modules=Own)),
+             (*_timm()[:2], lambda m: mp.add_mask_prior(m, logits=_diagonal(17, 3))),
+             (*_hf("gpt2")[:2], lambda m: mp.add_mask_prior(m, logits=_diagonal(24))),
+             (bart, inputs, lambda m: (mp.add_mask_prior(m.model.encoder, logits=_diagonal(10)),
+                                       mp.add_mask_prior(m, logits=_diagonal(10)[:, :6], cross_attention=True)))]
+    for model, x, attach in cases:
+        run = (lambda m: m(**x).logits) if isinstance(x, dict) else (lambda m: _out(m, x))
+        plain, before = run(model).detach(), _untouched(model)
+        wd = model.no_weight_decay() if hasattr(model, "no_weight_decay") else None
+        attach(model)
+        assert (run(model) - plain).abs().max() > 1e-3, type(model).__name__
+        removed = mp.remove_mask_prior(model)
+        assert removed and not mp.mask_priors(model) and _untouched(model) == before, type(model).__name__
+        assert torch.equal(run(model), plain) and not any(hasattr(m, "mask_prior") for m in model.modules())
+        assert wd is None or model.no_weight_decay() == wd
+        assert getattr(model, "use_nested_tensor", None) == getattr(enc, "use_nested_tensor", None) or model is not enc
+        attach(model)                                           # and back again
+        assert (run(model) - plain).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="remove_mask_prior: Linear holds no prior from add_mask_prior"):
+        mp.remove_mask_prior(nn.Linear(2, 2))
+
+
+def test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m(tmp_path):
+    """Issue 32: a config record with no layers, an M the record does not list, an M of another size under
+    ignore_mismatched_sizes=True, and every malformed record (checked before any model is built) are one ValueError
+    naming the layer and field; never a model with an M left at 0 or uninitialised. Auto classes load."""
+    tf = _extra("transformers")
+    model, x, n = _hf("gpt2")
+    mp.add_mask_prior(model, logits=torch.randn(4, n, n) * 3)
+    model.save_pretrained(tmp_path / "good")
+    config = json.load(open(tmp_path / "good" / "config.json"))
+    auto = mp.from_pretrained(tf.AutoModelForCausalLM, str(tmp_path / "good"))
+    assert type(auto) is tf.GPT2LMHeadModel and torch.equal(_out(auto.eval(), x), _out(model, x))
+    with pytest.raises(ValueError, match="AutoModelForImageClassification is neither a model class nor an Auto class "
+                                         "with a model for GPT2Config"):
+        mp.from_pretrained(tf.AutoModelForImageClassification, str(tmp_path / "good"))
+    layer = "transformer.h.0.attn"
+
+    def record(change):
+        c = json.loads(json.dumps(config))
+        change(c["mask_prior"], c["mask_prior"]["layers"][layer])
+        return c
+
+    cases = [  # (the config.json, extra kwargs, the message)
+        (record(lambda r, g: r.update(layers={})), {}, r"the mask_prior record's layers are \{\}: expected a non-empty"),
+        (record(lambda r, g: r["layers"].pop("transformer.h.1.attn")), {},
+         r"holds transformer.h.1.attn.mask_prior.mask_logits \(1 in all\) on a layer its config records no prior for"),
+        (record(lambda r, g: g.update(n=20)), {"ignore_mismatched_sizes": True},
+         r"holds transformer.h.0.attn.mask_prior.mask_logits \(1 in all\) in another shape than its config records"),
+        (record(lambda r, g: r.update(layers=[layer])), {}, r"the mask_prior record's layers are \['transformer"),
+        (record(lambda r, g: g.pop("heads")), {}, rf"the mask_prior record of layer {layer} has no heads: expected a "
+                                                  rf"positive int"),
+        (record(lambda r, g: g.update(heads="4")), {}, rf"layer {layer} has heads '4': expected a positive int"),
+        (record(lambda r, g: g.update(heads=None)), {}, rf"layer {layer} has heads None: expected a positive int"),
+        (record(lambda r, g: g.update(n=-1)), {}, rf"layer {layer} has n -1: expected a positive int"),
+        (record(lambda r, g: g.update(causal="yes")), {}, rf"layer {layer} has causal 'yes': expected true or false"),
+        (record(lambda r, g: g.update(param="rel")), {}, rf"layer {layer} has param 'rel': expected 'full' or"),
+        (record(lambda r, g: r.pop("base")), {}, r"the mask_prior record has no base: expected 'sdpa' or 'eager'"),
+        (record(lambda r, g: r.update(base="maskprior")), {}, r"the mask_prior record has base 'maskprior': expected"),
+        ({**config, "mask_prior": "transformer.h.0.attn"}, {}, r"holds a mask_prior record that is a str"),
+        (record(lambda r, g: r["layers"].update({"transformer.h.0.mlp": r["layers"].pop(layer)})), {},
+         r"records a prior on transformer.h.0.mlp, a GPT2MLP, which is not an attention layer add_mask_prior reaches"),
+        (record(lambda r, g: g.update(heads=2)), {}, rf"{layer} \(GPT2Attention, 4 heads\) does not fit a pattern of "
+                                                     rf"shape \(2, 24, 24\)"),
+        (record(lambda r, g: g.update(causal=False)), {}, rf"{layer} \(GPT2Attention, 4 heads\) is causal, but "
+                                                          rf"causal=False was asked"),
+    ]
+    for i, (cfg, kwargs, message) in enumerate(cases):
+        path = tmp_path / f"case{i}"
+        shutil.copytree(tmp_path / "good", path)
+        json.dump(cfg, open(path / "config.json", "w"))
+        with pytest.raises(ValueError, match=rf"^from_pretrained: .*{message}.*"):
+            mp.from_pretrained(tf.GPT2LMHeadModel, str(path), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- benchmarks
@@ -4582,7 +5014,7 @@ def test_readme_add_a_task_example_runs_as_written(tmp_path):
 def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
     """Every code block of "Use the prior in your own model" (ours, torch, timm, Hugging Face, nanoGPT-style),
     run in order in one namespace, in an empty folder."""
-    _extra("timm"), _extra("transformers").logging.set_verbosity_error()
+    _extra("timm"), _extra("peft"), _extra("transformers").logging.set_verbosity_error()
     readme = open(os.path.join(HERE, "README.md")).read()
     section = readme.split("## Use the prior in your own model", 1)[1].split("\n## ", 1)[0]
     blocks = [b.split("\n", 1)[1] for b in section.split("```")[1::2]]
@@ -4600,10 +5032,27 @@ def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
     decay = ns["PriorTrainer"].get_decay_parameter_names(object.__new__(ns["PriorTrainer"]), ns["gpt2"])
     assert decay and not set(mp.prior_parameter_names(ns["gpt2"])) & set(decay)
     assert len(mp.mask_priors(ns["gpt"])) == 2 and ns["out"].shape == (2, 20, 64)
+    bart = ns["bart"].model                                   # the encoder's and cross-attention's priors, in the adapter
+    assert [n for n, m in bart.named_modules() if "mask_prior" in m._modules] == ["encoder.layers.0.self_attn",
+                                                                                 "decoder.layers.0.encoder_attn"]
+    assert {n for n, p in ns["lora"].named_parameters() if p.requires_grad and "mask_prior" in n} == {
+        f"base_model.model.model.{n}.mask_prior.modules_to_save.default.mask_logits"
+        for n in ("encoder.layers.0.self_attn", "decoder.layers.0.encoder_attn")}
+
+
+def test_readme_table_of_models_is_what_the_tests_run():
+    """The README's table of models is MODEL_TABLE, built from the lists the retrofit tests are parametrized with,
+    and every row names a test that exists."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    table = readme.split("<!-- models -->\n", 1)[1].split("<!-- /models -->", 1)[0]
+    rows = ["| model or use | the prior | test |", "|---|---|---|"] + [f"| {a} | {b} | `{c}` |" for a, b, c in MODEL_TABLE]
+    assert table.strip().splitlines() == rows
+    assert all(callable(globals().get(c)) for _, _, c in MODEL_TABLE)
 
 
 def test_readme_is_a_manual():
-    assert os.path.getsize(os.path.join(HERE, "README.md")) < 30_000      # 25,000 before the guarantees of issue 32
+    assert os.path.getsize(os.path.join(HERE, "README.md")) < 30_000      # 22,000 before the framework recipes, 25,000
+    #                                                 before the models table (issue 35) and the guarantees of issue 32
 
 
 def test_every_guarantee_in_the_readme_names_a_test_that_exists():
