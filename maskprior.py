@@ -1897,3 +1897,137 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
         out["mask_drift"] = [float((b["mask"] - a["mask"]).norm() / a["mask"].norm().clamp_min(1e-12))
                              for a, b in zip(start, now)]
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# Priors without an oracle: a trained model's attention turned into a prior. The probes above read
+# where a model attends; these read it as a prior for another model. `mean_attention` averages a
+# batch's attention maps; against each row's uniform share (1 / the keys the row sees) it gives a
+# bool pattern (`pattern_from_attention`: query-key pairs, or keys made a clique), soft logits whose
+# bias alone reproduces the mean attention (`logits_from_attention`), or a translation-invariant
+# form (`relative_from_attention`: a profile per head and distance i - j; `offsets_from_attention`:
+# a profile per head and 2-D offset on an image grid). All end in `init_mask_(model, pattern)` or
+# `init_mask_(model, logits=...)` / `add_mask_prior(model, logits=...)`.
+
+
+@torch.no_grad()
+def mean_attention(model: nn.Module, inputs) -> torch.Tensor:
+    """(L, H, N, N) float: the attention probabilities of `attention_maps(model, inputs)` (every model it
+    reads) averaged over the batch, one (H, N, N) map per layer."""
+    return torch.stack([a.float().mean(0) for a in attention_maps(model, inputs)])
+
+
+def visible_keys(n: int, causal: bool = False) -> torch.Tensor:
+    """(N, N) bool: the keys each query row can see (every key, or j <= i when causal)."""
+    return causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
+
+
+def attention_ratio(attn: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """attn (..., N, N) probabilities -> the same shape: each probability over its row's uniform share,
+    1 / (the keys the row sees), so 1.0 is uniform attention; 0 on keys a causal row cannot see."""
+    vis = visible_keys(attn.shape[-1], causal).to(attn.device)
+    return attn.float() * vis.sum(-1, keepdim=True) * vis
+
+
+def _over_layers(attn: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N)."""
+    if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attention maps are (..., N, N) with N queries and N keys, got shape {tuple(attn.shape)}")
+    if per_head:
+        if attn.dim() < 3:
+            raise ValueError(f"per_head needs maps with a head dimension (..., H, N, N), got {tuple(attn.shape)}")
+        return attn.float().cpu().reshape(-1, *attn.shape[-3:]).mean(0)
+    return attn.float().cpu().reshape(-1, *attn.shape[-2:]).mean(0)
+
+
+def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False, keys: bool = False,
+                           readout=None, per_head: bool = False) -> torch.Tensor:
+    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged
+    over its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
+
+    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's
+    uniform share; with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are
+    constrained, the others keep every key they see. Keys (keys=True): the keys whose share, averaged over
+    the `readout` rows (every row when None), is at least `ratio` times uniform form a clique (each sees
+    the others), the `readout` rows given attend to them, every other row to itself: the form of the Boolean
+    tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed (no row is
+    empty), future keys never (causal)."""
+    if not (math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"ratio must be a finite number > 0 (a multiple of the uniform share), got {ratio}")
+    r = attention_ratio(_over_layers(attn, per_head), causal)
+    n = r.shape[-1]
+    vis, eye = visible_keys(n, causal).to(r.device), torch.eye(n, dtype=torch.bool, device=r.device)
+    rows = torch.zeros(n, dtype=torch.bool, device=r.device)
+    rows[list(range(n)) if readout is None else list(readout)] = True
+    if not keys:
+        found = (r >= ratio) & vis
+        free = vis.expand_as(found) & ~rows[:, None]
+        return found | free | eye
+    seen = vis & rows[:, None]                                   # the readout rows, over the keys each sees
+    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)   # (..., N): a key's mean share over those rows
+    key = relevance >= ratio
+    clique = key[..., :, None] & key[..., None, :]
+    reads = (rows[:, None] & key[..., None, :]) if readout is not None else torch.zeros_like(clique)
+    return (clique | reads | eye) & vis
+
+
+def logits_from_attention(attn: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0, causal: bool = False,
+                          per_head: bool = True) -> torch.Tensor:
+    """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over
+    the leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that log sigmoid(M)
+    = log(a_ij / max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each
+    row's favourite key at about 0 and the others suppressed by their log ratio to it; keys a causal row
+    cannot see get -m_off (the causal mask hides them). Returns (H, N, N) or (N, N)."""
+    a = _over_layers(attn, per_head).clamp_min(0)
+    vis = visible_keys(a.shape[-1], causal).to(a.device)
+    return _logit_of_share(a / a.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off).masked_fill(~vis, -float(m_off))
+
+
+def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
+    """M with log sigmoid(M) = log q for shares q in [0, 1] (1: no suppression), clamped to [-m_off, m_on]."""
+    q = q.clamp(1e-12, 1 - 1e-12)
+    return (q.log() - (-q).log1p()).clamp(-m_off, m_on)
+
+
+def relative_from_attention(attn: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0,
+                            causal: bool = False) -> torch.Tensor:
+    """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each
+    distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) = log of that share,
+    clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that
+    depend on i - j alone, as a relative MaskPrior (`param="relative"`) holds them; a causal prior's future
+    entries get -m_off (the causal mask hides them)."""
+    a = _over_layers(attn, True)
+    h, n = a.shape[0], a.shape[-1]
+    i = torch.arange(n, device=a.device)
+    d = i[:, None] - i[None, :] + n - 1                          # 0 .. 2n - 2
+    vis = visible_keys(n, causal).to(a.device)
+    total = torch.zeros(h, 2 * n - 1, device=a.device).index_add_(1, d[vis], a[:, vis])
+    count = torch.zeros(2 * n - 1, device=a.device).index_add_(0, d[vis], torch.ones(int(vis.sum()), device=a.device))
+    table = total / count.clamp_min(1)                           # (H, 2N - 1): the mean share per distance
+    m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, d]
+    return m.masked_fill(~vis, -float(m_off))
+
+
+def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0, m_on: float = 5.0,
+                           m_off: float = 5.0) -> torch.Tensor:
+    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to
+    patch (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), over its largest value, as M
+    (log sigmoid(M) = log of that share, clamped to [-m_off, m_on]) spread back over the grid; prefix tokens
+    (CLS) attend and are attended at m_on.
+    attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset prior
+    (compare `soft_offset_logits`, whose bump is set by hand)."""
+    a = _over_layers(attn, True)
+    h, n, g = a.shape[0], a.shape[-1], grid_h * grid_w
+    if n != n_prefix + g:
+        raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} prefix tokens "
+                         f"has {n_prefix + g}")
+    disp = _grid_displacements(grid_h, grid_w).long()            # (G, G, 2): key position - query position
+    idx = (disp[..., 0] + grid_h - 1) * (2 * grid_w - 1) + disp[..., 1] + grid_w - 1
+    idx = idx.reshape(-1).to(a.device)
+    grid = a[:, n_prefix:, n_prefix:].reshape(h, -1)
+    slots = (2 * grid_h - 1) * (2 * grid_w - 1)
+    total = torch.zeros(h, slots, device=a.device).index_add_(1, idx, grid)
+    count = torch.zeros(slots, device=a.device).index_add_(0, idx, torch.ones(idx.numel(), device=a.device))
+    table = total / count.clamp_min(1)                           # (H, (2 gh - 1)(2 gw - 1)): share per offset
+    m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
+    return _with_prefix(m, n_prefix, float(m_on))

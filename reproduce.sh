@@ -42,6 +42,17 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  default, and the strength: impulse at --mask-off 2 and 5, soft at
                  --soft-alpha 0.3 and 3, and impulse's parts (qk-svd, without and
                  with --qk-svd-pos-scale 18); RUNS/visionprior/
+  --only oraclefree  priors without an oracle (no hand pattern on their path), never part of
+                 the default or --quick run, at the small presets: per task a default run
+                 (the teacher), then the hand pattern's mask, --pattern discovered (from
+                 the training data), --prior-from the teacher (mask and qk-svd) and default
+                 for the teacher's and the student's steps together (tag budget2x);
+                 Boolean tasks (parity2, majority3, cyclic3, kparity and kmajority on bits
+                 drawn by the seed), addition at 0.4%, the digits stand-in (--data, a CIFAR-10
+                 layout; teachers default and impulse, --prior-kind offsets) and the
+                 language stand-in (teacher on --data/vimtext-a, students on vimtext-b, both
+                 WikiText-2 layouts; --prior-kind relative); RUNS/oraclefree/, table
+                 RESULTS/oraclefree.md and the found patterns beside the hand ones
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -92,9 +103,9 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$ONLY" in
-    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior) ;;
-    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation, data, mult2 or" \
-            "visionprior, not '$ONLY'" >&2
+    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior|oraclefree) ;;
+    *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation, data, mult2," \
+            "visionprior or oraclefree, not '$ONLY'" >&2
        exit 2 ;;
 esac
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
@@ -105,7 +116,7 @@ absolute() { if [ -z "$1" ] || [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/
 # folders given are read from where the script is started; the defaults live beside it
 RUNS=$(absolute "$RUNS"); RESULTS=$(absolute "$RESULTS"); DATA=$(absolute "$DATA"); DATA="${DATA:-data}"
 cd "$(dirname "$0")"
-if [[ " ablation data mult2 visionprior " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
+if [[ " ablation data mult2 visionprior oraclefree " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
     echo "reproduce.sh: --only $ONLY runs at the small preset (as with --quick)"
     QUICK=1
 fi
@@ -224,6 +235,49 @@ if [ "$ONLY" = ablation ]; then
         done; done
     done
 fi
+if [ "$ONLY" = oraclefree ]; then
+    # teachers first (a WAIT item lets every run before it finish), then the students that read them
+    OF=oraclefree; TEACHER="--prior-from @RUNS/$OF"
+    boolean_flags() { case "$1" in kparity) echo "--bits random:2 --unseen bits:2" ;;
+                                    kmajority) echo "--bits random:3 --unseen bits:2" ;; *) echo "" ;; esac; }
+    twice() {   # twice TASK FLAGS...: the preset's steps for TASK, doubled (the teacher's and the student's)
+        "$PY" -c "import sys, train; print(2 * train.resolve(*train.parse_args(sys.argv[1:])).steps)" --task "$@" \
+            || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
+    }
+    for t in parity2 majority3 cyclic3 kparity kmajority addition; do add $OF "$t" default "$(boolean_flags $t)"; done
+    VISION=0; LM=0
+    have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
+        cifar-10-batches-bin/data_batch_1.bin && VISION=1
+    have "two WikiText-2 layouts (python train.py make-wikitext DIR/vimtext-a FILES...; vimtext-b)" \
+        vimtext-a/wikitext-2/wiki.train.tokens && have "vimtext-b" vimtext-b/wikitext-2/wiki.train.tokens && LM=1
+    [ "$VISION" = 1 ] && add $OF cifar10 "default impulse" "--data-dir @DATA"
+    [ "$LM" = 1 ] && add $OF wikitext2 default "--data-dir @DATA/vimtext-a" corpusA
+    LIST+=("WAIT")
+    for t in parity2 majority3 cyclic3 kparity kmajority addition; do
+        f=$(boolean_flags $t)
+        add $OF "$t" mask "$f"
+        add $OF "$t" mask "$f --pattern discovered" discovered
+        for s in $SEEDS; do for i in mask qk-svd; do
+            LIST+=("$OF $t $i $s teacher $f $TEACHER/$t-default-s$s")
+        done; done
+        add $OF "$t" default "$f --steps $(twice "$t" $f)" budget2x
+    done
+    if [ "$VISION" = 1 ]; then
+        add $OF cifar10 mask "--data-dir @DATA"
+        for s in $SEEDS; do
+            LIST+=("$OF cifar10 mask $s teacher --data-dir @DATA $TEACHER/cifar10-default-s$s")
+            LIST+=("$OF cifar10 mask $s teacher-impulse --data-dir @DATA $TEACHER/cifar10-impulse-s$s")
+        done
+        add $OF cifar10 default "--data-dir @DATA --epochs $(( 2 * $("$PY" -c "import train; print(int(train.resolve(*train.parse_args(['--task', 'cifar10'])).epochs))") ))" budget2x
+    fi
+    if [ "$LM" = 1 ]; then
+        add $OF wikitext2 "default mask" "--data-dir @DATA/vimtext-b" corpusB
+        for s in $SEEDS; do
+            LIST+=("$OF wikitext2 mask $s corpusB-teacher --data-dir @DATA/vimtext-b $TEACHER/wikitext2-default-s$s-corpusA")
+        done
+        add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps $(twice wikitext2 --data-dir .)" corpusB-budget2x
+    fi
+fi
 [ "$ONLY" = persistence ] && LIST=()
 
 # ---- one run: skip if finished, resume if interrupted, else start
@@ -232,7 +286,9 @@ run_one() {
     local name="$task-$init-s$seed"
     [ "$tag" = - ] || name="$name-$tag"
     local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log" extra=() a
-    for a in "$@"; do if [[ "$a" == @DATA* ]]; then extra+=("$DATA${a#@DATA}"); else extra+=("$a"); fi; done
+    for a in "$@"; do
+        case "$a" in @DATA*) extra+=("$DATA${a#@DATA}") ;; @RUNS*) extra+=("$RUNS${a#@RUNS}") ;; *) extra+=("$a") ;; esac
+    done
     if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
     if [ "$DRY" = 0 ] && [ -d "$out" ] && command -v flock >/dev/null && ! flock -n "$out" true 2>/dev/null; then
         echo "busy    $out (another process trains it; not started here)" | tee -a "$STATE/busy"
@@ -281,7 +337,8 @@ trap 'stop INT' INT
 trap 'stop TERM' TERM
 
 START=$(date +%s)
-echo "reproduce.sh: ${#LIST[@]} runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
+N_RUNS=0; for item in "${LIST[@]}"; do [ "$item" = WAIT ] || N_RUNS=$((N_RUNS + 1)); done
+echo "reproduce.sh: $N_RUNS runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
 [ "$DRY" = 0 ] && mkdir -p "$RUNS"
 # this invocation's own failed / busy / interrupted lists: another reproduce.sh on the same --runs keeps its own
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || { echo "reproduce.sh: cannot make a temporary folder" >&2; exit 1; }
@@ -290,6 +347,10 @@ STATUS=0
 set -m
 for item in "${LIST[@]}"; do
     [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
+    if [ "$item" = WAIT ]; then                 # the runs after it read the ones before (teachers)
+        while [ -n "$(jobs -rp)" ]; do wait 2>/dev/null; done
+        continue
+    fi
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null; done
     [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
     read -ra fields <<< "$item"

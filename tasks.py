@@ -168,6 +168,32 @@ class Task:
         resume on other data (another --data-dir) is refused. None: the task has no data of its own to check."""
         return None
 
+    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
+    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")     # --prior-kind values; the first is the default
+
+    def teacher_inputs(self, n: int = 512) -> torch.Tensor:
+        """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe batch; a task
+        with held-out test inputs reads its training inputs instead."""
+        return self.probe_inputs(n)
+
+    def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N):
+        `pattern`: query-key pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on
+        on them and -m_off elsewhere; `logits`: M whose bias alone gives the teacher's mean attention, per head
+        (`mp.logits_from_attention`), the pattern where log sigmoid(M) > -1. A family reads its own rows and
+        forms (Boolean tasks: keys; arithmetic: the answer rows; vision: offsets; language: distances)."""
+        causal = self.arch().get("causal", False)
+        if kind == "pattern":
+            pattern = mp.pattern_from_attention(attn, ratio, causal)
+            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
+        return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
+
+    @staticmethod
+    def _soft(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pattern a soft M favours: log sigmoid(M) > -1, as for `soft`; the logits)."""
+        return F.logsigmoid(logits) > -1, logits
+
     def epoch_indices(self, step: int, batch_size: int) -> torch.Tensor:
         """Indices (on the task's device) of batch `step` of an epoch-wise shuffle of the
         n_train examples; epoch e's order is fixed by (seed, e)."""
@@ -303,12 +329,19 @@ class BooleanTask(Task):
     description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
     readout: str = "cls"
+    discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
+    discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.readout not in READOUTS:
             raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got {self.readout!r}")
+        if not 1 <= self.discover_degree <= 4:
+            raise TaskError(f"--discover-degree must be in 1..4 (sets of up to 4 bits), got {self.discover_degree}")
+        if not 0 < self.discover_threshold <= 1:
+            raise TaskError(f"--discover-threshold is a fraction of the largest coefficient in (0, 1], got "
+                            f"{self.discover_threshold}")
 
     def arch(self) -> dict:
         return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": self.readout}
@@ -316,17 +349,47 @@ class BooleanTask(Task):
     def check_pattern(self, variant: str | None) -> str:
         variant = variant or self.DEFAULT_PATTERN
         mine = self.patterns(self.readout == "cls")
-        if variant not in mine:
+        if variant not in mine and variant != "discovered":
             other = "mean" if self.readout == "cls" else "cls"
             hint = (f" (pattern {variant!r} needs --readout {other})"
                     if variant in self.patterns(other == "cls") else "")
             raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout {self.readout}; "
-                            f"choose from {sorted(mine)}{hint}")
+                            f"choose from {sorted(mine) + ['discovered']}{hint}")
         return variant
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits."""
+        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits.
+        `discovered` is found in the training set (`discovered_sets`), never from the target function."""
+        if variant == "discovered":
+            return pattern_from_sets(self.n_bits, self.discovered_sets(), self.readout == "cls")
         return self.patterns(self.readout == "cls")[variant]
+
+    def discovered_sets(self) -> list[tuple]:
+        """The sets of bits that interact in the training data: those whose Walsh coefficient (of the
+        training points and their targets, y centred) is at least `discover_threshold` times the largest,
+        over every set of up to `discover_degree` bits (`walsh_sets`). Needs setup (the training set)."""
+        if not hasattr(self, "x_train"):
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up "
+                            f"first")
+        key = ("discovered", self.discover_degree, self.discover_threshold)
+        if key not in self._cache:
+            x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
+            self._cache[key] = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree, self.discover_threshold)
+        return self._cache[key]
+
+    def teacher_inputs(self, n: int = 512) -> torch.Tensor:
+        """A fixed sample of training points (seen domain only: no unseen input reaches the teacher's reading)."""
+        g = torch.Generator().manual_seed(0)
+        return self.x_train[torch.randperm(len(self.x_train), generator=g)[:n].to(self.device)]
+
+    def teacher_prior(self, attn, kind, ratio, m_on, m_off):
+        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`): averaged
+        over the readout rows (the CLS row with a CLS token, else every bit), the keys above `ratio` times the
+        uniform share made a clique, the CLS row reading them: the form of the hand patterns."""
+        if kind == "pattern":
+            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0] if self.readout == "cls" else None)
+            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     def in_unseen(self, x: np.ndarray) -> np.ndarray:
         return np.all([x[:, b] == v for b, v in self.unseen.items()], axis=0)
@@ -487,6 +550,41 @@ def cyclic_patterns(n_bits: int, width: int = 2):
     return build
 
 
+# ---- finding the pattern from the training data (never from the target function): `--pattern discovered`
+
+
+def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
+    """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
+    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}."""
+    x = np.asarray(x, dtype=np.float64)
+    yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
+    out = {}
+    for degree in range(1, max_degree + 1):
+        for s in itertools.combinations(range(x.shape[1]), degree):
+            out[s] = float(np.mean(yc * np.prod(x[:, list(s)], axis=1)))
+    return out
+
+
+def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25) -> list[tuple]:
+    """The sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one, largest first:
+    the interactions the seen data shows (it hides how the target extrapolates, not which bits interact)."""
+    coefs = walsh_coefficients(x, y, max_degree)
+    top = max(abs(v) for v in coefs.values())
+    if top < 1e-12:
+        return []
+    return sorted((s for s, v in coefs.items() if abs(v) >= threshold * top), key=lambda s: -abs(coefs[s]))
+
+
+def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
+    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and with a CLS
+    token in front (position 0) CLS -> every bit of the sets; the form of `gotu_patterns`' clique."""
+    off = int(cls)
+    edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
+    if cls:
+        edges += [(0, b + off) for b in sorted({b for s in sets for b in s})]
+    return mp.pattern_from_pairs(n_bits + off, edges)
+
+
 # The QK inits fit the pattern on the positional embedding, which must not be drowned by the token
 # embeddings: parity2 generalises only without a CLS token and with near-zero positions (README: the
 # grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a 0.02-std
@@ -506,11 +604,12 @@ class Parity2(BooleanTask):
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
 
-    def __init__(self, readout: str = "cls", seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         bits = (0, 1)
         super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
                          top_monomial=bits, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
-                         support=bits, readout=readout, seed=seed)
+                         support=bits, readout=readout, discover_degree=discover_degree,
+                         discover_threshold=discover_threshold, seed=seed)
 
 
 @register("majority3")
@@ -520,11 +619,12 @@ class Majority3(BooleanTask):
     DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
 
-    def __init__(self, readout: str = "cls", seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         bits = (0, 1, 2)
         super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
                          top_monomial=bits, train_size=32768, support=bits, readout=readout, seed=seed,
-                         description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws")
+                         description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
+                         discover_degree=discover_degree, discover_threshold=discover_threshold)
 
 
 @register("cyclic3")
@@ -535,10 +635,11 @@ class Cyclic3(BooleanTask):
     # 8,000 steps, as default and qk-svd often have not fitted the seen domain by 4,000
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
 
-    def __init__(self, readout: str = "cls", seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
                          top_monomial=(0, 1, 2), exact=True, readout=readout, seed=seed,
-                         description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1")
+                         description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
+                         discover_degree=discover_degree, discover_threshold=discover_threshold)
 
 
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
@@ -551,19 +652,38 @@ def _parse_bits(text, what: str, n_bits: int) -> tuple:
     return bits
 
 
+def _count(text: str, prefix: str, what: str, most: int) -> int:
+    """K of 'PREFIX:K', an integer in 1..most."""
+    try:
+        k = int(str(text)[len(prefix):])
+    except ValueError:
+        k = 0
+    if not 1 <= k <= most:
+        raise TaskError(f"--{what} {text!r}: {prefix}K needs K in 1..{most}")
+    return k
+
+
+def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
+    """'random:K': K distinct bits of 0..n_bits-1 drawn by the seed (a task nobody wrote the pattern of)."""
+    k = _count(text, "random:", "bits", n_bits)
+    return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k, replace=False)))
+
+
 class _CustomBoolean(BooleanTask):
-    """k-parity or k-majority on chosen `bits`; the unseen domain sets the `unseen` bits to -1."""
+    """k-parity or k-majority on chosen `bits` ('random:K': K bits drawn by the seed); the unseen domain sets
+    the `unseen` bits to -1 ('bits:J': the first J of `bits`)."""
     PATTERNS = ("clique", "cls")
     DEFAULT_PATTERN = "clique"
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1", train_size: int | None = None,
-                 readout: str = "cls", seed: int = 0):
+                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         if not 2 <= n_bits <= 20:
             raise TaskError(f"--n-bits must be in 2..20 (the whole cube is enumerated), got {n_bits}")
         if train_size is not None and train_size < 1:
             raise TaskError(f"--train-size must be a positive number of draws, got {train_size}")
-        b = _parse_bits(bits, "bits", n_bits)
-        u = _parse_bits(unseen, "unseen", n_bits)
+        b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
+        u = b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:") else \
+            _parse_bits(unseen, "unseen", n_bits)
         if self.NAME == "kmajority" and len(b) % 2 == 0:
             raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
         fn = parity_fn(b) if self.NAME == "kparity" else majority_fn(b)
@@ -571,7 +691,7 @@ class _CustomBoolean(BooleanTask):
         desc = f"{self.NAME} on bits {b}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=gotu_patterns(n_bits, b),
                          top_monomial=b, train_size=train_size, description=desc, support=b, readout=readout,
-                         seed=seed)
+                         discover_degree=discover_degree, discover_threshold=discover_threshold, seed=seed)
 
     @property
     def name(self) -> str:
@@ -613,7 +733,7 @@ class ArithmeticTask(Task):
     pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
     """
     KIND = "arithmetic"
-    PATTERNS = ("carry", "aligned", "lower")
+    PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
     HEADLINE = ("seq_acc", "digit_acc")
     EVAL_POINTS = True
@@ -634,6 +754,7 @@ class ArithmeticTask(Task):
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
+    discover_threshold: float = 0.25    # --pattern discovered: keep digit pairs with this fraction of the top MI
     seed: int = 0
 
     def __post_init__(self):
@@ -653,6 +774,9 @@ class ArithmeticTask(Task):
                             f"for the disjoint test set; use at most {most:g}")
         if self.answer_order not in ("msb", "lsb"):
             raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
+        if not 0 < self.discover_threshold <= 1:
+            raise TaskError(f"--discover-threshold is a fraction of the largest dependence in (0, 1], got "
+                            f"{self.discover_threshold}")
         self.n_answer = 2 * self.n_digits if self.op == "*" else self.n_digits + 1
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
@@ -716,16 +840,79 @@ class ArithmeticTask(Task):
         return lv
 
     def build_pattern(self, variant: str) -> torch.Tensor:
+        if variant == "discovered":
+            return self.discovered_pattern()
         return self._levels(variant) > 0
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 = -0.69),
         -m_off elsewhere."""
         variant = self.check_pattern(variant)
-        if variant not in ArithmeticTask.PATTERNS:                    # a per-head pattern: two levels
+        if variant not in ("carry", "aligned", "lower"):           # found, or per head: two levels
             return super().mask_logits(variant, m_on, m_off)
         lv = self._levels(variant)
         return torch.where(lv == 2, float(m_on), torch.where(lv == 1, 0.0, -float(m_off)))
+
+    def answer_rows(self) -> list[int]:
+        """The input rows that predict answer digits: '=' and the answer tokens before the last."""
+        return list(range(self.eq_pos, self.length - 1))
+
+    def _row_pattern(self, sees) -> torch.Tensor:
+        """bool (N, N): prompt rows causal; each answer row itself and the operand positions `sees(k)` names
+        for the significance k it predicts."""
+        n = self.length - 1
+        pattern = mp.causal_pattern(n).clone()
+        for q in self.answer_rows():
+            pattern[q] = False
+            pattern[q, q] = True
+            pattern[q, sees(self.answer_significance(q - self.eq_pos))] = True
+        return pattern
+
+    def digit_dependence(self) -> np.ndarray:
+        """(A, d, d) array: for the answer digit of significance k and operand digits a_i, b_j (significance
+        i, j), the mutual information in nats between the answer digit and the pair (a_i, b_j) over the
+        training pairs, bias-corrected (Miller-Madow). Pairs, not single digits: an answer digit of a sum is
+        independent of either operand digit alone (like parity), not of the two."""
+        d, base = self.n_digits, 10 ** self.n_digits
+        a, b = self.train_idx // base, self.train_idx % base
+        c = a * b if self.op == "*" else a + b
+        digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
+        out = np.zeros((self.n_answer, d, d))
+        for k in range(self.n_answer):
+            ck = digit(c, k)
+            for i in range(d):
+                for j in range(d):
+                    out[k, i, j] = _mutual_information(digit(a, i) * 10 + digit(b, j), ck)
+        return out
+
+    def discovered_pattern(self) -> torch.Tensor:
+        """`--pattern discovered`, found in the training pairs: the row that predicts the answer digit of
+        significance k sees the operand digits of every pair (a_i, b_j) whose dependence with that digit
+        (`digit_dependence`) is at least `discover_threshold` times the largest for it; prompt rows causal."""
+        if not hasattr(self, "train_idx"):
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training pairs: set the task up "
+                            f"first")
+        mi, d = self.digit_dependence(), self.n_digits
+        pos_a = {i: d - 1 - i for i in range(d)}                    # significance -> sequence position
+        pos_b = {i: 2 * d - i for i in range(d)}
+
+        def sees(k):
+            top = mi[k].max()
+            pairs = np.argwhere(mi[k] >= self.discover_threshold * top) if top > 0 else []
+            return sorted({pos_a[i] for i, _ in pairs} | {pos_b[j] for _, j in pairs})
+        return self._row_pattern(sees)
+
+    def teacher_inputs(self, n: int = 512) -> torch.Tensor:
+        """The first n training sequences, without their last token (no test pair reaches the teacher)."""
+        return self.train_seq[:n, :-1]
+
+    def teacher_prior(self, attn, kind, ratio, m_on, m_off):
+        """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows keep the
+        causal pattern, as in the hand patterns)."""
+        if kind == "pattern":
+            pattern = mp.pattern_from_attention(attn, ratio, causal=True, readout=self.answer_rows())
+            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     # ---- data
     def setup(self, device="cpu"):
@@ -771,6 +958,15 @@ class ArithmeticTask(Task):
                 "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
 
+def _mutual_information(x: np.ndarray, y: np.ndarray) -> float:
+    """I(X; Y) in nats of two integer arrays, plug-in with the Miller-Madow correction, at least 0."""
+    joint = collections.Counter(zip(x.tolist(), y.tolist()))
+    n = len(x)
+    px, py = collections.Counter(x.tolist()), collections.Counter(y.tolist())
+    mi = sum(c / n * math.log(c * n / (px[a] * py[b])) for (a, b), c in joint.items())
+    return max(0.0, mi - (len(joint) - len(px) - len(py) + 1) / (2 * n))
+
+
 @register("addition")
 class Addition(ArithmeticTask):
     """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
@@ -779,8 +975,10 @@ class Addition(ArithmeticTask):
     # 98.4%, seed 0); `--steps 250` is where the paper's numbers show (README)
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
 
-    def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3, seed: int = 0):
-        super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, n_digits=digits, seed=seed)
+    def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
+                 discover_threshold: float = 0.25, seed: int = 0):
+        super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, n_digits=digits,
+                         discover_threshold=discover_threshold, seed=seed)
 
 
 @register("multiplication")
@@ -791,8 +989,9 @@ class Multiplication(ArithmeticTask):
     PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
     def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 seed: int = 0):
-        super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, n_digits=digits, seed=seed)
+                 discover_threshold: float = 0.25, seed: int = 0):
+        super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, n_digits=digits,
+                         discover_threshold=discover_threshold, seed=seed)
         self.heads = heads
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -1714,6 +1913,20 @@ class ImageTask(Task):
     def probe_inputs(self, n: int = 64) -> torch.Tensor:
         return self.test_view(self.x_test[:n])
 
+    TEACHER_KINDS = ("offsets", "pattern", "logits")
+
+    def teacher_inputs(self, n: int = 64) -> torch.Tensor:
+        """The first n training images, as evaluation sees them (no augmentation; no test image)."""
+        return self.test_view(self.x_train[:n])
+
+    def teacher_prior(self, attn, kind, ratio, m_on, m_off):
+        """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft
+        prior per head, translation-invariant like the impulse and soft patterns)."""
+        if kind == "offsets":
+            g = self.input_size // self.patch_size
+            return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls" else 0, m_on, m_off))
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
+
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 500) -> dict:
         correct, loss = 0, 0.0
@@ -2490,6 +2703,20 @@ class LMTask(Task):
         """The first min(n, 16) validation windows (B, context)."""
         x, _ = next(eval_windows(self.valid, self.context, max(1, min(n, 16))))
         return x.to(self.device)
+
+    TEACHER_KINDS = ("relative", "pattern", "logits")
+
+    def teacher_inputs(self, n: int = 64) -> torch.Tensor:
+        """The first min(n, 16) training windows (B, context)."""
+        x, _ = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
+        return x.to(self.device)
+
+    def teacher_prior(self, attn, kind, ratio, m_on, m_off):
+        """Language models read a teacher's attention per head and distance by default
+        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param relative`)."""
+        if kind == "relative":
+            return self._soft(mp.relative_from_attention(attn, m_on, m_off, causal=True))
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 32) -> dict:

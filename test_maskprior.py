@@ -501,6 +501,51 @@ def test_prior_probes():
     assert mp.prior_drift(model, snap)["mask_drift"][0] == pytest.approx(1.0)
 
 
+def test_a_prior_from_attention_reads_known_maps():
+    """The attention-to-prior functions on maps of known structure: pairs above the ratio (causal rows over their
+    visible keys, free rows outside `readout`), keys made a clique, soft logits whose bias alone gives the
+    attention back, a distance profile a relative MaskPrior takes, and offsets on an image grid."""
+    n = 6
+    a = torch.full((n, n), 1.0 / n)
+    a[:, 1] += 0.5
+    a[:, 3] += 0.5
+    a = a / a.sum(-1, keepdim=True)                              # keys 1 and 3 favoured by every row
+    attn = a.expand(2, 3, n, n)                                  # (L, H, N, N)
+    keys = mp.pattern_from_attention(attn, 1.5, keys=True)
+    assert keys.sum() == n + 2 and keys[1, 3] and keys[3, 1] and not keys[0, 1]
+    cls = mp.pattern_from_attention(attn, 1.5, keys=True, readout=[0])
+    assert cls[0, 1] and cls[0, 3] and cls.sum() == n + 4
+    pairs = mp.pattern_from_attention(attn, 1.5)
+    assert pairs[:, [1, 3]].all() and pairs.sum() == 2 * n + (n - 2)
+    only = mp.pattern_from_attention(attn, 1.5, readout=[2])
+    assert only[[0, 1, 3, 4, 5]].all() and only[2].tolist() == [False, True, True, True, False, False]
+    c = mp.causal_pattern(n).float()
+    c[:, 0] += 3.0 * c.sum(-1)                                   # every row looks back at key 0
+    causal = mp.pattern_from_attention((c / c.sum(-1, keepdim=True)).tril(), 1.5, causal=True)
+    assert torch.equal(causal, torch.eye(n, dtype=torch.bool) | (torch.arange(n)[None] == 0))   # no future key
+    assert mp.pattern_from_attention(attn, 1.5, per_head=True).shape == (3, n, n)
+    m = mp.logits_from_attention(attn, 30.0, 30.0)
+    assert m.shape == (3, n, n) and torch.allclose(F.logsigmoid(m).softmax(-1), a.expand(3, n, n), atol=1e-5)
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    kernel = torch.where((d >= 0) & (d <= 2), torch.exp(-d.float()), torch.zeros(()))
+    kernel = kernel / kernel.sum(-1, keepdim=True)
+    rel = mp.relative_from_attention(kernel.expand(1, 2, n, n), causal=True)
+    prior = mp.MaskPrior(n, 2, logits=rel, causal=True, param="relative")        # one logit per distance
+    table = prior.mask_logits
+    assert table[:, 0].eq(5.0).all() and (table[:, 1] < 5.0).all() and (table[:, 1] > table[:, 2]).all()
+    assert table[:, 3:].eq(-5.0).all()
+    grid = mp.impulse_pattern(4, 4, mp.IMPULSE_OFFSETS[:3])
+    shares = mp.offsets_from_attention((grid.float() / grid.sum(-1, keepdim=True))[None], 4, 4)
+    assert (shares > 0).sum() >= 0.8 * grid.sum() and not ((shares > 0) & ~grid).any()
+    with_cls = mp.offsets_from_attention(torch.rand(1, 3, 17, 17).softmax(-1), 4, 4, n_prefix=1)
+    assert with_cls.shape == (3, 17, 17) and with_cls[:, 0].eq(5.0).all() and with_cls[:, :, 0].eq(5.0).all()
+    for bad, needle in ((lambda: mp.pattern_from_attention(attn, 0.0), "ratio must be a finite number > 0"),
+                        (lambda: mp.pattern_from_attention(torch.rand(3, 4, 5), 1.5), "attention maps are"),
+                        (lambda: mp.offsets_from_attention(torch.rand(1, 3, 16, 16), 4, 4, 1), "a 4 x 4 grid")):
+        with pytest.raises(ValueError, match=needle):
+            bad()
+
+
 def test_maskprior_copied_alone_runs(tmp_path):
     shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
     code = ("import maskprior as mp, torch, sys\n"
@@ -1063,6 +1108,45 @@ def test_patterns_of_the_gotu_tasks():
     assert p.diagonal().all() and not p[1, 3]
     c = T.make_task("cyclic3").pattern()
     assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
+
+
+@pytest.mark.parametrize("task, options", [("parity2", {}), ("majority3", {}), ("cyclic3", {}),
+                                           ("parity2", {"readout": "mean"}), ("majority3", {"readout": "mean"}),
+                                           ("kparity", {"bits": "random:3", "unseen": "bits:2", "seed": 4}),
+                                           ("kmajority", {"bits": "random:3", "unseen": "bits:2", "seed": 9})])
+def test_walsh_sets_of_the_training_data_find_the_hand_pattern(task, options):
+    """--pattern discovered from the training set alone (its Walsh coefficients up to degree 3, the sets above a
+    quarter of the largest, each a clique, CLS -> their bits) is exactly the hand pattern, in either layout and
+    for bits drawn by the seed; the target function is never read (it is replaced by a stand-in here)."""
+    t = T.make_task(task, **options).setup()
+    oracle = t.pattern()
+    t.target = lambda x: pytest.fail("the discovery read the target function")
+    assert torch.equal(t.pattern("discovered"), oracle)
+    assert t.check_pattern("discovered") == "discovered"
+    if task == "parity2" and not options:
+        assert t.discovered_sets()[0] == (0, 1)
+        coefs = T.walsh_coefficients(2 * t.x_train.numpy() - 1, t.y_train.numpy())
+        assert coefs[(0, 1)] == pytest.approx(0.889, abs=1e-3) and max(abs(v) for s, v in coefs.items()
+                                                                        if not set(s) <= {0, 1}) < 1e-9
+    if task == "kparity":
+        assert t.name == "kparity[11,13,14|U:11,13]"
+
+
+def test_digit_dependence_of_the_training_pairs_finds_the_aligned_digits():
+    """Addition's answer digit of significance k depends (mutual information of the digit with an operand pair)
+    on a_k and b_k together, not on either alone: the discovered rows see a_k and b_k (the row of the
+    carry-out digit at least a2 and b2); prompt rows keep the causal pattern."""
+    t = T.make_task("addition").setup()
+    mi = t.digit_dependence()
+    assert mi.shape == (4, 3, 3) and mi[0, 0, 0] > 2.0 and mi[1, 1, 1] > 1.0 and mi[2, 2, 2] > 1.0
+    assert mi[0][~np.eye(3, dtype=bool)].max() < 0.1
+    p, rows = t.pattern("discovered"), t.answer_rows()
+    for q in rows[1:]:                                         # the rows of answer digits 2, 1, 0 (msb first)
+        k = t.answer_significance(q - t.eq_pos)
+        assert p[q].nonzero().flatten().tolist() == [2 - k, 6 - k, q]          # a_k, b_k and itself
+    assert p[rows[0], 0] and p[rows[0], 4]                     # '=' (the carry-out digit): a2, b2 at least
+    assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
+    assert T._mutual_information(np.arange(1000) % 10, np.arange(1000) % 7) < 0.05
 
 
 @pytest.mark.parametrize("readout", ["cls", "mean"])
@@ -2923,6 +3007,100 @@ def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
     assert "loss with these flags" in capsys.readouterr().err and not os.path.exists(out)
     assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e300", "--steps", "2", "--out", out]) == 2
     assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
+
+
+def _teacher(tmp_path, *changes, name="teacher"):
+    """A finished default run of parity2 (mean readout), TINY and 6 steps, with `changes` (`_but`)."""
+    out = str(tmp_path / name)
+    assert train.main([*_but([*TINY, "--readout", "mean", "--steps", 6, "--log-every", 3], *changes), "--out", out]) == 0
+    return out
+
+
+def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
+    """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
+    `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
+    result.json records the teacher's folder and run id and the found pattern's precision and recall against
+    the hand pattern, args.json the folder; the QK inits fit the found pattern; the run resumes exactly."""
+    teacher = _teacher(tmp_path)
+    tck = train.read_checkpoint(os.path.join(teacher, "ckpt.pt"), "test")
+    common = [*TINY, "--readout", "mean", "--steps", "6", "--log-every", "3", "--prior-from", teacher]
+    out = str(tmp_path / "student")
+    assert train.main([*common, "--init", "mask", "--halt-after", "3", "--out", out]) == 0
+    saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
+    model = mp.Transformer(mp.TransformerConfig(**tck["config"]))
+    model.load_state_dict(tck["model"])
+    task = T.make_task("parity2", readout="mean").setup()
+    want, logits = task.teacher_prior(mp.mean_attention(model.eval(), task.teacher_inputs(16)), "pattern", 1.5, 5.0, 5.0)
+    assert torch.equal(saved["pattern"], want) and torch.equal(saved["logits"], logits)
+    assert torch.equal(_mask_start(out), logits.expand(2, -1, -1))
+    assert train.main(["--resume", "--out", out]) == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    src = res["prior_source"]
+    assert (src["from"], src["teacher"], src["teacher_run_id"], src["kind"]) == \
+        ("teacher", os.path.abspath(teacher), tck["identity"]["run_id"], "pattern")
+    assert 0 <= src["precision"] <= 1 and 0 <= src["recall"] <= 1 and src["oracle_pairs"] == 2
+    assert json.load(open(os.path.join(out, "args.json")))["prior_from"] == teacher
+    assert train.main([*common, "--init", "qk-svd", "--out", str(tmp_path / "qk")]) == 0
+    qk = json.load(open(tmp_path / "qk" / "result.json"))
+    assert qk["prior_source"]["teacher_run_id"] == src["teacher_run_id"] and (tmp_path / "qk" / "prior.pt").exists()
+    assert train.main([*common, "--init", "mask", "--prior-kind", "logits", "--out", str(tmp_path / "soft")]) == 0
+    soft = torch.load(tmp_path / "soft" / "prior.pt", weights_only=True)
+    assert soft["logits"].shape == (2, 15, 15) and not torch.equal(soft["logits"], logits.expand(2, -1, -1))
+
+
+def test_a_discovered_pattern_runs_and_is_recorded(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "3", "--out", out]) == 0
+    src = json.load(open(os.path.join(out, "result.json")))["prior_source"]
+    assert src == {"from": "data", "pattern": "discovered", "precision": 1.0, "recall": 1.0, "found_pairs": 2,
+                   "oracle_pairs": 2}
+    assert torch.equal(torch.load(os.path.join(out, "prior.pt"), weights_only=True)["pattern"],
+                       T.make_task("parity2", readout="mean").pattern())       # the preset layout
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("not a folder", "is not a folder; give the folder of a finished run"),
+    ("unfinished", "is not a finished run (no result.json)"),
+    ("another task", "is a run of task majority3, not parity2"),
+    ("another layout", "has another token layout: readout cls (here mean)"),
+    ("another head count", "has 4 heads, this run 2: --prior-kind logits gives each head its own M"),
+    ("a kind of another family", "--prior-kind offsets does not apply to task parity2"),
+    ("damaged checkpoint", "is damaged"),
+    ("a checkpoint that runs code", "would run code if unpickled"),
+    ("discovered on vision", "has no pattern 'discovered'"),
+])
+def test_a_prior_from_that_cannot_serve_is_one_line_and_writes_nothing(tmp_path, capsys, case, needle, image_dir):
+    teacher = {"not a folder": str(tmp_path / "nothing"), "unfinished": None}.get(case, None)
+    extra, argv = [], [*TINY, "--readout", "mean", "--steps", "2", "--init", "mask"]
+    if case == "unfinished":
+        teacher = _teacher(tmp_path, "--halt-after", "3")
+    elif case == "another task":
+        teacher = _teacher(tmp_path, "--task", "majority3")
+    elif case == "another layout":
+        teacher = _teacher(tmp_path, "--readout", "cls")
+    elif case == "another head count":
+        teacher = _teacher(tmp_path, "--heads", "4")
+        extra = ["--prior-kind", "logits"]
+    elif case == "a kind of another family":
+        teacher, extra = _teacher(tmp_path), ["--prior-kind", "offsets"]
+    elif case in ("damaged checkpoint", "a checkpoint that runs code"):
+        teacher = _teacher(tmp_path)
+        path = os.path.join(teacher, "ckpt.pt")
+        if case == "damaged checkpoint":
+            outer = torch.load(path, weights_only=True)
+            torch.save({**outer, "payload": outer["payload"][:-9] + b"123456789"}, path)
+        else:
+            torch.save({"model": _Touch(tmp_path / "ran")}, path)
+    if case == "discovered on vision":
+        argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
+                "--mlp-dim", "24", "--steps", "1", "--init", "mask", "--pattern", "discovered"]
+    else:
+        argv = [*argv, "--prior-from", teacher, *extra]
+    capsys.readouterr()
+    assert train.main([*argv, "--out", str(tmp_path / "student")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "student").exists() and not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("how", ["plain", "checksummed", "sample"])

@@ -181,6 +181,19 @@ class Config:
                                        group="prior", type=float, check="non_negative")
     qk_opt_pos_scale: float | None = setting(None, "qk-opt: multiply the positional embedding first",
                                                    group="prior", type=float, check="positive")
+    prior_from: str | None = setting(None, "a finished run folder of the same task and token layout (a teacher, e.g. a "
+                                           "default run): M (--init mask) or the QK inits' pattern is read from its "
+                                           "attention instead of the task's hand pattern",
+                                           group="prior", metavar="RUN", arch=True)
+    prior_kind: str | None = setting(None, "what --prior-from reads: pattern (keys or query-key pairs above --prior-ratio "
+                                           "times the uniform share), logits (M whose bias gives the teacher's mean "
+                                           "attention), relative (a profile per head and distance: language models) or "
+                                           "offsets (a profile per head and 2-D offset: vision); default: the task's "
+                                           "first",
+                                           group="prior", choices=("pattern", "logits", "relative", "offsets"), arch=True)
+    prior_ratio: float = setting(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
+                                      "attention share (default 1.5)",
+                                      group="prior", type=float, check="positive", arch=True)
     probe_size: int = setting(512, "batch size of the prior-mass probe", group="prior", type=int, check="positive")
     eval_points: int = setting(0, "Boolean and arithmetic tasks: evaluate the log steps on a fixed sample of this "
                                   "many cube points or test pairs (0 = all); the final evaluation uses all of them",
@@ -190,13 +203,22 @@ class Config:
                                         " the bit tokens; the pattern follows the layout",
                                         group="boolean", choices=tuple(T.READOUTS), arch=True)
     n_bits: int = setting(15, "kparity, kmajority: input bits (default 15)", group="boolean", type=int, arch=True)
-    bits: str = setting("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2)",
+    bits: str = setting("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2; random:K draws K of them "
+                                 "by the seed)",
                                  group="boolean", arch=True)
-    unseen: str = setting("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1)",
+    unseen: str = setting("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1; bits:J: the "
+                                   "first J of --bits)",
                                  group="boolean", arch=True)
     train_size: int | None = setting(None, "kparity, kmajority: draws from the seen domain (default: every seen "
                                            "point)",
                                            group="boolean", type=int)
+    discover_degree: int = setting(3, "Boolean tasks, --pattern discovered: the Walsh sets of the training data of up "
+                                      "to this many bits (default 3)",
+                                      group="boolean", type=int, check="positive", arch=True)
+    discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets (digit "
+                                              "pairs) whose Walsh coefficient (mutual information) is at least this "
+                                              "fraction of the largest (default 0.25)",
+                                              group="boolean", type=float, check="positive", arch=True)
     # arithmetic
     data_frac: float | None = setting(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for addition, "
                                             "0.03 for multiplication)",
@@ -508,36 +530,46 @@ def build_model(args, task, device):
     return model.to(device), cfg
 
 
-# The inits: name -> function(model, task, args, generator) that writes the task's prior into the
-# model in place and returns a small report. Add one here and it is a --init.
+@dataclass
+class Prior:
+    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit and the probe
+    measures the mass on; `logits`, the initial M of --init mask; and `source`, where both came from (the
+    task's hand pattern, its training data, or a teacher run's attention), recorded in result.json."""
+    pattern: torch.Tensor
+    logits: torch.Tensor
+    source: dict
 
-def init_default(model, task, args, g) -> dict:
+
+# The inits: name -> function(model, prior, args, generator) that writes the prior (`Prior`: its pattern or
+# its logits) into the model in place and returns a small report. Add one here and it is a --init.
+
+def init_default(model, prior, args, g) -> dict:
     return {}
 
 
-def init_mask(model, task, args, g) -> dict:
-    """M from the task: +m_on on the pattern, -m_off elsewhere, or the task's own graded M."""
-    return mp.init_mask_(model, logits=task.mask_logits(args.pattern, args.mask_on, args.mask_off))
+def init_mask(model, prior, args, g) -> dict:
+    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
+    return mp.init_mask_(model, logits=prior.logits)
 
 
-def init_qk_svd(model, task, args, g) -> dict:
-    return mp.init_qk_svd_(model, task.pattern(args.pattern), args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
+def init_qk_svd(model, prior, args, g) -> dict:
+    return mp.init_qk_svd_(model, prior.pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
                            args.qk_svd_pos_scale, generator=g)
 
 
-def init_qk_opt(model, task, args, g) -> dict:
-    return mp.init_qk_opt_(model, task.pattern(args.pattern), args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
+def init_qk_opt(model, prior, args, g) -> dict:
+    return mp.init_qk_opt_(model, prior.pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
                            pos_scale=args.qk_opt_pos_scale, generator=g)
 
 
-def init_mimetic(model, task, args, g) -> dict:
+def init_mimetic(model, prior, args, g) -> dict:
     return mp.init_mimetic_(model, generator=g)
 
 
-def init_impulse(model, task, args, g) -> dict:
+def init_impulse(model, prior, args, g) -> dict:
     """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
     for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
-    report = mp.init_qk_svd_(model, task.pattern(args.pattern), args.qk_svd_scale, args.qk_svd_noise,
+    report = mp.init_qk_svd_(model, prior.pattern, args.qk_svd_scale, args.qk_svd_noise,
                              args.qk_svd_norm, args.qk_svd_pos_scale or 18.0, generator=g)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
     return report
@@ -547,9 +579,88 @@ INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-
          "mimetic": init_mimetic, "impulse": init_impulse}
 
 
-def apply_init(model, task, args) -> dict:
-    """Write the task's prior into the model as args.init says; returns the init's report."""
-    return INITS[args.init](model, task, args, torch.Generator().manual_seed(args.seed + 1))
+def apply_init(model, prior: Prior, args) -> dict:
+    """Write the prior into the model as args.init says; returns the init's report."""
+    return INITS[args.init](model, prior, args, torch.Generator().manual_seed(args.seed + 1))
+
+
+def make_prior(args, task, device) -> Prior:
+    """The run's prior: from --prior-from's teacher (`teacher_prior`), else the task's --pattern (the hand
+    patterns, or `discovered` in the training data), with precision and recall of its pairs against the
+    task's default hand pattern where the prior is not a hand one."""
+    if args.prior_from is not None:
+        pattern, logits, source = teacher_prior(args, task, device)
+    else:
+        name = task.check_pattern(args.pattern)
+        pattern, logits = task.pattern(name), task.mask_logits(name, args.mask_on, args.mask_off)
+        source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
+    if source["from"] != "hand":
+        source.update(pattern_agreement(pattern, task.pattern(task.DEFAULT_PATTERN), task.arch().get("causal", False)))
+    return Prior(pattern, logits, source)
+
+
+LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")   # what a teacher's maps must share
+
+
+def teacher_prior(args, task, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """--prior-from RUN: the teacher's checkpoint read as someone else's file (its checksum, weights_only=True),
+    its task, token layout and (for a per-head prior) head count checked against this run's, its model rebuilt
+    and its mean attention read on its own training inputs (`T.Task.teacher_inputs`: its task made from its
+    flags, so a teacher of another corpus reads its own), then turned into this task's prior
+    (`T.Task.teacher_prior`). Returns (pattern, logits, source); anything else is one line."""
+    folder, flag = args.prior_from, f"--prior-from {args.prior_from}"
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
+    if not os.path.isfile(os.path.join(folder, "result.json")):
+        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
+    ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
+    saved, mine = ckpt["args"], asdict(model_config(args, task))
+    if not isinstance(saved, dict) or saved.get("task") != args.task:
+        raise UsageError(f"{flag} is a run of task {saved.get('task') if isinstance(saved, dict) else '?'}, not "
+                         f"{args.task}: a teacher is a run of the same task")
+    other = {k: (ckpt["config"].get(k), mine.get(k)) for k in LAYOUT if ckpt["config"].get(k) != mine.get(k)}
+    if other:
+        what = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in other.items())
+        raise UsageError(f"{flag} has another token layout: {what}; a teacher's attention maps must cover this "
+                         f"run's positions")
+    kind = args.prior_kind or task.TEACHER_KINDS[0]
+    if kind not in task.TEACHER_KINDS:
+        raise UsageError(f"--prior-kind {kind} does not apply to task {args.task}; choose from "
+                         f"{', '.join(task.TEACHER_KINDS)}")
+    if kind != "pattern" and ckpt["config"]["n_heads"] != args.heads:
+        raise UsageError(f"{flag} has {ckpt['config']['n_heads']} heads, this run {args.heads}: --prior-kind {kind} "
+                         f"gives each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
+    teacher_args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
+    teacher_task = make_task(teacher_args)
+    setup_task(teacher_task, device)
+    cfg = ckpt["config"]
+    try:
+        teacher = (mp.ViT(mp.ViTConfig(**cfg)) if "patch_size" in cfg else mp.Transformer(mp.TransformerConfig(**cfg)))
+        teacher.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UsageError(f"{flag}: its checkpoint does not rebuild its model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]})") from None
+    teacher.to(device).eval()
+    attn = mp.mean_attention(teacher, teacher_task.teacher_inputs(args.probe_size))
+    pattern, logits = task.teacher_prior(attn, kind, args.prior_ratio, args.mask_on, args.mask_off)
+    return pattern, logits, {"from": "teacher", "teacher": os.path.abspath(folder),
+                             "teacher_run_id": (ckpt.get("identity") or {}).get("run_id"), "teacher_init": saved["init"],
+                             "teacher_steps": ckpt["step"], "kind": kind, "ratio": args.prior_ratio}
+
+
+def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
+    """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an oracle's, over
+    the rows the oracle constrains (per head where both are per head, else over the union of heads)."""
+    if found.dim() != oracle.dim():
+        found, oracle = (p.any(0) if p.dim() == 3 else p for p in (found, oracle))
+    rows = mp.prior_rows(oracle, causal)
+    n = oracle.shape[-1]
+    off_diagonal = ~torch.eye(n, dtype=torch.bool)
+    keep = off_diagonal & (rows[..., :, None] if rows.dim() == oracle.dim() - 1 else rows)
+    f, o = found.cpu() & keep, oracle.cpu() & keep
+    hit = int((f & o).sum())
+    return {"precision": hit / max(1, int(f.sum())), "recall": hit / max(1, int(o.sum())),
+            "found_pairs": int(f.sum()), "oracle_pairs": int(o.sum())}
 
 
 def make_optimizer(model, args):
@@ -733,6 +844,7 @@ class Run:
     seconds: float = 0.0            # training time before this invocation
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
     data: str | None = None         # the task's data fingerprint (T.Task.fingerprint), saved in ckpt.pt
+    prior_source: dict | None = None  # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
@@ -864,13 +976,14 @@ def size_schedule(args: Config, explicit: set, task) -> Config:
 @dataclass
 class Built:
     """What a config builds (`build`): the config with its schedule sized, the task set up, the model
-    and its model config, the optimiser, and the init's report (None when the init was not applied)."""
+    and its model config, the optimiser, and the init's report and prior (None when the init was not applied)."""
     args: Config
     task: T.Task
     model: torch.nn.Module
     cfg: object
     optimizer: torch.optim.Optimizer
     init_report: dict | None
+    prior: Prior | None = None      # what the init wrote (None when it was not applied)
 
 
 def build(args: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
@@ -884,16 +997,17 @@ def build(args: Config, device: torch.device | None = None, explicit: set = froz
     setup_task(task, device)
     args = size_schedule(args, explicit, task)
     model, cfg = build_model(args, task, device)
-    report = None
+    report = prior = None
     if init:
         t0 = time.time()
+        prior = make_prior(args, task, device)
         try:
-            report = apply_init(model, task, args)
+            report = apply_init(model, prior, args)
         except ValueError as e:     # a pattern that does not fit the model: nothing is written
             raise UsageError(f"--init {args.init}: {e}") from None
         report["seconds"] = round(time.time() - t0, 3)
         model.to(device)
-    return Built(args, task, model, cfg, make_optimizer(model, args), report)
+    return Built(args, task, model, cfg, make_optimizer(model, args), report, prior)
 
 
 def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
@@ -905,18 +1019,21 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
     if ckpt is not None and args.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {args.out} is at step {ckpt['step']}, past --steps "
                          f"{args.steps}; give --steps {ckpt['step']} or more")
-    pattern = task.pattern(args.pattern).to(device)
+    prior_source = built.prior.source if ckpt is None else ckpt.get("prior_source") or {"from": "hand"}
+    pattern = (built.prior.pattern if ckpt is None else saved_pattern(args, task, prior_source)).to(device)
     inputs = task.probe_inputs(args.probe_size)
     if ckpt is None:
         init_report = built.init_report
         check_start(model, task, args, device)
         probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
         state = Run(args, task, model, cfg, built.optimizer, probe, device, init_report, None, folder,
-                    dist, run_id=uuid.uuid4().hex, data=task.fingerprint())
+                    dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior_source)
         if dist.main:
             start = probe.measure(model)
             state.mass_start = start["prior_mass"]
             write_json(state.path("args.json"), asdict(args))
+            if prior_source["from"] != "hand":          # found, not written by hand: kept beside the run
+                save_prior(state.path("prior.pt"), built.prior)
             T.atomic_write(state.path("metrics.jsonl"),
                            json.dumps({"step": 0, "loss": None, "run_id": state.run_id, **start}) + "\n")
             save_checkpoint(state)              # last: a folder with a checkpoint is a run
@@ -942,7 +1059,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
                     folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
                     run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
-                    saved_step=ckpt["step"], data=ckpt.get("data"))
+                    saved_step=ckpt["step"], data=ckpt.get("data"), prior_source=prior_source)
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -964,6 +1081,27 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
         state.trained = torch.nn.parallel.DistributedDataParallel(
             state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     return state
+
+
+def save_prior(path: str, prior: Prior) -> None:
+    """prior.pt: the pattern and logits a run started from and their source (torch.save, weights_only loadable)."""
+    buf = io.BytesIO()
+    torch.save({"pattern": prior.pattern.cpu(), "logits": prior.logits.cpu(), "source": prior.source}, buf)
+    T.atomic_write(path, buf.getvalue())
+
+
+def saved_pattern(args, task, source: dict) -> torch.Tensor:
+    """A resumed run's probe pattern: its prior.pt (a prior found from data or a teacher), else the task's."""
+    path = os.path.join(args.out, "prior.pt")
+    if source.get("from", "hand") == "hand":
+        return task.pattern(args.pattern)
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume: {path} is missing: the run started from a prior found in its "
+                         f"{source['from']}, saved there; restore the file")
+    saved = _load_tensors(path, path, "--resume")
+    if not isinstance(saved, dict) or not isinstance(saved.get("pattern"), torch.Tensor):
+        raise UsageError(f"--resume: {path} does not hold the run's prior (a dict with its pattern)")
+    return saved["pattern"]
 
 
 def check_same_data(ckpt: dict, task, args) -> None:
@@ -1136,7 +1274,8 @@ def finish(state: Run) -> int:
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
               **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
-              "init_report": state.init_report, "config": asdict(state.cfg), "device": str(state.device),
+              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.cfg),
+              "device": str(state.device),
               "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
     write_json(state.path("result.json"), result)
     print(f"done: {fmt_metrics(last, state.task)} | training {fmt_time(state.seconds)}, "
@@ -1239,7 +1378,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "prior_mass_start": state.mass_start,
             **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
             **({"identity": identity(state.args, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
-            "data": state.data, "machine": machine(state.device),
+            "data": state.data, "machine": machine(state.device), "prior_source": state.prior_source,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     buf = io.BytesIO()
@@ -1314,7 +1453,7 @@ class RunFolder:
     on the folder itself, released when the process exits), so that two processes never share one.
     A folder holds a run once it has ckpt.pt (the first save writes it last) or result.json; a new
     run may take over a folder without them (a start that died before its first checkpoint)."""
-    OURS = ("args.json", "metrics.jsonl", "result.json", "ckpt.pt")
+    OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
 
     def __init__(self, path: str):
         if not path:
@@ -1385,7 +1524,7 @@ class RunFolder:
         """A new run that failed before its first checkpoint: remove what it wrote, and the folder if
         it made it and nothing else is there."""
         if not os.path.exists(self.file("ckpt.pt")):
-            for name in ("args.json", "metrics.jsonl"):
+            for name in ("args.json", "prior.pt", "metrics.jsonl"):
                 with contextlib.suppress(OSError):
                     os.remove(self.file(name))
             if self.created:

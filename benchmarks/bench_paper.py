@@ -68,7 +68,7 @@ def build(task_name: str, init: str, device: torch.device, extra: list):
     elif kind in ("boolean", "arithmetic"):
         task.setup(device)
     model, cfg = train.build_model(args, task, device)
-    train.apply_init(model, task, args)
+    train.apply_init(model, train.make_prior(args, task, device), args)
     opt = train.make_optimizer(model, args)
     g = torch.Generator().manual_seed(0)
     b = args.batch_size

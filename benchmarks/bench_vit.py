@@ -32,7 +32,7 @@ def build(init: str, extra: list, device: torch.device):
     args = dataclasses.replace(args, steps=args.steps or 10 ** 6)     # a schedule length for train_step's lr
     task = train.make_task(args)
     model, cfg = train.build_model(args, task, device)
-    train.apply_init(model, task, args)
+    train.apply_init(model, train.make_prior(args, task, device), args)
     return model, train.make_optimizer(model, args), cfg, args, task
 
 
