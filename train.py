@@ -2387,6 +2387,140 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     return written + [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
 
 
+
+# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
+# its init and its tag (less a corpus prefix, which names the row instead: the language stand-in's teacher reads
+# corpus A, its students corpus B).
+ORACLE_FREE_COLUMNS = (("default", "default", ""), ("hand pattern, mask", "mask", ""),
+                       ("found in the data, mask", "mask", "discovered"), ("from the teacher, mask", "mask", "teacher"),
+                       ("from an impulse teacher, mask", "mask", "teacher-impulse"),
+                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"), ("impulse", "impulse", ""),
+                       ("default, the teacher's + the student's steps", "default", "budget2x"))
+ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100), "arithmetic": ("seq_acc", "sequence accuracy %", 100),
+                      "vision": ("top1", "top-1 %", 100), "lm": ("val_ppl", "validation perplexity", 1)}
+
+
+def oracle_free_cell(run: dict) -> tuple[str, str]:
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the corpus the tag
+    names), the tag what follows -sSEED-."""
+    name = os.path.basename(os.path.normpath(run["run_dir"]))
+    tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
+    corpus = ""
+    if tag.startswith("corpus"):
+        corpus, _, tag = tag.partition("-")
+        corpus = f", corpus {corpus[-1]}"
+    return run["task"] + corpus, tag
+
+
+def oracle_free(folder: str, out_dir: str) -> list[str]:
+    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their number), and
+    the found patterns' precision and recall of pairs against the hand pattern; oraclefree_patterns.png (with
+    matplotlib): for seed 0, the hand pattern beside the one found in the data and the teacher's."""
+    runs, problems = collect_runs([folder])
+    table, agreement, rows = {}, {}, []
+    for r in runs:
+        row, tag = oracle_free_cell(r)
+        if row not in rows:
+            rows.append(row)
+        table.setdefault(row, {}).setdefault((r["init"], tag), []).append(r)
+        src = r.get("prior_source") or {}
+        if "precision" in src and r["init"] == "mask":          # qk-svd reads the same teacher's pattern
+            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
+    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
+    out = ["| task | metric | " + " | ".join(h for h, _, _ in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for row in rows:
+        kind = next(iter(table[row].values()))[0].get("kind", "boolean")
+        key, label, scale = ORACLE_FREE_METRIC.get(kind, ORACLE_FREE_METRIC["boolean"])
+        cells = []
+        for _, init, tag in cols:
+            rs = table[row].get((init, tag), [])
+            vals = [scale * r["metrics"][key] for r in rs if r["metrics"].get(key) is not None]
+            cells.append(f"{mean_std(vals)} ({len(vals)})" if vals else "")
+        out.append(f"| {row} | {label} | " + " | ".join(cells) + " |")
+    out += ["", "| task | found in | precision of its pairs | recall | seeds |", "|---|---|---|---|---|"]
+    for row in rows:
+        for tag, pr in agreement.get(row, {}).items():
+            out.append(f"| {row} | {'the data' if tag == 'discovered' else tag} | {mean_std([p for p, _ in pr])} | "
+                       f"{mean_std([r for _, r in pr])} | {len(pr)} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    path = os.path.join(out_dir, "oraclefree.md")
+    T.atomic_write(path, "\n".join(out) + "\n")
+    return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows, out_dir)
+
+
+def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
+    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, one line
+    per variant with a prior (mean over seeds, band = min to max)."""
+    plt = pyplot()
+    curves = []
+    for row in rows:
+        lines = {}
+        for head, init, tag in ORACLE_FREE_COLUMNS:
+            by_step = {}
+            for r in table[row].get((init, tag), []) if init != "default" else []:
+                for rec in log_records(r):
+                    if rec.get("prior_mass_mean") is not None:
+                        by_step.setdefault(rec["step"], []).append(rec["prior_mass_mean"])
+            if by_step:
+                lines[head] = by_step
+        if lines:
+            curves.append((row, lines))
+    if plt is None or not curves:
+        return []
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for ax, (row, lines) in zip(axes[0], curves):
+        for i, (head, by_step) in enumerate(lines.items()):
+            plot_band(ax, by_step, head, colour=colours(i % 10))
+        ax.set_title(row, fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention mass on the prior's pattern")
+    axes[0][-1].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_mass.png"), dpi=110)]
+
+
+def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
+    """oraclefree_patterns.png: per task, seed 0's hand pattern (black: allowed) beside the one its
+    discovered and teacher runs started from (prior.pt), all layers' first head."""
+    plt = pyplot()
+    panels = []
+    for row in rows:
+        for init, tag, title in (("mask", "", "hand"), ("mask", "discovered", "found in the data"),
+                                 ("mask", "teacher", "from the teacher"), ("mask", "teacher-impulse", "impulse teacher")):
+            first = sorted(table[row].get((init, tag), []), key=lambda r: r["seed"])[:1]
+            if not first:
+                continue
+            prior = os.path.join(first[0]["run_dir"], "prior.pt")
+            if tag:
+                if not os.path.isfile(prior):
+                    continue
+                pattern = torch.load(prior, weights_only=True)["pattern"]
+            else:
+                saved = load_json(os.path.join(first[0]["run_dir"], "args.json"))
+                args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
+                pattern = make_task(args).pattern(args.pattern)
+            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
+    if plt is None or not panels:
+        return []
+    cols = 4
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.0 * cols, 3.0 * -(-len(panels) // cols)),
+                             squeeze=False)
+    for ax, (title, p) in zip(axes.flat, panels):
+        ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(title, fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Patterns the priors started from: row = query, column = key, black = allowed (first head)", fontsize=9)
+    fig.tight_layout()
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"), dpi=110)]
+
+
 def report(runs_dir: str, out_dir: str) -> list[str]:
     """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
     paper's number beside ours), the robustness grid, the persistence curves of the Boolean runs,
@@ -2419,6 +2553,8 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
                             f"{ablation(folders)}")
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir)
+    if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
+        written += oracle_free(os.path.join(runs_dir, "oraclefree"), out_dir)
     data, arithmetic = os.path.join(runs_dir, "data"), os.path.join(runs_dir, "arithmetic")
     if os.path.isdir(data):
         written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
@@ -2497,7 +2633,7 @@ def make_wikitext(folder: str, files: list) -> int:
     return 0
 
 
-REPORT_FOLDERS = (*TABLES, "ablation", "data")      # what `report` reads in a runs folder
+REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")      # what `report` reads in a runs folder
 
 
 def report_command(runs: str, out: str) -> int:
