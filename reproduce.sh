@@ -244,39 +244,48 @@ if [ "$ONLY" = oraclefree ]; then
         "$PY" -c "import sys, train; print(2 * train.resolve(*train.parse_args(sys.argv[1:])).steps)" --task "$@" \
             || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
     }
-    for t in parity2 majority3 cyclic3 kparity kmajority addition; do add $OF "$t" default "$(boolean_flags $t)"; done
     VISION=0; LM=0
     have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
         cifar-10-batches-bin/data_batch_1.bin && VISION=1
     have "two WikiText-2 layouts (python train.py make-wikitext DIR/vimtext-a FILES...; vimtext-b)" \
         vimtext-a/wikitext-2/wiki.train.tokens && have "vimtext-b" vimtext-b/wikitext-2/wiki.train.tokens && LM=1
-    [ "$VISION" = 1 ] && add $OF cifar10 "default impulse" "--data-dir @DATA"
-    [ "$LM" = 1 ] && add $OF wikitext2 default "--data-dir @DATA/vimtext-a" corpusA
-    LIST+=("WAIT")
-    for t in parity2 majority3 cyclic3 kparity kmajority addition; do
-        f=$(boolean_flags $t)
-        add $OF "$t" mask "$f"
-        add $OF "$t" mask "$f --pattern discovered" discovered
-        for s in $SEEDS; do for i in mask qk-svd; do
-            LIST+=("$OF $t $i $s teacher $f $TEACHER/$t-default-s$s")
-        done; done
-        add $OF "$t" default "$f --steps $(twice "$t" $f)" budget2x
+    # the cheap tasks first, cyclic3 (8,000 steps a run) last
+    for group in "parity2 kparity majority3 kmajority addition" vision lm cyclic3; do
+        [ "$group" = vision ] && [ "$VISION" = 0 ] && continue
+        [ "$group" = lm ] && [ "$LM" = 0 ] && continue
+        case "$group" in
+            vision) add $OF cifar10 "default impulse" "--data-dir @DATA" ;;
+            lm) add $OF wikitext2 default "--data-dir @DATA/vimtext-a" corpusA ;;
+            *) for t in $group; do add $OF "$t" default "$(boolean_flags $t)"; done ;;
+        esac
+        LIST+=("WAIT")
+        case "$group" in
+            vision)
+                add $OF cifar10 mask "--data-dir @DATA"
+                for s in $SEEDS; do
+                    LIST+=("$OF cifar10 mask $s teacher --data-dir @DATA $TEACHER/cifar10-default-s$s")
+                    LIST+=("$OF cifar10 mask $s teacher-impulse --data-dir @DATA $TEACHER/cifar10-impulse-s$s")
+                done
+                epochs=$("$PY" -c "import train; print(int(train.resolve(*train.parse_args(['--task', 'cifar10'])).epochs))")
+                add $OF cifar10 default "--data-dir @DATA --epochs $(( 2 * epochs ))" budget2x ;;
+            lm)
+                add $OF wikitext2 "default mask" "--data-dir @DATA/vimtext-b" corpusB
+                for s in $SEEDS; do
+                    LIST+=("$OF wikitext2 mask $s corpusB-teacher --data-dir @DATA/vimtext-b $TEACHER/wikitext2-default-s$s-corpusA")
+                done
+                add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps $(twice wikitext2 --data-dir .)" corpusB-budget2x ;;
+            *)
+                for t in $group; do
+                    f=$(boolean_flags $t)
+                    add $OF "$t" mask "$f"
+                    add $OF "$t" mask "$f --pattern discovered" discovered
+                    for s in $SEEDS; do for i in mask qk-svd; do
+                        LIST+=("$OF $t $i $s teacher $f $TEACHER/$t-default-s$s")
+                    done; done
+                    add $OF "$t" default "$f --steps $(twice "$t" $f)" budget2x
+                done ;;
+        esac
     done
-    if [ "$VISION" = 1 ]; then
-        add $OF cifar10 mask "--data-dir @DATA"
-        for s in $SEEDS; do
-            LIST+=("$OF cifar10 mask $s teacher --data-dir @DATA $TEACHER/cifar10-default-s$s")
-            LIST+=("$OF cifar10 mask $s teacher-impulse --data-dir @DATA $TEACHER/cifar10-impulse-s$s")
-        done
-        add $OF cifar10 default "--data-dir @DATA --epochs $(( 2 * $("$PY" -c "import train; print(int(train.resolve(*train.parse_args(['--task', 'cifar10'])).epochs))") ))" budget2x
-    fi
-    if [ "$LM" = 1 ]; then
-        add $OF wikitext2 "default mask" "--data-dir @DATA/vimtext-b" corpusB
-        for s in $SEEDS; do
-            LIST+=("$OF wikitext2 mask $s corpusB-teacher --data-dir @DATA/vimtext-b $TEACHER/wikitext2-default-s$s-corpusA")
-        done
-        add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps $(twice wikitext2 --data-dir .)" corpusB-budget2x
-    fi
 fi
 [ "$ONLY" = persistence ] && LIST=()
 
