@@ -240,10 +240,14 @@ if [ "$ONLY" = oraclefree ]; then
     OF=oraclefree; TEACHER="--prior-from @RUNS/$OF"
     boolean_flags() { case "$1" in kparity) echo "--bits random:2 --unseen bits:2" ;;
                                     kmajority) echo "--bits random:3 --unseen bits:2" ;; *) echo "" ;; esac; }
-    twice() {   # twice TASK FLAGS...: the preset's steps for TASK, doubled (the teacher's and the student's)
-        "$PY" -c "import sys, train; print(2 * train.resolve(*train.parse_args(sys.argv[1:])).steps)" --task "$@" \
-            || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
-    }
+    # the teacher's and the student's budget together: each task's preset steps (the digits': epochs), doubled
+    declare -A TWICE
+    while read -r task n; do TWICE[$task]=$n; done < <("$PY" -c "
+import train
+for t in ('parity2', 'kparity', 'majority3', 'kmajority', 'addition', 'wikitext2', 'cyclic3', 'cifar10'):
+    c = train.resolve(*train.parse_args(['--task', t]))
+    print(t, 2 * int(c.steps or c.epochs))")
+    [ -n "${TWICE[cyclic3]:-}" ] || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
     VISION=0; LM=0
     have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
         cifar-10-batches-bin/data_batch_1.bin && VISION=1
@@ -266,14 +270,13 @@ if [ "$ONLY" = oraclefree ]; then
                     LIST+=("$OF cifar10 mask $s teacher --data-dir @DATA $TEACHER/cifar10-default-s$s")
                     LIST+=("$OF cifar10 mask $s teacher-impulse --data-dir @DATA $TEACHER/cifar10-impulse-s$s")
                 done
-                epochs=$("$PY" -c "import train; print(int(train.resolve(*train.parse_args(['--task', 'cifar10'])).epochs))")
-                add $OF cifar10 default "--data-dir @DATA --epochs $(( 2 * epochs ))" budget2x ;;
+                add $OF cifar10 default "--data-dir @DATA --epochs ${TWICE[cifar10]}" budget2x ;;
             lm)
                 add $OF wikitext2 "default mask" "--data-dir @DATA/vimtext-b" corpusB
                 for s in $SEEDS; do
                     LIST+=("$OF wikitext2 mask $s corpusB-teacher --data-dir @DATA/vimtext-b $TEACHER/wikitext2-default-s$s-corpusA")
                 done
-                add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps $(twice wikitext2 --data-dir .)" corpusB-budget2x ;;
+                add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps ${TWICE[wikitext2]}" corpusB-budget2x ;;
             *)
                 for t in $group; do
                     f=$(boolean_flags $t)
@@ -282,7 +285,7 @@ if [ "$ONLY" = oraclefree ]; then
                     for s in $SEEDS; do for i in mask qk-svd; do
                         LIST+=("$OF $t $i $s teacher $f $TEACHER/$t-default-s$s")
                     done; done
-                    add $OF "$t" default "$f --steps $(twice "$t" $f)" budget2x
+                    add $OF "$t" default "$f --steps ${TWICE[$t]}" budget2x
                 done ;;
         esac
     done

@@ -4020,6 +4020,23 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
+    # priors without an oracle: teachers, then students that read them; the digits (--data) and the two corpora
+    for corpus in ("vimtext-a", "vimtext-b"):
+        (tmp_path / "digits" / corpus / "wikitext-2").mkdir(parents=True)
+        (tmp_path / "digits" / corpus / "wikitext-2" / "wiki.train.tokens").write_text("")
+    r = _reproduce("--only", "oraclefree", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
+                   str(tmp_path / "digits"))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 47 and "47 runs" in r.stdout
+    teacher = f"--prior-from {runs}/oraclefree/majority3-default-s0"
+    assert sum("/majority3-mask-s0-teacher " in x and x.rstrip().endswith(teacher) for x in starts) == 1
+    assert sum("/majority3-qk-svd-s0-teacher " in x and teacher in x for x in starts) == 1
+    assert sum("/kparity-mask-s0-discovered " in x and "--bits random:2 --unseen bits:2 --pattern discovered" in x
+               for x in starts) == 1
+    assert sum("/cyclic3-default-s0-budget2x " in x and "--steps 16000" in x for x in starts) == 1
+    assert sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
+    order = [x.split("/oraclefree/")[1].split()[0] for x in starts]
+    assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith("cyclic3")
     # missing datasets are named, not fatal
     r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
     assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
