@@ -21,9 +21,10 @@ Whisper, CLIP, Swin...), or any module with an additive-mask keyword; `from_pret
 Face model saved with them, `remove_mask_prior` takes them out again.
 
 This file imports only torch and the standard library (transformers only inside the Hugging Face
-calls): copy it into your codebase. Reading order: pattern builders -> mask helpers -> the prior
-(`MaskPrior`) -> the prior in other models' attention -> attention -> blocks -> models ->
-sampling -> initialisers -> optimiser groups -> probes.
+calls): copy it into your codebase. Reading order: the method first (pattern builders -> mask
+helpers -> the prior, `MaskPrior` -> attention -> blocks -> models -> sampling -> initialisers ->
+optimiser groups -> probes -> priors from a trained model's attention), then, under its own banner,
+the retrofit into other libraries' models (`add_mask_prior` and what it needs).
 """
 from __future__ import annotations
 
@@ -392,802 +393,6 @@ def prior_parameter_names(model: nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------
-# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
-# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
-#   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
-#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that names an
-#            attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
-#            model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs.
-#   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
-#   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
-# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
-# `remove_mask_prior` takes every prior out again.
-
-HF_ATTENTION = "maskprior"            # the attn_implementation name the priors run under in transformers
-GRID = "the patch grid and any class/prefix tokens"
-
-
-@dataclass
-class Site:
-    """One attention layer `add_mask_prior` can reach, and what its model says about it."""
-    name: str
-    module: nn.Module
-    kind: str                          # "torch", "hf", "timm" or "keyword"
-    heads: int
-    cross: bool = False                # keys from another sequence
-    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
-    tokens: int | None = None          # exactly this many tokens (an image model's grid, a window), where known
-    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
-    prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
-    layout: str = GRID                 # what `tokens` counts, for error messages
-
-
-def _takes_keyword(module: nn.Module, keyword: str) -> bool:
-    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not trusted: a mask it
-    swallows and passes nowhere would be a prior that changes nothing."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return keyword in params and params[keyword].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                              inspect.Parameter.VAR_KEYWORD)
-
-
-def _heads_of(module: nn.Module) -> int | None:
-    for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
-        if isinstance(getattr(module, attr, None), int):
-            return getattr(module, attr)
-    cfg = getattr(module, "config", None)
-    return getattr(cfg, "num_attention_heads", None)
-
-
-def _hf_config(module: nn.Module):
-    """A transformers module's config (the model's own, under a prior's view of it), or None."""
-    cfg = getattr(module, "config", None)
-    cfg = cfg.model_config if isinstance(cfg, _PriorConfig) else cfg
-    return cfg if hasattr(cfg, "_attn_implementation") and hasattr(cfg, "to_dict") else None
-
-
-def _is_hf_attention(module: nn.Module) -> bool:
-    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
-    T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
-    source = sys.modules.get(type(module).__module__)
-    return (_hf_config(module) is not None and hasattr(module, "is_causal")
-            and (hasattr(module, "scaling") or hasattr(module, "scale"))
-            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
-
-
-def _is_timm_attention(module: nn.Module) -> bool:
-    return (type(module).__module__.startswith("timm.") and isinstance(getattr(module, "num_heads", None), int)
-            and _takes_keyword(module, "attn_mask"))
-
-
-def _window_tokens(module: nn.Module) -> int | None:
-    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or a child."""
-    for m in (module, *module.children()):
-        w = getattr(m, "window_size", None)
-        if isinstance(w, int) and not isinstance(w, bool):
-            return w * w
-        if isinstance(w, (tuple, list)) and w and all(isinstance(v, int) for v in w):
-            return math.prod(w)
-    return None
-
-
-def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
-    leaf = name.rpartition(".")[2].lower()
-    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in type(module).__name__.lower()
-            or "cross" in leaf or leaf == "encoder_attn"                              # BART, Whisper
-            or (parent is not None and "cross" in type(parent).__name__.lower())      # T5's EncDecAttention
-            or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
-
-
-def _positions(model: nn.Module) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix
-    tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a text model's most
-    positions (its config)."""
-    embed = getattr(model, "patch_embed", None)
-    if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
-        return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
-    for m in model.modules():
-        if isinstance(getattr(m, "num_patches", None), int) and isinstance(getattr(m, "num_positions", None), int):
-            return m.num_positions, None
-    for name, p in model.named_parameters():
-        if name.endswith("position_embeddings") and p.dim() == 3:
-            return p.shape[1], None
-    cfg = getattr(model, "config", None)
-    for attr in ("max_position_embeddings", "n_positions"):
-        if isinstance(getattr(cfg, attr, None), int):
-            return None, getattr(cfg, attr)
-    return None, None
-
-
-def _picked(modules, name: str, module: nn.Module) -> bool:
-    if callable(modules) and not isinstance(modules, (type, tuple)):
-        return bool(modules(name, module))
-    return isinstance(module, modules)
-
-
-def find_attention(model: nn.Module, modules=None) -> list[Site]:
-    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face
-    and timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate
-    `(name, module) -> bool`), exactly the modules it names (served as what they are, else by their mask
-    keyword)."""
-    named = dict(model.named_modules())
-    tokens, max_tokens = _positions(model)
-    sites = []
-    for name, m in named.items():
-        if modules is not None and not _picked(modules, name, m):
-            continue
-        parent = named.get(name.rpartition(".")[0]) if name else None
-        where = name or type(model).__name__
-        if isinstance(m, nn.MultiheadAttention):
-            sites.append(Site(where, m, "torch", m.num_heads, cross=_named_cross(name, m, parent)))
-        elif _is_hf_attention(m):
-            window = _window_tokens(m)
-            seen = window or tokens
-            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
-                              causal=bool(m.is_causal), tokens=seen, max_tokens=max_tokens, prefix=seen is None,
-                              layout="its attention window" if window else GRID))
-        elif _is_timm_attention(m):
-            sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
-        elif modules is not None:
-            sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
-    return sites
-
-
-def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
-    done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
-    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; {done}")
-
-
-def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
-    """One line for a model where add_mask_prior finds no layer: the attention-like modules it could not reach (their
-    own softmax: DeBERTa...), or none, and how to attach by hand."""
-    if modules is not None:
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
-    hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or passed to "
-            f"scaled_dot_product_attention) and name it with modules=")
-    own = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
-           and not any("attention" in type(c).__name__.lower() for c in m.children())]
-    if own:
-        name, m = own[0]
-        more = f" and {len(own) - 1} more" if len(own) > 1 else ""
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it can reach: {name} "
-                          f"({type(m).__name__}){more} computes its own softmax (it calls no transformers attention "
-                          f"function and names no `{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
-                          f"layer was changed")
-    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, Hugging Face or timm "
-                      f"attention; for an attention of your own, {hand}YourAttention")
-
-
-def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
-    return _hf_config(module)._attn_implementation
-
-
-def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
-    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by add_mask_prior's own
-    search, not named with `modules`)."""
-    if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
-        raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all is not trusted: a mask "
-                       f"it passes nowhere would change nothing): add `{mask_kwarg}=None` and pass it to "
-                       f"scaled_dot_product_attention", who)
-    if s.cross and s.kind in ("timm", "keyword"):
-        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve", who)
-    if s.kind == "timm" and s.tokens is None and found:
-        raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid (patch_embed.num_patches): "
-                       f"its pooled stages or branches see other token counts, which one prior cannot serve; give a "
-                       f"stage its own prior with modules=lambda name, m: name.startswith('<stage>.') and name.endswith('.attn')",
-                       who)
-    if s.kind == "hf":
-        impl = _hf_impl(s.module)
-        if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
-            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors and "
-                           f"loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
-        if impl not in ("sdpa", "eager"):
-            raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the model with "
-                           f"attn_implementation='sdpa' (or 'eager')", who)
-        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__], "eager_attention_forward"):
-            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to wrap: use 'sdpa'", who)
-
-
-def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
-               who: str = "add_mask_prior") -> MaskPrior:
-    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
-    shape = tuple(src.shape)
-    if hasattr(site.module, "mask_prior"):
-        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
-    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
-    if src.dim() == 3 and shape[0] != heads:
-        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
-    is_causal = site.causal if causal is None else causal
-    if site.causal is not None and is_causal != site.causal:
-        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
-    n, n_keys = shape[-2], shape[-1]
-    if not site.cross and n != n_keys:
-        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)", who)
-    if site.tokens is not None and not site.cross and n != site.tokens:
-        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build it for "
-                          f"{site.tokens} positions ({site.layout})", who)
-    if site.max_tokens is not None and n > site.max_tokens:
-        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
-    try:
-        prior = MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
-                          n_keys=n_keys if site.cross else None, prefix=site.prefix if prefix is None else prefix)
-    except ValueError as e:
-        raise _fail(site, str(e), who) from None
-    prior.where = site.name
-    return prior.to(next(site.module.parameters(), prior.mask_logits).device)
-
-
-def _recorded_layers(model: nn.Module) -> dict:
-    record = getattr(_hf_config(model), "mask_prior", None)
-    return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
-
-
-def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
-                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str = "full",
-                   prefix: bool | None = None, cross_attention: bool = False, modules=None,
-                   mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
-    (heads, N, N)) or `logits`; returns {layer name: MaskPrior}, the layers that got one.
-
-    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
-    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
-    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
-    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only
-    an encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style).
-    Self-attention gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
-    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to
-    what the layer is where it says (HF), else False. `prefix` (default: True for HF text models, else False)
-    lets a non-causal prior read shorter inputs as positions 0..t-1. Every layer is checked before any is
-    changed: one the prior cannot serve raises ValueError naming it, its class, heads and what to do, and the
-    model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
-    """
-    if logits is None:
-        check_pattern(pattern)
-    src = logits if logits is not None else pattern
-    if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
-        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
-    if getattr(model, "peft_config", None) is not None:
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
-                         f"save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
-                         f"its config (M then trains and is saved with the adapter); no layer was changed")
-    sites = find_attention(model, modules)
-    if not sites:
-        raise _unreachable(model, modules, mask_kwarg)
-    other = [s.name for s in sites if s.cross != cross_attention]
-    sites = [s for s in sites if s.cross == cross_attention]
-    if not sites:
-        way = ("leave out cross_attention=True" if cross_attention else
-               "pass cross_attention=True and an (N_query, N_key) pattern")
-        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
-                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); {way} to give it "
-                         f"a prior")
-    recorded = _recorded_layers(model)
-    for s in sites:
-        _check_site(model, s, modules is None, mask_kwarg)
-        if s.kind == "hf" and s.name in recorded:
-            raise _fail(s, f"has a name the config already records a prior under (given to a layer of "
-                           f"{recorded[s.name].get('part', 'another part')} by an earlier call): give both parts' layers "
-                           f"their priors from the whole model, picking them with modules=lambda name, m: ...")
-    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
-    for s in sites:                                   # every layer fits: now change them
-        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
-    _after_attach(model, sites, priors)
-    return priors
-
-
-# torch: nn.MultiheadAttention
-
-
-def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
-    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the
-    attn_mask (added to one the caller gave; a causal call's -inf folded in, since MHA drops a
-    mask it takes for the causal one)."""
-    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
-    kwargs = {**dict(zip(names, args)), **kwargs}
-    query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
-    batched = query.dim() == 3
-    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
-    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
-    if not prior.cross and key is not query:
-        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
-                         f"queries, {s} keys): give cross-attention its own prior with "
-                         f"add_mask_prior(..., cross_attention=True) and an (N_query, N_key) pattern")
-    bias = prior(t, query.dtype, k_len=s)
-    if batched:
-        bias = bias.repeat(query.shape[0 if mha.batch_first else 1], 1, 1)
-    given = kwargs.get("attn_mask")
-    if given is not None:
-        if given.dtype == torch.bool:                    # True = not allowed, for nn.MultiheadAttention
-            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
-        bias = bias + given
-    if kwargs.get("is_causal"):
-        bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
-        kwargs["is_causal"] = False
-    padding = kwargs.get("key_padding_mask")
-    if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
-        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
-                                                 device=bias.device).masked_fill(padding, float("-inf"))
-    if prior.record is not None:
-        kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
-    kwargs["attn_mask"] = bias
-    return (), kwargs
-
-
-def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
-    if mha.mask_prior.record is not None:
-        mha.mask_prior.record.append(output[1])
-
-
-def _attach_torch(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
-                          m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
-
-
-# timm and keyword: a module whose forward names an additive mask keyword
-
-
-def _amp_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
-    try:
-        if torch.is_autocast_enabled(x.device.type):
-            return torch.get_autocast_dtype(x.device.type)
-    except (TypeError, AttributeError):                 # torch < 2.4: device-type autocast queries missing
-        pass
-    return x.dtype
-
-
-def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added to a
-    mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a call with
-    is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
-    prior, key = module.mask_prior, module.mask_prior_kwarg
-    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    t = x.shape[-2]
-    bias = prior(t, _amp_dtype(x))
-    given = kwargs.get(key)
-    if given is not None:
-        bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
-    if kwargs.get("is_causal"):
-        bias = bias.masked_fill(future_keys(t, bias.device), float("-inf"))
-        kwargs["is_causal"] = False
-    kwargs[key] = bias
-    return args, kwargs
-
-
-def _timm_record_hook(drop: nn.Module, args: tuple, output):
-    prior = drop.mask_prior_owner.mask_prior
-    if prior.record is not None:
-        prior.record.append(args[0])
-
-
-def _attach_keyword(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
-    hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
-    drop = getattr(m, "attn_drop", None)
-    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
-        object.__setattr__(drop, "mask_prior_owner", m)       # a plain reference, not a submodule (no cycle)
-        hooks.append(drop.register_forward_hook(_timm_record_hook))
-    m.mask_prior_hooks = hooks
-
-
-def _timm_after(model: nn.Module, names: list[str]) -> None:
-    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
-    base = getattr(model, "no_weight_decay", None)
-    if callable(base):
-        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
-
-
-class _NoWeightDecay:
-    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
-    def __init__(self, names: set[str]):
-        self.names = frozenset(names)
-
-    def __call__(self) -> set[str]:
-        return set(self.names)
-
-
-# Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
-
-
-class _PriorConfig:
-    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach it),
-    except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention` (layers that
-    share the config keep theirs). `model_config` is the config itself."""
-    _attn_implementation = HF_ATTENTION
-
-    def __init__(self, model_config):
-        self.model_config = model_config
-
-    def __getattr__(self, name: str):
-        config = self.__dict__.get("model_config")
-        if config is None or name.startswith("__"):       # while being copied or unpickled: no read-through
-            raise AttributeError(name)
-        return getattr(config, name)
-
-
-def _register_hf() -> None:
-    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once, lazily)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register(HF_ATTENTION, hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
-
-
-def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
-    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from the model's
-    position ids (a static cache holds empty slots, so k_len - q_len is not it): one run shared by every row, else
-    one line. Without a cache or ids, the queries are the last q_len of the k_len positions (no check, so no sync:
-    HF leaves out the mask only where it sees one unpadded sequence per row)."""
-    if not prior.causal or k_len == q_len or position_ids is None:
-        return None
-    first = position_ids[:, :1]
-    run = first + torch.arange(q_len, device=position_ids.device)
-    if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
-        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed sequences) or differ between "
-                         f"rows, but the prior indexes one sequence's positions from 0: give each sequence its own row")
-    return int(first[0, 0])
-
-
-def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """(B, heads, q, k) float32 bias of a causal prior for a masked call: the rows and columns of each batch row's
-    own positions (a left-padded batch, a sliding window, a static or sliding-window KV cache).
-
-    allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or None. A query's
-    own key is the last one it sees, so each row's slot - position shift is read off its queries; a query that
-    sees no key, or no new one (padding), is left out. Without position ids the slots are the positions, and a
-    batch whose first query sees nothing (left padding) is refused."""
-    q_len, k_len = allowed.shape[-2:]
-    b = max(allowed.shape[0], 1 if position_ids is None else position_ids.shape[0])
-    allowed = allowed.expand(b, q_len, k_len)
-    seen = allowed.any(-1)                                                         # (B, q)
-    last = k_len - 1 - allowed.flip(-1).int().argmax(-1)                           # the last key each query sees
-    before_seen = torch.cat([torch.zeros_like(seen[:, :1]), seen[:, :-1]], 1)
-    before_last = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], 1)
-    own = seen & (~before_seen | (last > before_last))                             # it sees a new key: its own
-    if position_ids is None:
-        if not bool(seen[:, 0].all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (its first query sees no key), and the model "
-                             f"passes no position ids to read each row's positions from: pad on the right")
-        pos = last
-    else:
-        pos = position_ids.to(last.device).expand(b, q_len)
-    shift = last - pos                                                             # the slot of position 0
-    first = torch.where(own, shift, torch.iinfo(shift.dtype).max).amin(-1)         # (B,)
-    if bool(((shift != first[:, None]) & own).any()):
-        raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), but the prior "
-                         f"indexes one sequence's positions from 0: give each sequence its own row")
-    rows = torch.where(own, pos, 0)
-    if bool((rows >= prior.n).any()):
-        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit the mask size {prior.n}: "
-                         f"a causal prior serves positions 0 .. {prior.n - 1}")
-    cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
-    inside = (cols >= 0) & (cols < prior.n)
-    bias = prior(prior.n, torch.float32)[:, rows[:, :, None], cols.clamp(0, prior.n - 1)[:, None, :]]  # (H, B, q, k)
-    return bias.movedim(0, 1).masked_fill(~inside[:, None, None, :], float("-inf"))
-
-
-def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
-             kwargs: dict) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the queries' and keys'
-    positions, with HF's mask (padding, causal, sliding window: bool, or additive) folded in."""
-    q_len, k_len = query.shape[-2], key.shape[-2]
-    allowed = None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool else \
-        mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
-    if prior.cross:                                    # rows from the decoder's position (its KV cache)
-        start = getattr(module, "mask_prior_start", 0)
-        bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
-    elif prior.causal and allowed is not None:
-        bias = _causal_bias(prior, allowed[:, 0], kwargs.get("position_ids")).to(query.dtype)
-    else:
-        if allowed is not None and not bool(allowed[..., 0].any(-1).all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), but a non-causal prior "
-                             f"indexes sequence positions from 0: pad on the right (tokenizer.padding_side = 'right')")
-        start = _hf_start(prior, q_len, k_len, kwargs.get("position_ids"))
-        bias = prior(q_len, query.dtype, k_len=k_len, start=start).unsqueeze(0)
-        if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:   # CLIP's text tower
-            bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
-    if mask is None:
-        return bias
-    if mask.dtype == torch.bool:
-        return torch.where(mask[..., :k_len], bias, torch.finfo(bias.dtype).min)
-    return bias + mask[..., :k_len]
-
-
-def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, **kwargs):
-    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the module's
-    prior to the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
-    prior = getattr(module, "mask_prior", None)
-    if prior is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
-                           f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
-    module.mask_prior_pending = False
-    bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
-    if prior.record is not None:
-        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        prior.record.append(((query @ k.transpose(-2, -1)).float() * scale + bias.float()).softmax(-1))
-    return _hf_base(module)(module, query, key, value, bias, **kwargs)
-
-
-def _hf_base(module: nn.Module):
-    """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
-    between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    impl = _hf_impl(module)
-    if impl == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    if impl == "sdpa":
-        return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which cannot add the "
-                       f"prior's bias; use model.set_attn_implementation('sdpa') (or 'eager')")
-
-
-def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation without a bias; keys from
-    another sequence on a self-attention prior, or the other way round); note a cross-attention call's first query
-    row (its decoder position, from the KV cache)."""
-    _hf_base(module)
-    call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
-    prior = module.mask_prior
-    crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
-    if crossed != prior.cross:
-        what = ("a self-attention prior, but this call's keys come from another sequence" if crossed else
-                "a cross-attention prior, but this call attends to its own sequence")
-        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
-                         f"cross_attention=True) and an (N_query, N_key) pattern")
-    module.mask_prior_start = 0
-    cache = next((call[k] for k in ("cache", "past_key_values", "past_key_value") if call.get(k) is not None), None)
-    hidden = call.get("hidden_states", args[0] if args else None)
-    if prior.cross and hasattr(cache, "get_seq_length") and isinstance(hidden, torch.Tensor):
-        module.mask_prior_start = int(cache.get_seq_length(getattr(module, "layer_idx", None) or 0)) - hidden.shape[-2]
-    module.mask_prior_pending = True
-
-
-def _hf_reached(module: nn.Module, args: tuple, output) -> None:
-    """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
-    if getattr(module, "mask_prior_pending", False):
-        module.mask_prior_pending = False
-        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling transformers' attention function, "
-                           f"so its prior changed nothing; give it an attn_mask keyword and attach it with modules=")
-
-
-def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.config = _PriorConfig(m.config)
-    m.mask_prior_args = list(inspect.signature(m.forward).parameters)
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True), m.register_forward_hook(_hf_reached)]
-
-
-def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
-    """Record the priors in the model's config under the layers' names in `model` (and its class: a part of a model,
-    e.g. BART's encoder, is found again in the whole): save_pretrained writes them to config.json, mp.from_pretrained
-    re-attaches them, and a plain from_pretrained fails loudly (config.json names an attention implementation only
-    maskprior registers)."""
-    _register_hf()
-    cfg = _hf_config(model)
-    if cfg is None:
-        return
-    layers = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
-                     "param": p.param, "prefix": p.prefix, "part": type(model).__name__} for name, p in priors.items()}
-    record = getattr(cfg, "mask_prior", None) or {"layers": {}}
-    record["layers"].update(layers)
-    record["base"] = _hf_impl(sites[0].module)
-    cfg.mask_prior = record
-    cfg.attn_implementation = HF_ATTENTION
-
-
-def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given: a training forward after PEFT froze M (get_peft_model freezes
-    every parameter outside its adapter, and its adapter would not save M) is refused in one line."""
-    if not (model.training and torch.is_grad_enabled() and getattr(model, "peft_config", None) is not None):
-        return
-    for m in model.modules():
-        prior = getattr(m, "mask_prior", None) if "mask_prior" in m._modules else None
-        if isinstance(prior, MaskPrior) and not prior.mask_logits.requires_grad:
-            raise RuntimeError(f"{prior.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would "
-                               f"not save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M "
-                               f"trains and is saved with the adapter")
-
-
-def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
-    if any(s.kind == "torch" for s in sites):
-        for m in model.modules():
-            if isinstance(m, nn.TransformerEncoder):
-                m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
-                m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
-    hf = [s for s in sites if s.kind == "hf"]
-    if hf:
-        _hf_after(model, hf, priors)
-    _timm_after(model, prior_parameter_names(model))
-    if "mask_prior_guard" not in model.__dict__:
-        model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
-
-
-_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
-
-
-def remove_mask_prior(model: nn.Module) -> list[str]:
-    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors, hooks and layer
-    config views, their records in the model's config, the names added to timm's no_weight_decay. The model is the
-    plain one again (the same outputs, state_dict keys and config). Returns the names of the layers that had one."""
-    named = dict(model.named_modules())
-    layers = [(n, m) for n, m in named.items() if "mask_prior_hooks" in m.__dict__]
-    if not layers:
-        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from add_mask_prior")
-    cfg, gone = _hf_config(model), {id(m) for _, m in layers}
-    recorded = _recorded_layers(model)
-    for key, geo in list(recorded.items()):
-        name = _resolve_recorded(model, named, key, geo)
-        if name is not None and id(named[name]) in gone:
-            del recorded[key]
-    if cfg is not None and isinstance(getattr(cfg, "mask_prior", None), dict) and not recorded:
-        delattr(cfg, "mask_prior")
-        if getattr(cfg, "attn_implementation", None) == HF_ATTENTION:
-            delattr(cfg, "attn_implementation")
-    for _, m in layers:
-        for hook in m.mask_prior_hooks:
-            hook.remove()
-        if isinstance(m.__dict__.get("config"), _PriorConfig):
-            m.config = m.config.model_config
-        drop = getattr(m, "attn_drop", None)
-        if isinstance(drop, nn.Module):
-            drop.__dict__.pop("mask_prior_owner", None)
-        for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
-                     "mask_prior_pending"):
-            m.__dict__.pop(attr, None)
-        del m.mask_prior
-    for m in model.modules():
-        if "mask_prior_nested" in m.__dict__:
-            m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
-    for m in model.modules():                         # add_mask_prior was given the model, or parts of it
-        if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
-            del m.__dict__["no_weight_decay"]
-        if "mask_prior_guard" in m.__dict__:
-            m.__dict__.pop("mask_prior_guard").remove()
-    return [n or type(model).__name__ for n, _ in layers]
-
-
-# Saved and loaded: Hugging Face's save_pretrained / from_pretrained
-
-_RECORD_FIELDS = {                     # field of a layer's record: (check, what is expected)
-    "heads": (lambda v: type(v) is int and v > 0, "a positive int"),
-    "n": (lambda v: type(v) is int and v > 0, "a positive int"),
-    "n_keys": (lambda v: v is None or (type(v) is int and v > 0), "null or a positive int"),
-    "causal": (lambda v: type(v) is bool, "true or false"),
-    "param": (lambda v: v in ("full", "relative"), "'full' or 'relative'"),
-    "prefix": (lambda v: type(v) is bool, "true or false"),
-}
-
-
-def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
-    model is built)."""
-    where = f"from_pretrained: {path}'s config.json"
-    if not isinstance(record, dict):
-        raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, not "
-                         f"{{'layers': {{name: {{...}}}}, 'base': 'sdpa'}}; nothing was loaded")
-    if record.get("base") not in ("sdpa", "eager"):
-        has = f"base {record['base']!r}" if "base" in record else "no base"
-        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' (the implementation "
-                         f"the priors wrap); nothing was loaded")
-    layers = record.get("layers")
-    if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
-                         f"{{layer name: {{n, heads, ...}}}}, one entry per prior; nothing was loaded")
-    for name, geo in layers.items():
-        if not isinstance(geo, dict):
-            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a dict; nothing was "
-                             f"loaded")
-        for field, (ok, want) in _RECORD_FIELDS.items():
-            if field not in geo or not ok(geo[field]):
-                has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
-                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
-                                 f"nothing was loaded")
-
-
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict) -> str | None:
-    """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior was given, of
-    class geo['part']): under that part where it is one module of `model`, else as saved from the model with a head
-    and loaded as the base model, or the other way round."""
-    base = getattr(model, "base_model_prefix", "") + "."
-    parts = [n for n, m in named.items() if type(m).__name__ == geo.get("part")]
-    names = ([f"{parts[0]}.{recorded}" if parts[0] else recorded] if len(parts) == 1 else []) + \
-        [recorded, base + recorded, recorded.removeprefix(base)]
-    return next((n for n in names if n in named), None)
-
-
-def _concrete(model_class, config):
-    """A model class for `config`: `model_class` itself, or the one an Auto class (AutoModelForCausalLM...) maps it to."""
-    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
-        return model_class
-    try:
-        return model_class._model_mapping[type(config)]
-    except (AttributeError, KeyError, TypeError):
-        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model class "
-                         f"nor an Auto class with a model for {type(config).__name__}") from None
-
-
-def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
-    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors included.
-
-    The priors its config.json records are checked, then attached while the model is built, so transformers' own
-    loader reads every M from the checkpoint (sharded or not, keys renamed or not). An M the checkpoint lacks, holds
-    in another shape (also with ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an
-    error, never a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
-    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained. A path whose config records no prior is
-    refused."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(path)
-    record = getattr(config, "mask_prior", None)
-    if not record:
-        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load it with "
-                         f"{getattr(model_class, '__name__', model_class)}.from_pretrained")
-    _check_record(record, path)
-    model_class = _concrete(model_class, config)
-    _register_hf()
-
-    class WithPriors(model_class):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            _reattach(self, record)
-
-    for attr in ("__name__", "__qualname__", "__module__"):      # transformers finds key renamings by these
-        setattr(WithPriors, attr, getattr(model_class, attr))
-    model, info = WithPriors.from_pretrained(path, **{"attn_implementation": record["base"], **kwargs},
-                                             output_loading_info=True)
-    model.__class__ = model_class                      # the plain class again: save_pretrained names it
-    ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
-                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.mask_logits")]
-            for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
-    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
-                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
-                                          "never re-initialised, ignore_mismatched_sizes or not)"),
-                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
-        if ours[key]:
-            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
-    bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.mask_logits).all())]
-    if bad:
-        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
-    return model
-
-
-def _reattach(model: nn.Module, record: dict) -> None:
-    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
-    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
-    named = dict(model.named_modules())
-    found = {s.name: s for s in find_attention(model)}
-    sites, priors = [], {}
-    for recorded, geo in record["layers"].items():
-        name = _resolve_recorded(model, named, recorded, geo)
-        if name is None:
-            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
-                             f"{type(model).__name__} does not have")
-        if name not in found:
-            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
-                             f"{type(named[name]).__name__}, which is not an attention layer add_mask_prior reaches; "
-                             f"nothing was loaded")
-        site = found[name]
-        _check_site(model, site, False, "attn_mask", "from_pretrained")
-        shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")   # M starts at 0
-        priors[name] = _prior_for(site, shape, None, 5.0, 5.0, geo["causal"], None, geo["param"], geo["prefix"],
-                                  "from_pretrained")
-        sites.append(site)
-    for s in sites:
-        _attach_hf(s, priors[s.name], "attn_mask")
-    model.config.mask_prior = None                     # recorded again, under this model's own layer names
-    _after_attach(model, sites, priors)
-
-
-# ----------------------------------------------------------------------------------------
 # Attention
 
 
@@ -1211,8 +416,7 @@ class Attention(nn.Module):
         self.causal = causal
         self.fused = fused
         inner = n_heads * self.head_dim
-        # registered first, so that parameters (and optimiser states) keep the order they had when
-        # M was the layer's own parameter
+        # the prior first: M is the layer's first parameter (and first in the optimiser's state)
         self.prior = MaskPrior(mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
@@ -1222,20 +426,14 @@ class Attention(nn.Module):
         """The layer's M (heads, N, N), or None without a prior."""
         return None if self.prior is None else self.prior.mask_logits
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        old = prefix + "mask_logits"                   # checkpoints written before M moved into `prior`
-        if old in state_dict:
-            state_dict[prefix + "prior.mask_logits"] = state_dict.pop(old)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def attn_bias(self, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def attn_bias(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
         """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal (None without M)."""
         return None if self.prior is None else self.prior(t, dtype)
 
     def forward(self, x: torch.Tensor, return_attn: bool = False):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        bias = self.attn_bias(t, q.dtype, q.device)
+        bias = self.attn_bias(t, q.dtype)
         attn = None
         if self.fused and not return_attn:
             if bias is None:
@@ -1842,7 +1040,7 @@ def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[f
     n = maps[0].shape[-1]
     layers = attention_layers(model)
     if layers:
-        causal, biases = layers[0].causal, [attn.attn_bias(n, torch.float32, None) for attn in layers]
+        causal, biases = layers[0].causal, [attn.attn_bias(n, torch.float32) for attn in layers]
     else:
         priors = mask_priors(model)
         causal, biases = priors[0].causal, [p(n, torch.float32) for p in priors]
@@ -2031,3 +1229,810 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     table = total / count.clamp_min(1)                           # (H, (2 gh - 1)(2 gw - 1)): share per offset
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
     return _with_prefix(m, n_prefix, float(m_on))
+
+
+# ========================================================================================
+# The retrofit: the prior in other libraries' models (torch, timm, Hugging Face, your own attention).
+# Everything above is the method; this part only attaches `MaskPrior`s to attention layers that are
+# not ours, and reads them back. Frameworks are recognised by duck typing; transformers and peft are
+# imported only inside the calls that need them, so the file still imports torch alone.
+# ========================================================================================
+
+# ----------------------------------------------------------------------------------------
+# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
+# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
+#   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
+#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that names an
+#            attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
+#            model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs.
+#   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
+#   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
+# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
+# `remove_mask_prior` takes every prior out again.
+
+HF_ATTENTION = "maskprior"            # the attn_implementation name the priors run under in transformers
+GRID = "the patch grid and any class/prefix tokens"
+
+
+@dataclass
+class Site:
+    """One attention layer `add_mask_prior` can reach, and what its model says about it."""
+    name: str
+    module: nn.Module
+    kind: str                          # "torch", "hf", "timm" or "keyword"
+    heads: int
+    cross: bool = False                # keys from another sequence
+    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
+    tokens: int | None = None          # exactly this many tokens (an image model's grid, a window), where known
+    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
+    prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
+    layout: str = GRID                 # what `tokens` counts, for error messages
+
+
+def _takes_keyword(module: nn.Module, keyword: str) -> bool:
+    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not trusted: a mask it
+    swallows and passes nowhere would be a prior that changes nothing."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params and params[keyword].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                              inspect.Parameter.VAR_KEYWORD)
+
+
+def _heads_of(module: nn.Module) -> int | None:
+    for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
+        if isinstance(getattr(module, attr, None), int):
+            return getattr(module, attr)
+    cfg = getattr(module, "config", None)
+    return getattr(cfg, "num_attention_heads", None)
+
+
+def _hf_config(module: nn.Module):
+    """A transformers module's config (the model's own, under a prior's view of it), or None."""
+    cfg = getattr(module, "config", None)
+    cfg = cfg.model_config if isinstance(cfg, _PriorConfig) else cfg
+    return cfg if hasattr(cfg, "_attn_implementation") and hasattr(cfg, "to_dict") else None
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
+    T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
+    source = sys.modules.get(type(module).__module__)
+    return (_hf_config(module) is not None and hasattr(module, "is_causal")
+            and (hasattr(module, "scaling") or hasattr(module, "scale"))
+            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
+
+
+def _is_timm_attention(module: nn.Module) -> bool:
+    return (type(module).__module__.startswith("timm.") and isinstance(getattr(module, "num_heads", None), int)
+            and _takes_keyword(module, "attn_mask"))
+
+
+def _window_tokens(module: nn.Module) -> int | None:
+    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or a child."""
+    for m in (module, *module.children()):
+        w = getattr(m, "window_size", None)
+        if isinstance(w, int) and not isinstance(w, bool):
+            return w * w
+        if isinstance(w, (tuple, list)) and w and all(isinstance(v, int) for v in w):
+            return math.prod(w)
+    return None
+
+
+def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    leaf = name.rpartition(".")[2].lower()
+    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in type(module).__name__.lower()
+            or "cross" in leaf or leaf == "encoder_attn"                              # BART, Whisper
+            or (parent is not None and "cross" in type(parent).__name__.lower())      # T5's EncDecAttention
+            or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
+
+
+def _positions(model: nn.Module) -> tuple[int | None, int | None]:
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix
+    tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a text model's most
+    positions (its config)."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
+        return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
+    for m in model.modules():
+        if isinstance(getattr(m, "num_patches", None), int) and isinstance(getattr(m, "num_positions", None), int):
+            return m.num_positions, None
+    for name, p in model.named_parameters():
+        if name.endswith("position_embeddings") and p.dim() == 3:
+            return p.shape[1], None
+    cfg = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions"):
+        if isinstance(getattr(cfg, attr, None), int):
+            return None, getattr(cfg, attr)
+    return None, None
+
+
+def _picked(modules, name: str, module: nn.Module) -> bool:
+    if callable(modules) and not isinstance(modules, (type, tuple)):
+        return bool(modules(name, module))
+    return isinstance(module, modules)
+
+
+def find_attention(model: nn.Module, modules=None) -> list[Site]:
+    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face
+    and timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate
+    `(name, module) -> bool`), exactly the modules it names (served as what they are, else by their mask
+    keyword)."""
+    named = dict(model.named_modules())
+    tokens, max_tokens = _positions(model)
+    sites = []
+    for name, m in named.items():
+        if modules is not None and not _picked(modules, name, m):
+            continue
+        parent = named.get(name.rpartition(".")[0]) if name else None
+        where = name or type(model).__name__
+        if isinstance(m, nn.MultiheadAttention):
+            sites.append(Site(where, m, "torch", m.num_heads, cross=_named_cross(name, m, parent)))
+        elif _is_hf_attention(m):
+            window = _window_tokens(m)
+            seen = window or tokens
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
+                              causal=bool(m.is_causal), tokens=seen, max_tokens=max_tokens, prefix=seen is None,
+                              layout="its attention window" if window else GRID))
+        elif _is_timm_attention(m):
+            sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
+        elif modules is not None:
+            sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
+    return sites
+
+
+def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
+    done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
+    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; {done}")
+
+
+def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
+    """One line for a model where add_mask_prior finds no layer: the attention-like modules it could not reach (their
+    own softmax: DeBERTa...), or none, and how to attach by hand."""
+    if modules is not None:
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
+    hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or passed to "
+            f"scaled_dot_product_attention) and name it with modules=")
+    own = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
+           and not any("attention" in type(c).__name__.lower() for c in m.children())]
+    if own:
+        name, m = own[0]
+        more = f" and {len(own) - 1} more" if len(own) > 1 else ""
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it can reach: {name} "
+                          f"({type(m).__name__}){more} computes its own softmax (it calls no transformers attention "
+                          f"function and names no `{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
+                          f"layer was changed")
+    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, Hugging Face or timm "
+                      f"attention; for an attention of your own, {hand}YourAttention")
+
+
+def _hf_impl(module: nn.Module) -> str:
+    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
+    return _hf_config(module)._attn_implementation
+
+
+def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
+    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by add_mask_prior's own
+    search, not named with `modules`)."""
+    if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
+        raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all is not trusted: a mask "
+                       f"it passes nowhere would change nothing): add `{mask_kwarg}=None` and pass it to "
+                       f"scaled_dot_product_attention", who)
+    if s.cross and s.kind in ("timm", "keyword"):
+        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve", who)
+    if s.kind == "timm" and s.tokens is None and found:
+        raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid (patch_embed.num_patches): "
+                       f"its pooled stages or branches see other token counts, which one prior cannot serve; give a "
+                       f"stage its own prior with modules=lambda name, m: name.startswith('<stage>.') and name.endswith('.attn')",
+                       who)
+    if s.kind == "hf":
+        impl = _hf_impl(s.module)
+        if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
+            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors and "
+                           f"loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
+        if impl not in ("sdpa", "eager"):
+            raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the model with "
+                           f"attn_implementation='sdpa' (or 'eager')", who)
+        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__], "eager_attention_forward"):
+            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to wrap: use 'sdpa'", who)
+
+
+def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
+               who: str = "add_mask_prior") -> MaskPrior:
+    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
+    shape = tuple(src.shape)
+    if hasattr(site.module, "mask_prior"):
+        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
+    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
+    if src.dim() == 3 and shape[0] != heads:
+        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
+    is_causal = site.causal if causal is None else causal
+    if site.causal is not None and is_causal != site.causal:
+        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
+    n, n_keys = shape[-2], shape[-1]
+    if not site.cross and n != n_keys:
+        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)", who)
+    if site.tokens is not None and not site.cross and n != site.tokens:
+        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build it for "
+                          f"{site.tokens} positions ({site.layout})", who)
+    if site.max_tokens is not None and n > site.max_tokens:
+        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
+    try:
+        prior = MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
+                          n_keys=n_keys if site.cross else None, prefix=site.prefix if prefix is None else prefix)
+    except ValueError as e:
+        raise _fail(site, str(e), who) from None
+    prior.where = site.name
+    return prior.to(next(site.module.parameters(), prior.mask_logits).device)
+
+
+def _recorded_layers(model: nn.Module) -> dict:
+    record = getattr(_hf_config(model), "mask_prior", None)
+    return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
+
+
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str = "full",
+                   prefix: bool | None = None, cross_attention: bool = False, modules=None,
+                   mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
+    (heads, N, N)) or `logits`; returns {layer name: MaskPrior}, the layers that got one.
+
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
+    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
+    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
+    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only
+    an encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style).
+    Self-attention gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
+    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to
+    what the layer is where it says (HF), else False. `prefix` (default: True for HF text models, else False)
+    lets a non-causal prior read shorter inputs as positions 0..t-1. Every layer is checked before any is
+    changed: one the prior cannot serve raises ValueError naming it, its class, heads and what to do, and the
+    model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
+    """
+    if logits is None:
+        check_pattern(pattern)
+    src = logits if logits is not None else pattern
+    if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
+    if getattr(model, "peft_config", None) is not None:
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
+                         f"save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
+                         f"its config (M then trains and is saved with the adapter); no layer was changed")
+    sites = find_attention(model, modules)
+    if not sites:
+        raise _unreachable(model, modules, mask_kwarg)
+    other = [s.name for s in sites if s.cross != cross_attention]
+    sites = [s for s in sites if s.cross == cross_attention]
+    if not sites:
+        way = ("leave out cross_attention=True" if cross_attention else
+               "pass cross_attention=True and an (N_query, N_key) pattern")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
+                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); {way} to give it "
+                         f"a prior")
+    recorded = _recorded_layers(model)
+    for s in sites:
+        _check_site(model, s, modules is None, mask_kwarg)
+        if s.kind == "hf" and s.name in recorded:
+            raise _fail(s, f"has a name the config already records a prior under (given to a layer of "
+                           f"{recorded[s.name].get('part', 'another part')} by an earlier call): give both parts' layers "
+                           f"their priors from the whole model, picking them with modules=lambda name, m: ...")
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
+    for s in sites:                                   # every layer fits: now change them
+        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
+    _after_attach(model, sites, priors)
+    return priors
+
+
+# torch: nn.MultiheadAttention
+
+
+def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
+    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the
+    attn_mask (added to one the caller gave; a causal call's -inf folded in, since MHA drops a
+    mask it takes for the causal one)."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+    kwargs = {**dict(zip(names, args)), **kwargs}
+    query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
+    batched = query.dim() == 3
+    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
+    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
+    if not prior.cross and key is not query:
+        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
+                         f"queries, {s} keys): give cross-attention its own prior with "
+                         f"add_mask_prior(..., cross_attention=True) and an (N_query, N_key) pattern")
+    bias = prior(t, query.dtype, k_len=s)
+    if batched:
+        bias = bias.repeat(query.shape[0 if mha.batch_first else 1], 1, 1)
+    given = kwargs.get("attn_mask")
+    if given is not None:
+        if given.dtype == torch.bool:                    # True = not allowed, for nn.MultiheadAttention
+            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
+        bias = bias + given
+    bias = _fold_causal(bias, kwargs, t)
+    padding = kwargs.get("key_padding_mask")
+    if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
+        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
+                                                 device=bias.device).masked_fill(padding, float("-inf"))
+    if prior.record is not None:
+        kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
+    kwargs["attn_mask"] = bias
+    return (), kwargs
+
+
+def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
+    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set False in
+    `kwargs`: attention takes a mask or is_causal, not both (nn.MultiheadAttention would drop the mask)."""
+    if not kwargs.get("is_causal"):
+        return bias
+    kwargs["is_causal"] = False
+    return bias.masked_fill(future_keys(t, bias.device), float("-inf"))
+
+
+def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
+    if mha.mask_prior.record is not None:
+        mha.mask_prior.record.append(output[1])
+
+
+def _attach_torch(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior = prior
+    m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
+                          m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
+
+
+# timm and keyword: a module whose forward names an additive mask keyword
+
+
+def _amp_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
+    try:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+    except (TypeError, AttributeError):                 # torch < 2.4: device-type autocast queries missing
+        pass
+    return x.dtype
+
+
+def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added to a
+    mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a call with
+    is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    prior, key = module.mask_prior, module.mask_prior_kwarg
+    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+    t = x.shape[-2]
+    bias = prior(t, _amp_dtype(x))
+    given = kwargs.get(key)
+    if given is not None:
+        bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
+    kwargs[key] = _fold_causal(bias, kwargs, t)
+    return args, kwargs
+
+
+def _timm_record_hook(drop: nn.Module, args: tuple, output):
+    prior = drop.mask_prior_owner.mask_prior
+    if prior.record is not None:
+        prior.record.append(args[0])
+
+
+def _attach_keyword(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
+    hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
+    drop = getattr(m, "attn_drop", None)
+    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
+        object.__setattr__(drop, "mask_prior_owner", m)       # a plain reference, not a submodule (no cycle)
+        hooks.append(drop.register_forward_hook(_timm_record_hook))
+    m.mask_prior_hooks = hooks
+
+
+def _timm_after(model: nn.Module, names: list[str]) -> None:
+    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
+    base = getattr(model, "no_weight_decay", None)
+    if callable(base):
+        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
+
+
+class _NoWeightDecay:
+    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
+    def __init__(self, names: set[str]):
+        self.names = frozenset(names)
+
+    def __call__(self) -> set[str]:
+        return set(self.names)
+
+
+# Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
+
+
+class _PriorConfig:
+    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach it),
+    except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention` (layers that
+    share the config keep theirs). `model_config` is the config itself."""
+    _attn_implementation = HF_ATTENTION
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+
+    def __getattr__(self, name: str):
+        config = self.__dict__.get("model_config")
+        if config is None or name.startswith("__"):       # while being copied or unpickled: no read-through
+            raise AttributeError(name)
+        return getattr(config, name)
+
+
+def _register_hf() -> None:
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once, lazily)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+
+
+def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
+    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from the model's
+    position ids (a static cache holds empty slots, so k_len - q_len is not it): one run shared by every row, else
+    one line. Without a cache or ids, the queries are the last q_len of the k_len positions (no check, so no sync:
+    HF leaves out the mask only where it sees one unpadded sequence per row)."""
+    if not prior.causal or k_len == q_len or position_ids is None:
+        return None
+    first = position_ids[:, :1]
+    run = first + torch.arange(q_len, device=position_ids.device)
+    if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
+        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed sequences) or differ between "
+                         f"rows, but the prior indexes one sequence's positions from 0: give each sequence its own row")
+    return int(first[0, 0])
+
+
+def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """(B, heads, q, k) float32 bias of a causal prior for a masked call: the rows and columns of each batch row's
+    own positions (a left-padded batch, a sliding window, a static or sliding-window KV cache).
+
+    allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or None. A query's
+    own key is the last one it sees, so each row's slot - position shift is read off its queries; a query that
+    sees no key, or no new one (padding), is left out. Without position ids the slots are the positions, and a
+    batch whose first query sees nothing (left padding) is refused."""
+    q_len, k_len = allowed.shape[-2:]
+    b = max(allowed.shape[0], 1 if position_ids is None else position_ids.shape[0])
+    allowed = allowed.expand(b, q_len, k_len)
+    seen = allowed.any(-1)                                                         # (B, q)
+    last = k_len - 1 - allowed.flip(-1).int().argmax(-1)                           # the last key each query sees
+    before_seen = torch.cat([torch.zeros_like(seen[:, :1]), seen[:, :-1]], 1)
+    before_last = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], 1)
+    own = seen & (~before_seen | (last > before_last))                             # it sees a new key: its own
+    if position_ids is None:
+        if not bool(seen[:, 0].all()):
+            raise ValueError(f"{prior.where}: this batch is left-padded (its first query sees no key), and the model "
+                             f"passes no position ids to read each row's positions from: pad on the right")
+        pos = last
+    else:
+        pos = position_ids.to(last.device).expand(b, q_len)
+    shift = last - pos                                                             # the slot of position 0
+    first = torch.where(own, shift, torch.iinfo(shift.dtype).max).amin(-1)         # (B,)
+    if bool(((shift != first[:, None]) & own).any()):
+        raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), but the prior "
+                         f"indexes one sequence's positions from 0: give each sequence its own row")
+    rows = torch.where(own, pos, 0)
+    if bool((rows >= prior.n).any()):
+        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit the mask size {prior.n}: "
+                         f"a causal prior serves positions 0 .. {prior.n - 1}")
+    cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
+    inside = (cols >= 0) & (cols < prior.n)
+    bias = prior(prior.n, torch.float32)[:, rows[:, :, None], cols.clamp(0, prior.n - 1)[:, None, :]]  # (H, B, q, k)
+    return bias.movedim(0, 1).masked_fill(~inside[:, None, None, :], float("-inf"))
+
+
+def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+             kwargs: dict) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the queries' and keys'
+    positions, with HF's mask (padding, causal, sliding window: bool, or additive) folded in."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    allowed = None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool else \
+        mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
+    if prior.cross:                                    # rows from the decoder's position (its KV cache)
+        start = getattr(module, "mask_prior_start", 0)
+        bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
+    elif prior.causal and allowed is not None:
+        bias = _causal_bias(prior, allowed[:, 0], kwargs.get("position_ids")).to(query.dtype)
+    else:
+        if allowed is not None and not bool(allowed[..., 0].any(-1).all()):
+            raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), but a non-causal prior "
+                             f"indexes sequence positions from 0: pad on the right (tokenizer.padding_side = 'right')")
+        start = _hf_start(prior, q_len, k_len, kwargs.get("position_ids"))
+        bias = prior(q_len, query.dtype, k_len=k_len, start=start).unsqueeze(0)
+        if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:   # CLIP's text tower
+            bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask[..., :k_len], bias, torch.finfo(bias.dtype).min)
+    return bias + mask[..., :k_len]
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs):
+    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the module's
+    prior to the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
+    prior = getattr(module, "mask_prior", None)
+    if prior is None:
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
+                           f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
+    module.mask_prior_pending = False
+    bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
+    if prior.record is not None:
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        prior.record.append(((query @ k.transpose(-2, -1)).float() * scale + bias.float()).softmax(-1))
+    return _hf_base(module)(module, query, key, value, bias, **kwargs)
+
+
+def _hf_base(module: nn.Module):
+    """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
+    between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = _hf_impl(module)
+    if impl == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    if impl == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which cannot add the "
+                       f"prior's bias; use model.set_attn_implementation('sdpa') (or 'eager')")
+
+
+def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation without a bias; keys from
+    another sequence on a self-attention prior, or the other way round); note a cross-attention call's first query
+    row (its decoder position, from the KV cache)."""
+    _hf_base(module)
+    call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
+    prior = module.mask_prior
+    crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
+    if crossed != prior.cross:
+        what = ("a self-attention prior, but this call's keys come from another sequence" if crossed else
+                "a cross-attention prior, but this call attends to its own sequence")
+        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
+                         f"cross_attention=True) and an (N_query, N_key) pattern")
+    module.mask_prior_start = 0
+    cache = next((call[k] for k in ("cache", "past_key_values", "past_key_value") if call.get(k) is not None), None)
+    hidden = call.get("hidden_states", args[0] if args else None)
+    if prior.cross and hasattr(cache, "get_seq_length") and isinstance(hidden, torch.Tensor):
+        module.mask_prior_start = int(cache.get_seq_length(getattr(module, "layer_idx", None) or 0)) - hidden.shape[-2]
+    module.mask_prior_pending = True
+
+
+def _hf_reached(module: nn.Module, args: tuple, output) -> None:
+    """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
+    if getattr(module, "mask_prior_pending", False):
+        module.mask_prior_pending = False
+        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling transformers' attention function, "
+                           f"so its prior changed nothing; give it an attn_mask keyword and attach it with modules=")
+
+
+def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior = prior
+    m.config = _PriorConfig(m.config)
+    m.mask_prior_args = list(inspect.signature(m.forward).parameters)
+    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True), m.register_forward_hook(_hf_reached)]
+
+
+def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
+    """Record the priors in the model's config under the layers' names in `model` (and its class: a part of a model,
+    e.g. BART's encoder, is found again in the whole): save_pretrained writes them to config.json, mp.from_pretrained
+    re-attaches them, and a plain from_pretrained fails loudly (config.json names an attention implementation only
+    maskprior registers)."""
+    _register_hf()
+    cfg = _hf_config(model)
+    if cfg is None:
+        return
+    layers = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
+                     "param": p.param, "prefix": p.prefix, "part": type(model).__name__} for name, p in priors.items()}
+    record = getattr(cfg, "mask_prior", None) or {"layers": {}}
+    record["layers"].update(layers)
+    record["base"] = _hf_impl(sites[0].module)
+    cfg.mask_prior = record
+    cfg.attn_implementation = HF_ATTENTION
+
+
+def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
+    """Pre-hook on the model add_mask_prior was given: a training forward after PEFT froze M (get_peft_model freezes
+    every parameter outside its adapter, and its adapter would not save M) is refused in one line."""
+    if not (model.training and torch.is_grad_enabled() and getattr(model, "peft_config", None) is not None):
+        return
+    for m in model.modules():
+        prior = getattr(m, "mask_prior", None) if "mask_prior" in m._modules else None
+        if isinstance(prior, MaskPrior) and not prior.mask_logits.requires_grad:
+            raise RuntimeError(f"{prior.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would "
+                               f"not save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M "
+                               f"trains and is saved with the adapter")
+
+
+def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
+    if any(s.kind == "torch" for s in sites):
+        for m in model.modules():
+            if isinstance(m, nn.TransformerEncoder):
+                m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
+                m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
+    hf = [s for s in sites if s.kind == "hf"]
+    if hf:
+        _hf_after(model, hf, priors)
+    _timm_after(model, prior_parameter_names(model))
+    if "mask_prior_guard" not in model.__dict__:
+        model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
+
+
+_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
+
+
+def remove_mask_prior(model: nn.Module) -> list[str]:
+    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors, hooks and layer
+    config views, their records in the model's config, the names added to timm's no_weight_decay. The model is the
+    plain one again (the same outputs, state_dict keys and config). Returns the names of the layers that had one."""
+    named = dict(model.named_modules())
+    layers = [(n, m) for n, m in named.items() if "mask_prior_hooks" in m.__dict__]
+    if not layers:
+        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from add_mask_prior")
+    cfg, gone = _hf_config(model), {id(m) for _, m in layers}
+    recorded = _recorded_layers(model)
+    for key, geo in list(recorded.items()):
+        name = _resolve_recorded(model, named, key, geo)
+        if name is not None and id(named[name]) in gone:
+            del recorded[key]
+    if cfg is not None and isinstance(getattr(cfg, "mask_prior", None), dict) and not recorded:
+        delattr(cfg, "mask_prior")
+        if getattr(cfg, "attn_implementation", None) == HF_ATTENTION:
+            delattr(cfg, "attn_implementation")
+    for _, m in layers:
+        for hook in m.mask_prior_hooks:
+            hook.remove()
+        if isinstance(m.__dict__.get("config"), _PriorConfig):
+            m.config = m.config.model_config
+        drop = getattr(m, "attn_drop", None)
+        if isinstance(drop, nn.Module):
+            drop.__dict__.pop("mask_prior_owner", None)
+        for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
+                     "mask_prior_pending"):
+            m.__dict__.pop(attr, None)
+        del m.mask_prior
+    for m in model.modules():
+        if "mask_prior_nested" in m.__dict__:
+            m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
+    for m in model.modules():                         # add_mask_prior was given the model, or parts of it
+        if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
+            del m.__dict__["no_weight_decay"]
+        if "mask_prior_guard" in m.__dict__:
+            m.__dict__.pop("mask_prior_guard").remove()
+    return [n or type(model).__name__ for n, _ in layers]
+
+
+# Saved and loaded: Hugging Face's save_pretrained / from_pretrained
+
+_RECORD_FIELDS = {                     # field of a layer's record: (check, what is expected)
+    "heads": (lambda v: type(v) is int and v > 0, "a positive int"),
+    "n": (lambda v: type(v) is int and v > 0, "a positive int"),
+    "n_keys": (lambda v: v is None or (type(v) is int and v > 0), "null or a positive int"),
+    "causal": (lambda v: type(v) is bool, "true or false"),
+    "param": (lambda v: v in ("full", "relative"), "'full' or 'relative'"),
+    "prefix": (lambda v: type(v) is bool, "true or false"),
+}
+
+
+def _check_record(record, path: str) -> None:
+    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
+    model is built)."""
+    where = f"from_pretrained: {path}'s config.json"
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, not "
+                         f"{{'layers': {{name: {{...}}}}, 'base': 'sdpa'}}; nothing was loaded")
+    if record.get("base") not in ("sdpa", "eager"):
+        has = f"base {record['base']!r}" if "base" in record else "no base"
+        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' (the implementation "
+                         f"the priors wrap); nothing was loaded")
+    layers = record.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
+                         f"{{layer name: {{n, heads, ...}}}}, one entry per prior; nothing was loaded")
+    for name, geo in layers.items():
+        if not isinstance(geo, dict):
+            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a dict; nothing was "
+                             f"loaded")
+        for field, (ok, want) in _RECORD_FIELDS.items():
+            if field not in geo or not ok(geo[field]):
+                has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
+                                 f"nothing was loaded")
+
+
+def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict) -> str | None:
+    """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior was given, of
+    class geo['part']): under that part where it is one module of `model`, else as saved from the model with a head
+    and loaded as the base model, or the other way round."""
+    base = getattr(model, "base_model_prefix", "") + "."
+    parts = [n for n, m in named.items() if type(m).__name__ == geo.get("part")]
+    names = ([f"{parts[0]}.{recorded}" if parts[0] else recorded] if len(parts) == 1 else []) + \
+        [recorded, base + recorded, recorded.removeprefix(base)]
+    return next((n for n in names if n in named), None)
+
+
+def _concrete(model_class, config):
+    """A model class for `config`: `model_class` itself, or the one an Auto class (AutoModelForCausalLM...) maps it to."""
+    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
+        return model_class
+    try:
+        return model_class._model_mapping[type(config)]
+    except (AttributeError, KeyError, TypeError):
+        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model class "
+                         f"nor an Auto class with a model for {type(config).__name__}") from None
+
+
+def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
+    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors included.
+
+    The priors its config.json records are checked, then attached while the model is built, so transformers' own
+    loader reads every M from the checkpoint (sharded or not, keys renamed or not). An M the checkpoint lacks, holds
+    in another shape (also with ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an
+    error, never a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
+    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained. A path whose config records no prior is
+    refused."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    record = getattr(config, "mask_prior", None)
+    if not record:
+        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load it with "
+                         f"{getattr(model_class, '__name__', model_class)}.from_pretrained")
+    _check_record(record, path)
+    model_class = _concrete(model_class, config)
+    _register_hf()
+
+    class WithPriors(model_class):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            _reattach(self, record)
+
+    for attr in ("__name__", "__qualname__", "__module__"):      # transformers finds key renamings by these
+        setattr(WithPriors, attr, getattr(model_class, attr))
+    model, info = WithPriors.from_pretrained(path, **{"attn_implementation": record["base"], **kwargs},
+                                             output_loading_info=True)
+    model.__class__ = model_class                      # the plain class again: save_pretrained names it
+    ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
+                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.mask_logits")]
+            for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
+    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
+                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
+                                          "never re-initialised, ignore_mismatched_sizes or not)"),
+                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
+        if ours[key]:
+            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
+    bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.mask_logits).all())]
+    if bad:
+        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
+    return model
+
+
+def _reattach(model: nn.Module, record: dict) -> None:
+    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
+    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
+    named = dict(model.named_modules())
+    found = {s.name: s for s in find_attention(model)}
+    sites, priors = [], {}
+    for recorded, geo in record["layers"].items():
+        name = _resolve_recorded(model, named, recorded, geo)
+        if name is None:
+            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
+                             f"{type(model).__name__} does not have")
+        if name not in found:
+            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
+                             f"{type(named[name]).__name__}, which is not an attention layer add_mask_prior reaches; "
+                             f"nothing was loaded")
+        site = found[name]
+        _check_site(model, site, False, "attn_mask", "from_pretrained")
+        shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")   # M starts at 0
+        priors[name] = _prior_for(site, shape, None, 5.0, 5.0, geo["causal"], None, geo["param"], geo["prefix"],
+                                  "from_pretrained")
+        sites.append(site)
+    for s in sites:
+        _attach_hf(s, priors[s.name], "attn_mask")
+    model.config.mask_prior = None                     # recorded again, under this model's own layer names
+    _after_attach(model, sites, priors)

@@ -301,7 +301,7 @@ def test_mask_bias_never_positive():
 
 def test_causal_bias_hides_the_future():
     attn = mp.Attention(8, 2, mask_size=6, causal=True)
-    bias = attn.attn_bias(6, torch.float32, torch.device("cpu"))
+    bias = attn.attn_bias(6, torch.float32)
     future = torch.ones(6, 6, dtype=torch.bool).triu(1)
     assert torch.isinf(bias[:, future]).all() and torch.isfinite(bias[:, ~future]).all()
 
@@ -687,8 +687,8 @@ def test_relative_prior_starts_where_the_full_one_does_and_is_small():
     mp.init_mask_(rel, logits=logits)
     a, b = full.blocks[0].attn, rel.blocks[0].attn
     assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
-    assert torch.equal(a.attn_bias(12, torch.float32, "cpu"), b.attn_bias(12, torch.float32, "cpu"))
-    assert torch.equal(a.attn_bias(7, torch.float32, "cpu"), b.attn_bias(7, torch.float32, "cpu"))       # a prompt
+    assert torch.equal(a.attn_bias(12, torch.float32), b.attn_bias(12, torch.float32))
+    assert torch.equal(a.attn_bias(7, torch.float32), b.attn_bias(7, torch.float32))       # a prompt
     x = torch.randint(0, 11, (3, 12))
     torch.testing.assert_close(full(x), rel(x))
     with pytest.raises(ValueError, match="differ along a diagonal"):
@@ -771,7 +771,7 @@ def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(
     open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
     ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
     del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    _save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
     assert train.main(["--resume", "--out", out]) == 0
     assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"
 
@@ -2661,6 +2661,14 @@ def _losses(folder):
     return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
 
 
+def _save_checkpoint(path, contents: dict) -> None:
+    """Write `contents` as train.py writes ckpt.pt: serialised, beside their sha256, in CKPT_FORMAT."""
+    buf = io.BytesIO()
+    torch.save(contents, buf)
+    payload = buf.getvalue()
+    torch.save({"format": train.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
+
+
 def _params(folder):
     return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["model"]
 
@@ -4477,16 +4485,29 @@ def test_a_retrofitted_encoder_trains_parity2_and_moves_m():
     assert all(p.mask_logits.grad is not None for p in priors)
 
 
-def test_checkpoints_from_before_the_mask_prior_module_still_load():
-    cfg = mp.TransformerConfig(n_layers=1, learnable_mask=True)
-    torch.manual_seed(0)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, mp.banded_pattern(16, 2))
-    old = {k.replace("attn.prior.mask_logits", "attn.mask_logits"): v for k, v in model.state_dict().items()}
-    assert "blocks.0.attn.mask_logits" in old
-    fresh = mp.Transformer(cfg)
-    fresh.load_state_dict(old)
-    assert torch.equal(fresh.blocks[0].attn.mask_logits, model.blocks[0].attn.mask_logits)
+def test_checkpoints_of_an_earlier_version_are_refused_in_one_line(tmp_path, capsys):
+    """A run of an earlier version: M on the attention layer itself (before MaskPrior), or a checkpoint without
+    the checksummed format: --resume refuses in one line naming the version, and nothing changes."""
+    out = str(tmp_path / "run")
+    assert train.main([*RUN24, "--init", "mask", "--halt-after", "20", "--out", out]) == 0
+    path = os.path.join(out, "ckpt.pt")
+    good = train.read_checkpoint(path, "test")
+    old = {**good, "model": {k.replace("attn.prior.mask_logits", "attn.mask_logits"): v
+                             for k, v in good["model"].items()}}
+    _save_checkpoint(path, old)
+    before = _tree(out)
+    capsys.readouterr()
+    assert "blocks.0.attn.mask_logits" in old["model"] and train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit this version's model (it lacks blocks.0.attn.prior.mask_logits)" in err
+    assert "another version of maskprior" in err and len(err.splitlines()) == 1 and _tree(out) == before
+    torch.save(good, path)                                        # the contents alone, as before checksums
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a checkpoint of an earlier version of train.py (no format: written before checksums)" in err
+    torch.save({"format": "maskprior-checkpoint-1", "payload": b"x"}, path)
+    assert train.main(["--resume", "--out", out]) == 2
+    assert "earlier version of train.py (maskprior-checkpoint-1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", HF_MODELS)

@@ -636,10 +636,10 @@ def teacher_prior(args, task, device) -> tuple[torch.Tensor, torch.Tensor, dict]
     cfg = ckpt["config"]
     try:
         teacher = (mp.ViT(mp.ViTConfig(**cfg)) if "patch_size" in cfg else mp.Transformer(mp.TransformerConfig(**cfg)))
-        teacher.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError) as e:
         raise UsageError(f"{flag}: its checkpoint does not rebuild its model ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]})") from None
+    load_weights(teacher, ckpt["model"], f"{flag}'s checkpoint")
     teacher.to(device).eval()
     attn = mp.mean_attention(teacher, teacher_task.teacher_inputs(args.probe_size))
     pattern, logits = task.teacher_prior(attn, kind, args.prior_ratio, args.mask_on, args.mask_off)
@@ -1052,7 +1052,7 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
                              f"({ckpt['config']} vs {asdict(cfg)})")
         check_same_data(ckpt, task, args)
-        model.load_state_dict(ckpt["model"])
+        load_weights(model, ckpt["model"], f"--resume: the checkpoint in {args.out}")
         optimizer = built.optimizer
         optimizer.load_state_dict(ckpt["optimizer"])
         probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
@@ -1102,6 +1102,21 @@ def saved_pattern(args, task, source: dict) -> torch.Tensor:
     if not isinstance(saved, dict) or not isinstance(saved.get("pattern"), torch.Tensor):
         raise UsageError(f"--resume: {path} does not hold the run's prior (a dict with its pattern)")
     return saved["pattern"]
+
+
+def load_weights(model: torch.nn.Module, state: dict, what: str) -> None:
+    """model.load_state_dict(state), or one line naming the first key that does not fit (a checkpoint of an
+    earlier version of the model, e.g. one whose M sat on the attention layer itself, before MaskPrior)."""
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, ValueError) as e:
+        model_keys = set(model.state_dict())
+        missing = sorted(model_keys - set(state))
+        extra = sorted(set(state) - model_keys)
+        which = (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
+                 else str(e).splitlines()[0][:160])
+        raise UsageError(f"{what} does not fit this version's model ({which}); it was written by another version of "
+                         f"maskprior: continue it with that version, or start a new run") from None
 
 
 def check_same_data(ckpt: dict, task, args) -> None:
@@ -1337,7 +1352,7 @@ def sample(args, explicit: set) -> int:
     device = pick_device(args.device)
     setup_task(task, device)
     model, _ = build_model(args, task, device)
-    model.load_state_dict(ckpt["model"])
+    load_weights(model, ckpt["model"], f"--sample: the checkpoint in {args.out}")
     ids = task.encode(args.sample)
     if not ids:
         raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
@@ -1421,11 +1436,16 @@ def _load_tensors(source, path: str, flag: str):
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint of this program, read to the CPU once its contents match their sha256 (a checkpoint
-    written before checksums is read as it is), both levels with weights_only=True (`_load_tensors`: a file
-    from elsewhere runs no code); anything else is one clear line."""
+    """A checkpoint of this program, read to the CPU once its contents match their sha256, both levels with
+    weights_only=True (`_load_tensors`: a file from elsewhere runs no code). A checkpoint of an earlier
+    version (another format, or none: before checksums) and anything else is one clear line."""
     try:
         ckpt = _load_tensors(path, path, flag)
+        if isinstance(ckpt, dict) and (ckpt.get("format") not in (None, CKPT_FORMAT)
+                                       or "format" not in ckpt and set(CKPT_KEYS) <= set(ckpt)):
+            was = ckpt.get("format") or "no format: written before checksums"
+            raise UsageError(f"{flag}: {path} is a checkpoint of an earlier version of train.py ({was}); this version "
+                             f"reads {CKPT_FORMAT}: continue the run with the version that wrote it, or start a new run")
         if isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT:
             payload = ckpt.get("payload")
             if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != ckpt.get("sha256"):
