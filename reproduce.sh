@@ -228,7 +228,7 @@ if [ "$ONLY" = ablation ]; then
     # the cells at a task's own preset are its Boolean-table runs (all four inits); the others go to ablation/
     for t in parity2 majority3 cyclic3; do
         add boolean "$t" "$QK"
-        layout=$("$PY" -c "import train; print('%s-pos%s' % train.preset_layout('$t'))") \
+        layout=$("$PY" -c "from reporting.report import preset_layout; print('%s-pos%s' % preset_layout('$t'))") \
             || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
         for r in cls mean; do for p in 0.02 0.5; do
             [ "$r-pos$p" = "$layout" ] || add ablation "$t" "default mask" "--readout $r --pos-init-std $p" "$r-pos$p"

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskprior as mp
+import reporting.report as R
 import tasks as T
 import train
 
@@ -3222,7 +3223,7 @@ def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsy
         shutil.copytree(a, runs / f"parity2-mask-s0.backup{i}")
     assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(runs / "rerun")]) == 0
     assert train.main([*TINY, "--init", "mask", "--steps", "4", "--seed", "1", "--out", str(runs / "seed1")]) == 0
-    table = train.summarize([str(runs)])
+    table = R.summarize([str(runs)])
     assert "| mask | 0,1 |" in table
     for i in range(8):
         assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
@@ -3627,12 +3628,12 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
     bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
     (bad / "result.json").write_text("{not json")                           # corrupt
-    table = train.summarize([str(boolean)])
+    table = R.summarize([str(boolean)])
     row = next(line for line in table.splitlines() if line.startswith("| mask |"))
     assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
     assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
     assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
-    written = train.report(str(runs), str(tmp_path / "results"))
+    written = R.report(str(runs), str(tmp_path / "results"))
     names = sorted(os.path.basename(p) for p in written)
     assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
     csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
@@ -3650,7 +3651,7 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
         _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
     _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
                data_frac=0.3)
-    written = {os.path.basename(p) for p in train.report(str(runs), str(tmp_path / "res"))}
+    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
     assert {"visionprior.md", "mult2.md"} <= written
     vision = (tmp_path / "res" / "visionprior.md").read_text()
     assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
@@ -3659,7 +3660,7 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
     assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
-    if train.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+    if R.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
         assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -3683,7 +3684,7 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
             (d / "args.json").write_text(json.dumps({"task": "parity2", "init": init, "seed": seed, "readout": "mean",
                                                      "pattern": None, "tag": tag}))
             (d / "result.json").write_text(json.dumps(res))
-    written = train.report(str(tmp_path / "runs"), str(tmp_path / "res"))
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "res"))
     table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
     assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
                         "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
@@ -3691,7 +3692,7 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
                         "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
     assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
     assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
-    if train.pyplot() is not None:
+    if R.pyplot() is not None:
         assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
 
 
@@ -3701,13 +3702,13 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
         _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
         _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
     _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
-    table = train.ablation([str(grid), str(boolean)])
-    assert train.preset_layout("parity2") == ("mean", 0.02)
+    table = R.ablation([str(grid), str(boolean)])
+    assert R.preset_layout("parity2") == ("mean", 0.02)
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
     assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
                                                   ["| mean*", "0.02", "qk-svd"]]
     assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
-    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
     assert any(p.endswith("ablation.md") for p in written)
 
 
@@ -3721,7 +3722,7 @@ def test_learning_curves_and_steps_to_target(tmp_path):
     boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
                {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
     _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
-    written = train.report(str(runs), str(tmp_path / "res"))
+    written = R.report(str(runs), str(tmp_path / "res"))
     assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
     csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert csv[0] == "task,config,init,seed,step,metric,value"
@@ -3740,13 +3741,13 @@ def test_mixed_configurations_are_never_averaged(tmp_path):
     _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
     _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
     _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
-    runs, _ = train.collect_runs([str(folder)])
-    groups, notes = train.config_groups(runs)
+    runs, _ = R.collect_runs([str(folder)])
+    groups, notes = R.config_groups(runs)
     assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
                                                     "log_every=20, steps=50"]
     assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
                      "its own, never averaged together"]
-    table = train.summarize([str(folder)])
+    table = R.summarize([str(folder)])
     assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
     assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
 
@@ -3768,7 +3769,7 @@ def test_data_efficiency_table(tmp_path):
     # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
     _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
                data_frac=None)
-    written = train.report(str(runs), str(tmp_path / "res"))
+    written = R.report(str(runs), str(tmp_path / "res"))
     assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
     assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
     text = (tmp_path / "res" / "data_efficiency.md").read_text()
@@ -3785,7 +3786,7 @@ def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
     for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
         _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
     _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
-    train.report(str(runs), str(tmp_path / "res"))
+    R.report(str(runs), str(tmp_path / "res"))
     rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
             if line.startswith("| parity2")]
     # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
@@ -3805,7 +3806,7 @@ def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"step": 25, "lo')
-    written = train.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
     assert any(p.endswith("persistence.csv") for p in written)
     assert "its log is left out" not in (tmp_path / "results" / "steps_to_target.md").read_text()
     assert ",mask,0,20," in (tmp_path / "results" / "curves.csv").read_text()
@@ -3817,7 +3818,7 @@ def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
     res = json.load(open(out / "result.json"))
     res["metrics"]["acc"] = "high"
     (out / "result.json").write_text(json.dumps(res))
-    table = open(train.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
+    table = open(R.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
     assert "metric acc is 'high', not a finite number" in table
 
 
@@ -3936,7 +3937,7 @@ def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
     for p in stale:
         p.write_bytes(b"half")
     (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
-    train.report(str(runs), str(res))
+    R.report(str(runs), str(res))
     assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()
 
 

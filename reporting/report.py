@@ -1,0 +1,887 @@
+"""The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence curves, the
+prior per layer, data efficiency and the oracle-free study. Loaded only by `python train.py summarize` and
+`python train.py report`; it reads what train.py wrote (result.json, args.json, metrics.jsonl) and never
+trains or changes a run.
+
+Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures
+(persistence, the robustness grid, learning curves, steps to target, the prior per layer, data efficiency, the
+oracle-free study) -> `report`, which writes them all.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import textwrap
+
+import torch
+
+import tasks as T
+from train import DEFAULTS, INITS, NOT_CONFIG, Config, LogError, _number, load_json, make_task, parse_args, read_log, resolve
+
+# ----------------------------------------------------------------------------------------
+# Summaries: run directories -> a markdown table (mean +- std over seeds)
+
+# The paper's numbers (%): whole-cube accuracy (Boolean), sequence accuracy (arithmetic);
+# "~" marks an approximate value.
+PAPER = {
+    ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
+    ("parity2", "mask"): "100",
+    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87", ("majority3", "qk-opt"): "~87",
+    ("majority3", "mask"): "100",
+    ("cyclic3", "mask"): "99.98",
+    ("addition", "default"): "1.19", ("addition", "mask"): "77.49",
+    ("multiplication", "default"): "5.01", ("multiplication", "mask"): "69.49",
+    ("cifar10", "mask"): "95.66", ("cifar10", "impulse"): "95.12", ("cifar10", "default"): "94.20",
+}
+
+
+def collect_runs(paths) -> tuple[list, list]:
+    """Read result.json under each path (a run directory or a folder of them).
+
+    Returns (results, problems): problems name every run directory whose result.json is
+    missing (an unfinished run) or unreadable, and every run counted once already (a copy of a run folder,
+    or the same task, init, seed and flags run again: one seed is one result), so nothing is skipped or
+    counted twice silently.
+    """
+    runs, problems = [], []
+    dirs = []
+    for path in paths:
+        if os.path.exists(os.path.join(path, "args.json")) or os.path.exists(os.path.join(path, "result.json")):
+            dirs.append(path)
+        elif os.path.isdir(path):
+            dirs += sorted(os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+        else:
+            problems.append(f"{path}: no such run directory")
+    for d in dirs:
+        res = os.path.join(d, "result.json")
+        if not os.path.exists(res):
+            problems.append(f"{d}: no result.json (unfinished or failed run)")
+            continue
+        try:
+            r = load_json(res)
+            if not isinstance(r, dict):
+                raise ValueError(f"a JSON {type(r).__name__}, not an object")
+            wrong = [k for k, kind in (("task", str), ("init", str), ("seed", int), ("metrics", dict))
+                     if not isinstance(r.get(k), kind) or isinstance(r.get(k), bool)]
+            if wrong:
+                raise ValueError(f"{wrong[0]} is {r.get(wrong[0], 'missing')!r}")
+            bad = [k for k, v in r["metrics"].items() if v is not None and not (_number(v) and math.isfinite(v))]
+            if bad:
+                raise ValueError(f"metric {bad[0]} is {r['metrics'][bad[0]]!r}, not a finite number")
+            runs.append({**r, "run_dir": d})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
+    return once_each(runs, problems)
+
+
+def once_each(runs: list, problems: list) -> tuple[list, list]:
+    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed and
+    flags (the same run again) is left out and named in problems."""
+    kept, ids, configs = [], {}, {}
+    for r in runs:
+        try:
+            key = json.dumps([r["task"], r["init"], r["seed"], run_config(r)], sort_keys=True, default=repr)
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"{r['run_dir']}: unreadable args.json ({type(e).__name__}: {e})")
+            continue
+        rid = run_id_of(r)
+        if rid in ids:
+            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
+        elif key in configs:
+            problems.append(f"{r['run_dir']}: the same task, init, seed and flags as {configs[key]}: counted once")
+        else:
+            kept.append(r)
+        if rid:
+            ids.setdefault(rid, r["run_dir"])
+        configs.setdefault(key, r["run_dir"])
+    return kept, problems
+
+
+def run_id_of(run: dict) -> str | None:
+    """A finished run's id: result.json's, or the one its log's first line records (runs made before
+    result.json carried it); None for runs made before run ids."""
+    if isinstance(run.get("run_id"), str):
+        return run["run_id"]
+    try:
+        with open(os.path.join(run["run_dir"], "metrics.jsonl"), "rb") as f:
+            first = json.loads(f.readline().decode("utf-8"))
+        return first.get("run_id") if isinstance(first, dict) and isinstance(first.get("run_id"), str) else None
+    except (OSError, ValueError):
+        return None
+
+
+def mean_std(values, digits: int = 2) -> str:
+    """"mean ± sample std" of the values with `digits` decimals ("" for none; std 0 for one)."""
+    if not values:
+        return ""
+    m = sum(values) / len(values)
+    s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _pct(key):
+    return lambda ms: mean_std([100 * m[key] for m in ms if m.get(key) is not None])
+
+
+def _num(key):
+    return lambda ms: mean_std([m[key] for m in ms if m.get(key) is not None])
+
+
+def _mass(ms):
+    start, end = _num("prior_mass_start")(ms), _num("prior_mass_end")(ms)
+    return f"{start} → {end}" if start or end else ""
+
+
+def _mdi(ms):
+    if "mdi_acc" not in ms[0]:
+        return ""
+    extra = f" (sign {100 * ms[0]['mdi_sign_acc']:.1f})" if "mdi_sign_acc" in ms[0] else ""
+    return f"{100 * ms[0]['mdi_acc']:.1f}{extra}"
+
+
+# Columns of the summary table by task kind: (header, function of the runs' metrics).
+COLUMNS = {
+    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")), ("sign acc %", _pct("sign_acc")),
+                ("MSE on U", _num("mse_unseen")), ("MSE", _num("mse")), ("prior mass start → end", _mass),
+                ("MDI acc %", _mdi)],
+    "arithmetic": [("seq acc %", _pct("seq_acc")), ("digit acc %", _pct("digit_acc")),
+                   ("prior mass start → end", _mass)],
+    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")), ("prior mass start → end", _mass)],
+    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")), ("prior mass start → end", _mass)],
+}
+
+
+def summarize(paths) -> str:
+    """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's
+    attention mass at start and end, and the paper's number beside ours."""
+    runs, problems = collect_runs(paths)
+    configs, notes = config_groups(runs)
+    groups = {}
+    for (task, label), rs in configs.items():
+        for r in rs:
+            groups.setdefault((task, label), {}).setdefault(r["init"], []).append(r)
+    out = [f"- {n}" for n in notes]
+    order = {name: i for i, name in enumerate(INITS)}
+    for task, label in groups:
+        kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
+        every = [[r["metrics"] for r in rs] for rs in groups[(task, label)].values()]
+        cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"]) if any(f(ms) for ms in every)]
+        out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
+        out.append("| init | seeds | " + " | ".join(h for h, _ in cols) + " | paper % |")
+        out.append("|---|---|" + "---|" * len(cols) + "---|")
+        for init in sorted(groups[(task, label)], key=lambda i: order.get(i, 99)):
+            rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
+            ms = [r["metrics"] for r in rs]
+            cells = [f(ms) for _, f in cols]
+            out.append(f"| {init} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
+                       + f" | {PAPER.get((task, init), '')} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    return "\n".join(out).strip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------
+# Report: a reproduction's run folders -> results/*.md tables and the persistence curves
+
+TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior")
+REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")      # what `report` reads in a runs folder
+TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
+                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
+                "vision": "ViT image classification (top-1 on the test split)",
+                "lm": "Language modelling (validation loss and perplexity)",
+                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
+                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)"}
+PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
+
+
+def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int) -> str:
+    """Save a figure as a PNG atomically and close it; returns path."""
+    with T.atomic_output(path) as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
+INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green",
+                "mimetic": "tab:purple", "impulse": "tab:orange"}
+
+
+def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1.0, colour=None) -> None:
+    """Draw {step: [values over seeds]} as the mean line with a min-to-max band, in the init's colour
+    (or `colour`), labelled `init` (any legend text) when `label`."""
+    steps = sorted(by_step)
+    vals = [by_step[st] for st in steps]
+    colour = colour or INIT_COLOURS.get(init)
+    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init if label else None)
+    ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
+                    alpha=0.2, lw=0)
+
+
+def log_records(run: dict) -> list[dict]:
+    """The records of a run's metrics.jsonl (one per logged step), or [] when it has none; read
+    once per run dict (the curves, steps to target and the prior per layer all use them)."""
+    if "_records" not in run:
+        path = os.path.join(run["run_dir"], "metrics.jsonl")
+        try:
+            run["_records"] = read_log(path) if os.path.isfile(path) else []
+        except (OSError, LogError) as e:         # the run has no curves; its result.json still counts in the tables
+            run["_records"] = []
+            run["_log_problem"] = f"{e}" if isinstance(e, LogError) else f"{path} cannot be read ({e.strerror})"
+    return run["_records"]
+
+
+def persistence_rows(boolean_dir: str) -> list[dict]:
+    """Per logged step of every mask / qk-svd / qk-opt Boolean run, from its metrics.jsonl: the
+    attention mass on the pattern (mean over layers, and per layer) and the drift of the prior
+    itself, mean over layers: relative Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
+    rows = []
+    runs, _ = collect_runs([boolean_dir])
+    for r in runs:
+        if r["init"] not in PERSISTENCE_INITS:
+            continue
+        drift_key = "mask_drift" if r["init"] == "mask" else "qk_drift"
+        for rec in log_records(r):
+            if rec.get("prior_mass") is None:
+                continue
+            drift = rec.get(drift_key)
+            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
+                         "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
+                         "drift": sum(drift) / len(drift) if drift else float("nan")})
+    rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
+    return rows
+
+
+PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative change of the prior itself (bottom: "
+                       "M for mask, Wq Wk^T for qk-svd and qk-opt) over training; mean over seeds, band = min to max")
+
+
+def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
+    """persistence.csv always; persistence.png (mass and drift per task, mean and min-max band over
+    seeds) when matplotlib is installed. Returns the paths written."""
+    csv_path = os.path.join(out_dir, "persistence.csv")
+    n_layers = max((len(r["layers"]) for r in rows), default=0)
+    lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
+    for r in rows:
+        lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
+                     + ",".join(f"{m:.5f}" for m in r["layers"]))
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
+    written = [csv_path]
+    plt = pyplot()
+    if plt is None:
+        return written
+    tasks = sorted({r["task"] for r in rows})
+    if not tasks:
+        return written
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False, sharex="col")
+    for col, task in enumerate(tasks):
+        for init in PERSISTENCE_INITS:
+            for row, key in ((0, "mass"), (1, "drift")):
+                by_step = {}
+                for r in rows:
+                    if r["task"] == task and r["init"] == init and r[key] == r[key]:     # drift may be NaN
+                        by_step.setdefault(r["step"], []).append(r[key])
+                if by_step:
+                    plot_band(axes[row][col], by_step, init, label=row == 0)
+        axes[0][col].set_title(task)
+        axes[0][col].set_ylim(0, 1.02)
+        axes[1][col].set_xlabel("training step")
+        for row in (0, 1):
+            axes[row][col].grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention mass on the pattern")
+    axes[1][0].set_ylabel("relative change of the prior\n(M, or Wq Wk^T)")
+    axes[0][-1].legend(loc="best")
+    fig.suptitle(textwrap.fill(PERSISTENCE_CAPTION, 40 * len(tasks)), fontsize=9)
+    fig.tight_layout()
+    return written + [save_figure(fig, os.path.join(out_dir, "persistence.png"), dpi=120)]
+
+
+ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
+
+
+def preset_layout(task: str, preset: str = "small") -> tuple:
+    """(readout, positional std) that `preset` gives a Boolean task."""
+    args = resolve(*parse_args(["--task", task, "--preset", preset]))
+    return args.readout or "cls", args.pos_init_std
+
+
+def ablation(folders) -> str:
+    """The robustness grid: per Boolean task, a markdown table over readout x positional std x init
+    (mean ± std over seeds of whole-cube accuracy, accuracy and MSE on U, the mean prediction on U,
+    the prior's attention mass at the end), read from the result.json files of the `small`-preset
+    runs under `folders`; rows at the task's own preset are marked."""
+    runs, problems = collect_runs(folders)
+    groups = {}
+    for r in runs:
+        if r.get("preset", "small") != "small" or r.get("kind", "boolean") != "boolean":
+            continue
+        c = r.get("config") or {}
+        groups.setdefault(r["task"], {}).setdefault((c.get("readout"), c.get("pos_init_std"), r["init"]), []).append(r)
+    order = {name: i for i, name in enumerate(ABLATION_INITS)}
+    out = []
+    for task in sorted(groups):
+        mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
+        layout = preset_layout(task)
+        out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
+        out.append("| readout | pos std | init | seeds | acc % | acc on U % | MSE on U | mean prediction on U | "
+                   "prior mass end |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, order.get(k[2], 99))):
+            readout, pos, init = key
+            rs = sorted(groups[task][key], key=lambda r: r["seed"])
+            ms = [r["metrics"] for r in rs]
+            star = "*" if (readout, pos) == layout else ""
+            out.append(f"| {readout}{star} | {pos} | {init} | {','.join(str(r['seed']) for r in rs)} | "
+                       f"{_pct('acc')(ms)} | {_pct('acc_unseen')(ms)} | {_num('mse_unseen')(ms)} | "
+                       f"{_num('pred_unseen')(ms)} | {_num('prior_mass_end')(ms)} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    return "\n".join(out).strip() + "\n"
+
+
+# Learning curves and steps to target: each run's headline metric at every logged step
+
+# Metrics that are fractions, drawn in percent.
+PERCENT_METRICS = ("acc_unseen", "seq_acc", "top1")
+# Headline metrics by task kind: (metric key, label, higher is better).
+CURVE_METRICS = {
+    "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
+    "arithmetic": (("seq_acc", "sequence accuracy", True), ("prior_mass_mean", "attention mass on the pattern", True)),
+    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
+    "lm": (("val_ppl", "validation perplexity", False),),
+}
+# Runs that differ only in NOT_CONFIG (Config fields with tells_apart=False: where and how a run ran, which
+# run it is, its init and seed) are one configuration; any other difference draws them apart.
+
+
+def run_config(run: dict, ignore=frozenset()) -> dict:
+    """The flags that define a run's configuration (args.json minus NOT_CONFIG and `ignore`; a flag
+    added after the run was made counts at its default); the model config of result.json where
+    args.json is missing."""
+    path = os.path.join(run["run_dir"], "args.json")
+    saved = load_json(path) if os.path.exists(path) else None
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"a JSON {type(saved).__name__}, not the object of the run's flags")
+    args = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
+    return {k: v for k, v in args.items() if k not in NOT_CONFIG and k not in ignore}
+
+
+def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
+    """Split runs by task, then by configuration (all flags but NOT_CONFIG and `ignore`). Returns
+    ({(task, label): runs}, notes): label is "" when a task has one configuration, else the flags
+    that tell its configurations apart ("steps=250"), and a note names each such mix in one line."""
+    by_task, notes, groups = {}, [], {}
+    for r in runs:
+        by_task.setdefault(r["task"], []).append((r, run_config(r, ignore)))
+    for task in sorted(by_task):
+        configs = []
+        for r, c in by_task[task]:
+            for known in configs:
+                if known[0] == c:
+                    known[1].append(r)
+                    break
+            else:
+                configs.append((c, [r]))
+        if len(configs) == 1:
+            groups[(task, "")] = configs[0][1]
+            continue
+        keys = sorted({k for c, _ in configs for k in c})
+        differ = [k for k in keys if len({json.dumps(c.get(k)) for c, _ in configs}) > 1]
+        configs.sort(key=lambda cr: [json.dumps(cr[0].get(k)) for k in differ])
+        for c, rs in configs:
+            groups[(task, ", ".join(f"{k}={c.get(k)}" for k in differ))] = rs
+        notes.append(f"{task}: {len(configs)} configurations differing in {', '.join(differ)}; each is drawn "
+                     f"and tabulated on its own, never averaged together")
+    return groups, notes
+
+
+def curve_points(run: dict) -> dict:
+    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics (read
+    from the record's metrics, or from the record itself: the prior's mass, prior_mass_mean)."""
+    keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
+    points = {k: [] for k in keys}
+    for rec in log_records(run):
+        for k in keys:
+            v = (rec.get("metrics") or {}).get(k, rec.get(k))
+            if v is not None and v == v:
+                points[k].append((rec["step"], float(v)))
+    return points
+
+
+def write_curves(groups: dict, out_dir: str) -> list[str]:
+    """curves.csv (one row per run, logged step and headline metric) always; curves.png (per task and
+    configuration, each headline metric against the step: mean over seeds per init, band = min to
+    max) when matplotlib is installed. Returns the paths written."""
+    lines = ["task,config,init,seed,step,metric,value"]
+    panels = []          # (title, metric key, label, {init: {step: [values]}})
+    for (task, label), rs in groups.items():
+        kind = rs[0].get("kind", "boolean")
+        per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
+        for r in sorted(rs, key=lambda r: (list(INITS).index(r["init"]) if r["init"] in INITS else 99, r["seed"])):
+            for k, pts in curve_points(r).items():
+                for step, v in pts:
+                    lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
+                    per_metric[k].setdefault(r["init"], {}).setdefault(step, []).append(v)
+        for k, name, _ in CURVE_METRICS.get(kind, ()):
+            if per_metric[k]:
+                panels.append((task + (f"\n{label}" if label else ""), k, name, per_metric[k]))
+    csv_path = os.path.join(out_dir, "curves.csv")
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
+    written = [csv_path]
+    plt = pyplot()
+    if plt is None:
+        return written
+    if not panels:
+        return written
+    titles = list(dict.fromkeys(p[0] for p in panels))           # one row per task and configuration
+    cols = max(sum(p[0] == t for p in panels) for t in titles)
+    fig, axes = plt.subplots(len(titles), cols, figsize=(4.4 * cols, 3.2 * len(titles)), squeeze=False)
+    used = {t: 0 for t in titles}
+    for title, key, name, by_init in panels:
+        ax = axes[titles.index(title)][used[title]]
+        used[title] += 1
+        for init, by_step in by_init.items():
+            plot_band(ax, by_step, init, scale=100.0 if key in PERCENT_METRICS else 1.0)
+        if key in ("mse", "val_ppl"):
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(name + (" %" if key in PERCENT_METRICS else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for t in titles:
+        for ax in axes[titles.index(t)][used[t]:]:
+            ax.axis("off")
+    fig.suptitle(textwrap.fill("Headline metric (and, for arithmetic and vision, the attention mass on the prior "
+                               "pattern) against the training step; mean over seeds, band = min to max", 55 * cols),
+                 fontsize=9)
+    fig.tight_layout()
+    return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
+
+
+def write_comparison(groups: dict, path: str, title: str) -> list[str]:
+    """One figure that sets every configuration and init of `groups` side by side: a panel per curve
+    metric of their kind, a line per (configuration, init), mean over seeds with a min-to-max band.
+    Returns [path], or [] without matplotlib or runs."""
+    plt = pyplot()
+    if plt is None or not groups:
+        return []
+    order = {name: i for i, name in enumerate(INITS)}
+    series = []                                 # (legend, {metric: {step: [values over seeds]}})
+    for (_, label), rs in groups.items():
+        for init in sorted({r["init"] for r in rs}, key=lambda i: order.get(i, 99)):
+            by_metric = {}
+            for r in rs:
+                if r["init"] == init:
+                    for k, pts in curve_points(r).items():
+                        for step, v in pts:
+                            by_metric.setdefault(k, {}).setdefault(step, []).append(v)
+            series.append((init + (f", {label}" if label else ""), by_metric))
+    metrics = CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.0 * len(metrics), 4.4), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for col, (k, name, _) in enumerate(metrics):
+        ax = axes[0][col]
+        scale = 100.0 if k in PERCENT_METRICS else 1.0
+        for i, (legend, by_metric) in enumerate(series):
+            if by_metric.get(k):
+                plot_band(ax, by_metric[k], legend, scale=scale, colour=colours(i % 10))
+        ax.set_xlabel("training step")
+        ax.set_ylabel(name + (" %" if scale == 100.0 else ""))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6.5, loc="best")
+    fig.suptitle(textwrap.fill(title + "; mean over seeds, band = min to max", 60 * len(metrics)), fontsize=9)
+    fig.tight_layout()
+    return [save_figure(fig, path, dpi=110)]
+
+
+def first_step(records: list, target: list):
+    """The first logged step (of a run's `log_records`) at which every (metric, threshold, higher is
+    better) of target holds, or None."""
+    for rec in records:
+        m = rec.get("metrics") or {}
+        if all(k in m and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
+            return rec["step"]
+    return None
+
+
+def targets_for(kind: str, runs: list) -> list:
+    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind: arithmetic
+    50% and 90% sequence accuracy; Boolean 99% on U together with 99% on the seen domain (an
+    untrained model can score 100% on U by its constant sign); vision (LM) the default init's final
+    top-1 (perplexity), mean over its seeds."""
+    if kind == "arithmetic":
+        return [("seq acc 50%", [("seq_acc", 0.5, True)]), ("seq acc 90%", [("seq_acc", 0.9, True)])]
+    if kind == "boolean":
+        return [("99% on U and on the seen domain", [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
+    key, higher = ("top1", True) if kind == "vision" else ("val_ppl", False)
+    finals = [r["metrics"][key] for r in runs if r["init"] == "default" and key in r["metrics"]]
+    if not finals:
+        return []
+    t = sum(finals) / len(finals)
+    desc = f"default's final top-1, {100 * t:.2f}%" if higher else f"default's final val ppl, {t:.2f}"
+    return [(desc, [(key, t, higher)])]
+
+
+def steps_to_target(groups: dict) -> str:
+    """Markdown: per task (and configuration), target and init, the first logged step at which the
+    headline metric reaches the target (mean ± std over the seeds that reach it, how many do), and
+    the ratio default / mask of the mean steps; where default never reaches it and the mask always
+    does, the ratio is a lower bound (default's total steps / the mask's mean)."""
+    out = ["| task | target | init | seeds | reached | step to target | log every | default / mask |",
+           "|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(INITS)}
+    for (task, label), rs in groups.items():
+        name = task + (f" ({label})" if label else "")
+        log_every = run_config(rs[0]).get("log_every", "")
+        by_init = {}
+        for r in sorted(rs, key=lambda r: r["seed"]):
+            by_init.setdefault(r["init"], []).append(r)
+        for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
+            found = {init: [first_step(log_records(r), target) for r in by_init[init]]
+                     for init in sorted(by_init, key=lambda i: order.get(i, 99))}
+            ratio = ""
+            ms, ds = found.get("mask"), found.get("default")
+            if ms and ds and all(s is not None for s in ms) and sum(ms) > 0:
+                m = sum(ms) / len(ms)
+                if all(s is not None for s in ds):
+                    ratio = f"{sum(ds) / len(ds) / m:.1f}"
+                elif all(s is None for s in ds):
+                    ratio = f"> {max(r.get('steps') or 0 for r in by_init['default']) / m:.1f}"
+            for init, steps in found.items():
+                hit = [s for s in steps if s is not None]
+                cell = mean_std(hit, digits=0) if hit else "not reached"
+                seeds = ",".join(str(r["seed"]) for r in by_init[init])
+                out.append(f"| {name} | {desc} | {init} | {seeds} | {len(hit)}/{len(steps)} | {cell} | {log_every} | "
+                           f"{ratio if init == 'mask' else ''} |")
+    return "\n".join(out) + "\n"
+
+
+def prior_layers(groups: dict) -> str:
+    """Markdown: per task (and configuration), prior init (`mask`, the QK inits, `impulse`, `mimetic`)
+    and layer, from the runs' metrics.jsonl (mean over seeds): the attention mass on the pattern at
+    the start, at its lowest and at the end; the first logged step at which it has made half of its
+    change from start to end (when it moves); the final relative change of M (`mask` only) and of
+    Wq Wk^T (the content logits' weights); the content margin (`mp.content_margin`: by how many nats
+    the content logits favour the keys off the pattern) at the start and the end, where logged.
+    Shows where and when a prior's mass goes, and whether the content outbids the bias."""
+    out = ["| task | init | seeds | layer | mass start | mass min | mass end | half-way step | M drift | "
+           "Wq Wk^T drift | content margin start → end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(INITS)}
+    avg = lambda v: sum(v) / len(v)                                           # noqa: E731
+    for (task, label), rs in groups.items():
+        name = task + (f" ({label})" if label else "")
+        by_init = {}
+        for r in sorted(rs, key=lambda r: r["seed"]):
+            records = [rec for rec in log_records(r) if rec.get("prior_mass")]
+            if r["init"] != "default" and records:
+                by_init.setdefault(r["init"], []).append((r["seed"], records))
+        for init in sorted(by_init, key=lambda i: order.get(i, 99)):
+            runs = by_init[init]
+            seeds = ",".join(str(s) for s, _ in runs)
+            for layer in range(min(len(recs[0]["prior_mass"]) for _, recs in runs)):
+                start = [recs[0]["prior_mass"][layer] for _, recs in runs]
+                end = [recs[-1]["prior_mass"][layer] for _, recs in runs]
+                low = [min(rec["prior_mass"][layer] for rec in recs) for _, recs in runs]
+                half = []
+                for (_, recs), a, b in zip(runs, start, end):
+                    mid = (a + b) / 2
+                    half.append(next(rec["step"] for rec in recs if (rec["prior_mass"][layer] - mid) * (a - b) <= 0))
+                drift = {k: [recs[-1][k][layer] for _, recs in runs if recs[-1].get(k)] for k in ("mask_drift",
+                                                                                                  "qk_drift")}
+                margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer]) for _, recs in runs
+                          if recs[0].get("content_margin") and recs[-1].get("content_margin")]
+                out.append(f"| {name} | {init} | {seeds} | {layer} | {avg(start):.2f} | {avg(low):.2f} | "
+                           f"{avg(end):.2f} | {avg(half):.0f} | "
+                           + " | ".join(f"{avg(drift[k]):.3g}" if drift[k] else "" for k in ("mask_drift", "qk_drift"))
+                           + (f" | {avg([a for a, _ in margin]):.2f} → {avg([b for _, b in margin]):.2f} |" if margin
+                              else " |  |"))
+    return "\n".join(out) + "\n"
+
+
+def data_efficiency(folders: list, out_dir: str) -> list[str]:
+    """Addition's final sequence accuracy against the number of training pairs, per init (mean ± std
+    over seeds; inits run at one size only are left out), from the runs under folders whose
+    configurations differ in --data-frac alone:
+    data_efficiency.md (with, for each size, the fewest pairs at which the mask's mean is at least
+    default's mean at that size), data_efficiency.csv always and .png when matplotlib is installed."""
+    runs, problems = collect_runs(folders)
+    runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
+    groups, notes = config_groups(runs, ignore={"data_frac"})
+    order = {name: i for i, name in enumerate(INITS)}
+    lines, md, panels = ["config,init,seed,n_train,seq_acc,digit_acc"], [], []
+    for (_, label), rs in groups.items():
+        by = {}                                                      # {init: {n_train: [seq_acc]}}
+        for r in sorted(rs, key=lambda r: (order.get(r["init"], 99), r["metrics"]["n_train"], r["seed"])):
+            m = r["metrics"]
+            by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
+            lines.append(f"\"{label}\",{r['init']},{r['seed']},{m['n_train']},{m['seq_acc']:.6g},{m['digit_acc']:.6g}")
+        sizes = sorted({n for d in by.values() for n in d})
+        if len(sizes) < 2:
+            md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
+            continue
+        inits = sorted((i for i in by if len(by[i]) > 1), key=lambda i: order.get(i, 99))    # a series each
+        mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
+        md.append("\n**addition**" + (f" ({label})" if label else "") + "\n")
+        md.append("| training pairs | % of all pairs | " + " | ".join(f"{i} seq acc % (seeds)" for i in inits)
+                  + " | fewest pairs with mask >= default here |")
+        md.append("|---|---|" + "---|" * len(inits) + "---|")
+        for n in sizes:
+            cells = [f"{mean_std([100 * v for v in by[i][n]])} ({len(by[i][n])})" if n in by[i] else ""
+                     for i in inits]
+            enough = ""
+            if "default" in mean and "mask" in mean and n in mean["default"]:
+                hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
+                enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
+            md.append(f"| {n:,} | {100 * n / T.UNIVERSE:g} | " + " | ".join(cells) + f" | {enough} |")
+        panels.append((label, {i: by[i] for i in inits}, sizes))
+    csv_path = os.path.join(out_dir, "data_efficiency.csv")
+    T.atomic_write(csv_path, "\n".join(lines) + "\n")
+    text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
+            "Final sequence accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). "
+            "The last column: the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at "
+            "least default's mean at this size. Runs: " + ", ".join(f"`{f}`" for f in folders)
+            + "; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
+            + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
+            + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
+    md_path = os.path.join(out_dir, "data_efficiency.md")
+    T.atomic_write(md_path, text)
+    written = [md_path, csv_path]
+    plt = pyplot()
+    if plt is None or not panels:
+        return written
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.6), squeeze=False)
+    for ax, (label, by, sizes) in zip(axes[0], panels):
+        for init, by_size in by.items():
+            plot_band(ax, by_size, init, scale=100.0)
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel("training pairs (of 10^6)")
+        ax.set_ylabel("sequence accuracy %")
+        ax.set_title("addition" + (f"\n{label}" if label else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle(textwrap.fill("Final sequence accuracy against the training set size; mean over seeds, band = "
+                               "min to max", 60 * len(panels)), fontsize=9)
+    fig.tight_layout()
+    return written + [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
+
+
+
+# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
+# its init and its tag (less a corpus prefix, which names the row instead: the language stand-in's teacher reads
+# corpus A, its students corpus B).
+ORACLE_FREE_COLUMNS = (("default", "default", ""), ("hand pattern, mask", "mask", ""),
+                       ("found in the data, mask", "mask", "discovered"), ("from the teacher, mask", "mask", "teacher"),
+                       ("from an impulse teacher, mask", "mask", "teacher-impulse"),
+                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"), ("impulse", "impulse", ""),
+                       ("default, the teacher's + the student's steps", "default", "budget2x"))
+ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100), "arithmetic": ("seq_acc", "sequence accuracy %", 100),
+                      "vision": ("top1", "top-1 %", 100), "lm": ("val_ppl", "validation perplexity", 1)}
+
+
+def oracle_free_cell(run: dict) -> tuple[str, str]:
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the corpus the tag
+    names), the tag what follows -sSEED-."""
+    name = os.path.basename(os.path.normpath(run["run_dir"]))
+    tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
+    corpus = ""
+    if tag.startswith("corpus"):
+        corpus, _, tag = tag.partition("-")
+        corpus = f", corpus {corpus[-1]}"
+    return run["task"] + corpus, tag
+
+
+def oracle_free(folder: str, out_dir: str) -> list[str]:
+    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their number), and
+    the found patterns' precision and recall of pairs against the hand pattern; oraclefree_patterns.png (with
+    matplotlib): for seed 0, the hand pattern beside the one found in the data and the teacher's."""
+    runs, problems = collect_runs([folder])
+    table, agreement, rows = {}, {}, []
+    for r in runs:
+        row, tag = oracle_free_cell(r)
+        if row not in rows:
+            rows.append(row)
+        table.setdefault(row, {}).setdefault((r["init"], tag), []).append(r)
+        src = r.get("prior_source") or {}
+        if "precision" in src and r["init"] == "mask":          # qk-svd reads the same teacher's pattern
+            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
+    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
+    out = ["| task | metric | " + " | ".join(h for h, _, _ in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for row in rows:
+        kind = next(iter(table[row].values()))[0].get("kind", "boolean")
+        key, label, scale = ORACLE_FREE_METRIC.get(kind, ORACLE_FREE_METRIC["boolean"])
+        cells = []
+        for _, init, tag in cols:
+            rs = table[row].get((init, tag), [])
+            vals = [scale * r["metrics"][key] for r in rs if r["metrics"].get(key) is not None]
+            cells.append(f"{mean_std(vals)} ({len(vals)})" if vals else "")
+        out.append(f"| {row} | {label} | " + " | ".join(cells) + " |")
+    out += ["", "| task | found in | precision of its pairs | recall | seeds |", "|---|---|---|---|---|"]
+    for row in rows:
+        for tag, pr in agreement.get(row, {}).items():
+            out.append(f"| {row} | {'the data' if tag == 'discovered' else tag} | {mean_std([p for p, _ in pr])} | "
+                       f"{mean_std([r for _, r in pr])} | {len(pr)} |")
+    if problems:
+        out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
+    path = os.path.join(out_dir, "oraclefree.md")
+    T.atomic_write(path, "\n".join(out) + "\n")
+    return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows, out_dir)
+
+
+def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
+    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, one line
+    per variant with a prior (mean over seeds, band = min to max)."""
+    plt = pyplot()
+    curves = []
+    for row in rows:
+        lines = {}
+        for head, init, tag in ORACLE_FREE_COLUMNS:
+            by_step = {}
+            for r in table[row].get((init, tag), []) if init != "default" else []:
+                for rec in log_records(r):
+                    if rec.get("prior_mass_mean") is not None:
+                        by_step.setdefault(rec["step"], []).append(rec["prior_mass_mean"])
+            if by_step:
+                lines[head] = by_step
+        if lines:
+            curves.append((row, lines))
+    if plt is None or not curves:
+        return []
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for ax, (row, lines) in zip(axes[0], curves):
+        for i, (head, by_step) in enumerate(lines.items()):
+            plot_band(ax, by_step, head, colour=colours(i % 10))
+        ax.set_title(row, fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention mass on the prior's pattern")
+    axes[0][-1].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_mass.png"), dpi=110)]
+
+
+def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
+    """oraclefree_patterns.png: per task, seed 0's hand pattern (black: allowed) beside the one its
+    discovered and teacher runs started from (prior.pt), all layers' first head."""
+    plt = pyplot()
+    panels = []
+    for row in rows:
+        for init, tag, title in (("mask", "", "hand"), ("mask", "discovered", "found in the data"),
+                                 ("mask", "teacher", "from the teacher"), ("mask", "teacher-impulse", "impulse teacher")):
+            first = sorted(table[row].get((init, tag), []), key=lambda r: r["seed"])[:1]
+            if not first:
+                continue
+            prior = os.path.join(first[0]["run_dir"], "prior.pt")
+            if tag:
+                if not os.path.isfile(prior):
+                    continue
+                pattern = torch.load(prior, weights_only=True)["pattern"]
+            else:
+                saved = load_json(os.path.join(first[0]["run_dir"], "args.json"))
+                args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
+                pattern = make_task(args).pattern(args.pattern)
+            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
+    if plt is None or not panels:
+        return []
+    cols = 4
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.0 * cols, 3.0 * -(-len(panels) // cols)),
+                             squeeze=False)
+    for ax, (title, p) in zip(axes.flat, panels):
+        ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(title, fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Patterns the priors started from: row = query, column = key, black = allowed (first head)", fontsize=9)
+    fig.tight_layout()
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"), dpi=110)]
+
+
+def report(runs_dir: str, out_dir: str) -> list[str]:
+    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
+    paper's number beside ours), the robustness grid, the persistence curves of the Boolean runs,
+    the data-efficiency table, the learning curves, steps to target and the prior per layer.
+    Unfinished or unreadable runs are listed under their table. Returns the files written."""
+    os.makedirs(out_dir, exist_ok=True)
+    for tmp, name in T.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
+        if name.endswith((".md", ".csv", ".png")):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    written = []
+    made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
+
+    def emit(name: str, text: str) -> None:
+        path = os.path.join(out_dir, name)
+        T.atomic_write(path, text)
+        written.append(path)
+
+    for table in TABLES:
+        folder = os.path.join(runs_dir, table)
+        if os.path.isdir(folder):
+            emit(f"{table}.md", f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over seeds; {made_by}.\n\n"
+                                f"{summarize([folder])}")
+    grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
+    if os.path.isdir(grid):
+        folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
+        emit("ablation.md", f"# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
+                            f"preset\n\nRuns: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std over "
+                            f"seeds; accuracy over the whole cube (exact match for cyclic3); {made_by}.\n\n"
+                            f"{ablation(folders)}")
+    if os.path.isdir(boolean):
+        written += write_persistence(persistence_rows(boolean), out_dir)
+    if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
+        written += oracle_free(os.path.join(runs_dir, "oraclefree"), out_dir)
+    data, arithmetic = os.path.join(runs_dir, "data"), os.path.join(runs_dir, "arithmetic")
+    if os.path.isdir(data):
+        written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
+    folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
+    if not folders:
+        return written
+    runs = collect_runs(folders)[0]
+    groups, notes = config_groups(runs)
+    written += write_curves(groups, out_dir)
+    prior_study = os.path.normpath(os.path.join(runs_dir, "visionprior"))
+    study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == prior_study]
+    if study:
+        written += write_comparison(config_groups(study)[0], os.path.join(out_dir, "visionprior.png"),
+                                    "The vision priors side by side: top-1 and the attention mass on each prior's "
+                                    "own pattern against the training step")
+    for r in runs:
+        log_records(r)                          # read every log once: a damaged one is named below
+    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables ({r['_log_problem']}); its "
+              f"result.json counts in the results tables" for r in runs if "_log_problem" in r]
+    runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
+                      + "".join(f"- {n}\n" for n in notes) + "\n")
+    emit("steps_to_target.md",
+         "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the target (mean ± "
+         "std over the seeds that reach it; the resolution is the log interval; log steps of Boolean and arithmetic "
+         "runs are measured on `--eval-points` points, the last on the whole test set). default / mask is the ratio "
+         "of the mean steps: how many times faster the mask gets there; '> x' where default never does within its "
+         "steps. The curves are `curves.csv` and `curves.png`. " + runs_and_notes + steps_to_target(groups))
+    emit("prior_layers.md",
+         "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from "
+         "each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step "
+         "at which the layer's mass has made half of its change from start to end. M drift: relative Frobenius "
+         "change of M (`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats "
+         "the content logits q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off "
+         "minus on, mean over rows, heads and the probe batch; runs made before it was logged have none); a row "
+         "keeps most of its mass on the pattern while this stays below the prior's own gap (for `mask`, "
+         "log sigmoid(m_on) - log sigmoid(-m_off), about m_off). " + runs_and_notes + prior_layers(groups))
+    return written
