@@ -121,6 +121,17 @@ def mean_std(values, digits: int = 2) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def init_order(init: str, inits=INITS) -> int:
+    """The sort key of an init: its place in `inits` (train.py's INITS table), an unknown one last."""
+    return list(inits).index(init) if init in inits else 99
+
+
+def md_table(header: list, rows) -> list[str]:
+    """A markdown table's lines: the header cells, the rule, one line per row of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
 def _pct(key):
     return lambda ms: mean_std([100 * m[key] for m in ms if m.get(key) is not None])
 
@@ -163,20 +174,18 @@ def summarize(paths) -> str:
         for r in rs:
             groups.setdefault((task, label), {}).setdefault(r["init"], []).append(r)
     out = [f"- {n}" for n in notes]
-    order = {name: i for i, name in enumerate(INITS)}
     for task, label in groups:
         kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
         every = [[r["metrics"] for r in rs] for rs in groups[(task, label)].values()]
         cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"]) if any(f(ms) for ms in every)]
         out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
-        out.append("| init | seeds | " + " | ".join(h for h, _ in cols) + " | paper % |")
-        out.append("|---|---|" + "---|" * len(cols) + "---|")
-        for init in sorted(groups[(task, label)], key=lambda i: order.get(i, 99)):
+        rows = []
+        for init in sorted(groups[(task, label)], key=init_order):
             rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
-            cells = [f(ms) for _, f in cols]
-            out.append(f"| {init} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells)
-                       + f" | {PAPER.get((task, init), '')} |")
+            rows.append([init, ",".join(str(r["seed"]) for r in rs), *(f(ms) for _, f in cols),
+                         PAPER.get((task, init), "")])
+        out += md_table(["init", "seeds", *(h for h, _ in cols), "paper %"], rows)
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     return "\n".join(out).strip() + "\n"
@@ -205,6 +214,16 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def figure(n_rows: int, n_cols: int, width: float, height: float, **kw):
+    """(pyplot, figure, axes: an (n_rows, n_cols) array) of a new figure of panels `width` x `height` inches
+    each, or None when matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)
+    return plt, fig, axes
 
 
 def save_figure(fig, path: str, dpi: int) -> str:
@@ -279,13 +298,11 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
-    plt = pyplot()
-    if plt is None:
-        return written
     tasks = sorted({r["task"] for r in rows})
-    if not tasks:
+    made = figure(2, len(tasks), 4.2, 3.2, sharex="col") if tasks else None
+    if made is None:
         return written
-    fig, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False, sharex="col")
+    _, fig, axes = made
     for col, task in enumerate(tasks):
         for init in PERSISTENCE_INITS:
             for row, key in ((0, "mass"), (1, "drift")):
@@ -329,23 +346,21 @@ def ablation(folders) -> str:
             continue
         c = r.get("config") or {}
         groups.setdefault(r["task"], {}).setdefault((c.get("readout"), c.get("pos_init_std"), r["init"]), []).append(r)
-    order = {name: i for i, name in enumerate(ABLATION_INITS)}
     out = []
     for task in sorted(groups):
         mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
         layout = preset_layout(task)
         out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
-        out.append("| readout | pos std | init | seeds | acc % | acc on U % | MSE on U | mean prediction on U | "
-                   "prior mass end |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
-        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, order.get(k[2], 99))):
+        rows = []
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, init_order(k[2], ABLATION_INITS))):
             readout, pos, init = key
             rs = sorted(groups[task][key], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
-            star = "*" if (readout, pos) == layout else ""
-            out.append(f"| {readout}{star} | {pos} | {init} | {','.join(str(r['seed']) for r in rs)} | "
-                       f"{_pct('acc')(ms)} | {_pct('acc_unseen')(ms)} | {_num('mse_unseen')(ms)} | "
-                       f"{_num('pred_unseen')(ms)} | {_num('prior_mass_end')(ms)} |")
+            rows.append([f"{readout}{'*' if (readout, pos) == layout else ''}", pos, init,
+                         ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms), _pct("acc_unseen")(ms),
+                         _num("mse_unseen")(ms), _num("pred_unseen")(ms), _num("prior_mass_end")(ms)])
+        out += md_table(["readout", "pos std", "init", "seeds", "acc %", "acc on U %", "MSE on U",
+                         "mean prediction on U", "prior mass end"], rows)
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     return "\n".join(out).strip() + "\n"
@@ -429,7 +444,7 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     for (task, label), rs in groups.items():
         kind = rs[0].get("kind", "boolean")
         per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
-        for r in sorted(rs, key=lambda r: (list(INITS).index(r["init"]) if r["init"] in INITS else 99, r["seed"])):
+        for r in sorted(rs, key=lambda r: (init_order(r["init"]), r["seed"])):
             for k, pts in curve_points(r).items():
                 for step, v in pts:
                     lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
@@ -440,14 +455,12 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     csv_path = os.path.join(out_dir, "curves.csv")
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
-    plt = pyplot()
-    if plt is None:
-        return written
-    if not panels:
-        return written
     titles = list(dict.fromkeys(p[0] for p in panels))           # one row per task and configuration
-    cols = max(sum(p[0] == t for p in panels) for t in titles)
-    fig, axes = plt.subplots(len(titles), cols, figsize=(4.4 * cols, 3.2 * len(titles)), squeeze=False)
+    cols = max((sum(p[0] == t for p in panels) for t in titles), default=0)
+    made = figure(len(titles), cols, 4.4, 3.2) if panels else None
+    if made is None:
+        return written
+    _, fig, axes = made
     used = {t: 0 for t in titles}
     for title, key, name, by_init in panels:
         ax = axes[titles.index(title)][used[title]]
@@ -475,13 +488,11 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
     """One figure that sets every configuration and init of `groups` side by side: a panel per curve
     metric of their kind, a line per (configuration, init), mean over seeds with a min-to-max band.
     Returns [path], or [] without matplotlib or runs."""
-    plt = pyplot()
-    if plt is None or not groups:
+    if not groups:
         return []
-    order = {name: i for i, name in enumerate(INITS)}
     series = []                                 # (legend, {metric: {step: [values over seeds]}})
     for (_, label), rs in groups.items():
-        for init in sorted({r["init"] for r in rs}, key=lambda i: order.get(i, 99)):
+        for init in sorted({r["init"] for r in rs}, key=init_order):
             by_metric = {}
             for r in rs:
                 if r["init"] == init:
@@ -490,7 +501,10 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
                             by_metric.setdefault(k, {}).setdefault(step, []).append(v)
             series.append((init + (f", {label}" if label else ""), by_metric))
     metrics = CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.0 * len(metrics), 4.4), squeeze=False)
+    made = figure(1, len(metrics), 6.0, 4.4)
+    if made is None:
+        return []
+    plt, fig, axes = made
     colours = plt.get_cmap("tab10")
     for col, (k, name, _) in enumerate(metrics):
         ax = axes[0][col]
@@ -540,9 +554,7 @@ def steps_to_target(groups: dict) -> str:
     headline metric reaches the target (mean ± std over the seeds that reach it, how many do), and
     the ratio default / mask of the mean steps; where default never reaches it and the mask always
     does, the ratio is a lower bound (default's total steps / the mask's mean)."""
-    out = ["| task | target | init | seeds | reached | step to target | log every | default / mask |",
-           "|---|---|---|---|---|---|---|---|"]
-    order = {name: i for i, name in enumerate(INITS)}
+    rows = []
     for (task, label), rs in groups.items():
         name = task + (f" ({label})" if label else "")
         log_every = run_config(rs[0]).get("log_every", "")
@@ -551,7 +563,7 @@ def steps_to_target(groups: dict) -> str:
             by_init.setdefault(r["init"], []).append(r)
         for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
             found = {init: [first_step(log_records(r), target) for r in by_init[init]]
-                     for init in sorted(by_init, key=lambda i: order.get(i, 99))}
+                     for init in sorted(by_init, key=init_order)}
             ratio = ""
             ms, ds = found.get("mask"), found.get("default")
             if ms and ds and all(s is not None for s in ms) and sum(ms) > 0:
@@ -564,9 +576,10 @@ def steps_to_target(groups: dict) -> str:
                 hit = [s for s in steps if s is not None]
                 cell = mean_std(hit, digits=0) if hit else "not reached"
                 seeds = ",".join(str(r["seed"]) for r in by_init[init])
-                out.append(f"| {name} | {desc} | {init} | {seeds} | {len(hit)}/{len(steps)} | {cell} | {log_every} | "
-                           f"{ratio if init == 'mask' else ''} |")
-    return "\n".join(out) + "\n"
+                rows.append([name, desc, init, seeds, f"{len(hit)}/{len(steps)}", cell, log_every,
+                             ratio if init == "mask" else ""])
+    return "\n".join(md_table(["task", "target", "init", "seeds", "reached", "step to target", "log every",
+                               "default / mask"], rows)) + "\n"
 
 
 def prior_layers(groups: dict) -> str:
@@ -577,9 +590,7 @@ def prior_layers(groups: dict) -> str:
     Wq Wk^T (the content logits' weights); the content margin (`mp.content_margin`: by how many nats
     the content logits favour the keys off the pattern) at the start and the end, where logged.
     Shows where and when a prior's mass goes, and whether the content outbids the bias."""
-    out = ["| task | init | seeds | layer | mass start | mass min | mass end | half-way step | M drift | "
-           "Wq Wk^T drift | content margin start → end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    order = {name: i for i, name in enumerate(INITS)}
+    rows = []
     avg = lambda v: sum(v) / len(v)                                           # noqa: E731
     for (task, label), rs in groups.items():
         name = task + (f" ({label})" if label else "")
@@ -588,7 +599,7 @@ def prior_layers(groups: dict) -> str:
             records = [rec for rec in log_records(r) if rec.get("prior_mass")]
             if r["init"] != "default" and records:
                 by_init.setdefault(r["init"], []).append((r["seed"], records))
-        for init in sorted(by_init, key=lambda i: order.get(i, 99)):
+        for init in sorted(by_init, key=init_order):
             runs = by_init[init]
             seeds = ",".join(str(s) for s, _ in runs)
             for layer in range(min(len(recs[0]["prior_mass"]) for _, recs in runs)):
@@ -603,12 +614,12 @@ def prior_layers(groups: dict) -> str:
                                                                                                   "qk_drift")}
                 margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer]) for _, recs in runs
                           if recs[0].get("content_margin") and recs[-1].get("content_margin")]
-                out.append(f"| {name} | {init} | {seeds} | {layer} | {avg(start):.2f} | {avg(low):.2f} | "
-                           f"{avg(end):.2f} | {avg(half):.0f} | "
-                           + " | ".join(f"{avg(drift[k]):.3g}" if drift[k] else "" for k in ("mask_drift", "qk_drift"))
-                           + (f" | {avg([a for a, _ in margin]):.2f} → {avg([b for _, b in margin]):.2f} |" if margin
-                              else " |  |"))
-    return "\n".join(out) + "\n"
+                rows.append([name, init, seeds, layer, f"{avg(start):.2f}", f"{avg(low):.2f}", f"{avg(end):.2f}",
+                             f"{avg(half):.0f}",
+                             *(f"{avg(drift[k]):.3g}" if drift[k] else "" for k in ("mask_drift", "qk_drift")),
+                             f"{avg([a for a, _ in margin]):.2f} → {avg([b for _, b in margin]):.2f}" if margin else ""])
+    return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass end", "half-way step",
+                               "M drift", "Wq Wk^T drift", "content margin start → end"], rows)) + "\n"
 
 
 def data_efficiency(folders: list, out_dir: str) -> list[str]:
@@ -620,11 +631,10 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     runs, problems = collect_runs(folders)
     runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
     groups, notes = config_groups(runs, ignore={"data_frac"})
-    order = {name: i for i, name in enumerate(INITS)}
     lines, md, panels = ["config,init,seed,n_train,seq_acc,digit_acc"], [], []
     for (_, label), rs in groups.items():
         by = {}                                                      # {init: {n_train: [seq_acc]}}
-        for r in sorted(rs, key=lambda r: (order.get(r["init"], 99), r["metrics"]["n_train"], r["seed"])):
+        for r in sorted(rs, key=lambda r: (init_order(r["init"]), r["metrics"]["n_train"], r["seed"])):
             m = r["metrics"]
             by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
             lines.append(f"\"{label}\",{r['init']},{r['seed']},{m['n_train']},{m['seq_acc']:.6g},{m['digit_acc']:.6g}")
@@ -632,21 +642,10 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         if len(sizes) < 2:
             md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
             continue
-        inits = sorted((i for i in by if len(by[i]) > 1), key=lambda i: order.get(i, 99))    # a series each
-        mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
-        md.append("\n**addition**" + (f" ({label})" if label else "") + "\n")
-        md.append("| training pairs | % of all pairs | " + " | ".join(f"{i} seq acc % (seeds)" for i in inits)
-                  + " | fewest pairs with mask >= default here |")
-        md.append("|---|---|" + "---|" * len(inits) + "---|")
-        for n in sizes:
-            cells = [f"{mean_std([100 * v for v in by[i][n]])} ({len(by[i][n])})" if n in by[i] else ""
-                     for i in inits]
-            enough = ""
-            if "default" in mean and "mask" in mean and n in mean["default"]:
-                hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
-                enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
-            md.append(f"| {n:,} | {100 * n / T.UNIVERSE:g} | " + " | ".join(cells) + f" | {enough} |")
-        panels.append((label, {i: by[i] for i in inits}, sizes))
+        inits = sorted((i for i in by if len(by[i]) > 1), key=init_order)    # a series each
+        digits = run_config(rs[0]).get("digits") or 3                       # the task's own universe: 10^(2d) pairs
+        md += ["\n**addition**" + (f" ({label})" if label else "") + "\n", *_efficiency_table(by, inits, sizes, digits)]
+        panels.append((label, {i: by[i] for i in inits}, sizes, digits))
     csv_path = os.path.join(out_dir, "data_efficiency.csv")
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
     text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
@@ -658,18 +657,37 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
     T.atomic_write(md_path, text)
-    written = [md_path, csv_path]
-    plt = pyplot()
-    if plt is None or not panels:
-        return written
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.6), squeeze=False)
-    for ax, (label, by, sizes) in zip(axes[0], panels):
+    return [md_path, csv_path] + _efficiency_figure(panels, out_dir)
+
+
+def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[str]:
+    """data_efficiency.md's table of one configuration: a row per training set size."""
+    mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
+    rows = []
+    for n in sizes:
+        cells = [f"{mean_std([100 * v for v in by[i][n]])} ({len(by[i][n])})" if n in by[i] else "" for i in inits]
+        enough = ""
+        if "default" in mean and "mask" in mean and n in mean["default"]:
+            hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
+            enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
+        rows.append([f"{n:,}", f"{100 * n / 10 ** (2 * digits):g}", *cells, enough])
+    return md_table(["training pairs", "% of all pairs", *(f"{i} seq acc % (seeds)" for i in inits),
+                     "fewest pairs with mask >= default here"], rows)
+
+
+def _efficiency_figure(panels: list, out_dir: str) -> list[str]:
+    """data_efficiency.png: a panel per configuration, sequence accuracy against the training set size."""
+    made = figure(1, len(panels), 4.8, 3.6) if panels else None
+    if made is None:
+        return []
+    _, fig, axes = made
+    for ax, (label, by, sizes, digits) in zip(axes[0], panels):
         for init, by_size in by.items():
             plot_band(ax, by_size, init, scale=100.0)
         ax.set_xscale("log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7)
         ax.minorticks_off()
-        ax.set_xlabel("training pairs (of 10^6)")
+        ax.set_xlabel(f"training pairs (of 10^{2 * digits})")
         ax.set_ylabel("sequence accuracy %")
         ax.set_title("addition" + (f"\n{label}" if label else ""), fontsize=9)
         ax.grid(alpha=0.3)
@@ -677,8 +695,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     fig.suptitle(textwrap.fill("Final sequence accuracy against the training set size; mean over seeds, band = "
                                "min to max", 60 * len(panels)), fontsize=9)
     fig.tight_layout()
-    return written + [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
-
+    return [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
 
 
 # The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
@@ -720,7 +737,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
         if "precision" in src and r["init"] == "mask":          # qk-svd reads the same teacher's pattern
             agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
     cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
-    out = ["| task | metric | " + " | ".join(h for h, _, _ in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    results = []
     for row in rows:
         kind = next(iter(table[row].values()))[0].get("kind", "boolean")
         key, label, scale = ORACLE_FREE_METRIC.get(kind, ORACLE_FREE_METRIC["boolean"])
@@ -729,12 +746,11 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
             rs = table[row].get((init, tag), [])
             vals = [scale * r["metrics"][key] for r in rs if r["metrics"].get(key) is not None]
             cells.append(f"{mean_std(vals)} ({len(vals)})" if vals else "")
-        out.append(f"| {row} | {label} | " + " | ".join(cells) + " |")
-    out += ["", "| task | found in | precision of its pairs | recall | seeds |", "|---|---|---|---|---|"]
-    for row in rows:
-        for tag, pr in agreement.get(row, {}).items():
-            out.append(f"| {row} | {'the data' if tag == 'discovered' else tag} | {mean_std([p for p, _ in pr])} | "
-                       f"{mean_std([r for _, r in pr])} | {len(pr)} |")
+        results.append([row, label, *cells])
+    found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
+              mean_std([r for _, r in pr]), len(pr)] for row in rows for tag, pr in agreement.get(row, {}).items()]
+    out = md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""] + \
+        md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found)
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     path = os.path.join(out_dir, "oraclefree.md")
@@ -745,7 +761,6 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
     """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, one line
     per variant with a prior (mean over seeds, band = min to max)."""
-    plt = pyplot()
     curves = []
     for row in rows:
         lines = {}
@@ -759,9 +774,10 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
                 lines[head] = by_step
         if lines:
             curves.append((row, lines))
-    if plt is None or not curves:
+    made = figure(1, len(curves), 4.2, 3.4) if curves else None
+    if made is None:
         return []
-    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
+    plt, fig, axes = made
     colours = plt.get_cmap("tab10")
     for ax, (row, lines) in zip(axes[0], curves):
         for i, (head, by_step) in enumerate(lines.items()):
@@ -779,7 +795,6 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
 def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
     """oraclefree_patterns.png: per task, seed 0's hand pattern (black: allowed) beside the one its
     discovered and teacher runs started from (prior.pt), all layers' first head."""
-    plt = pyplot()
     panels = []
     for row in rows:
         for init, tag, title in (("mask", "", "hand"), ("mask", "discovered", "found in the data"),
@@ -797,11 +812,10 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
                 args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
                 pattern = make_task(args).pattern(args.pattern)
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
-    if plt is None or not panels:
+    made = figure(-(-len(panels) // 4), 4, 3.0, 3.0) if panels else None
+    if made is None:
         return []
-    cols = 4
-    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.0 * cols, 3.0 * -(-len(panels) // cols)),
-                             squeeze=False)
+    _, fig, axes = made
     for ax, (title, p) in zip(axes.flat, panels):
         ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(title, fontsize=7)
@@ -814,11 +828,29 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
     return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"), dpi=110)]
 
 
+STEPS_TO_TARGET_HEAD = (
+    "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the target (mean ± "
+    "std over the seeds that reach it; the resolution is the log interval; log steps of Boolean and arithmetic "
+    "runs are measured on `--eval-points` points, the last on the whole test set). default / mask is the ratio "
+    "of the mean steps: how many times faster the mask gets there; '> x' where default never does within its "
+    "steps. The curves are `curves.csv` and `curves.png`. ")
+PRIOR_LAYERS_HEAD = (
+    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from "
+    "each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step "
+    "at which the layer's mass has made half of its change from start to end. M drift: relative Frobenius "
+    "change of M (`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats "
+    "the content logits q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off "
+    "minus on, mean over rows, heads and the probe batch; runs made before it was logged have none); a row "
+    "keeps most of its mass on the pattern while this stays below the prior's own gap (for `mask`, "
+    "log sigmoid(m_on) - log sigmoid(-m_off), about m_off). ")
+
+
 def report(runs_dir: str, out_dir: str) -> list[str]:
     """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
     paper's number beside ours), the robustness grid, the persistence curves of the Boolean runs,
-    the data-efficiency table, the learning curves, steps to target and the prior per layer.
-    Unfinished or unreadable runs are listed under their table. Returns the files written."""
+    the data-efficiency table, the oracle-free study, and over every table's runs the learning
+    curves, steps to target and the prior per layer (`report_curves`). Unfinished or unreadable runs
+    are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
     for tmp, name in T.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
         if name.endswith((".md", ".csv", ".png")):
@@ -826,24 +858,19 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
                 os.remove(tmp)
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
-
-    def emit(name: str, text: str) -> None:
-        path = os.path.join(out_dir, name)
-        T.atomic_write(path, text)
-        written.append(path)
-
     for table in TABLES:
         folder = os.path.join(runs_dir, table)
         if os.path.isdir(folder):
-            emit(f"{table}.md", f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over seeds; {made_by}.\n\n"
-                                f"{summarize([folder])}")
+            written.append(emit(out_dir, f"{table}.md", f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over "
+                                                        f"seeds; {made_by}.\n\n{summarize([folder])}"))
     grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
     if os.path.isdir(grid):
         folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
-        emit("ablation.md", f"# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
+        written.append(emit(out_dir, "ablation.md",
+                            f"# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
                             f"preset\n\nRuns: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std over "
                             f"seeds; accuracy over the whole cube (exact match for cyclic3); {made_by}.\n\n"
-                            f"{ablation(folders)}")
+                            f"{ablation(folders)}"))
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir)
     if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
@@ -852,11 +879,22 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     if os.path.isdir(data):
         written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
     folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
-    if not folders:
-        return written
+    return written + (report_curves(runs_dir, folders, out_dir, made_by) if folders else [])
+
+
+def emit(out_dir: str, name: str, text: str) -> str:
+    """Write a report file atomically; returns its path."""
+    path = os.path.join(out_dir, name)
+    T.atomic_write(path, text)
+    return path
+
+
+def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> list[str]:
+    """Over the runs of every table folder: curves.csv / .png, the vision prior study's figure, steps to target
+    and the prior per layer (a damaged log is named in the notes of both tables)."""
     runs = collect_runs(folders)[0]
     groups, notes = config_groups(runs)
-    written += write_curves(groups, out_dir)
+    written = write_curves(groups, out_dir)
     prior_study = os.path.normpath(os.path.join(runs_dir, "visionprior"))
     study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == prior_study]
     if study:
@@ -869,19 +907,5 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
               f"result.json counts in the results tables" for r in runs if "_log_problem" in r]
     runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
                       + "".join(f"- {n}\n" for n in notes) + "\n")
-    emit("steps_to_target.md",
-         "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the target (mean ± "
-         "std over the seeds that reach it; the resolution is the log interval; log steps of Boolean and arithmetic "
-         "runs are measured on `--eval-points` points, the last on the whole test set). default / mask is the ratio "
-         "of the mean steps: how many times faster the mask gets there; '> x' where default never does within its "
-         "steps. The curves are `curves.csv` and `curves.png`. " + runs_and_notes + steps_to_target(groups))
-    emit("prior_layers.md",
-         "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from "
-         "each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step "
-         "at which the layer's mass has made half of its change from start to end. M drift: relative Frobenius "
-         "change of M (`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats "
-         "the content logits q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off "
-         "minus on, mean over rows, heads and the probe batch; runs made before it was logged have none); a row "
-         "keeps most of its mass on the pattern while this stays below the prior's own gap (for `mask`, "
-         "log sigmoid(m_on) - log sigmoid(-m_off), about m_off). " + runs_and_notes + prior_layers(groups))
-    return written
+    return written + [emit(out_dir, "steps_to_target.md", STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
+                      emit(out_dir, "prior_layers.md", PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
