@@ -204,7 +204,7 @@ torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # o
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 part = slice(4 * rank, 4 * rank + 4)
 torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
-g, ref = model.blocks[0].attn.mask_logits.grad, full.blocks[0].attn.mask_logits.grad
+g, ref = model.blocks[0].attn.prior.mask_logits.grad, full.blocks[0].attn.prior.mask_logits.grad
 assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
 open(f"ok{rank}", "w").write("ok")
 del ddp                                              # DDP's reducer must go before its process group
@@ -771,7 +771,7 @@ def test_language_models_default_to_the_relative_prior_and_old_runs_resume_full(
     del saved["mask_param"]                                   # a run made before the flag existed
     open(os.path.join(out, "args.json"), "w").write(json.dumps(saved))
     ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
-    del ckpt["args"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
+    del ckpt["config"]["mask_param"], ckpt["identity"], ckpt["log_step"]      # ... and before run identities
     _save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
     assert train.main(["--resume", "--out", out]) == 0
     assert json.load(open(os.path.join(out, "args.json")))["mask_param"] == "full"
@@ -2976,7 +2976,7 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
     assert train.main(argv) == 0
     device = torch.device("cpu")
     b = train.build(train.resolve(*train.parse_args(argv)), device)
-    model, opt, task, args = b.model, b.optimizer, b.task, b.args
+    model, opt, task, args = b.model, b.optimizer, b.task, b.config
     for step in range(6):
         train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
     trained = train.read_checkpoint(str(tmp_path / "run" / "ckpt.pt"), "test")["model"]
@@ -3036,7 +3036,7 @@ def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
     out = str(tmp_path / "student")
     assert train.main([*common, "--init", "mask", "--halt-after", "3", "--out", out]) == 0
     saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
-    model = mp.Transformer(mp.TransformerConfig(**tck["config"]))
+    model = mp.Transformer(mp.TransformerConfig(**tck["model_config"]))
     model.load_state_dict(tck["model"])
     task = T.make_task("parity2", readout="mean").setup()
     want, logits = task.teacher_prior(mp.mean_attention(model.eval(), task.teacher_inputs(16)), "pattern", 1.5, 5.0, 5.0)
@@ -3696,6 +3696,24 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
         assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
 
 
+def test_oracle_free_rows_and_columns_come_from_the_folder_names():
+    """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
+    its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
+    cell = lambda name, task, seed: R.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
+                                                        "seed": seed})
+    assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
+    assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
+    assert cell("parity2-default-s1-budget2x", "parity2", 1) == ("parity2", "budget2x")
+    assert cell("wikitext2-mask-s0-corpusB-teacher", "wikitext2", 0) == ("wikitext2, corpus B", "teacher")
+    assert cell("wikitext2-default-s2-corpusA", "wikitext2", 2) == ("wikitext2, corpus A", "")
+    assert cell("addition-mask-s0-250steps", "addition", 0) == ("addition, 250 steps", "")
+    assert cell("addition-qk-svd-s3-250steps-teacher", "addition", 3) == ("addition, 250 steps", "teacher")
+    assert cell("addition-mask-s1-250steps-discovered", "addition", 1) == ("addition, 250 steps", "discovered")
+    assert cell("addition-default-s0-250steps-samebudget", "addition", 0) == ("addition, 250 steps", "budget2x")
+    assert cell("addition-default-s0", "addition", 0) == ("addition", "")
+    assert cell("cifar10-mask-s4-teacher-impulse", "cifar10", 4) == ("cifar10", "teacher-impulse")
+
+
 def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
     for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
@@ -4036,13 +4054,19 @@ def test_reproduce_help_and_dry_run(tmp_path):
     r = _reproduce("--only", "oraclefree", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
                    str(tmp_path / "digits"))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 47 and "47 runs" in r.stdout
+    assert r.returncode == 0 and len(starts) == 48 and "48 runs" in r.stdout
     teacher = f"--prior-from {runs}/oraclefree/majority3-default-s0"
     assert sum("/majority3-mask-s0-teacher " in x and x.rstrip().endswith(teacher) for x in starts) == 1
     assert sum("/majority3-qk-svd-s0-teacher " in x and teacher in x for x in starts) == 1
     assert sum("/kparity-mask-s0-discovered " in x and "--bits random:2 --unseen bits:2 --pattern discovered" in x
                for x in starts) == 1
     assert sum("/cyclic3-default-s0-budget2x " in x and "--steps 16000" in x for x in starts) == 1
+    # addition's students at 250 steps (its default is at 98% by 1,500), its 1,500-step defaults their teachers
+    add = [x for x in starts if "/oraclefree/addition-" in x]
+    assert sum("/addition-default-s0 " in x and "--steps" not in x for x in add) == 1
+    assert all("--steps 250 " in x for x in add if "-250steps" in x and "samebudget" not in x)
+    assert sum(x.rstrip().endswith(f"--prior-from {runs}/oraclefree/addition-default-s0") for x in add) == 2
+    assert sum("-250steps-samebudget " in x and "--steps 1750 " in x for x in add) == 1 and len(add) == 7
     assert sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
     order = [x.split("/oraclefree/")[1].split()[0] for x in starts]
     assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith("cyclic3")

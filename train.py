@@ -184,12 +184,14 @@ class Config:
                                            "default run): M (--init mask) or the QK inits' pattern is read from its "
                                            "attention instead of the task's hand pattern",
                                            group="prior", metavar="RUN", arch=True)
-    prior_kind: str | None = setting(None, "what --prior-from reads: pattern (keys or query-key pairs above --prior-ratio "
+    prior_kind: str | None = setting(None, "what --prior-from reads: pattern (keys or query-key pairs above "
+                                           "--prior-ratio "
                                            "times the uniform share), logits (M whose bias gives the teacher's mean "
                                            "attention), relative (a profile per head and distance: language models) or "
                                            "offsets (a profile per head and 2-D offset: vision); default: the task's "
                                            "first",
-                                           group="prior", choices=("pattern", "logits", "relative", "offsets"), arch=True)
+                                           group="prior", choices=("pattern", "logits", "relative", "offsets"),
+                                           arch=True)
     prior_ratio: float = setting(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
                                       "attention share (default 1.5)",
                                       group="prior", type=float, check="positive", arch=True)
@@ -214,7 +216,8 @@ class Config:
     discover_degree: int = setting(3, "Boolean tasks, --pattern discovered: the Walsh sets of the training data of up "
                                       "to this many bits (default 3)",
                                       group="boolean", type=int, check="positive", arch=True)
-    discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets (digit "
+    discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets "
+                                              "(digit "
                                               "pairs) whose Walsh coefficient (mutual information) is at least this "
                                               "fraction of the largest (default 0.25)",
                                               group="boolean", type=float, check="positive", arch=True)
@@ -287,7 +290,7 @@ FIELDS = {f.name: f for f in fields(Config)}
 DEFAULTS = {name: f.default for name, f in FIELDS.items()}
 RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
 ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
-NOT_CONFIG = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
+NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
 ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
 TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
@@ -375,9 +378,9 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         argv = ["train"] + argv                       # training is the default command
-    args = build_parser().parse_args(argv)
-    explicit = {k for k, v in vars(args).items() if v is not UNSET} - {"command"}
-    return args, explicit
+    flags = build_parser().parse_args(argv)
+    explicit = {k for k, v in vars(flags).items() if v is not UNSET} - {"command"}
+    return flags, explicit
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
@@ -407,13 +410,13 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
 SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of a seed
 
 
-def check_numbers(args: Config) -> None:
+def check_numbers(config: Config) -> None:
     """Every numeric field finite and in its range (its `check`), before anything is written."""
-    if isinstance(args.seed, int) and not 0 <= args.seed <= SEED_MAX:
+    if isinstance(config.seed, int) and not 0 <= config.seed <= SEED_MAX:
         raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
-                         f"larger seed would train the same weights as a smaller one), got {args.seed}")
+                         f"larger seed would train the same weights as a smaller one), got {config.seed}")
     for name, f in FIELDS.items():
-        value = getattr(args, name)
+        value = getattr(config, name)
         if f.metadata["check"] is None or value is None:
             continue
         ok, what = CHECKS[f.metadata["check"]]
@@ -422,52 +425,52 @@ def check_numbers(args: Config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
 
 
-def validate(args, task, explicit: set):
-    if args.steps is None and args.epochs is None:
+def validate(config, task, explicit: set):
+    if config.steps is None and config.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
-    if "eval_points" in explicit and args.eval_points and not task.EVAL_POINTS:
-        raise UsageError(f"--eval-points applies to the Boolean and arithmetic tasks only, got {args.eval_points} "
-                         f"for {args.task}")
+    if "eval_points" in explicit and config.eval_points and not task.EVAL_POINTS:
+        raise UsageError(f"--eval-points applies to the Boolean and arithmetic tasks only, got {config.eval_points} "
+                         f"for {config.task}")
     options = [o for o in task.options() if o in FIELDS]
     for flag in sorted(explicit & TASK_FLAGS):
         if flag not in options:
-            what = f" (use --pool for {args.task})" if flag == "readout" and task.KIND == "vision" else ""
-            raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {args.task} ({task.KIND}){what}; "
+            what = f" (use --pool for {config.task})" if flag == "readout" and task.KIND == "vision" else ""
+            raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {config.task} ({task.KIND}){what}; "
                              f"its task options are: "
                              f"{', '.join('--' + o.replace('_', '-') for o in options if o != 'heads')}")
     if not task.MASK_SCALE and explicit & {"mask_on", "mask_off"}:
-        raise UsageError(f"--mask-on / --mask-off do not apply to task {args.task} ({task.KIND}): its M starts "
+        raise UsageError(f"--mask-on / --mask-off do not apply to task {config.task} ({task.KIND}): its M starts "
                          f"from the causal-distance prior (log sigmoid(M) = -slope_h * distance), which has no "
                          f"on/off levels")
-    if args.init not in task.INITS:
-        raise UsageError(f"init {args.init!r} does not apply to task {args.task} ({task.KIND}); "
+    if config.init not in task.INITS:
+        raise UsageError(f"init {config.init!r} does not apply to task {config.task} ({task.KIND}); "
                          f"choose from {', '.join(task.INITS)}")
-    if args.head_dim is None and args.dim % args.heads:
-        raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}; set --head-dim")
-    if args.pattern == "":
-        raise UsageError(f"--pattern needs a name; {args.task}'s patterns are {', '.join(task.PATTERNS)} (leave the "
+    if config.head_dim is None and config.dim % config.heads:
+        raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set --head-dim")
+    if config.pattern == "":
+        raise UsageError(f"--pattern needs a name; {config.task}'s patterns are {', '.join(task.PATTERNS)} (leave the "
                          f"flag out for the default, {task.check_pattern(None)})")
     try:
-        task.check_pattern(args.pattern)
+        task.check_pattern(config.pattern)
     except T.TaskError as e:
         raise UsageError(str(e)) from None
     try:
-        b = tuple(float(x) for x in args.betas.split(","))
+        b = tuple(float(x) for x in config.betas.split(","))
         assert len(b) == 2 and all(0 <= x < 1 for x in b)
     except (ValueError, AssertionError):
-        raise UsageError(f"--betas must be two numbers in [0, 1) like 0.9,0.999, got {args.betas!r}") from None
+        raise UsageError(f"--betas must be two numbers in [0, 1) like 0.9,0.999, got {config.betas!r}") from None
 
 
 # ----------------------------------------------------------------------------------------
 # Build: the task, the model, the init, the optimiser
 
 
-def make_task(args) -> T.Task:
-    """The task of args.task, given its options (flags of the same names) and the seed."""
-    options = {k: getattr(args, k) for k in T.TASKS[args.task].options()
-               if k in FIELDS and getattr(args, k) is not None}
+def make_task(config) -> T.Task:
+    """The task of config.task, given its options (flags of the same names) and the seed."""
+    options = {k: getattr(config, k) for k in T.TASKS[config.task].options()
+               if k in FIELDS and getattr(config, k) is not None}
     try:
-        return T.make_task(args.task, seed=args.seed, **options)
+        return T.make_task(config.task, seed=config.seed, **options)
     except T.TaskError as e:
         raise UsageError(str(e)) from None
 
@@ -506,27 +509,27 @@ def use_fused(attention: str, init: str, device: torch.device) -> bool:
     return attention == "fused"
 
 
-def model_config(args, task, device=torch.device("cpu")):
+def model_config(config, task, device=torch.device("cpu")):
     arch = task.arch()
-    trunk = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, head_dim=args.head_dim,
-                 mlp_dim=args.mlp_dim, learnable_mask=args.init == "mask",
-                 fused=use_fused(args.attention, args.init, device), qkv_bias=bool(args.qkv_bias),
-                 dropout=args.dropout, pos_init_std=args.pos_init_std, drop_path=args.drop_path,
-                 mask_param=args.mask_param)
+    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
+                 mlp_dim=config.mlp_dim, learnable_mask=config.init == "mask",
+                 fused=use_fused(config.attention, config.init, device), qkv_bias=bool(config.qkv_bias),
+                 dropout=config.dropout, pos_init_std=config.pos_init_std, drop_path=config.drop_path,
+                 mask_param=config.mask_param)
     if arch.get("model") == "vit":
         return mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
                             n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
     return mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
                                 readout=arch["readout"], causal=arch.get("causal", False),
-                                emb_init_std=args.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
+                                emb_init_std=config.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
                                 **trunk)
 
 
-def build_model(args, task, device):
-    cfg = model_config(args, task, device)
-    torch.manual_seed(args.seed)
-    model = mp.ViT(cfg) if isinstance(cfg, mp.ViTConfig) else mp.Transformer(cfg)
-    return model.to(device), cfg
+def build_model(config, task, device):
+    model_cfg = model_config(config, task, device)
+    torch.manual_seed(config.seed)
+    model = mp.ViT(model_cfg) if isinstance(model_cfg, mp.ViTConfig) else mp.Transformer(model_cfg)
+    return model.to(device), model_cfg
 
 
 @dataclass
@@ -539,37 +542,37 @@ class Prior:
     source: dict
 
 
-# The inits: name -> function(model, prior, args, generator) that writes the prior (`Prior`: its pattern or
+# The inits: name -> function(model, prior, config, generator) that writes the prior (`Prior`: its pattern or
 # its logits) into the model in place and returns a small report. Add one here and it is a --init.
 
-def init_default(model, prior, args, g) -> dict:
+def init_default(model, prior, config, g) -> dict:
     return {}
 
 
-def init_mask(model, prior, args, g) -> dict:
+def init_mask(model, prior, config, g) -> dict:
     """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
     return mp.init_mask_(model, logits=prior.logits)
 
 
-def init_qk_svd(model, prior, args, g) -> dict:
-    return mp.init_qk_svd_(model, prior.pattern, args.qk_svd_scale, args.qk_svd_noise, args.qk_svd_norm,
-                           args.qk_svd_pos_scale, generator=g)
+def init_qk_svd(model, prior, config, g) -> dict:
+    return mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise, config.qk_svd_norm,
+                           config.qk_svd_pos_scale, generator=g)
 
 
-def init_qk_opt(model, prior, args, g) -> dict:
-    return mp.init_qk_opt_(model, prior.pattern, args.qk_opt_steps, args.qk_opt_lr, tol=args.qk_opt_tol,
-                           pos_scale=args.qk_opt_pos_scale, generator=g)
+def init_qk_opt(model, prior, config, g) -> dict:
+    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr, tol=config.qk_opt_tol,
+                           pos_scale=config.qk_opt_pos_scale, generator=g)
 
 
-def init_mimetic(model, prior, args, g) -> dict:
+def init_mimetic(model, prior, config, g) -> dict:
     return mp.init_mimetic_(model, generator=g)
 
 
-def init_impulse(model, prior, args, g) -> dict:
+def init_impulse(model, prior, config, g) -> dict:
     """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
     for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
-    report = mp.init_qk_svd_(model, prior.pattern, args.qk_svd_scale, args.qk_svd_noise,
-                             args.qk_svd_norm, args.qk_svd_pos_scale or 18.0, generator=g)
+    report = mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
+                             config.qk_svd_norm, config.qk_svd_pos_scale or 18.0, generator=g)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
     return report
 
@@ -578,20 +581,20 @@ INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-
          "mimetic": init_mimetic, "impulse": init_impulse}
 
 
-def apply_init(model, prior: Prior, args) -> dict:
-    """Write the prior into the model as args.init says; returns the init's report."""
-    return INITS[args.init](model, prior, args, torch.Generator().manual_seed(args.seed + 1))
+def apply_init(model, prior: Prior, config) -> dict:
+    """Write the prior into the model as config.init says; returns the init's report."""
+    return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
-def make_prior(args, task, device) -> Prior:
+def make_prior(config, task, device) -> Prior:
     """The run's prior: from --prior-from's teacher (`teacher_prior`), else the task's --pattern (the hand
     patterns, or `discovered` in the training data), with precision and recall of its pairs against the
     task's default hand pattern where the prior is not a hand one."""
-    if args.prior_from is not None:
-        pattern, logits, source = teacher_prior(args, task, device)
+    if config.prior_from is not None:
+        pattern, logits, source = teacher_prior(config, task, device)
     else:
-        name = task.check_pattern(args.pattern)
-        pattern, logits = task.pattern(name), task.mask_logits(name, args.mask_on, args.mask_off)
+        name = task.check_pattern(config.pattern)
+        pattern, logits = task.pattern(name), task.mask_logits(name, config.mask_on, config.mask_off)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
     if source["from"] != "hand":
         source.update(pattern_agreement(pattern, task.pattern(task.DEFAULT_PATTERN), task.arch().get("causal", False)))
@@ -601,50 +604,52 @@ def make_prior(args, task, device) -> Prior:
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")   # what a teacher's maps must share
 
 
-def teacher_prior(args, task, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def teacher_prior(config, task, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """--prior-from RUN: the teacher's checkpoint read as someone else's file (its checksum, weights_only=True),
     its task, token layout and (for a per-head prior) head count checked against this run's, its model rebuilt
     and its mean attention read on its own training inputs (`T.Task.teacher_inputs`: its task made from its
     flags, so a teacher of another corpus reads its own), then turned into this task's prior
     (`T.Task.teacher_prior`). Returns (pattern, logits, source); anything else is one line."""
-    folder, flag = args.prior_from, f"--prior-from {args.prior_from}"
+    folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
     if not os.path.isfile(os.path.join(folder, "result.json")):
         raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
     ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
-    saved, mine = ckpt["args"], asdict(model_config(args, task))
-    if not isinstance(saved, dict) or saved.get("task") != args.task:
+    saved, mine = ckpt["config"], asdict(model_config(config, task))
+    if not isinstance(saved, dict) or saved.get("task") != config.task:
         raise UsageError(f"{flag} is a run of task {saved.get('task') if isinstance(saved, dict) else '?'}, not "
-                         f"{args.task}: a teacher is a run of the same task")
-    other = {k: (ckpt["config"].get(k), mine.get(k)) for k in LAYOUT if ckpt["config"].get(k) != mine.get(k)}
+                         f"{config.task}: a teacher is a run of the same task")
+    theirs = ckpt["model_config"]
+    other = {k: (theirs.get(k), mine.get(k)) for k in LAYOUT if theirs.get(k) != mine.get(k)}
     if other:
         what = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in other.items())
         raise UsageError(f"{flag} has another token layout: {what}; a teacher's attention maps must cover this "
                          f"run's positions")
-    kind = args.prior_kind or task.TEACHER_KINDS[0]
+    kind = config.prior_kind or task.TEACHER_KINDS[0]
     if kind not in task.TEACHER_KINDS:
-        raise UsageError(f"--prior-kind {kind} does not apply to task {args.task}; choose from "
+        raise UsageError(f"--prior-kind {kind} does not apply to task {config.task}; choose from "
                          f"{', '.join(task.TEACHER_KINDS)}")
-    if kind != "pattern" and ckpt["config"]["n_heads"] != args.heads:
-        raise UsageError(f"{flag} has {ckpt['config']['n_heads']} heads, this run {args.heads}: --prior-kind {kind} "
+    if kind != "pattern" and theirs["n_heads"] != config.heads:
+        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} "
                          f"gives each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
-    teacher_args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
-    teacher_task = make_task(teacher_args)
+    teacher_config = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
+    teacher_task = make_task(teacher_config)
     setup_task(teacher_task, device)
-    cfg = ckpt["config"]
     try:
-        teacher = (mp.ViT(mp.ViTConfig(**cfg)) if "patch_size" in cfg else mp.Transformer(mp.TransformerConfig(**cfg)))
+        teacher = (mp.ViT(mp.ViTConfig(**theirs)) if "patch_size" in theirs else
+                   mp.Transformer(mp.TransformerConfig(**theirs)))
     except (TypeError, ValueError) as e:
         raise UsageError(f"{flag}: its checkpoint does not rebuild its model ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]})") from None
     load_weights(teacher, ckpt["model"], f"{flag}'s checkpoint")
     teacher.to(device).eval()
-    attn = mp.mean_attention(teacher, teacher_task.teacher_inputs(args.probe_size))
-    pattern, logits = task.teacher_prior(attn, kind, args.prior_ratio, args.mask_on, args.mask_off)
+    attn = mp.mean_attention(teacher, teacher_task.teacher_inputs(config.probe_size))
+    pattern, logits = task.teacher_prior(attn, kind, config.prior_ratio, config.mask_on, config.mask_off)
     return pattern, logits, {"from": "teacher", "teacher": os.path.abspath(folder),
-                             "teacher_run_id": (ckpt.get("identity") or {}).get("run_id"), "teacher_init": saved["init"],
-                             "teacher_steps": ckpt["step"], "kind": kind, "ratio": args.prior_ratio}
+                             "teacher_run_id": (ckpt.get("identity") or {}).get("run_id"),
+                             "teacher_init": saved["init"],
+                             "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
 
 
 def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
@@ -662,25 +667,25 @@ def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -
             "found_pairs": int(f.sum()), "oracle_pairs": int(o.sum())}
 
 
-def make_optimizer(model, args):
-    groups = mp.param_groups(model, args.weight_decay)
-    betas = tuple(float(x) for x in args.betas.split(","))
-    cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    return cls(groups, lr=args.lr, betas=betas)
+def make_optimizer(model, config):
+    groups = mp.param_groups(model, config.weight_decay)
+    betas = tuple(float(x) for x in config.betas.split(","))
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return cls(groups, lr=config.lr, betas=betas)
 
 
-def lr_at(step: int, total: int, args) -> float:
+def lr_at(step: int, total: int, config) -> float:
     """Learning rate of a step: linear warm-up, then constant or cosine to 0."""
-    if args.warmup and step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    if args.schedule == "cosine":
-        t = (step - args.warmup) / max(1, total - args.warmup)
-        return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-    return args.lr
+    if config.warmup and step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    if config.schedule == "cosine":
+        t = (step - config.warmup) / max(1, total - config.warmup)
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    return config.lr
 
 
-def autocast(device, args):
-    use = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+def autocast(device, config):
+    use = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
@@ -745,39 +750,39 @@ class Dist:
         return float(t[0]), bool(t[1] > 0)
 
 
-def init_distributed(args: Config) -> tuple[Dist, Config]:
+def init_distributed(config: Config) -> tuple[Dist, Config]:
     """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo
     on the CPU) and pin this rank's device (the config it returns names it); bad settings are one line
     from rank 0."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Dist(), args
+        return Dist(), config
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if world == 1:
-        return Dist(), args
-    if args.sample is not None:
+        return Dist(), config
+    if config.sample is not None:
         raise UsageError("--sample runs in one process; start it without torchrun")
-    if args.batch_size % world:
-        raise UsageError(f"--batch-size {args.batch_size} (the global batch) does not divide by the {world} "
+    if config.batch_size % world:
+        raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide by the {world} "
                          f"processes; give a multiple of {world}")
-    device = pick_device(args.device)
+    device = pick_device(config.device)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
             raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
                              f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local)
-        args = replace(args, device=f"cuda:{local}")
+        config = replace(config, device=f"cuda:{local}")
     elif device.type != "cpu":
-        raise UsageError(f"--device {args.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
+        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
     import datetime
     try:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                             timeout=datetime.timedelta(seconds=args.dist_timeout))
+                                             timeout=datetime.timedelta(seconds=config.dist_timeout))
     except Exception as e:  # noqa: BLE001 - an unreachable rendezvous is one line, not a traceback
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
-                         f"{args.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
-    return Dist(rank, world, local), args
+                         f"{config.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
+    return Dist(rank, world, local), config
 
 
 @dataclass
@@ -791,31 +796,32 @@ class Probe:
     snapshot: list
     eval_points: int
     device: torch.device
-    args: Config
-    ema: torch.nn.Module | None = None         # the moving average of the weights (--ema), evaluated beside them
+    config: Config
 
     def __post_init__(self):
         causal = self.task.arch().get("causal", False)
         self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
-            f"the {self.task.check_pattern(self.args.pattern)} pattern of {self.args.task} constrains no query row "
+            f"the {self.task.check_pattern(self.config.pattern)} pattern of {self.config.task} constrains no query row "
             f"at this size (every row allows every key it can see), so there is no prior mass to measure")
 
-    def measure(self, model, final: bool = False) -> dict:
-        """Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs;
+    def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
+        """The log record of `model` (and, with --ema, its moving average `ema`, evaluated beside it as ema_*
+        metrics). Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs;
         the final measurement always uses the whole test set."""
         model.eval()
-        with autocast(self.device, self.args):
+        with autocast(self.device, self.config):
             metrics = self.task.evaluate(model, points=None if final else self.eval_points)
-            if self.ema is not None:
-                self.ema.eval()
-                ema = self.task.evaluate(self.ema, points=None if final else self.eval_points)
-                metrics.update({f"ema_{k}": v for k, v in ema.items() if isinstance(v, float)})
+            if ema is not None:
+                ema.eval()
+                averaged = self.task.evaluate(ema, points=None if final else self.eval_points)
+                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
             if self.no_mass is None:
                 mass, margin = mp.prior_probe(model, self.inputs, self.pattern)
             else:
                 mass = margin = None
         model.train()
-        rec = {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
+        rec = {"metrics": metrics, "prior_mass": mass,
+               "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
                "content_margin": margin}
         rec.update(mp.prior_drift(model, self.snapshot))
         return rec
@@ -828,10 +834,10 @@ class Probe:
 @dataclass
 class Run:
     """Everything a run carries from its start to its end."""
-    args: Config
+    config: Config
     task: T.Task
     model: torch.nn.Module
-    cfg: object
+    model_cfg: object
     optimizer: torch.optim.Optimizer
     probe: Probe
     device: torch.device
@@ -848,9 +854,10 @@ class Run:
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
     trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
+    ema: torch.nn.Module | None = None       # the moving average of the weights (--ema): updated each step, saved
 
     def path(self, name: str) -> str:
-        return os.path.join(self.args.out, name)
+        return os.path.join(self.config.out, name)
 
     def say(self, text: str) -> None:
         if self.dist.main:
@@ -859,14 +866,14 @@ class Run:
 
 def run(flags: argparse.Namespace, explicit: set) -> int:
     """The `train` command: resolve the flags, then start or resume, train, finish."""
-    args = resolve(flags, explicit)
-    check_numbers(args)
-    dist, args = init_distributed(args)
+    config = resolve(flags, explicit)
+    check_numbers(config)
+    dist, config = init_distributed(config)
     state = None
     try:
-        if args.sample is not None:
-            return sample(args, explicit)
-        state = start_or_resume(args, explicit, dist)
+        if config.sample is not None:
+            return sample(config, explicit)
+        state = start_or_resume(config, explicit, dist)
         try:
             code = train_loop(state)
             return finish(state) if code is None else code
@@ -875,11 +882,11 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        if e.errno == errno.ENOENT and state is not None and not os.path.isdir(args.out):
-            raise UsageError(folder_vanished(args, state)) from None
+        if e.errno == errno.ENOENT and state is not None and not os.path.isdir(config.out):
+            raise UsageError(folder_vanished(config, state)) from None
         if e.errno not in STORAGE_ERRORS:
             raise
-        raise UsageError(storage_failed(e, args, state)) from None
+        raise UsageError(storage_failed(e, config, state)) from None
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
@@ -891,27 +898,27 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-def storage_failed(e: OSError, args: Config, state: Run | None) -> str:
+def storage_failed(e: OSError, config: Config, state: Run | None) -> str:
     """The line for a write that failed (disk full, quota, read-only): what failed where, and what is
     kept (every file is written whole or not at all, so the last checkpoint resumes exactly)."""
-    where = f" writing {e.filename}" if e.filename else f" under {args.out}"
+    where = f" writing {e.filename}" if e.filename else f" under {config.out}"
     what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}{where}"
     if state is None or state.saved_step is None:
-        if args.resume:
-            return f"{what}; the run in {args.out} is unchanged: free space, then --resume --out {args.out} again"
+        if config.resume:
+            return f"{what}; the run in {config.out} is unchanged: free space, then --resume --out {config.out} again"
         return f"{what}; the new run had no checkpoint yet and left nothing behind: free space and start it again"
     return (f"{what} at step {state.step}; the checkpoint of step {state.saved_step} in {state.path('ckpt.pt')} is "
-            f"whole: free space, then continue with --resume --out {args.out}")
+            f"whole: free space, then continue with --resume --out {config.out}")
 
 
-def folder_vanished(args: Config, state: Run) -> str:
+def folder_vanished(config: Config, state: Run) -> str:
     """The line for a run folder moved or deleted while the run trained (its next write found no folder)."""
     kept = (f"its files went with it, whole: the checkpoint of step {state.saved_step} resumes exactly with "
             f"--resume --out NEW_PLACE" if state.saved_step is not None else "it had no checkpoint yet")
-    return f"the run folder {args.out} disappeared at step {state.step} (moved or deleted while training); {kept}"
+    return f"the run folder {config.out} disappeared at step {state.step} (moved or deleted while training); {kept}"
 
 
-def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
+def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
     """Check the flags and the run folder, build everything; a new run is initialised and its first
     files written (args.json, the step-0 line of metrics.jsonl, then ckpt.pt, which makes it a run),
     a resumed one restored. The folder stays locked until the run ends; a new run that fails before
@@ -920,16 +927,16 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
     folder = ckpt = task = device = error = None
     if dist.main:
         try:
-            folder = RunFolder(args.out)
-            if args.resume:
+            folder = RunFolder(config.out)
+            if config.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
-                args = restore_args(args, explicit, folder, ckpt)
-                check_numbers(args)
-            task = make_task(args)
-            validate(args, task, explicit)
-            device = pick_device(args.device)
-            if not args.resume:
+                config = restore_config(config, explicit, folder, ckpt)
+                check_numbers(config)
+            task = make_task(config)
+            validate(config, task, explicit)
+            device = pick_device(config.device)
+            if not config.resume:
                 folder.create()
         except UsageError as e:
             if folder is not None:
@@ -938,99 +945,99 @@ def start_or_resume(args, explicit: set, dist: Dist = Dist()) -> Run:
                 raise
             error = str(e)
     dist.agree(error)
-    shared = dist.share(asdict(args) if dist.main else None)
+    shared = dist.share(asdict(config) if dist.main else None)
     try:
         if not dist.main:                        # the flags rank 0 restored, then this rank's own copies
-            args = Config(**shared)
-            ckpt = read_checkpoint(os.path.join(args.out, "ckpt.pt"), "--resume") if args.resume else None
-            task, device = make_task(args), pick_device(args.device)
-        state = build_run(args, explicit, task, device, folder, ckpt, dist)
+            config = Config(**shared)
+            ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
+            task, device = make_task(config), pick_device(config.device)
+        state = build_run(config, explicit, task, device, folder, ckpt, dist)
     except UsageError as e:
         if folder is not None:
-            folder.release() if args.resume else folder.abandon()
+            folder.release() if config.resume else folder.abandon()
         if dist.world == 1:
             raise
         error = str(e) if dist.main else None
     except BaseException:
         if folder is not None:
-            folder.release() if args.resume else folder.abandon()
+            folder.release() if config.resume else folder.abandon()
         raise
     dist.agree(error)
     return state
 
 
-def size_schedule(args: Config, explicit: set, task) -> Config:
+def size_schedule(config: Config, explicit: set, task) -> Config:
     """The config with what the task sizes filled in: --steps from --epochs (unless --steps was given, or
     kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs, and the log
     (a tenth of the run) and checkpoint (each log step) intervals where not given."""
     sized = {}
-    if args.warmup_epochs is not None:
-        sized["warmup"] = round(args.warmup_epochs * task.steps_per_epoch(args.batch_size))
-    if args.steps is None or ("epochs" in explicit and "steps" not in explicit):
-        sized["steps"] = max(1, round(args.epochs * task.steps_per_epoch(args.batch_size)))
-    log_every = args.log_every or max(1, sized.get("steps", args.steps) // 10)
-    return replace(args, **sized, log_every=log_every, ckpt_every=args.ckpt_every or log_every)
+    if config.warmup_epochs is not None:
+        sized["warmup"] = round(config.warmup_epochs * task.steps_per_epoch(config.batch_size))
+    if config.steps is None or ("epochs" in explicit and "steps" not in explicit):
+        sized["steps"] = max(1, round(config.epochs * task.steps_per_epoch(config.batch_size)))
+    log_every = config.log_every or max(1, sized.get("steps", config.steps) // 10)
+    return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
 @dataclass
 class Built:
     """What a config builds (`build`): the config with its schedule sized, the task set up, the model
     and its model config, the optimiser, and the init's report and prior (None when the init was not applied)."""
-    args: Config
+    config: Config
     task: T.Task
     model: torch.nn.Module
-    cfg: object
+    model_cfg: object
     optimizer: torch.optim.Optimizer
     init_report: dict | None
     prior: Prior | None = None      # what the init wrote (None when it was not applied)
 
 
-def build(args: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
+def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
           init: bool = True) -> Built:
     """Everything a run trains, from a config: the task (made from the config unless given) set up on
     the device, the schedule sized (`size_schedule`), the model built and, with `init`, initialised by
     --init (its report timed), and the optimiser (M undecayed). `train_loop`, the tests and the
     benchmarks that train build this way; `train_step` then takes the steps."""
-    device = device or pick_device(args.device)
-    task = task or make_task(args)
+    device = device or pick_device(config.device)
+    task = task or make_task(config)
     setup_task(task, device)
-    args = size_schedule(args, explicit, task)
-    model, cfg = build_model(args, task, device)
+    config = size_schedule(config, explicit, task)
+    model, model_cfg = build_model(config, task, device)
     report = prior = None
     if init:
         t0 = time.time()
-        prior = make_prior(args, task, device)
+        prior = make_prior(config, task, device)
         try:
-            report = apply_init(model, prior, args)
+            report = apply_init(model, prior, config)
         except ValueError as e:     # a pattern that does not fit the model: nothing is written
-            raise UsageError(f"--init {args.init}: {e}") from None
+            raise UsageError(f"--init {config.init}: {e}") from None
         report["seconds"] = round(time.time() - t0, 3)
         model.to(device)
-    return Built(args, task, model, cfg, make_optimizer(model, args), report, prior)
+    return Built(config, task, model, model_cfg, make_optimizer(model, config), report, prior)
 
 
-def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
+def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist()) -> Run:
     """Load the data, size the schedule, build the model; then initialise and save a new run
     (`ckpt` None) or restore the checkpoint's state. Only rank 0 writes."""
-    built = build(args, device, explicit, task, init=ckpt is None)
-    args, model, cfg = built.args, built.model, built.cfg
-    if ckpt is not None and args.steps < ckpt["step"]:
-        raise UsageError(f"--resume: the checkpoint in {args.out} is at step {ckpt['step']}, past --steps "
-                         f"{args.steps}; give --steps {ckpt['step']} or more")
+    built = build(config, device, explicit, task, init=ckpt is None)
+    config, model, model_cfg = built.config, built.model, built.model_cfg
+    if ckpt is not None and config.steps < ckpt["step"]:
+        raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
+                         f"{config.steps}; give --steps {ckpt['step']} or more")
     prior_source = built.prior.source if ckpt is None else ckpt.get("prior_source") or {"from": "hand"}
-    pattern = (built.prior.pattern if ckpt is None else saved_pattern(args, task, prior_source)).to(device)
-    inputs = task.probe_inputs(args.probe_size)
+    pattern = (built.prior.pattern if ckpt is None else saved_pattern(config, task, prior_source)).to(device)
+    inputs = task.probe_inputs(config.probe_size)
     if ckpt is None:
         init_report = built.init_report
-        check_start(model, task, args, device)
-        probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), args.eval_points, device, args)
-        state = Run(args, task, model, cfg, built.optimizer, probe, device, init_report, None, folder,
+        check_start(model, task, config, device)
+        probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, device, config)
+        state = Run(config, task, model, model_cfg, built.optimizer, probe, device, init_report, None, folder,
                     dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior_source)
         if dist.main:
             start = probe.measure(model)
             state.mass_start = start["prior_mass"]
-            write_json(state.path("args.json"), asdict(args))
+            write_json(state.path("args.json"), asdict(config))
             if prior_source["from"] != "hand":          # found, not written by hand: kept beside the run
                 save_prior(state.path("prior.pt"), built.prior)
             T.atomic_write(state.path("metrics.jsonl"),
@@ -1038,24 +1045,25 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             save_checkpoint(state)              # last: a folder with a checkpoint is a run
             n_params = sum(p.numel() for p in model.parameters())
             procs = f" x {dist.world} processes" if dist.world > 1 else ""
-            print(f"{args.task} | init {args.init} {fmt_report(init_report)}| {n_params:,} params | {device}{procs} | "
-                  f"{args.steps} steps | out {args.out}", flush=True)
-            if args.preset == "paper" and device.type == "cpu":
+            print(f"{config.task} | init {config.init} {fmt_report(init_report)}| {n_params:,} params | "
+                  f"{device}{procs} | "
+                  f"{config.steps} steps | out {config.out}", flush=True)
+            if config.preset == "paper" and device.type == "cpu":
                 print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
                       f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
-            print(f"step {0:>6}/{args.steps} | {fmt_metrics(start, task)}", flush=True)
+            print(f"step {0:>6}/{config.steps} | {fmt_metrics(start, task)}", flush=True)
     else:
-        same = {k: v for k, v in ckpt["config"].items() if k != "fused"} == \
-            {k: v for k, v in asdict(cfg).items() if k != "fused"}
+        same = {k: v for k, v in ckpt["model_config"].items() if k != "fused"} == \
+            {k: v for k, v in asdict(model_cfg).items() if k != "fused"}
         if not same:
-            raise UsageError(f"--resume: the checkpoint in {args.out} holds a different architecture "
-                             f"({ckpt['config']} vs {asdict(cfg)})")
-        check_same_data(ckpt, task, args)
-        load_weights(model, ckpt["model"], f"--resume: the checkpoint in {args.out}")
+            raise UsageError(f"--resume: the checkpoint in {config.out} holds a different architecture "
+                             f"({ckpt['model_config']} vs {asdict(model_cfg)})")
+        check_same_data(ckpt, task, config)
+        load_weights(model, ckpt["model"], f"--resume: the checkpoint in {config.out}")
         optimizer = built.optimizer
         optimizer.load_state_dict(ckpt["optimizer"])
-        probe = Probe(task, pattern, inputs, ckpt["snapshot"], args.eval_points, device, args)
-        state = Run(args, task, model, cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
+        probe = Probe(task, pattern, inputs, ckpt["snapshot"], config.eval_points, device, config)
+        state = Run(config, task, model, model_cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
                     folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
                     run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
                     saved_step=ckpt["step"], data=ckpt.get("data"), prior_source=prior_source)
@@ -1064,18 +1072,18 @@ def build_run(args, explicit: set, task, device, folder: RunFolder | None, ckpt:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         if dist.main:
             truncate_log(state.path("metrics.jsonl"), state.step)
-            write_json(state.path("args.json"), asdict(args))
-            state.say(f"resuming {args.out} at step {state.step}/{args.steps}")
+            write_json(state.path("args.json"), asdict(config))
+            state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
             note = rounding_note(ckpt, device)
             if note:
                 state.say(note)
-    if args.ema:
-        state.probe.ema = copy.deepcopy(model).requires_grad_(False)
+    if config.ema:
+        state.ema = copy.deepcopy(model).requires_grad_(False)
         if ckpt is not None:
             if "ema" not in ckpt:
-                raise UsageError(f"--resume: the checkpoint in {args.out} holds no moving average (--ema)")
-            state.probe.ema.load_state_dict(ckpt["ema"])
-    state.trained = torch.compile(model) if args.compile else model
+                raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
+            state.ema.load_state_dict(ckpt["ema"])
+    state.trained = torch.compile(model) if config.compile else model
     if dist.world > 1:
         state.trained = torch.nn.parallel.DistributedDataParallel(
             state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
@@ -1089,11 +1097,11 @@ def save_prior(path: str, prior: Prior) -> None:
     T.atomic_write(path, buf.getvalue())
 
 
-def saved_pattern(args, task, source: dict) -> torch.Tensor:
+def saved_pattern(config, task, source: dict) -> torch.Tensor:
     """A resumed run's probe pattern: its prior.pt (a prior found from data or a teacher), else the task's."""
-    path = os.path.join(args.out, "prior.pt")
+    path = os.path.join(config.out, "prior.pt")
     if source.get("from", "hand") == "hand":
-        return task.pattern(args.pattern)
+        return task.pattern(config.pattern)
     if not os.path.isfile(path):
         raise UsageError(f"--resume: {path} is missing: the run started from a prior found in its "
                          f"{source['from']}, saved there; restore the file")
@@ -1118,14 +1126,14 @@ def load_weights(model: torch.nn.Module, state: dict, what: str) -> None:
                          f"maskprior: continue it with that version, or start a new run") from None
 
 
-def check_same_data(ckpt: dict, task, args) -> None:
+def check_same_data(ckpt: dict, task, config) -> None:
     """--resume on the data the run trained on: the task's fingerprint must be the checkpoint's (a checkpoint
     written before fingerprints is not checked)."""
     saved, now = ckpt.get("data"), task.fingerprint()
     if saved is not None and now != saved:
-        was = ckpt["args"].get("data_dir")
-        raise UsageError(f"--resume: the data{f' in --data-dir {args.data_dir}' if args.data_dir else ''} is not the "
-                         f"data the run in {args.out} trained on (fingerprint {now[:12]}, the checkpoint's "
+        was = ckpt["config"].get("data_dir")
+        raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is not the "
+                         f"data the run in {config.out} trained on (fingerprint {now[:12]}, the checkpoint's "
                          f"{saved[:12]}); point --data-dir at the run's own data"
                          + (f" (it started from {was})" if was else ""))
 
@@ -1155,39 +1163,39 @@ def finite_weights(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def check_start(model, task, args, device) -> None:
+def check_start(model, task, config, device) -> None:
     """A new run's initial state must be finite, in its weights and in its loss on the first batch
     (an eval-mode forward: no random state is used), or nothing is written."""
     if not finite_weights(model):
-        raise UsageError(f"--init {args.init} gave non-finite weights with these flags; nothing was written")
+        raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing was written")
     model.eval()
-    with torch.no_grad(), autocast(device, args):
-        loss = task.loss(model, task.train_batch(0, args.batch_size))
+    with torch.no_grad(), autocast(device, config):
+        loss = task.loss(model, task.train_batch(0, config.batch_size))
     model.train()
     if not torch.isfinite(loss):
-        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init {args.init}); "
+        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init {config.init}); "
                          f"nothing was written")
 
 
 def train_loop(state: Run) -> int | None:
-    """Train from state.step to args.steps, logging and checkpointing; None when it got to the end,
+    """Train from state.step to config.steps, logging and checkpointing; None when it got to the end,
     else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank takes the
     same decisions: the loss and the interrupt flag are agreed on each step."""
-    args, model, optimizer, task, dist = state.args, state.model, state.optimizer, state.task, state.dist
-    total, t_start, steps_done, estimated = args.steps, time.time(), 0, False
+    config, model, optimizer, task, dist = state.config, state.model, state.optimizer, state.task, state.dist
+    total, t_start, steps_done, estimated = config.steps, time.time(), 0, False
     with Interrupt() as stop:
         while state.step < total:
-            batch, weight = dist.shard(task.train_batch(state.step, args.batch_size))
-            loss = step_loss(state.trained, task, batch, args, state.device, weight)
+            batch, weight = dist.shard(task.train_batch(state.step, config.batch_size))
+            loss = step_loss(state.trained, task, batch, config, state.device, weight)
             loss_value, interrupted = dist.step_state(loss.detach(), stop.hit)
             if not math.isfinite(loss_value):
                 return non_finite(state, f"the loss became {loss_value} at step {state.step}")
-            step_update(model, optimizer, loss, args, state.step, state.probe.ema)
+            step_update(model, optimizer, loss, config, state.step, state.ema)
             state.step += 1
             steps_done += 1
             step = state.step
-            if dist.main and (step % args.log_every == 0 or step == total):
-                rec = state.probe.measure(model, final=step == total)
+            if dist.main and (step % config.log_every == 0 or step == total):
+                rec = state.probe.measure(model, state.ema, final=step == total)
                 now = time.time()
                 rate = steps_done / max(now - t_start, 1e-9)
                 state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
@@ -1202,18 +1210,18 @@ def train_loop(state: Run) -> int | None:
                 rate = steps_done / (time.time() - t_start)
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
                       f"{fmt_time((total - step) / rate)} (an early estimate; the first evaluation is at step "
-                      f"{min(total, (step // args.log_every + 1) * args.log_every)})", flush=True)
+                      f"{min(total, (step // config.log_every + 1) * config.log_every)})", flush=True)
                 estimated = True
-            halt = interrupted or (args.halt_after is not None and step >= args.halt_after and step < total)
-            if step % args.ckpt_every == 0 or step == total or halt:
+            halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
+            if step % config.ckpt_every == 0 or step == total or halt:
                 if not finite_weights(model):
                     return non_finite(state, f"the parameters became non-finite at step {step}")
                 if dist.main:
                     save_checkpoint(state, state.seconds + time.time() - t_start)
             if halt:
-                why = "interrupted" if interrupted else f"halted at --halt-after {args.halt_after}"
+                why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
                 state.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
-                          f"--out {args.out}")
+                          f"--out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
@@ -1222,34 +1230,34 @@ def train_loop(state: Run) -> int | None:
 EARLY_ETA = 10.0        # seconds of training after which a run that has not logged yet prints its pace and ETA
 
 
-def step_loss(trained, task, batch, args, device, weight: float | None = None) -> torch.Tensor:
+def step_loss(trained, task, batch, config, device, weight: float | None = None) -> torch.Tensor:
     """The first half of a training step: the task's loss on `batch` through `trained` (the model, compiled
     and/or in DDP) under --amp's autocast, times `weight` (a DDP shard's share of the global batch)."""
-    with autocast(device, args):
+    with autocast(device, config):
         loss = task.loss(trained, batch)
         return loss if weight is None else loss * weight
 
 
-def step_update(model, optimizer, loss: torch.Tensor, args, step: int, ema: torch.nn.Module | None = None) -> None:
+def step_update(model, optimizer, loss: torch.Tensor, config, step: int, ema: torch.nn.Module | None = None) -> None:
     """The second half, once the loss is known to be finite: step `step`'s learning rate (--schedule),
     backward, --grad-clip, the optimiser's update and the moving average (--ema)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, args.steps, args)
+        group["lr"] = lr_at(step, config.steps, config)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if args.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    if config.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
     if ema is not None:
-        update_ema(ema, model, args.ema)
+        update_ema(ema, model, config.ema)
 
 
-def train_step(model, trained, optimizer, task, batch, args, device, step: int,
+def train_step(model, trained, optimizer, task, batch, config, device, step: int,
                ema: torch.nn.Module | None = None) -> torch.Tensor:
     """One training step exactly as `train_loop` takes it (one process): `step_loss`, then `step_update`.
     Returns the loss. Benchmarks time this function, so they time the real step."""
-    loss = step_loss(trained, task, batch, args, device)
-    step_update(model, optimizer, loss, args, step, ema)
+    loss = step_loss(trained, task, batch, config, device)
+    step_update(model, optimizer, loss, config, step, ema)
     return loss
 
 
@@ -1273,22 +1281,22 @@ def finish(state: Run) -> int:
     """The final measurement (the whole test set) and result.json, by rank 0."""
     if not state.dist.main:
         return 0
-    args, last = state.args, state.last
+    config, last = state.config, state.last
     if last is None or last["step"] != state.step:
-        last = {"step": state.step, **state.probe.measure(state.model, final=True)}
+        last = {"step": state.step, **state.probe.measure(state.model, state.ema, final=True)}
     metrics = dict(last["metrics"])
     if state.mass_start is None:
         metrics["prior_mass_start"] = metrics["prior_mass_end"] = None
     else:
         metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
         metrics["prior_mass_end"] = last["prior_mass_mean"]
-    result = {"task": args.task, "kind": state.task.KIND, "init": args.init, "seed": args.seed, "preset": args.preset,
+    result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed, "preset": config.preset,
               "run_id": state.run_id,
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
               **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
-              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.cfg),
+              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
               "device": str(state.device),
               "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
     write_json(state.path("result.json"), result)
@@ -1335,32 +1343,32 @@ def setup_task(task, device):
         raise UsageError(str(e)) from None
 
 
-def sample(args, explicit: set) -> int:
+def sample(config, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    folder = RunFolder(args.out)
+    folder = RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
-    args = restore_args(args, explicit, folder, ckpt)
-    check_numbers(args)
-    task = make_task(args)
+    config = restore_config(config, explicit, folder, ckpt)
+    check_numbers(config)
+    task = make_task(config)
     if task.KIND != "lm":
-        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {args.out} is {args.task}")
-    device = pick_device(args.device)
+        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
+    device = pick_device(config.device)
     setup_task(task, device)
-    model, _ = build_model(args, task, device)
-    load_weights(model, ckpt["model"], f"--sample: the checkpoint in {args.out}")
-    ids = task.encode(args.sample)
+    model, _ = build_model(config, task, device)
+    load_weights(model, ckpt["model"], f"--sample: the checkpoint in {config.out}")
+    ids = task.encode(config.sample)
     if not ids:
-        raise UsageError(f"--sample: the prompt {args.sample!r} gives no tokens")
-    if args.sample_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise UsageError(f"--sample: the prompt {config.sample!r} gives no tokens")
+    if config.sample_tokens < 1 or config.temperature < 0 or config.top_k < 0:
         raise UsageError("--sample-tokens must be >= 1, --temperature and --top-k >= 0")
     model.eval()
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    out = mp.generate(model, torch.tensor([ids], device=device), args.sample_tokens, args.temperature,
-                      args.top_k or None, generator=g)
+    g = torch.Generator(device=device).manual_seed(config.seed)
+    out = mp.generate(model, torch.tensor([ids], device=device), config.sample_tokens, config.temperature,
+                      config.top_k or None, generator=g)
     sep = " " if task.vocab is not None else ""              # words are joined by spaces, bytes are not
     print(task.decode(ids) + sep + task.decode(out[0, len(ids):].tolist()))
     return 0
@@ -1379,19 +1387,19 @@ def load_json(path: str):
         return json.load(f)
 
 
-CKPT_FORMAT = "maskprior-checkpoint-2"       # the contents, serialised, beside their sha256
+CKPT_FORMAT = "maskprior-checkpoint-3"       # the contents, serialised, beside their sha256
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
-    """ckpt.pt: model, optimiser, step, training time, flags, config, the init's report, the prior's
+    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the prior's
     snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are
     serialised first and stored with their sha256, which `read_checkpoint` verifies."""
     ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
-            "seconds": state.seconds if seconds is None else seconds, "args": asdict(state.args),
-            "config": asdict(state.cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
+            "seconds": state.seconds if seconds is None else seconds, "config": asdict(state.config),
+            "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
-            **({"ema": state.probe.ema.state_dict()} if state.probe.ema is not None else {}),
-            **({"identity": identity(state.args, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
+            **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
+            **({"identity": identity(state.config, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
             "data": state.data, "machine": machine(state.device), "prior_source": state.prior_source,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -1411,12 +1419,12 @@ def fingerprint(flags: dict) -> str:
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-def identity(args, run_id: str) -> dict:
+def identity(config, run_id: str) -> dict:
     """Who a checkpoint belongs to: the run id written at the start, the seed and the configuration's fingerprint."""
-    return {"run_id": run_id, "seed": args.seed, "fingerprint": fingerprint(asdict(args))}
+    return {"run_id": run_id, "seed": config.seed, "fingerprint": fingerprint(asdict(config))}
 
 
-CKPT_KEYS = ("model", "optimizer", "step", "seconds", "args", "config", "init_report", "snapshot",
+CKPT_KEYS = ("model", "optimizer", "step", "seconds", "config", "model_config", "init_report", "snapshot",
              "prior_mass_start", "rng")
 
 
@@ -1572,18 +1580,18 @@ def missing_folders(path: str) -> list[str]:
     return out
 
 
-def restore_args(args: Config, explicit: set, folder: RunFolder, ckpt: dict) -> Config:
+def restore_config(config: Config, explicit: set, folder: RunFolder, ckpt: dict) -> Config:
     """Resume: the run's config from its saved flags (once `check_resume` finds ckpt.pt, args.json and
     metrics.jsonl to be one run), except its folder (always the --out given: a run folder can be
     moved) and the RESUMABLE flags given now; any other flag given must agree."""
     saved = check_resume(folder, ckpt)
     for key in sorted(explicit - RESUMABLE - {"out"}):
-        new = getattr(args, key)
+        new = getattr(config, key)
         if key in saved and saved[key] != new:
             what = "architecture" if key in ARCH else "setting"
-            raise UsageError(f"--resume: the run in {args.out} has {key}={saved[key]!r} but {key}={new!r} was "
+            raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
-    values = asdict(args)
+    values = asdict(config)
     for key, value in saved.items():
         if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
             values[key] = value
@@ -1603,7 +1611,7 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
     equal to it where a resume may not change it (a flag added after the run only at its default);
     metrics.jsonl starts at step 0 and reaches the last step the checkpoint saw logged; and, for a run that has an
     identity, the log's step-0 line names the checkpoint's run. Anything else is one line."""
-    path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["args"]
+    path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["config"]
     if not os.path.isfile(log):
         what = "is not a file" if os.path.exists(log) else "is missing"
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
@@ -1817,18 +1825,18 @@ def report_command(runs: str, out: str) -> int:
 
 def main(argv=None) -> int:
     try:
-        args, explicit = parse_args(argv)
-        if args.command == "summarize":
+        flags, explicit = parse_args(argv)
+        if flags.command == "summarize":
             from reporting.report import summarize
-            print(summarize(args.paths), end="")
+            print(summarize(flags.paths), end="")
             return 0
-        if args.command == "report":
-            return report_command(args.runs, args.out)
-        if args.command == "make-digits":
-            return make_digits(args.folder)
-        if args.command == "make-wikitext":
-            return make_wikitext(args.folder, args.files)
-        return run(args, explicit)
+        if flags.command == "report":
+            return report_command(flags.runs, flags.out)
+        if flags.command == "make-digits":
+            return make_digits(flags.folder)
+        if flags.command == "make-wikitext":
+            return make_wikitext(flags.folder, flags.files)
+        return run(flags, explicit)
     except (UsageError, T.TaskError) as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
             print(f"error: {e}", file=sys.stderr)

@@ -13,12 +13,13 @@ import contextlib
 import json
 import math
 import os
+import re
 import textwrap
 
 import torch
 
 import tasks as T
-from train import DEFAULTS, INITS, NOT_CONFIG, Config, LogError, _number, load_json, make_task, parse_args, read_log, resolve
+from train import DEFAULTS, INITS, NOT_TELLING_APART, Config, LogError, _number, load_json, make_task, parse_args, read_log, resolve
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
@@ -128,7 +129,7 @@ def init_order(init: str, inits=INITS) -> int:
 
 def md_table(header: list, rows) -> list[str]:
     """A markdown table's lines: the header cells, the rule, one line per row of cells."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +\
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
@@ -330,8 +331,8 @@ ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
 
 def preset_layout(task: str, preset: str = "small") -> tuple:
     """(readout, positional std) that `preset` gives a Boolean task."""
-    args = resolve(*parse_args(["--task", task, "--preset", preset]))
-    return args.readout or "cls", args.pos_init_std
+    config = resolve(*parse_args(["--task", task, "--preset", preset]))
+    return config.readout or "cls", config.pos_init_std
 
 
 def ablation(folders) -> str:
@@ -377,24 +378,24 @@ CURVE_METRICS = {
     "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
-# Runs that differ only in NOT_CONFIG (Config fields with tells_apart=False: where and how a run ran, which
+# Runs that differ only in NOT_TELLING_APART (Config fields with tells_apart=False: where and how a run ran, which
 # run it is, its init and seed) are one configuration; any other difference draws them apart.
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:
-    """The flags that define a run's configuration (args.json minus NOT_CONFIG and `ignore`; a flag
+    """The flags that define a run's configuration (args.json minus NOT_TELLING_APART and `ignore`; a flag
     added after the run was made counts at its default); the model config of result.json where
     args.json is missing."""
     path = os.path.join(run["run_dir"], "args.json")
     saved = load_json(path) if os.path.exists(path) else None
     if saved is not None and not isinstance(saved, dict):
         raise ValueError(f"a JSON {type(saved).__name__}, not the object of the run's flags")
-    args = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
-    return {k: v for k, v in args.items() if k not in NOT_CONFIG and k not in ignore}
+    config = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
+    return {k: v for k, v in config.items() if k not in NOT_TELLING_APART and k not in ignore}
 
 
 def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
-    """Split runs by task, then by configuration (all flags but NOT_CONFIG and `ignore`). Returns
+    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`). Returns
     ({(task, label): runs}, notes): label is "" when a task has one configuration, else the flags
     that tell its configurations apart ("steps=250"), and a note names each such mix in one line."""
     by_task, notes, groups = {}, [], {}
@@ -711,15 +712,19 @@ ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100), "arithm
 
 
 def oracle_free_cell(run: dict) -> tuple[str, str]:
-    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the corpus the tag
-    names), the tag what follows -sSEED-."""
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the corpus or the
+    step count the tag names: corpusB-teacher, 250steps-teacher), the tag what follows -sSEED- and them
+    (samebudget, the default at a teacher's steps + its student's, is the budget2x column)."""
     name = os.path.basename(os.path.normpath(run["run_dir"]))
     tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
-    corpus = ""
+    row = run["task"]
     if tag.startswith("corpus"):
         corpus, _, tag = tag.partition("-")
-        corpus = f", corpus {corpus[-1]}"
-    return run["task"] + corpus, tag
+        row += f", corpus {corpus[-1]}"
+    elif re.match(r"\d+steps(-|$)", tag):
+        steps, _, tag = tag.partition("-")
+        row += f", {steps[:-5]} steps"
+    return row, "budget2x" if tag == "samebudget" else tag
 
 
 def oracle_free(folder: str, out_dir: str) -> list[str]:
@@ -749,7 +754,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
         results.append([row, label, *cells])
     found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
               mean_std([r for _, r in pr]), len(pr)] for row in rows for tag, pr in agreement.get(row, {}).items()]
-    out = md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""] + \
+    out = md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""] +\
         md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found)
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
@@ -809,8 +814,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
                 pattern = torch.load(prior, weights_only=True)["pattern"]
             else:
                 saved = load_json(os.path.join(first[0]["run_dir"], "args.json"))
-                args = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
-                pattern = make_task(args).pattern(args.pattern)
+                config = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
+                pattern = make_task(config).pattern(config.pattern)
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
     made = figure(-(-len(panels) // 4), 4, 3.0, 3.0) if panels else None
     if made is None:
