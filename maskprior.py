@@ -179,6 +179,8 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 # ----------------------------------------------------------------------------------------
 # Mask helpers
 
+M_ON, M_OFF = 5.0, 5.0     # the initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007)
+
 
 def check_pattern(pattern) -> None:
     """A pattern is a bool tensor, True = allowed pair; anything else is one ValueError."""
@@ -190,7 +192,7 @@ def check_pattern(pattern) -> None:
                          f"logits= instead")
 
 
-def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0) -> torch.Tensor:
+def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
     check_pattern(pattern)
     if not (math.isfinite(m_on) and math.isfinite(m_off)):
@@ -246,8 +248,8 @@ class MaskPrior(nn.Module):
     `prior_parameter_names`), or the decay erases the prior.
     """
 
-    def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = 5.0,
-                 m_off: float = 5.0, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full",
+    def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = M_ON,
+                 m_off: float = M_OFF, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full",
                  n_keys: int | None = None, prefix: bool = False):
         super().__init__()
         if param not in ("full", "relative"):
@@ -709,7 +711,7 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = 
 
 
 @torch.no_grad()
-def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
                logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
     given `logits`).
@@ -1169,7 +1171,7 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     return (clique | reads | eye) & vis
 
 
-def logits_from_attention(attn: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0, causal: bool = False,
+def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                           per_head: bool = True) -> torch.Tensor:
     """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over
     the leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that log sigmoid(M)
@@ -1187,7 +1189,7 @@ def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
     return (q.log() - (-q).log1p()).clamp(-m_off, m_on)
 
 
-def relative_from_attention(attn: torch.Tensor, m_on: float = 5.0, m_off: float = 5.0,
+def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                             causal: bool = False) -> torch.Tensor:
     """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each
     distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) = log of that share,
@@ -1206,8 +1208,8 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = 5.0, m_off: float 
     return m.masked_fill(~vis, -float(m_off))
 
 
-def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0, m_on: float = 5.0,
-                           m_off: float = 5.0) -> torch.Tensor:
+def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0, m_on: float = M_ON,
+                           m_off: float = M_OFF) -> torch.Tensor:
     """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to
     patch (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), over its largest value, as M
     (log sigmoid(M) = log of that share, clamped to [-m_off, m_on]) spread back over the grid; prefix tokens
@@ -1472,7 +1474,7 @@ def _recorded_layers(model: nn.Module) -> dict:
     return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
 
 
-def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = 5.0, m_off: float = 5.0,
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
                    causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str = "full",
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
                    mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
@@ -2029,7 +2031,7 @@ def _reattach(model: nn.Module, record: dict) -> None:
         site = found[name]
         _check_site(model, site, False, "attn_mask", "from_pretrained")
         shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")   # M starts at 0
-        priors[name] = _prior_for(site, shape, None, 5.0, 5.0, geo["causal"], None, geo["param"], geo["prefix"],
+        priors[name] = _prior_for(site, shape, None, M_ON, M_OFF, geo["causal"], None, geo["param"], geo["prefix"],
                                   "from_pretrained")
         sites.append(site)
     for s in sites:

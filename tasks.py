@@ -308,8 +308,8 @@ class BooleanTask(Task):
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     EVAL_POINTS = True
     PRESETS = {
-        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (1.0 lets the positions break the
-        # mask's symmetry: majority3 4 / 5 seeds, cyclic3 1 / 2; 0.02 lets every init generalise on majority3)
+        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and these
+        # budgets: results/README.md, "Choices where the paper is silent")
         "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5),
                   "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75,
                                  eval_points=4096)},
@@ -598,8 +598,7 @@ class Parity2(BooleanTask):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
     PATTERNS = ("clique", "cls")
     DEFAULT_PATTERN = "clique"
-    # 600 steps: default fits the seen domain at step 200-300 (the mask generalises by step 150); 20 log
-    # steps of 2,048 cube points keep the demo near 16 s
+    # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
@@ -632,7 +631,7 @@ class Cyclic3(BooleanTask):
     """sum_i x_i x_{i+1} x_{i+2} (indices mod 15); unseen x0 = x1 = x2 = -1; integer-valued."""
     PATTERNS = ("band", "band-only")
     DEFAULT_PATTERN = "band"
-    # 8,000 steps, as default and qk-svd often have not fitted the seen domain by 4,000
+    # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
 
     def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
@@ -970,9 +969,8 @@ def _mutual_information(x: np.ndarray, y: np.ndarray) -> float:
 @register("addition")
 class Addition(ArithmeticTask):
     """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
-    # log often enough for a learning curve: at least ~20 points per run (logging never changes training).
-    # 1,500 steps is convergence (with 3,000 steps, default and mask are flat from step ~1,600, at 99.6% and
-    # 98.4%, seed 0); `--steps 250` is where the paper's numbers show (README)
+    # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps 250` as the
+    # paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
 
     def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
@@ -984,7 +982,7 @@ class Addition(ArithmeticTask):
 @register("multiplication")
 class Multiplication(ArithmeticTask):
     """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default."""
-    # 6,000 steps (about 10 minutes on one core): after 3,000, every init is at 1-2% (README)
+    # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
@@ -1697,6 +1695,40 @@ def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tens
     return (y[..., top:top + out, top:top + out] + 0.5).clamp(0, 255).to(torch.uint8)
 
 
+def mixup(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor, lam: float):
+    """Mixup (Zhang et al. 2018): each image and its target blended with those of the batch permuted by `perm`,
+    `lam` of it its own. x (B, C, H, W), y (B, n_classes), perm (B,) -> (x, y) of the same shapes."""
+    return lam * x + (1 - lam) * x[perm], lam * y + (1 - lam) * y[perm]
+
+
+def cutmix(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor, lam: float, g: torch.Generator):
+    """CutMix (Yun et al. 2019): a square of side S sqrt(1 - lam) around a centre drawn from `g` (clipped at the
+    border) pasted from the batch permuted by `perm`; the targets mixed by the area each image keeps.
+    x (B, C, S, S), y (B, n_classes), perm (B,) -> (x, y) of the same shapes."""
+    s = x.shape[-1]
+    side = int(s * math.sqrt(1 - lam))
+    cy, cx = (int(v) for v in torch.randint(0, s, (2,), generator=g, device=x.device))
+    y0, y1, x0, x1 = max(cy - side // 2, 0), min(cy + side // 2, s), max(cx - side // 2, 0), min(cx + side // 2, s)
+    x = x.clone()
+    x[:, :, y0:y1, x0:x1] = x[perm][:, :, y0:y1, x0:x1]
+    kept = 1 - (y1 - y0) * (x1 - x0) / (s * s)
+    return x, kept * y + (1 - kept) * y[perm]
+
+
+def mix_batch(x: torch.Tensor, y: torch.Tensor, mixup_alpha: float, cutmix_alpha: float, g: torch.Generator,
+              rng: np.random.Generator):
+    """timm's switch: cutmix or mixup (each with probability 1/2 when both are on, drawn from `g`), lam ~
+    Beta(alpha, alpha) from `rng`, the partner images a permutation of the batch drawn from `g`; both alphas 0:
+    the batch as it is. x (B, C, S, S), y (B, n_classes) -> (x, y) of the same shapes."""
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return x, y
+    perm = torch.randperm(len(x), generator=g, device=x.device)
+    cut = cutmix_alpha > 0 and (mixup_alpha == 0 or torch.rand(1, generator=g, device=x.device) < 0.5)
+    alpha = cutmix_alpha if cut else mixup_alpha
+    lam = float(rng.beta(alpha, alpha))
+    return cutmix(x, y, perm, lam, g) if cut else mixup(x, y, perm, lam)
+
+
 def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, area=(0.02, 1 / 3),
                    ratio=(0.3, 1 / 0.3)) -> torch.Tensor:
     """timm's RandomErasing, mode 'pixel', on a normalised float batch (B, C, H, W): with probability
@@ -1732,10 +1764,11 @@ class ImageTask(Task):
     DEFAULT_PATTERN = "impulse"
     INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
     HEADLINE = ("top1", "loss")
+    MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
         "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
                                 pos_init_std=0.02),
-                  "recipe": dict(mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
                                  schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1, qk_opt_steps=2000,
                                  log_every=100)},
         # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
@@ -1745,14 +1778,14 @@ class ImageTask(Task):
         # (switch 0.5), random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
         "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
                                 qkv_bias=True, pos_init_std=0.02),
-                  "recipe": dict(mask_off=10.0, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
                                  batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300, label_smoothing=0.1,
                                  mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0, randaug_std=0.5,
                                  randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000)},
         # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
         "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean",
                                   qkv_bias=True, pos_init_std=0.02),
-                    "recipe": dict(mask_off=10.0, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
+                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
                                    schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
                                    log_every=1000)},
     }
@@ -1880,24 +1913,7 @@ class ImageTask(Task):
             x = random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
-        use_mix = self.mixup > 0 or self.cutmix > 0
-        if use_mix:
-            perm = torch.randperm(len(idx), generator=g, device=self.device)
-            cut = self.cutmix > 0 and (self.mixup == 0 or torch.rand(1, generator=g, device=self.device) < 0.5)
-            alpha = self.cutmix if cut else self.mixup
-            lam = float(np.random.default_rng([self.seed, step]).beta(alpha, alpha))
-            if cut:
-                s = x.shape[-1]
-                ch = int(s * math.sqrt(1 - lam))
-                cy, cx = (int(v) for v in torch.randint(0, s, (2,), generator=g, device=self.device))
-                y0, y1, x0, x1 = max(cy - ch // 2, 0), min(cy + ch // 2, s), max(cx - ch // 2, 0), min(cx + ch // 2, s)
-                x = x.clone()
-                x[:, :, y0:y1, x0:x1] = x[perm][:, :, y0:y1, x0:x1]
-                lam = 1 - (y1 - y0) * (x1 - x0) / (s * s)
-            else:
-                x = lam * x + (1 - lam) * x[perm]
-            y = lam * y + (1 - lam) * y[perm]
-        return x, y
+        return mix_batch(x, y, self.mixup, self.cutmix, g, np.random.default_rng([self.seed, step]))
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import errno
 import hashlib
+import inspect
 import io
 import json
 import math
@@ -122,7 +123,7 @@ BAD_INPUT = [
     (["--pattern", ""], "--pattern needs a name; parity2's patterns are clique, cls"),
     (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
     (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
-    (["--readout", "tokens"], "invalid choice: 'tokens'"),
+    (["--readout", "tokens"], "--readout for parity2 must be one of cls, mean, got 'tokens'"),
     (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
     (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
     (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies to the Boolean and arithmetic"),
@@ -1838,6 +1839,26 @@ def test_vision_bad_input_exits_2(tmp_path, capsys, argv, needle):
     assert os.listdir(empty) == [] and not os.path.exists(out)       # nothing written
 
 
+def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.eye(4)
+    perm = torch.tensor([1, 0, 3, 2])
+    mx, my = T.mixup(x, y, perm, 0.7)
+    assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
+    cx, cy = T.cutmix(x, y, perm, 0.75, g)
+    pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
+    assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
+                                                                                   x[~pasted.unsqueeze(1).expand_as(x)])
+    kept = 1 - pasted[0].float().mean()
+    assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
+    assert torch.equal(T.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
+    rng = np.random.default_rng(0)
+    assert T.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
+    for mix, cut in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
+        bx, by = T.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
+        assert bx.shape == x.shape and torch.allclose(by.sum(-1), torch.ones(4)) and not torch.equal(bx, x)
+
+
 def test_image_folder_reader(tmp_path):
     try:
         from PIL import Image
@@ -2484,7 +2505,7 @@ def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
     ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
     ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
     ("--crop-pct", "1.5", "--crop-pct must be in (0, 1]"),
-    ("--randaug-ops", "0", "--randaug-ops must be an integer > 0"),
+    ("--randaug-ops", "0", "--randaug-ops must be at least 1"),
 ])
 def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
     out = tmp_path / "run"
@@ -2531,6 +2552,48 @@ def test_bad_input_exits_2(tmp_path, capsys, argv, needle):
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
     assert not os.path.exists(out)                                   # nothing written, no folder left
+
+
+# Every task option the task checks, given out of range (nan and inf where it is a float): one line naming the
+# flag, exit 2, nothing written. The task's constructor is the one check (train.py's Config declares no range or
+# choices for these), so each case here fails if that check goes.
+TASK_CHECKED = [("kparity", "--discover-degree", ("0", "5")), ("kparity", "--discover-threshold", ("nan", "inf", "0", "1.5")),
+                ("kparity", "--n-bits", ("1", "21")), ("kparity", "--train-size", ("0",)), ("parity2", "--readout", ("tokens",)),
+                ("addition", "--digits", ("0", "5")), ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
+                ("addition", "--answer-order", ("mid",)), ("addition", "--discover-threshold", ("nan", "-1")),
+                ("cifar10", "--soft-alpha", ("nan", "inf", "0")), ("cifar10", "--window", ("0", "2")),
+                ("cifar10", "--crop-pct", ("nan", "0", "1.5")), ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
+                ("cifar10", "--randaug-ops", ("0",)), ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
+                ("cifar10", "--impulse", ("diagonal",)), ("cifar10", "--crop", ("centre",)),
+                ("wikitext2", "--val-tokens", ("-1",)), ("wikitext2", "--context", ("1",))]
+CONFIG_CHECKED_TASK_OPTIONS = {"image_size", "input_size", "patch_size", "pool", "label_smoothing", "mixup", "cutmix",
+                               "randaug_std"}       # options no task checks: Config's range is their one check
+
+
+@pytest.mark.parametrize("task,flag,bad", [(t, f, b) for t, f, bads in TASK_CHECKED for b in bads])
+def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, capsys, task, flag, bad):
+    data = tmp_path / "data"
+    data.mkdir()
+    where = ["--data-dir", str(data)] if task in ("cifar10", "wikitext2") else []
+    rc, out = run_train(tmp_path, "--task", task, *where, flag, bad)
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(out) and os.listdir(data) == []
+
+
+def test_task_options_are_declared_once():
+    """A task option's range lives in its task (checked above) or, where no task checks it, in its Config field,
+    never both; its Config default is its task's default (a preset may then set it)."""
+    both = {n for n in train.TASK_FLAGS if train.FIELDS[n].metadata["check"] or train.FIELDS[n].metadata["choices"]}
+    assert both == CONFIG_CHECKED_TASK_OPTIONS
+    checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
+    unchecked = train.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
+    assert unchecked == set(), f"task options with no range test: {sorted(unchecked)}"
+    for name, cls in T.TASKS.items():
+        params = inspect.signature(cls).parameters
+        for option in set(cls.options()) & train.TASK_FLAGS:
+            if train.DEFAULTS[option] is not None:
+                assert train.DEFAULTS[option] == params[option].default, (name, option)
 
 
 def test_epochs_flag_sets_steps(tmp_path):

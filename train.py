@@ -160,8 +160,8 @@ class Config:
     # prior
     pattern: str | None = setting(None, "interaction pattern variant (task-specific; see README)",
                                         group="prior", arch=True)
-    mask_on: float = setting(5.0, "initial M on allowed pairs", group="prior", type=float, check="non_negative")
-    mask_off: float = setting(5.0, "initial -M elsewhere", group="prior", type=float, check="non_negative")
+    mask_on: float = setting(mp.M_ON, "initial M on allowed pairs", group="prior", type=float, check="non_negative")
+    mask_off: float = setting(mp.M_OFF, "initial -M elsewhere", group="prior", type=float, check="non_negative")
     mask_param: str = setting("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit "
                                       "per head and distance i - j (heads x N), for priors that depend on the "
                                       "distance alone (language models)",
@@ -202,7 +202,7 @@ class Config:
     # boolean
     readout: str | None = setting(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over"
                                         " the bit tokens; the pattern follows the layout",
-                                        group="boolean", choices=tuple(T.READOUTS), arch=True)
+                                        group="boolean", metavar="{" + ",".join(T.READOUTS) + "}", arch=True)
     n_bits: int = setting(15, "kparity, kmajority: input bits (default 15)", group="boolean", type=int, arch=True)
     bits: str = setting("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2; random:K draws K of them "
                                  "by the seed)",
@@ -215,22 +215,22 @@ class Config:
                                            group="boolean", type=int)
     discover_degree: int = setting(3, "Boolean tasks, --pattern discovered: the Walsh sets of the training data of up "
                                       "to this many bits (default 3)",
-                                      group="boolean", type=int, check="positive", arch=True)
+                                      group="boolean", type=int, arch=True)
     discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets "
                                               "(digit "
                                               "pairs) whose Walsh coefficient (mutual information) is at least this "
                                               "fraction of the largest (default 0.25)",
-                                              group="boolean", type=float, check="positive", arch=True)
+                                              group="boolean", type=float, arch=True)
     # arithmetic
     data_frac: float | None = setting(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for addition, "
                                             "0.03 for multiplication)",
                                             group="arithmetic", type=float, arch=True)
     answer_order: str = setting("msb", "answer digits most significant first (the paper's plain format; the default) "
                                        "or reversed",
-                                       group="arithmetic", choices=("msb", "lsb"), arch=True)
+                                       group="arithmetic", metavar="{msb,lsb}", arch=True)
     digits: int = setting(3, "digits per operand: 3 (the default; 10^6 pairs) or 2 (10^4 pairs, Lee et al.'s "
                              "multiplication), 1 or 4",
-                             group="arithmetic", type=int, choices=(1, 2, 3, 4), arch=True)
+                             group="arithmetic", type=int, metavar="{1,2,3,4}", arch=True)
     # vision
     data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
                                          "for language models the corpus folder)",
@@ -246,33 +246,33 @@ class Config:
                                      group="vision", choices=("mean", "cls"), arch=True)
     impulse: str = setting("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
                                     "random (drawn by the seed)",
-                                    group="vision", choices=("fixed", "random"), arch=True)
+                                    group="vision", metavar="{fixed,random}", arch=True)
     soft_alpha: float = setting(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to "
                                      "the head's offset (default 1.0)",
-                                     group="vision", type=float, check="positive", arch=True)
+                                     group="vision", type=float, arch=True)
     window: int = setting(3, "--pattern local: the side of every head's window, in patches (odd; default 3)",
-                               group="vision", type=int, check="positive", arch=True)
+                               group="vision", type=int, arch=True)
     label_smoothing: float | None = setting(None, None, group="vision", type=float, check="fraction")
     mixup: float = setting(0.0, "mixup Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
     cutmix: float = setting(0.0, "cutmix Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
     crop: str = setting("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale"
                                " 0.08-1); a flip either way",
-                               group="vision", choices=("pad", "rrc"))
+                               group="vision", metavar="{pad,rrc}")
     crop_pct: float = setting(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
                                      "(default 0.875)",
-                                     group="vision", type=float, check="positive")
+                                     group="vision", type=float)
     randaug: float = setting(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
-                                  group="vision", type=float, check="non_negative")
+                                  group="vision", type=float)
     randaug_std: float = setting(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)",
                                       group="vision", type=float, check="non_negative")
-    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int, check="positive")
+    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int)
     reprob: float = setting(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
-                                 group="vision", type=float, check="non_negative")
+                                 group="vision", type=float)
     # lm
     context: int | None = setting(None, "context length in tokens (also the model's positions)",
                                         group="lm", type=int, arch=True)
     val_tokens: int | None = setting(None, "evaluate on the first N validation tokens (0 = all)",
-                                           group="lm", type=int, check="non_negative")
+                                           group="lm", type=int)
     # sampling
     sample: str | None = setting(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
                                        "training)",
@@ -1019,64 +1019,14 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
 def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist()) -> Run:
     """Load the data, size the schedule, build the model; then initialise and save a new run
-    (`ckpt` None) or restore the checkpoint's state. Only rank 0 writes."""
+    (`ckpt` None: `new_run`) or restore the checkpoint's state (`restored_run`). Only rank 0 writes."""
     built = build(config, device, explicit, task, init=ckpt is None)
-    config, model, model_cfg = built.config, built.model, built.model_cfg
+    config, model = built.config, built.model
     if ckpt is not None and config.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
                          f"{config.steps}; give --steps {ckpt['step']} or more")
-    prior_source = built.prior.source if ckpt is None else ckpt.get("prior_source") or {"from": "hand"}
-    pattern = (built.prior.pattern if ckpt is None else saved_pattern(config, task, prior_source)).to(device)
-    inputs = task.probe_inputs(config.probe_size)
-    if ckpt is None:
-        init_report = built.init_report
-        check_start(model, task, config, device)
-        probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, device, config)
-        state = Run(config, task, model, model_cfg, built.optimizer, probe, device, init_report, None, folder,
-                    dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior_source)
-        if dist.main:
-            start = probe.measure(model)
-            state.mass_start = start["prior_mass"]
-            write_json(state.path("args.json"), asdict(config))
-            if prior_source["from"] != "hand":          # found, not written by hand: kept beside the run
-                save_prior(state.path("prior.pt"), built.prior)
-            T.atomic_write(state.path("metrics.jsonl"),
-                           json.dumps({"step": 0, "loss": None, "run_id": state.run_id, **start}) + "\n")
-            save_checkpoint(state)              # last: a folder with a checkpoint is a run
-            n_params = sum(p.numel() for p in model.parameters())
-            procs = f" x {dist.world} processes" if dist.world > 1 else ""
-            print(f"{config.task} | init {config.init} {fmt_report(init_report)}| {n_params:,} params | "
-                  f"{device}{procs} | "
-                  f"{config.steps} steps | out {config.out}", flush=True)
-            if config.preset == "paper" and device.type == "cpu":
-                print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
-                      f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
-            print(f"step {0:>6}/{config.steps} | {fmt_metrics(start, task)}", flush=True)
-    else:
-        same = {k: v for k, v in ckpt["model_config"].items() if k != "fused"} == \
-            {k: v for k, v in asdict(model_cfg).items() if k != "fused"}
-        if not same:
-            raise UsageError(f"--resume: the checkpoint in {config.out} holds a different architecture "
-                             f"({ckpt['model_config']} vs {asdict(model_cfg)})")
-        check_same_data(ckpt, task, config)
-        load_weights(model, ckpt["model"], f"--resume: the checkpoint in {config.out}")
-        optimizer = built.optimizer
-        optimizer.load_state_dict(ckpt["optimizer"])
-        probe = Probe(task, pattern, inputs, ckpt["snapshot"], config.eval_points, device, config)
-        state = Run(config, task, model, model_cfg, optimizer, probe, device, ckpt["init_report"], ckpt["prior_mass_start"],
-                    folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
-                    run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
-                    saved_step=ckpt["step"], data=ckpt.get("data"), prior_source=prior_source)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        if dist.main:
-            truncate_log(state.path("metrics.jsonl"), state.step)
-            write_json(state.path("args.json"), asdict(config))
-            state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
-            note = rounding_note(ckpt, device)
-            if note:
-                state.say(note)
+    state = new_run(built, task, device, folder, dist) if ckpt is None else \
+        restored_run(built, task, device, folder, dist, ckpt)
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
         if ckpt is not None:
@@ -1087,6 +1037,68 @@ def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckp
     if dist.world > 1:
         state.trained = torch.nn.parallel.DistributedDataParallel(
             state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
+    return state
+
+
+def new_run(built: Built, task, device, folder: RunFolder | None, dist: Dist) -> Run:
+    """A new run from its build: the start checked and measured; rank 0 writes args.json, a prior not written by
+    hand (prior.pt), the log's first line and the first checkpoint, and says what it runs."""
+    config, model, prior = built.config, built.model, built.prior
+    pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
+    check_start(model, task, config, device)
+    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, device, config)
+    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None,
+                folder, dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior.source)
+    if not dist.main:
+        return state
+    start = probe.measure(model)
+    state.mass_start = start["prior_mass"]
+    write_json(state.path("args.json"), asdict(config))
+    if prior.source["from"] != "hand":          # found, not written by hand: kept beside the run
+        save_prior(state.path("prior.pt"), prior)
+    first = {"step": 0, "loss": None, "run_id": state.run_id, **start}
+    T.atomic_write(state.path("metrics.jsonl"), json.dumps(first) + "\n")
+    save_checkpoint(state)              # last: a folder with a checkpoint is a run
+    n_params = sum(p.numel() for p in model.parameters())
+    procs = f" x {dist.world} processes" if dist.world > 1 else ""
+    print(f"{config.task} | init {config.init} {fmt_report(built.init_report)}| {n_params:,} params | "
+          f"{device}{procs} | {config.steps} steps | out {config.out}", flush=True)
+    if config.preset == "paper" and device.type == "cpu":
+        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
+              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
+    print(f"step {0:>6}/{config.steps} | {fmt_metrics(start, task)}", flush=True)
+    return state
+
+
+def restored_run(built: Built, task, device, folder: RunFolder | None, dist: Dist, ckpt: dict) -> Run:
+    """The run a checkpoint holds, on the build of its own config: the same architecture and data checked, the
+    weights, optimiser, probe snapshot and RNG restored; rank 0 cuts the log back to the checkpoint's step."""
+    config, model, model_cfg = built.config, built.model, built.model_cfg
+    prior_source = ckpt.get("prior_source") or {"from": "hand"}
+    pattern, inputs = saved_pattern(config, task, prior_source).to(device), task.probe_inputs(config.probe_size)
+    same = {k: v for k, v in ckpt["model_config"].items() if k != "fused"} == \
+        {k: v for k, v in asdict(model_cfg).items() if k != "fused"}
+    if not same:
+        raise UsageError(f"--resume: the checkpoint in {config.out} holds a different architecture "
+                         f"({ckpt['model_config']} vs {asdict(model_cfg)})")
+    check_same_data(ckpt, task, config)
+    load_weights(model, ckpt["model"], f"--resume: the checkpoint in {config.out}")
+    built.optimizer.load_state_dict(ckpt["optimizer"])
+    probe = Probe(task, pattern, inputs, ckpt["snapshot"], config.eval_points, device, config)
+    state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
+                ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
+                run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
+                saved_step=ckpt["step"], data=ckpt.get("data"), prior_source=prior_source)
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    if dist.main:
+        truncate_log(state.path("metrics.jsonl"), state.step)
+        write_json(state.path("args.json"), asdict(config))
+        state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
+        note = rounding_note(ckpt, device)
+        if note:
+            state.say(note)
     return state
 
 
