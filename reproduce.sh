@@ -189,7 +189,7 @@ if [ "$ONLY" = data ]; then
     for f in 0.0005 0.001 0.002 0.008; do add data addition "default mask" "--data-frac $f" "frac$f"; done
 fi
 if [ "$QUICK" = 0 ] && want vision; then
-    VI="default mimetic impulse mask"
+    VI="default mimetic impulse mask mask-impulse"     # mask-impulse: the mask with impulse's positions and V (issue 34)
     have "cifar10 ($URL_CIFAR)" cifar-10-batches-py/data_batch_1 cifar-10-batches-bin/data_batch_1.bin \
         && add vision cifar10 "$VI" "--data-dir @DATA"
     have "cifar100 ($URL_CIFAR)" cifar-100-python/train cifar-100-binary/train.bin \

@@ -376,8 +376,12 @@ def test_soft_and_window_priors_on_a_known_grid():
 def test_vision_patterns_and_their_probe_patterns(image_dir):
     task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
     imp, soft = task.pattern("impulse"), task.pattern("soft")
-    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1); no fallback to self where it leaves the grid
-    assert not (soft & ~imp).any() and (soft.sum(-1) <= 1).all() and soft[0].equal(imp[0])
+    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1), and where it leaves the grid the row's
+    # likeliest key, itself: the impulse pattern, so a QK init reads the same prior from either (CLS or not)
+    assert soft.equal(imp) and (soft.sum(-1) == 1).all()
+    cls = T.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
+    assert cls.pattern("soft").equal(cls.pattern("impulse"))
+    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
     assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
     graded = task.mask_logits("graded", 5.0, 10.0)
     assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
@@ -1803,7 +1807,7 @@ def test_vit_shapes_and_few_steps_lower_the_loss():
         assert float(F.cross_entropy(vit(x), y)) < 0.5 * first
 
 
-@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse"])
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
 def test_vision_run_every_init(tmp_path, init):
     x, y = _images(64), np.arange(64) % 10
     T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
@@ -1813,7 +1817,7 @@ def test_vision_run_every_init(tmp_path, init):
     assert rc == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert res["kind"] == "vision" and {"top1", "loss", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
-    if init in ("mask", "impulse", "qk-svd"):
+    if init in ("mask", "impulse", "qk-svd", "mask-impulse"):
         assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
 
 
@@ -2709,6 +2713,47 @@ def test_qk_inits_run(tmp_path, init):
     assert rc == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert len(res["init_report"]["pseudo_mass"]) == 1 and "qk_drift" in res
+
+
+@pytest.mark.parametrize("pattern", ["impulse", "soft"])
+def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_dir, pattern):
+    """--init mask-impulse: impulse's positions x18 and its mimetic V-proj (the calls init_impulse makes), M as
+    --init mask sets it, Wq Wk as drawn (impulse solves them): only where the pattern lives differs."""
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1", "--pattern", pattern]
+    built = {i: train.build(train.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
+             for i in ("default", "mask", "impulse", "mask-impulse")}
+    state = {i: b.model.state_dict() for i, b in built.items()}
+    ours, base = state["mask-impulse"], state["default"]
+    assert torch.equal(ours["pos_emb"], 18 * base["pos_emb"])
+    assert torch.equal(ours["pos_emb"], state["impulse"]["pos_emb"])
+    twin = copy.deepcopy(built["default"].model)                    # the mimetic V-proj, drawn as init_impulse draws it
+    mp.init_mimetic_(twin, qk=None, vo=(0.4, 0.4), generator=torch.Generator().manual_seed(1))
+    for layer in range(2):
+        qkv, proj = f"blocks.{layer}.attn.qkv.weight", f"blocks.{layer}.attn.proj.weight"
+        mimetic = twin.state_dict()
+        assert torch.equal(ours[qkv][48:], mimetic[qkv][48:]) and torch.equal(ours[proj], mimetic[proj])
+        assert torch.equal(ours[qkv][:48], base[qkv][:48])                # Wq, Wk: the model's own init
+        assert not torch.equal(state["impulse"][qkv][:48], base[qkv][:48])  # impulse writes the pattern there
+        m = f"blocks.{layer}.attn.prior.mask_logits"
+        assert torch.equal(ours[m], state["mask"][m]) and m not in state["impulse"]
+    assert built["mask-impulse"].init_report["pos_scale"] == 18.0
+
+
+def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_were(image_dir):
+    """Every vision preset's prior is the soft bump; `impulse` and `qk-svd` under it write the weights they write
+    with the impulse pattern (they read the bump's centre)."""
+    for preset in T.TASKS["cifar10"].presets():
+        assert T.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
+    for init in ("impulse", "qk-svd"):
+        preset, hard = (train.build(train.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
+                        for more in ([], ["--pattern", "impulse"]))
+        assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
+        assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
+    mask = train.build(train.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
+    assert torch.equal(mask.model.blocks[0].attn.mask_logits, mask.task.mask_logits("soft", 5.0, 10.0))
 
 
 def test_mask_beats_default_on_unseen_majority3(tmp_path):
@@ -4161,7 +4206,7 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "args").read_text().splitlines()
     dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
-    assert len(dirs) == 4 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's four inits, the path whole
+    assert len(dirs) == 5 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's five inits, the path whole
     assert (work / "relruns" / "vision").is_dir() and not os.path.exists(os.path.join(HERE, "relruns"))
     assert f"{work}/relruns/vision/cifar10-mask-s0" in args
     assert f"{work}/relres" in args                                   # the report goes there too
