@@ -232,6 +232,11 @@ class Config:
     digits: int = setting(3, "digits per operand: 3 (the default; 10^6 pairs) or 2 (10^4 pairs, Lee et al.'s "
                              "multiplication), 1 or 4",
                              group="arithmetic", type=int, choices=(1, 2, 3, 4), arch=True)
+    lee_samples: int | None = setting(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the 100 "
+                                            "one-digit pairs, then N - 100 drawn with replacement; theirs: 3000), "
+                                            "unpadded a*b=c (--answer-order lsb: $a*b=rev(c)$), tested on every pair "
+                                            "not trained on; inits default and mask",
+                                            group="arithmetic", type=int, check="positive", arch=True, metavar="N")
     # vision
     data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
                                          "for language models the corpus folder)",
@@ -445,7 +450,7 @@ def validate(config, task, explicit: set):
                          f"on/off levels")
     if config.init not in task.INITS:
         raise UsageError(f"init {config.init!r} does not apply to task {config.task} ({task.KIND}); "
-                         f"choose from {', '.join(task.INITS)}")
+                         f"choose from {', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
     if config.head_dim is None and config.dim % config.heads:
         raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set --head-dim")
     if config.pattern == "":
