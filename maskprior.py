@@ -28,6 +28,7 @@ the retrofit into other libraries' models (`add_mask_prior` and what it needs).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -263,6 +264,7 @@ class MaskPrior(nn.Module):
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
         self.where = "MaskPrior"              # the layer it serves, for error messages (set by add_mask_prior)
         self.record = None                    # a list while `attention_maps` records probabilities
+        self.roles = None                     # (rows, cols) (B, L) long while `prior_roles` is in effect
         size = (heads, n, self.n_keys) if param == "full" else (heads, n if causal else 2 * n - 1)
         self.mask_logits = nn.Parameter(torch.zeros(size, dtype=torch.float32))   # whatever the default dtype
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
@@ -360,7 +362,13 @@ class MaskPrior(nn.Module):
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
         r = self._rows(t, s, start)
         c = min(s, self.n_keys)                     # keys past M (empty slots of a static cache) are future keys
-        if self.param == "full":
+        if self.roles is not None:                  # per example: M's row of each query's role, column of each key's
+            rows, cols = self.roles
+            if rows.shape[1] < r + t or cols.shape[1] < c:
+                raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} queries and {c} keys")
+            rq, kc = rows[:, r:r + t].to(self.mask_logits.device), cols[:, :c].to(self.mask_logits.device)
+            bias = mask_bias(self._logits(self.full_logits()))[:, rq[:, :, None], kc[:, None, :]].transpose(0, 1)
+        elif self.param == "full":
             bias = mask_bias(self._logits(self.mask_logits[:, r:r + t, :c]))
         else:                                       # log sigmoid on the small table, then a gather
             dev = self.mask_logits.device
@@ -385,6 +393,30 @@ class MaskPrior(nn.Module):
 
 def mask_priors(model: nn.Module) -> list[MaskPrior]:
     return [m for m in model.modules() if isinstance(m, MaskPrior)]
+
+
+@contextlib.contextmanager
+def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
+    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to
+    example (operands of varying length, say): M is indexed by role, not by position. rows, cols: (B, L)
+    long, the role (a row, a column of M, in 0..n-1) of each example's positions as a query and as a
+    key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i], cols[b, j]]), a
+    (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise with the position
+    keep a causal prior causal. Outside the block (the probes, a layout with rows = cols = 0..n-1)
+    M is read by position as usual. A model without a prior is left alone."""
+    priors = mask_priors(model)
+    for p in priors:
+        if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
+                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n) for x in (rows, cols)):
+            raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, long, in 0..{p.n - 1} "
+                             f"(self-attention); got {tuple(rows.shape)} and {tuple(cols.shape)}")
+    for p in priors:
+        p.roles = (rows, cols)
+    try:
+        yield
+    finally:
+        for p in priors:
+            p.roles = None
 
 
 def prior_parameter_names(model: nn.Module) -> list[str]:

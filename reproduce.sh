@@ -36,12 +36,20 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  default or --quick run: --digits 2 at 3% and 30% of the pairs, answers
                  reversed (Lee et al.'s format), every init, 1,000 steps, and the mask
                  with --pattern partial (a partial product per head); RUNS/mult2/
+  --only lee      Lee et al.'s multiplication data (--digits 2 --lee-samples 3000: their
+                 3,000 samples, unpadded), default and mask, never part of the default or
+                 --quick run. On a GPU (the paper preset): their setting, NanoGPT 6 x 6 x
+                 384, 5,000 iterations of 6,400 examples (their 256 windows of 256
+                 characters), answers plain. With --quick: the CPU budget ladder, the small
+                 preset at 40, 150 and 500 epochs, plain and reversed answers; RUNS/lee/
   --only visionprior  the vision prior study on --data (a CIFAR-10 layout, e.g. the
                  make-digits set), never part of the default or --quick run: --init mask
                  with --pattern impulse, soft, local and graded, --init impulse and
                  default, and the strength: impulse at --mask-off 2 and 5, soft at
                  --soft-alpha 0.3 and 3, and impulse's parts (qk-svd, without and
-                 with --qk-svd-pos-scale 18); RUNS/visionprior/
+                 with --qk-svd-pos-scale 18), and --init mask-impulse (the mask with
+                 impulse's positions x18 and mimetic V) with --pattern impulse and soft;
+                 RUNS/visionprior/
   --only oraclefree  priors without an oracle (no hand pattern on their path), never part of
                  the default or --quick run, at the small presets: per task a default run
                  (the teacher), then the hand pattern's mask, --pattern discovered (from
@@ -103,9 +111,9 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$ONLY" in
-    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior|oraclefree) ;;
+    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior|oraclefree|lee) ;;
     *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation, data, mult2," \
-            "visionprior or oraclefree, not '$ONLY'" >&2
+            "visionprior, oraclefree or lee, not '$ONLY'" >&2
        exit 2 ;;
 esac
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
@@ -189,7 +197,7 @@ if [ "$ONLY" = data ]; then
     for f in 0.0005 0.001 0.002 0.008; do add data addition "default mask" "--data-frac $f" "frac$f"; done
 fi
 if [ "$QUICK" = 0 ] && want vision; then
-    VI="default mimetic impulse mask"
+    VI="default mimetic impulse mask mask-impulse"     # mask-impulse: the mask with impulse's positions and V (issue 34)
     have "cifar10 ($URL_CIFAR)" cifar-10-batches-py/data_batch_1 cifar-10-batches-bin/data_batch_1.bin \
         && add vision cifar10 "$VI" "--data-dir @DATA"
     have "cifar100 ($URL_CIFAR)" cifar-100-python/train cifar-100-binary/train.bin \
@@ -211,6 +219,18 @@ if [ "$ONLY" = mult2 ]; then
             "d2-frac$f-partial"
     done
 fi
+if [ "$ONLY" = lee ]; then
+    LEE="--digits 2 --lee-samples 3000"
+    if [ "$QUICK" = 0 ]; then       # their batch: 256 windows x 256 characters / 10.25 characters an example
+        add lee multiplication "default mask" "$LEE --answer-order msb --batch-size 6400 --log-every 250" msb-nanogpt
+    else                            # a log step every 1/20 of a run (24 steps an epoch at batch 128)
+        for o in msb lsb; do
+            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 40 --log-every 48" "$o-ep40"
+            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 150 --log-every 180" "$o-ep150"
+            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 500 --log-every 600" "$o-ep500"
+        done
+    fi
+fi
 if [ "$ONLY" = visionprior ]; then
     have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
         cifar-10-batches-bin/data_batch_1.bin && {
@@ -222,6 +242,8 @@ if [ "$ONLY" = visionprior ]; then
         # impulse taken apart: its QK part alone, then with the positions x18 (impulse adds the mimetic V)
         add visionprior cifar10 qk-svd "--data-dir @DATA"
         add visionprior cifar10 qk-svd "--data-dir @DATA --qk-svd-pos-scale 18" pos18
+        # the mask with impulse's positions x18 and mimetic V-proj: only where the pattern lives differs
+        for p in impulse soft; do add visionprior cifar10 mask-impulse "--data-dir @DATA --pattern $p" "$p"; done
     }
 fi
 if [ "$ONLY" = ablation ]; then

@@ -979,20 +979,72 @@ class Addition(ArithmeticTask):
                          discover_threshold=discover_threshold, seed=seed)
 
 
+# Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
+# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only; the 100 pairs of
+# 0..9 x 0..9 plus N - 100 pairs drawn with replacement from 0..99 x 0..99; unpadded, one character a
+# token: `a*b=c\n` (plain: the answer most significant digit first) or `$a*b=rev(c)$` (reversed); the test
+# set is every pair not trained on. A row holds one example, padded after its end with '_' (never a
+# target, and causal attention keeps every real row from seeing it).
+
+LEE_VOCAB = "0123456789*=$\n_"
+LEE_TOKENS = {ch: i for i, ch in enumerate(LEE_VOCAB)}
+LEE_ROW = {"msb": 11, "lsb": 12}     # tokens in the longest row: 12*34=1234\n, $12*34=4321$
+LEE_NEW = 5                          # characters generated for an answer: up to 4 digits and the end
+
+
+def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
+    """(n_samples, 2) training pairs as Lee et al. build them: the 100 pairs of 0..9 x 0..9, then
+    n_samples - 100 drawn with replacement from 0..99 x 0..99 (by seed)."""
+    single = np.stack(np.meshgrid(np.arange(10), np.arange(10), indexing="ij"), -1).reshape(-1, 2)
+    return np.concatenate([single, np.random.default_rng(seed).integers(0, 100, size=(n_samples - 100, 2))])
+
+
+def lee_text(a: int, b: int, answer_order: str) -> str:
+    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$` (lsb)."""
+    c = str(a * b)
+    return f"{a}*{b}={c}\n" if answer_order == "msb" else f"${a}*{b}={c[::-1]}$"
+
+
 @register("multiplication")
 class Multiplication(ArithmeticTask):
-    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default."""
+    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default.
+    With `lee_samples` N (and --digits 2): Lee et al.'s unpadded data, N samples (see `lee_pairs`)."""
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
-    def __init__(self, data_frac: float = 0.03, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_threshold: float = 0.25, seed: int = 0):
-        super().__init__(op="*", data_frac=data_frac, answer_order=answer_order, n_digits=digits,
-                         discover_threshold=discover_threshold, seed=seed)
+    def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
+                 discover_threshold: float = 0.25, lee_samples: int | None = None, seed: int = 0):
+        if lee_samples is not None:
+            if digits != 2:
+                raise TaskError(f"--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give --digits 2 "
+                                f"(got --digits {digits})")
+            if data_frac is not None:
+                raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair "
+                                "not trained on as the test set); leave --data-frac out")
+            if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
+                raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
+                                f"draws from the 10^4 pairs), got {lee_samples!r}")
+        super().__init__(op="*", data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
+                         n_digits=digits, discover_threshold=discover_threshold, seed=seed)
         self.heads = heads
+        self.lee_samples = lee_samples
+        if lee_samples is not None:
+            self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
+            self.HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
+            self.INITS = ("default", "mask")
+            self.inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior fitted "
+                              "on fixed positions cannot follow)")
+
+    def check_pattern(self, variant: str | None) -> str:
+        if self.lee_samples is not None and variant not in (None, "carry"):
+            raise TaskError(f"task multiplication with --lee-samples has no pattern {variant!r}; choose from "
+                            f"['carry']")
+        return super().check_pattern(variant)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
+        if self.lee_samples is not None:
+            return self._lee_pattern()
         if variant != "partial":
             return super().build_pattern(variant)
         return self._partial_products()
@@ -1018,6 +1070,172 @@ class Multiplication(ArithmeticTask):
                     pat[i, q, pos_a[i]] = pat[i, q, pos_b[k - i]] = True
             pat[d, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
         return pat
+
+    # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest ("frame"):
+    # [$] a1 a0 * b1 b0 = and four answer digits, which is also where a 2 x 2-digit example puts them. An
+    # example with a one-digit operand has its characters moved to the roles of the same significance,
+    # digits aligned from the right; a query row's role is the role of the character it predicts, less
+    # one. Reversed answers are aligned by significance exactly; a plain (msb) answer's length is not
+    # known while it is written, so its digits take the significance of the longest answer the operands
+    # allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there).
+
+    def _lee_pattern(self) -> torch.Tensor:
+        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the
+        plain causal pattern. The row that predicts the answer digit of significance k sees the operand
+        digits a_i, b_j that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the
+        answer written so far (itself included); the row that predicts the end of a full answer sees every
+        digit."""
+        pre = 1 if self.answer_order == "lsb" else 0
+        r_len, eq = self.length - 1, pre + 5
+        sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}          # a1 a0 * b1 b0: role -> significance
+        pat = mp.causal_pattern(r_len).clone()
+        for r in range(eq, r_len):
+            t = r - eq                                               # the answer character this row predicts
+            k = 4 if t == LEE_NEW - 1 else (t if self.answer_order == "lsb" else 3 - t)
+            pat[r] = False
+            pat[r, eq:r + 1] = True
+            for pos, s in sig.items():
+                pat[r, pos] = s <= k
+        return pat
+
+    def lee_roles(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols): (B, R) long, the frame roles of each position of x (B, T >= its '=') as a query
+        and as a key (`mp.prior_roles`). Positions past an example's end take the last role (only
+        padding rows see them)."""
+        pre = 1 if self.answer_order == "lsb" else 0
+        r_len = self.length - 1
+        star = (x == LEE_TOKENS["*"]).long().argmax(1, keepdim=True)
+        eq = (x == LEE_TOKENS["="]).long().argmax(1, keepdim=True)
+        la, lb = star - pre, eq - star - 1
+        gap = 4 - la - lb                                           # digits missing from the prompt
+        p = torch.arange(r_len + 1, device=x.device)[None]
+        after = gap if self.answer_order == "lsb" else 2 * gap      # msb: the answer also shifts to the longest
+        shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la, torch.where(p <= eq, gap, after)))
+        cols = (p + shift).clamp(0, r_len - 1)[:, :r_len]
+        rows = (p[:, :r_len] + shift[:, 1:]).clamp(0, r_len - 1)
+        return rows, cols
+
+    def lee_encode(self, pairs: np.ndarray) -> torch.Tensor:
+        """(n, 2) pairs -> (n, row length) token ids, '_' after each example's end."""
+        rows = [lee_text(int(a), int(b), self.answer_order).ljust(self.length, "_") for a, b in pairs]
+        return torch.tensor([[LEE_TOKENS[ch] for ch in row] for row in rows], dtype=torch.long)
+
+    def lee_decode(self, row) -> str:
+        return "".join(LEE_VOCAB[int(t)] for t in row).rstrip("_")
+
+    def _lee_setup(self, device):
+        rng = np.random.default_rng([self.seed, 34])
+        pairs = lee_pairs(self.lee_samples, self.seed)
+        self.train_pairs = pairs[rng.permutation(len(pairs))]      # shuffled: a prefix is a random sample
+        seen = set(map(tuple, pairs.tolist()))
+        test = np.array([(a, b) for a in range(100) for b in range(100) if (a, b) not in seen])
+        self.test_pairs = test[rng.permutation(len(test))]
+        self.n_pairs_trained, self.test_size = len(seen), len(test)
+        self.device = torch.device(device)
+        self.train_seq = self.lee_encode(self.train_pairs).to(device)
+        self.test_seq = self.lee_encode(self.test_pairs).to(device)
+        return self
+
+    def _lee_loss(self, model, batch) -> torch.Tensor:
+        """Cross-entropy on the answer characters and the end (every character after '=' but the padding)."""
+        x, y = batch[:, :-1], batch[:, 1:]
+        with mp.prior_roles(model, *self.lee_roles(x)):
+            logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(), ignore_index=-100)
+
+    def lee_targets(self, batch: torch.Tensor) -> torch.Tensor:
+        """(B, L - 1): the next character where a row predicts an answer character or the end, else -100."""
+        y = batch[:, 1:]
+        answer = ((batch == LEE_TOKENS["="]).long().cumsum(1)[:, :-1] > 0) & (y != LEE_TOKENS["_"])
+        return torch.where(answer, y, -100)
+
+    @torch.no_grad()
+    def lee_generate(self, model, prompts: torch.Tensor, temperature: float = 0.0,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+        """Decoding among the digits and the end character, greedy or (`temperature` > 0) sampled from
+        softmax(logits / temperature). prompts: (B, P) ending in '=' (one length) -> (B, LEE_NEW)."""
+        end = LEE_TOKENS["\n" if self.answer_order == "msb" else "$"]
+        banned = torch.ones(len(LEE_VOCAB), dtype=torch.bool, device=prompts.device)
+        banned[:10] = banned[end] = False
+        seq = prompts
+        with mp.prior_roles(model, *self.lee_roles(prompts)):
+            for _ in range(LEE_NEW):
+                logits = model(seq)[:, -1].float().masked_fill(banned, float("-inf"))
+                if temperature > 0:
+                    probs = (logits / temperature).softmax(-1)
+                    nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(seq.device)
+                else:
+                    nxt = logits.argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], dim=1)
+        return seq[:, prompts.shape[1]:]
+
+    def _lee_score(self, model, seq: torch.Tensor, batch_size: int = 2500, temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> tuple[float, float]:
+        """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`: right iff every
+        answer digit and the end are; characters after the end are not read (Lee et al. cut the answer there)."""
+        eq = (seq == LEE_TOKENS["="]).long().argmax(1)
+        right, chars, chars_right = 0, 0, 0
+        for e in eq.unique().tolist():
+            rows = seq[eq == e]
+            for i in range(0, len(rows), batch_size):
+                part = rows[i:i + batch_size]
+                target = part[:, e + 1:e + 1 + LEE_NEW]
+                read = ((target == LEE_TOKENS["_"]).long().cumsum(1) == 0)        # up to and with the end
+                ok = self.lee_generate(model, part[:, :e + 1], temperature, generator) == target
+                right += int((ok | ~read).all(1).sum())
+                chars, chars_right = chars + int(read.sum()), chars_right + int((ok & read).sum())
+        return right / len(seq), chars_right / chars
+
+    def _lee_evaluate(self, model, points: int | None, temperature: float = 0.0) -> dict:
+        n = points if points else None
+        test, train = self.test_seq[:n], self.train_seq[:n]
+        g = torch.Generator().manual_seed(self.seed) if temperature > 0 else None
+        seq_acc, digit_acc = self._lee_score(model, test, temperature=temperature, generator=g)
+        train_seq, train_digit = self._lee_score(model, train, temperature=temperature, generator=g)
+        return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq, "train_digit_acc": train_digit,
+                "n_train": self.n_train, "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size,
+                "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
+
+    # ---- the arithmetic methods, Lee et al.'s where --lee-samples is given
+    def arch(self) -> dict:
+        if self.lee_samples is None:
+            return super().arch()
+        return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1, "n_outputs": len(LEE_VOCAB),
+                "readout": "tokens", "causal": True}
+
+    def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
+        if self.lee_samples is not None:                             # two levels on the frame's roles
+            return Task.mask_logits(self, variant, m_on, m_off)
+        return super().mask_logits(variant, m_on, m_off)
+
+    def setup(self, device="cpu"):
+        return super().setup(device) if self.lee_samples is None else self._lee_setup(device)
+
+    def loss(self, model, batch) -> torch.Tensor:
+        return super().loss(model, batch) if self.lee_samples is None else self._lee_loss(model, batch)
+
+    def probe_inputs(self, n: int = 512) -> torch.Tensor:
+        """Lee et al.'s data: test prompts of two 2-digit operands only, the layout whose roles are
+        their positions (the probes read M by position)."""
+        if self.lee_samples is None:
+            return super().probe_inputs(n)
+        two = self.test_pairs.min(1) >= 10
+        return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
+
+    def teacher_inputs(self, n: int = 512) -> torch.Tensor:
+        if self.lee_samples is not None:
+            raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout "
+                            "moves with the operands' lengths, so a teacher's map has no one place to live")
+        return super().teacher_inputs(n)
+
+    def evaluate(self, model, points: int | None = None, batch_size: int = 2500, temperature: float = 0.0) -> dict:
+        """Lee et al.'s data: sequence and character accuracy on the test pairs and, as `train_*`, on the N
+        training samples (Lee et al.'s train accuracy); `points` n > 0: the first n of each (random draws).
+        Training runs decode greedily; `temperature` 0.8 samples as Lee et al.'s evaluation does (their
+        top-k 200 keeps every character), by the task's seed."""
+        if self.lee_samples is None:
+            return super().evaluate(model, points, batch_size)
+        return self._lee_evaluate(model, points, temperature)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1762,12 +1980,15 @@ class ImageTask(Task):
     KIND = "vision"
     PATTERNS = ("impulse", "soft", "local", "graded")
     DEFAULT_PATTERN = "impulse"
-    INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse")
+    INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")
+    # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and mimetic V-proj
+    # (`--init mask-impulse`) it beats `impulse` on every seed of the digits stand-in (results/README.md); the
+    # QK inits read it as its centre, the impulse pattern (`build_pattern`), so they are as before.
     HEADLINE = ("top1", "loss")
     MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
         "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
-                                pos_init_std=0.02),
+                                pos_init_std=0.02, pattern="soft"),
                   "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
                                  schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1, qk_opt_steps=2000,
                                  log_every=100)},
@@ -1777,14 +1998,14 @@ class ImageTask(Task):
         # 0.05, 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0
         # (switch 0.5), random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
         "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
-                                qkv_bias=True, pos_init_std=0.02),
+                                qkv_bias=True, pos_init_std=0.02, pattern="soft"),
                   "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
                                  batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300, label_smoothing=0.1,
                                  mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0, randaug_std=0.5,
                                  randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000)},
         # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
         "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean",
-                                  qkv_bias=True, pos_init_std=0.02),
+                                  qkv_bias=True, pos_init_std=0.02, pattern="soft"),
                     "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
                                    schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
                                    log_every=1000)},
@@ -1849,12 +2070,18 @@ class ImageTask(Task):
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the keys
-        whose initial log sigmoid(M) is above -1; `graded`: the 3 x 3 neighbourhood it allows)."""
+        whose initial log sigmoid(M) is above -1, and in a row with none (its offset leaves the grid) the
+        row's likeliest key, itself: at alpha 1 the impulse pattern, so a QK init reads the same prior
+        with either; `graded`: the 3 x 3 neighbourhood it allows)."""
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "local" or variant == "graded":
             return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
         if variant == "soft":
-            return torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0)) > -1
+            bias = torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0))
+            above, patches = bias > -1, bias[..., prefix:]           # a CLS key is +m_on for every row
+            likeliest = torch.zeros_like(above)
+            likeliest[..., prefix:] = patches == patches.amax(-1, keepdim=True)
+            return above | (~above[..., prefix:].any(-1, keepdim=True) & likeliest)
         return mp.impulse_pattern(g, g, self.offsets(), prefix)
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:

@@ -3,12 +3,15 @@
 Grouped by subject: shared constants, model, tasks, config, runs and resume, reporting, reproduce.sh,
 library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
 """
+import collections
 import contextlib
 import copy
+import dataclasses
 import errno
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -116,6 +119,18 @@ BAD_INPUT = [
     (["--steps", "ten"], "invalid int value"),
     (["--steps", "5", "--epochs", "1"], "either --steps or --epochs"),
     (["--init", "mimetic"], "does not apply"),
+    (["--init", "mask-impulse"], "init 'mask-impulse' does not apply to task parity2 (boolean)"),
+    (["--task", "multiplication", "--lee-samples", "3000"], "give --digits 2 (got --digits 3)"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--data-frac", "0.3"],
+     "leave --data-frac out"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "99"],
+     "--lee-samples must be an integer in 100 .."),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "0"], "--lee-samples must be an integer in 100 .. 10,000"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--init", "qk-svd"],
+     "which a QK prior fitted on fixed positions cannot follow"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
+     "with --lee-samples has no pattern 'partial'"),
+    (["--task", "addition", "--lee-samples", "3000"], "--lee-samples does not apply to task addition"),
     (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
     (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
     (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
@@ -377,8 +392,12 @@ def test_soft_and_window_priors_on_a_known_grid():
 def test_vision_patterns_and_their_probe_patterns(image_dir):
     task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
     imp, soft = task.pattern("impulse"), task.pattern("soft")
-    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1); no fallback to self where it leaves the grid
-    assert not (soft & ~imp).any() and (soft.sum(-1) <= 1).all() and soft[0].equal(imp[0])
+    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1), and where it leaves the grid the row's
+    # likeliest key, itself: the impulse pattern, so a QK init reads the same prior from either (CLS or not)
+    assert soft.equal(imp) and (soft.sum(-1) == 1).all()
+    cls = T.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
+    assert cls.pattern("soft").equal(cls.pattern("impulse"))
+    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
     assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
     graded = task.mask_logits("graded", 5.0, 10.0)
     assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
@@ -1367,6 +1386,178 @@ def test_arithmetic_bad_data_frac(tmp_path, capsys, frac, needle):
     assert not os.path.exists(out)
 
 
+def _lee_pair(text: str) -> tuple:
+    a, b = re.match(r"\$?(\d+)\*(\d+)=", text).groups()
+    return int(a), int(b)
+
+
+def test_lee_samples_are_lee_et_al_s_construction():
+    """--lee-samples N (--digits 2): the 100 one-digit pairs, then N - 100 drawn with replacement from
+    0..99 x 0..99 by the seed; unpadded a*b=c (lsb: $a*b=rev(c)$); tested on every pair not trained on."""
+    every = set(itertools.product(range(100), repeat=2))
+    made = {}
+    for order in ("msb", "lsb"):
+        task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, seed=5).setup()
+        train_text = [task.lee_decode(r) for r in task.train_seq]
+        test_text = [task.lee_decode(r) for r in task.test_seq]
+        tr, te = [_lee_pair(x) for x in train_text], [_lee_pair(x) for x in test_text]
+        assert len(tr) == task.n_train == 3000 and set(itertools.product(range(10), repeat=2)) <= set(tr)
+        assert collections.Counter(tr) == collections.Counter(map(tuple, T.lee_pairs(3000, 5).tolist()))
+        assert T.lee_pairs(3000, 5)[:100].tolist() == [[a, b] for a in range(10) for b in range(10)]
+        assert len(set(tr)) == task.n_pairs_trained < 3000 and len(te) == len(set(te)) == task.test_size
+        assert not set(tr) & set(te) and set(tr) | set(te) == every              # every pair not trained on
+        assert all(x == T.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
+        assert task.train_seq.shape == (3000, T.LEE_ROW[order]) and task.arch()["seq_len"] == T.LEE_ROW[order] - 1
+        made[order] = tr
+    assert made["msb"] == made["lsb"]                                      # one draw for both formats
+    assert T.lee_text(7, 12, "msb") == "7*12=84\n" and T.lee_text(7, 12, "lsb") == "$7*12=48$"
+    assert T.lee_text(0, 0, "msb") == "0*0=0\n" and T.lee_text(99, 99, "lsb") == "$99*99=1089$"
+    again, other, twin = (T.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
+    assert torch.equal(again.train_seq, twin.train_seq) and not torch.equal(again.train_seq, other.train_seq)
+    small = T.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
+    assert small.n_pairs_trained == 100 and small.test_size == 9_900
+    row = again.lee_encode(np.array([[7, 3]]))[0]
+    assert again.lee_decode(row) == "7*3=21\n" and "".join(T.LEE_VOCAB[i] for i in row) == "7*3=21\n____"
+
+
+def _lee_expected(text: str, order: str) -> torch.Tensor:
+    """The pattern of one example, written from its text: prompt rows see every earlier character; the row
+    that predicts answer character t sees '=', the answer so far and the operand digits of significance <=
+    k (lsb: k = t; msb: k = len(a) + len(b) - 1 - t); past the last digit of the longest answer, every digit."""
+    a, b = text.lstrip("$").split("=")[0].split("*")
+    pre, n = int(text[0] == "$"), len(text) - 1
+    eq = text.index("=")
+    sig = {pre + i: len(a) - 1 - i for i in range(len(a))}
+    sig.update({pre + len(a) + 1 + j: len(b) - 1 - j for j in range(len(b))})
+    full = 4 if order == "lsb" else len(a) + len(b)
+    pat = mp.causal_pattern(n).clone()
+    for r in range(eq, n):
+        t = r - eq
+        k = 9 if t >= full else (t if order == "lsb" else len(a) + len(b) - 1 - t)
+        pat[r] = False
+        pat[r, eq:r + 1] = True
+        for pos, s in sig.items():
+            pat[r, pos] = s <= k
+    return pat
+
+
+@pytest.mark.parametrize("order", ["msb", "lsb"])
+def test_lee_pattern_aligns_digits_by_significance_for_every_operand_length(order):
+    """One M on the roles of the longest layout; each example's positions map to the roles of the same
+    significance (1x1, 1x2, 2x1, 2x2 operands, full and short answers), the model's bias follows."""
+    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, heads=2)
+    pairs = [(7, 3), (3, 3), (7, 15), (15, 7), (12, 34), (99, 99)]        # 1x1 (and short), 1x2, 2x1, 2x2
+    rows = task.lee_encode(np.array(pairs))
+    x = rows[:, :-1]
+    r_role, c_role = task.lee_roles(x)
+    seen = task.pattern()[r_role[:, :, None], c_role[:, None, :]] & mp.causal_pattern(x.shape[1])
+    for i, (a, b) in enumerate(pairs):
+        text = T.lee_text(a, b, order)
+        n = len(text) - 1                                                 # the rows that predict a character
+        assert torch.equal(seen[i, :n, :n], _lee_expected(text, order)), text
+    eq = 4 if order == "msb" else 5                                       # 7*15=105: '=' at position 4 (msb)
+    keys = lambda i, q: torch.nonzero(seen[i, q, :q + 1]).flatten().tolist()        # noqa: E731
+    if order == "msb":
+        assert keys(2, eq) == [0, 2, 3, 4]            # '=' predicts 1 (c2): a0=7, b1=1, b0=5 and '='
+        assert keys(2, eq + 2) == [0, 3, 4, 5, 6]     # '0' predicts 5 (c0): a0, b0, '=', the answer so far
+        assert keys(3, eq + 2) == [1, 3, 4, 5, 6]     # 15*7=105: a0=5 (position 1), b0=7 (3)
+        assert torch.equal(r_role[4], torch.arange(10)) and torch.equal(c_role[4], torch.arange(10))  # 2x2: positions
+    else:
+        assert keys(2, eq) == [1, 4, 5]               # '=' predicts c0 = 5: a0=7 (1), b0=5 (4), '='
+        assert keys(0, 4) == [1, 3, 4]                # 7*3: '=' at 4 predicts c0: a0 (1), b0 (3)
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=task.mask_logits(None, 5.0, 5.0))
+    with mp.prior_roles(model, r_role, c_role):
+        bias = model.blocks[0].attn.attn_bias(x.shape[1], torch.float32)
+    assert bias.shape == (6, 2) + seen.shape[1:] and torch.equal(bias[:, 0] > -1, seen)
+    assert model.blocks[0].attn.prior.roles is None                       # the block's end clears the roles
+    assert torch.equal(bias[4], model.blocks[0].attn.attn_bias(x.shape[1], torch.float32))
+
+
+def test_prior_roles_gathers_m_per_example_on_both_attention_paths():
+    """mp.prior_roles: query i, key j of example b read M[rows[b, i], cols[b, j]]; fused = explicit; bad roles
+    are refused naming the shapes."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=6, readout="tokens", causal=True, n_layers=2, n_heads=2, dim=16,
+                               mlp_dim=16, learnable_mask=True, fused=True)
+    fused = mp.Transformer(cfg)
+    mp.init_mask_(fused, logits=torch.randn(2, 6, 6) * 4)
+    explicit = mp.Transformer(dataclasses.replace(cfg, fused=False))
+    explicit.load_state_dict(fused.state_dict())
+    rows = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 4, 5, 5, 5]])
+    cols = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5, 5]])
+    x = torch.randint(0, 5, (2, 6))
+    with mp.prior_roles(fused, rows, cols), mp.prior_roles(explicit, rows, cols):
+        bias = fused.blocks[1].attn.attn_bias(5, torch.float32)
+        assert torch.allclose(fused(x), explicit(x), atol=1e-5)
+    m = F.logsigmoid(fused.blocks[1].attn.mask_logits)
+    assert bias[1, 1, 3, 2] == m[1, 5, 3] and bias[1, 0, 2, 1] == m[0, 4, 2] and bias[1, 0, 1, 2] == float("-inf")
+    assert torch.equal(bias[0], fused.blocks[1].attn.attn_bias(5, torch.float32))    # identity roles
+    with pytest.raises(ValueError, match=r"prior_roles needs rows and cols of one \(B, L\) shape, long, in 0..5"):
+        with mp.prior_roles(fused, rows, cols + 1):
+            pass
+    with mp.prior_roles(nn.Linear(2, 2), rows, cols):                     # a model without a prior: left alone
+        pass
+
+
+class _LeeOracle(nn.Module):
+    """Writes the right next character of every row (or, `early`, the end one character early)."""
+
+    def __init__(self, task, early=False):
+        super().__init__()
+        self.task, self.early = task, early
+
+    def forward(self, x, return_attn=False):
+        out = torch.zeros(*x.shape, len(T.LEE_VOCAB))
+        for i, row in enumerate(x.tolist()):
+            text = "".join(T.LEE_VOCAB[c] for c in row)
+            answer = T.lee_text(*_lee_pair(text), self.task.answer_order)
+            answer = answer[answer.index("=") + 1:]
+            if self.early:
+                answer = answer[:-2] + answer[-1]
+            for t in range(text.index("="), len(row)):
+                written = t - text.index("=")
+                out[i, t, T.LEE_TOKENS[answer[written] if written < len(answer) else "_"]] = 1
+        return out
+
+
+@pytest.mark.parametrize("order", ["msb", "lsb"])
+def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(order):
+    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order).setup()
+    right = task.evaluate(_LeeOracle(task), points=150)
+    assert right["seq_acc"] == right["train_seq_acc"] == right["digit_acc"] == right["train_digit_acc"] == 1.0
+    assert right["eval_points"] == 150 and right["n_train"] == 3000 and right["n_test"] == task.test_size
+    early = task.evaluate(_LeeOracle(task, early=True), points=150)
+    assert early["seq_acc"] == early["train_seq_acc"] == 0.0 and 0.4 < early["digit_acc"] < 1.0
+    class Unsure(_LeeOracle):                        # the right character, by a margin sampling at 0.8 misses
+        def forward(self, x, return_attn=False):
+            return 2 * super().forward(x)
+    sure, sampled = task.evaluate(Unsure(task), points=150), task.evaluate(Unsure(task), points=150, temperature=0.8)
+    assert sure["seq_acc"] == 1.0 and 0 < sampled["seq_acc"] < 0.9 and sampled["train_seq_acc"] < 0.9
+    assert sampled == task.evaluate(Unsure(task), points=150, temperature=0.8)         # seeded
+    rows = task.lee_encode(np.array([[7, 15], [3, 3]]))
+    targets = task.lee_targets(rows)
+    want = ["105\n", "9\n"] if order == "msb" else ["501$", "9$"]
+    assert ["".join(T.LEE_VOCAB[t] for t in r if t >= 0) for r in targets.tolist()] == want
+    assert float(task.loss(_LeeOracle(task), rows)) < float(task.loss(_LeeOracle(task, early=True), rows))
+
+
+def test_lee_run_logs_train_and_test_accuracy(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "multiplication", "--digits", "2", "--lee-samples", "200", "--init", "mask",
+                        "--answer-order", "lsb", "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
+                        "--heads", "2", "--mlp-dim", "16", "--batch-size", "8", "--probe-size", "8",
+                        "--eval-points", "20")
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert all({"seq_acc", "train_seq_acc"} <= set(r["metrics"]) for r in lines)
+    assert lines[1]["metrics"]["eval_points"] == 20
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["n_pairs_trained"] < 200 + 1
+    assert res["metrics"]["prior_mass_start"] > 0.9
+
+
 def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
     root = tmp_path / "cifar-10-batches-py"
     root.mkdir()
@@ -1804,7 +1995,7 @@ def test_vit_shapes_and_few_steps_lower_the_loss():
         assert float(F.cross_entropy(vit(x), y)) < 0.5 * first
 
 
-@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse"])
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
 def test_vision_run_every_init(tmp_path, init):
     x, y = _images(64), np.arange(64) % 10
     T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
@@ -1814,7 +2005,7 @@ def test_vision_run_every_init(tmp_path, init):
     assert rc == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert res["kind"] == "vision" and {"top1", "loss", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
-    if init in ("mask", "impulse", "qk-svd"):
+    if init in ("mask", "impulse", "qk-svd", "mask-impulse"):
         assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
 
 
@@ -2561,6 +2752,7 @@ TASK_CHECKED = [("kparity", "--discover-degree", ("0", "5")), ("kparity", "--dis
                 ("kparity", "--n-bits", ("1", "21")), ("kparity", "--train-size", ("0",)), ("parity2", "--readout", ("tokens",)),
                 ("addition", "--digits", ("0", "5")), ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
                 ("addition", "--answer-order", ("mid",)), ("addition", "--discover-threshold", ("nan", "-1")),
+                ("multiplication --digits 2", "--lee-samples", ("0", "99", "10001")),
                 ("cifar10", "--soft-alpha", ("nan", "inf", "0")), ("cifar10", "--window", ("0", "2")),
                 ("cifar10", "--crop-pct", ("nan", "0", "1.5")), ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
                 ("cifar10", "--randaug-ops", ("0",)), ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
@@ -2575,7 +2767,7 @@ def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, cap
     data = tmp_path / "data"
     data.mkdir()
     where = ["--data-dir", str(data)] if task in ("cifar10", "wikitext2") else []
-    rc, out = run_train(tmp_path, "--task", task, *where, flag, bad)
+    rc, out = run_train(tmp_path, "--task", *task.split(), *where, flag, bad)
     err = capsys.readouterr().err
     assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(out) and os.listdir(data) == []
@@ -2772,6 +2964,47 @@ def test_qk_inits_run(tmp_path, init):
     assert rc == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert len(res["init_report"]["pseudo_mass"]) == 1 and "qk_drift" in res
+
+
+@pytest.mark.parametrize("pattern", ["impulse", "soft"])
+def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_dir, pattern):
+    """--init mask-impulse: impulse's positions x18 and its mimetic V-proj (the calls init_impulse makes), M as
+    --init mask sets it, Wq Wk as drawn (impulse solves them): only where the pattern lives differs."""
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1", "--pattern", pattern]
+    built = {i: train.build(train.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
+             for i in ("default", "mask", "impulse", "mask-impulse")}
+    state = {i: b.model.state_dict() for i, b in built.items()}
+    ours, base = state["mask-impulse"], state["default"]
+    assert torch.equal(ours["pos_emb"], 18 * base["pos_emb"])
+    assert torch.equal(ours["pos_emb"], state["impulse"]["pos_emb"])
+    twin = copy.deepcopy(built["default"].model)                    # the mimetic V-proj, drawn as init_impulse draws it
+    mp.init_mimetic_(twin, qk=None, vo=(0.4, 0.4), generator=torch.Generator().manual_seed(1))
+    for layer in range(2):
+        qkv, proj = f"blocks.{layer}.attn.qkv.weight", f"blocks.{layer}.attn.proj.weight"
+        mimetic = twin.state_dict()
+        assert torch.equal(ours[qkv][48:], mimetic[qkv][48:]) and torch.equal(ours[proj], mimetic[proj])
+        assert torch.equal(ours[qkv][:48], base[qkv][:48])                # Wq, Wk: the model's own init
+        assert not torch.equal(state["impulse"][qkv][:48], base[qkv][:48])  # impulse writes the pattern there
+        m = f"blocks.{layer}.attn.prior.mask_logits"
+        assert torch.equal(ours[m], state["mask"][m]) and m not in state["impulse"]
+    assert built["mask-impulse"].init_report["pos_scale"] == 18.0
+
+
+def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_were(image_dir):
+    """Every vision preset's prior is the soft bump; `impulse` and `qk-svd` under it write the weights they write
+    with the impulse pattern (they read the bump's centre)."""
+    for preset in T.TASKS["cifar10"].presets():
+        assert T.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
+    for init in ("impulse", "qk-svd"):
+        preset, hard = (train.build(train.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
+                        for more in ([], ["--pattern", "impulse"]))
+        assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
+        assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
+    mask = train.build(train.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
+    assert torch.equal(mask.model.blocks[0].attn.mask_logits, mask.task.mask_logits("soft", 5.0, 10.0))
 
 
 def test_mask_beats_default_on_unseen_majority3(tmp_path):
@@ -4101,12 +4334,22 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert r.returncode == 0 and len(starts) == 10 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
     assert sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
     assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
+    r = _reproduce("--quick", "--only", "lee", "--dry-run", "--seeds", "0", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 12 and all("--digits 2 --lee-samples 3000" in x for x in starts)
+    assert sum("/lee/multiplication-mask-s0-lsb-ep500 " in x and "--epochs 500 --log-every 600" in x for x in starts) == 1
+    r = _reproduce("--only", "lee", "--dry-run", "--seeds", "0", "--runs", str(runs))          # Lee et al.'s, on a GPU
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 2 and all("--preset paper" in x and "--batch-size 6400" in x
+                                                          and "--answer-order msb" in x for x in starts)
     T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
     r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
                    str(tmp_path / "digits"))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 12
+    assert r.returncode == 0 and len(starts) == 14
     assert sum("cifar10-qk-svd-s0-pos18 " in x and "--qk-svd-pos-scale 18" in x for x in starts) == 1
+    assert sum("cifar10-mask-impulse-s0-soft " in x and "--init mask-impulse" in x and "--pattern soft" in x
+               for x in starts) == 1
     assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
     assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
@@ -4224,7 +4467,7 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "args").read_text().splitlines()
     dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
-    assert len(dirs) == 4 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's four inits, the path whole
+    assert len(dirs) == 5 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's five inits, the path whole
     assert (work / "relruns" / "vision").is_dir() and not os.path.exists(os.path.join(HERE, "relruns"))
     assert f"{work}/relruns/vision/cifar10-mask-s0" in args
     assert f"{work}/relres" in args                                   # the report goes there too

@@ -172,7 +172,8 @@ class Config:
                                        group="prior", type=float, check="non_negative")
     qk_svd_norm: float = setting(7.0, "qk-svd Frobenius norm of each factor",
                                       group="prior", type=float, check="positive")
-    qk_svd_pos_scale: float | None = setting(None, "qk-svd: multiply the positional embedding first",
+    qk_svd_pos_scale: float | None = setting(None, "qk-svd: multiply the positional embedding first (impulse and "
+                                                   "mask-impulse: 18 unless given)",
                                                    group="prior", type=float, check="positive")
     qk_opt_steps: int = setting(10000, "qk-opt Adam steps (at most)", group="prior", type=int, check="positive")
     qk_opt_lr: float = setting(0.0001, None, group="prior", type=float, check="positive")
@@ -231,6 +232,11 @@ class Config:
     digits: int = setting(3, "digits per operand: 3 (the default; 10^6 pairs) or 2 (10^4 pairs, Lee et al.'s "
                              "multiplication), 1 or 4",
                              group="arithmetic", type=int, metavar="{1,2,3,4}", arch=True)
+    lee_samples: int | None = setting(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the 100 "
+                                            "one-digit pairs, then N - 100 drawn with replacement; theirs: 3000), "
+                                            "unpadded a*b=c (--answer-order lsb: $a*b=rev(c)$), tested on every pair "
+                                            "not trained on; inits default and mask",
+                                            group="arithmetic", type=int, arch=True, metavar="N")
     # vision
     data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
                                          "for language models the corpus folder)",
@@ -444,7 +450,7 @@ def validate(config, task, explicit: set):
                          f"on/off levels")
     if config.init not in task.INITS:
         raise UsageError(f"init {config.init!r} does not apply to task {config.task} ({task.KIND}); "
-                         f"choose from {', '.join(task.INITS)}")
+                         f"choose from {', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
     if config.head_dim is None and config.dim % config.heads:
         raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set --head-dim")
     if config.pattern == "":
@@ -501,18 +507,22 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+# The inits whose model owns an M (a learnable log sigmoid(M) per layer).
+MASK_INITS = ("mask", "mask-impulse")
+
+
 def use_fused(attention: str, init: str, device: torch.device) -> bool:
     """--attention auto: the fused kernel, except for a masked model on the CPU (measured faster there:
     PyTorch's CPU scaled_dot_product_attention falls back to its math kernel for a float mask)."""
     if attention == "auto":
-        return not (init == "mask" and device.type == "cpu")
+        return not (init in MASK_INITS and device.type == "cpu")
     return attention == "fused"
 
 
 def model_config(config, task, device=torch.device("cpu")):
     arch = task.arch()
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
-                 mlp_dim=config.mlp_dim, learnable_mask=config.init == "mask",
+                 mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS,
                  fused=use_fused(config.attention, config.init, device), qkv_bias=bool(config.qkv_bias),
                  dropout=config.dropout, pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param)
@@ -577,8 +587,21 @@ def init_impulse(model, prior, config, g) -> dict:
     return report
 
 
+def init_mask_impulse(model, prior, config, g) -> dict:
+    """`impulse` with its pattern moved from Wq Wk^T into the logits: the positional embedding x18 and the
+    mimetic V-proj (0.4 Z - 0.4 I) as `init_impulse` gives them, M from the prior's logits (`--pattern`: the
+    hard impulse or the soft bump) as `init_mask` gives it; Wq, Wk keep the model's own init."""
+    scale = config.qk_svd_pos_scale or 18.0                 # impulse's scale, applied as init_qk_svd_ applies it
+    with torch.no_grad():
+        model.pos_emb.mul_(scale)
+    report = mp.init_mask_(model, logits=prior.logits)
+    report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
+    report["pos_scale"] = scale
+    return report
+
+
 INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-opt": init_qk_opt,
-         "mimetic": init_mimetic, "impulse": init_impulse}
+         "mimetic": init_mimetic, "impulse": init_impulse, "mask-impulse": init_mask_impulse}
 
 
 def apply_init(model, prior: Prior, config) -> dict:

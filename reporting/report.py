@@ -159,7 +159,7 @@ COLUMNS = {
                 ("MSE on U", _num("mse_unseen")), ("MSE", _num("mse")), ("prior mass start → end", _mass),
                 ("MDI acc %", _mdi)],
     "arithmetic": [("seq acc %", _pct("seq_acc")), ("digit acc %", _pct("digit_acc")),
-                   ("prior mass start → end", _mass)],
+                   ("train seq acc %", _pct("train_seq_acc")), ("prior mass start → end", _mass)],
     "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")), ("prior mass start → end", _mass)],
     "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")), ("prior mass start → end", _mass)],
 }
@@ -195,14 +195,16 @@ def summarize(paths) -> str:
 # ----------------------------------------------------------------------------------------
 # Report: a reproduction's run folders -> results/*.md tables and the persistence curves
 
-TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior")
+TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee")
 REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")      # what `report` reads in a runs folder
 TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
                 "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
                 "vision": "ViT image classification (top-1 on the test split)",
                 "lm": "Language modelling (validation loss and perplexity)",
                 "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
-                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)"}
+                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)",
+                "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on every pair not "
+                       "trained on, and on the training samples)"}
 PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
@@ -370,11 +372,13 @@ def ablation(folders) -> str:
 # Learning curves and steps to target: each run's headline metric at every logged step
 
 # Metrics that are fractions, drawn in percent.
-PERCENT_METRICS = ("acc_unseen", "seq_acc", "top1")
+PERCENT_METRICS = ("acc_unseen", "seq_acc", "train_seq_acc", "top1")
 # Headline metrics by task kind: (metric key, label, higher is better).
 CURVE_METRICS = {
     "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
-    "arithmetic": (("seq_acc", "sequence accuracy", True), ("prior_mass_mean", "attention mass on the pattern", True)),
+    "arithmetic": (("seq_acc", "sequence accuracy", True),
+                   ("train_seq_acc", "sequence accuracy on the training samples", True),   # --lee-samples runs
+                   ("prior_mass_mean", "attention mass on the pattern", True)),
     "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
@@ -894,18 +898,24 @@ def emit(out_dir: str, name: str, text: str) -> str:
     return path
 
 
+STUDY_FIGURES = {
+    "visionprior": "The vision priors side by side: top-1 and the attention mass on each prior's own pattern against "
+                   "the training step",
+    "lee": "Lee et al.'s multiplication data: sequence accuracy on the held-out pairs and on the training samples, "
+           "and the attention mass on the pattern, against the step"}
+
+
 def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> list[str]:
-    """Over the runs of every table folder: curves.csv / .png, the vision prior study's figure, steps to target
+    """Over the runs of every table folder: curves.csv / .png, the studies' figures (STUDY_FIGURES), steps to target
     and the prior per layer (a damaged log is named in the notes of both tables)."""
     runs = collect_runs(folders)[0]
     groups, notes = config_groups(runs)
     written = write_curves(groups, out_dir)
-    prior_study = os.path.normpath(os.path.join(runs_dir, "visionprior"))
-    study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == prior_study]
-    if study:
-        written += write_comparison(config_groups(study)[0], os.path.join(out_dir, "visionprior.png"),
-                                    "The vision priors side by side: top-1 and the attention mass on each prior's "
-                                    "own pattern against the training step")
+    for folder, title in STUDY_FIGURES.items():         # a study's runs side by side: FOLDER.png
+        where = os.path.normpath(os.path.join(runs_dir, folder))
+        study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == where]
+        if study:
+            written += write_comparison(config_groups(study)[0], os.path.join(out_dir, f"{folder}.png"), title)
     for r in runs:
         log_records(r)                          # read every log once: a damaged one is named below
     notes += [f"{r['run_dir']}: its log is left out of the curves and these tables ({r['_log_problem']}); its "
