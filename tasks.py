@@ -1138,7 +1138,7 @@ class Multiplication(ArithmeticTask):
 
     def _lee_loss(self, model, batch) -> torch.Tensor:
         """Cross-entropy on the answer characters and the end (every character after '=' but the padding)."""
-        x, y = batch[:, :-1], batch[:, 1:]
+        x = batch[:, :-1]
         with mp.prior_roles(model, *self.lee_roles(x)):
             logits = model(x)
         return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(), ignore_index=-100)
