@@ -3523,11 +3523,35 @@ def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsy
     assert "| mask | 0,1 |" in table
     for i in range(8):
         assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
-    assert f"{runs / 'rerun'}: the same task, init, seed and flags as {a}: counted once" in table
+    assert f"{runs / 'rerun'}: the same task, init, seed, flags and data as {a}: counted once" in table
     assert train.main(["report", str(tmp_path / "runs"), str(tmp_path / "res")]) == 0
     assert "| mask | 0,1 |" in (tmp_path / "res" / "boolean.md").read_text()
     assert sum(",mask,0," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines()) == \
         sum(",mask,1," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines())
+
+
+def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved_the_same(tmp_path):
+    """Two corpora or image sets under the same flags (--data-dir tells no configuration apart) are two runs;
+    the same set at another path is the same run again (result.json's data fingerprint), and for a run made
+    before result.json carried it, --data-dir decides."""
+    x, y = _images(16), np.arange(16) % 10
+    T.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
+    T.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
+    shutil.copytree(tmp_path / "one", tmp_path / "one-again")
+    runs = tmp_path / "runs" / "vision"
+    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "2", "--log-every", "2", "--probe-size", "4"]
+    for name, data in (("a", "one"), ("b", "two"), ("c", "one-again")):
+        assert train.main([*common, "--data-dir", str(tmp_path / data), "--out", str(runs / name)]) == 0
+    kept, problems = R.collect_runs([str(runs)])
+    assert [os.path.basename(r["run_dir"]) for r in kept] == ["a", "b"]
+    assert problems == [f"{runs / 'c'}: the same task, init, seed, flags and data as {runs / 'a'}: counted once"]
+    for name in "abc":                                   # runs made before result.json held the fingerprint
+        res = json.load(open(runs / name / "result.json"))
+        del res["data"]
+        (runs / name / "result.json").write_text(json.dumps(res))
+    kept, problems = R.collect_runs([str(runs)])
+    assert len(kept) == 3 and problems == []
 
 
 def test_a_run_folder_moved_while_it_trains_is_one_line_and_resumes_bitwise(tmp_path):
@@ -3797,7 +3821,10 @@ def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(tmp_path / "grad.py")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-    assert r.returncode == 0 and (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-2000:]
+    # each rank writes ok{rank} once its gradient equals the one-process gradient; the exit status is not the
+    # test: on a loaded CPU gloo now and then aborts one rank as the other closes the group after the last
+    # barrier (SIGABRT at teardown: twice in 14 runs here, both with the CPU oversubscribed), after both files exist
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-4000:]
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -1326,7 +1326,7 @@ def finish(state: Run) -> int:
         metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
         metrics["prior_mass_end"] = last["prior_mass_mean"]
     result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed, "preset": config.preset,
-              "run_id": state.run_id,
+              "run_id": state.run_id, "data": state.data,
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},

@@ -77,13 +77,25 @@ def collect_runs(paths) -> tuple[list, list]:
     return once_each(runs, problems)
 
 
+def data_of(run: dict):
+    """What a run trained and tested on: result.json's fingerprint of the data (a sha256), else for runs made
+    before result.json carried it the --data-dir of its args.json (None for tasks without data files)."""
+    if isinstance(run.get("data"), str):
+        return run["data"]
+    path = os.path.join(run["run_dir"], "args.json")
+    saved = load_json(path) if os.path.exists(path) else {}
+    where = saved.get("data_dir") if isinstance(saved, dict) else None
+    return os.path.normpath(where) if isinstance(where, str) else None
+
+
 def once_each(runs: list, problems: list) -> tuple[list, list]:
-    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed and
-    flags (the same run again) is left out and named in problems."""
+    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed, flags
+    and data (the same run again) is left out and named in problems; on other data it is another run."""
     kept, ids, configs = [], {}, {}
     for r in runs:
         try:
-            key = json.dumps([r["task"], r["init"], r["seed"], run_config(r)], sort_keys=True, default=repr)
+            key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), data_of(r)], sort_keys=True,
+                             default=repr)
         except (OSError, ValueError, TypeError) as e:
             problems.append(f"{r['run_dir']}: unreadable args.json ({type(e).__name__}: {e})")
             continue
@@ -91,7 +103,8 @@ def once_each(runs: list, problems: list) -> tuple[list, list]:
         if rid in ids:
             problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
         elif key in configs:
-            problems.append(f"{r['run_dir']}: the same task, init, seed and flags as {configs[key]}: counted once")
+            problems.append(f"{r['run_dir']}: the same task, init, seed, flags and data as {configs[key]}: counted "
+                            f"once")
         else:
             kept.append(r)
         if rid:
