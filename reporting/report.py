@@ -78,9 +78,9 @@ def collect_runs(paths) -> tuple[list, list]:
 
 
 def data_of(run: dict):
-    """What a run trained and tested on: result.json's fingerprint of the data (a sha256), else for runs made
-    before result.json carried it the --data-dir of its args.json (None for tasks without data files)."""
-    if isinstance(run.get("data"), str):
+    """What a run trained and tested on: result.json's fingerprint of the data (a sha256; None for tasks without
+    data files), else for runs made before result.json carried it the --data-dir of its args.json."""
+    if "data" in run:
         return run["data"]
     path = os.path.join(run["run_dir"], "args.json")
     saved = load_json(path) if os.path.exists(path) else {}
