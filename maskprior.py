@@ -31,12 +31,43 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------
+# Argument checks shared by the public functions: a switch is a real bool, a number that ends up in M is finite,
+# a prior starts from a pattern or from logits. Each refusal is one ValueError line: what, what is expected, what to do.
+
+
+def _check_bool(name: str, value, who: str, none_ok: bool = False) -> None:
+    """Refuse a switch that is not True or False (None too where `none_ok`): "no" or 1 would be taken as True."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    want = "True, False or None" if none_ok else "True or False"
+    raise ValueError(f"{who}: {name} must be {want}, got {value!r} ({type(value).__name__}); pass a bool "
+                     f"(a string or number would be read as True or False by its truth value)")
+
+
+def _check_finite(name: str, value, who: str) -> None:
+    """Refuse a number that is not a finite real (nan, +-inf, a string, a bool): M is a finite matrix."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return
+    raise ValueError(f"{who}: {name} must be a finite number, got {value!r}; M and log sigmoid(M) are finite only "
+                     f"from finite numbers: give a float such as {name}=5.0")
+
+
+def _pattern_or_logits(pattern, logits, who: str) -> None:
+    """Refuse a pattern and logits given together (one of them would be dropped without a word)."""
+    if pattern is not None and logits is not None:
+        raise ValueError(f"{who}: got both a pattern and logits, and one would be dropped; a prior starts from one: "
+                         f"give pattern= (bool, M = +m_on / -m_off) or logits= (M itself), not both")
+
 
 # ----------------------------------------------------------------------------------------
 # Pattern builders: bool tensors, (N, N) for all heads or (H, N, N) per head.
@@ -46,6 +77,8 @@ import torch.nn.functional as F
 def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool = True) -> torch.Tensor:
     """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal.
     A pair outside 0 .. N-1 is an error (a negative index would wrap around to the end)."""
+    _check_bool("symmetric", symmetric, "pattern_from_pairs")
+    _check_bool("self_loops", self_loops, "pattern_from_pairs")
     p = torch.zeros(n, n, dtype=torch.bool)
     for i, j in pairs:
         if not (0 <= i < n and 0 <= j < n):
@@ -60,6 +93,7 @@ def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool 
 
 def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
     """(N, N) bool pattern, True where |i - j| <= width (distance taken mod N if circulant)."""
+    _check_bool("circulant", circulant, "banded_pattern")
     i = torch.arange(n)
     d = (i[:, None] - i[None, :]).abs()
     if circulant:
@@ -82,6 +116,7 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
     falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
     `prefix_all` they attend to, and are attended by, every token.
     """
+    _check_bool("prefix_all", prefix_all, "impulse_pattern")
     n = n_prefix + grid_h * grid_w
     pats = []
     for dr, dc in offsets:
@@ -130,6 +165,8 @@ def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: fl
     initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
     -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
     [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
+    for name, value in (("alpha", alpha), ("m_on", m_on), ("m_off", m_off)):
+        _check_finite(name, value, "soft_offset_logits")
     d = _grid_displacements(grid_h, grid_w)
     off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
     sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
@@ -169,6 +206,7 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
     and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
     -self_logit; the hard causal mask removes them anyway.
     """
+    _check_finite("self_logit", self_logit, "causal_distance_logits")
     i = torch.arange(n)
     d = (i[:, None] - i[None, :]).float()
     p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
@@ -196,8 +234,8 @@ def check_pattern(pattern) -> None:
 def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
     check_pattern(pattern)
-    if not (math.isfinite(m_on) and math.isfinite(m_off)):
-        raise ValueError(f"m_on and m_off must be finite numbers (M is a finite matrix), got {m_on} and {m_off}")
+    _check_finite("m_on", m_on, "mask_logits_from_pattern")
+    _check_finite("m_off", m_off, "mask_logits_from_pattern")
     return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
 
 
@@ -255,6 +293,11 @@ class MaskPrior(nn.Module):
         super().__init__()
         if param not in ("full", "relative"):
             raise ValueError(f"MaskPrior param must be 'full' or 'relative', got {param!r}")
+        _check_bool("causal", causal, "MaskPrior")
+        _check_bool("prefix", prefix, "MaskPrior")
+        _check_finite("m_on", m_on, "MaskPrior")
+        _check_finite("m_off", m_off, "MaskPrior")
+        _pattern_or_logits(pattern, logits, "MaskPrior")
         for what, v in (("n", n), ("heads", heads), ("n_keys", 1 if n_keys is None else n_keys)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MaskPrior {what} must be an integer >= 1, got {v!r}")
@@ -379,6 +422,13 @@ class MaskPrior(nn.Module):
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
+    def check_roles_batch(self, batch: int) -> None:
+        """Refuse a batch of another size than the roles `prior_roles` gave (one row of roles per example): a bias
+        of one example broadcast over the batch would read every example by the first one's layout."""
+        if self.roles is not None and self.roles[0].shape[0] != batch:
+            raise ValueError(f"{self.where}: prior_roles gave roles for {self.roles[0].shape[0]} examples, but this "
+                             f"call's batch holds {batch}: give rows and cols of shape (batch, L), one row per example")
+
     def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
                 k_len: int | None = None) -> torch.Tensor:
         """(batch * heads, t, k_len), batch-major as nn.MultiheadAttention reads a 3-D attn_mask."""
@@ -403,7 +453,9 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
     key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i], cols[b, j]]), a
     (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise with the position
     keep a causal prior causal. Outside the block (the probes, a layout with rows = cols = 0..n-1)
-    M is read by position as usual. A model without a prior is left alone."""
+    M is read by position as usual. A model without a prior is left alone. Served in maskprior's own models and
+    in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm, keyword), with one row of roles
+    per example of each call (another batch size is refused); a cross-attention prior is refused."""
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
@@ -755,6 +807,9 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
     optimiser made earlier would not see a new parameter. Give M to the optimiser without weight decay
     (`param_groups`), or the decay pulls it to 0 and erases the prior.
     """
+    _pattern_or_logits(pattern, logits, "init_mask_")
+    _check_finite("m_on", m_on, "init_mask_")
+    _check_finite("m_off", m_off, "init_mask_")
     src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
@@ -861,7 +916,7 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
 
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
                  norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
-                 generator: torch.Generator | None = None) -> dict:
+                 generator: torch.Generator | None = None, log=None, log_seconds: float = 10.0) -> dict:
     """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
 
     Adam on per-head Q (H, dim, r), K (H, dim, r) minimising
@@ -870,7 +925,8 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
     to their initial mean norm. Stops early when the loss improves by less than `tol` over
     `norm_every` steps. `pos_scale` multiplies the positional embedding first (as in
     `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are
-    not drowned by the token embeddings). Returns the final loss, steps taken and
+    not drowned by the token embeddings). `log` (e.g. print), when given, hears what the fit does
+    every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps taken and
     pseudo-input masses. Expects of `model`: `blocks` (each with `ln1` and `attn`, all of the
     same heads and head_dim) and `pos_emb` (1, N, dim), as `Transformer` and `ViT` have.
     """
@@ -890,6 +946,7 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
     nk = k.detach().norm(dim=2).mean()   # per head and input feature: norm over the r axis
     opt = torch.optim.Adam([q, k], lr=lr)
     prev, loss_val, step = float("inf"), float("nan"), 0
+    said = time.monotonic()
     with torch.enable_grad():
         for step in range(1, steps + 1):
             att = ((p @ q) @ (p @ k).transpose(1, 2) * r ** -0.5).softmax(-1)
@@ -898,6 +955,10 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
             loss.backward()
             opt.step()
             loss_val = float(loss.detach())
+            if log is not None and time.monotonic() - said >= log_seconds:
+                log(f"qk-opt: fitting Q K to the pattern (N = {p.shape[0]}, {h} heads): step {step:,} of at most "
+                    f"{steps:,}, loss {loss_val:.3g}")
+                said = time.monotonic()
             if step % norm_every == 0:
                 with torch.no_grad():
                     q.mul_(nq / q.norm(dim=1, keepdim=True).clamp_min(1e-12))
@@ -1006,6 +1067,7 @@ def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an
     (H, N, N) one. A row is free when it allows every key the query can see (all keys, or keys
     j <= i when causal); free rows carry no prior and are left out of the mass."""
+    _check_bool("causal", causal, "prior_rows")
     n = pattern.shape[-1]
     visible = causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
     return ~(pattern.cpu() == visible).all(-1)
@@ -1017,6 +1079,7 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bia
     the layer's (H, T, T) `bias` log sigmoid(M) (None without a prior) is taken out of log a, then
     log-sum-exp over the visible keys off `pattern` minus over those on it, averaged over the
     constrained `rows`, heads and batch."""
+    _check_bool("causal", causal, "layer_margin")
     n = a.shape[-1]
     on = pattern.to(a.device)
     off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
@@ -1145,24 +1208,48 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
 @torch.no_grad()
 def mean_attention(model: nn.Module, inputs) -> torch.Tensor:
     """(L, H, N, N) float: the attention probabilities of `attention_maps(model, inputs)` (every model it
-    reads) averaged over the batch, one (H, N, N) map per layer."""
-    return torch.stack([a.float().mean(0) for a in attention_maps(model, inputs)])
+    reads) averaged over the batch, one (H, N, N) map per layer; refused where they hold a non-finite value."""
+    attn = torch.stack([a.float().mean(0) for a in attention_maps(model, inputs)])
+    _check_maps(attn, "mean_attention")
+    return attn
 
 
 def visible_keys(n: int, causal: bool = False) -> torch.Tensor:
     """(N, N) bool: the keys each query row can see (every key, or j <= i when causal)."""
+    _check_bool("causal", causal, "visible_keys")
     return causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
 
 
 def attention_ratio(attn: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """attn (..., N, N) probabilities -> the same shape: each probability over its row's uniform share,
     1 / (the keys the row sees), so 1.0 is uniform attention; 0 on keys a causal row cannot see."""
+    _check_bool("causal", causal, "attention_ratio")
     vis = visible_keys(attn.shape[-1], causal).to(attn.device)
     return attn.float() * vis.sum(-1, keepdim=True) * vis
 
 
-def _over_layers(attn: torch.Tensor, per_head: bool) -> torch.Tensor:
-    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N)."""
+def _check_maps(attn, who: str) -> None:
+    """Refuse attention maps that are not a tensor, hold nothing, or hold a non-finite value (one nan would make every
+    logit nan, or read as no attention at all)."""
+    if not isinstance(attn, torch.Tensor) or not attn.is_floating_point():
+        what = attn.dtype if isinstance(attn, torch.Tensor) else type(attn).__name__
+        raise ValueError(f"{who}: attention maps are a float tensor of probabilities, got {what}; pass "
+                         f"mean_attention's (L, H, N, N) or any (..., N, N) maps")
+    if attn.numel() == 0:
+        raise ValueError(f"{who}: the attention maps of shape {tuple(attn.shape)} are empty; there is no attention to "
+                         f"read a prior from: pass maps of at least one layer, head and token")
+    bad = int((~torch.isfinite(attn)).sum())
+    if bad:
+        raise ValueError(f"{who}: the attention maps hold {bad} non-finite values (nan or inf) of {attn.numel()}; a "
+                         f"prior read from them would be nan or arbitrary: read the maps from a model whose outputs "
+                         f"are finite")
+
+
+def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
+    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N); checked
+    (`_check_maps`) first."""
+    _check_maps(attn, who)
+    _check_bool("per_head", per_head, who)
     if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attention maps are (..., N, N) with N queries and N keys, got shape {tuple(attn.shape)}")
     if per_head:
@@ -1183,10 +1270,14 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     the `readout` rows (every row when None), is at least `ratio` times uniform form a clique (each sees
     the others), the `readout` rows given attend to them, every other row to itself: the form of the Boolean
     tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed (no row is
-    empty), future keys never (causal)."""
-    if not (math.isfinite(ratio) and ratio > 0):
+    empty), future keys never (causal). A pattern that names no pair beyond the self-loops (no share reaches
+    `ratio`) is refused, naming the largest ratio present."""
+    _check_finite("ratio", ratio, "pattern_from_attention")
+    if not ratio > 0:
         raise ValueError(f"ratio must be a finite number > 0 (a multiple of the uniform share), got {ratio}")
-    r = attention_ratio(_over_layers(attn, per_head), causal)
+    _check_bool("causal", causal, "pattern_from_attention")
+    _check_bool("keys", keys, "pattern_from_attention")
+    r = attention_ratio(_over_layers(attn, per_head, "pattern_from_attention"), causal)
     n = r.shape[-1]
     vis, eye = visible_keys(n, causal).to(r.device), torch.eye(n, dtype=torch.bool, device=r.device)
     rows = torch.zeros(n, dtype=torch.bool, device=r.device)
@@ -1194,13 +1285,30 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     if not keys:
         found = (r >= ratio) & vis
         free = vis.expand_as(found) & ~rows[:, None]
-        return found | free | eye
+        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())   # a constrained row's other keys
+        return _names_pairs(found | free | eye, free | eye, ratio, largest, largest)
     seen = vis & rows[:, None]                                   # the readout rows, over the keys each sees
     relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)   # (..., N): a key's mean share over those rows
     key = relevance >= ratio
     clique = key[..., :, None] & key[..., None, :]
     reads = (rows[:, None] & key[..., None, :]) if readout is not None else torch.zeros_like(clique)
-    return (clique | reads | eye) & vis
+    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())   # a clique needs two keys
+    if readout is not None:                              # or one key that a readout row other than itself sees
+        read = (vis & rows[:, None] & ~eye).any(-2)
+        reach = torch.maximum(reach, relevance.masked_fill(~read, 0).amax(-1))
+    return _names_pairs((clique | reads | eye) & vis, eye, ratio, float(relevance.max()), float(reach.max()))
+
+
+def _names_pairs(pattern: torch.Tensor, given: torch.Tensor, ratio: float, largest: float,
+                 reach: float) -> torch.Tensor:
+    """`pattern`, unless it names no pair beyond what it holds anyway (`given`: self-loops, free rows): then no share
+    reached `ratio`, and a self-loops-only prior would pass for a found one. One line naming the largest ratio present
+    and the ratio at or below which a pair appears (`reach`)."""
+    if bool((pattern & ~given).any()):
+        return pattern
+    raise ValueError(f"pattern_from_attention: no query-key pair beyond the self-loops reaches ratio {ratio:g} (the "
+                     f"largest share present is {largest:.4g} times uniform), so the pattern would name nothing: give "
+                     f"a ratio of at most {reach:.4g}, or maps with structure")
 
 
 def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
@@ -1210,9 +1318,17 @@ def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float =
     = log(a_ij / max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each
     row's favourite key at about 0 and the others suppressed by their log ratio to it; keys a causal row
     cannot see get -m_off (the causal mask hides them). Returns (H, N, N) or (N, N)."""
-    a = _over_layers(attn, per_head).clamp_min(0)
+    _check_soft("logits_from_attention", m_on, m_off, causal)
+    a = _over_layers(attn, per_head, "logits_from_attention").clamp_min(0)
     vis = visible_keys(a.shape[-1], causal).to(a.device)
     return _logit_of_share(a / a.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off).masked_fill(~vis, -float(m_off))
+
+
+def _check_soft(who: str, m_on, m_off, causal: bool = False) -> None:
+    """The arguments every soft prior from attention takes: finite m_on and m_off, a bool causal."""
+    _check_finite("m_on", m_on, who)
+    _check_finite("m_off", m_off, who)
+    _check_bool("causal", causal, who)
 
 
 def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
@@ -1228,7 +1344,8 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that
     depend on i - j alone, as a relative MaskPrior (`param="relative"`) holds them; a causal prior's future
     entries get -m_off (the causal mask hides them)."""
-    a = _over_layers(attn, True)
+    _check_soft("relative_from_attention", m_on, m_off, causal)
+    a = _over_layers(attn, True, "relative_from_attention")
     h, n = a.shape[0], a.shape[-1]
     i = torch.arange(n, device=a.device)
     d = i[:, None] - i[None, :] + n - 1                          # 0 .. 2n - 2
@@ -1248,7 +1365,8 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     (CLS) attend and are attended at m_on.
     attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset prior
     (compare `soft_offset_logits`, whose bump is set by hand)."""
-    a = _over_layers(attn, True)
+    _check_soft("offsets_from_attention", m_on, m_off)
+    a = _over_layers(attn, True, "offsets_from_attention")
     h, n, g = a.shape[0], a.shape[-1], grid_h * grid_w
     if n != n_prefix + g:
         raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} prefix tokens "
@@ -1481,7 +1599,7 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
     heads = site.heads or (shape[0] if src.dim() == 3 else 1)
     if src.dim() == 3 and shape[0] != heads:
         raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
-    is_causal = site.causal if causal is None else causal
+    is_causal = bool(site.causal) if causal is None else causal     # a layer that does not say: not causal
     if site.causal is not None and is_causal != site.causal:
         raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
     n, n_keys = shape[-2], shape[-1]
@@ -1501,6 +1619,36 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
     return prior.to(next(site.module.parameters(), prior.mask_logits).device)
 
 
+def _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention) -> None:
+    """add_mask_prior's arguments, before any layer is looked at: one source, finite numbers, real switches."""
+    _pattern_or_logits(pattern, logits, "add_mask_prior")
+    _check_finite("m_on", m_on, "add_mask_prior")
+    _check_finite("m_off", m_off, "add_mask_prior")
+    _check_bool("causal", causal, "add_mask_prior", none_ok=True)
+    _check_bool("prefix", prefix, "add_mask_prior", none_ok=True)
+    _check_bool("cross_attention", cross_attention, "add_mask_prior")
+    if logits is None:
+        check_pattern(pattern)
+
+
+def _under_peft(model: nn.Module) -> bool:
+    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on the
+    model get_peft_model was given), or PEFT's adapter layers among its modules."""
+    return getattr(model, "peft_config", None) is not None or \
+        any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules())
+
+
+def _record_key(recorded: dict, name: str, part: str) -> str | None:
+    """The key the config records layer `name` of a model of class `part` under: its name, or 'Part:name' where a
+    layer of another part holds that name (an encoder's and a decoder's layers.0.self_attn). None where a layer of that
+    name in a part of the same class is recorded already: two parts of one class sharing the config, which the record
+    could not tell apart."""
+    if any(key.rpartition(":")[2] == name and isinstance(geo, dict) and geo.get("part") == part
+           for key, geo in recorded.items()):
+        return None
+    return name if name not in recorded else f"{part}:{name}"
+
+
 def _recorded_layers(model: nn.Module) -> dict:
     record = getattr(_hf_config(model), "mask_prior", None)
     return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
@@ -1511,7 +1659,7 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
                    mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
     """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
-    (heads, N, N)) or `logits`; returns {layer name: MaskPrior}, the layers that got one.
+    (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
     Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
     Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
@@ -1525,12 +1673,11 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     changed: one the prior cannot serve raises ValueError naming it, its class, heads and what to do, and the
     model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
     """
-    if logits is None:
-        check_pattern(pattern)
+    _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention)
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
-    if getattr(model, "peft_config", None) is not None:
+    if _under_peft(model):
         raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
                          f"save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
                          f"its config (M then trains and is saved with the adapter); no layer was changed")
@@ -1545,13 +1692,13 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
         raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
                          f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); {way} to give it "
                          f"a prior")
-    recorded = _recorded_layers(model)
+    recorded, part = _recorded_layers(model), type(model).__name__
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
-        if s.kind == "hf" and s.name in recorded:
-            raise _fail(s, f"has a name the config already records a prior under (given to a layer of "
-                           f"{recorded[s.name].get('part', 'another part')} by an earlier call): give both parts' layers "
-                           f"their priors from the whole model, picking them with modules=lambda name, m: ...")
+        if s.kind == "hf" and not hasattr(s.module, "mask_prior") and _record_key(recorded, s.name, part) is None:
+            raise _fail(s, f"has a name the config already records a prior under, on a layer of another {part} (two "
+                           f"parts of one class: the record could not tell them apart when loading): give both parts' "
+                           f"layers their priors from the whole model, picking them with modules=lambda name, m: ...")
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
     for s in sites:                                   # every layer fits: now change them
         _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
@@ -1578,8 +1725,12 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
                          f"queries, {s} keys): give cross-attention its own prior with "
                          f"add_mask_prior(..., cross_attention=True) and an (N_query, N_key) pattern")
     bias = prior(t, query.dtype, k_len=s)
-    if batched:
-        bias = bias.repeat(query.shape[0 if mha.batch_first else 1], 1, 1)
+    batch = query.shape[0 if mha.batch_first else 1] if batched else 1
+    prior.check_roles_batch(batch)
+    if bias.dim() == 4:                                  # per example (prior_roles): (B, heads) batch-major for MHA
+        bias = bias.flatten(0, 1) if batched else bias[0]
+    elif batched:
+        bias = bias.repeat(batch, 1, 1)
     given = kwargs.get("attn_mask")
     if given is not None:
         if given.dtype == torch.bool:                    # True = not allowed, for nn.MultiheadAttention
@@ -1637,6 +1788,8 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
     prior, key = module.mask_prior, module.mask_prior_kwarg
     x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
     t = x.shape[-2]
+    if prior.roles is not None:                         # (B, heads, T, T) per example: B must be x's batch
+        prior.check_roles_batch(x.shape[0] if x.dim() >= 3 else 1)
     bias = prior(t, _amp_dtype(x))
     given = kwargs.get(key)
     if given is not None:
@@ -1727,9 +1880,13 @@ def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Te
     allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or None. A query's
     own key is the last one it sees, so each row's slot - position shift is read off its queries; a query that
     sees no key, or no new one (padding), is left out. Without position ids the slots are the positions, and a
-    batch whose first query sees nothing (left padding) is refused."""
+    batch whose first query sees nothing (left padding) is refused. Under `prior_roles` each batch row's positions
+    are read by its roles (M's row and column of each position), over the positions the roles cover."""
     q_len, k_len = allowed.shape[-2:]
-    b = max(allowed.shape[0], 1 if position_ids is None else position_ids.shape[0])
+    n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
+    full = prior(n, torch.float32)                                                 # (H, n, n), or (B, H, n, n)
+    full = full if full.dim() == 4 else full.unsqueeze(0)
+    b = max(allowed.shape[0], full.shape[0], 1 if position_ids is None else position_ids.shape[0])
     allowed = allowed.expand(b, q_len, k_len)
     seen = allowed.any(-1)                                                         # (B, q)
     last = k_len - 1 - allowed.flip(-1).int().argmax(-1)                           # the last key each query sees
@@ -1749,13 +1906,15 @@ def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Te
         raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), but the prior "
                          f"indexes one sequence's positions from 0: give each sequence its own row")
     rows = torch.where(own, pos, 0)
-    if bool((rows >= prior.n).any()):
-        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit the mask size {prior.n}: "
-                         f"a causal prior serves positions 0 .. {prior.n - 1}")
+    if bool((rows >= n).any()):
+        fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
+        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit {fit}: a causal prior "
+                         f"serves positions 0 .. {n - 1}")
     cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
-    inside = (cols >= 0) & (cols < prior.n)
-    bias = prior(prior.n, torch.float32)[:, rows[:, :, None], cols.clamp(0, prior.n - 1)[:, None, :]]  # (H, B, q, k)
-    return bias.movedim(0, 1).masked_fill(~inside[:, None, None, :], float("-inf"))
+    inside = (cols >= 0) & (cols < n)
+    batch = torch.arange(b, device=allowed.device)[:, None, None]
+    bias = full.expand(b, -1, -1, -1).movedim(1, -1)[batch, rows[:, :, None], cols.clamp(0, n - 1)[:, None, :]]
+    return bias.movedim(-1, 1).masked_fill(~inside[:, None, None, :], float("-inf"))          # (B, H, q, k)
 
 
 def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
@@ -1763,6 +1922,7 @@ def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torc
     """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the queries' and keys'
     positions, with HF's mask (padding, causal, sliding window: bool, or additive) folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
+    prior.check_roles_batch(query.shape[0])
     allowed = None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool else \
         mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
     if prior.cross:                                    # rows from the decoder's position (its KV cache)
@@ -1775,7 +1935,8 @@ def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torc
             raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), but a non-causal prior "
                              f"indexes sequence positions from 0: pad on the right (tokenizer.padding_side = 'right')")
         start = _hf_start(prior, q_len, k_len, kwargs.get("position_ids"))
-        bias = prior(q_len, query.dtype, k_len=k_len, start=start).unsqueeze(0)
+        bias = prior(q_len, query.dtype, k_len=k_len, start=start)
+        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)      # (B, ...) per example under prior_roles
         if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:   # CLIP's text tower
             bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
     if mask is None:
@@ -1861,26 +2022,28 @@ def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior])
     cfg = _hf_config(model)
     if cfg is None:
         return
-    layers = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
-                     "param": p.param, "prefix": p.prefix, "part": type(model).__name__} for name, p in priors.items()}
-    record = getattr(cfg, "mask_prior", None) or {"layers": {}}
-    record["layers"].update(layers)
+    record, part = getattr(cfg, "mask_prior", None) or {"layers": {}}, type(model).__name__
+    for name, p in priors.items():                   # add_mask_prior checked that each has a key
+        record["layers"][_record_key(record["layers"], name, part)] = {
+            "n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal, "param": p.param,
+            "prefix": p.prefix, "part": part}
     record["base"] = _hf_impl(sites[0].module)
     cfg.mask_prior = record
     cfg.attn_implementation = HF_ATTENTION
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given: a training forward after PEFT froze M (get_peft_model freezes
-    every parameter outside its adapter, and its adapter would not save M) is refused in one line."""
-    if not (model.training and torch.is_grad_enabled() and getattr(model, "peft_config", None) is not None):
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a training forward after PEFT froze M
+    (get_peft_model freezes every parameter outside its adapter, and its adapter would not save M) is refused in one
+    line."""
+    if not (model.training and torch.is_grad_enabled()):
         return
-    for m in model.modules():
-        prior = getattr(m, "mask_prior", None) if "mask_prior" in m._modules else None
-        if isinstance(prior, MaskPrior) and not prior.mask_logits.requires_grad:
-            raise RuntimeError(f"{prior.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would "
-                               f"not save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M "
-                               f"trains and is saved with the adapter")
+    frozen = next((p for m in model.modules() if isinstance(p := m._modules.get("mask_prior"), MaskPrior)
+                   and not p.mask_logits.requires_grad), None)
+    if frozen is not None and _under_peft(model):
+        raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would not "
+                           f"save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M trains and "
+                           f"is saved with the adapter")
 
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
@@ -1911,7 +2074,7 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
     cfg, gone = _hf_config(model), {id(m) for _, m in layers}
     recorded = _recorded_layers(model)
     for key, geo in list(recorded.items()):
-        name = _resolve_recorded(model, named, key, geo)
+        name = _resolve_recorded(model, named, key, geo, strict=True)
         if name is not None and id(named[name]) in gone:
             del recorded[key]
     if cfg is not None and isinstance(getattr(cfg, "mask_prior", None), dict) and not recorded:
@@ -1979,14 +2142,20 @@ def _check_record(record, path: str) -> None:
                                  f"nothing was loaded")
 
 
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict) -> str | None:
+def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict, strict: bool = False) -> str | None:
     """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior was given, of
-    class geo['part']): under that part where it is one module of `model`, else as saved from the model with a head
-    and loaded as the base model, or the other way round."""
+    class geo['part'], after a 'Part:' qualifier if any): under that part where it is one module of `model`, else as
+    saved from the model with a head and loaded as the base model, or the other way round. `strict` (taking a prior
+    out of a part): not by a bare name where the part is absent, which may be a sibling part's layer (an encoder's
+    layers.0.self_attn is not its decoder's)."""
+    name = recorded.rpartition(":")[2]
     base = getattr(model, "base_model_prefix", "") + "."
     parts = [n for n, m in named.items() if type(m).__name__ == geo.get("part")]
-    names = ([f"{parts[0]}.{recorded}" if parts[0] else recorded] if len(parts) == 1 else []) + \
-        [recorded, base + recorded, recorded.removeprefix(base)]
+    names = [f"{parts[0]}.{name}" if parts[0] else name] if len(parts) == 1 else []
+    if not strict:
+        names += [name, base + name, name.removeprefix(base)]
+    elif not parts and name.startswith(base):          # recorded on the model with a head, taken out of its base
+        names.append(name.removeprefix(base))
     return next((n for n in names if n in named), None)
 
 

@@ -34,7 +34,9 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Sequence
@@ -100,13 +102,15 @@ class Task:
     INITS: ClassVar[tuple] = ("default", "mask", "qk-svd", "qk-opt")
     HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
     PRESETS: ClassVar[dict] = {}
-    EVAL_POINTS: ClassVar[bool] = False         # evaluate(model, points=n) may use a fixed sample of n
-    MASK_SCALE: ClassVar[bool] = True           # mask_logits reads m_on / m_off (--mask-on / --mask-off)
 
     seed: int = 0
     device: torch.device = torch.device("cpu")
     n_train: int = 0
     _perm_epoch: int | None = None
+
+    @staticmethod
+    def say(text: str) -> None:
+        """Where a task says what slow work it does (train.py points it at its log: `task.say = print`)."""
 
     @property
     def name(self) -> str:
@@ -222,6 +226,9 @@ def array_fingerprint(*arrays) -> str:
 # bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
 
 READOUTS = ("cls", "mean")
+# The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
+# two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
+MDI_MAX_MONOMIALS = 1024
 
 
 def cube(n: int) -> np.ndarray:
@@ -306,7 +313,6 @@ class BooleanTask(Task):
     """
     KIND = "boolean"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
-    EVAL_POINTS = True
     PRESETS = {
         # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and these
         # budgets: results/README.md, "Choices where the paper is silent")
@@ -328,6 +334,7 @@ class BooleanTask(Task):
     exact: bool = False
     description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
+    degree: int = 0                     # the target's Fourier degree, which bounds the MDI's (its cost)
     readout: str = "cls"
     discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
     discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
@@ -342,6 +349,20 @@ class BooleanTask(Task):
         if not 0 < self.discover_threshold <= 1:
             raise TaskError(f"--discover-threshold is a fraction of the largest coefficient in (0, 1], got "
                             f"{self.discover_threshold}")
+        size = self.mdi_size()
+        if size > MDI_MAX_MONOMIALS:
+            raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is a least-squares "
+                            f"problem in {size:,} monomials of the {len(self.mdi_bits())} bits the target and the "
+                            f"unseen domain read, which takes minutes to hours; at most {MDI_MAX_MONOMIALS:,} are "
+                            f"solved (a parity or majority of at most 10 bits, the unseen ones among them)")
+
+    def mdi_bits(self) -> list[int]:
+        """The bits the MDI is solved on: those the target and the unseen domain depend on."""
+        return sorted(set(range(self.n_bits) if self.support is None else self.support) | set(self.unseen))
+
+    def mdi_size(self) -> int:
+        """Monomials of up to the target's degree on `mdi_bits`: what the MDI's least squares solve in."""
+        return sum(math.comb(len(self.mdi_bits()), d) for d in range(self.degree + 1))
 
     def arch(self) -> dict:
         return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": self.readout}
@@ -486,7 +507,10 @@ class BooleanTask(Task):
             # The MDI only involves the bits the target and the unseen domain depend on
             # (it is unique, and flipping any other bit maps the problem to itself), so it
             # is solved on that sub-cube and read back on the whole cube.
-            rel = sorted(set(range(self.n_bits) if self.support is None else self.support) | set(self.unseen))
+            rel = self.mdi_bits()
+            if self.mdi_size() > 256:
+                self.say(f"computing the exact min-degree interpolator of {self.name} ({self.mdi_size():,} monomials "
+                         f"on {len(rel)} bits; up to a minute)")
             x_sub = np.unique(x_all[seen][:, rel], axis=0)
             full = np.zeros((len(x_sub), self.n_bits), dtype=np.int8)
             full[:, rel] = x_sub
@@ -596,7 +620,7 @@ _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)         # rec
 @register("parity2")
 class Parity2(BooleanTask):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
-    PATTERNS = ("clique", "cls")
+    PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
     # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
@@ -606,7 +630,7 @@ class Parity2(BooleanTask):
     def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         bits = (0, 1)
         super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
-                         top_monomial=bits, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
+                         top_monomial=bits, degree=2, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
                          support=bits, readout=readout, discover_degree=discover_degree,
                          discover_threshold=discover_threshold, seed=seed)
 
@@ -614,14 +638,14 @@ class Parity2(BooleanTask):
 @register("majority3")
 class Majority3(BooleanTask):
     """sign(x0 + x1 + x2) on 15 bits; unseen x0 = x1 = -1; 32,768 uniform draws of seen points."""
-    PATTERNS = ("clique", "cls")
+    PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
 
     def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         bits = (0, 1, 2)
         super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
-                         top_monomial=bits, train_size=32768, support=bits, readout=readout, seed=seed,
+                         top_monomial=bits, degree=3, train_size=32768, support=bits, readout=readout, seed=seed,
                          description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
                          discover_degree=discover_degree, discover_threshold=discover_threshold)
 
@@ -629,14 +653,14 @@ class Majority3(BooleanTask):
 @register("cyclic3")
 class Cyclic3(BooleanTask):
     """sum_i x_i x_{i+1} x_{i+2} (indices mod 15); unseen x0 = x1 = x2 = -1; integer-valued."""
-    PATTERNS = ("band", "band-only")
+    PATTERNS = ("band", "band-only", "discovered")
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
 
     def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
         super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
-                         top_monomial=(0, 1, 2), exact=True, readout=readout, seed=seed,
+                         top_monomial=(0, 1, 2), degree=3, exact=True, readout=readout, seed=seed,
                          description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
                          discover_degree=discover_degree, discover_threshold=discover_threshold)
 
@@ -671,7 +695,7 @@ def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
 class _CustomBoolean(BooleanTask):
     """k-parity or k-majority on chosen `bits` ('random:K': K bits drawn by the seed); the unseen domain sets
     the `unseen` bits to -1 ('bits:J': the first J of `bits`)."""
-    PATTERNS = ("clique", "cls")
+    PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1", train_size: int | None = None,
@@ -689,7 +713,7 @@ class _CustomBoolean(BooleanTask):
         self.label = f"{self.NAME}[{','.join(map(str, b))}|U:{','.join(map(str, u))}]"
         desc = f"{self.NAME} on bits {b}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=gotu_patterns(n_bits, b),
-                         top_monomial=b, train_size=train_size, description=desc, support=b, readout=readout,
+                         top_monomial=b, degree=len(b), train_size=train_size, description=desc, support=b, readout=readout,
                          discover_degree=discover_degree, discover_threshold=discover_threshold, seed=seed)
 
     @property
@@ -735,7 +759,6 @@ class ArithmeticTask(Task):
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
     HEADLINE = ("seq_acc", "digit_acc")
-    EVAL_POINTS = True
     PRESETS = {
         "small": {"model": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
                                 qkv_bias=True),
@@ -2862,7 +2885,6 @@ class LMTask(Task):
     PATTERNS = ("distance",)
     DEFAULT_PATTERN = "distance"
     HEADLINE = ("val_loss", "val_ppl")
-    MASK_SCALE = False
     PRESETS = {
         # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's
         # N x N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context.
@@ -2925,7 +2947,8 @@ class LMTask(Task):
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the
-        future is removed by the hard causal mask. m_on / m_off do not apply (MASK_SCALE)."""
+        future is removed by the hard causal mask. It has no on / off levels: train.py's table keeps --mask-on
+        and --mask-off to the other families, so m_on and m_off are the defaults here."""
         self.check_pattern(variant)
         return mp.causal_distance_logits(self.context, self.heads)
 
@@ -3072,6 +3095,161 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     """Write bytes, or text as UTF-8, to ``path`` atomically."""
     with atomic_output(path) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a teacher's
+# checkpoint, result.json and args.json in reports): read as someone else's file, since anyone may have put
+# it there. What is read is bytes of a regular file within a size limit; a torch file is loaded with
+# weights_only=True (tensors and plain values: nothing it names is called), JSON as JSON. Its schema is
+# the reader's caller's to check, before any value is used.
+
+class ReadError(TaskError):
+    """A file read back that is not what this program writes there: missing, not a regular file, too large, or
+    not a file of its kind. The message is one line naming the file."""
+
+
+MiB = 1 << 20
+READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB}
+
+
+def read_back(path: str | os.PathLike, kind: str) -> bytes:
+    """The bytes of `path`, a regular file (a symlink is followed and what it names checked; a FIFO, device or
+    folder is refused without being opened for reading, so nothing blocks) of at most READ_LIMITS[kind] bytes."""
+    limit = READ_LIMITS[kind]
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file: a {kind} is a plain file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ReadError(f"{path} is missing") from None
+    except OSError as e:
+        raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):          # replaced between the two looks
+            raise ReadError(f"{path} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(64 * MiB, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this program writes")
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def load_torch(data: bytes, path: str | os.PathLike):
+    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
+    names anything else is refused before it is called), torch's own warnings kept out of the one line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {named.group(1)}" if named else next(
+            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
+        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
+                        f"holds and which would run code if unpickled; it was not run") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def load_json(data: bytes, path: str | os.PathLike):
+    """JSON of bytes read back (UTF-8)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:                               # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
+
+
+def read_json(path: str | os.PathLike):
+    return load_json(read_back(path, "json"), path)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return _number(v) and math.isfinite(v)
+
+
+def _share(v) -> bool:
+    return _finite(v) and 0 <= v <= 1
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _of(kind):
+    return lambda v: isinstance(v, kind) and not isinstance(v, bool)
+
+
+def _list_of(check):
+    return lambda v: isinstance(v, list) and all(map(check, v))
+
+
+# result.json as train.py writes it: key -> (check, what it must be); task, init, seed and metrics are required.
+RESULT_SCHEMA = {
+    "task": (_of(str), "a task name"), "init": (_of(str), "an init name"), "seed": (_of(int), "an integer"),
+    "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _optional(_finite)(x)
+                                                      for k, x in v.items()), "a dict of finite numbers (or null)"),
+    "kind": (_of(str), "a task family"), "preset": (_of(str), "a preset name"), "run_id": (_optional(_of(str)), "an id"),
+    "data": (_optional(_of(str)), "a fingerprint"), "steps": (lambda v: _of(int)(v) and v >= 0, "a step count"),
+    "seconds": (lambda v: _finite(v) and v >= 0, "a time"),
+    "prior_mass_start_layers": (_optional(_list_of(_finite)), "finite numbers per layer"),
+    "prior_mass_end_layers": (_optional(_list_of(_finite)), "finite numbers per layer"),
+    "init_report": (_optional(_of(dict)), "a dict"), "config": (_optional(_of(dict)), "a dict"),
+    "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
+        _share(v[k]) for k in ("precision", "recall") if k in v) and all(
+        _of(int)(v[k]) and v[k] >= 0 for k in ("found_pairs", "oracle_pairs") if k in v),
+        "null or a dict whose precision and recall are in [0, 1]"),
+}
+RESULT_REQUIRED = ("task", "init", "seed", "metrics")
+
+
+def check_result(result, path: str | os.PathLike) -> dict:
+    """A result.json's contents, checked against RESULT_SCHEMA before any value is used; ReadError naming the
+    first key that is not what train.py writes."""
+    if not isinstance(result, dict):
+        raise ReadError(f"{path} holds a JSON {type(result).__name__}, not the object of a run's result")
+    for key in RESULT_REQUIRED:
+        if key not in result:
+            raise ReadError(f"{path} has no {key}")
+    for key, (ok, what) in RESULT_SCHEMA.items():
+        if key in result and not ok(result[key]):
+            if key == "metrics" and isinstance(result[key], dict):
+                name, value = next((k, v) for k, v in result[key].items() if not _optional(_finite)(v))
+                raise ReadError(f"{path}: metric {name} is {_short(value)}, not a finite number")
+            raise ReadError(f"{path}: {key} is {_short(result[key])}, not {what}")
+    return result
+
+
+def read_result(path: str | os.PathLike) -> dict:
+    """A run's result.json through the one reader, its schema checked (`check_result`)."""
+    return check_result(read_json(path), path)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 # ----------------------------------------------------------------------------------------

@@ -33,8 +33,6 @@ import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import pickle  # noqa: E402
-import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -67,15 +65,32 @@ FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task 
 
 
 def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None,
-            check=None, resumable=False, arch=False, tells_apart=True, alternative=None):
+            check=None, resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
     """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag
     without a value; check: "positive" (> 0), "non_negative" (>= 0) or "fraction" (in [0, 1)); resumable:
     --resume may change it; arch: it shapes the model or the data (named so when a resume disagrees);
     tells_apart: runs that differ in it are different configurations in reports; alternative: the field
-    this one replaces when given (--steps drops the preset's --epochs and the other way round)."""
+    this one replaces when given (--steps drops the preset's --epochs and the other way round).
+    Where the flag applies (`check_applies` refuses it given anywhere else): needs, {key: allowed}, each key a
+    field (its resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or
+    ON (not zero); excludes, the fields that may not be given with it. A task option (a family's group)
+    applies to the tasks whose constructor takes it."""
     return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch, choices=choices,
                                                 metavar=metavar, check=check, resumable=resumable, arch=arch,
-                                                tells_apart=tells_apart, alternative=alternative))
+                                                tells_apart=tells_apart, alternative=alternative,
+                                                needs=needs or {}, excludes=tuple(excludes)))
+
+
+class Need(str):
+    """A `needs` condition other than a list of values: GIVEN (the field is set) or ON (it is not zero)."""
+
+
+GIVEN, ON = Need("given"), Need("on")
+# The inits by what they read (the INITS table below holds them all; a test keeps the two in step).
+MASK_INITS = ("mask", "mask-impulse")                  # the model owns an M (a learnable log sigmoid(M) per layer)
+PRIOR_INITS = ("mask", "qk-svd", "qk-opt", "impulse", "mask-impulse")    # write a prior (a pattern or M) into the model
+QK_SVD_INITS = ("qk-svd", "impulse")                   # solve Wq Wk in closed form (init_qk_svd_)
+LEVELS = ("boolean", "arithmetic", "vision")           # families whose M has on / off levels (--mask-on, --mask-off)
 
 
 @dataclass(frozen=True)
@@ -160,31 +175,38 @@ class Config:
     # prior
     pattern: str | None = setting(None, "interaction pattern variant (task-specific; see README)",
                                         group="prior", arch=True)
-    mask_on: float = setting(mp.M_ON, "initial M on allowed pairs", group="prior", type=float, check="non_negative")
-    mask_off: float = setting(mp.M_OFF, "initial -M elsewhere", group="prior", type=float, check="non_negative")
+    mask_on: float = setting(mp.M_ON, "initial M on allowed pairs", group="prior", type=float, check="non_negative",
+                             needs={"init": MASK_INITS, "kind": LEVELS})
+    mask_off: float = setting(mp.M_OFF, "initial -M elsewhere", group="prior", type=float, check="non_negative",
+                              needs={"init": MASK_INITS, "kind": LEVELS})
     mask_param: str = setting("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit "
                                       "per head and distance i - j (heads x N), for priors that depend on the "
                                       "distance alone (language models)",
-                                      group="prior", choices=("full", "relative"), arch=True)
+                                      group="prior", choices=("full", "relative"), arch=True,
+                                      needs={"init": MASK_INITS})
     qk_svd_scale: float = setting(1000.0, "qk-svd target logit on the pattern",
-                                          group="prior", type=float, check="positive")
+                                          group="prior", type=float, check="positive", needs={"init": QK_SVD_INITS})
     qk_svd_noise: float = setting(3.0, "qk-svd off-pattern noise scale",
-                                       group="prior", type=float, check="non_negative")
+                                       group="prior", type=float, check="non_negative", needs={"init": QK_SVD_INITS})
     qk_svd_norm: float = setting(7.0, "qk-svd Frobenius norm of each factor",
-                                      group="prior", type=float, check="positive")
+                                      group="prior", type=float, check="positive", needs={"init": QK_SVD_INITS})
     qk_svd_pos_scale: float | None = setting(None, "qk-svd: multiply the positional embedding first (impulse and "
                                                    "mask-impulse: 18 unless given)",
-                                                   group="prior", type=float, check="positive")
-    qk_opt_steps: int = setting(10000, "qk-opt Adam steps (at most)", group="prior", type=int, check="positive")
-    qk_opt_lr: float = setting(0.0001, None, group="prior", type=float, check="positive")
+                                                   group="prior", type=float, check="positive",
+                                                   needs={"init": ("qk-svd", "impulse", "mask-impulse")})
+    qk_opt_steps: int = setting(10000, "qk-opt Adam steps (at most)", group="prior", type=int, check="positive",
+                                needs={"init": ("qk-opt",)})
+    qk_opt_lr: float = setting(0.0001, None, group="prior", type=float, check="positive", needs={"init": ("qk-opt",)})
     qk_opt_tol: float = setting(1e-07, "qk-opt stops when 100 steps gain less than this",
-                                       group="prior", type=float, check="non_negative")
+                                       group="prior", type=float, check="non_negative", needs={"init": ("qk-opt",)})
     qk_opt_pos_scale: float | None = setting(None, "qk-opt: multiply the positional embedding first",
-                                                   group="prior", type=float, check="positive")
+                                                   group="prior", type=float, check="positive",
+                                                   needs={"init": ("qk-opt",)})
     prior_from: str | None = setting(None, "a finished run folder of the same task and token layout (a teacher, e.g. a "
                                            "default run): M (--init mask) or the QK inits' pattern is read from its "
                                            "attention instead of the task's hand pattern",
-                                           group="prior", metavar="RUN", arch=True)
+                                           group="prior", metavar="RUN", arch=True, needs={"init": PRIOR_INITS},
+                                           excludes=("pattern",))
     prior_kind: str | None = setting(None, "what --prior-from reads: pattern (keys or query-key pairs above "
                                            "--prior-ratio "
                                            "times the uniform share), logits (M whose bias gives the teacher's mean "
@@ -192,14 +214,16 @@ class Config:
                                            "offsets (a profile per head and 2-D offset: vision); default: the task's "
                                            "first",
                                            group="prior", choices=("pattern", "logits", "relative", "offsets"),
-                                           arch=True)
+                                           arch=True, needs={"prior_from": GIVEN})
     prior_ratio: float = setting(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
                                       "attention share (default 1.5)",
-                                      group="prior", type=float, check="positive", arch=True)
+                                      group="prior", type=float, check="positive", arch=True,
+                                      needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
     probe_size: int = setting(512, "batch size of the prior-mass probe", group="prior", type=int, check="positive")
     eval_points: int = setting(0, "Boolean and arithmetic tasks: evaluate the log steps on a fixed sample of this "
                                   "many cube points or test pairs (0 = all); the final evaluation uses all of them",
-                                  group="prior", type=int, check="non_negative", resumable=True)
+                                  group="prior", type=int, check="non_negative", resumable=True,
+                                  needs={"kind": ("boolean", "arithmetic")})
     # boolean
     readout: str | None = setting(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over"
                                         " the bit tokens; the pattern follows the layout",
@@ -216,12 +240,13 @@ class Config:
                                            group="boolean", type=int)
     discover_degree: int = setting(3, "Boolean tasks, --pattern discovered: the Walsh sets of the training data of up "
                                       "to this many bits (default 3)",
-                                      group="boolean", type=int, arch=True)
+                                      group="boolean", type=int, arch=True, needs={"pattern": ("discovered",)})
     discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets "
                                               "(digit "
                                               "pairs) whose Walsh coefficient (mutual information) is at least this "
                                               "fraction of the largest (default 0.25)",
-                                              group="boolean", type=float, arch=True)
+                                              group="boolean", type=float, arch=True,
+                                              needs={"pattern": ("discovered",)})
     # arithmetic
     data_frac: float | None = setting(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for addition, "
                                             "0.03 for multiplication)",
@@ -252,12 +277,13 @@ class Config:
                                      group="vision", choices=("mean", "cls"), arch=True)
     impulse: str = setting("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
                                     "random (drawn by the seed)",
-                                    group="vision", metavar="{fixed,random}", arch=True)
+                                    group="vision", metavar="{fixed,random}", arch=True,
+                                    needs={"pattern": ("impulse", "soft", "graded")})
     soft_alpha: float = setting(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to "
                                      "the head's offset (default 1.0)",
-                                     group="vision", type=float, arch=True)
+                                     group="vision", type=float, arch=True, needs={"pattern": ("soft",)})
     window: int = setting(3, "--pattern local: the side of every head's window, in patches (odd; default 3)",
-                               group="vision", type=int, arch=True)
+                               group="vision", type=int, arch=True, needs={"pattern": ("local",)})
     label_smoothing: float | None = setting(None, None, group="vision", type=float, check="fraction")
     mixup: float = setting(0.0, "mixup Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
     cutmix: float = setting(0.0, "cutmix Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
@@ -266,12 +292,13 @@ class Config:
                                group="vision", metavar="{pad,rrc}")
     crop_pct: float = setting(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
                                      "(default 0.875)",
-                                     group="vision", type=float)
+                                     group="vision", type=float, needs={"input_size": GIVEN})
     randaug: float = setting(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
                                   group="vision", type=float)
     randaug_std: float = setting(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)",
-                                      group="vision", type=float, check="non_negative")
-    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int)
+                                      group="vision", type=float, check="non_negative", needs={"randaug": ON})
+    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int,
+                               needs={"randaug": ON})
     reprob: float = setting(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
                                  group="vision", type=float)
     # lm
@@ -284,12 +311,14 @@ class Config:
                                        "training)",
                                        group="sampling", metavar="PROMPT", resumable=True, tells_apart=False)
     sample_tokens: int = setting(100, "tokens to generate (default 100)",
-                                      group="sampling", type=int, check="positive", resumable=True, tells_apart=False)
+                                      group="sampling", type=int, check="positive", resumable=True, tells_apart=False,
+                                      needs={"sample": GIVEN})
     temperature: float = setting(0.8, "0 = greedy (default 0.8)",
                                       group="sampling", type=float, check="non_negative", resumable=True,
-                                      tells_apart=False)
+                                      tells_apart=False, needs={"sample": GIVEN})
     top_k: int = setting(40, "sample among the k likeliest (0 = all; default 40)",
-                             group="sampling", type=int, check="non_negative", resumable=True, tells_apart=False)
+                             group="sampling", type=int, check="non_negative", resumable=True, tells_apart=False,
+                             needs={"sample": GIVEN})
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -299,9 +328,17 @@ ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
 NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
 ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
 TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
+NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
+EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
           "fraction": (lambda v: 0 <= v < 1, "in [0, 1)")}
 COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
+
+
+def say(text: str) -> None:
+    """A line of progress on standard output, from one process (under torchrun, rank 0's)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text, flush=True)
 
 
 class UsageError(Exception):
@@ -431,23 +468,60 @@ def check_numbers(config: Config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
 
 
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def applied_value(config: Config, key: str):
+    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a --pattern or
+    --prior-kind not given: the task's default)."""
+    task = T.TASKS[config.task]
+    if key == "kind":
+        return task.KIND
+    if key == "pattern":
+        return config.pattern or task.DEFAULT_PATTERN
+    if key == "prior_kind":
+        return config.prior_kind or task.TEACHER_KINDS[0]
+    return getattr(config, key)
+
+
+def unmet(key: str, allowed, value) -> str | None:
+    """What a flag needs of `key` when `value` does not meet `allowed` (None: it does)."""
+    if allowed is GIVEN:
+        return None if value is not None else f"with {flag(key)}"
+    if allowed is ON:
+        return None if value else f"with {flag(key)} above 0 (here {value})"
+    if value in allowed:
+        return None
+    if key == "kind":
+        return f"to the {' and '.join(allowed)} tasks (this task is {value})"
+    return f"with {flag(key)} {' or '.join(map(str, allowed))} (here {value})"
+
+
+def check_applies(config: Config, explicit: set) -> None:
+    """The one check of where a flag applies, from the Config table: each flag given must be a task option of the
+    task (its constructor takes it), meet its field's `needs` and come without what it `excludes`; else one line
+    naming the flag and what it needs. Runs before anything is built or read."""
+    task = T.TASKS[config.task]
+    options = [o for o in task.options() if o in FIELDS]
+    for name in (n for n in FIELDS if n in explicit):
+        if name in TASK_FLAGS and name not in options:
+            what = f" (use --pool for {config.task})" if name == "readout" and task.KIND == "vision" else ""
+            raise UsageError(f"{flag(name)} does not apply to task {config.task} ({task.KIND}){what}; its task "
+                             f"options are: {', '.join(flag(o) for o in options if o != 'heads')}")
+        for key, allowed in NEEDS.get(name, {}).items():
+            need = unmet(key, allowed, applied_value(config, key))
+            if need:
+                raise UsageError(f"{flag(name)} applies only {need}; leave it out or give what it needs")
+        for other in EXCLUDES.get(name, ()):
+            if other in explicit:
+                raise UsageError(f"give {flag(name)} or {flag(other)}, not both ({flag(name)} replaces "
+                                 f"{flag(other)})")
+
+
 def validate(config, task, explicit: set):
     if config.steps is None and config.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
-    if "eval_points" in explicit and config.eval_points and not task.EVAL_POINTS:
-        raise UsageError(f"--eval-points applies to the Boolean and arithmetic tasks only, got {config.eval_points} "
-                         f"for {config.task}")
-    options = [o for o in task.options() if o in FIELDS]
-    for flag in sorted(explicit & TASK_FLAGS):
-        if flag not in options:
-            what = f" (use --pool for {config.task})" if flag == "readout" and task.KIND == "vision" else ""
-            raise UsageError(f"--{flag.replace('_', '-')} does not apply to task {config.task} ({task.KIND}){what}; "
-                             f"its task options are: "
-                             f"{', '.join('--' + o.replace('_', '-') for o in options if o != 'heads')}")
-    if not task.MASK_SCALE and explicit & {"mask_on", "mask_off"}:
-        raise UsageError(f"--mask-on / --mask-off do not apply to task {config.task} ({task.KIND}): its M starts "
-                         f"from the causal-distance prior (log sigmoid(M) = -slope_h * distance), which has no "
-                         f"on/off levels")
     if config.init not in task.INITS:
         raise UsageError(f"init {config.init!r} does not apply to task {config.task} ({task.KIND}); "
                          f"choose from {', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
@@ -505,10 +579,6 @@ def pick_device(name: str) -> torch.device:
     if dev.type == "mps" and not mps_available():
         raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
     return dev
-
-
-# The inits whose model owns an M (a learnable log sigmoid(M) per layer).
-MASK_INITS = ("mask", "mask-impulse")
 
 
 def use_fused(attention: str, init: str, device: torch.device) -> bool:
@@ -571,7 +641,7 @@ def init_qk_svd(model, prior, config, g) -> dict:
 
 def init_qk_opt(model, prior, config, g) -> dict:
     return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr, tol=config.qk_opt_tol,
-                           pos_scale=config.qk_opt_pos_scale, generator=g)
+                           pos_scale=config.qk_opt_pos_scale, generator=g, log=say)
 
 
 def init_mimetic(model, prior, config, g) -> dict:
@@ -609,12 +679,12 @@ def apply_init(model, prior: Prior, config) -> dict:
     return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
-def make_prior(config, task, device) -> Prior:
-    """The run's prior: from --prior-from's teacher (`teacher_prior`), else the task's --pattern (the hand
-    patterns, or `discovered` in the training data), with precision and recall of its pairs against the
-    task's default hand pattern where the prior is not a hand one."""
+def make_prior(config, task, device, teacher: Teacher | None = None) -> Prior:
+    """The run's prior: from --prior-from's teacher (`teacher_prior`; `teacher`: its files, read already by
+    `read_teacher`), else the task's --pattern (the hand patterns, or `discovered` in the training data), with
+    precision and recall of its pairs against the task's default hand pattern where the prior is not a hand one."""
     if config.prior_from is not None:
-        pattern, logits, source = teacher_prior(config, task, device)
+        pattern, logits, source = teacher_prior(config, task, device, teacher or read_teacher(config, task))
     else:
         name = task.check_pattern(config.pattern)
         pattern, logits = task.pattern(name), task.mask_logits(name, config.mask_on, config.mask_off)
@@ -627,22 +697,34 @@ def make_prior(config, task, device) -> Prior:
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")   # what a teacher's maps must share
 
 
-def teacher_prior(config, task, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """--prior-from RUN: the teacher's checkpoint read as someone else's file (its checksum, weights_only=True),
-    its task, token layout and (for a per-head prior) head count checked against this run's, its model rebuilt
-    and its mean attention read on its own training inputs (`T.Task.teacher_inputs`: its task made from its
-    flags, so a teacher of another corpus reads its own), then turned into this task's prior
-    (`T.Task.teacher_prior`). Returns (pattern, logits, source); anything else is one line."""
+@dataclass
+class Teacher:
+    """A --prior-from run's files, read and checked (`read_teacher`): its checkpoint and its flags."""
+    folder: str
+    ckpt: dict
+    config: Config
+
+
+def read_teacher(config, task) -> Teacher:
+    """--prior-from RUN, read as someone else's files before anything is built or written: a folder no process is
+    training in (its lock is free), holding a finished run (result.json of the checkpoint's run and step) whose
+    checkpoint (`read_checkpoint`: schema checked) is of this task, token layout and, for a per-head prior, head
+    count. Anything else is one line."""
     folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
-    if not os.path.isfile(os.path.join(folder, "result.json")):
-        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
-    ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
-    saved, mine = ckpt["config"], asdict(model_config(config, task))
-    if not isinstance(saved, dict) or saved.get("task") != config.task:
-        raise UsageError(f"{flag} is a run of task {saved.get('task') if isinstance(saved, dict) else '?'}, not "
-                         f"{config.task}: a teacher is a run of the same task")
+    with RunFolder(folder).reading(flag):
+        result = read_result(os.path.join(folder, "result.json"), flag)
+        ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
+    ident = ckpt["identity"]
+    if result.get("run_id") != ident.get("run_id") or result.get("steps") != ckpt["step"]:
+        raise UsageError(f"{flag}: its result.json (run {result.get('run_id')}, step {result.get('steps')}) and "
+                         f"ckpt.pt (run {ident.get('run_id')}, step {ckpt['step']}) are not one finished run; "
+                         f"finish the run (--resume) or give another teacher")
+    saved, mine = saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config, task))
+    if saved.task != config.task:
+        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher is a run of the same "
+                         f"task")
     theirs = ckpt["model_config"]
     other = {k: (theirs.get(k), mine.get(k)) for k in LAYOUT if theirs.get(k) != mine.get(k)}
     if other:
@@ -656,22 +738,39 @@ def teacher_prior(config, task, device) -> tuple[torch.Tensor, torch.Tensor, dic
     if kind != "pattern" and theirs["n_heads"] != config.heads:
         raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} "
                          f"gives each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
-    teacher_config = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
-    teacher_task = make_task(teacher_config)
-    setup_task(teacher_task, device)
+    return Teacher(folder, ckpt, saved)
+
+
+def read_result(path: str, flag: str) -> dict:
+    """A finished run's result.json through the one reader (`T.read_result`: its schema checked)."""
+    if not os.path.lexists(path):
+        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
     try:
-        teacher = (mp.ViT(mp.ViTConfig(**theirs)) if "patch_size" in theirs else
-                   mp.Transformer(mp.TransformerConfig(**theirs)))
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{flag}: its checkpoint does not rebuild its model ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:160]})") from None
-    load_weights(teacher, ckpt["model"], f"{flag}'s checkpoint")
-    teacher.to(device).eval()
-    attn = mp.mean_attention(teacher, teacher_task.teacher_inputs(config.probe_size))
-    pattern, logits = task.teacher_prior(attn, kind, config.prior_ratio, config.mask_on, config.mask_off)
-    return pattern, logits, {"from": "teacher", "teacher": os.path.abspath(folder),
-                             "teacher_run_id": (ckpt.get("identity") or {}).get("run_id"),
-                             "teacher_init": saved["init"],
+        return T.read_result(path)
+    except T.ReadError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def teacher_prior(config, task, device, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The prior a teacher's attention gives (`T.Task.teacher_prior`): its model rebuilt from its checked
+    checkpoint and its mean attention read on its own training inputs (`T.Task.teacher_inputs`: its task made from
+    its flags, so a teacher of another corpus reads its own). Returns (pattern, logits, source)."""
+    flag, ckpt = f"--prior-from {teacher.folder}", teacher.ckpt
+    teacher_task = make_task(teacher.config)
+    setup_task(teacher_task, device)
+    theirs = ckpt["model_config"]
+    model = mp.ViT(mp.ViTConfig(**theirs)) if "patch_size" in theirs else mp.Transformer(mp.TransformerConfig(**theirs))
+    load_weights(model, ckpt["model"], f"{flag}'s checkpoint")
+    model.to(device).eval()
+    attn = mp.mean_attention(model, teacher_task.teacher_inputs(config.probe_size))
+    kind = config.prior_kind or task.TEACHER_KINDS[0]
+    try:
+        pattern, logits = task.teacher_prior(attn, kind, config.prior_ratio, config.mask_on, config.mask_off)
+    except ValueError as e:                # a map that names nothing, or is not finite: refused, not used
+        raise UsageError(f"{flag}: its attention gives no prior ({e})") from None
+    return pattern, logits, {"from": "teacher", "teacher": os.path.abspath(teacher.folder),
+                             "teacher_run_id": ckpt["identity"]["run_id"],
+                             "teacher_init": teacher.config.init,
                              "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
 
 
@@ -873,6 +972,8 @@ class Run:
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
     data: str | None = None         # the task's data fingerprint (T.Task.fingerprint), saved in ckpt.pt
     prior_source: dict | None = None  # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
+    prior_file: bytes | None = None   # a new run's prior.pt (a prior not written by hand), written by `begin`
+    prior_sha256: str | None = None   # its sha256, saved in ckpt.pt: a resume reads back the same file
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
@@ -942,31 +1043,35 @@ def folder_vanished(config: Config, state: Run) -> str:
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check the flags and the run folder, build everything; a new run is initialised and its first
-    files written (args.json, the step-0 line of metrics.jsonl, then ckpt.pt, which makes it a run),
-    a resumed one restored. The folder stays locked until the run ends; a new run that fails before
-    its first checkpoint leaves no trace. Under torchrun rank 0 alone opens the folder and shares
-    the (restored) flags, or its error, with the others."""
-    folder = ckpt = task = device = error = None
-    if dist.main:
-        try:
+    """Check everything the run reads (its flags and where they apply, a resumed run's files, a teacher's), build
+    it in memory (the data, the model, the init, every check of a resume), and only then take the run folder and
+    write (`begin`): a refusal writes nothing and deletes nothing, and a new run that fails after `begin` removes
+    only what it wrote itself (`RunFolder.abandon`). A resumed run's folder is locked from its first read to the
+    end, a new run's from `begin`. Under torchrun rank 0 alone reads and writes the folder and shares the
+    (restored) flags, or its error, with the others."""
+    folder = ckpt = task = device = teacher = error = None
+    try:
+        if dist.main:
             folder = RunFolder(config.out)
             if config.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
                 config = restore_config(config, explicit, folder, ckpt)
                 check_numbers(config)
+            else:
+                folder.check_free()
+            check_applies(config, explicit)
             task = make_task(config)
+            task.say = say                               # the task's word on its slow work (the exact MDI)
             validate(config, task, explicit)
+            teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
             device = pick_device(config.device)
-            if not config.resume:
-                folder.create()
-        except UsageError as e:
-            if folder is not None:
-                folder.release()
-            if dist.world == 1:
-                raise
-            error = str(e)
+    except UsageError as e:
+        if folder is not None:
+            folder.release()
+        if dist.world == 1:
+            raise
+        error = str(e)
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
     try:
@@ -974,16 +1079,18 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
             config = Config(**shared)
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
             task, device = make_task(config), pick_device(config.device)
-        state = build_run(config, explicit, task, device, folder, ckpt, dist)
+        state = build_run(config, explicit, task, device, folder, ckpt, dist, teacher)
+        if dist.main:
+            begin(state, ckpt)
     except UsageError as e:
         if folder is not None:
-            folder.release() if config.resume else folder.abandon()
+            folder.abandon()
         if dist.world == 1:
             raise
         error = str(e) if dist.main else None
     except BaseException:
         if folder is not None:
-            folder.release() if config.resume else folder.abandon()
+            folder.abandon()
         raise
     dist.agree(error)
     return state
@@ -1016,11 +1123,11 @@ class Built:
 
 
 def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
-          init: bool = True) -> Built:
+          init: bool = True, teacher: Teacher | None = None) -> Built:
     """Everything a run trains, from a config: the task (made from the config unless given) set up on
     the device, the schedule sized (`size_schedule`), the model built and, with `init`, initialised by
-    --init (its report timed), and the optimiser (M undecayed). `train_loop`, the tests and the
-    benchmarks that train build this way; `train_step` then takes the steps."""
+    --init (its report timed; `teacher`: --prior-from's files, read already), and the optimiser (M undecayed).
+    `train_loop`, the tests and the benchmarks that train build this way; `train_step` then takes the steps."""
     device = device or pick_device(config.device)
     task = task or make_task(config)
     setup_task(task, device)
@@ -1029,7 +1136,7 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
     report = prior = None
     if init:
         t0 = time.time()
-        prior = make_prior(config, task, device)
+        prior = make_prior(config, task, device, teacher)
         try:
             report = apply_init(model, prior, config)
         except ValueError as e:     # a pattern that does not fit the model: nothing is written
@@ -1040,23 +1147,13 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
 
 
 def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
-              dist: Dist = Dist()) -> Run:
-    """Load the data, size the schedule, build the model; then initialise and save a new run
-    (`ckpt` None: `new_run`) or restore the checkpoint's state (`restored_run`). Only rank 0 writes."""
-    built = build(config, device, explicit, task, init=ckpt is None)
-    config, model = built.config, built.model
-    if ckpt is not None and config.steps < ckpt["step"]:
-        raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
-                         f"{config.steps}; give --steps {ckpt['step']} or more")
+              dist: Dist = Dist(), teacher: Teacher | None = None) -> Run:
+    """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None: `new_run`) or
+    restore the checkpoint's state (`restored_run`), everything checked and nothing written (`begin` writes)."""
+    built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
     state = new_run(built, task, device, folder, dist) if ckpt is None else \
         restored_run(built, task, device, folder, dist, ckpt)
-    if config.ema:
-        state.ema = copy.deepcopy(model).requires_grad_(False)
-        if ckpt is not None:
-            if "ema" not in ckpt:
-                raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
-            state.ema.load_state_dict(ckpt["ema"])
-    state.trained = torch.compile(model) if config.compile else model
+    state.trained = torch.compile(state.model) if state.config.compile else state.model
     if dist.world > 1:
         state.trained = torch.nn.parallel.DistributedDataParallel(
             state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
@@ -1064,86 +1161,128 @@ def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckp
 
 
 def new_run(built: Built, task, device, folder: RunFolder | None, dist: Dist) -> Run:
-    """A new run from its build: the start checked and measured; rank 0 writes args.json, a prior not written by
-    hand (prior.pt), the log's first line and the first checkpoint, and says what it runs."""
+    """A new run from its build, in memory: the start checked and measured (rank 0), the prior not written by
+    hand serialised for prior.pt."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
     probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, device, config)
     state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None,
                 folder, dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior.source)
-    if not dist.main:
-        return state
-    start = probe.measure(model)
-    state.mass_start = start["prior_mass"]
-    write_json(state.path("args.json"), asdict(config))
+    if config.ema:
+        state.ema = copy.deepcopy(model).requires_grad_(False)
     if prior.source["from"] != "hand":          # found, not written by hand: kept beside the run
-        save_prior(state.path("prior.pt"), prior)
-    first = {"step": 0, "loss": None, "run_id": state.run_id, **start}
-    T.atomic_write(state.path("metrics.jsonl"), json.dumps(first) + "\n")
-    save_checkpoint(state)              # last: a folder with a checkpoint is a run
-    n_params = sum(p.numel() for p in model.parameters())
-    procs = f" x {dist.world} processes" if dist.world > 1 else ""
-    print(f"{config.task} | init {config.init} {fmt_report(built.init_report)}| {n_params:,} params | "
-          f"{device}{procs} | {config.steps} steps | out {config.out}", flush=True)
-    if config.preset == "paper" and device.type == "cpu":
-        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
-              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
-    print(f"step {0:>6}/{config.steps} | {fmt_metrics(start, task)}", flush=True)
+        state.prior_file = prior_bytes(prior)
+        state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
+    if dist.main:
+        state.last = {"step": 0, "loss": None, "run_id": state.run_id, **probe.measure(model)}
+        state.mass_start = state.last["prior_mass"]
     return state
 
 
 def restored_run(built: Built, task, device, folder: RunFolder | None, dist: Dist, ckpt: dict) -> Run:
-    """The run a checkpoint holds, on the build of its own config: the same architecture and data checked, the
-    weights, optimiser, probe snapshot and RNG restored; rank 0 cuts the log back to the checkpoint's step."""
+    """The run a checkpoint holds, on the build of its own config, in memory: its steps, architecture, data, moving
+    average and prior file checked against this run's, then the weights, optimiser, probe snapshot and RNG
+    restored."""
     config, model, model_cfg = built.config, built.model, built.model_cfg
-    prior_source = ckpt.get("prior_source") or {"from": "hand"}
-    pattern, inputs = saved_pattern(config, task, prior_source).to(device), task.probe_inputs(config.probe_size)
+    if config.steps < ckpt["step"]:
+        raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
+                         f"{config.steps}; give --steps {ckpt['step']} or more")
     same = {k: v for k, v in ckpt["model_config"].items() if k != "fused"} == \
         {k: v for k, v in asdict(model_cfg).items() if k != "fused"}
     if not same:
         raise UsageError(f"--resume: the checkpoint in {config.out} holds a different architecture "
                          f"({ckpt['model_config']} vs {asdict(model_cfg)})")
+    if config.ema and "ema" not in ckpt:
+        raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
     check_same_data(ckpt, task, config)
+    prior_source = ckpt.get("prior_source") or {"from": "hand"}
+    pattern = saved_pattern(config, task, prior_source, ckpt["prior_sha256"]).to(device)
     load_weights(model, ckpt["model"], f"--resume: the checkpoint in {config.out}")
-    built.optimizer.load_state_dict(ckpt["optimizer"])
-    probe = Probe(task, pattern, inputs, ckpt["snapshot"], config.eval_points, device, config)
+    try:
+        built.optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit this run's "
+                         f"parameters ({type(e).__name__}: {str(e)[:120]})") from None
+    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points, device,
+                  config)
     state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
                 ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
-                run_id=(ckpt.get("identity") or {}).get("run_id"), log_step=ckpt.get("log_step", 0),
-                saved_step=ckpt["step"], data=ckpt.get("data"), prior_source=prior_source)
+                run_id=ckpt["identity"]["run_id"], log_step=ckpt["log_step"], saved_step=ckpt["step"],
+                data=ckpt["data"], prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
+    if config.ema:
+        state.ema = copy.deepcopy(model).requires_grad_(False)
+        load_weights(state.ema, ckpt["ema"], f"--resume: the moving average in {config.out}/ckpt.pt")
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    if dist.main:
-        truncate_log(state.path("metrics.jsonl"), state.step)
-        write_json(state.path("args.json"), asdict(config))
-        state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
-        note = rounding_note(ckpt, device)
-        if note:
-            state.say(note)
     return state
 
 
-def save_prior(path: str, prior: Prior) -> None:
+def begin(state: Run, ckpt: dict | None) -> None:
+    """Rank 0, once everything is checked and built: a new run takes its folder (`RunFolder.create`: made or taken
+    over, and locked) and writes args.json, prior.pt (a prior not written by hand), the log's first line and last
+    ckpt.pt, which makes the folder a run; a resumed run cuts its log back to the checkpoint's step and rewrites
+    args.json. Each then says what it runs."""
+    config, folder = state.config, state.folder
+    if ckpt is not None:
+        truncate_log(state.path("metrics.jsonl"), state.step)
+        write_json(state.path("args.json"), asdict(config))
+        state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
+        note = rounding_note(ckpt, state.device)
+        if note:
+            state.say(note)
+        return
+    folder.create()
+    folder.write("args.json", json_text(asdict(config)))
+    if state.prior_file is not None:
+        folder.write("prior.pt", state.prior_file)
+    folder.write("metrics.jsonl", json.dumps(state.last) + "\n")
+    save_checkpoint(state)              # last: a folder with a checkpoint is a run
+    n_params = sum(p.numel() for p in state.model.parameters())
+    procs = f" x {state.dist.world} processes" if state.dist.world > 1 else ""
+    print(f"{config.task} | init {config.init} {fmt_report(state.init_report)}| {n_params:,} params | "
+          f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
+    if config.preset == "paper" and state.device.type == "cpu":
+        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
+              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
+    print(f"step {0:>6}/{config.steps} | {fmt_metrics(state.last, state.task)}", flush=True)
+
+
+def prior_bytes(prior: Prior) -> bytes:
     """prior.pt: the pattern and logits a run started from and their source (torch.save, weights_only loadable)."""
     buf = io.BytesIO()
     torch.save({"pattern": prior.pattern.cpu(), "logits": prior.logits.cpu(), "source": prior.source}, buf)
-    T.atomic_write(path, buf.getvalue())
+    return buf.getvalue()
 
 
-def saved_pattern(config, task, source: dict) -> torch.Tensor:
-    """A resumed run's probe pattern: its prior.pt (a prior found from data or a teacher), else the task's."""
-    path = os.path.join(config.out, "prior.pt")
+def saved_pattern(config, task, source: dict, sha256: str | None) -> torch.Tensor:
+    """A resumed run's probe pattern: the task's for a hand prior; else its prior.pt (a prior found in the data
+    or a teacher), read through the one reader, the same bytes the run wrote at its start (their sha256 is in
+    the checkpoint) and of the layout the task's pattern has."""
     if source.get("from", "hand") == "hand":
         return task.pattern(config.pattern)
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume: {path} is missing: the run started from a prior found in its "
-                         f"{source['from']}, saved there; restore the file")
-    saved = _load_tensors(path, path, "--resume")
-    if not isinstance(saved, dict) or not isinstance(saved.get("pattern"), torch.Tensor):
-        raise UsageError(f"--resume: {path} does not hold the run's prior (a dict with its pattern)")
-    return saved["pattern"]
+    path = os.path.join(config.out, "prior.pt")
+    try:
+        data = T.read_back(path, "prior")
+    except T.ReadError as e:
+        raise UsageError(f"--resume: {e}: the run started from a prior found in its {source['from']}, saved there; "
+                         f"restore the file") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is not the one in the "
+                         f"checkpoint); restore the run's own prior.pt")
+    try:
+        saved = T.load_torch(data, path)
+    except T.ReadError as e:
+        raise UsageError(f"--resume: {e}") from None
+    shape = task.pattern(task.DEFAULT_PATTERN).shape[-2:]
+    pattern, logits = (saved.get(k) if isinstance(saved, dict) else None for k in ("pattern", "logits"))
+    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool and pattern.dim() in (2, 3)
+            and pattern.shape[-2:] == shape and isinstance(logits, torch.Tensor) and logits.is_floating_point()
+            and bool(torch.isfinite(logits).all())):
+        raise UsageError(f"--resume: {path} does not hold the run's prior (a bool pattern of {tuple(shape)} and "
+                         f"finite logits)")
+    return pattern
 
 
 def load_weights(model: torch.nn.Module, state: dict, what: str) -> None:
@@ -1388,6 +1527,7 @@ def sample(config, explicit: set) -> int:
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     check_numbers(config)
+    check_applies(config, explicit)
     task = make_task(config)
     if task.KIND != "lm":
         raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
@@ -1413,16 +1553,15 @@ def sample(config, explicit: set) -> int:
 # Checkpoint and files: every file is written whole or not at all (T.atomic_write / atomic_output)
 
 
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
+
+
 def write_json(path: str, obj) -> None:
-    T.atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    T.atomic_write(path, json_text(obj))
 
 
-def load_json(path: str):
-    with open(path) as f:
-        return json.load(f)
-
-
-CKPT_FORMAT = "maskprior-checkpoint-3"       # the contents, serialised, beside their sha256
+CKPT_FORMAT = "maskprior-checkpoint-4"       # the contents, serialised, beside their sha256; every flag of this version
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
@@ -1434,8 +1573,9 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
             **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
-            **({"identity": identity(state.config, state.run_id)} if state.run_id else {}), "log_step": state.log_step,
+            "identity": identity(state.config, state.run_id), "log_step": state.log_step,
             "data": state.data, "machine": machine(state.device), "prior_source": state.prior_source,
+            "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     buf = io.BytesIO()
@@ -1443,8 +1583,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
     payload = buf.getvalue()
     outer = io.BytesIO()
     torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, outer)
-    with T.atomic_output(state.path("ckpt.pt")) as f:
-        f.write(outer.getbuffer())              # a plain write: a full disk is an OSError (ENOSPC)
+    state.folder.write("ckpt.pt", outer.getbuffer())    # a plain write: a full disk is an OSError (ENOSPC)
     state.saved_step = state.step
 
 
@@ -1460,29 +1599,16 @@ def identity(config, run_id: str) -> dict:
 
 
 CKPT_KEYS = ("model", "optimizer", "step", "seconds", "config", "model_config", "init_report", "snapshot",
-             "prior_mass_start", "rng")
-
-
-def _load_tensors(source, path: str, flag: str):
-    """torch.load with weights_only=True: tensors, numbers, strings and containers only, so a crafted file
-    cannot run code while it is read (what it names beyond those is refused before it is called)."""
-    try:
-        return torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        named = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"it names {named.group(1)}" if named else next(
-            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
-        raise UsageError(f"{flag}: {path} holds more than tensors and plain values ({what}), which a checkpoint of "
-                         f"train.py never does and which would run code if unpickled; it was not run. Use a "
-                         f"checkpoint train.py wrote") from None
+             "prior_mass_start", "rng", "identity", "log_step", "data", "machine", "prior_source", "prior_sha256")
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint of this program, read to the CPU once its contents match their sha256, both levels with
-    weights_only=True (`_load_tensors`: a file from elsewhere runs no code). A checkpoint of an earlier
-    version (another format, or none: before checksums) and anything else is one clear line."""
+    """A checkpoint of this program, read as someone else's file: `T.read_back` (a regular file within a size
+    limit), both levels loaded with weights_only=True (a file from elsewhere runs no code), the contents matched
+    against their sha256, then the schema checked (`check_checkpoint`) before any value is used. A checkpoint of
+    an earlier version (another format, or none: before checksums) and anything else is one clear line."""
     try:
-        ckpt = _load_tensors(path, path, flag)
+        ckpt = T.load_torch(T.read_back(path, "checkpoint"), path)
         if isinstance(ckpt, dict) and (ckpt.get("format") not in (None, CKPT_FORMAT)
                                        or "format" not in ckpt and set(CKPT_KEYS) <= set(ckpt)):
             was = ckpt.get("format") or "no format: written before checksums"
@@ -1493,15 +1619,119 @@ def read_checkpoint(path: str, flag: str) -> dict:
             if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != ckpt.get("sha256"):
                 raise UsageError(f"{flag}: {path} is damaged (its contents do not match the checksum saved with "
                                  f"them); restore the file from a copy, or start a new run with another --out")
-            ckpt = _load_tensors(io.BytesIO(payload), path, flag)
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one clear line
-        raise UsageError(f"{flag}: cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+            ckpt = T.load_torch(payload, path)
+    except T.ReadError as e:
+        raise UsageError(f"{flag}: {e}; use a checkpoint train.py wrote") from None
+    check_checkpoint(ckpt, f"{flag}: {path}")
+    return ckpt
+
+
+# A checkpoint's payload: key -> the types its value may have (CKPT_KEYS must be there; the others are optional).
+CKPT_SCHEMA = {"model": dict, "optimizer": dict, "step": int, "seconds": (int, float), "config": dict,
+               "model_config": dict, "init_report": (dict, type(None)), "snapshot": list,
+               "prior_mass_start": (list, type(None)), "rng": dict, "identity": dict, "log_step": int,
+               "data": (str, type(None)), "machine": dict, "prior_source": (dict, type(None)),
+               "prior_sha256": (str, type(None)), "ema": dict}
+
+
+def check_checkpoint(ckpt, where: str) -> None:
+    """The schema of a checkpoint's payload, before any value is used: every key of CKPT_KEYS, each value of its
+    type, the counters in range, the weights finite tensors, the flags a valid Config of this version
+    (`saved_config`) matching the identity's fingerprint, and the model config one that rebuilds (on the meta
+    device: nothing allocated) a model with exactly the weights' names and shapes (`check_model_fits`)."""
+    def bad(what):
+        raise UsageError(f"{where} is not a checkpoint of train.py ({what})")
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise UsageError(f"{flag}: {path} is not a checkpoint of train.py (no {', '.join(missing)})")
-    return ckpt
+        bad(f"no {', '.join(missing)}")
+    for key, kinds in CKPT_SCHEMA.items():
+        if key in ckpt and (not isinstance(ckpt[key], kinds) or isinstance(ckpt[key], bool)):
+            bad(f"its {key} is a {type(ckpt[key]).__name__}")
+    if ckpt["step"] < 0 or not 0 <= ckpt.get("log_step", 0) <= ckpt["step"] or \
+            not (math.isfinite(ckpt["seconds"]) and ckpt["seconds"] >= 0):
+        bad(f"step {ckpt['step']}, log step {ckpt.get('log_step')}, seconds {ckpt['seconds']}")
+    for key in ("model", "ema"):
+        for name, t in ckpt.get(key, {}).items():
+            if not (isinstance(name, str) and isinstance(t, torch.Tensor)):
+                bad(f"its {key} holds {name!r}: {type(t).__name__}, not a named tensor")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad(f"its {key} weight {name} holds non-finite values")
+    if not isinstance(ckpt["rng"].get("torch"), torch.Tensor) or ckpt["rng"]["torch"].dtype != torch.uint8:
+        bad("its rng holds no torch generator state")
+    config = saved_config(ckpt["config"], where)
+    ident = ckpt["identity"]
+    if not isinstance(ident.get("run_id"), str) or ident.get("fingerprint") != fingerprint(asdict(config)):
+        raise UsageError(f"{where} records flags that do not match its own fingerprint; the checkpoint was altered")
+    check_model_fits(ckpt["model_config"], ckpt["model"], where)
+    if not all(isinstance(layer, dict) for layer in ckpt["snapshot"]) or \
+            len(ckpt["snapshot"]) != ckpt["model_config"].get("n_layers"):
+        bad("its prior snapshot is not one record per layer")
+
+
+def saved_config(saved: dict, where: str) -> Config:
+    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version there (a
+    checkpoint of this format holds them all), each of its field's type and among its choices, then in range
+    (`check_numbers`); anything else is one line naming the flag."""
+    missing = [name for name in FIELDS if name not in saved]
+    unknown = sorted(set(saved) - set(FIELDS))
+    if missing or unknown:
+        what = f"no {missing[0]}" if missing else f"{unknown[0]}, which is no flag of this version"
+        raise UsageError(f"{where} holds the flags of another version of train.py ({what}); continue the run with "
+                         f"the version that wrote it, or start a new run")
+    for name, value in saved.items():
+        if not value_fits(name, value):
+            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} cannot take")
+    config = Config(**saved)
+    try:
+        check_numbers(config)
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+    return config
+
+
+def value_fits(name: str, value) -> bool:
+    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float ones, a bool for
+    switches, else a string), None where its default is None, and among its choices; a task and init registered."""
+    f = FIELDS[name]
+    m, default = f.metadata, f.default
+    if value is None:
+        return default is None
+    if isinstance(default, bool) and isinstance(value, bool):
+        return True
+    kind = bool if m["switch"] else m["type"] or str
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+          else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+    choices = m["choices"] or {"task": tuple(T.TASKS), "init": tuple(INITS)}.get(name)
+    return ok and (not choices or value in choices)
+
+
+def check_model_fits(model_config: dict, state: dict, where: str) -> None:
+    """A saved model config that rebuilds, on the meta device (no memory), a model with exactly the saved weights'
+    names, shapes and dtypes; its sizes bounded first (no more layers than weights, no size beyond 2^24)."""
+    cls, config_cls = (mp.ViT, mp.ViTConfig) if "patch_size" in model_config else (mp.Transformer,
+                                                                                  mp.TransformerConfig)
+    names = {f.name for f in fields(config_cls)}
+    if set(model_config) != names or not all(isinstance(k, str) for k in model_config):
+        odd = sorted(set(map(str, model_config)) ^ names)
+        raise UsageError(f"{where} is not a checkpoint of train.py (its model config has other fields: {odd[:3]})")
+    sizes = [v for v in model_config.values() if isinstance(v, int) and not isinstance(v, bool)]
+    if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (model_config.get("n_layers") or 0) <= len(state):
+        raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do not fit its "
+                         f"{len(state)} weights: {model_config})")
+    try:
+        with torch.device("meta"):
+            shapes = {k: (tuple(t.shape), t.dtype) for k, t in cls(config_cls(**model_config)).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - a config the model refuses is one line
+        raise UsageError(f"{where}: its model config does not build a model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+    if shapes != saved:
+        missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+        other = [k for k in sorted(set(shapes) & set(saved)) if shapes[k] != saved[k]]
+        which = (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
+                 else f"{other[0]} is {saved[other[0]]} in the file, {shapes[other[0]]} in the model")
+        raise UsageError(f"{where} does not fit this version's model ({which}); it was written by another version of "
+                         f"maskprior or altered: continue it with that version, or start a new run")
 
 
 try:
@@ -1524,12 +1754,47 @@ class RunFolder:
             raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
         self.path, self.created, self.fd = path, False, None
         self.parents: list[str] = []            # the folders above it this run made, deepest first
+        self.written: list[str] = []            # the files this process wrote here (`write`), in order
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def holds_run(self) -> bool:
         return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
+
+    def check_free(self) -> None:
+        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder can be made at
+        (both checked again by `create`, under the lock)."""
+        if self.holds_run():
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+        above = os.path.dirname(os.path.abspath(self.path))
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+            why = "Not a directory" if not os.path.isdir(above) else "Permission denied"
+            raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
+
+    def write(self, name: str, data: bytes | str) -> None:
+        """Write a file of the run whole (`T.atomic_write`), remembering that this process wrote it."""
+        T.atomic_write(self.file(name), data)
+        if name not in self.written:
+            self.written.append(name)
+
+    @contextlib.contextmanager
+    def reading(self, flag: str):
+        """Read another run's folder (a teacher's) only while no process trains in it: a shared lock, refused at
+        once where a run holds the folder's lock."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    raise UsageError(f"{flag} is in use by another process (a run is training there); wait for it "
+                                     f"to end, then give it again") from None
+            yield
+        finally:
+            os.close(fd)
 
     def open_existing(self) -> None:
         """Lock the folder of a run to resume; it must hold a checkpoint."""
@@ -1583,10 +1848,11 @@ class RunFolder:
             self.fd = None
 
     def abandon(self) -> None:
-        """A new run that failed before its first checkpoint: remove what it wrote, and the folder if
-        it made it and nothing else is there."""
-        if not os.path.exists(self.file("ckpt.pt")):
-            for name in ("args.json", "prior.pt", "metrics.jsonl"):
+        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote,
+        and the folder and the folders above it where this process made them and nothing else is there; then
+        unlock. Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
+        if "ckpt.pt" not in self.written:
+            for name in self.written:
                 with contextlib.suppress(OSError):
                     os.remove(self.file(name))
             if self.created:
@@ -1630,8 +1896,6 @@ def restore_config(config: Config, explicit: set, folder: RunFolder, ckpt: dict)
     for key, value in saved.items():
         if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
             values[key] = value
-    for key in DEFAULTS.keys() - saved.keys() - explicit:      # a flag added after the run was made
-        values[key] = DEFAULTS[key]
     if "halt_after" not in explicit:
         values["halt_after"] = None     # a halt belongs to one invocation
     return Config(**{**values, "resume": True})
@@ -1642,37 +1906,34 @@ _MISSING = object()
 
 def check_resume(folder: RunFolder, ckpt: dict) -> dict:
     """The run's flags from args.json, once the three files agree that they are one run at one step:
-    args.json is a JSON object holding every flag of the checkpoint, of the checkpoint's type, and
-    equal to it where a resume may not change it (a flag added after the run only at its default);
-    metrics.jsonl starts at step 0 and reaches the last step the checkpoint saw logged; and, for a run that has an
-    identity, the log's step-0 line names the checkpoint's run. Anything else is one line."""
+    args.json (read through `T.read_json`) is a JSON object holding every flag of the checkpoint and no other,
+    each of the checkpoint's type and equal to it where a resume may not change it; metrics.jsonl starts at step 0
+    and reaches the last step the checkpoint saw logged; and the log's step-0 line names the checkpoint's run.
+    Anything else is one line."""
     path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["config"]
     if not os.path.isfile(log):
         what = "is not a file" if os.path.exists(log) else "is missing"
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
                          f"with another --out")
     try:
-        records, logged = read_log(log), ckpt.get("log_step", 0)
+        records, logged = read_log(log), ckpt["log_step"]
     except LogError as e:
         raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log from a copy, or "
                          f"start a new run with another --out") from None
-    ident = ckpt.get("identity")
-    if ident is not None and records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
+    ident = ckpt["identity"]
+    if records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
         raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run (run "
                          f"{ident['run_id']}, seed {ident['seed']}; this folder's log is of run "
                          f"{records[0].get('run_id')}); put back this run's ckpt.pt, or start a new run")
-    if ident is not None and fingerprint(flags) != ident["fingerprint"]:
-        raise UsageError(f"--resume: {folder.file('ckpt.pt')} records flags that do not match its own "
-                         f"fingerprint; the checkpoint was altered")
     if not records or records[0]["step"] != 0 or records[-1]["step"] < logged:
         held = "no records" if not records else f"steps {records[0]['step']} .. {records[-1]['step']}"
         raise UsageError(f"--resume: {log} holds {held}, but the checkpoint (step {ckpt['step']}) was saved after "
                          f"logging steps 0 .. {logged}: the log lost lines, so the run cannot be continued whole; "
                          f"start a new run with another --out")
     try:
-        saved = load_json(path)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--resume: cannot read {path} ({e}); the run's flags are lost") from None
+        saved = T.read_json(path)
+    except T.ReadError as e:
+        raise UsageError(f"--resume: {e}; the run's flags are lost") from None
     if not isinstance(saved, dict):
         raise UsageError(f"--resume: {path} holds a JSON {type(saved).__name__}, not the object of the run's flags")
     for key, value in flags.items():
@@ -1687,9 +1948,8 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
             raise UsageError(f"--resume: {path} has {key}={mine!r} but the checkpoint was trained with "
                              f"{key}={value!r}; args.json does not belong to this checkpoint (restore it, or start "
                              f"a new run with another --out)")
-    for key in saved.keys() - flags.keys():
-        if key in DEFAULTS and key not in RESUMABLE and saved[key] != DEFAULTS[key]:
-            raise UsageError(f"--resume: {path} has {key}={saved[key]!r}, which the checkpoint does not record")
+    for key in sorted(saved.keys() - flags.keys()):
+        raise UsageError(f"--resume: {path} has {key}={saved[key]!r}, which the checkpoint does not record")
     return saved
 
 
@@ -1701,8 +1961,10 @@ def read_log(path: str) -> list[dict]:
     """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed write cut
     short (no newline at its end) is left out; a damaged, lost, repeated or reordered line is a LogError that
     names it, so nothing is ever dropped or rewritten away."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    try:
+        lines = T.read_back(path, "log").split(b"\n")
+    except T.ReadError as e:
+        raise LogError(str(e)) from None
     lines.pop()            # the bytes after the last newline: b"", or a write cut short (its step is logged again)
     records = []
     for number, line in enumerate(lines, 1):
@@ -1863,6 +2125,9 @@ def main(argv=None) -> int:
         flags, explicit = parse_args(argv)
         if flags.command == "summarize":
             from reporting.report import summarize
+            missing = [p for p in flags.paths if not os.path.exists(p)]
+            if missing:
+                raise UsageError(f"summarize: {missing[0]} does not exist; give run folders, or folders of them")
             print(summarize(flags.paths), end="")
             return 0
         if flags.command == "report":

@@ -56,8 +56,8 @@ def run_steps(task_name: str, extra: list = ()) -> int:
 
 def build(task_name: str, init: str, device: torch.device, extra: list):
     """The model, optimiser, flags and a batch maker of one run of the paper preset."""
-    argv = ["--task", task_name, "--init", init, "--preset", "paper", "--device", str(device), "--qk-opt-steps", "20",
-            *extra]
+    argv = ["--task", task_name, "--init", init, "--preset", "paper", "--device", str(device),
+            *(["--qk-opt-steps", "20"] if init == "qk-opt" else []), *extra]
     if T.TASKS[task_name].KIND in ("vision", "lm"):
         argv += ["--data-dir", "."]
     args = train.resolve(*train.parse_args(argv))

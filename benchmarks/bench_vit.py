@@ -60,13 +60,14 @@ def main():
     p.add_argument("--qk-opt-steps", type=int, default=50, help="qk-opt fitting steps (its cost is not timed)")
     args = p.parse_args()
     device = torch.device(args.device)
-    extra = ["--preset", args.preset, "--qk-opt-steps", str(args.qk_opt_steps)]
+    extra = ["--preset", args.preset]
     if args.batch_size:
         extra += ["--batch-size", str(args.batch_size)]
     inits = args.inits.split(",")
     steps, shape = {}, None
     for init in inits:
-        model, opt, cfg, targs, task = build(init, extra, device)
+        model, opt, cfg, targs, task = build(init, [*extra, *(["--qk-opt-steps", str(args.qk_opt_steps)]
+                                                             if init == "qk-opt" else [])], device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
         y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g)

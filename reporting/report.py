@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import textwrap
 
-import torch
 
 import tasks as T
-from train import DEFAULTS, INITS, NOT_TELLING_APART, Config, LogError, _number, load_json, make_task, parse_args, read_log, resolve
+from train import DEFAULTS, INITS, NOT_TELLING_APART, Config, LogError, make_task, parse_args, read_log, resolve
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
@@ -57,23 +55,13 @@ def collect_runs(paths) -> tuple[list, list]:
             problems.append(f"{path}: no such run directory")
     for d in dirs:
         res = os.path.join(d, "result.json")
-        if not os.path.exists(res):
+        if not os.path.lexists(res):
             problems.append(f"{d}: no result.json (unfinished or failed run)")
             continue
         try:
-            r = load_json(res)
-            if not isinstance(r, dict):
-                raise ValueError(f"a JSON {type(r).__name__}, not an object")
-            wrong = [k for k, kind in (("task", str), ("init", str), ("seed", int), ("metrics", dict))
-                     if not isinstance(r.get(k), kind) or isinstance(r.get(k), bool)]
-            if wrong:
-                raise ValueError(f"{wrong[0]} is {r.get(wrong[0], 'missing')!r}")
-            bad = [k for k, v in r["metrics"].items() if v is not None and not (_number(v) and math.isfinite(v))]
-            if bad:
-                raise ValueError(f"metric {bad[0]} is {r['metrics'][bad[0]]!r}, not a finite number")
-            runs.append({**r, "run_dir": d})
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            problems.append(f"{d}: unreadable result.json ({type(e).__name__}: {e})")
+            runs.append({**T.read_result(res), "run_dir": d})
+        except T.ReadError as e:
+            problems.append(f"{d}: unreadable result.json ({e})")
     return once_each(runs, problems)
 
 
@@ -83,7 +71,7 @@ def data_of(run: dict):
     if "data" in run:
         return run["data"]
     path = os.path.join(run["run_dir"], "args.json")
-    saved = load_json(path) if os.path.exists(path) else {}
+    saved = T.read_json(path) if os.path.lexists(path) else {}
     where = saved.get("data_dir") if isinstance(saved, dict) else None
     return os.path.normpath(where) if isinstance(where, str) else None
 
@@ -119,10 +107,9 @@ def run_id_of(run: dict) -> str | None:
     if isinstance(run.get("run_id"), str):
         return run["run_id"]
     try:
-        with open(os.path.join(run["run_dir"], "metrics.jsonl"), "rb") as f:
-            first = json.loads(f.readline().decode("utf-8"))
+        first = json.loads(T.read_back(os.path.join(run["run_dir"], "metrics.jsonl"), "log").split(b"\n", 1)[0])
         return first.get("run_id") if isinstance(first, dict) and isinstance(first.get("run_id"), str) else None
-    except (OSError, ValueError):
+    except ValueError:                           # T.ReadError, JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
 
 
@@ -404,7 +391,7 @@ def run_config(run: dict, ignore=frozenset()) -> dict:
     added after the run was made counts at its default); the model config of result.json where
     args.json is missing."""
     path = os.path.join(run["run_dir"], "args.json")
-    saved = load_json(path) if os.path.exists(path) else None
+    saved = T.read_json(path) if os.path.lexists(path) else None
     if saved is not None and not isinstance(saved, dict):
         raise ValueError(f"a JSON {type(saved).__name__}, not the object of the run's flags")
     config = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
@@ -828,9 +815,9 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
             if tag:
                 if not os.path.isfile(prior):
                     continue
-                pattern = torch.load(prior, weights_only=True)["pattern"]
+                pattern = T.load_torch(T.read_back(prior, "prior"), prior)["pattern"]
             else:
-                saved = load_json(os.path.join(first[0]["run_dir"], "args.json"))
+                saved = T.read_json(os.path.join(first[0]["run_dir"], "args.json"))
                 config = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
                 pattern = make_task(config).pattern(config.pattern)
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
