@@ -422,6 +422,29 @@ class MaskPrior(nn.Module):
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
+    def flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read inside the kernel (a
+        score_mod indexing the (heads, N, N) bias, or the relative table by distance), never a (B, heads, T, T) bias
+        in memory, and stays learnable; a causal prior's future is a block mask. Self-attention of T <= N tokens
+        (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused
+        kernel, forward and backward), torch's reference implementation elsewhere."""
+        t = q.shape[-2]
+        self._rows(t, t)
+        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.mask_logits.requires_grad):
+            raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
+                             f"or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
+        table = mask_bias(self._logits(self.mask_logits)).to(q.dtype)
+        if self.param == "full":
+            def score_mod(score, b, h, i, j):
+                return score + table[h, i, j]
+        else:
+            offset = 0 if self.causal else self.n - 1             # the table's index of distance i - j
+
+            def score_mod(score, b, h, i, j):
+                return score + table[h, (i - j + offset).clamp(min=0)]
+        block = _causal_block_mask(t, q.device) if self.causal else None
+        return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block)
+
     def check_roles_batch(self, batch: int) -> None:
         """Refuse a batch of another size than the roles `prior_roles` gave (one row of roles per example): a bias
         of one example broadcast over the batch would read every example by the first one's layout."""
@@ -439,6 +462,35 @@ class MaskPrior(nn.Module):
         """(batch, heads, t, k_len): add a padding mask of shape (batch, 1, 1, k_len) to it if you have one."""
         b = self(t, dtype, k_len)
         return b.unsqueeze(0).expand(batch, *b.shape)
+
+
+_FLEX: dict = {}            # flex_attention compiled for CUDA and causal block masks, made on first use (not at import)
+
+
+def _flex_attention(device_type: str):
+    """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the reference implementation,
+    torch's warning about it silenced: it is what runs on a CPU)."""
+    import warnings
+    from torch.nn.attention.flex_attention import flex_attention
+    if device_type == "cuda":
+        if "cuda" not in _FLEX:
+            _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        return _FLEX["cuda"]
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flex_attention(*args, **kwargs)
+    return eager
+
+
+def _causal_block_mask(t: int, device: torch.device):
+    """flex_attention's block mask of a causal layer of t tokens (key j <= query i), cached per size and device."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    key = ("causal", t, str(device))
+    if key not in _FLEX:
+        _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device=device)
+    return _FLEX[key]
 
 
 def mask_priors(model: nn.Module) -> list[MaskPrior]:
@@ -491,16 +543,18 @@ class Attention(nn.Module):
     it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
     (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
     `fused=True` uses F.scaled_dot_product_attention; the explicit path (`fused=False`, or
-    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities.
+    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs a layer with
+    M through torch's flex_attention instead (`MaskPrior.flex`: M read inside the kernel).
     """
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
-                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full"):
+                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
+                 flex: bool = False):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim or dim // n_heads
         self.causal = causal
-        self.fused = fused
+        self.fused, self.flex = fused, flex
         inner = n_heads * self.head_dim
         # the prior first: M is the layer's first parameter (and first in the optimiser's state)
         self.prior = MaskPrior(mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
@@ -519,8 +573,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, return_attn: bool = False):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        bias = self.attn_bias(t, q.dtype)
         attn = None
+        if self.flex and self.prior is not None and self.prior.roles is None and not return_attn:
+            out = self.prior.flex(q, k, v)
+            return self.proj(out.transpose(1, 2).reshape(b, t, -1)), None
+        bias = self.attn_bias(t, q.dtype)
         if self.fused and not return_attn:
             if bias is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
@@ -554,6 +611,7 @@ class TrunkConfig:
     mlp_dim: int = 256              # hidden units of the MLP
     learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
     fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
+    flex: bool = False              # a layer with M: torch's flex_attention, M read inside the kernel
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
@@ -581,7 +639,7 @@ class Block(nn.Module):
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused,
-                              cfg.mask_param)
+                              cfg.mask_param, cfg.flex)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
@@ -740,6 +798,27 @@ class ViT(Trunk):
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
         return self.drop(x + self.pos_emb)
+
+
+def model_from_config(config: dict) -> Trunk:
+    """The model a saved config describes (`asdict` of a ViTConfig, which has a patch size, or of a TransformerConfig):
+    its weights as drawn; build it under `torch.device("meta")` to check a config against saved weights for free."""
+    return ViT(ViTConfig(**config)) if "patch_size" in config else Transformer(TransformerConfig(**config))
+
+
+def state_mismatch(config: dict, state: dict) -> str | None:
+    """What keeps saved weights `state` from fitting the model a saved `config` describes (`model_from_config`, built on
+    the meta device: no memory): a weight it lacks or has in excess, another shape or dtype; None where they fit."""
+    try:
+        with torch.device("meta"):
+            model = {k: (tuple(t.shape), t.dtype) for k, t in model_from_config(config).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
+        return f"its config does not build a model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+    missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
+    return (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
+            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model" if other else None)
 
 
 def _vit_init(m: nn.Module):
@@ -1309,6 +1388,21 @@ def _names_pairs(pattern: torch.Tensor, given: torch.Tensor, ratio: float, large
     raise ValueError(f"pattern_from_attention: no query-key pair beyond the self-loops reaches ratio {ratio:g} (the "
                      f"largest share present is {largest:.4g} times uniform), so the pattern would name nothing: give "
                      f"a ratio of at most {reach:.4g}, or maps with structure")
+
+
+def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
+    """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an oracle's, over
+    the rows the oracle constrains (per head where both are per head, else over the union of heads)."""
+    if found.dim() != oracle.dim():
+        found, oracle = (p.any(0) if p.dim() == 3 else p for p in (found, oracle))
+    rows = prior_rows(oracle, causal)
+    n = oracle.shape[-1]
+    off_diagonal = ~torch.eye(n, dtype=torch.bool)
+    keep = off_diagonal & (rows[..., :, None] if rows.dim() == oracle.dim() - 1 else rows)
+    f, o = found.cpu() & keep, oracle.cpu() & keep
+    hit = int((f & o).sum())
+    return {"precision": hit / max(1, int(f.sum())), "recall": hit / max(1, int(o.sum())),
+            "found_pairs": int(f.sum()), "oracle_pairs": int(o.sum())}
 
 
 def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,

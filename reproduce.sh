@@ -150,181 +150,19 @@ if [ "$GPUS" -gt 0 ]; then
     LAUNCH=(-m torch.distributed.run --standalone --nproc_per_node "$GPUS" train.py)
 fi
 
-want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
-
-# ---- datasets: where each is looked for, and where to get it
-MISSING=()
-have() {    # have NAME PATH... : true if any PATH exists
-    local name="$1"; shift
-    for p in "$@"; do [ -e "$DATA/$p" ] && return 0; done
-    MISSING+=("$name: none of [$*] in $DATA/")
-    return 1
-}
-URL_CIFAR="https://www.cs.toronto.edu/~kriz/cifar.html"
-URL_IMAGENET="https://image-net.org/download-images.php (Imagenet32 + devkit map_clsloc.txt)"
-URL_WIKITEXT="https://huggingface.co/datasets/Salesforce/wikitext"
-URL_TINY="https://huggingface.co/datasets/roneneldan/TinyStories"
-
-# ---- the run list: "TABLE TASK INIT SEED TAG EXTRA-FLAGS..."; the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG]
-# (@DATA in the flags stands for the --data folder, passed as one argument whatever it holds)
-LIST=()
-add() {    # add TABLE TASK "INITS" ["EXTRA FLAGS"] [TAG]
-    for s in $SEEDS; do for i in $3; do LIST+=("$1 $2 $i $s ${5:--}${4:+ $4}"); done; done
-}
-QK="default mask qk-svd qk-opt"
-if want boolean || want persistence; then
-    for t in parity2 majority3 cyclic3; do add boolean "$t" "$QK"; done
-fi
-# arithmetic at the preset's budget (convergence); with --quick also at 250 steps, the budget at which the
-# small preset shows the paper's numbers (the paper does not state its budget)
-SHORT="--steps 250 --log-every 10 --eval-points 500"
-if want arithmetic; then
-    if [ "$QUICK" = 0 ]; then
-        add arithmetic addition "$QK"
-        add arithmetic multiplication "$QK"
-    else    # --quick: convergence for default and mask (all four with --only arithmetic), 250 steps for all four
-        FULL="default mask"; [ "$ONLY" = arithmetic ] && FULL="$QK"
-        add arithmetic addition "$FULL"
-        add arithmetic addition "$QK" "$SHORT" 250steps
-        if [ "$ONLY" = arithmetic ]; then
-            add arithmetic multiplication "$QK"
-            add arithmetic multiplication "$QK" "$SHORT" 250steps
-        fi
-    fi
-fi
-if [ "$ONLY" = data ]; then
-    add arithmetic addition "default mask"          # 0.4%: the arithmetic table's own runs
-    for f in 0.0005 0.001 0.002 0.008; do add data addition "default mask" "--data-frac $f" "frac$f"; done
-fi
-if [ "$QUICK" = 0 ] && want vision; then
-    VI="default mimetic impulse mask mask-impulse"     # mask-impulse: the mask with impulse's positions and V (issue 34)
-    have "cifar10 ($URL_CIFAR)" cifar-10-batches-py/data_batch_1 cifar-10-batches-bin/data_batch_1.bin \
-        && add vision cifar10 "$VI" "--data-dir @DATA"
-    have "cifar100 ($URL_CIFAR)" cifar-100-python/train cifar-100-binary/train.bin \
-        && add vision cifar100 "$VI" "--data-dir @DATA"
-    have "imagenet100 ($URL_IMAGENET)" imagenet100/map_clsloc.txt \
-        && add vision imagenet100 "$VI" "--data-dir @DATA/imagenet100"
-fi
-if [ "$QUICK" = 0 ] && want lm; then
-    have "wikitext2 ($URL_WIKITEXT)" wikitext-2/wiki.train.tokens wikitext-2-raw/wiki.train.raw \
-        && add lm wikitext2 "$QK" "--data-dir @DATA"
-    have "tinystories ($URL_TINY)" TinyStoriesV2-GPT4-train.txt TinyStories-train.txt \
-        TinyStories/TinyStoriesV2-GPT4-train.txt TinyStories/TinyStories-train.txt \
-        && add lm tinystories "default mask" "--data-dir @DATA"
-fi
-if [ "$ONLY" = mult2 ]; then
-    for f in 0.03 0.3; do
-        add mult2 multiplication "$QK" "--digits 2 --data-frac $f --answer-order lsb --steps 1000 --log-every 50" "d2-frac$f"
-        add mult2 multiplication mask "--digits 2 --data-frac $f --answer-order lsb --steps 1000 --log-every 50 --pattern partial" \
-            "d2-frac$f-partial"
-    done
-fi
-if [ "$ONLY" = lee ]; then
-    LEE="--digits 2 --lee-samples 3000"
-    if [ "$QUICK" = 0 ]; then       # their batch: 256 windows x 256 characters / 10.25 characters an example
-        add lee multiplication "default mask" "$LEE --answer-order msb --batch-size 6400 --log-every 250" msb-nanogpt
-    else                            # a log step every 1/20 of a run (24 steps an epoch at batch 128)
-        for o in msb lsb; do
-            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 40 --log-every 48" "$o-ep40"
-            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 150 --log-every 180" "$o-ep150"
-            add lee multiplication "default mask" "$LEE --answer-order $o --epochs 500 --log-every 600" "$o-ep500"
-        done
-    fi
-fi
-if [ "$ONLY" = visionprior ]; then
-    have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
-        cifar-10-batches-bin/data_batch_1.bin && {
-        for p in impulse soft local graded; do add visionprior cifar10 mask "--data-dir @DATA --pattern $p" "$p"; done
-        add visionprior cifar10 "default impulse" "--data-dir @DATA"
-        # the prior's strength: the hard impulse's off level, the soft bump's width
-        for m in 2 5; do add visionprior cifar10 mask "--data-dir @DATA --pattern impulse --mask-off $m" "impulse-off$m"; done
-        for a in 0.3 3; do add visionprior cifar10 mask "--data-dir @DATA --pattern soft --soft-alpha $a" "soft-alpha$a"; done
-        # impulse taken apart: its QK part alone, then with the positions x18 (impulse adds the mimetic V)
-        add visionprior cifar10 qk-svd "--data-dir @DATA"
-        add visionprior cifar10 qk-svd "--data-dir @DATA --qk-svd-pos-scale 18" pos18
-        # the mask with impulse's positions x18 and mimetic V-proj: only where the pattern lives differs
-        for p in impulse soft; do add visionprior cifar10 mask-impulse "--data-dir @DATA --pattern $p" "$p"; done
-    }
-fi
-if [ "$ONLY" = ablation ]; then
-    # the cells at a task's own preset are its Boolean-table runs (all four inits); the others go to ablation/
-    for t in parity2 majority3 cyclic3; do
-        add boolean "$t" "$QK"
-        layout=$("$PY" -c "from reporting.report import preset_layout; print('%s-pos%s' % preset_layout('$t'))") \
-            || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
-        for r in cls mean; do for p in 0.02 0.5; do
-            [ "$r-pos$p" = "$layout" ] || add ablation "$t" "default mask" "--readout $r --pos-init-std $p" "$r-pos$p"
-        done; done
-    done
-fi
-if [ "$ONLY" = oraclefree ]; then
-    # teachers first (a WAIT item lets every run before it finish), then the students that read them
-    OF=oraclefree; TEACHER="--prior-from @RUNS/$OF"
-    boolean_flags() { case "$1" in kparity) echo "--bits random:2 --unseen bits:2" ;;
-                                    kmajority) echo "--bits random:3 --unseen bits:2" ;; *) echo "" ;; esac; }
-    # the teacher's and the student's budget together: each task's preset steps (the digits': epochs), doubled
-    declare -A TWICE
-    while read -r task n; do TWICE[$task]=$n; done < <("$PY" -c "
-import train
-for t in ('parity2', 'kparity', 'majority3', 'kmajority', 'addition', 'wikitext2', 'cyclic3', 'cifar10'):
-    c = train.resolve(*train.parse_args(['--task', t]))
-    print(t, 2 * int(c.steps or c.epochs))")
-    [ -n "${TWICE[cyclic3]:-}" ] || { echo "reproduce.sh: cannot read the presets with $PY" >&2; exit 1; }
-    VISION=0; LM=0
-    have "a CIFAR-10 layout (python train.py make-digits DIR)" cifar-10-batches-py/data_batch_1 \
-        cifar-10-batches-bin/data_batch_1.bin && VISION=1
-    have "two WikiText-2 layouts (python train.py make-wikitext DIR/vimtext-a FILES...; vimtext-b)" \
-        vimtext-a/wikitext-2/wiki.train.tokens && have "vimtext-b" vimtext-b/wikitext-2/wiki.train.tokens && LM=1
-    # the cheap tasks first, cyclic3 (8,000 steps a run) last
-    for group in "parity2 kparity majority3 kmajority addition" vision lm cyclic3; do
-        [ "$group" = vision ] && [ "$VISION" = 0 ] && continue
-        [ "$group" = lm ] && [ "$LM" = 0 ] && continue
-        case "$group" in
-            vision) add $OF cifar10 "default impulse" "--data-dir @DATA" ;;
-            lm) add $OF wikitext2 default "--data-dir @DATA/vimtext-a" corpusA ;;
-            *) for t in $group; do add $OF "$t" default "$(boolean_flags $t)"; done ;;
-        esac
-        LIST+=("WAIT")
-        case "$group" in
-            vision)
-                add $OF cifar10 mask "--data-dir @DATA"
-                for s in $SEEDS; do
-                    LIST+=("$OF cifar10 mask $s teacher --data-dir @DATA $TEACHER/cifar10-default-s$s")
-                    LIST+=("$OF cifar10 mask $s teacher-impulse --data-dir @DATA $TEACHER/cifar10-impulse-s$s")
-                done
-                add $OF cifar10 default "--data-dir @DATA --epochs ${TWICE[cifar10]}" budget2x ;;
-            lm)
-                add $OF wikitext2 "default mask" "--data-dir @DATA/vimtext-b" corpusB
-                for s in $SEEDS; do
-                    LIST+=("$OF wikitext2 mask $s corpusB-teacher --data-dir @DATA/vimtext-b $TEACHER/wikitext2-default-s$s-corpusA")
-                done
-                add $OF wikitext2 default "--data-dir @DATA/vimtext-b --steps ${TWICE[wikitext2]}" corpusB-budget2x ;;
-            *)
-                for t in $group; do   # addition's default is at 98% by its preset's 1,500 steps: no room
-                    [ "$t" = addition ] && continue
-                    f=$(boolean_flags $t)
-                    add $OF "$t" mask "$f"
-                    add $OF "$t" mask "$f --pattern discovered" discovered
-                    for s in $SEEDS; do for i in mask qk-svd; do
-                        LIST+=("$OF $t $i $s teacher $f $TEACHER/$t-default-s$s")
-                    done; done
-                    add $OF "$t" default "$f --steps ${TWICE[$t]}" budget2x
-                done
-                # addition's students at 250 steps, the paper's regime (where the hand mask leads: results/README.md);
-                # the teachers are the 1,500-step defaults, so the same-budget default gets 1,750 steps
-                if [[ " $group " == *" addition "* ]]; then
-                    SHORT250="--steps 250 --log-every 10 --eval-points 500"
-                    add $OF addition "default mask" "$SHORT250" 250steps
-                    add $OF addition mask "$SHORT250 --pattern discovered" 250steps-discovered
-                    for s in $SEEDS; do for i in mask qk-svd; do
-                        LIST+=("$OF addition $i $s 250steps-teacher $SHORT250 $TEACHER/addition-default-s$s")
-                    done; done
-                    add $OF addition default "--steps $(( TWICE[addition] / 2 + 250 )) --log-every 50 --eval-points 500" 250steps-samebudget
-                fi ;;
-        esac
-    done
-fi
-[ "$ONLY" = persistence ] && LIST=()
+# ---- the run list: reporting/plan.py says which runs each table makes, and which are skipped for want of their
+# data (and where to get it). A line is "TABLE TASK INIT SEED TAG FLAGS..." (the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG];
+# @DATA and @RUNS in the flags stand for the --data and --runs folders, passed as one argument whatever they hold);
+# WAIT lets every run before it finish (teachers before their students).
+PLAN_ARGS=(--seeds "$SEEDS" --data "$DATA")
+[ "$QUICK" = 1 ] && PLAN_ARGS+=(--quick)
+[ -n "$ONLY" ] && PLAN_ARGS+=(--only "$ONLY")
+LIST_TEXT=$("$PY" -m reporting.plan "${PLAN_ARGS[@]}" --list) \
+    || { echo "reproduce.sh: cannot read the run list with $PY (python -m reporting.plan)" >&2; exit 1; }
+LIST=() PLAN_TEXT=()         # the plan's text (its lines led by "# "), then the runs
+while IFS= read -r line; do
+    case "$line" in "# "*) PLAN_TEXT+=("${line#\# }") ;; "") ;; *) LIST+=("$line") ;; esac
+done <<< "$LIST_TEXT"
 
 # ---- one run: skip if finished, resume if interrupted, else start
 run_one() {
@@ -383,8 +221,8 @@ trap 'stop INT' INT
 trap 'stop TERM' TERM
 
 START=$(date +%s)
-N_RUNS=0; for item in "${LIST[@]}"; do [ "$item" = WAIT ] || N_RUNS=$((N_RUNS + 1)); done
-echo "reproduce.sh: $N_RUNS runs (preset $PRESET, seeds $SEEDS, $JOBS at a time) into $RUNS"
+printf '%s\n' "${PLAN_TEXT[@]}"          # the plan first: runs per table, what is skipped and why, hours
+echo "reproduce.sh: preset $PRESET, $JOBS at a time, into $RUNS"
 [ "$DRY" = 0 ] && mkdir -p "$RUNS"
 # this invocation's own failed / busy / interrupted lists: another reproduce.sh on the same --runs keeps its own
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || { echo "reproduce.sh: cannot make a temporary folder" >&2; exit 1; }
@@ -412,7 +250,6 @@ fi
 [ -s "$STATE/failed" ] && STATUS=1
 [ -s "$STATE/busy" ] && echo "reproduce.sh: $(wc -l < "$STATE/busy") run(s) were in training by another process" \
     "and were left to it; run this again once it is done to report them" >&2
-for m in "${MISSING[@]}"; do echo "missing dataset, its runs skipped: $m" >&2; done
 [ "$DRY" = 1 ] && exit 0
 
 if [ -d "$RUNS" ]; then

@@ -22,6 +22,7 @@ real data sets written in the real layouts, for tests and CPU trials).
 from __future__ import annotations
 
 import collections
+import errno
 import contextlib
 import glob
 import hashlib
@@ -45,11 +46,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+try:
+    import fcntl
+except ImportError:             # not on POSIX: run folders are not locked
+    fcntl = None
+
 import maskprior as mp
 
 
-class TaskError(ValueError):
-    """Bad task options or data files; train.py prints the message and exits with status 2."""
+class UsageError(ValueError):
+    """Bad input (a flag, a file, a folder): train.py prints the message as one line and exits with `status`."""
+    status = 2
+
+
+class BusyError(UsageError):
+    """A run folder in use by another process: exit status 75 (EX_TEMPFAIL: try again later)."""
+    status = 75
+
+
+class TaskError(UsageError):
+    """Bad task options or data files."""
 
 
 class DataError(TaskError):
@@ -58,6 +74,7 @@ class DataError(TaskError):
 
 # ----------------------------------------------------------------------------------------
 # The base and the registry
+
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -83,7 +100,7 @@ def make_task(name: str, **options) -> Task:
     unknown = sorted(set(options) - set(cls.options()) - {"seed"})
     if unknown:
         raise TaskError(f"task {name} takes no option {', '.join(unknown)}; it takes {', '.join(cls.options()) or 'none'}")
-    return cls(**options)
+    return cls.build(**options)
 
 
 class Task:
@@ -139,15 +156,22 @@ class Task:
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options: the keyword arguments its constructor takes, less `seed` (train.py passes
-        the flags of these names; the signature is the one list)."""
-        return tuple(p for p in inspect.signature(cls).parameters if p != "seed")
+        """The task's options: the keyword arguments its constructor takes and those `build` takes where it picks
+        the variant class (less `seed`); train.py passes the flags of these names, the signatures are the one list."""
+        params = [*inspect.signature(cls).parameters.values(), *inspect.signature(cls.build).parameters.values()]
+        return tuple(dict.fromkeys(p.name for p in params if p.name != "seed" and p.kind != p.VAR_KEYWORD))
+
+    @classmethod
+    def build(cls, **options) -> Task:
+        """The task these options make (a family whose variant is a class of its own, e.g. multiplication on Lee et
+        al.'s data, picks it here)."""
+        return cls(**options)
 
     @classmethod
     def presets(cls) -> tuple:
         return tuple(dict.fromkeys(p for klass in cls.__mro__ for p in vars(klass).get("PRESETS", {})))
 
-    def check_pattern(self, variant: str | None) -> str:
+    def pattern_name(self, variant: str | None) -> str:
         """The pattern variant to use (None: the default); TaskError for a name it does not have."""
         variant = variant or self.DEFAULT_PATTERN
         if variant not in self.PATTERNS:
@@ -155,7 +179,22 @@ class Task:
         return variant
 
     def pattern(self, variant: str | None = None) -> torch.Tensor:
-        return self.build_pattern(self.check_pattern(variant))
+        return self.build_pattern(self.pattern_name(variant))
+
+    def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
+        """The prior of pattern `variant` (None: the default): a hand pattern, or `discovered` in the training set,
+        its M from `mask_logits`."""
+        name = self.pattern_name(variant)
+        source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
+        return self.found_prior(self.pattern(name), self.mask_logits(name, m_on, m_off), source)
+
+    def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
+        """A Prior; one not written by hand (found in the data or a teacher) carries the precision and recall of its
+        pairs against the task's default hand pattern (`mp.pattern_agreement`)."""
+        if source["from"] != "hand":
+            oracle = self.pattern(self.DEFAULT_PATTERN)
+            source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
+        return Prior(pattern, logits, source)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         raise NotImplementedError
@@ -167,7 +206,19 @@ class Task:
     def steps_per_epoch(self, batch_size: int) -> int:
         return math.ceil(self.n_train / batch_size)
 
-    def fingerprint(self) -> str | None:
+    def final_cost(self, points: int) -> float:
+        """What the final evaluation (the whole test set) costs in log-step evaluations of `points` test items (the
+        ETA counts it): 1 for a task that evaluates every item at every log step."""
+        return 1.0
+
+    @classmethod
+    def locate(cls, data_dir: str | None) -> str | None:
+        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), read from the names the
+        readers look for and nothing else; DataError naming what was looked for and where to get it. None: the task
+        has no data files (reproduce.sh's plan asks this before its first run)."""
+        return None
+
+    def data_hash(self) -> str | None:
         """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so that a
         resume on other data (another --data-dir) is refused. None: the task has no data of its own to check."""
         return None
@@ -193,6 +244,21 @@ class Task:
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
+    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str,
+                           ratio: float, m_on: float, m_off: float, source: dict) -> Prior:
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, its `weights`), its mean attention
+        on its own training inputs (`teacher_task`, set up: a teacher of another corpus reads its own), turned into
+        this task's prior (`teacher_prior`). A map that names nothing or is not finite is a TaskError, never used."""
+        model = mp.model_from_config(model_config)
+        model.load_state_dict(weights)
+        inputs = teacher_task.teacher_inputs(n)
+        try:
+            pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
+                                                 m_on, m_off)
+        except ValueError as e:
+            raise TaskError(f"its attention gives no prior ({e})") from None
+        return self.found_prior(pattern, logits, source)
+
     @staticmethod
     def _soft(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the pattern a soft M favours: log sigmoid(M) > -1, as for `soft`; the logits)."""
@@ -209,7 +275,157 @@ class Task:
         return self._perm[i * batch_size:(i + 1) * batch_size]
 
 
-def array_fingerprint(*arrays) -> str:
+@dataclass
+class Prior:
+    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit and the probe
+    measures the mass on; `logits`, the initial M of a mask init; and `source`, where both came from (the task's
+    hand pattern, its training data, or a teacher's attention), recorded in result.json. A run keeps it as prior.pt
+    (`to_bytes`; read back by `read_prior`)."""
+    pattern: torch.Tensor
+    logits: torch.Tensor
+    source: dict
+
+    def write_mask(self, model: torch.nn.Module) -> dict:
+        """M <- the logits, in every layer of `model` (`mp.init_mask_`); returns its report."""
+        return mp.init_mask_(model, logits=self.logits)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"pattern": self.pattern.cpu(), "logits": self.logits.cpu(), "source": self.source}, buf)
+        return buf.getvalue()
+
+
+def read_prior(path: str | os.PathLike, n: int | None = None, data: bytes | None = None) -> Prior:
+    """prior.pt through the one reader (its bytes `data` when read already): a bool pattern (N, N) or (H, N, N)
+    (N = `n` where given), finite logits, and a source; ReadError otherwise."""
+    saved = load_torch(read_back(path, "prior") if data is None else data, path)
+    pattern, logits, source = (saved.get(k) if isinstance(saved, dict) else None for k in ("pattern", "logits", "source"))
+    n = n or (pattern.shape[-1] if isinstance(pattern, torch.Tensor) and pattern.dim() else 0)
+    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool and pattern.dim() in (2, 3)
+            and tuple(pattern.shape[-2:]) == (n, n) and isinstance(logits, torch.Tensor) and logits.is_floating_point()
+            and bool(torch.isfinite(logits).all()) and logits.dim() in (2, 3) and isinstance(source, dict)):
+        raise ReadError(f"{path} does not hold a run's prior (a bool pattern of ({n}, {n}) or (heads, {n}, {n}), "
+                        f"finite logits and a source)")
+    return Prior(pattern, logits, source)
+
+
+
+@dataclass
+class Probe:
+    """What every log step of a run measures: the task's metrics, and the prior per layer (attention mass on the
+    prior's pattern and content margin on a fixed real batch `inputs`, drift of M and Wq Wk^T since `snapshot`, the
+    start). When the pattern constrains no query row there is no mass to measure: `no_mass` says why. `autocast`
+    makes the context the model runs in (train.py's --amp)."""
+    task: Task
+    pattern: torch.Tensor
+    inputs: torch.Tensor
+    snapshot: list
+    eval_points: int
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def __post_init__(self):
+        causal = self.task.arch().get("causal", False)
+        self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
+            f"the prior's pattern of {self.task.name} constrains no query row at this size (every row allows every "
+            f"key it can see), so there is no prior mass to measure")
+
+    def line(self, rec: dict) -> str:
+        """A log record as the progress line shows it: the task's headline metrics and the prior's mean mass."""
+        m, mass = rec["metrics"], rec["prior_mass_mean"]
+        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE if k in m]
+        return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
+
+    def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
+        """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_* metrics). Log
+        steps of a Boolean or arithmetic task use `eval_points` cube points or test pairs; the final measurement
+        always uses the whole test set."""
+        points = None if final else self.eval_points
+        model.eval()
+        with self.autocast():
+            metrics = self.task.evaluate(model, points=points)
+            if ema is not None:
+                averaged = self.task.evaluate(ema.eval(), points=points)
+                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
+            mass, margin = mp.prior_probe(model, self.inputs, self.pattern) if self.no_mass is None else (None, None)
+        model.train()
+        return {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
+                "content_margin": margin, **mp.prior_drift(model, self.snapshot)}
+
+
+# ----------------------------------------------------------------------------------------
+# Files: what every family reads and writes through one place. Caches of decoded data (where they live, the
+# signature of their sources), fingerprints of data, the one writer (a file appears whole or not at all) and
+# the one reader of every file read back.
+
+
+CACHE_DIRNAME = "maskprior-cache"
+
+
+def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
+    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
+    absolute = Path(data_dir).resolve()
+    digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
+    return [absolute / CACHE_DIRNAME, Path.home() / ".cache" / "maskprior" / f"{name}-{digest}"]
+
+
+def _writable_cache_dir(candidates: list[Path]) -> Path:
+    """The first candidate folder that can be created and written to."""
+    for folder in candidates:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+            return folder
+        except OSError:
+            continue
+    raise DataError(f"cannot write a cache in any of: {', '.join(map(str, candidates))}")
+
+
+@contextlib.contextmanager
+def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
+    """The first writable cache folder (see `_writable_cache_dir`); a folder this call created is
+    removed again when the body fails and left nothing in it."""
+    created = [c for c in candidates if not c.exists()]
+    folder = _writable_cache_dir(candidates)
+    try:
+        yield folder
+    except BaseException:
+        if folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()                   # only an empty folder goes
+        raise
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    with open_back(path) as f:
+        digest = hashlib.sha256()
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
+    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a file
+    replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave it) is seen;
+    and its stat (size, mtime, ctime, inode): while the stat of a `known` signature (one a cache recorded)
+    still holds, its hash is reused without reading the file (every write moves ctime, and no tool sets it)."""
+    st, name = path.stat(), name or path.name
+    stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    for k in known:
+        if isinstance(k, dict) and k.get("name") == name and k.get("stat") == stat and isinstance(k.get("sha256"), str):
+            return {"name": name, "size": st.st_size, "sha256": k["sha256"], "stat": stat}
+    return {"name": name, "size": st.st_size, "sha256": file_sha256(path), "stat": stat}
+
+
+def _same_sources(a, b) -> bool:
+    """Whether two lists of source signatures name the same files with the same contents (stat aside)."""
+    def content(sigs):
+        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s for s in sigs]
+    return isinstance(a, list) and isinstance(b, list) and content(a) == content(b)
+
+
+def array_hash(*arrays) -> str:
     """sha256 of arrays or tensors: their dtypes, shapes and bytes, in order."""
     digest = hashlib.sha256()
     for a in arrays:
@@ -219,15 +435,521 @@ def array_fingerprint(*arrays) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file that appears at ``path`` only if the ``with`` body completes (a temporary
+    file in the same folder, flushed to disk, then renamed over ``path``)."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())         # mkstemp's 0600 would hide results from the group
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(path)                # a full disk names the file it could not write
+        raise
+
+
+def partial_writes(folder: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """(temporary file, the file it was writing) for each temporary file an `atomic_output` killed
+    mid-write left in `folder` (named ``.<name>.<random characters>.tmp``)."""
+    for entry in os.listdir(folder):
+        m = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", entry)
+        if m:
+            yield os.path.join(folder, entry), m.group(1)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write bytes, or text as UTF-8, to ``path`` atomically."""
+    with atomic_output(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a teacher's
+# checkpoint, result.json and args.json in reports): read as someone else's file, since anyone may have put
+# it there. What is read is bytes of a regular file within a size limit; a torch file is loaded with
+# weights_only=True (tensors and plain values: nothing it names is called), JSON as JSON. Its schema is
+# the reader's caller's to check, before any value is used.
+
+class ReadError(TaskError):
+    """A file read back that is not what this program writes there: missing, not a regular file, too large, or
+    not a file of its kind. The message is one line naming the file."""
+
+
+MiB = 1 << 20
+
+READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB}
+
+
+def open_back(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names checked; a FIFO,
+    device or folder is refused without being opened for reading, so nothing blocks. Every file read goes through
+    here (`read_back` for a whole file within a size limit; the data readers stream)."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ReadError(f"{path} is missing") from None
+    except OSError as e:
+        raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):                 # replaced between the two looks
+        os.close(fd)
+        raise ReadError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_back(path: str | os.PathLike, kind: str) -> bytes:
+    """The bytes of `path` (`open_back`: a regular file) when it holds at most READ_LIMITS[kind] bytes."""
+    limit = READ_LIMITS[kind]
+    with open_back(path) as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this program writes")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def load_torch(data: bytes, path: str | os.PathLike):
+    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
+    names anything else is refused before it is called), torch's own warnings kept out of the one line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {named.group(1)}" if named else next(
+            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
+        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
+                        f"holds and which would run code if unpickled; it was not run") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def load_json(data: bytes, path: str | os.PathLike):
+    """JSON of bytes read back (UTF-8)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:                               # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
+
+
+def read_json(path: str | os.PathLike):
+    return load_json(read_back(path, "json"), path)
+
+
+# ---- schemas: key -> (check, what it must be), checked on what is read back before any value is used
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_finite(v) -> bool:
+    return is_number(v) and math.isfinite(v)
+
+
+def is_share(v) -> bool:
+    return is_finite(v) and 0 <= v <= 1
+
+
+def is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_optional(check):
+    return lambda v: v is None or check(v)
+
+
+def is_of(kind):
+    return lambda v: isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
+
+
+def is_list_of(check):
+    return lambda v: isinstance(v, list) and all(map(check, v))
+
+
+def is_named_tensors(v) -> bool:
+    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is ever saved)."""
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) and
+                                       (not t.is_floating_point() or bool(torch.isfinite(t).all())) for k, t in v.items())
+
+
+def check_schema(obj, schema: dict, required, path) -> dict:
+    """`obj` (a dict read back from `path`) against `schema`: the `required` keys there, every key's value passing its
+    check; ReadError naming the first that does not."""
+    if not isinstance(obj, dict):
+        raise ReadError(f"{path} holds a {type(obj).__name__}, not the dict this program writes there")
+    for key in required:
+        if key not in obj:
+            raise ReadError(f"{path} has no {key}")
+    for key, (ok, what) in schema.items():
+        if key in obj and not ok(obj[key]):
+            raise ReadError(f"{path}: {key} is {_short(obj[key])}, not {what}")
+    return obj
+
+
+# result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are in every one (a run of
+# an earlier version lacks some: reports list it).
+
+RESULT_SCHEMA = {
+    "task": (is_of(str), "a task name"), "init": (is_of(str), "an init name"), "seed": (is_of(int), "an integer"),
+    "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and is_optional(is_finite)(x)
+                                                      for k, x in v.items()), "a dict of finite numbers (or null)"),
+    "kind": (is_of(str), "a task family"), "preset": (is_of(str), "a preset name"),
+    "run_id": (is_optional(is_of(str)), "an id"), "data": (is_optional(is_of(str)), "a data hash"),
+    "steps": (is_count, "a step count"), "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
+    "prior_mass_start_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
+    "prior_mass_end_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
+    "init_report": (is_optional(is_of(dict)), "a dict"), "config": (is_optional(is_of(dict)), "a dict"),
+    "tells_apart": (is_of(dict), "the flags that tell runs apart"),
+    "init_order": (is_count, "the init's place in train.INITS"), "at_preset": (is_of(bool), "true or false"),
+    "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
+        is_share(v[k]) for k in ("precision", "recall") if k in v) and all(
+        is_count(v[k]) for k in ("found_pairs", "oracle_pairs") if k in v),
+        "null or a dict whose precision and recall are in [0, 1]"),
+}
+RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id", "data")
+
+
+def check_result(result, path: str | os.PathLike) -> dict:
+    """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
+    bad = [k for k, v in result.get("metrics", {}).items() if not is_optional(is_finite)(v)] \
+        if isinstance(result, dict) and isinstance(result.get("metrics"), dict) else []
+    if bad:
+        raise ReadError(f"{path}: metric {bad[0]} is {_short(result['metrics'][bad[0]])}, not a finite number")
+    return check_schema(result, RESULT_SCHEMA, RESULT_REQUIRED, path)
+
+
+def read_result(path: str | os.PathLike) -> dict:
+    """A run's result.json through the one reader, its schema checked (`check_result`)."""
+    return check_result(read_json(path), path)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file is seen, never used)
+
+CKPT_FORMAT = "maskprior-checkpoint-4"       # a checkpoint of this version holds every flag of it
+
+
+def checkpoint_bytes(contents: dict) -> bytes:
+    """ckpt.pt's bytes: `contents` serialised (torch.save), beside their sha256 and the format."""
+    buf = io.BytesIO()
+    torch.save(contents, buf)
+    payload, outer = buf.getvalue(), io.BytesIO()
+    torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, outer)
+    return outer.getvalue()
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """A checkpoint's contents through the one reader, both levels with weights_only=True, once they match their
+    sha256; a checkpoint of another format (an earlier version's, or none: before checksums) or a damaged one is a
+    ReadError. The contents' schema is train.py's to check."""
+    outer = load_torch(read_back(path, "checkpoint"), path)
+    if not isinstance(outer, dict) or "format" not in outer:
+        raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one written before "
+                        f"checksums, or another program's file); continue the run with the version that wrote it, or "
+                        f"start a new run")
+    if outer["format"] != CKPT_FORMAT:
+        raise ReadError(f"{path} is a checkpoint of an earlier version of train.py ({outer['format']}); this version "
+                        f"reads {CKPT_FORMAT}: continue the run with the version that wrote it, or start a new run")
+    payload = outer.get("payload")
+    if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
+        raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with them); restore the "
+                        f"file from a copy, or start a new run with another --out")
+    return load_torch(payload, path)
+
+
+# ---- the run folder: locked by the process that runs in it, its files written whole, a refusal leaving it as it was
+
+# A write that fails for want of room or permission: one line naming it, every file written before whole.
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+class RunFolder:
+    """A run directory, locked by its process from before the first check to the run's end (flock
+    on the folder itself, released when the process exits), so that two processes never share one.
+    A folder holds a run once it has ckpt.pt (the first save writes it last) or result.json; a new
+    run may take over a folder without them (a start that died before its first checkpoint)."""
+    OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
+
+    def __init__(self, path: str):
+        if not path:
+            raise UsageError("--out must name a folder, got an empty path")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
+        self.path, self.created, self.fd = path, False, None
+        self.parents: list[str] = []            # the folders above it this run made, deepest first
+        self.written: list[str] = []            # the files this process wrote here (`write`), in order
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def holds_run(self) -> bool:
+        return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
+
+    def check_free(self) -> None:
+        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder can be made at
+        (both checked again by `create`, under the lock)."""
+        if self.holds_run():
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+        above = os.path.dirname(os.path.abspath(self.path))
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+            why = "Not a directory" if not os.path.isdir(above) else "Permission denied"
+            raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
+
+    def write(self, name: str, data: bytes | str) -> None:
+        """Write a file of the run whole (`atomic_write`), remembering that this process wrote it."""
+        atomic_write(self.file(name), data)
+        if name not in self.written:
+            self.written.append(name)
+
+    @contextlib.contextmanager
+    def reading(self, flag: str):
+        """Read another run's folder (a teacher's) only while no process trains in it: a shared lock, refused at
+        once where a run holds the folder's lock."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    raise UsageError(f"{flag} is in use by another process (a run is training there); wait for it "
+                                     f"to end, then give it again") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def open_existing(self) -> None:
+        """Lock the folder of a run to resume; it must hold a checkpoint."""
+        if not os.path.exists(self.file("ckpt.pt")):
+            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
+        self._lock()
+
+    def create(self) -> None:
+        """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
+        try:
+            parent = os.path.dirname(os.path.abspath(self.path))
+            self.parents = missing_folders(parent)
+            os.makedirs(parent, exist_ok=True)
+            try:
+                os.mkdir(self.path)
+                self.created = True
+            except FileExistsError:             # there already, or made by a run starting at the same moment
+                if not os.path.isdir(self.path):
+                    raise
+        except OSError as e:
+            self._remove_parents()
+            raise UsageError(f"--out {self.path}: cannot create the run folder ({e.strerror or e})") from None
+        self._lock()
+        if self.holds_run():
+            self.release()
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+
+    def _lock(self) -> None:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+            with tempfile.TemporaryFile(dir=self.path):
+                pass
+        except OSError as e:
+            self.release()
+            raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
+        if fcntl is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.release()
+                raise BusyError(f"{self.path} is in use by another process (a run is training there); wait for "
+                                f"it to end, or use another --out") from None
+        for tmp, name in partial_writes(self.path):    # temporary files of a write that was killed
+            if name in self.OURS:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def abandon(self) -> None:
+        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote,
+        and the folder and the folders above it where this process made them and nothing else is there; then
+        unlock. Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
+        if "ckpt.pt" not in self.written:
+            for name in self.written:
+                with contextlib.suppress(OSError):
+                    os.remove(self.file(name))
+            if self.created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.path)
+                self._remove_parents()
+        self.release()
+
+    def failure(self, e: OSError, resume: bool, step: int | None, saved_step: int | None) -> str | None:
+        """The one line for a write of a run that failed (`e`): the folder moved or deleted while the run trained, or a
+        disk full, over quota or read-only; what failed where, and what is kept (every file is written whole, so the
+        last checkpoint resumes exactly). None for another error (a bug: its traceback is shown)."""
+        if e.errno == errno.ENOENT and step is not None and not os.path.isdir(self.path):
+            kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes exactly with "
+                    f"--resume --out NEW_PLACE" if saved_step is not None else "it had no checkpoint yet")
+            return f"the run folder {self.path} disappeared at step {step} (moved or deleted while training); {kept}"
+        if e.errno not in STORAGE_ERRORS:
+            return None
+        what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}" + \
+            (f" writing {e.filename}" if e.filename else f" under {self.path}")
+        if saved_step is None:
+            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume --out {self.path} again"
+                    if resume else f"{what}; the new run had no checkpoint yet and left nothing behind: free space and "
+                                   f"start it again")
+        return (f"{what} at step {step}; the checkpoint of step {saved_step} in {self.file('ckpt.pt')} is whole: free "
+                f"space, then continue with --resume --out {self.path}")
+
+    def _remove_parents(self) -> None:
+        """Remove the folders above the run that this run made, while they are empty (another run
+        starting under them at the same moment keeps them)."""
+        for folder in self.parents:
+            try:
+                os.rmdir(folder)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    break                       # in use: it and the folders above stay
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders of `path` (absolute) that do not exist yet, deepest first."""
+    out = []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+# ---- metrics.jsonl, a run's log: one JSON record per log step (train.py appends them; reports read them back)
+
+
+class LogError(ValueError):
+    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed write cut
+    short (no newline at its end) is left out; a damaged, lost, repeated or reordered line is a LogError that
+    names it, so nothing is ever dropped or rewritten away."""
+    try:
+        lines = read_back(path, "log").split(b"\n")
+    except ReadError as e:
+        raise LogError(str(e)) from None
+    lines.pop()            # the bytes after the last newline: b"", or a write cut short (its step is logged again)
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:                        # UnicodeDecodeError is a ValueError
+            rec = None
+        if not log_line(rec):
+            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py writes it)")
+        records.append(rec)
+    check_log(records, path)
+    return records
+
+
+def check_log(records: list[dict], path: str) -> None:
+    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before it, written
+    since logs carry it) is the step of the line before: a lost, repeated or reordered line is a LogError."""
+    for number, (before, rec) in enumerate(zip([None, *records], records), 1):
+        step = rec["step"]
+        if before is None:
+            if step != 0 or rec.get("prev") is not None:
+                raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the log lost its first "
+                               f"lines")
+            continue
+        if step <= before["step"]:
+            what = "repeats" if step == before["step"] else "goes back from"
+            raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of the line before it: "
+                           f"the log holds a repeated or misplaced line")
+        if "prev" in rec and rec["prev"] != before["step"]:
+            raise LogError(f"{path} line {number} (step {step}) was logged after step {rec['prev']}, but the line "
+                           f"before it is step {before['step']}: a line of the log is missing")
+
+
+def log_line(rec) -> bool:
+    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >= 0), a
+    dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their mean."""
+    if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
+            and isinstance(rec.get("metrics"), dict)):
+        return False
+    mass, mean, prev = rec.get("prior_mass"), rec.get("prior_mass_mean"), rec.get("prev")
+    return ((mass is None or isinstance(mass, list) and all(map(is_number, mass))) and (mean is None or is_number(mean))
+            and (prev is None or isinstance(prev, int) and not isinstance(prev, bool)))
+
+
+def append_log(path: str, record: dict) -> None:
+    """One metrics.jsonl line, written by a single write() so that it is never half there."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as e:
+        e.filename = path                       # a full disk names the log (a cut line is dropped on resume)
+        raise
+    finally:
+        os.close(fd)
+
+
+def truncate_log(path: str, step: int) -> None:
+    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut
+    short (`read_log`: anything else damaged is refused before this)."""
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else ""
+
+
 # ----------------------------------------------------------------------------------------
 # Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token
 # per bit, MSE regression. Two token layouts: readout "cls" puts a CLS token first (bit i
 # at sequence position i + 1, N = n + 1); readout "mean" has no CLS token and averages the
 # bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
 
+
 READOUTS = ("cls", "mean")
+
+
 # The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
 # two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
+
 MDI_MAX_MONOMIALS = 1024
 
 
@@ -299,6 +1021,90 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
     raise ValueError(f"no interpolator of degree <= {max_degree}")
 
 
+def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
+    """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
+    unseen points, `top` is the top monomial at each point."""
+    sign_ok = (torch.sign(pred) == torch.sign(y)).float()
+    ok = (torch.round(pred) == y).float() if exact else sign_ok
+    err = (pred - y) ** 2
+    out = {"acc": ok.mean(), "acc_unseen": ok[u].mean(), "acc_seen": ok[~u].mean(),
+           "mse": err.mean(), "mse_unseen": err[u].mean(), "mse_seen": err[~u].mean(),
+           "coef_top": (pred * top).mean(), "pred_unseen": pred[u].mean()}
+    if exact:
+        out["sign_acc"], out["sign_acc_unseen"] = sign_ok.mean(), sign_ok[u].mean()
+    return {k: float(v) for k, v in out.items()}
+
+
+def gotu_patterns(n_bits: int, bits):
+    """Pattern variants for a task whose target lives on `bits`, as a function of the layout.
+
+    clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
+            (the default);
+    cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
+    Every position keeps its self-loop so no row is empty.
+    """
+    def build(cls: bool) -> dict:
+        off = 1 if cls else 0
+        pos = [b + off for b in bits]
+        pair_edges = [(a, b) for a in pos for b in pos if a != b]
+        if not cls:
+            return {"clique": mp.pattern_from_pairs(n_bits, pair_edges)}
+        cls_edges = [(0, p) for p in pos]
+        return {"clique": mp.pattern_from_pairs(n_bits + 1, cls_edges + pair_edges),
+                "cls": mp.pattern_from_pairs(n_bits + 1, cls_edges)}
+    return build
+
+
+def cyclic_patterns(n_bits: int, width: int = 2):
+    """band: bits attend within |i - j| <= width (mod n), and with a CLS token CLS -> every bit
+    (the default); band-only: the band with the CLS row attending to itself only (CLS layout)."""
+    def build(cls: bool) -> dict:
+        band = mp.banded_pattern(n_bits, width, circulant=True)
+        if not cls:
+            return {"band": band}
+        band = mp.embed_pattern(band, 1, n_bits + 1)
+        band_only = band.clone()
+        band_only[0, 0] = True
+        with_cls = band.clone()
+        with_cls[0, :] = True
+        return {"band": with_cls, "band-only": band_only}
+    return build
+
+
+# ---- finding the pattern from the training data (never from the target function): `--pattern discovered`
+
+def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
+    """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
+    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}."""
+    x = np.asarray(x, dtype=np.float64)
+    yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
+    out = {}
+    for degree in range(1, max_degree + 1):
+        for s in itertools.combinations(range(x.shape[1]), degree):
+            out[s] = float(np.mean(yc * np.prod(x[:, list(s)], axis=1)))
+    return out
+
+
+def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25) -> list[tuple]:
+    """The sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one, largest first:
+    the interactions the seen data shows (it hides how the target extrapolates, not which bits interact)."""
+    coefs = walsh_coefficients(x, y, max_degree)
+    top = max(abs(v) for v in coefs.values())
+    if top < 1e-12:
+        return []
+    return sorted((s for s, v in coefs.items() if abs(v) >= threshold * top), key=lambda s: -abs(coefs[s]))
+
+
+def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
+    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and with a CLS
+    token in front (position 0) CLS -> every bit of the sets; the form of `gotu_patterns`' clique."""
+    off = int(cls)
+    edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
+    if cls:
+        edges += [(0, b + off) for b in sorted({b for s in sets for b in s})]
+    return mp.pattern_from_pairs(n_bits + off, edges)
+
+
 @dataclass(kw_only=True)
 class BooleanTask(Task):
     """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
@@ -367,7 +1173,7 @@ class BooleanTask(Task):
     def arch(self) -> dict:
         return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": self.readout}
 
-    def check_pattern(self, variant: str | None) -> str:
+    def pattern_name(self, variant: str | None) -> str:
         variant = variant or self.DEFAULT_PATTERN
         mine = self.patterns(self.readout == "cls")
         if variant not in mine and variant != "discovered":
@@ -442,8 +1248,8 @@ class BooleanTask(Task):
     def n_train(self) -> int:
         return len(self.x_train)
 
-    def fingerprint(self) -> str:
-        return array_fingerprint(self.x_train, self.y_train, self.x_test, self.y_test)
+    def data_hash(self) -> str:
+        return array_hash(self.x_train, self.y_train, self.x_test, self.y_test)
 
     def train_batch(self, step: int, batch_size: int):
         """Batch `step` of an epoch-wise shuffle; epoch e's order is fixed by (seed, e)."""
@@ -458,6 +1264,9 @@ class BooleanTask(Task):
         """A fixed batch of cube points, seen and unseen alike."""
         g = torch.Generator().manual_seed(0)
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
+
+    def final_cost(self, points: int) -> float:
+        return len(self.x_test) / points if 0 < points < len(self.x_test) else 1.0
 
     def eval_points(self, n: int) -> torch.Tensor:
         """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
@@ -524,96 +1333,13 @@ class BooleanTask(Task):
         return self._cache["mdi"]
 
 
-def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
-    """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
-    unseen points, `top` is the top monomial at each point."""
-    sign_ok = (torch.sign(pred) == torch.sign(y)).float()
-    ok = (torch.round(pred) == y).float() if exact else sign_ok
-    err = (pred - y) ** 2
-    out = {"acc": ok.mean(), "acc_unseen": ok[u].mean(), "acc_seen": ok[~u].mean(),
-           "mse": err.mean(), "mse_unseen": err[u].mean(), "mse_seen": err[~u].mean(),
-           "coef_top": (pred * top).mean(), "pred_unseen": pred[u].mean()}
-    if exact:
-        out["sign_acc"], out["sign_acc_unseen"] = sign_ok.mean(), sign_ok[u].mean()
-    return {k: float(v) for k, v in out.items()}
-
-
-def gotu_patterns(n_bits: int, bits):
-    """Pattern variants for a task whose target lives on `bits`, as a function of the layout.
-
-    clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
-            (the default);
-    cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
-    Every position keeps its self-loop so no row is empty.
-    """
-    def build(cls: bool) -> dict:
-        off = 1 if cls else 0
-        pos = [b + off for b in bits]
-        pair_edges = [(a, b) for a in pos for b in pos if a != b]
-        if not cls:
-            return {"clique": mp.pattern_from_pairs(n_bits, pair_edges)}
-        cls_edges = [(0, p) for p in pos]
-        return {"clique": mp.pattern_from_pairs(n_bits + 1, cls_edges + pair_edges),
-                "cls": mp.pattern_from_pairs(n_bits + 1, cls_edges)}
-    return build
-
-
-def cyclic_patterns(n_bits: int, width: int = 2):
-    """band: bits attend within |i - j| <= width (mod n), and with a CLS token CLS -> every bit
-    (the default); band-only: the band with the CLS row attending to itself only (CLS layout)."""
-    def build(cls: bool) -> dict:
-        band = mp.banded_pattern(n_bits, width, circulant=True)
-        if not cls:
-            return {"band": band}
-        band = mp.embed_pattern(band, 1, n_bits + 1)
-        band_only = band.clone()
-        band_only[0, 0] = True
-        with_cls = band.clone()
-        with_cls[0, :] = True
-        return {"band": with_cls, "band-only": band_only}
-    return build
-
-
-# ---- finding the pattern from the training data (never from the target function): `--pattern discovered`
-
-
-def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
-    """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
-    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}."""
-    x = np.asarray(x, dtype=np.float64)
-    yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
-    out = {}
-    for degree in range(1, max_degree + 1):
-        for s in itertools.combinations(range(x.shape[1]), degree):
-            out[s] = float(np.mean(yc * np.prod(x[:, list(s)], axis=1)))
-    return out
-
-
-def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25) -> list[tuple]:
-    """The sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one, largest first:
-    the interactions the seen data shows (it hides how the target extrapolates, not which bits interact)."""
-    coefs = walsh_coefficients(x, y, max_degree)
-    top = max(abs(v) for v in coefs.values())
-    if top < 1e-12:
-        return []
-    return sorted((s for s, v in coefs.items() if abs(v) >= threshold * top), key=lambda s: -abs(coefs[s]))
-
-
-def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
-    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and with a CLS
-    token in front (position 0) CLS -> every bit of the sets; the form of `gotu_patterns`' clique."""
-    off = int(cls)
-    edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
-    if cls:
-        edges += [(0, b + off) for b in sorted({b for s in sets for b in s})]
-    return mp.pattern_from_pairs(n_bits + off, edges)
-
-
 # The QK inits fit the pattern on the positional embedding, which must not be drowned by the token
 # embeddings: parity2 generalises only without a CLS token and with near-zero positions (README: the
 # grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a 0.02-std
 # embedding.
+
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
+
 _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)         # recipe: the QK inits scale the positions
 
 
@@ -741,9 +1467,13 @@ class KMajority(_CustomBoolean):
 # sequence without its last token and predicts the next one; the loss and the metrics
 # count only the A answer digits.
 
+
 ARITH_VOCAB = "0123456789+*="
+
 ARITH_TOKENS = {ch: i for i, ch in enumerate(ARITH_VOCAB)}
+
 UNIVERSE = 1000 * 1000          # ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
+
 ARITH_TEST_SIZE = 10_000        # held-out pairs, or every pair not trained on where the universe is smaller
 
 
@@ -869,7 +1599,7 @@ class ArithmeticTask(Task):
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 = -0.69),
         -m_off elsewhere."""
-        variant = self.check_pattern(variant)
+        variant = self.pattern_name(variant)
         if variant not in ("carry", "aligned", "lower"):           # found, or per head: two levels
             return super().mask_logits(variant, m_on, m_off)
         lv = self._levels(variant)
@@ -950,8 +1680,8 @@ class ArithmeticTask(Task):
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
         return self.train_seq[self.epoch_indices(step, batch_size)]
 
-    def fingerprint(self) -> str:
-        return array_fingerprint(self.train_seq, self.test_seq)
+    def data_hash(self) -> str:
+        return array_hash(self.train_seq, self.test_seq)
 
     def loss(self, model, batch) -> torch.Tensor:
         logits = model(batch[:, :-1])[:, self.eq_pos:]               # rows that predict answer digits
@@ -959,6 +1689,9 @@ class ArithmeticTask(Task):
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         return self.test_seq[:n, :-1]
+
+    def final_cost(self, points: int) -> float:
+        return len(self.test_seq) / points if 0 < points < len(self.test_seq) else 1.0
 
     @torch.no_grad()
     def generate(self, model, prompts: torch.Tensor) -> torch.Tensor:
@@ -1010,8 +1743,11 @@ class Addition(ArithmeticTask):
 # target, and causal attention keeps every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
+
 LEE_TOKENS = {ch: i for i, ch in enumerate(LEE_VOCAB)}
+
 LEE_ROW = {"msb": 11, "lsb": 12}     # tokens in the longest row: 12*34=1234\n, $12*34=4321$
+
 LEE_NEW = 5                          # characters generated for an answer: up to 4 digits and the end
 
 
@@ -1031,46 +1767,24 @@ def lee_text(a: int, b: int, answer_order: str) -> str:
 @register("multiplication")
 class Multiplication(ArithmeticTask):
     """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default.
-    With `lee_samples` N (and --digits 2): Lee et al.'s unpadded data, N samples (see `lee_pairs`)."""
+    With --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`: `LeeMultiplication`)."""
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_threshold: float = 0.25, lee_samples: int | None = None, seed: int = 0):
-        if lee_samples is not None:
-            if digits != 2:
-                raise TaskError(f"--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give --digits 2 "
-                                f"(got --digits {digits})")
-            if data_frac is not None:
-                raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair "
-                                "not trained on as the test set); leave --data-frac out")
-            if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
-                raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
-                                f"draws from the 10^4 pairs), got {lee_samples!r}")
+                 discover_threshold: float = 0.25, seed: int = 0):
         super().__init__(op="*", data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
                          n_digits=digits, discover_threshold=discover_threshold, seed=seed)
         self.heads = heads
-        self.lee_samples = lee_samples
-        if lee_samples is not None:
-            self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
-            self.HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
-            self.INITS = ("default", "mask")
-            self.inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior fitted "
-                              "on fixed positions cannot follow)")
 
-    def check_pattern(self, variant: str | None) -> str:
-        if self.lee_samples is not None and variant not in (None, "carry"):
-            raise TaskError(f"task multiplication with --lee-samples has no pattern {variant!r}; choose from "
-                            f"['carry']")
-        return super().check_pattern(variant)
+    @classmethod
+    def build(cls, lee_samples: int | None = None, **options) -> Task:
+        """Lee et al.'s data where --lee-samples N is given (`LeeMultiplication`), else the zero-padded pairs."""
+        return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        if self.lee_samples is not None:
-            return self._lee_pattern()
-        if variant != "partial":
-            return super().build_pattern(variant)
-        return self._partial_products()
+        return self._partial_products() if variant == "partial" else super().build_pattern(variant)
 
     def _partial_products(self) -> torch.Tensor:
         """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit of
@@ -1102,7 +1816,48 @@ class Multiplication(ArithmeticTask):
     # known while it is written, so its digits take the significance of the longest answer the operands
     # allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there).
 
-    def _lee_pattern(self) -> torch.Tensor:
+
+class LeeMultiplication(ArithmeticTask):
+    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: unpadded, so an example's
+    positions move with its operands' lengths; M lives on the roles of the longest layout and each example's digits
+    are aligned to it by significance from the right (`lee_roles`, `mp.prior_roles`). `--task multiplication
+    --lee-samples N` (`Multiplication.build`)."""
+    NAME = "multiplication"
+    PATTERNS = ("carry",)
+    INITS = ("default", "mask")
+    inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior fitted on fixed "
+                 "positions cannot follow)")
+    HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
+
+    def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
+                 discover_threshold: float = 0.25, data_frac: float | None = None, seed: int = 0):
+        if digits != 2:
+            raise TaskError(f"--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give --digits 2 "
+                            f"(got --digits {digits})")
+        if data_frac is not None:
+            raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair "
+                            "not trained on as the test set); leave --data-frac out")
+        if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
+            raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
+                            f"draws from the 10^4 pairs), got {lee_samples!r}")
+        super().__init__(op="*", data_frac=0.03, answer_order=answer_order, n_digits=digits,
+                         discover_threshold=discover_threshold, seed=seed)
+        self.heads, self.lee_samples = heads, lee_samples
+        self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
+
+    @property
+    def name(self) -> str:
+        return "multiplication with --lee-samples"
+
+    def arch(self) -> dict:
+        return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1, "n_outputs": len(LEE_VOCAB),
+                "readout": "tokens", "causal": True}
+
+    def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
+        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded layout's grades."""
+        return Task.mask_logits(self, variant, m_on, m_off)
+
+    def build_pattern(self, variant: str) -> torch.Tensor:
         """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the
         plain causal pattern. The row that predicts the answer digit of significance k sees the operand
         digits a_i, b_j that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the
@@ -1146,7 +1901,7 @@ class Multiplication(ArithmeticTask):
     def lee_decode(self, row) -> str:
         return "".join(LEE_VOCAB[int(t)] for t in row).rstrip("_")
 
-    def _lee_setup(self, device):
+    def setup(self, device="cpu"):
         rng = np.random.default_rng([self.seed, 34])
         pairs = lee_pairs(self.lee_samples, self.seed)
         self.train_pairs = pairs[rng.permutation(len(pairs))]      # shuffled: a prefix is a random sample
@@ -1159,7 +1914,7 @@ class Multiplication(ArithmeticTask):
         self.test_seq = self.lee_encode(self.test_pairs).to(device)
         return self
 
-    def _lee_loss(self, model, batch) -> torch.Tensor:
+    def loss(self, model, batch) -> torch.Tensor:
         """Cross-entropy on the answer characters and the end (every character after '=' but the padding)."""
         x = batch[:, :-1]
         with mp.prior_roles(model, *self.lee_roles(x)):
@@ -1192,7 +1947,7 @@ class Multiplication(ArithmeticTask):
                 seq = torch.cat([seq, nxt], dim=1)
         return seq[:, prompts.shape[1]:]
 
-    def _lee_score(self, model, seq: torch.Tensor, batch_size: int = 2500, temperature: float = 0.0,
+    def _score(self, model, seq: torch.Tensor, batch_size: int = 2500, temperature: float = 0.0,
                    generator: torch.Generator | None = None) -> tuple[float, float]:
         """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`: right iff every
         answer digit and the end are; characters after the end are not read (Lee et al. cut the answer there)."""
@@ -1209,56 +1964,29 @@ class Multiplication(ArithmeticTask):
                 chars, chars_right = chars + int(read.sum()), chars_right + int((ok & read).sum())
         return right / len(seq), chars_right / chars
 
-    def _lee_evaluate(self, model, points: int | None, temperature: float = 0.0) -> dict:
+    def evaluate(self, model, points: int | None = None, temperature: float = 0.0) -> dict:
+        """Sequence and character accuracy on the test pairs and, as `train_*`, on the N training samples (Lee et
+        al.'s train accuracy); `points` n > 0: the first n of each (random draws). Training runs decode greedily;
+        `temperature` 0.8 samples as Lee et al.'s evaluation does (their top-k 200 keeps every character), by the
+        task's seed."""
         n = points if points else None
         test, train = self.test_seq[:n], self.train_seq[:n]
         g = torch.Generator().manual_seed(self.seed) if temperature > 0 else None
-        seq_acc, digit_acc = self._lee_score(model, test, temperature=temperature, generator=g)
-        train_seq, train_digit = self._lee_score(model, train, temperature=temperature, generator=g)
+        seq_acc, digit_acc = self._score(model, test, temperature=temperature, generator=g)
+        train_seq, train_digit = self._score(model, train, temperature=temperature, generator=g)
         return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq, "train_digit_acc": train_digit,
                 "n_train": self.n_train, "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size,
                 "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
-    # ---- the arithmetic methods, Lee et al.'s where --lee-samples is given
-    def arch(self) -> dict:
-        if self.lee_samples is None:
-            return super().arch()
-        return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1, "n_outputs": len(LEE_VOCAB),
-                "readout": "tokens", "causal": True}
-
-    def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        if self.lee_samples is not None:                             # two levels on the frame's roles
-            return Task.mask_logits(self, variant, m_on, m_off)
-        return super().mask_logits(variant, m_on, m_off)
-
-    def setup(self, device="cpu"):
-        return super().setup(device) if self.lee_samples is None else self._lee_setup(device)
-
-    def loss(self, model, batch) -> torch.Tensor:
-        return super().loss(model, batch) if self.lee_samples is None else self._lee_loss(model, batch)
-
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
-        """Lee et al.'s data: test prompts of two 2-digit operands only, the layout whose roles are
-        their positions (the probes read M by position)."""
-        if self.lee_samples is None:
-            return super().probe_inputs(n)
+        """Test prompts of two 2-digit operands only, the layout whose roles are their positions (the probes read M
+        by position)."""
         two = self.test_pairs.min(1) >= 10
         return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        if self.lee_samples is not None:
-            raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout "
-                            "moves with the operands' lengths, so a teacher's map has no one place to live")
-        return super().teacher_inputs(n)
-
-    def evaluate(self, model, points: int | None = None, batch_size: int = 2500, temperature: float = 0.0) -> dict:
-        """Lee et al.'s data: sequence and character accuracy on the test pairs and, as `train_*`, on the N
-        training samples (Lee et al.'s train accuracy); `points` n > 0: the first n of each (random draws).
-        Training runs decode greedily; `temperature` 0.8 samples as Lee et al.'s evaluation does (their
-        top-k 200 keeps every character), by the task's seed."""
-        if self.lee_samples is None:
-            return super().evaluate(model, points, batch_size)
-        return self._lee_evaluate(model, points, temperature)
+        raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout moves "
+                        "with the operands' lengths, so a teacher's map has no one place to live")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1266,8 +1994,10 @@ class Multiplication(ArithmeticTask):
 # downsampled ImageNet pickles / .npz with map_clsloc.txt, or an ImageFolder tree with
 # Pillow). Images are kept as uint8 (N, 3, H, W) tensors on the device and augmented in
 # batches there.
-
+#
 # The 100 classes of ImageNet-100 (the CMC list, Tian et al. 2019), sorted: label = index.
+
+
 IMAGENET100_WNIDS = (
     "n01558993", "n01692333", "n01729322", "n01735189", "n01749939", "n01773797", "n01820546",
     "n01855672", "n01978455", "n01980166", "n01983481", "n02009229", "n02018207", "n02085620",
@@ -1286,7 +2016,9 @@ IMAGENET100_WNIDS = (
     "n13037406", "n13040303",
 )
 
+
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
 
 
@@ -1337,6 +2069,7 @@ def _latin1(text, encoding):
 
 # The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core, numpy 2
 # writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a checked stand-in.
+
 RELEASE_GLOBALS = {
     **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
     **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
@@ -1362,10 +2095,11 @@ def _load_pickle(path: str) -> dict:
     """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a file that
     is damaged, or names anything but numbers and arrays, is one DataError."""
     try:
-        with open(path, "rb") as f:
+        with open_back(path) as f:
             raw = f.read()
-    except OSError as e:
-        raise DataError(f"{path} cannot be read ({e.strerror or e}); it should be a file of the release") from None
+    except (OSError, ReadError) as e:
+        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should be a file of the "
+                        f"release") from None
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
@@ -1459,9 +2193,11 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0, n_c
     for the fine label).
     """
     try:
-        raw = np.fromfile(path, dtype=np.uint8)
-    except OSError as e:
-        raise DataError(f"{path} cannot be read ({e.strerror or e}); it should be a file of the release") from None
+        with open_back(path) as f:
+            raw = np.frombuffer(f.read(), dtype=np.uint8)
+    except (OSError, ReadError) as e:
+        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should be a file of the "
+                        f"release") from None
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
@@ -1477,38 +2213,46 @@ def _find(data_dir: str, candidates) -> str | None:
     return None
 
 
-def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (or a sub-folder it holds), python or binary release.
-
-    Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
-    """
+def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
+    """Where CIFAR-10 or CIFAR-100 lies in `data_dir` (or a sub-folder it holds): ("python" or "binary", its files:
+    the training batches, then the test batch); DataError naming what was looked for and where to get it."""
     if name == "cifar10":
         py = _find(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
         if py:
             py = os.path.dirname(py)
-            files = [os.path.join(py, f) for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
-            parts = [read_cifar_pickle(_need(f, name), n_classes=10) for f in files]
-            return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
+            return "python", [os.path.join(py, f) for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
         binary = _find(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
-            files = [os.path.join(binary, f) for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
-            parts = [read_cifar_binary(_need(f, name), n_classes=10) for f in files]
-            return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
+            return "binary", [os.path.join(binary, f)
+                              for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
         raise DataError(f"CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
                         f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; "
                         f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
     py = _find(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
-        files = {s: os.path.join(py, s) for s in ("train", "test")}
-        return {**{s: read_cifar_pickle(_need(f, name), "fine_labels", 100) for s, f in files.items()},
-                "sources": list(files.values())}
+        return "python", [os.path.join(py, s) for s in ("train", "test")]
     binary = _find(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
-        files = {s: os.path.join(binary, f"{s}.bin") for s in ("train", "test")}
-        return {**{s: read_cifar_binary(_need(f, name), 2, 1, 100) for s, f in files.items()}, "sources": list(files.values())}
+        return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
     raise DataError(f"CIFAR-100 not found: looked for cifar-100-python/train (python) and "
                     f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; "
                     f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
+
+
+def read_cifar(data_dir: str, name: str) -> dict:
+    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release.
+
+    Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
+    """
+    kind, files = cifar_files(data_dir, name)
+    if name == "cifar10":
+        read = (lambda f: read_cifar_pickle(_need(f, name), n_classes=10)) if kind == "python" else \
+            (lambda f: read_cifar_binary(_need(f, name), n_classes=10))
+        parts = [read(f) for f in files]
+        return {"train": _cat(parts[:5]), "test": parts[5], "sources": files}
+    read = (lambda f: read_cifar_pickle(_need(f, name), "fine_labels", 100)) if kind == "python" else \
+        (lambda f: read_cifar_binary(_need(f, name), 2, 1, 100))
+    return {"train": read(files[0]), "test": read(files[1]), "sources": files}
 
 
 def _need(path: str, name: str) -> str:
@@ -1526,7 +2270,7 @@ def _cat(parts):
 def read_wnid_map(path: str) -> dict:
     """map_clsloc.txt ('n02119789 1 kit_fox' per line) -> {1-based label: wnid}."""
     out = {}
-    with open(path) as f:
+    with io.TextIOWrapper(open_back(path), encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
             parts = line.split()
             if not parts:
@@ -1541,7 +2285,7 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
     """One Imagenet32/64 batch, pickle or .npz: rows of 3*S*S bytes, 1-based labels."""
     if path.endswith(".npz"):
         try:
-            with np.load(path) as z:
+            with open_back(path) as f, np.load(f) as z:
                 data, labels = z["data"], z["labels"]
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"{path} is truncated or not an Imagenet32/64 .npz ({e})") from None
@@ -1555,13 +2299,30 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
     return x, _labels(labels, path, len(x))
 
 
-def read_imagenet100_downsampled(data_dir: str) -> dict:
-    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data; pickles or
-    .npz) and the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted wnid order."""
+def imagenet100_layout(data_dir: str) -> str:
+    """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/, read with Pillow)
+    or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError naming both where it holds neither."""
+    if os.path.isdir(os.path.join(data_dir, "train")) and not _find(data_dir, ["val_data", "val_data.npz"]):
+        return "folder"
+    if _find(data_dir, ["train_data_batch_1", "train_data_batch_1.npz"]):
+        return "downsampled"
+    raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for train/<wnid>/*.JPEG with "
+                    f"val/<wnid>/ (an ImageFolder tree; needs Pillow), and for train_data_batch_1..10 and val_data "
+                    f"with map_clsloc.txt (the downsampled ImageNet, {IMAGENET32_URL})")
+
+
+def _wnid_map_path(data_dir: str) -> str:
     map_path = os.path.join(data_dir, "map_clsloc.txt")
     if not os.path.exists(map_path):
         raise DataError(f"ImageNet-100: {map_path} is missing; it maps labels 1..1000 to wnids and comes with "
                         f"the ImageNet devkit (ILSVRC2012 devkit, data/map_clsloc.txt)")
+    return map_path
+
+
+def read_imagenet100_downsampled(data_dir: str) -> dict:
+    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data; pickles or
+    .npz) and the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted wnid order."""
+    map_path = _wnid_map_path(data_dir)
     label_to_wnid = read_wnid_map(map_path)
     index = {w: i for i, w in enumerate(IMAGENET100_WNIDS)}
     missing = [w for w in IMAGENET100_WNIDS if w not in set(label_to_wnid.values())]
@@ -1593,13 +2354,19 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
             "sources": sources}
 
 
-def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size (Pillow)."""
+def _pillow():
+    """PIL.Image, which an ImageFolder tree needs; DataError saying how to get it."""
     try:
         from PIL import Image
     except ImportError:
         raise DataError("reading an ImageFolder tree needs Pillow: pip install pillow (or use the downsampled "
                         "ImageNet pickles, which need nothing)") from None
+    return Image
+
+
+def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size (Pillow)."""
+    Image = _pillow()
     xs, ys = [], []
     for label, wnid in enumerate(IMAGENET100_WNIDS):
         folder = os.path.join(root, wnid)
@@ -1607,10 +2374,10 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
             raise DataError(f"ImageNet-100: class folder {folder} is missing")
         for fname in sorted(os.listdir(folder)):
             try:
-                with Image.open(os.path.join(folder, fname)) as im:
+                with open_back(os.path.join(folder, fname)) as f, Image.open(f) as im:
                     im = im.convert("RGB").resize((size, size), Image.BILINEAR)
                     xs.append(np.asarray(im, dtype=np.uint8).transpose(2, 0, 1))
-            except OSError as e:
+            except (OSError, ReadError) as e:
                 raise DataError(f"{os.path.join(folder, fname)} is not a readable image ({e})") from None
             ys.append(label)
     return np.stack(xs), np.asarray(ys, dtype=np.int64)
@@ -1623,7 +2390,7 @@ def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
-    """Write the decoded arrays, their fingerprint and their sources' signature to the first writable cache
+    """Write the decoded arrays, their hash and their sources' signature to the first writable cache
     folder; without one, run uncached."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
@@ -1632,19 +2399,19 @@ def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]
     with atomic_output(folder / f"{key}.npz") as f:
         np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
                  y_test=data["test"][1], sources=np.array(json.dumps(signature)),
-                 fingerprint=np.array(data["fingerprint"]))
+                 data_hash=np.array(data["data_hash"]))
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
     """The cached arrays, or None when the cache is broken, has no signature, or its sources changed."""
     try:
-        with np.load(cache) as z:
+        with open_back(cache) as f, np.load(f) as z:
             saved = json.loads(str(z["sources"]))
             now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved], known=saved)
             if not _same_sources(now, saved):
                 return None
             return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"]),
-                    "fingerprint": str(z["fingerprint"])}
+                    "data_hash": str(z["data_hash"])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -1652,7 +2419,7 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the
     cache while every source file keeps its contents (`_source_signature`), and rebuild it when one changes.
-    Returns {"train": (x, y), "test": (x, y), "fingerprint": sha256 of the four arrays}."""
+    Returns {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
     key = f"{name}-{image_size}"
@@ -1665,8 +2432,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
                 os.remove(cache)                 # a broken or stale cache is rebuilt
     if name in ("cifar10", "cifar100"):
         data = read_cifar(data_dir, name)
-    elif os.path.isdir(os.path.join(data_dir, "train")) and not os.path.exists(os.path.join(data_dir, "val_data")) \
-            and not os.path.exists(os.path.join(data_dir, "val_data.npz")):
+    elif imagenet100_layout(data_dir) == "folder":
         data = {"train": read_image_folder(os.path.join(data_dir, "train"), image_size),
                 "test": read_image_folder(os.path.join(data_dir, "val"), image_size),
                 "sources": [os.path.join(root, f) for split in ("train", "val")
@@ -1676,7 +2442,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     size = data["train"][0].shape[-1]
     if size != image_size:
         raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
-    data["fingerprint"] = array_fingerprint(*data["train"], *data["test"])
+    data["data_hash"] = array_hash(*data["train"], *data["test"])
     _save_image_cache(data_dir, key, data, _image_signature(data_dir, data.pop("sources")))
     return data
 
@@ -1841,6 +2607,7 @@ def aug_identity(x, *_):
 
 # RandAugment's ops and how a magnitude m in [0, 10] maps to each op's argument (a random sign
 # where the op has a direction); every op with an argument is the identity at m = 0.
+
 RANDAUG_OPS = {
     "identity": (aug_identity, None),
     "autocontrast": (aug_autocontrast, None),
@@ -2108,7 +2875,7 @@ class ImageTask(Task):
         return mp.impulse_pattern(g, g, self.offsets(), prefix)
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        variant = self.check_pattern(variant)
+        variant = self.pattern_name(variant)
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "soft":
             return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off, prefix)
@@ -2120,7 +2887,7 @@ class ImageTask(Task):
     def setup(self, device="cpu"):
         data = load_image_dataset(self.name, self.data_dir, self.image_size)
         (xtr, ytr), (xte, yte) = data["train"], data["test"]
-        self._fingerprint = data["fingerprint"]
+        self._data_hash = data["data_hash"]
         for split, y in (("train", ytr), ("test", yte)):
             if len(y) == 0 or y.min() < 0 or y.max() >= self.n_classes:
                 raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} and be non-empty")
@@ -2135,8 +2902,8 @@ class ImageTask(Task):
         self.n_train = len(self.y_train)
         return self
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
+    def data_hash(self) -> str:
+        return self._data_hash
 
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
         return (x_uint8.float() / 255 - self.mean) / self.std
@@ -2205,14 +2972,26 @@ class ImageTask(Task):
         return {"top1": correct / n, "loss": loss / n}
 
 
+def _located(read, data_dir: str | None, name: str) -> str:
+    """`read(data_dir)` for a task's `locate` (it names what it looked for and where to get it)."""
+    if data_dir is None:
+        raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
+    return read(data_dir)
+
+
 @register("cifar10")
 class Cifar10(ImageTask):
     """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10 classes."""
     N_CLASSES = 10
+    TRAIN_SIZE = 50_000                 # training images as released (reproduce.sh's plan sizes epochs with it)
+
+    @classmethod
+    def locate(cls, data_dir):
+        return _located(lambda d: cifar_files(d, cls.NAME)[0], data_dir, cls.NAME)
 
 
 @register("cifar100")
-class Cifar100(ImageTask):
+class Cifar100(Cifar10):
     """CIFAR-100 (python or binary release) in --data-dir, fine labels: 100 classes."""
     N_CLASSES = 100
 
@@ -2221,6 +3000,12 @@ class Cifar100(ImageTask):
 class ImageNet100(ImageTask):
     """ImageNet-100 (the CMC class list) from the downsampled ImageNet pickles or an ImageFolder tree."""
     N_CLASSES = 100
+    TRAIN_SIZE = 126_689
+
+    @classmethod
+    def locate(cls, data_dir):
+        layout = _located(imagenet100_layout, data_dir, cls.NAME)
+        return layout if (_pillow() if layout == "folder" else _wnid_map_path(data_dir)) else layout
 
 
 # ----------------------------------------------------------------------------------------
@@ -2278,36 +3063,49 @@ class ImageNet100(ImageTask):
 
 
 WIKITEXT_URL = "https://huggingface.co/datasets/Salesforce/wikitext"
+
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+
 CACHE_FORMAT = 2  # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 
 UNK = "<unk>"
+
 EOS = "<eos>"
+
 EOT_ID = 256
+
 BYTE_VOCAB_SIZE = 257
+
 EOT_TEXT = "\n<|endoftext|>\n"  # how decode() renders the end-of-text id
 
 WIKITEXT_SPLITS = ("train", "valid", "test")
+
+
 # release name -> (sub-folder, file extension), in the order "auto" tries them
+
 WIKITEXT_RELEASES = {"tokens": ("wikitext-2", ".tokens"), "raw": ("wikitext-2-raw", ".raw")}
+
 WIKITEXT_TOKENIZER = "word-split-eos-v1"
 
 TINYSTORIES_SPLITS = ("train", "valid")
+
+
 # version -> file name prefix, in the order "auto" tries them
+
 TINYSTORIES_VERSIONS = {"v2": "TinyStoriesV2-GPT4", "v1": "TinyStories"}
+
 TINYSTORIES_TOKENIZER = "utf8-bytes-eot256-v1"
+
 
 # A separator line inside a block of complete lines (the block starts at a
 # line start and ends with "\n"); whitespace other than "\n" may surround it.
+
 _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.MULTILINE)
 
 
-# --------------------------------------------------------------------------- #
-# Public entry points
-# --------------------------------------------------------------------------- #
-
+# ---- corpora and windows
 
 def load_lm_corpus(
     name: str,
@@ -2329,7 +3127,7 @@ def load_lm_corpus(
 
     Returns:
         ``{"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int,
-        "decode": callable(list[int]) -> str, "source": str, "fingerprint": a sha256 of the tokens}``; WikiText-2 also
+        "decode": callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}``; WikiText-2 also
         has ``"test"`` (memmap) and ``"vocab"`` (list[str]).  Arrays are 1-D,
         read-only, ``uint16`` or ``uint32``.
     """
@@ -2385,11 +3183,6 @@ def eval_windows(
     return _iter_eval_windows(tokens, context, batch_size)
 
 
-# --------------------------------------------------------------------------- #
-# Windows
-# --------------------------------------------------------------------------- #
-
-
 def _check_context(context: int, n_tokens: int, split: str) -> None:
     if context < 1:
         raise DataError(f"--context must be >= 1, got {context}")
@@ -2422,10 +3215,7 @@ def _iter_eval_windows(
         yield _gather_windows(tokens, np.array([n_full * context]), rest)
 
 
-# --------------------------------------------------------------------------- #
-# WikiText-2
-# --------------------------------------------------------------------------- #
-
+# ---- WikiText-2
 
 def load_wikitext2(
     data_dir: str | os.PathLike,
@@ -2449,10 +3239,10 @@ def load_wikitext2(
         loaded = _read_wikitext_cache(folder, stem, sources)
         if loaded is None:
             raise DataError(f"token cache written to {folder} could not be read back")
-    splits, vocab, fingerprint = loaded
+    splits, vocab, data_hash = loaded
     return {
         **splits,
-        "fingerprint": fingerprint,
+        "data_hash": data_hash,
         "vocab": vocab,
         "vocab_size": len(vocab),
         "decode": lambda ids: decode_words(ids, vocab),
@@ -2496,7 +3286,7 @@ def wikitext_line_words(line: str) -> list[str]:
 def iter_wikitext_words(path: Path) -> Iterator[str]:
     """Stream the words of a WikiText file, line by line (see :func:`wikitext_line_words`)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with io.TextIOWrapper(open_back(path), encoding="utf-8") as f:
             for line in f:
                 yield from wikitext_line_words(line)
     except UnicodeDecodeError as exc:
@@ -2556,7 +3346,7 @@ def _read_wikitext_cache(
 ) -> tuple[dict[str, np.memmap], list[str], str] | None:
     """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``, else None."""
     try:
-        raw = (folder / f"{stem}.vocab.json").read_bytes()
+        raw = read_back(folder / f"{stem}.vocab.json", "json")
         vocab = json.loads(raw)
     except (OSError, ValueError):
         return None
@@ -2578,10 +3368,7 @@ def _vocab_bytes(vocab: list[str]) -> bytes:
     return json.dumps(vocab, ensure_ascii=False).encode("utf-8")
 
 
-# --------------------------------------------------------------------------- #
-# TinyStories
-# --------------------------------------------------------------------------- #
-
+# ---- TinyStories
 
 def load_tinystories(
     data_dir: str | os.PathLike,
@@ -2619,7 +3406,7 @@ def load_tinystories(
         out[split], digest = tokens
         digests.append(digest)
     out.update(
-        fingerprint=hashlib.sha256(" ".join(digests).encode()).hexdigest(),
+        data_hash=hashlib.sha256(" ".join(digests).encode()).hexdigest(),
         vocab_size=BYTE_VOCAB_SIZE,
         decode=decode_bytes,
         source=f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
@@ -2708,7 +3495,7 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
     Memory: about ``chunk_size`` plus the longest line.
     """
     pending = b""
-    with open(path, "rb") as f:
+    with open_back(path) as f:
         while chunk := f.read(chunk_size):
             buffer = pending + chunk
             cut = buffer.rfind(b"\n") + 1
@@ -2752,10 +3539,7 @@ def decode_bytes(ids: Iterable[int]) -> str:
     return "".join(parts)
 
 
-# --------------------------------------------------------------------------- #
-# Token cache
-# --------------------------------------------------------------------------- #
-
+# ---- the token cache
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """Little-endian uint16 when every id fits (vocab_size <= 65536), else uint32."""
@@ -2766,41 +3550,13 @@ def _cache_candidates(data_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     return [Path(cache_dir)] if cache_dir is not None else default_cache_dirs(data_dir)
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    with open(path, "rb") as f:
-        digest = hashlib.sha256()
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
-    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a file
-    replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave it) is seen;
-    and its stat (size, mtime, ctime, inode): while the stat of a `known` signature (one a cache recorded)
-    still holds, its hash is reused without reading the file (every write moves ctime, and no tool sets it)."""
-    st, name = path.stat(), name or path.name
-    stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-    for k in known:
-        if isinstance(k, dict) and k.get("name") == name and k.get("stat") == stat and isinstance(k.get("sha256"), str):
-            return {"name": name, "size": st.st_size, "sha256": k["sha256"], "stat": stat}
-    return {"name": name, "size": st.st_size, "sha256": file_sha256(path), "stat": stat}
-
-
-def _same_sources(a, b) -> bool:
-    """Whether two lists of source signatures name the same files with the same contents (stat aside)."""
-    def content(sigs):
-        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s for s in sigs]
-    return isinstance(a, list) and isinstance(b, list) and content(a) == content(b)
-
-
 def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
     """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse their hashes)."""
     known = []
     for folder in candidates:
         for meta_path in sorted(folder.glob(f"{glob.escape(stem)}.*.json")):
             try:
-                known += [s for s in json.loads(meta_path.read_text(encoding="utf-8"))["sources"] if isinstance(s, dict)]
+                known += [s for s in read_json(meta_path)["sources"] if isinstance(s, dict)]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
     return known
@@ -2822,7 +3578,7 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
     damaged."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
         if any(meta.get(key) != value for key, value in expected.items() if key != "sources"):
             return None
         if not _same_sources(meta.get("sources"), expected["sources"]) or not isinstance(meta.get("sha256"), str):
@@ -2921,20 +3677,31 @@ class LMTask(Task):
         if self.val_tokens:
             self.valid = self.valid[:self.val_tokens]
         self.vocab_size, self.decode, self.vocab = corpus["vocab_size"], corpus["decode"], corpus.get("vocab")
-        self._fingerprint = corpus["fingerprint"]
+        self._data_hash = corpus["data_hash"]
         _check_context(self.context, len(self.train), "training")
         _check_context(self.context, len(self.valid), "validation")
         self.device = torch.device(device)
         return self
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
+    def data_hash(self) -> str:
+        return self._data_hash
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> token ids (words of the corpus vocabulary, or UTF-8 bytes)."""
         if self.vocab is None:
             return list(text.encode("utf-8"))
         return encode_words(text.split(), self.vocab).tolist()
+
+    @torch.no_grad()
+    def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int, generator) -> str:
+        """`prompt` and `n` tokens `model` writes after it (`mp.generate`: temperature 0 greedy; top_k 0 all)."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise TaskError(f"--sample: the prompt {prompt!r} gives no tokens")
+        out = mp.generate(model, torch.tensor([ids], device=self.device), n, temperature, top_k or None,
+                          generator=generator)
+        sep = " " if self.vocab is not None else ""              # words are joined by spaces, bytes are not
+        return self.decode(ids) + sep + self.decode(out[0, len(ids):].tolist())
 
     def arch(self) -> dict:
         if self.vocab_size is None:
@@ -2949,7 +3716,7 @@ class LMTask(Task):
         """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the
         future is removed by the hard causal mask. It has no on / off levels: train.py's table keeps --mask-on
         and --mask-off to the other families, so m_on and m_off are the defaults here."""
-        self.check_pattern(variant)
+        self.pattern_name(variant)
         return mp.causal_distance_logits(self.context, self.heads)
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -3000,256 +3767,19 @@ class LMTask(Task):
 class WikiText2(LMTask):
     """WikiText-2 (word level; the .tokens or the raw release) in --data-dir."""
 
+    @classmethod
+    def locate(cls, data_dir):
+        return _located(lambda d: find_wikitext_files(d)[0], data_dir, cls.NAME)
+
 
 @register("tinystories")
 class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
     PRESETS = {"paper": {"model": dict(dropout=0.0), "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
 
-
-# ----------------------------------------------------------------------------------------
-# Files: where decoded data is cached, and the one writer of every file this project writes
-# (caches here; args, results, checkpoints, figures and tables in train.py): a file appears
-# whole or not at all.
-
-CACHE_DIRNAME = "maskprior-cache"
-
-
-def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
-    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
-    absolute = Path(data_dir).resolve()
-    digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
-    return [absolute / CACHE_DIRNAME, Path.home() / ".cache" / "maskprior" / f"{name}-{digest}"]
-
-
-def _writable_cache_dir(candidates: list[Path]) -> Path:
-    """The first candidate folder that can be created and written to."""
-    for folder in candidates:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-            return folder
-        except OSError:
-            continue
-    raise DataError(f"cannot write a cache in any of: {', '.join(map(str, candidates))}")
-
-
-@contextlib.contextmanager
-def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
-    """The first writable cache folder (see `_writable_cache_dir`); a folder this call created is
-    removed again when the body fails and left nothing in it."""
-    created = [c for c in candidates if not c.exists()]
-    folder = _writable_cache_dir(candidates)
-    try:
-        yield folder
-    except BaseException:
-        if folder in created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()                   # only an empty folder goes
-        raise
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """A binary file that appears at ``path`` only if the ``with`` body completes (a temporary
-    file in the same folder, flushed to disk, then renamed over ``path``)."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        e.filename = e.filename or str(path)
-        raise
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())         # mkstemp's 0600 would hide results from the group
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and not e.filename:
-            e.filename = str(path)                # a full disk names the file it could not write
-        raise
-
-
-def partial_writes(folder: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """(temporary file, the file it was writing) for each temporary file an `atomic_output` killed
-    mid-write left in `folder` (named ``.<name>.<random characters>.tmp``)."""
-    for entry in os.listdir(folder):
-        m = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", entry)
-        if m:
-            yield os.path.join(folder, entry), m.group(1)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write bytes, or text as UTF-8, to ``path`` atomically."""
-    with atomic_output(path) as f:
-        f.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a teacher's
-# checkpoint, result.json and args.json in reports): read as someone else's file, since anyone may have put
-# it there. What is read is bytes of a regular file within a size limit; a torch file is loaded with
-# weights_only=True (tensors and plain values: nothing it names is called), JSON as JSON. Its schema is
-# the reader's caller's to check, before any value is used.
-
-class ReadError(TaskError):
-    """A file read back that is not what this program writes there: missing, not a regular file, too large, or
-    not a file of its kind. The message is one line naming the file."""
-
-
-MiB = 1 << 20
-READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB}
-
-
-def read_back(path: str | os.PathLike, kind: str) -> bytes:
-    """The bytes of `path`, a regular file (a symlink is followed and what it names checked; a FIFO, device or
-    folder is refused without being opened for reading, so nothing blocks) of at most READ_LIMITS[kind] bytes."""
-    limit = READ_LIMITS[kind]
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file: a {kind} is a plain file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ReadError(f"{path} is missing") from None
-    except OSError as e:
-        raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):          # replaced between the two looks
-            raise ReadError(f"{path} is not a regular file")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(64 * MiB, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as e:
-        raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this program writes")
-    return b"".join(chunks)
-
-
-def _file_kind(mode: int) -> str:
-    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device")
-
-
-def load_torch(data: bytes, path: str | os.PathLike):
-    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
-    names anything else is refused before it is called), torch's own warnings kept out of the one line."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        named = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"it names {named.group(1)}" if named else next(
-            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
-        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
-                        f"holds and which would run code if unpickled; it was not run") from None
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-        raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
-
-
-def load_json(data: bytes, path: str | os.PathLike):
-    """JSON of bytes read back (UTF-8)."""
-    try:
-        return json.loads(data.decode("utf-8"))
-    except ValueError as e:                               # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
-
-
-def read_json(path: str | os.PathLike):
-    return load_json(read_back(path, "json"), path)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _finite(v) -> bool:
-    return _number(v) and math.isfinite(v)
-
-
-def _share(v) -> bool:
-    return _finite(v) and 0 <= v <= 1
-
-
-def _optional(check):
-    return lambda v: v is None or check(v)
-
-
-def _of(kind):
-    return lambda v: isinstance(v, kind) and not isinstance(v, bool)
-
-
-def _list_of(check):
-    return lambda v: isinstance(v, list) and all(map(check, v))
-
-
-# result.json as train.py writes it: key -> (check, what it must be); task, init, seed and metrics are required.
-RESULT_SCHEMA = {
-    "task": (_of(str), "a task name"), "init": (_of(str), "an init name"), "seed": (_of(int), "an integer"),
-    "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _optional(_finite)(x)
-                                                      for k, x in v.items()), "a dict of finite numbers (or null)"),
-    "kind": (_of(str), "a task family"), "preset": (_of(str), "a preset name"), "run_id": (_optional(_of(str)), "an id"),
-    "data": (_optional(_of(str)), "a fingerprint"), "steps": (lambda v: _of(int)(v) and v >= 0, "a step count"),
-    "seconds": (lambda v: _finite(v) and v >= 0, "a time"),
-    "prior_mass_start_layers": (_optional(_list_of(_finite)), "finite numbers per layer"),
-    "prior_mass_end_layers": (_optional(_list_of(_finite)), "finite numbers per layer"),
-    "init_report": (_optional(_of(dict)), "a dict"), "config": (_optional(_of(dict)), "a dict"),
-    "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
-        _share(v[k]) for k in ("precision", "recall") if k in v) and all(
-        _of(int)(v[k]) and v[k] >= 0 for k in ("found_pairs", "oracle_pairs") if k in v),
-        "null or a dict whose precision and recall are in [0, 1]"),
-}
-RESULT_REQUIRED = ("task", "init", "seed", "metrics")
-
-
-def check_result(result, path: str | os.PathLike) -> dict:
-    """A result.json's contents, checked against RESULT_SCHEMA before any value is used; ReadError naming the
-    first key that is not what train.py writes."""
-    if not isinstance(result, dict):
-        raise ReadError(f"{path} holds a JSON {type(result).__name__}, not the object of a run's result")
-    for key in RESULT_REQUIRED:
-        if key not in result:
-            raise ReadError(f"{path} has no {key}")
-    for key, (ok, what) in RESULT_SCHEMA.items():
-        if key in result and not ok(result[key]):
-            if key == "metrics" and isinstance(result[key], dict):
-                name, value = next((k, v) for k, v in result[key].items() if not _optional(_finite)(v))
-                raise ReadError(f"{path}: metric {name} is {_short(value)}, not a finite number")
-            raise ReadError(f"{path}: {key} is {_short(result[key])}, not {what}")
-    return result
-
-
-def read_result(path: str | os.PathLike) -> dict:
-    """A run's result.json through the one reader, its schema checked (`check_result`)."""
-    return check_result(read_json(path), path)
-
-
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
+    @classmethod
+    def locate(cls, data_dir):
+        return _located(lambda d: find_tinystories_files(d)[0], data_dir, cls.NAME)
 
 
 # ----------------------------------------------------------------------------------------
@@ -3336,7 +3866,6 @@ def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, 
     return write_new_dataset(folder, "cifar-10-batches-py", write, _held_cifar10(folder))
 
 
-
 _WORD = re.compile(r"\w+(?:[-,.]\w+)*|[^\w\s]")
 
 
@@ -3381,3 +3910,36 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
             atomic_write(os.path.join(out, f"wiki.{split}.tokens"), "".join(text))
 
     return write_new_dataset(folder, "wikitext-2", write, _held_wikitext(folder))
+
+
+def make_digits(folder: str) -> str:
+    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32 RGB and written
+    in the CIFAR-10 python format (`digits_arrays`): a small, real, learnable image set for trying the vision path
+    on a CPU. Returns what it says."""
+    x_train, y_train, x_test, y_test = digits_arrays()
+    out = write_cifar10_python(folder, x_train, y_train, x_test, y_test)
+    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\n"
+            f"train on them with: python train.py --task cifar10 --data-dir {folder} --init mask")
+
+
+def make_wikitext(folder: str, files: list) -> str:
+    """python train.py make-wikitext DIR FILE...: plain-text files (one article each; paragraphs separated by blank
+    lines; the first line is the title) written in WikiText-2's word-level layout under DIR/wikitext-2/, so that any
+    English text can stand in for the corpus. Returns what it says."""
+    articles = []
+    for path in files:
+        try:
+            with io.TextIOWrapper(open_back(path), encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except (OSError, ReadError) as e:
+            raise DataError(f"make-wikitext: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+        paras = [" ".join(p.split()) for p in text.split("\n\n")]
+        paras = [p for p in paras if p]
+        if paras:
+            articles.append((paras[0][:80], paras[1:]))
+    out = write_wikitext_layout(articles, folder)
+    sizes = {}
+    for s in ("train", "valid", "test"):
+        with io.TextIOWrapper(open_back(os.path.join(out, f"wiki.{s}.tokens")), encoding="utf-8") as f:
+            sizes[s] = sum(len(line.split()) + 1 for line in f)
+    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items())

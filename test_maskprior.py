@@ -1,7 +1,10 @@
 """Tests for maskprior.py, tasks.py and train.py. Run: python -m pytest -q test_maskprior.py
 
-Grouped by subject: shared constants, model, tasks, config, runs and resume, reporting, reproduce.sh,
-library retrofit (the prior in torch, timm, Hugging Face and nanoGPT-style models), benchmarks, README and CI.
+In the source's order, a test under the part of the code it tests: helpers shared by several parts; maskprior.py
+(patterns, mask helpers, MaskPrior, attention, models, generate, inits, param groups, probes, priors from attention,
+the retrofit into torch, timm, Hugging Face and PEFT models); tasks.py (base, files, Boolean, arithmetic, vision,
+language, fixtures); train.py (config, build, data parallelism, loop, durability); reports; reproduce.sh;
+benchmarks; README and CI. A fixture sits before its first user.
 """
 import collections
 import contextlib
@@ -18,12 +21,14 @@ import math
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -40,151 +45,13 @@ import train
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def tiny_cfg(**kw):
-    base = dict(vocab_size=5, seq_len=11, n_layers=2, n_heads=3, dim=24, mlp_dim=32, n_outputs=4)
-    base.update(kw)
-    return mp.TransformerConfig(**base)
-
-
-# ---------------------------------------------------------------------------------------- shared constants
-
-# Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
-
-
-# wiki.*.tokens: a leading " " line, " = Title = " headings, blank " " lines,
-# @,@ / @.@ / @-@ and <unk> tokens, a trailing space before each newline.
-WIKI_TRAIN = (
-    " \n"
-    " = Robert Boulter = \n"
-    " \n"
-    " Robert Boulter is an English film , television and theatre actor . He had a <unk> role in 2000 . \n"
-    " \n"
-    " = = Career = = \n"
-    " \n"
-    " In 2006 @-@ 07 , Boulter starred in 1 @,@ 000 shows ; it cost 3 @.@ 5 million . \n"
-    " \n"
-)
-
-
-WIKI_VALID = " \n = Career = \n \n Boulter had a <unk> role . \n"
-
-
-WIKI_TEST = " \n = = Career = = \n He starred in 2000 . \n"
-
-
-# wiki.*.raw: same shape, but real words with punctuation and no <unk>.
-RAW_TRAIN = " \n = Robert Boulter = \n \n Robert Boulter is an English actor. He starred in 2000.\n"
-
-
-RAW_VALID = " \n Boulter is an unseenword actor.\n"
-
-
-RAW_TEST = " Robert is an actor.\n"
-
-
-STORIES = (
-    "Once upon a time, a “Lily” saw a café.\n"
-    "\n"
-    "She said, “Hi!” He wrote <|endoftext|> on a card.\n"
-    "<|endoftext|>\n"
-    "Tom ran.\n"
-    "<|endoftext|>\n"
-    "\n"
-    "  <|endoftext|>  \n"
-    "Ben was very happy é.\n"
-    "<|endoftext|>\n"
-    "Last story with no separator after it.\n"
-)
-
-
-VALID_STORIES = "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
-
+# ---------------------------------------------------------------------------------------- shared helpers
 
 LM_SMALL = ["--layers", "1", "--dim", "32", "--heads", "4", "--mlp-dim", "64", "--context", "16",
             "--batch-size", "16", "--probe-size", "4"]
 
 
-def _qk_opt(init: str, steps: int) -> list:
-    """--qk-opt-steps STEPS where the init is qk-opt (the flag applies to it alone)."""
-    return ["--qk-opt-steps", str(steps)] if init == "qk-opt" else []
-
-
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--mlp-dim", "32", "--batch-size", "32", "--probe-size", "32"]
-
-
-BAD_INPUT = [
-    (["--task", "nosuch"], "unknown task"),
-    (["--init", "nosuch"], "unknown init"),
-    (["--preset", "nosuch"], "unknown preset"),
-    (["--steps", "0"], "--steps must be an integer > 0"),
-    (["--steps", "-5"], "--steps must be an integer > 0"),
-    (["--batch-size", "0"], "--batch-size must be an integer > 0"),
-    (["--epochs", "0"], "--epochs must be a finite number > 0"),
-    (["--epochs", "nan"], "--epochs must be a finite number > 0"),
-    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
-    (["--steps", "ten"], "invalid int value"),
-    (["--steps", "5", "--epochs", "1"], "either --steps or --epochs"),
-    (["--init", "mimetic"], "does not apply"),
-    (["--init", "mask-impulse"], "init 'mask-impulse' does not apply to task parity2 (boolean)"),
-    (["--task", "multiplication", "--lee-samples", "3000"], "give --digits 2 (got --digits 3)"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--data-frac", "0.3"],
-     "leave --data-frac out"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "99"],
-     "--lee-samples must be an integer in 100 .."),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "0"], "--lee-samples must be an integer in 100 .. 10,000"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--init", "qk-svd"],
-     "which a QK prior fitted on fixed positions cannot follow"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
-     "with --lee-samples has no pattern 'partial'"),
-    (["--task", "addition", "--lee-samples", "3000"], "--lee-samples does not apply to task addition"),
-    (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
-    (["--task", "kparity", "--bits", "random:15", "--unseen", "bits:2"], "is a least-squares problem in 32,768 monomials"),
-    (["--task", "kmajority", "--bits", "random:11", "--n-bits", "15"], "at most 1,024 are solved"),
-    (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
-    (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
-    (["--pattern", "nosuch"], "has no pattern"),
-    (["--pattern", ""], "--pattern needs a name; parity2's patterns are clique, cls"),
-    (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
-    (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
-    (["--readout", "tokens"], "--readout for parity2 must be one of cls, mean, got 'tokens'"),
-    (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
-    (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
-    (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies only to the boolean and arithmetic"),
-    (["--eval-points", "-1"], "--eval-points must be an integer >= 0"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
-    (["--lr", "inf"], "--lr must be a finite number > 0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
-    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
-    (["--warmup", "-5"], "--warmup must be an integer >= 0"),
-    (["--init", "mask", "--mask-on", "nan"], "--mask-on must be a finite number >= 0"),
-    (["--init", "mask", "--mask-off", "-5"], "--mask-off must be a finite number >= 0"),
-    (["--init", "qk-opt", "--qk-opt-steps", "-1"], "--qk-opt-steps must be an integer > 0"),
-    (["--init", "qk-svd", "--qk-svd-scale", "inf"], "--qk-svd-scale must be a finite number > 0"),
-    (["--dropout", "2"], "--dropout must be a finite number in [0, 1)"),
-    (["--head-dim", "-1"], "--head-dim must be an integer > 0"),
-    (["--emb-init-std", "-1"], "--emb-init-std must be a finite number >= 0"),
-    (["--probe-size", "0"], "--probe-size must be an integer > 0"),
-    (["--seed", "-1"], "--seed must be an integer in 0 .. 4294967295"),
-    (["--halt-after", "0"], "--halt-after must be an integer > 0"),
-    (["--betas", "0.9"], "--betas must be two numbers"),
-    (["--device", "meta"], "is not a device to train on"),
-    (["--device", "nonsense"], "is not a device to train on"),
-    (["--device", "mps"], "torch sees no Apple GPU"),
-    (["--task", "wikitext2", "--data-dir", ".", "--context", "0"], "--context must be at least 2"),
-    (["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-off", "3"],
-     "--mask-off applies only to the boolean and arithmetic and vision tasks (this task is lm)"),
-    (["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
-    (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
-    (["--task", "addition", "--data-frac", "2"], "--data-frac must be in (0, 1]"),
-    (["--sample", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
-    (["--sample", "hi"], "--sample: no checkpoint"),
-    (["--resume"], "--resume: no checkpoint"),
-]
-
-
-if torch.backends.mps.is_available():                   # the machine has the Apple GPU that case asks for
-    BAD_INPUT.remove((["--device", "mps"], "torch sees no Apple GPU"))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -198,69 +65,15 @@ RUN24 = ["--task", "parity2", "--layers", "1", "--dim", "16", "--heads", "2", "-
          "--log-every", "5", "--batch-size", "32", "--probe-size", "32"]
 
 
-DDP_TINY = [*TINY, "--init", "mask", "--steps", "20", "--log-every", "5"]
-
-
-def _but(argv, *changes):
-    """argv with the flags of `changes` (flag, value, flag, value, ...) set to these values: replaced where argv
-    has them, added where not (train.py refuses a flag given twice)."""
-    argv = list(map(str, argv))
-    for flag, value in zip(changes[::2], changes[1::2]):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = str(value)
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-DDP_GRAD_SCRIPT = """
-import torch, torch.distributed as dist, maskprior as mp
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="mean",
-                           learnable_mask=True, fused=False)
-torch.manual_seed(0)
-model = mp.Transformer(cfg)
-mp.init_mask_(model, mp.banded_pattern(6, 1))
-x, y = torch.randint(0, 2, (8, 6), generator=torch.Generator().manual_seed(1)), torch.randn(8)
-full = mp.Transformer(cfg)
-full.load_state_dict(model.state_dict())
-torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # one process, the whole batch
-ddp = torch.nn.parallel.DistributedDataParallel(model)
-part = slice(4 * rank, 4 * rank + 4)
-torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
-g, ref = model.blocks[0].attn.prior.mask_logits.grad, full.blocks[0].attn.prior.mask_logits.grad
-assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
-open(f"ok{rank}", "w").write("ok")
-del ddp                                              # DDP's reducer must go before its process group
-dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
-dist.destroy_process_group()
-"""
-
-
-PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that argument)
-    "brightness": (1.7, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Brightness(im).enhance(a)),
-    "color": (0.3, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Color(im).enhance(a)),
-    "contrast": (1.6, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Contrast(im).enhance(a)),
-    "sharpness": (0.2, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Sharpness(im).enhance(a)),
-    "posterize": (3, lambda im, a: __import__("PIL.ImageOps").ImageOps.posterize(im, a)),
-    "solarize": (100, lambda im, a: __import__("PIL.ImageOps").ImageOps.solarize(im, a)),
-    "autocontrast": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.autocontrast(im)),
-    "equalize": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.equalize(im)),
-}
-
-
-SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points", "16"],
-               "vision": ["--patch-size", "8"], "lm": ["--context", "8", "--val-tokens", "64"]}
-
-
-# ---------------------------------------------------------------------------------------- model
-
-def gotu_model(**kw):
-    task = T.make_task("parity2")
-    cfg = mp.TransformerConfig(**{**task.arch(), "n_layers": 2, "n_heads": 4, "dim": 64, **kw})
-    torch.manual_seed(0)
-    return task, mp.Transformer(cfg)
+def _write_text_corpus(folder, n_articles=24):
+    rng = np.random.default_rng(0)
+    nouns, verbs = ["cat", "dog", "bird", "fox"], ["sat", "ran", "slept"]
+    arts = []
+    for i in range(n_articles):          # templated sentences: learnable in a few dozen steps
+        paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
+                 for _ in range(20)]
+        arts.append((f"Story {i % 3}", paras))
+    return T.write_wikitext_layout(arts, str(folder), min_count=1)
 
 
 @pytest.fixture
@@ -270,88 +83,197 @@ def text_dir(tmp_path):
     return str(tmp_path / "text")
 
 
-def _lm_cfg(param, fused=True, n=12):
-    return mp.TransformerConfig(vocab_size=11, seq_len=n, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
-                                causal=True, n_outputs=11, learnable_mask=True, fused=fused, mask_param=param,
-                                tie_embeddings=True)
+def _images(n, seed=0, size=32):
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_fused_and_explicit_agree(causal, with_mask):
-    torch.manual_seed(0)
-    attn = mp.Attention(24, 3, mask_size=10 if with_mask else None, causal=causal, qkv_bias=True)
-    if with_mask:
-        with torch.no_grad():
-            attn.mask_logits.copy_(torch.randn(3, 10, 10) * 4)
-    # a causal layer may read a prefix of M (T=9 < 10); a non-causal one needs T = N exactly
-    x = torch.randn(2, 9 if causal else 10, 24, requires_grad=True)
-    grads = []
-    for fused in (True, False):
-        attn.fused = fused
-        attn.zero_grad()
-        x.grad = None
-        out, maps = attn(x)
-        assert (maps is None) == fused
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        params = [x.grad.clone(), attn.qkv.weight.grad.clone(), attn.proj.weight.grad.clone()]
-        if with_mask:
-            params.append(attn.mask_logits.grad.clone())
-        grads.append((out.detach(), params))
-    (o1, g1), (o2, g2) = grads
-    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+def run_train(tmp_path, *args, name="run"):
+    out = os.path.join(tmp_path, name)
+    return train.main(["--out", out, *map(str, args)]), out
 
 
-def test_model_fused_and_explicit_agree():
-    torch.manual_seed(0)
-    model = mp.Transformer(tiny_cfg(learnable_mask=True))
-    mp.init_mask_(model, mp.banded_pattern(12, 2), 5.0, 5.0)
-    idx = torch.randint(0, 5, (3, 11))
-    out_fused = model(idx)
-    out_explicit, maps = model(idx, return_attn=True)
-    torch.testing.assert_close(out_fused, out_explicit, atol=1e-5, rtol=1e-5)
-    assert len(maps) == 2 and maps[0].shape == (3, 3, 12, 12)
-    torch.testing.assert_close(maps[0].sum(-1), torch.ones(3, 3, 12))
+class _Touch:
+    """A pickle payload that, unpickled, would create `path` (with the shell, or from Python)."""
+
+    def __init__(self, path, how="system"):
+        self.path, self.how = str(path), how
+
+    def __reduce__(self):
+        if self.how == "system":
+            return (os.system, (f"touch {self.path}",))
+        if self.how == "eval":
+            return (eval, (f"open({self.path!r}, 'w').close()",))
+        return (subprocess.call, (["touch", self.path],))
 
 
-def test_mask_bias_never_positive():
-    m = torch.linspace(-50, 50, 1001)
-    assert (mp.mask_bias(m) <= 0).all()
-    pat = mp.banded_pattern(6, 1)
-    logits = mp.mask_logits_from_pattern(pat, 5.0, 7.0)
-    assert (logits[pat] == 5).all() and (logits[~pat] == -7).all()
-    assert abs(float(mp.mask_bias(torch.tensor(5.0))) + 0.0067) < 1e-4
+def _tree(folder) -> dict:
+    """{relative path: bytes} of every file under folder."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
 
 
-def test_causal_bias_hides_the_future():
-    attn = mp.Attention(8, 2, mask_size=6, causal=True)
-    bias = attn.attn_bias(6, torch.float32)
-    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
-    assert torch.isinf(bias[:, future]).all() and torch.isfinite(bias[:, ~future]).all()
+@pytest.fixture
+def image_dir(tmp_path):
+    """A small CIFAR-10 python release (40 train, 8 test images) in a fresh folder."""
+    x, y = _images(40), np.arange(40) % 10
+    T.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
+    return str(tmp_path / "cifar")
 
 
-def test_mask_gradient_bound_holds():
-    """|dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij (max_k g_bik - min_k g_bik) (Theorem 1), and the
-    bound is reasonably tight (not vacuous)."""
-    torch.manual_seed(1)
-    model = mp.Transformer(tiny_cfg(learnable_mask=True, fused=False, n_outputs=1, readout="cls"))
-    mp.init_mask_(model, mp.banded_pattern(12, 1), 5.0, 5.0)
-    idx = torch.randint(0, 5, (8, 11))
-    out, maps = model(idx, return_attn=True)
-    for a in maps:
-        a.retain_grad()
-    F.mse_loss(out.squeeze(-1), torch.randn(8)).backward()
-    for block, a in zip(model.blocks, maps):
-        m = block.attn.mask_logits
-        bound = mp.mask_grad_bound(a.detach(), a.grad, m.detach())
-        assert (m.grad.abs() <= bound + 1e-7).all()
-        assert (m.grad.abs().sum() / bound.sum()) > 0.05
-        # the bound is at most the attention mass times the gradient spread: sigma(-M) <= 1
-        spread = a.grad.amax(-1, keepdim=True) - a.grad.amin(-1, keepdim=True)
-        assert (bound <= (a.detach() * spread).sum(0) + 1e-9).all()
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail the test (instead of hanging it) when the body takes longer than `seconds`."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
+
+def _halted(tmp_path, name="run", seed=0) -> str:
+    out = str(tmp_path / name)
+    assert train.main([*RUN24, "--seed", str(seed), "--halt-after", "20", "--out", out]) == 0
+    return out
+
+
+def _fake_result(task, init, seed, metrics, tag="", **flags) -> dict:
+    """result.json as train.py writes it, for a run of `task`, `init`, `seed` with `flags` (the rest at the defaults):
+    what tells it apart, the init's place in INITS, a run id, no data files, whether it sits at its preset."""
+    config = {**train.DEFAULTS, "task": task, "init": init, "seed": seed, **flags}
+    preset = train.resolve(*train.parse_args(["--task", task]))
+    return {"task": task, "kind": T.TASKS[task].KIND, "init": init, "seed": seed, "preset": "small",
+            "run_id": hashlib.sha256(f"{task}{init}{seed}{tag}{flags}".encode()).hexdigest()[:32], "data": None,
+            "init_order": list(train.INITS).index(init), "metrics": metrics,
+            "tells_apart": {k: v for k, v in config.items() if k not in train.NOT_TELLING_APART},
+            "at_preset": all(config[k] == getattr(preset, k) for k in flags if k in train.ARCH)}
+
+
+def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5,
+              **flags):
+    """A run directory as train.py writes it: result.json and metrics.jsonl (drift grows 0, 0.1, 0.2, ...)."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
+               "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
+    (d / "result.json").write_text(json.dumps({**_fake_result(task, init, seed, metrics, tag, readout=readout,
+                                                              pos_init_std=pos, **flags), "kind": kind,
+                                               "config": {"readout": readout, "pos_init_std": pos}}))
+    drift = "mask_drift" if init == "mask" else "qk_drift"
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * i, "metrics": {}, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
+                    "content_margin": [i, 2 * i]}) + "\n"
+        for i, m in enumerate(masses)))
+    return d
+
+
+def _files_whole(folder) -> None:
+    """Every file of a run folder is whole: JSON files parse, every metrics.jsonl line is a record, the
+    checkpoint loads. Hidden temporary files of a killed write may be there (the next start removes them)."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".json"):
+            json.load(open(path))
+        elif name == "metrics.jsonl":
+            text = open(path).read()
+            assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
+        elif name == "ckpt.pt":
+            assert set(train.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
+        elif name == "prior.pt":
+            T.read_prior(path)
+        else:
+            assert name.startswith(".") and name.endswith(".tmp"), name
+
+
+@contextlib.contextmanager
+def _small_disk(path, size="100k", read_only=False):
+    """A tmpfs of `size` mounted at `path` (read-only if asked), unmounted after; the test is skipped, with the
+    reason, where this machine cannot mount one (not root, no mount)."""
+    path.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
+                            str(path)], capture_output=True, text=True)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}); the full-disk and read-only cases need one")
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the full-disk and read-only cases need one")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _wait_for(condition, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not condition():
+        time.sleep(0.3)
+    return condition()
+
+
+def _extra(name: str):
+    """A test-only library (timm, transformers): skipped where it is not installed, but a failure where
+    MASKPRIOR_REQUIRE_EXTRAS is set (.ci/run sets it, so CI never skips these tests in silence)."""
+    if os.environ.get("MASKPRIOR_REQUIRE_EXTRAS"):
+        import importlib
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: module, checks
+
+def test_maskprior_copied_alone_runs(tmp_path):
+    shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
+    code = ("import maskprior as mp, torch, sys\n"
+            "assert not {'transformers', 'timm', 'safetensors'} & set(sys.modules)   # adapters import nothing\n"
+            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16,\n"
+            "                           learnable_mask=True)\n"
+            "m = mp.Transformer(cfg)\n"
+            "mp.init_mask_(m, mp.banded_pattern(8, 1))\n"
+            "y = m(torch.randint(0, 2, (4, 7)))\n"
+            "y.sum().backward()\n"
+            "assert m.blocks[0].attn.mask_logits.grad is not None\n"
+            "v = mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))\n"
+            "v(torch.randn(2, 3, 8, 8)).sum().backward()\n"
+            "enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,\n"
+            "                                  enable_nested_tensor=False)\n"
+            "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
+            "enc(torch.randn(3, 5, 8)).sum().backward()\n"
+            "assert all(p.mask_logits.grad is not None for p in priors.values())\n"
+            "rel = mp.MaskPrior(6, 2, causal=True, logits=mp.causal_distance_logits(6, 2), param=\"relative\")\n"
+            "assert rel.mask_logits.shape == (2, 6) and rel(4).shape == (2, 4, 4)\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    src = open(os.path.join(HERE, "maskprior.py")).read()
+    assert "import tasks" not in src and "import train" not in src
+
+
+def test_the_library_refuses_what_would_fail_later_or_in_silence():
+    """A NaN strength, a negative pair index, a missing pattern, non-finite logits and inputs of the wrong
+    size are one ValueError each, naming what was wrong, instead of a NaN model or a generic torch error."""
+    model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, learnable_mask=True))
+    before = [p.detach().clone() for p in model.parameters()]
+    for call, message in (
+            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_on=float("nan")), "m_on must be a finite number"),
+            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_off=float("inf")),
+             "m_off must be a finite number"),
+            (lambda: mp.init_mask_(model), "no pattern: give a bool"),
+            (lambda: mp.init_mask_(model, logits=torch.full((8, 8), float("nan"))), "logits hold non-finite values"),
+            (lambda: mp.pattern_from_pairs(4, [(0, -1)]), r"pair \(0, -1\) is outside positions 0 .. 3"),
+            (lambda: mp.pattern_from_pairs(4, [(4, 0)]), r"pair \(4, 0\) is outside"),
+            (lambda: model(torch.randint(0, 2, (2, 9))), "an input of 9 tokens is longer than the model's seq_len 7"),
+            (lambda: mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))(torch.randn(2, 3, 16, 16)),
+             r"images of shape \(2, 3, 16, 16\) do not fit the model: it takes \(B, C, 8, 8\)")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))       # nothing was changed
+    assert model(torch.randint(0, 2, (2, 7))).shape[0] == 2
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: patterns
 
 def test_pattern_builders():
     p = mp.pattern_from_pairs(4, [(0, 2)], symmetric=True, self_loops=False)
@@ -398,26 +320,6 @@ def test_soft_and_window_priors_on_a_known_grid():
     assert w[0, 1 + 5].sum() == 1 + 9 and w[0, 1 + 0].sum() == 1 + 4      # an inner patch and a corner
 
 
-def test_vision_patterns_and_their_probe_patterns(image_dir):
-    task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
-    imp, soft = task.pattern("impulse"), task.pattern("soft")
-    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1), and where it leaves the grid the row's
-    # likeliest key, itself: the impulse pattern, so a QK init reads the same prior from either (CLS or not)
-    assert soft.equal(imp) and (soft.sum(-1) == 1).all()
-    cls = T.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
-    assert cls.pattern("soft").equal(cls.pattern("impulse"))
-    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
-    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
-    graded = task.mask_logits("graded", 5.0, 10.0)
-    assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
-    assert (graded[~task.pattern("graded")] == -10).all()
-    local = T.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
-    assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
-    for bad, needle in (({"window": 4}, "--window is the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
-        with pytest.raises(T.TaskError, match=needle):
-            T.make_task("cifar10", data_dir=image_dir, **bad)
-
-
 def test_causal_distance_logits_are_alibi():
     m = mp.causal_distance_logits(6, 4)
     bias = mp.mask_bias(m)
@@ -428,6 +330,481 @@ def test_causal_distance_logits_are_alibi():
             for j in range(i):
                 assert abs(float(bias[h, i, j]) + float(slopes[h]) * (i - j)) < 1e-5
     assert (bias[:, range(6), range(6)] > -1e-4).all()
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: mask helpers
+
+def test_mask_bias_never_positive():
+    m = torch.linspace(-50, 50, 1001)
+    assert (mp.mask_bias(m) <= 0).all()
+    pat = mp.banded_pattern(6, 1)
+    logits = mp.mask_logits_from_pattern(pat, 5.0, 7.0)
+    assert (logits[pat] == 5).all() and (logits[~pat] == -7).all()
+    assert abs(float(mp.mask_bias(torch.tensor(5.0))) + 0.0067) < 1e-4
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=5, seq_len=11, n_layers=2, n_heads=3, dim=24, mlp_dim=32, n_outputs=4)
+    base.update(kw)
+    return mp.TransformerConfig(**base)
+
+
+def test_mask_gradient_bound_holds():
+    """|dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij (max_k g_bik - min_k g_bik) (Theorem 1), and the
+    bound is reasonably tight (not vacuous)."""
+    torch.manual_seed(1)
+    model = mp.Transformer(tiny_cfg(learnable_mask=True, fused=False, n_outputs=1, readout="cls"))
+    mp.init_mask_(model, mp.banded_pattern(12, 1), 5.0, 5.0)
+    idx = torch.randint(0, 5, (8, 11))
+    out, maps = model(idx, return_attn=True)
+    for a in maps:
+        a.retain_grad()
+    F.mse_loss(out.squeeze(-1), torch.randn(8)).backward()
+    for block, a in zip(model.blocks, maps):
+        m = block.attn.mask_logits
+        bound = mp.mask_grad_bound(a.detach(), a.grad, m.detach())
+        assert (m.grad.abs() <= bound + 1e-7).all()
+        assert (m.grad.abs().sum() / bound.sum()) > 0.05
+        # the bound is at most the attention mass times the gradient spread: sigma(-M) <= 1
+        spread = a.grad.amax(-1, keepdim=True) - a.grad.amin(-1, keepdim=True)
+        assert (bound <= (a.detach() * spread).sum(0) + 1e-9).all()
+
+
+def test_theorem_1_bound_holds_on_the_relative_table():
+    """dL/dM_d sums dL/dM_ij over the pairs at distance d, so its size is bounded by the sum of their bounds."""
+    n = 8
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=True, n_outputs=5, learnable_mask=True, fused=False, mask_param="relative")
+    torch.manual_seed(2)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=mp.causal_distance_logits(n, 2))
+    x = torch.randint(0, 5, (6, n))
+    out, (attn,) = model(x, return_attn=True)
+    attn.retain_grad()
+    (out * torch.randn(out.shape)).sum().backward()
+    prior = model.blocks[0].attn.prior
+    bound = mp.mask_grad_bound(attn.detach(), attn.grad, prior.full_logits().detach())        # (H, n, n)
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
+    g = prior.mask_logits.grad
+    assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
+
+
+@pytest.mark.parametrize("call", ["MaskPrior", "init_mask_", "add_mask_prior", "mask_logits_from_pattern"])
+@pytest.mark.parametrize("pattern", ["float", "int", "a list"])
+def test_a_pattern_that_is_not_bool_is_refused(call, pattern):
+    """A pattern is a bool tensor: a float or int tensor (the allowed pairs as 1.0 / 1) or a list is refused in
+    one ValueError that says to give logits= for real values, by every entry point."""
+    p = mp.banded_pattern(6, 1)
+    p = {"float": p.float(), "int": p.long(), "a list": p.tolist()}[pattern]
+    with pytest.raises(ValueError, match="a pattern is a bool tensor .* give logits= instead"):
+        if call == "MaskPrior":
+            mp.MaskPrior(6, 2, p)
+        elif call == "init_mask_":
+            model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1,
+                                                        n_heads=2, dim=16, mlp_dim=16, learnable_mask=True))
+            mp.init_mask_(model, p)
+        elif call == "add_mask_prior":
+            enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
+                                        enable_nested_tensor=False)
+            mp.add_mask_prior(enc, torch.as_tensor(p) if pattern != "a list" else p)
+        else:
+            mp.mask_logits_from_pattern(p)
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: MaskPrior
+
+def test_mask_prior_bias_shapes_for_each_target():
+    pattern = mp.banded_pattern(6, 1)
+    prior = mp.MaskPrior(6, heads=3, pattern=pattern, m_on=5.0, m_off=4.0)
+    b = prior()
+    assert b.shape == (3, 6, 6) and torch.allclose(b[0][pattern], F.logsigmoid(torch.tensor(5.0)))
+    assert torch.allclose(b[1][~pattern], F.logsigmoid(torch.tensor(-4.0)))
+    mha = prior.for_mha(2)
+    assert mha.shape == (6, 6, 6) and torch.equal(mha.view(2, 3, 6, 6)[1], b)      # batch-major, as MHA reads it
+    four = prior.for_4d(2)
+    assert four.shape == (2, 3, 6, 6) and torch.equal(four[1], b)
+    causal = mp.MaskPrior(6, 2, causal=True)
+    assert causal(4).shape == (2, 4, 4) and torch.isinf(causal(4)[0, 0, 1]) and causal(4)[0, 1, 0] == F.logsigmoid(
+        torch.tensor(0.0))
+    assert mp.param_groups(nn.Sequential(nn.Linear(6, 6), prior), 0.1)[1]["params"][-1] is prior.mask_logits
+
+
+def _lm_cfg(param, fused=True, n=12):
+    return mp.TransformerConfig(vocab_size=11, seq_len=n, n_layers=2, n_heads=4, dim=32, mlp_dim=64, readout="tokens",
+                                causal=True, n_outputs=11, learnable_mask=True, fused=fused, mask_param=param,
+                                tie_embeddings=True)
+
+
+def test_relative_prior_starts_where_the_full_one_does_and_is_small():
+    torch.manual_seed(0)
+    full, rel = mp.Transformer(_lm_cfg("full")), mp.Transformer(_lm_cfg("relative"))
+    rel.load_state_dict({k: v for k, v in full.state_dict().items() if "mask_logits" not in k}, strict=False)
+    logits = mp.causal_distance_logits(12, 4)
+    mp.init_mask_(full, logits=logits)
+    mp.init_mask_(rel, logits=logits)
+    a, b = full.blocks[0].attn, rel.blocks[0].attn
+    assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
+    assert torch.equal(a.attn_bias(12, torch.float32), b.attn_bias(12, torch.float32))
+    assert torch.equal(a.attn_bias(7, torch.float32), b.attn_bias(7, torch.float32))       # a prompt
+    x = torch.randint(0, 11, (3, 12))
+    torch.testing.assert_close(full(x), rel(x))
+    with pytest.raises(ValueError, match="differ along a diagonal"):
+        mp.init_mask_(rel, logits=torch.randn(4, 12, 12))
+    with pytest.raises(ValueError, match="sequence length 13 does not fit the mask size 12"):
+        b.prior(13)                                           # a context longer than the table
+
+
+def test_a_float64_mask_prior_passes_gradcheck():
+    """M in float64 stays float64 through the bias (no float32 cast), so torch.autograd.gradcheck passes for
+    a full and a relative prior, non-causal and causal (through a softmax, where the future is -inf)."""
+    q = torch.randn(2, 5, 5, dtype=torch.float64)
+    priors = [mp.MaskPrior(5, 2, mp.banded_pattern(5, 1)), mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2),
+                                                                     causal=True),
+              mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2), causal=True, param="relative")]
+    for prior in priors:
+        prior = prior.double()
+        assert prior.mask_logits.dtype == torch.float64 and prior(5).dtype == torch.float64
+
+        def attention(m, prior=prior):
+            return (q + torch.func.functional_call(prior, {"mask_logits": m}, ())).softmax(-1)
+        assert torch.autograd.gradcheck(attention, (prior.mask_logits.detach().clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("kw", [dict(n=0), dict(heads=0), dict(heads=-2), dict(n=4, n_keys=0), dict(heads=2.0)])
+def test_a_mask_prior_of_no_size_is_refused(kw):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        mp.MaskPrior(**{"n": 4, **kw})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_saved_m_that_is_not_finite_is_refused_on_load(bad):
+    """load_state_dict of a model (ours, or a retrofitted torch encoder) whose saved M holds nan or +-inf: a
+    ValueError naming the parameter; the model keeps its own M."""
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1, n_heads=2, dim=16, mlp_dim=16,
+                               learnable_mask=True)
+    model = mp.Transformer(cfg)
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("mask_logits"))
+    state[key] = state[key].clone()
+    state[key][0, 1, 2] = bad
+    before = model.state_dict()[key].clone()
+    with pytest.raises(ValueError, match=f"{re.escape(key)} .*the saved M holds non-finite values"):
+        mp.Transformer(cfg).load_state_dict(state)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1, enable_nested_tensor=False)
+    mp.add_mask_prior(enc, mp.banded_pattern(6, 1))
+    s = {k: v.clone() for k, v in enc.state_dict().items()}
+    s["layers.0.self_attn.mask_prior.mask_logits"][0, 0, 0] = bad
+    with pytest.raises(ValueError, match="layers.0.self_attn.mask_prior.mask_logits .*non-finite"):
+        enc.load_state_dict(s)
+    assert torch.equal(model.state_dict()[key], before)
+
+
+def test_prior_roles_gathers_m_per_example_on_both_attention_paths():
+    """mp.prior_roles: query i, key j of example b read M[rows[b, i], cols[b, j]]; fused = explicit; bad roles
+    are refused naming the shapes."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=6, readout="tokens", causal=True, n_layers=2, n_heads=2, dim=16,
+                               mlp_dim=16, learnable_mask=True, fused=True)
+    fused = mp.Transformer(cfg)
+    mp.init_mask_(fused, logits=torch.randn(2, 6, 6) * 4)
+    explicit = mp.Transformer(dataclasses.replace(cfg, fused=False))
+    explicit.load_state_dict(fused.state_dict())
+    rows = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 4, 5, 5, 5]])
+    cols = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5, 5]])
+    x = torch.randint(0, 5, (2, 6))
+    with mp.prior_roles(fused, rows, cols), mp.prior_roles(explicit, rows, cols):
+        bias = fused.blocks[1].attn.attn_bias(5, torch.float32)
+        assert torch.allclose(fused(x), explicit(x), atol=1e-5)
+    m = F.logsigmoid(fused.blocks[1].attn.mask_logits)
+    assert bias[1, 1, 3, 2] == m[1, 5, 3] and bias[1, 0, 2, 1] == m[0, 4, 2] and bias[1, 0, 1, 2] == float("-inf")
+    assert torch.equal(bias[0], fused.blocks[1].attn.attn_bias(5, torch.float32))    # identity roles
+    with pytest.raises(ValueError, match=r"prior_roles needs rows and cols of one \(B, L\) shape, long, in 0..5"):
+        with mp.prior_roles(fused, rows, cols + 1):
+            pass
+    with mp.prior_roles(nn.Linear(2, 2), rows, cols):                     # a model without a prior: left alone
+        pass
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: attention
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_fused_and_explicit_agree(causal, with_mask):
+    torch.manual_seed(0)
+    attn = mp.Attention(24, 3, mask_size=10 if with_mask else None, causal=causal, qkv_bias=True)
+    if with_mask:
+        with torch.no_grad():
+            attn.mask_logits.copy_(torch.randn(3, 10, 10) * 4)
+    # a causal layer may read a prefix of M (T=9 < 10); a non-causal one needs T = N exactly
+    x = torch.randn(2, 9 if causal else 10, 24, requires_grad=True)
+    grads = []
+    for fused in (True, False):
+        attn.fused = fused
+        attn.zero_grad()
+        x.grad = None
+        out, maps = attn(x)
+        assert (maps is None) == fused
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        params = [x.grad.clone(), attn.qkv.weight.grad.clone(), attn.proj.weight.grad.clone()]
+        if with_mask:
+            params.append(attn.mask_logits.grad.clone())
+        grads.append((out.detach(), params))
+    (o1, g1), (o2, g2) = grads
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_model_fused_and_explicit_agree():
+    torch.manual_seed(0)
+    model = mp.Transformer(tiny_cfg(learnable_mask=True))
+    mp.init_mask_(model, mp.banded_pattern(12, 2), 5.0, 5.0)
+    idx = torch.randint(0, 5, (3, 11))
+    out_fused = model(idx)
+    out_explicit, maps = model(idx, return_attn=True)
+    torch.testing.assert_close(out_fused, out_explicit, atol=1e-5, rtol=1e-5)
+    assert len(maps) == 2 and maps[0].shape == (3, 3, 12, 12)
+    torch.testing.assert_close(maps[0].sum(-1), torch.ones(3, 3, 12))
+
+
+def test_causal_bias_hides_the_future():
+    attn = mp.Attention(8, 2, mask_size=6, causal=True)
+    bias = attn.attn_bias(6, torch.float32)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    assert torch.isinf(bias[:, future]).all() and torch.isfinite(bias[:, ~future]).all()
+
+
+def test_mask_size_must_match_the_sequence_unless_causal():
+    attn = mp.Attention(16, 2, mask_size=6)
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        attn(torch.randn(1, 5, 16))                  # a non-causal layer never reads part of M
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        attn(torch.randn(1, 7, 16))
+    causal = mp.Attention(16, 2, mask_size=6, causal=True)
+    assert causal(torch.randn(1, 5, 16))[0].shape == (1, 5, 16)   # a prefix, e.g. a prompt
+    with pytest.raises(ValueError, match="does not fit the mask size 6"):
+        causal(torch.randn(1, 7, 16))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relative_prior_fused_equals_explicit_with_the_table_gradient(causal):
+    n = 10
+    cfg = mp.TransformerConfig(vocab_size=7, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
+                               causal=causal, n_outputs=7, learnable_mask=True, mask_param="relative")
+    torch.manual_seed(0)
+    fused = mp.Transformer(cfg)
+    with torch.no_grad():
+        fused.blocks[0].attn.mask_logits.normal_()
+    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False}))
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 7, (4, n))
+    r = torch.randn(4, n, 7)
+    outs = []
+    for m in (fused, explicit):
+        out = m(x)
+        (out * r).sum().backward()
+        outs.append((out.detach(), m.blocks[0].attn.mask_logits.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    assert outs[0][1].abs().max() > 1e-3
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)
+    if causal:                                                # later tokens never reach earlier outputs
+        y = x.clone()
+        y[:, 6:] = (y[:, 6:] + 1) % 7
+        torch.testing.assert_close(fused(x)[:, :6], fused(y)[:, :6])
+
+
+@cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
+    torch.manual_seed(0)
+    # sequence length not a multiple of 8 on purpose; a causal layer reads a prefix of its M, others all of it
+    n, t = (70, 67) if causal else (67, 67)
+    attn = mp.Attention(128, 2, mask_size=n, causal=causal).cuda()
+    with torch.no_grad():
+        attn.mask_logits.copy_(torch.randn(2, n, n, device="cuda") * 4)
+    x = torch.randn(4, t, 128, device="cuda", requires_grad=True)
+    res = []
+    for fused in (True, False):
+        attn.fused = fused
+        attn.zero_grad()
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _ = attn(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        res.append((out.float().detach(), x.grad.clone(), attn.mask_logits.grad.clone()))
+    (o1, gx1, gm1), (o2, gx2, gm2) = res
+    assert torch.isfinite(gm1).all() and gm1.abs().sum() > 0
+    torch.testing.assert_close(o1, o2, atol=3e-2, rtol=3e-2)
+    assert float((gx1 - gx2).norm() / gx2.norm()) < 3e-2
+    assert float((gm1 - gm2).norm() / gm2.norm()) < 3e-2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_compiled_model_matches_eager(fused):
+    """torch.compile traces both attention paths with the learnable mask (aot_eager here, no compiler needed;
+    `--compile` uses inductor, checked on a GPU by test_cuda_compile_matches_eager)."""
+    cfg = mp.TransformerConfig(vocab_size=3, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True,
+                               fused=fused, readout="tokens", causal=True, n_outputs=3)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=mp.causal_distance_logits(6, 2))
+    x = torch.randint(0, 3, (4, 6))
+    grads = []
+    for m in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        out = m(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("causal,param", [(False, "full"), (True, "full"), (True, "relative"), (False, "relative")])
+def test_flex_attention_gives_the_explicit_path_s_outputs_for_every_prior_layout(causal, param):
+    """--attention flex (M read inside torch's flex_attention: a score_mod on the (heads, N, N) bias or on the
+    relative table by distance, a block mask for the causal part) gives what the explicit softmax gives, for a full
+    or relative M, causal (a prefix too) or not; forward only here (its backward runs on CUDA)."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=12, n_layers=2, n_heads=3, dim=24, learnable_mask=True,
+                               causal=causal, mask_param=param, readout="tokens", n_outputs=5)
+    ref = mp.Transformer(dataclasses.replace(cfg, fused=False))
+    with torch.no_grad():
+        for p in mp.mask_priors(ref):
+            p.mask_logits.normal_(0, 3)
+    flex = mp.Transformer(dataclasses.replace(cfg, flex=True))
+    flex.load_state_dict(ref.state_dict())
+    plain = mp.Transformer(dataclasses.replace(cfg, fused=False, learnable_mask=False))
+    plain.load_state_dict({k: v for k, v in ref.state_dict().items() if "mask_logits" not in k})
+    for t in ((12, 7) if causal else (12,)):
+        x = torch.randint(0, 5, (4, t))
+        with torch.no_grad():
+            got, want = flex(x), ref(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert (got - plain(x)).abs().max() > 1e-2                  # M moved the output: the prior is in the kernel
+
+
+def test_flex_attention_refuses_a_backward_on_the_cpu_and_train_py_says_where_it_runs(tmp_path, capsys):
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, learnable_mask=True, flex=True)
+    model = mp.Transformer(cfg)
+    with pytest.raises(ValueError, match="flex_attention has no backward on the CPU"):
+        model(torch.randint(0, 2, (2, 7))).sum().backward()
+    for init in ("mask", "default"):
+        rc, out = run_train(tmp_path, *TINY, "--init", init, "--attention", "flex", "--steps", "2")
+        err = capsys.readouterr().err
+        assert rc == 2 and "--attention flex runs M through torch's flex_attention" in err and not os.path.exists(out)
+
+
+@cuda
+@pytest.mark.parametrize("causal,param", [(False, "full"), (True, "full"), (True, "relative")])
+def test_flex_attention_trains_m_as_the_explicit_path_does_on_cuda(causal, param):
+    """On CUDA flex_attention is compiled: its outputs and the gradients of x, the weights and M are the explicit
+    path's (float32)."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=64, n_layers=2, n_heads=4, dim=64, learnable_mask=True,
+                               causal=causal, mask_param=param, readout="tokens", n_outputs=5)
+    ref = mp.Transformer(dataclasses.replace(cfg, fused=False)).cuda()
+    with torch.no_grad():
+        for p in mp.mask_priors(ref):
+            p.mask_logits.normal_(0, 3)
+    flex = mp.Transformer(dataclasses.replace(cfg, flex=True)).cuda()
+    flex.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 5, (8, 64), device="cuda")
+    a, b = ref(x), flex(x)
+    torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), flex.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-3, rtol=2e-3, msg=name)
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: models
+
+def test_transformer_and_vit_share_one_trunk():
+    assert issubclass(mp.Transformer, mp.Trunk) and issubclass(mp.ViT, mp.Trunk)
+    assert mp.Transformer.forward is mp.ViT.forward is mp.Trunk.forward
+    cfg = mp.TransformerConfig(n_layers=1, dim=16, n_heads=2, mlp_dim=24, dropout=0.1)
+    block = mp.Block(cfg, mask_size=16, causal=False)
+    assert block.mlp[0].out_features == 24 and block.attn.mask_logits.shape == (2, 16, 16)
+
+
+@pytest.mark.parametrize("init", ["default", "mask"])
+def test_causal_lm_never_sees_the_future(init):
+    """Changing tokens after position t leaves the outputs at positions <= t unchanged."""
+    cfg = mp.TransformerConfig(vocab_size=11, seq_len=12, n_layers=2, n_heads=4, dim=32, mlp_dim=64,
+                               readout="tokens", causal=True, n_outputs=11, learnable_mask=init == "mask",
+                               tie_embeddings=True)
+    torch.manual_seed(0)
+    model = mp.Transformer(cfg).eval()
+    if init == "mask":
+        mp.init_mask_(model, logits=mp.causal_distance_logits(12, 4))
+    x = torch.randint(0, 11, (3, 12))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % 11
+    a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+    assert cfg.fused                                        # `model` runs the fused path; compare the explicit one
+    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False})).eval()
+    explicit.load_state_dict(model.state_dict())
+    torch.testing.assert_close(explicit(x), a, atol=1e-5, rtol=1e-5)
+
+
+def test_vit_shapes_and_few_steps_lower_the_loss():
+    torch.manual_seed(0)
+    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_classes=2, dim=32, n_layers=2, n_heads=2, pool="cls",
+                       learnable_mask=True)
+    vit = mp.ViT(cfg)
+    mp.init_mask_(vit, mp.impulse_pattern(2, 2, mp.IMPULSE_OFFSETS[:2], n_prefix=1))
+    x = torch.randn(16, 3, 8, 8)
+    y = (x[:, 0, :4, :4].mean((1, 2)) > 0).long()                # learnable from the top-left patch
+    logits, maps = vit(x, return_attn=True)
+    assert logits.shape == (16, 2) and len(maps) == 2 and maps[0].shape == (16, 2, 5, 5)
+    opt = torch.optim.AdamW(mp.param_groups(vit, 0.05), lr=3e-3)
+    with torch.no_grad():
+        first = float(F.cross_entropy(vit(x), y))
+    for _ in range(30):
+        opt.zero_grad()
+        F.cross_entropy(vit(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(F.cross_entropy(vit(x), y)) < 0.5 * first
+
+
+def test_drop_path_schedule_and_identity_in_eval():
+    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_layers=3, dim=16, n_heads=2, mlp_dim=16, drop_path=0.1)
+    model = mp.ViT(cfg)
+    assert [b.drop_path for b in model.blocks] == [0.0, 0.05, 0.1]
+    x = torch.randn(4, 3, 8, 8)
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    h = torch.ones(1000, 4, 8)
+    kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
+    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: generate
+
+def test_generate_is_seeded_and_crops_the_context():
+    cfg = mp.TransformerConfig(vocab_size=7, seq_len=5, n_layers=1, n_heads=2, dim=16, mlp_dim=16,
+                               readout="tokens", causal=True, n_outputs=7)
+    model = mp.Transformer(cfg).eval()
+    start = torch.tensor([[1, 2, 3]])
+    a = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
+    b = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
+    assert a.shape == (1, 12) and a.equal(b) and a[:, :3].equal(start)
+    g = mp.generate(model, start, 4, 0.0)
+    assert g[0, 3] == model(start)[0, -1].argmax()
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: inits
+
+def gotu_model(**kw):
+    task = T.make_task("parity2")
+    cfg = mp.TransformerConfig(**{**task.arch(), "n_layers": 2, "n_heads": 4, "dim": 64, **kw})
+    torch.manual_seed(0)
+    return task, mp.Transformer(cfg)
 
 
 def test_init_mask_sets_every_layer():
@@ -451,18 +828,6 @@ def test_init_mask_never_creates_or_resizes_m():
     with pytest.raises(ValueError, match="4 heads and 15 positions"):
         mp.init_mask_(model, torch.ones(3, 15, 15, dtype=torch.bool))
     assert [b.attn.mask_logits for b in model.blocks] == before and all((m == 0).all() for m in before)
-
-
-def test_mask_size_must_match_the_sequence_unless_causal():
-    attn = mp.Attention(16, 2, mask_size=6)
-    with pytest.raises(ValueError, match="does not fit the mask size 6"):
-        attn(torch.randn(1, 5, 16))                  # a non-causal layer never reads part of M
-    with pytest.raises(ValueError, match="does not fit the mask size 6"):
-        attn(torch.randn(1, 7, 16))
-    causal = mp.Attention(16, 2, mask_size=6, causal=True)
-    assert causal(torch.randn(1, 5, 16))[0].shape == (1, 5, 16)   # a prefix, e.g. a prompt
-    with pytest.raises(ValueError, match="does not fit the mask size 6"):
-        causal(torch.randn(1, 7, 16))
 
 
 def test_qk_svd_puts_pseudo_input_mass_on_pattern():
@@ -505,6 +870,8 @@ def test_mimetic_products_close_to_targets():
     assert float(vo.diagonal().mean()) == pytest.approx(-0.4, abs=0.1)
 
 
+# ---------------------------------------------------------------------------------------- maskprior.py: param groups
+
 def test_param_groups_keep_mask_out_of_weight_decay():
     _, model = gotu_model(learnable_mask=True)
     groups = mp.param_groups(model, 0.1)
@@ -516,6 +883,8 @@ def test_param_groups_keep_mask_out_of_weight_decay():
     n_all = sum(1 for _ in model.parameters())
     assert len(groups[0]["params"]) + len(groups[1]["params"]) == n_all
 
+
+# ---------------------------------------------------------------------------------------- maskprior.py: probes
 
 def test_prior_probes():
     task, model = gotu_model(learnable_mask=True)
@@ -530,6 +899,52 @@ def test_prior_probes():
         model.blocks[0].attn.mask_logits.mul_(2)
     assert mp.prior_drift(model, snap)["mask_drift"][0] == pytest.approx(1.0)
 
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
+    """One layer: the content margin is the same with M set or zeroed (the bias is taken out); without M it
+    is, row by row, log(mass off / mass on); with a constant on/off bias the mass follows margin - gap."""
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(vocab_size=5, seq_len=9, n_layers=1, n_heads=2, dim=32, mlp_dim=64, readout="tokens",
+                               n_outputs=5, causal=causal, learnable_mask=True)
+    model = mp.Transformer(cfg).eval()
+    x = torch.randint(0, 5, (6, 9))
+    pattern = mp.banded_pattern(9, 1) & (mp.causal_pattern(9) if causal else True)
+    zero = mp.content_margin(model, x, pattern)                      # M = 0: a constant bias, no prior
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    on = (a * pattern).sum(-1)
+    rows = mp.prior_rows(pattern, causal)
+    ratio = ((1 - on) / on).log()[..., rows]
+    # the mean of log-ratios: LSE over off keys minus LSE over on keys of log a, row by row
+    assert zero[0] == pytest.approx(float(ratio.mean()), abs=1e-4)
+    mp.init_mask_(model, pattern, m_on=5.0, m_off=10.0)
+    assert mp.content_margin(model, x, pattern)[0] == pytest.approx(zero[0], abs=1e-3)
+    with torch.no_grad():
+        _, (a,) = model(x, return_attn=True)
+    gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
+    on = (a * pattern).sum(-1)
+    assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
+
+
+def test_no_constrained_row_gives_null_mass_with_a_reason(tmp_path, text_dir):
+    """A causal-distance window wider than the context constrains no row: the mass is null with a reason, not NaN."""
+    out = str(tmp_path / "lm")
+    assert train.main(["--task", "wikitext2", "--data-dir", text_dir, "--context", "5", "--heads", "4", "--init",
+                       "mask", "--steps", "2", "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--val-tokens", "50",
+                       "--out", out]) == 0
+    text = open(os.path.join(out, "result.json")).read()
+    assert "NaN" not in text
+    res = json.loads(text)
+    m = res["metrics"]
+    assert m["prior_mass_start"] is None and m["prior_mass_end"] is None
+    assert "constrains no query row" in res["prior_mass_note"]
+    with pytest.raises(ValueError, match="constrains no query row"):
+        mp.prior_probe(mp.Transformer(mp.TransformerConfig(seq_len=4, readout="tokens", causal=True, n_outputs=2)),
+                       torch.zeros(1, 4, dtype=torch.long), mp.causal_pattern(4))
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: from attention
 
 def test_a_prior_from_attention_reads_known_maps():
     """The attention-to-prior functions on maps of known structure: pairs above the ratio (causal rows over their
@@ -576,4272 +991,7 @@ def test_a_prior_from_attention_reads_known_maps():
             bad()
 
 
-def test_maskprior_copied_alone_runs(tmp_path):
-    shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
-    code = ("import maskprior as mp, torch, sys\n"
-            "assert not {'transformers', 'timm', 'safetensors'} & set(sys.modules)   # adapters import nothing\n"
-            "cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=2, n_heads=2, dim=16, mlp_dim=16,\n"
-            "                           learnable_mask=True)\n"
-            "m = mp.Transformer(cfg)\n"
-            "mp.init_mask_(m, mp.banded_pattern(8, 1))\n"
-            "y = m(torch.randint(0, 2, (4, 7)))\n"
-            "y.sum().backward()\n"
-            "assert m.blocks[0].attn.mask_logits.grad is not None\n"
-            "v = mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))\n"
-            "v(torch.randn(2, 3, 8, 8)).sum().backward()\n"
-            "enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,\n"
-            "                                  enable_nested_tensor=False)\n"
-            "priors = mp.add_mask_prior(enc, mp.banded_pattern(5, 1))\n"
-            "enc(torch.randn(3, 5, 8)).sum().backward()\n"
-            "assert all(p.mask_logits.grad is not None for p in priors.values())\n"
-            "rel = mp.MaskPrior(6, 2, causal=True, logits=mp.causal_distance_logits(6, 2), param=\"relative\")\n"
-            "assert rel.mask_logits.shape == (2, 6) and rel(4).shape == (2, 4, 4)\n"
-            "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    src = open(os.path.join(HERE, "maskprior.py")).read()
-    assert "import tasks" not in src and "import train" not in src
-
-
-@cuda
-@pytest.mark.parametrize("causal", [False, True])
-def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
-    torch.manual_seed(0)
-    # sequence length not a multiple of 8 on purpose; a causal layer reads a prefix of its M, others all of it
-    n, t = (70, 67) if causal else (67, 67)
-    attn = mp.Attention(128, 2, mask_size=n, causal=causal).cuda()
-    with torch.no_grad():
-        attn.mask_logits.copy_(torch.randn(2, n, n, device="cuda") * 4)
-    x = torch.randn(4, t, 128, device="cuda", requires_grad=True)
-    res = []
-    for fused in (True, False):
-        attn.fused = fused
-        attn.zero_grad()
-        x.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out, _ = attn(x)
-        assert out.dtype == torch.bfloat16
-        out.float().square().sum().backward()
-        res.append((out.float().detach(), x.grad.clone(), attn.mask_logits.grad.clone()))
-    (o1, gx1, gm1), (o2, gx2, gm2) = res
-    assert torch.isfinite(gm1).all() and gm1.abs().sum() > 0
-    torch.testing.assert_close(o1, o2, atol=3e-2, rtol=3e-2)
-    assert float((gx1 - gx2).norm() / gx2.norm()) < 3e-2
-    assert float((gm1 - gm2).norm() / gm2.norm()) < 3e-2
-
-
-@cuda
-def test_cuda_training_run(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "majority3", "--init", "mask", "--steps", "20", "--device", "cuda",
-                        *SMALL)
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
-
-
-@cuda
-@pytest.mark.parametrize("init", ["mask", "impulse"])
-def test_cuda_vision_run_bf16(tmp_path, init):
-    """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
-    x, y = _images(64), np.arange(64) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
-    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
-                        "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
-                        "--batch-size", "16", "--probe-size", "8")
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["device"].startswith("cuda") and np.isfinite(res["metrics"]["loss"])
-    if init == "mask":
-        assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_content_margin_takes_the_prior_out_and_matches_the_mass(causal):
-    """One layer: the content margin is the same with M set or zeroed (the bias is taken out); without M it
-    is, row by row, log(mass off / mass on); with a constant on/off bias the mass follows margin - gap."""
-    torch.manual_seed(0)
-    cfg = mp.TransformerConfig(vocab_size=5, seq_len=9, n_layers=1, n_heads=2, dim=32, mlp_dim=64, readout="tokens",
-                               n_outputs=5, causal=causal, learnable_mask=True)
-    model = mp.Transformer(cfg).eval()
-    x = torch.randint(0, 5, (6, 9))
-    pattern = mp.banded_pattern(9, 1) & (mp.causal_pattern(9) if causal else True)
-    zero = mp.content_margin(model, x, pattern)                      # M = 0: a constant bias, no prior
-    with torch.no_grad():
-        _, (a,) = model(x, return_attn=True)
-    on = (a * pattern).sum(-1)
-    rows = mp.prior_rows(pattern, causal)
-    ratio = ((1 - on) / on).log()[..., rows]
-    # the mean of log-ratios: LSE over off keys minus LSE over on keys of log a, row by row
-    assert zero[0] == pytest.approx(float(ratio.mean()), abs=1e-4)
-    mp.init_mask_(model, pattern, m_on=5.0, m_off=10.0)
-    assert mp.content_margin(model, x, pattern)[0] == pytest.approx(zero[0], abs=1e-3)
-    with torch.no_grad():
-        _, (a,) = model(x, return_attn=True)
-    gap = float(F.logsigmoid(torch.tensor(5.0)) - F.logsigmoid(torch.tensor(-10.0)))
-    on = (a * pattern).sum(-1)
-    assert float(((1 - on) / on).log()[..., rows].mean()) == pytest.approx(zero[0] - gap, abs=1e-3)
-
-
-def test_transformer_and_vit_share_one_trunk():
-    assert issubclass(mp.Transformer, mp.Trunk) and issubclass(mp.ViT, mp.Trunk)
-    assert mp.Transformer.forward is mp.ViT.forward is mp.Trunk.forward
-    cfg = mp.TransformerConfig(n_layers=1, dim=16, n_heads=2, mlp_dim=24, dropout=0.1)
-    block = mp.Block(cfg, mask_size=16, causal=False)
-    assert block.mlp[0].out_features == 24 and block.attn.mask_logits.shape == (2, 16, 16)
-
-
-def test_no_constrained_row_gives_null_mass_with_a_reason(tmp_path, text_dir):
-    """A causal-distance window wider than the context constrains no row: the mass is null with a reason, not NaN."""
-    out = str(tmp_path / "lm")
-    assert train.main(["--task", "wikitext2", "--data-dir", text_dir, "--context", "5", "--heads", "4", "--init",
-                       "mask", "--steps", "2", "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--val-tokens", "50",
-                       "--out", out]) == 0
-    text = open(os.path.join(out, "result.json")).read()
-    assert "NaN" not in text
-    res = json.loads(text)
-    m = res["metrics"]
-    assert m["prior_mass_start"] is None and m["prior_mass_end"] is None
-    assert "constrains no query row" in res["prior_mass_note"]
-    with pytest.raises(ValueError, match="constrains no query row"):
-        mp.prior_probe(mp.Transformer(mp.TransformerConfig(seq_len=4, readout="tokens", causal=True, n_outputs=2)),
-                       torch.zeros(1, 4, dtype=torch.long), mp.causal_pattern(4))
-
-
-def test_relative_prior_starts_where_the_full_one_does_and_is_small():
-    torch.manual_seed(0)
-    full, rel = mp.Transformer(_lm_cfg("full")), mp.Transformer(_lm_cfg("relative"))
-    rel.load_state_dict({k: v for k, v in full.state_dict().items() if "mask_logits" not in k}, strict=False)
-    logits = mp.causal_distance_logits(12, 4)
-    mp.init_mask_(full, logits=logits)
-    mp.init_mask_(rel, logits=logits)
-    a, b = full.blocks[0].attn, rel.blocks[0].attn
-    assert b.mask_logits.shape == (4, 12) and a.mask_logits.shape == (4, 12, 12)
-    assert torch.equal(a.attn_bias(12, torch.float32), b.attn_bias(12, torch.float32))
-    assert torch.equal(a.attn_bias(7, torch.float32), b.attn_bias(7, torch.float32))       # a prompt
-    x = torch.randint(0, 11, (3, 12))
-    torch.testing.assert_close(full(x), rel(x))
-    with pytest.raises(ValueError, match="differ along a diagonal"):
-        mp.init_mask_(rel, logits=torch.randn(4, 12, 12))
-    with pytest.raises(ValueError, match="sequence length 13 does not fit the mask size 12"):
-        b.prior(13)                                           # a context longer than the table
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_relative_prior_fused_equals_explicit_with_the_table_gradient(causal):
-    n = 10
-    cfg = mp.TransformerConfig(vocab_size=7, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
-                               causal=causal, n_outputs=7, learnable_mask=True, mask_param="relative")
-    torch.manual_seed(0)
-    fused = mp.Transformer(cfg)
-    with torch.no_grad():
-        fused.blocks[0].attn.mask_logits.normal_()
-    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False}))
-    explicit.load_state_dict(fused.state_dict())
-    x = torch.randint(0, 7, (4, n))
-    r = torch.randn(4, n, 7)
-    outs = []
-    for m in (fused, explicit):
-        out = m(x)
-        (out * r).sum().backward()
-        outs.append((out.detach(), m.blocks[0].attn.mask_logits.grad))
-    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
-    assert outs[0][1].abs().max() > 1e-3
-    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)
-    if causal:                                                # later tokens never reach earlier outputs
-        y = x.clone()
-        y[:, 6:] = (y[:, 6:] + 1) % 7
-        torch.testing.assert_close(fused(x)[:, :6], fused(y)[:, :6])
-
-
-def test_theorem_1_bound_holds_on_the_relative_table():
-    """dL/dM_d sums dL/dM_ij over the pairs at distance d, so its size is bounded by the sum of their bounds."""
-    n = 8
-    cfg = mp.TransformerConfig(vocab_size=5, seq_len=n, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="tokens",
-                               causal=True, n_outputs=5, learnable_mask=True, fused=False, mask_param="relative")
-    torch.manual_seed(2)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, logits=mp.causal_distance_logits(n, 2))
-    x = torch.randint(0, 5, (6, n))
-    out, (attn,) = model(x, return_attn=True)
-    attn.retain_grad()
-    (out * torch.randn(out.shape)).sum().backward()
-    prior = model.blocks[0].attn.prior
-    bound = mp.mask_grad_bound(attn.detach(), attn.grad, prior.full_logits().detach())        # (H, n, n)
-    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
-    per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
-    g = prior.mask_logits.grad
-    assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
-
-
-def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):
-    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--mask-param", "relative",
-              "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--context", "16", "--val-tokens", "200",
-              "--steps", "8", "--log-every", "4", "--batch-size", "4"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert train.main([*common, "--out", a]) == 0
-    assert train.main([*common, "--halt-after", "4", "--out", b]) == 0
-    assert train.main(["--resume", "--out", b]) == 0
-    pa, pb = _params(a), _params(b)
-    assert pa["blocks.0.attn.prior.mask_logits"].shape == (4, 16)
-    assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    assert train.main(["--resume", "--out", b, "--mask-param", "full"]) == 2
-
-
-def test_language_models_default_to_the_relative_prior_and_a_checkpoint_without_a_flag_is_one_line(tmp_path, text_dir,
-                                                                                                   capsys):
-    """Language models take the relative prior by default. A checkpoint holds every flag of its version: one
-    whose config lacks one (a run of another version, or an edited file, its sha256 recomputed) is one line."""
-    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
-    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
-    out = str(tmp_path / "old")
-    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
-              "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
-              "--batch-size", "4"]
-    assert train.main([*common, "--mask-param", "full", "--halt-after", "3", "--out", out]) == 0
-    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
-    del ckpt["config"]["mask_param"]
-    _save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
-    before = _tree(out)
-    capsys.readouterr()
-    assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "holds the flags of another version of train.py (no mask_param)" in err and len(err.splitlines()) == 1
-    assert _tree(out) == before
-
-
-def test_the_library_refuses_what_would_fail_later_or_in_silence():
-    """A NaN strength, a negative pair index, a missing pattern, non-finite logits and inputs of the wrong
-    size are one ValueError each, naming what was wrong, instead of a NaN model or a generic torch error."""
-    model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, learnable_mask=True))
-    before = [p.detach().clone() for p in model.parameters()]
-    for call, message in (
-            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_on=float("nan")), "m_on must be a finite number"),
-            (lambda: mp.init_mask_(model, mp.banded_pattern(8, 1), m_off=float("inf")),
-             "m_off must be a finite number"),
-            (lambda: mp.init_mask_(model), "no pattern: give a bool"),
-            (lambda: mp.init_mask_(model, logits=torch.full((8, 8), float("nan"))), "logits hold non-finite values"),
-            (lambda: mp.pattern_from_pairs(4, [(0, -1)]), r"pair \(0, -1\) is outside positions 0 .. 3"),
-            (lambda: mp.pattern_from_pairs(4, [(4, 0)]), r"pair \(4, 0\) is outside"),
-            (lambda: model(torch.randint(0, 2, (2, 9))), "an input of 9 tokens is longer than the model's seq_len 7"),
-            (lambda: mp.ViT(mp.ViTConfig(image_size=8, patch_size=4, n_layers=1))(torch.randn(2, 3, 16, 16)),
-             r"images of shape \(2, 3, 16, 16\) do not fit the model: it takes \(B, C, 8, 8\)")):
-        with pytest.raises(ValueError, match=message):
-            call()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))       # nothing was changed
-    assert model(torch.randint(0, 2, (2, 7))).shape[0] == 2
-
-# ---------------------------------------------------------------------------------------- tasks
-
-def _bit_pattern(name: str) -> torch.Tensor:
-    """What each task's default pattern allows among the 15 bit tokens (bit i -> bit j)."""
-    if name == "cyclic3":
-        d = (torch.arange(15)[:, None] - torch.arange(15)[None, :]).abs()
-        return torch.minimum(d, 15 - d) <= 2
-    bits = {"parity2": [0, 1], "majority3": [0, 1, 2]}[name]
-    p = torch.eye(15, dtype=torch.bool)
-    for i in bits:
-        for j in bits:
-            p[i, j] = True
-    return p
-
-
-def test_a_float64_mask_prior_passes_gradcheck():
-    """M in float64 stays float64 through the bias (no float32 cast), so torch.autograd.gradcheck passes for
-    a full and a relative prior, non-causal and causal (through a softmax, where the future is -inf)."""
-    q = torch.randn(2, 5, 5, dtype=torch.float64)
-    priors = [mp.MaskPrior(5, 2, mp.banded_pattern(5, 1)), mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2),
-                                                                     causal=True),
-              mp.MaskPrior(5, 2, logits=mp.causal_distance_logits(5, 2), causal=True, param="relative")]
-    for prior in priors:
-        prior = prior.double()
-        assert prior.mask_logits.dtype == torch.float64 and prior(5).dtype == torch.float64
-
-        def attention(m, prior=prior):
-            return (q + torch.func.functional_call(prior, {"mask_logits": m}, ())).softmax(-1)
-        assert torch.autograd.gradcheck(attention, (prior.mask_logits.detach().clone().requires_grad_(),))
-
-
-@pytest.mark.parametrize("call", ["MaskPrior", "init_mask_", "add_mask_prior", "mask_logits_from_pattern"])
-@pytest.mark.parametrize("pattern", ["float", "int", "a list"])
-def test_a_pattern_that_is_not_bool_is_refused(call, pattern):
-    """A pattern is a bool tensor: a float or int tensor (the allowed pairs as 1.0 / 1) or a list is refused in
-    one ValueError that says to give logits= for real values, by every entry point."""
-    p = mp.banded_pattern(6, 1)
-    p = {"float": p.float(), "int": p.long(), "a list": p.tolist()}[pattern]
-    with pytest.raises(ValueError, match="a pattern is a bool tensor .* give logits= instead"):
-        if call == "MaskPrior":
-            mp.MaskPrior(6, 2, p)
-        elif call == "init_mask_":
-            model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1,
-                                                        n_heads=2, dim=16, mlp_dim=16, learnable_mask=True))
-            mp.init_mask_(model, p)
-        elif call == "add_mask_prior":
-            enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
-                                        enable_nested_tensor=False)
-            mp.add_mask_prior(enc, torch.as_tensor(p) if pattern != "a list" else p)
-        else:
-            mp.mask_logits_from_pattern(p)
-
-
-@pytest.mark.parametrize("kw", [dict(n=0), dict(heads=0), dict(heads=-2), dict(n=4, n_keys=0), dict(heads=2.0)])
-def test_a_mask_prior_of_no_size_is_refused(kw):
-    with pytest.raises(ValueError, match="must be an integer >= 1"):
-        mp.MaskPrior(**{"n": 4, **kw})
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_saved_m_that_is_not_finite_is_refused_on_load(bad):
-    """load_state_dict of a model (ours, or a retrofitted torch encoder) whose saved M holds nan or +-inf: a
-    ValueError naming the parameter; the model keeps its own M."""
-    cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1, n_heads=2, dim=16, mlp_dim=16,
-                               learnable_mask=True)
-    model = mp.Transformer(cfg)
-    state = model.state_dict()
-    key = next(k for k in state if k.endswith("mask_logits"))
-    state[key] = state[key].clone()
-    state[key][0, 1, 2] = bad
-    before = model.state_dict()[key].clone()
-    with pytest.raises(ValueError, match=f"{re.escape(key)} .*the saved M holds non-finite values"):
-        mp.Transformer(cfg).load_state_dict(state)
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1, enable_nested_tensor=False)
-    mp.add_mask_prior(enc, mp.banded_pattern(6, 1))
-    s = {k: v.clone() for k, v in enc.state_dict().items()}
-    s["layers.0.self_attn.mask_prior.mask_logits"][0, 0, 0] = bad
-    with pytest.raises(ValueError, match="layers.0.self_attn.mask_prior.mask_logits .*non-finite"):
-        enc.load_state_dict(s)
-    assert torch.equal(model.state_dict()[key], before)
-
-
-def _images(n, seed=0, size=32):
-    return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
-
-
-class _Py2Pickler(pickle._Pickler):
-    """Pickles as Python 2's cPickle wrote the CIFAR batches: protocol 2, every str and bytes an 8-bit string
-    (SHORT_BINSTRING / BINSTRING; Python 3 writes bytes through _codecs.encode), numpy's functions under
-    numpy.core (numpy 2 names numpy._core)."""
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def save_bytes(self, obj):
-        data = obj.encode("latin1") if isinstance(obj, str) else obj
-        n = len(data)
-        self.write(pickle.SHORT_BINSTRING + bytes([n]) + data if n < 256 else
-                   pickle.BINSTRING + struct.pack("<i", n) + data)
-        self.memoize(obj)
-
-    def save_global(self, obj, name=None):
-        module = obj.__module__.replace("numpy._core", "numpy.core")
-        self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode("ascii"))
-        self.memoize(obj)
-
-    dispatch[bytes] = dispatch[str] = save_bytes
-
-
-def _py2_dumps(d) -> bytes:
-    f = io.BytesIO()
-    _Py2Pickler(f, protocol=2).dump(d)
-    return f.getvalue()
-
-
-def _py2_pickle(path, d):
-    """What a CIFAR / Imagenet32 batch file holds, as Python 2 wrote it: a dict with bytes keys (`_Py2Pickler`)."""
-    Path(path).write_bytes(_py2_dumps(d))
-
-
-def _imagenet_dir(tmp_path, suffix=""):
-    """A downsampled-ImageNet layout: map_clsloc.txt (1000 wnids, 1-based labels) and batches
-    whose labels are 1-based; two of the ImageNet-100 classes and one other class present."""
-    root = tmp_path / ("in" + suffix)
-    root.mkdir()
-    others = [f"n9{i:07d}" for i in range(1000 - 100)]
-    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
-    (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
-    lab = {w: i for i, w in enumerate(wnids, 1)}
-    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
-
-    def write(name, n):
-        x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
-        if suffix:
-            np.savez(root / f"{name}.npz", data=x, labels=np.array(y))
-        else:
-            _py2_pickle(root / name, {b"data": x, b"labels": y, b"mean": np.zeros(3072)})
-    for i in range(1, 11):
-        write(f"train_data_batch_{i}", 1)
-    write("val_data", 2)
-    return root
-
-
-def write(path: Path, text: str | bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(text, str):
-        text = text.encode("utf-8")
-    path.write_bytes(text)
-    return path
-
-
-def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
-    sub, ext = T.WIKITEXT_RELEASES[release]
-    texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
-    for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
-        write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
-    return root / sub
-
-
-def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORIES, valid=VALID_STORIES) -> Path:
-    write(root / f"{prefix}-train.txt", train)
-    write(root / f"{prefix}-valid.txt", valid)
-    return root
-
-
-def reference_words(text: str) -> list[str]:
-    return [w for line in text.splitlines() for w in line.split() + ["<eos>"]]
-
-
-def reference_bytes(data: bytes) -> list[int]:
-    """Non-streaming reference for the TinyStories byte tokenisation."""
-    out, story = [], []
-
-    def flush():
-        body = b"\n".join(story).strip()
-        if body:
-            out.extend(body)
-            out.append(256)
-        story.clear()
-
-    for line in data.split(b"\n"):
-        if line.strip() == b"<|endoftext|>":
-            flush()
-        else:
-            story.append(line)
-    flush()
-    return out
-
-
-def cache_files(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
-
-
-def stream(path: Path, chunk_size: int) -> list[int]:
-    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
-    return np.concatenate(arrays).tolist() if arrays else []
-
-
-def _write_text_corpus(folder, n_articles=24):
-    rng = np.random.default_rng(0)
-    nouns, verbs = ["cat", "dog", "bird", "fox"], ["sat", "ran", "slept"]
-    arts = []
-    for i in range(n_articles):          # templated sentences: learnable in a few dozen steps
-        paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
-                 for _ in range(20)]
-        arts.append((f"Story {i % 3}", paras))
-    return T.write_wikitext_layout(arts, str(folder), min_count=1)
-
-
-def run_train(tmp_path, *args, name="run"):
-    out = os.path.join(tmp_path, name)
-    return train.main(["--out", out, *map(str, args)]), out
-
-
-def _aug_images(n=6, h=9, w=11, seed=0):
-    x = np.random.default_rng(seed).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
-    x[1] = x[1] // 4 + 100                                   # a low-contrast image
-    x[2] = x[2] // 8 + 3                                     # a dark one
-    return torch.as_tensor(x)
-
-
-def _smoke_data(root: Path, task: str) -> list:
-    """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
-    if task == "cifar10":
-        T.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
-    elif task == "cifar100":
-        py = root / "cifar-100-python"
-        py.mkdir(parents=True)
-        for split, n in (("train", 20), ("test", 4)):
-            _py2_pickle(py / split, {b"fine_labels": list(range(n)), b"coarse_labels": [0] * n,
-                                     b"data": _images(n, n).reshape(n, -1)})
-    elif task == "imagenet100":
-        root.mkdir(parents=True)
-        root = _imagenet_dir(root)
-    elif task == "wikitext2":
-        _write_text_corpus(root)
-    elif task == "tinystories":
-        make_tinystories(root)
-    else:
-        return []
-    return ["--data-dir", str(root)]
-
-
-@pytest.mark.parametrize("name,size,frac_unseen", [("parity2", 24576, 0.25), ("majority3", 32768, 0.25),
-                                                    ("cyclic3", 28672, 0.125)])
-def test_gotu_splits(name, size, frac_unseen):
-    task = T.make_task(name).setup()
-    assert task.n_train == size and len(task.x_test) == 2 ** 15
-    assert float(task.unseen_mask.float().mean()) == frac_unseen
-    x = task.x_train * 2 - 1
-    assert not task.in_unseen(x.numpy()).any()
-    if name != "majority3":     # every seen point exactly once
-        assert len(torch.unique(task.x_train, dim=0)) == size
-    xb, yb = task.train_batch(0, 256)
-    assert xb.shape == (256, 15) and yb.shape == (256,)
-
-
-def test_gotu_targets():
-    task = T.make_task("cyclic3").setup()
-    x = task.x_test * 2 - 1
-    y = sum(x[:, i] * x[:, (i + 1) % 15] * x[:, (i + 2) % 15] for i in range(15)).float()
-    assert torch.equal(task.y_test, y)
-    maj = T.make_task("majority3").setup()
-    assert set(maj.y_test.unique().tolist()) == {-1.0, 1.0}
-
-
-def test_epoch_batches_cover_train_set_once():
-    task = T.make_task("parity2", seed=3).setup()
-    spe = task.steps_per_epoch(1000)
-    seen = torch.cat([task.train_batch(s, 1000)[0] for s in range(spe)])
-    assert len(seen) == task.n_train and len(torch.unique(seen, dim=0)) == task.n_train
-    assert not torch.equal(task.train_batch(0, 64)[0], task.train_batch(spe, 64)[0])   # reshuffled
-
-
-@pytest.mark.parametrize("name,acc,extra", [("parity2", 0.75, {}), ("majority3", 0.875, {}),
-                                            ("cyclic3", 0.875, {"sign_acc": 0.928253173828125})])
-def test_mdi_accuracies(name, acc, extra):
-    mdi = T.make_task(name).mdi()
-    assert mdi["acc"] == acc and mdi["acc_seen"] == 1.0 and mdi["mse_seen"] == pytest.approx(0, abs=1e-9)
-    for k, v in extra.items():
-        assert mdi[k] == pytest.approx(v)
-    if name == "parity2":
-        assert mdi["coefficients"] == pytest.approx({"1": -1.0, "x0": 1.0, "x1": 1.0})
-
-
-def test_mdi_prefers_low_degree():
-    # on data that a degree-1 function fits, the MDI is that function, not the degree-2 truth
-    x = T.cube(3)
-    seen = ~((x[:, 0] == -1) & (x[:, 1] == -1))
-    pred, degree, coefs = T.min_degree_interpolator(x[seen], (x[seen, 0] * x[seen, 1]).astype(float), x)
-    assert degree == 1 and coefs == pytest.approx({(): -1.0, (0,): 1.0, (1,): 1.0})
-
-
-def test_custom_boolean_tasks():
-    task = T.make_task("kparity", bits="2,5,9", unseen="2,5").setup()
-    assert task.n_train == 3 * 2 ** 13 and task.mdi()["acc"] == 0.75
-    p = task.pattern()
-    assert p[0, 3] and p[3, 6] and p[6, 10] and not p[1, 2]
-    maj = T.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup()
-    assert maj.n_train == 1000
-    with pytest.raises(T.TaskError):
-        T.make_task("kmajority", bits="0,1")
-    with pytest.raises(T.TaskError):
-        T.make_task("kparity", bits="0,99")
-
-
-def test_patterns_of_the_gotu_tasks():
-    p = T.make_task("parity2").pattern()
-    assert p.shape == (16, 16) and p[0, 1] and p[0, 2] and p[1, 2] and p[2, 1] and not p[0, 3]
-    assert p.diagonal().all() and not p[1, 3]
-    c = T.make_task("cyclic3").pattern()
-    assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
-
-
-@pytest.mark.parametrize("task, options", [("parity2", {}), ("majority3", {}), ("cyclic3", {}),
-                                           ("parity2", {"readout": "mean"}), ("majority3", {"readout": "mean"}),
-                                           ("kparity", {"bits": "random:3", "unseen": "bits:2", "seed": 4}),
-                                           ("kmajority", {"bits": "random:3", "unseen": "bits:2", "seed": 9})])
-def test_walsh_sets_of_the_training_data_find_the_hand_pattern(task, options):
-    """--pattern discovered from the training set alone (its Walsh coefficients up to degree 3, the sets above a
-    quarter of the largest, each a clique, CLS -> their bits) is exactly the hand pattern, in either layout and
-    for bits drawn by the seed; the target function is never read (it is replaced by a stand-in here)."""
-    t = T.make_task(task, **options).setup()
-    oracle = t.pattern()
-    t.target = lambda x: pytest.fail("the discovery read the target function")
-    assert torch.equal(t.pattern("discovered"), oracle)
-    assert t.check_pattern("discovered") == "discovered"
-    if task == "parity2" and not options:
-        assert t.discovered_sets()[0] == (0, 1)
-        coefs = T.walsh_coefficients(2 * t.x_train.numpy() - 1, t.y_train.numpy())
-        assert coefs[(0, 1)] == pytest.approx(0.889, abs=1e-3) and max(abs(v) for s, v in coefs.items()
-                                                                        if not set(s) <= {0, 1}) < 1e-9
-    if task == "kparity":
-        assert t.name == "kparity[11,13,14|U:11,13]"
-
-
-def test_digit_dependence_of_the_training_pairs_finds_the_aligned_digits():
-    """Addition's answer digit of significance k depends (mutual information of the digit with an operand pair)
-    on a_k and b_k together, not on either alone: the discovered rows see a_k and b_k (the row of the
-    carry-out digit at least a2 and b2); prompt rows keep the causal pattern."""
-    t = T.make_task("addition").setup()
-    mi = t.digit_dependence()
-    assert mi.shape == (4, 3, 3) and mi[0, 0, 0] > 2.0 and mi[1, 1, 1] > 1.0 and mi[2, 2, 2] > 1.0
-    assert mi[0][~np.eye(3, dtype=bool)].max() < 0.1
-    p, rows = t.pattern("discovered"), t.answer_rows()
-    for q in rows[1:]:                                         # the rows of answer digits 2, 1, 0 (msb first)
-        k = t.answer_significance(q - t.eq_pos)
-        assert p[q].nonzero().flatten().tolist() == [2 - k, 6 - k, q]          # a_k, b_k and itself
-    assert p[rows[0], 0] and p[rows[0], 4]                     # '=' (the carry-out digit): a2, b2 at least
-    assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
-    assert T._mutual_information(np.arange(1000) % 10, np.arange(1000) % 7) < 0.05
-
-
-@pytest.mark.parametrize("readout", ["cls", "mean"])
-@pytest.mark.parametrize("name", ["parity2", "majority3", "cyclic3"])
-def test_mask_follows_the_token_layout(name, readout):
-    """The pattern is built for the model's own layout (a CLS token first or none), and M after
-    init_mask_ equals it at the bit positions: x0 <-> x1 for parity2 and nothing else among the bits."""
-    task = T.make_task(name, readout=readout)
-    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
-    model = mp.Transformer(cfg)
-    pat = task.pattern()
-    off = 1 if readout == "cls" else 0
-    assert pat.shape == (15 + off, 15 + off) == (cfg.n_positions, cfg.n_positions)
-    mp.init_mask_(model, pat)
-    for block in model.blocks:
-        for h in range(2):
-            assert torch.equal(block.attn.mask_logits[h, off:, off:] > 0, _bit_pattern(name))
-    if off:   # the CLS row reads the target's bits (cyclic3: every bit); every bit row ignores the CLS
-        m = model.blocks[0].attn.mask_logits[0]
-        assert (m[0, 1:] > 0).sum() == {"parity2": 2, "majority3": 3, "cyclic3": 15}[name] and (m[1:, 0] < 0).all()
-    task.setup()      # the probe sees the same pattern the model was given
-    assert len(mp.prior_mass(model, task.probe_inputs(8), pat)) == 2
-
-
-@pytest.mark.parametrize("readout", ["mean", "cls"])
-def test_parity2_mask_ties_the_unseen_corner_to_seen_points(readout):
-    """The mechanism behind parity2 (README): with no CLS token, position-blind tokens (positional
-    embedding 0) and the x0 <-> x1 mask made hard, x0 and x1 at (-1, -1) carry exactly the state of any
-    other bit at -1 (each sees only copies of itself), so for ANY weights the output at x0 = x1 depends
-    only on how many bits are -1: the unseen corner is tied to seen points with x0 = x1 = +1. A CLS
-    token reads x0, x1 through a state nothing ties down, and the outputs differ."""
-    task = T.make_task("parity2", readout=readout)
-    torch.manual_seed(0)
-    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=32, learnable_mask=True,
-                               pos_init_std=0.0)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, task.pattern(), m_on=30.0, m_off=30.0)
-    g = torch.Generator().manual_seed(1)
-    rest = torch.randint(0, 2, (64, 13), generator=g)
-    rest[:, :2] = 1                                         # two more +1 bits to turn into -1
-    unseen = torch.cat([torch.zeros(64, 2, dtype=torch.long), rest], 1)     # token 0 = -1, token 1 = +1
-    seen = torch.cat([torch.ones(64, 2, dtype=torch.long), rest.clone()], 1)
-    seen[:, 2:4] = 0                                        # the same number of -1 bits, x0 = x1 = +1
-    with torch.no_grad():
-        gap = (model(unseen) - model(seen)).abs().max()
-    if readout == "mean":
-        assert gap < 1e-5
-    else:
-        assert gap > 1e-2
-
-
-def test_mean_readout_run_trains_the_right_pattern(tmp_path):
-    """The regression of --readout mean: the saved M is parity2's pattern over the 15 bit tokens."""
-    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", "--steps", "2", *SMALL)
-    assert rc == 0
-    m = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["model"]["blocks.0.attn.prior.mask_logits"]
-    assert m.shape == (2, 15, 15) and torch.equal(m[0] > 0, _bit_pattern("parity2"))
-    assert json.load(open(os.path.join(out, "result.json")))["config"]["readout"] == "mean"
-
-
-def test_cli_pattern_that_does_not_fit_the_model_exits_2(tmp_path, capsys, monkeypatch):
-    """A task whose pattern is built for another layout than the model's: one line, exit 2, nothing written."""
-    monkeypatch.setattr(T.BooleanTask, "pattern", lambda self, variant=None: torch.eye(16, dtype=torch.bool))
-    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", *SMALL)
-    err = capsys.readouterr().err
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "(16, 16)" in err and "15 positions" in err
-    assert not os.path.exists(out)
-
-
-def test_pattern_of_the_other_layout_is_refused():
-    with pytest.raises(T.TaskError, match="needs --readout cls"):
-        T.make_task("parity2", readout="mean").pattern("cls")
-    with pytest.raises(T.TaskError, match="needs --readout cls"):
-        T.make_task("cyclic3", readout="mean").pattern("band-only")
-    with pytest.raises(T.TaskError, match="--readout for majority3 must be one of cls, mean"):
-        T.make_task("majority3", readout="tokens")
-
-
-def test_eval_points_sample_the_cube_in_proportion():
-    task = T.make_task("parity2").setup()
-    idx = task.eval_points(4096)
-    assert len(idx) == len(set(idx.tolist())) == 4096 and torch.equal(idx, task.eval_points(4096))
-    assert int(task.unseen_mask[idx].sum()) == 1024                      # U is a quarter of the cube
-    torch.manual_seed(0)
-    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
-    full, part = task.evaluate(model), task.evaluate(model, points=4096)
-    assert full["eval_points"] == 0 and part["eval_points"] == 4096
-    pred = task.predict(model)
-    assert part["mse_unseen"] == pytest.approx(float(((pred - task.y_test)[idx][task.unseen_mask[idx]] ** 2).mean()))
-    assert full["mse"] == pytest.approx(float(((pred - task.y_test) ** 2).mean()))
-
-
-@pytest.mark.parametrize("name,order", [("addition", "msb"), ("addition", "lsb"), ("multiplication", "msb"),
-                                        ("multiplication", "lsb")])
-def test_arithmetic_tokenisation_round_trip(name, order):
-    task = T.make_task(name, data_frac=0.001, answer_order=order)
-    rng = np.random.default_rng(0)
-    a, b = rng.integers(0, 1000, 500), rng.integers(0, 1000, 500)
-    a[:3], b[:3] = [0, 999, 7], [0, 999, 40]
-    seq = task.encode(a, b)
-    assert seq.shape == (500, task.length) and seq.max() < len(T.ARITH_VOCAB)
-    for s, x, y in zip(seq, a, b):
-        assert task.decode(s) == (x, y, x * y if name == "multiplication" else x + y)
-    text = "".join(T.ARITH_VOCAB[i] for i in seq[1])
-    msb = "999+999=1998" if name == "addition" else "999*999=998001"
-    lsb = "999+999=8991" if name == "addition" else "999*999=100899"      # the answer digits reversed
-    assert text == (msb if order == "msb" else lsb)
-
-
-@pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
-                                         ("addition", 0.0123, 12300)])
-def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
-    task = T.make_task(name, data_frac=frac, seed=3).setup()
-    assert len(task.train_seq) == n and len(task.test_seq) == 10_000
-    pairs = lambda s: {(int(r[:3].dot([100, 10, 1])), int(r[4:7].dot([100, 10, 1]))) for r in s.numpy()}  # noqa
-    train_pairs, test_pairs = pairs(task.train_seq), pairs(task.test_seq)
-    assert len(train_pairs) == n and len(test_pairs) == 10_000 and not train_pairs & test_pairs
-    assert task.train_batch(0, 64).shape == (64, task.length)
-
-
-@pytest.mark.parametrize("frac,n_train,n_test", [(0.03, 300, 9_700), (0.3, 3_000, 7_000), (0.9, 9_000, 1_000)])
-def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac, n_train, n_test):
-    """--digits 2: 10^4 pairs; the test set is every pair not trained on (the universe allows no 10,000)."""
-    task = T.make_task("multiplication", digits=2, data_frac=frac, answer_order="lsb", seed=1).setup()
-    assert task.length == 10 and task.n_answer == 4 and task.universe == 10_000
-    rows = lambda s: {tuple(r) for r in s.numpy().tolist()}                                    # noqa: E731
-    train, test = rows(task.train_seq), rows(task.test_seq)
-    assert len(train) == n_train and len(test) == n_test and not train & test
-    assert len({task.decode(r)[:2] for r in train | test}) == n_train + n_test
-    assert all(x * y == c for x, y, c in map(task.decode, task.test_seq[:200]))
-    assert "".join(T.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
-    p = task.pattern()
-    assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
-    assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
-    with pytest.raises(T.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
-        T.make_task("multiplication", digits=2, data_frac=0.95)
-    with pytest.raises(T.TaskError, match="--digits must be an integer in 1..4"):
-        T.make_task("multiplication", digits=5)
-    assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
-
-
-def test_partial_product_pattern_gives_each_head_one_product():
-    """--pattern partial (multiplication): head i sees a_i and b_(k-i) for the answer digit of significance k,
-    head d the answer written so far, the rest the carry pattern; 2 digits, answers reversed: a1 a0 * b1 b0 = c0.."""
-    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=4)
-    p = task.pattern("partial")
-    rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
-    assert p.shape == (4, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(4))
-    assert rows(0, 5) == [1, 4, 5] and rows(1, 5) == [5]               # '=' predicts c0 = a0 b0: head 0 only
-    assert rows(0, 6) == [1, 3, 6] and rows(1, 6) == [0, 4, 6]         # c1: a0 b1 in head 0, a1 b0 in head 1
-    assert rows(0, 7) == [7] and rows(1, 7) == [0, 3, 7]               # c2: a1 b1 in head 1
-    assert rows(2, 8) == [6, 7, 8] and rows(2, 5) == [5]               # head 2: the answer digits so far
-    assert p[3].equal(task.pattern("carry"))                           # a fourth head: the carry pattern
-    logits = task.mask_logits("partial", 5.0, 10.0)
-    assert logits.shape == (4, 9, 9) and logits[1, 6, 0] == 5 and logits[1, 6, 1] == -10
-    msb = T.make_task("multiplication", digits=2, data_frac=0.3, heads=4).pattern("partial")
-    assert torch.nonzero(msb[1, 5]).flatten().tolist() == [5]         # msb: '=' predicts c3, a carry alone
-    assert torch.nonzero(msb[1, 6]).flatten().tolist() == [0, 3, 6]   # c2: a1 b1 in head 1
-    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
-        T.make_task("multiplication", digits=3, heads=3).pattern("partial")
-    with pytest.raises(T.TaskError, match="has no pattern 'partial'"):
-        T.make_task("addition").pattern("partial")
-
-
-def test_arithmetic_pattern_for_known_positions():
-    add = T.make_task("addition")
-    p = add.pattern()
-    assert p.shape == (11, 11)
-    # row 8 holds c3 and predicts c2 (significance 2): a2 a1 a0 b2 b1 b0 allowed, '+' and '=' not
-    assert p[8].tolist() == [True, True, True, False, True, True, True, False, True, False, False]
-    # row 10 predicts c0: only a0 (2), b0 (6) and itself
-    assert torch.nonzero(p[10]).flatten().tolist() == [2, 6, 10]
-    assert p[:7].equal(mp.causal_pattern(11)[:7])          # prompt rows keep the plain causal pattern
-    logits = add.mask_logits(None, 5.0, 5.0)
-    assert logits[8, 0] == 5 and logits[8, 1] == 5 and logits[8, 2] == 0 and logits[8, 3] == -5
-    aligned = add.pattern("aligned")
-    assert torch.nonzero(aligned[10]).flatten().tolist() == [2, 6, 10]
-    mul = T.make_task("multiplication")
-    m = mul.pattern()
-    assert m.shape == (13, 13) and torch.nonzero(m[12]).flatten().tolist() == [2, 6, 12]   # c0: a0, b0
-    assert m[9, :7].tolist() == [True, True, True, False, True, True, True]                # c3: all digits
-    assert not (m & ~mp.causal_pattern(13)).any()           # the prior never reaches into the future
-    lsb = T.make_task("addition", answer_order="lsb").pattern()
-    assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
-
-
-def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "addition", "--init", "mask", "--steps", "250", "--log-every", "250",
-                        "--layers", "2", "--dim", "64", "--heads", "4", "--mlp-dim", "128", "--probe-size", "64")
-    assert rc == 0
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    first, last = lines[0]["metrics"], lines[-1]["metrics"]
-    assert last["digit_acc"] > first["digit_acc"] + 0.15 and 0 <= last["seq_acc"] <= 1
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert {"seq_acc", "digit_acc", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
-    assert first["eval_points"] == 2000 and last["eval_points"] == res["metrics"]["eval_points"] == 0
-
-
-def test_arithmetic_eval_points_are_the_first_test_pairs():
-    task = T.make_task("addition").setup()
-    torch.manual_seed(0)
-    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
-    part, full = task.evaluate(model, points=100), task.evaluate(model)
-    assert part["eval_points"] == 100 and full["eval_points"] == 0
-    preds = task.generate(model, task.test_seq[:100, :task.eq_pos + 1])
-    assert part["digit_acc"] == pytest.approx(float((preds == task.test_seq[:100, task.eq_pos + 1:]).float().mean()))
-
-
-@pytest.mark.parametrize("frac,needle", [("0", "must be in (0, 1]"), ("1.5", "must be in (0, 1]"),
-                                         ("-0.1", "must be in (0, 1]"), ("1e-7", "gives no training pair"),
-                                         ("1", "disjoint test set")])
-def test_arithmetic_bad_data_frac(tmp_path, capsys, frac, needle):
-    rc, out = run_train(tmp_path, "--task", "addition", "--data-frac", frac)
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
-    assert not os.path.exists(out)
-
-
-def _lee_pair(text: str) -> tuple:
-    a, b = re.match(r"\$?(\d+)\*(\d+)=", text).groups()
-    return int(a), int(b)
-
-
-def test_lee_samples_are_lee_et_al_s_construction():
-    """--lee-samples N (--digits 2): the 100 one-digit pairs, then N - 100 drawn with replacement from
-    0..99 x 0..99 by the seed; unpadded a*b=c (lsb: $a*b=rev(c)$); tested on every pair not trained on."""
-    every = set(itertools.product(range(100), repeat=2))
-    made = {}
-    for order in ("msb", "lsb"):
-        task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, seed=5).setup()
-        train_text = [task.lee_decode(r) for r in task.train_seq]
-        test_text = [task.lee_decode(r) for r in task.test_seq]
-        tr, te = [_lee_pair(x) for x in train_text], [_lee_pair(x) for x in test_text]
-        assert len(tr) == task.n_train == 3000 and set(itertools.product(range(10), repeat=2)) <= set(tr)
-        assert collections.Counter(tr) == collections.Counter(map(tuple, T.lee_pairs(3000, 5).tolist()))
-        assert T.lee_pairs(3000, 5)[:100].tolist() == [[a, b] for a in range(10) for b in range(10)]
-        assert len(set(tr)) == task.n_pairs_trained < 3000 and len(te) == len(set(te)) == task.test_size
-        assert not set(tr) & set(te) and set(tr) | set(te) == every              # every pair not trained on
-        assert all(x == T.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
-        assert task.train_seq.shape == (3000, T.LEE_ROW[order]) and task.arch()["seq_len"] == T.LEE_ROW[order] - 1
-        made[order] = tr
-    assert made["msb"] == made["lsb"]                                      # one draw for both formats
-    assert T.lee_text(7, 12, "msb") == "7*12=84\n" and T.lee_text(7, 12, "lsb") == "$7*12=48$"
-    assert T.lee_text(0, 0, "msb") == "0*0=0\n" and T.lee_text(99, 99, "lsb") == "$99*99=1089$"
-    again, other, twin = (T.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
-    assert torch.equal(again.train_seq, twin.train_seq) and not torch.equal(again.train_seq, other.train_seq)
-    small = T.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
-    assert small.n_pairs_trained == 100 and small.test_size == 9_900
-    row = again.lee_encode(np.array([[7, 3]]))[0]
-    assert again.lee_decode(row) == "7*3=21\n" and "".join(T.LEE_VOCAB[i] for i in row) == "7*3=21\n____"
-
-
-def _lee_expected(text: str, order: str) -> torch.Tensor:
-    """The pattern of one example, written from its text: prompt rows see every earlier character; the row
-    that predicts answer character t sees '=', the answer so far and the operand digits of significance <=
-    k (lsb: k = t; msb: k = len(a) + len(b) - 1 - t); past the last digit of the longest answer, every digit."""
-    a, b = text.lstrip("$").split("=")[0].split("*")
-    pre, n = int(text[0] == "$"), len(text) - 1
-    eq = text.index("=")
-    sig = {pre + i: len(a) - 1 - i for i in range(len(a))}
-    sig.update({pre + len(a) + 1 + j: len(b) - 1 - j for j in range(len(b))})
-    full = 4 if order == "lsb" else len(a) + len(b)
-    pat = mp.causal_pattern(n).clone()
-    for r in range(eq, n):
-        t = r - eq
-        k = 9 if t >= full else (t if order == "lsb" else len(a) + len(b) - 1 - t)
-        pat[r] = False
-        pat[r, eq:r + 1] = True
-        for pos, s in sig.items():
-            pat[r, pos] = s <= k
-    return pat
-
-
-@pytest.mark.parametrize("order", ["msb", "lsb"])
-def test_lee_pattern_aligns_digits_by_significance_for_every_operand_length(order):
-    """One M on the roles of the longest layout; each example's positions map to the roles of the same
-    significance (1x1, 1x2, 2x1, 2x2 operands, full and short answers), the model's bias follows."""
-    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, heads=2)
-    pairs = [(7, 3), (3, 3), (7, 15), (15, 7), (12, 34), (99, 99)]        # 1x1 (and short), 1x2, 2x1, 2x2
-    rows = task.lee_encode(np.array(pairs))
-    x = rows[:, :-1]
-    r_role, c_role = task.lee_roles(x)
-    seen = task.pattern()[r_role[:, :, None], c_role[:, None, :]] & mp.causal_pattern(x.shape[1])
-    for i, (a, b) in enumerate(pairs):
-        text = T.lee_text(a, b, order)
-        n = len(text) - 1                                                 # the rows that predict a character
-        assert torch.equal(seen[i, :n, :n], _lee_expected(text, order)), text
-    eq = 4 if order == "msb" else 5                                       # 7*15=105: '=' at position 4 (msb)
-    keys = lambda i, q: torch.nonzero(seen[i, q, :q + 1]).flatten().tolist()        # noqa: E731
-    if order == "msb":
-        assert keys(2, eq) == [0, 2, 3, 4]            # '=' predicts 1 (c2): a0=7, b1=1, b0=5 and '='
-        assert keys(2, eq + 2) == [0, 3, 4, 5, 6]     # '0' predicts 5 (c0): a0, b0, '=', the answer so far
-        assert keys(3, eq + 2) == [1, 3, 4, 5, 6]     # 15*7=105: a0=5 (position 1), b0=7 (3)
-        assert torch.equal(r_role[4], torch.arange(10)) and torch.equal(c_role[4], torch.arange(10))  # 2x2: positions
-    else:
-        assert keys(2, eq) == [1, 4, 5]               # '=' predicts c0 = 5: a0=7 (1), b0=5 (4), '='
-        assert keys(0, 4) == [1, 3, 4]                # 7*3: '=' at 4 predicts c0: a0 (1), b0 (3)
-    torch.manual_seed(0)
-    cfg = mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, logits=task.mask_logits(None, 5.0, 5.0))
-    with mp.prior_roles(model, r_role, c_role):
-        bias = model.blocks[0].attn.attn_bias(x.shape[1], torch.float32)
-    assert bias.shape == (6, 2) + seen.shape[1:] and torch.equal(bias[:, 0] > -1, seen)
-    assert model.blocks[0].attn.prior.roles is None                       # the block's end clears the roles
-    assert torch.equal(bias[4], model.blocks[0].attn.attn_bias(x.shape[1], torch.float32))
-
-
-def test_prior_roles_gathers_m_per_example_on_both_attention_paths():
-    """mp.prior_roles: query i, key j of example b read M[rows[b, i], cols[b, j]]; fused = explicit; bad roles
-    are refused naming the shapes."""
-    torch.manual_seed(0)
-    cfg = mp.TransformerConfig(vocab_size=5, seq_len=6, readout="tokens", causal=True, n_layers=2, n_heads=2, dim=16,
-                               mlp_dim=16, learnable_mask=True, fused=True)
-    fused = mp.Transformer(cfg)
-    mp.init_mask_(fused, logits=torch.randn(2, 6, 6) * 4)
-    explicit = mp.Transformer(dataclasses.replace(cfg, fused=False))
-    explicit.load_state_dict(fused.state_dict())
-    rows = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 4, 5, 5, 5]])
-    cols = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5, 5]])
-    x = torch.randint(0, 5, (2, 6))
-    with mp.prior_roles(fused, rows, cols), mp.prior_roles(explicit, rows, cols):
-        bias = fused.blocks[1].attn.attn_bias(5, torch.float32)
-        assert torch.allclose(fused(x), explicit(x), atol=1e-5)
-    m = F.logsigmoid(fused.blocks[1].attn.mask_logits)
-    assert bias[1, 1, 3, 2] == m[1, 5, 3] and bias[1, 0, 2, 1] == m[0, 4, 2] and bias[1, 0, 1, 2] == float("-inf")
-    assert torch.equal(bias[0], fused.blocks[1].attn.attn_bias(5, torch.float32))    # identity roles
-    with pytest.raises(ValueError, match=r"prior_roles needs rows and cols of one \(B, L\) shape, long, in 0..5"):
-        with mp.prior_roles(fused, rows, cols + 1):
-            pass
-    with mp.prior_roles(nn.Linear(2, 2), rows, cols):                     # a model without a prior: left alone
-        pass
-
-
-class _LeeOracle(nn.Module):
-    """Writes the right next character of every row (or, `early`, the end one character early)."""
-
-    def __init__(self, task, early=False):
-        super().__init__()
-        self.task, self.early = task, early
-
-    def forward(self, x, return_attn=False):
-        out = torch.zeros(*x.shape, len(T.LEE_VOCAB))
-        for i, row in enumerate(x.tolist()):
-            text = "".join(T.LEE_VOCAB[c] for c in row)
-            answer = T.lee_text(*_lee_pair(text), self.task.answer_order)
-            answer = answer[answer.index("=") + 1:]
-            if self.early:
-                answer = answer[:-2] + answer[-1]
-            for t in range(text.index("="), len(row)):
-                written = t - text.index("=")
-                out[i, t, T.LEE_TOKENS[answer[written] if written < len(answer) else "_"]] = 1
-        return out
-
-
-@pytest.mark.parametrize("order", ["msb", "lsb"])
-def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(order):
-    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order).setup()
-    right = task.evaluate(_LeeOracle(task), points=150)
-    assert right["seq_acc"] == right["train_seq_acc"] == right["digit_acc"] == right["train_digit_acc"] == 1.0
-    assert right["eval_points"] == 150 and right["n_train"] == 3000 and right["n_test"] == task.test_size
-    early = task.evaluate(_LeeOracle(task, early=True), points=150)
-    assert early["seq_acc"] == early["train_seq_acc"] == 0.0 and 0.4 < early["digit_acc"] < 1.0
-    class Unsure(_LeeOracle):                        # the right character, by a margin sampling at 0.8 misses
-        def forward(self, x, return_attn=False):
-            return 2 * super().forward(x)
-    sure, sampled = task.evaluate(Unsure(task), points=150), task.evaluate(Unsure(task), points=150, temperature=0.8)
-    assert sure["seq_acc"] == 1.0 and 0 < sampled["seq_acc"] < 0.9 and sampled["train_seq_acc"] < 0.9
-    assert sampled == task.evaluate(Unsure(task), points=150, temperature=0.8)         # seeded
-    rows = task.lee_encode(np.array([[7, 15], [3, 3]]))
-    targets = task.lee_targets(rows)
-    want = ["105\n", "9\n"] if order == "msb" else ["501$", "9$"]
-    assert ["".join(T.LEE_VOCAB[t] for t in r if t >= 0) for r in targets.tolist()] == want
-    assert float(task.loss(_LeeOracle(task), rows)) < float(task.loss(_LeeOracle(task, early=True), rows))
-
-
-def test_lee_run_logs_train_and_test_accuracy(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "multiplication", "--digits", "2", "--lee-samples", "200", "--init", "mask",
-                        "--answer-order", "lsb", "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
-                        "--heads", "2", "--mlp-dim", "16", "--batch-size", "8", "--probe-size", "8",
-                        "--eval-points", "20")
-    assert rc == 0
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert all({"seq_acc", "train_seq_acc"} <= set(r["metrics"]) for r in lines)
-    assert lines[1]["metrics"]["eval_points"] == 20
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["n_pairs_trained"] < 200 + 1
-    assert res["metrics"]["prior_mass_start"] > 0.9
-
-
-def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
-    root = tmp_path / "cifar-10-batches-py"
-    root.mkdir()
-    xs, ys = [], []
-    for i in range(1, 6):
-        x, y = _images(4, i), [(i + j) % 10 for j in range(4)]
-        _py2_pickle(root / f"data_batch_{i}", {b"batch_label": b"training batch", b"labels": y,
-                                               b"data": x.reshape(4, -1), b"filenames": [b"a.png"] * 4})
-        xs.append(x)
-        ys += y
-    _py2_pickle(root / "test_batch", {b"labels": [3, 1], b"data": _images(2, 9).reshape(2, -1)})
-    d = T.read_cifar(str(tmp_path), "cifar10")
-    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][0].dtype == np.uint8
-    assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
-    assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
-    # the python-3 style (str keys) reads the same
-    (root / "test_batch").write_bytes(pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4))
-    assert T.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
-
-
-def test_cifar100_python_and_binary_releases(tmp_path):
-    py = tmp_path / "py" / "cifar-100-python"
-    py.mkdir(parents=True)
-    for split, n in (("train", 5), ("test", 3)):
-        _py2_pickle(py / split, {b"fine_labels": list(range(90, 90 + n)), b"coarse_labels": [1] * n,
-                                 b"data": _images(n, n).reshape(n, -1)})
-    d = T.read_cifar(str(tmp_path / "py"), "cifar100")
-    assert d["train"][1].tolist() == [90, 91, 92, 93, 94] and np.array_equal(d["test"][0], _images(3, 3))
-    # binary: <coarse label byte><fine label byte><3072 pixel bytes> per record
-    b = tmp_path / "bin" / "cifar-100-binary"
-    b.mkdir(parents=True)
-    for split, n in (("train", 4), ("test", 2)):
-        x = _images(n, n + 10)
-        rec = np.concatenate([np.full((n, 1), 7, np.uint8), np.arange(n, dtype=np.uint8)[:, None] + 50,
-                              x.reshape(n, -1)], axis=1)
-        rec.tofile(b / f"{split}.bin")
-    d = T.read_cifar(str(tmp_path / "bin"), "cifar100")
-    assert d["train"][1].tolist() == [50, 51, 52, 53] and np.array_equal(d["test"][0], _images(2, 12))
-
-
-def test_cifar10_binary_release(tmp_path):
-    b = tmp_path / "cifar-10-batches-bin"
-    b.mkdir()
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        x = _images(2, len(name))
-        np.concatenate([np.array([[4], [9]], np.uint8), x.reshape(2, -1)], axis=1).tofile(b / f"{name}.bin")
-    d = T.read_cifar(str(tmp_path), "cifar10")
-    assert d["train"][0].shape == (10, 3, 32, 32) and d["train"][1].tolist() == [4, 9] * 5
-    assert np.array_equal(d["test"][0], _images(2, len("test_batch")))
-
-
-def test_malformed_and_missing_image_files(tmp_path):
-    b = tmp_path / "cifar-10-batches-bin"
-    b.mkdir()
-    (b / "data_batch_1.bin").write_bytes(b"\0" * 3000)           # not a whole 3073-byte record
-    with pytest.raises(T.DataError, match="not a whole number of 3073-byte records"):
-        T.read_cifar_binary(str(b / "data_batch_1.bin"))
-    py = tmp_path / "p" / "cifar-10-batches-py"
-    py.mkdir(parents=True)
-    good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
-    (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
-    with pytest.raises(T.DataError, match="truncated, damaged or not a release pickle"):
-        T.read_cifar(str(tmp_path / "p"), "cifar10")
-    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
-    with pytest.raises(T.DataError, match="2 images but 3 labels"):
-        T.read_cifar_pickle(str(py / "data_batch_1"))
-    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2], b"data": _images(2).reshape(2, -1)})
-    with pytest.raises(T.DataError, match="data_batch_2 is missing"):
-        T.read_cifar(str(tmp_path / "p"), "cifar10")
-    with pytest.raises(T.DataError, match="CIFAR-100 not found.*cifar.html"):
-        T.read_cifar(str(tmp_path / "empty"), "cifar100")
-
-
-@pytest.mark.parametrize("suffix", ["", ".npz"])
-def test_imagenet100_downsampled_keeps_the_100_classes_in_wnid_order(tmp_path, suffix):
-    assert len(T.IMAGENET100_WNIDS) == 100 and list(T.IMAGENET100_WNIDS) == sorted(set(T.IMAGENET100_WNIDS))
-    root = _imagenet_dir(tmp_path, suffix)
-    d = T.read_imagenet100_downsampled(str(root))
-    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][1].tolist() == [0, 99] * 10
-    assert d["test"][1].tolist() == [0, 99, 0, 99]
-    assert np.array_equal(d["test"][0][:2], _images(6, 2)[:2])
-    os.remove(root / "map_clsloc.txt")
-    with pytest.raises(T.DataError, match="map_clsloc.txt is missing"):
-        T.read_imagenet100_downsampled(str(root))
-
-
-def test_imagenet_labels_must_be_one_based(tmp_path):
-    root = _imagenet_dir(tmp_path)
-    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": [0]})
-    with pytest.raises(T.DataError, match="1-based"):
-        T.read_imagenet100_downsampled(str(root))
-
-
-def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_path, monkeypatch):
-    x, y = _images(10), np.arange(10) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
-    first = T.load_image_dataset("cifar10", str(tmp_path))
-    cache = tmp_path / "maskprior-cache" / "cifar10-32.npz"
-    assert cache.exists()
-    with monkeypatch.context() as m:                               # the second run reads only the cache
-        m.setattr(T, "read_cifar", lambda *a: pytest.fail("the cache was not used"))
-        again = T.load_image_dataset("cifar10", str(tmp_path))
-    assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
-    # the batches replaced in place (other images, other labels): the cache is rebuilt, not trusted
-    x2 = 255 - x
-    T.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
-    for f in os.listdir(tmp_path / "new" / "cifar-10-batches-py"):
-        shutil.copyfile(tmp_path / "new" / "cifar-10-batches-py" / f, tmp_path / "cifar-10-batches-py" / f)
-    os.utime(tmp_path / "cifar-10-batches-py" / "test_batch", ns=(1, 1))      # even with an older mtime
-    fresh = T.load_image_dataset("cifar10", str(tmp_path))
-    assert np.array_equal(fresh["train"][0], x2) and fresh["test"][1].tolist() == ((y[:4] + 1) % 10).tolist()
-    shutil.rmtree(tmp_path / "cifar-10-batches-py")               # sources gone: the cache is not trusted either
-    with pytest.raises(T.DataError, match="CIFAR-10 not found"):
-        T.load_image_dataset("cifar10", str(tmp_path))
-
-
-@pytest.mark.parametrize("corpus", ["cifar10", "wikitext2", "tinystories"])
-def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, corpus):
-    """A source file replaced by other contents of the same size, its mtime set back (what tar -x, cp -p or
-    rsync -t leave): the cache is rebuilt from the new contents, not served stale. A touch alone (same bytes)
-    keeps the cache."""
-    if corpus == "cifar10":
-        x, y = _images(10), np.arange(10) % 10
-        T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
-        source = tmp_path / "cifar-10-batches-py" / "test_batch"
-        load = lambda: T.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
-    elif corpus == "wikitext2":
-        _write_text_corpus(tmp_path)
-        source = tmp_path / "wikitext-2" / "wiki.valid.tokens"
-        load = lambda: np.array(T.load_lm_corpus("wikitext2", tmp_path)["valid"])   # noqa: E731
-    else:
-        make_tinystories(tmp_path)
-        source = next(tmp_path.rglob("*-valid.txt"))
-        load = lambda: np.array(T.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
-    first = load()
-    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10 ** 9))    # a touch: same bytes
-    assert np.array_equal(load(), first)
-    st = source.stat()                                # what the cache has seen last
-    data = bytearray(source.read_bytes())
-    i = len(data) // 2 if corpus == "cifar10" else next(j for j, c in enumerate(data) if chr(c).islower())
-    data[i] = (data[i] + 1) % 256 if corpus == "cifar10" else ord("q") if data[i] != ord("q") else ord("z")
-    source.write_bytes(bytes(data))                                       # in place, as cp -p does
-    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert source.stat().st_size == st.st_size and source.stat().st_mtime_ns == st.st_mtime_ns
-    again = load()
-    assert not np.array_equal(again, first)
-
-
-_U8 = np.zeros((4, 3072), np.uint8)
-
-
-@pytest.mark.parametrize("data,labels,needle", [
-    (np.full((4, 3072), 0.5), [1, 2, 3, 4], "pixels must be integers 0..255 (uint8, as in the release), "
-                                            "found float64 values in 0.5..0.5"),           # 0-1 floats
-    (np.full((4, 3072), 200.0), [1, 2, 3, 4], "found float64 values in 200..200"),        # 0-255 floats
-    (np.full((4, 3072), np.nan), [1, 2, 3, 4], "found float64 values with NaN"),
-    (np.full((4, 3072), 300), [1, 2, 3, 4], "pixels must be integers 0..255, found 300..300"),
-    (np.full((4, 3072), -1), [1, 2, 3, 4], "found -1..-1"),
-    (_U8, ["a", "b", "c", "d"], "labels must be integers, found |S1 values (e.g. b'a')"),     # Python 2's str
-    (_U8, [[1], [2], [3], [4]], "labels must be a flat list of integers, found a list of lists"),
-    (_U8, np.ones((4, 1), np.int64), "labels must be a flat list of integers, found an array of shape (4, 1)"),
-    (_U8, [1, 2, 3, 10], "labels must lie in 0..9, found 1..10"),
-    (_U8, [1, 2, 3, -1], "labels must lie in 0..9, found -1..3"),
-    (np.zeros((4, 768), np.uint8), [1, 2, 3, 4], "rows of 768 bytes are 16x16 images; expected 32x32 (rows of 3072"),
-    (np.zeros((0, 3072), np.uint8), [], "data_batch_2 holds no images (an empty batch)"),
-])
-def test_broken_cifar_data_is_refused_before_anything_is_cached(tmp_path, capsys, data, labels, needle):
-    x, y = _images(4), [1, 2, 3, 4]
-    T.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
-    _py2_pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {b"data": data, b"labels": labels})
-    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--steps", "1", "--layers", "1",
-                        "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8", "--batch-size", "4")
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and "data_batch_2" in err and len(err.strip().splitlines()) == 1, err
-    assert sorted(os.listdir(tmp_path)) == ["cifar-10-batches-py"]        # no cache, no run folder
-
-
-def test_broken_binary_labels_and_imagenet_batches_are_refused(tmp_path):
-    b = tmp_path / "cifar-10-batches-bin"
-    b.mkdir()
-    np.concatenate([np.array([[4], [12]], np.uint8), _images(2).reshape(2, -1)], axis=1).tofile(b / "x.bin")
-    with pytest.raises(T.DataError, match=r"x.bin: labels must lie in 0..9, found 4..12"):
-        T.read_cifar_binary(str(b / "x.bin"), n_classes=10)
-    root = _imagenet_dir(tmp_path)
-    _py2_pickle(root / "val_data", {b"data": np.full((1, 3072), 0.5), b"labels": [1]})
-    with pytest.raises(T.DataError, match="val_data: pixels must be integers 0..255"):
-        T.read_imagenet100_downsampled(str(root))
-    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": ["n01558993"]})
-    with pytest.raises(T.DataError, match="val_data: labels must be integers"):
-        T.read_imagenet100_downsampled(str(root))
-
-
-def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
-    x, y = _images(10), np.arange(10) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
-    os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
-    os.mkdir(tmp_path / "cifar-10-batches-py" / "data_batch_3")
-    with pytest.raises(T.DataError, match="data_batch_3 is not a file"):
-        T.read_cifar(str(tmp_path), "cifar10")
-    with pytest.raises(T.DataError, match="cannot be read"):
-        T.read_cifar_pickle(str(tmp_path / "cifar-10-batches-py" / "data_batch_3"))
-
-
-class _Touch:
-    """A pickle payload that, unpickled, would create `path` (with the shell, or from Python)."""
-
-    def __init__(self, path, how="system"):
-        self.path, self.how = str(path), how
-
-    def __reduce__(self):
-        if self.how == "system":
-            return (os.system, (f"touch {self.path}",))
-        if self.how == "eval":
-            return (eval, (f"open({self.path!r}, 'w').close()",))
-        return (subprocess.call, (["touch", self.path],))
-
-
-_PAYLOADS = ["system", "eval", "subprocess"]
-
-
-@pytest.mark.parametrize("how", _PAYLOADS)
-@pytest.mark.parametrize("where", ["cifar10 data_batch_1", "cifar10 test_batch", "cifar100 train",
-                                   "imagenet val_data", "imagenet .npz"])
-def test_a_dataset_file_that_would_run_code_runs_nothing(tmp_path, capsys, where, how):
-    """A dataset file crafted to run a command when unpickled (os.system, eval, subprocess; as the only
-    value, inside the dict, in a Python 2 or a Python 3 pickle) is one line and exit 2, and the command
-    never runs: the batches are read by `T.ReleaseUnpickler`, which admits only numbers and arrays."""
-    marker = tmp_path / "ran"
-    evil = {b"data": _Touch(marker, how), b"labels": [1]}
-    if where.startswith("cifar10 "):
-        data = tmp_path / "data"
-        T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
-        target = data / "cifar-10-batches-py" / where.split()[1]
-        target.write_bytes(pickle.dumps(evil if "test" in where else _Touch(marker, how), protocol=2))
-        argv = ["--task", "cifar10", "--data-dir", data]
-    elif where == "cifar100 train":
-        data = tmp_path / "data" / "cifar-100-python"
-        data.mkdir(parents=True)
-        (data / "train").write_bytes(pickle.dumps(evil, protocol=4))
-        _py2_pickle(data / "test", {b"fine_labels": [1], b"data": _images(1).reshape(1, -1)})
-        argv = ["--task", "cifar100", "--data-dir", data.parent]
-    else:
-        data = _imagenet_dir(tmp_path)
-        if where.endswith(".npz"):
-            os.remove(data / "val_data")
-            np.savez(data / "val_data.npz", data=np.array([_Touch(marker, how)], dtype=object), labels=np.array([1]))
-        else:
-            (data / "val_data").write_bytes(pickle.dumps(evil, protocol=2))
-        argv = ["--task", "imagenet100", "--data-dir", data]
-    before = sorted(os.listdir(tmp_path))
-    rc, _ = run_train(tmp_path, *argv, "--steps", "1", "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim",
-                      "24", "--patch-size", "8", "--batch-size", "2")
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and not marker.exists(), err
-    assert ("no release file holds" in err and "nothing was run" in err) or "not an Imagenet32/64 .npz" in err, err
-    assert sorted(os.listdir(tmp_path)) == before                       # no run folder
-
-
-@pytest.mark.parametrize("protocol", [2, 4, 5])
-def test_python_3_pickles_of_a_batch_read_the_same(tmp_path, protocol):
-    """A batch re-saved by Python 3 (bytes through _codecs.encode at protocol 2, numpy._core names, protocol 5's
-    _frombuffer), with str or bytes keys, reads as the Python 2 original."""
-    x, y = _images(3, 7).reshape(3, -1), [4, 5, 6]
-    for keys in (bytes, str):
-        k = (lambda s: s.encode()) if keys is bytes else (lambda s: s)
-        (tmp_path / "b").write_bytes(pickle.dumps({k("data"): x, k("labels"): y, k("batch_label"): k("b")},
-                                                  protocol=protocol))
-        got = T.read_cifar_pickle(str(tmp_path / "b"), n_classes=10)
-        assert np.array_equal(got[0].reshape(3, -1), x) and got[1].tolist() == y
-
-
-def test_damaged_copies_of_a_release_batch_are_one_data_error_each(tmp_path):
-    """600 damaged copies of a Python 2 data_batch (bits flipped, bytes changed, cut, inserted or deleted, most
-    in its structure): each reads or is one DataError, never another exception; and a damaged memo index that
-    makes C's unpickler allocate gigabytes costs the pure-Python one nothing (ReleaseUnpickler)."""
-    import random
-    import tracemalloc
-    x = _images(6, 3).reshape(6, -1)
-    good = _py2_dumps({b"batch_label": b"training batch 1 of 5", b"labels": [1, 2, 3, 4, 5, 6], b"data": x,
-                       b"filenames": [b"img_%d.png" % i for i in range(6)]})
-    body = good.index(x.tobytes()[:64])
-    rng, path, read, refused = random.Random(0), tmp_path / "data_batch_1", 0, 0
-    for _ in range(600):
-        b = bytearray(good)
-        p = rng.choice([rng.randrange(body), rng.randrange(body + x.nbytes, len(b)), rng.randrange(len(b))])
-        kind = rng.randrange(5)
-        if kind == 0:
-            b[p] ^= 1 << rng.randrange(8)
-        elif kind == 1:
-            b[p] = rng.randrange(256)
-        elif kind == 2:
-            b = b[:p]
-        elif kind == 3:
-            b[p:p] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
-        else:
-            del b[p:p + rng.randint(1, 6)]
-        path.write_bytes(bytes(b))
-        try:
-            T.read_cifar_pickle(str(path), n_classes=10)
-            read += 1
-        except T.DataError:
-            refused += 1
-    assert read + refused == 600 and refused > 300
-    reduce_at = good.index(b"R", good.index(b"numpy\nndarray"))        # REDUCE -> LONG_BINPUT with a huge index
-    path.write_bytes(good[:reduce_at] + b"r" + good[reduce_at + 1:])
-    tracemalloc.start()
-    with pytest.raises(T.DataError):
-        T.read_cifar_pickle(str(path))
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert peak < 50e6, peak
-    for labels, needle in (([10 ** 5000], "64-bit integers"), ([[1], [2]] * 3, "a flat list of integers"),
-                           (b"\x01" * 6, "labels must be a list of integers, found bytes")):
-        _py2_pickle(path, {b"data": x, b"labels": labels})
-        with pytest.raises(T.DataError, match=needle):
-            T.read_cifar_pickle(str(path))
-    _py2_pickle(path, {b"data": x.tolist(), b"labels": [1] * 6})
-    with pytest.raises(T.DataError, match="pixels must be a numpy array of uint8 rows"):
-        T.read_cifar_pickle(str(path))
-
-
-def _tree(folder) -> dict:
-    """{relative path: bytes} of every file under folder."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
-
-
-@pytest.mark.parametrize("held", ["cifar-10-batches-py", "cifar-10-batches-bin", "top-level batches", "wikitext-2",
-                                  "wikitext-2-raw", "an empty cifar-10-batches-py"])
-def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path, capsys, held, monkeypatch):
-    """Over a folder that already holds a data set in any layout the readers read, make-digits and
-    make-wikitext refuse in one line and change no file; a write interrupted after three files leaves the
-    folder as it was (the new set is written whole in a hidden folder, then moved in)."""
-    d = tmp_path / "data"
-    d.mkdir()
-    if held == "cifar-10-batches-py":
-        T.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
-    elif held == "cifar-10-batches-bin":
-        (d / "cifar-10-batches-bin").mkdir()
-        (d / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(bytes(3073))
-    elif held == "top-level batches":
-        _py2_pickle(d / "data_batch_1", {b"data": _images(1).reshape(1, -1), b"labels": [1]})
-    elif held == "an empty cifar-10-batches-py":
-        (d / "cifar-10-batches-py").mkdir()
-    else:
-        (d / held).mkdir()
-        for split in ("train", "valid", "test"):
-            (d / held / f"wiki.{split}.{'raw' if held.endswith('raw') else 'tokens'}").write_text(" = A = \n")
-    texts = []
-    for i in range(12):
-        texts.append(tmp_path / f"a{i}.txt")
-        texts[-1].write_text(f"Title {i}\n\nSome words of article {i} here, and more words.\n")
-    before = _tree(d)
-    cifar = "cifar" in held or "batches" in held
-    command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
-    if cifar:
-        monkeypatch.setattr(T, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
-    assert train.main(command) == 2
-    err = capsys.readouterr().err.strip()
-    assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
-    assert _tree(d) == before and sorted(os.listdir(d)) == sorted({p.split("/")[0] for p in before} | (
-        {"cifar-10-batches-py"} if held.startswith("an empty") else set()))
-    # an interrupted write into a fresh folder leaves nothing of the new set
-    fresh, calls = tmp_path / "fresh", []
-    real = T.atomic_write
-
-    def interrupted(path, data):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        real(path, data)
-    monkeypatch.setattr(T, "atomic_write", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(["make-digits", str(fresh)] if cifar else ["make-wikitext", str(fresh), *map(str, texts)])
-    assert len(calls) == 3 and os.listdir(fresh) == []
-
-
-def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
-    """make-digits (scikit-learn's digits) writes a whole CIFAR-10 python release that the reader reads: 1,500
-    train and 297 test images, labels 0..9; then a second call over it is refused."""
-    _extra("sklearn")
-    assert train.main(["make-digits", str(tmp_path / "digits")]) == 0
-    assert "wrote 1500 train / 297 test digits" in capsys.readouterr().out
-    d = T.read_cifar(str(tmp_path / "digits"), "cifar10")
-    assert d["train"][0].shape == (1500, 3, 32, 32) and len(d["test"][1]) == 297
-    assert set(d["train"][1].tolist()) == set(range(10)) and d["train"][0].max() == 255
-    assert sorted(os.listdir(tmp_path / "digits")) == ["cifar-10-batches-py"]
-    assert train.main(["make-digits", str(tmp_path / "digits")]) == 2
-
-
-def test_augmentation_shapes_and_determinism():
-    x = torch.as_tensor(_images(8))
-    a = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    b = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    c = T.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
-    assert a.shape == x.shape and a.dtype == torch.uint8 and a.equal(b) and not a.equal(c)
-    assert T.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
-    # a crop is a shifted window of the zero-padded image
-    one = torch.arange(16, dtype=torch.uint8).view(1, 1, 4, 4)
-    out = T.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
-    padded = F.pad(one, (1, 1, 1, 1))
-    assert any(out.equal(padded[..., i:i + 4, j:j + 4]) for i in range(3) for j in range(3))
-
-
-def test_image_task_batches_mixup_and_cutmix(tmp_path):
-    x, y = _images(40), np.arange(40) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
-    for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
-        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
-        xb, yb = task.train_batch(3, 16)
-        assert xb.shape == (16, 3, 32, 32) and yb.shape == (16, 10)
-        torch.testing.assert_close(yb.sum(-1), torch.ones(16))
-        x2, y2 = task.train_batch(3, 16)
-        assert xb.equal(x2) and yb.equal(y2)
-    assert task.pattern().shape == (3, 64, 64)
-
-
-def test_vit_shapes_and_few_steps_lower_the_loss():
-    torch.manual_seed(0)
-    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_classes=2, dim=32, n_layers=2, n_heads=2, pool="cls",
-                       learnable_mask=True)
-    vit = mp.ViT(cfg)
-    mp.init_mask_(vit, mp.impulse_pattern(2, 2, mp.IMPULSE_OFFSETS[:2], n_prefix=1))
-    x = torch.randn(16, 3, 8, 8)
-    y = (x[:, 0, :4, :4].mean((1, 2)) > 0).long()                # learnable from the top-left patch
-    logits, maps = vit(x, return_attn=True)
-    assert logits.shape == (16, 2) and len(maps) == 2 and maps[0].shape == (16, 2, 5, 5)
-    opt = torch.optim.AdamW(mp.param_groups(vit, 0.05), lr=3e-3)
-    with torch.no_grad():
-        first = float(F.cross_entropy(vit(x), y))
-    for _ in range(30):
-        opt.zero_grad()
-        F.cross_entropy(vit(x), y).backward()
-        opt.step()
-    with torch.no_grad():
-        assert float(F.cross_entropy(vit(x), y)) < 0.5 * first
-
-
-@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
-def test_vision_run_every_init(tmp_path, init):
-    x, y = _images(64), np.arange(64) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
-    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "2",
-                        "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8",
-                        "--batch-size", "16", *_qk_opt(init, 20), "--probe-size", "8")
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["kind"] == "vision" and {"top1", "loss", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
-    if init in ("mask", "impulse", "qk-svd", "mask-impulse"):
-        assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["--task", "cifar10"], "--data-dir is required"),
-    (["--task", "cifar10", "--data-dir", "/nonexistent/x"], "is not a folder"),
-    (["--task", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found"),
-    (["--task", "imagenet100", "--data-dir", "EMPTY"], "map_clsloc.txt is missing"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--image-size", "32", "--patch-size", "5"], "not a multiple"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--patch-size", "0"], "--patch-size must be an integer > 0"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--image-size", "0"], "--image-size must be an integer > 0"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--label-smoothing", "1"], "--label-smoothing must be a finite"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--mixup", "-1"], "--mixup must be a finite number >= 0"),
-    (["--task", "cifar10", "--data-dir", "EMPTY", "--warmup-epochs", "nan"], "--warmup-epochs must be a finite"),
-])
-def test_vision_bad_input_exits_2(tmp_path, capsys, argv, needle):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    rc, out = run_train(tmp_path, *[str(empty) if a == "EMPTY" else a for a in argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
-    assert os.listdir(empty) == [] and not os.path.exists(out)       # nothing written
-
-
-def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4, 3, 8, 8), torch.eye(4)
-    perm = torch.tensor([1, 0, 3, 2])
-    mx, my = T.mixup(x, y, perm, 0.7)
-    assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
-    cx, cy = T.cutmix(x, y, perm, 0.75, g)
-    pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
-    assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
-                                                                                   x[~pasted.unsqueeze(1).expand_as(x)])
-    kept = 1 - pasted[0].float().mean()
-    assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
-    assert torch.equal(T.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
-    rng = np.random.default_rng(0)
-    assert T.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
-    for mix, cut in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
-        bx, by = T.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
-        assert bx.shape == x.shape and torch.allclose(by.sum(-1), torch.ones(4)) and not torch.equal(bx, x)
-
-
-def test_image_folder_reader(tmp_path):
-    try:
-        from PIL import Image
-    except ImportError:
-        with pytest.raises(T.DataError, match="needs Pillow: pip install pillow"):
-            T.read_image_folder(str(tmp_path), 32)
-        return
-    for label in (0, 99):
-        folder = tmp_path / T.IMAGENET100_WNIDS[label]
-        folder.mkdir()
-        Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(folder / "a.png")
-    for w in T.IMAGENET100_WNIDS[1:99]:
-        (tmp_path / w).mkdir()
-    x, y = T.read_image_folder(str(tmp_path), 16)
-    assert x.shape == (2, 3, 16, 16) and y.tolist() == [0, 99]
-    (tmp_path / T.IMAGENET100_WNIDS[0] / "b.png").write_bytes(b"not an image")
-    with pytest.raises(T.DataError, match="not a readable image"):
-        T.read_image_folder(str(tmp_path), 16)
-
-
-def test_line_words_follow_word_language_model():
-    assert T.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
-    assert T.wikitext_line_words(" \n") == ["<eos>"]
-    assert T.wikitext_line_words("\n") == ["<eos>"]
-    assert T.wikitext_line_words(" 1 @,@ 000 <unk> \n") == ["1", "@,@", "000", "<unk>", "<eos>"]
-
-
-def test_vocab_order_specials_then_frequency_then_alphabetical(tmp_path):
-    train = "b a b\n\nc a b d c\n"  # b:3, a:2, c:2, d:1, <eos>:3
-    make_wikitext(tmp_path, train=train, valid="a d\n", test="c\n")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
-    assert corpus["vocab"] == ["<unk>", "<eos>", "b", "a", "c", "d"]
-    assert corpus["vocab_size"] == 6
-    assert corpus["train"].tolist() == [2, 3, 2, 1, 1, 4, 3, 2, 5, 4, 1]
-    assert corpus["valid"].tolist() == [3, 5, 1]
-    assert corpus["test"].tolist() == [4, 1]
-    assert T.build_vocab(["<eos>", "<unk>", "z", "y", "z"]) == ["<unk>", "<eos>", "z", "y"]
-
-
-def test_wikitext_tokens_release_ids_and_round_trip(tmp_path):
-    make_wikitext(tmp_path)
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
-    vocab = corpus["vocab"]
-    assert vocab[:2] == ["<unk>", "<eos>"]
-    assert vocab.count("<unk>") == 1  # the train <unk> is the special, not a second entry
-    for split, text in (("train", WIKI_TRAIN), ("valid", WIKI_VALID), ("test", WIKI_TEST)):
-        tokens = corpus[split]
-        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and not tokens.flags.writeable
-        words = reference_words(text)
-        assert [vocab[i] for i in tokens] == words  # every word of .tokens is in the train vocab
-        expected = "".join(" ".join(line.split()) + "\n" for line in text.splitlines())
-        assert corpus["decode"](tokens.tolist()) == expected
-    # Every line, blank ones included, ends in exactly one <eos>.
-    assert int((np.asarray(corpus["train"]) == 1).sum()) == WIKI_TRAIN.count("\n")
-    for special in ("@,@", "@.@", "@-@", "="):
-        assert special in vocab
-    assert corpus["decode"]([vocab.index("="), vocab.index("Career"), vocab.index("="), 1]) == "= Career =\n"
-
-
-def test_wikitext_raw_release_maps_oov_to_unk(tmp_path):
-    make_wikitext(tmp_path, release="raw")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
-    assert "raw release" in corpus["source"]
-    vocab = corpus["vocab"]
-    assert "unseenword" not in vocab and "actor." in vocab
-    valid_words = [vocab[i] for i in corpus["valid"]]
-    assert valid_words == ["<eos>", "Boulter", "is", "an", "<unk>", "actor.", "<eos>"]
-    assert corpus["test"].tolist() == [vocab.index(w) for w in ("Robert", "is", "an", "actor.", "<eos>")]
-
-
-def test_wikitext_data_dir_may_be_the_subfolder_and_tokens_is_preferred(tmp_path):
-    sub = make_wikitext(tmp_path, release="tokens")
-    make_wikitext(tmp_path, release="raw")
-    from_parent = T.load_lm_corpus("wikitext2", tmp_path)
-    assert "tokens release" in from_parent["source"]
-    from_sub = T.load_lm_corpus("wikitext2", sub)
-    assert from_sub["train"].tolist() == from_parent["train"].tolist()
-    raw = T.load_lm_corpus("wikitext2", tmp_path, version="raw")
-    assert "raw release" in raw["source"]
-    assert raw["vocab"] != from_parent["vocab"]
-
-
-def test_wikitext_large_vocab_uses_uint32(tmp_path):
-    words = " ".join(f"w{i}" for i in range(70_000))
-    make_wikitext(tmp_path, train=words + "\n", valid="w1 w69999\n", test="w2\n")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
-    assert corpus["vocab_size"] == 70_002
-    assert corpus["train"].dtype == np.uint32
-    assert [corpus["vocab"][i] for i in corpus["valid"]] == ["w1", "w69999", "<eos>"]
-
-
-def test_wikitext_missing_files_error(tmp_path):
-    with pytest.raises(T.DataError) as info:
-        T.load_lm_corpus("wikitext2", tmp_path)
-    message = str(info.value)
-    assert "\n" not in message
-    for needle in ("wiki.{train,valid,test}.tokens", ".raw", str(tmp_path / "wikitext-2"),
-                   "wikitext-2-v1.zip", "huggingface.co/datasets/Salesforce/wikitext"):
-        assert needle in message
-    # An incomplete release is not used.
-    write(tmp_path / "wikitext-2" / "wiki.train.tokens", WIKI_TRAIN)
-    with pytest.raises(T.DataError, match="not found"):
-        T.load_lm_corpus("wikitext2", tmp_path)
-
-
-@pytest.mark.parametrize("split", ["train", "valid", "test"])
-def test_wikitext_empty_split_error(tmp_path, split):
-    make_wikitext(tmp_path, **{split: ""})
-    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*Salesforce/wikitext"):
-        T.load_lm_corpus("wikitext2", tmp_path)
-    assert not (tmp_path / "maskprior-cache").exists()               # no vocab, no split, no folder left
-
-
-def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
-    sub = make_wikitext(tmp_path)
-    first = T.load_lm_corpus("wikitext2", tmp_path)
-    cache = tmp_path / "maskprior-cache"
-    before = cache_files(cache)
-    assert set(before) == {
-        "wikitext2-tokens.vocab.json",
-        *(f"wikitext2-tokens.{s}.{ext}" for s in ("train", "valid", "test") for ext in ("bin", "json")),
-    }
-    assert json.loads((cache / "wikitext2-tokens.vocab.json").read_text("utf-8")) == first["vocab"]
-    meta = json.loads((cache / "wikitext2-tokens.train.json").read_text("utf-8"))
-    assert meta["dtype"] == "uint16" and meta["count"] == len(first["train"])
-    assert meta["vocab_size"] == len(first["vocab"])
-    assert meta["sources"][0]["size"] == len(WIKI_TRAIN.encode())
-
-    # Second load: no tokenisation at all, cache files untouched.
-    def no_tokenising(*args, **kwargs):
-        raise AssertionError("re-tokenised although the cache is valid")
-
-    monkeypatch.setattr(T, "iter_wikitext_words", no_tokenising)
-    second = T.load_lm_corpus("wikitext2", tmp_path)
-    assert cache_files(cache) == before
-    assert second["vocab"] == first["vocab"]
-    assert second["train"].tolist() == first["train"].tolist()
-    monkeypatch.undo()
-
-    # A changed train file rebuilds vocab and all splits.
-    write(sub / "wiki.train.tokens", WIKI_TRAIN + " zebra" * 9 + " \n")
-    third = T.load_lm_corpus("wikitext2", tmp_path)
-    assert third["vocab"][2] == "zebra"
-    assert third["valid"].tolist() != first["valid"].tolist()
-
-    # Same size, new mtime: rebuilt too.
-    path = sub / "wiki.test.tokens"
-    write(path, WIKI_TEST.replace("2000", "film"))  # same size
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    fourth = T.load_lm_corpus("wikitext2", tmp_path)
-    assert "He starred in film ." in fourth["decode"](fourth["test"].tolist())
-
-
-def test_tinystories_exact_bytes():
-    data = "Hi\n<|endoftext|>\né\n <|endoftext|>\n"
-    assert reference_bytes(data.encode()) == [72, 105, 256, 0xC3, 0xA9, 256]
-
-
-def test_tinystories_stream_matches_reference_for_every_chunk_size(tmp_path):
-    data = STORIES.encode("utf-8")
-    path = write(tmp_path / "TinyStoriesV2-GPT4-train.txt", data)
-    # The fixture really exercises chunk boundaries at chunk_size=7: a separator
-    # line and a 3-byte “ are both cut by a multiple of 7.
-    sep = data.index(b"\n<|endoftext|>\n") + 1
-    assert sep // 7 != (sep + len(b"<|endoftext|>")) // 7
-    quote = data.index("“".encode())
-    assert quote // 7 != (quote + 2) // 7
-    e_acute = data.rindex("é".encode())
-    assert e_acute // 7 != (e_acute + 1) // 7
-    expected = reference_bytes(data)
-    assert expected.count(256) == 4  # the empty story between two separators is skipped
-    assert bytes(t for t in expected if t != 256).count("<|endoftext|>".encode()) == 1  # mid-line text kept
-    for chunk_size in list(range(1, 40)) + [7, 1 << 20]:
-        assert stream(path, chunk_size) == expected, chunk_size
-
-
-def test_tinystories_crlf_and_whitespace_only_lines(tmp_path):
-    data = b"\r\n  \r\nOne\r\n\r\n<|endoftext|>\r\n\t<|endoftext|>\t\r\nTwo\xc3\xa9 \r\n"
-    path = write(tmp_path / "x.txt", data)
-    expected = list(b"One") + [256] + list("Twoé".encode()) + [256]
-    assert reference_bytes(data) == expected
-    for chunk_size in (1, 2, 3, 7, 64):
-        assert stream(path, chunk_size) == expected
-
-
-def test_tinystories_load_decode_round_trip(tmp_path):
-    make_tinystories(tmp_path)
-    corpus = T.load_lm_corpus("tinystories", tmp_path, chunk_size=7)
-    assert corpus["vocab_size"] == 257
-    train, valid = corpus["train"], corpus["valid"]
-    assert isinstance(train, np.memmap) and train.dtype == np.uint16 and not train.flags.writeable
-    assert train.tolist() == reference_bytes(STORIES.encode())
-    stories = [
-        "Once upon a time, a “Lily” saw a café.\n\nShe said, “Hi!” He wrote <|endoftext|> on a card.",
-        "Tom ran.",
-        "Ben was very happy é.",
-        "Last story with no separator after it.",
-    ]
-    assert corpus["decode"](train.tolist()) == "".join(s + "\n<|endoftext|>\n" for s in stories)
-    assert corpus["decode"](valid.tolist()) == "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
-    with pytest.raises(ValueError):
-        corpus["decode"]([257])
-
-
-def test_tinystories_version_choice(tmp_path):
-    make_tinystories(tmp_path, "TinyStories", train="v one\n<|endoftext|>\n", valid="v1 valid\n")
-    assert T.load_lm_corpus("tinystories", tmp_path)["decode"]([118, 32, 111]) == "v o"
-    v1 = T.load_lm_corpus("tinystories", tmp_path)
-    assert "TinyStories-train.txt" in v1["source"]
-    assert bytes(v1["train"][:-1].tolist()) == b"v one"
-    make_tinystories(tmp_path, "TinyStoriesV2-GPT4", train="v two\n", valid="v2 valid\n")
-    auto = T.load_lm_corpus("tinystories", tmp_path)
-    assert bytes(auto["train"][:-1].tolist()) == b"v two"
-    chosen = T.load_lm_corpus("tinystories", tmp_path, version="v1")
-    assert bytes(chosen["train"][:-1].tolist()) == b"v one"
-    with pytest.raises(T.DataError, match="unknown TinyStories version"):
-        T.load_lm_corpus("tinystories", tmp_path, version="v3")
-    with pytest.raises(T.DataError, match="unknown corpus"):
-        T.load_lm_corpus("ptb", tmp_path)
-
-
-def test_tinystories_subfolder(tmp_path):
-    make_tinystories(tmp_path / "TinyStories")
-    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
-
-
-def test_tinystories_missing_files_error(tmp_path):
-    write(tmp_path / "TinyStoriesV2-GPT4-train.txt", STORIES)  # valid missing
-    with pytest.raises(T.DataError) as info:
-        T.load_lm_corpus("tinystories", tmp_path)
-    message = str(info.value)
-    assert "\n" not in message
-    for needle in ("TinyStoriesV2-GPT4-{train,valid}.txt", "TinyStories-{train,valid}.txt",
-                   str(tmp_path), "huggingface.co/datasets/roneneldan/TinyStories"):
-        assert needle in message
-
-
-def test_tinystories_empty_corpus_error(tmp_path):
-    make_tinystories(tmp_path, train="\n<|endoftext|>\n  \n<|endoftext|>\n\n")
-    with pytest.raises(T.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
-        T.load_lm_corpus("tinystories", tmp_path)
-    assert not (tmp_path / "maskprior-cache").exists()  # no half cache, no temp file, no folder
-
-
-def test_tinystories_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
-    make_tinystories(tmp_path)
-    first = T.load_lm_corpus("tinystories", tmp_path, chunk_size=5)
-    cache = tmp_path / "maskprior-cache"
-    before = cache_files(cache)
-    assert set(before) == {f"tinystories-v2.{s}.{e}" for s in ("train", "valid") for e in ("bin", "json")}
-    assert (cache / "tinystories-v2.train.bin").stat().st_size == 2 * len(first["train"])
-
-    monkeypatch.setattr(T, "iter_tinystories_tokens", lambda *a, **k: pytest.fail("re-tokenised"))
-    second = T.load_lm_corpus("tinystories", tmp_path)
-    assert cache_files(cache) == before
-    assert second["train"].tolist() == first["train"].tolist()
-    monkeypatch.undo()
-
-    write(tmp_path / "TinyStoriesV2-GPT4-valid.txt", "Changed.\n<|endoftext|>\n")
-    third = T.load_lm_corpus("tinystories", tmp_path)
-    assert third["valid"].tolist() == list(b"Changed.") + [256]
-    after = cache_files(cache)
-    assert after["tinystories-v2.train.bin"] == before["tinystories-v2.train.bin"]  # train not rebuilt
-    assert after["tinystories-v2.valid.bin"] != before["tinystories-v2.valid.bin"]
-
-
-def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
-    make_tinystories(tmp_path)
-
-    def interrupted(path, chunk_size):
-        yield np.array([1, 2, 3], dtype=np.uint16)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(T, "iter_tinystories_tokens", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        T.load_lm_corpus("tinystories", tmp_path)
-    assert not (tmp_path / "maskprior-cache").exists()               # no half file, no temp file, no folder
-    monkeypatch.undo()
-    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
-
-
-def test_fallback_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatch):
-    data = make_tinystories(tmp_path / "data")
-    write(data / "maskprior-cache", "a file, so the cache folder cannot be created here")
-    home = tmp_path / "home"
-    monkeypatch.setenv("HOME", str(home))
-    corpus = T.load_lm_corpus("tinystories", data)
-    folders = list((home / ".cache" / "maskprior").iterdir())
-    assert len(folders) == 1 and folders[0].name.startswith("data-") and len(folders[0].name) == 5 + 16
-    assert folders[0] == T.default_cache_dirs(data)[1]
-    assert (folders[0] / "tinystories-v2.train.bin").is_file()
-    assert corpus["train"].tolist() == reference_bytes(STORIES.encode())
-    # Another data_dir with the same folder name gets its own cache folder.
-    other = make_tinystories(tmp_path / "elsewhere" / "data", train="Other.\n")
-    write(other / "maskprior-cache", "blocked")
-    assert T.load_lm_corpus("tinystories", other)["train"].tolist() == list(b"Other.") + [256]
-    assert len(list((home / ".cache" / "maskprior").iterdir())) == 2
-
-
-def test_explicit_cache_dir(tmp_path):
-    make_wikitext(tmp_path / "data")
-    T.load_lm_corpus("wikitext2", tmp_path / "data", cache_dir=tmp_path / "c")
-    assert (tmp_path / "c" / "wikitext2-tokens.train.bin").is_file()
-    assert not (tmp_path / "data" / "maskprior-cache").exists()
-
-
-def test_random_windows_shapes_shift_and_determinism():
-    tokens = np.arange(1000, 1100, dtype=np.uint16)
-    x, y = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (5, 8) and x.dtype == y.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1])
-    for row_x, row_y in zip(x, y):
-        start = int(row_x[0]) - 1000
-        assert 0 <= start <= 100 - 9
-        assert row_x.tolist() == tokens[start : start + 8].tolist()
-        assert row_y.tolist() == tokens[start + 1 : start + 9].tolist()
-    x2, y2 = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
-    assert torch.equal(x, x2) and torch.equal(y, y2)
-    x3, _ = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(1))
-    assert not torch.equal(x, x3)
-
-
-def test_random_windows_reach_both_ends():
-    tokens = np.arange(10, dtype=np.uint32)
-    x, y = T.random_windows(tokens, 9, 64, torch.Generator().manual_seed(0))  # only one possible window
-    assert (x == torch.arange(9)).all() and (y == torch.arange(1, 10)).all()
-    x, _ = T.random_windows(tokens, 3, 2000, torch.Generator().manual_seed(0))
-    assert set(x[:, 0].tolist()) == set(range(7))
-    with pytest.raises(T.DataError, match=r"--context 10 is longer than the training split \(10 tokens\)"):
-        T.random_windows(tokens, 10, 2, torch.Generator())
-
-
-@pytest.mark.parametrize("n, context, batch_size", [(11, 5, 1), (12, 5, 1), (23, 5, 3), (6, 5, 4), (100, 7, 4)])
-def test_eval_windows_cover_the_split(n, context, batch_size):
-    tokens = np.arange(n, dtype=np.uint16) * 3
-    batches = list(T.eval_windows(tokens, context, batch_size))
-    xs = torch.cat([x.reshape(-1) for x, _ in batches])
-    ys = torch.cat([y.reshape(-1) for _, y in batches])
-    assert xs.tolist() == tokens[:-1].tolist()  # consecutive, non-overlapping, nothing dropped
-    assert ys.tolist() == tokens[1:].tolist()
-    for x, y in batches:
-        assert x.dtype == torch.int64 and x.shape == y.shape and x.shape[0] <= batch_size
-        assert x.shape[1] == context or (x.shape[0] == 1 and x is batches[-1][0])
-    assert sum(y.numel() for _, y in batches) == n - 1
-
-
-def test_eval_windows_context_longer_than_validation_split(tmp_path):
-    make_wikitext(tmp_path)
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
-    n = len(corpus["valid"])
-    with pytest.raises(T.DataError) as info:
-        T.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
-    assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
-    assert len(list(T.eval_windows(corpus["valid"], n - 1))) == 1
-
-
-@pytest.mark.parametrize("init", ["default", "mask"])
-def test_causal_lm_never_sees_the_future(init):
-    """Changing tokens after position t leaves the outputs at positions <= t unchanged."""
-    cfg = mp.TransformerConfig(vocab_size=11, seq_len=12, n_layers=2, n_heads=4, dim=32, mlp_dim=64,
-                               readout="tokens", causal=True, n_outputs=11, learnable_mask=init == "mask",
-                               tie_embeddings=True)
-    torch.manual_seed(0)
-    model = mp.Transformer(cfg).eval()
-    if init == "mask":
-        mp.init_mask_(model, logits=mp.causal_distance_logits(12, 4))
-    x = torch.randint(0, 11, (3, 12))
-    y = x.clone()
-    y[:, 7:] = (y[:, 7:] + 1) % 11
-    a, b = model(x), model(y)
-    torch.testing.assert_close(a[:, :7], b[:, :7])
-    assert not torch.allclose(a[:, 7:], b[:, 7:])
-    assert cfg.fused                                        # `model` runs the fused path; compare the explicit one
-    explicit = mp.Transformer(mp.TransformerConfig(**{**cfg.__dict__, "fused": False})).eval()
-    explicit.load_state_dict(model.state_dict())
-    torch.testing.assert_close(explicit(x), a, atol=1e-5, rtol=1e-5)
-
-
-def test_generate_is_seeded_and_crops_the_context():
-    cfg = mp.TransformerConfig(vocab_size=7, seq_len=5, n_layers=1, n_heads=2, dim=16, mlp_dim=16,
-                               readout="tokens", causal=True, n_outputs=7)
-    model = mp.Transformer(cfg).eval()
-    start = torch.tensor([[1, 2, 3]])
-    a = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
-    b = mp.generate(model, start, 9, 1.0, 3, torch.Generator().manual_seed(0))
-    assert a.shape == (1, 12) and a.equal(b) and a[:, :3].equal(start)
-    g = mp.generate(model, start, 4, 0.0)
-    assert g[0, 3] == model(start)[0, -1].argmax()
-
-
-def test_lm_patterns_follow_the_alibi_slopes():
-    p = T.lm_patterns(300, 4)
-    assert p.shape == (4, 300, 300) and not (p & ~mp.causal_pattern(300)).any()
-    assert [int(p[h, 299].sum()) for h in range(4)] == [5, 17, 65, 257]      # windows 4, 16, 64, 256
-    m = mp.causal_distance_logits(300, 4)
-    bias = F.logsigmoid(m)
-    assert (bias[p & ~torch.eye(300, dtype=torch.bool)] > -1.0001).all()
-
-
-def test_wikitext_tokenize_and_layout(tmp_path):
-    assert T.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
-        ["A", "well", "@-@", "known", "1", "@,@", "000", "@-@", "page", "book", ",", "3", "@.@", "5", "cm", "."]
-    arts = [(f"Title {i}", ["the cat sat on the mat .", "the dog sat ."]) for i in range(12)]
-    out = T.write_wikitext_layout(arts, str(tmp_path))
-    text = open(os.path.join(out, "wiki.train.tokens")).read()
-    assert text.startswith(" \n = Title <unk> = \n \n the cat sat on the mat . \n \n")
-    assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
-
-
-@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt"])
-def test_lm_run_every_init(tmp_path, init):
-    _write_text_corpus(tmp_path / "data")
-    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", init,
-                        "--steps", "3", *LM_SMALL, *_qk_opt(init, 20))
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["kind"] == "lm" and {"val_loss", "val_ppl", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
-    assert res["metrics"]["val_ppl"] == pytest.approx(np.exp(res["metrics"]["val_loss"]), rel=1e-6)
-
-
-def test_lm_short_run_lowers_validation_loss_and_samples(tmp_path, capsys):
-    _write_text_corpus(tmp_path / "data")
-    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", "mask",
-                        "--steps", "60", "--log-every", "60", "--lr", "3e-3", *LM_SMALL)
-    assert rc == 0
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert lines[-1]["metrics"]["val_loss"] < lines[0]["metrics"]["val_loss"] - 0.5
-    capsys.readouterr()
-    assert train.main(["--out", out, "--sample", "the cat", "--sample-tokens", "5", "--temperature", "0"]) == 0
-    text = capsys.readouterr().out.strip()
-    assert text.startswith("the cat") and len(text.split()) == 7
-
-
-@pytest.mark.parametrize("setup,argv,needle", [
-    ("none", [], "WikiText-2 not found"),
-    ("empty", [], "no tokens"),
-    ("small", ["--context", "2000"], "longer than the validation split"),
-    ("small", ["--context", "100000"], "longer than the training split"),
-    ("small", ["--context", "1"], "--context must be at least 2"),
-])
-def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
-    data = tmp_path / "data"
-    data.mkdir()
-    if setup == "small":
-        _write_text_corpus(data)
-    elif setup == "empty":
-        (data / "wikitext-2").mkdir()
-        for split in ("train", "valid", "test"):
-            (data / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
-    before = sorted(p.relative_to(data) for p in data.rglob("*"))
-    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", data, "--steps", "2", *argv,
-                        name="new/parents/run")
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
-    assert not os.path.exists(tmp_path / "new")                      # no run folder, no parent folder left
-    after = sorted(p.relative_to(data) for p in data.rglob("*") if setup != "small" or "maskprior-cache" not in str(p))
-    assert after == before                  # no cache of a refused corpus (a good corpus's cache may stay)
-
-
-def test_an_out_path_that_cannot_be_made_leaves_no_folder(tmp_path, capsys):
-    """A 4 KB --out (each folder name fits, the whole path does not): one line, and none of the folders the
-    attempt made is left; an --out under a file likewise."""
-    deep = tmp_path / "/".join(["d" * 200] * 21) / "run"
-    assert len(str(deep)) > 4096
-    assert train.main([*TINY, "--steps", "1", "--out", str(deep)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "cannot create the run folder (File name too long)" in err and len(err.splitlines()) == 1
-    assert os.listdir(tmp_path) == []
-    (tmp_path / "file").write_text("x")
-    assert train.main([*TINY, "--steps", "1", "--out", str(tmp_path / "file" / "a" / "run")]) == 2
-    assert "cannot create the run folder (Not a directory)" in capsys.readouterr().err
-    assert os.listdir(tmp_path) == ["file"]
-
-
-def test_registry_and_task_constants():
-    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
-                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
-    for name, cls in T.TASKS.items():
-        assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
-        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
-        assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
-    with pytest.raises(T.TaskError, match="unknown task"):
-        T.make_task("nosuch")
-    with pytest.raises(T.TaskError, match="takes no option data_frac"):
-        T.make_task("parity2", data_frac=0.1)
-    with pytest.raises(ValueError, match="registered twice"):
-        T.register("parity2")(type("Again", (T.Task,), {}))
-
-
-def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
-    """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
-    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
-    before = task.pattern()
-    task.setup()
-    assert torch.equal(before, task.pattern())
-    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
-    assert not torch.equal(before, other)
-
-
-def test_mdi_needs_no_setup():
-    task = T.make_task("parity2")
-    assert task.mdi()["acc"] == pytest.approx(0.75)
-    assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
-
-
-def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
-    files = []
-    for i in range(5):
-        files.append(str(tmp_path / f"a{i}.txt"))
-        open(files[-1], "w").write(f"Title {i}\n\nSome words here and there.\n")
-    assert train.main(["make-wikitext", str(tmp_path / "out"), *files]) == 2
-    assert "at least 12" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "out" / "wikitext-2" / "wiki.test.tokens")
-    with pytest.raises(SystemExit) as e:
-        train.main(["make-wikitext", "--help"])
-    assert e.value.code == 0 and "text files" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
-def test_randaugment_op_shapes_range_determinism_and_identity(name):
-    fn, arg = T.RANDAUG_OPS[name]
-    x = _aug_images()
-    m = torch.full((6,), 7.0)
-    sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
-    out = fn(x, None if arg is None else arg(m, sign))
-    assert out.shape == x.shape and out.dtype == torch.uint8
-    again = fn(x, None if arg is None else arg(m, sign))
-    assert torch.equal(out, again)
-    if arg is not None:                                      # magnitude 0 leaves every image as it is
-        assert torch.equal(fn(x, arg(torch.zeros(6), sign)), x), name
-        assert name == "identity" or not torch.equal(out, x), name
-
-
-@pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
-def test_randaugment_photometric_ops_equal_pillows(name):
-    """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
-    fn = T.RANDAUG_OPS[name][0]
-    a, ref = PIL_EQUIVALENT[name]
-    x = _aug_images()
-    ours = fn(x, a).numpy()
-    try:
-        from PIL import Image
-    except ImportError:
-        hand = {"brightness": lambda v: min(255, int(v * 1.7)), "posterize": lambda v: v & 0b11100000,
-                "solarize": lambda v: 255 - v if v >= 100 else v}
-        if name in hand:
-            assert all(ours.flat[i] == hand[name](int(x.numpy().flat[i])) for i in range(0, ours.size, 7))
-        return
-    want = np.stack([np.asarray(ref(Image.fromarray(img.transpose(1, 2, 0)), a)).transpose(2, 0, 1)
-                     for img in x.numpy()])
-    assert np.array_equal(ours, want), (ours != want).sum()
-
-
-def test_geometric_ops_by_hand():
-    x = _aug_images(4, 9, 9)
-    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
-    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
-    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
-    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
-    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
-    assert torch.equal(t[..., 3:, :], x[..., :6, :])
-    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
-    assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
-    s = T.aug_shear_y(x, 1.0)
-    assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
-
-
-def test_rand_augment_is_seeded_and_mixes_ops():
-    x = _aug_images(64, 16, 16)
-    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
-    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
-    changed = (a != x).flatten(1).any(1).float().mean()
-    assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
-    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
-    unchanged = (zero == x).flatten(1).all(1).float().mean()
-    assert 0.5 < unchanged < 1.0
-
-
-def test_random_resized_crop_erasing_and_eval_view():
-    x = _aug_images(8, 32, 32)
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    out = T.random_resized_crop(x, 224, g())
-    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
-    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
-    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
-    assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
-    view = T.resize_center_crop(x, 224, 0.875)
-    assert view.shape == (8, 3, 224, 224)
-    xf = torch.randn(64, 3, 16, 16)
-    e = T.random_erasing(xf, 0.5, g())
-    erased = (e != xf).flatten(1).any(1)
-    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
-    frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
-    assert 0.02 <= frac <= 0.34
-    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
-
-
-def test_drop_path_schedule_and_identity_in_eval():
-    cfg = mp.ViTConfig(image_size=8, patch_size=4, n_layers=3, dim=16, n_heads=2, mlp_dim=16, drop_path=0.1)
-    model = mp.ViT(cfg)
-    assert [b.drop_path for b in model.blocks] == [0.0, 0.05, 0.1]
-    x = torch.randn(4, 3, 8, 8)
-    model.eval()
-    assert torch.equal(model(x), model(x))
-    h = torch.ones(1000, 4, 8)
-    kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
-    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
-
-
-def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
-    want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
-                warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
-                label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
-    assert {k: getattr(args, k) for k in want} == want
-    task = train.make_task(args)
-    assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
-    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
-    assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
-
-
-def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
-    out = str(tmp_path / "run")
-    common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
-              "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4", "--init", "mask"]
-    aug = ["--input-size", "48", "--patch-size", "8", "--crop", "rrc", "--randaug", "9", "--reprob", "0.25",
-           "--mixup", "0.8", "--cutmix", "1.0", "--drop-path", "0.1", "--ema", "0.9"]
-    assert train.main([*common, *aug, "--halt-after", "3", "--out", out]) == 0
-    assert train.main(["--resume", "--out", out]) == 0
-    assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
-    a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
-    assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
-    xb, yb = train.make_task(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
-    assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
-
-
-@pytest.mark.parametrize("flag,value,needle", [
-    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
-    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
-    ("--ema", "1", "--ema must be a finite number in [0, 1)"),
-    ("--ema", "-0.5", "--ema must be a finite number"),
-    ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
-    ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
-    ("--crop-pct", "1.5 --input-size 48", "--crop-pct must be in (0, 1]"),
-    ("--randaug-ops", "0 --randaug 9", "--randaug-ops must be at least 1"),
-])
-def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
-    out = tmp_path / "run"
-    assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, *value.split(), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
-
-
-@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
-def test_every_task_trains_with_every_init(tmp_path, task, init):
-    """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
-    result and, for an init that writes a prior, a prior mass at the start."""
-    out = str(tmp_path / "run")
-    argv = ["--task", task, "--init", init, "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
-            "--heads", "2", "--mlp-dim", "16", "--batch-size", "4", "--probe-size", "4", *_qk_opt(init, 5),
-            *SMOKE_FLAGS[T.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
-    assert train.main(argv) == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["task"] == task and res["init"] == init and res["steps"] == 2 and res["metrics"]
-    if init != "default":        # a prior's mass at the start, or the reason there is none (no row constrained)
-        assert res["metrics"]["prior_mass_start"] is not None or "constrains no query row" in res["prior_mass_note"]
-
-
-# ---------------------------------------------------------------------------------------- config
-
-@pytest.fixture
-def image_dir(tmp_path):
-    """A small CIFAR-10 python release (40 train, 8 test images) in a fresh folder."""
-    x, y = _images(40), np.arange(40) % 10
-    T.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
-    return str(tmp_path / "cifar")
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _users_folder(path) -> Path:
-    """A folder holding a user's files and no run: an args.json, a metrics.jsonl and a note (`abandon` once deleted
-    the first two on a refusal)."""
-    path.mkdir(parents=True)
-    (path / "args.json").write_text("{}")
-    (path / "metrics.jsonl").write_text("log\n")
-    (path / "notes.txt").write_text("x")
-    return path
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    """Fail the test (instead of hanging it) when the body takes longer than `seconds`."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-@pytest.mark.parametrize("argv,needle", BAD_INPUT)
-@pytest.mark.parametrize("held", [False, True], ids=["new out", "out holding a user's files"])
-def test_bad_input_exits_2(tmp_path, capsys, argv, needle, held):
-    """Each bad input is one line and exit 2, and a refusal writes nothing and deletes nothing: a new --out is not
-    made, and an --out that holds a user's files (but no run) keeps them byte for byte."""
-    before = _tree(_users_folder(tmp_path / "run")) if held else None
-    with _deadline(60):                          # a refusal comes at once (an exact MDI too large is refused, not run)
-        rc, out = run_train(tmp_path, *argv)
-    err = capsys.readouterr().err
-    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
-    assert _tree(out) == before if held else not os.path.exists(out)       # nothing written, nothing deleted
-
-
-# Every task option the task checks, given out of range (nan and inf where it is a float): one line naming the
-# flag, exit 2, nothing written. The task's constructor is the one check (train.py's Config declares no range or
-# choices for these), so each case here fails if that check goes.
-TASK_CHECKED = [("kparity", "--discover-degree", ("0", "5")), ("kparity", "--discover-threshold", ("nan", "inf", "0", "1.5")),
-                ("kparity", "--n-bits", ("1", "21")), ("kparity", "--train-size", ("0",)), ("parity2", "--readout", ("tokens",)),
-                ("addition", "--digits", ("0", "5")), ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
-                ("addition", "--answer-order", ("mid",)), ("addition", "--discover-threshold", ("nan", "-1")),
-                ("multiplication --digits 2", "--lee-samples", ("0", "99", "10001")),
-                ("cifar10", "--soft-alpha", ("nan", "inf", "0")), ("cifar10", "--window", ("0", "2")),
-                ("cifar10", "--crop-pct", ("nan", "0", "1.5")), ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
-                ("cifar10", "--randaug-ops", ("0",)), ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
-                ("cifar10", "--impulse", ("diagonal",)), ("cifar10", "--crop", ("centre",)),
-                ("wikitext2", "--val-tokens", ("-1",)), ("wikitext2", "--context", ("1",))]
-CONFIG_CHECKED_TASK_OPTIONS = {"image_size", "input_size", "patch_size", "pool", "label_smoothing", "mixup", "cutmix",
-                               "randaug_std"}       # options no task checks: Config's range is their one check
-
-
-@pytest.mark.parametrize("task,flag,bad", [(t, f, b) for t, f, bads in TASK_CHECKED for b in bads])
-def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, capsys, task, flag, bad):
-    data = tmp_path / "data"
-    data.mkdir()
-    where = ["--data-dir", str(data)] if task in ("cifar10", "wikitext2") else []
-    rc, out = run_train(tmp_path, "--task", *task.split(), *where, flag, bad)
-    err = capsys.readouterr().err
-    assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
-    assert not os.path.exists(out) and os.listdir(data) == []
-
-
-def test_task_options_are_declared_once():
-    """A task option's range lives in its task (checked above) or, where no task checks it, in its Config field,
-    never both; its Config default is its task's default (a preset may then set it)."""
-    both = {n for n in train.TASK_FLAGS if train.FIELDS[n].metadata["check"] or train.FIELDS[n].metadata["choices"]}
-    assert both == CONFIG_CHECKED_TASK_OPTIONS
-    checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
-    unchecked = train.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
-    assert unchecked == set(), f"task options with no range test: {sorted(unchecked)}"
-    for name, cls in T.TASKS.items():
-        params = inspect.signature(cls).parameters
-        for option in set(cls.options()) & train.TASK_FLAGS:
-            if train.DEFAULTS[option] is not None:
-                assert train.DEFAULTS[option] == params[option].default, (name, option)
-
-
-def test_epochs_flag_sets_steps(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "kparity", "--bits", "0,1", "--unseen", "0,1", "--n-bits", "6",
-                        "--epochs", "2", "--batch-size", "16", *SMALL[:-4])
-    assert rc == 0
-    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
-
-
-def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
-    """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
-    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
-    args, explicit = train.parse_args([])
-    dests = set(vars(args)) - {"command"}
-    assert explicit == set() and dests == set(train.DEFAULTS)
-    assert all(getattr(args, d) is train.UNSET for d in dests)
-    for name, cls in T.TASKS.items():
-        for preset in cls.presets():
-            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
-        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
-
-
-def test_presets_say_model_size_and_recipe_apart(monkeypatch):
-    """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
-    flat preset is their union, and a preset with anything else in it is an error, not ignored."""
-    for name, cls in T.TASKS.items():
-        for preset in cls.presets():
-            model, recipe = cls.preset_parts(preset)
-            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
-            assert cls.preset(preset) == {**model, **recipe}
-    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
-    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
-    with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
-        T.Addition.preset("small")
-
-
-def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
-    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
-    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
-                                                             "recipe": dict(steps=6000)})
-    args = resolve("--task", "multiplication")
-    assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
-    assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
-    assert (resolve("--task", "addition").answer_order, resolve("--task", "addition").impulse) == ("msb", "fixed")
-    # steps / epochs and warmup / warmup_epochs: the explicit one wins, the preset's other one is dropped
-    vision = resolve("--task", "cifar10", "--warmup", "7")
-    assert (vision.warmup, vision.warmup_epochs, vision.epochs) == (7, None, 30)
-    assert resolve("--task", "cifar10").warmup_epochs == 2
-    assert (resolve("--task", "cifar10", "--steps", "5").epochs, resolve("--task", "cyclic3", "--epochs", "2").steps) \
-        == (None, None)
-    with pytest.raises(train.UsageError, match="either --warmup or --warmup-epochs"):
-        resolve("--task", "cifar10", "--warmup", "7", "--warmup-epochs", "1")
-
-
-def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir):
-    """An explicit --warmup on cifar10 once gave way to the preset's warm-up epochs (the run wrote 32)."""
-    out = str(tmp_path / "run")
-    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--steps", "2", "--warmup", "7", "--layers",
-                       "1", "--dim", "24", "--mlp-dim", "48", "--out", out]) == 0
-    args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["warmup"], args["warmup_epochs"]) == (7, None)
-
-
-def test_vit_mlp_width_is_the_flag_given():
-    """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
-                                            "--heads", "4"]))
-    task = T.make_task("cifar10", data_dir=".", heads=4)
-    model = mp.ViT(train.model_config(args, task))
-    assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
-
-
-# Where each flag applies, generated from the Config table (train.NEEDS, train.EXCLUDES, the task options): every
-# (flag, condition) pair gets a context that meets the flag's other conditions and breaks this one, so a flag added
-# to the table is tested here without a new test.
-APPLY_TASKS = ("parity2", "kparity", "addition", "multiplication", "cifar10", "wikitext2")
-
-
-def _flag_value(name: str) -> list:
-    """A value the flag parses (its default, else its first choice, else 1), as argv."""
-    m, default = train.FIELDS[name].metadata, train.FIELDS[name].default
-    if m["switch"]:
-        return []
-    value = default if default not in (None, False, True) else (m["choices"] or [1])[0]
-    return [str(value)]
-
-
-def _applicability_cases() -> list:
-    cases = [(name, key) for name, needs in train.NEEDS.items() for key in needs]
-    cases += [(name, f"excludes {other}") for name, excluded in train.EXCLUDES.items() for other in excluded]
-    return cases + [(name, "task option") for name in sorted(train.TASK_FLAGS)]
-
-
-def _context(name: str, broken: str | None, data: str) -> list:
-    """argv giving --NAME where all it needs holds (and, transitively, all that the flags added for it need) except
-    `broken` (None: everything holds)."""
-    needs = train.NEEDS.get(name, {})
-    def fits(task):
-        cls = T.TASKS[task]
-        takes = name not in train.TASK_FLAGS or name in cls.options()
-        kind_ok = "kind" not in needs or cls.KIND in needs["kind"]
-        if broken == "task option":
-            return not takes
-        return takes and (not kind_ok if broken == "kind" else kind_ok)
-    task = next(t for t in APPLY_TASKS if fits(t))
-    cls = T.TASKS[task]
-    argv = ["--task", task] + (["--data-dir", data] if cls.KIND in ("vision", "lm") else [])
-    def give(key, value):
-        argv.extend(["--" + key.replace("_", "-"), *([str(value)] if value is not None else _flag_value(key))])
-    def meet(flag, skip=None):
-        for key, allowed in train.NEEDS.get(flag, {}).items():
-            if key in (skip, "kind") or not train.unmet(key, allowed, train.applied_value(_resolved(argv), key)):
-                continue
-            choices = cls.INITS if key == "init" else cls.PATTERNS if key == "pattern" else allowed
-            give(key, "9" if allowed is train.ON else None if allowed is train.GIVEN else
-                 next(v for v in allowed if v in choices))
-            meet(key)
-    if broken != "task option":
-        if broken in needs and isinstance(needs[broken], tuple) and broken != "kind":
-            choices = cls.INITS if broken == "init" else cls.PATTERNS if broken == "pattern" else \
-                train.FIELDS[broken].metadata["choices"]
-            give(broken, next(v for v in choices if v not in needs[broken]))
-            meet(broken)
-        meet(name, skip=broken)
-        if broken and broken.startswith("excludes "):
-            give(broken.split()[1], None)
-            meet(broken.split()[1])
-    give(name, None)
-    return argv
-
-
-def _resolved(argv):
-    return train.resolve(*train.parse_args(argv))
-
-
-@pytest.mark.parametrize("name,broken", _applicability_cases())
-def test_every_flag_given_where_it_does_not_apply_is_refused(tmp_path, capsys, name, broken):
-    """Each flag given where one of its conditions fails (another family's task, an init, pattern or teacher kind it
-    does not go with, a flag it needs left out, a flag it excludes given) is one line naming it, exit 2, nothing
-    written; in the same context with that condition met the one check passes it."""
-    bad = _context(name, broken, str(tmp_path))
-    rc, out = run_train(tmp_path, *bad)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and f"--{name.replace('_', '-')} " in err, (bad, err)
-    assert not os.path.exists(out)
-    if not broken.startswith(("excludes ", "task option")):
-        good = _context(name, None, str(tmp_path))
-        train.check_applies(_resolved(good), train.parse_args(good)[1])
-
-
-def test_the_flag_table_names_real_inits_and_fields():
-    """The table's init lists are inits of the INITS table, and every `needs` key is a field or the task's kind."""
-    for group in (train.MASK_INITS, train.PRIOR_INITS, train.QK_SVD_INITS):
-        assert set(group) <= set(train.INITS)
-    assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
-    for name, needs in train.NEEDS.items():
-        assert set(needs) <= set(train.FIELDS) | {"kind"}, name
-        assert all(isinstance(a, tuple) or a in (train.GIVEN, train.ON) for a in needs.values()), name
-
-
-def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
-    for argv, needle in [(["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
-                         (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
-                         (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
-                         (["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-on", "3"],
-                          "--mask-on applies only to the boolean and arithmetic and vision tasks")]:
-        rc, out = run_train(tmp_path, *argv)
-        err = capsys.readouterr().err
-        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
-        assert not os.path.exists(out)
-
-
-@pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
-def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
-    assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert f"--seed must be an integer in 0 .. 4294967295" in err and str(seed) in err
-    assert not os.path.exists(tmp_path / "run")
-    assert train.main([*_but(RUN24, "--steps", 2), "--seed", str(2 ** 32 - 1), "--out", str(tmp_path / "top")]) == 0
-
-
-def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
-    r = _torchrun(*_but(DDP_TINY, "--batch-size", 33), "--out", tmp_path / "odd")
-    assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
-    assert not (tmp_path / "odd").exists()
-    # a rendezvous nobody else joins: rank 0 of 2 alone
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *DDP_TINY, "--dist-timeout", "2", "--out",
-                        str(tmp_path / "alone")], capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 2 and "cannot join the process group" in r.stderr and len(r.stderr.splitlines()) == 1
-    assert not (tmp_path / "alone").exists()
-
-
-# ---------------------------------------------------------------------------------------- runs and resume
-
-def _halted(tmp_path, name="run", seed=0) -> str:
-    out = str(tmp_path / name)
-    assert train.main([*RUN24, "--seed", str(seed), "--halt-after", "20", "--out", out]) == 0
-    return out
-
-
-def _edit_json(path, change):
-    data = json.load(open(path))
-    change(data)
-    open(path, "w").write(json.dumps(data))
-
-
-def _torchrun(*args, n=2, cwd=None, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                           os.path.join(HERE, "train.py"), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
-
-
-def _losses(folder):
-    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
-
-
-def _save_checkpoint(path, contents: dict) -> None:
-    """Write `contents` as train.py writes ckpt.pt: serialised, beside their sha256, in CKPT_FORMAT."""
-    buf = io.BytesIO()
-    torch.save(contents, buf)
-    payload = buf.getvalue()
-    torch.save({"format": train.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
-
-
-def _params(folder):
-    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["model"]
-
-
-def _mask_start(folder):
-    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["snapshot"][0]["mask"]
-
-
-def test_run_directory_and_result(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--steps", "20", "--log-every", "10", *SMALL)
-    assert rc == 0
-    assert sorted(os.listdir(out)) == ["args.json", "ckpt.pt", "metrics.jsonl", "result.json"]
-    res = json.load(open(os.path.join(out, "result.json")))
-    for key in ("task", "init", "seed", "steps", "seconds"):
-        assert key in res
-    for key in ("acc", "acc_unseen", "mse", "mse_unseen", "mdi_acc", "prior_mass_start", "prior_mass_end"):
-        assert isinstance(res["metrics"][key], float)
-    assert res["metrics"]["mdi_acc"] == 0.75 and res["steps"] == 20
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert [x["step"] for x in lines] == [0, 10, 20] and "mask_drift" in lines[-1]
-
-
-def test_log_steps_use_eval_points_and_the_end_the_whole_cube(tmp_path):
-    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "default", "--steps", "20", "--log-every", "10",
-                        "--eval-points", "512", *SMALL)
-    assert rc == 0
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert [x["metrics"]["eval_points"] for x in lines] == [512, 512, 0]
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["acc"] == lines[-1]["metrics"]["acc"]
-
-
-@pytest.mark.parametrize("init", ["qk-svd", "qk-opt"])
-def test_qk_inits_run(tmp_path, init):
-    rc, out = run_train(tmp_path, "--task", "majority3", "--init", init, "--steps", "4", *_qk_opt(init, 200),
-                        *SMALL)
-    assert rc == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    assert len(res["init_report"]["pseudo_mass"]) == 1 and "qk_drift" in res
-
-
-@pytest.mark.parametrize("pattern", ["impulse", "soft"])
-def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_dir, pattern):
-    """--init mask-impulse: impulse's positions x18 and its mimetic V-proj (the calls init_impulse makes), M as
-    --init mask sets it, Wq Wk as drawn (impulse solves them): only where the pattern lives differs."""
-    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--heads", "3",
-            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1", "--pattern", pattern]
-    built = {i: train.build(train.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
-             for i in ("default", "mask", "impulse", "mask-impulse")}
-    state = {i: b.model.state_dict() for i, b in built.items()}
-    ours, base = state["mask-impulse"], state["default"]
-    assert torch.equal(ours["pos_emb"], 18 * base["pos_emb"])
-    assert torch.equal(ours["pos_emb"], state["impulse"]["pos_emb"])
-    twin = copy.deepcopy(built["default"].model)                    # the mimetic V-proj, drawn as init_impulse draws it
-    mp.init_mimetic_(twin, qk=None, vo=(0.4, 0.4), generator=torch.Generator().manual_seed(1))
-    for layer in range(2):
-        qkv, proj = f"blocks.{layer}.attn.qkv.weight", f"blocks.{layer}.attn.proj.weight"
-        mimetic = twin.state_dict()
-        assert torch.equal(ours[qkv][48:], mimetic[qkv][48:]) and torch.equal(ours[proj], mimetic[proj])
-        assert torch.equal(ours[qkv][:48], base[qkv][:48])                # Wq, Wk: the model's own init
-        assert not torch.equal(state["impulse"][qkv][:48], base[qkv][:48])  # impulse writes the pattern there
-        m = f"blocks.{layer}.attn.prior.mask_logits"
-        assert torch.equal(ours[m], state["mask"][m]) and m not in state["impulse"]
-    assert built["mask-impulse"].init_report["pos_scale"] == 18.0
-
-
-def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_were(image_dir):
-    """Every vision preset's prior is the soft bump; `impulse` and `qk-svd` under it write the weights they write
-    with the impulse pattern (they read the bump's centre)."""
-    for preset in T.TASKS["cifar10"].presets():
-        assert T.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
-    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
-            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
-    for init in ("impulse", "qk-svd"):
-        preset, hard = (train.build(train.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
-                        for more in ([], ["--pattern", "impulse"]))
-        assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
-        assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
-    mask = train.build(train.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
-    assert torch.equal(mask.model.blocks[0].attn.mask_logits, mask.task.mask_logits("soft", 5.0, 10.0))
-
-
-def test_mask_beats_default_on_unseen_majority3(tmp_path):
-    """The paper's claim in miniature: on majority3 the mask generalises to the unseen quarter,
-    default stays at the min-degree interpolator (50% on U, 87.5% on the cube). 400 steps (6 s a run):
-    seed 0 gives default 87.53% / 50.1% on U, mask 100% / 100%, end mass 0.15 vs 0.94."""
-    common = ["--task", "majority3", "--layers", "3", "--dim", "32", "--heads", "2", "--mlp-dim", "64",
-              "--steps", "400", "--log-every", "400", "--warmup", "50", "--seed", "0", "--probe-size", "64"]
-    rc1, d = run_train(tmp_path, *common, "--init", "default", name="d")
-    rc2, m = run_train(tmp_path, *common, "--init", "mask", name="m")
-    assert rc1 == rc2 == 0
-    rd = json.load(open(os.path.join(d, "result.json")))["metrics"]
-    rm = json.load(open(os.path.join(m, "result.json")))["metrics"]
-    assert rd["acc"] == pytest.approx(rd["mdi_acc"], abs=0.01) and rd["acc_unseen"] < 0.55
-    assert rm["acc_unseen"] > rd["acc_unseen"] + 0.2
-    assert rm["mse_unseen"] < 0.5 * rd["mse_unseen"]
-    assert rm["prior_mass_end"] > 0.8 > 0.3 > rd["prior_mass_end"]
-
-
-def test_resume_is_exact(tmp_path):
-    """A run halted and resumed ends bitwise where an uninterrupted one does: weights, the optimiser and, with
-    dropout drawing random numbers every step, the RNG state (restored from the checkpoint)."""
-    args = ["--task", "parity2", "--init", "mask", "--steps", "30", "--log-every", "10", "--dropout", "0.1", *SMALL]
-    rc, full = run_train(tmp_path, *args, name="full")
-    assert rc == 0
-    rc, part = run_train(tmp_path, *args, "--halt-after", "10", name="part")
-    assert rc == 0 and not os.path.exists(os.path.join(part, "result.json"))
-    assert train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")["step"] == 10
-    rc = train.main(["--out", part, "--resume"])
-    assert rc == 0
-    a = train.read_checkpoint(str(os.path.join(full, "ckpt.pt")), "test")
-    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
-    assert a["step"] == b["step"] == 30
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    la = [json.loads(x)["loss"] for x in open(os.path.join(full, "metrics.jsonl"))]
-    lb = [json.loads(x)["loss"] for x in open(os.path.join(part, "metrics.jsonl"))]
-    assert la == lb
-
-
-def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
-    rc, out = run_train(tmp_path, "--steps", "2", *SMALL)
-    assert rc == 0
-    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
-    rc, _ = run_train(tmp_path, "--steps", "2", "--init", "mask", *SMALL)
-    assert rc == 2 and "already holds a run" in capsys.readouterr().err
-    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
-
-
-def test_resume_with_other_architecture_is_refused(tmp_path, capsys):
-    rc, out = run_train(tmp_path, "--steps", "4", "--halt-after", "2", *SMALL)
-    assert rc == 0
-    rc = train.main(["--out", out, "--resume", "--layers", "3"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "architecture" in err and "layers" in err
-    assert train.main(["--out", os.path.join(tmp_path, "nothing"), "--resume"]) == 2
-
-
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
-    rc, out = run_train(tmp_path, "--steps", "200", "--lr", "1e30", "--log-every", "1", *SMALL)
-    err = capsys.readouterr().err
-    assert rc == 1 and "loss became" in err
-    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
-    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
-    assert not os.path.exists(os.path.join(out, "result.json"))
-
-
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code):
-    out = os.path.join(tmp_path, "int")
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--steps", "100000", "--log-every", "5",
-           "--ckpt-every", "100000", *SMALL]                 # no checkpoint but the first and the one the signal makes
-    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 60
-    while time.time() < deadline and not (os.path.exists(log) and len(open(log).readlines()) >= 2):
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    text, _ = proc.communicate(timeout=60)
-    assert proc.returncode == code and "finishing this step and saving a checkpoint" in text, text
-    step = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["step"]
-    assert step >= 5 and f"checkpoint at step {step} in" in text
-    rc = train.main(["--out", out, "--resume", "--steps", str(step + 5)])
-    assert rc == 0 and json.load(open(os.path.join(out, "result.json")))["steps"] == step + 5
-
-
-def test_resume_writes_to_the_out_given_so_a_run_folder_can_move(tmp_path):
-    x, y = str(tmp_path / "X"), str(tmp_path / "Y")
-    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "10", "--halt-after", "10",
-                       "--seed", "1", "--out", x]) == 0
-    os.rename(x, y)
-    assert train.main([*TINY, "--steps", "20", "--log-every", "10", "--halt-after", "10", "--out", x]) == 0    # run B
-    before = {n: open(os.path.join(x, n), "rb").read() for n in os.listdir(x)}
-    assert train.main(["--resume", "--out", y]) == 0
-    assert {n: open(os.path.join(x, n), "rb").read() for n in os.listdir(x)} == before      # B untouched
-    res = json.load(open(os.path.join(y, "result.json")))
-    saved = json.load(open(os.path.join(y, "args.json")))
-    assert (res["init"], res["seed"], res["steps"], saved["out"]) == ("mask", 1, 20, y)
-    # the same through a relative path from another directory
-    os.chdir(tmp_path)
-    os.rename(y, "Z")
-    assert train.main(["--resume", "--out", "Z", "--steps", "30"]) == 0
-    assert json.load(open(tmp_path / "Z" / "result.json"))["steps"] == 30
-
-
-def test_a_locked_run_folder_is_refused(tmp_path, capsys):
-    import fcntl
-    out = tmp_path / "run"
-    out.mkdir()
-    fd = os.open(out, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)                        # another process's run holds it
-    try:
-        assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 75        # EX_TEMPFAIL: try again later
-        assert "in use by another process" in capsys.readouterr().err and os.listdir(out) == []
-    finally:
-        os.close(fd)
-    assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 0
-
-
-def test_two_processes_on_one_run_folder(tmp_path):
-    """Two runs started at once into one folder: one trains, the other is refused; the log is one run's."""
-    out = str(tmp_path / "run")
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), *TINY, "--steps", "60", "--log-every", "10", "--out", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
-    assert sorted(rc for rc, _ in results) in ([0, 2], [0, 75]), results
-    assert any("in use by another process" in err or "already holds a run" in err for _, err in results)
-    steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert steps == list(range(0, 61, 10))
-
-
-def test_a_non_finite_stop_keeps_a_finite_checkpoint_and_resumes_with_a_lower_lr(tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--steps", "20", "--log-every", "5", "--lr", "1e8", "--out", out]) == 1
-    assert "the loss became nan" in capsys.readouterr().err
-    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
-    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
-    assert train.main(["--resume", "--out", out, "--lr", "1e-3", "--grad-clip", "1"]) == 0
-    saved = json.load(open(os.path.join(out, "args.json")))
-    assert (saved["lr"], saved["grad_clip"]) == (1e-3, 1.0)
-    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 20
-
-
-def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoint(tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--steps", "20", "--log-every", "10", "--halt-after", "20", "--out", out]) == 0
-    os.remove(os.path.join(out, "result.json"))
-    assert train.main(["--resume", "--out", out, "--steps", "10"]) == 2
-    assert "at step 20, past --steps 10" in capsys.readouterr().err
-    assert not os.path.exists(os.path.join(out, "result.json"))
-    os.rename(os.path.join(out, "metrics.jsonl"), os.path.join(tmp_path, "log"))
-    assert train.main(["--resume", "--out", out]) == 2
-    assert "metrics.jsonl is missing" in capsys.readouterr().err
-    os.rename(os.path.join(tmp_path, "log"), os.path.join(out, "metrics.jsonl"))
-    torch.save({"model": {}}, os.path.join(out, "ckpt.pt"))
-    assert train.main(["--resume", "--out", out]) == 2
-    assert "is not a checkpoint of train.py (no optimizer" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("case, message", [
-    ("foreign checkpoint, other seed", "is the checkpoint of another run"),
-    ("foreign checkpoint, same seed", "is the checkpoint of another run"),
-    ("args.json of another task", "has task='majority3' but the checkpoint was trained with task='parity2'"),
-    ("args.json without lr", "lacks lr (the checkpoint has lr=0.001)"),
-    ("args.json a list", "holds a JSON list, not the object of the run's flags"),
-    ("args.json steps a string", "has steps='40', but the checkpoint's steps is a int (40)"),
-    ("args.json lr null", "has lr=None, but the checkpoint's lr is a float (0.001)"),
-    ("args.json from another run", "has seed=1 but the checkpoint was trained with seed=0"),
-    ("log emptied", "holds no records, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
-    ("log cut short", "holds steps 0 .. 10, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
-    ("log without its start", "line 1 is step 5, not the run's start (step 0)"),
-    ("log of another run", "is the checkpoint of another run"),
-    ("log replaced by a folder", "metrics.jsonl is not a file, so the run's log cannot be continued"),
-])
-def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
-    """ckpt.pt, args.json and metrics.jsonl are checked against each other before a resume: each broken or
-    swapped file is one line and exit 2, and nothing in the folder changes."""
-    out = _halted(tmp_path)
-    other = _halted(tmp_path, "other", seed=1 if "other seed" in case or "another run" in case else 0)
-    ckpt, args_json, log = (os.path.join(out, f) for f in ("ckpt.pt", "args.json", "metrics.jsonl"))
-    if case.startswith("foreign checkpoint"):
-        shutil.copy(os.path.join(other, "ckpt.pt"), ckpt)
-    elif case == "args.json of another task":
-        _edit_json(args_json, lambda d: d.update(task="majority3"))
-    elif case == "args.json without lr":
-        _edit_json(args_json, lambda d: d.pop("lr"))
-    elif case == "args.json a list":
-        open(args_json, "w").write("[]")
-    elif case == "args.json steps a string":
-        _edit_json(args_json, lambda d: d.update(steps="40"))
-    elif case == "args.json lr null":
-        _edit_json(args_json, lambda d: d.update(lr=None))
-    elif case == "args.json from another run":
-        shutil.copy(os.path.join(other, "args.json"), args_json)
-    elif case == "log emptied":
-        open(log, "w").close()
-    elif case == "log cut short":
-        lines = open(log).readlines()
-        open(log, "w").writelines(lines[:3])
-    elif case == "log without its start":
-        lines = open(log).readlines()
-        open(log, "w").writelines(lines[1:])
-    elif case == "log of another run":
-        shutil.copy(os.path.join(other, "metrics.jsonl"), log)
-    elif case == "log replaced by a folder":
-        os.remove(log)
-        os.mkdir(log)
-    files = lambda: {f: open(os.path.join(out, f), "rb").read() if os.path.isfile(os.path.join(out, f)) else "dir"  # noqa
-                     for f in os.listdir(out)}
-    before = files()
-    capsys.readouterr()
-    assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
-    assert files() == before
-
-
-def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
-    """ckpt.pt holds its contents beside their sha256: a bit flipped in the contents, or anywhere in the file,
-    is one line and exit 2 (never a resume from damaged weights); the intact file resumes."""
-    out = _halted(tmp_path)
-    path = os.path.join(out, "ckpt.pt")
-    good = open(path, "rb").read()
-    outer = torch.load(path, weights_only=False)
-    assert outer["format"] == train.CKPT_FORMAT and len(outer["sha256"]) == 64
-    payload = bytearray(outer["payload"])
-    payload[len(payload) // 2] ^= 0x10
-    torch.save({**outer, "payload": bytes(payload)}, path)
-    capsys.readouterr()
-    assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "is damaged (its contents do not match the checksum" in err and len(err.splitlines()) == 1
-    for offset in (len(good) // 5, len(good) // 2, 4 * len(good) // 5):
-        bad = bytearray(good)
-        bad[offset] ^= 0x01
-        open(path, "wb").write(bytes(bad))
-        assert train.main(["--resume", "--out", out]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and ("is damaged" in err or "cannot read" in err), (offset, err)
-    open(path, "wb").write(good)
-    assert train.main(["--resume", "--out", out]) == 0
-
-
-def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
-    """What a resume must still take: a run halted between log steps, resumed with another --log-every and
-    halted again before its next log line; and the three files moved together to another folder."""
-    out = str(tmp_path / "run")
-    assert train.main([*RUN24, "--halt-after", "23", "--out", out]) == 0          # ckpt at 23, log at 20
-    assert train.main(["--resume", "--out", out, "--log-every", "7", "--halt-after", "26"]) == 0
-    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
-    moved = str(tmp_path / "moved")
-    shutil.copytree(out, moved)
-    assert train.main(["--resume", "--out", moved]) == 0
-    steps = [json.loads(line)["step"] for line in open(os.path.join(moved, "metrics.jsonl"))]
-    assert steps == [0, 5, 10, 15, 20, 28, 35, 40]
-
-
-def test_train_step_is_the_step_the_loop_takes(tmp_path):
-    """train.build + train.train_step (what the benchmarks time), replayed, give bitwise the weights the loop
-    trained (learning-rate schedule, clipping and the update included)."""
-    argv = [*_but(RUN24, "--steps", 6, "--log-every", 3), "--init", "mask", "--grad-clip", "0.5", "--schedule",
-            "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
-    assert train.main(argv) == 0
-    device = torch.device("cpu")
-    b = train.build(train.resolve(*train.parse_args(argv)), device)
-    model, opt, task, args = b.model, b.optimizer, b.task, b.config
-    for step in range(6):
-        train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
-    trained = train.read_checkpoint(str(tmp_path / "run" / "ckpt.pt"), "test")["model"]
-    assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
-    assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
-
-
-@pytest.mark.parametrize("where", ["file", "under-file", "empty", "unwritable"])
-def test_an_out_that_cannot_hold_a_run_is_one_line(tmp_path, capsys, where):
-    (tmp_path / "f").write_text("not a folder")
-    out = {"file": str(tmp_path / "f"), "under-file": str(tmp_path / "f" / "run"), "empty": "",
-           "unwritable": "/proc/maskprior-run"}[where]
-    if where == "unwritable" and not os.path.isdir("/proc/self"):
-        pytest.skip("needs Linux's /proc, a folder nobody can write in")
-    assert train.main([*TINY, "--steps", "2", "--out", out]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and ("--out" in err or "not a folder" in err), err
-    assert open(tmp_path / "f").read() == "not a folder"
-
-
-def test_a_start_that_died_before_its_first_checkpoint_is_taken_over(tmp_path, capsys):
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "args.json").write_text("{}")                          # killed after args.json, before ckpt.pt
-    (out / ".ckpt.pt.abc.tmp").write_text("half")
-    assert train.main([*TINY, "--resume", "--out", str(out)]) == 2
-    assert "no checkpoint" in capsys.readouterr().err
-    assert train.main([*TINY, "--steps", "4", "--out", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["args.json", "ckpt.pt", "metrics.jsonl", "result.json"]
-    assert train.main([*TINY, "--steps", "4", "--out", str(out)]) == 2
-    assert "already holds a run" in capsys.readouterr().err
-
-
-def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e30", "--steps", "2", "--out", out]) == 2
-    assert "loss with these flags" in capsys.readouterr().err and not os.path.exists(out)
-    assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e300", "--steps", "2", "--out", out]) == 2
-    assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
-
-
-def _teacher(tmp_path, *changes, name="teacher"):
-    """A finished default run of parity2 (mean readout), TINY and 6 steps, with `changes` (`_but`)."""
-    out = str(tmp_path / name)
-    assert train.main([*_but([*TINY, "--readout", "mean", "--steps", 6, "--log-every", 3], *changes), "--out", out]) == 0
-    return out
-
-
-def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
-    """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
-    `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
-    result.json records the teacher's folder and run id and the found pattern's precision and recall against
-    the hand pattern, args.json the folder; the QK inits fit the found pattern; the run resumes exactly."""
-    teacher = _teacher(tmp_path)
-    tck = train.read_checkpoint(os.path.join(teacher, "ckpt.pt"), "test")
-    common = [*TINY, "--readout", "mean", "--steps", "6", "--log-every", "3", "--prior-from", teacher]
-    ratio = ["--prior-ratio", "1.01"]          # a 6-step teacher's attention is near uniform: its largest share 1.04
-    out = str(tmp_path / "student")
-    assert train.main([*common, *ratio, "--init", "mask", "--halt-after", "3", "--out", out]) == 0
-    saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
-    model = mp.Transformer(mp.TransformerConfig(**tck["model_config"]))
-    model.load_state_dict(tck["model"])
-    task = T.make_task("parity2", readout="mean").setup()
-    want, logits = task.teacher_prior(mp.mean_attention(model.eval(), task.teacher_inputs(16)), "pattern", 1.01, 5.0,
-                                      5.0)
-    assert torch.equal(saved["pattern"], want) and torch.equal(saved["logits"], logits)
-    assert torch.equal(_mask_start(out), logits.expand(2, -1, -1))
-    assert train.main(["--resume", "--out", out]) == 0
-    res = json.load(open(os.path.join(out, "result.json")))
-    src = res["prior_source"]
-    assert (src["from"], src["teacher"], src["teacher_run_id"], src["kind"]) == \
-        ("teacher", os.path.abspath(teacher), tck["identity"]["run_id"], "pattern")
-    assert 0 <= src["precision"] <= 1 and 0 <= src["recall"] <= 1 and src["oracle_pairs"] == 2
-    assert json.load(open(os.path.join(out, "args.json")))["prior_from"] == teacher
-    assert train.main([*common, *ratio, "--init", "qk-svd", "--out", str(tmp_path / "qk")]) == 0
-    qk = json.load(open(tmp_path / "qk" / "result.json"))
-    assert qk["prior_source"]["teacher_run_id"] == src["teacher_run_id"] and (tmp_path / "qk" / "prior.pt").exists()
-    assert train.main([*common, "--init", "mask", "--prior-kind", "logits", "--out", str(tmp_path / "soft")]) == 0
-    soft = torch.load(tmp_path / "soft" / "prior.pt", weights_only=True)
-    assert soft["logits"].shape == (2, 15, 15) and not torch.equal(soft["logits"], logits.expand(2, -1, -1))
-
-
-@pytest.mark.parametrize("change", ["a 3 x 3 pattern", "the pattern inverted", "a symlink to /etc/passwd",
-                                    "cut to 500 bytes", "a FIFO", "removed"])
-def test_a_prior_file_changed_before_resume_is_one_line_and_nothing_changes(tmp_path, capsys, change):
-    """The run's own prior.pt is read back through the one reader on --resume: the bytes the run wrote at its
-    start (their sha256 is in the checkpoint), a regular file; any change is one line, exit 2, the folder as it was."""
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "4", "--log-every", "2",
-                       "--halt-after", "2", "--out", out]) == 0
-    path = os.path.join(out, "prior.pt")
-    saved = torch.load(path, weights_only=True)
-    if change == "a 3 x 3 pattern":
-        torch.save({**saved, "pattern": torch.ones(3, 3, dtype=torch.bool)}, path)
-    elif change == "the pattern inverted":
-        torch.save({**saved, "pattern": ~saved["pattern"]}, path)
-    elif change == "a symlink to /etc/passwd":
-        os.remove(path)
-        os.symlink("/etc/passwd", path)
-    elif change == "cut to 500 bytes":
-        Path(path).write_bytes(Path(path).read_bytes()[:500])
-    elif change == "a FIFO":
-        os.remove(path)
-        os.mkfifo(path)
-    else:
-        os.remove(path)
-    before = {p: os.lstat(os.path.join(out, p)).st_mtime_ns for p in os.listdir(out)}
-    capsys.readouterr()
-    with _deadline(60):
-        assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "prior.pt" in err, err
-    assert ("has changed since the run started" in err if change in ("a 3 x 3 pattern", "the pattern inverted",
-                                                                      "a symlink to /etc/passwd", "cut to 500 bytes")
-            else "restore the file" in err), err
-    assert {p: os.lstat(os.path.join(out, p)).st_mtime_ns for p in os.listdir(out)} == before
-
-
-def test_a_discovered_pattern_runs_and_is_recorded(tmp_path):
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "3", "--out", out]) == 0
-    src = json.load(open(os.path.join(out, "result.json")))["prior_source"]
-    assert src == {"from": "data", "pattern": "discovered", "precision": 1.0, "recall": 1.0, "found_pairs": 2,
-                   "oracle_pairs": 2}
-    assert torch.equal(torch.load(os.path.join(out, "prior.pt"), weights_only=True)["pattern"],
-                       T.make_task("parity2", readout="mean").pattern())       # the preset layout
-
-
-@pytest.mark.parametrize("case, needle", [
-    ("not a folder", "is not a folder; give the folder of a finished run"),
-    ("unfinished", "is not a finished run (no result.json)"),
-    ("another task", "is a run of task majority3, not parity2"),
-    ("another layout", "has another token layout: readout cls (here mean)"),
-    ("another head count", "has 4 heads, this run 2: --prior-kind logits gives each head its own M"),
-    ("a kind of another family", "--prior-kind offsets does not apply to task parity2"),
-    ("damaged checkpoint", "is damaged"),
-    ("a checkpoint that runs code", "would run code if unpickled"),
-    ("discovered on vision", "has no pattern 'discovered'"),
-    ("model config a list", "its model_config is a list"),
-    ("config without init", "holds the flags of another version of train.py (no init)"),
-    ("dim -5", "--dim must be an integer > 0, got -5"),
-    ("model an int", "its model is a int"),
-    ("dim 10^6", "does not fit this version's model (blocks.0.attn.proj.bias is ((16,), torch.float32) in the file, "
-                 "((1000000,)"),
-    ("a weight times NaN", "holds non-finite values"),
-    ("a teacher in training", "is in use by another process (a run is training there)"),
-    ("a FIFO for ckpt.pt", "is a FIFO (named pipe), not a regular file"),
-    ("a ratio no key reaches", "its attention gives no prior"),
-])
-def test_a_prior_from_that_cannot_serve_is_one_line_and_writes_nothing(tmp_path, capsys, case, needle, image_dir):
-    """Every teacher that cannot serve is one line and exit 2, before anything is written: the student's --out is
-    not made, and an --out that holds a user's files (no run) keeps them byte for byte. A teacher's checkpoint is
-    someone else's file: its schema is checked (here rebuilt with a recomputed sha256), a FIFO is refused without
-    blocking, a folder locked by a training run is not read."""
-    teacher = {"not a folder": str(tmp_path / "nothing"), "unfinished": None}.get(case, None)
-    extra, argv = [], [*TINY, "--readout", "mean", "--steps", "2", "--init", "mask"]
-    if case == "unfinished":
-        teacher = _teacher(tmp_path, "--halt-after", "3")
-    elif case == "another task":
-        teacher = _teacher(tmp_path, "--task", "majority3")
-    elif case == "another layout":
-        teacher = _teacher(tmp_path, "--readout", "cls")
-    elif case == "another head count":
-        teacher = _teacher(tmp_path, "--heads", "4")
-        extra = ["--prior-kind", "logits"]
-    elif case == "a kind of another family":
-        teacher, extra = _teacher(tmp_path), ["--prior-kind", "offsets"]
-    elif case in ("damaged checkpoint", "a checkpoint that runs code"):
-        teacher = _teacher(tmp_path)
-        path = os.path.join(teacher, "ckpt.pt")
-        if case == "damaged checkpoint":
-            outer = torch.load(path, weights_only=True)
-            torch.save({**outer, "payload": outer["payload"][:-9] + b"123456789"}, path)
-        else:
-            torch.save({"model": _Touch(tmp_path / "ran")}, path)
-    elif case in ("model config a list", "config without init", "dim -5", "model an int", "dim 10^6",
-                  "a weight times NaN"):
-        teacher = _teacher(tmp_path)
-        path = os.path.join(teacher, "ckpt.pt")
-        ckpt = train.read_checkpoint(path, "test")
-        if case == "model config a list":
-            ckpt["model_config"] = list(ckpt["model_config"].values())
-        elif case == "config without init":
-            del ckpt["config"]["init"]
-        elif case == "dim -5":
-            ckpt["config"]["dim"] = -5
-        elif case == "model an int":
-            ckpt["model"] = 3
-        elif case == "dim 10^6":
-            ckpt["model_config"]["dim"] = 10 ** 6
-        else:
-            ckpt["model"]["blocks.0.mlp.0.weight"] *= float("nan")
-        _save_checkpoint(path, ckpt)
-    elif case == "a teacher in training":
-        teacher = _teacher(tmp_path)
-        lock = os.open(teacher, os.O_RDONLY)
-        fcntl.flock(lock, fcntl.LOCK_EX)                 # as RunFolder holds it while a run trains (--resume)
-    elif case == "a FIFO for ckpt.pt":
-        teacher = _teacher(tmp_path)
-        os.remove(os.path.join(teacher, "ckpt.pt"))
-        os.mkfifo(os.path.join(teacher, "ckpt.pt"))
-    elif case == "a ratio no key reaches":
-        teacher, extra = _teacher(tmp_path), ["--prior-ratio", "1e9"]
-    if case == "discovered on vision":
-        argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
-                "--mlp-dim", "24", "--steps", "1", "--init", "mask", "--pattern", "discovered"]
-    else:
-        argv = [*argv, "--prior-from", teacher, *extra]
-    held = _users_folder(tmp_path / "held")
-    before = _tree(held)
-    for out in (tmp_path / "student", held):
-        capsys.readouterr()
-        with _deadline(60):                              # a read that blocks (a FIFO) fails here, never hangs
-            assert train.main([*argv, "--out", str(out)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert needle in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "student").exists() and not (tmp_path / "ran").exists() and _tree(held) == before
-
-
-@pytest.mark.parametrize("how", ["plain", "checksummed", "sample"])
-def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
-    """ckpt.pt replaced by a pickle that runs a command when loaded (the whole file, or inside the checksummed
-    format with a matching sha256), read by --resume or --sample: one line, exit 2, the command never runs,
-    the folder unchanged. A real checkpoint loads at both levels with weights_only=True."""
-    out = _halted(tmp_path)
-    outer = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(train.CKPT_KEYS)
-    marker = tmp_path / "ran"
-    if how == "plain":
-        torch.save({"model": _Touch(marker), "step": 1}, os.path.join(out, "ckpt.pt"))
-    else:
-        buf = io.BytesIO()
-        torch.save({**{k: 0 for k in train.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
-        payload = buf.getvalue()
-        torch.save({"format": train.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
-                   os.path.join(out, "ckpt.pt"))
-    before = _tree(out)
-    capsys.readouterr()
-    argv = ["--out", out, "--sample", "hi"] if how == "sample" else ["--out", out, "--resume"]
-    assert train.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert not marker.exists() and len(err.splitlines()) == 1 and "would run code" in err and "it was not run" in err
-    assert "it names posix.system" in err or "it names eval" in err, err
-    assert _tree(out) == before
-
-
-def test_resume_on_other_data_is_refused_and_on_the_same_data_moved_goes_on(tmp_path, capsys, image_dir):
-    """The checkpoint records a fingerprint of the data: --resume --data-dir on another CIFAR set (other
-    pixels, same sizes and names) is one line and exit 2; the same set copied elsewhere resumes."""
-    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "24", "--batch-size",
-              "8", "--steps", "4", "--log-every", "2", "--halt-after", "2", "--probe-size", "4"]
-    out = str(tmp_path / "run")
-    assert train.main([*common, "--data-dir", image_dir, "--out", out]) == 0
-    other = tmp_path / "other"
-    x = 255 - _images(40)
-    T.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
-    before = _tree(out)
-    capsys.readouterr()
-    assert train.main(["--resume", "--out", out, "--data-dir", str(other)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "is not the data the run in" in err and f"it started from {image_dir}" in err and len(err.splitlines()) == 1
-    assert _tree(out) == before
-    moved = tmp_path / "moved"
-    shutil.copytree(os.path.join(image_dir, "cifar-10-batches-py"), moved / "cifar-10-batches-py")
-    assert train.main(["--resume", "--out", out, "--data-dir", str(moved)]) == 0
-    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 4
-
-
-@pytest.mark.parametrize("case, needle", [
-    ("middle line deleted", "line 3 (step 15) was logged after step 10, but the line before it is step 5: a line of "
-                            "the log is missing"),
-    ("middle line cut short", "line 3 is damaged"),
-    ("middle line not UTF-8", "line 3 is damaged"),
-    ("middle line without metrics", "line 3 is damaged"),
-    ("line repeated", "line 4 (step 10) repeats step 10"),
-    ("two lines swapped", "line 3 (step 15) was logged after step 10, but the line before it is step 5"),
-    ("a line from another log", "line 4 (step 7) goes back from step 10"),
-    ("first line deleted", "line 1 is step 5, not the run's start (step 0)"),
-])
-def test_every_log_line_is_checked_on_resume_and_in_reports(tmp_path, capsys, case, needle):
-    """A log line lost, damaged, repeated or out of order: --resume refuses in one line naming the line and
-    rewrites nothing; the report keeps the run's result in its table, leaves its log out of the curves and
-    says why. (Only a last line that a killed write cut short is dropped: the next test.)"""
-    runs = tmp_path / "runs"
-    out = str(runs / "boolean" / "parity2-mask-s0")
-    assert train.main([*RUN24, "--init", "mask", "--halt-after", "20", "--out", out]) == 0
-    log = os.path.join(out, "metrics.jsonl")
-    lines = open(log, "rb").read().splitlines(keepends=True)            # steps 0, 5, 10, 15, 20
-    if case == "middle line deleted":
-        del lines[2]
-    elif case == "middle line cut short":
-        lines[2] = lines[2][:40] + b"\n"
-    elif case == "middle line not UTF-8":
-        lines[2] = lines[2].replace(b'"loss"', b'"lo\xff\xfess"')
-    elif case == "middle line without metrics":
-        lines[2] = json.dumps({"step": 10, "prev": 5}).encode() + b"\n"
-    elif case == "line repeated":
-        lines.insert(3, lines[2])
-    elif case == "two lines swapped":
-        lines[2], lines[3] = lines[3], lines[2]
-    elif case == "a line from another log":
-        lines.insert(3, json.dumps({"step": 7, "metrics": {}, "prior_mass": None}).encode() + b"\n")
-    elif case == "first line deleted":
-        del lines[0]
-    open(log, "wb").write(b"".join(lines))
-    before = _tree(out)
-    capsys.readouterr()
-    assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert needle in err and "metrics.jsonl" in err and len(err.splitlines()) == 1, err
-    assert _tree(out) == before
-    (Path(out) / "result.json").write_text(json.dumps({"task": "parity2", "kind": "boolean", "init": "mask", "seed": 0,
-                                                       "steps": 20, "metrics": {"acc": 1.0}}))
-    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
-    assert "| mask | 0 | 100.00 ± 0.00 |" in (tmp_path / "res" / "boolean.md").read_text()
-    notes = (tmp_path / "res" / "steps_to_target.md").read_text()
-    assert f"{out}: its log is left out of the curves" in notes and needle in notes
-    assert ",mask,0," not in (tmp_path / "res" / "curves.csv").read_text()
-
-
-def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsys):
-    """A backup copy of a run folder (the same run id), eight copies, or the same task, init, seed and flags
-    run again in another folder: `summarize` and `report` count seed 0 once and name each other folder."""
-    runs = tmp_path / "runs" / "boolean"
-    a = runs / "parity2-mask-s0"
-    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(a)]) == 0
-    for i in range(8):
-        shutil.copytree(a, runs / f"parity2-mask-s0.backup{i}")
-    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(runs / "rerun")]) == 0
-    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--seed", "1", "--out", str(runs / "seed1")]) == 0
-    table = R.summarize([str(runs)])
-    assert "| mask | 0,1 |" in table
-    for i in range(8):
-        assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
-    assert f"{runs / 'rerun'}: the same task, init, seed, flags and data as {a}: counted once" in table
-    assert train.main(["report", str(tmp_path / "runs"), str(tmp_path / "res")]) == 0
-    assert "| mask | 0,1 |" in (tmp_path / "res" / "boolean.md").read_text()
-    assert sum(",mask,0," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines()) == \
-        sum(",mask,1," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines())
-
-
-def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved_the_same(tmp_path):
-    """Two corpora or image sets under the same flags (--data-dir tells no configuration apart) are two runs;
-    the same set at another path is the same run again (result.json's data fingerprint), and for a run made
-    before result.json carried it, --data-dir decides."""
-    x, y = _images(16), np.arange(16) % 10
-    T.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
-    T.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
-    shutil.copytree(tmp_path / "one", tmp_path / "one-again")
-    runs = tmp_path / "runs" / "vision"
-    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
-              "--batch-size", "8", "--steps", "2", "--log-every", "2", "--probe-size", "4"]
-    for name, data in (("a", "one"), ("b", "two"), ("c", "one-again")):
-        assert train.main([*common, "--data-dir", str(tmp_path / data), "--out", str(runs / name)]) == 0
-    kept, problems = R.collect_runs([str(runs)])
-    assert [os.path.basename(r["run_dir"]) for r in kept] == ["a", "b"]
-    assert problems == [f"{runs / 'c'}: the same task, init, seed, flags and data as {runs / 'a'}: counted once"]
-    for name in "abc":                                   # runs made before result.json held the fingerprint
-        res = json.load(open(runs / name / "result.json"))
-        del res["data"]
-        (runs / name / "result.json").write_text(json.dumps(res))
-    kept, problems = R.collect_runs([str(runs)])
-    assert len(kept) == 3 and problems == []
-
-
-def test_a_run_folder_moved_while_it_trains_is_one_line_and_resumes_bitwise(tmp_path):
-    """The run folder moved away while the run trains: its next write finds no folder, the run stops with one
-    line naming what happened and what to do (exit 2), and from the new place it resumes to the parameters an
-    uninterrupted run reaches."""
-    args = [*TINY, "--init", "mask", "--steps", "300", "--log-every", "10"]
-    ref, part, moved = (str(tmp_path / n) for n in ("ref", "part", "moved"))
-    assert train.main([*args, "--out", ref]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *args, "--out", part], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = os.path.join(part, "metrics.jsonl")
-    while p.poll() is None and not (os.path.exists(log) and len(open(log).readlines()) >= 2):
-        time.sleep(0.01)
-    os.rename(part, moved)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"the run folder {part} disappeared at step" in err and "--resume --out NEW_PLACE" in err
-    assert train.main(["--resume", "--out", moved]) == 0
-    a, b = _params(ref), _params(moved)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_resume_with_another_thread_count_says_it_is_not_bitwise(tmp_path, capsys):
-    """A CPU run resumed with another torch thread count (its float sums round in another order) prints a note
-    that says so and how to resume bitwise; with the same count it says nothing."""
-    out = str(tmp_path / "run")
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert train.main([*TINY, "--steps", "6", "--log-every", "2", "--halt-after", "2", "--out", out]) == 0
-        assert train.main(["--resume", "--out", out, "--halt-after", "4"]) == 0
-        assert "note:" not in capsys.readouterr().out
-        torch.set_num_threads(2)
-        assert train.main(["--resume", "--out", out]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    said = capsys.readouterr().out
-    assert "note: the run trained with 1 CPU threads, now 2" in said and "OMP_NUM_THREADS=1" in said
-
-
-def test_a_run_that_has_not_logged_yet_prints_an_early_eta(tmp_path, capsys, monkeypatch):
-    """Before its first log step a run prints its pace and ETA once (after train.EARLY_ETA seconds), and
-    --preset paper on the CPU says at the start that it is sized for a GPU."""
-    monkeypatch.setattr(train, "EARLY_ETA", 0.0)
-    assert train.main([*TINY, "--steps", "6", "--log-every", "5", "--out", str(tmp_path / "a")]) == 0
-    said = capsys.readouterr().out.splitlines()
-    early = [line for line in said if "an early estimate" in line]
-    assert len(early) == 1 and "the first evaluation is at step 5" in early[0] and "ETA" in early[0]
-    assert train.main(["--task", "parity2", "--preset", "paper", "--layers", "1", "--dim", "16", "--heads", "2",
-                       "--head-dim", "8", "--mlp-dim", "16", "--steps", "1", "--eval-points", "64", "--probe-size",
-                       "8", "--out", str(tmp_path / "b"), "--device", "cpu"]) == 0
-    assert "note: --preset paper is the paper's setting, sized for a GPU" in capsys.readouterr().out
-
-
-def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):
-    """A disk that fails in the middle of writing a checkpoint (half the bytes written, then ENOSPC; no root
-    needed: the file object's write is made to fail): the run stops in one line, ckpt.pt is still the previous
-    checkpoint, whole, and resuming from it ends at the parameters of an uninterrupted run."""
-    args = [*TINY, "--init", "mask", "--steps", "12", "--log-every", "4", "--dropout", "0.1"]
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
-    assert train.main([*args, "--out", ref]) == 0
-    failed = []
-
-    class HalfThenFull:
-        """A file whose writes put half the bytes on disk, then fail as a full disk does."""
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            data = bytes(data)
-            self.f.write(data[:len(data) // 2])
-            self.f.flush()
-            failed.append(len(data))
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    real_fdopen, real_open = os.fdopen, open
-
-    def failing(opener):
-        def wrapped(file, mode="r", *a, **kw):
-            f = opener(file, mode, *a, **kw)
-            name = file if isinstance(file, str) else ""
-            is_ckpt = "ckpt.pt" in name or (isinstance(file, int) and "ckpt.pt" in os.readlink(f"/proc/self/fd/{file}"))
-            return HalfThenFull(f) if "w" in mode and is_ckpt and saves["n"] == 2 else f
-        return wrapped
-
-    saves = {"n": 0}
-    real_save = train.save_checkpoint
-
-    def counted(state, *a):
-        saves["n"] += 1
-        return real_save(state, *a)
-    monkeypatch.setattr(train, "save_checkpoint", counted)
-    monkeypatch.setattr(os, "fdopen", failing(real_fdopen))
-    monkeypatch.setattr("builtins.open", failing(real_open))
-    assert train.main([*args, "--out", out]) == 2                       # saves: step 0, then step 4 fails
-    monkeypatch.undo()
-    err = capsys.readouterr().err.strip()
-    assert failed and "No space left on device" in err and len(err.splitlines()) == 1, err
-    assert train.read_checkpoint(os.path.join(out, "ckpt.pt"), "test")["step"] == 0
-    assert train.main(["--resume", "--out", out]) == 0
-    a, b = _params(ref), _params(out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_the_weights_are_checked_finite_before_every_save(tmp_path, capsys, monkeypatch):
-    """An update that leaves a weight infinite while the loss it came from was finite (an overflow, injected
-    here into the first update): the run stops before saving, naming the parameters; the checkpoint kept is
-    the finite one before, and it resumes."""
-    real = train.step_update
-
-    def overflowing(model, optimizer, loss, args, step, ema=None):
-        real(model, optimizer, loss, args, step, ema)
-        if step == 0:
-            with torch.no_grad():
-                next(model.parameters()).view(-1)[0] = float("inf")
-    monkeypatch.setattr(train, "step_update", overflowing)
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--steps", "10", "--log-every", "5", "--ckpt-every", "1", "--out", out]) == 1
-    err = capsys.readouterr().err
-    assert "the parameters became non-finite at step 1" in err, err
-    ckpt = train.read_checkpoint(os.path.join(out, "ckpt.pt"), "test")
-    assert ckpt["step"] == 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
-    monkeypatch.undo()
-    assert train.main(["--resume", "--out", out]) == 0
-
-
-def _checked_fields():
-    """(flag, argv, message) for every range-checked Config field: a non-finite value and an out-of-range one."""
-    cases = []
-    for name, f in train.FIELDS.items():
-        check, kind = f.metadata["check"], f.metadata["type"]
-        if check is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        low = {"positive": 0, "non_negative": -1, "fraction": 1}[check]
-        out_of_range = [str(low), "-3"] if check == "fraction" else [str(low)]
-        for bad in ["nan", "inf", *out_of_range]:
-            if kind is int and bad in ("nan", "inf"):
-                cases.append((flag, [flag, bad], f"argument {flag}: invalid int value: '{bad}'"))
-            else:
-                what = "an integer" if kind is int else "a finite number"
-                cases.append((flag, [flag, bad], f"{flag} must be {what}"))
-    return cases
-
-
-@pytest.mark.parametrize("flag, argv, message", _checked_fields(), ids=lambda v: v if isinstance(v, str) else None)
-def test_every_checked_field_refuses_non_finite_and_out_of_range_values(tmp_path, capsys, flag, argv, message):
-    """Each field with a range check, given nan, inf and a value below (or, for a fraction, at or above) its
-    range: one line naming the flag, exit 2, nothing written."""
-    out = tmp_path / "parent" / "run"
-    assert train.main([*argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "parent").exists()
-
-
-def test_the_checked_fields_are_the_config_s():
-    """The list above covers every range-checked field (52 and counting), each with a nan, an inf and an
-    out-of-range case."""
-    checked = {n for n, f in train.FIELDS.items() if f.metadata["check"]}
-    assert {flag[2:].replace("-", "_") for flag, _, _ in _checked_fields()} == checked and len(checked) >= 40
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--init", "mask", "--init", "default"], "--init is given twice ('mask', then 'default')"),
-    (["--steps", "5", "--steps", "5"], "--steps is given twice (5, then 5)"),
-    (["--resume", "--resume"], "--resume is given twice"),
-    (["--ini", "mask", "--init", "default"], "--init is given twice ('mask', then 'default')"),
-    (["--lr=1e-3", "--lr", "1e-2"], "--lr is given twice (0.001, then 0.01)"),
-])
-def test_a_flag_given_twice_is_refused(tmp_path, capsys, argv, needle):
-    assert train.main([*argv, "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert needle in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
-
-
-def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
-    """Fault injection: a run killed with SIGKILL at random moments after it has made progress (its log has
-    grown since this start; checkpoints are written every step, so some kills land inside a checkpoint write),
-    and resumed each time, ends with the same parameters and the same log as an uninterrupted run; every kill
-    is followed by a real resume, and no file in its folder is ever half-written."""
-    args = [*TINY, "--init", "mask", "--steps", "200", "--log-every", "10", "--ckpt-every", "1", "--dropout", "0.1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), *args]
-    ref, part = str(tmp_path / "ref"), str(tmp_path / "part")
-    assert subprocess.run([*cmd, "--out", ref], env=env, capture_output=True).returncode == 0
-    log = os.path.join(part, "metrics.jsonl")
-    lines = lambda: len(open(log).readlines()) if os.path.exists(log) else 0      # noqa: E731
-    rng = np.random.default_rng(0)
-    kills, resumed_from = 0, []
-    for attempt in range(12):
-        resume = ["--resume"] if os.path.exists(os.path.join(part, "ckpt.pt")) else []
-        if resume:
-            resumed_from.append(train.read_checkpoint(os.path.join(part, "ckpt.pt"), "test")["step"])
-        seen = lines()
-        p = subprocess.Popen([*cmd, "--out", part, *resume], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-        if kills < 4:
-            _wait_for(lambda: lines() > seen or p.poll() is not None, timeout=60)     # progress since this start
-            time.sleep(float(rng.uniform(0.0, 0.15)))
-            if p.poll() is None:
-                p.kill()
-                kills += 1
-        p.wait(timeout=120)
-        if os.path.isdir(part):
-            _files_whole(part)
-        if p.returncode == 0:
-            break
-        assert p.returncode == -signal.SIGKILL, p.stderr.read()
-    assert kills == 4 and len(resumed_from) == 4 and resumed_from == sorted(resumed_from) and resumed_from[0] > 0
-    assert os.path.exists(os.path.join(part, "result.json"))
-    assert not [n for n in os.listdir(part) if n.endswith(".tmp")]          # the last start cleaned up
-    a = train.read_checkpoint(str(os.path.join(ref, "ckpt.pt")), "test")
-    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
-    assert a["step"] == b["step"] == 200 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")}  # noqa
-                          for line in open(path)]
-    assert strip(os.path.join(ref, "metrics.jsonl")) == strip(os.path.join(part, "metrics.jsonl"))
-
-
-def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_path):
-    """Same global batch: the 2-process gloo run logs the 1-process loss curve (to 1e-5) and ends at its
-    parameters (to 1e-6), M included, in one run folder; a halted 2-process run resumes under torchrun, or
-    in one process (another world size, the same global batch)."""
-    one, two, other = tmp_path / "one", tmp_path / "two", tmp_path / "other"
-    env = os.environ.get("OMP_NUM_THREADS")
-    assert train.main([*DDP_TINY, "--out", str(one)]) == 0
-    r = _torchrun(*DDP_TINY, "--halt-after", "10", "--out", two)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert sorted(os.listdir(tmp_path)) == ["one", "two"] and not os.path.exists(two / "result.json")
-    shutil.copytree(two, other)
-    r = _torchrun("--resume", "--out", two)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert train.main(["--resume", "--out", str(other)]) == 0
-    for folder in (two, other):
-        np.testing.assert_allclose(_losses(folder), _losses(one), rtol=1e-5)
-        a, b = _params(one), _params(folder)
-        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), folder
-        assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(folder))      # M trained
-    assert env == os.environ.get("OMP_NUM_THREADS")
-
-
-def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
-    common = ["--task", "cifar10", "--data-dir", image_dir, "--init", "mask", "--layers", "1", "--dim", "24",
-              "--mlp-dim", "48", "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4"]
-    assert train.main([*common, "--out", str(tmp_path / "one")]) == 0
-    r = _torchrun(*common, "--out", tmp_path / "two")
-    assert r.returncode == 0, r.stderr[-2000:]
-    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
-    a, b = (json.load(open(tmp_path / n / "result.json"))["metrics"] for n in ("one", "two"))
-    assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
-
-
-def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
-    (tmp_path / "grad.py").write_text(DDP_GRAD_SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(tmp_path / "grad.py")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-    # each rank writes ok{rank} once its gradient equals the one-process gradient; the exit status is not the
-    # test: on a loaded CPU gloo now and then aborts one rank as the other closes the group after the last
-    # barrier (SIGABRT at teardown: twice in 14 runs here, both with the CPU oversubscribed), after both files exist
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-4000:]
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_compiled_model_matches_eager(fused):
-    """torch.compile traces both attention paths with the learnable mask (aot_eager here, no compiler needed;
-    `--compile` uses inductor, checked on a GPU by test_cuda_compile_matches_eager)."""
-    cfg = mp.TransformerConfig(vocab_size=3, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True,
-                               fused=fused, readout="tokens", causal=True, n_outputs=3)
-    torch.manual_seed(0)
-    model = mp.Transformer(cfg)
-    mp.init_mask_(model, logits=mp.causal_distance_logits(6, 2))
-    x = torch.randint(0, 3, (4, 6))
-    grads = []
-    for m in (model, torch.compile(model, backend="aot_eager")):
-        model.zero_grad()
-        out = m(x)
-        out.square().sum().backward()
-        grads.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
-    torch.testing.assert_close(grads[0][0], grads[1][0])
-    torch.testing.assert_close(grads[0][1], grads[1][1])
-
-
-def test_the_compile_flag_trains_through_torch_compile_on_the_cpu(tmp_path, monkeypatch):
-    """--compile on the CPU: the steps run through torch.compile's graph (dynamo traces it; the aot_eager
-    backend stands in for inductor, which needs a C++ compiler and minutes here) and train the weights an
-    uncompiled run trains, M included."""
-    import torch._dynamo
-    calls, real = [], torch.compile
-
-    def compile_cpu(model, **kw):
-        calls.append(model)
-        return real(model, backend="aot_eager", **kw)
-    argv = [*TINY, "--init", "mask", "--steps", "4", "--log-every", "2"]
-    assert train.main([*argv, "--out", str(tmp_path / "eager")]) == 0
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    monkeypatch.setattr(train.torch, "compile", compile_cpu)
-    assert train.main([*argv, "--compile", "--out", str(tmp_path / "compiled")]) == 0
-    monkeypatch.undo()
-    assert len(calls) == 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
-    a, b = _params(tmp_path / "eager"), _params(tmp_path / "compiled")
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(tmp_path / "compiled"))
-
-
-@cuda
-def test_cuda_compile_matches_eager(tmp_path):
-    """--compile (inductor) on a GPU: both attention paths with the mask give eager's outputs and M gradient."""
-    for fused in (True, False):
-        cfg = mp.TransformerConfig(vocab_size=3, seq_len=10, n_layers=2, n_heads=2, dim=32, mlp_dim=32,
-                                   learnable_mask=True, fused=fused, readout="tokens", causal=True, n_outputs=3)
-        torch.manual_seed(0)
-        model = mp.Transformer(cfg).cuda()
-        mp.init_mask_(model, logits=mp.causal_distance_logits(10, 2))
-        x = torch.randint(0, 3, (4, 10), device="cuda")
-        outs = []
-        for m in (model, torch.compile(model)):
-            model.zero_grad()
-            out = m(x)
-            out.square().sum().backward()
-            outs.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
-        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
-    out = str(tmp_path / "run")
-    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0
-
-
-# ---------------------------------------------------------------------------------------- reporting
-
-def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5):
-    """A run directory as train.py writes it: result.json and metrics.jsonl (drift grows 0, 0.1, 0.2, ...)."""
-    d = folder / f"{task}-{init}-s{seed}{tag}"
-    d.mkdir(parents=True)
-    metrics = {"acc": acc, "acc_unseen": 0.0, "mse_unseen": 1.0, "mdi_acc": 0.75,
-               "prior_mass_start": masses[0], "prior_mass_end": masses[-1]}
-    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
-                                               "metrics": metrics,
-                                               "config": {"readout": readout, "pos_init_std": pos}}))
-    drift = "mask_drift" if init == "mask" else "qk_drift"
-    (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "metrics": {}, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
-                    "content_margin": [i, 2 * i]}) + "\n"
-        for i, m in enumerate(masses)))
-    return d
-
-
-def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
-    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
-    d = folder / f"{task}-{init}-s{seed}{tag}"
-    d.mkdir(parents=True)
-    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
-                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
-                                                         "prior_mass_mean": 0.9}) + "\n"
-                                             for i, m in enumerate(curve)))
-    (d / "result.json").write_text(json.dumps({"task": task, "kind": kind, "init": init, "seed": seed,
-                                               "steps": steps, "metrics": curve[-1]}))
-    return d
-
-
-def _files_whole(folder) -> None:
-    """Every file of a run folder is whole: JSON files parse, every metrics.jsonl line is a record, the
-    checkpoint loads. Hidden temporary files of a killed write may be there (the next start removes them)."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.endswith(".json"):
-            json.load(open(path))
-        elif name == "metrics.jsonl":
-            text = open(path).read()
-            assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
-        elif name == "ckpt.pt":
-            assert set(train.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
-        else:
-            assert name.startswith(".") and name.endswith(".tmp"), name
-
-
-def test_summarize_and_report_from_hand_written_runs(tmp_path):
-    runs = tmp_path / "runs"
-    boolean = runs / "boolean"
-    _fake_run(boolean, "parity2", "mask", 0, 1.0)
-    _fake_run(boolean, "parity2", "mask", 1, 0.5)
-    _fake_run(boolean, "parity2", "default", 0, 0.75)
-    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
-    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
-    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
-    (bad / "result.json").write_text("{not json")                           # corrupt
-    table = R.summarize([str(boolean)])
-    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
-    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
-    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
-    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
-    written = R.report(str(runs), str(tmp_path / "results"))
-    names = sorted(os.path.basename(p) for p in written)
-    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
-    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
-    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
-    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
-    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
-    assert not any(",default," in line for line in csv)                     # only the prior inits
-    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
-    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
-
-
-def test_report_writes_the_tables_of_the_two_studies(tmp_path):
-    runs = tmp_path / "runs"
-    for p, acc in (("soft", 0.8), ("local", 0.5)):
-        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
-    _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
-               data_frac=0.3)
-    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
-    assert {"visionprior.md", "mult2.md"} <= written
-    vision = (tmp_path / "res" / "visionprior.md").read_text()
-    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
-    assert "| mask | 0 | 10.00 ± 0.00 | 50.00 ± 0.00 |" in (tmp_path / "res" / "mult2.md").read_text()
-    # the prior's mass is drawn beside the headline metric: the mass curve of each prior
-    curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
-    assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
-    assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
-    if R.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
-        assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
-    """reproduce.sh --only oraclefree's runs (TASK-INIT-sSEED-TAG): a row per task (and corpus), a column per
-    variant (headline metric, mean ± std, seeds), the precision and recall of the found patterns, and with
-    matplotlib the patterns beside the hand one and the mass curves."""
-    folder = tmp_path / "runs" / "oraclefree"
-    acc = {("default", ""): 0.0, ("mask", ""): 1.0, ("mask", "discovered"): 1.0, ("mask", "teacher"): 0.5,
-           ("qk-svd", "teacher"): 0.1, ("default", "budget2x"): 0.02}
-    found = T.make_task("parity2", readout="mean").pattern()
-    for (init, tag), a in acc.items():
-        for seed in (0, 1):
-            d = _fake_run(folder, "parity2", init, seed, 0.75, tag=f"-{tag}" if tag else "")
-            res = json.load(open(d / "result.json"))
-            res["metrics"]["acc_unseen"] = a + 0.01 * seed
-            if tag:
-                res["prior_source"] = {"from": "data" if tag == "discovered" else "teacher", "precision": 0.5 + 0.5 * seed,
-                                       "recall": 1.0}
-                torch.save({"pattern": found, "logits": found.float()}, d / "prior.pt")
-            (d / "args.json").write_text(json.dumps({"task": "parity2", "init": init, "seed": seed, "readout": "mean",
-                                                     "pattern": None, "tag": tag}))
-            (d / "result.json").write_text(json.dumps(res))
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "res"))
-    table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
-    assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
-                        "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
-    assert table[2] == ("| parity2 | accuracy on U % | 0.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | "
-                        "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
-    assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
-    assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
-    if R.pyplot() is not None:
-        assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
-
-
-def test_oracle_free_rows_and_columns_come_from_the_folder_names():
-    """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
-    its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
-    cell = lambda name, task, seed: R.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
-                                                        "seed": seed})
-    assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
-    assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
-    assert cell("parity2-default-s1-budget2x", "parity2", 1) == ("parity2", "budget2x")
-    assert cell("wikitext2-mask-s0-corpusB-teacher", "wikitext2", 0) == ("wikitext2, corpus B", "teacher")
-    assert cell("wikitext2-default-s2-corpusA", "wikitext2", 2) == ("wikitext2, corpus A", "")
-    assert cell("addition-mask-s0-250steps", "addition", 0) == ("addition, 250 steps", "")
-    assert cell("addition-qk-svd-s3-250steps-teacher", "addition", 3) == ("addition, 250 steps", "teacher")
-    assert cell("addition-mask-s1-250steps-discovered", "addition", 1) == ("addition, 250 steps", "discovered")
-    assert cell("addition-default-s0-250steps-samebudget", "addition", 0) == ("addition, 250 steps", "budget2x")
-    assert cell("addition-default-s0", "addition", 0) == ("addition", "")
-    assert cell("cifar10-mask-s4-teacher-impulse", "cifar10", 4) == ("cifar10", "teacher-impulse")
-
-
-def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
-    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
-    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
-        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
-        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
-    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
-    table = R.ablation([str(grid), str(boolean)])
-    assert R.preset_layout("parity2") == ("mean", 0.02)
-    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
-    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
-                                                  ["| mean*", "0.02", "qk-svd"]]
-    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
-    assert any(p.endswith("ablation.md") for p in written)
-
-
-def test_learning_curves_and_steps_to_target(tmp_path):
-    runs = tmp_path / "runs"
-    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
-    for seed in (0, 1):
-        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
-        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
-    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
-    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
-               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
-    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
-    written = R.report(str(runs), str(tmp_path / "res"))
-    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
-    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
-    assert csv[0] == "task,config,init,seed,step,metric,value"
-    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
-    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
-            if line.startswith("| addition") or line.startswith("| parity2")]
-    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
-    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
-    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
-    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
-    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
-
-
-def test_mixed_configurations_are_never_averaged(tmp_path):
-    folder = tmp_path / "runs" / "arithmetic"
-    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
-    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
-    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
-    runs, _ = R.collect_runs([str(folder)])
-    groups, notes = R.config_groups(runs)
-    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
-                                                    "log_every=20, steps=50"]
-    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
-                     "its own, never averaged together"]
-    table = R.summarize([str(folder)])
-    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
-    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
-
-
-def test_data_efficiency_table(tmp_path):
-    runs = tmp_path / "runs"
-    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
-           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
-    for (init, n), accs in acc.items():
-        for seed, a in enumerate(accs):
-            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
-            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
-                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
-            else:
-                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
-    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
-    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
-               steps=250, tag="-250steps", data_frac=None)
-    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
-    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
-               data_frac=None)
-    written = R.report(str(runs), str(tmp_path / "res"))
-    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
-    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
-    text = (tmp_path / "res" / "data_efficiency.md").read_text()
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
-    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
-    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
-    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
-    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
-    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
-
-
-def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
-    runs = tmp_path / "runs"
-    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
-        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
-    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
-    R.report(str(runs), str(tmp_path / "res"))
-    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
-            if line.startswith("| parity2")]
-    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
-    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
-                    for layer, end in ((0, "3.00"), (1, "6.00"))]
-
-
-def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
-    runs = tmp_path / "runs" / "boolean"
-    out = str(runs / "parity2-mask-s0")
-    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "5", "--halt-after", "10",
-                       "--out", out]) == 0
-    with open(os.path.join(out, "metrics.jsonl"), "ab") as f:
-        f.write(b'{"step": 15, "prev": 10, "loss": 0.1, "metr')                   # a write cut short
-    assert train.main(["--resume", "--out", out]) == 0
-    _files_whole(out)
-    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
-    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write('{"step": 25, "lo')
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
-    assert any(p.endswith("persistence.csv") for p in written)
-    assert "its log is left out" not in (tmp_path / "results" / "steps_to_target.md").read_text()
-    assert ",mask,0,20," in (tmp_path / "results" / "curves.csv").read_text()
-
-
-def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
-    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
-    assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
-    res = json.load(open(out / "result.json"))
-    res["metrics"]["acc"] = "high"
-    (out / "result.json").write_text(json.dumps(res))
-    table = open(R.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
-    assert "metric acc is 'high', not a finite number" in table
-
-
-@contextlib.contextmanager
-def _small_disk(path, size="100k", read_only=False):
-    """A tmpfs of `size` mounted at `path` (read-only if asked), unmounted after; the test is skipped, with the
-    reason, where this machine cannot mount one (not root, no mount)."""
-    path.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
-                            str(path)], capture_output=True, text=True)
-    except OSError as e:
-        pytest.skip(f"cannot mount a tmpfs here ({e}); the full-disk and read-only cases need one")
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); the full-disk and read-only cases need one")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def _report_case(tmp_path, case):
-    """A finished real run in runs/boolean, then broken as `case` says; returns (runs, its folder)."""
-    runs = tmp_path / "runs"
-    out = runs / "boolean" / "parity2-mask-s0"
-    assert train.main([*TINY, "--init", "mask", "--steps", "10", "--log-every", "5", "--out", str(out)]) == 0
-    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75)        # a healthy neighbour: its row must stay
-    res, log = out / "result.json", out / "metrics.jsonl"
-    if case == "result.json without seed":
-        _edit_json(res, lambda d: d.pop("seed"))
-    elif case == "seed a string":
-        _edit_json(res, lambda d: d.update(seed="0"))
-    elif case == "result.json a list":
-        res.write_text("[]")
-    elif case == "NaN metric":
-        _edit_json(res, lambda d: d["metrics"].update(acc=float("nan")))
-    elif case == "precision NaN":                          # a hostile study's result: as an oracle-free run records it
-        _edit_json(res, lambda d: d.update(prior_source={"from": "data", "precision": "NaN", "recall": 1.0}))
-    elif case == "recall a string":
-        _edit_json(res, lambda d: d.update(prior_source={"from": "teacher", "precision": 1.0, "recall": "x"}))
-    elif case == "result.json a FIFO":
-        os.remove(res)
-        os.mkfifo(res)
-    elif case == "non-UTF-8 log line":
-        with open(log, "ab") as f:
-            f.write(b'{"step": 7, "metrics": {"acc": 1.0}, "note": "\xff\xfe"}\n')
-    elif case == "log line without metrics":
-        with open(log, "a") as f:
-            f.write('{"step": 7, "x": 1}\n{"step": 8, "metrics": {}, "prior_mass": ["a"]}\n')
-    elif case == "log a folder":
-        os.remove(log)
-        os.mkdir(log)
-    return runs, out
-
-
-@pytest.mark.parametrize("case,listed", [
-    ("result.json without seed", "parity2-mask-s0: unreadable result.json ("),
-    ("seed a string", "result.json: seed is '0', not an integer)"),
-    ("result.json a list", "result.json holds a JSON list, not the object of a run's result)"),
-    ("NaN metric", "result.json: metric acc is nan, not a finite number)"),
-    ("precision NaN", "result.json: prior_source is {"),
-    ("recall a string", "not null or a dict whose precision and recall are in [0, 1])"),
-    ("result.json a FIFO", "result.json is a FIFO (named pipe), not a regular file"),
-    ("non-UTF-8 log line", None), ("log line without metrics", None), ("log a folder", None),
-])
-def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
-    """The report of a folder with one broken run: exit 0, every table written, the healthy run's row
-    there, and the broken run either listed by name with what is wrong, or in its table (a bad log line is
-    dropped like a cut one; a log that cannot be read leaves the run without curves)."""
-    runs, out = _report_case(tmp_path, case)
-    with _deadline(120):
-        assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
-    assert capsys.readouterr().err == ""
-    table = (tmp_path / "res" / "boolean.md").read_text()
-    assert "| default | 0 | 75.00 ± 0.00 |" in table
-    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
-    if listed:
-        assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")
-    else:
-        assert "| mask | 0 |" in table
-
-
-def test_summarize_of_a_path_that_does_not_exist_is_one_line_on_stderr(tmp_path, capsys):
-    _fake_run(tmp_path / "runs", "parity2", "mask", 0, 1.0)
-    assert train.main(["summarize", str(tmp_path / "runs"), str(tmp_path / "no" / "such")]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and "summarize: " in err and "does not exist" in err and len(err.strip().splitlines()) == 1
-    assert train.main(["summarize", str(tmp_path / "runs")]) == 0 and "| mask |" in capsys.readouterr().out
-
-
-def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
-    runs, _ = _report_case(tmp_path, "")
-    (tmp_path / "file").write_text("x")
-    for out, needle in ((tmp_path / "file", "is a file; give a folder"),
-                        (tmp_path / "file" / "sub", "cannot write")):
-        assert train.main(["report", str(runs), str(out)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert needle in err and len(err.splitlines()) == 1, err
-    with _small_disk(tmp_path / "ro", read_only=True) as ro:
-        assert train.main(["report", str(runs), str(ro)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert "Read-only file system" in err and len(err.splitlines()) == 1, err
-    with _small_disk(tmp_path / "full", size="20k") as full:       # the tables fit, the figure does not
-        rc = train.main(["report", str(runs), str(full)])
-        err = capsys.readouterr().err.strip()
-        assert rc == 2 and "No space left on device" in err and len(err.splitlines()) == 1, err
-        assert not [n for n in os.listdir(full) if n.endswith(".tmp")]
-
-
-@pytest.mark.parametrize("where", ["a table's folder", "an empty folder", "a folder of other things"])
-def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing(tmp_path, capsys, where):
-    runs = tmp_path / "runs"
-    if where == "a table's folder":
-        _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
-        given = runs / "boolean"
-    elif where == "an empty folder":
-        runs.mkdir()
-        given = runs
-    else:
-        (runs / "notes").mkdir(parents=True)
-        given = runs
-    assert train.main(["report", str(given), str(tmp_path / "res")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "holds none of the table folders" in err and "nothing was written" in err and len(err.splitlines()) == 1
-    assert not (tmp_path / "res").exists()
-    if where == "a table's folder":
-        assert f"give the folder above it: python train.py report {runs}" in err
-
-
-def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
-    runs, _ = _report_case(tmp_path, "")
-    res = tmp_path / "res"
-    res.mkdir()
-    stale = [res / ".curves.png.k3j_x9ab.tmp", res / ".boolean.md.q1w2e3r4.tmp"]   # what SIGKILL leaves
-    for p in stale:
-        p.write_bytes(b"half")
-    (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
-    R.report(str(runs), str(res))
-    assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()
-
-
-def test_a_full_disk_stops_a_run_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, capsys):
-    """--out on a 100 KB tmpfs: the second checkpoint does not fit. One line naming the file and the step of
-    the whole checkpoint, exit 2, no temporary file; the folder moved to a disk with room resumes and ends
-    where an uninterrupted run ends, bit for bit. A disk too small for the first checkpoint leaves nothing."""
-    args = [*TINY, "--init", "mask", "--steps", "30", "--log-every", "5", "--ckpt-every", "10"]
-    assert train.main([*args, "--out", str(tmp_path / "ref")]) == 0
-    with _small_disk(tmp_path / "disk") as disk:
-        out = disk / "run"
-        capsys.readouterr()
-        assert train.main([*args, "--out", str(out)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "No space left on device writing" in err, err
-        saved = train.read_checkpoint(str(out / "ckpt.pt"), "test")["step"]
-        assert f"the checkpoint of step {saved} in {out / 'ckpt.pt'} is whole" in err and f"--resume --out {out}" in err
-        _files_whole(str(out))
-        assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
-        shutil.copytree(out, tmp_path / "moved")
-    assert train.main(["--resume", "--out", str(tmp_path / "moved")]) == 0
-    a, b = _params(tmp_path / "ref"), _params(tmp_path / "moved")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    with _small_disk(tmp_path / "tiny", size="20k") as tiny:
-        assert train.main([*args, "--out", str(tiny / "run")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert "the new run had no checkpoint yet and left nothing behind" in err and len(err.splitlines()) == 1
-        assert os.listdir(tiny) == []
-
-
-# ---------------------------------------------------------------------------------------- reproduce.sh
-
-def _reproduce(*args, env=None):
-    return subprocess.run(["bash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reproduce.sh"), *args],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
-
-
-def test_reproduce_help_and_dry_run(tmp_path):
-    r = _reproduce("--help")
-    assert r.returncode == 0 and "--quick" in r.stdout and "--only TABLE" in r.stdout
-    runs = tmp_path / "runs"
-    r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 54 and not runs.exists()
-    assert all("--preset small" in line for line in starts)
-    short = [line for line in starts if "-250steps " in line]      # addition at the paper's regime, 4 inits x 3
-    assert len(short) == 12 and all("--steps 250 --log-every 10 --eval-points 500" in line for line in short)
-    assert not any("multiplication" in line for line in starts)
-    r = _reproduce("--quick", "--dry-run", "--only", "arithmetic", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert len(starts) == 16 and sum("multiplication-" in line and "-250steps " in line for line in starts) == 4
-    assert sum("addition-qk-svd-s0 " in line for line in starts) == 1          # every init at convergence too
-    # data efficiency: default and mask at four fractions in data/, the 0.4% runs are the arithmetic table's
-    r = _reproduce("--only", "data", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 10 and "small preset" in r.stdout
-    assert sum("/data/addition-mask-s0-frac0.0005 " in line and "--data-frac 0.0005" in line for line in starts) == 1
-    assert sum("/arithmetic/addition-" in line and "--data-frac" not in line for line in starts) == 2
-    # a finished run is skipped, an interrupted one resumed
-    _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
-    (runs / "boolean" / "parity2-default-s0").mkdir()
-    (runs / "boolean" / "parity2-default-s0" / "ckpt.pt").write_bytes(b"")
-    r = _reproduce("--quick", "--dry-run", "--only", "boolean", "--seeds", "0", "--runs", str(runs))
-    lines = r.stdout.splitlines()
-    assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
-    assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
-    assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
-    # the robustness grid: the off-preset cells in ablation/, the preset's own cells are the Boolean runs
-    r = _reproduce("--only", "ablation", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    lines = [line for line in r.stdout.splitlines() if line.startswith(("start", "resume", "skip"))]
-    grid = [line for line in lines if "/ablation/" in line]
-    assert r.returncode == 0 and len(lines) == 30 and len(grid) == 18 and "small preset" in r.stdout
-    assert all("--preset small" in line for line in grid if line.startswith("start"))
-    assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
-    assert any(line.startswith("start") and "parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line
-               for line in grid)
-    # the two studies of the missing claims: two-digit multiplication and the vision priors
-    r = _reproduce("--only", "mult2", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 10 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
-    assert sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
-    assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
-    r = _reproduce("--quick", "--only", "lee", "--dry-run", "--seeds", "0", "--runs", str(runs))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 12 and all("--digits 2 --lee-samples 3000" in x for x in starts)
-    assert sum("/lee/multiplication-mask-s0-lsb-ep500 " in x and "--epochs 500 --log-every 600" in x for x in starts) == 1
-    r = _reproduce("--only", "lee", "--dry-run", "--seeds", "0", "--runs", str(runs))          # Lee et al.'s, on a GPU
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 2 and all("--preset paper" in x and "--batch-size 6400" in x
-                                                          and "--answer-order msb" in x for x in starts)
-    T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
-    r = _reproduce("--only", "visionprior", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
-                   str(tmp_path / "digits"))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 14
-    assert sum("cifar10-qk-svd-s0-pos18 " in x and "--qk-svd-pos-scale 18" in x for x in starts) == 1
-    assert sum("cifar10-mask-impulse-s0-soft " in x and "--init mask-impulse" in x and "--pattern soft" in x
-               for x in starts) == 1
-    assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
-    assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
-    assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
-    # priors without an oracle: teachers, then students that read them; the digits (--data) and the two corpora
-    for corpus in ("vimtext-a", "vimtext-b"):
-        (tmp_path / "digits" / corpus / "wikitext-2").mkdir(parents=True)
-        (tmp_path / "digits" / corpus / "wikitext-2" / "wiki.train.tokens").write_text("")
-    r = _reproduce("--only", "oraclefree", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
-                   str(tmp_path / "digits"))
-    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
-    assert r.returncode == 0 and len(starts) == 48 and "48 runs" in r.stdout
-    teacher = f"--prior-from {runs}/oraclefree/majority3-default-s0"
-    assert sum("/majority3-mask-s0-teacher " in x and x.rstrip().endswith(teacher) for x in starts) == 1
-    assert sum("/majority3-qk-svd-s0-teacher " in x and teacher in x for x in starts) == 1
-    assert sum("/kparity-mask-s0-discovered " in x and "--bits random:2 --unseen bits:2 --pattern discovered" in x
-               for x in starts) == 1
-    assert sum("/cyclic3-default-s0-budget2x " in x and "--steps 16000" in x for x in starts) == 1
-    # addition's students at 250 steps (its default is at 98% by 1,500), its 1,500-step defaults their teachers
-    add = [x for x in starts if "/oraclefree/addition-" in x]
-    assert sum("/addition-default-s0 " in x and "--steps" not in x for x in add) == 1
-    assert all("--steps 250 " in x for x in add if "-250steps" in x and "samebudget" not in x)
-    assert sum(x.rstrip().endswith(f"--prior-from {runs}/oraclefree/addition-default-s0") for x in add) == 2
-    assert sum("-250steps-samebudget " in x and "--steps 1750 " in x for x in add) == 1 and len(add) == 7
-    assert sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
-    order = [x.split("/oraclefree/")[1].split()[0] for x in starts]
-    assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith("cyclic3")
-    # missing datasets are named, not fatal
-    r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
-    assert r.returncode == 0 and "missing dataset" in r.stderr and "cifar-10-batches-py" in r.stderr
-    assert _reproduce("--only", "tables").returncode == 2
-    # a failing run makes the script exit 1 and names the run
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--runs", str(tmp_path / "fail"),
-                   "--results", str(tmp_path / "res"), env={"PYTHON": "false"})
-    assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
-
-
-def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
-    r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
-    assert r.returncode == 2 and "--only needs a value" in r.stderr
-    r = _reproduce("--quick", "--seeds", "0 0", "--dry-run")
-    assert r.returncode == 2 and "seed 0 twice" in r.stderr
-
-
-def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
-    fake = tmp_path / "py"
-    fake.write_text("#!/bin/sh\nexit 130\n")
-    fake.chmod(0o755)
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1", "--runs", str(tmp_path / "runs"),
-                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
-    assert r.returncode == 130 and "interrupted" in r.stderr and "FAILED" not in r.stderr + r.stdout
-    assert not (tmp_path / "runs" / "failed.txt").exists()
-
-
-def _processes_naming(text: str) -> list[str]:
-    """The command lines of the live processes that mention `text` (from /proc)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in line:
-            found.append(line)
-    return found
-
-
-def _wait_for(condition, timeout=90):
-    deadline = time.time() + timeout
-    while time.time() < deadline and not condition():
-        time.sleep(0.3)
-    return condition()
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for left-over runs in /proc (Linux)")
-def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path):
-    """SIGTERM to reproduce.sh: both running runs save a checkpoint and exit, no new run starts, the script
-    waits for them and exits 143 with no process of the runs left; the same command again resumes both
-    (no folder in use), and SIGINT then stops it with 130."""
-    runs = tmp_path / "runs"
-    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "2",
-           "--runs", str(runs), "--results", str(tmp_path / "res")]
-    logs = [runs / "boolean" / f"parity2-{i}-s0.log" for i in ("default", "mask")]
-    for sig, code, said in ((signal.SIGTERM, 143, "step "), (signal.SIGINT, 130, "resuming ")):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        started = _wait_for(lambda: all(log.exists() and said in log.read_text().split("saving a checkpoint")[-1]
-                                        for log in logs))
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=120)
-        assert started and p.returncode == code, (out, err)
-        launched = [line for line in out.splitlines() if line.split()[1:2] in (["start"], ["resume"])]
-        assert err.count("interrupted /") == 2 and "FAILED" not in err and len(launched) == 2   # no new run
-        assert _processes_naming(str(runs)) == []                      # no run left behind
-        for i in ("default", "mask"):
-            folder = runs / "boolean" / f"parity2-{i}-s0"
-            assert train.read_checkpoint(str(folder / "ckpt.pt"), "test")["step"] > 0 and not (folder / "result.json").exists()
-        assert sorted(p.name for p in (runs / "boolean").iterdir() if p.is_dir()) == ["parity2-default-s0", "parity2-mask-s0"]
-    text = logs[1].read_text()
-    assert "in use" not in text and text.count("resuming ") == 1 and "saving a checkpoint" in text
-
-
-def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_spaces(tmp_path):
-    """--runs and --results given as relative paths are read from the folder the script is started in, and a
-    --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
-    fake = tmp_path / "py"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done >> "$ARGS_LOG"; echo ok\n')
-    fake.chmod(0o755)
-    data = tmp_path / "my data &1"
-    (data / "cifar-10-batches-py").mkdir(parents=True)
-    (data / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",
-                        "../my data &1", "--runs", "relruns", "--results", "relres"], cwd=work, capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "PYTHON": str(fake), "ARGS_LOG": str(tmp_path / "args")})
-    assert r.returncode == 0, r.stderr
-    args = (tmp_path / "args").read_text().splitlines()
-    dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
-    assert len(dirs) == 5 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's five inits, the path whole
-    assert (work / "relruns" / "vision").is_dir() and not os.path.exists(os.path.join(HERE, "relruns"))
-    assert f"{work}/relruns/vision/cifar10-mask-s0" in args
-    assert f"{work}/relres" in args                                   # the report goes there too
-
-
-def test_reproduce_gpus_lines_and_refusals(tmp_path):
-    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
-                   "--runs", str(tmp_path / "runs"))
-    lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
-    assert r.returncode == 0 and len(lines) == 12
-    assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
-    r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
-    assert r.returncode == 2 and "--gpus" in r.stderr
-    if not torch.cuda.is_available():
-        r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
-        assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
-
-
-_FAKE_TRAIN = """#!{python}
-import fcntl, os, sys, time
-argv = sys.argv[1:]
-if "report" in argv:
-    sys.exit(0)
-out = argv[argv.index("--out") + 1]
-os.makedirs(out, exist_ok=True)
-fd = os.open(out, os.O_RDONLY)
-try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-except OSError:
-    print(f"error: {{out}} is in use by another process", file=sys.stderr)
-    sys.exit(75)
-open(os.path.join(os.path.dirname(out), "started.log"), "a").write(out + "\\n")
-time.sleep(float(os.environ.get("FAKE_SECONDS", "0.3")))
-if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in out:
-    sys.exit(1)
-open(os.path.join(out, "result.json"), "w").write("{{}}")
-"""
-
-
-def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path):
-    """Two reproduce.sh started at once on the same --runs (a stand-in train.py that locks its run folder as
-    train.py does): every run is trained once, by one of them, the other leaves it ("busy"); neither names a
-    run as failed and both exit 0. A run that fails in one is failed in that one only."""
-    fake = tmp_path / "py"
-    fake.write_text(_FAKE_TRAIN.format(python=sys.executable))
-    fake.chmod(0o755)
-    runs = tmp_path / "runs"
-    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1",
-           "--runs", str(runs), "--results", str(tmp_path / "res")]
-    env = {**os.environ, "PYTHON": str(fake)}
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert all("FAILED" not in out + err for out, err in outs)
-    started = (runs / "boolean" / "started.log").read_text().splitlines()
-    assert len(started) == len(set(started)) == 12                     # 3 tasks x 4 inits, each trained once
-    assert sum((out + err).count("busy    ") for out, err in outs) >= 1
-    # one run fails in the first script only: the second, started a moment later, names none of it
-    shutil.rmtree(runs)
-    env_fail = {**env, "FAKE_FAIL": "parity2-default", "FAKE_SECONDS": "0.5"}
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_fail)
-    time.sleep(0.2)
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    out1, err1 = first.communicate(timeout=120)
-    assert first.returncode == 1 and "FAILED" in err1 and "parity2-default-s0" in err1
-    assert "FAILED" not in second.stdout + second.stderr
-
-
-# ---------------------------------------------------------------------------------------- library retrofit
-
-# What the retrofit tests run, by the names the builders below take; the README's table of models is made from
-# these lists (test_readme_table_of_models_is_what_the_tests_run), so it lists what is tested and nothing else.
-HF_MODELS = ["gpt2", "bert", "vit", "llama", "mistral", "gemma2", "clip-text", "clip-vision", "swin"]
-HF_CAUSAL = ("gpt2", "llama", "mistral", "gemma2")
-SEQ2SEQ = ["bart", "t5", "whisper", "marian"]
-LEFT_PADDED = ["gpt2", "mistral", "gemma2"]
-TIMM_MODELS = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"]
-UNREACHABLE = ["**kwargs", "deberta-v2", "pit", "crossvit", "swin"]
-SHOWN = {"gpt2": "GPT-2", "bert": "BERT", "vit": "ViT", "llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2",
-         "clip-text": "CLIP text", "clip-vision": "CLIP vision", "swin": "Swin", "bart": "BART", "t5": "T5",
-         "whisper": "Whisper", "marian": "Marian", "vit_tiny_patch16_224": "ViT", "deit_tiny_distilled_patch16_224":
-         "DeiT (distilled)", "**kwargs": "a forward that takes the mask only as `**kwargs`",
-         "deberta-v2": "DeBERTa-v2 (its own softmax)", "pit": "timm PiT", "crossvit": "CrossViT (pooled stages, branches)"}
-
-
-def _shown(names) -> str:
-    return ", ".join(SHOWN[n] for n in names)
-
-
-MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs it)
-    ("`nn.MultiheadAttention`, `nn.Transformer`", "works; cross-attention when asked",
-     "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked"),
-    (f"HF {_shown(HF_MODELS)}", "works per layer: M = +30 is the plain model, M moves the output and trains",
-     "test_hugging_face_models_take_a_prior_per_layer"),
-    (f"HF {_shown(SEQ2SEQ)}", "works: encoder and decoder self-attention; cross-attention when asked; generate with "
-     "the cache = without", "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked"),
-    ("HF layers sharing one config", "works for any subset (a part, `modules=`), saved and loaded",
-     "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load"),
-    (f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})", "works: each row's positions",
-     "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt"),
-    (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
-    ("your attention with an `attn_mask` keyword", "works (`modules=`)",
-     "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword"),
-    ("PEFT: the prior first, `modules_to_save=[\"mask_prior\"]`", "works: M trains, is saved with the adapter, merged "
-     "and reloaded; without it, or PEFT first: refused in one line naming it",
-     "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line"),
-    (f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window", "refused in one line, the model unchanged",
-     "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes"),
-    ("`mp.remove_mask_prior(model)`", "the plain model back, exactly",
-     "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
-    ("`mp.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
-     "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
-]
-
+# ---------------------------------------------------------------------------------------- maskprior.py: retrofit
 
 def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
     """nn.TransformerEncoder (pre-LN, GELU, batch first) holding our Transformer's block weights."""
@@ -4860,110 +1010,6 @@ def _twin_encoder(ours: "mp.Transformer") -> nn.TransformerEncoder:
             lay.linear2.load_state_dict(blk.mlp[3].state_dict())
         enc.norm.load_state_dict(ours.ln_f.state_dict())
     return enc
-
-
-def _hf(name: str):
-    """A small Hugging Face model (random weights, nothing downloaded) and an input for it, with the prior's N."""
-    tf = _extra("transformers")
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if name == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0,
-                            eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-        return tf.GPT2LMHeadModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "llama":
-        cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                             intermediate_size=64, max_position_embeddings=64, vocab_size=50, bos_token_id=0,
-                             eos_token_id=0, pad_token_id=0)
-        return tf.LlamaForCausalLM(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "bert":
-        cfg = tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                            max_position_embeddings=64, vocab_size=50, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
-        return tf.BertModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 20
-    if name in ("mistral", "gemma2"):                   # a sliding window of 4, shorter than the input
-        common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,
-                      intermediate_size=64, max_position_embeddings=64, vocab_size=50, sliding_window=4,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        model = tf.MistralForCausalLM(tf.MistralConfig(**common)) if name == "mistral" else \
-            tf.Gemma2ForCausalLM(tf.Gemma2Config(**common))          # Gemma2: eager, logit soft-capping
-        return model.eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "clip-text":                             # CLIP's attention names its scale `scale`
-        cfg = tf.CLIPTextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0)
-        return tf.CLIPTextModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
-    if name == "clip-vision":
-        cfg = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  image_size=32, patch_size=8, attention_dropout=0.0)
-        return tf.CLIPVisionModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17           # 16 patches + CLS
-    if name == "swin":                                  # 4 x 4 windows: the prior is a window's, 16 tokens
-        cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[4, 4], window_size=4,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-        return tf.SwinModel(cfg).eval(), torch.randn(2, 3, 32, 32), 16
-    cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                       image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
-
-
-def _seq2seq(name: str):
-    """A small encoder-decoder (random weights), its encoder input and decoder ids: 10 source and 6 target tokens."""
-    tf = _extra("transformers")
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    ids, dec = torch.randint(3, 50, (2, 10)), torch.randint(3, 50, (2, 6))
-    sizes = dict(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
-                 pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
-    if name == "bart":
-        model = tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=32, bos_token_id=0, **sizes))
-    elif name == "marian":
-        model = tf.MarianMTModel(tf.MarianConfig(max_position_embeddings=32, **sizes))
-    elif name == "whisper":                             # 16 mel frames -> 8 encoder positions
-        sizes.update(max_source_positions=8, max_target_positions=32, num_mel_bins=8, begin_suppress_tokens=None,
-                     suppress_tokens=None, bos_token_id=0)
-        model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(**sizes))
-        return model.eval(), {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": dec}, 8
-    else:
-        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
-                                                          pad_token_id=0, eos_token_id=1))
-    return model.eval(), {"input_ids": ids, "decoder_input_ids": dec}, 10
-
-
-def _timm(name: str = "vit_tiny_patch16_224", **kw):
-    timm = _extra("timm")
-    torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, depth=2, **kw).eval()
-    return model, torch.randn(2, 3, 32, 32), model.patch_embed.num_patches + model.num_prefix_tokens
-
-
-def _out(model, x):
-    y = model(x)
-    return y if isinstance(y, torch.Tensor) else y[0]
-
-
-def _prior_works(model, x, n, plain, priors):
-    """`plain`: the model's output before the priors. M = +30 everywhere (log sigmoid = -1e-13) gives it
-    again; a random M changes it, every M gets a gradient, and three Adam steps (M undecayed) move every M."""
-    for p in priors.values():
-        p.set_logits(torch.full((n, n), 30.0))
-    torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)      # measured: <= 6e-7
-    gen = torch.Generator().manual_seed(1)
-    for p in priors.values():
-        p.set_logits(torch.randn(p.heads, n, n, generator=gen) * 3)
-    start = [p.mask_logits.detach().clone() for p in priors.values()]
-    assert (_out(model, x) - plain).abs().max() > 1e-3                            # measured: 0.009 (BERT) .. 0.45
-    opt = torch.optim.Adam(mp.param_groups(model, 0.05), lr=1e-2)
-    r = torch.randn(plain.shape, generator=gen)
-    for step in range(3):
-        opt.zero_grad()
-        (_out(model, x).float() * r).sum().backward()
-        if step == 0:
-            assert all(p.mask_logits.grad is not None and p.mask_logits.grad.abs().max() > 0 for p in priors.values())
-        opt.step()
-    assert all((p.mask_logits - s).abs().max() > 1e-3 for p, s in zip(priors.values(), start))
-    decay = {id(q) for q in opt.param_groups[0]["params"]}
-    assert not any(id(p.mask_logits) in decay for p in priors.values())
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -5013,22 +1059,6 @@ def test_causal_calls_keep_the_prior():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_mask_prior_bias_shapes_for_each_target():
-    pattern = mp.banded_pattern(6, 1)
-    prior = mp.MaskPrior(6, heads=3, pattern=pattern, m_on=5.0, m_off=4.0)
-    b = prior()
-    assert b.shape == (3, 6, 6) and torch.allclose(b[0][pattern], F.logsigmoid(torch.tensor(5.0)))
-    assert torch.allclose(b[1][~pattern], F.logsigmoid(torch.tensor(-4.0)))
-    mha = prior.for_mha(2)
-    assert mha.shape == (6, 6, 6) and torch.equal(mha.view(2, 3, 6, 6)[1], b)      # batch-major, as MHA reads it
-    four = prior.for_4d(2)
-    assert four.shape == (2, 3, 6, 6) and torch.equal(four[1], b)
-    causal = mp.MaskPrior(6, 2, causal=True)
-    assert causal(4).shape == (2, 4, 4) and torch.isinf(causal(4)[0, 0, 1]) and causal(4)[0, 1, 0] == F.logsigmoid(
-        torch.tensor(0.0))
-    assert mp.param_groups(nn.Sequential(nn.Linear(6, 6), prior), 0.1)[1]["params"][-1] is prior.mask_logits
-
-
 def test_mask_prior_bad_input_names_the_module_and_shapes():
     with pytest.raises(ValueError, match="sequence length 5 does not fit the mask size 6"):
         mp.MaskPrior(6, 2)(5)
@@ -5075,29 +1105,91 @@ def test_a_retrofitted_encoder_trains_parity2_and_moves_m():
     assert all(p.mask_logits.grad is not None for p in priors)
 
 
-def test_checkpoints_of_an_earlier_version_are_refused_in_one_line(tmp_path, capsys):
-    """A run of an earlier version: M on the attention layer itself (before MaskPrior), or a checkpoint without
-    the checksummed format: --resume refuses in one line naming the version, and nothing changes."""
-    out = str(tmp_path / "run")
-    assert train.main([*RUN24, "--init", "mask", "--halt-after", "20", "--out", out]) == 0
-    path = os.path.join(out, "ckpt.pt")
-    good = train.read_checkpoint(path, "test")
-    old = {**good, "model": {k.replace("attn.prior.mask_logits", "attn.mask_logits"): v
-                             for k, v in good["model"].items()}}
-    _save_checkpoint(path, old)
-    before = _tree(out)
-    capsys.readouterr()
-    assert "blocks.0.attn.mask_logits" in old["model"] and train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "does not fit this version's model (it lacks blocks.0.attn.prior.mask_logits)" in err
-    assert "another version of maskprior" in err and len(err.splitlines()) == 1 and _tree(out) == before
-    torch.save(good, path)                                        # the contents alone, as before checksums
-    assert train.main(["--resume", "--out", out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "a checkpoint of an earlier version of train.py (no format: written before checksums)" in err
-    torch.save({"format": "maskprior-checkpoint-1", "payload": b"x"}, path)
-    assert train.main(["--resume", "--out", out]) == 2
-    assert "earlier version of train.py (maskprior-checkpoint-1)" in capsys.readouterr().err
+# What the retrofit tests run, by the names the builders below take; the README's table of models is made from
+# these lists (test_readme_table_of_models_is_what_the_tests_run), so it lists what is tested and nothing else.
+HF_MODELS = ["gpt2", "bert", "vit", "llama", "mistral", "gemma2", "clip-text", "clip-vision", "swin"]
+HF_CAUSAL = ("gpt2", "llama", "mistral", "gemma2")
+SEQ2SEQ = ["bart", "t5", "whisper", "marian"]
+LEFT_PADDED = ["gpt2", "mistral", "gemma2"]
+TIMM_MODELS = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"]
+UNREACHABLE = ["**kwargs", "deberta-v2", "pit", "crossvit", "swin"]
+SHOWN = {"gpt2": "GPT-2", "bert": "BERT", "vit": "ViT", "llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2",
+         "clip-text": "CLIP text", "clip-vision": "CLIP vision", "swin": "Swin", "bart": "BART", "t5": "T5",
+         "whisper": "Whisper", "marian": "Marian", "vit_tiny_patch16_224": "ViT", "deit_tiny_distilled_patch16_224":
+         "DeiT (distilled)", "**kwargs": "a forward that takes the mask only as `**kwargs`",
+         "deberta-v2": "DeBERTa-v2 (its own softmax)", "pit": "timm PiT", "crossvit": "CrossViT (pooled stages, branches)"}
+
+
+def _hf(name: str):
+    """A small Hugging Face model (random weights, nothing downloaded) and an input for it, with the prior's N."""
+    tf = _extra("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0,
+                            eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             intermediate_size=64, max_position_embeddings=64, vocab_size=50, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0)
+        return tf.LlamaForCausalLM(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                            max_position_embeddings=64, vocab_size=50, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        return tf.BertModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 20
+    if name in ("mistral", "gemma2"):                   # a sliding window of 4, shorter than the input
+        common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=64, vocab_size=50, sliding_window=4,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common)) if name == "mistral" else \
+            tf.Gemma2ForCausalLM(tf.Gemma2Config(**common))          # Gemma2: eager, logit soft-capping
+        return model.eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "clip-text":                             # CLIP's attention names its scale `scale`
+        cfg = tf.CLIPTextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0)
+        return tf.CLIPTextModel(cfg).eval(), torch.randint(1, 50, (2, 20)), 24
+    if name == "clip-vision":
+        cfg = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8, attention_dropout=0.0)
+        return tf.CLIPVisionModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17           # 16 patches + CLS
+    if name == "swin":                                  # 4 x 4 windows: the prior is a window's, 16 tokens
+        cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[4, 4], window_size=4,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+        return tf.SwinModel(cfg).eval(), torch.randn(2, 3, 32, 32), 16
+    cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                       image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
+
+
+def _out(model, x):
+    y = model(x)
+    return y if isinstance(y, torch.Tensor) else y[0]
+
+
+def _prior_works(model, x, n, plain, priors):
+    """`plain`: the model's output before the priors. M = +30 everywhere (log sigmoid = -1e-13) gives it
+    again; a random M changes it, every M gets a gradient, and three Adam steps (M undecayed) move every M."""
+    for p in priors.values():
+        p.set_logits(torch.full((n, n), 30.0))
+    torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)      # measured: <= 6e-7
+    gen = torch.Generator().manual_seed(1)
+    for p in priors.values():
+        p.set_logits(torch.randn(p.heads, n, n, generator=gen) * 3)
+    start = [p.mask_logits.detach().clone() for p in priors.values()]
+    assert (_out(model, x) - plain).abs().max() > 1e-3                            # measured: 0.009 (BERT) .. 0.45
+    opt = torch.optim.Adam(mp.param_groups(model, 0.05), lr=1e-2)
+    r = torch.randn(plain.shape, generator=gen)
+    for step in range(3):
+        opt.zero_grad()
+        (_out(model, x).float() * r).sum().backward()
+        if step == 0:
+            assert all(p.mask_logits.grad is not None and p.mask_logits.grad.abs().max() > 0 for p in priors.values())
+        opt.step()
+    assert all((p.mask_logits - s).abs().max() > 1e-3 for p, s in zip(priors.values(), start))
+    decay = {id(q) for q in opt.param_groups[0]["params"]}
+    assert not any(id(p.mask_logits) in decay for p in priors.values())
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -5112,6 +1204,13 @@ def test_hugging_face_models_take_a_prior_per_layer(name):
     assert all(m.config._attn_implementation == mp.HF_ATTENTION for m in layers)         # each layer's view
     assert model.config._attn_implementation == impl and model.config.attn_implementation == mp.HF_ATTENTION
     _prior_works(model, x, n, plain, priors)
+
+
+def _timm(name: str = "vit_tiny_patch16_224", **kw):
+    timm = _extra("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, depth=2, **kw).eval()
+    return model, torch.randn(2, 3, 32, 32), model.patch_embed.num_patches + model.num_prefix_tokens
 
 
 @pytest.mark.parametrize("name", TIMM_MODELS)
@@ -5424,12 +1523,29 @@ def test_the_probes_read_retrofitted_models():
         mp.prior_mass(nn.Linear(4, 4), torch.randn(2, 4), band)
 
 
-def _untouched(model: nn.Module) -> dict:
-    """What a refused add_mask_prior must leave as it was: parameter names, hooks, the configs' dicts."""
-    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-    configs = [m.config.to_dict() if hasattr(m.config, "to_dict") else m.config for m in model.modules()
-               if hasattr(m, "config")]
-    return {"keys": list(model.state_dict()), "hooks": hooks, "configs": configs}
+def _seq2seq(name: str):
+    """A small encoder-decoder (random weights), its encoder input and decoder ids: 10 source and 6 target tokens."""
+    tf = _extra("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    ids, dec = torch.randint(3, 50, (2, 10)), torch.randint(3, 50, (2, 6))
+    sizes = dict(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+                 pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, init_std=0.5)
+    if name == "bart":
+        model = tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=32, bos_token_id=0, **sizes))
+    elif name == "marian":
+        model = tf.MarianMTModel(tf.MarianConfig(max_position_embeddings=32, **sizes))
+    elif name == "whisper":                             # 16 mel frames -> 8 encoder positions
+        sizes.update(max_source_positions=8, max_target_positions=32, num_mel_bins=8, begin_suppress_tokens=None,
+                     suppress_tokens=None, bos_token_id=0)
+        model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(**sizes))
+        return model.eval(), {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": dec}, 8
+    else:
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                          pad_token_id=0, eos_token_id=1))
+    return model.eval(), {"input_ids": ids, "decoder_input_ids": dec}, 10
 
 
 def _diagonal(n: int, heads: int = 4) -> torch.Tensor:
@@ -5528,6 +1644,14 @@ def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals
     packed[0, -1] = 0                                           # two sequences of 7 in one row, one pad
     with pytest.raises(ValueError, match="the positions restart inside a row \\(packed sequences\\)"):
         model(torch.cat([a, a, pad[:, :1]], 1), attention_mask=packed, position_ids=torch.arange(15).remainder(7)[None])
+
+
+def _untouched(model: nn.Module) -> dict:
+    """What a refused add_mask_prior must leave as it was: parameter names, hooks, the configs' dicts."""
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    configs = [m.config.to_dict() if hasattr(m.config, "to_dict") else m.config for m in model.modules()
+               if hasattr(m, "config")]
+    return {"keys": list(model.state_dict()), "hooks": hooks, "configs": configs}
 
 
 def _refused(name: str):
@@ -5777,8 +1901,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     return msg
 
 
-# ---------------------------------------------------------------------------------------- 10: pattern and logits
-
+# ---- 10: pattern and logits
 
 def test_add_mask_prior_refuses_a_pattern_given_with_logits_and_changes_nothing():
     layer = nn.TransformerEncoderLayer(32, nhead=4, dim_feedforward=64, batch_first=True)
@@ -5801,7 +1924,7 @@ def test_mask_prior_and_init_mask_refuse_a_pattern_given_with_logits():
     assert torch.equal(model.blocks[0].attn.prior.mask_logits, before)
 
 
-# ---------------------------------------------------------------------------------------- 11: switches are bools
+# ---- 11: switches are bools
 
 _PAT, _MAP = mp.banded_pattern(8, 1), torch.rand(2, 8, 8).softmax(-1)
 SWITCHES = {   # a call with a switch that is not a bool -> the argument the refusal names
@@ -5847,8 +1970,7 @@ def test_add_mask_prior_still_takes_causal_and_prefix_none_as_the_layers_own():
     assert all(p.causal is True for p in priors.values())
 
 
-# ---------------------------------------------------------------------------------------- 12: prior_roles
-
+# ---- 12: prior_roles
 
 def _permuted(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """M read by role: position i, j of the example -> M[rows[i], cols[j]]."""
@@ -5918,8 +2040,7 @@ def test_prior_roles_reads_m_by_role_in_a_causal_gpt2(padded, monkeypatch):
     torch.testing.assert_close(early, by_role[:, :5], atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------------------------------- 13: PEFT on a part
-
+# ---- 13: PEFT on a part
 
 def test_peft_on_a_model_whose_encoder_has_a_prior_refuses_a_frozen_m_and_trains_a_saved_one():
     """The README's recipe: the prior on bart.model.encoder, then LoRA. Without modules_to_save=['mask_prior'] the
@@ -5953,7 +2074,7 @@ def test_peft_on_a_model_whose_encoder_has_a_prior_refuses_a_frozen_m_and_trains
     assert mp.mask_priors(model) == []
 
 
-# ---------------------------------------------------------------------------------------- 16: maps and numbers
+# ---- 16: maps and numbers
 
 FROM_MAPS = {
     "pattern_from_attention": lambda a: mp.pattern_from_attention(a, 1.5),
@@ -6039,8 +2160,7 @@ def test_pattern_from_attention_refuses_a_ratio_no_pair_reaches_naming_the_large
         mp.pattern_from_attention(attn, reach * 1.001, keys=keys)
 
 
-# ---------------------------------------------------------------------------------------- 18: encoder and decoder
-
+# ---- 18: encoder and decoder
 
 @pytest.mark.parametrize("order", ["encoder first", "decoder first"])
 @pytest.mark.parametrize("name", ["marian", "bart"])
@@ -6092,17 +2212,4153 @@ def test_two_parts_of_one_class_that_the_record_cannot_tell_apart_are_refused():
     assert list(model.config.mask_prior["layers"]) == ["layers.0.self_attn"]
 
 
+# ---------------------------------------------------------------------------------------- tasks.py: base and registry
+
+def test_registry_and_task_constants():
+    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
+                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
+    for name, cls in T.TASKS.items():
+        assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
+        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
+        assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
+    with pytest.raises(T.TaskError, match="unknown task"):
+        T.make_task("nosuch")
+    with pytest.raises(T.TaskError, match="takes no option data_frac"):
+        T.make_task("parity2", data_frac=0.1)
+    with pytest.raises(ValueError, match="registered twice"):
+        T.register("parity2")(type("Again", (T.Task,), {}))
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: files
+
+@pytest.mark.parametrize("how", ["plain", "checksummed", "sample"])
+def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
+    """ckpt.pt replaced by a pickle that runs a command when loaded (the whole file, or inside the checksummed
+    format with a matching sha256), read by --resume or --sample: one line, exit 2, the command never runs,
+    the folder unchanged. A real checkpoint loads at both levels with weights_only=True."""
+    out = _halted(tmp_path)
+    outer = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(train.CKPT_KEYS)
+    marker = tmp_path / "ran"
+    if how == "plain":
+        torch.save({"model": _Touch(marker), "step": 1}, os.path.join(out, "ckpt.pt"))
+    else:
+        buf = io.BytesIO()
+        torch.save({**{k: 0 for k in train.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
+        payload = buf.getvalue()
+        torch.save({"format": T.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
+                   os.path.join(out, "ckpt.pt"))
+    before = _tree(out)
+    capsys.readouterr()
+    argv = ["--out", out, "--sample", "hi"] if how == "sample" else ["--out", out, "--resume"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert not marker.exists() and len(err.splitlines()) == 1 and "would run code" in err and "it was not run" in err
+    assert "it names posix.system" in err or "it names eval" in err, err
+    assert _tree(out) == before
+
+
+def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
+    """ckpt.pt holds its contents beside their sha256: a bit flipped in the contents, or anywhere in the file,
+    is one line and exit 2 (never a resume from damaged weights); the intact file resumes."""
+    out = _halted(tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    good = open(path, "rb").read()
+    outer = torch.load(path, weights_only=False)
+    assert outer["format"] == T.CKPT_FORMAT and len(outer["sha256"]) == 64
+    payload = bytearray(outer["payload"])
+    payload[len(payload) // 2] ^= 0x10
+    torch.save({**outer, "payload": bytes(payload)}, path)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is damaged (its contents do not match the checksum" in err and len(err.splitlines()) == 1
+    for offset in (len(good) // 5, len(good) // 2, 4 * len(good) // 5):
+        bad = bytearray(good)
+        bad[offset] ^= 0x01
+        open(path, "wb").write(bytes(bad))
+        assert train.main(["--resume", "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("is damaged" in err or "cannot read" in err), (offset, err)
+    open(path, "wb").write(good)
+    assert train.main(["--resume", "--out", out]) == 0
+
+
+def test_an_out_path_that_cannot_be_made_leaves_no_folder(tmp_path, capsys):
+    """A 4 KB --out (each folder name fits, the whole path does not): one line, and none of the folders the
+    attempt made is left; an --out under a file likewise."""
+    deep = tmp_path / "/".join(["d" * 200] * 21) / "run"
+    assert len(str(deep)) > 4096
+    assert train.main([*TINY, "--steps", "1", "--out", str(deep)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot create the run folder (File name too long)" in err and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    assert train.main([*TINY, "--steps", "1", "--out", str(tmp_path / "file" / "a" / "run")]) == 2
+    assert "cannot create the run folder (Not a directory)" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize("where", ["file", "under-file", "empty", "unwritable"])
+def test_an_out_that_cannot_hold_a_run_is_one_line(tmp_path, capsys, where):
+    (tmp_path / "f").write_text("not a folder")
+    out = {"file": str(tmp_path / "f"), "under-file": str(tmp_path / "f" / "run"), "empty": "",
+           "unwritable": "/proc/maskprior-run"}[where]
+    if where == "unwritable" and not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc, a folder nobody can write in")
+    assert train.main([*TINY, "--steps", "2", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ("--out" in err or "not a folder" in err), err
+    assert open(tmp_path / "f").read() == "not a folder"
+
+
+def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
+    rc, out = run_train(tmp_path, "--steps", "2", *SMALL)
+    assert rc == 0
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    rc, _ = run_train(tmp_path, "--steps", "2", "--init", "mask", *SMALL)
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+
+
+def test_a_start_that_died_before_its_first_checkpoint_is_taken_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text("{}")                          # killed after args.json, before ckpt.pt
+    (out / ".ckpt.pt.abc.tmp").write_text("half")
+    assert train.main([*TINY, "--resume", "--out", str(out)]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert train.main([*TINY, "--steps", "4", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["args.json", "ckpt.pt", "metrics.jsonl", "prior.pt", "result.json"]
+    assert train.main([*TINY, "--steps", "4", "--out", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("middle line deleted", "line 3 (step 15) was logged after step 10, but the line before it is step 5: a line of "
+                            "the log is missing"),
+    ("middle line cut short", "line 3 is damaged"),
+    ("middle line not UTF-8", "line 3 is damaged"),
+    ("middle line without metrics", "line 3 is damaged"),
+    ("line repeated", "line 4 (step 10) repeats step 10"),
+    ("two lines swapped", "line 3 (step 15) was logged after step 10, but the line before it is step 5"),
+    ("a line from another log", "line 4 (step 7) goes back from step 10"),
+    ("first line deleted", "line 1 is step 5, not the run's start (step 0)"),
+])
+def test_every_log_line_is_checked_on_resume_and_in_reports(tmp_path, capsys, case, needle):
+    """A log line lost, damaged, repeated or out of order: --resume refuses in one line naming the line and
+    rewrites nothing; the report keeps the run's result in its table, leaves its log out of the curves and
+    says why. (Only a last line that a killed write cut short is dropped: the next test.)"""
+    runs = tmp_path / "runs"
+    out = str(runs / "boolean" / "parity2-mask-s0")
+    assert train.main([*RUN24, "--init", "mask", "--halt-after", "20", "--out", out]) == 0
+    log = os.path.join(out, "metrics.jsonl")
+    lines = open(log, "rb").read().splitlines(keepends=True)            # steps 0, 5, 10, 15, 20
+    if case == "middle line deleted":
+        del lines[2]
+    elif case == "middle line cut short":
+        lines[2] = lines[2][:40] + b"\n"
+    elif case == "middle line not UTF-8":
+        lines[2] = lines[2].replace(b'"loss"', b'"lo\xff\xfess"')
+    elif case == "middle line without metrics":
+        lines[2] = json.dumps({"step": 10, "prev": 5}).encode() + b"\n"
+    elif case == "line repeated":
+        lines.insert(3, lines[2])
+    elif case == "two lines swapped":
+        lines[2], lines[3] = lines[3], lines[2]
+    elif case == "a line from another log":
+        lines.insert(3, json.dumps({"step": 7, "metrics": {}, "prior_mass": None}).encode() + b"\n")
+    elif case == "first line deleted":
+        del lines[0]
+    open(log, "wb").write(b"".join(lines))
+    before = _tree(out)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "metrics.jsonl" in err and len(err.splitlines()) == 1, err
+    assert _tree(out) == before
+    (Path(out) / "result.json").write_text(json.dumps({**_fake_result("parity2", "mask", 0, {"acc": 1.0}), "steps": 20}))
+    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    assert "| mask | 0 | 100.00 ± 0.00 |" in (tmp_path / "res" / "boolean.md").read_text()
+    notes = (tmp_path / "res" / "steps_to_target.md").read_text()
+    assert f"{out}: its log is left out of the curves" in notes and needle in notes
+    assert ",mask,0," not in (tmp_path / "res" / "curves.csv").read_text()
+
+
+def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
+    runs = tmp_path / "runs" / "boolean"
+    out = str(runs / "parity2-mask-s0")
+    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "5", "--halt-after", "10",
+                       "--out", out]) == 0
+    with open(os.path.join(out, "metrics.jsonl"), "ab") as f:
+        f.write(b'{"step": 15, "prev": 10, "loss": 0.1, "metr')                   # a write cut short
+    assert train.main(["--resume", "--out", out]) == 0
+    _files_whole(out)
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 25, "lo')
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("persistence.csv") for p in written)
+    assert "its log is left out" not in (tmp_path / "results" / "steps_to_target.md").read_text()
+    assert ",mask,0,20," in (tmp_path / "results" / "curves.csv").read_text()
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: boolean
+
+@pytest.mark.parametrize("name,size,frac_unseen", [("parity2", 24576, 0.25), ("majority3", 32768, 0.25),
+                                                    ("cyclic3", 28672, 0.125)])
+def test_gotu_splits(name, size, frac_unseen):
+    task = T.make_task(name).setup()
+    assert task.n_train == size and len(task.x_test) == 2 ** 15
+    assert float(task.unseen_mask.float().mean()) == frac_unseen
+    x = task.x_train * 2 - 1
+    assert not task.in_unseen(x.numpy()).any()
+    if name != "majority3":     # every seen point exactly once
+        assert len(torch.unique(task.x_train, dim=0)) == size
+    xb, yb = task.train_batch(0, 256)
+    assert xb.shape == (256, 15) and yb.shape == (256,)
+
+
+def test_gotu_targets():
+    task = T.make_task("cyclic3").setup()
+    x = task.x_test * 2 - 1
+    y = sum(x[:, i] * x[:, (i + 1) % 15] * x[:, (i + 2) % 15] for i in range(15)).float()
+    assert torch.equal(task.y_test, y)
+    maj = T.make_task("majority3").setup()
+    assert set(maj.y_test.unique().tolist()) == {-1.0, 1.0}
+
+
+def test_epoch_batches_cover_train_set_once():
+    task = T.make_task("parity2", seed=3).setup()
+    spe = task.steps_per_epoch(1000)
+    seen = torch.cat([task.train_batch(s, 1000)[0] for s in range(spe)])
+    assert len(seen) == task.n_train and len(torch.unique(seen, dim=0)) == task.n_train
+    assert not torch.equal(task.train_batch(0, 64)[0], task.train_batch(spe, 64)[0])   # reshuffled
+
+
+@pytest.mark.parametrize("name,acc,extra", [("parity2", 0.75, {}), ("majority3", 0.875, {}),
+                                            ("cyclic3", 0.875, {"sign_acc": 0.928253173828125})])
+def test_mdi_accuracies(name, acc, extra):
+    mdi = T.make_task(name).mdi()
+    assert mdi["acc"] == acc and mdi["acc_seen"] == 1.0 and mdi["mse_seen"] == pytest.approx(0, abs=1e-9)
+    for k, v in extra.items():
+        assert mdi[k] == pytest.approx(v)
+    if name == "parity2":
+        assert mdi["coefficients"] == pytest.approx({"1": -1.0, "x0": 1.0, "x1": 1.0})
+
+
+def test_mdi_prefers_low_degree():
+    # on data that a degree-1 function fits, the MDI is that function, not the degree-2 truth
+    x = T.cube(3)
+    seen = ~((x[:, 0] == -1) & (x[:, 1] == -1))
+    pred, degree, coefs = T.min_degree_interpolator(x[seen], (x[seen, 0] * x[seen, 1]).astype(float), x)
+    assert degree == 1 and coefs == pytest.approx({(): -1.0, (0,): 1.0, (1,): 1.0})
+
+
+def test_mdi_needs_no_setup():
+    task = T.make_task("parity2")
+    assert task.mdi()["acc"] == pytest.approx(0.75)
+    assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
+
+
+def test_custom_boolean_tasks():
+    task = T.make_task("kparity", bits="2,5,9", unseen="2,5").setup()
+    assert task.n_train == 3 * 2 ** 13 and task.mdi()["acc"] == 0.75
+    p = task.pattern()
+    assert p[0, 3] and p[3, 6] and p[6, 10] and not p[1, 2]
+    maj = T.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup()
+    assert maj.n_train == 1000
+    with pytest.raises(T.TaskError):
+        T.make_task("kmajority", bits="0,1")
+    with pytest.raises(T.TaskError):
+        T.make_task("kparity", bits="0,99")
+
+
+def test_patterns_of_the_gotu_tasks():
+    p = T.make_task("parity2").pattern()
+    assert p.shape == (16, 16) and p[0, 1] and p[0, 2] and p[1, 2] and p[2, 1] and not p[0, 3]
+    assert p.diagonal().all() and not p[1, 3]
+    c = T.make_task("cyclic3").pattern()
+    assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
+
+
+@pytest.mark.parametrize("task, options", [("parity2", {}), ("majority3", {}), ("cyclic3", {}),
+                                           ("parity2", {"readout": "mean"}), ("majority3", {"readout": "mean"}),
+                                           ("kparity", {"bits": "random:3", "unseen": "bits:2", "seed": 4}),
+                                           ("kmajority", {"bits": "random:3", "unseen": "bits:2", "seed": 9})])
+def test_walsh_sets_of_the_training_data_find_the_hand_pattern(task, options):
+    """--pattern discovered from the training set alone (its Walsh coefficients up to degree 3, the sets above a
+    quarter of the largest, each a clique, CLS -> their bits) is exactly the hand pattern, in either layout and
+    for bits drawn by the seed; the target function is never read (it is replaced by a stand-in here)."""
+    t = T.make_task(task, **options).setup()
+    oracle = t.pattern()
+    t.target = lambda x: pytest.fail("the discovery read the target function")
+    assert torch.equal(t.pattern("discovered"), oracle)
+    assert t.pattern_name("discovered") == "discovered"
+    if task == "parity2" and not options:
+        assert t.discovered_sets()[0] == (0, 1)
+        coefs = T.walsh_coefficients(2 * t.x_train.numpy() - 1, t.y_train.numpy())
+        assert coefs[(0, 1)] == pytest.approx(0.889, abs=1e-3) and max(abs(v) for s, v in coefs.items()
+                                                                        if not set(s) <= {0, 1}) < 1e-9
+    if task == "kparity":
+        assert t.name == "kparity[11,13,14|U:11,13]"
+
+
+def _bit_pattern(name: str) -> torch.Tensor:
+    """What each task's default pattern allows among the 15 bit tokens (bit i -> bit j)."""
+    if name == "cyclic3":
+        d = (torch.arange(15)[:, None] - torch.arange(15)[None, :]).abs()
+        return torch.minimum(d, 15 - d) <= 2
+    bits = {"parity2": [0, 1], "majority3": [0, 1, 2]}[name]
+    p = torch.eye(15, dtype=torch.bool)
+    for i in bits:
+        for j in bits:
+            p[i, j] = True
+    return p
+
+
+@pytest.mark.parametrize("readout", ["cls", "mean"])
+@pytest.mark.parametrize("name", ["parity2", "majority3", "cyclic3"])
+def test_mask_follows_the_token_layout(name, readout):
+    """The pattern is built for the model's own layout (a CLS token first or none), and M after
+    init_mask_ equals it at the bit positions: x0 <-> x1 for parity2 and nothing else among the bits."""
+    task = T.make_task(name, readout=readout)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    model = mp.Transformer(cfg)
+    pat = task.pattern()
+    off = 1 if readout == "cls" else 0
+    assert pat.shape == (15 + off, 15 + off) == (cfg.n_positions, cfg.n_positions)
+    mp.init_mask_(model, pat)
+    for block in model.blocks:
+        for h in range(2):
+            assert torch.equal(block.attn.mask_logits[h, off:, off:] > 0, _bit_pattern(name))
+    if off:   # the CLS row reads the target's bits (cyclic3: every bit); every bit row ignores the CLS
+        m = model.blocks[0].attn.mask_logits[0]
+        assert (m[0, 1:] > 0).sum() == {"parity2": 2, "majority3": 3, "cyclic3": 15}[name] and (m[1:, 0] < 0).all()
+    task.setup()      # the probe sees the same pattern the model was given
+    assert len(mp.prior_mass(model, task.probe_inputs(8), pat)) == 2
+
+
+@pytest.mark.parametrize("readout", ["mean", "cls"])
+def test_parity2_mask_ties_the_unseen_corner_to_seen_points(readout):
+    """The mechanism behind parity2 (README): with no CLS token, position-blind tokens (positional
+    embedding 0) and the x0 <-> x1 mask made hard, x0 and x1 at (-1, -1) carry exactly the state of any
+    other bit at -1 (each sees only copies of itself), so for ANY weights the output at x0 = x1 depends
+    only on how many bits are -1: the unseen corner is tied to seen points with x0 = x1 = +1. A CLS
+    token reads x0, x1 through a state nothing ties down, and the outputs differ."""
+    task = T.make_task("parity2", readout=readout)
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=32, learnable_mask=True,
+                               pos_init_std=0.0)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, task.pattern(), m_on=30.0, m_off=30.0)
+    g = torch.Generator().manual_seed(1)
+    rest = torch.randint(0, 2, (64, 13), generator=g)
+    rest[:, :2] = 1                                         # two more +1 bits to turn into -1
+    unseen = torch.cat([torch.zeros(64, 2, dtype=torch.long), rest], 1)     # token 0 = -1, token 1 = +1
+    seen = torch.cat([torch.ones(64, 2, dtype=torch.long), rest.clone()], 1)
+    seen[:, 2:4] = 0                                        # the same number of -1 bits, x0 = x1 = +1
+    with torch.no_grad():
+        gap = (model(unseen) - model(seen)).abs().max()
+    if readout == "mean":
+        assert gap < 1e-5
+    else:
+        assert gap > 1e-2
+
+
+def test_mean_readout_run_trains_the_right_pattern(tmp_path):
+    """The regression of --readout mean: the saved M is parity2's pattern over the 15 bit tokens."""
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", "--steps", "2", *SMALL)
+    assert rc == 0
+    m = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["model"]["blocks.0.attn.prior.mask_logits"]
+    assert m.shape == (2, 15, 15) and torch.equal(m[0] > 0, _bit_pattern("parity2"))
+    assert json.load(open(os.path.join(out, "result.json")))["config"]["readout"] == "mean"
+
+
+def test_cli_pattern_that_does_not_fit_the_model_exits_2(tmp_path, capsys, monkeypatch):
+    """A task whose pattern is built for another layout than the model's: one line, exit 2, nothing written."""
+    monkeypatch.setattr(T.BooleanTask, "pattern", lambda self, variant=None: torch.eye(16, dtype=torch.bool))
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", *SMALL)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "(16, 16)" in err and "15 positions" in err
+    assert not os.path.exists(out)
+
+
+def test_pattern_of_the_other_layout_is_refused():
+    with pytest.raises(T.TaskError, match="needs --readout cls"):
+        T.make_task("parity2", readout="mean").pattern("cls")
+    with pytest.raises(T.TaskError, match="needs --readout cls"):
+        T.make_task("cyclic3", readout="mean").pattern("band-only")
+    with pytest.raises(T.TaskError, match="--readout for majority3 must be one of cls, mean"):
+        T.make_task("majority3", readout="tokens")
+
+
+def test_eval_points_sample_the_cube_in_proportion():
+    task = T.make_task("parity2").setup()
+    idx = task.eval_points(4096)
+    assert len(idx) == len(set(idx.tolist())) == 4096 and torch.equal(idx, task.eval_points(4096))
+    assert int(task.unseen_mask[idx].sum()) == 1024                      # U is a quarter of the cube
+    torch.manual_seed(0)
+    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    full, part = task.evaluate(model), task.evaluate(model, points=4096)
+    assert full["eval_points"] == 0 and part["eval_points"] == 4096
+    pred = task.predict(model)
+    assert part["mse_unseen"] == pytest.approx(float(((pred - task.y_test)[idx][task.unseen_mask[idx]] ** 2).mean()))
+    assert full["mse"] == pytest.approx(float(((pred - task.y_test) ** 2).mean()))
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: arithmetic
+
+@pytest.mark.parametrize("name,order", [("addition", "msb"), ("addition", "lsb"), ("multiplication", "msb"),
+                                        ("multiplication", "lsb")])
+def test_arithmetic_tokenisation_round_trip(name, order):
+    task = T.make_task(name, data_frac=0.001, answer_order=order)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 1000, 500), rng.integers(0, 1000, 500)
+    a[:3], b[:3] = [0, 999, 7], [0, 999, 40]
+    seq = task.encode(a, b)
+    assert seq.shape == (500, task.length) and seq.max() < len(T.ARITH_VOCAB)
+    for s, x, y in zip(seq, a, b):
+        assert task.decode(s) == (x, y, x * y if name == "multiplication" else x + y)
+    text = "".join(T.ARITH_VOCAB[i] for i in seq[1])
+    msb = "999+999=1998" if name == "addition" else "999*999=998001"
+    lsb = "999+999=8991" if name == "addition" else "999*999=100899"      # the answer digits reversed
+    assert text == (msb if order == "msb" else lsb)
+
+
+@pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
+                                         ("addition", 0.0123, 12300)])
+def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
+    task = T.make_task(name, data_frac=frac, seed=3).setup()
+    assert len(task.train_seq) == n and len(task.test_seq) == 10_000
+    pairs = lambda s: {(int(r[:3].dot([100, 10, 1])), int(r[4:7].dot([100, 10, 1]))) for r in s.numpy()}  # noqa
+    train_pairs, test_pairs = pairs(task.train_seq), pairs(task.test_seq)
+    assert len(train_pairs) == n and len(test_pairs) == 10_000 and not train_pairs & test_pairs
+    assert task.train_batch(0, 64).shape == (64, task.length)
+
+
+@pytest.mark.parametrize("frac,n_train,n_test", [(0.03, 300, 9_700), (0.3, 3_000, 7_000), (0.9, 9_000, 1_000)])
+def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac, n_train, n_test):
+    """--digits 2: 10^4 pairs; the test set is every pair not trained on (the universe allows no 10,000)."""
+    task = T.make_task("multiplication", digits=2, data_frac=frac, answer_order="lsb", seed=1).setup()
+    assert task.length == 10 and task.n_answer == 4 and task.universe == 10_000
+    rows = lambda s: {tuple(r) for r in s.numpy().tolist()}                                    # noqa: E731
+    train, test = rows(task.train_seq), rows(task.test_seq)
+    assert len(train) == n_train and len(test) == n_test and not train & test
+    assert len({task.decode(r)[:2] for r in train | test}) == n_train + n_test
+    assert all(x * y == c for x, y, c in map(task.decode, task.test_seq[:200]))
+    assert "".join(T.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
+    p = task.pattern()
+    assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
+    assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
+    with pytest.raises(T.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
+        T.make_task("multiplication", digits=2, data_frac=0.95)
+    with pytest.raises(T.TaskError, match="--digits must be an integer in 1..4"):
+        T.make_task("multiplication", digits=5)
+    assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
+
+
+def test_digit_dependence_of_the_training_pairs_finds_the_aligned_digits():
+    """Addition's answer digit of significance k depends (mutual information of the digit with an operand pair)
+    on a_k and b_k together, not on either alone: the discovered rows see a_k and b_k (the row of the
+    carry-out digit at least a2 and b2); prompt rows keep the causal pattern."""
+    t = T.make_task("addition").setup()
+    mi = t.digit_dependence()
+    assert mi.shape == (4, 3, 3) and mi[0, 0, 0] > 2.0 and mi[1, 1, 1] > 1.0 and mi[2, 2, 2] > 1.0
+    assert mi[0][~np.eye(3, dtype=bool)].max() < 0.1
+    p, rows = t.pattern("discovered"), t.answer_rows()
+    for q in rows[1:]:                                         # the rows of answer digits 2, 1, 0 (msb first)
+        k = t.answer_significance(q - t.eq_pos)
+        assert p[q].nonzero().flatten().tolist() == [2 - k, 6 - k, q]          # a_k, b_k and itself
+    assert p[rows[0], 0] and p[rows[0], 4]                     # '=' (the carry-out digit): a2, b2 at least
+    assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
+    assert T._mutual_information(np.arange(1000) % 10, np.arange(1000) % 7) < 0.05
+
+
+def test_partial_product_pattern_gives_each_head_one_product():
+    """--pattern partial (multiplication): head i sees a_i and b_(k-i) for the answer digit of significance k,
+    head d the answer written so far, the rest the carry pattern; 2 digits, answers reversed: a1 a0 * b1 b0 = c0.."""
+    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=4)
+    p = task.pattern("partial")
+    rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
+    assert p.shape == (4, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(4))
+    assert rows(0, 5) == [1, 4, 5] and rows(1, 5) == [5]               # '=' predicts c0 = a0 b0: head 0 only
+    assert rows(0, 6) == [1, 3, 6] and rows(1, 6) == [0, 4, 6]         # c1: a0 b1 in head 0, a1 b0 in head 1
+    assert rows(0, 7) == [7] and rows(1, 7) == [0, 3, 7]               # c2: a1 b1 in head 1
+    assert rows(2, 8) == [6, 7, 8] and rows(2, 5) == [5]               # head 2: the answer digits so far
+    assert p[3].equal(task.pattern("carry"))                           # a fourth head: the carry pattern
+    logits = task.mask_logits("partial", 5.0, 10.0)
+    assert logits.shape == (4, 9, 9) and logits[1, 6, 0] == 5 and logits[1, 6, 1] == -10
+    msb = T.make_task("multiplication", digits=2, data_frac=0.3, heads=4).pattern("partial")
+    assert torch.nonzero(msb[1, 5]).flatten().tolist() == [5]         # msb: '=' predicts c3, a carry alone
+    assert torch.nonzero(msb[1, 6]).flatten().tolist() == [0, 3, 6]   # c2: a1 b1 in head 1
+    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
+        T.make_task("multiplication", digits=3, heads=3).pattern("partial")
+    with pytest.raises(T.TaskError, match="has no pattern 'partial'"):
+        T.make_task("addition").pattern("partial")
+
+
+def test_arithmetic_pattern_for_known_positions():
+    add = T.make_task("addition")
+    p = add.pattern()
+    assert p.shape == (11, 11)
+    # row 8 holds c3 and predicts c2 (significance 2): a2 a1 a0 b2 b1 b0 allowed, '+' and '=' not
+    assert p[8].tolist() == [True, True, True, False, True, True, True, False, True, False, False]
+    # row 10 predicts c0: only a0 (2), b0 (6) and itself
+    assert torch.nonzero(p[10]).flatten().tolist() == [2, 6, 10]
+    assert p[:7].equal(mp.causal_pattern(11)[:7])          # prompt rows keep the plain causal pattern
+    logits = add.mask_logits(None, 5.0, 5.0)
+    assert logits[8, 0] == 5 and logits[8, 1] == 5 and logits[8, 2] == 0 and logits[8, 3] == -5
+    aligned = add.pattern("aligned")
+    assert torch.nonzero(aligned[10]).flatten().tolist() == [2, 6, 10]
+    mul = T.make_task("multiplication")
+    m = mul.pattern()
+    assert m.shape == (13, 13) and torch.nonzero(m[12]).flatten().tolist() == [2, 6, 12]   # c0: a0, b0
+    assert m[9, :7].tolist() == [True, True, True, False, True, True, True]                # c3: all digits
+    assert not (m & ~mp.causal_pattern(13)).any()           # the prior never reaches into the future
+    lsb = T.make_task("addition", answer_order="lsb").pattern()
+    assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
+
+
+def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "addition", "--init", "mask", "--steps", "250", "--log-every", "250",
+                        "--layers", "2", "--dim", "64", "--heads", "4", "--mlp-dim", "128", "--probe-size", "64")
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    first, last = lines[0]["metrics"], lines[-1]["metrics"]
+    assert last["digit_acc"] > first["digit_acc"] + 0.15 and 0 <= last["seq_acc"] <= 1
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert {"seq_acc", "digit_acc", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    assert first["eval_points"] == 2000 and last["eval_points"] == res["metrics"]["eval_points"] == 0
+
+
+def test_arithmetic_eval_points_are_the_first_test_pairs():
+    task = T.make_task("addition").setup()
+    torch.manual_seed(0)
+    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    part, full = task.evaluate(model, points=100), task.evaluate(model)
+    assert part["eval_points"] == 100 and full["eval_points"] == 0
+    preds = task.generate(model, task.test_seq[:100, :task.eq_pos + 1])
+    assert part["digit_acc"] == pytest.approx(float((preds == task.test_seq[:100, task.eq_pos + 1:]).float().mean()))
+
+
+@pytest.mark.parametrize("frac,needle", [("0", "must be in (0, 1]"), ("1.5", "must be in (0, 1]"),
+                                         ("-0.1", "must be in (0, 1]"), ("1e-7", "gives no training pair"),
+                                         ("1", "disjoint test set")])
+def test_arithmetic_bad_data_frac(tmp_path, capsys, frac, needle):
+    rc, out = run_train(tmp_path, "--task", "addition", "--data-frac", frac)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(out)
+
+
+def _lee_pair(text: str) -> tuple:
+    a, b = re.match(r"\$?(\d+)\*(\d+)=", text).groups()
+    return int(a), int(b)
+
+
+def test_lee_samples_are_lee_et_al_s_construction():
+    """--lee-samples N (--digits 2): the 100 one-digit pairs, then N - 100 drawn with replacement from
+    0..99 x 0..99 by the seed; unpadded a*b=c (lsb: $a*b=rev(c)$); tested on every pair not trained on."""
+    every = set(itertools.product(range(100), repeat=2))
+    made = {}
+    for order in ("msb", "lsb"):
+        task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, seed=5).setup()
+        train_text = [task.lee_decode(r) for r in task.train_seq]
+        test_text = [task.lee_decode(r) for r in task.test_seq]
+        tr, te = [_lee_pair(x) for x in train_text], [_lee_pair(x) for x in test_text]
+        assert len(tr) == task.n_train == 3000 and set(itertools.product(range(10), repeat=2)) <= set(tr)
+        assert collections.Counter(tr) == collections.Counter(map(tuple, T.lee_pairs(3000, 5).tolist()))
+        assert T.lee_pairs(3000, 5)[:100].tolist() == [[a, b] for a in range(10) for b in range(10)]
+        assert len(set(tr)) == task.n_pairs_trained < 3000 and len(te) == len(set(te)) == task.test_size
+        assert not set(tr) & set(te) and set(tr) | set(te) == every              # every pair not trained on
+        assert all(x == T.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
+        assert task.train_seq.shape == (3000, T.LEE_ROW[order]) and task.arch()["seq_len"] == T.LEE_ROW[order] - 1
+        made[order] = tr
+    assert made["msb"] == made["lsb"]                                      # one draw for both formats
+    assert T.lee_text(7, 12, "msb") == "7*12=84\n" and T.lee_text(7, 12, "lsb") == "$7*12=48$"
+    assert T.lee_text(0, 0, "msb") == "0*0=0\n" and T.lee_text(99, 99, "lsb") == "$99*99=1089$"
+    again, other, twin = (T.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
+    assert torch.equal(again.train_seq, twin.train_seq) and not torch.equal(again.train_seq, other.train_seq)
+    small = T.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
+    assert small.n_pairs_trained == 100 and small.test_size == 9_900
+    row = again.lee_encode(np.array([[7, 3]]))[0]
+    assert again.lee_decode(row) == "7*3=21\n" and "".join(T.LEE_VOCAB[i] for i in row) == "7*3=21\n____"
+
+
+def _lee_expected(text: str, order: str) -> torch.Tensor:
+    """The pattern of one example, written from its text: prompt rows see every earlier character; the row
+    that predicts answer character t sees '=', the answer so far and the operand digits of significance <=
+    k (lsb: k = t; msb: k = len(a) + len(b) - 1 - t); past the last digit of the longest answer, every digit."""
+    a, b = text.lstrip("$").split("=")[0].split("*")
+    pre, n = int(text[0] == "$"), len(text) - 1
+    eq = text.index("=")
+    sig = {pre + i: len(a) - 1 - i for i in range(len(a))}
+    sig.update({pre + len(a) + 1 + j: len(b) - 1 - j for j in range(len(b))})
+    full = 4 if order == "lsb" else len(a) + len(b)
+    pat = mp.causal_pattern(n).clone()
+    for r in range(eq, n):
+        t = r - eq
+        k = 9 if t >= full else (t if order == "lsb" else len(a) + len(b) - 1 - t)
+        pat[r] = False
+        pat[r, eq:r + 1] = True
+        for pos, s in sig.items():
+            pat[r, pos] = s <= k
+    return pat
+
+
+@pytest.mark.parametrize("order", ["msb", "lsb"])
+def test_lee_pattern_aligns_digits_by_significance_for_every_operand_length(order):
+    """One M on the roles of the longest layout; each example's positions map to the roles of the same
+    significance (1x1, 1x2, 2x1, 2x2 operands, full and short answers), the model's bias follows."""
+    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, heads=2)
+    pairs = [(7, 3), (3, 3), (7, 15), (15, 7), (12, 34), (99, 99)]        # 1x1 (and short), 1x2, 2x1, 2x2
+    rows = task.lee_encode(np.array(pairs))
+    x = rows[:, :-1]
+    r_role, c_role = task.lee_roles(x)
+    seen = task.pattern()[r_role[:, :, None], c_role[:, None, :]] & mp.causal_pattern(x.shape[1])
+    for i, (a, b) in enumerate(pairs):
+        text = T.lee_text(a, b, order)
+        n = len(text) - 1                                                 # the rows that predict a character
+        assert torch.equal(seen[i, :n, :n], _lee_expected(text, order)), text
+    eq = 4 if order == "msb" else 5                                       # 7*15=105: '=' at position 4 (msb)
+    keys = lambda i, q: torch.nonzero(seen[i, q, :q + 1]).flatten().tolist()        # noqa: E731
+    if order == "msb":
+        assert keys(2, eq) == [0, 2, 3, 4]            # '=' predicts 1 (c2): a0=7, b1=1, b0=5 and '='
+        assert keys(2, eq + 2) == [0, 3, 4, 5, 6]     # '0' predicts 5 (c0): a0, b0, '=', the answer so far
+        assert keys(3, eq + 2) == [1, 3, 4, 5, 6]     # 15*7=105: a0=5 (position 1), b0=7 (3)
+        assert torch.equal(r_role[4], torch.arange(10)) and torch.equal(c_role[4], torch.arange(10))  # 2x2: positions
+    else:
+        assert keys(2, eq) == [1, 4, 5]               # '=' predicts c0 = 5: a0=7 (1), b0=5 (4), '='
+        assert keys(0, 4) == [1, 3, 4]                # 7*3: '=' at 4 predicts c0: a0 (1), b0 (3)
+    torch.manual_seed(0)
+    cfg = mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    model = mp.Transformer(cfg)
+    mp.init_mask_(model, logits=task.mask_logits(None, 5.0, 5.0))
+    with mp.prior_roles(model, r_role, c_role):
+        bias = model.blocks[0].attn.attn_bias(x.shape[1], torch.float32)
+    assert bias.shape == (6, 2) + seen.shape[1:] and torch.equal(bias[:, 0] > -1, seen)
+    assert model.blocks[0].attn.prior.roles is None                       # the block's end clears the roles
+    assert torch.equal(bias[4], model.blocks[0].attn.attn_bias(x.shape[1], torch.float32))
+
+
+class _LeeOracle(nn.Module):
+    """Writes the right next character of every row (or, `early`, the end one character early)."""
+
+    def __init__(self, task, early=False):
+        super().__init__()
+        self.task, self.early = task, early
+
+    def forward(self, x, return_attn=False):
+        out = torch.zeros(*x.shape, len(T.LEE_VOCAB))
+        for i, row in enumerate(x.tolist()):
+            text = "".join(T.LEE_VOCAB[c] for c in row)
+            answer = T.lee_text(*_lee_pair(text), self.task.answer_order)
+            answer = answer[answer.index("=") + 1:]
+            if self.early:
+                answer = answer[:-2] + answer[-1]
+            for t in range(text.index("="), len(row)):
+                written = t - text.index("=")
+                out[i, t, T.LEE_TOKENS[answer[written] if written < len(answer) else "_"]] = 1
+        return out
+
+
+@pytest.mark.parametrize("order", ["msb", "lsb"])
+def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(order):
+    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order).setup()
+    right = task.evaluate(_LeeOracle(task), points=150)
+    assert right["seq_acc"] == right["train_seq_acc"] == right["digit_acc"] == right["train_digit_acc"] == 1.0
+    assert right["eval_points"] == 150 and right["n_train"] == 3000 and right["n_test"] == task.test_size
+    early = task.evaluate(_LeeOracle(task, early=True), points=150)
+    assert early["seq_acc"] == early["train_seq_acc"] == 0.0 and 0.4 < early["digit_acc"] < 1.0
+    class Unsure(_LeeOracle):                        # the right character, by a margin sampling at 0.8 misses
+        def forward(self, x, return_attn=False):
+            return 2 * super().forward(x)
+    sure, sampled = task.evaluate(Unsure(task), points=150), task.evaluate(Unsure(task), points=150, temperature=0.8)
+    assert sure["seq_acc"] == 1.0 and 0 < sampled["seq_acc"] < 0.9 and sampled["train_seq_acc"] < 0.9
+    assert sampled == task.evaluate(Unsure(task), points=150, temperature=0.8)         # seeded
+    rows = task.lee_encode(np.array([[7, 15], [3, 3]]))
+    targets = task.lee_targets(rows)
+    want = ["105\n", "9\n"] if order == "msb" else ["501$", "9$"]
+    assert ["".join(T.LEE_VOCAB[t] for t in r if t >= 0) for r in targets.tolist()] == want
+    assert float(task.loss(_LeeOracle(task), rows)) < float(task.loss(_LeeOracle(task, early=True), rows))
+
+
+def test_lee_run_logs_train_and_test_accuracy(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "multiplication", "--digits", "2", "--lee-samples", "200", "--init", "mask",
+                        "--answer-order", "lsb", "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
+                        "--heads", "2", "--mlp-dim", "16", "--batch-size", "8", "--probe-size", "8",
+                        "--eval-points", "20")
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert all({"seq_acc", "train_seq_acc"} <= set(r["metrics"]) for r in lines)
+    assert lines[1]["metrics"]["eval_points"] == 20
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["n_pairs_trained"] < 200 + 1
+    assert res["metrics"]["prior_mass_start"] > 0.9
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: vision readers
+
+class _Py2Pickler(pickle._Pickler):
+    """Pickles as Python 2's cPickle wrote the CIFAR batches: protocol 2, every str and bytes an 8-bit string
+    (SHORT_BINSTRING / BINSTRING; Python 3 writes bytes through _codecs.encode), numpy's functions under
+    numpy.core (numpy 2 names numpy._core)."""
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_bytes(self, obj):
+        data = obj.encode("latin1") if isinstance(obj, str) else obj
+        n = len(data)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) + data if n < 256 else
+                   pickle.BINSTRING + struct.pack("<i", n) + data)
+        self.memoize(obj)
+
+    def save_global(self, obj, name=None):
+        module = obj.__module__.replace("numpy._core", "numpy.core")
+        self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode("ascii"))
+        self.memoize(obj)
+
+    dispatch[bytes] = dispatch[str] = save_bytes
+
+
+def _py2_dumps(d) -> bytes:
+    f = io.BytesIO()
+    _Py2Pickler(f, protocol=2).dump(d)
+    return f.getvalue()
+
+
+def _py2_pickle(path, d):
+    """What a CIFAR / Imagenet32 batch file holds, as Python 2 wrote it: a dict with bytes keys (`_Py2Pickler`)."""
+    Path(path).write_bytes(_py2_dumps(d))
+
+
+def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    xs, ys = [], []
+    for i in range(1, 6):
+        x, y = _images(4, i), [(i + j) % 10 for j in range(4)]
+        _py2_pickle(root / f"data_batch_{i}", {b"batch_label": b"training batch", b"labels": y,
+                                               b"data": x.reshape(4, -1), b"filenames": [b"a.png"] * 4})
+        xs.append(x)
+        ys += y
+    _py2_pickle(root / "test_batch", {b"labels": [3, 1], b"data": _images(2, 9).reshape(2, -1)})
+    d = T.read_cifar(str(tmp_path), "cifar10")
+    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][0].dtype == np.uint8
+    assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
+    assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
+    # the python-3 style (str keys) reads the same
+    (root / "test_batch").write_bytes(pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4))
+    assert T.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
+
+
+def test_cifar100_python_and_binary_releases(tmp_path):
+    py = tmp_path / "py" / "cifar-100-python"
+    py.mkdir(parents=True)
+    for split, n in (("train", 5), ("test", 3)):
+        _py2_pickle(py / split, {b"fine_labels": list(range(90, 90 + n)), b"coarse_labels": [1] * n,
+                                 b"data": _images(n, n).reshape(n, -1)})
+    d = T.read_cifar(str(tmp_path / "py"), "cifar100")
+    assert d["train"][1].tolist() == [90, 91, 92, 93, 94] and np.array_equal(d["test"][0], _images(3, 3))
+    # binary: <coarse label byte><fine label byte><3072 pixel bytes> per record
+    b = tmp_path / "bin" / "cifar-100-binary"
+    b.mkdir(parents=True)
+    for split, n in (("train", 4), ("test", 2)):
+        x = _images(n, n + 10)
+        rec = np.concatenate([np.full((n, 1), 7, np.uint8), np.arange(n, dtype=np.uint8)[:, None] + 50,
+                              x.reshape(n, -1)], axis=1)
+        rec.tofile(b / f"{split}.bin")
+    d = T.read_cifar(str(tmp_path / "bin"), "cifar100")
+    assert d["train"][1].tolist() == [50, 51, 52, 53] and np.array_equal(d["test"][0], _images(2, 12))
+
+
+def test_cifar10_binary_release(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        x = _images(2, len(name))
+        np.concatenate([np.array([[4], [9]], np.uint8), x.reshape(2, -1)], axis=1).tofile(b / f"{name}.bin")
+    d = T.read_cifar(str(tmp_path), "cifar10")
+    assert d["train"][0].shape == (10, 3, 32, 32) and d["train"][1].tolist() == [4, 9] * 5
+    assert np.array_equal(d["test"][0], _images(2, len("test_batch")))
+
+
+def test_malformed_and_missing_image_files(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    (b / "data_batch_1.bin").write_bytes(b"\0" * 3000)           # not a whole 3073-byte record
+    with pytest.raises(T.DataError, match="not a whole number of 3073-byte records"):
+        T.read_cifar_binary(str(b / "data_batch_1.bin"))
+    py = tmp_path / "p" / "cifar-10-batches-py"
+    py.mkdir(parents=True)
+    good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
+    (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
+    with pytest.raises(T.DataError, match="truncated, damaged or not a release pickle"):
+        T.read_cifar(str(tmp_path / "p"), "cifar10")
+    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
+    with pytest.raises(T.DataError, match="2 images but 3 labels"):
+        T.read_cifar_pickle(str(py / "data_batch_1"))
+    _py2_pickle(py / "data_batch_1", {b"labels": [1, 2], b"data": _images(2).reshape(2, -1)})
+    with pytest.raises(T.DataError, match="data_batch_2 is missing"):
+        T.read_cifar(str(tmp_path / "p"), "cifar10")
+    with pytest.raises(T.DataError, match="CIFAR-100 not found.*cifar.html"):
+        T.read_cifar(str(tmp_path / "empty"), "cifar100")
+
+
+def _imagenet_dir(tmp_path, suffix=""):
+    """A downsampled-ImageNet layout: map_clsloc.txt (1000 wnids, 1-based labels) and batches
+    whose labels are 1-based; two of the ImageNet-100 classes and one other class present."""
+    root = tmp_path / ("in" + suffix)
+    root.mkdir()
+    others = [f"n9{i:07d}" for i in range(1000 - 100)]
+    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
+    (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
+    lab = {w: i for i, w in enumerate(wnids, 1)}
+    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
+
+    def write(name, n):
+        x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
+        if suffix:
+            np.savez(root / f"{name}.npz", data=x, labels=np.array(y))
+        else:
+            _py2_pickle(root / name, {b"data": x, b"labels": y, b"mean": np.zeros(3072)})
+    for i in range(1, 11):
+        write(f"train_data_batch_{i}", 1)
+    write("val_data", 2)
+    return root
+
+
+@pytest.mark.parametrize("suffix", ["", ".npz"])
+def test_imagenet100_downsampled_keeps_the_100_classes_in_wnid_order(tmp_path, suffix):
+    assert len(T.IMAGENET100_WNIDS) == 100 and list(T.IMAGENET100_WNIDS) == sorted(set(T.IMAGENET100_WNIDS))
+    root = _imagenet_dir(tmp_path, suffix)
+    d = T.read_imagenet100_downsampled(str(root))
+    assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][1].tolist() == [0, 99] * 10
+    assert d["test"][1].tolist() == [0, 99, 0, 99]
+    assert np.array_equal(d["test"][0][:2], _images(6, 2)[:2])
+    os.remove(root / "map_clsloc.txt")
+    with pytest.raises(T.DataError, match="map_clsloc.txt is missing"):
+        T.read_imagenet100_downsampled(str(root))
+
+
+def test_imagenet_labels_must_be_one_based(tmp_path):
+    root = _imagenet_dir(tmp_path)
+    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": [0]})
+    with pytest.raises(T.DataError, match="1-based"):
+        T.read_imagenet100_downsampled(str(root))
+
+
+def test_image_folder_reader(tmp_path):
+    try:
+        from PIL import Image
+    except ImportError:
+        with pytest.raises(T.DataError, match="needs Pillow: pip install pillow"):
+            T.read_image_folder(str(tmp_path), 32)
+        return
+    for label in (0, 99):
+        folder = tmp_path / T.IMAGENET100_WNIDS[label]
+        folder.mkdir()
+        Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(folder / "a.png")
+    for w in T.IMAGENET100_WNIDS[1:99]:
+        (tmp_path / w).mkdir()
+    x, y = T.read_image_folder(str(tmp_path), 16)
+    assert x.shape == (2, 3, 16, 16) and y.tolist() == [0, 99]
+    (tmp_path / T.IMAGENET100_WNIDS[0] / "b.png").write_bytes(b"not an image")
+    with pytest.raises(T.DataError, match="not a readable image"):
+        T.read_image_folder(str(tmp_path), 16)
+
+
+_U8 = np.zeros((4, 3072), np.uint8)
+
+
+@pytest.mark.parametrize("data,labels,needle", [
+    (np.full((4, 3072), 0.5), [1, 2, 3, 4], "pixels must be integers 0..255 (uint8, as in the release), "
+                                            "found float64 values in 0.5..0.5"),           # 0-1 floats
+    (np.full((4, 3072), 200.0), [1, 2, 3, 4], "found float64 values in 200..200"),        # 0-255 floats
+    (np.full((4, 3072), np.nan), [1, 2, 3, 4], "found float64 values with NaN"),
+    (np.full((4, 3072), 300), [1, 2, 3, 4], "pixels must be integers 0..255, found 300..300"),
+    (np.full((4, 3072), -1), [1, 2, 3, 4], "found -1..-1"),
+    (_U8, ["a", "b", "c", "d"], "labels must be integers, found |S1 values (e.g. b'a')"),     # Python 2's str
+    (_U8, [[1], [2], [3], [4]], "labels must be a flat list of integers, found a list of lists"),
+    (_U8, np.ones((4, 1), np.int64), "labels must be a flat list of integers, found an array of shape (4, 1)"),
+    (_U8, [1, 2, 3, 10], "labels must lie in 0..9, found 1..10"),
+    (_U8, [1, 2, 3, -1], "labels must lie in 0..9, found -1..3"),
+    (np.zeros((4, 768), np.uint8), [1, 2, 3, 4], "rows of 768 bytes are 16x16 images; expected 32x32 (rows of 3072"),
+    (np.zeros((0, 3072), np.uint8), [], "data_batch_2 holds no images (an empty batch)"),
+])
+def test_broken_cifar_data_is_refused_before_anything_is_cached(tmp_path, capsys, data, labels, needle):
+    x, y = _images(4), [1, 2, 3, 4]
+    T.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
+    _py2_pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {b"data": data, b"labels": labels})
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--steps", "1", "--layers", "1",
+                        "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8", "--batch-size", "4")
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "data_batch_2" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["cifar-10-batches-py"]        # no cache, no run folder
+
+
+def test_broken_binary_labels_and_imagenet_batches_are_refused(tmp_path):
+    b = tmp_path / "cifar-10-batches-bin"
+    b.mkdir()
+    np.concatenate([np.array([[4], [12]], np.uint8), _images(2).reshape(2, -1)], axis=1).tofile(b / "x.bin")
+    with pytest.raises(T.DataError, match=r"x.bin: labels must lie in 0..9, found 4..12"):
+        T.read_cifar_binary(str(b / "x.bin"), n_classes=10)
+    root = _imagenet_dir(tmp_path)
+    _py2_pickle(root / "val_data", {b"data": np.full((1, 3072), 0.5), b"labels": [1]})
+    with pytest.raises(T.DataError, match="val_data: pixels must be integers 0..255"):
+        T.read_imagenet100_downsampled(str(root))
+    _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": ["n01558993"]})
+    with pytest.raises(T.DataError, match="val_data: labels must be integers"):
+        T.read_imagenet100_downsampled(str(root))
+
+
+def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
+    x, y = _images(10), np.arange(10) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
+    os.mkdir(tmp_path / "cifar-10-batches-py" / "data_batch_3")
+    with pytest.raises(T.DataError, match="data_batch_3 is not a file"):
+        T.read_cifar(str(tmp_path), "cifar10")
+    with pytest.raises(T.DataError, match="cannot be read"):
+        T.read_cifar_pickle(str(tmp_path / "cifar-10-batches-py" / "data_batch_3"))
+
+
+_PAYLOADS = ["system", "eval", "subprocess"]
+
+
+@pytest.mark.parametrize("how", _PAYLOADS)
+@pytest.mark.parametrize("where", ["cifar10 data_batch_1", "cifar10 test_batch", "cifar100 train",
+                                   "imagenet val_data", "imagenet .npz"])
+def test_a_dataset_file_that_would_run_code_runs_nothing(tmp_path, capsys, where, how):
+    """A dataset file crafted to run a command when unpickled (os.system, eval, subprocess; as the only
+    value, inside the dict, in a Python 2 or a Python 3 pickle) is one line and exit 2, and the command
+    never runs: the batches are read by `T.ReleaseUnpickler`, which admits only numbers and arrays."""
+    marker = tmp_path / "ran"
+    evil = {b"data": _Touch(marker, how), b"labels": [1]}
+    if where.startswith("cifar10 "):
+        data = tmp_path / "data"
+        T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
+        target = data / "cifar-10-batches-py" / where.split()[1]
+        target.write_bytes(pickle.dumps(evil if "test" in where else _Touch(marker, how), protocol=2))
+        argv = ["--task", "cifar10", "--data-dir", data]
+    elif where == "cifar100 train":
+        data = tmp_path / "data" / "cifar-100-python"
+        data.mkdir(parents=True)
+        (data / "train").write_bytes(pickle.dumps(evil, protocol=4))
+        _py2_pickle(data / "test", {b"fine_labels": [1], b"data": _images(1).reshape(1, -1)})
+        argv = ["--task", "cifar100", "--data-dir", data.parent]
+    else:
+        data = _imagenet_dir(tmp_path)
+        if where.endswith(".npz"):
+            os.remove(data / "val_data")
+            np.savez(data / "val_data.npz", data=np.array([_Touch(marker, how)], dtype=object), labels=np.array([1]))
+        else:
+            (data / "val_data").write_bytes(pickle.dumps(evil, protocol=2))
+        argv = ["--task", "imagenet100", "--data-dir", data]
+    before = sorted(os.listdir(tmp_path))
+    rc, _ = run_train(tmp_path, *argv, "--steps", "1", "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim",
+                      "24", "--patch-size", "8", "--batch-size", "2")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and not marker.exists(), err
+    assert ("no release file holds" in err and "nothing was run" in err) or "not an Imagenet32/64 .npz" in err, err
+    assert sorted(os.listdir(tmp_path)) == before                       # no run folder
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_python_3_pickles_of_a_batch_read_the_same(tmp_path, protocol):
+    """A batch re-saved by Python 3 (bytes through _codecs.encode at protocol 2, numpy._core names, protocol 5's
+    _frombuffer), with str or bytes keys, reads as the Python 2 original."""
+    x, y = _images(3, 7).reshape(3, -1), [4, 5, 6]
+    for keys in (bytes, str):
+        k = (lambda s: s.encode()) if keys is bytes else (lambda s: s)
+        (tmp_path / "b").write_bytes(pickle.dumps({k("data"): x, k("labels"): y, k("batch_label"): k("b")},
+                                                  protocol=protocol))
+        got = T.read_cifar_pickle(str(tmp_path / "b"), n_classes=10)
+        assert np.array_equal(got[0].reshape(3, -1), x) and got[1].tolist() == y
+
+
+def test_damaged_copies_of_a_release_batch_are_one_data_error_each(tmp_path):
+    """600 damaged copies of a Python 2 data_batch (bits flipped, bytes changed, cut, inserted or deleted, most
+    in its structure): each reads or is one DataError, never another exception; and a damaged memo index that
+    makes C's unpickler allocate gigabytes costs the pure-Python one nothing (ReleaseUnpickler)."""
+    import random
+    import tracemalloc
+    x = _images(6, 3).reshape(6, -1)
+    good = _py2_dumps({b"batch_label": b"training batch 1 of 5", b"labels": [1, 2, 3, 4, 5, 6], b"data": x,
+                       b"filenames": [b"img_%d.png" % i for i in range(6)]})
+    body = good.index(x.tobytes()[:64])
+    rng, path, read, refused = random.Random(0), tmp_path / "data_batch_1", 0, 0
+    for _ in range(600):
+        b = bytearray(good)
+        p = rng.choice([rng.randrange(body), rng.randrange(body + x.nbytes, len(b)), rng.randrange(len(b))])
+        kind = rng.randrange(5)
+        if kind == 0:
+            b[p] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            b[p] = rng.randrange(256)
+        elif kind == 2:
+            b = b[:p]
+        elif kind == 3:
+            b[p:p] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
+        else:
+            del b[p:p + rng.randint(1, 6)]
+        path.write_bytes(bytes(b))
+        try:
+            T.read_cifar_pickle(str(path), n_classes=10)
+            read += 1
+        except T.DataError:
+            refused += 1
+    assert read + refused == 600 and refused > 300
+    reduce_at = good.index(b"R", good.index(b"numpy\nndarray"))        # REDUCE -> LONG_BINPUT with a huge index
+    path.write_bytes(good[:reduce_at] + b"r" + good[reduce_at + 1:])
+    tracemalloc.start()
+    with pytest.raises(T.DataError):
+        T.read_cifar_pickle(str(path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50e6, peak
+    for labels, needle in (([10 ** 5000], "64-bit integers"), ([[1], [2]] * 3, "a flat list of integers"),
+                           (b"\x01" * 6, "labels must be a list of integers, found bytes")):
+        _py2_pickle(path, {b"data": x, b"labels": labels})
+        with pytest.raises(T.DataError, match=needle):
+            T.read_cifar_pickle(str(path))
+    _py2_pickle(path, {b"data": x.tolist(), b"labels": [1] * 6})
+    with pytest.raises(T.DataError, match="pixels must be a numpy array of uint8 rows"):
+        T.read_cifar_pickle(str(path))
+
+
+def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_path, monkeypatch):
+    x, y = _images(10), np.arange(10) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    first = T.load_image_dataset("cifar10", str(tmp_path))
+    cache = tmp_path / "maskprior-cache" / "cifar10-32.npz"
+    assert cache.exists()
+    with monkeypatch.context() as m:                               # the second run reads only the cache
+        m.setattr(T, "read_cifar", lambda *a: pytest.fail("the cache was not used"))
+        again = T.load_image_dataset("cifar10", str(tmp_path))
+    assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
+    # the batches replaced in place (other images, other labels): the cache is rebuilt, not trusted
+    x2 = 255 - x
+    T.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
+    for f in os.listdir(tmp_path / "new" / "cifar-10-batches-py"):
+        shutil.copyfile(tmp_path / "new" / "cifar-10-batches-py" / f, tmp_path / "cifar-10-batches-py" / f)
+    os.utime(tmp_path / "cifar-10-batches-py" / "test_batch", ns=(1, 1))      # even with an older mtime
+    fresh = T.load_image_dataset("cifar10", str(tmp_path))
+    assert np.array_equal(fresh["train"][0], x2) and fresh["test"][1].tolist() == ((y[:4] + 1) % 10).tolist()
+    shutil.rmtree(tmp_path / "cifar-10-batches-py")               # sources gone: the cache is not trusted either
+    with pytest.raises(T.DataError, match="CIFAR-10 not found"):
+        T.load_image_dataset("cifar10", str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: augmentation
+
+def test_augmentation_shapes_and_determinism():
+    x = torch.as_tensor(_images(8))
+    a = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    b = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    c = T.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
+    assert a.shape == x.shape and a.dtype == torch.uint8 and a.equal(b) and not a.equal(c)
+    assert T.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
+    # a crop is a shifted window of the zero-padded image
+    one = torch.arange(16, dtype=torch.uint8).view(1, 1, 4, 4)
+    out = T.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
+    padded = F.pad(one, (1, 1, 1, 1))
+    assert any(out.equal(padded[..., i:i + 4, j:j + 4]) for i in range(3) for j in range(3))
+
+
+def _aug_images(n=6, h=9, w=11, seed=0):
+    x = np.random.default_rng(seed).integers(0, 256, (n, 3, h, w), dtype=np.uint8)
+    x[1] = x[1] // 4 + 100                                   # a low-contrast image
+    x[2] = x[2] // 8 + 3                                     # a dark one
+    return torch.as_tensor(x)
+
+
+@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
+def test_randaugment_op_shapes_range_determinism_and_identity(name):
+    fn, arg = T.RANDAUG_OPS[name]
+    x = _aug_images()
+    m = torch.full((6,), 7.0)
+    sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
+    out = fn(x, None if arg is None else arg(m, sign))
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    again = fn(x, None if arg is None else arg(m, sign))
+    assert torch.equal(out, again)
+    if arg is not None:                                      # magnitude 0 leaves every image as it is
+        assert torch.equal(fn(x, arg(torch.zeros(6), sign)), x), name
+        assert name == "identity" or not torch.equal(out, x), name
+
+
+PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that argument)
+    "brightness": (1.7, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Brightness(im).enhance(a)),
+    "color": (0.3, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Color(im).enhance(a)),
+    "contrast": (1.6, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Contrast(im).enhance(a)),
+    "sharpness": (0.2, lambda im, a: __import__("PIL.ImageEnhance").ImageEnhance.Sharpness(im).enhance(a)),
+    "posterize": (3, lambda im, a: __import__("PIL.ImageOps").ImageOps.posterize(im, a)),
+    "solarize": (100, lambda im, a: __import__("PIL.ImageOps").ImageOps.solarize(im, a)),
+    "autocontrast": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.autocontrast(im)),
+    "equalize": (None, lambda im, a: __import__("PIL.ImageOps").ImageOps.equalize(im)),
+}
+
+
+@pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
+def test_randaugment_photometric_ops_equal_pillows(name):
+    """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
+    fn = T.RANDAUG_OPS[name][0]
+    a, ref = PIL_EQUIVALENT[name]
+    x = _aug_images()
+    ours = fn(x, a).numpy()
+    try:
+        from PIL import Image
+    except ImportError:
+        hand = {"brightness": lambda v: min(255, int(v * 1.7)), "posterize": lambda v: v & 0b11100000,
+                "solarize": lambda v: 255 - v if v >= 100 else v}
+        if name in hand:
+            assert all(ours.flat[i] == hand[name](int(x.numpy().flat[i])) for i in range(0, ours.size, 7))
+        return
+    want = np.stack([np.asarray(ref(Image.fromarray(img.transpose(1, 2, 0)), a)).transpose(2, 0, 1)
+                     for img in x.numpy()])
+    assert np.array_equal(ours, want), (ours != want).sum()
+
+
+def test_geometric_ops_by_hand():
+    x = _aug_images(4, 9, 9)
+    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
+    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
+    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
+    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
+    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
+    assert torch.equal(t[..., 3:, :], x[..., :6, :])
+    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
+    assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
+    s = T.aug_shear_y(x, 1.0)
+    assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
+
+
+def test_rand_augment_is_seeded_and_mixes_ops():
+    x = _aug_images(64, 16, 16)
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
+    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
+    changed = (a != x).flatten(1).any(1).float().mean()
+    assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
+    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
+    unchanged = (zero == x).flatten(1).all(1).float().mean()
+    assert 0.5 < unchanged < 1.0
+
+
+def test_random_resized_crop_erasing_and_eval_view():
+    x = _aug_images(8, 32, 32)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    out = T.random_resized_crop(x, 224, g())
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
+    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
+    assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
+    view = T.resize_center_crop(x, 224, 0.875)
+    assert view.shape == (8, 3, 224, 224)
+    xf = torch.randn(64, 3, 16, 16)
+    e = T.random_erasing(xf, 0.5, g())
+    erased = (e != xf).flatten(1).any(1)
+    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
+    frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
+    assert 0.02 <= frac <= 0.34
+    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
+
+
+def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.eye(4)
+    perm = torch.tensor([1, 0, 3, 2])
+    mx, my = T.mixup(x, y, perm, 0.7)
+    assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
+    cx, cy = T.cutmix(x, y, perm, 0.75, g)
+    pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
+    assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
+                                                                                   x[~pasted.unsqueeze(1).expand_as(x)])
+    kept = 1 - pasted[0].float().mean()
+    assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
+    assert torch.equal(T.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
+    rng = np.random.default_rng(0)
+    assert T.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
+    for mix, cut in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
+        bx, by = T.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
+        assert bx.shape == x.shape and torch.allclose(by.sum(-1), torch.ones(4)) and not torch.equal(bx, x)
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: ImageTask
+
+def test_image_task_batches_mixup_and_cutmix(tmp_path):
+    x, y = _images(40), np.arange(40) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
+    for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
+        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
+        xb, yb = task.train_batch(3, 16)
+        assert xb.shape == (16, 3, 32, 32) and yb.shape == (16, 10)
+        torch.testing.assert_close(yb.sum(-1), torch.ones(16))
+        x2, y2 = task.train_batch(3, 16)
+        assert xb.equal(x2) and yb.equal(y2)
+    assert task.pattern().shape == (3, 64, 64)
+
+
+def test_vision_patterns_and_their_probe_patterns(image_dir):
+    task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
+    imp, soft = task.pattern("impulse"), task.pattern("soft")
+    # alpha 1: only the offset itself is above -1 (e^-1 at distance 1), and where it leaves the grid the row's
+    # likeliest key, itself: the impulse pattern, so a QK init reads the same prior from either (CLS or not)
+    assert soft.equal(imp) and (soft.sum(-1) == 1).all()
+    cls = T.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
+    assert cls.pattern("soft").equal(cls.pattern("impulse"))
+    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
+    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
+    graded = task.mask_logits("graded", 5.0, 10.0)
+    assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
+    assert (graded[~task.pattern("graded")] == -10).all()
+    local = T.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
+    assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
+    for bad, needle in (({"window": 4}, "--window is the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
+        with pytest.raises(T.TaskError, match=needle):
+            T.make_task("cifar10", data_dir=image_dir, **bad)
+
+
+def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
+    """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
+    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
+    before = task.pattern()
+    task.setup()
+    assert torch.equal(before, task.pattern())
+    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
+    assert not torch.equal(before, other)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--task", "cifar10"], "--data-dir is required"),
+    (["--task", "cifar10", "--data-dir", "/nonexistent/x"], "is not a folder"),
+    (["--task", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found"),
+    (["--task", "imagenet100", "--data-dir", "EMPTY"], "ImageNet-100 not found in"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--image-size", "32", "--patch-size", "5"], "not a multiple"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--patch-size", "0"], "--patch-size must be an integer > 0"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--image-size", "0"], "--image-size must be an integer > 0"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--label-smoothing", "1"], "--label-smoothing must be a finite"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--mixup", "-1"], "--mixup must be a finite number >= 0"),
+    (["--task", "cifar10", "--data-dir", "EMPTY", "--warmup-epochs", "nan"], "--warmup-epochs must be a finite"),
+])
+def test_vision_bad_input_exits_2(tmp_path, capsys, argv, needle):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out = run_train(tmp_path, *[str(empty) if a == "EMPTY" else a for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(empty) == [] and not os.path.exists(out)       # nothing written
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: language readers
+
+def test_line_words_follow_word_language_model():
+    assert T.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
+    assert T.wikitext_line_words(" \n") == ["<eos>"]
+    assert T.wikitext_line_words("\n") == ["<eos>"]
+    assert T.wikitext_line_words(" 1 @,@ 000 <unk> \n") == ["1", "@,@", "000", "<unk>", "<eos>"]
+
+
+# Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
+
+# wiki.*.tokens: a leading " " line, " = Title = " headings, blank " " lines,
+# @,@ / @.@ / @-@ and <unk> tokens, a trailing space before each newline.
+WIKI_TRAIN = (
+    " \n"
+    " = Robert Boulter = \n"
+    " \n"
+    " Robert Boulter is an English film , television and theatre actor . He had a <unk> role in 2000 . \n"
+    " \n"
+    " = = Career = = \n"
+    " \n"
+    " In 2006 @-@ 07 , Boulter starred in 1 @,@ 000 shows ; it cost 3 @.@ 5 million . \n"
+    " \n"
+)
+
+
+WIKI_VALID = " \n = Career = \n \n Boulter had a <unk> role . \n"
+
+
+WIKI_TEST = " \n = = Career = = \n He starred in 2000 . \n"
+
+
+# wiki.*.raw: same shape, but real words with punctuation and no <unk>.
+RAW_TRAIN = " \n = Robert Boulter = \n \n Robert Boulter is an English actor. He starred in 2000.\n"
+
+
+RAW_VALID = " \n Boulter is an unseenword actor.\n"
+
+
+RAW_TEST = " Robert is an actor.\n"
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    path.write_bytes(text)
+    return path
+
+
+def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
+    sub, ext = T.WIKITEXT_RELEASES[release]
+    texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
+    for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
+        write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
+    return root / sub
+
+
+def test_vocab_order_specials_then_frequency_then_alphabetical(tmp_path):
+    train = "b a b\n\nc a b d c\n"  # b:3, a:2, c:2, d:1, <eos>:3
+    make_wikitext(tmp_path, train=train, valid="a d\n", test="c\n")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert corpus["vocab"] == ["<unk>", "<eos>", "b", "a", "c", "d"]
+    assert corpus["vocab_size"] == 6
+    assert corpus["train"].tolist() == [2, 3, 2, 1, 1, 4, 3, 2, 5, 4, 1]
+    assert corpus["valid"].tolist() == [3, 5, 1]
+    assert corpus["test"].tolist() == [4, 1]
+    assert T.build_vocab(["<eos>", "<unk>", "z", "y", "z"]) == ["<unk>", "<eos>", "z", "y"]
+
+
+def reference_words(text: str) -> list[str]:
+    return [w for line in text.splitlines() for w in line.split() + ["<eos>"]]
+
+
+def test_wikitext_tokens_release_ids_and_round_trip(tmp_path):
+    make_wikitext(tmp_path)
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    vocab = corpus["vocab"]
+    assert vocab[:2] == ["<unk>", "<eos>"]
+    assert vocab.count("<unk>") == 1  # the train <unk> is the special, not a second entry
+    for split, text in (("train", WIKI_TRAIN), ("valid", WIKI_VALID), ("test", WIKI_TEST)):
+        tokens = corpus[split]
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and not tokens.flags.writeable
+        words = reference_words(text)
+        assert [vocab[i] for i in tokens] == words  # every word of .tokens is in the train vocab
+        expected = "".join(" ".join(line.split()) + "\n" for line in text.splitlines())
+        assert corpus["decode"](tokens.tolist()) == expected
+    # Every line, blank ones included, ends in exactly one <eos>.
+    assert int((np.asarray(corpus["train"]) == 1).sum()) == WIKI_TRAIN.count("\n")
+    for special in ("@,@", "@.@", "@-@", "="):
+        assert special in vocab
+    assert corpus["decode"]([vocab.index("="), vocab.index("Career"), vocab.index("="), 1]) == "= Career =\n"
+
+
+def test_wikitext_raw_release_maps_oov_to_unk(tmp_path):
+    make_wikitext(tmp_path, release="raw")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "raw release" in corpus["source"]
+    vocab = corpus["vocab"]
+    assert "unseenword" not in vocab and "actor." in vocab
+    valid_words = [vocab[i] for i in corpus["valid"]]
+    assert valid_words == ["<eos>", "Boulter", "is", "an", "<unk>", "actor.", "<eos>"]
+    assert corpus["test"].tolist() == [vocab.index(w) for w in ("Robert", "is", "an", "actor.", "<eos>")]
+
+
+def test_wikitext_data_dir_may_be_the_subfolder_and_tokens_is_preferred(tmp_path):
+    sub = make_wikitext(tmp_path, release="tokens")
+    make_wikitext(tmp_path, release="raw")
+    from_parent = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "tokens release" in from_parent["source"]
+    from_sub = T.load_lm_corpus("wikitext2", sub)
+    assert from_sub["train"].tolist() == from_parent["train"].tolist()
+    raw = T.load_lm_corpus("wikitext2", tmp_path, version="raw")
+    assert "raw release" in raw["source"]
+    assert raw["vocab"] != from_parent["vocab"]
+
+
+def test_wikitext_large_vocab_uses_uint32(tmp_path):
+    words = " ".join(f"w{i}" for i in range(70_000))
+    make_wikitext(tmp_path, train=words + "\n", valid="w1 w69999\n", test="w2\n")
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    assert corpus["vocab_size"] == 70_002
+    assert corpus["train"].dtype == np.uint32
+    assert [corpus["vocab"][i] for i in corpus["valid"]] == ["w1", "w69999", "<eos>"]
+
+
+def test_wikitext_missing_files_error(tmp_path):
+    with pytest.raises(T.DataError) as info:
+        T.load_lm_corpus("wikitext2", tmp_path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in ("wiki.{train,valid,test}.tokens", ".raw", str(tmp_path / "wikitext-2"),
+                   "wikitext-2-v1.zip", "huggingface.co/datasets/Salesforce/wikitext"):
+        assert needle in message
+    # An incomplete release is not used.
+    write(tmp_path / "wikitext-2" / "wiki.train.tokens", WIKI_TRAIN)
+    with pytest.raises(T.DataError, match="not found"):
+        T.load_lm_corpus("wikitext2", tmp_path)
+
+
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
+def test_wikitext_empty_split_error(tmp_path, split):
+    make_wikitext(tmp_path, **{split: ""})
+    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*Salesforce/wikitext"):
+        T.load_lm_corpus("wikitext2", tmp_path)
+    assert not (tmp_path / "maskprior-cache").exists()               # no vocab, no split, no folder left
+
+
+def reference_bytes(data: bytes) -> list[int]:
+    """Non-streaming reference for the TinyStories byte tokenisation."""
+    out, story = [], []
+
+    def flush():
+        body = b"\n".join(story).strip()
+        if body:
+            out.extend(body)
+            out.append(256)
+        story.clear()
+
+    for line in data.split(b"\n"):
+        if line.strip() == b"<|endoftext|>":
+            flush()
+        else:
+            story.append(line)
+    flush()
+    return out
+
+
+def test_tinystories_exact_bytes():
+    data = "Hi\n<|endoftext|>\né\n <|endoftext|>\n"
+    assert reference_bytes(data.encode()) == [72, 105, 256, 0xC3, 0xA9, 256]
+
+
+STORIES = (
+    "Once upon a time, a “Lily” saw a café.\n"
+    "\n"
+    "She said, “Hi!” He wrote <|endoftext|> on a card.\n"
+    "<|endoftext|>\n"
+    "Tom ran.\n"
+    "<|endoftext|>\n"
+    "\n"
+    "  <|endoftext|>  \n"
+    "Ben was very happy é.\n"
+    "<|endoftext|>\n"
+    "Last story with no separator after it.\n"
+)
+
+
+def stream(path: Path, chunk_size: int) -> list[int]:
+    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
+    return np.concatenate(arrays).tolist() if arrays else []
+
+
+def test_tinystories_stream_matches_reference_for_every_chunk_size(tmp_path):
+    data = STORIES.encode("utf-8")
+    path = write(tmp_path / "TinyStoriesV2-GPT4-train.txt", data)
+    # The fixture really exercises chunk boundaries at chunk_size=7: a separator
+    # line and a 3-byte “ are both cut by a multiple of 7.
+    sep = data.index(b"\n<|endoftext|>\n") + 1
+    assert sep // 7 != (sep + len(b"<|endoftext|>")) // 7
+    quote = data.index("“".encode())
+    assert quote // 7 != (quote + 2) // 7
+    e_acute = data.rindex("é".encode())
+    assert e_acute // 7 != (e_acute + 1) // 7
+    expected = reference_bytes(data)
+    assert expected.count(256) == 4  # the empty story between two separators is skipped
+    assert bytes(t for t in expected if t != 256).count("<|endoftext|>".encode()) == 1  # mid-line text kept
+    for chunk_size in list(range(1, 40)) + [7, 1 << 20]:
+        assert stream(path, chunk_size) == expected, chunk_size
+
+
+def test_tinystories_crlf_and_whitespace_only_lines(tmp_path):
+    data = b"\r\n  \r\nOne\r\n\r\n<|endoftext|>\r\n\t<|endoftext|>\t\r\nTwo\xc3\xa9 \r\n"
+    path = write(tmp_path / "x.txt", data)
+    expected = list(b"One") + [256] + list("Twoé".encode()) + [256]
+    assert reference_bytes(data) == expected
+    for chunk_size in (1, 2, 3, 7, 64):
+        assert stream(path, chunk_size) == expected
+
+
+VALID_STORIES = "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
+
+
+def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORIES, valid=VALID_STORIES) -> Path:
+    write(root / f"{prefix}-train.txt", train)
+    write(root / f"{prefix}-valid.txt", valid)
+    return root
+
+
+def test_tinystories_load_decode_round_trip(tmp_path):
+    make_tinystories(tmp_path)
+    corpus = T.load_lm_corpus("tinystories", tmp_path, chunk_size=7)
+    assert corpus["vocab_size"] == 257
+    train, valid = corpus["train"], corpus["valid"]
+    assert isinstance(train, np.memmap) and train.dtype == np.uint16 and not train.flags.writeable
+    assert train.tolist() == reference_bytes(STORIES.encode())
+    stories = [
+        "Once upon a time, a “Lily” saw a café.\n\nShe said, “Hi!” He wrote <|endoftext|> on a card.",
+        "Tom ran.",
+        "Ben was very happy é.",
+        "Last story with no separator after it.",
+    ]
+    assert corpus["decode"](train.tolist()) == "".join(s + "\n<|endoftext|>\n" for s in stories)
+    assert corpus["decode"](valid.tolist()) == "A small dog.\n<|endoftext|>\nThe end “now”.\n<|endoftext|>\n"
+    with pytest.raises(ValueError):
+        corpus["decode"]([257])
+
+
+def test_tinystories_version_choice(tmp_path):
+    make_tinystories(tmp_path, "TinyStories", train="v one\n<|endoftext|>\n", valid="v1 valid\n")
+    assert T.load_lm_corpus("tinystories", tmp_path)["decode"]([118, 32, 111]) == "v o"
+    v1 = T.load_lm_corpus("tinystories", tmp_path)
+    assert "TinyStories-train.txt" in v1["source"]
+    assert bytes(v1["train"][:-1].tolist()) == b"v one"
+    make_tinystories(tmp_path, "TinyStoriesV2-GPT4", train="v two\n", valid="v2 valid\n")
+    auto = T.load_lm_corpus("tinystories", tmp_path)
+    assert bytes(auto["train"][:-1].tolist()) == b"v two"
+    chosen = T.load_lm_corpus("tinystories", tmp_path, version="v1")
+    assert bytes(chosen["train"][:-1].tolist()) == b"v one"
+    with pytest.raises(T.DataError, match="unknown TinyStories version"):
+        T.load_lm_corpus("tinystories", tmp_path, version="v3")
+    with pytest.raises(T.DataError, match="unknown corpus"):
+        T.load_lm_corpus("ptb", tmp_path)
+
+
+def test_tinystories_subfolder(tmp_path):
+    make_tinystories(tmp_path / "TinyStories")
+    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+
+
+def test_tinystories_missing_files_error(tmp_path):
+    write(tmp_path / "TinyStoriesV2-GPT4-train.txt", STORIES)  # valid missing
+    with pytest.raises(T.DataError) as info:
+        T.load_lm_corpus("tinystories", tmp_path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in ("TinyStoriesV2-GPT4-{train,valid}.txt", "TinyStories-{train,valid}.txt",
+                   str(tmp_path), "huggingface.co/datasets/roneneldan/TinyStories"):
+        assert needle in message
+
+
+def test_tinystories_empty_corpus_error(tmp_path):
+    make_tinystories(tmp_path, train="\n<|endoftext|>\n  \n<|endoftext|>\n\n")
+    with pytest.raises(T.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
+        T.load_lm_corpus("tinystories", tmp_path)
+    assert not (tmp_path / "maskprior-cache").exists()  # no half cache, no temp file, no folder
+
+
+def test_random_windows_shapes_shift_and_determinism():
+    tokens = np.arange(1000, 1100, dtype=np.uint16)
+    x, y = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 8) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x, y):
+        start = int(row_x[0]) - 1000
+        assert 0 <= start <= 100 - 9
+        assert row_x.tolist() == tokens[start : start + 8].tolist()
+        assert row_y.tolist() == tokens[start + 1 : start + 9].tolist()
+    x2, y2 = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(1))
+    assert not torch.equal(x, x3)
+
+
+def test_random_windows_reach_both_ends():
+    tokens = np.arange(10, dtype=np.uint32)
+    x, y = T.random_windows(tokens, 9, 64, torch.Generator().manual_seed(0))  # only one possible window
+    assert (x == torch.arange(9)).all() and (y == torch.arange(1, 10)).all()
+    x, _ = T.random_windows(tokens, 3, 2000, torch.Generator().manual_seed(0))
+    assert set(x[:, 0].tolist()) == set(range(7))
+    with pytest.raises(T.DataError, match=r"--context 10 is longer than the training split \(10 tokens\)"):
+        T.random_windows(tokens, 10, 2, torch.Generator())
+
+
+@pytest.mark.parametrize("n, context, batch_size", [(11, 5, 1), (12, 5, 1), (23, 5, 3), (6, 5, 4), (100, 7, 4)])
+def test_eval_windows_cover_the_split(n, context, batch_size):
+    tokens = np.arange(n, dtype=np.uint16) * 3
+    batches = list(T.eval_windows(tokens, context, batch_size))
+    xs = torch.cat([x.reshape(-1) for x, _ in batches])
+    ys = torch.cat([y.reshape(-1) for _, y in batches])
+    assert xs.tolist() == tokens[:-1].tolist()  # consecutive, non-overlapping, nothing dropped
+    assert ys.tolist() == tokens[1:].tolist()
+    for x, y in batches:
+        assert x.dtype == torch.int64 and x.shape == y.shape and x.shape[0] <= batch_size
+        assert x.shape[1] == context or (x.shape[0] == 1 and x is batches[-1][0])
+    assert sum(y.numel() for _, y in batches) == n - 1
+
+
+def test_eval_windows_context_longer_than_validation_split(tmp_path):
+    make_wikitext(tmp_path)
+    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    n = len(corpus["valid"])
+    with pytest.raises(T.DataError) as info:
+        T.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
+    assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
+    assert len(list(T.eval_windows(corpus["valid"], n - 1))) == 1
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: token cache
+
+def cache_files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
+
+
+def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
+    sub = make_wikitext(tmp_path)
+    first = T.load_lm_corpus("wikitext2", tmp_path)
+    cache = tmp_path / "maskprior-cache"
+    before = cache_files(cache)
+    assert set(before) == {
+        "wikitext2-tokens.vocab.json",
+        *(f"wikitext2-tokens.{s}.{ext}" for s in ("train", "valid", "test") for ext in ("bin", "json")),
+    }
+    assert json.loads((cache / "wikitext2-tokens.vocab.json").read_text("utf-8")) == first["vocab"]
+    meta = json.loads((cache / "wikitext2-tokens.train.json").read_text("utf-8"))
+    assert meta["dtype"] == "uint16" and meta["count"] == len(first["train"])
+    assert meta["vocab_size"] == len(first["vocab"])
+    assert meta["sources"][0]["size"] == len(WIKI_TRAIN.encode())
+
+    # Second load: no tokenisation at all, cache files untouched.
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("re-tokenised although the cache is valid")
+
+    monkeypatch.setattr(T, "iter_wikitext_words", no_tokenising)
+    second = T.load_lm_corpus("wikitext2", tmp_path)
+    assert cache_files(cache) == before
+    assert second["vocab"] == first["vocab"]
+    assert second["train"].tolist() == first["train"].tolist()
+    monkeypatch.undo()
+
+    # A changed train file rebuilds vocab and all splits.
+    write(sub / "wiki.train.tokens", WIKI_TRAIN + " zebra" * 9 + " \n")
+    third = T.load_lm_corpus("wikitext2", tmp_path)
+    assert third["vocab"][2] == "zebra"
+    assert third["valid"].tolist() != first["valid"].tolist()
+
+    # Same size, new mtime: rebuilt too.
+    path = sub / "wiki.test.tokens"
+    write(path, WIKI_TEST.replace("2000", "film"))  # same size
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    fourth = T.load_lm_corpus("wikitext2", tmp_path)
+    assert "He starred in film ." in fourth["decode"](fourth["test"].tolist())
+
+
+def test_tinystories_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
+    make_tinystories(tmp_path)
+    first = T.load_lm_corpus("tinystories", tmp_path, chunk_size=5)
+    cache = tmp_path / "maskprior-cache"
+    before = cache_files(cache)
+    assert set(before) == {f"tinystories-v2.{s}.{e}" for s in ("train", "valid") for e in ("bin", "json")}
+    assert (cache / "tinystories-v2.train.bin").stat().st_size == 2 * len(first["train"])
+
+    monkeypatch.setattr(T, "iter_tinystories_tokens", lambda *a, **k: pytest.fail("re-tokenised"))
+    second = T.load_lm_corpus("tinystories", tmp_path)
+    assert cache_files(cache) == before
+    assert second["train"].tolist() == first["train"].tolist()
+    monkeypatch.undo()
+
+    write(tmp_path / "TinyStoriesV2-GPT4-valid.txt", "Changed.\n<|endoftext|>\n")
+    third = T.load_lm_corpus("tinystories", tmp_path)
+    assert third["valid"].tolist() == list(b"Changed.") + [256]
+    after = cache_files(cache)
+    assert after["tinystories-v2.train.bin"] == before["tinystories-v2.train.bin"]  # train not rebuilt
+    assert after["tinystories-v2.valid.bin"] != before["tinystories-v2.valid.bin"]
+
+
+def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
+    make_tinystories(tmp_path)
+
+    def interrupted(path, chunk_size):
+        yield np.array([1, 2, 3], dtype=np.uint16)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "iter_tinystories_tokens", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        T.load_lm_corpus("tinystories", tmp_path)
+    assert not (tmp_path / "maskprior-cache").exists()               # no half file, no temp file, no folder
+    monkeypatch.undo()
+    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+
+
+def test_fallback_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatch):
+    data = make_tinystories(tmp_path / "data")
+    write(data / "maskprior-cache", "a file, so the cache folder cannot be created here")
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    corpus = T.load_lm_corpus("tinystories", data)
+    folders = list((home / ".cache" / "maskprior").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("data-") and len(folders[0].name) == 5 + 16
+    assert folders[0] == T.default_cache_dirs(data)[1]
+    assert (folders[0] / "tinystories-v2.train.bin").is_file()
+    assert corpus["train"].tolist() == reference_bytes(STORIES.encode())
+    # Another data_dir with the same folder name gets its own cache folder.
+    other = make_tinystories(tmp_path / "elsewhere" / "data", train="Other.\n")
+    write(other / "maskprior-cache", "blocked")
+    assert T.load_lm_corpus("tinystories", other)["train"].tolist() == list(b"Other.") + [256]
+    assert len(list((home / ".cache" / "maskprior").iterdir())) == 2
+
+
+def test_explicit_cache_dir(tmp_path):
+    make_wikitext(tmp_path / "data")
+    T.load_lm_corpus("wikitext2", tmp_path / "data", cache_dir=tmp_path / "c")
+    assert (tmp_path / "c" / "wikitext2-tokens.train.bin").is_file()
+    assert not (tmp_path / "data" / "maskprior-cache").exists()
+
+
+@pytest.mark.parametrize("corpus", ["cifar10", "wikitext2", "tinystories"])
+def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, corpus):
+    """A source file replaced by other contents of the same size, its mtime set back (what tar -x, cp -p or
+    rsync -t leave): the cache is rebuilt from the new contents, not served stale. A touch alone (same bytes)
+    keeps the cache."""
+    if corpus == "cifar10":
+        x, y = _images(10), np.arange(10) % 10
+        T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+        source = tmp_path / "cifar-10-batches-py" / "test_batch"
+        load = lambda: T.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
+    elif corpus == "wikitext2":
+        _write_text_corpus(tmp_path)
+        source = tmp_path / "wikitext-2" / "wiki.valid.tokens"
+        load = lambda: np.array(T.load_lm_corpus("wikitext2", tmp_path)["valid"])   # noqa: E731
+    else:
+        make_tinystories(tmp_path)
+        source = next(tmp_path.rglob("*-valid.txt"))
+        load = lambda: np.array(T.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
+    first = load()
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10 ** 9))    # a touch: same bytes
+    assert np.array_equal(load(), first)
+    st = source.stat()                                # what the cache has seen last
+    data = bytearray(source.read_bytes())
+    i = len(data) // 2 if corpus == "cifar10" else next(j for j, c in enumerate(data) if chr(c).islower())
+    data[i] = (data[i] + 1) % 256 if corpus == "cifar10" else ord("q") if data[i] != ord("q") else ord("z")
+    source.write_bytes(bytes(data))                                       # in place, as cp -p does
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert source.stat().st_size == st.st_size and source.stat().st_mtime_ns == st.st_mtime_ns
+    again = load()
+    assert not np.array_equal(again, first)
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: LMTask
+
+def test_lm_patterns_follow_the_alibi_slopes():
+    p = T.lm_patterns(300, 4)
+    assert p.shape == (4, 300, 300) and not (p & ~mp.causal_pattern(300)).any()
+    assert [int(p[h, 299].sum()) for h in range(4)] == [5, 17, 65, 257]      # windows 4, 16, 64, 256
+    m = mp.causal_distance_logits(300, 4)
+    bias = F.logsigmoid(m)
+    assert (bias[p & ~torch.eye(300, dtype=torch.bool)] > -1.0001).all()
+
+
+def test_lm_short_run_lowers_validation_loss_and_samples(tmp_path, capsys):
+    _write_text_corpus(tmp_path / "data")
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", "mask",
+                        "--steps", "60", "--log-every", "60", "--lr", "3e-3", *LM_SMALL)
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert lines[-1]["metrics"]["val_loss"] < lines[0]["metrics"]["val_loss"] - 0.5
+    capsys.readouterr()
+    assert train.main(["--out", out, "--sample", "the cat", "--sample-tokens", "5", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text.startswith("the cat") and len(text.split()) == 7
+
+
+@pytest.mark.parametrize("setup,argv,needle", [
+    ("none", [], "WikiText-2 not found"),
+    ("empty", [], "no tokens"),
+    ("small", ["--context", "2000"], "longer than the validation split"),
+    ("small", ["--context", "100000"], "longer than the training split"),
+    ("small", ["--context", "1"], "--context must be at least 2"),
+])
+def test_lm_bad_input_exits_2(tmp_path, capsys, setup, argv, needle):
+    data = tmp_path / "data"
+    data.mkdir()
+    if setup == "small":
+        _write_text_corpus(data)
+    elif setup == "empty":
+        (data / "wikitext-2").mkdir()
+        for split in ("train", "valid", "test"):
+            (data / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", data, "--steps", "2", *argv,
+                        name="new/parents/run")
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "new")                      # no run folder, no parent folder left
+    after = sorted(p.relative_to(data) for p in data.rglob("*") if setup != "small" or "maskprior-cache" not in str(p))
+    assert after == before                  # no cache of a refused corpus (a good corpus's cache may stay)
+
+
+# ---------------------------------------------------------------------------------------- tasks.py: fixtures
+
+@pytest.mark.parametrize("held", ["cifar-10-batches-py", "cifar-10-batches-bin", "top-level batches", "wikitext-2",
+                                  "wikitext-2-raw", "an empty cifar-10-batches-py"])
+def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path, capsys, held, monkeypatch):
+    """Over a folder that already holds a data set in any layout the readers read, make-digits and
+    make-wikitext refuse in one line and change no file; a write interrupted after three files leaves the
+    folder as it was (the new set is written whole in a hidden folder, then moved in)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    if held == "cifar-10-batches-py":
+        T.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
+    elif held == "cifar-10-batches-bin":
+        (d / "cifar-10-batches-bin").mkdir()
+        (d / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(bytes(3073))
+    elif held == "top-level batches":
+        _py2_pickle(d / "data_batch_1", {b"data": _images(1).reshape(1, -1), b"labels": [1]})
+    elif held == "an empty cifar-10-batches-py":
+        (d / "cifar-10-batches-py").mkdir()
+    else:
+        (d / held).mkdir()
+        for split in ("train", "valid", "test"):
+            (d / held / f"wiki.{split}.{'raw' if held.endswith('raw') else 'tokens'}").write_text(" = A = \n")
+    texts = []
+    for i in range(12):
+        texts.append(tmp_path / f"a{i}.txt")
+        texts[-1].write_text(f"Title {i}\n\nSome words of article {i} here, and more words.\n")
+    before = _tree(d)
+    cifar = "cifar" in held or "batches" in held
+    command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
+    if cifar:
+        monkeypatch.setattr(T, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
+    assert train.main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
+    assert _tree(d) == before and sorted(os.listdir(d)) == sorted({p.split("/")[0] for p in before} | (
+        {"cifar-10-batches-py"} if held.startswith("an empty") else set()))
+    # an interrupted write into a fresh folder leaves nothing of the new set
+    fresh, calls = tmp_path / "fresh", []
+    real = T.atomic_write
+
+    def interrupted(path, data):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(path, data)
+    monkeypatch.setattr(T, "atomic_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["make-digits", str(fresh)] if cifar else ["make-wikitext", str(fresh), *map(str, texts)])
+    assert len(calls) == 3 and os.listdir(fresh) == []
+
+
+def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
+    """make-digits (scikit-learn's digits) writes a whole CIFAR-10 python release that the reader reads: 1,500
+    train and 297 test images, labels 0..9; then a second call over it is refused."""
+    _extra("sklearn")
+    assert train.main(["make-digits", str(tmp_path / "digits")]) == 0
+    assert "wrote 1500 train / 297 test digits" in capsys.readouterr().out
+    d = T.read_cifar(str(tmp_path / "digits"), "cifar10")
+    assert d["train"][0].shape == (1500, 3, 32, 32) and len(d["test"][1]) == 297
+    assert set(d["train"][1].tolist()) == set(range(10)) and d["train"][0].max() == 255
+    assert sorted(os.listdir(tmp_path / "digits")) == ["cifar-10-batches-py"]
+    assert train.main(["make-digits", str(tmp_path / "digits")]) == 2
+
+
+def test_wikitext_tokenize_and_layout(tmp_path):
+    assert T.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
+        ["A", "well", "@-@", "known", "1", "@,@", "000", "@-@", "page", "book", ",", "3", "@.@", "5", "cm", "."]
+    arts = [(f"Title {i}", ["the cat sat on the mat .", "the dog sat ."]) for i in range(12)]
+    out = T.write_wikitext_layout(arts, str(tmp_path))
+    text = open(os.path.join(out, "wiki.train.tokens")).read()
+    assert text.startswith(" \n = Title <unk> = \n \n the cat sat on the mat . \n \n")
+    assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
+
+
+def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
+    files = []
+    for i in range(5):
+        files.append(str(tmp_path / f"a{i}.txt"))
+        open(files[-1], "w").write(f"Title {i}\n\nSome words here and there.\n")
+    assert train.main(["make-wikitext", str(tmp_path / "out"), *files]) == 2
+    assert "at least 12" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out" / "wikitext-2" / "wiki.test.tokens")
+    with pytest.raises(SystemExit) as e:
+        train.main(["make-wikitext", "--help"])
+    assert e.value.code == 0 and "text files" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- train.py: config
+
+def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
+    """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
+    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
+    args, explicit = train.parse_args([])
+    dests = set(vars(args)) - {"command"}
+    assert explicit == set() and dests == set(train.DEFAULTS)
+    assert all(getattr(args, d) is train.UNSET for d in dests)
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
+        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--init", "mask", "--init", "default"], "--init is given twice ('mask', then 'default')"),
+    (["--steps", "5", "--steps", "5"], "--steps is given twice (5, then 5)"),
+    (["--resume", "--resume"], "--resume is given twice"),
+    (["--ini", "mask", "--init", "default"], "--init is given twice ('mask', then 'default')"),
+    (["--lr=1e-3", "--lr", "1e-2"], "--lr is given twice (0.001, then 0.01)"),
+])
+def test_a_flag_given_twice_is_refused(tmp_path, capsys, argv, needle):
+    assert train.main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
+
+
+def test_epochs_flag_sets_steps(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "kparity", "--bits", "0,1", "--unseen", "0,1", "--n-bits", "6",
+                        "--epochs", "2", "--batch-size", "16", *SMALL[:-4])
+    assert rc == 0
+    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
+
+
+# Where each flag applies, generated from the Config table (train.NEEDS, train.EXCLUDES, the task options): every
+# (flag, condition) pair gets a context that meets the flag's other conditions and breaks this one, so a flag added
+# to the table is tested here without a new test.
+APPLY_TASKS = ("parity2", "kparity", "addition", "multiplication", "cifar10", "wikitext2")
+
+
+def _flag_value(name: str) -> list:
+    """A value the flag parses (its default, else its first choice, else 1), as argv."""
+    m, default = train.FIELDS[name].metadata, train.FIELDS[name].default
+    if m["switch"]:
+        return []
+    value = default if default not in (None, False, True) else (m["choices"] or [1])[0]
+    return [str(value)]
+
+
+def _applicability_cases() -> list:
+    cases = [(name, key) for name, needs in train.NEEDS.items() for key in needs]
+    cases += [(name, f"excludes {other}") for name, excluded in train.EXCLUDES.items() for other in excluded]
+    return cases + [(name, "task option") for name in sorted(train.TASK_FLAGS)]
+
+
+def _resolved(argv):
+    return train.resolve(*train.parse_args(argv))
+
+
+def _context(name: str, broken: str | None, data: str) -> list:
+    """argv giving --NAME where all it needs holds (and, transitively, all that the flags added for it need) except
+    `broken` (None: everything holds)."""
+    needs = train.NEEDS.get(name, {})
+    def fits(task):
+        cls = T.TASKS[task]
+        takes = name not in train.TASK_FLAGS or name in cls.options()
+        kind_ok = "kind" not in needs or cls.KIND in needs["kind"]
+        if broken == "task option":
+            return not takes
+        return takes and (not kind_ok if broken == "kind" else kind_ok)
+    task = next(t for t in APPLY_TASKS if fits(t))
+    cls = T.TASKS[task]
+    argv = ["--task", task] + (["--data-dir", data] if cls.KIND in ("vision", "lm") else [])
+    def give(key, value):
+        argv.extend(["--" + key.replace("_", "-"), *([str(value)] if value is not None else _flag_value(key))])
+    def meet(flag, skip=None):
+        for key, allowed in train.NEEDS.get(flag, {}).items():
+            if key in (skip, "kind") or not train.unmet(key, allowed, train.applied_value(_resolved(argv), key)):
+                continue
+            choices = cls.INITS if key == "init" else cls.PATTERNS if key == "pattern" else allowed
+            give(key, "9" if allowed == train.ON else None if allowed == train.GIVEN else
+                 next(v for v in allowed if v in choices))
+            meet(key)
+    if broken != "task option":
+        if broken in needs and isinstance(needs[broken], tuple) and broken != "kind":
+            choices = cls.INITS if broken == "init" else cls.PATTERNS if broken == "pattern" else \
+                train.FIELDS[broken].metadata["choices"]
+            give(broken, next(v for v in choices if v not in needs[broken]))
+            meet(broken)
+        meet(name, skip=broken)
+        if broken and broken.startswith("excludes "):
+            give(broken.split()[1], None)
+            meet(broken.split()[1])
+    give(name, None)
+    return argv
+
+
+@pytest.mark.parametrize("name,broken", _applicability_cases())
+def test_every_flag_given_where_it_does_not_apply_is_refused(tmp_path, capsys, name, broken):
+    """Each flag given where one of its conditions fails (another family's task, an init, pattern or teacher kind it
+    does not go with, a flag it needs left out, a flag it excludes given) is one line naming it, exit 2, nothing
+    written; in the same context with that condition met the one check passes it."""
+    bad = _context(name, broken, str(tmp_path))
+    rc, out = run_train(tmp_path, *bad)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f"--{name.replace('_', '-')} " in err, (bad, err)
+    assert not os.path.exists(out)
+    if not broken.startswith(("excludes ", "task option")):
+        good = _context(name, None, str(tmp_path))
+        train.check_applies(_resolved(good), train.parse_args(good)[1])
+
+
+def test_the_flag_table_names_real_inits_and_fields():
+    """The table's init lists are inits of the INITS table, and every `needs` key is a field or the task's kind."""
+    for group in (train.MASK_INITS, train.PRIOR_INITS, train.QK_SVD_INITS):
+        assert set(group) <= set(train.INITS)
+    assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
+    for name, needs in train.NEEDS.items():
+        assert set(needs) <= set(train.FIELDS) | {"kind"}, name
+        assert all(isinstance(a, tuple) or a in (train.GIVEN, train.ON) for a in needs.values()), name
+
+
+def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
+    for argv, needle in [(["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
+                         (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+                         (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
+                         (["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-on", "3"],
+                          "--mask-on applies only to the boolean and arithmetic and vision tasks")]:
+        rc, out = run_train(tmp_path, *argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not os.path.exists(out)
+
+
+def test_presets_say_model_size_and_recipe_apart(monkeypatch):
+    """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
+    flat preset is their union, and a preset with anything else in it is an error, not ignored."""
+    for name, cls in T.TASKS.items():
+        for preset in cls.presets():
+            model, recipe = cls.preset_parts(preset)
+            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
+            assert cls.preset(preset) == {**model, **recipe}
+    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
+    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
+    with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
+        T.Addition.preset("small")
+
+
+def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
+    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
+    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
+                                                             "recipe": dict(steps=6000)})
+    args = resolve("--task", "multiplication")
+    assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
+    assert resolve("--task", "multiplication", "--answer-order", "msb").answer_order == "msb"
+    assert (resolve("--task", "addition").answer_order, resolve("--task", "addition").impulse) == ("msb", "fixed")
+    # steps / epochs and warmup / warmup_epochs: the explicit one wins, the preset's other one is dropped
+    vision = resolve("--task", "cifar10", "--warmup", "7")
+    assert (vision.warmup, vision.warmup_epochs, vision.epochs) == (7, None, 30)
+    assert resolve("--task", "cifar10").warmup_epochs == 2
+    assert (resolve("--task", "cifar10", "--steps", "5").epochs, resolve("--task", "cyclic3", "--epochs", "2").steps) \
+        == (None, None)
+    with pytest.raises(train.UsageError, match="either --warmup or --warmup-epochs"):
+        resolve("--task", "cifar10", "--warmup", "7", "--warmup-epochs", "1")
+
+
+def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir):
+    """An explicit --warmup on cifar10 once gave way to the preset's warm-up epochs (the run wrote 32)."""
+    out = str(tmp_path / "run")
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--steps", "2", "--warmup", "7", "--layers",
+                       "1", "--dim", "24", "--mlp-dim", "48", "--out", out]) == 0
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["warmup"], args["warmup_epochs"]) == (7, None)
+
+
+def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
+    want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
+                warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
+                label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
+    assert {k: getattr(args, k) for k in want} == want
+    task = train.task_for(args)
+    assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
+    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
+    assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
+
+
+BAD_INPUT = [
+    (["--task", "nosuch"], "unknown task"),
+    (["--init", "nosuch"], "unknown init"),
+    (["--preset", "nosuch"], "unknown preset"),
+    (["--steps", "0"], "--steps must be an integer > 0"),
+    (["--steps", "-5"], "--steps must be an integer > 0"),
+    (["--batch-size", "0"], "--batch-size must be an integer > 0"),
+    (["--epochs", "0"], "--epochs must be a finite number > 0"),
+    (["--epochs", "nan"], "--epochs must be a finite number > 0"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--steps", "5", "--epochs", "1"], "either --steps or --epochs"),
+    (["--init", "mimetic"], "does not apply"),
+    (["--init", "mask-impulse"], "init 'mask-impulse' does not apply to task parity2 (boolean)"),
+    (["--task", "multiplication", "--lee-samples", "3000"], "give --digits 2 (got --digits 3)"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--data-frac", "0.3"],
+     "leave --data-frac out"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "99"],
+     "--lee-samples must be an integer in 100 .."),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "0"], "--lee-samples must be an integer in 100 .. 10,000"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--init", "qk-svd"],
+     "which a QK prior fitted on fixed positions cannot follow"),
+    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
+     "with --lee-samples has no pattern 'partial'"),
+    (["--task", "addition", "--lee-samples", "3000"], "--lee-samples does not apply to task addition"),
+    (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
+    (["--task", "kparity", "--bits", "random:15", "--unseen", "bits:2"], "is a least-squares problem in 32,768 monomials"),
+    (["--task", "kmajority", "--bits", "random:11", "--n-bits", "15"], "at most 1,024 are solved"),
+    (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
+    (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
+    (["--pattern", "nosuch"], "has no pattern"),
+    (["--pattern", ""], "--pattern needs a name; parity2's patterns are clique, cls"),
+    (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
+    (["--task", "cyclic3", "--readout", "mean", "--pattern", "band-only"], "needs --readout cls"),
+    (["--readout", "tokens"], "--readout for parity2 must be one of cls, mean, got 'tokens'"),
+    (["--task", "addition", "--readout", "mean"], "--readout does not apply to task addition"),
+    (["--task", "addition", "--readout", "mean", "--init", "mask"], "--readout does not apply"),
+    (["--task", "wikitext2", "--data-dir", ".", "--eval-points", "100"], "applies only to the boolean and arithmetic"),
+    (["--eval-points", "-1"], "--eval-points must be an integer >= 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+    (["--warmup", "-5"], "--warmup must be an integer >= 0"),
+    (["--init", "mask", "--mask-on", "nan"], "--mask-on must be a finite number >= 0"),
+    (["--init", "mask", "--mask-off", "-5"], "--mask-off must be a finite number >= 0"),
+    (["--init", "qk-opt", "--qk-opt-steps", "-1"], "--qk-opt-steps must be an integer > 0"),
+    (["--init", "qk-svd", "--qk-svd-scale", "inf"], "--qk-svd-scale must be a finite number > 0"),
+    (["--dropout", "2"], "--dropout must be a finite number in [0, 1)"),
+    (["--head-dim", "-1"], "--head-dim must be an integer > 0"),
+    (["--emb-init-std", "-1"], "--emb-init-std must be a finite number >= 0"),
+    (["--probe-size", "0"], "--probe-size must be an integer > 0"),
+    (["--seed", "-1"], "--seed must be an integer in 0 .. 4294967295"),
+    (["--halt-after", "0"], "--halt-after must be an integer > 0"),
+    (["--betas", "0.9"], "--betas must be two numbers"),
+    (["--device", "meta"], "is not a device to train on"),
+    (["--device", "nonsense"], "is not a device to train on"),
+    (["--device", "mps"], "torch sees no Apple GPU"),
+    (["--task", "wikitext2", "--data-dir", ".", "--context", "0"], "--context must be at least 2"),
+    (["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-off", "3"],
+     "--mask-off applies only to the boolean and arithmetic and vision tasks (this task is lm)"),
+    (["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
+    (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
+    (["--task", "addition", "--data-frac", "2"], "--data-frac must be in (0, 1]"),
+    (["--sample", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--sample", "hi"], "--sample: no checkpoint"),
+    (["--resume"], "--resume: no checkpoint"),
+]
+
+
+if torch.backends.mps.is_available():                   # the machine has the Apple GPU that case asks for
+    BAD_INPUT.remove((["--device", "mps"], "torch sees no Apple GPU"))
+
+
+def _users_folder(path) -> Path:
+    """A folder holding a user's files and no run: an args.json, a metrics.jsonl and a note (`abandon` once deleted
+    the first two on a refusal)."""
+    path.mkdir(parents=True)
+    (path / "args.json").write_text("{}")
+    (path / "metrics.jsonl").write_text("log\n")
+    (path / "notes.txt").write_text("x")
+    return path
+
+
+@pytest.mark.parametrize("argv,needle", BAD_INPUT)
+@pytest.mark.parametrize("held", [False, True], ids=["new out", "out holding a user's files"])
+def test_bad_input_exits_2(tmp_path, capsys, argv, needle, held):
+    """Each bad input is one line and exit 2, and a refusal writes nothing and deletes nothing: a new --out is not
+    made, and an --out that holds a user's files (but no run) keeps them byte for byte."""
+    before = _tree(_users_folder(tmp_path / "run")) if held else None
+    with _deadline(60):                          # a refusal comes at once (an exact MDI too large is refused, not run)
+        rc, out = run_train(tmp_path, *argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(out) == before if held else not os.path.exists(out)       # nothing written, nothing deleted
+
+
+# Every task option the task checks, given out of range (nan and inf where it is a float): one line naming the
+# flag, exit 2, nothing written. The task's constructor is the one check (train.py's Config declares no range or
+# choices for these), so each case here fails if that check goes.
+TASK_CHECKED = [("kparity", "--discover-degree", ("0", "5")), ("kparity", "--discover-threshold", ("nan", "inf", "0", "1.5")),
+                ("kparity", "--n-bits", ("1", "21")), ("kparity", "--train-size", ("0",)), ("parity2", "--readout", ("tokens",)),
+                ("addition", "--digits", ("0", "5")), ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
+                ("addition", "--answer-order", ("mid",)), ("addition", "--discover-threshold", ("nan", "-1")),
+                ("multiplication --digits 2", "--lee-samples", ("0", "99", "10001")),
+                ("cifar10", "--soft-alpha", ("nan", "inf", "0")), ("cifar10", "--window", ("0", "2")),
+                ("cifar10", "--crop-pct", ("nan", "0", "1.5")), ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
+                ("cifar10", "--randaug-ops", ("0",)), ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
+                ("cifar10", "--impulse", ("diagonal",)), ("cifar10", "--crop", ("centre",)),
+                ("wikitext2", "--val-tokens", ("-1",)), ("wikitext2", "--context", ("1",))]
+CONFIG_CHECKED_TASK_OPTIONS = {"image_size", "input_size", "patch_size", "pool", "label_smoothing", "mixup", "cutmix",
+                               "randaug_std"}       # options no task checks: Config's range is their one check
+
+
+@pytest.mark.parametrize("task,flag,bad", [(t, f, b) for t, f, bads in TASK_CHECKED for b in bads])
+def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, capsys, task, flag, bad):
+    data = tmp_path / "data"
+    data.mkdir()
+    where = ["--data-dir", str(data)] if task in ("cifar10", "wikitext2") else []
+    rc, out = run_train(tmp_path, "--task", *task.split(), *where, flag, bad)
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(out) and os.listdir(data) == []
+
+
+def test_task_options_are_declared_once():
+    """A task option's range lives in its task (checked above) or, where no task checks it, in its Config field,
+    never both; its Config default is its task's default (a preset may then set it)."""
+    both = {n for n in train.TASK_FLAGS if train.FIELDS[n].metadata["check"] or train.FIELDS[n].metadata["choices"]}
+    assert both == CONFIG_CHECKED_TASK_OPTIONS
+    checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
+    unchecked = train.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
+    assert unchecked == set(), f"task options with no range test: {sorted(unchecked)}"
+    for name, cls in T.TASKS.items():
+        params = {**inspect.signature(cls.build).parameters, **inspect.signature(cls).parameters}
+        for option in set(cls.options()) & train.TASK_FLAGS:
+            if train.DEFAULTS[option] is not None:
+                assert train.DEFAULTS[option] == params[option].default, (name, option)
+
+
+def _checked_fields():
+    """(flag, argv, message) for every range-checked Config field: a non-finite value and an out-of-range one."""
+    cases = []
+    for name, f in train.FIELDS.items():
+        check, kind = f.metadata["check"], f.metadata["type"]
+        if check is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        low = {"positive": 0, "non_negative": -1, "fraction": 1}[check]
+        out_of_range = [str(low), "-3"] if check == "fraction" else [str(low)]
+        for bad in ["nan", "inf", *out_of_range]:
+            if kind is int and bad in ("nan", "inf"):
+                cases.append((flag, [flag, bad], f"argument {flag}: invalid int value: '{bad}'"))
+            else:
+                what = "an integer" if kind is int else "a finite number"
+                cases.append((flag, [flag, bad], f"{flag} must be {what}"))
+    return cases
+
+
+@pytest.mark.parametrize("flag, argv, message", _checked_fields(), ids=lambda v: v if isinstance(v, str) else None)
+def test_every_checked_field_refuses_non_finite_and_out_of_range_values(tmp_path, capsys, flag, argv, message):
+    """Each field with a range check, given nan, inf and a value below (or, for a fraction, at or above) its
+    range: one line naming the flag, exit 2, nothing written."""
+    out = tmp_path / "parent" / "run"
+    assert train.main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "parent").exists()
+
+
+def test_the_checked_fields_are_the_config_s():
+    """The list above covers every range-checked field (52 and counting), each with a nan, an inf and an
+    out-of-range case."""
+    checked = {n for n, f in train.FIELDS.items() if f.metadata["check"]}
+    assert {flag[2:].replace("-", "_") for flag, _, _ in _checked_fields()} == checked and len(checked) >= 40
+
+
+def _but(argv, *changes):
+    """argv with the flags of `changes` (flag, value, flag, value, ...) set to these values: replaced where argv
+    has them, added where not (train.py refuses a flag given twice)."""
+    argv = list(map(str, argv))
+    for flag, value in zip(changes[::2], changes[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(value)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
+def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
+    assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--seed must be an integer in 0 .. 4294967295" in err and str(seed) in err
+    assert not os.path.exists(tmp_path / "run")
+    assert train.main([*_but(RUN24, "--steps", 2), "--seed", str(2 ** 32 - 1), "--out", str(tmp_path / "top")]) == 0
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
+    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
+    ("--ema", "1", "--ema must be a finite number in [0, 1)"),
+    ("--ema", "-0.5", "--ema must be a finite number"),
+    ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
+    ("--input-size", "50", "--input-size 50 (the model's image side) is not a multiple of --patch-size 4"),
+    ("--crop-pct", "1.5 --input-size 48", "--crop-pct must be in (0, 1]"),
+    ("--randaug-ops", "0 --randaug 9", "--randaug-ops must be at least 1"),
+])
+def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, needle):
+    out = tmp_path / "run"
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, flag, *value.split(), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
+
+
+# ---------------------------------------------------------------------------------------- train.py: build
+
+def test_vit_mlp_width_is_the_flag_given():
+    """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
+    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
+                                            "--heads", "4"]))
+    task = T.make_task("cifar10", data_dir=".", heads=4)
+    model = mp.ViT(train.model_config(args, task))
+    assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
+
+
+@pytest.mark.parametrize("pattern", ["impulse", "soft"])
+def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_dir, pattern):
+    """--init mask-impulse: impulse's positions x18 and its mimetic V-proj (the calls init_impulse makes), M as
+    --init mask sets it, Wq Wk as drawn (impulse solves them): only where the pattern lives differs."""
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1", "--pattern", pattern]
+    built = {i: train.build(train.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
+             for i in ("default", "mask", "impulse", "mask-impulse")}
+    state = {i: b.model.state_dict() for i, b in built.items()}
+    ours, base = state["mask-impulse"], state["default"]
+    assert torch.equal(ours["pos_emb"], 18 * base["pos_emb"])
+    assert torch.equal(ours["pos_emb"], state["impulse"]["pos_emb"])
+    twin = copy.deepcopy(built["default"].model)                    # the mimetic V-proj, drawn as init_impulse draws it
+    mp.init_mimetic_(twin, qk=None, vo=(0.4, 0.4), generator=torch.Generator().manual_seed(1))
+    for layer in range(2):
+        qkv, proj = f"blocks.{layer}.attn.qkv.weight", f"blocks.{layer}.attn.proj.weight"
+        mimetic = twin.state_dict()
+        assert torch.equal(ours[qkv][48:], mimetic[qkv][48:]) and torch.equal(ours[proj], mimetic[proj])
+        assert torch.equal(ours[qkv][:48], base[qkv][:48])                # Wq, Wk: the model's own init
+        assert not torch.equal(state["impulse"][qkv][:48], base[qkv][:48])  # impulse writes the pattern there
+        m = f"blocks.{layer}.attn.prior.mask_logits"
+        assert torch.equal(ours[m], state["mask"][m]) and m not in state["impulse"]
+    assert built["mask-impulse"].init_report["pos_scale"] == 18.0
+
+
+def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_were(image_dir):
+    """Every vision preset's prior is the soft bump; `impulse` and `qk-svd` under it write the weights they write
+    with the impulse pattern (they read the bump's centre)."""
+    for preset in T.TASKS["cifar10"].presets():
+        assert T.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
+    argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
+            "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
+    for init in ("impulse", "qk-svd"):
+        preset, hard = (train.build(train.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
+                        for more in ([], ["--pattern", "impulse"]))
+        assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
+        assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
+    mask = train.build(train.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
+    assert torch.equal(mask.model.blocks[0].attn.mask_logits, mask.task.mask_logits("soft", 5.0, 10.0))
+
+
+def test_a_discovered_pattern_runs_and_is_recorded(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "3", "--out", out]) == 0
+    src = json.load(open(os.path.join(out, "result.json")))["prior_source"]
+    assert src == {"from": "data", "pattern": "discovered", "precision": 1.0, "recall": 1.0, "found_pairs": 2,
+                   "oracle_pairs": 2}
+    assert torch.equal(torch.load(os.path.join(out, "prior.pt"), weights_only=True)["pattern"],
+                       T.make_task("parity2", readout="mean").pattern())       # the preset layout
+
+
+def _mask_start(folder):
+    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["snapshot"][0]["mask"]
+
+
+def _teacher(tmp_path, *changes, name="teacher"):
+    """A finished default run of parity2 (mean readout), TINY and 6 steps, with `changes` (`_but`)."""
+    out = str(tmp_path / name)
+    assert train.main([*_but([*TINY, "--readout", "mean", "--steps", 6, "--log-every", 3], *changes), "--out", out]) == 0
+    return out
+
+
+def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
+    """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
+    `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
+    result.json records the teacher's folder and run id and the found pattern's precision and recall against
+    the hand pattern, args.json the folder; the QK inits fit the found pattern; the run resumes exactly."""
+    teacher = _teacher(tmp_path)
+    tck = train.read_checkpoint(os.path.join(teacher, "ckpt.pt"), "test")
+    common = [*TINY, "--readout", "mean", "--steps", "6", "--log-every", "3", "--prior-from", teacher]
+    ratio = ["--prior-ratio", "1.01"]          # a 6-step teacher's attention is near uniform: its largest share 1.04
+    out = str(tmp_path / "student")
+    assert train.main([*common, *ratio, "--init", "mask", "--halt-after", "3", "--out", out]) == 0
+    saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
+    model = mp.Transformer(mp.TransformerConfig(**tck["model_config"]))
+    model.load_state_dict(tck["model"])
+    task = T.make_task("parity2", readout="mean").setup()
+    want, logits = task.teacher_prior(mp.mean_attention(model.eval(), task.teacher_inputs(16)), "pattern", 1.01, 5.0,
+                                      5.0)
+    assert torch.equal(saved["pattern"], want) and torch.equal(saved["logits"], logits)
+    assert torch.equal(_mask_start(out), logits.expand(2, -1, -1))
+    assert train.main(["--resume", "--out", out]) == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    src = res["prior_source"]
+    assert (src["from"], src["teacher"], src["teacher_run_id"], src["kind"]) == \
+        ("teacher", os.path.abspath(teacher), tck["identity"]["run_id"], "pattern")
+    assert 0 <= src["precision"] <= 1 and 0 <= src["recall"] <= 1 and src["oracle_pairs"] == 2
+    assert json.load(open(os.path.join(out, "args.json")))["prior_from"] == teacher
+    assert train.main([*common, *ratio, "--init", "qk-svd", "--out", str(tmp_path / "qk")]) == 0
+    qk = json.load(open(tmp_path / "qk" / "result.json"))
+    assert qk["prior_source"]["teacher_run_id"] == src["teacher_run_id"] and (tmp_path / "qk" / "prior.pt").exists()
+    assert train.main([*common, "--init", "mask", "--prior-kind", "logits", "--out", str(tmp_path / "soft")]) == 0
+    soft = torch.load(tmp_path / "soft" / "prior.pt", weights_only=True)
+    assert soft["logits"].shape == (2, 15, 15) and not torch.equal(soft["logits"], logits.expand(2, -1, -1))
+
+
+def _save_checkpoint(path, contents: dict) -> None:
+    """Write `contents` as train.py writes ckpt.pt: serialised, beside their sha256, in CKPT_FORMAT."""
+    buf = io.BytesIO()
+    torch.save(contents, buf)
+    payload = buf.getvalue()
+    torch.save({"format": T.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("not a folder", "is not a folder; give the folder of a finished run"),
+    ("unfinished", "is not a finished run (no result.json)"),
+    ("another task", "is a run of task majority3, not parity2"),
+    ("another layout", "has another token layout: readout cls (here mean)"),
+    ("another head count", "has 4 heads, this run 2: --prior-kind logits gives each head its own M"),
+    ("a kind of another family", "--prior-kind offsets does not apply to task parity2"),
+    ("damaged checkpoint", "is damaged"),
+    ("a checkpoint that runs code", "would run code if unpickled"),
+    ("discovered on vision", "has no pattern 'discovered'"),
+    ("model config a list", "model_config is ["),
+    ("config without init", "holds the flags of another version of train.py (no init)"),
+    ("dim -5", "--dim must be an integer > 0, got -5"),
+    ("model an int", "model is 3, not finite tensors by name"),
+    ("dim 10^6", "does not fit this version's model (blocks.0.attn.proj.bias is ((16,), torch.float32) in the file, "
+                 "((1000000,)"),
+    ("a weight times NaN", "not finite tensors by name"),
+    ("a teacher in training", "is in use by another process (a run is training there)"),
+    ("a FIFO for ckpt.pt", "is a FIFO (named pipe), not a regular file"),
+    ("a ratio no key reaches", "its attention gives no prior"),
+])
+def test_a_prior_from_that_cannot_serve_is_one_line_and_writes_nothing(tmp_path, capsys, case, needle, image_dir):
+    """Every teacher that cannot serve is one line and exit 2, before anything is written: the student's --out is
+    not made, and an --out that holds a user's files (no run) keeps them byte for byte. A teacher's checkpoint is
+    someone else's file: its schema is checked (here rebuilt with a recomputed sha256), a FIFO is refused without
+    blocking, a folder locked by a training run is not read."""
+    teacher = {"not a folder": str(tmp_path / "nothing"), "unfinished": None}.get(case, None)
+    extra, argv = [], [*TINY, "--readout", "mean", "--steps", "2", "--init", "mask"]
+    if case == "unfinished":
+        teacher = _teacher(tmp_path, "--halt-after", "3")
+    elif case == "another task":
+        teacher = _teacher(tmp_path, "--task", "majority3")
+    elif case == "another layout":
+        teacher = _teacher(tmp_path, "--readout", "cls")
+    elif case == "another head count":
+        teacher = _teacher(tmp_path, "--heads", "4")
+        extra = ["--prior-kind", "logits"]
+    elif case == "a kind of another family":
+        teacher, extra = _teacher(tmp_path), ["--prior-kind", "offsets"]
+    elif case in ("damaged checkpoint", "a checkpoint that runs code"):
+        teacher = _teacher(tmp_path)
+        path = os.path.join(teacher, "ckpt.pt")
+        if case == "damaged checkpoint":
+            outer = torch.load(path, weights_only=True)
+            torch.save({**outer, "payload": outer["payload"][:-9] + b"123456789"}, path)
+        else:
+            torch.save({"model": _Touch(tmp_path / "ran")}, path)
+    elif case in ("model config a list", "config without init", "dim -5", "model an int", "dim 10^6",
+                  "a weight times NaN"):
+        teacher = _teacher(tmp_path)
+        path = os.path.join(teacher, "ckpt.pt")
+        ckpt = train.read_checkpoint(path, "test")
+        if case == "model config a list":
+            ckpt["model_config"] = list(ckpt["model_config"].values())
+        elif case == "config without init":
+            del ckpt["config"]["init"]
+        elif case == "dim -5":
+            ckpt["config"]["dim"] = -5
+        elif case == "model an int":
+            ckpt["model"] = 3
+        elif case == "dim 10^6":
+            ckpt["model_config"]["dim"] = 10 ** 6
+        else:
+            ckpt["model"]["blocks.0.mlp.0.weight"] *= float("nan")
+        _save_checkpoint(path, ckpt)
+    elif case == "a teacher in training":
+        teacher = _teacher(tmp_path)
+        lock = os.open(teacher, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)                 # as RunFolder holds it while a run trains (--resume)
+    elif case == "a FIFO for ckpt.pt":
+        teacher = _teacher(tmp_path)
+        os.remove(os.path.join(teacher, "ckpt.pt"))
+        os.mkfifo(os.path.join(teacher, "ckpt.pt"))
+    elif case == "a ratio no key reaches":
+        teacher, extra = _teacher(tmp_path), ["--prior-ratio", "1e9"]
+    if case == "discovered on vision":
+        argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
+                "--mlp-dim", "24", "--steps", "1", "--init", "mask", "--pattern", "discovered"]
+    else:
+        argv = [*argv, "--prior-from", teacher, *extra]
+    held = _users_folder(tmp_path / "held")
+    before = _tree(held)
+    for out in (tmp_path / "student", held):
+        capsys.readouterr()
+        with _deadline(60):                              # a read that blocks (a FIFO) fails here, never hangs
+            assert train.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "student").exists() and not (tmp_path / "ran").exists() and _tree(held) == before
+
+
+# ---------------------------------------------------------------------------------------- train.py: data parallelism
+
+DDP_TINY = [*TINY, "--init", "mask", "--steps", "20", "--log-every", "5"]
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args, n=2, cwd=None, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                           os.path.join(HERE, "train.py"), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    r = _torchrun(*_but(DDP_TINY, "--batch-size", 33), "--out", tmp_path / "odd")
+    assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
+    assert not (tmp_path / "odd").exists()
+    # a rendezvous nobody else joins: rank 0 of 2 alone
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *DDP_TINY, "--dist-timeout", "2", "--out",
+                        str(tmp_path / "alone")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "cannot join the process group" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "alone").exists()
+
+
+def _losses(folder):
+    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))][1:]
+
+
+def _params(folder):
+    return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["model"]
+
+
+def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_path):
+    """Same global batch: the 2-process gloo run logs the 1-process loss curve (to 1e-5) and ends at its
+    parameters (to 1e-6), M included, in one run folder; a halted 2-process run resumes under torchrun, or
+    in one process (another world size, the same global batch)."""
+    one, two, other = tmp_path / "one", tmp_path / "two", tmp_path / "other"
+    env = os.environ.get("OMP_NUM_THREADS")
+    assert train.main([*DDP_TINY, "--out", str(one)]) == 0
+    r = _torchrun(*DDP_TINY, "--halt-after", "10", "--out", two)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"] and not os.path.exists(two / "result.json")
+    shutil.copytree(two, other)
+    r = _torchrun("--resume", "--out", two)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert train.main(["--resume", "--out", str(other)]) == 0
+    for folder in (two, other):
+        np.testing.assert_allclose(_losses(folder), _losses(one), rtol=1e-5)
+        a, b = _params(one), _params(folder)
+        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), folder
+        assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(folder))      # M trained
+    assert env == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
+    common = ["--task", "cifar10", "--data-dir", image_dir, "--init", "mask", "--layers", "1", "--dim", "24",
+              "--mlp-dim", "48", "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4"]
+    assert train.main([*common, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(*common, "--out", tmp_path / "two")
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+    a, b = (json.load(open(tmp_path / n / "result.json"))["metrics"] for n in ("one", "two"))
+    assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+DDP_GRAD_SCRIPT = """
+import torch, torch.distributed as dist, maskprior as mp
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cfg = mp.TransformerConfig(vocab_size=2, seq_len=6, n_layers=1, n_heads=2, dim=16, mlp_dim=16, readout="mean",
+                           learnable_mask=True, fused=False)
+torch.manual_seed(0)
+model = mp.Transformer(cfg)
+mp.init_mask_(model, mp.banded_pattern(6, 1))
+x, y = torch.randint(0, 2, (8, 6), generator=torch.Generator().manual_seed(1)), torch.randn(8)
+full = mp.Transformer(cfg)
+full.load_state_dict(model.state_dict())
+torch.nn.functional.mse_loss(full(x).squeeze(-1), y).backward()              # one process, the whole batch
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+part = slice(4 * rank, 4 * rank + 4)
+torch.nn.functional.mse_loss(ddp(x[part]).squeeze(-1), y[part]).backward()  # this rank's half
+g, ref = model.blocks[0].attn.prior.mask_logits.grad, full.blocks[0].attn.prior.mask_logits.grad
+assert g.abs().sum() > 0 and torch.allclose(g, ref, atol=1e-6), (g - ref).abs().max()
+open(f"ok{rank}", "w").write("ok")
+del ddp                                              # DDP's reducer must go before its process group
+dist.barrier()                                       # leave together: gloo aborts a rank whose peer is gone
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
+    (tmp_path / "grad.py").write_text(DDP_GRAD_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(tmp_path / "grad.py")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    # each rank writes ok{rank} once its gradient equals the one-process gradient; the exit status is not the
+    # test: on a loaded CPU gloo now and then aborts one rank as the other closes the group after the last
+    # barrier (SIGABRT at teardown: twice in 14 runs here, both with the CPU oversubscribed), after both files exist
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------------- train.py: loop
+
+def test_run_directory_and_result(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--steps", "20", "--log-every", "10", *SMALL)
+    assert rc == 0
+    assert sorted(os.listdir(out)) == ["args.json", "ckpt.pt", "metrics.jsonl", "prior.pt", "result.json"]
+    res = json.load(open(os.path.join(out, "result.json")))
+    for key in ("task", "init", "seed", "steps", "seconds"):
+        assert key in res
+    for key in ("acc", "acc_unseen", "mse", "mse_unseen", "mdi_acc", "prior_mass_start", "prior_mass_end"):
+        assert isinstance(res["metrics"][key], float)
+    assert res["metrics"]["mdi_acc"] == 0.75 and res["steps"] == 20
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["step"] for x in lines] == [0, 10, 20] and "mask_drift" in lines[-1]
+
+
+def test_log_steps_use_eval_points_and_the_end_the_whole_cube(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "parity2", "--init", "default", "--steps", "20", "--log-every", "10",
+                        "--eval-points", "512", *SMALL)
+    assert rc == 0
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["metrics"]["eval_points"] for x in lines] == [512, 512, 0]
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["metrics"]["eval_points"] == 0 and res["metrics"]["acc"] == lines[-1]["metrics"]["acc"]
+
+
+def _qk_opt(init: str, steps: int) -> list:
+    """--qk-opt-steps STEPS where the init is qk-opt (the flag applies to it alone)."""
+    return ["--qk-opt-steps", str(steps)] if init == "qk-opt" else []
+
+
+@pytest.mark.parametrize("init", ["qk-svd", "qk-opt"])
+def test_qk_inits_run(tmp_path, init):
+    rc, out = run_train(tmp_path, "--task", "majority3", "--init", init, "--steps", "4", *_qk_opt(init, 200),
+                        *SMALL)
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert len(res["init_report"]["pseudo_mass"]) == 1 and "qk_drift" in res
+
+
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
+def test_vision_run_every_init(tmp_path, init):
+    x, y = _images(64), np.arange(64) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "2",
+                        "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8",
+                        "--batch-size", "16", *_qk_opt(init, 20), "--probe-size", "8")
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["kind"] == "vision" and {"top1", "loss", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    if init in ("mask", "impulse", "qk-svd", "mask-impulse"):
+        assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
+
+
+@pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt"])
+def test_lm_run_every_init(tmp_path, init):
+    _write_text_corpus(tmp_path / "data")
+    rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", init,
+                        "--steps", "3", *LM_SMALL, *_qk_opt(init, 20))
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["kind"] == "lm" and {"val_loss", "val_ppl", "prior_mass_start", "prior_mass_end"} <= set(res["metrics"])
+    assert res["metrics"]["val_ppl"] == pytest.approx(np.exp(res["metrics"]["val_loss"]), rel=1e-6)
+
+
+SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points", "16"],
+               "vision": ["--patch-size", "8"], "lm": ["--context", "8", "--val-tokens", "64"]}
+
+
+def _smoke_data(root: Path, task: str) -> list:
+    """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
+    if task == "cifar10":
+        T.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
+    elif task == "cifar100":
+        py = root / "cifar-100-python"
+        py.mkdir(parents=True)
+        for split, n in (("train", 20), ("test", 4)):
+            _py2_pickle(py / split, {b"fine_labels": list(range(n)), b"coarse_labels": [0] * n,
+                                     b"data": _images(n, n).reshape(n, -1)})
+    elif task == "imagenet100":
+        root.mkdir(parents=True)
+        root = _imagenet_dir(root)
+    elif task == "wikitext2":
+        _write_text_corpus(root)
+    elif task == "tinystories":
+        make_tinystories(root)
+    else:
+        return []
+    return ["--data-dir", str(root)]
+
+
+@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
+def test_every_task_trains_with_every_init(tmp_path, task, init):
+    """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
+    result and, for an init that writes a prior, a prior mass at the start."""
+    out = str(tmp_path / "run")
+    argv = ["--task", task, "--init", init, "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
+            "--heads", "2", "--mlp-dim", "16", "--batch-size", "4", "--probe-size", "4", *_qk_opt(init, 5),
+            *SMOKE_FLAGS[T.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
+    assert train.main(argv) == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["task"] == task and res["init"] == init and res["steps"] == 2 and res["metrics"]
+    if init != "default":        # a prior's mass at the start, or the reason there is none (no row constrained)
+        assert res["metrics"]["prior_mass_start"] is not None or "constrains no query row" in res["prior_mass_note"]
+
+
+def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
+    out = str(tmp_path / "run")
+    common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4", "--init", "mask"]
+    aug = ["--input-size", "48", "--patch-size", "8", "--crop", "rrc", "--randaug", "9", "--reprob", "0.25",
+           "--mixup", "0.8", "--cutmix", "1.0", "--drop-path", "0.1", "--ema", "0.9"]
+    assert train.main([*common, *aug, "--halt-after", "3", "--out", out]) == 0
+    assert train.main(["--resume", "--out", out]) == 0
+    assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
+    a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
+    assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
+    xb, yb = train.task_for(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
+    assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
+
+
+@cuda
+def test_cuda_training_run(tmp_path):
+    rc, out = run_train(tmp_path, "--task", "majority3", "--init", "mask", "--steps", "20", "--device", "cuda",
+                        *SMALL)
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["device"].startswith("cuda") and res["metrics"]["mse"] < 10
+
+
+@cuda
+@pytest.mark.parametrize("init", ["mask", "impulse"])
+def test_cuda_vision_run_bf16(tmp_path, init):
+    """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
+    x, y = _images(64), np.arange(64) % 10
+    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
+                        "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
+                        "--batch-size", "16", "--probe-size", "8")
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["device"].startswith("cuda") and np.isfinite(res["metrics"]["loss"])
+    if init == "mask":
+        assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
+
+
+def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e30", "--steps", "2", "--out", out]) == 2
+    assert "loss with these flags" in capsys.readouterr().err and not os.path.exists(out)
+    assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e300", "--steps", "2", "--out", out]) == 2
+    assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
+
+
+def test_mask_beats_default_on_unseen_majority3(tmp_path):
+    """The paper's claim in miniature: on majority3 the mask generalises to the unseen quarter,
+    default stays at the min-degree interpolator (50% on U, 87.5% on the cube). 400 steps (6 s a run):
+    seed 0 gives default 87.53% / 50.1% on U, mask 100% / 100%, end mass 0.15 vs 0.94."""
+    common = ["--task", "majority3", "--layers", "3", "--dim", "32", "--heads", "2", "--mlp-dim", "64",
+              "--steps", "400", "--log-every", "400", "--warmup", "50", "--seed", "0", "--probe-size", "64"]
+    rc1, d = run_train(tmp_path, *common, "--init", "default", name="d")
+    rc2, m = run_train(tmp_path, *common, "--init", "mask", name="m")
+    assert rc1 == rc2 == 0
+    rd = json.load(open(os.path.join(d, "result.json")))["metrics"]
+    rm = json.load(open(os.path.join(m, "result.json")))["metrics"]
+    assert rd["acc"] == pytest.approx(rd["mdi_acc"], abs=0.01) and rd["acc_unseen"] < 0.55
+    assert rm["acc_unseen"] > rd["acc_unseen"] + 0.2
+    assert rm["mse_unseen"] < 0.5 * rd["mse_unseen"]
+    assert rm["prior_mass_end"] > 0.8 > 0.3 > rd["prior_mass_end"]
+
+
+def test_train_step_is_the_step_the_loop_takes(tmp_path):
+    """train.build + train.train_step (what the benchmarks time), replayed, give bitwise the weights the loop
+    trained (learning-rate schedule, clipping and the update included)."""
+    argv = [*_but(RUN24, "--steps", 6, "--log-every", 3), "--init", "mask", "--grad-clip", "0.5", "--schedule",
+            "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
+    assert train.main(argv) == 0
+    device = torch.device("cpu")
+    b = train.build(train.resolve(*train.parse_args(argv)), device)
+    model, opt, task, args = b.model, b.optimizer, b.task, b.config
+    for step in range(6):
+        train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
+    trained = train.read_checkpoint(str(tmp_path / "run" / "ckpt.pt"), "test")["model"]
+    assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
+    assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
+
+
+def test_the_compile_flag_trains_through_torch_compile_on_the_cpu(tmp_path, monkeypatch):
+    """--compile on the CPU: the steps run through torch.compile's graph (dynamo traces it; the aot_eager
+    backend stands in for inductor, which needs a C++ compiler and minutes here) and train the weights an
+    uncompiled run trains, M included."""
+    import torch._dynamo
+    calls, real = [], torch.compile
+
+    def compile_cpu(model, **kw):
+        calls.append(model)
+        return real(model, backend="aot_eager", **kw)
+    argv = [*TINY, "--init", "mask", "--steps", "4", "--log-every", "2"]
+    assert train.main([*argv, "--out", str(tmp_path / "eager")]) == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(train.torch, "compile", compile_cpu)
+    assert train.main([*argv, "--compile", "--out", str(tmp_path / "compiled")]) == 0
+    monkeypatch.undo()
+    assert len(calls) == 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    a, b = _params(tmp_path / "eager"), _params(tmp_path / "compiled")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not torch.equal(b["blocks.0.attn.prior.mask_logits"], _mask_start(tmp_path / "compiled"))
+
+
+@cuda
+def test_cuda_compile_matches_eager(tmp_path):
+    """--compile (inductor) on a GPU: both attention paths with the mask give eager's outputs and M gradient."""
+    for fused in (True, False):
+        cfg = mp.TransformerConfig(vocab_size=3, seq_len=10, n_layers=2, n_heads=2, dim=32, mlp_dim=32,
+                                   learnable_mask=True, fused=fused, readout="tokens", causal=True, n_outputs=3)
+        torch.manual_seed(0)
+        model = mp.Transformer(cfg).cuda()
+        mp.init_mask_(model, logits=mp.causal_distance_logits(10, 2))
+        x = torch.randint(0, 3, (4, 10), device="cuda")
+        outs = []
+        for m in (model, torch.compile(model)):
+            model.zero_grad()
+            out = m(x)
+            out.square().sum().backward()
+            outs.append((out.detach(), model.blocks[0].attn.mask_logits.grad.clone()))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0
+
+
+def test_resume_is_exact(tmp_path):
+    """A run halted and resumed ends bitwise where an uninterrupted one does: weights, the optimiser and, with
+    dropout drawing random numbers every step, the RNG state (restored from the checkpoint)."""
+    args = ["--task", "parity2", "--init", "mask", "--steps", "30", "--log-every", "10", "--dropout", "0.1", *SMALL]
+    rc, full = run_train(tmp_path, *args, name="full")
+    assert rc == 0
+    rc, part = run_train(tmp_path, *args, "--halt-after", "10", name="part")
+    assert rc == 0 and not os.path.exists(os.path.join(part, "result.json"))
+    assert train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")["step"] == 10
+    rc = train.main(["--out", part, "--resume"])
+    assert rc == 0
+    a = train.read_checkpoint(str(os.path.join(full, "ckpt.pt")), "test")
+    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
+    assert a["step"] == b["step"] == 30
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    la = [json.loads(x)["loss"] for x in open(os.path.join(full, "metrics.jsonl"))]
+    lb = [json.loads(x)["loss"] for x in open(os.path.join(part, "metrics.jsonl"))]
+    assert la == lb
+
+
+def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--mask-param", "relative",
+              "--layers", "1", "--dim", "16", "--mlp-dim", "16", "--context", "16", "--val-tokens", "200",
+              "--steps", "8", "--log-every", "4", "--batch-size", "4"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert train.main([*common, "--out", a]) == 0
+    assert train.main([*common, "--halt-after", "4", "--out", b]) == 0
+    assert train.main(["--resume", "--out", b]) == 0
+    pa, pb = _params(a), _params(b)
+    assert pa["blocks.0.attn.prior.mask_logits"].shape == (4, 16)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert train.main(["--resume", "--out", b, "--mask-param", "full"]) == 2
+
+
+def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
+    """What a resume must still take: a run halted between log steps, resumed with another --log-every and
+    halted again before its next log line; and the three files moved together to another folder."""
+    out = str(tmp_path / "run")
+    assert train.main([*RUN24, "--halt-after", "23", "--out", out]) == 0          # ckpt at 23, log at 20
+    assert train.main(["--resume", "--out", out, "--log-every", "7", "--halt-after", "26"]) == 0
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
+    moved = str(tmp_path / "moved")
+    shutil.copytree(out, moved)
+    assert train.main(["--resume", "--out", moved]) == 0
+    steps = [json.loads(line)["step"] for line in open(os.path.join(moved, "metrics.jsonl"))]
+    assert steps == [0, 5, 10, 15, 20, 28, 35, 40]
+
+
+def test_a_resume_with_another_thread_count_says_it_is_not_bitwise(tmp_path, capsys):
+    """A CPU run resumed with another torch thread count (its float sums round in another order) prints a note
+    that says so and how to resume bitwise; with the same count it says nothing."""
+    out = str(tmp_path / "run")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert train.main([*TINY, "--steps", "6", "--log-every", "2", "--halt-after", "2", "--out", out]) == 0
+        assert train.main(["--resume", "--out", out, "--halt-after", "4"]) == 0
+        assert "note:" not in capsys.readouterr().out
+        torch.set_num_threads(2)
+        assert train.main(["--resume", "--out", out]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    said = capsys.readouterr().out
+    assert "note: the run trained with 1 CPU threads, now 2" in said and "OMP_NUM_THREADS=1" in said
+
+
+def test_a_run_that_has_not_logged_yet_prints_an_early_eta(tmp_path, capsys, monkeypatch):
+    """Before its first log step a run prints its pace and ETA once (after train.EARLY_ETA seconds), and
+    --preset paper on the CPU says at the start that it is sized for a GPU."""
+    monkeypatch.setattr(train, "EARLY_ETA", 0.0)
+    assert train.main([*TINY, "--steps", "6", "--log-every", "5", "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().out.splitlines()
+    early = [line for line in said if "an early estimate" in line]
+    assert len(early) == 1 and "the first evaluation is at step 5" in early[0] and "ETA" in early[0]
+    assert train.main(["--task", "parity2", "--preset", "paper", "--layers", "1", "--dim", "16", "--heads", "2",
+                       "--head-dim", "8", "--mlp-dim", "16", "--steps", "1", "--eval-points", "64", "--probe-size",
+                       "8", "--out", str(tmp_path / "b"), "--device", "cpu"]) == 0
+    assert "note: --preset paper is the paper's setting, sized for a GPU" in capsys.readouterr().out
+
+
+def test_the_eta_counts_every_evaluation_left_and_the_final_one_over_the_whole_test_set():
+    """A run's ETA is its steps at the training rate, plus each log step's evaluation as long as the last one took,
+    plus the final evaluation over the whole test set (a Boolean task at --eval-points 2048 on a 32,768-point cube:
+    16 log evaluations' worth), nothing once that is done; before a resumed run has timed one, the steps alone."""
+    task = T.make_task("parity2").setup()
+    config = train.resolve(*train.parse_args(["--task", "parity2", "--steps", "600", "--log-every", "30",
+                                              "--eval-points", "2048"]))
+    state = types.SimpleNamespace(config=config, task=task, eval_seconds=0.5)
+    # at step 30, 10 steps/s: 57 s of steps, 18 log evaluations before the last, the last over 16x the points
+    assert train.eta(state, 30, 10.0) == pytest.approx(57 + 0.5 * (18 + 16))
+    assert train.eta(state, 599, 10.0) == pytest.approx(0.1 + 0.5 * 16)
+    assert train.eta(state, 600, 10.0) == 0.0                     # the last log step was the final evaluation
+    assert train.eta(types.SimpleNamespace(config=config, task=task, eval_seconds=None), 30, 10.0) == pytest.approx(57)
+    assert T.make_task("addition").setup().final_cost(500) == 20.0 and task.final_cost(0) == 1.0
+
+
+def test_the_paper_vision_recipe_trains_a_step_of_vit_tiny_at_224_on_the_cpu(tmp_path, image_dir):
+    """The paper vision preset, as a GPU runs it, for one step here: ViT-Tiny/16 (12 layers) at 224 x 224 on CIFAR
+    upsampled by the random resized crop, RandAugment m9, random erasing, mixup and cutmix (soft labels), label
+    smoothing and drop path, the soft prior with impulse's positions and V (mask-impulse); evaluation resizes to 256
+    and crops 224. It ends with a result and a finite loss."""
+    out = str(tmp_path / "run")
+    assert train.main(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper", "--init", "mask-impulse",
+                       "--steps", "1", "--batch-size", "4", "--probe-size", "2", "--out", out]) == 0
+    res = json.load(open(os.path.join(out, "result.json")))
+    assert res["config"]["n_layers"] == 12 and res["config"]["image_size"] == 224 and res["config"]["patch_size"] == 16
+    assert math.isfinite(res["metrics"]["loss"]) and res["init_report"]["pos_scale"] == 18.0
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["crop"], args["randaug"], args["reprob"], args["mixup"], args["cutmix"]) == ("rrc", 9.0, 0.25, 0.8, 1.0)
+
+
+# ---------------------------------------------------------------------------------------- train.py: durability
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
+    rc, out = run_train(tmp_path, "--steps", "200", "--lr", "1e30", "--log-every", "1", *SMALL)
+    err = capsys.readouterr().err
+    assert rc == 1 and "loss became" in err
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert not os.path.exists(os.path.join(out, "result.json"))
+
+
+def test_a_non_finite_stop_keeps_a_finite_checkpoint_and_resumes_with_a_lower_lr(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--steps", "20", "--log-every", "5", "--lr", "1e8", "--out", out]) == 1
+    assert "the loss became nan" in capsys.readouterr().err
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert train.main(["--resume", "--out", out, "--lr", "1e-3", "--grad-clip", "1"]) == 0
+    saved = json.load(open(os.path.join(out, "args.json")))
+    assert (saved["lr"], saved["grad_clip"]) == (1e-3, 1.0)
+    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 20
+
+
+def test_the_weights_are_checked_finite_before_every_save(tmp_path, capsys, monkeypatch):
+    """An update that leaves a weight infinite while the loss it came from was finite (an overflow, injected
+    here into the first update): the run stops before saving, naming the parameters; the checkpoint kept is
+    the finite one before, and it resumes."""
+    real = train.step_update
+
+    def overflowing(model, optimizer, loss, args, step, ema=None):
+        real(model, optimizer, loss, args, step, ema)
+        if step == 0:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("inf")
+    monkeypatch.setattr(train, "step_update", overflowing)
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--steps", "10", "--log-every", "5", "--ckpt-every", "1", "--out", out]) == 1
+    err = capsys.readouterr().err
+    assert "the parameters became non-finite at step 1" in err, err
+    ckpt = train.read_checkpoint(os.path.join(out, "ckpt.pt"), "test")
+    assert ckpt["step"] == 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    monkeypatch.undo()
+    assert train.main(["--resume", "--out", out]) == 0
+
+
+def test_resume_with_other_architecture_is_refused(tmp_path, capsys):
+    rc, out = run_train(tmp_path, "--steps", "4", "--halt-after", "2", *SMALL)
+    assert rc == 0
+    rc = train.main(["--out", out, "--resume", "--layers", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "architecture" in err and "layers" in err
+    assert train.main(["--out", os.path.join(tmp_path, "nothing"), "--resume"]) == 2
+
+
+def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoint(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--steps", "20", "--log-every", "10", "--halt-after", "20", "--out", out]) == 0
+    os.remove(os.path.join(out, "result.json"))
+    assert train.main(["--resume", "--out", out, "--steps", "10"]) == 2
+    assert "at step 20, past --steps 10" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "result.json"))
+    os.rename(os.path.join(out, "metrics.jsonl"), os.path.join(tmp_path, "log"))
+    assert train.main(["--resume", "--out", out]) == 2
+    assert "metrics.jsonl is missing" in capsys.readouterr().err
+    os.rename(os.path.join(tmp_path, "log"), os.path.join(out, "metrics.jsonl"))
+    torch.save({"model": {}}, os.path.join(out, "ckpt.pt"))
+    assert train.main(["--resume", "--out", out]) == 2
+    assert "is not a checkpoint of this version of train.py (no format" in capsys.readouterr().err
+
+
+def _edit_json(path, change):
+    data = json.load(open(path))
+    change(data)
+    open(path, "w").write(json.dumps(data))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("foreign checkpoint, other seed", "is the checkpoint of another run"),
+    ("foreign checkpoint, same seed", "is the checkpoint of another run"),
+    ("args.json of another task", "has task='majority3' but the checkpoint was trained with task='parity2'"),
+    ("args.json without lr", "holds the flags of another version of train.py (no lr)"),
+    ("args.json a list", "holds a list, not the object of a run's flags"),
+    ("args.json steps a string", "has steps='40', which --steps cannot take"),
+    ("args.json lr null", "has lr=None, which --lr cannot take"),
+    ("args.json from another run", "has seed=1 but the checkpoint was trained with seed=0"),
+    ("log emptied", "holds no records, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
+    ("log cut short", "holds steps 0 .. 10, but the checkpoint (step 20) was saved after logging steps 0 .. 20"),
+    ("log without its start", "line 1 is step 5, not the run's start (step 0)"),
+    ("log of another run", "is the checkpoint of another run"),
+    ("log replaced by a folder", "metrics.jsonl is not a file, so the run's log cannot be continued"),
+])
+def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
+    """ckpt.pt, args.json and metrics.jsonl are checked against each other before a resume: each broken or
+    swapped file is one line and exit 2, and nothing in the folder changes."""
+    out = _halted(tmp_path)
+    other = _halted(tmp_path, "other", seed=1 if "other seed" in case or "another run" in case else 0)
+    ckpt, args_json, log = (os.path.join(out, f) for f in ("ckpt.pt", "args.json", "metrics.jsonl"))
+    if case.startswith("foreign checkpoint"):
+        shutil.copy(os.path.join(other, "ckpt.pt"), ckpt)
+    elif case == "args.json of another task":
+        _edit_json(args_json, lambda d: d.update(task="majority3"))
+    elif case == "args.json without lr":
+        _edit_json(args_json, lambda d: d.pop("lr"))
+    elif case == "args.json a list":
+        open(args_json, "w").write("[]")
+    elif case == "args.json steps a string":
+        _edit_json(args_json, lambda d: d.update(steps="40"))
+    elif case == "args.json lr null":
+        _edit_json(args_json, lambda d: d.update(lr=None))
+    elif case == "args.json from another run":
+        shutil.copy(os.path.join(other, "args.json"), args_json)
+    elif case == "log emptied":
+        open(log, "w").close()
+    elif case == "log cut short":
+        lines = open(log).readlines()
+        open(log, "w").writelines(lines[:3])
+    elif case == "log without its start":
+        lines = open(log).readlines()
+        open(log, "w").writelines(lines[1:])
+    elif case == "log of another run":
+        shutil.copy(os.path.join(other, "metrics.jsonl"), log)
+    elif case == "log replaced by a folder":
+        os.remove(log)
+        os.mkdir(log)
+    files = lambda: {f: open(os.path.join(out, f), "rb").read() if os.path.isfile(os.path.join(out, f)) else "dir"  # noqa
+                     for f in os.listdir(out)}
+    before = files()
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert files() == before
+
+
+def test_language_models_default_to_the_relative_prior_and_a_checkpoint_without_a_flag_is_one_line(tmp_path, text_dir,
+                                                                                                   capsys):
+    """Language models take the relative prior by default. A checkpoint holds every flag of its version: one
+    whose config lacks one (a run of another version, or an edited file, its sha256 recomputed) is one line."""
+    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
+    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
+    out = str(tmp_path / "old")
+    common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
+              "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
+              "--batch-size", "4"]
+    assert train.main([*common, "--mask-param", "full", "--halt-after", "3", "--out", out]) == 0
+    ckpt = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")
+    del ckpt["config"]["mask_param"]
+    _save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
+    before = _tree(out)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds the flags of another version of train.py (no mask_param)" in err and len(err.splitlines()) == 1
+    assert _tree(out) == before
+
+
+def test_checkpoints_of_an_earlier_version_are_refused_in_one_line(tmp_path, capsys):
+    """A run of an earlier version: M on the attention layer itself (before MaskPrior), or a checkpoint without
+    the checksummed format: --resume refuses in one line naming the version, and nothing changes."""
+    out = str(tmp_path / "run")
+    assert train.main([*RUN24, "--init", "mask", "--halt-after", "20", "--out", out]) == 0
+    path = os.path.join(out, "ckpt.pt")
+    good = train.read_checkpoint(path, "test")
+    old = {**good, "model": {k.replace("attn.prior.mask_logits", "attn.mask_logits"): v
+                             for k, v in good["model"].items()}}
+    _save_checkpoint(path, old)
+    before = _tree(out)
+    capsys.readouterr()
+    assert "blocks.0.attn.mask_logits" in old["model"] and train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit this version's model (it lacks blocks.0.attn.prior.mask_logits)" in err
+    assert "another version of maskprior" in err and len(err.splitlines()) == 1 and _tree(out) == before
+    torch.save(good, path)                                        # the contents alone, as before checksums
+    assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a checkpoint of this version of train.py (no format: one written before checksums" in err
+    torch.save({"format": "maskprior-checkpoint-1", "payload": b"x"}, path)
+    assert train.main(["--resume", "--out", out]) == 2
+    assert "earlier version of train.py (maskprior-checkpoint-1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", ["a 3 x 3 pattern", "the pattern inverted", "a symlink to /etc/passwd",
+                                    "cut to 500 bytes", "a FIFO", "removed"])
+def test_a_prior_file_changed_before_resume_is_one_line_and_nothing_changes(tmp_path, capsys, change):
+    """The run's own prior.pt is read back through the one reader on --resume: the bytes the run wrote at its
+    start (their sha256 is in the checkpoint), a regular file; any change is one line, exit 2, the folder as it was."""
+    out = str(tmp_path / "run")
+    assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "4", "--log-every", "2",
+                       "--halt-after", "2", "--out", out]) == 0
+    path = os.path.join(out, "prior.pt")
+    saved = torch.load(path, weights_only=True)
+    if change == "a 3 x 3 pattern":
+        torch.save({**saved, "pattern": torch.ones(3, 3, dtype=torch.bool)}, path)
+    elif change == "the pattern inverted":
+        torch.save({**saved, "pattern": ~saved["pattern"]}, path)
+    elif change == "a symlink to /etc/passwd":
+        os.remove(path)
+        os.symlink("/etc/passwd", path)
+    elif change == "cut to 500 bytes":
+        Path(path).write_bytes(Path(path).read_bytes()[:500])
+    elif change == "a FIFO":
+        os.remove(path)
+        os.mkfifo(path)
+    else:
+        os.remove(path)
+    before = {p: os.lstat(os.path.join(out, p)).st_mtime_ns for p in os.listdir(out)}
+    capsys.readouterr()
+    with _deadline(60):
+        assert train.main(["--resume", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "prior.pt" in err, err
+    assert ("has changed since the run started" in err if change in ("a 3 x 3 pattern", "the pattern inverted",
+                                                                      "a symlink to /etc/passwd", "cut to 500 bytes")
+            else "restore the file" in err), err
+    assert {p: os.lstat(os.path.join(out, p)).st_mtime_ns for p in os.listdir(out)} == before
+
+
+def test_resume_on_other_data_is_refused_and_on_the_same_data_moved_goes_on(tmp_path, capsys, image_dir):
+    """The checkpoint records a hash of the data: --resume --data-dir on another CIFAR set (other
+    pixels, same sizes and names) is one line and exit 2; the same set copied elsewhere resumes."""
+    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "24", "--batch-size",
+              "8", "--steps", "4", "--log-every", "2", "--halt-after", "2", "--probe-size", "4"]
+    out = str(tmp_path / "run")
+    assert train.main([*common, "--data-dir", image_dir, "--out", out]) == 0
+    other = tmp_path / "other"
+    x = 255 - _images(40)
+    T.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
+    before = _tree(out)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out, "--data-dir", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not the data the run in" in err and f"it started from {image_dir}" in err and len(err.splitlines()) == 1
+    assert _tree(out) == before
+    moved = tmp_path / "moved"
+    shutil.copytree(os.path.join(image_dir, "cifar-10-batches-py"), moved / "cifar-10-batches-py")
+    assert train.main(["--resume", "--out", out, "--data-dir", str(moved)]) == 0
+    assert json.load(open(os.path.join(out, "result.json")))["steps"] == 4
+
+
+def test_a_locked_run_folder_is_refused(tmp_path, capsys):
+    import fcntl
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)                        # another process's run holds it
+    try:
+        assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 75        # EX_TEMPFAIL: try again later
+        assert "in use by another process" in capsys.readouterr().err and os.listdir(out) == []
+    finally:
+        os.close(fd)
+    assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 0
+
+
+def test_two_processes_on_one_run_folder(tmp_path):
+    """Two runs started at once into one folder: one trains, the other is refused; the log is one run's."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *TINY, "--steps", "60", "--log-every", "10", "--out", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) in ([0, 2], [0, 75]), results
+    assert any("in use by another process" in err or "already holds a run" in err for _, err in results)
+    steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert steps == list(range(0, 61, 10))
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code):
+    out = os.path.join(tmp_path, "int")
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--steps", "100000", "--log-every", "5",
+           "--ckpt-every", "100000", *SMALL]                 # no checkpoint but the first and the one the signal makes
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 60
+    while time.time() < deadline and not (os.path.exists(log) and len(open(log).readlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code and "finishing this step and saving a checkpoint" in text, text
+    step = train.read_checkpoint(str(os.path.join(out, "ckpt.pt")), "test")["step"]
+    assert step >= 5 and f"checkpoint at step {step} in" in text
+    rc = train.main(["--out", out, "--resume", "--steps", str(step + 5)])
+    assert rc == 0 and json.load(open(os.path.join(out, "result.json")))["steps"] == step + 5
+
+
+def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """A disk that fails in the middle of writing a checkpoint (half the bytes written, then ENOSPC; no root
+    needed: the file object's write is made to fail): the run stops in one line, ckpt.pt is still the previous
+    checkpoint, whole, and resuming from it ends at the parameters of an uninterrupted run."""
+    args = [*TINY, "--init", "mask", "--steps", "12", "--log-every", "4", "--dropout", "0.1"]
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    assert train.main([*args, "--out", ref]) == 0
+    failed = []
+
+    class HalfThenFull:
+        """A file whose writes put half the bytes on disk, then fail as a full disk does."""
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            data = bytes(data)
+            self.f.write(data[:len(data) // 2])
+            self.f.flush()
+            failed.append(len(data))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    real_fdopen, real_open = os.fdopen, open
+
+    def failing(opener):
+        def wrapped(file, mode="r", *a, **kw):
+            f = opener(file, mode, *a, **kw)
+            name = file if isinstance(file, str) else ""
+            is_ckpt = "ckpt.pt" in name or (isinstance(file, int) and "ckpt.pt" in os.readlink(f"/proc/self/fd/{file}"))
+            return HalfThenFull(f) if "w" in mode and is_ckpt and saves["n"] == 2 else f
+        return wrapped
+
+    saves = {"n": 0}
+    real_save = train.save_checkpoint
+
+    def counted(state, *a):
+        saves["n"] += 1
+        return real_save(state, *a)
+    monkeypatch.setattr(train, "save_checkpoint", counted)
+    monkeypatch.setattr(os, "fdopen", failing(real_fdopen))
+    monkeypatch.setattr("builtins.open", failing(real_open))
+    assert train.main([*args, "--out", out]) == 2                       # saves: step 0, then step 4 fails
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert failed and "No space left on device" in err and len(err.splitlines()) == 1, err
+    assert train.read_checkpoint(os.path.join(out, "ckpt.pt"), "test")["step"] == 0
+    assert train.main(["--resume", "--out", out]) == 0
+    a, b = _params(ref), _params(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_full_disk_stops_a_run_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, capsys):
+    """--out on a 100 KB tmpfs: the second checkpoint does not fit. One line naming the file and the step of
+    the whole checkpoint, exit 2, no temporary file; the folder moved to a disk with room resumes and ends
+    where an uninterrupted run ends, bit for bit. A disk too small for the first checkpoint leaves nothing."""
+    args = [*TINY, "--init", "mask", "--steps", "30", "--log-every", "5", "--ckpt-every", "10"]
+    assert train.main([*args, "--out", str(tmp_path / "ref")]) == 0
+    with _small_disk(tmp_path / "disk") as disk:
+        out = disk / "run"
+        capsys.readouterr()
+        assert train.main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "No space left on device writing" in err, err
+        saved = train.read_checkpoint(str(out / "ckpt.pt"), "test")["step"]
+        assert f"the checkpoint of step {saved} in {out / 'ckpt.pt'} is whole" in err and f"--resume --out {out}" in err
+        _files_whole(str(out))
+        assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+        shutil.copytree(out, tmp_path / "moved")
+    assert train.main(["--resume", "--out", str(tmp_path / "moved")]) == 0
+    a, b = _params(tmp_path / "ref"), _params(tmp_path / "moved")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with _small_disk(tmp_path / "tiny", size="20k") as tiny:
+        assert train.main([*args, "--out", str(tiny / "run")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "the new run had no checkpoint yet and left nothing behind" in err and len(err.splitlines()) == 1
+        assert os.listdir(tiny) == []
+
+
+def test_resume_writes_to_the_out_given_so_a_run_folder_can_move(tmp_path):
+    x, y = str(tmp_path / "X"), str(tmp_path / "Y")
+    assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "10", "--halt-after", "10",
+                       "--seed", "1", "--out", x]) == 0
+    os.rename(x, y)
+    assert train.main([*TINY, "--steps", "20", "--log-every", "10", "--halt-after", "10", "--out", x]) == 0    # run B
+    before = {n: open(os.path.join(x, n), "rb").read() for n in os.listdir(x)}
+    assert train.main(["--resume", "--out", y]) == 0
+    assert {n: open(os.path.join(x, n), "rb").read() for n in os.listdir(x)} == before      # B untouched
+    res = json.load(open(os.path.join(y, "result.json")))
+    saved = json.load(open(os.path.join(y, "args.json")))
+    assert (res["init"], res["seed"], res["steps"], saved["out"]) == ("mask", 1, 20, y)
+    # the same through a relative path from another directory
+    os.chdir(tmp_path)
+    os.rename(y, "Z")
+    assert train.main(["--resume", "--out", "Z", "--steps", "30"]) == 0
+    assert json.load(open(tmp_path / "Z" / "result.json"))["steps"] == 30
+
+
+def test_a_run_folder_moved_while_it_trains_is_one_line_and_resumes_bitwise(tmp_path):
+    """The run folder moved away while the run trains: its next write finds no folder, the run stops with one
+    line naming what happened and what to do (exit 2), and from the new place it resumes to the parameters an
+    uninterrupted run reaches."""
+    args = [*TINY, "--init", "mask", "--steps", "300", "--log-every", "10"]
+    ref, part, moved = (str(tmp_path / n) for n in ("ref", "part", "moved"))
+    assert train.main([*args, "--out", ref]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *args, "--out", part], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = os.path.join(part, "metrics.jsonl")
+    while p.poll() is None and not (os.path.exists(log) and len(open(log).readlines()) >= 2):
+        time.sleep(0.01)
+    os.rename(part, moved)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"the run folder {part} disappeared at step" in err and "--resume --out NEW_PLACE" in err
+    assert train.main(["--resume", "--out", moved]) == 0
+    a, b = _params(ref), _params(moved)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
+    """Fault injection: a run killed with SIGKILL at random moments after it has made progress (its log has
+    grown since this start; checkpoints are written every step, so some kills land inside a checkpoint write),
+    and resumed each time, ends with the same parameters and the same log as an uninterrupted run; every kill
+    is followed by a real resume, and no file in its folder is ever half-written."""
+    args = [*TINY, "--init", "mask", "--steps", "200", "--log-every", "10", "--ckpt-every", "1", "--dropout", "0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *args]
+    ref, part = str(tmp_path / "ref"), str(tmp_path / "part")
+    assert subprocess.run([*cmd, "--out", ref], env=env, capture_output=True).returncode == 0
+    log = os.path.join(part, "metrics.jsonl")
+    lines = lambda: len(open(log).readlines()) if os.path.exists(log) else 0      # noqa: E731
+    rng = np.random.default_rng(0)
+    kills, resumed_from = 0, []
+    for attempt in range(12):
+        resume = ["--resume"] if os.path.exists(os.path.join(part, "ckpt.pt")) else []
+        if resume:
+            resumed_from.append(train.read_checkpoint(os.path.join(part, "ckpt.pt"), "test")["step"])
+        seen = lines()
+        p = subprocess.Popen([*cmd, "--out", part, *resume], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+        if kills < 4:
+            _wait_for(lambda: lines() > seen or p.poll() is not None, timeout=60)     # progress since this start
+            time.sleep(float(rng.uniform(0.0, 0.15)))
+            if p.poll() is None:
+                p.kill()
+                kills += 1
+        p.wait(timeout=120)
+        if os.path.isdir(part):
+            _files_whole(part)
+        if p.returncode == 0:
+            break
+        assert p.returncode == -signal.SIGKILL, p.stderr.read()
+    assert kills == 4 and len(resumed_from) == 4 and resumed_from == sorted(resumed_from) and resumed_from[0] > 0
+    assert os.path.exists(os.path.join(part, "result.json"))
+    assert not [n for n in os.listdir(part) if n.endswith(".tmp")]          # the last start cleaned up
+    a = train.read_checkpoint(str(os.path.join(ref, "ckpt.pt")), "test")
+    b = train.read_checkpoint(str(os.path.join(part, "ckpt.pt")), "test")
+    assert a["step"] == b["step"] == 200 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "run_id")}  # noqa
+                          for line in open(path)]
+    assert strip(os.path.join(ref, "metrics.jsonl")) == strip(os.path.join(part, "metrics.jsonl"))
+
+
+def test_a_checkpoint_holding_a_cuda_rng_state_resumes_on_the_cpu_and_says_what_differs(tmp_path, capsys):
+    """A run halted on a GPU (its checkpoint holds CUDA generator states and names the device) resumes where there is
+    no CUDA: the CPU generator is restored, the CUDA states are not needed, and one line says the resumed run matches
+    an uninterrupted one to rounding, not bitwise."""
+    out = _halted(tmp_path)
+    ckpt = train.read_checkpoint(os.path.join(out, "ckpt.pt"), "test")
+    ckpt["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+    ckpt["machine"] = {"device": "cuda", "threads": None}
+    _save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out]) == 0
+    said = capsys.readouterr().out
+    assert "note: the run trained with on cuda, now on cpu" in said and "not bitwise" in said
+
+
+# ---------------------------------------------------------------------------------------- report.py: summaries
+
+def test_summarize_and_report_from_hand_written_runs(tmp_path):
+    runs = tmp_path / "runs"
+    boolean = runs / "boolean"
+    _fake_run(boolean, "parity2", "mask", 0, 1.0)
+    _fake_run(boolean, "parity2", "mask", 1, 0.5)
+    _fake_run(boolean, "parity2", "default", 0, 0.75)
+    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
+    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
+    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
+    (bad / "result.json").write_text("{not json")                           # corrupt
+    table = R.summarize([str(boolean)])
+    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
+    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
+    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
+    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
+    written = R.report(str(runs), str(tmp_path / "results"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
+    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
+    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
+    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
+    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
+    assert not any(",default," in line for line in csv)                     # only the prior inits
+    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
+    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
+
+
+def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsys):
+    """A backup copy of a run folder (the same run id), eight copies, or the same task, init, seed and flags
+    run again in another folder: `summarize` and `report` count seed 0 once and name each other folder."""
+    runs = tmp_path / "runs" / "boolean"
+    a = runs / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(a)]) == 0
+    for i in range(8):
+        shutil.copytree(a, runs / f"parity2-mask-s0.backup{i}")
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(runs / "rerun")]) == 0
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--seed", "1", "--out", str(runs / "seed1")]) == 0
+    table = R.summarize([str(runs)])
+    assert "| mask | 0,1 |" in table
+    for i in range(8):
+        assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
+    assert f"{runs / 'rerun'}: the same task, init, seed, flags and data as {a}: counted once" in table
+    assert train.main(["report", str(tmp_path / "runs"), str(tmp_path / "res")]) == 0
+    assert "| mask | 0,1 |" in (tmp_path / "res" / "boolean.md").read_text()
+    assert sum(",mask,0," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines()) == \
+        sum(",mask,1," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines())
+
+
+def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved_the_same(tmp_path):
+    """Two corpora or image sets under the same flags (--data-dir tells no configuration apart) are two runs;
+    the same set at another path is the same run again (result.json's data hash); a result.json without it (an
+    earlier version's) is listed, not guessed from --data-dir."""
+    x, y = _images(16), np.arange(16) % 10
+    T.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
+    T.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
+    shutil.copytree(tmp_path / "one", tmp_path / "one-again")
+    runs = tmp_path / "runs" / "vision"
+    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "2", "--log-every", "2", "--probe-size", "4"]
+    for name, data in (("a", "one"), ("b", "two"), ("c", "one-again")):
+        assert train.main([*common, "--data-dir", str(tmp_path / data), "--out", str(runs / name)]) == 0
+    kept, problems = R.collect_runs([str(runs)])
+    assert [os.path.basename(r["run_dir"]) for r in kept] == ["a", "b"]
+    assert problems == [f"{runs / 'c'}: the same task, init, seed, flags and data as {runs / 'a'}: counted once"]
+    res = json.load(open(runs / "c" / "result.json"))
+    del res["data"]
+    (runs / "c" / "result.json").write_text(json.dumps(res))
+    kept, problems = R.collect_runs([str(runs)])
+    assert len(kept) == 2 and problems == [f"{runs / 'c'}: unreadable result.json ({runs / 'c' / 'result.json'} has "
+                                           f"no data)"]
+
+
+def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
+    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
+                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
+                                                         "prior_mass_mean": 0.9}) + "\n"
+                                             for i, m in enumerate(curve)))
+    (d / "result.json").write_text(json.dumps({**_fake_result(task, init, seed, curve[-1], tag, steps=steps,
+                                                              log_every=log_every, lr=1e-3, **args),
+                                               "kind": kind, "steps": steps}))
+    return d
+
+
+def test_mixed_configurations_are_never_averaged(tmp_path):
+    folder = tmp_path / "runs" / "arithmetic"
+    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
+    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
+    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
+    runs, _ = R.collect_runs([str(folder)])
+    groups, notes = R.config_groups(runs)
+    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
+                                                    "log_every=20, steps=50"]
+    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
+                     "its own, never averaged together"]
+    table = R.summarize([str(folder)])
+    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
+    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
+
+
+def test_summarize_of_a_path_that_does_not_exist_is_one_line_on_stderr(tmp_path, capsys):
+    _fake_run(tmp_path / "runs", "parity2", "mask", 0, 1.0)
+    assert train.main(["summarize", str(tmp_path / "runs"), str(tmp_path / "no" / "such")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "summarize: " in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert train.main(["summarize", str(tmp_path / "runs")]) == 0 and "| mask |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- report.py: tables and curves
+
+def test_report_writes_the_tables_of_the_two_studies(tmp_path):
+    runs = tmp_path / "runs"
+    for p, acc in (("soft", 0.8), ("local", 0.5)):
+        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
+    _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
+               data_frac=0.3)
+    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
+    assert {"visionprior.md", "mult2.md"} <= written
+    vision = (tmp_path / "res" / "visionprior.md").read_text()
+    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
+    assert "| mask | 0 | 10.00 ± 0.00 | 50.00 ± 0.00 |" in (tmp_path / "res" / "mult2.md").read_text()
+    # the prior's mass is drawn beside the headline metric: the mass curve of each prior
+    curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
+    assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
+    if R.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+        assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
+    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
+    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
+        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
+        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
+    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
+    table = R.ablation([str(grid), str(boolean)])
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
+                                                  ["| mean*", "0.02", "qk-svd"]]
+    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("ablation.md") for p in written)
+
+
+def test_learning_curves_and_steps_to_target(tmp_path):
+    runs = tmp_path / "runs"
+    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
+    for seed in (0, 1):
+        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
+        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
+    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
+    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
+               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
+    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
+    written = R.report(str(runs), str(tmp_path / "res"))
+    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
+    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert csv[0] == "task,config,init,seed,step,metric,value"
+    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
+    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
+            if line.startswith("| addition") or line.startswith("| parity2")]
+    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
+    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
+    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
+    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
+    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
+
+
+def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
+        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
+    R.report(str(runs), str(tmp_path / "res"))
+    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
+            if line.startswith("| parity2")]
+    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
+    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
+                    for layer, end in ((0, "3.00"), (1, "6.00"))]
+
+
+def test_data_efficiency_table(tmp_path):
+    runs = tmp_path / "runs"
+    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
+           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
+    for (init, n), accs in acc.items():
+        for seed, a in enumerate(accs):
+            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
+            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
+                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
+            else:
+                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
+    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
+    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
+               steps=250, tag="-250steps", data_frac=None)
+    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
+    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
+               data_frac=None)
+    written = R.report(str(runs), str(tmp_path / "res"))
+    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
+    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
+    text = (tmp_path / "res" / "data_efficiency.md").read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
+    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
+    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
+    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
+    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
+    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
+
+
+def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
+    """reproduce.sh --only oraclefree's runs (TASK-INIT-sSEED-TAG): a row per task (and corpus), a column per
+    variant (headline metric, mean ± std, seeds), the precision and recall of the found patterns, and with
+    matplotlib the patterns beside the hand one and the mass curves."""
+    folder = tmp_path / "runs" / "oraclefree"
+    acc = {("default", ""): 0.0, ("mask", ""): 1.0, ("mask", "discovered"): 1.0, ("mask", "teacher"): 0.5,
+           ("qk-svd", "teacher"): 0.1, ("default", "budget2x"): 0.02}
+    found = T.make_task("parity2", readout="mean").pattern()
+    flags = {"": {}, "discovered": {"pattern": "discovered"}, "teacher": {"prior_from": "T"}, "budget2x": {"steps": 1200}}
+    for (init, tag), a in acc.items():
+        for seed in (0, 1):
+            d = _fake_run(folder, "parity2", init, seed, 0.75, tag=f"-{tag}" if tag else "", readout="mean",
+                          **flags[tag])
+            res = json.load(open(d / "result.json"))
+            res["metrics"]["acc_unseen"] = a + 0.01 * seed
+            if tag:
+                res["prior_source"] = {"from": "data" if tag == "discovered" else "teacher", "precision": 0.5 + 0.5 * seed,
+                                       "recall": 1.0}
+            torch.save({"pattern": found, "logits": found.float(), "source": res.get("prior_source") or {}},
+                       d / "prior.pt")
+            (d / "result.json").write_text(json.dumps(res))
+    written = R.report(str(tmp_path / "runs"), str(tmp_path / "res"))
+    table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
+    assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
+                        "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
+    assert table[2] == ("| parity2 | accuracy on U % | 0.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | "
+                        "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
+    assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
+    assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
+    if R.pyplot() is not None:
+        assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
+
+
+def test_oracle_free_rows_and_columns_come_from_the_folder_names():
+    """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
+    its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
+    cell = lambda name, task, seed: R.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
+                                                        "seed": seed})
+    assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
+    assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
+    assert cell("parity2-default-s1-budget2x", "parity2", 1) == ("parity2", "budget2x")
+    assert cell("wikitext2-mask-s0-corpusB-teacher", "wikitext2", 0) == ("wikitext2, corpus B", "teacher")
+    assert cell("wikitext2-default-s2-corpusA", "wikitext2", 2) == ("wikitext2, corpus A", "")
+    assert cell("addition-mask-s0-250steps", "addition", 0) == ("addition, 250 steps", "")
+    assert cell("addition-qk-svd-s3-250steps-teacher", "addition", 3) == ("addition, 250 steps", "teacher")
+    assert cell("addition-mask-s1-250steps-discovered", "addition", 1) == ("addition, 250 steps", "discovered")
+    assert cell("addition-default-s0-250steps-samebudget", "addition", 0) == ("addition, 250 steps", "budget2x")
+    assert cell("addition-default-s0", "addition", 0) == ("addition", "")
+    assert cell("cifar10-mask-s4-teacher-impulse", "cifar10", 4) == ("cifar10", "teacher-impulse")
+
+
+# ---------------------------------------------------------------------------------------- report.py: broken runs
+
+def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
+    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
+    res = json.load(open(out / "result.json"))
+    res["metrics"]["acc"] = "high"
+    (out / "result.json").write_text(json.dumps(res))
+    table = open(R.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
+    assert "metric acc is 'high', not a finite number" in table
+
+
+def _report_case(tmp_path, case):
+    """A finished real run in runs/boolean, then broken as `case` says; returns (runs, its folder)."""
+    runs = tmp_path / "runs"
+    out = runs / "boolean" / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "10", "--log-every", "5", "--out", str(out)]) == 0
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75)        # a healthy neighbour: its row must stay
+    res, log = out / "result.json", out / "metrics.jsonl"
+    if case == "result.json without seed":
+        _edit_json(res, lambda d: d.pop("seed"))
+    elif case == "seed a string":
+        _edit_json(res, lambda d: d.update(seed="0"))
+    elif case == "result.json a list":
+        res.write_text("[]")
+    elif case == "NaN metric":
+        _edit_json(res, lambda d: d["metrics"].update(acc=float("nan")))
+    elif case == "precision NaN":                          # a hostile study's result: as an oracle-free run records it
+        _edit_json(res, lambda d: d.update(prior_source={"from": "data", "precision": "NaN", "recall": 1.0}))
+    elif case == "recall a string":
+        _edit_json(res, lambda d: d.update(prior_source={"from": "teacher", "precision": 1.0, "recall": "x"}))
+    elif case == "result.json a FIFO":
+        os.remove(res)
+        os.mkfifo(res)
+    elif case == "non-UTF-8 log line":
+        with open(log, "ab") as f:
+            f.write(b'{"step": 7, "metrics": {"acc": 1.0}, "note": "\xff\xfe"}\n')
+    elif case == "log line without metrics":
+        with open(log, "a") as f:
+            f.write('{"step": 7, "x": 1}\n{"step": 8, "metrics": {}, "prior_mass": ["a"]}\n')
+    elif case == "log a folder":
+        os.remove(log)
+        os.mkdir(log)
+    return runs, out
+
+
+@pytest.mark.parametrize("case,listed", [
+    ("result.json without seed", "parity2-mask-s0: unreadable result.json ("),
+    ("seed a string", "result.json: seed is '0', not an integer)"),
+    ("result.json a list", "result.json holds a list, not the dict this program writes there)"),
+    ("NaN metric", "result.json: metric acc is nan, not a finite number)"),
+    ("precision NaN", "result.json: prior_source is {"),
+    ("recall a string", "not null or a dict whose precision and recall are in [0, 1])"),
+    ("result.json a FIFO", "result.json is a FIFO (named pipe), not a regular file"),
+    ("non-UTF-8 log line", None), ("log line without metrics", None), ("log a folder", None),
+])
+def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
+    """The report of a folder with one broken run: exit 0, every table written, the healthy run's row
+    there, and the broken run either listed by name with what is wrong, or in its table (a bad log line is
+    dropped like a cut one; a log that cannot be read leaves the run without curves)."""
+    runs, out = _report_case(tmp_path, case)
+    with _deadline(120):
+        assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    assert capsys.readouterr().err == ""
+    table = (tmp_path / "res" / "boolean.md").read_text()
+    assert "| default | 0 | 75.00 ± 0.00 |" in table
+    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
+    if listed:
+        assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")
+    else:
+        assert "| mask | 0 |" in table
+
+
+def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    runs, _ = _report_case(tmp_path, "")
+    (tmp_path / "file").write_text("x")
+    for out, needle in ((tmp_path / "file", "is a file; give a folder"),
+                        (tmp_path / "file" / "sub", "cannot write")):
+        assert train.main(["report", str(runs), str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "ro", read_only=True) as ro:
+        assert train.main(["report", str(runs), str(ro)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "Read-only file system" in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "full", size="20k") as full:       # the tables fit, the figure does not
+        rc = train.main(["report", str(runs), str(full)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "No space left on device" in err and len(err.splitlines()) == 1, err
+        assert not [n for n in os.listdir(full) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["a table's folder", "an empty folder", "a folder of other things"])
+def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing(tmp_path, capsys, where):
+    runs = tmp_path / "runs"
+    if where == "a table's folder":
+        _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
+        given = runs / "boolean"
+    elif where == "an empty folder":
+        runs.mkdir()
+        given = runs
+    else:
+        (runs / "notes").mkdir(parents=True)
+        given = runs
+    assert train.main(["report", str(given), str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds none of the table folders" in err and "nothing was written" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "res").exists()
+    if where == "a table's folder":
+        assert f"give the folder above it: python train.py report {runs}" in err
+
+
+def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
+    runs, _ = _report_case(tmp_path, "")
+    res = tmp_path / "res"
+    res.mkdir()
+    stale = [res / ".curves.png.k3j_x9ab.tmp", res / ".boolean.md.q1w2e3r4.tmp"]   # what SIGKILL leaves
+    for p in stale:
+        p.write_bytes(b"half")
+    (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
+    R.report(str(runs), str(res))
+    assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()
+
+
+# ---------------------------------------------------------------------------------------- reproduce.sh
+
+def _fake_python(path: Path, body: str) -> Path:
+    """A stand-in interpreter for reproduce.sh's runs (a shell script of `body`) that hands `-m reporting.plan` (the run
+    list) to this Python."""
+    path.write_text(f'#!/bin/sh\n[ "$1" = -m ] && exec {sys.executable} "$@"\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
+def _reproduce(*args, env=None):
+    return subprocess.run(["bash", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reproduce.sh"), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def _planned(only=None, quick=False, data=None, runs="RUNS"):
+    """reporting.plan's run list (the one reproduce.sh reads) as lines like reproduce.sh's dry run: the run's folder
+    under RUNS, its preset and flags (@RUNS filled in)."""
+    import reporting.plan as P
+    plan = P.run_list(quick, only, (0,), data)
+    preset = "small" if plan.quick else "paper"
+    lines = [f"{runs}/{r.table}/{r.name} --preset {preset} {r.flags.replace('@RUNS', runs)} " for r in plan.runs]
+    return lines, P.describe(plan, {})
+
+
+def test_the_plan_lists_each_table_s_runs():
+    """Which runs each table and study makes: one list (reporting/plan.py), read by reproduce.sh and bench_paper."""
+    starts, text = _planned("arithmetic", quick=True)
+    assert len(starts) == 16 and sum("multiplication-" in line and "-250steps " in line for line in starts) == 4
+    assert sum("addition-qk-svd-s0 " in line for line in starts) == 1          # every init at convergence too
+    # data efficiency: default and mask at four fractions in data/, the 0.4% runs are the arithmetic table's
+    starts, text = _planned("data")
+    assert len(starts) == 10 and "small (CPU)" in text
+    assert sum("/data/addition-mask-s0-frac0.0005 " in line and "--data-frac 0.0005" in line for line in starts) == 1
+    assert sum("/arithmetic/addition-" in line and "--data-frac" not in line for line in starts) == 2
+    # the robustness grid: the off-preset cells in ablation/, the preset's own cells are the Boolean runs
+    lines, text = _planned("ablation")
+    grid = [line for line in lines if "/ablation/" in line]
+    assert len(lines) == 30 and len(grid) == 18 and "small (CPU)" in text
+    assert not any("parity2-mask-s0-mean-pos0.02" in line for line in grid)
+    assert any("parity2-mask-s0-cls-pos0.5 " in line and "--readout cls" in line for line in grid)
+    # the two studies of the missing claims: two-digit multiplication and the vision priors
+    starts, _ = _planned("mult2")
+    assert len(starts) == 10 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
+    assert sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
+    assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
+    starts, _ = _planned("lee", quick=True)
+    assert len(starts) == 12 and all("--digits 2 --lee-samples 3000" in x for x in starts)
+    assert sum("/lee/multiplication-mask-s0-lsb-ep500 " in x and "--epochs 500 --log-every 600" in x for x in starts) == 1
+    starts, _ = _planned("lee")                                   # Lee et al.'s, on a GPU
+    assert len(starts) == 2 and all("--preset paper" in x and "--batch-size 6400" in x and "--answer-order msb" in x
+                                    for x in starts)
+    starts, _ = _planned("visionprior")
+    assert len(starts) == 14
+    assert sum("cifar10-qk-svd-s0-pos18 " in x and "--qk-svd-pos-scale 18" in x for x in starts) == 1
+    assert sum("cifar10-mask-impulse-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
+    assert sum("cifar10-mask-s0-soft " in x and "--pattern soft" in x for x in starts) == 1
+    assert sum("cifar10-mask-s0-impulse-off2 " in x and "--mask-off 2" in x for x in starts) == 1
+    assert sum("cifar10-mask-s0-soft-alpha3 " in x and "--soft-alpha 3" in x for x in starts) == 1
+    # priors without an oracle: teachers, then students that read them; the digits (--data) and the two corpora
+    starts, text = _planned("oraclefree")
+    assert len(starts) == 48 and "48 runs" in text
+    teacher = "--prior-from RUNS/oraclefree/majority3-default-s0"
+    assert sum("/majority3-mask-s0-teacher " in x and x.rstrip().endswith(teacher) for x in starts) == 1
+    assert sum("/majority3-qk-svd-s0-teacher " in x and teacher in x for x in starts) == 1
+    assert sum("/kparity-mask-s0-discovered " in x and "--bits random:2 --unseen bits:2 --pattern discovered" in x
+               for x in starts) == 1
+    assert sum("/cyclic3-default-s0-budget2x " in x and "--steps 16000" in x for x in starts) == 1
+    # addition's students at 250 steps (its default is at 98% by 1,500), its 1,500-step defaults their teachers
+    add = [x for x in starts if "/oraclefree/addition-" in x]
+    assert sum("/addition-default-s0 " in x and "--steps" not in x for x in add) == 1
+    assert all("--steps 250 " in x for x in add if "-250steps" in x and "samebudget" not in x)
+    assert sum(x.rstrip().endswith("--prior-from RUNS/oraclefree/addition-default-s0") for x in add) == 2
+    assert sum("-250steps-samebudget " in x and "--steps 1750 " in x for x in add) == 1 and len(add) == 7
+    assert sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
+    order = [x.split("/oraclefree/")[1].split()[0] for x in starts]
+    assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith("cyclic3")
+
+
+def _write_layout(data: Path, layout: str) -> str:
+    """One release layout a reader reads, written small under DATA (where reproduce.sh's --data points); returns
+    the folder the task's --data-dir names."""
+    if layout.startswith("cifar10 "):
+        if layout == "cifar10 python":
+            T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
+        else:
+            (data / "cifar-10-batches-bin").mkdir(parents=True)
+            for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+                np.concatenate([np.array([[4], [9]], np.uint8), _images(2).reshape(2, -1)], axis=1).tofile(
+                    data / "cifar-10-batches-bin" / f"{name}.bin")
+        return str(data)
+    if layout.startswith("cifar100 "):
+        python = layout == "cifar100 python"
+        folder = data / ("cifar-100-python" if python else "cifar-100-binary")
+        folder.mkdir(parents=True)
+        for split, n in (("train", 5), ("test", 3)):
+            if python:
+                _py2_pickle(folder / split, {b"fine_labels": list(range(n)), b"coarse_labels": [1] * n,
+                                             b"data": _images(n).reshape(n, -1)})
+            else:
+                np.concatenate([np.full((n, 1), 7, np.uint8), np.arange(n, dtype=np.uint8)[:, None],
+                                _images(n).reshape(n, -1)], axis=1).tofile(folder / f"{split}.bin")
+        return str(data)
+    if layout.startswith("imagenet100 downsampled"):
+        data.mkdir(parents=True)
+        os.rename(_imagenet_dir(data, ".npz" if layout.endswith("npz") else ""), data / "imagenet100")
+        return str(data / "imagenet100")
+    if layout == "imagenet100 folder":
+        from PIL import Image
+        for split in ("train", "val"):
+            for label, w in enumerate(T.IMAGENET100_WNIDS):
+                (data / "imagenet100" / split / w).mkdir(parents=True)
+                if label in (0, 99):
+                    Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(
+                        data / "imagenet100" / split / w / "a.JPEG", format="JPEG")
+        return str(data / "imagenet100")
+    if layout.startswith("wikitext2 "):
+        make_wikitext(data, layout.split()[1])
+        return str(data)
+    make_tinystories(data if layout.endswith("V2") else data / "TinyStories",
+                     "TinyStoriesV2-GPT4" if layout.endswith("V2") else "TinyStories")
+    return str(data)
+
+
+@pytest.mark.parametrize("layout", ["cifar10 python", "cifar10 binary", "cifar100 python", "cifar100 binary",
+                                    "imagenet100 downsampled", "imagenet100 downsampled npz", "imagenet100 folder",
+                                    "wikitext2 tokens", "wikitext2 raw", "tinystories V2", "tinystories V1"])
+def test_the_plan_finds_every_layout_the_readers_read(tmp_path, monkeypatch, layout):
+    """reproduce.sh's plan counts a dataset's runs in every release layout its reader reads (found by the task's own
+    `locate`, then read by the reader train.py uses), and skips them, saying where to get it, in a folder without."""
+    import reporting.plan as P
+    task = layout.split()[0]
+    table = T.TASKS[task].KIND
+    data = tmp_path / "data"
+    folder = _write_layout(data, layout)
+    if table == "vision":
+        got = T.load_image_dataset(task, folder, 32)
+        assert len(got["train"][0]) > 0 and len(got["test"][0]) > 0
+    else:
+        assert len(T.load_lm_corpus(task, folder)["train"]) > 0
+    plan = P.run_list(only=table, seeds=(0,), data=str(data))
+    assert sum(r.task == task for r in plan.runs) == (5 if table == "vision" else 4 if task == "wikitext2" else 2)
+    assert not any(what.split()[0] == task for skips in plan.skipped.values() for what, _ in skips)
+    empty = P.run_list(only=table, seeds=(0,), data=str(tmp_path / "empty"))
+    assert not any(r.task == task for r in empty.runs)
+    why = {what.split()[0]: reason for what, reason in empty.skipped[table]}[task]
+    assert "not found" in why and ("http" in why or "download" in why)
+    if layout == "imagenet100 folder":                      # what else the layout needs is looked for too
+        monkeypatch.setitem(sys.modules, "PIL", None)
+        skipped = dict(P.run_list(only=table, seeds=(0,), data=str(data)).skipped[table])
+        assert "needs Pillow: pip install pillow" in skipped["imagenet100 (5 runs)"]
+
+
+def test_reproduce_help_and_dry_run(tmp_path):
+    """What the script itself does with the plan's list: the dry run's lines, the folders and data filled in, a
+    finished run skipped and an interrupted one resumed, missing data named, a failed run named."""
+    r = _reproduce("--help")
+    assert r.returncode == 0 and "--quick" in r.stdout and "--only TABLE" in r.stdout
+    runs = tmp_path / "runs"
+    r = _reproduce("--quick", "--dry-run", "--runs", str(runs))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 54 and not runs.exists() and r.stdout.startswith("plan: 54 runs")
+    assert all("--preset small" in line for line in starts)
+    short = [line for line in starts if "-250steps " in line]      # addition at the paper's regime, 4 inits x 3
+    assert len(short) == 12 and all("--steps 250 --log-every 10 --eval-points 500" in line for line in short)
+    assert not any("multiplication" in line for line in starts)
+    # a finished run is skipped, an interrupted one resumed
+    _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
+    (runs / "boolean" / "parity2-default-s0").mkdir()
+    (runs / "boolean" / "parity2-default-s0" / "ckpt.pt").write_bytes(b"")
+    r = _reproduce("--quick", "--dry-run", "--only", "boolean", "--seeds", "0", "--runs", str(runs))
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("skip") and "parity2-mask-s0" in line for line in lines)
+    assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
+    assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
+    # @DATA and @RUNS filled in: the digits (--data) and the two corpora, teachers read from --runs
+    T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
+    for corpus in ("vimtext-a", "vimtext-b"):
+        (tmp_path / "digits" / corpus / "wikitext-2").mkdir(parents=True)
+        for split in ("train", "valid", "test"):                  # the whole layout the reader reads
+            (tmp_path / "digits" / corpus / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
+    r = _reproduce("--only", "oraclefree", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
+                   str(tmp_path / "digits"))
+    starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
+    assert r.returncode == 0 and len(starts) == 48 and "48 runs" in r.stdout
+    planned = [x.replace("@DATA", str(tmp_path / "digits")).split(" --preset small ") for x in
+               _planned("oraclefree", runs=str(runs))[0]]
+    assert [x.split(" --out ")[1].strip() for x in starts] == [f"{o} {f.strip()}".strip() for o, f in planned]
+    assert sum(f"--data-dir {tmp_path / 'digits'}/vimtext-b" in x for x in starts) == 4      # its teacher, 3 students
+    # missing datasets are named, not fatal
+    r = _reproduce("--dry-run", "--only", "vision", "--data", str(tmp_path / "nodata"))
+    assert r.returncode == 0 and "skipped: vision cifar10 (15 runs)" in r.stdout and "cifar-10-batches-py" in r.stdout
+    assert _reproduce("--only", "tables").returncode == 2
+    # a failing run makes the script exit 1 and names the run
+    fake = _fake_python(tmp_path / "false", "exit 1")
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--runs", str(tmp_path / "fail"),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
+    assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
+
+
+def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
+    r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
+    assert r.returncode == 2 and "--only needs a value" in r.stderr
+    r = _reproduce("--quick", "--seeds", "0 0", "--dry-run")
+    assert r.returncode == 2 and "seed 0 twice" in r.stderr
+
+
+def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
+    fake = _fake_python(tmp_path / "py", "exit 130")
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
+    assert r.returncode == 130 and "interrupted" in r.stderr and "FAILED" not in r.stderr + r.stdout
+    assert not (tmp_path / "runs" / "failed.txt").exists()
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of the live processes that mention `text` (from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in line:
+            found.append(line)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for left-over runs in /proc (Linux)")
+def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path):
+    """SIGTERM to reproduce.sh: both running runs save a checkpoint and exit, no new run starts, the script
+    waits for them and exits 143 with no process of the runs left; the same command again resumes both
+    (no folder in use), and SIGINT then stops it with 130."""
+    runs = tmp_path / "runs"
+    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "2",
+           "--runs", str(runs), "--results", str(tmp_path / "res")]
+    logs = [runs / "boolean" / f"parity2-{i}-s0.log" for i in ("default", "mask")]
+    for sig, code, said in ((signal.SIGTERM, 143, "step "), (signal.SIGINT, 130, "resuming ")):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = _wait_for(lambda: all(log.exists() and said in log.read_text().split("saving a checkpoint")[-1]
+                                        for log in logs))
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+        assert started and p.returncode == code, (out, err)
+        launched = [line for line in out.splitlines() if line.split()[1:2] in (["start"], ["resume"])]
+        assert err.count("interrupted /") == 2 and "FAILED" not in err and len(launched) == 2   # no new run
+        assert _processes_naming(str(runs)) == []                      # no run left behind
+        for i in ("default", "mask"):
+            folder = runs / "boolean" / f"parity2-{i}-s0"
+            assert train.read_checkpoint(str(folder / "ckpt.pt"), "test")["step"] > 0 and not (folder / "result.json").exists()
+        assert sorted(p.name for p in (runs / "boolean").iterdir() if p.is_dir()) == ["parity2-default-s0", "parity2-mask-s0"]
+    text = logs[1].read_text()
+    assert "in use" not in text and text.count("resuming ") == 1 and "saving a checkpoint" in text
+
+
+def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_spaces(tmp_path):
+    """--runs and --results given as relative paths are read from the folder the script is started in, and a
+    --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
+    fake = _fake_python(tmp_path / "py", 'for a in "$@"; do echo "$a"; done >> "$ARGS_LOG"; echo ok')
+    data = tmp_path / "my data &1"
+    (data / "cifar-10-batches-py").mkdir(parents=True)
+    (data / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",
+                        "../my data &1", "--runs", "relruns", "--results", "relres"], cwd=work, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHON": str(fake), "ARGS_LOG": str(tmp_path / "args")})
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
+    assert len(dirs) == 5 and set(dirs) == {f"{work}/../my data &1"}      # cifar10's five inits, the path whole
+    assert (work / "relruns" / "vision").is_dir() and not os.path.exists(os.path.join(HERE, "relruns"))
+    assert f"{work}/relruns/vision/cifar10-mask-s0" in args
+    assert f"{work}/relres" in args                                   # the report goes there too
+
+
+def test_reproduce_gpus_lines_and_refusals(tmp_path):
+    r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
+                   "--runs", str(tmp_path / "runs"))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
+    assert r.returncode == 0 and len(lines) == 12
+    assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
+    # the line as printed runs: two processes (gloo on this CPU) train the one run, 4 steps
+    words = lines[1].split()[1:] + ["--steps", "4", "--log-every", "2", "--device", "cpu"]
+    assert "--init mask" in lines[1] and words[1:3] == ["-m", "torch.distributed.run"]
+    r = subprocess.run([sys.executable, *words[1:]], cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.load(open(out / "result.json"))["metrics"]["acc"] >= 0
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 2, 4]
+    r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
+    assert r.returncode == 2 and "--gpus" in r.stderr
+    if not torch.cuda.is_available():
+        r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
+        assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
+
+
+_FAKE_TRAIN = """#!{python}
+import fcntl, os, sys, time
+argv = sys.argv[1:]
+if argv[:1] == ["-m"]:                        # the run list: reporting.plan, in the real Python
+    os.execv(sys.executable, [sys.executable, *argv])
+if "report" in argv:
+    sys.exit(0)
+out = argv[argv.index("--out") + 1]
+os.makedirs(out, exist_ok=True)
+fd = os.open(out, os.O_RDONLY)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print(f"error: {{out}} is in use by another process", file=sys.stderr)
+    sys.exit(75)
+open(os.path.join(os.path.dirname(out), "started.log"), "a").write(out + "\\n")
+time.sleep(float(os.environ.get("FAKE_SECONDS", "0.3")))
+if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in out:
+    sys.exit(1)
+open(os.path.join(out, "result.json"), "w").write("{{}}")
+"""
+
+
+def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path):
+    """Two reproduce.sh started at once on the same --runs (a stand-in train.py that locks its run folder as
+    train.py does): every run is trained once, by one of them, the other leaves it ("busy"); neither names a
+    run as failed and both exit 0. A run that fails in one is failed in that one only."""
+    fake = tmp_path / "py"
+    fake.write_text(_FAKE_TRAIN.format(python=sys.executable))
+    fake.chmod(0o755)
+    runs = tmp_path / "runs"
+    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1",
+           "--runs", str(runs), "--results", str(tmp_path / "res")]
+    env = {**os.environ, "PYTHON": str(fake)}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("FAILED" not in out + err for out, err in outs)
+    started = (runs / "boolean" / "started.log").read_text().splitlines()
+    assert len(started) == len(set(started)) == 12                     # 3 tasks x 4 inits, each trained once
+    assert sum((out + err).count("busy    ") for out, err in outs) >= 1
+    # one run fails in the first script only: the second, started a moment later, names none of it
+    shutil.rmtree(runs)
+    env_fail = {**env, "FAKE_FAIL": "parity2-default", "FAKE_SECONDS": "0.5"}
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_fail)
+    assert _wait_for(lambda: (runs / "boolean" / "started.log").exists())     # its first run (parity2-default) began
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    out1, err1 = first.communicate(timeout=120)
+    assert first.returncode == 1 and "FAILED" in err1 and "parity2-default-s0" in err1
+    assert "FAILED" not in second.stdout + second.stderr
+
+
 # ---------------------------------------------------------------------------------------- benchmarks
 
-def test_bench_paper_plans_the_114_runs_and_times_a_table():
+def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():
+    """bench_paper reads reproduce.sh's one run list (reporting/plan.py): the 123 runs of the paper presets."""
     bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
     r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
     rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 114
+    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 123
+    import reporting.plan as P
+    assert len(P.run_list(data=None).runs) == 123
     assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
-    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--batch-size", "4", "--steps", "1", "--warmup",
-                        "1"], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0 and r.stdout.count("\nboolean") == 12 and "mask / default step time" in r.stdout
+    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--task", "parity2", "--batch-size", "4", "--steps",
+                        "1", "--warmup", "1", "--eval-points", "64"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.count("\nboolean") == 4 and "mask / default step time" in r.stdout
 
 
 def test_bench_retrofit_prints_the_ratio_side_by_side():
@@ -6144,29 +6400,39 @@ def test_bench_context_worker_measures_each_variant():
     assert all(r["ms"] > 0 and r["peak_mib"] > 0 for r in rows.values())
 
 
+def test_gpu_check_refuses_a_machine_without_cuda_and_its_train_lines_parse(tmp_path):
+    """benchmarks/gpu_check.sh, the device script: without CUDA one line, exit 2, nothing written; the train.py
+    runs it makes are flags train.py takes (so the GPU's minutes are not lost to a typo)."""
+    script = os.path.join(HERE, "benchmarks", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    lines = [line for line in text.replace("\\\n", " ").splitlines() if " train.py " in line and "#" not in line]
+    assert len(lines) == 1
+    for init in ("default", "mask"):
+        words = shlex.split(lines[0].split(" train.py ", 1)[1].replace("$init", init).replace("$out", str(tmp_path)))
+        config = train.resolve(*train.parse_args(words))
+        train.check_applies(config, train.parse_args(words)[1])
+        assert config.layers == 12 and config.steps == 300 and config.device == "cuda"
+    if not torch.cuda.is_available():
+        r = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "no CUDA device" in r.stderr and len(r.stderr.splitlines()) == 1
+        assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------- README and CI
-
-def _readme_block(start: str) -> str:
-    """The code of the first fenced block after `start` in the README."""
-    readme = open(os.path.join(HERE, "README.md")).read()
-    return readme.split(start, 1)[1].split("```", 2)[1].split("\n", 1)[1]
-
-
-def _extra(name: str):
-    """A test-only library (timm, transformers): skipped where it is not installed, but a failure where
-    MASKPRIOR_REQUIRE_EXTRAS is set (.ci/run sets it, so CI never skips these tests in silence)."""
-    if os.environ.get("MASKPRIOR_REQUIRE_EXTRAS"):
-        import importlib
-        return importlib.import_module(name)
-    return pytest.importorskip(name)
-
 
 def test_ci_runs_the_readme_test_command():
     readme = open(os.path.join(HERE, "README.md")).read()
     ci = open(os.path.join(HERE, ".ci", "run")).read().strip().splitlines()[-1]
     first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert first_block[0] == ci and len(first_block) == 2
+    assert first_block[0] == ci and len(first_block) == 3 and first_block[2] == "python train.py --task cyclic3 --init mask"
     assert first_block[1].startswith("python train.py --task")
+
+
+def _readme_block(start: str) -> str:
+    """The code of the first fenced block after `start` in the README."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    return readme.split(start, 1)[1].split("```", 2)[1].split("\n", 1)[1]
 
 
 def test_readme_add_a_task_example_runs_as_written(tmp_path):
@@ -6216,6 +6482,36 @@ def test_readme_own_model_recipes_run_as_written(tmp_path, monkeypatch):
     assert {n for n, p in ns["lora"].named_parameters() if p.requires_grad and "mask_prior" in n} == {
         f"base_model.model.model.{n}.mask_prior.modules_to_save.default.mask_logits"
         for n in ("encoder.layers.0.self_attn", "decoder.layers.0.encoder_attn")}
+
+
+def _shown(names) -> str:
+    return ", ".join(SHOWN[n] for n in names)
+
+
+MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs it)
+    ("`nn.MultiheadAttention`, `nn.Transformer`", "works; cross-attention when asked",
+     "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked"),
+    (f"HF {_shown(HF_MODELS)}", "works per layer: M = +30 is the plain model, M moves the output and trains",
+     "test_hugging_face_models_take_a_prior_per_layer"),
+    (f"HF {_shown(SEQ2SEQ)}", "works: encoder and decoder self-attention; cross-attention when asked; generate with "
+     "the cache = without", "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked"),
+    ("HF layers sharing one config", "works for any subset (a part, `modules=`), saved and loaded",
+     "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load"),
+    (f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})", "works: each row's positions",
+     "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt"),
+    (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
+    ("your attention with an `attn_mask` keyword", "works (`modules=`)",
+     "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword"),
+    ("PEFT: the prior first, `modules_to_save=[\"mask_prior\"]`", "works: M trains, is saved with the adapter, merged "
+     "and reloaded; without it, or PEFT first: refused in one line naming it",
+     "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line"),
+    (f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window", "refused in one line, the model unchanged",
+     "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes"),
+    ("`mp.remove_mask_prior(model)`", "the plain model back, exactly",
+     "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
+    ("`mp.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
+     "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
+]
 
 
 def test_readme_table_of_models_is_what_the_tests_run():

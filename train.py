@@ -1,22 +1,17 @@
 """Train any task with any initialisation and write a run directory.
 
-    python train.py --task parity2 --init mask
-    python train.py --task cyclic3 --init qk-svd --preset paper --seed 1
-    python train.py --task kparity --bits 0,4,7 --unseen 0,4 --init mask
-    python train.py --task addition --init mask --seed 2
+    python train.py --task cyclic3 --init mask
+    python train.py --task kparity --bits 0,4,7 --unseen 0,4 --init qk-svd --preset paper --seed 1
     python train.py --task cifar10 --data-dir data/ --init impulse
     python train.py summarize runs/          # a markdown table of finished runs
     python train.py report runs/quick results/quick   # results/*.md tables, learning and persistence curves
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
-    python train.py make-wikitext data/text FILE...   # any English text in WikiText-2's layout
 
-A run directory (default runs/TASK-INIT-sSEED) holds args.json, metrics.jsonl (one line
-per log step: loss, metrics, per-layer attention mass on the prior pattern, drift of M
-and Wq Wk^T), result.json (final, written atomically) and ckpt.pt (model, optimiser,
-step, RNG states): `--resume` continues it exactly. Bad input: one line, exit status 2.
+A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
+result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit status 2.
 
-Reading order: config (flags, presets) -> build (task, model, INITS, optimiser) -> loop
-(start or resume, train, finish) -> checkpoint and files -> reporting -> commands.
+Reading order: config (flags, where they apply, presets) -> build (task, model, prior and init, optimiser) -> data
+parallelism -> loop (start or resume, train, finish) -> durability (what is written and checked) -> commands.
 """
 from __future__ import annotations
 
@@ -25,17 +20,15 @@ import time
 STARTED = time.time()       # the process's start, for the wall time the final line prints
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
-import errno  # noqa: E402
 import hashlib  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
 
@@ -44,23 +37,21 @@ import torch  # noqa: E402
 import maskprior as mp  # noqa: E402
 import tasks as T  # noqa: E402
 
+
 # ----------------------------------------------------------------------------------------
-# Config: one frozen dataclass holds every setting of a run. Each field carries its flag: the
-# help, a range check, whether --resume may change it, whether it is architecture, its argparse
-# group (a task family's group holds that family's task options), whether it tells runs apart
-# in reports, and its alternative (--steps / --epochs). argparse is generated from the fields;
-# `resolve` fills a Config once: the flag given, else the task's preset
-# (`T.TASKS[task].preset(name)`: the family's entries, then the task's own), else the field's
-# default. Nothing changes a Config after that: what a task sizes (steps from epochs, warm-up
-# from warm-up epochs, the log and checkpoint intervals) `size_schedule` fills into a new one
-# before anything is built, and a resume builds its own from the run's files. args.json is
-# `asdict(config)`.
+# Config: one frozen dataclass holds every setting of a run, one field per flag, and each field says what its flag
+# is (`setting`): argparse is generated from them, `check_applies` refuses a flag where it does not apply, and
+# `resolve` fills a Config once (the flag given, else the task's preset, else the default). Nothing changes a Config
+# after that; what a task sizes, `size_schedule` fills into a new one. args.json is `asdict(config)`.
+
 
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
           "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority)",
           "arithmetic": "arithmetic (addition, multiplication)", "vision": "vision (cifar10, cifar100, imagenet100)",
           "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
           "sampling": "sampling from a trained language model"}
+
+
 FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
 
 
@@ -81,244 +72,197 @@ def setting(default=None, help=None, *, group: str, type=None, switch=False, cho
                                                 needs=needs or {}, excludes=tuple(excludes)))
 
 
-class Need(str):
-    """A `needs` condition other than a list of values: GIVEN (the field is set) or ON (it is not zero)."""
+GIVEN, ON = "given", "on"          # a `needs` condition other than a tuple of values: the field is set, or not zero
 
 
-GIVEN, ON = Need("given"), Need("on")
 # The inits by what they read (the INITS table below holds them all; a test keeps the two in step).
 MASK_INITS = ("mask", "mask-impulse")                  # the model owns an M (a learnable log sigmoid(M) per layer)
+
+
 PRIOR_INITS = ("mask", "qk-svd", "qk-opt", "impulse", "mask-impulse")    # write a prior (a pattern or M) into the model
 QK_SVD_INITS = ("qk-svd", "impulse")                   # solve Wq Wk in closed form (init_qk_svd_)
 LEVELS = ("boolean", "arithmetic", "vision")           # families whose M has on / off levels (--mask-on, --mask-off)
+
+
+def _group(name: str):
+    """`setting` for the fields of one argparse group (see GROUPS)."""
+    return lambda *args, **kw: setting(*args, group=name, **kw)
+
+
+run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
+    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm", "sampling"))
+
+
+QK_OPT = {"init": ("qk-opt",)}
+WHERE = dict(resumable=True, tells_apart=False)          # where and how a run runs: a resume may change it
 
 
 @dataclass(frozen=True)
 class Config:
     """Every setting of a training run, one field per flag (see `setting` for what a field carries)."""
     # run
-    task: str = setting("parity2", "task name: {tasks} (default parity2)", group="run", arch=True)
-    init: str = setting("default", "initialisation: {inits} (default default)",
-                                   group="run", arch=True, tells_apart=False)
-    preset: str = setting("small", "named hyper-parameters: small (2-core CPU; the default) or paper (the paper's "
-                                   "setting, for a GPU)",
-                                   group="run")
-    seed: int = setting(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator keeps 32 bits, so a "
-                           "larger seed would repeat a smaller one; default 0)",
-                           group="run", type=int, check="non_negative", tells_apart=False)
-    out: str | None = setting(None, "run directory (default runs/TASK-INIT-sSEED)", group="run", tells_apart=False)
-    resume: bool = setting(False, "continue the run in --out from its checkpoint",
-                                  group="run", switch=True, resumable=True, tells_apart=False)
-    device: str = setting("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...",
-                                  group="run", resumable=True, tells_apart=False)
-    amp: str = setting("auto", "autocast: auto = bf16 on CUDA only",
-                               group="run", choices=("auto", "bf16", "off"), resumable=True, tells_apart=False)
-    log_every: int | None = setting(None, "steps between evaluations and log lines",
-                                          group="run", type=int, check="positive", resumable=True)
-    ckpt_every: int | None = setting(None, "steps between checkpoints (default: every log step)",
-                                           group="run", type=int, check="positive", resumable=True, tells_apart=False)
-    halt_after: int | None = setting(None, "stop at this step as if interrupted (checkpoint kept)",
-                                           group="run", type=int, check="positive", resumable=True, tells_apart=False)
-    compile: bool = setting(False, "torch.compile the model for training (off by default; the probes run the model "
-                                   "uncompiled)",
-                                   group="run", switch=True, resumable=True, tells_apart=False)
-    dist_timeout: float = setting(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at "
-                                          "each collective; default 1800)",
-                                          group="run", type=float, check="positive", resumable=True, tells_apart=False)
+    task: str = run_("parity2", "task name: {tasks} (default parity2)", arch=True)
+    init: str = run_("default", "initialisation: {inits} (default default)", arch=True, tells_apart=False)
+    preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or paper (the paper's "
+                       "setting, for a GPU)")
+    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator keeps 32 bits; default 0)",
+                     type=int, check="non_negative", tells_apart=False)
+    out: str | None = run_(None, "run directory (default runs/TASK-INIT-sSEED)", tells_apart=False)
+    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True, **WHERE)
+    device: str = run_("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...", **WHERE)
+    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"), **WHERE)
+    log_every: int | None = run_(None, "steps between evaluations and log lines", type=int, check="positive",
+                                 resumable=True)
+    ckpt_every: int | None = run_(None, "steps between checkpoints (default: every log step)", type=int,
+                                  check="positive", **WHERE)
+    halt_after: int | None = run_(None, "stop at this step as if interrupted (checkpoint kept)", type=int,
+                                  check="positive", **WHERE)
+    compile: bool = run_(False, "torch.compile the model for training (the probes run it uncompiled)", switch=True,
+                         **WHERE)
+    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at each "
+                               "collective; default 1800)", type=float, check="positive", **WHERE)
     # optimisation
-    steps: int | None = setting(None, "training steps",
-                                      group="optimisation", type=int, check="positive", resumable=True,
-                                      alternative="epochs")
-    epochs: float | None = setting(None, "training epochs (instead of --steps)",
-                                         group="optimisation", type=float, check="positive", resumable=True,
-                                         alternative="steps")
-    lr: float = setting(0.0001, "peak learning rate",
-                                group="optimisation", type=float, check="positive", resumable=True)
-    batch_size: int = setting(64, None, group="optimisation", type=int, check="positive")
-    weight_decay: float = setting(0.0, "never applied to M, biases, norms, embeddings",
-                                       group="optimisation", type=float, check="non_negative")
-    optimizer: str = setting("adam", "adam = coupled L2 (GOTU), adamw = decoupled",
-                                     group="optimisation", choices=("adam", "adamw"))
-    betas: str = setting("0.9,0.999", "Adam betas, e.g. 0.9,0.999", group="optimisation")
-    schedule: str = setting("constant", None, group="optimisation", choices=("constant", "cosine"))
-    warmup: int = setting(0, "linear warm-up steps",
-                             group="optimisation", type=int, check="non_negative", alternative="warmup_epochs")
-    warmup_epochs: float | None = setting(None, "warm-up length in epochs (instead of --warmup)",
-                                                group="optimisation", type=float, check="non_negative",
-                                                alternative="warmup")
-    grad_clip: float = setting(0.0, "clip the gradient norm (0 = off)",
-                                    group="optimisation", type=float, check="non_negative", resumable=True)
+    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True, alternative="epochs")
+    epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float, check="positive",
+                                resumable=True, alternative="steps")
+    lr: float = opt_(0.0001, "peak learning rate", type=float, check="positive", resumable=True)
+    batch_size: int = opt_(64, None, type=int, check="positive")
+    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float, check="non_negative")
+    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled", choices=("adam", "adamw"))
+    betas: str = opt_("0.9,0.999", "Adam betas, e.g. 0.9,0.999")
+    schedule: str = opt_("constant", None, choices=("constant", "cosine"))
+    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative", alternative="warmup_epochs")
+    warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)", type=float,
+                                       check="non_negative", alternative="warmup")
+    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float, check="non_negative", resumable=True)
     # model
-    layers: int = setting(2, None, group="model", type=int, check="positive", arch=True)
-    heads: int = setting(4, None, group="model", type=int, check="positive", arch=True)
-    dim: int = setting(64, None, group="model", type=int, check="positive", arch=True)
-    head_dim: int | None = setting(None, "default dim // heads", group="model", type=int, check="positive", arch=True)
-    mlp_dim: int = setting(256, "hidden units of each MLP", group="model", type=int, check="positive", arch=True)
-    emb_init_std: float = setting(1.0, "std of the token and CLS embeddings (GOTU: 1)",
-                                       group="model", type=float, check="non_negative", arch=True)
-    pos_init_std: float = setting(1.0, "std of the positional embedding (GOTU: 1)",
-                                       group="model", type=float, check="non_negative", arch=True)
-    qkv_bias: bool | int = setting(False, "bias on the q, k, v projections",
-                                          group="model", type=int, choices=(0, 1), arch=True)
-    dropout: float = setting(0.0, "dropout on embeddings, attention output and MLP",
-                                  group="model", type=float, check="fraction", arch=True)
-    drop_path: float = setting(0.0, "stochastic depth: the last block skips its branches with this probability, "
-                                    "linearly less before it (timm's schedule; 0 = off)",
-                                    group="model", type=float, check="fraction")
-    ema: float = setting(0.0, "also keep an exponential moving average of the weights with this decay (e.g. 0.9999) "
-                              "and evaluate it beside them (ema_* metrics); 0 = off",
-                              group="model", type=float, check="fraction")
-    attention: str = setting("auto", "scaled_dot_product_attention (fused) or the explicit softmax; auto = fused, "
-                                     "except explicit for a masked model on the CPU, where PyTorch's fused kernel "
-                                     "takes no float mask",
-                                     group="model", choices=("auto", "fused", "explicit"), tells_apart=False)
+    layers: int = model_(2, None, type=int, check="positive", arch=True)
+    heads: int = model_(4, None, type=int, check="positive", arch=True)
+    dim: int = model_(64, None, type=int, check="positive", arch=True)
+    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive", arch=True)
+    mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
+    emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
+                                 check="non_negative", arch=True)
+    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float, check="non_negative",
+                                 arch=True)
+    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int, choices=(0, 1), arch=True)
+    dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float, check="fraction",
+                            arch=True)
+    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with this probability, "
+                              "linearly less before it (timm's schedule; 0 = off)", type=float, check="fraction")
+    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. 0.9999), evaluated "
+                        "beside them (ema_* metrics); 0 = off", type=float, check="fraction")
+    attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, or for M torch's "
+                            "flex_attention (CUDA); auto = fused, but explicit for a masked model on the CPU",
+                            choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
     # prior
-    pattern: str | None = setting(None, "interaction pattern variant (task-specific; see README)",
-                                        group="prior", arch=True)
-    mask_on: float = setting(mp.M_ON, "initial M on allowed pairs", group="prior", type=float, check="non_negative",
+    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
+    mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float, check="non_negative",
+                            needs={"init": MASK_INITS, "kind": LEVELS})
+    mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_off: float = setting(mp.M_OFF, "initial -M elsewhere", group="prior", type=float, check="non_negative",
-                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = setting("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit "
-                                      "per head and distance i - j (heads x N), for priors that depend on the "
-                                      "distance alone (language models)",
-                                      group="prior", choices=("full", "relative"), arch=True,
-                                      needs={"init": MASK_INITS})
-    qk_svd_scale: float = setting(1000.0, "qk-svd target logit on the pattern",
-                                          group="prior", type=float, check="positive", needs={"init": QK_SVD_INITS})
-    qk_svd_noise: float = setting(3.0, "qk-svd off-pattern noise scale",
-                                       group="prior", type=float, check="non_negative", needs={"init": QK_SVD_INITS})
-    qk_svd_norm: float = setting(7.0, "qk-svd Frobenius norm of each factor",
-                                      group="prior", type=float, check="positive", needs={"init": QK_SVD_INITS})
-    qk_svd_pos_scale: float | None = setting(None, "qk-svd: multiply the positional embedding first (impulse and "
-                                                   "mask-impulse: 18 unless given)",
-                                                   group="prior", type=float, check="positive",
-                                                   needs={"init": ("qk-svd", "impulse", "mask-impulse")})
-    qk_opt_steps: int = setting(10000, "qk-opt Adam steps (at most)", group="prior", type=int, check="positive",
-                                needs={"init": ("qk-opt",)})
-    qk_opt_lr: float = setting(0.0001, None, group="prior", type=float, check="positive", needs={"init": ("qk-opt",)})
-    qk_opt_tol: float = setting(1e-07, "qk-opt stops when 100 steps gain less than this",
-                                       group="prior", type=float, check="non_negative", needs={"init": ("qk-opt",)})
-    qk_opt_pos_scale: float | None = setting(None, "qk-opt: multiply the positional embedding first",
-                                                   group="prior", type=float, check="positive",
-                                                   needs={"init": ("qk-opt",)})
-    prior_from: str | None = setting(None, "a finished run folder of the same task and token layout (a teacher, e.g. a "
-                                           "default run): M (--init mask) or the QK inits' pattern is read from its "
-                                           "attention instead of the task's hand pattern",
-                                           group="prior", metavar="RUN", arch=True, needs={"init": PRIOR_INITS},
-                                           excludes=("pattern",))
-    prior_kind: str | None = setting(None, "what --prior-from reads: pattern (keys or query-key pairs above "
-                                           "--prior-ratio "
-                                           "times the uniform share), logits (M whose bias gives the teacher's mean "
-                                           "attention), relative (a profile per head and distance: language models) or "
-                                           "offsets (a profile per head and 2-D offset: vision); default: the task's "
-                                           "first",
-                                           group="prior", choices=("pattern", "logits", "relative", "offsets"),
-                                           arch=True, needs={"prior_from": GIVEN})
-    prior_ratio: float = setting(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
-                                      "attention share (default 1.5)",
-                                      group="prior", type=float, check="positive", arch=True,
-                                      needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
-    probe_size: int = setting(512, "batch size of the prior-mass probe", group="prior", type=int, check="positive")
-    eval_points: int = setting(0, "Boolean and arithmetic tasks: evaluate the log steps on a fixed sample of this "
-                                  "many cube points or test pairs (0 = all); the final evaluation uses all of them",
-                                  group="prior", type=int, check="non_negative", resumable=True,
-                                  needs={"kind": ("boolean", "arithmetic")})
+    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit per "
+                             "head and distance i - j (heads x N; language models)", choices=("full", "relative"),
+                             arch=True, needs={"init": MASK_INITS})
+    qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float, check="positive",
+                                 needs={"init": QK_SVD_INITS})
+    qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float, check="non_negative",
+                                 needs={"init": QK_SVD_INITS})
+    qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float, check="positive",
+                                needs={"init": QK_SVD_INITS})
+    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding first (impulse and "
+                                            "mask-impulse: 18 unless given)", type=float, check="positive",
+                                            needs={"init": ("qk-svd", "impulse", "mask-impulse")})
+    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive", needs=QK_OPT)
+    qk_opt_lr: float = prior_(0.0001, None, type=float, check="positive", needs=QK_OPT)
+    qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this", type=float,
+                               check="non_negative", needs=QK_OPT)
+    qk_opt_pos_scale: float | None = prior_(None, "qk-opt: multiply the positional embedding first", type=float,
+                                            check="positive", needs=QK_OPT)
+    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a teacher): the prior is "
+                                    "read from its attention instead of the task's hand pattern", metavar="RUN",
+                                    arch=True, needs={"init": PRIOR_INITS}, excludes=("pattern",))
+    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key pairs above "
+                                    "--prior-ratio x the uniform share), logits (M whose bias gives the teacher's "
+                                    "mean attention), relative (per head and distance) or offsets (per head and 2-D "
+                                    "offset); default: the task's first", choices=("pattern", "logits", "relative",
+                                                                                   "offsets"),
+                                    arch=True, needs={"prior_from": GIVEN})
+    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
+                                "attention share (default 1.5)", type=float, check="positive", arch=True,
+                                needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
+    probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
+    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs (0 = "
+                              "all); the final evaluation uses all of them", type=int, check="non_negative",
+                              resumable=True, needs={"kind": ("boolean", "arithmetic")})
     # boolean
-    readout: str | None = setting(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over"
-                                        " the bit tokens; the pattern follows the layout",
-                                        group="boolean", metavar="{" + ",".join(T.READOUTS) + "}", arch=True)
-    n_bits: int = setting(15, "kparity, kmajority: input bits (default 15)", group="boolean", type=int, arch=True)
-    bits: str = setting("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2; random:K draws K of them "
-                                 "by the seed)",
-                                 group="boolean", arch=True)
-    unseen: str = setting("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1; bits:J: the "
-                                   "first J of --bits)",
-                                 group="boolean", arch=True)
-    train_size: int | None = setting(None, "kparity, kmajority: draws from the seen domain (default: every seen "
-                                           "point)",
-                                           group="boolean", type=int)
-    discover_degree: int = setting(3, "Boolean tasks, --pattern discovered: the Walsh sets of the training data of up "
-                                      "to this many bits (default 3)",
-                                      group="boolean", type=int, arch=True, needs={"pattern": ("discovered",)})
-    discover_threshold: float = setting(0.25, "Boolean and arithmetic tasks, --pattern discovered: keep the sets "
-                                              "(digit "
-                                              "pairs) whose Walsh coefficient (mutual information) is at least this "
-                                              "fraction of the largest (default 0.25)",
-                                              group="boolean", type=float, arch=True,
-                                              needs={"pattern": ("discovered",)})
+    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over the "
+                                "bit tokens; the pattern follows the layout", metavar="{" + ",".join(T.READOUTS) + "}",
+                                arch=True)
+    n_bits: int = bool_(15, "kparity, kmajority: input bits (default 15)", type=int, arch=True)
+    bits: str = bool_("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2; random:K draws K of them by "
+                      "the seed)", arch=True)
+    unseen: str = bool_("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1; bits:J: the "
+                        "first J of --bits)", arch=True)
+    train_size: int | None = bool_(None, "kparity, kmajority: draws from the seen domain (default: every seen point)",
+                                   type=int)
+    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data of up to this many "
+                                 "bits (default 3)", type=int, arch=True, needs={"pattern": ("discovered",)})
+    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets (digit pairs) whose Walsh coefficient "
+                                      "(mutual information) is at least this fraction of the largest (default 0.25)",
+                                      type=float, arch=True, needs={"pattern": ("discovered",)})
     # arithmetic
-    data_frac: float | None = setting(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for addition, "
-                                            "0.03 for multiplication)",
-                                            group="arithmetic", type=float, arch=True)
-    answer_order: str = setting("msb", "answer digits most significant first (the paper's plain format; the default) "
-                                       "or reversed",
-                                       group="arithmetic", metavar="{msb,lsb}", arch=True)
-    digits: int = setting(3, "digits per operand: 3 (the default; 10^6 pairs) or 2 (10^4 pairs, Lee et al.'s "
-                             "multiplication), 1 or 4",
-                             group="arithmetic", type=int, metavar="{1,2,3,4}", arch=True)
-    lee_samples: int | None = setting(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the 100 "
-                                            "one-digit pairs, then N - 100 drawn with replacement; theirs: 3000), "
-                                            "unpadded a*b=c (--answer-order lsb: $a*b=rev(c)$), tested on every pair "
-                                            "not trained on; inits default and mask",
-                                            group="arithmetic", type=int, arch=True, metavar="N")
+    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for "
+                                     "addition, 0.03 for multiplication)", type=float, arch=True)
+    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain format; the default) "
+                               "or reversed", metavar="{msb,lsb}", arch=True)
+    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee et al.'s "
+                         "multiplication), 1 or 4", type=int, metavar="{1,2,3,4}", arch=True)
+    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the 100 "
+                                     "one-digit pairs, then N - 100 drawn with replacement; theirs: 3000), unpadded "
+                                     "a*b=c, tested on every pair not trained on", type=int, arch=True, metavar="N")
     # vision
-    data_dir: str | None = setting(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; "
-                                         "for language models the corpus folder)",
-                                         group="vision", resumable=True, tells_apart=False)
-    image_size: int | None = setting(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
-                                           group="vision", type=int, check="positive", arch=True)
-    input_size: int | None = setting(None, "the model's image side (default: the image size); larger upsamples, e.g. "
-                                           "224 for CIFAR as the recipe of the paper preset does",
-                                           group="vision", type=int, check="positive", arch=True)
-    patch_size: int | None = setting(None, "ViT patch side in pixels",
-                                           group="vision", type=int, check="positive", arch=True)
-    pool: str | None = setting(None, "ViT readout: global average pooling or a CLS token",
-                                     group="vision", choices=("mean", "cls"), arch=True)
-    impulse: str = setting("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
-                                    "random (drawn by the seed)",
-                                    group="vision", metavar="{fixed,random}", arch=True,
-                                    needs={"pattern": ("impulse", "soft", "graded")})
-    soft_alpha: float = setting(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to "
-                                     "the head's offset (default 1.0)",
-                                     group="vision", type=float, arch=True, needs={"pattern": ("soft",)})
-    window: int = setting(3, "--pattern local: the side of every head's window, in patches (odd; default 3)",
-                               group="vision", type=int, arch=True, needs={"pattern": ("local",)})
-    label_smoothing: float | None = setting(None, None, group="vision", type=float, check="fraction")
-    mixup: float = setting(0.0, "mixup Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
-    cutmix: float = setting(0.0, "cutmix Beta(alpha, alpha); 0 = off", group="vision", type=float, check="non_negative")
-    crop: str = setting("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale"
-                               " 0.08-1); a flip either way",
-                               group="vision", metavar="{pad,rrc}")
-    crop_pct: float = setting(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
-                                     "(default 0.875)",
-                                     group="vision", type=float, needs={"input_size": GIVEN})
-    randaug: float = setting(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
-                                  group="vision", type=float)
-    randaug_std: float = setting(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)",
-                                      group="vision", type=float, check="non_negative", needs={"randaug": ON})
-    randaug_ops: int = setting(2, "RandAugment: ops per image (default 2)", group="vision", type=int,
-                               needs={"randaug": ON})
-    reprob: float = setting(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
-                                 group="vision", type=float)
+    data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; for "
+                                   "language models the corpus folder)", **WHERE)
+    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
+                                     type=int, check="positive", arch=True)
+    input_size: int | None = vision_(None, "the model's image side (default: the image size); larger upsamples, e.g. "
+                                     "224 for CIFAR as the paper preset's recipe does", type=int, check="positive",
+                                     arch=True)
+    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive", arch=True)
+    pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token", choices=("mean", "cls"),
+                               arch=True)
+    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
+                           "random (drawn by the seed)", metavar="{fixed,random}", arch=True,
+                           needs={"pattern": ("impulse", "soft", "graded")})
+    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to the "
+                                "head's offset (default 1.0)", type=float, arch=True, needs={"pattern": ("soft",)})
+    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; default 3)", type=int,
+                          arch=True, needs={"pattern": ("local",)})
+    label_smoothing: float | None = vision_(None, None, type=float, check="fraction")
+    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
+    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
+    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale "
+                        "0.08-1); a flip either way", metavar="{pad,rrc}")
+    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
+                              "(default 0.875)", type=float, needs={"input_size": GIVEN})
+    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)", type=float)
+    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)", type=float,
+                                 check="non_negative", needs={"randaug": ON})
+    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int, needs={"randaug": ON})
+    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)", type=float)
     # lm
-    context: int | None = setting(None, "context length in tokens (also the model's positions)",
-                                        group="lm", type=int, arch=True)
-    val_tokens: int | None = setting(None, "evaluate on the first N validation tokens (0 = all)",
-                                           group="lm", type=int)
+    context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
+    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
     # sampling
-    sample: str | None = setting(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
-                                       "training)",
-                                       group="sampling", metavar="PROMPT", resumable=True, tells_apart=False)
-    sample_tokens: int = setting(100, "tokens to generate (default 100)",
-                                      group="sampling", type=int, check="positive", resumable=True, tells_apart=False,
-                                      needs={"sample": GIVEN})
-    temperature: float = setting(0.8, "0 = greedy (default 0.8)",
-                                      group="sampling", type=float, check="non_negative", resumable=True,
-                                      tells_apart=False, needs={"sample": GIVEN})
-    top_k: int = setting(40, "sample among the k likeliest (0 = all; default 40)",
-                             group="sampling", type=int, check="non_negative", resumable=True, tells_apart=False,
-                             needs={"sample": GIVEN})
+    sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
+                                 "training)", metavar="PROMPT", **WHERE)
+    sample_tokens: int = sample_(100, "tokens to generate (default 100)", type=int, check="positive",
+                                 needs={"sample": GIVEN}, **WHERE)
+    temperature: float = sample_(0.8, "0 = greedy (default 0.8)", type=float, check="non_negative",
+                                 needs={"sample": GIVEN}, **WHERE)
+    top_k: int = sample_(40, "sample among the k likeliest (0 = all; default 40)", type=int, check="non_negative",
+                         needs={"sample": GIVEN}, **WHERE)
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -330,25 +274,20 @@ ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if
 TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
 NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
 EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
+
+
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
           "fraction": (lambda v: 0 <= v < 1, "in [0, 1)")}
+
+
 COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
+UsageError, BusyError = T.UsageError, T.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
 
 
 def say(text: str) -> None:
     """A line of progress on standard output, from one process (under torchrun, rank 0's)."""
     if os.environ.get("RANK", "0") == "0":
         print(text, flush=True)
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit status 2."""
-    status = 2
-
-
-class BusyError(UsageError):
-    """The run folder is in use by another process: one line, exit status 75 (EX_TEMPFAIL: try again later)."""
-    status = 75
 
 
 class Parser(argparse.ArgumentParser):
@@ -358,9 +297,7 @@ class Parser(argparse.ArgumentParser):
 
 class _Unset:
     """The default of every flag: tells a flag given on the command line from one left to the preset."""
-
-    def __repr__(self):
-        return "preset"
+    __repr__ = lambda self: "preset"  # noqa: E731
 
 
 UNSET = _Unset()
@@ -487,9 +424,9 @@ def applied_value(config: Config, key: str):
 
 def unmet(key: str, allowed, value) -> str | None:
     """What a flag needs of `key` when `value` does not meet `allowed` (None: it does)."""
-    if allowed is GIVEN:
+    if allowed == GIVEN:
         return None if value is not None else f"with {flag(key)}"
-    if allowed is ON:
+    if allowed == ON:
         return None if value else f"with {flag(key)} above 0 (here {value})"
     if value in allowed:
         return None
@@ -529,11 +466,14 @@ def validate(config, task, explicit: set):
         raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set --head-dim")
     if config.pattern == "":
         raise UsageError(f"--pattern needs a name; {config.task}'s patterns are {', '.join(task.PATTERNS)} (leave the "
-                         f"flag out for the default, {task.check_pattern(None)})")
-    try:
-        task.check_pattern(config.pattern)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
+                         f"flag out for the default, {task.pattern_name(None)})")
+    task.pattern_name(config.pattern)
+    if config.attention == "flex" and (config.init not in MASK_INITS or pick_device(config.device).type != "cuda"):
+        raise UsageError("--attention flex runs M through torch's flex_attention: it needs --init mask or mask-impulse "
+                         "and CUDA (it has no backward on the CPU); use --attention fused or explicit")
+    if config.prior_kind not in (None, *task.TEACHER_KINDS):
+        raise UsageError(f"--prior-kind {config.prior_kind} does not apply to task {config.task}; choose from "
+                         f"{', '.join(task.TEACHER_KINDS)}")
     try:
         b = tuple(float(x) for x in config.betas.split(","))
         assert len(b) == 2 and all(0 <= x < 1 for x in b)
@@ -542,30 +482,21 @@ def validate(config, task, explicit: set):
 
 
 # ----------------------------------------------------------------------------------------
-# Build: the task, the model, the init, the optimiser
+# Build: the task, the model, the prior and the init, the optimiser
 
 
-def make_task(config) -> T.Task:
+def task_for(config) -> T.Task:
     """The task of config.task, given its options (flags of the same names) and the seed."""
     options = {k: getattr(config, k) for k in T.TASKS[config.task].options()
                if k in FIELDS and getattr(config, k) is not None}
-    try:
-        return T.make_task(config.task, seed=config.seed, **options)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
-
-
-def mps_available() -> bool:
-    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return T.make_task(config.task, seed=config.seed, **options)
 
 
 def pick_device(name: str) -> torch.device:
+    """--device: auto (cuda, else mps, else cpu) or one torch has."""
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if mps_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -576,14 +507,14 @@ def pick_device(name: str) -> torch.device:
         raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-    if dev.type == "mps" and not mps_available():
+    if dev.type == "mps" and not mps:
         raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
     return dev
 
 
 def use_fused(attention: str, init: str, device: torch.device) -> bool:
-    """--attention auto: the fused kernel, except for a masked model on the CPU (measured faster there:
-    PyTorch's CPU scaled_dot_product_attention falls back to its math kernel for a float mask)."""
+    """--attention auto: fused, but explicit for a masked model on the CPU (faster there: PyTorch's CPU kernel takes
+    no float mask and falls back to its math kernel)."""
     if attention == "auto":
         return not (init in MASK_INITS and device.type == "cpu")
     return attention == "fused"
@@ -593,7 +524,8 @@ def model_config(config, task, device=torch.device("cpu")):
     arch = task.arch()
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
                  mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS,
-                 fused=use_fused(config.attention, config.init, device), qkv_bias=bool(config.qkv_bias),
+                 fused=use_fused(config.attention, config.init, device), flex=config.attention == "flex",
+                 qkv_bias=bool(config.qkv_bias),
                  dropout=config.dropout, pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param)
     if arch.get("model") == "vit":
@@ -612,26 +544,13 @@ def build_model(config, task, device):
     return model.to(device), model_cfg
 
 
-@dataclass
-class Prior:
-    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit and the probe
-    measures the mass on; `logits`, the initial M of --init mask; and `source`, where both came from (the
-    task's hand pattern, its training data, or a teacher run's attention), recorded in result.json."""
-    pattern: torch.Tensor
-    logits: torch.Tensor
-    source: dict
-
-
-# The inits: name -> function(model, prior, config, generator) that writes the prior (`Prior`: its pattern or
-# its logits) into the model in place and returns a small report. Add one here and it is a --init.
-
 def init_default(model, prior, config, g) -> dict:
     return {}
 
 
 def init_mask(model, prior, config, g) -> dict:
     """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
-    return mp.init_mask_(model, logits=prior.logits)
+    return prior.write_mask(model)
 
 
 def init_qk_svd(model, prior, config, g) -> dict:
@@ -658,13 +577,12 @@ def init_impulse(model, prior, config, g) -> dict:
 
 
 def init_mask_impulse(model, prior, config, g) -> dict:
-    """`impulse` with its pattern moved from Wq Wk^T into the logits: the positional embedding x18 and the
-    mimetic V-proj (0.4 Z - 0.4 I) as `init_impulse` gives them, M from the prior's logits (`--pattern`: the
-    hard impulse or the soft bump) as `init_mask` gives it; Wq, Wk keep the model's own init."""
+    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj as `init_impulse`
+    gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the soft bump); Wq, Wk as drawn."""
     scale = config.qk_svd_pos_scale or 18.0                 # impulse's scale, applied as init_qk_svd_ applies it
     with torch.no_grad():
         model.pos_emb.mul_(scale)
-    report = mp.init_mask_(model, logits=prior.logits)
+    report = prior.write_mask(model)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
     report["pos_scale"] = scale
     return report
@@ -674,47 +592,38 @@ INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-
          "mimetic": init_mimetic, "impulse": init_impulse, "mask-impulse": init_mask_impulse}
 
 
-def apply_init(model, prior: Prior, config) -> dict:
+def apply_init(model, prior: T.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
     return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
-def make_prior(config, task, device, teacher: Teacher | None = None) -> Prior:
-    """The run's prior: from --prior-from's teacher (`teacher_prior`; `teacher`: its files, read already by
-    `read_teacher`), else the task's --pattern (the hand patterns, or `discovered` in the training data), with
-    precision and recall of its pairs against the task's default hand pattern where the prior is not a hand one."""
-    if config.prior_from is not None:
-        pattern, logits, source = teacher_prior(config, task, device, teacher or read_teacher(config, task))
-    else:
-        name = task.check_pattern(config.pattern)
-        pattern, logits = task.pattern(name), task.mask_logits(name, config.mask_on, config.mask_off)
-        source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
-    if source["from"] != "hand":
-        source.update(pattern_agreement(pattern, task.pattern(task.DEFAULT_PATTERN), task.arch().get("causal", False)))
-    return Prior(pattern, logits, source)
+def make_prior(config, task, device, teacher: Teacher | None = None) -> T.Prior:
+    """The run's prior (`T.Prior`): the task's --pattern (a hand pattern, or `discovered` in its training data), or
+    from --prior-from's teacher (`teacher_prior`; `teacher`: its files, read already by `read_teacher`)."""
+    if config.prior_from is None:
+        return task.prior(config.pattern, config.mask_on, config.mask_off)
+    return teacher_prior(config, task, device, teacher or read_teacher(config, task))
 
 
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")   # what a teacher's maps must share
 
 
-@dataclass
-class Teacher:
-    """A --prior-from run's files, read and checked (`read_teacher`): its checkpoint and its flags."""
-    folder: str
-    ckpt: dict
-    config: Config
-
+Teacher = collections.namedtuple("Teacher", "folder ckpt config")    # a --prior-from run, read and checked
 
 def read_teacher(config, task) -> Teacher:
-    """--prior-from RUN, read as someone else's files before anything is built or written: a folder no process is
-    training in (its lock is free), holding a finished run (result.json of the checkpoint's run and step) whose
-    checkpoint (`read_checkpoint`: schema checked) is of this task, token layout and, for a per-head prior, head
-    count. Anything else is one line."""
+    """--prior-from RUN, read as someone else's files before anything is built or written: a folder no process trains
+    in, holding a finished run (result.json of the checkpoint's run and step) of this task, token layout and, for a
+    per-head prior, head count. Anything else is one line."""
     folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
-    with RunFolder(folder).reading(flag):
-        result = read_result(os.path.join(folder, "result.json"), flag)
+    if not os.path.lexists(os.path.join(folder, "result.json")):
+        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
+    with T.RunFolder(folder).reading(flag):
+        try:
+            result = T.read_result(os.path.join(folder, "result.json"))
+        except T.ReadError as e:
+            raise UsageError(f"{flag}: {e}") from None
         ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
     ident = ckpt["identity"]
     if result.get("run_id") != ident.get("run_id") or result.get("steps") != ckpt["step"]:
@@ -732,68 +641,29 @@ def read_teacher(config, task) -> Teacher:
         raise UsageError(f"{flag} has another token layout: {what}; a teacher's attention maps must cover this "
                          f"run's positions")
     kind = config.prior_kind or task.TEACHER_KINDS[0]
-    if kind not in task.TEACHER_KINDS:
-        raise UsageError(f"--prior-kind {kind} does not apply to task {config.task}; choose from "
-                         f"{', '.join(task.TEACHER_KINDS)}")
     if kind != "pattern" and theirs["n_heads"] != config.heads:
         raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} "
                          f"gives each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
     return Teacher(folder, ckpt, saved)
 
 
-def read_result(path: str, flag: str) -> dict:
-    """A finished run's result.json through the one reader (`T.read_result`: its schema checked)."""
-    if not os.path.lexists(path):
-        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
+def teacher_prior(config, task, device, teacher: Teacher) -> T.Prior:
+    """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its own flags."""
+    ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
+    teacher_task = task_for(teacher.config)
+    teacher_task.setup(device)
+    source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder), "teacher_run_id": ckpt["identity"]["run_id"],
+              "teacher_init": teacher.config.init, "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
     try:
-        return T.read_result(path)
-    except T.ReadError as e:
-        raise UsageError(f"{flag}: {e}") from None
-
-
-def teacher_prior(config, task, device, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The prior a teacher's attention gives (`T.Task.teacher_prior`): its model rebuilt from its checked
-    checkpoint and its mean attention read on its own training inputs (`T.Task.teacher_inputs`: its task made from
-    its flags, so a teacher of another corpus reads its own). Returns (pattern, logits, source)."""
-    flag, ckpt = f"--prior-from {teacher.folder}", teacher.ckpt
-    teacher_task = make_task(teacher.config)
-    setup_task(teacher_task, device)
-    theirs = ckpt["model_config"]
-    model = mp.ViT(mp.ViTConfig(**theirs)) if "patch_size" in theirs else mp.Transformer(mp.TransformerConfig(**theirs))
-    load_weights(model, ckpt["model"], f"{flag}'s checkpoint")
-    model.to(device).eval()
-    attn = mp.mean_attention(model, teacher_task.teacher_inputs(config.probe_size))
-    kind = config.prior_kind or task.TEACHER_KINDS[0]
-    try:
-        pattern, logits = task.teacher_prior(attn, kind, config.prior_ratio, config.mask_on, config.mask_off)
-    except ValueError as e:                # a map that names nothing, or is not finite: refused, not used
-        raise UsageError(f"{flag}: its attention gives no prior ({e})") from None
-    return pattern, logits, {"from": "teacher", "teacher": os.path.abspath(teacher.folder),
-                             "teacher_run_id": ckpt["identity"]["run_id"],
-                             "teacher_init": teacher.config.init,
-                             "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
-
-
-def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
-    """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an oracle's, over
-    the rows the oracle constrains (per head where both are per head, else over the union of heads)."""
-    if found.dim() != oracle.dim():
-        found, oracle = (p.any(0) if p.dim() == 3 else p for p in (found, oracle))
-    rows = mp.prior_rows(oracle, causal)
-    n = oracle.shape[-1]
-    off_diagonal = ~torch.eye(n, dtype=torch.bool)
-    keep = off_diagonal & (rows[..., :, None] if rows.dim() == oracle.dim() - 1 else rows)
-    f, o = found.cpu() & keep, oracle.cpu() & keep
-    hit = int((f & o).sum())
-    return {"precision": hit / max(1, int(f.sum())), "recall": hit / max(1, int(o.sum())),
-            "found_pairs": int(f.sum()), "oracle_pairs": int(o.sum())}
+        return task.prior_from_teacher(teacher_task, ckpt["model_config"], ckpt["model"], config.probe_size, kind,
+                                       config.prior_ratio, config.mask_on, config.mask_off, source)
+    except T.TaskError as e:
+        raise UsageError(f"--prior-from {teacher.folder}: {e}") from None
 
 
 def make_optimizer(model, config):
-    groups = mp.param_groups(model, config.weight_decay)
-    betas = tuple(float(x) for x in config.betas.split(","))
-    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return cls(groups, lr=config.lr, betas=betas)
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam      # M is never decayed
+    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr, betas=tuple(map(float, config.betas.split(","))))
 
 
 def lr_at(step: int, total: int, config) -> float:
@@ -907,48 +777,6 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
     return Dist(rank, world, local), config
 
 
-@dataclass
-class Probe:
-    """What every log step measures: the task's metrics, and the prior per layer (attention mass on
-    the pattern and content margin on a fixed real batch, drift of M and Wq Wk^T since the start).
-    When the pattern constrains no query row there is no mass to measure: `no_mass` says why."""
-    task: T.Task
-    pattern: torch.Tensor
-    inputs: torch.Tensor
-    snapshot: list
-    eval_points: int
-    device: torch.device
-    config: Config
-
-    def __post_init__(self):
-        causal = self.task.arch().get("causal", False)
-        self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
-            f"the {self.task.check_pattern(self.config.pattern)} pattern of {self.config.task} constrains no query row "
-            f"at this size (every row allows every key it can see), so there is no prior mass to measure")
-
-    def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
-        """The log record of `model` (and, with --ema, its moving average `ema`, evaluated beside it as ema_*
-        metrics). Log steps of a Boolean or arithmetic task use --eval-points cube points or test pairs;
-        the final measurement always uses the whole test set."""
-        model.eval()
-        with autocast(self.device, self.config):
-            metrics = self.task.evaluate(model, points=None if final else self.eval_points)
-            if ema is not None:
-                ema.eval()
-                averaged = self.task.evaluate(ema, points=None if final else self.eval_points)
-                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
-            if self.no_mass is None:
-                mass, margin = mp.prior_probe(model, self.inputs, self.pattern)
-            else:
-                mass = margin = None
-        model.train()
-        rec = {"metrics": metrics, "prior_mass": mass,
-               "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
-               "content_margin": margin}
-        rec.update(mp.prior_drift(model, self.snapshot))
-        return rec
-
-
 # ----------------------------------------------------------------------------------------
 # Loop: start a run (or resume it), train, finish
 
@@ -961,31 +789,28 @@ class Run:
     model: torch.nn.Module
     model_cfg: object
     optimizer: torch.optim.Optimizer
-    probe: Probe
+    probe: T.Probe
     device: torch.device
     init_report: dict
     mass_start: list | None
-    folder: RunFolder | None        # rank 0's (the others never touch the run folder)
+    folder: T.RunFolder | None        # rank 0's (the others never touch the run folder)
     dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
-    data: str | None = None         # the task's data fingerprint (T.Task.fingerprint), saved in ckpt.pt
+    data: str | None = None         # the task's data hash (T.Task.data_hash), saved in ckpt.pt
     prior_source: dict | None = None  # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
-    prior_file: bytes | None = None   # a new run's prior.pt (a prior not written by hand), written by `begin`
+    prior_file: bytes | None = None   # a new run's prior.pt (`T.Prior.to_bytes`), written by `begin`
     prior_sha256: str | None = None   # its sha256, saved in ckpt.pt: a resume reads back the same file
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
+    eval_seconds: float | None = None   # how long the last log step's evaluation took (the ETA counts them)
     trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
     ema: torch.nn.Module | None = None       # the moving average of the weights (--ema): updated each step, saved
 
     def path(self, name: str) -> str:
         return os.path.join(self.config.out, name)
-
-    def say(self, text: str) -> None:
-        if self.dist.main:
-            print(text, flush=True)
 
 
 def run(flags: argparse.Namespace, explicit: set) -> int:
@@ -1006,11 +831,10 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        if e.errno == errno.ENOENT and state is not None and not os.path.isdir(config.out):
-            raise UsageError(folder_vanished(config, state)) from None
-        if e.errno not in STORAGE_ERRORS:
+        line = T.RunFolder(config.out).failure(e, config.resume, state and state.step, state and state.saved_step)
+        if line is None:
             raise
-        raise UsageError(storage_failed(e, config, state)) from None
+        raise UsageError(line) from None
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
@@ -1018,41 +842,15 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
             torch.distributed.destroy_process_group()
 
 
-# A write that fails for want of room or permission: the run stops with one line, its files whole.
-STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def storage_failed(e: OSError, config: Config, state: Run | None) -> str:
-    """The line for a write that failed (disk full, quota, read-only): what failed where, and what is
-    kept (every file is written whole or not at all, so the last checkpoint resumes exactly)."""
-    where = f" writing {e.filename}" if e.filename else f" under {config.out}"
-    what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}{where}"
-    if state is None or state.saved_step is None:
-        if config.resume:
-            return f"{what}; the run in {config.out} is unchanged: free space, then --resume --out {config.out} again"
-        return f"{what}; the new run had no checkpoint yet and left nothing behind: free space and start it again"
-    return (f"{what} at step {state.step}; the checkpoint of step {state.saved_step} in {state.path('ckpt.pt')} is "
-            f"whole: free space, then continue with --resume --out {config.out}")
-
-
-def folder_vanished(config: Config, state: Run) -> str:
-    """The line for a run folder moved or deleted while the run trained (its next write found no folder)."""
-    kept = (f"its files went with it, whole: the checkpoint of step {state.saved_step} resumes exactly with "
-            f"--resume --out NEW_PLACE" if state.saved_step is not None else "it had no checkpoint yet")
-    return f"the run folder {config.out} disappeared at step {state.step} (moved or deleted while training); {kept}"
-
-
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check everything the run reads (its flags and where they apply, a resumed run's files, a teacher's), build
-    it in memory (the data, the model, the init, every check of a resume), and only then take the run folder and
-    write (`begin`): a refusal writes nothing and deletes nothing, and a new run that fails after `begin` removes
-    only what it wrote itself (`RunFolder.abandon`). A resumed run's folder is locked from its first read to the
-    end, a new run's from `begin`. Under torchrun rank 0 alone reads and writes the folder and shares the
-    (restored) flags, or its error, with the others."""
+    """Check all the run reads (its flags and where they apply, a resumed run's files, a teacher's), build it in
+    memory, and only then take the run folder and write (`begin`): a refusal writes and deletes nothing; a new run
+    that fails after `begin` removes only what it wrote (`RunFolder.abandon`). Under torchrun rank 0 alone reads and
+    writes the folder and shares the (restored) flags, or its error, with the others."""
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
-            folder = RunFolder(config.out)
+            folder = T.RunFolder(config.out)
             if config.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
@@ -1061,7 +859,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
             else:
                 folder.check_free()
             check_applies(config, explicit)
-            task = make_task(config)
+            task = task_for(config)
             task.say = say                               # the task's word on its slow work (the exact MDI)
             validate(config, task, explicit)
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
@@ -1078,7 +876,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
         if not dist.main:                        # the flags rank 0 restored, then this rank's own copies
             config = Config(**shared)
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
-            task, device = make_task(config), pick_device(config.device)
+            task, device = task_for(config), pick_device(config.device)
         state = build_run(config, explicit, task, device, folder, ckpt, dist, teacher)
         if dist.main:
             begin(state, ckpt)
@@ -1109,28 +907,18 @@ def size_schedule(config: Config, explicit: set, task) -> Config:
     return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
-@dataclass
-class Built:
-    """What a config builds (`build`): the config with its schedule sized, the task set up, the model
-    and its model config, the optimiser, and the init's report and prior (None when the init was not applied)."""
-    config: Config
-    task: T.Task
-    model: torch.nn.Module
-    model_cfg: object
-    optimizer: torch.optim.Optimizer
-    init_report: dict | None
-    prior: Prior | None = None      # what the init wrote (None when it was not applied)
+# What a config builds (`build`): its config with the schedule sized, the task set up, the model and its model config,
+# the optimiser, and the init's report and prior (None where the init was not applied: a resume).
+Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
 def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
           init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains, from a config: the task (made from the config unless given) set up on
-    the device, the schedule sized (`size_schedule`), the model built and, with `init`, initialised by
-    --init (its report timed; `teacher`: --prior-from's files, read already), and the optimiser (M undecayed).
-    `train_loop`, the tests and the benchmarks that train build this way; `train_step` then takes the steps."""
+    """Everything a run trains: the task set up, the schedule sized, the model built and, with `init`, initialised
+    (`teacher`: --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and benchmarks."""
     device = device or pick_device(config.device)
-    task = task or make_task(config)
-    setup_task(task, device)
+    task = task or task_for(config)
+    task.setup(device)
     config = size_schedule(config, explicit, task)
     model, model_cfg = build_model(config, task, device)
     report = prior = None
@@ -1146,7 +934,7 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
     return Built(config, task, model, model_cfg, make_optimizer(model, config), report, prior)
 
 
-def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckpt: dict | None,
+def build_run(config, explicit: set, task, device, folder: T.RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist(), teacher: Teacher | None = None) -> Run:
     """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None: `new_run`) or
     restore the checkpoint's state (`restored_run`), everything checked and nothing written (`begin` writes)."""
@@ -1160,181 +948,57 @@ def build_run(config, explicit: set, task, device, folder: RunFolder | None, ckp
     return state
 
 
-def new_run(built: Built, task, device, folder: RunFolder | None, dist: Dist) -> Run:
-    """A new run from its build, in memory: the start checked and measured (rank 0), the prior not written by
-    hand serialised for prior.pt."""
+def new_run(built: Built, task, device, folder: T.RunFolder | None, dist: Dist) -> Run:
+    """A new run from its build, in memory: the start checked and measured (rank 0), the prior serialised for prior.pt."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
-    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, device, config)
+    probe = T.Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, lambda: autocast(device, config))
     state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None,
-                folder, dist, run_id=uuid.uuid4().hex, data=task.fingerprint(), prior_source=prior.source)
+                folder, dist, run_id=uuid.uuid4().hex, data=task.data_hash(), prior_source=prior.source)
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
-    if prior.source["from"] != "hand":          # found, not written by hand: kept beside the run
-        state.prior_file = prior_bytes(prior)
-        state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
+    state.prior_file = prior.to_bytes()          # kept beside the run, read back on resume and by reports
+    state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
     if dist.main:
+        began = time.time()
         state.last = {"step": 0, "loss": None, "run_id": state.run_id, **probe.measure(model)}
-        state.mass_start = state.last["prior_mass"]
+        state.mass_start, state.eval_seconds = state.last["prior_mass"], time.time() - began
     return state
 
 
-def restored_run(built: Built, task, device, folder: RunFolder | None, dist: Dist, ckpt: dict) -> Run:
+def restored_run(built: Built, task, device, folder: T.RunFolder | None, dist: Dist, ckpt: dict) -> Run:
     """The run a checkpoint holds, on the build of its own config, in memory: its steps, architecture, data, moving
-    average and prior file checked against this run's, then the weights, optimiser, probe snapshot and RNG
-    restored."""
+    average and prior file checked, then the weights, optimiser, probe snapshot and RNG restored."""
     config, model, model_cfg = built.config, built.model, built.model_cfg
     if config.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
                          f"{config.steps}; give --steps {ckpt['step']} or more")
-    same = {k: v for k, v in ckpt["model_config"].items() if k != "fused"} == \
-        {k: v for k, v in asdict(model_cfg).items() if k != "fused"}
-    if not same:
-        raise UsageError(f"--resume: the checkpoint in {config.out} holds a different architecture "
-                         f"({ckpt['model_config']} vs {asdict(model_cfg)})")
+    check_architecture(ckpt, model_cfg, "--resume", config.out)
     if config.ema and "ema" not in ckpt:
         raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
     check_same_data(ckpt, task, config)
-    prior_source = ckpt.get("prior_source") or {"from": "hand"}
-    pattern = saved_pattern(config, task, prior_source, ckpt["prior_sha256"]).to(device)
-    load_weights(model, ckpt["model"], f"--resume: the checkpoint in {config.out}")
+    prior = saved_prior(config, task, ckpt["prior_sha256"])
+    pattern, prior_source = prior.pattern.to(device), prior.source
+    model.load_state_dict(ckpt["model"])     # read_checkpoint checked that it fits
     try:
         built.optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit this run's "
                          f"parameters ({type(e).__name__}: {str(e)[:120]})") from None
-    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points, device,
-                  config)
+    probe = T.Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points,
+                    lambda: autocast(device, config))
     state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
                 ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
                 run_id=ckpt["identity"]["run_id"], log_step=ckpt["log_step"], saved_step=ckpt["step"],
                 data=ckpt["data"], prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
-        load_weights(state.ema, ckpt["ema"], f"--resume: the moving average in {config.out}/ckpt.pt")
+        state.ema.load_state_dict(ckpt["ema"])     # read_checkpoint checked that it fits
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     return state
-
-
-def begin(state: Run, ckpt: dict | None) -> None:
-    """Rank 0, once everything is checked and built: a new run takes its folder (`RunFolder.create`: made or taken
-    over, and locked) and writes args.json, prior.pt (a prior not written by hand), the log's first line and last
-    ckpt.pt, which makes the folder a run; a resumed run cuts its log back to the checkpoint's step and rewrites
-    args.json. Each then says what it runs."""
-    config, folder = state.config, state.folder
-    if ckpt is not None:
-        truncate_log(state.path("metrics.jsonl"), state.step)
-        write_json(state.path("args.json"), asdict(config))
-        state.say(f"resuming {config.out} at step {state.step}/{config.steps}")
-        note = rounding_note(ckpt, state.device)
-        if note:
-            state.say(note)
-        return
-    folder.create()
-    folder.write("args.json", json_text(asdict(config)))
-    if state.prior_file is not None:
-        folder.write("prior.pt", state.prior_file)
-    folder.write("metrics.jsonl", json.dumps(state.last) + "\n")
-    save_checkpoint(state)              # last: a folder with a checkpoint is a run
-    n_params = sum(p.numel() for p in state.model.parameters())
-    procs = f" x {state.dist.world} processes" if state.dist.world > 1 else ""
-    print(f"{config.task} | init {config.init} {fmt_report(state.init_report)}| {n_params:,} params | "
-          f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
-    if config.preset == "paper" and state.device.type == "cpu":
-        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
-              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
-    print(f"step {0:>6}/{config.steps} | {fmt_metrics(state.last, state.task)}", flush=True)
-
-
-def prior_bytes(prior: Prior) -> bytes:
-    """prior.pt: the pattern and logits a run started from and their source (torch.save, weights_only loadable)."""
-    buf = io.BytesIO()
-    torch.save({"pattern": prior.pattern.cpu(), "logits": prior.logits.cpu(), "source": prior.source}, buf)
-    return buf.getvalue()
-
-
-def saved_pattern(config, task, source: dict, sha256: str | None) -> torch.Tensor:
-    """A resumed run's probe pattern: the task's for a hand prior; else its prior.pt (a prior found in the data
-    or a teacher), read through the one reader, the same bytes the run wrote at its start (their sha256 is in
-    the checkpoint) and of the layout the task's pattern has."""
-    if source.get("from", "hand") == "hand":
-        return task.pattern(config.pattern)
-    path = os.path.join(config.out, "prior.pt")
-    try:
-        data = T.read_back(path, "prior")
-    except T.ReadError as e:
-        raise UsageError(f"--resume: {e}: the run started from a prior found in its {source['from']}, saved there; "
-                         f"restore the file") from None
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is not the one in the "
-                         f"checkpoint); restore the run's own prior.pt")
-    try:
-        saved = T.load_torch(data, path)
-    except T.ReadError as e:
-        raise UsageError(f"--resume: {e}") from None
-    shape = task.pattern(task.DEFAULT_PATTERN).shape[-2:]
-    pattern, logits = (saved.get(k) if isinstance(saved, dict) else None for k in ("pattern", "logits"))
-    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool and pattern.dim() in (2, 3)
-            and pattern.shape[-2:] == shape and isinstance(logits, torch.Tensor) and logits.is_floating_point()
-            and bool(torch.isfinite(logits).all())):
-        raise UsageError(f"--resume: {path} does not hold the run's prior (a bool pattern of {tuple(shape)} and "
-                         f"finite logits)")
-    return pattern
-
-
-def load_weights(model: torch.nn.Module, state: dict, what: str) -> None:
-    """model.load_state_dict(state), or one line naming the first key that does not fit (a checkpoint of an
-    earlier version of the model, e.g. one whose M sat on the attention layer itself, before MaskPrior)."""
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, ValueError) as e:
-        model_keys = set(model.state_dict())
-        missing = sorted(model_keys - set(state))
-        extra = sorted(set(state) - model_keys)
-        which = (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
-                 else str(e).splitlines()[0][:160])
-        raise UsageError(f"{what} does not fit this version's model ({which}); it was written by another version of "
-                         f"maskprior: continue it with that version, or start a new run") from None
-
-
-def check_same_data(ckpt: dict, task, config) -> None:
-    """--resume on the data the run trained on: the task's fingerprint must be the checkpoint's (a checkpoint
-    written before fingerprints is not checked)."""
-    saved, now = ckpt.get("data"), task.fingerprint()
-    if saved is not None and now != saved:
-        was = ckpt["config"].get("data_dir")
-        raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is not the "
-                         f"data the run in {config.out} trained on (fingerprint {now[:12]}, the checkpoint's "
-                         f"{saved[:12]}); point --data-dir at the run's own data"
-                         + (f" (it started from {was})" if was else ""))
-
-
-def rounding_note(ckpt: dict, device: torch.device) -> str | None:
-    """A resume on another device type or CPU thread count is exact only to rounding (another order of the
-    float sums): a note that says so, or None when it resumes bitwise."""
-    saved = ckpt.get("machine")
-    if not saved:
-        return None
-    now = machine(device)
-    if saved == now:
-        return None
-    what = (f"{saved['threads']} CPU threads, now {now['threads']}" if saved["device"] == now["device"] == "cpu"
-            else f"on {saved['device']}, now on {now['device']}")
-    fix = f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if saved["device"] == now["device"] else ""
-    return (f"note: the run trained with {what}: its sums round in another order, so the resumed run matches an "
-            f"uninterrupted one to about 1e-6, not bitwise{fix}")
-
-
-def machine(device: torch.device) -> dict:
-    """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
-    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
-
-
-def finite_weights(model) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def check_start(model, task, config, device) -> None:
@@ -1356,7 +1020,7 @@ def train_loop(state: Run) -> int | None:
     else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank takes the
     same decisions: the loss and the interrupt flag are agreed on each step."""
     config, model, optimizer, task, dist = state.config, state.model, state.optimizer, state.task, state.dist
-    total, t_start, steps_done, estimated = config.steps, time.time(), 0, False
+    total, t_start, steps_done, estimated, t_eval = config.steps, time.time(), 0, False, 0.0
     with Interrupt() as stop:
         while state.step < total:
             batch, weight = dist.shard(task.train_batch(state.step, config.batch_size))
@@ -1369,21 +1033,23 @@ def train_loop(state: Run) -> int | None:
             steps_done += 1
             step = state.step
             if dist.main and (step % config.log_every == 0 or step == total):
+                began = time.time()
                 rec = state.probe.measure(model, state.ema, final=step == total)
                 now = time.time()
-                rate = steps_done / max(now - t_start, 1e-9)
+                state.eval_seconds, t_eval = now - began, t_eval + now - began
+                rate = steps_done / max(now - t_start - t_eval, 1e-9)
                 state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
                               "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
-                append_log(state.path("metrics.jsonl"), state.last)
+                T.append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
-                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {fmt_metrics(rec, task)} | "
-                      f"{rate:.1f} steps/s | ETA {fmt_time((total - step) / rate)}", flush=True)
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {state.probe.line(rec)} | "
+                      f"{rate:.1f} steps/s | ETA {fmt_time(eta(state, step, rate))}", flush=True)
                 estimated = True
             elif dist.main and not estimated and time.time() - t_start >= EARLY_ETA:
-                rate = steps_done / (time.time() - t_start)
+                rate = steps_done / (time.time() - t_start - t_eval)
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
-                      f"{fmt_time((total - step) / rate)} (an early estimate; the first evaluation is at step "
+                      f"{fmt_time(eta(state, step, rate))} (an early estimate; the first evaluation is at step "
                       f"{min(total, (step // config.log_every + 1) * config.log_every)})", flush=True)
                 estimated = True
             halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
@@ -1394,7 +1060,7 @@ def train_loop(state: Run) -> int | None:
                     save_checkpoint(state, state.seconds + time.time() - t_start)
             if halt:
                 why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
-                state.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
+                say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
                           f"--out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
@@ -1404,17 +1070,26 @@ def train_loop(state: Run) -> int | None:
 EARLY_ETA = 10.0        # seconds of training after which a run that has not logged yet prints its pace and ETA
 
 
+def eta(state: Run, step: int, rate: float) -> float:
+    """Seconds left: the steps at `rate` (training alone), each log step's evaluation as long as the last one timed
+    (`eval_seconds`; a resumed run's is timed at its first log step) and the final one over the whole test set."""
+    config, each = state.config, state.eval_seconds or 0.0
+    if step >= config.steps:
+        return 0.0                                   # the final evaluation is the last log step's: done
+    logs = max(0, (config.steps - 1) // config.log_every - step // config.log_every)
+    return (config.steps - step) / rate + each * (logs + state.task.final_cost(config.eval_points))
+
+
 def step_loss(trained, task, batch, config, device, weight: float | None = None) -> torch.Tensor:
-    """The first half of a training step: the task's loss on `batch` through `trained` (the model, compiled
-    and/or in DDP) under --amp's autocast, times `weight` (a DDP shard's share of the global batch)."""
+    """The first half of a step: the task's loss through `trained` (compiled and/or in DDP) under --amp, times
+    `weight` (a DDP shard's share of the global batch)."""
     with autocast(device, config):
         loss = task.loss(trained, batch)
         return loss if weight is None else loss * weight
 
 
 def step_update(model, optimizer, loss: torch.Tensor, config, step: int, ema: torch.nn.Module | None = None) -> None:
-    """The second half, once the loss is known to be finite: step `step`'s learning rate (--schedule),
-    backward, --grad-clip, the optimiser's update and the moving average (--ema)."""
+    """The second half, once the loss is finite: the step's learning rate, backward, --grad-clip, update, --ema."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, config.steps, config)
     optimizer.zero_grad(set_to_none=True)
@@ -1444,13 +1119,6 @@ def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> No
         e.copy_(b)
 
 
-def non_finite(state: Run, what: str) -> int:
-    if state.dist.main:
-        print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower "
-              f"--lr or --grad-clip (both may change on --resume)", file=sys.stderr, flush=True)
-    return 1
-
-
 def finish(state: Run) -> int:
     """The final measurement (the whole test set) and result.json, by rank 0."""
     if not state.dist.main:
@@ -1458,14 +1126,15 @@ def finish(state: Run) -> int:
     config, last = state.config, state.last
     if last is None or last["step"] != state.step:
         last = {"step": state.step, **state.probe.measure(state.model, state.ema, final=True)}
-    metrics = dict(last["metrics"])
-    if state.mass_start is None:
-        metrics["prior_mass_start"] = metrics["prior_mass_end"] = None
-    else:
-        metrics["prior_mass_start"] = sum(state.mass_start) / len(state.mass_start)
-        metrics["prior_mass_end"] = last["prior_mass_mean"]
+    start = state.mass_start                     # None: the pattern constrains no row (no mass to measure)
+    metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
+               "prior_mass_end": start and last["prior_mass_mean"]}
     result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed, "preset": config.preset,
-              "run_id": state.run_id, "data": state.data,
+              "run_id": state.run_id, "data": state.data, "init_order": list(INITS).index(config.init),
+              "tells_apart": {k: v for k, v in asdict(config).items() if k not in NOT_TELLING_APART},
+              "at_preset": all(getattr(config, k) == getattr(resolve(*parse_args(["--task", config.task, "--preset",
+                                                                                   config.preset])), k)
+                               for k in ARCH - {"init"}),          # model and data as the preset's (reports mark it)
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
@@ -1473,95 +1142,75 @@ def finish(state: Run) -> int:
               "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
               "device": str(state.device),
               "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
-    write_json(state.path("result.json"), result)
-    print(f"done: {fmt_metrics(last, state.task)} | training {fmt_time(state.seconds)}, "
+    T.atomic_write(state.path("result.json"), json_text(result))
+    print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, "
           f"{time.time() - STARTED:.1f} s wall since the command started | {state.path('result.json')}", flush=True)
     return 0
-
-
-class Interrupt:
-    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag
-    checked between steps: the run saves a checkpoint and exits 130 (SIGINT) or 143 (SIGTERM). A
-    second signal aborts at once."""
-    SIGNALS = {signal.SIGINT: ("interrupt", 130), signal.SIGTERM: ("terminated", 143)}
-
-    def __init__(self):
-        self.hit = False
-        self.code = 130
-        self.old = {}
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.hit:
-                raise KeyboardInterrupt
-            self.hit = True
-            what, self.code = self.SIGNALS[signum]
-            print(f"\n{what}: finishing this step and saving a checkpoint (a second signal aborts)", flush=True)
-        try:
-            for sig in self.SIGNALS:
-                self.old[sig] = signal.signal(sig, handler)
-        except ValueError:      # not in the main thread
-            pass
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self.old.items():
-            signal.signal(sig, old)
-
-
-def setup_task(task, device):
-    """Load the task's data; a data problem is one line for the user (UsageError)."""
-    try:
-        task.setup(device)
-    except T.TaskError as e:
-        raise UsageError(str(e)) from None
 
 
 def sample(config, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    folder = RunFolder(config.out)
+    folder = T.RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     check_numbers(config)
     check_applies(config, explicit)
-    task = make_task(config)
+    task = task_for(config)
     if task.KIND != "lm":
         raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
     device = pick_device(config.device)
-    setup_task(task, device)
-    model, _ = build_model(config, task, device)
-    load_weights(model, ckpt["model"], f"--sample: the checkpoint in {config.out}")
-    ids = task.encode(config.sample)
-    if not ids:
-        raise UsageError(f"--sample: the prompt {config.sample!r} gives no tokens")
-    if config.sample_tokens < 1 or config.temperature < 0 or config.top_k < 0:
-        raise UsageError("--sample-tokens must be >= 1, --temperature and --top-k >= 0")
-    model.eval()
-    g = torch.Generator(device=device).manual_seed(config.seed)
-    out = mp.generate(model, torch.tensor([ids], device=device), config.sample_tokens, config.temperature,
-                      config.top_k or None, generator=g)
-    sep = " " if task.vocab is not None else ""              # words are joined by spaces, bytes are not
-    print(task.decode(ids) + sep + task.decode(out[0, len(ids):].tolist()))
+    task.setup(device)
+    model, model_cfg = build_model(config, task, device)
+    check_architecture(ckpt, model_cfg, "--sample", config.out)
+    model.load_state_dict(ckpt["model"])     # read_checkpoint checked that it fits
+    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature, config.top_k,
+                             torch.Generator(device=device).manual_seed(config.seed)))
     return 0
 
 
+def fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
 # ----------------------------------------------------------------------------------------
-# Checkpoint and files: every file is written whole or not at all (T.atomic_write / atomic_output)
+# Durability: a run's files are written whole (T.RunFolder, T.atomic_write), everything it reads back is
+# checked before use (T.read_back, a schema), and a run that stops, however it stops, resumes exactly:
+# what a run writes when it begins, what a checkpoint holds and how it is checked, what a resume checks
+# against the run's files, and how a run stops (a signal, a non-finite step).
+
+
+def begin(state: Run, ckpt: dict | None) -> None:
+    """Rank 0, once everything is checked and built: a new run takes its folder (`RunFolder.create`) and writes
+    args.json, prior.pt, the log's first line and last ckpt.pt (which makes the folder a run); a resumed run cuts its
+    log back to the checkpoint's step and rewrites args.json. Each then says what it runs."""
+    config, folder = state.config, state.folder
+    if ckpt is not None:
+        T.truncate_log(state.path("metrics.jsonl"), state.step)
+        T.atomic_write(state.path("args.json"), json_text(asdict(config)))
+        note = rounding_note(ckpt, state.device)
+        return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}" if note else ""))
+    folder.create()
+    folder.write("args.json", json_text(asdict(config)))
+    folder.write("prior.pt", state.prior_file)
+    folder.write("metrics.jsonl", json.dumps(state.last) + "\n")
+    save_checkpoint(state)              # last: a folder with a checkpoint is a run
+    pm, procs = state.init_report.get("pseudo_mass"), f" x {state.dist.world} processes" if state.dist.world > 1 else ""
+    init = f"{config.init} (pseudo-input mass {sum(pm) / len(pm):.3f}) " if pm else f"{config.init} "
+    print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} params | "
+          f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
+    if config.preset == "paper" and state.device.type == "cpu":
+        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
+              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
+    print(f"step {0:>6}/{config.steps} | {state.probe.line(state.last)}", flush=True)
 
 
 def json_text(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
-
-
-def write_json(path: str, obj) -> None:
-    T.atomic_write(path, json_text(obj))
-
-
-CKPT_FORMAT = "maskprior-checkpoint-4"       # the contents, serialised, beside their sha256; every flag of this version
+    return json.dumps(obj, indent=2) + "\n"
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
@@ -1573,105 +1222,67 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
             **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
-            "identity": identity(state.config, state.run_id), "log_step": state.log_step,
+            "identity": {"run_id": state.run_id, "seed": state.config.seed, "config_hash": config_hash(asdict(state.config))},
+            "log_step": state.log_step,
             "data": state.data, "machine": machine(state.device), "prior_source": state.prior_source,
             "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    payload = buf.getvalue()
-    outer = io.BytesIO()
-    torch.save({"format": CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, outer)
-    state.folder.write("ckpt.pt", outer.getbuffer())    # a plain write: a full disk is an OSError (ENOSPC)
+    state.folder.write("ckpt.pt", T.checkpoint_bytes(ckpt))    # a plain write: a full disk is an OSError (ENOSPC)
     state.saved_step = state.step
 
 
-def fingerprint(flags: dict) -> str:
+def config_hash(flags: dict) -> str:
     """A short hash of the flags a resume may not change (all but RESUMABLE): one run's configuration."""
     fixed = {k: v for k, v in flags.items() if k not in RESUMABLE and k != "out"}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-def identity(config, run_id: str) -> dict:
-    """Who a checkpoint belongs to: the run id written at the start, the seed and the configuration's fingerprint."""
-    return {"run_id": run_id, "seed": config.seed, "fingerprint": fingerprint(asdict(config))}
+# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
+CKPT_SCHEMA = {
+    "model": (T.is_named_tensors, "finite tensors by name"), "optimizer": (T.is_of(dict), "an optimiser state"),
+    "step": (T.is_count, "a step"), "seconds": (lambda v: T.is_finite(v) and v >= 0, "a training time"),
+    "config": (T.is_of(dict), "the run's flags"), "model_config": (T.is_of(dict), "a model config"),
+    "init_report": (T.is_optional(T.is_of(dict)), "a report"), "snapshot": (T.is_list_of(T.is_of(dict)), "a record a layer"),
+    "prior_mass_start": (T.is_optional(T.is_list_of(T.is_finite)), "finite numbers per layer"),
+    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor) and v["torch"].dtype == torch.uint8,
+            "the generators' states"),
+    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("run_id"), str), "the run's id and config hash"),
+    "log_step": (T.is_count, "a step"), "data": (T.is_optional(T.is_of(str)), "a data hash"),
+    "machine": (T.is_of(dict), "a machine"), "prior_source": (T.is_optional(T.is_of(dict)), "a prior's source"),
+    "prior_sha256": (T.is_of(str), "a sha256"), "ema": (T.is_named_tensors, "finite tensors by name")}
 
 
-CKPT_KEYS = ("model", "optimizer", "step", "seconds", "config", "model_config", "init_report", "snapshot",
-             "prior_mass_start", "rng", "identity", "log_step", "data", "machine", "prior_source", "prior_sha256")
+CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint of this program, read as someone else's file: `T.read_back` (a regular file within a size
-    limit), both levels loaded with weights_only=True (a file from elsewhere runs no code), the contents matched
-    against their sha256, then the schema checked (`check_checkpoint`) before any value is used. A checkpoint of
-    an earlier version (another format, or none: before checksums) and anything else is one clear line."""
+    """A checkpoint read as someone else's file (`T.read_checkpoint`), then checked before any value is used: its
+    schema, its flags (`saved_config`) matching their hash, its model config rebuilding a model with exactly its
+    weights (`check_model_fits`), a snapshot a layer. Anything else is one clear line."""
+    where = f"{flag}: {path}"
     try:
-        ckpt = T.load_torch(T.read_back(path, "checkpoint"), path)
-        if isinstance(ckpt, dict) and (ckpt.get("format") not in (None, CKPT_FORMAT)
-                                       or "format" not in ckpt and set(CKPT_KEYS) <= set(ckpt)):
-            was = ckpt.get("format") or "no format: written before checksums"
-            raise UsageError(f"{flag}: {path} is a checkpoint of an earlier version of train.py ({was}); this version "
-                             f"reads {CKPT_FORMAT}: continue the run with the version that wrote it, or start a new run")
-        if isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT:
-            payload = ckpt.get("payload")
-            if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != ckpt.get("sha256"):
-                raise UsageError(f"{flag}: {path} is damaged (its contents do not match the checksum saved with "
-                                 f"them); restore the file from a copy, or start a new run with another --out")
-            ckpt = T.load_torch(payload, path)
+        ckpt = T.check_schema(T.read_checkpoint(path), CKPT_SCHEMA, CKPT_KEYS, path)
     except T.ReadError as e:
-        raise UsageError(f"{flag}: {e}; use a checkpoint train.py wrote") from None
-    check_checkpoint(ckpt, f"{flag}: {path}")
+        raise UsageError(f"{flag}: {e}") from None
+    if ckpt["log_step"] > ckpt["step"]:
+        raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step {ckpt['step']}")
+    config = saved_config(ckpt["config"], where)
+    if ckpt["identity"].get("config_hash") != config_hash(asdict(config)):
+        raise UsageError(f"{where} records flags that do not match its own config hash; the checkpoint was altered")
+    for key in ("model", "ema"):
+        if key in ckpt:
+            check_model_fits(ckpt["model_config"], ckpt[key], where)
+    if len(ckpt["snapshot"]) != ckpt["model_config"]["n_layers"]:
+        raise UsageError(f"{where}: its prior snapshot is not one record per layer")
     return ckpt
 
 
-# A checkpoint's payload: key -> the types its value may have (CKPT_KEYS must be there; the others are optional).
-CKPT_SCHEMA = {"model": dict, "optimizer": dict, "step": int, "seconds": (int, float), "config": dict,
-               "model_config": dict, "init_report": (dict, type(None)), "snapshot": list,
-               "prior_mass_start": (list, type(None)), "rng": dict, "identity": dict, "log_step": int,
-               "data": (str, type(None)), "machine": dict, "prior_source": (dict, type(None)),
-               "prior_sha256": (str, type(None)), "ema": dict}
-
-
-def check_checkpoint(ckpt, where: str) -> None:
-    """The schema of a checkpoint's payload, before any value is used: every key of CKPT_KEYS, each value of its
-    type, the counters in range, the weights finite tensors, the flags a valid Config of this version
-    (`saved_config`) matching the identity's fingerprint, and the model config one that rebuilds (on the meta
-    device: nothing allocated) a model with exactly the weights' names and shapes (`check_model_fits`)."""
-    def bad(what):
-        raise UsageError(f"{where} is not a checkpoint of train.py ({what})")
-    missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        bad(f"no {', '.join(missing)}")
-    for key, kinds in CKPT_SCHEMA.items():
-        if key in ckpt and (not isinstance(ckpt[key], kinds) or isinstance(ckpt[key], bool)):
-            bad(f"its {key} is a {type(ckpt[key]).__name__}")
-    if ckpt["step"] < 0 or not 0 <= ckpt.get("log_step", 0) <= ckpt["step"] or \
-            not (math.isfinite(ckpt["seconds"]) and ckpt["seconds"] >= 0):
-        bad(f"step {ckpt['step']}, log step {ckpt.get('log_step')}, seconds {ckpt['seconds']}")
-    for key in ("model", "ema"):
-        for name, t in ckpt.get(key, {}).items():
-            if not (isinstance(name, str) and isinstance(t, torch.Tensor)):
-                bad(f"its {key} holds {name!r}: {type(t).__name__}, not a named tensor")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad(f"its {key} weight {name} holds non-finite values")
-    if not isinstance(ckpt["rng"].get("torch"), torch.Tensor) or ckpt["rng"]["torch"].dtype != torch.uint8:
-        bad("its rng holds no torch generator state")
-    config = saved_config(ckpt["config"], where)
-    ident = ckpt["identity"]
-    if not isinstance(ident.get("run_id"), str) or ident.get("fingerprint") != fingerprint(asdict(config)):
-        raise UsageError(f"{where} records flags that do not match its own fingerprint; the checkpoint was altered")
-    check_model_fits(ckpt["model_config"], ckpt["model"], where)
-    if not all(isinstance(layer, dict) for layer in ckpt["snapshot"]) or \
-            len(ckpt["snapshot"]) != ckpt["model_config"].get("n_layers"):
-        bad("its prior snapshot is not one record per layer")
-
-
 def saved_config(saved: dict, where: str) -> Config:
-    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version there (a
-    checkpoint of this format holds them all), each of its field's type and among its choices, then in range
-    (`check_numbers`); anything else is one line naming the flag."""
+    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version, each of its field's
+    type and choices (`value_fits`), in range (`check_numbers`); anything else is one line naming the flag."""
+    if not isinstance(saved, dict):
+        raise UsageError(f"{where} holds a {type(saved).__name__}, not the object of a run's flags")
     missing = [name for name in FIELDS if name not in saved]
     unknown = sorted(set(saved) - set(FIELDS))
     if missing or unknown:
@@ -1706,185 +1317,21 @@ def value_fits(name: str, value) -> bool:
 
 
 def check_model_fits(model_config: dict, state: dict, where: str) -> None:
-    """A saved model config that rebuilds, on the meta device (no memory), a model with exactly the saved weights'
-    names, shapes and dtypes; its sizes bounded first (no more layers than weights, no size beyond 2^24)."""
-    cls, config_cls = (mp.ViT, mp.ViTConfig) if "patch_size" in model_config else (mp.Transformer,
-                                                                                  mp.TransformerConfig)
-    names = {f.name for f in fields(config_cls)}
-    if set(model_config) != names or not all(isinstance(k, str) for k in model_config):
-        odd = sorted(set(map(str, model_config)) ^ names)
-        raise UsageError(f"{where} is not a checkpoint of train.py (its model config has other fields: {odd[:3]})")
+    """A saved model config that rebuilds a model with exactly the saved weights (`mp.state_mismatch`: on the meta
+    device, no memory), its sizes bounded first (no more layers than weights, none beyond 2^24)."""
     sizes = [v for v in model_config.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (model_config.get("n_layers") or 0) <= len(state):
         raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do not fit its "
                          f"{len(state)} weights: {model_config})")
-    try:
-        with torch.device("meta"):
-            shapes = {k: (tuple(t.shape), t.dtype) for k, t in cls(config_cls(**model_config)).state_dict().items()}
-    except Exception as e:  # noqa: BLE001 - a config the model refuses is one line
-        raise UsageError(f"{where}: its model config does not build a model ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
-    if shapes != saved:
-        missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
-        other = [k for k in sorted(set(shapes) & set(saved)) if shapes[k] != saved[k]]
-        which = (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
-                 else f"{other[0]} is {saved[other[0]]} in the file, {shapes[other[0]]} in the model")
+    which = mp.state_mismatch(model_config, state)
+    if which:
         raise UsageError(f"{where} does not fit this version's model ({which}); it was written by another version of "
                          f"maskprior or altered: continue it with that version, or start a new run")
 
 
-try:
-    import fcntl
-except ImportError:             # not on POSIX: runs are not locked
-    fcntl = None
-
-
-class RunFolder:
-    """A run directory, locked by its process from before the first check to the run's end (flock
-    on the folder itself, released when the process exits), so that two processes never share one.
-    A folder holds a run once it has ckpt.pt (the first save writes it last) or result.json; a new
-    run may take over a folder without them (a start that died before its first checkpoint)."""
-    OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
-
-    def __init__(self, path: str):
-        if not path:
-            raise UsageError("--out must name a folder, got an empty path")
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
-        self.path, self.created, self.fd = path, False, None
-        self.parents: list[str] = []            # the folders above it this run made, deepest first
-        self.written: list[str] = []            # the files this process wrote here (`write`), in order
-
-    def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
-    def holds_run(self) -> bool:
-        return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
-
-    def check_free(self) -> None:
-        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder can be made at
-        (both checked again by `create`, under the lock)."""
-        if self.holds_run():
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
-        above = os.path.dirname(os.path.abspath(self.path))
-        while not os.path.exists(above):
-            above = os.path.dirname(above)
-        if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
-            why = "Not a directory" if not os.path.isdir(above) else "Permission denied"
-            raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
-
-    def write(self, name: str, data: bytes | str) -> None:
-        """Write a file of the run whole (`T.atomic_write`), remembering that this process wrote it."""
-        T.atomic_write(self.file(name), data)
-        if name not in self.written:
-            self.written.append(name)
-
-    @contextlib.contextmanager
-    def reading(self, flag: str):
-        """Read another run's folder (a teacher's) only while no process trains in it: a shared lock, refused at
-        once where a run holds the folder's lock."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if fcntl is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except OSError:
-                    raise UsageError(f"{flag} is in use by another process (a run is training there); wait for it "
-                                     f"to end, then give it again") from None
-            yield
-        finally:
-            os.close(fd)
-
-    def open_existing(self) -> None:
-        """Lock the folder of a run to resume; it must hold a checkpoint."""
-        if not os.path.exists(self.file("ckpt.pt")):
-            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
-        self._lock()
-
-    def create(self) -> None:
-        """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
-        try:
-            parent = os.path.dirname(os.path.abspath(self.path))
-            self.parents = missing_folders(parent)
-            os.makedirs(parent, exist_ok=True)
-            try:
-                os.mkdir(self.path)
-                self.created = True
-            except FileExistsError:             # there already, or made by a run starting at the same moment
-                if not os.path.isdir(self.path):
-                    raise
-        except OSError as e:
-            self._remove_parents()
-            raise UsageError(f"--out {self.path}: cannot create the run folder ({e.strerror or e})") from None
-        self._lock()
-        if self.holds_run():
-            self.release()
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
-
-    def _lock(self) -> None:
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY)
-            with tempfile.TemporaryFile(dir=self.path):
-                pass
-        except OSError as e:
-            self.release()
-            raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
-        if fcntl is not None:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self.release()
-                raise BusyError(f"{self.path} is in use by another process (a run is training there); wait for "
-                                f"it to end, or use another --out") from None
-        for tmp, name in T.partial_writes(self.path):    # temporary files of a write that was killed
-            if name in self.OURS:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def abandon(self) -> None:
-        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote,
-        and the folder and the folders above it where this process made them and nothing else is there; then
-        unlock. Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
-        if "ckpt.pt" not in self.written:
-            for name in self.written:
-                with contextlib.suppress(OSError):
-                    os.remove(self.file(name))
-            if self.created:
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.path)
-                self._remove_parents()
-        self.release()
-
-    def _remove_parents(self) -> None:
-        """Remove the folders above the run that this run made, while they are empty (another run
-        starting under them at the same moment keeps them)."""
-        for folder in self.parents:
-            try:
-                os.rmdir(folder)
-            except OSError as e:
-                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    break                       # in use: it and the folders above stay
-
-
-def missing_folders(path: str) -> list[str]:
-    """The folders of `path` (absolute) that do not exist yet, deepest first."""
-    out = []
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        out.append(path)
-        path = os.path.dirname(path)
-    return out
-
-
-def restore_config(config: Config, explicit: set, folder: RunFolder, ckpt: dict) -> Config:
-    """Resume: the run's config from its saved flags (once `check_resume` finds ckpt.pt, args.json and
-    metrics.jsonl to be one run), except its folder (always the --out given: a run folder can be
-    moved) and the RESUMABLE flags given now; any other flag given must agree."""
+def restore_config(config: Config, explicit: set, folder: T.RunFolder, ckpt: dict) -> Config:
+    """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out given: a run folder
+    can move) and the RESUMABLE flags given now; any other flag given must agree."""
     saved = check_resume(folder, ckpt)
     for key in sorted(explicit - RESUMABLE - {"out"}):
         new = getattr(config, key)
@@ -1901,23 +1348,18 @@ def restore_config(config: Config, explicit: set, folder: RunFolder, ckpt: dict)
     return Config(**{**values, "resume": True})
 
 
-_MISSING = object()
-
-
-def check_resume(folder: RunFolder, ckpt: dict) -> dict:
-    """The run's flags from args.json, once the three files agree that they are one run at one step:
-    args.json (read through `T.read_json`) is a JSON object holding every flag of the checkpoint and no other,
-    each of the checkpoint's type and equal to it where a resume may not change it; metrics.jsonl starts at step 0
-    and reaches the last step the checkpoint saw logged; and the log's step-0 line names the checkpoint's run.
-    Anything else is one line."""
+def check_resume(folder: T.RunFolder, ckpt: dict) -> dict:
+    """The run's flags from args.json once the three files are one run at one step: metrics.jsonl starts at step 0,
+    reaches the checkpoint's last log step and names its run; args.json holds valid flags (`saved_config`) equal to
+    the checkpoint's where a resume may not change them. Anything else is one line."""
     path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["config"]
     if not os.path.isfile(log):
         what = "is not a file" if os.path.exists(log) else "is missing"
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
                          f"with another --out")
     try:
-        records, logged = read_log(log), ckpt["log_step"]
-    except LogError as e:
+        records, logged = T.read_log(log), ckpt["log_step"]
+    except T.LogError as e:
         raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log from a copy, or "
                          f"start a new run with another --out") from None
     ident = ckpt["identity"]
@@ -1931,213 +1373,121 @@ def check_resume(folder: RunFolder, ckpt: dict) -> dict:
                          f"logging steps 0 .. {logged}: the log lost lines, so the run cannot be continued whole; "
                          f"start a new run with another --out")
     try:
-        saved = T.read_json(path)
+        saved = asdict(saved_config(T.read_json(path), f"--resume: {path}"))
     except T.ReadError as e:
         raise UsageError(f"--resume: {e}; the run's flags are lost") from None
-    if not isinstance(saved, dict):
-        raise UsageError(f"--resume: {path} holds a JSON {type(saved).__name__}, not the object of the run's flags")
-    for key, value in flags.items():
-        mine = saved.get(key, _MISSING)
-        if mine is _MISSING:
-            raise UsageError(f"--resume: {path} lacks {key} (the checkpoint has {key}={value!r}); args.json was "
-                             f"edited or belongs to another run")
-        if value is not None and type(mine) is not type(value):
-            raise UsageError(f"--resume: {path} has {key}={mine!r}, but the checkpoint's {key} is a "
-                             f"{type(value).__name__} ({value!r})")
-        if key not in RESUMABLE and key != "out" and mine != value:
-            raise UsageError(f"--resume: {path} has {key}={mine!r} but the checkpoint was trained with "
-                             f"{key}={value!r}; args.json does not belong to this checkpoint (restore it, or start "
-                             f"a new run with another --out)")
-    for key in sorted(saved.keys() - flags.keys()):
-        raise UsageError(f"--resume: {path} has {key}={saved[key]!r}, which the checkpoint does not record")
+    for key in (k for k in FIELDS if k not in RESUMABLE and k != "out" and saved[k] != flags[k]):
+        raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was trained with "
+                         f"{key}={flags[key]!r}; args.json does not belong to this checkpoint (restore it, or start "
+                         f"a new run with another --out)")
     return saved
 
 
-class LogError(ValueError):
-    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
+def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
+    """The model a checkpoint holds is the model this config builds (but for its attention path, which may change)."""
+    if {k: v for k, v in ckpt["model_config"].items() if k != "fused"} != \
+            {k: v for k, v in asdict(model_cfg).items() if k != "fused"}:
+        raise UsageError(f"{flag}: the checkpoint in {out} holds a different architecture ({ckpt['model_config']} vs "
+                         f"{asdict(model_cfg)})")
 
 
-def read_log(path: str) -> list[dict]:
-    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed write cut
-    short (no newline at its end) is left out; a damaged, lost, repeated or reordered line is a LogError that
-    names it, so nothing is ever dropped or rewritten away."""
+def check_same_data(ckpt: dict, task, config) -> None:
+    """--resume on the data the run trained on: the task's data hash must be the checkpoint's (None for a task
+    without data files)."""
+    saved, now = ckpt["data"], task.data_hash()
+    if saved is not None and now != saved:
+        was = ckpt["config"].get("data_dir")
+        raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is not the "
+                         f"data the run in {config.out} trained on (data hash {now[:12]}, the checkpoint's "
+                         f"{saved[:12]}); point --data-dir at the run's own data"
+                         + (f" (it started from {was})" if was else ""))
+
+
+def saved_prior(config, task, sha256: str) -> T.Prior:
+    """A resumed run's prior: its prior.pt through the one reader (`T.read_prior`: its schema), the same bytes the
+    run wrote at its start (their sha256 is in the checkpoint)."""
+    path = os.path.join(config.out, "prior.pt")
     try:
-        lines = T.read_back(path, "log").split(b"\n")
+        data = T.read_back(path, "prior")
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is not the one in the "
+                             f"checkpoint); restore the run's own prior.pt")
+        return T.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
     except T.ReadError as e:
-        raise LogError(str(e)) from None
-    lines.pop()            # the bytes after the last newline: b"", or a write cut short (its step is logged again)
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except ValueError:                        # UnicodeDecodeError is a ValueError
-            rec = None
-        if not log_line(rec):
-            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py writes it)")
-        records.append(rec)
-    check_log(records, path)
-    return records
+        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 
-def check_log(records: list[dict], path: str) -> None:
-    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before it, written
-    since logs carry it) is the step of the line before: a lost, repeated or reordered line is a LogError."""
-    for number, (before, rec) in enumerate(zip([None, *records], records), 1):
-        step = rec["step"]
-        if before is None:
-            if step != 0 or rec.get("prev") is not None:
-                raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the log lost its first "
-                               f"lines")
-            continue
-        if step <= before["step"]:
-            what = "repeats" if step == before["step"] else "goes back from"
-            raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of the line before it: "
-                           f"the log holds a repeated or misplaced line")
-        if "prev" in rec and rec["prev"] != before["step"]:
-            raise LogError(f"{path} line {number} (step {step}) was logged after step {rec['prev']}, but the line "
-                           f"before it is step {before['step']}: a line of the log is missing")
+def rounding_note(ckpt: dict, device: torch.device) -> str | None:
+    """A resume on another device type or CPU thread count is exact only to rounding (the float sums run in another
+    order): a note that says so, or None when it resumes bitwise."""
+    saved, now = ckpt["machine"], machine(device)
+    if saved == now:
+        return None
+    same = saved["device"] == now["device"]
+    what = f"{saved['threads']} CPU threads, now {now['threads']}" if same else f"on {saved['device']}, now on {now['device']}"
+    return (f"note: the run trained with {what}: its sums round in another order, so the resumed run matches an "
+            f"uninterrupted one to about 1e-6, not bitwise" + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes "
+                                                               f"bitwise" if same else ""))
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def machine(device: torch.device) -> dict:
+    """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
+    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 
-def log_line(rec) -> bool:
-    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >= 0), a
-    dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their mean."""
-    if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
-            and isinstance(rec.get("metrics"), dict)):
-        return False
-    mass, mean, prev = rec.get("prior_mass"), rec.get("prior_mass_mean"), rec.get("prev")
-    return ((mass is None or isinstance(mass, list) and all(map(_number, mass))) and (mean is None or _number(mean))
-            and (prev is None or isinstance(prev, int) and not isinstance(prev, bool)))
+def finite_weights(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def append_log(path: str, record: dict) -> None:
-    """One metrics.jsonl line, written by a single write() so that it is never half there."""
-    data = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-    except OSError as e:
-        e.filename = path                       # a full disk names the log (a cut line is dropped on resume)
-        raise
-    finally:
-        os.close(fd)
+def non_finite(state: Run, what: str) -> int:
+    if state.dist.main:
+        print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower "
+              f"--lr or --grad-clip (both may change on --resume)", file=sys.stderr, flush=True)
+    return 1
 
 
-def truncate_log(path: str, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut
-    short (`read_log`: anything else damaged is refused before this)."""
-    T.atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
+class Interrupt:
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag checked between
+    steps (`hit`): the run saves a checkpoint and exits 130 (SIGINT) or 143 (SIGTERM). A second signal aborts."""
+    SIGNALS = {signal.SIGINT: ("interrupt", 130), signal.SIGTERM: ("terminated", 143)}
 
+    def __enter__(self):
+        self.hit, self.code, self.old = False, 130, {}
 
-def fmt_time(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+        def handler(signum, frame):
+            if self.hit:
+                raise KeyboardInterrupt
+            what, self.code = self.SIGNALS[signum]
+            self.hit = True
+            print(f"\n{what}: finishing this step and saving a checkpoint (a second signal aborts)", flush=True)
+        with contextlib.suppress(ValueError):           # not in the main thread: no handler
+            for sig in self.SIGNALS:
+                self.old[sig] = signal.signal(sig, handler)
+        return self
 
-
-def fmt_report(report: dict) -> str:
-    if "pseudo_mass" in report:
-        pm = report["pseudo_mass"]
-        return f"(pseudo-input mass {sum(pm) / len(pm):.3f}) "
-    return ""
-
-
-def fmt_metrics(rec: dict, task) -> str:
-    m = rec["metrics"]
-    parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in task.HEADLINE if k in m]
-    mass = rec["prior_mass_mean"]
-    return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
 
 
 # ----------------------------------------------------------------------------------------
-# Commands: train (the default), summarize, report, and the two fixture writers
-
-
-def make_digits(folder: str) -> int:
-    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32
-    RGB and written in the CIFAR-10 python format (`T.digits_arrays`): a small, real, learnable image
-    set for trying the vision path on a CPU."""
-    x_train, y_train, x_test, y_test = T.digits_arrays()
-    out = T.write_cifar10_python(folder, x_train, y_train, x_test, y_test)
-    print(f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\n"
-          f"train on them with: python train.py --task cifar10 --data-dir {folder} --init mask")
-    return 0
-
-
-def make_wikitext(folder: str, files: list) -> int:
-    """python train.py make-wikitext DIR FILE...: plain-text files (one article each; paragraphs
-    separated by blank lines; the first line is the title) written in WikiText-2's word-level
-    layout under DIR/wikitext-2/, so that any English text can stand in for the corpus."""
-    articles = []
-    for path in files:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError as e:
-            raise UsageError(f"make-wikitext: cannot read {path} ({e.strerror})") from None
-        paras = [" ".join(p.split()) for p in text.split("\n\n")]
-        paras = [p for p in paras if p]
-        if paras:
-            articles.append((paras[0][:80], paras[1:]))
-    out = T.write_wikitext_layout(articles, folder)
-    sizes = {}
-    for s in ("train", "valid", "test"):
-        with open(os.path.join(out, f"wiki.{s}.tokens"), encoding="utf-8") as f:
-            sizes[s] = sum(len(line.split()) + 1 for line in f)
-    print(f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items()))
-    return 0
-
-
-def report_command(runs: str, out: str) -> int:
-    from reporting.report import REPORT_FOLDERS, report     # the reports load only for their commands
-    if not os.path.isdir(runs):
-        raise UsageError(f"report: {runs} is not a folder of runs")
-    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
-        held = [d for d in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, d))]
-        runs_inside = [d for d in held if RunFolder(os.path.join(runs, d)).holds_run()]
-        if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
-            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
-                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
-                    if runs_inside else "give the folder above it")
-        else:
-            hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
-        raise UsageError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there is "
-                         f"nothing to report and nothing was written; {hint}")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"report: {out} is a file; give a folder for the tables and figures")
-    try:
-        written = report(runs, out)
-    except OSError as e:
-        if e.errno not in STORAGE_ERRORS and e.errno not in (errno.ENOTDIR, errno.ENOENT):
-            raise
-        raise UsageError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before "
-                         f"is whole: give another folder, or free space, and report again") from None
-    for path in written:
-        print(f"wrote {path}")
-    return 0
+# Commands: train (the default); summarize and report (reporting/report.py); make-digits and make-wikitext
+# (the fixture writers of tasks.py)
 
 
 def main(argv=None) -> int:
     try:
         flags, explicit = parse_args(argv)
-        if flags.command == "summarize":
-            from reporting.report import summarize
-            missing = [p for p in flags.paths if not os.path.exists(p)]
-            if missing:
-                raise UsageError(f"summarize: {missing[0]} does not exist; give run folders, or folders of them")
-            print(summarize(flags.paths), end="")
+        if flags.command in ("summarize", "report"):
+            from reporting import report             # the reports load only for their commands
+            return report.summarize_command(flags.paths) if flags.command == "summarize" else \
+                report.report_command(flags.runs, flags.out)
+        if flags.command in ("make-digits", "make-wikitext"):      # the fixture writers
+            print(T.make_digits(flags.folder) if flags.command == "make-digits" else
+                  T.make_wikitext(flags.folder, flags.files))
             return 0
-        if flags.command == "report":
-            return report_command(flags.runs, flags.out)
-        if flags.command == "make-digits":
-            return make_digits(flags.folder)
-        if flags.command == "make-wikitext":
-            return make_wikitext(flags.folder, flags.files)
         return run(flags, explicit)
-    except (UsageError, T.TaskError) as e:
+    except UsageError as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
             print(f"error: {e}", file=sys.stderr)
         return getattr(e, "status", 2)
@@ -2146,5 +1496,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.modules["train"] = sys.modules["__main__"]      # `import train` (the reports) is this module, not a copy
     sys.exit(main())

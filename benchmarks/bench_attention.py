@@ -26,7 +26,7 @@ def train_config(args, device):
     """train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's
     data is never read: the batch is random), so that each variant takes train.py's own step."""
     targs = train.resolve(*train.parse_args(["--task", "parity2", "--device", str(device), "--steps", "1000000"]))
-    return targs, train.make_task(targs)
+    return targs, train.task_for(targs)
 
 
 def build(args, masked: bool, fused: bool, device, targs):

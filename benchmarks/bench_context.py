@@ -4,6 +4,10 @@ heads x N), side by side as ratios to default, for each context length N.
 
     python benchmarks/bench_context.py                              # N = 256 ... 2048, one CPU thread
     python benchmarks/bench_context.py --sizes 256,512,1024,2048,4096 --device cuda
+    python benchmarks/bench_context.py --device cuda --amp bf16 --paths all   # every attention path, side by side
+
+`--paths all` runs each M through every attention path in one table: SDPA with the bias (fused), the explicit
+softmax, and torch's flex_attention (M read in the kernel; CUDA only, as its backward is).
 
 The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4,
 one step = forward, backward and AdamW update. Each (N, variant) runs in a fresh process, so
@@ -28,17 +32,21 @@ import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
 VARIANTS = ("default", "full", "relative")
+PATHS = {"auto": ("auto",), "all": ("fused", "explicit", "flex")}
 
 
-def worker(n: int, variant: str, device: str, steps: int) -> dict:
+def worker(n: int, variant: str, device: str, steps: int, amp: str = "off") -> dict:
+    """One (N, variant) in this process; variant "full" or "relative" (train.py's attention path for it), or
+    "full:PATH" / "relative:PATH" with PATH one of fused, explicit, flex."""
     torch.set_num_threads(1)
     device = torch.device(device)
-    masked = variant != "default"
+    kind, _, path = variant.partition(":")
+    masked, path = kind != "default", path or "auto"
     cfg = mp.TransformerConfig(vocab_size=257, seq_len=n, n_outputs=257, readout="tokens", causal=True,
                                tie_embeddings=True, n_layers=2, n_heads=4, dim=128, mlp_dim=512, qkv_bias=True,
                                emb_init_std=0.02, pos_init_std=0.02, learnable_mask=masked,
-                               fused=train.use_fused("auto", "mask" if masked else "default", device),
-                               mask_param="relative" if variant == "relative" else "full")
+                               fused=train.use_fused(path, "mask" if masked else "default", device), flex=path == "flex",
+                               mask_param="relative" if kind == "relative" else "full")
     torch.manual_seed(0)
     model = mp.Transformer(cfg)
     if masked:
@@ -46,8 +54,8 @@ def worker(n: int, variant: str, device: str, steps: int) -> dict:
     model.to(device)
     # train.py's config and task of the language model (the small preset's AdamW; the corpus is never read)
     targs = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device", str(device),
-                                             "--amp", "off"]))
-    task, opt = train.make_task(targs), train.make_optimizer(model, targs)
+                                             "--amp", amp]))
+    task, opt = train.task_for(targs), train.make_optimizer(model, targs)
     x = torch.randint(0, 257, (4, n + 1), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for i in range(2 + steps):
@@ -67,34 +75,35 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="256,512,1024,2048")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", default="off", choices=("off", "bf16"), help="train.py's --amp (bf16 on a GPU)")
+    p.add_argument("--paths", default="auto", choices=tuple(PATHS), help="auto: train.py's path for M; all: each path")
     p.add_argument("--steps", type=int, default=3, help="timed steps per (N, variant), after 2 warm-up steps")
     p.add_argument("--worker", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(int(a.worker[0]), a.worker[1], a.device, a.steps)))
+        print(json.dumps(worker(int(a.worker[0]), a.worker[1], a.device, a.steps, a.amp)))
         return
-    print(f"device {a.device} | 2 x 128, 4 heads, causal, bytes, batch 4 | torch {torch.__version__} | "
-          f"median of {a.steps} steps | ratios to default")
-    print(f"{'N':>6} | {'params default':>14} {'full':>9} {'relative':>9} | {'ms default':>10} {'full':>7} "
-          f"{'relative':>8} | {'MiB default':>11} {'full':>7} {'relative':>8}")
+    paths = [q for q in PATHS[a.paths] if q != "flex" or a.device.startswith("cuda")]
+    variants = ["default"] + [f"{v}:{q}" if a.paths == "all" else v for v in ("full", "relative") for q in paths]
+    print(f"device {a.device} | 2 x 128, 4 heads, causal, bytes, batch 4 | amp {a.amp} | torch {torch.__version__} | "
+          f"median of {a.steps} steps | params, ms per step and peak MiB as ratios to default")
+    print(f"{'N':>6} | {'default':>24} | " + " | ".join(f"{v:>22}" for v in variants[1:]))
     for n in (int(s) for s in a.sizes.split(",")):
         res = {}
-        for v in VARIANTS:
+        for v in variants:
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n), v, "--device", a.device,
-                                "--steps", str(a.steps)], capture_output=True, text=True,
+                                "--steps", str(a.steps), "--amp", a.amp], capture_output=True, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if r.returncode != 0:
-                res[v] = None
-                print(f"{n:>6} | {v}: failed ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})")
-                continue
-            res[v] = json.loads(r.stdout.strip().splitlines()[-1])
-        d = res.get("default")
-        if not d or not res.get("full") or not res.get("relative"):
+            failed = r.stderr.strip().splitlines()[-1][:60] if r.returncode and r.stderr.strip() else r.returncode
+            res[v] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else failed
+        d = res["default"]
+        if not isinstance(d, dict):
+            print(f"{n:>6} | default failed: {d}")
             continue
-        f, rl = res["full"], res["relative"]
-        print(f"{n:>6} | {d['params'] / 1e6:>12.2f} M {f['params'] / d['params']:>8.2f}x {rl['params'] / d['params']:>8.2f}x"
-              f" | {d['ms']:>10.1f} {f['ms'] / d['ms']:>6.2f}x {rl['ms'] / d['ms']:>7.2f}x"
-              f" | {d['peak_mib']:>11.0f} {f['peak_mib'] / d['peak_mib']:>6.2f}x {rl['peak_mib'] / d['peak_mib']:>7.2f}x",
+        cells = [f"{'failed':>22}" if not isinstance(res[v], dict) else
+                 f"{res[v]['params'] / d['params']:>5.2f}x {res[v]['ms'] / d['ms']:>6.3f}x {res[v]['peak_mib'] / d['peak_mib']:>6.2f}x"
+                 for v in variants[1:]]
+        print(f"{n:>6} | {d['params'] / 1e6:>6.2f} M {d['ms']:>7.1f} ms {d['peak_mib']:>5.0f} M | " + " | ".join(cells),
               flush=True)
 
 

@@ -1,23 +1,24 @@
-"""What `bash reproduce.sh` (the paper presets) costs on this device: every run's step time,
-measured, times its steps and its number of runs, as device-hours per table of the paper.
+"""What `bash reproduce.sh` (the paper presets) costs on this device: every (task, init) of its run list
+(reporting/plan.py, the one list reproduce.sh reads) timed on its real path, training step and evaluation, times
+its steps and evaluations and its runs, as device-hours per table of the paper.
 
-    python benchmarks/bench_paper.py --device cuda               # the whole paper on one GPU, bf16
-    python benchmarks/bench_paper.py --device cuda --compile     # the same with torch.compile
+    python benchmarks/bench_paper.py --device cuda --write      # the whole paper on one GPU, bf16; keeps the times
     python benchmarks/bench_paper.py --only vision --steps 3     # one table, fewer timed steps
     python benchmarks/bench_paper.py --plan                      # runs and steps only, no timing
 
-Each (task, init) of reproduce.sh's run list is built as `train.py --task T --init I --preset
-paper` builds it (same flags, same attention path, bf16 autocast on CUDA), and one step =
-forward, backward and optimiser update on a batch of the task's real shape (Boolean and
-arithmetic batches are the tasks' own; image and token batches are random: the content does
-not change the cost). Steps per run come from the presets and the datasets' sizes, runs from
-reproduce.sh's defaults (3 seeds). The timed steps follow warm-up steps, with the device
-synchronised. The last line per table is the mask's step-time ratio to default's at the
-paper's shapes. On a CPU use `--batch-size 2 --steps 1` to check that everything builds (the
-times are then meaningless).
+Each (task, init) is built as `train.py --task T --init I --preset paper` builds it (train.build: same flags, same
+attention path, the init applied; bf16 autocast on CUDA). A step is train.py's own step on the batch its task
+makes (`train_batch`): the Boolean and arithmetic tasks' data; images drawn as uint8 of the stored size and put
+through the preset's whole augmentation (random resized crop to 224, RandAugment, erasing, mixup and cutmix) on
+the device; token windows of the corpus' vocabulary. An evaluation is the task's own (`evaluate`) on a test set of
+the real size (images and tokens drawn; the Boolean cube and the arithmetic pairs as they are), at the log steps'
+size (`--eval-points`) and, once, the final whole-set one. The timed steps follow warm-up steps, with the device
+synchronised. With --write the times go to results/step_times.json, which reproduce.sh's plan reads for its
+device-hours. On a CPU use `--batch-size 2 --steps 1 --eval-points 64` to check that everything builds and runs (the times
+are then meaningless).
 """
 import argparse
-import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -26,120 +27,173 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import maskprior as mp  # noqa: E402
+import reporting.plan as P  # noqa: E402
 import tasks as T  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
-SEEDS = 3                   # reproduce.sh's default seeds "0 1 2"
-TRAIN_SIZE = {"cifar10": 50_000, "cifar100": 50_000, "imagenet100": 126_689}      # training images
 VOCAB = {"wikitext2": 33_278, "tinystories": 257}           # WikiText-2's word vocabulary; bytes + end of text
-# (table, task, inits), as reproduce.sh runs them with the paper presets
-RUNS = [("boolean", t, ("default", "mask", "qk-svd", "qk-opt")) for t in ("parity2", "majority3", "cyclic3")] + \
-       [("arithmetic", t, ("default", "mask", "qk-svd", "qk-opt")) for t in ("addition", "multiplication")] + \
-       [("vision", t, ("default", "mimetic", "impulse", "mask")) for t in ("cifar10", "cifar100", "imagenet100")] + \
-       [("lm", "wikitext2", ("default", "mask", "qk-svd", "qk-opt")), ("lm", "tinystories", ("default", "mask"))]
+TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}            # test images as released
+VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}   # WikiText-2's validation split; the preset's cap
 
 
-def run_steps(task_name: str, extra: list = ()) -> int:
-    """Training steps of one run of the paper preset (its --steps, or its epochs x steps per epoch)."""
-    argv = ["--task", task_name, "--preset", "paper", *extra]
-    if T.TASKS[task_name].KIND in ("vision", "lm"):
-        argv += ["--data-dir", "."]
-    args = train.resolve(*train.parse_args(argv))
-    if args.steps is not None:
-        return args.steps
-    task = train.make_task(args)
+def paper_runs(only: str | None = None) -> tuple[list, int]:
+    """reproduce.sh's paper run list (every dataset taken as present): [(table, task, inits, flags)] in its order (one
+    entry per task and extra flags), and the seeds a (task, init) runs."""
+    plan = P.run_list(only=only, data=None)
+    groups = {}
+    for r in plan.runs:
+        inits = groups.setdefault((r.table, r.task, r.flags), [])
+        if r.init not in inits:
+            inits.append(r.init)
+    return [(table, task, tuple(inits), flags) for (table, task, flags), inits in groups.items()], len(plan.seeds)
+
+
+def flags_of(text: str) -> list:
+    """The plan's flags as train.py argv (its data folders dropped: nothing is read)."""
+    words = text.split()
+    out, skip = [], False
+    for i, w in enumerate(words):
+        if skip:
+            skip = False
+        elif w == "--data-dir":
+            skip = True
+        else:
+            out.append(w)
+    return out
+
+
+def synthetic_data(task, device, args):
+    """The data a vision or language task would read, drawn (timing only): uint8 images of the stored size (the
+    augmentation runs on them as in training) and a test set of the real size; token streams of the corpus'
+    vocabulary for the training windows and the validation split."""
+    g = torch.Generator().manual_seed(0)
+    task.device = torch.device(device)
     if task.KIND == "vision":
-        return round(args.epochs * -(-TRAIN_SIZE[task_name] // args.batch_size))
-    return round(args.epochs * task.setup().steps_per_epoch(args.batch_size))
+        s = task.image_size
+        task.x_train = torch.randint(0, 256, (4096, 3, s, s), generator=g, dtype=torch.uint8).to(device)
+        task.y_train = torch.randint(0, task.n_classes, (4096,), generator=g).to(device)
+        task.x_test = torch.randint(0, 256, (TEST_SIZE[task.NAME], 3, s, s), generator=g, dtype=torch.uint8).to(device)
+        task.y_test = torch.randint(0, task.n_classes, (TEST_SIZE[task.NAME],), generator=g).to(device)
+        task.mean, task.std = torch.full((1, 3, 1, 1), 0.5, device=device), torch.full((1, 3, 1, 1), 0.25, device=device)
+        task.n_train = 4096
+    else:
+        v = task.vocab_size = VOCAB[task.NAME]
+        task.train = torch.randint(0, v, (1_000_000,), generator=g).numpy()
+        task.valid = torch.randint(0, v, (args.val_tokens or VALID_TOKENS[task.NAME],), generator=g).numpy()
+        task.vocab, task.decode = None, None
+    return task
 
 
 def build(task_name: str, init: str, device: torch.device, extra: list):
-    """The model, optimiser, flags and a batch maker of one run of the paper preset."""
+    """train.build of one run of the paper preset, its data drawn where the real files would be read."""
     argv = ["--task", task_name, "--init", init, "--preset", "paper", "--device", str(device),
             *(["--qk-opt-steps", "20"] if init == "qk-opt" else []), *extra]
-    if T.TASKS[task_name].KIND in ("vision", "lm"):
+    kind = T.TASKS[task_name].KIND
+    if kind in ("vision", "lm"):
         argv += ["--data-dir", "."]
-    args = train.resolve(*train.parse_args(argv))
-    task = train.make_task(args)
-    kind = task.KIND
-    if kind == "lm":
-        task.vocab_size = VOCAB[task_name]             # the real vocabulary size, without reading the corpus
-    elif kind in ("boolean", "arithmetic"):
-        task.setup(device)
-    model, cfg = train.build_model(args, task, device)
-    train.apply_init(model, train.make_prior(args, task, device), args)
-    opt = train.make_optimizer(model, args)
-    g = torch.Generator().manual_seed(0)
-    b = args.batch_size
-    if kind == "vision":
-        x = torch.randn(b, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
-        batch = (x, torch.softmax(torch.randn(b, cfg.n_classes, generator=g), -1).to(device))
-        spe = -(-TRAIN_SIZE[task_name] // b)
-    elif kind == "lm":
-        x = torch.randint(0, task.vocab_size, (b, args.context + 1), generator=g).to(device)
-        batch, spe = (x[:, :-1], x[:, 1:]), None
-    else:
-        batch, spe = task.train_batch(0, b), task.steps_per_epoch(b)
-    steps = args.steps if args.steps is not None else round(args.epochs * spe)
-    args = dataclasses.replace(args, steps=steps)      # the schedule's length, as train.py sizes it
-    trained = torch.compile(model) if args.compile else model
+    flags, explicit = train.parse_args(argv)
+    args = train.resolve(flags, explicit)
+    task = train.task_for(args)
+    if kind in ("vision", "lm"):
+        synthetic_data(task, device, args)
+        task.setup = lambda device: task                   # train.build sets the task up: the data is there
+    return train.build(args, device, explicit, task)
 
-    def step():                                        # train.py's own step (lr schedule, clip, update)
-        train.train_step(model, trained, opt, task, batch, args, device, 0)
-    return step, steps, args
+
+def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float, float]:
+    """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on its real path.
+    eval_cap n > 0: both evaluations on n points (a check that they run, not their cost)."""
+    config, task, model = built.config, built.task, built.model
+    trained = torch.compile(model) if config.compile else model
+    probe = T.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size), mp.prior_snapshot(model),
+                    eval_cap or config.eval_points, lambda: train.autocast(device, config))
+
+    def step(i):
+        train.train_step(model, trained, built.optimizer, task, task.train_batch(i, config.batch_size), config, device, i)
+
+    def timed(fn, n):
+        times = []
+        for i in range(n):
+            sync(device)
+            t0 = time.perf_counter()
+            fn(i)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
+    for i in range(warmup):
+        step(i)
+    ms_step = timed(step, steps)
+    ms_eval = timed(lambda i: probe.measure(model), 1)
+    ms_final = ms_eval if eval_cap or not config.eval_points else timed(lambda i: probe.measure(model, final=True), 1)
+    return ms_step, ms_eval, ms_final
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=["boolean", "arithmetic", "vision", "lm"], help="one table")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up steps)")
+    p.add_argument("--task", help="one task of the table(s)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after the warm-up steps)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, help="override the presets' batch (a CPU smoke test); the hours "
                    "then do not describe the paper")
+    p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points, log and final alike "
+                   "(a CPU smoke test); the hours then do not describe the paper")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (train.py --compile)")
     p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
+    p.add_argument("--write", action="store_true", help=f"keep the times in {os.path.relpath(P.STEP_TIMES)}")
     a = p.parse_args()
+    runs, seeds = paper_runs(a.only)
+    if a.task:
+        runs = [r for r in runs if r[1] == a.task]
+        if not runs:
+            p.error(f"--task {a.task} is not in the paper's run list{' of ' + a.only if a.only else ''}")
     if a.plan:
-        print("| table | task | inits | runs | steps per run | steps |\n|---|---|---|---|---|---|")
-        for table, task_name, inits in RUNS:
-            if not a.only or table == a.only:
-                n = run_steps(task_name)
-                print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * SEEDS} | {n:,} | "
-                      f"{len(inits) * SEEDS * n:,} |")
+        print("| table | task | inits | runs | steps per run | evaluations per run | steps |\n|---|---|---|---|---|---|---|")
+        for table, task_name, inits, flags in runs:
+            n, evals = P.steps_of(P.Run(table, task_name, inits[0], 0, "", flags))
+            print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | {evals:,} | "
+                  f"{len(inits) * seeds * n:,} |")
         return
     device = torch.device(a.device)
     extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | torch "
           f"{torch.__version__} | compile {a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | "
-          f"{SEEDS} seeds per run")
-    print(f"{'table':<11}{'task':<15}{'init':<9}{'ms/step':>10}{'steps/run':>11}{'runs':>6}{'hours':>9}")
-    hours, per_table, ratio = 0.0, {}, {}
-    for table, task_name, inits in RUNS:
-        if a.only and table != a.only:
-            continue
+          f"{seeds} seeds per run | evaluations on "
+          + (f"{a.eval_points} points (not the paper's cost)" if a.eval_points else "a test set of the real size"))
+    print(f"{'table':<11}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'steps/run':>11}"
+          f"{'runs':>6}{'hours':>8}", flush=True)
+    times, per_table, ratio = P.step_times() if a.write else {}, {}, {}
+    for table, task_name, inits, flags in runs:
         ms = {}
         for init in inits:
-            step, steps, args = build(task_name, init, device, extra)
-            for _ in range(a.warmup):
-                step()
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step()
-            sync(device)
-            ms[init] = 1000 * (time.perf_counter() - t0) / a.steps
-            h = ms[init] * steps * SEEDS / 3.6e6
-            hours += h
+            built = build(task_name, init, device, [*flags_of(flags), *extra])
+            ms_step, ms_eval, ms_final = time_run(built, device, a.warmup, a.steps, a.eval_points)
+            times[f"{task_name} {init}"] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3),
+                                            "ms_final": round(ms_final, 3), "device": torch.cuda.get_device_name(device)
+                                            if device.type == "cuda" else "cpu", "torch": torch.__version__,
+                                            "batch_size": built.config.batch_size}
+            run = P.Run(table, task_name, init, 0, "", flags)
+            h = P.hours(run, times) * seeds
             per_table[table] = per_table.get(table, 0.0) + h
-            print(f"{table:<11}{task_name:<15}{init:<9}{ms[init]:>10.2f}{steps:>11,}{SEEDS:>6}{h:>9.3f}", flush=True)
-        ratio[task_name] = ms["mask"] / ms["default"]
+            ms[init] = ms_step
+            steps, _ = P.steps_of(run)
+            print(f"{table:<11}{task_name:<15}{init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}{steps:>11,}"
+                  f"{seeds:>6}{h:>8.3f}", flush=True)
+        if "mask" in ms and "default" in ms:
+            ratio[task_name] = ms["mask"] / ms["default"]
     for table, h in per_table.items():
-        print(f"total {table:<11}{h:>9.2f} device-hours")
-    print(f"total paper      {hours:>9.2f} device-hours")
-    print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
-          + f" (median {statistics.median(ratio.values()):.3f})")
+        print(f"total {table:<11}{h:>9.2f} device-hours (steps and evaluations)")
+    print(f"total paper      {sum(per_table.values()):>9.2f} device-hours")
+    if ratio:
+        print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
+              + f" (median {statistics.median(ratio.values()):.3f})")
+    if a.write:
+        os.makedirs(os.path.dirname(P.STEP_TIMES), exist_ok=True)
+        T.atomic_write(P.STEP_TIMES, json.dumps(times, indent=2) + "\n")
+        print(f"wrote {P.STEP_TIMES}")
 
 
 if __name__ == "__main__":

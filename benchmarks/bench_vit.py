@@ -1,7 +1,8 @@
 """Images/s of one ViT training step for every init, side by side.
 
     python benchmarks/bench_vit.py                                   # the small vision preset, CPU
-    python benchmarks/bench_vit.py --preset paper --device cuda      # ViT-Tiny, patch 2, bf16 autocast
+    python benchmarks/bench_vit.py --preset paper --device cuda      # ViT-Tiny, patch 16 at 224, bf16 autocast
+    python benchmarks/bench_vit.py --preset paper32 --device cuda    # the earlier preset: patch 2 at 32 x 32
     python benchmarks/bench_vit.py --inits default,mask --batch-size 64
 
 Each init is built exactly as `train.py --task cifar10 --init NAME` builds it (same flags,
@@ -30,7 +31,7 @@ def build(init: str, extra: list, device: torch.device):
     argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
     args = train.resolve(*train.parse_args(argv))
     args = dataclasses.replace(args, steps=args.steps or 10 ** 6)     # a schedule length for train_step's lr
-    task = train.make_task(args)
+    task = train.task_for(args)
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, train.make_prior(args, task, device), args)
     return model, train.make_optimizer(model, args), cfg, args, task

@@ -10,6 +10,7 @@ oracle-free study) -> `report`, which writes them all.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -17,7 +18,6 @@ import textwrap
 
 
 import tasks as T
-from train import DEFAULTS, INITS, NOT_TELLING_APART, Config, LogError, make_task, parse_args, read_log, resolve
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
@@ -65,29 +65,13 @@ def collect_runs(paths) -> tuple[list, list]:
     return once_each(runs, problems)
 
 
-def data_of(run: dict):
-    """What a run trained and tested on: result.json's fingerprint of the data (a sha256; None for tasks without
-    data files), else for runs made before result.json carried it the --data-dir of its args.json."""
-    if "data" in run:
-        return run["data"]
-    path = os.path.join(run["run_dir"], "args.json")
-    saved = T.read_json(path) if os.path.lexists(path) else {}
-    where = saved.get("data_dir") if isinstance(saved, dict) else None
-    return os.path.normpath(where) if isinstance(where, str) else None
-
-
 def once_each(runs: list, problems: list) -> tuple[list, list]:
     """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed, flags
     and data (the same run again) is left out and named in problems; on other data it is another run."""
     kept, ids, configs = [], {}, {}
     for r in runs:
-        try:
-            key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), data_of(r)], sort_keys=True,
-                             default=repr)
-        except (OSError, ValueError, TypeError) as e:
-            problems.append(f"{r['run_dir']}: unreadable args.json ({type(e).__name__}: {e})")
-            continue
-        rid = run_id_of(r)
+        key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), r["data"]], sort_keys=True, default=repr)
+        rid = r["run_id"]
         if rid in ids:
             problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
         elif key in configs:
@@ -101,18 +85,6 @@ def once_each(runs: list, problems: list) -> tuple[list, list]:
     return kept, problems
 
 
-def run_id_of(run: dict) -> str | None:
-    """A finished run's id: result.json's, or the one its log's first line records (runs made before
-    result.json carried it); None for runs made before run ids."""
-    if isinstance(run.get("run_id"), str):
-        return run["run_id"]
-    try:
-        first = json.loads(T.read_back(os.path.join(run["run_dir"], "metrics.jsonl"), "log").split(b"\n", 1)[0])
-        return first.get("run_id") if isinstance(first, dict) and isinstance(first.get("run_id"), str) else None
-    except ValueError:                           # T.ReadError, JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None
-
-
 def mean_std(values, digits: int = 2) -> str:
     """"mean ± sample std" of the values with `digits` decimals ("" for none; std 0 for one)."""
     if not values:
@@ -122,9 +94,10 @@ def mean_std(values, digits: int = 2) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def init_order(init: str, inits=INITS) -> int:
-    """The sort key of an init: its place in `inits` (train.py's INITS table), an unknown one last."""
-    return list(inits).index(init) if init in inits else 99
+def init_order(runs: list):
+    """The sort key of the inits of `runs`: each init's place in train.py's INITS table, as its runs record it."""
+    order = {r["init"]: r["init_order"] for r in runs}
+    return order.__getitem__
 
 
 def md_table(header: list, rows) -> list[str]:
@@ -181,7 +154,7 @@ def summarize(paths) -> str:
         cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"]) if any(f(ms) for ms in every)]
         out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
         rows = []
-        for init in sorted(groups[(task, label)], key=init_order):
+        for init in sorted(groups[(task, label)], key=init_order(sum(groups[(task, label)].values(), []))):
             rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
             rows.append([init, ",".join(str(r["seed"]) for r in rs), *(f(ms) for _, f in cols),
@@ -258,10 +231,10 @@ def log_records(run: dict) -> list[dict]:
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         try:
-            run["_records"] = read_log(path) if os.path.isfile(path) else []
-        except (OSError, LogError) as e:         # the run has no curves; its result.json still counts in the tables
+            run["_records"] = T.read_log(path) if os.path.isfile(path) else []
+        except T.LogError as e:                  # the run has no curves; its result.json still counts in the tables
             run["_records"] = []
-            run["_log_problem"] = f"{e}" if isinstance(e, LogError) else f"{path} cannot be read ({e.strerror})"
+            run["_log_problem"] = str(e)
     return run["_records"]
 
 
@@ -331,12 +304,6 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
 ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
 
 
-def preset_layout(task: str, preset: str = "small") -> tuple:
-    """(readout, positional std) that `preset` gives a Boolean task."""
-    config = resolve(*parse_args(["--task", task, "--preset", preset]))
-    return config.readout or "cls", config.pos_init_std
-
-
 def ablation(folders) -> str:
     """The robustness grid: per Boolean task, a markdown table over readout x positional std x init
     (mean ± std over seeds of whole-cube accuracy, accuracy and MSE on U, the mean prediction on U,
@@ -352,14 +319,14 @@ def ablation(folders) -> str:
     out = []
     for task in sorted(groups):
         mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
-        layout = preset_layout(task)
         out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
         rows = []
-        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, init_order(k[2], ABLATION_INITS))):
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, ABLATION_INITS.index(k[2])
+                                                       if k[2] in ABLATION_INITS else 99)):
             readout, pos, init = key
             rs = sorted(groups[task][key], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
-            rows.append([f"{readout}{'*' if (readout, pos) == layout else ''}", pos, init,
+            rows.append([f"{readout}{'*' if all(r.get('at_preset') for r in rs) else ''}", pos, init,
                          ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms), _pct("acc_unseen")(ms),
                          _num("mse_unseen")(ms), _num("pred_unseen")(ms), _num("prior_mass_end")(ms)])
         out += md_table(["readout", "pos std", "init", "seeds", "acc %", "acc on U %", "MSE on U",
@@ -382,20 +349,14 @@ CURVE_METRICS = {
     "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
-# Runs that differ only in NOT_TELLING_APART (Config fields with tells_apart=False: where and how a run ran, which
-# run it is, its init and seed) are one configuration; any other difference draws them apart.
+# Runs that differ only in what result.json's tells_apart leaves out (where and how a run ran, which run it is, its
+# init and seed) are one configuration; any other difference draws them apart.
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:
-    """The flags that define a run's configuration (args.json minus NOT_TELLING_APART and `ignore`; a flag
-    added after the run was made counts at its default); the model config of result.json where
-    args.json is missing."""
-    path = os.path.join(run["run_dir"], "args.json")
-    saved = T.read_json(path) if os.path.lexists(path) else None
-    if saved is not None and not isinstance(saved, dict):
-        raise ValueError(f"a JSON {type(saved).__name__}, not the object of the run's flags")
-    config = {**DEFAULTS, **saved} if saved is not None else dict(run.get("config") or {}, steps=run.get("steps"))
-    return {k: v for k, v in config.items() if k not in NOT_TELLING_APART and k not in ignore}
+    """The flags that define a run's configuration: result.json's tells_apart (every flag but where and how it ran,
+    which run it is, its init and seed), less `ignore`."""
+    return {k: v for k, v in run["tells_apart"].items() if k not in ignore}
 
 
 def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
@@ -449,7 +410,7 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
     for (task, label), rs in groups.items():
         kind = rs[0].get("kind", "boolean")
         per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
-        for r in sorted(rs, key=lambda r: (init_order(r["init"]), r["seed"])):
+        for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"])):
             for k, pts in curve_points(r).items():
                 for step, v in pts:
                     lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
@@ -497,7 +458,7 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
         return []
     series = []                                 # (legend, {metric: {step: [values over seeds]}})
     for (_, label), rs in groups.items():
-        for init in sorted({r["init"] for r in rs}, key=init_order):
+        for init in sorted({r["init"] for r in rs}, key=init_order(rs)):
             by_metric = {}
             for r in rs:
                 if r["init"] == init:
@@ -568,7 +529,7 @@ def steps_to_target(groups: dict) -> str:
             by_init.setdefault(r["init"], []).append(r)
         for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
             found = {init: [first_step(log_records(r), target) for r in by_init[init]]
-                     for init in sorted(by_init, key=init_order)}
+                     for init in sorted(by_init, key=init_order(rs))}
             ratio = ""
             ms, ds = found.get("mask"), found.get("default")
             if ms and ds and all(s is not None for s in ms) and sum(ms) > 0:
@@ -604,7 +565,7 @@ def prior_layers(groups: dict) -> str:
             records = [rec for rec in log_records(r) if rec.get("prior_mass")]
             if r["init"] != "default" and records:
                 by_init.setdefault(r["init"], []).append((r["seed"], records))
-        for init in sorted(by_init, key=init_order):
+        for init in sorted(by_init, key=init_order(rs)):
             runs = by_init[init]
             seeds = ",".join(str(s) for s, _ in runs)
             for layer in range(min(len(recs[0]["prior_mass"]) for _, recs in runs)):
@@ -639,7 +600,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     lines, md, panels = ["config,init,seed,n_train,seq_acc,digit_acc"], [], []
     for (_, label), rs in groups.items():
         by = {}                                                      # {init: {n_train: [seq_acc]}}
-        for r in sorted(rs, key=lambda r: (init_order(r["init"]), r["metrics"]["n_train"], r["seed"])):
+        for r in sorted(rs, key=lambda r: (r["init_order"], r["metrics"]["n_train"], r["seed"])):
             m = r["metrics"]
             by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
             lines.append(f"\"{label}\",{r['init']},{r['seed']},{m['n_train']},{m['seq_acc']:.6g},{m['digit_acc']:.6g}")
@@ -647,7 +608,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         if len(sizes) < 2:
             md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
             continue
-        inits = sorted((i for i in by if len(by[i]) > 1), key=init_order)    # a series each
+        inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
         digits = run_config(rs[0]).get("digits") or 3                       # the task's own universe: 10^(2d) pairs
         md += ["\n**addition**" + (f" ({label})" if label else "") + "\n", *_efficiency_table(by, inits, sizes, digits)]
         panels.append((label, {i: by[i] for i in inits}, sizes, digits))
@@ -811,15 +772,10 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
             first = sorted(table[row].get((init, tag), []), key=lambda r: r["seed"])[:1]
             if not first:
                 continue
-            prior = os.path.join(first[0]["run_dir"], "prior.pt")
-            if tag:
-                if not os.path.isfile(prior):
-                    continue
-                pattern = T.load_torch(T.read_back(prior, "prior"), prior)["pattern"]
-            else:
-                saved = T.read_json(os.path.join(first[0]["run_dir"], "args.json"))
-                config = Config(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}})
-                pattern = make_task(config).pattern(config.pattern)
+            try:
+                pattern = T.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
+            except T.ReadError:
+                continue
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
     made = figure(-(-len(panels) // 4), 4, 3.0, 3.0) if panels else None
     if made is None:
@@ -924,3 +880,49 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
                       + "".join(f"- {n}\n" for n in notes) + "\n")
     return written + [emit(out_dir, "steps_to_target.md", STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
                       emit(out_dir, "prior_layers.md", PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
+
+
+# ----------------------------------------------------------------------------------------
+# The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
+
+class ReportError(T.TaskError):
+    """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints it)."""
+
+
+def summarize_command(paths: list) -> int:
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise ReportError(f"summarize: {missing[0]} does not exist; give run folders, or folders of them")
+    print(summarize(paths), end="")
+    return 0
+
+
+def report_command(runs: str, out: str) -> int:
+    """`report` with its refusals: a runs folder without table folders (a hint where it is one table's folder), an
+    OUT that is a file, and a write that fails (a full or read-only disk) are each one line; what was written before
+    is whole."""
+    if not os.path.isdir(runs):
+        raise ReportError(f"report: {runs} is not a folder of runs")
+    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
+        held = [d for d in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, d))]
+        runs_inside = [d for d in held if any(os.path.exists(os.path.join(runs, d, f)) for f in ("ckpt.pt", "result.json"))]
+        if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
+            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
+                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
+                    if runs_inside else "give the folder above it")
+        else:
+            hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
+        raise ReportError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there "
+                          f"is nothing to report and nothing was written; {hint}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ReportError(f"report: {out} is a file; give a folder for the tables and figures")
+    try:
+        written = report(runs, out)
+    except OSError as e:
+        if e.errno not in T.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
+            raise
+        raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before is "
+                          f"whole: give another folder, or free space, and report again") from None
+    for path in written:
+        print(f"wrote {path}")
+    return 0

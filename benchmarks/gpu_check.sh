@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU paths in one short script (8-12 minutes on one H200): the CUDA tests, then the measurements
+# results/README.md waits for, each under its own time limit so that one hang costs only its own slot.
+#
+#   bash benchmarks/gpu_check.sh [OUT]        # OUT (default $OUT, else gpu_check/): one log per step
+#
+#   1. the tests that need CUDA (bf16 fused = explicit with M, flex_attention trains M as explicit does,
+#      a bf16 vision run, compile = eager, a CUDA run that resumes exactly)
+#   2. bench_vit.py --preset paper: ViT-Tiny patch 16 at 224, bf16, every init side by side, and the augmentation
+#   3. bench_context.py --paths all: full and relative M through SDPA, explicit and flex, N = 256 ... 8192, bf16
+#   4. bench_paper.py --write: step, log evaluation and final evaluation of every (task, init) of the paper
+#      presets -> results/step_times.json (reproduce.sh's plan then prints device-hours)
+#   5. 300 steps of the paper parity2 model (12 layers), default and mask, as train.py runs them
+#   6. Lee et al.'s two NanoGPT runs (reproduce.sh --only lee), as far as LEE_SECONDS allows
+# Each step's exit status is in OUT/status.txt; the script goes on after a failure and exits 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu_check}}
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  echo "gpu_check.sh: no CUDA device (torch.cuda.is_available() is False); run it on a machine with a GPU" >&2
+  exit 2
+}
+mkdir -p "$out"
+failed=0
+step() {   # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output to the screen and OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($*)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name $rc" >> "$out/status.txt"
+  [ "$rc" -eq 0 ] || failed=1
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt" 2>&1
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/device.txt"
+step tests 150 python -m pytest -q -x test_maskprior.py -k "cuda or flex or bf16 or compile"
+step vit 90 python benchmarks/bench_vit.py --preset paper --device cuda --steps 5 --rounds 3
+step context 150 python benchmarks/bench_context.py --device cuda --amp bf16 --paths all --sizes 256,1024,4096,8192 --steps 5
+step paper 180 python benchmarks/bench_paper.py --device cuda --write
+cp results/step_times.json "$out/" 2>/dev/null
+for init in default mask; do
+  step "parity2-$init" 60 python train.py --task parity2 --init "$init" --preset paper --steps 300 --log-every 100 \
+    --device cuda --amp bf16 --out "$out/runs/parity2-$init"
+done
+# 6. Lee et al.'s two NanoGPT runs (seed 0) for what is left of LEE_SECONDS (default 120): a run cut short keeps
+#    its checkpoint, and the same line later resumes it
+echo "== lee"
+timeout "${LEE_SECONDS:-120}" bash reproduce.sh --only lee --seeds 0 --runs "$out/runs" --results "$out/lee" 2>&1 \
+  | tee "$out/lee.log"
+echo "lee ${PIPESTATUS[0]} (124: cut at LEE_SECONDS; the same line resumes it)" >> "$out/status.txt"
+echo "== status"; cat "$out/status.txt"
+exit $failed

@@ -1,0 +1,346 @@
+"""The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`), the datasets they
+read and where to get them (`missing_data`), and the plan `bash reproduce.sh` prints before its first run (runs per
+table, the ones skipped and why, device-hours where a step time was measured). reproduce.sh reads the list from
+`python -m reporting.plan ... --list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets (tasks.py)
+and the datasets' names, nothing of train.py.
+
+    python -m reporting.plan                      # the paper on one GPU: the plan
+    python -m reporting.plan --quick --list       # the CPU version's runs, one a line, as reproduce.sh reads them
+
+A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for the --data and --runs
+folders, which reproduce.sh fills in whatever they hold); `WAIT` lets every run before it finish (teachers before
+their students). The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tasks as T  # noqa: E402
+
+# reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small preset)
+TABLES = ("boolean", "arithmetic", "vision", "lm", "persistence", "ablation", "data", "mult2", "visionprior",
+          "oraclefree", "lee")
+STUDIES = ("ablation", "data", "mult2", "visionprior", "oraclefree")
+QK = ("default", "mask", "qk-svd", "qk-opt")
+SHORT = "--steps 250 --log-every 10 --eval-points 500"       # addition at the paper's regime (its budget is unknown)
+
+
+@dataclass(frozen=True)
+class Run:
+    table: str
+    task: str
+    init: str
+    seed: int
+    tag: str = ""
+    flags: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.init}-s{self.seed}" + (f"-{self.tag}" if self.tag else "")
+
+    def line(self) -> str:
+        return " ".join([self.table, self.task, self.init, str(self.seed), self.tag or "-", *self.flags.split()])
+
+
+WAIT = "WAIT"
+
+
+@dataclass
+class Plan:
+    """What a reproduction runs: `items` (Runs and WAITs, in order) and `skipped` ({table: [(what, why)]}: the runs
+    left out for want of their data, with where to get it)."""
+    quick: bool
+    only: str | None
+    seeds: tuple
+    data: str | None
+    items: list
+    skipped: dict
+
+    @property
+    def runs(self) -> list[Run]:
+        return [r for r in self.items if r != WAIT]
+
+
+def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data: str | None = "data") -> Plan:
+    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA`: every table's (the paper
+    presets; --quick: the CPU version), or one table's or study's. A run whose dataset is not in DATA is skipped and
+    named in `skipped` (nothing else is looked at); data None: every run, as if every dataset were there."""
+    plan = Plan(quick or only in STUDIES, only, tuple(seeds), data, [], {})
+
+    def want(table):
+        return only is None or only == table
+
+    def add(table, task, inits, flags="", tag="", where=None):
+        if where is not None and not _have(plan, table, task, where, len(inits) * len(seeds)):
+            return
+        for s in seeds:
+            for init in inits:
+                plan.items.append(Run(table, task, init, s, tag, flags + (f" --data-dir @DATA{where}" if where is not None
+                                                                          and "--data-dir" not in flags else "")))
+
+    if want("boolean") or want("persistence"):
+        for t in ("parity2", "majority3", "cyclic3"):
+            add("boolean", t, QK)
+    if want("arithmetic"):
+        _arithmetic(plan, add)
+    if only == "data":
+        add("arithmetic", "addition", ("default", "mask"))        # 0.4%: the arithmetic table's own runs
+        for f in ("0.0005", "0.001", "0.002", "0.008"):
+            add("data", "addition", ("default", "mask"), f"--data-frac {f}", f"frac{f}")
+    if not plan.quick and want("vision"):
+        for t, where in (("cifar10", ""), ("cifar100", ""), ("imagenet100", "/imagenet100")):
+            add("vision", t, ("default", "mimetic", "impulse", "mask", "mask-impulse"), where=where)
+    if not plan.quick and want("lm"):
+        add("lm", "wikitext2", QK, where="")
+        add("lm", "tinystories", ("default", "mask"), where="")
+    if only == "mult2":
+        for f in ("0.03", "0.3"):
+            d2 = f"--digits 2 --data-frac {f} --answer-order lsb --steps 1000 --log-every 50"
+            add("mult2", "multiplication", QK, d2, f"d2-frac{f}")
+            add("mult2", "multiplication", ("mask",), d2 + " --pattern partial", f"d2-frac{f}-partial")
+    if only == "lee":
+        _lee(plan, add)
+    if only == "visionprior":
+        _vision_prior(plan, add)
+    if only == "ablation":
+        _ablation(plan, add)
+    if only == "oraclefree":
+        _oracle_free(plan, add)
+    if only == "persistence":
+        plan.items = []                                          # it only aggregates the Boolean runs already made
+    return plan
+
+
+def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None) -> bool:
+    """Whether DATA + `where` holds `task`'s data (`T.Task.locate`); if not, the reason is kept in plan.skipped
+    (with the number of `runs` skipped, where one table's runs of the task are meant)."""
+    if plan.data is None:
+        return True
+    try:
+        T.TASKS[task].locate(plan.data + where)
+        return True
+    except T.DataError as e:
+        plan.skipped.setdefault(table, []).append((task if runs is None else f"{task} ({runs} runs)", str(e)))
+        return False
+
+
+def _arithmetic(plan, add):
+    """The paper presets: every init at the preset's budget. --quick: addition at convergence (default and mask; every
+    init with --only arithmetic) and every init at 250 steps (tag 250steps), where the paper's numbers show."""
+    if not plan.quick:
+        add("arithmetic", "addition", QK)
+        add("arithmetic", "multiplication", QK)
+        return
+    full = QK if plan.only == "arithmetic" else ("default", "mask")
+    add("arithmetic", "addition", full)
+    add("arithmetic", "addition", QK, SHORT, "250steps")
+    if plan.only == "arithmetic":
+        add("arithmetic", "multiplication", QK)
+        add("arithmetic", "multiplication", QK, SHORT, "250steps")
+
+
+def _lee(plan, add):
+    """Lee et al.'s multiplication data: their NanoGPT budget on a GPU (256 windows of 256 characters / 10.25
+    characters an example); --quick: the CPU ladder at 40, 150 and 500 epochs, plain and reversed."""
+    lee = "--digits 2 --lee-samples 3000"
+    if not plan.quick:
+        add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size 6400 --log-every 250",
+            "msb-nanogpt")
+        return
+    for order in ("msb", "lsb"):
+        for epochs, log in ((40, 48), (150, 180), (500, 600)):        # a log step every 1/20 of a run
+            add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order {order} --epochs {epochs} "
+                f"--log-every {log}", f"{order}-ep{epochs}")
+
+
+def _vision_prior(plan, add):
+    """The vision prior study on DATA (a CIFAR-10 layout, e.g. the make-digits set)."""
+    if not _have(plan, "visionprior", "cifar10", ""):
+        return
+    d = "--data-dir @DATA"
+    for p in ("impulse", "soft", "local", "graded"):
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern {p}", p)
+    add("visionprior", "cifar10", ("default", "impulse"), d)
+    for m in (2, 5):                                             # the hard impulse's off level
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}", f"impulse-off{m}")
+    for a in ("0.3", "3"):                                       # the soft bump's width
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}", f"soft-alpha{a}")
+    add("visionprior", "cifar10", ("qk-svd",), d)                # impulse taken apart: its QK part alone,
+    add("visionprior", "cifar10", ("qk-svd",), f"{d} --qk-svd-pos-scale 18", "pos18")    # then with the positions x18
+    for p in ("impulse", "soft"):                                # the mask with impulse's positions x18 and mimetic V
+        add("visionprior", "cifar10", ("mask-impulse",), f"{d} --pattern {p}", p)
+
+
+def _ablation(plan, add):
+    """The robustness grid: each Boolean task's readout x positional std x {default, mask}; the cells at the task's own
+    small preset are its Boolean-table runs (all four inits), the others go to ablation/."""
+    for t in ("parity2", "majority3", "cyclic3"):
+        add("boolean", t, QK)
+        preset = T.TASKS[t].preset("small")
+        own = (preset["readout"], preset["pos_init_std"])
+        for readout in ("cls", "mean"):
+            for pos in (0.02, 0.5):
+                if (readout, pos) != own:
+                    add("ablation", t, ("default", "mask"), f"--readout {readout} --pos-init-std {pos}",
+                        f"{readout}-pos{pos}")
+
+
+ORACLE_FREE_BITS = {"kparity": "--bits random:2 --unseen bits:2", "kmajority": "--bits random:3 --unseen bits:2"}
+
+
+def _oracle_free(plan, add):
+    """Priors without an oracle, a group of tasks at a time: its teachers (default runs), a WAIT, then the students
+    (the hand mask, the pattern found in the data, the teacher's prior in mask and qk-svd, and default for the
+    teacher's and the student's steps together); the cheap tasks first, cyclic3 (8,000 steps a run) last."""
+    of, teacher = "oraclefree", "--prior-from @RUNS/oraclefree"
+    twice = {t: 2 * int(T.TASKS[t].preset("small").get("steps") or T.TASKS[t].preset("small")["epochs"])
+             for t in ("parity2", "kparity", "majority3", "kmajority", "addition", "wikitext2", "cyclic3", "cifar10")}
+    vision = _have(plan, of, "cifar10", "")
+    lm = _have(plan, of, "wikitext2", "/vimtext-a") and _have(plan, of, "wikitext2", "/vimtext-b")
+    for group in (("parity2", "kparity", "majority3", "kmajority", "addition"), "vision", "lm", ("cyclic3",)):
+        if (group == "vision" and not vision) or (group == "lm" and not lm):
+            continue
+        if group == "vision":
+            add(of, "cifar10", ("default", "impulse"), "--data-dir @DATA")
+        elif group == "lm":
+            add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-a", "corpusA")
+        else:
+            for t in group:
+                add(of, t, ("default",), ORACLE_FREE_BITS.get(t, ""))
+        plan.items.append(WAIT)
+        if group == "vision":
+            add(of, "cifar10", ("mask",), "--data-dir @DATA")
+            for s in plan.seeds:
+                plan.items += [Run(of, "cifar10", "mask", s, "teacher", f"--data-dir @DATA {teacher}/cifar10-default-s{s}"),
+                               Run(of, "cifar10", "mask", s, "teacher-impulse",
+                                   f"--data-dir @DATA {teacher}/cifar10-impulse-s{s}")]
+            add(of, "cifar10", ("default",), f"--data-dir @DATA --epochs {twice['cifar10']}", "budget2x")
+        elif group == "lm":
+            add(of, "wikitext2", ("default", "mask"), "--data-dir @DATA/vimtext-b", "corpusB")
+            for s in plan.seeds:
+                plan.items.append(Run(of, "wikitext2", "mask", s, "corpusB-teacher",
+                                      f"--data-dir @DATA/vimtext-b {teacher}/wikitext2-default-s{s}-corpusA"))
+            add(of, "wikitext2", ("default",), f"--data-dir @DATA/vimtext-b --steps {twice['wikitext2']}",
+                "corpusB-budget2x")
+        else:
+            _oracle_free_students(plan, add, group, twice, teacher)
+
+
+def _oracle_free_students(plan, add, group, twice, teacher):
+    of = "oraclefree"
+    for t in group:
+        if t == "addition":                    # addition's default is at 98% by its preset's 1,500 steps: no room
+            continue
+        f = ORACLE_FREE_BITS.get(t, "")
+        add(of, t, ("mask",), f)
+        add(of, t, ("mask",), f"{f} --pattern discovered".strip(), "discovered")
+        for s in plan.seeds:
+            for init in ("mask", "qk-svd"):
+                plan.items.append(Run(of, t, init, s, "teacher", f"{f} {teacher}/{t}-default-s{s}".strip()))
+        add(of, t, ("default",), f"{f} --steps {twice[t]}".strip(), "budget2x")
+    if "addition" in group:                    # its students at 250 steps, the paper's regime; the teachers are the
+        add(of, "addition", ("default", "mask"), SHORT, "250steps")          # 1,500-step defaults
+        add(of, "addition", ("mask",), f"{SHORT} --pattern discovered", "250steps-discovered")
+        for s in plan.seeds:
+            for init in ("mask", "qk-svd"):
+                plan.items.append(Run(of, "addition", init, s, "250steps-teacher",
+                                      f"{SHORT} {teacher}/addition-default-s{s}"))
+        add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 --eval-points 500",
+            "250steps-samebudget")
+
+
+# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours where known
+
+STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "step_times.json")
+
+
+def step_times(path: str = STEP_TIMES) -> dict:
+    """{"TASK INIT": {"ms_step": ..., "ms_eval": ..., "device": ...}} that benchmarks/bench_paper.py measured on a GPU
+    (the paper presets, real data path, evaluation included) and wrote to results/step_times.json; {} without it."""
+    try:
+        return T.read_json(path)
+    except T.ReadError:
+        return {}
+
+
+def hours(run: Run, times: dict) -> float | None:
+    """A run's device-hours from the measured times of its (task, init): its steps, its log steps' evaluations and
+    the final one over the whole test set (`steps_of`); None where its time was not measured."""
+    t = times.get(f"{run.task} {run.init}")
+    if not isinstance(t, dict):
+        return None
+    steps, evals = steps_of(run)
+    return (t["ms_step"] * steps + t["ms_eval"] * (evals - 1) + t.get("ms_final", t["ms_eval"])) / 3.6e6
+
+
+def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
+    """(training steps, evaluations) of a run of the paper preset, from its flags and its task's preset; a preset in
+    epochs takes the dataset's size (`train_size`)."""
+    p = T.TASKS[run.task].preset(preset)
+    words = run.flags.split()
+    flag = {words[i][2:].replace("-", "_"): words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
+    batch = int(flag.get("batch_size", p.get("batch_size", 64)))
+    if "steps" in flag or ("epochs" not in flag and "steps" in p):
+        steps = int(flag.get("steps", p.get("steps", 0)))
+    else:
+        steps = round(float(flag.get("epochs", p.get("epochs", 0))) * math.ceil(train_size(run.task) / batch))
+    log_every = int(flag.get("log_every", p.get("log_every") or max(1, steps // 10)))
+    return steps, steps // log_every + 1
+
+
+def train_size(task: str) -> int:
+    """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`), else its own
+    count once set up (the Boolean and arithmetic tasks make their data)."""
+    cls = T.TASKS[task]
+    return getattr(cls, "TRAIN_SIZE", None) or T.make_task(task).setup().n_train
+
+
+def describe(plan: Plan, times: dict | None = None) -> str:
+    """The plan as reproduce.sh prints it first: per table its runs and device-hours (measured step times, or "not
+    measured"), then every table or task skipped and why, with where to get its data."""
+    times = step_times() if times is None else times
+    lines, total = [], 0.0
+    by_table = {}
+    for r in plan.runs:
+        by_table.setdefault(r.table, []).append(r)
+    preset = "small (CPU)" if plan.quick else "paper (one GPU)"
+    lines.append(f"plan: {len(plan.runs)} runs, preset {preset}, seeds {' '.join(map(str, plan.seeds))}")
+    for table, rs in by_table.items():
+        h = [hours(r, times) for r in rs] if not plan.quick else [None]
+        known = None not in h
+        total += sum(h) if known else 0.0
+        when = f"{sum(h):.2f} device-hours" if known else "device-hours not measured"
+        lines.append(f"  {table:<12} {len(rs):>4} runs  {when}")
+    for table, skips in plan.skipped.items():
+        for what, why in skips:
+            lines.append(f"  skipped: {table} {what}: {why}")
+    if not plan.quick:
+        lines.append(f"  measured step times: {os.path.relpath(STEP_TIMES) if times else 'none (python benchmarks/bench_paper.py --device cuda writes them)'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=TABLES)
+    p.add_argument("--seeds", default="0 1 2")
+    p.add_argument("--data", default="data")
+    p.add_argument("--list", action="store_true", help="the plan as reproduce.sh reads it: its text, each line led by "
+                   "'# ', then the runs, one a line")
+    a = p.parse_args(argv)
+    plan = run_list(a.quick, a.only, [int(s) for s in a.seeds.split()], a.data)
+    if a.list:
+        print("\n".join(["# " + line for line in describe(plan).splitlines()]
+                        + [item if item == WAIT else item.line() for item in plan.items]))
+    else:
+        print(describe(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
