@@ -36,6 +36,7 @@ import pickle
 import re
 import shutil
 import stat
+import statistics
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -186,11 +187,22 @@ class Task:
         its M from `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
-        return self.found_prior(self.pattern(name), self.mask_logits(name, m_on, m_off), source)
+        pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
+        return self.found_prior(pattern, logits, {**source, **self.discovery()} if name == "discovered" else source)
+
+    def discovery(self) -> dict:
+        """What `--pattern discovered` found and how (recorded in result.json's prior_source): the sets or pairs
+        tested and kept, the noise level they had to pass."""
+        return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
         """A Prior; one not written by hand (found in the data or a teacher) carries the precision and recall of its
-        pairs against the task's default hand pattern (`mp.pattern_agreement`)."""
+        pairs against the task's default hand pattern (`mp.pattern_agreement`), and one that names no pair beyond
+        self-loops in the rows it was found for (`found_rows`) is a TaskError: it would hold nothing."""
+        if source["from"] != "hand" and not self.names_pairs(pattern):
+            where = "training data" if source["from"] == "data" else "teacher's attention"
+            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
+                            f"would hold nothing; it is refused, not used (use a hand pattern or another teacher)")
         if source["from"] != "hand":
             oracle = self.pattern(self.DEFAULT_PATTERN)
             source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
@@ -223,8 +235,26 @@ class Task:
         resume on other data (another --data-dir) is refused. None: the task has no data of its own to check."""
         return None
 
+    def found_rows(self) -> list[int] | None:
+        """The rows (queries) a found prior is found for (None: every row); the others are the task's by
+        construction (arithmetic's prompt rows: causal)."""
+        return None
+
+    def names_pairs(self, pattern: torch.Tensor) -> bool:
+        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in `found_rows`."""
+        off = pattern & ~torch.eye(pattern.shape[-1], dtype=torch.bool, device=pattern.device)
+        rows = self.found_rows()
+        return bool((off if rows is None else off[..., rows, :]).any())
+
     # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
     TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")     # --prior-kind values; the first is the default
+    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`), below which its
+    # attention is refused as a prior (--teacher-min-fit overrides): each family's own measure and level.
+    TEACHER_MIN_FIT: ClassVar[float] = 0.9
+
+    def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
+        """The teacher's accuracy on the training examples its attention is read on (`teacher_inputs(n)`)."""
+        raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
         """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe batch; a task
@@ -245,12 +275,24 @@ class Task:
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
     def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str,
-                           ratio: float, m_on: float, m_off: float, source: dict) -> Prior:
+                           ratio: float, m_on: float, m_off: float, source: dict, min_fit: float | None = None
+                           ) -> Prior:
         """The prior a teacher's attention gives: its model (`mp.model_from_config`, its `weights`), its mean attention
         on its own training inputs (`teacher_task`, set up: a teacher of another corpus reads its own), turned into
-        this task's prior (`teacher_prior`). A map that names nothing or is not finite is a TaskError, never used."""
+        this task's prior (`teacher_prior`). A teacher that fits less than `min_fit` of those inputs (None: the
+        family's TEACHER_MIN_FIT) did not learn its task, and a map that names nothing or is not finite is no
+        prior: each a TaskError, never used."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
+        model.to(self.device).eval()
+        with torch.no_grad():
+            fit = teacher_task.teacher_fit(model, n)
+        least = self.TEACHER_MIN_FIT if min_fit is None else min_fit
+        source = {**source, "teacher_fit": round(fit, 4), "teacher_min_fit": least}
+        if fit < least:
+            raise TaskError(f"the teacher fits {fit:.1%} of its own training inputs, under the {least:.0%} a teacher "
+                            f"that learned its task reaches (--teacher-min-fit): its attention is no prior; train it "
+                            f"longer, or choose another teacher")
         inputs = teacher_task.teacher_inputs(n)
         try:
             pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
@@ -1085,14 +1127,34 @@ def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dic
     return out
 
 
-def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25) -> list[tuple]:
-    """The sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one, largest first:
-    the interactions the seen data shows (it hides how the target extrapolates, not which bits interact)."""
+def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
+    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets independent of the
+    bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1),
+    so over `n_sets` sets all stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with
+    probability at least 1 - alpha (Bonferroni)."""
+    z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
+    return z * float(np.std(y)) / math.sqrt(len(y))
+
+
+def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25, alpha: float = 0.05
+               ) -> tuple[list[tuple], dict]:
+    """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one and
+    above the sampling noise of this many points (`walsh_noise` at `alpha`), largest first: the interactions the
+    seen data shows (it hides how the target extrapolates, not which bits interact). A small training set gives
+    fewer sets, or none; the report says how many of how many passed, the noise level and the largest."""
     coefs = walsh_coefficients(x, y, max_degree)
     top = max(abs(v) for v in coefs.values())
-    if top < 1e-12:
-        return []
-    return sorted((s for s, v in coefs.items() if abs(v) >= threshold * top), key=lambda s: -abs(coefs[s]))
+    noise = walsh_noise(y, len(coefs), alpha)
+    cut = max(threshold * top, noise, 1e-12)
+    sets = sorted((s for s, v in coefs.items() if abs(v) >= cut), key=lambda s: -abs(coefs[s]))
+    return sets, {"points": len(y), "sets_tested": len(coefs), "sets_kept": len(sets), "noise_level": round(noise, 6),
+                  "largest": round(top, 6), "alpha": alpha}
+
+
+def _check_alpha(alpha: float) -> None:
+    if not (isinstance(alpha, (int, float)) and 0.001 <= alpha <= 0.5):
+        raise TaskError(f"--discover-alpha is the chance that a set (pair) of no dependence passes the cut, in "
+                        f"0.001 .. 0.5, got {alpha}")
 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
@@ -1144,6 +1206,7 @@ class BooleanTask(Task):
     readout: str = "cls"
     discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
     discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
+    discover_alpha: float = 0.05        # ... and above the sampling noise at this false-positive rate
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -1155,6 +1218,7 @@ class BooleanTask(Task):
         if not 0 < self.discover_threshold <= 1:
             raise TaskError(f"--discover-threshold is a fraction of the largest coefficient in (0, 1], got "
                             f"{self.discover_threshold}")
+        _check_alpha(self.discover_alpha)
         size = self.mdi_size()
         if size > MDI_MAX_MONOMIALS:
             raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is a least-squares "
@@ -1193,21 +1257,44 @@ class BooleanTask(Task):
 
     def discovered_sets(self) -> list[tuple]:
         """The sets of bits that interact in the training data: those whose Walsh coefficient (of the
-        training points and their targets, y centred) is at least `discover_threshold` times the largest,
-        over every set of up to `discover_degree` bits (`walsh_sets`). Needs setup (the training set)."""
+        training points and their targets, y centred) is at least `discover_threshold` times the largest and
+        above the sampling noise of the training set (`discover_alpha`), over every set of up to
+        `discover_degree` bits (`walsh_sets`). Needs setup (the training set). None passing is a TaskError: the
+        training set is too small to show any interaction, and no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up "
                             f"first")
-        key = ("discovered", self.discover_degree, self.discover_threshold)
-        if key not in self._cache:
+        if "discovery" not in self._cache:
             x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
-            self._cache[key] = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree, self.discover_threshold)
-        return self._cache[key]
+            sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree, self.discover_threshold,
+                                      self.discover_alpha)
+            if not sets:
+                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands above "
+                                f"the sampling noise of the {report['points']:,} training points (noise level "
+                                f"{report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the largest "
+                                f"coefficient is {report['largest']:.3f}): too few points to find a pattern in; give "
+                                f"more (--train-size) or a hand pattern")
+            self._cache["discovery"] = sets, report
+        return self._cache["discovery"][0]
+
+    def discovery(self) -> dict:
+        self.discovered_sets()
+        return {"walsh": self._cache["discovery"][1]}
+
+    TEACHER_MIN_FIT = 0.95
+
+    def _teacher_sample(self, n: int) -> torch.Tensor:
+        return torch.randperm(len(self.x_train), generator=torch.Generator().manual_seed(0))[:n].to(self.device)
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
         """A fixed sample of training points (seen domain only: no unseen input reaches the teacher's reading)."""
-        g = torch.Generator().manual_seed(0)
-        return self.x_train[torch.randperm(len(self.x_train), generator=g)[:n].to(self.device)]
+        return self.x_train[self._teacher_sample(n)]
+
+    def teacher_fit(self, model, n: int) -> float:
+        """Sign accuracy (exact match for an integer target) on the training points of `teacher_inputs`."""
+        idx = self._teacher_sample(n)
+        pred, y = model(self.x_train[idx]).squeeze(-1).float(), self.y_train[idx]
+        return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`): averaged
@@ -1353,12 +1440,13 @@ class Parity2(BooleanTask):
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
         bits = (0, 1)
         super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
                          top_monomial=bits, degree=2, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
                          support=bits, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, seed=seed)
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha, seed=seed)
 
 
 @register("majority3")
@@ -1368,12 +1456,14 @@ class Majority3(BooleanTask):
     DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
         bits = (0, 1, 2)
         super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
                          top_monomial=bits, degree=3, train_size=32768, support=bits, readout=readout, seed=seed,
                          description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold)
+                         discover_degree=discover_degree, discover_threshold=discover_threshold,
+                         discover_alpha=discover_alpha)
 
 
 @register("cyclic3")
@@ -1384,11 +1474,13 @@ class Cyclic3(BooleanTask):
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
         super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
                          top_monomial=(0, 1, 2), degree=3, exact=True, readout=readout, seed=seed,
                          description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold)
+                         discover_degree=discover_degree, discover_threshold=discover_threshold,
+                         discover_alpha=discover_alpha)
 
 
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
@@ -1418,29 +1510,79 @@ def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
     return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k, replace=False)))
 
 
+def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
+    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their majority, an odd
+    number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3, 4))]. A bit twice in a term, the same
+    term twice, a bit outside 0..n_bits-1 or an even majority is a TaskError."""
+    terms = []
+    for part in str(text).split(":"):
+        kind = "majority" if part.startswith("m") else "parity"
+        bits = _parse_bits(part[1:] if kind == "majority" else part, "terms", n_bits)
+        if kind == "majority" and len(bits) % 2 == 0:
+            raise TaskError(f"--terms {text!r}: the majority term {part!r} needs an odd number of bits (ties have no "
+                            f"sign)")
+        if (kind, set(bits)) in [(k, set(b)) for k, b in terms]:
+            raise TaskError(f"--terms {text!r}: the term {part!r} is given twice")
+        terms.append((kind, bits))
+    return terms
+
+
+def term_fn(kind: str, bits: tuple):
+    return parity_fn(bits) if kind == "parity" else majority_fn(bits)
+
+
+def terms_patterns(n_bits: int, terms):
+    """The hand patterns of a sum of terms: each term's bits a clique (`pattern_from_sets`), the CLS token reading
+    every bit of them ("clique"), or CLS -> the bits alone ("cls", with a CLS token only)."""
+    sets = [bits for _, bits in terms]
+
+    def build(cls: bool) -> dict:
+        clique = pattern_from_sets(n_bits, sets, cls)
+        return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)} if cls \
+            else {"clique": clique}
+    return build
+
+
 class _CustomBoolean(BooleanTask):
-    """k-parity or k-majority on chosen `bits` ('random:K': K bits drawn by the seed); the unseen domain sets
-    the `unseen` bits to -1 ('bits:J': the first J of `bits`)."""
+    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
+    `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1", train_size: int | None = None,
-                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25, seed: int = 0):
+                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
+        self._check_size(n_bits, train_size)
+        b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
+        if self.NAME == "kmajority" and len(b) % 2 == 0:
+            raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
+        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)), unseen,
+                   train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
+
+    @staticmethod
+    def _check_size(n_bits, train_size):
         if not 2 <= n_bits <= 20:
             raise TaskError(f"--n-bits must be in 2..20 (the whole cube is enumerated), got {n_bits}")
         if train_size is not None and train_size < 1:
             raise TaskError(f"--train-size must be a positive number of draws, got {train_size}")
-        b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
+
+    def _make(self, n_bits, terms, text, unseen, train_size, readout, discover_degree, discover_threshold,
+              discover_alpha, seed):
+        """BooleanTask's fields for the target `terms` ([(kind, bits)]; `text` names it)."""
+        b = tuple(dict.fromkeys(bit for _, bits in terms for bit in bits))
         u = b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:") else \
             _parse_bits(unseen, "unseen", n_bits)
-        if self.NAME == "kmajority" and len(b) % 2 == 0:
-            raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
-        fn = parity_fn(b) if self.NAME == "kparity" else majority_fn(b)
-        self.label = f"{self.NAME}[{','.join(map(str, b))}|U:{','.join(map(str, u))}]"
-        desc = f"{self.NAME} on bits {b}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
-        super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=gotu_patterns(n_bits, b),
-                         top_monomial=b, degree=len(b), train_size=train_size, description=desc, support=b, readout=readout,
-                         discover_degree=discover_degree, discover_threshold=discover_threshold, seed=seed)
+        if len(terms) == 1:
+            fn, patterns = term_fn(*terms[0]), gotu_patterns(n_bits, b)
+        else:
+            fn, patterns = (lambda x: sum(term_fn(*t)(x) for t in terms)), terms_patterns(n_bits, terms)
+        self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
+        desc = f"{self.NAME} on {f'bits {b}' if len(terms) == 1 else text}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
+        super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
+                         top_monomial=max((bits for _, bits in terms), key=len), degree=max(len(t) for _, t in terms),
+                         train_size=train_size, description=desc, support=b, readout=readout, exact=len(terms) > 1,
+                         discover_degree=discover_degree, discover_threshold=discover_threshold,
+                         discover_alpha=discover_alpha, seed=seed)
 
     @property
     def name(self) -> str:
@@ -1458,6 +1600,20 @@ class KParity(_CustomBoolean):
 @register("kmajority")
 class KMajority(_CustomBoolean):
     """The majority of `--bits` (an odd number) on `--n-bits` bits, unseen where the `--unseen` bits are -1."""
+
+
+@register("ksum")
+class KSum(_CustomBoolean):
+    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 + maj(x2, x3, x4)): a
+    target that mixes structures, integer-valued (accuracy is the exact match); the hand pattern makes each term a
+    clique. Unseen where the `--unseen` bits are -1."""
+
+    def __init__(self, n_bits: int = 15, terms: str = "0,1:2,3,4", unseen: str = "0,1", train_size: int | None = None,
+                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
+        self._check_size(n_bits, train_size)
+        self._make(n_bits, parse_terms(terms, n_bits), str(terms), unseen, train_size, readout, discover_degree,
+                   discover_threshold, discover_alpha, seed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1506,8 +1662,9 @@ class ArithmeticTask(Task):
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
-    discover_threshold: float = 0.25    # --pattern discovered: keep digit pairs with this fraction of the top MI
+    discover_alpha: float = 0.05        # --pattern discovered: the test level of each digit pair's selection
     seed: int = 0
+    _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not (isinstance(self.n_digits, int) and 1 <= self.n_digits <= 4):
@@ -1526,9 +1683,7 @@ class ArithmeticTask(Task):
                             f"for the disjoint test set; use at most {most:g}")
         if self.answer_order not in ("msb", "lsb"):
             raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
-        if not 0 < self.discover_threshold <= 1:
-            raise TaskError(f"--discover-threshold is a fraction of the largest dependence in (0, 1], got "
-                            f"{self.discover_threshold}")
+        _check_alpha(self.discover_alpha)
         self.n_answer = 2 * self.n_digits if self.op == "*" else self.n_digits + 1
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
@@ -1620,43 +1775,54 @@ class ArithmeticTask(Task):
             pattern[q, sees(self.answer_significance(q - self.eq_pos))] = True
         return pattern
 
-    def digit_dependence(self) -> np.ndarray:
-        """(A, d, d) array: for the answer digit of significance k and operand digits a_i, b_j (significance
-        i, j), the mutual information in nats between the answer digit and the pair (a_i, b_j) over the
-        training pairs, bias-corrected (Miller-Madow). Pairs, not single digits: an answer digit of a sum is
-        independent of either operand digit alone (like parity), not of the two."""
-        d, base = self.n_digits, 10 ** self.n_digits
-        a, b = self.train_idx // base, self.train_idx % base
-        c = a * b if self.op == "*" else a + b
-        digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
-        out = np.zeros((self.n_answer, d, d))
-        for k in range(self.n_answer):
-            ck = digit(c, k)
-            for i in range(d):
-                for j in range(d):
-                    out[k, i, j] = _mutual_information(digit(a, i) * 10 + digit(b, j), ck)
-        return out
+    def digit_selection(self) -> dict:
+        """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it depends on in the
+        training pairs, chosen by greedy forward selection (`forward_selection`): the pair with the largest
+        conditional mutual information given the pairs chosen so far, while it stands above what a permutation
+        within their strata gives (`discover_alpha`). Pairs, not single digits: a digit of a sum is independent
+        of either operand digit alone (like parity), not of the two; conditioning on the aligned pair first is
+        what lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
+        if "selection" not in self._cache:
+            d, base = self.n_digits, 10 ** self.n_digits
+            a, b = self.train_idx // base, self.train_idx % base
+            c = a * b if self.op == "*" else a + b
+            digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
+            pairs = {(i, j): digit(a, i) * 10 + digit(b, j) for i in range(d) for j in range(d)}
+            rng = np.random.default_rng([self.seed, 44])
+            self._cache["selection"] = {k: forward_selection(digit(c, k), pairs, self.discover_alpha, rng)
+                                        for k in range(self.n_answer)}
+        return self._cache["selection"]
 
     def discovered_pattern(self) -> torch.Tensor:
         """`--pattern discovered`, found in the training pairs: the row that predicts the answer digit of
-        significance k sees the operand digits of every pair (a_i, b_j) whose dependence with that digit
-        (`digit_dependence`) is at least `discover_threshold` times the largest for it; prompt rows causal."""
+        significance k sees the operand digits of the pairs `digit_selection` chose for it; prompt rows causal."""
         if not hasattr(self, "train_idx"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training pairs: set the task up "
                             f"first")
-        mi, d = self.digit_dependence(), self.n_digits
+        chosen, d = self.digit_selection(), self.n_digits
         pos_a = {i: d - 1 - i for i in range(d)}                    # significance -> sequence position
         pos_b = {i: 2 * d - i for i in range(d)}
+        return self._row_pattern(lambda k: sorted({p for i, j, _, _, kept in chosen[k] if kept
+                                                   for p in (pos_a[i], pos_b[j])}))
 
-        def sees(k):
-            top = mi[k].max()
-            pairs = np.argwhere(mi[k] >= self.discover_threshold * top) if top > 0 else []
-            return sorted({pos_a[i] for i, _ in pairs} | {pos_b[j] for _, j in pairs})
-        return self._row_pattern(sees)
+    def discovery(self) -> dict:
+        chosen = self.digit_selection()
+        steps = {f"c{k}": [[f"a{i}b{j}", round(v, 4), round(n, 4), kept] for i, j, v, n, kept in s]
+                 for k, s in chosen.items()}
+        return {"pairs": {"tested": self.n_digits ** 2, "kept": sum(kept for s in chosen.values() for *_, kept in s),
+                          "alpha": self.discover_alpha, "steps": steps}}
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
         """The first n training sequences, without their last token (no test pair reaches the teacher)."""
         return self.train_seq[:n, :-1]
+
+    def teacher_fit(self, model, n: int) -> float:
+        """Answer-digit accuracy, each digit predicted from the true ones before it, on `teacher_inputs`."""
+        seq = self.train_seq[:n]
+        return float((model(seq[:, :-1])[:, self.eq_pos:].argmax(-1) == seq[:, self.eq_pos + 1:]).float().mean())
+
+    def found_rows(self) -> list[int]:
+        return self.answer_rows()
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows keep the
@@ -1713,13 +1879,55 @@ class ArithmeticTask(Task):
                 "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
 
-def _mutual_information(x: np.ndarray, y: np.ndarray) -> float:
-    """I(X; Y) in nats of two integer arrays, plug-in with the Miller-Madow correction, at least 0."""
-    joint = collections.Counter(zip(x.tolist(), y.tolist()))
-    n = len(x)
-    px, py = collections.Counter(x.tolist()), collections.Counter(y.tolist())
-    mi = sum(c / n * math.log(c * n / (px[a] * py[b])) for (a, b), c in joint.items())
-    return max(0.0, mi - (len(joint) - len(px) - len(py) + 1) / (2 * n))
+def _entropy(codes: np.ndarray) -> float:
+    counts = np.bincount(codes)
+    p = counts[counts > 0] / len(codes)
+    return float(-(p * np.log(p)).sum())
+
+
+def _joint(*codes: np.ndarray) -> np.ndarray:
+    """One code (0, 1, ...) per distinct tuple of non-negative integer codes."""
+    out = np.zeros(len(codes[0]), dtype=np.int64)
+    for c in codes:
+        out = np.unique(out * (int(c.max()) + 1) + c, return_inverse=True)[1].reshape(-1)
+    return out
+
+
+def conditional_mi(y: np.ndarray, x: np.ndarray, z: np.ndarray) -> float:
+    """I(Y; X | Z) in nats of integer arrays (plug-in): H(Y, Z) - H(Z) - H(Y, Z, X) + H(Z, X)."""
+    zx = _joint(z, x)
+    return _entropy(_joint(y, z)) - _entropy(z) - _entropy(_joint(y, zx)) + _entropy(zx)
+
+
+def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.random.Generator) -> list[tuple]:
+    """Greedy forward selection of the candidates (key -> integer codes per example) that y depends on: at each
+    step the candidate of largest I(y; candidate | the chosen ones) is kept when it exceeds every one of
+    round(1 / alpha) - 1 permutations (each candidate's codes shuffled within the strata of the chosen ones, the
+    largest over candidates taken: a test at level alpha that counts how many were tried); the first that does
+    not ends the selection. [(*key, cmi, noise, kept)], the last entry the one that stopped it (if any)."""
+    chosen, steps, z = [], [], np.zeros(len(y), dtype=np.int64)
+    while len(chosen) < len(candidates):
+        rest = [k for k in candidates if k not in chosen]
+        values = {k: conditional_mi(y, candidates[k], z) for k in rest}
+        noise = 0.0
+        for _ in range(round(1 / alpha) - 1):
+            order = np.lexsort((rng.random(len(z)), z))            # a permutation within each stratum of z
+            by_z = np.argsort(z, kind="stable")
+            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
+        best = max(values, key=values.get)
+        kept = values[best] > noise + 1e-12
+        steps.append((*best, values[best], noise, kept))
+        if not kept:
+            break
+        chosen.append(best)
+        z = _joint(z, candidates[best])
+    return steps
+
+
+def _shuffled(x: np.ndarray, order: np.ndarray, by_z: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    out[by_z] = x[order]
+    return out
 
 
 @register("addition")
@@ -1730,9 +1938,9 @@ class Addition(ArithmeticTask):
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
 
     def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
-                 discover_threshold: float = 0.25, seed: int = 0):
+                 discover_alpha: float = 0.05, seed: int = 0):
         super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, n_digits=digits,
-                         discover_threshold=discover_threshold, seed=seed)
+                         discover_alpha=discover_alpha, seed=seed)
 
 
 # Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
@@ -1773,9 +1981,9 @@ class Multiplication(ArithmeticTask):
     PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_threshold: float = 0.25, seed: int = 0):
+                 discover_alpha: float = 0.05, seed: int = 0):
         super().__init__(op="*", data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
-                         n_digits=digits, discover_threshold=discover_threshold, seed=seed)
+                         n_digits=digits, discover_alpha=discover_alpha, seed=seed)
         self.heads = heads
 
     @classmethod
@@ -1830,7 +2038,7 @@ class LeeMultiplication(ArithmeticTask):
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_threshold: float = 0.25, data_frac: float | None = None, seed: int = 0):
+                 discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
         if digits != 2:
             raise TaskError(f"--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give --digits 2 "
                             f"(got --digits {digits})")
@@ -1841,7 +2049,7 @@ class LeeMultiplication(ArithmeticTask):
             raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
                             f"draws from the 10^4 pairs), got {lee_samples!r}")
         super().__init__(op="*", data_frac=0.03, answer_order=answer_order, n_digits=digits,
-                         discover_threshold=discover_threshold, seed=seed)
+                         discover_alpha=discover_alpha, seed=seed)
         self.heads, self.lee_samples = heads, lee_samples
         self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
 
@@ -2948,9 +3156,15 @@ class ImageTask(Task):
 
     TEACHER_KINDS = ("offsets", "pattern", "logits")
 
+    TEACHER_MIN_FIT = 0.5
+
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
         """The first n training images, as evaluation sees them (no augmentation; no test image)."""
         return self.test_view(self.x_train[:n])
+
+    def teacher_fit(self, model, n: int) -> float:
+        """Top-1 accuracy on the training images of `teacher_inputs`."""
+        return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft
@@ -3739,10 +3953,17 @@ class LMTask(Task):
 
     TEACHER_KINDS = ("relative", "pattern", "logits")
 
+    TEACHER_MIN_FIT = 0.2
+
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
         """The first min(n, 16) training windows (B, context)."""
         x, _ = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
         return x.to(self.device)
+
+    def teacher_fit(self, model, n: int) -> float:
+        """Next-token top-1 accuracy on the training windows of `teacher_inputs`."""
+        x, y = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
+        return float((model(x.to(self.device)).argmax(-1) == y.to(self.device)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Language models read a teacher's attention per head and distance by default

@@ -46,7 +46,7 @@ import tasks as T  # noqa: E402
 
 
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
-          "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority)",
+          "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
           "arithmetic": "arithmetic (addition, multiplication)", "vision": "vision (cifar10, cifar100, imagenet100)",
           "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
           "sampling": "sampling from a trained language model"}
@@ -58,8 +58,8 @@ FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task 
 def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None,
             check=None, resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
     """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag
-    without a value; check: "positive" (> 0), "non_negative" (>= 0) or "fraction" (in [0, 1)); resumable:
-    --resume may change it; arch: it shapes the model or the data (named so when a resume disagrees);
+    without a value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or
+    the data (named so when a resume disagrees);
     tells_apart: runs that differ in it are different configurations in reports; alternative: the field
     this one replaces when given (--steps drops the preset's --epochs and the other way round).
     Where the flag applies (`check_applies` refuses it given anywhere else): needs, {key: allowed}, each key a
@@ -93,7 +93,7 @@ run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
     _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm", "sampling"))
 
 
-QK_OPT = {"init": ("qk-opt",)}
+QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
 WHERE = dict(resumable=True, tells_apart=False)          # where and how a run runs: a resume may change it
 
 
@@ -191,6 +191,9 @@ class Config:
     prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
                                 "attention share (default 1.5)", type=float, check="positive", arch=True,
                                 needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
+    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training inputs (default: "
+                                           "Boolean 0.95, arithmetic 0.9, vision 0.5, language 0.2)", type=float,
+                                           check="unit", arch=True, needs={"prior_from": GIVEN})
     probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
     eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs (0 = "
                               "all); the final evaluation uses all of them", type=int, check="non_negative",
@@ -199,18 +202,21 @@ class Config:
     readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over the "
                                 "bit tokens; the pattern follows the layout", metavar="{" + ",".join(T.READOUTS) + "}",
                                 arch=True)
-    n_bits: int = bool_(15, "kparity, kmajority: input bits (default 15)", type=int, arch=True)
-    bits: str = bool_("0,1,2", "kparity, kmajority: bits the target reads (default 0,1,2; random:K draws K of them by "
-                      "the seed)", arch=True)
-    unseen: str = bool_("0,1", "kparity, kmajority: bits set to -1 in the unseen domain (default 0,1; bits:J: the "
+    n_bits: int = bool_(15, "kparity/kmajority/ksum: input bits (default 15)", type=int, arch=True)
+    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; random:K: K drawn by the seed)",
+                      arch=True)
+    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, or majority led by m "
+                       "(default 0,1:2,3,4 = x0 x1 + x2 x3 x4)", arch=True)
+    unseen: str = bool_("0,1", "kparity/kmajority/ksum: bits at -1 in the unseen domain (default 0,1; bits:J: the "
                         "first J of --bits)", arch=True)
-    train_size: int | None = bool_(None, "kparity, kmajority: draws from the seen domain (default: every seen point)",
-                                   type=int)
+    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain (default: all)", type=int)
     discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data of up to this many "
-                                 "bits (default 3)", type=int, arch=True, needs={"pattern": ("discovered",)})
-    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets (digit pairs) whose Walsh coefficient "
-                                      "(mutual information) is at least this fraction of the largest (default 0.25)",
-                                      type=float, arch=True, needs={"pattern": ("discovered",)})
+                                 "bits (default 3)", type=int, arch=True, needs=DISCOVERED)
+    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh coefficient is at least "
+                                      "this fraction of the largest (default 0.25)", type=float, arch=True,
+                                      needs=DISCOVERED)
+    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of no dependence "
+                                  "passes the noise cut (default 0.05)", type=float, arch=True, needs=DISCOVERED)
     # arithmetic
     data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for "
                                      "addition, 0.03 for multiplication)", type=float, arch=True)
@@ -277,7 +283,7 @@ EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.meta
 
 
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)")}
+          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
 
 
 COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
@@ -598,8 +604,7 @@ def apply_init(model, prior: T.Prior, config) -> dict:
 
 
 def make_prior(config, task, device, teacher: Teacher | None = None) -> T.Prior:
-    """The run's prior (`T.Prior`): the task's --pattern (a hand pattern, or `discovered` in its training data), or
-    from --prior-from's teacher (`teacher_prior`; `teacher`: its files, read already by `read_teacher`)."""
+    """The run's prior (`T.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)."""
     if config.prior_from is None:
         return task.prior(config.pattern, config.mask_on, config.mask_off)
     return teacher_prior(config, task, device, teacher or read_teacher(config, task))
@@ -632,8 +637,7 @@ def read_teacher(config, task) -> Teacher:
                          f"finish the run (--resume) or give another teacher")
     saved, mine = saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config, task))
     if saved.task != config.task:
-        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher is a run of the same "
-                         f"task")
+        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher runs the same task")
     theirs = ckpt["model_config"]
     other = {k: (theirs.get(k), mine.get(k)) for k in LAYOUT if theirs.get(k) != mine.get(k)}
     if other:
@@ -650,13 +654,13 @@ def read_teacher(config, task) -> Teacher:
 def teacher_prior(config, task, device, teacher: Teacher) -> T.Prior:
     """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
-    teacher_task = task_for(teacher.config)
-    teacher_task.setup(device)
+    teacher_task = task_for(teacher.config).setup(device)
     source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder), "teacher_run_id": ckpt["identity"]["run_id"],
               "teacher_init": teacher.config.init, "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
     try:
         return task.prior_from_teacher(teacher_task, ckpt["model_config"], ckpt["model"], config.probe_size, kind,
-                                       config.prior_ratio, config.mask_on, config.mask_off, source)
+                                       config.prior_ratio, config.mask_on, config.mask_off, source,
+                                       config.teacher_min_fit)
     except T.TaskError as e:
         raise UsageError(f"--prior-from {teacher.folder}: {e}") from None
 
@@ -1392,8 +1396,7 @@ def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
 
 
 def check_same_data(ckpt: dict, task, config) -> None:
-    """--resume on the data the run trained on: the task's data hash must be the checkpoint's (None for a task
-    without data files)."""
+    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no data files)."""
     saved, now = ckpt["data"], task.data_hash()
     if saved is not None and now != saved:
         was = ckpt["config"].get("data_dir")
@@ -1404,8 +1407,7 @@ def check_same_data(ckpt: dict, task, config) -> None:
 
 
 def saved_prior(config, task, sha256: str) -> T.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`T.read_prior`: its schema), the same bytes the
-    run wrote at its start (their sha256 is in the checkpoint)."""
+    """A resumed run's prior: its prior.pt through the one reader (`T.read_prior`), the bytes its checkpoint names."""
     path = os.path.join(config.out, "prior.pt")
     try:
         data = T.read_back(path, "prior")
@@ -1418,8 +1420,7 @@ def saved_prior(config, task, sha256: str) -> T.Prior:
 
 
 def rounding_note(ckpt: dict, device: torch.device) -> str | None:
-    """A resume on another device type or CPU thread count is exact only to rounding (the float sums run in another
-    order): a note that says so, or None when it resumes bitwise."""
+    """A note that a resume on another device type or CPU thread count is exact only to rounding, or None."""
     saved, now = ckpt["machine"], machine(device)
     if saved == now:
         return None

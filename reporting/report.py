@@ -168,7 +168,7 @@ def summarize(paths) -> str:
 # ----------------------------------------------------------------------------------------
 # Report: a reproduction's run folders -> results/*.md tables and the persistence curves
 
-TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee")
+TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee", "parity3")
 REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")      # what `report` reads in a runs folder
 TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
                 "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
@@ -177,7 +177,9 @@ TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-d
                 "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
                 "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)",
                 "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on every pair not "
-                       "trained on, and on the training samples)"}
+                       "trained on, and on the training samples)",
+                "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, positional std, depth and "
+                           "the bits frozen on U"}
 PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
@@ -689,6 +691,10 @@ def oracle_free_cell(run: dict) -> tuple[str, str]:
     elif re.match(r"\d+steps(-|$)", tag):
         steps, _, tag = tag.partition("-")
         row += f", {steps[:-5]} steps"
+    elif re.match(r"(n\d+|all|d2|sum23|summaj)(-|$)", tag):       # round two: a training-set size, 2 digits, a sum
+        what, _, tag = tag.partition("-")
+        row += {"all": ", every seen point", "d2": ", 2 digits", "sum23": " x0x1 + x2x3x4",
+                "summaj": " x0x1 + maj(x2,x3,x4)"}.get(what, f", {what[1:]} points")
     return row, "budget2x" if tag == "samebudget" else tag
 
 
