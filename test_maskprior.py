@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -2256,6 +2257,23 @@ def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
     assert not marker.exists() and len(err.splitlines()) == 1 and "would run code" in err and "it was not run" in err
     assert "it names posix.system" in err or "it names eval" in err, err
     assert _tree(out) == before
+
+
+def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
+    """`T.load_torch` keeps whatever torch.load warns (older torch warns on several load paths; 2.14 on none of
+    this suite's) out of the user's terminal: a torch.load that warns, then loads, leaves no warning behind."""
+    real = torch.load
+
+    def noisy(*args, **kwargs):
+        warnings.warn("torch says something", UserWarning)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "load", noisy)
+    buf = io.BytesIO()
+    torch.save({"a": torch.ones(2)}, buf)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert torch.equal(T.load_torch(buf.getvalue(), "x.pt")["a"], torch.ones(2))
+    assert not [w for w in seen if "torch says" in str(w.message)]
 
 
 def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
