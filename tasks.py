@@ -337,6 +337,24 @@ class Prior:
         return buf.getvalue()
 
 
+def prior_evidence(source: dict) -> str | None:
+    """One log line: what a prior not written by hand rests on (`Prior.source`: the sets or pairs that passed the
+    noise, the teacher's fit); None for a hand pattern."""
+    pairs = f"{source.get('found_pairs')} pairs"
+    if "walsh" in source:
+        w = source["walsh"]
+        return (f"found in the training data: {w['sets_kept']} of {w['sets_tested']} Walsh sets stand above the "
+                f"sampling noise {w['noise_level']:.3f} ({w['points']} points, alpha {w['alpha']}): {pairs}")
+    if "pairs" in source:
+        p = source["pairs"]
+        return (f"found in the training data: {p['kept']} of {p['tested']} operand digit pairs pass the permutation "
+                f"test (alpha {p['alpha']}): {pairs}")
+    if "teacher_fit" in source:
+        return (f"read from the teacher {source['teacher']}: it fits {100 * source['teacher_fit']:.1f}% of its "
+                f"training inputs (at least {100 * source['teacher_min_fit']:.0f}% asked): {pairs}")
+    return None
+
+
 def read_prior(path: str | os.PathLike, n: int | None = None, data: bytes | None = None) -> Prior:
     """prior.pt through the one reader (its bytes `data` when read already): a bool pattern (N, N) or (H, N, N)
     (N = `n` where given), finite logits, and a source; ReadError otherwise."""

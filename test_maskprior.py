@@ -2739,6 +2739,9 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
     report = t.discovery()["pairs"]
     assert report["tested"] == 9 and report["kept"] == 7 and report["steps"]["c2"][-1][0] == "a0b0"
+    assert T.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 of 9 " \
+        "operand digit pairs pass the permutation test (alpha 0.05): 14 pairs"
+    assert T.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
     x, y = np.arange(1000) % 10, np.arange(1000) % 7
     assert T.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < T.conditional_mi(x, x, 0 * x)
     assert T.conditional_mi(x, x, x) == pytest.approx(0.0, abs=1e-12)          # nothing left once x is known
@@ -4602,9 +4605,14 @@ def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_we
     assert torch.equal(mask.model.blocks[0].attn.mask_logits, mask.task.mask_logits("soft", 5.0, 10.0))
 
 
-def test_a_discovered_pattern_runs_and_is_recorded(tmp_path):
+def test_a_discovered_pattern_runs_and_is_recorded(tmp_path, capsys):
+    """result.json records the evidence (the Walsh sets tested and kept, the noise level), the log says it in one
+    line, and the pattern is the preset layout's."""
     out = str(tmp_path / "run")
+    capsys.readouterr()
     assert train.main([*TINY, "--init", "mask", "--pattern", "discovered", "--steps", "3", "--out", out]) == 0
+    assert "prior found in the training data: 3 of 575 Walsh sets stand above the sampling noise 0.024 (24576 " \
+           "points, alpha 0.05): 2 pairs\n" in capsys.readouterr().out
     src = json.load(open(os.path.join(out, "result.json")))["prior_source"]
     assert src == {"from": "data", "pattern": "discovered", "precision": 1.0, "recall": 1.0, "found_pairs": 2,
                    "oracle_pairs": 2, "walsh": {"points": 24576, "sets_tested": 575, "sets_kept": 3, "alpha": 0.05,
@@ -4625,7 +4633,7 @@ def _teacher(tmp_path, *changes, name="teacher"):
     return out
 
 
-def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
+def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path, capsys):
     """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
     `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
     result.json records the teacher's folder and run id and the found pattern's precision and recall against
@@ -4636,7 +4644,10 @@ def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path):
               "--teacher-min-fit", "0"]       # the mechanics, on a 6-step teacher that has not learned (fit 0.31)
     ratio = ["--prior-ratio", "1.01"]          # a 6-step teacher's attention is near uniform: its largest share 1.04
     out = str(tmp_path / "student")
+    capsys.readouterr()
     assert train.main([*common, *ratio, "--init", "mask", "--halt-after", "3", "--out", out]) == 0
+    assert f"prior read from the teacher {os.path.abspath(teacher)}: it fits 31.2% of its training inputs (at " \
+           f"least 0% asked): " in capsys.readouterr().out
     saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
     model = mp.Transformer(mp.TransformerConfig(**tck["model_config"]))
     model.load_state_dict(tck["model"])

@@ -370,8 +370,7 @@ def parse_args(argv=None):
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """The one resolver: each field is the flag given, else the task's preset (less the alternatives of the
-    flags given), else its default."""
+    """Each field: the flag given, else the task's preset (less the alternatives of the flags given), else its default."""
     given = {k: getattr(flags, k) for k in explicit}
     task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
     if task not in T.TASKS:
@@ -747,9 +746,8 @@ class Dist:
 
 
 def init_distributed(config: Config) -> tuple[Dist, Config]:
-    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo
-    on the CPU) and pin this rank's device (the config it returns names it); bad settings are one line
-    from rank 0."""
+    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo on the CPU)
+    and pin this rank's device (the config it returns names it); bad settings are one line from rank 0."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Dist(), config
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -1207,6 +1205,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     init = f"{config.init} (pseudo-input mass {sum(pm) / len(pm):.3f}) " if pm else f"{config.init} "
     print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} params | "
           f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
+    if evidence := T.prior_evidence(state.prior_source):
+        print(f"prior {evidence}", flush=True)
     if config.preset == "paper" and state.device.type == "cpu":
         print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
               f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
