@@ -2216,7 +2216,7 @@ def test_two_parts_of_one_class_that_the_record_cannot_tell_apart_are_refused():
 # ---------------------------------------------------------------------------------------- tasks.py: base and registry
 
 def test_registry_and_task_constants():
-    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "addition", "multiplication",
+    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "ksum", "addition", "multiplication",
                             "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
     for name, cls in T.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
