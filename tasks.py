@@ -347,8 +347,8 @@ def prior_evidence(source: dict) -> str | None:
                 f"sampling noise {w['noise_level']:.3f} ({w['points']} points, alpha {w['alpha']}): {pairs}")
     if "pairs" in source:
         p = source["pairs"]
-        return (f"found in the training data: {p['kept']} of {p['tested']} operand digit pairs pass the permutation "
-                f"test (alpha {p['alpha']}): {pairs}")
+        return (f"found in the training data: {p['kept']} (answer digit, operand digit pair) dependences pass the "
+                f"permutation test ({p['tested']} pairs tried per answer digit, alpha {p['alpha']}): {pairs}")
     if "teacher_fit" in source:
         return (f"read from the teacher {source['teacher']}: it fits {100 * source['teacher_fit']:.1f}% of its "
                 f"training inputs (at least {100 * source['teacher_min_fit']:.0f}% asked): {pairs}")

@@ -2739,8 +2739,9 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
     report = t.discovery()["pairs"]
     assert report["tested"] == 9 and report["kept"] == 7 and report["steps"]["c2"][-1][0] == "a0b0"
-    assert T.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 of 9 " \
-        "operand digit pairs pass the permutation test (alpha 0.05): 14 pairs"
+    assert T.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
+        "digit, operand digit pair) dependences pass the permutation test (9 pairs tried per answer digit, alpha " \
+        "0.05): 14 pairs"
     assert T.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
     x, y = np.arange(1000) % 10, np.arange(1000) % 7
     assert T.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < T.conditional_mi(x, x, 0 * x)
