@@ -1101,18 +1101,9 @@ def gotu_patterns(n_bits: int, bits):
     clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
             (the default);
     cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
-    Every position keeps its self-loop so no row is empty.
+    Every position keeps its self-loop so no row is empty. One set of `set_patterns`.
     """
-    def build(cls: bool) -> dict:
-        off = 1 if cls else 0
-        pos = [b + off for b in bits]
-        pair_edges = [(a, b) for a in pos for b in pos if a != b]
-        if not cls:
-            return {"clique": mp.pattern_from_pairs(n_bits, pair_edges)}
-        cls_edges = [(0, p) for p in pos]
-        return {"clique": mp.pattern_from_pairs(n_bits + 1, cls_edges + pair_edges),
-                "cls": mp.pattern_from_pairs(n_bits + 1, cls_edges)}
-    return build
+    return set_patterns(n_bits, [tuple(bits)])
 
 
 def cyclic_patterns(n_bits: int, width: int = 2):
@@ -1183,6 +1174,17 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
     if cls:
         edges += [(0, b + off) for b in sorted({b for s in sets for b in s})]
     return mp.pattern_from_pairs(n_bits + off, edges)
+
+
+def set_patterns(n_bits: int, sets):
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms): each set a clique
+    (`pattern_from_sets`), the CLS token reading every bit of them ("clique"), or CLS -> the bits alone ("cls",
+    with a CLS token only)."""
+    def build(cls: bool) -> dict:
+        clique = pattern_from_sets(n_bits, sets, cls)
+        return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)} if cls \
+            else {"clique": clique}
+    return build
 
 
 @dataclass(kw_only=True)
@@ -1549,18 +1551,6 @@ def term_fn(kind: str, bits: tuple):
     return parity_fn(bits) if kind == "parity" else majority_fn(bits)
 
 
-def terms_patterns(n_bits: int, terms):
-    """The hand patterns of a sum of terms: each term's bits a clique (`pattern_from_sets`), the CLS token reading
-    every bit of them ("clique"), or CLS -> the bits alone ("cls", with a CLS token only)."""
-    sets = [bits for _, bits in terms]
-
-    def build(cls: bool) -> dict:
-        clique = pattern_from_sets(n_bits, sets, cls)
-        return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)} if cls \
-            else {"clique": clique}
-    return build
-
-
 class _CustomBoolean(BooleanTask):
     """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
     `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
@@ -1590,10 +1580,8 @@ class _CustomBoolean(BooleanTask):
         b = tuple(dict.fromkeys(bit for _, bits in terms for bit in bits))
         u = b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:") else \
             _parse_bits(unseen, "unseen", n_bits)
-        if len(terms) == 1:
-            fn, patterns = term_fn(*terms[0]), gotu_patterns(n_bits, b)
-        else:
-            fn, patterns = (lambda x: sum(term_fn(*t)(x) for t in terms)), terms_patterns(n_bits, terms)
+        fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x) for t in terms))
+        patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
         desc = f"{self.NAME} on {f'bits {b}' if len(terms) == 1 else text}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
