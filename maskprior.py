@@ -269,7 +269,9 @@ class MaskPrior(nn.Module):
     on future keys when `causal`. `param="full"`: M is (heads, n, n), one logit per (query, key);
     `param="relative"`: one logit per head and distance i - j, a (heads, n) table when causal
     ((heads, 2n - 1) otherwise), log sigmoid taken on the table and then gathered, so the prior
-    costs O(heads x n) parameters instead of O(heads x n^2). M starts from `pattern` (bool (n, n)
+    costs O(heads x n) parameters instead of O(heads x n^2). By default (`param=None`) a causal prior whose pattern
+    or logits depend on i - j alone (`depends_on_distance`: a distance prior, a band) is stored relative, anything
+    else (a layout: a grid, a CLS token, a non-causal band) full. M starts from `pattern` (bool (n, n)
     or (heads, n, n): +m_on on allowed pairs, -m_off elsewhere), from `logits`, or at 0 (the same
     constant on every logit: no prior until `init_mask_` sets it). Shaped for the caller:
 
@@ -278,7 +280,10 @@ class MaskPrior(nn.Module):
         prior.for_mha(b, t)     -> (b * heads, t, t)      nn.MultiheadAttention(attn_mask=...)
         prior.for_4d(b, t)      -> (b, heads, t, t)       a 4-D additive mask (Hugging Face style)
 
-    Lengths: by default exactly n tokens. A causal prior reads a prefix (a prompt) and, with a KV
+    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit
+    (the far bucket, as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024
+    tokens and generation past n, and costs O(heads x n) whatever the length. A full M serves at most n
+    tokens: by default exactly n; a causal one reads a prefix (a prompt) and, with a KV
     cache, the rows of the last q_len of its k_len positions. `prefix=True` lets a non-causal prior
     read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size is
     another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of
@@ -288,28 +293,40 @@ class MaskPrior(nn.Module):
     """
 
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = M_ON,
-                 m_off: float = M_OFF, causal: bool = False, logits: torch.Tensor | None = None, param: str = "full",
-                 n_keys: int | None = None, prefix: bool = False):
+                 m_off: float = M_OFF, causal: bool = False, logits: torch.Tensor | None = None,
+                 param: str | None = None, n_keys: int | None = None, prefix: bool = False):
         super().__init__()
-        if param not in ("full", "relative"):
-            raise ValueError(f"MaskPrior param must be 'full' or 'relative', got {param!r}")
+        if param not in (None, "full", "relative"):
+            raise ValueError(f"MaskPrior param must be 'full', 'relative' or None (relative where the prior depends "
+                             f"on i - j alone), got {param!r}")
         _check_bool("causal", causal, "MaskPrior")
         _check_bool("prefix", prefix, "MaskPrior")
         _check_finite("m_on", m_on, "MaskPrior")
         _check_finite("m_off", m_off, "MaskPrior")
         _pattern_or_logits(pattern, logits, "MaskPrior")
+        if pattern is not None:
+            check_pattern(pattern)
         for what, v in (("n", n), ("heads", heads), ("n_keys", 1 if n_keys is None else n_keys)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MaskPrior {what} must be an integer >= 1, got {v!r}")
+        src = logits if logits is not None else pattern
+        if param is None:       # a causal distance prior is stored by distance; anything else (a layout) by pair
+            param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if n_keys is not None and (causal or param != "full"):
             raise ValueError("a cross-attention MaskPrior (n_keys) is non-causal with param='full'")
         self.n, self.heads, self.causal, self.param = n, heads, causal, param
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
         self.where = "MaskPrior"              # the layer it serves, for error messages (set by add_mask_prior)
         self.record = None                    # a list while `attention_maps` records probabilities
+        self.use_flex = False                 # a retrofitted HF layer on CUDA: M inside flex_attention (`flex`)
         self.roles = None                     # (rows, cols) (B, L) long while `prior_roles` is in effect
         size = (heads, n, self.n_keys) if param == "full" else (heads, n if causal else 2 * n - 1)
-        self.mask_logits = nn.Parameter(torch.zeros(size, dtype=torch.float32))   # whatever the default dtype
+        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging Face Trainer's names
+        # holding "bias", timm's ".bias", minGPT's): decay would pull M to 0 and erase the prior. float32 whatever the
+        # default dtype.
+        self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
+        if pattern is not None and causal:
+            _check_past_only(pattern, f"{self.where}: the pattern allows", "give pattern & mp.causal_pattern(n)")
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
                                                                                                        m_off)
         if src is not None:
@@ -331,9 +348,9 @@ class MaskPrior(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the outputs would be nan)."""
-        saved = state_dict.get(prefix + "mask_logits")
+        saved = state_dict.get(prefix + "bias")
         if isinstance(saved, torch.Tensor) and saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
-            raise ValueError(f"{prefix}mask_logits ({self.where}): the saved M holds non-finite values "
+            raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
                              f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is no prior")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -341,46 +358,59 @@ class MaskPrior(nn.Module):
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a float64 M."""
         return m if m.dtype == torch.float64 else m.float()
 
-    def _distance(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """(len(rows), len(cols)) index into the relative table: i - j (causal; future keys clamped to
-        0, masked later), or i - j + n - 1."""
-        d = rows[:, None] - cols[None, :]
-        return d.clamp(min=0) if self.causal else d + self.n - 1
+    def _index(self, d: torch.Tensor) -> torch.Tensor:
+        """The relative table's index of distances d = i - j (any shape): d itself when causal (future keys at 0,
+        masked later), else d + n - 1; distances past the table read its last logit (its first, for the keys far
+        after the query of a non-causal prior)."""
+        return d.clamp(0, self.n - 1) if self.causal else d.clamp(1 - self.n, self.n - 1) + self.n - 1
+
+    def _square(self) -> torch.Tensor:
+        """(n, n) distances i - j of the prior's own n positions."""
+        i = torch.arange(self.n, device=self.bias.device)
+        return i[:, None] - i[None, :]
 
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they
-        depend on i - j alone (on and below the diagonal when causal)."""
-        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.mask_logits.device, self.mask_logits.dtype)
+        depend on i - j alone (on and below the diagonal when causal). A causal prior refuses logits that allow a
+        future key (M > 0 there: log sigmoid(M) would keep most of its weight), which it would drop in silence."""
+        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.bias.device, self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
             raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite matrix (log sigmoid(M) "
                              f"of +-inf or nan is no prior)")
+        if self.causal:
+            _check_past_only(full, f"{self.where}: the logits allow", "set them to at most 0 there (e.g. "
+                             "logits.tril(), or logits built with causal=True)")
         if self.param == "full":
-            self.mask_logits.copy_(full)
+            self.bias.copy_(full)
             return
-        i = torch.arange(self.n, device=full.device)
-        idx = self._distance(i, i).expand(self.heads, -1, -1)
+        idx = self._index(self._square()).expand(self.heads, -1, -1)
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
         seen = seen.tril() if self.causal else seen
-        table = torch.zeros_like(self.mask_logits).scatter_(1, idx[:, seen].view(self.heads, -1),
+        table = torch.zeros_like(self.bias).scatter_(1, idx[:, seen].view(self.heads, -1),
                                                             full[:, seen].view(self.heads, -1))
         if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)), full[:, seen].view(self.heads, -1)):
             raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, but these logits "
                              "differ along a diagonal; use param='full' for them")
-        self.mask_logits.copy_(table)
+        self.bias.copy_(table)
 
     def full_logits(self) -> torch.Tensor:
         """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal one are
         its distance-0 logit, and masked in the bias)."""
         if self.param == "full":
-            return self.mask_logits
-        i = torch.arange(self.n, device=self.mask_logits.device)
-        return self.mask_logits[:, self._distance(i, i)]
+            return self.bias
+        return self.bias[:, self._index(self._square())]
 
     def _rows(self, t: int, s: int, start: int | None = None) -> int:
         """The first of the t query rows the prior serves with s keys (`start`, when the caller knows the
         first query's position, e.g. from a static KV cache whose s keys include empty slots; else s - t);
-        raises in one line when (t, s) does not fit, naming the way out."""
+        raises in one line when (t, s) does not fit, naming the way out. A relative prior serves any length."""
+        if self.param == "relative":
+            first = start if start is not None and self.causal else s - t
+            if (first < 0 or first + t > s) if self.causal else s != t:
+                raise ValueError(f"{self.where}: {t} queries with {s} keys: a relative prior serves self-attention "
+                                 f"({'q_len <= k_len, with a KV cache' if self.causal else 'as many keys as queries'})")
+            return first if self.causal else 0
         if start is not None and self.causal:
             if start + t > min(s, self.n):
                 raise ValueError(f"{self.where}: queries at positions {start} .. {start + t - 1} with {s} keys do not "
@@ -404,20 +434,22 @@ class MaskPrior(nn.Module):
         t = self.n if t is None else t
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
         r = self._rows(t, s, start)
-        c = min(s, self.n_keys)                     # keys past M (empty slots of a static cache) are future keys
+        # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
+        c = s if self.param == "relative" else min(s, self.n_keys)
         if self.roles is not None:                  # per example: M's row of each query's role, column of each key's
             rows, cols = self.roles
             if rows.shape[1] < r + t or cols.shape[1] < c:
                 raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} queries and {c} keys")
-            rq, kc = rows[:, r:r + t].to(self.mask_logits.device), cols[:, :c].to(self.mask_logits.device)
+            rq, kc = rows[:, r:r + t].to(self.bias.device), cols[:, :c].to(self.bias.device)
             bias = mask_bias(self._logits(self.full_logits()))[:, rq[:, :, None], kc[:, None, :]].transpose(0, 1)
         elif self.param == "full":
-            bias = mask_bias(self._logits(self.mask_logits[:, r:r + t, :c]))
-        else:                                       # log sigmoid on the small table, then a gather
-            dev = self.mask_logits.device
-            idx = self._distance(torch.arange(r, r + t, device=dev), torch.arange(c, device=dev))
-            bias = mask_bias(self._logits(self.mask_logits))[:, idx]
-        if self.causal:
+            bias = mask_bias(self._logits(self.bias[:, r:r + t, :c]))
+        else:           # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
+            dist = torch.arange(r + t - 1, r - c, -1, device=self.bias.device)
+            line = mask_bias(self._logits(self.bias))[:, self._index(dist)]
+            line = line.masked_fill(dist < 0, float("-inf")) if self.causal else line
+            bias = line.unfold(1, c, 1).flip(1)     # row i, key j: line[t - 1 - i + j], distance r + i - j
+        if self.causal and self.param == "full":
             bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
@@ -430,18 +462,18 @@ class MaskPrior(nn.Module):
         kernel, forward and backward), torch's reference implementation elsewhere."""
         t = q.shape[-2]
         self._rows(t, t)
-        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.mask_logits.requires_grad):
+        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.bias.requires_grad):
             raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
                              f"or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
-        table = mask_bias(self._logits(self.mask_logits)).to(q.dtype)
+        table = mask_bias(self._logits(self.bias)).to(q.dtype)
         if self.param == "full":
             def score_mod(score, b, h, i, j):
                 return score + table[h, i, j]
         else:
-            offset = 0 if self.causal else self.n - 1             # the table's index of distance i - j
+            lo, hi, offset = (0, self.n - 1, 0) if self.causal else (1 - self.n, self.n - 1, self.n - 1)
 
-            def score_mod(score, b, h, i, j):
-                return score + table[h, (i - j + offset).clamp(min=0)]
+            def score_mod(score, b, h, i, j):               # `_index`, written out for the kernel
+                return score + table[h, (i - j).clamp(lo, hi) + offset]
         block = _causal_block_mask(t, q.device) if self.causal else None
         return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block)
 
@@ -493,6 +525,31 @@ def _causal_block_mask(t: int, device: torch.device):
     return _FLEX[key]
 
 
+def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
+    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose future half holds
+    structure (allowed pairs, M > 0, that vary from pair to pair: a band, another model's non-causal attention), which
+    the causal mask would drop in silence. A future that is the same everywhere (all allowed, a neutral M = +30, or
+    all -inf-like) says nothing and passes."""
+    later = future_keys(values.shape[-1], values.device)
+    future = values[..., later]                                  # (..., pairs above the diagonal)
+    allowed = future if future.dtype == torch.bool else future > 0
+    if bool(allowed.any()) and not bool((future == future.flatten()[0]).all()):
+        i, j = (int(v) for v in later.nonzero()[int(allowed.reshape(-1, future.shape[-1]).any(0).nonzero()[0])])
+        raise ValueError(f"{what} {int(allowed.sum())} future keys (e.g. query {i}, key {j}), which a causal layer "
+                         f"never sees: {way}")
+
+
+def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
+    """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and below the diagonal when
+    `causal`): what a relative prior (`param="relative"`) holds exactly."""
+    if not isinstance(values, torch.Tensor) or values.dim() not in (2, 3) or values.shape[-1] != values.shape[-2]:
+        return False
+    same = values[..., 1:, 1:] == values[..., :-1, :-1]          # (i + 1, j + 1) against (i, j)
+    if causal:
+        same = same | future_keys(values.shape[-1] - 1, values.device)
+    return bool(same.all())
+
+
 def mask_priors(model: nn.Module) -> list[MaskPrior]:
     return [m for m in model.modules() if isinstance(m, MaskPrior)]
 
@@ -526,12 +583,107 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
 def prior_parameter_names(model: nn.Module) -> list[str]:
     """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser builder must
     keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay list)."""
-    return [f"{name}.mask_logits" if name else "mask_logits"
+    return [f"{name}.bias" if name else "bias"
             for name, m in model.named_modules() if isinstance(m, MaskPrior)]
 
 
 # ----------------------------------------------------------------------------------------
 # Attention
+
+
+def _cpu_kernel():
+    """torch's fused CPU attention kernel as an op that takes a float mask beside is_causal and gives the row
+    log-sum-exp (the aten op behind F.scaled_dot_product_attention, torch >= 2.3); None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
+    """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i = e - R."""
+    h, r, c = ds.shape
+    pad = F.pad(ds, (r, 0, 0, 1))                   # R zeros before each row, a zero row after the last: the
+    return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)   # skewed rows read only zeros past
+
+
+@torch.no_grad()
+def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int = 64):
+    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and row
+    log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d),
+    dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32. dM: dS summed
+    over the batch, by (query, key) for a full M, by distance for a relative one, through log sigmoid. About what the
+    kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T);
+    bias (H, T, S). dM is None unless `need_m`."""
+    h, t, s = bias.shape
+    first, scale = s - t, q.shape[-1] ** -0.5       # query i is at position first + i (after a KV cache)
+    q, k, v, out, dout = (x.float() for x in (q, k, v, out, dout))
+    d_rows = (dout * out).sum(-1, keepdim=True)
+    # S - lse and dP - D as one product each: q and dO gain a column (-lse, -D), k and v a column of ones
+    qa, da = torch.cat([q * scale, -lse.unsqueeze(-1)], -1), torch.cat([dout, -d_rows], -1)
+    ka, va = F.pad(k, (0, 1), value=1.0), F.pad(v, (0, 1), value=1.0)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    full = prior.param == "full"
+    dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape, dtype=torch.float64,
+                                                                        device=q.device)
+    for r0 in range(0, t, block):
+        r1 = min(t, r0 + block)
+        c = first + r1 if prior.causal else s       # keys after the block's last query are future keys
+        p = (qa[:, :, r0:r1] @ ka[:, :, :c].transpose(-2, -1)).add_(bias[:, r0:r1, :c])
+        p.clamp_(min=-80.0).exp_()                  # P < e^-80 adds nothing; exp of a number past -87 is 20x slower
+        if prior.causal:                            # the future, only in the block's last keys: exactly 0
+            p[..., c - (r1 - r0):].masked_fill_(future_keys(r1 - r0, p.device), 0.0)
+        dv[:, :, :c] += p.transpose(-2, -1) @ dout[:, :, r0:r1]
+        ds = p.mul_(da[:, :, r0:r1] @ va[:, :, :c].transpose(-2, -1))
+        dq[:, :, r0:r1] = (ds @ k[:, :, :c]).mul_(scale)
+        dk[:, :, :c] += (ds.transpose(-2, -1) @ q[:, :, r0:r1]).mul_(scale)
+        if not need_m:
+            continue
+        ds = ds.sum(0)                              # (H, rows, keys): the bias is the batch's
+        if full:
+            dm[:, r0:r1, :c] = ds
+        else:                                       # by diagonal: entry e holds key - query = e - rows
+            dist = first + r1 - torch.arange(r1 - r0 + c, device=q.device)
+            dm.index_add_(1, prior._index(dist), _diagonal_sums(ds).double())
+    if not need_m:
+        return dq, dk, dv, None
+    if full:                                        # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias
+        r, c = prior._rows(t, s), min(s, prior.n_keys)
+        dm, rows = torch.zeros_like(prior.bias), dm
+        dm[:, r:r + t, :c] = rows[..., :c] * torch.sigmoid(-prior.bias[:, r:r + t, :c])
+    else:
+        dm = (dm * torch.sigmoid(-prior.bias.double())).to(prior.bias.dtype)
+    return dq, dk, dv, dm
+
+
+class _FusedPrior(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which reads the bias as a
+    constant (and skips the future's blocks when causal) and saves the row log-sum-exp; backward by `_backward`, which
+    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to float rounding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, m, prior):
+        fwd = _cpu_kernel()
+        t, s = q.shape[-2], k.shape[-2]
+        bias = prior(t, q.dtype, k_len=s)
+        out, lse = fwd(q, k, v, 0.0, prior.causal and t == s, attn_mask=bias.unsqueeze(0))
+        ctx.save_for_backward(q, k, v, out, lse, bias)
+        ctx.prior = prior
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        dq, dk, dv, dm = _backward(ctx.prior, q, k, v, out, lse, dout, bias.float(), ctx.needs_input_grad[3])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
+
+
+def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPrior) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
+    (B, H, T, d), a causal prior's future hidden. On the CPU through `_FusedPrior` (the fused kernel, M's gradient
+    apart); elsewhere, or per example (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
+    if q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None and \
+            q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype:
+        return _FusedPrior.apply(q, k, v, prior.bias, prior)
+    bias = prior(q.shape[-2], q.dtype, k_len=k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if bias.dim() == 4 else bias.unsqueeze(0))
 
 
 class Attention(nn.Module):
@@ -542,14 +694,15 @@ class Attention(nn.Module):
     at 0, which adds the same constant to every logit, i.e. no prior until `init_mask_` sets
     it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
     (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
-    `fused=True` uses F.scaled_dot_product_attention; the explicit path (`fused=False`, or
+    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T.
+    `fused=True` uses F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
     `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs a layer with
     M through torch's flex_attention instead (`MaskPrior.flex`: M read inside the kernel).
     """
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
                  causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
-                 flex: bool = False):
+                 flex: bool = False, mask_window: int | None = None):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim or dim // n_heads
@@ -557,38 +710,42 @@ class Attention(nn.Module):
         self.fused, self.flex = fused, flex
         inner = n_heads * self.head_dim
         # the prior first: M is the layer's first parameter (and first in the optimiser's state)
-        self.prior = MaskPrior(mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
+        if mask_window is not None and not (mask_param == "relative" and mask_size and 1 <= mask_window <= mask_size):
+            raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its {mask_size} positions "
+                             f"(mask_param='relative')")
+        self.prior = MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
-    @property
-    def mask_logits(self) -> nn.Parameter | None:
-        """The layer's M (heads, N, N), or None without a prior."""
-        return None if self.prior is None else self.prior.mask_logits
+    def attn_bias(self, t: int, dtype: torch.dtype, k_len: int | None = None) -> torch.Tensor | None:
+        """(heads, T, S) additive bias: log sigmoid(M) plus -inf on the future if causal (None without M)."""
+        return None if self.prior is None else self.prior(t, dtype, k_len=k_len)
 
-    def attn_bias(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """(heads, T, T) additive bias: log sigmoid(M) plus -inf on the future if causal (None without M)."""
-        return None if self.prior is None else self.prior(t, dtype)
-
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
+    def forward(self, x: torch.Tensor, return_attn: bool = False, cache: dict | None = None):
+        """x (B, T, dim) -> (B, T, dim) and the (B, heads, T, S) attention (None on the fused path). `cache`: a dict
+        this layer keeps its keys and values in across calls (a causal layer decoding token by token: S keys)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        s = k.shape[2]
         attn = None
-        if self.flex and self.prior is not None and self.prior.roles is None and not return_attn:
+        if self.flex and self.prior is not None and self.prior.roles is None and not return_attn and s == t:
             out = self.prior.flex(q, k, v)
-            return self.proj(out.transpose(1, 2).reshape(b, t, -1)), None
-        bias = self.attn_bias(t, q.dtype)
-        if self.fused and not return_attn:
-            if bias is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-            else:  # never pass both attn_mask and is_causal: the causal -inf is already in bias
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        elif self.fused and not return_attn and self.prior is not None:
+            out = prior_attention(q, k, v, self.prior)
+        elif self.fused and not return_attn:
+            late = self.causal and s > t            # queries after a cache: is_causal would align them to key 0
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~future_keys(s, x.device)[s - t:] if late else None,
+                                                 is_causal=self.causal and not late)
         else:
             logits = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
-            if bias is not None:
-                logits = logits + bias
+            if self.prior is not None:
+                logits = logits + self.attn_bias(t, q.dtype, k_len=s)
             elif self.causal:
-                logits = logits.masked_fill(future_keys(t, x.device), float("-inf"))
+                logits = logits.masked_fill(future_keys(s, x.device)[s - t:], float("-inf"))
             attn = logits.softmax(dim=-1)
             out = attn @ v
         out = out.transpose(1, 2).reshape(b, t, -1)
@@ -617,6 +774,7 @@ class TrunkConfig:
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
     drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
     mask_param: str = "full"        # M per (query, key), or "relative": per distance i - j (MaskPrior)
+    mask_window: int | None = None  # a relative M's distances 0 .. W - 1, the last read past them (default: N)
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -639,13 +797,13 @@ class Block(nn.Module):
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused,
-                              cfg.mask_param, cfg.flex)
+                              cfg.mask_param, cfg.flex, cfg.mask_window)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False):
-        a, attn = self.attn(self.ln1(x), return_attn)
+    def forward(self, x: torch.Tensor, return_attn: bool = False, cache: dict | None = None):
+        a, attn = self.attn(self.ln1(x), return_attn, cache)
         x = x + drop_path(self.drop(a), self.drop_path, self.training)
         x = x + drop_path(self.mlp(self.ln2(x)), self.drop_path, self.training)
         return x, attn
@@ -670,12 +828,14 @@ class Trunk(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg, mask_size, causal, rate) for rate in rates])
         self.ln_f = nn.LayerNorm(cfg.dim)
 
-    def forward(self, inputs: torch.Tensor, return_attn: bool = False):
-        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`."""
-        x = self.embed(inputs)
+    def forward(self, inputs: torch.Tensor, return_attn: bool = False, cache: list[dict] | None = None):
+        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`. `cache`: one dict per
+        block, where a causal model keeps its keys and values between calls (`generate`); the inputs are then the
+        tokens after those already cached."""
+        x = self.embed(inputs) if cache is None else self.embed(inputs, start=cache[0]["k"].shape[2] if cache[0] else 0)
         maps = []
-        for block in self.blocks:
-            x, attn = block(x, return_attn)
+        for i, block in enumerate(self.blocks):
+            x, attn = block(x, return_attn, None if cache is None else cache[i])
             maps.append(attn)
         x = self.ln_f(x)
         if self.readout == "cls":
@@ -696,6 +856,8 @@ class TransformerConfig(TrunkConfig):
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
+    positions: str = "learned"      # 'learned' (a table of N positions) or 'none' (order from the causal mask and a
+                                    # relative prior, as ALiBi: any length)
 
     @property
     def n_positions(self) -> int:
@@ -706,37 +868,47 @@ class Transformer(Trunk):
     """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
 
     With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of
-    Abbe et al. 2023; with `causal=True, readout='tokens'` it is a decoder / language model.
+    Abbe et al. 2023; with `causal=True, readout='tokens'` it is a decoder / language model. With
+    `positions='none'` it has no positional embedding and serves any T, as far as its priors do (a relative M
+    serves any length, a full one its N).
     """
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         if cfg.readout not in ("cls", "mean", "tokens"):
             raise ValueError(f"readout must be 'cls', 'mean' or 'tokens', got {cfg.readout!r}")
+        if cfg.positions not in ("learned", "none"):
+            raise ValueError(f"positions must be 'learned' or 'none', got {cfg.positions!r}")
         self.cfg, self.readout = cfg, cfg.readout
         n = cfg.n_positions
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.readout == "cls" else None
-        self.pos_emb = nn.Parameter(torch.zeros(1, n, cfg.dim))
+        self.pos_emb = nn.Parameter(torch.zeros(1, n, cfg.dim)) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self._build_trunk(cfg, n, cfg.causal)
         self.head = nn.Linear(cfg.dim, cfg.n_outputs, bias=not cfg.tie_embeddings)
         for emb in (self.tok_emb.weight, self.cls):
             if emb is not None:
                 nn.init.normal_(emb, std=cfg.emb_init_std)
-        nn.init.normal_(self.pos_emb, std=cfg.pos_init_std)
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb, std=cfg.pos_init_std)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, N, dim) input to the first block (CLS prepended, positions added)."""
-        if idx.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"an input of {idx.shape[1]} tokens is longer than the model's seq_len "
-                             f"{self.cfg.seq_len} (its positional embedding)")
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, T) ids at positions start .. start + T - 1 -> (B, N, dim) input to the first block (CLS prepended at
+        position 0, positions added)."""
+        if self.pos_emb is not None and start + idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"an input of {start + idx.shape[1]} tokens is longer than the model's seq_len "
+                             f"{self.cfg.seq_len} (its positional embedding; positions='none' has none)")
         x = self.tok_emb(idx)
-        if self.cls is not None:
+        if self.cls is not None and start == 0:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.drop(x + self.pos_emb[:, :x.shape[1]])
+        return self.drop(x if self.pos_emb is None else x + self.pos_emb[:, start:start + x.shape[1]])
+
+    def any_length(self) -> bool:
+        """Whether the model serves sequences of any length: no positional table, and no M of a fixed size."""
+        return self.pos_emb is None and all(p.param == "relative" for p in mask_priors(self))
 
 
 @dataclass
@@ -837,11 +1009,20 @@ def _vit_init(m: nn.Module):
 
 @torch.no_grad()
 def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens';
-    the context is cropped to the last seq_len tokens. temperature 0 = greedy. -> (B, T + n_new)."""
+             generator: torch.Generator | None = None, cache: bool = True) -> torch.Tensor:
+    """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens'. temperature 0 =
+    greedy. -> (B, T + n_new). A model that serves any length (`any_length`) reads the whole sequence; else the
+    context is cropped to the last seq_len tokens. `cache`: keep each layer's keys and values (a KV cache) while the
+    sequence fits, so each step runs the new token alone; the tokens are the same as without it."""
+    kv = [{} for _ in model.blocks] if cache else None
+    limit = None if model.any_length() else model.cfg.seq_len
     for _ in range(n_new):
-        logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float()
+        if kv is not None and (limit is None or idx.shape[1] <= limit):
+            done = kv[0]["k"].shape[2] if kv[0] else 0
+            logits = model(idx[:, done:], cache=kv)[:, -1].float()
+        else:                                       # past the context: a window that slides, recomputed
+            kv = None
+            logits = model(idx if limit is None else idx[:, -limit:])[:, -1].float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -893,6 +1074,9 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
                          "(or Attention(..., mask_size=N)), or give your own attention a MaskPrior")
+    if any(prior.causal for prior in mask_priors(model)):    # refused before any M changes, as a prior would
+        _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
+                         "build it for a causal model (pattern & mp.causal_pattern(n); logits at most 0 there)")
     for prior in mask_priors(model):
         prior.set_logits(src)
     if logits is not None:
@@ -903,6 +1087,9 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
 def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
     """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on. Expects
     `model.pos_emb` (1, N, dim) and `model.blocks` (each with `ln1`), as `Transformer` and `ViT` have."""
+    if getattr(model, "pos_emb", None) is None:
+        raise ValueError("the QK inits fit the pattern on the positional embedding, which this model has not "
+                         "(positions='none'); give it positions='learned'")
     block = block or model.blocks[0]
     with torch.no_grad():
         return block.ln1(model.pos_emb[0]).detach()
@@ -1254,10 +1441,10 @@ def prior_snapshot(model: nn.Module) -> list[dict]:
     snap = []
     for attn in attention_layers(model):
         wq, wk = qk_weights(attn)
-        m = attn.mask_logits.detach().clone() if attn.mask_logits is not None else None
+        m = attn.prior.bias.detach().clone() if attn.prior is not None else None
         snap.append({"mask": m, "qk": (wq @ wk.transpose(1, 2)).detach().clone()})
     if not snap:
-        snap = [{"mask": prior.mask_logits.detach().clone(), "qk": None} for prior in mask_priors(model)]
+        snap = [{"mask": prior.bias.detach().clone(), "qk": None} for prior in mask_priors(model)]
     return snap
 
 
@@ -1496,7 +1683,8 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
 # Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
 # `remove_mask_prior` takes every prior out again.
 
-HF_ATTENTION = "maskprior"            # the attn_implementation name the priors run under in transformers
+HF_ATTENTION = "maskprior_attention"  # the attn_implementation a prior's layer runs under (registered with transformers)
+HF_SAVED = "maskprior"                # what config.json names: never registered, so a plain from_pretrained fails loading
 GRID = "the patch grid and any class/prefix tokens"
 
 
@@ -1710,7 +1898,23 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
     except ValueError as e:
         raise _fail(site, str(e), who) from None
     prior.where = site.name
-    return prior.to(next(site.module.parameters(), prior.mask_logits).device)
+    return prior.to(next(site.module.parameters(), prior.bias).device)
+
+
+FULL_SHARE = 0.1           # a full M (param=None) adding more than this share of a model's parameters is refused
+
+
+def _check_size(model: nn.Module, priors: dict[str, MaskPrior], src: torch.Tensor) -> None:
+    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add more than FULL_SHARE of
+    the model's parameters: a full M grows as layers x heads x N^2 (151M for GPT-2 small at N = 1,024)."""
+    full = [p for p in priors.values() if p.param == "full"]
+    size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
+    if full and own and size > FULL_SHARE * own:            # (a module with no weights of its own: nothing to weigh)
+        way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer" if
+               not full[0].cross and depends_on_distance(src) else "param='full' takes it anyway")
+        raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} parameters to the model's "
+                         f"{own:,} ({size / max(own, 1):.0%}); {way} (or build the prior for fewer positions); no layer "
+                         f"was changed")
 
 
 def _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention) -> None:
@@ -1749,9 +1953,9 @@ def _recorded_layers(model: nn.Module) -> dict:
 
 
 def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
-                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str = "full",
+                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str | None = None,
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
-                   mask_kwarg: str = "attn_mask") -> dict[str, MaskPrior]:
+                   mask_kwarg: str = "attn_mask", flex: bool = False) -> dict[str, MaskPrior]:
     """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
     (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
@@ -1765,9 +1969,15 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     what the layer is where it says (HF), else False. `prefix` (default: True for HF text models, else False)
     lets a non-causal prior read shorter inputs as positions 0..t-1. Every layer is checked before any is
     changed: one the prior cannot serve raises ValueError naming it, its class, heads and what to do, and the
-    model is left as it was. Make the optimiser after this call (`param_groups` keeps M undecayed).
+    model is left as it was. `param`: by default relative for a causal prior that depends on i - j alone (a distance
+    prior: heads x N a layer, any length), else full, refused in one line where the full M's would add more than 10% of
+    the model's parameters (pass param='full' to take them, or 'relative' for a non-causal band). `flex`: on CUDA a
+    Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call) wherever the call is
+    plain self-attention (`_prior_alone`; set `prior.use_flex` later to change it). Make the optimiser after this call; M is named `bias`, so
+    Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed.
     """
     _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention)
+    _check_bool("flex", flex, "add_mask_prior")
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
@@ -1794,6 +2004,10 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                            f"parts of one class: the record could not tell them apart when loading): give both parts' "
                            f"layers their priors from the whole model, picking them with modules=lambda name, m: ...")
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
+    if param is None:
+        _check_size(model, priors, src)
+    for prior in priors.values():
+        prior.use_flex = flex
     for s in sites:                                   # every layer fits: now change them
         _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
     _after_attach(model, sites, priors)
@@ -1977,10 +2191,12 @@ def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Te
     batch whose first query sees nothing (left padding) is refused. Under `prior_roles` each batch row's positions
     are read by its roles (M's row and column of each position), over the positions the roles cover."""
     q_len, k_len = allowed.shape[-2:]
+    relative = prior.param == "relative" and prior.roles is None                   # any position: by distance
     n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
-    full = prior(n, torch.float32)                                                 # (H, n, n), or (B, H, n, n)
-    full = full if full.dim() == 4 else full.unsqueeze(0)
-    b = max(allowed.shape[0], full.shape[0], 1 if position_ids is None else position_ids.shape[0])
+    full = None if relative else prior(n, torch.float32)                           # (H, n, n), or (B, H, n, n)
+    full = full if full is None or full.dim() == 4 else full.unsqueeze(0)
+    b = max(allowed.shape[0], 1 if full is None else full.shape[0],
+            1 if position_ids is None else position_ids.shape[0])
     allowed = allowed.expand(b, q_len, k_len)
     seen = allowed.any(-1)                                                         # (B, q)
     last = k_len - 1 - allowed.flip(-1).int().argmax(-1)                           # the last key each query sees
@@ -2000,11 +2216,15 @@ def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Te
         raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), but the prior "
                          f"indexes one sequence's positions from 0: give each sequence its own row")
     rows = torch.where(own, pos, 0)
+    cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
+    if relative:
+        d = rows[:, :, None] - cols[:, None, :]                                    # (B, q, k)
+        bias = mask_bias(prior._logits(prior.bias))[:, prior._index(d)].movedim(0, 1)
+        return bias.masked_fill(((d < 0) | (cols < 0)[:, None, :])[:, None], float("-inf"))
     if bool((rows >= n).any()):
         fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
         raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit {fit}: a causal prior "
-                         f"serves positions 0 .. {n - 1}")
-    cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
+                         f"serves positions 0 .. {n - 1} (a relative one serves any)")
     inside = (cols >= 0) & (cols < n)
     batch = torch.arange(b, device=allowed.device)[:, None, None]
     bias = full.expand(b, -1, -1, -1).movedim(1, -1)[batch, rows[:, :, None], cols.clamp(0, n - 1)[:, None, :]]
@@ -2049,12 +2269,30 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
                            f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
     module.mask_prior_pending = False
+    if prior.record is None and _prior_alone(module, prior, query, key, attention_mask, kwargs) and \
+            (query.device.type == "cpu" or prior.use_flex):
+        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))     # grouped keys
+        out = prior_attention(query, k, v, prior) if query.device.type == "cpu" else prior.flex(query, k, v)
+        return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
     if prior.record is not None:
         k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         prior.record.append(((query @ k.transpose(-2, -1)).float() * scale + bias.float()).softmax(-1))
     return _hf_base(module)(module, query, key, value, bias, **kwargs)
+
+
+def _prior_alone(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask, kwargs) -> bool:
+    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
+    dropout, soft-capping, sliding window or sinks, the usual scale): then maskprior's own kernels serve it, as in its
+    own models: on the CPU `prior_attention` (M's gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where
+    asked (`use_flex`)."""
+    extras = ("softcap", "sliding_window", "s_aux", "sinks")
+    return (mask is None and prior.roles is None and not prior.cross
+            and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
+            and (prior.causal or not kwargs.get("is_causal")) and not float(kwargs.get("dropout") or 0.0)
+            and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
+            and all(kwargs.get(name) is None for name in extras))
 
 
 def _hf_base(module: nn.Module):
@@ -2110,8 +2348,8 @@ def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
 def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
     """Record the priors in the model's config under the layers' names in `model` (and its class: a part of a model,
     e.g. BART's encoder, is found again in the whole): save_pretrained writes them to config.json, mp.from_pretrained
-    re-attaches them, and a plain from_pretrained fails loudly (config.json names an attention implementation only
-    maskprior registers)."""
+    re-attaches them, and a plain from_pretrained fails while loading (config.json names HF_SAVED, an attention
+    implementation no one registers, even in a process that imported maskprior)."""
     _register_hf()
     cfg = _hf_config(model)
     if cfg is None:
@@ -2123,7 +2361,7 @@ def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior])
             "prefix": p.prefix, "part": part}
     record["base"] = _hf_impl(sites[0].module)
     cfg.mask_prior = record
-    cfg.attn_implementation = HF_ATTENTION
+    cfg.attn_implementation = HF_SAVED
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
@@ -2133,7 +2371,7 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
     if not (model.training and torch.is_grad_enabled()):
         return
     frozen = next((p for m in model.modules() if isinstance(p := m._modules.get("mask_prior"), MaskPrior)
-                   and not p.mask_logits.requires_grad), None)
+                   and not p.bias.requires_grad), None)
     if frozen is not None and _under_peft(model):
         raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would not "
                            f"save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M trains and "
@@ -2173,7 +2411,7 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
             del recorded[key]
     if cfg is not None and isinstance(getattr(cfg, "mask_prior", None), dict) and not recorded:
         delattr(cfg, "mask_prior")
-        if getattr(cfg, "attn_implementation", None) == HF_ATTENTION:
+        if getattr(cfg, "attn_implementation", None) == HF_SAVED:
             delattr(cfg, "attn_implementation")
     for _, m in layers:
         for hook in m.mask_prior_hooks:
@@ -2294,7 +2532,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
                                              output_loading_info=True)
     model.__class__ = model_class                      # the plain class again: save_pretrained names it
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
-                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.mask_logits")]
+                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
     for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
                       ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
@@ -2302,7 +2540,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
                       ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
         if ours[key]:
             raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
-    bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.mask_logits).all())]
+    bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
     if bad:
         raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
     return model

@@ -718,7 +718,7 @@ def _short(v) -> str:
 
 # ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file is seen, never used)
 
-CKPT_FORMAT = "maskprior-checkpoint-4"       # a checkpoint of this version holds every flag of it
+CKPT_FORMAT = "maskprior-checkpoint-5"       # a checkpoint of this version holds every flag of it
 
 
 def checkpoint_bytes(contents: dict) -> bytes:
@@ -3880,6 +3880,9 @@ class LMTask(Task):
     context: int = 128
     heads: int = 4
     val_tokens: int = 0             # 0: the whole validation split; else its first val_tokens tokens
+    positions: str = "learned"      # the model's positional embedding: a learned table, or none (any length)
+    eval_context: int = 0           # also evaluate on windows of this many tokens (0: only the training context)
+    mask_window: int | None = None  # the relative M's distances (default: the context)
     seed: int = 0
 
     def __post_init__(self):
@@ -3887,6 +3890,16 @@ class LMTask(Task):
             raise DataError(f"--data-dir is required for {self.name}: the folder that holds the corpus files")
         if self.context < 2:
             raise TaskError(f"--context must be at least 2, got {self.context}")
+        if self.positions not in ("learned", "none"):
+            raise TaskError(f"--positions must be learned or none, got {self.positions!r}")
+        if self.eval_context < 0 or 0 < self.eval_context < 2:
+            raise TaskError(f"--eval-context must be 0 (off) or at least 2 tokens, got {self.eval_context}")
+        if self.positions == "learned" and self.eval_context > self.context:
+            raise TaskError(f"--eval-context {self.eval_context} is past --context {self.context}, which a learned "
+                            f"positional table cannot serve: give --positions none (the order from the causal mask "
+                            f"and the prior, as ALiBi), or an --eval-context up to {self.context}")
+        if self.mask_window is not None and not 1 <= self.mask_window <= self.context:
+            raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got {self.mask_window}")
         if self.val_tokens < 0:
             raise TaskError(f"--val-tokens must be >= 0 (0 = the whole split), got {self.val_tokens}")
         self.vocab_size = None
@@ -3899,7 +3912,7 @@ class LMTask(Task):
         self.vocab_size, self.decode, self.vocab = corpus["vocab_size"], corpus["decode"], corpus.get("vocab")
         self._data_hash = corpus["data_hash"]
         _check_context(self.context, len(self.train), "training")
-        _check_context(self.context, len(self.valid), "validation")
+        _check_context(max(self.context, self.eval_context), len(self.valid), "validation")
         self.device = torch.device(device)
         return self
 
@@ -3927,7 +3940,7 @@ class LMTask(Task):
         if self.vocab_size is None:
             raise TaskError("LMTask.arch() needs setup() first: the vocabulary comes from the data")
         return {"vocab_size": self.vocab_size, "seq_len": self.context, "n_outputs": self.vocab_size,
-                "readout": "tokens", "causal": True, "tie_embeddings": True}
+                "readout": "tokens", "causal": True, "tie_embeddings": True, "positions": self.positions}
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         return lm_patterns(self.context, self.heads)
@@ -3937,7 +3950,7 @@ class LMTask(Task):
         future is removed by the hard causal mask. It has no on / off levels: train.py's table keeps --mask-on
         and --mask-off to the other families, so m_on and m_off are the defaults here."""
         self.pattern_name(variant)
-        return mp.causal_distance_logits(self.context, self.heads)
+        return mp.causal_distance_logits(self.mask_window or self.context, self.heads)
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return max(1, len(self.train) // (batch_size * self.context))
@@ -3980,14 +3993,20 @@ class LMTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 32) -> dict:
-        """Mean next-token loss over every token of the validation split (or --val-tokens)."""
-        total, count = 0.0, 0
-        for x, y in eval_windows(self.valid, self.context, batch_size):
-            logits = model(x.to(self.device)).float()
-            total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), reduction="sum"))
-            count += y.numel()
-        loss = total / count
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        """Mean next-token loss over every token of the validation split (or --val-tokens), in windows of the
+        training context; with --eval-context N also in windows of N tokens (long_val_loss, long_val_ppl)."""
+        out = {}
+        for name, context in (("val", self.context), ("long_val", self.eval_context)):
+            if not context:
+                continue
+            total, count = 0.0, 0
+            for x, y in eval_windows(self.valid, context, max(1, batch_size * self.context // context)):
+                logits = model(x.to(self.device)).float()
+                total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), reduction="sum"))
+                count += y.numel()
+            out[f"{name}_loss"] = total / count
+            out[f"{name}_ppl"] = math.exp(min(total / count, 50.0))
+        return out
 
 
 @register("wikitext2")

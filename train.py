@@ -153,7 +153,7 @@ class Config:
     ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. 0.9999), evaluated "
                         "beside them (ema_* metrics); 0 = off", type=float, check="fraction")
     attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, or for M torch's "
-                            "flex_attention (CUDA); auto = fused, but explicit for a masked model on the CPU",
+                            "flex_attention (CUDA); auto = fused, but explicit for a masked model of <= 128 positions on the CPU",
                             choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
     # prior
     pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
@@ -260,6 +260,15 @@ class Config:
     # lm
     context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
     val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
+    positions: str = lm_("learned", "the positional embedding: a learned table of --context positions (the default), or "
+                         "none (the order from the causal mask and the prior, as ALiBi: the model serves any length)",
+                         metavar="{learned,none}", arch=True)
+    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context (long_val_loss, "
+                            "long_val_ppl; past --context it needs --positions none; 0 = off)", type=int, metavar="N",
+                            resumable=True)
+    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them (default: --context); "
+                                  "its gradient costs O(T N)", type=int, metavar="N", arch=True,
+                                  needs={"init": MASK_INITS, "mask_param": ("relative",)}, excludes=("prior_from",))
     # sampling
     sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
                                  "training)", metavar="PROMPT", **WHERE)
@@ -476,6 +485,13 @@ def validate(config, task, explicit: set):
     if config.attention == "flex" and (config.init not in MASK_INITS or pick_device(config.device).type != "cuda"):
         raise UsageError("--attention flex runs M through torch's flex_attention: it needs --init mask or mask-impulse "
                          "and CUDA (it has no backward on the CPU); use --attention fused or explicit")
+    if getattr(task, "positions", "learned") == "none" and config.init not in ("default", *MASK_INITS):
+        raise UsageError(f"--init {config.init} fits its pattern on the positional embedding, which --positions none "
+                         f"leaves out; use --init mask or default there, or --positions learned")
+    if getattr(task, "eval_context", 0) > getattr(task, "context", 0) and config.init in MASK_INITS \
+            and config.mask_param == "full":
+        raise UsageError(f"--eval-context {task.eval_context} is past --context {task.context}, which a full M (N x N) "
+                         f"cannot serve: give --mask-param relative (its distances serve any length)")
     if config.prior_kind not in (None, *task.TEACHER_KINDS):
         raise UsageError(f"--prior-kind {config.prior_kind} does not apply to task {config.task}; choose from "
                          f"{', '.join(task.TEACHER_KINDS)}")
@@ -517,29 +533,34 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def use_fused(attention: str, init: str, device: torch.device) -> bool:
-    """--attention auto: fused, but explicit for a masked model on the CPU (faster there: PyTorch's CPU kernel takes
-    no float mask and falls back to its math kernel)."""
+EXPLICIT_UP_TO = 128     # --attention auto on the CPU: a masked model of at most this many positions runs the explicit
+                         # softmax, faster there than the fused kernel with M's gradient (bench_context.py --paths all)
+
+
+def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
+    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
+    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
     if attention == "auto":
-        return not (init in MASK_INITS and device.type == "cpu")
+        return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"
 
 
 def model_config(config, task, device=torch.device("cpu")):
     arch = task.arch()
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
-                 mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS,
-                 fused=use_fused(config.attention, config.init, device), flex=config.attention == "flex",
+                 mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
                  qkv_bias=bool(config.qkv_bias),
                  dropout=config.dropout, pos_init_std=config.pos_init_std, drop_path=config.drop_path,
-                 mask_param=config.mask_param)
+                 mask_param=config.mask_param, mask_window=config.mask_window)
     if arch.get("model") == "vit":
-        return mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
-                            n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
-    return mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
-                                readout=arch["readout"], causal=arch.get("causal", False),
-                                emb_init_std=config.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
-                                **trunk)
+        cfg = mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
+                           n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
+    else:
+        cfg = mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
+                                   readout=arch["readout"], causal=arch.get("causal", False),
+                                   emb_init_std=config.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
+                                   positions=arch.get("positions", "learned"), **trunk)
+    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
 
 
 def build_model(config, task, device):

@@ -4,15 +4,15 @@ nn.TransformerEncoder. A model whose library is not installed is left out and na
 
     python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
     python benchmarks/bench_retrofit.py --device cuda --amp    # bf16 autocast on a GPU
-    python benchmarks/bench_retrofit.py --models gpt2 --relative   # GPT-2's prior as a relative-distance table
+    python benchmarks/bench_retrofit.py --models gpt2 --tokens 1024 --full   # GPT-2's prior as a full N x N M
     python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
 One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
-model and its twin with the prior are timed in interleaved rounds (warm-up excluded), and the
-table gives median ms/step and the ratio to the plain twin. Ratios, not milliseconds, carry from
-machine to machine. The prior adds log sigmoid(M) to every layer's logits and computes M's
-gradient; with a float mask that needs a gradient, PyTorch's attention leaves its mask-free
-kernels, which is what limits the ratio.
+model, its twin with the prior, and the floor (that twin with every M frozen: the same path with a constant
+float mask, no gradient for M) are timed in interleaved rounds (warm-up excluded), and the table gives median
+ms/step and the ratio to the plain model. Ratios, not milliseconds, carry from machine to machine. What M costs
+is the prior's ratio over the floor's; what reading a bias costs the kernel is the floor's. GPT-2's prior is the
+library's default for a causal distance prior (a relative M, one logit per head and distance) unless --full.
 """
 import argparse
 import os
@@ -50,9 +50,9 @@ def gpt2(args):
     x = torch.randint(0, cfg.vocab_size, (args.batch_size or (2 if args.tiny else 4), t),
                       generator=torch.Generator().manual_seed(0))
     logits = mp.causal_distance_logits(t, cfg.n_head)
-    param = "relative" if args.relative else "full"
-    return model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param), \
-        f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M)"
+    param = "full" if args.full else "relative"
+    return model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param, flex=args.flex), \
+        f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M{', flex' if args.flex else ''})"
 
 
 def encoder(args):
@@ -85,7 +85,8 @@ def main():
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--img-size", type=int, default=224, help="ViT-Tiny input size")
     p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
-    p.add_argument("--relative", action="store_true", help="GPT-2's prior as a relative-distance table")
+    p.add_argument("--full", action="store_true", help="GPT-2's prior as a full N x N M (the default: by distance)")
+    p.add_argument("--flex", action="store_true", help="GPT-2's prior inside torch's flex_attention (CUDA)")
     p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
     p.add_argument("--tiny", action="store_true", help="two-layer toy models (a smoke run)")
     p.add_argument("--steps", type=int, default=3, help="steps per round")
@@ -101,13 +102,16 @@ def main():
         except ImportError as e:
             print(f"{key:<44}{'not run':>9}  ({e.name} is not installed)")
             continue
-        (plain, x, _, label), (with_prior, _, attach, _) = made
-        torch.manual_seed(0)
-        with_prior.load_state_dict(plain.state_dict())
-        attach(with_prior)
+        made.append(MODELS[key](args))
+        (plain, x, _, label), (with_prior, _, attach, _), (floor, _, _, _) = made
+        for model in (with_prior, floor):
+            model.load_state_dict(plain.state_dict())
+            attach(model)
+        for prior in mp.mask_priors(floor):
+            prior.bias.requires_grad_(False)
         x = x.to(device)
         steps = {}
-        for name, model in ((label, plain), ("  + prior", with_prior)):
+        for name, model in ((label, plain), ("  floor (M constant)", floor), ("  + prior", with_prior)):
             model.to(device).train()
             steps[name] = step_fn(model, x, args)
             for _ in range(2):

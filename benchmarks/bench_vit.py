@@ -92,7 +92,8 @@ def main():
           f"{args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
     for init, med in times.items():
-        path = "fused" if train.use_fused(targs.attention, init, device) else "explicit"
+        path = "fused" if train.use_fused(targs.attention, init in train.MASK_INITS, device, cfg.n_positions) \
+            else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
     print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, {augment / (augment + base):.1%} of a "
           f"{inits[0]} step with it (crop {targs.crop}, RandAugment {targs.randaug}, erasing {targs.reprob}, "

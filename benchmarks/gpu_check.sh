@@ -7,7 +7,9 @@
 #   1. the tests that need CUDA (bf16 fused = explicit with M, flex_attention trains M as explicit does,
 #      a bf16 vision run, compile = eager, a CUDA run that resumes exactly)
 #   2. bench_vit.py --preset paper: ViT-Tiny patch 16 at 224, bf16, every init side by side, and the augmentation
-#   3. bench_context.py --paths all: full and relative M through SDPA, explicit and flex, N = 256 ... 8192, bf16
+#   3. bench_context.py --paths all: full and relative M through SDPA, explicit and flex, N = 1024 ... 8192, bf16,
+#      and bench_retrofit.py: GPT-2 small with the relative prior inside flex_attention (an AttentionInterface
+#      function), N = 1024 ... 8192: each as its ratio to the plain model (is_causal; goal <= 1.15x)
 #   4. bench_paper.py --write: step, log evaluation and final evaluation of every (task, init) of the paper
 #      presets -> results/step_times.json (reproduce.sh's plan then prints device-hours)
 #   5. 300 steps of the paper parity2 model (12 layers), default and mask, as train.py runs them
@@ -34,7 +36,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/dev
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/device.txt"
 step tests 150 python -m pytest -q -x test_maskprior.py -k "cuda or flex or bf16 or compile"
 step vit 90 python benchmarks/bench_vit.py --preset paper --device cuda --steps 5 --rounds 3
-step context 150 python benchmarks/bench_context.py --device cuda --amp bf16 --paths all --sizes 256,1024,4096,8192 --steps 5
+step context 150 python benchmarks/bench_context.py --device cuda --amp bf16 --paths all --sizes 1024,2048,4096,8192 \
+  --rounds 5
+for n in 1024 2048 4096 8192; do
+  step "retrofit-flex-$n" 60 python benchmarks/bench_retrofit.py --device cuda --amp --models gpt2 --tokens "$n" --flex \
+    --batch-size 1 --steps 2 --rounds 3
+done
 step paper 180 python benchmarks/bench_paper.py --device cuda --write
 cp results/step_times.json "$out/" 2>/dev/null
 for init in default mask; do
