@@ -606,12 +606,12 @@ def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int = 64):
-    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and row
-    log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d),
-    dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32. dM: dS summed
-    over the batch, by (query, key) for a full M, by distance for a relative one, through log sigmoid. About what the
-    kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T);
-    bias (H, T, S). dM is None unless `need_m`."""
+    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and
+    row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O),
+    dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees),
+    in float32. dM: dS summed over the batch, by (query, key) for a full M, by distance for a relative one, through
+    log sigmoid. About what the kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d);
+    k, v (B, H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
     h, t, s = bias.shape
     first, scale = s - t, q.shape[-1] ** -0.5       # query i is at position first + i (after a KV cache)
     q, k, v, out, dout = (x.float() for x in (q, k, v, out, dout))
@@ -656,7 +656,7 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
 class _FusedPrior(torch.autograd.Function):
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which reads the bias as a
     constant (and skips the future's blocks when causal) and saves the row log-sum-exp; backward by `_backward`, which
-    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to float rounding)."""
+    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to rounding)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, prior):
@@ -713,7 +713,8 @@ class Attention(nn.Module):
         if mask_window is not None and not (mask_param == "relative" and mask_size and 1 <= mask_window <= mask_size):
             raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its {mask_size} positions "
                              f"(mask_param='relative')")
-        self.prior = MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param) if mask_size else None
+        self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param) if mask_size
+                      else None)
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
@@ -1683,8 +1684,8 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
 # Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
 # `remove_mask_prior` takes every prior out again.
 
-HF_ATTENTION = "maskprior_attention"  # the attn_implementation a prior's layer runs under (registered with transformers)
-HF_SAVED = "maskprior"                # what config.json names: never registered, so a plain from_pretrained fails loading
+HF_ATTENTION = "maskprior_attention"  # the attn_implementation a prior's layer runs under (registered with HF)
+HF_SAVED = "maskprior"                # what config.json names: never registered, so a plain from_pretrained fails
 GRID = "the patch grid and any class/prefix tokens"
 
 
@@ -1913,8 +1914,8 @@ def _check_size(model: nn.Module, priors: dict[str, MaskPrior], src: torch.Tenso
         way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer" if
                not full[0].cross and depends_on_distance(src) else "param='full' takes it anyway")
         raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} parameters to the model's "
-                         f"{own:,} ({size / max(own, 1):.0%}); {way} (or build the prior for fewer positions); no layer "
-                         f"was changed")
+                         f"{own:,} ({size / own:.0%}); {way} (or build the prior for fewer positions); no "
+                         f"layer was changed")
 
 
 def _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention) -> None:
@@ -1973,8 +1974,9 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     prior: heads x N a layer, any length), else full, refused in one line where the full M's would add more than 10% of
     the model's parameters (pass param='full' to take them, or 'relative' for a non-causal band). `flex`: on CUDA a
     Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call) wherever the call is
-    plain self-attention (`_prior_alone`; set `prior.use_flex` later to change it). Make the optimiser after this call; M is named `bias`, so
-    Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed.
+    plain self-attention (`_prior_alone`; set `prior.use_flex` later to change it). Make the optimiser after this
+    call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it
+    undecayed.
     """
     _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention)
     _check_bool("flex", flex, "add_mask_prior")

@@ -153,7 +153,8 @@ class Config:
     ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. 0.9999), evaluated "
                         "beside them (ema_* metrics); 0 = off", type=float, check="fraction")
     attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, or for M torch's "
-                            "flex_attention (CUDA); auto = fused, but explicit for a masked model of <= 128 positions on the CPU",
+                            "flex_attention (CUDA); auto = fused, but explicit for a masked model of <= 128 "
+                            "positions on the CPU",
                             choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
     # prior
     pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
