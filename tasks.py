@@ -1984,7 +1984,7 @@ class Multiplication(ArithmeticTask):
     With --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`: `LeeMultiplication`)."""
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
-    PATTERNS = ArithmeticTask.PATTERNS + ("partial",)
+    PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
                  discover_alpha: float = 0.05, seed: int = 0):
@@ -1998,7 +1998,9 @@ class Multiplication(ArithmeticTask):
         return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        return self._partial_products() if variant == "partial" else super().build_pattern(variant)
+        if variant in ("partial", "columns"):
+            return self._partial_products() if variant == "partial" else self._columns()
+        return super().build_pattern(variant)
 
     def _partial_products(self) -> torch.Tensor:
         """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit of
@@ -2020,6 +2022,30 @@ class Multiplication(ArithmeticTask):
                 if 0 <= k - i < d:
                     pat[i, q, pos_a[i]] = pat[i, q, pos_b[k - i]] = True
             pat[d, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
+        return pat
+
+    def _columns(self) -> torch.Tensor:
+        """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit c_k sees, in head
+        0, itself and every a_i, b_j of its column (i + j = k); in head 1 the column below (k - 1, where the carry
+        into k mostly comes from), in head 2 the column below that (k - 2); in head 3 the answer digits already
+        written (answers lsb first: the lower digits, the trace of the running sum); in any further head the `carry`
+        pattern. Prompt rows keep the plain causal pattern in every head."""
+        d, n = self.n_digits, self.length - 1
+        if self.heads < 4:
+            raise TaskError(f"--pattern columns gives columns k, k - 1, k - 2 and the answer so far a head each: it "
+                            f"needs --heads >= 4, got {self.heads}")
+        pos_a = {d - 1 - i: i for i in range(d)}                    # significance -> position
+        pos_b = {j: d + 1 + (d - 1 - j) for j in range(d)}
+        pat = self._levels("carry").gt(0).unsqueeze(0).repeat(self.heads, 1, 1)
+        for q in range(self.eq_pos, n):
+            k = self.answer_significance(q - self.eq_pos)
+            pat[:4, q] = False
+            pat[:4, q, q] = True
+            for head in range(3):
+                for i in range(d):
+                    if 0 <= k - head - i < d:
+                        pat[head, q, pos_a[i]] = pat[head, q, pos_b[k - head - i]] = True
+            pat[3, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
         return pat
 
     # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest ("frame"):

@@ -2992,6 +2992,24 @@ def test_partial_product_pattern_gives_each_head_one_product():
         T.make_task("addition").pattern("partial")
 
 
+def test_columns_pattern_gives_each_head_one_column():
+    """--pattern columns (multiplication): for answer digit c_k, head 0 sees the pairs of column k (i + j = k), head
+    1 column k - 1, head 2 column k - 2, head 3 the answer so far, further heads the carry pattern; 2 digits,
+    answers reversed: a1 a0 * b1 b0 = c0.. (positions 0 1 * 3 4 = 5, answers 6..)."""
+    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=5)
+    p = task.pattern("columns")
+    rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
+    assert p.shape == (5, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(5))
+    assert rows(0, 5) == [1, 4, 5] and rows(1, 5) == [5] and rows(2, 5) == [5]     # c0 = a0 b0: column 0 only
+    assert rows(0, 6) == [0, 1, 3, 4, 6] and rows(1, 6) == [1, 4, 6]               # c1: column 1, column 0 below
+    assert rows(0, 7) == [0, 3, 7] and rows(2, 7) == [1, 4, 7]                     # c2: a1 b1; column 0 two below
+    assert rows(3, 8) == [6, 7, 8] and rows(3, 5) == [5]                           # head 3: the answer so far
+    assert p[4].equal(task.pattern("carry"))
+    assert task.mask_logits("columns", 5.0, 10.0).shape == (5, 9, 9)
+    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
+        T.make_task("multiplication", heads=3).pattern("columns")
+
+
 def test_arithmetic_pattern_for_known_positions():
     add = T.make_task("addition")
     p = add.pattern()
