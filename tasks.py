@@ -2007,22 +2007,9 @@ class Multiplication(ArithmeticTask):
         significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is not a
         digit of b); in head d the answer digits already written (the carries' trace); in any further
         head the `carry` pattern. Prompt rows keep the plain causal pattern in every head."""
-        d, n = self.n_digits, self.length - 1
-        if self.heads < d + 1:
-            raise TaskError(f"--pattern partial gives each of the {d} digits of a its own head and one head to the "
-                            f"answer so far: it needs --heads >= {d + 1}, got {self.heads}")
-        pos_a = {d - 1 - i: i for i in range(d)}                    # significance -> position
-        pos_b = {j: d + 1 + (d - 1 - j) for j in range(d)}
-        pat = self._levels("carry").gt(0).unsqueeze(0).repeat(self.heads, 1, 1)
-        for q in range(self.eq_pos, n):
-            k = self.answer_significance(q - self.eq_pos)
-            pat[:d + 1, q] = False
-            pat[:d + 1, q, q] = True
-            for i in range(d):
-                if 0 <= k - i < d:
-                    pat[i, q, pos_a[i]] = pat[i, q, pos_b[k - i]] = True
-            pat[d, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
-        return pat
+        d = self.n_digits
+        return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
+                                    lambda k: [[(i, k - i)] for i in range(d)])
 
     def _columns(self) -> torch.Tensor:
         """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit c_k sees, in head
@@ -2030,22 +2017,30 @@ class Multiplication(ArithmeticTask):
         into k mostly comes from), in head 2 the column below that (k - 2); in head 3 the answer digits already
         written (answers lsb first: the lower digits, the trace of the running sum); in any further head the `carry`
         pattern. Prompt rows keep the plain causal pattern in every head."""
-        d, n = self.n_digits, self.length - 1
-        if self.heads < 4:
-            raise TaskError(f"--pattern columns gives columns k, k - 1, k - 2 and the answer so far a head each: it "
-                            f"needs --heads >= 4, got {self.heads}")
+        d = self.n_digits
+        return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
+                                    lambda k: [[(i, k - c - i) for i in range(d)] for c in range(3)])
+
+    def _heads_of_pairs(self, name: str, gives: str, groups) -> torch.Tensor:
+        """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the digits of the
+        pairs (i, j) (significances of a and b; pairs off the operands dropped) that `groups(k)[h]` names; in head G
+        the answer digits already written; in any further head the `carry` pattern. Prompt rows stay causal."""
+        d, n, g = self.n_digits, self.length - 1, len(groups(0))
+        if self.heads < g + 1:
+            raise TaskError(f"--pattern {name} gives {gives} and one head to the answer so far: it needs --heads >= "
+                            f"{g + 1}, got {self.heads}")
         pos_a = {d - 1 - i: i for i in range(d)}                    # significance -> position
         pos_b = {j: d + 1 + (d - 1 - j) for j in range(d)}
         pat = self._levels("carry").gt(0).unsqueeze(0).repeat(self.heads, 1, 1)
         for q in range(self.eq_pos, n):
             k = self.answer_significance(q - self.eq_pos)
-            pat[:4, q] = False
-            pat[:4, q, q] = True
-            for head in range(3):
-                for i in range(d):
-                    if 0 <= k - head - i < d:
-                        pat[head, q, pos_a[i]] = pat[head, q, pos_b[k - head - i]] = True
-            pat[3, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
+            pat[:g + 1, q] = False
+            pat[:g + 1, q, q] = True
+            for head, pairs in enumerate(groups(k)):
+                for i, j in pairs:
+                    if 0 <= j < d:
+                        pat[head, q, pos_a[i]] = pat[head, q, pos_b[j]] = True
+            pat[g, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
         return pat
 
     # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest ("frame"):
