@@ -4380,6 +4380,288 @@ def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
     assert e.value.code == 0 and "text files" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------------------------------- datafetch: download
+
+import http.server  # noqa: E402
+import tarfile  # noqa: E402
+import threading  # noqa: E402
+import zipfile  # noqa: E402
+
+from datafetch import download as DL  # noqa: E402
+from datafetch import imagenet100 as IN  # noqa: E402
+
+
+class LoopServer:
+    """An HTTP server on 127.0.0.1 for the download tests, serving `files` under a mode: /good/NAME (with Range),
+    /cut/NAME (half the bytes, then the connection closes), /stall/NAME (a few bytes, then silence), /e404/, /e500/.
+    `ranges` keeps the Range header of each request (None where there was none)."""
+
+    def __init__(self, files):
+        self.files, self.ranges = files, []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                _, mode, name = self.path.split("/", 2)
+                owner.ranges.append(self.headers.get("Range"))
+                if mode in ("e404", "e500") or name not in owner.files:
+                    self.send_error(500 if mode == "e500" else 404)
+                    return
+                data, start = owner.files[name], 0
+                if self.headers.get("Range") and mode == "good":
+                    start = int(self.headers["Range"].split("=")[1].rstrip("-"))
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if mode == "cut":
+                    self.wfile.write(data[:len(data) // 2])
+                elif mode == "stall":
+                    self.wfile.write(data[:10])
+                    self.wfile.flush()
+                    time.sleep(3)
+                else:
+                    self.wfile.write(data[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def loop_server():
+    servers = []
+
+    def start(files):
+        servers.append(LoopServer(files))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _tar_gz(folder: Path, top: str, extra=()) -> bytes:
+    """folder/top as a .tar.gz (the CIFAR releases' format), plus `extra` TarInfo members (name, type, data)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        t.add(folder / top, arcname=top)
+        for name, kind, data in extra:
+            info = tarfile.TarInfo(name)
+            info.type, info.size, info.linkname = kind, len(data), "/etc/passwd" if kind in (tarfile.SYMTYPE,
+                                                                                             tarfile.LNKTYPE) else ""
+            t.addfile(info, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+def _zip(folder: Path, top: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(top + "/", "")
+        for p in sorted((folder / top).rglob("*")):
+            z.write(p, p.relative_to(folder).as_posix())
+    return buf.getvalue()
+
+
+def _entry(name: str, data: bytes, target: str, unpacked: int = 0) -> DL.File:
+    """A File of the test's own checksum table (the pinned ones describe the real releases)."""
+    return DL.File(f"https://example.invalid/{name}", len(data), hashlib.sha256(data).hexdigest(), target,
+                   md5=hashlib.md5(data).hexdigest(), max_unpacked=unpacked)
+
+
+@pytest.fixture
+def fixture_sets(tmp_path):
+    """({set: (File,)}, {file name: bytes}): CIFAR-10 as its python .tar.gz, WikiText-2's tokens as its .zip and
+    TinyStories' two text files, each in its release's exact layout, made small."""
+    src = tmp_path / "src"
+    _write_layout(src, "cifar10 python")
+    make_wikitext(src)
+    stories = make_tinystories(src / "ts")
+    blobs = {"cifar-10-python.tar.gz": _tar_gz(src, "cifar-10-batches-py"), "wikitext-2-v1.zip": _zip(src, "wikitext-2"),
+             "TinyStoriesV2-GPT4-train.txt": (stories / "TinyStoriesV2-GPT4-train.txt").read_bytes(),
+             "TinyStoriesV2-GPT4-valid.txt": (stories / "TinyStoriesV2-GPT4-valid.txt").read_bytes()}
+    table = {"cifar10": (_entry("cifar-10-python.tar.gz", blobs["cifar-10-python.tar.gz"], "cifar-10-batches-py",
+                                1 << 20),),
+             "wikitext2": (_entry("wikitext-2-v1.zip", blobs["wikitext-2-v1.zip"], "wikitext-2", 1 << 20),),
+             "tinystories": tuple(_entry(n, blobs[n], n) for n in ("TinyStoriesV2-GPT4-train.txt",
+                                                                  "TinyStoriesV2-GPT4-valid.txt"))}
+    return table, blobs
+
+
+def _tree(folder: Path) -> dict:
+    """Every path under `folder` (hidden ones too) with its bytes: a folder 'as it was' compares equal."""
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(folder.rglob("*"))} if folder.exists() else None
+
+
+@pytest.mark.parametrize("name", ["cifar10", "wikitext2", "tinystories"])
+def test_download_fetches_checks_and_unpacks_a_set_whole(name, tmp_path, loop_server, fixture_sets, capsys):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    assert DL.download([name], str(data), server.base + "/good", table) == 0
+    assert T.TASKS[name].locate(str(data))                     # its reader finds it, where reproduce.sh looks
+    assert sorted(os.listdir(data)) == sorted(f.target for f in table[name])    # no .part, no staging folder left
+    out = capsys.readouterr().out
+    assert "100%" in out and out.count("%  ") <= 10 * len(table[name]) and "is in place" in out
+    assert DL.download([name], str(data), server.base + "/e404", table) == 0          # there: no request made
+    assert "already there; left as it is" in capsys.readouterr().out and len(server.ranges) == len(table[name])
+
+
+def test_download_refuses_a_corrupt_file_naming_both_sums_and_keeps_nothing(tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    bad = bytearray(blobs["cifar-10-python.tar.gz"])
+    bad[len(bad) // 2] ^= 0xFF
+    server, data = loop_server({"cifar-10-python.tar.gz": bytes(bad)}), tmp_path / "data"
+    (data / "notes").mkdir(parents=True)
+    before = _tree(data)
+    with pytest.raises(T.DataError) as e:
+        DL.download(["cifar10"], str(data), server.base + "/good", table)
+    text = str(e.value)
+    assert hashlib.sha256(bytes(bad)).hexdigest() in text and table["cifar10"][0].sha256 in text and "\n" not in text
+    assert _tree(data) == before
+
+
+def test_download_cut_short_resumes_from_its_part_with_a_range_request(tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    size = len(blobs["cifar-10-python.tar.gz"])
+    with pytest.raises(T.DataError, match="run the same command again to resume"):
+        DL.download(["cifar10"], str(data), server.base + "/cut", table)
+    assert os.listdir(data) == ["cifar-10-python.tar.gz.part"]
+    assert (data / "cifar-10-python.tar.gz.part").stat().st_size == size // 2
+    DL.download(["cifar10"], str(data), server.base + "/good", table)
+    assert server.ranges == [None, f"bytes={size // 2}-"] and os.listdir(data) == ["cifar-10-batches-py"]
+    assert T.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
+
+
+@pytest.mark.parametrize("member", [("cifar-10-batches-py/../../evil", tarfile.REGTYPE, b"x"),
+                                    ("/tmp/evil", tarfile.REGTYPE, b"x"),
+                                    ("cifar-10-batches-py/link", tarfile.SYMTYPE, b""),
+                                    ("cifar-10-batches-py/hard", tarfile.LNKTYPE, b""),
+                                    ("cifar-10-batches-py/dev", tarfile.CHRTYPE, b""),
+                                    ("elsewhere/file", tarfile.REGTYPE, b"x"),
+                                    ("cifar-10-batches-py/big", tarfile.REGTYPE, b"\0" * (1 << 20))])
+def test_download_refuses_an_unsafe_archive_and_leaves_the_folder_as_it_was(member, tmp_path, loop_server):
+    src, data = tmp_path / "src", tmp_path / "data"
+    _write_layout(src, "cifar10 python")
+    blob = _tar_gz(src, "cifar-10-batches-py", [member])
+    table = {"cifar10": (_entry("cifar-10-python.tar.gz", blob, "cifar-10-batches-py", 1 << 20),)}
+    server = loop_server({"cifar-10-python.tar.gz": blob})
+    data.mkdir()
+    with pytest.raises(T.DataError, match="refused, nothing unpacked"):
+        DL.download(["cifar10"], str(data), server.base + "/good", table)
+    assert os.listdir(data) == [] and not (tmp_path / "evil").exists()
+
+
+@pytest.mark.parametrize("mode, words", [("e404", "HTTP 404"), ("e500", "HTTP 500"), ("stall", "stopped at 10 of")])
+def test_download_server_errors_and_stalls_are_one_line(mode, words, tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    t0 = time.monotonic()
+    with pytest.raises(T.DataError, match=words) as e:
+        DL.download(["cifar10"], str(data), f"{server.base}/{mode}", table, timeout=0.5)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 2.5
+    assert (os.listdir(data) == ["cifar-10-python.tar.gz.part"]) if mode == "stall" else not data.exists()
+
+
+def test_download_command_wiring_refusals_and_the_lock(tmp_path, loop_server, capsys):
+    data = tmp_path / "data"
+    server = loop_server({})
+    assert train.main(["download", "cifar10", "--data", str(data), "--from", server.base + "/e404"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HTTP 404" in err and f"{server.base}/e404/cifar-10-python.tar.gz" in err
+    assert train.main(["download", "imagenet100", "--data", str(data)]) == 2
+    assert "python train.py imagenet100 --from" in capsys.readouterr().err and not data.exists()
+    data.mkdir()
+    fd = os.open(data, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert train.main(["download", "wikitext2", "--data", str(data), "--from", server.base + "/good"]) == 75
+        assert "another download" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    assert os.listdir(data) == []
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_lines_in_a_log():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        p = DL.Progress(1000, 0, stream)
+        for got in range(50, 1001, 50):
+            p.update(got)
+        p.done()
+    assert "\r  [" in tty.getvalue() and "MiB/s" in tty.getvalue() and "ETA" in tty.getvalue()
+    assert log.getvalue().count("\n") == 10 and "\r" not in log.getvalue() and " 100%" in log.getvalue()
+
+
+def test_pinned_sources_name_their_sums_and_the_readers_folders():
+    for name, files in DL.SOURCES.items():
+        for f in files:
+            assert len(f.sha256) == 64 and f.size > 0 and f.url.endswith("/" + f.name)
+            assert (f.md5 is not None) == name.startswith("cifar") or name == "wikitext2"
+    assert [f.target for f in DL.SOURCES["wikitext2"]] == [T.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")]
+
+
+# ---- imagenet100: the 100 classes from an ImageNet-1k folder
+
+def _imagenet1k(root: Path, skip=()) -> Path:
+    for split in ("train", "val"):
+        for w in T.IMAGENET100_WNIDS + ("n99999999",):             # one class not of the 100
+            if (split, w) not in skip:
+                write(root / split / w / f"{w}_{split}.JPEG", f"{split} {w}")
+    return root
+
+
+def test_imagenet100_builds_the_tree_with_hard_links(tmp_path):
+    src, data = _imagenet1k(tmp_path / "in1k"), tmp_path / "data"
+    line = IN.build(str(src), str(data))
+    assert "200 images, hard links" in line and os.listdir(data) == ["imagenet100"]
+    assert T.imagenet100_layout(str(data / "imagenet100")) == "folder"
+    assert sorted(os.listdir(data / "imagenet100" / "val")) == sorted(T.IMAGENET100_WNIDS)
+    w = T.IMAGENET100_WNIDS[5]
+    assert os.path.samefile(data / "imagenet100" / "train" / w / f"{w}_train.JPEG", src / "train" / w / f"{w}_train.JPEG")
+    assert "already there; left as it is" in IN.build(str(src), str(data))
+
+
+def test_imagenet100_copies_where_links_are_refused(tmp_path, monkeypatch):
+    src, data = _imagenet1k(tmp_path / "in1k"), tmp_path / "data"
+
+    def refuse(*a, **k):
+        raise OSError(errno.EXDEV, "cross-device link")
+    monkeypatch.setattr(IN.os, "link", refuse)
+    assert "0 hard links, 200 copies" in IN.build(str(src), str(data))
+    w = T.IMAGENET100_WNIDS[0]
+    assert (data / "imagenet100" / "val" / w / f"{w}_val.JPEG").read_text() == f"val {w}"
+
+
+@pytest.mark.parametrize("case", ["missing class", "empty class", "a symlink"])
+def test_imagenet100_refuses_an_incomplete_source_and_builds_nothing(case, tmp_path):
+    w = T.IMAGENET100_WNIDS[7]
+    src = _imagenet1k(tmp_path / "in1k", skip={("val", w)} if case == "missing class" else ())
+    if case == "empty class":
+        (src / "val" / w / f"{w}_val.JPEG").unlink()
+    if case == "a symlink":
+        os.symlink("/etc/hostname", src / "train" / w / "x.JPEG")
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(T.DataError, match="nothing built"):
+        IN.build(str(src), str(data))
+    assert os.listdir(data) == []
+    assert train.main(["imagenet100", "--from", str(src), "--data", str(data)]) == 2
+
+
 # ---------------------------------------------------------------------------------------- train.py: config
 
 def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():

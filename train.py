@@ -5,6 +5,8 @@
     python train.py --task cifar10 --data-dir data/ --init impulse
     python train.py summarize runs/          # a markdown table of finished runs
     python train.py report runs/quick results/quick   # results/*.md tables, learning and persistence curves
+    python train.py download cifar10 wikitext2 --data data/      # the public data sets, fetched and checked
+    python train.py imagenet100 --from /datasets/imagenet --data data/   # ImageNet-100 from an ImageNet-1k copy
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
 
 A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
@@ -296,7 +298,7 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
           "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
 
 
-COMMANDS = ("train", "summarize", "report", "make-digits", "make-wikitext")
+COMMANDS = ("train", "summarize", "report", "download", "imagenet100", "make-digits", "make-wikitext")
 UsageError, BusyError = T.UsageError, T.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
 
 
@@ -347,19 +349,37 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> Parser:
-    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `make-digits`, `make-wikitext`."""
+    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `download`, `imagenet100`, `make-digits`,
+    `make-wikitext`."""
     p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
                        description="Train a task with an attention prior. A flag not given takes the task's preset "
                                    "value (--preset small or paper), else the default shown. Other commands: "
-                                   "summarize, report, make-digits, make-wikitext (python train.py COMMAND --help).")
+                                   "summarize, report, download, imagenet100, make-digits, make-wikitext "
+                                   "(python train.py COMMAND --help).")
     add_train_flags(t)
     s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
     s.add_argument("paths", nargs="+", help="run directories or folders of them")
     r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a reproduction")
     r.add_argument("runs", help="a reproduce.sh runs folder (e.g. runs/quick)")
     r.add_argument("out", help="the folder to write the tables and figures to (e.g. results/quick)")
+    g = sub.add_parser("download", help="fetch the public data sets into a folder, checked against pinned sums",
+                       description="Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and "
+                                   "valid) into --data: resumable (run again after a cut), checked against their "
+                                   "pinned sha256 and md5, unpacked safely, moved in whole; a set already there is "
+                                   "left as it is. See datafetch/download.py.")
+    g.add_argument("names", nargs="+", metavar="NAME", help="cifar10, cifar100, wikitext2, tinystories")
+    g.add_argument("--data", required=True, metavar="DIR", help="the data folder (reproduce.sh's --data)")
+    g.add_argument("--from", dest="mirror", metavar="URL", help="a mirror: a base URL holding the same file names "
+                   "(still checked against the pinned sums)")
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds without a byte before a transfer stops")
+    i = sub.add_parser("imagenet100", help="build ImageNet-100 from an ImageNet-1k folder (it needs a licence)",
+                       description="DIR/imagenet100/{train,val}/<wnid>/ from IMAGENET_1K_DIR/{train,val}/<wnid>/, the "
+                                   "100 classes of tasks.IMAGENET100_WNIDS, hard links where possible, else copies; "
+                                   "whole or not at all. See datafetch/imagenet100.py.")
+    i.add_argument("--from", dest="source", required=True, metavar="IMAGENET_1K_DIR")
+    i.add_argument("--data", required=True, metavar="DIR")
     d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python layout")
     d.add_argument("folder")
     w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's word-level layout")
@@ -1494,8 +1514,8 @@ class Interrupt:
 
 
 # ----------------------------------------------------------------------------------------
-# Commands: train (the default); summarize and report (reporting/report.py); make-digits and make-wikitext
-# (the fixture writers of tasks.py)
+# Commands: train (the default); summarize and report (reporting/report.py); download and imagenet100 (datafetch/);
+# make-digits and make-wikitext (the fixture writers of tasks.py)
 
 
 def main(argv=None) -> int:
@@ -1505,6 +1525,13 @@ def main(argv=None) -> int:
             from reporting import report             # the reports load only for their commands
             return report.summarize_command(flags.paths) if flags.command == "summarize" else \
                 report.report_command(flags.runs, flags.out)
+        if flags.command == "download":
+            from datafetch import download
+            return download.download(flags.names, flags.data, flags.mirror, timeout=flags.timeout)
+        if flags.command == "imagenet100":
+            from datafetch import imagenet100
+            print(imagenet100.build(flags.source, flags.data))
+            return 0
         if flags.command in ("make-digits", "make-wikitext"):      # the fixture writers
             print(T.make_digits(flags.folder) if flags.command == "make-digits" else
                   T.make_wikitext(flags.folder, flags.files))
