@@ -5,7 +5,7 @@ set -uo pipefail
 usage() {
     cat <<'EOF'
 usage: bash reproduce.sh [--quick] [--only TABLE] [--seeds "0 1 2"] [--jobs N] [--gpus N] [--data DIR]
-                         [--runs DIR] [--results DIR] [--dry-run] [--help]
+                         [--runs DIR] [--results DIR] [--download] [--dry-run] [--help]
 
 Runs every experiment of the paper with train.py, then writes the tables (RESULTS/*.md) and
 the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is installed).
@@ -14,7 +14,8 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  arithmetic (addition, multiplication), vision (CIFAR-10, CIFAR-100,
                  ImageNet-100), language modelling (WikiText-2, TinyStories)
   --quick        a CPU-sized version: the Boolean tasks and addition at the `small`
-                 presets, 3 seeds, 2 runs at a time (about 50 minutes on an idle 2-core CPU);
+                 presets, 3 seeds, 2 runs at a time (about 80 minutes on an idle 2-core CPU:
+                 the plan's estimate from results/step_times.json; the Boolean table took 59);
                  addition at two budgets: 250 steps (tag 250steps, every init), where the
                  paper's numbers show (the paper's budget is not known), and the preset's
                  1,500 steps, convergence (default and mask)
@@ -61,6 +62,14 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
                  language stand-in (teacher on --data/vimtext-a, students on vimtext-b, both
                  WikiText-2 layouts; --prior-kind relative); RUNS/oraclefree/, table
                  RESULTS/oraclefree.md and the found patterns beside the hand ones
+  --only parity3  does any layout let the mask learn a 3-parity? kparity on bits 2, 7, 11
+                 over readout x positional std x depth x the bits frozen on U, 600 steps
+                 (the small preset); RUNS/parity3/
+  --only mult-ladder  multiplication at the paper preset (a GPU's), never part of the
+                 default run: answers msb and lsb, 5,000 steps, default, mask (carry),
+                 mask --pattern partial and qk-opt; then the order whose runs average the
+                 higher sequence accuracy at 20,000 steps (the plan is read again once the
+                 first 24 results are in); RUNS/mult-ladder/
   --seeds LIST   seeds to run (default "0 1 2")
   --jobs N       runs at a time (default 1, --quick 2); each run gets OMP_NUM_THREADS=1
                  on the CPU when N > 1
@@ -74,7 +83,12 @@ the persistence curves (RESULTS/persistence.csv, and .png when matplotlib is ins
   --results DIR  tables and plots (default results/, results/quick/ with --quick); a
                  relative --runs, --results or --data is read from the current folder,
                  the defaults live beside this script
-  --dry-run      list the runs it would start or skip, run nothing
+  --download     first fetch the data sets the plan misses into --data (python train.py
+                 download: CIFAR-10, CIFAR-100, WikiText-2, TinyStories; checked against pinned
+                 sums, resumable); ImageNet-100 is built from an ImageNet-1k copy you have:
+                 python train.py imagenet100 --from IMAGENET_1K_DIR --data DIR
+  --dry-run      list the runs it would start or skip, run nothing (with --download: say
+                 what it would fetch)
   PYTHON=...     the interpreter (default python)
 
 A run whose result.json exists is skipped, and an interrupted one (a checkpoint, no
@@ -88,7 +102,7 @@ only its own runs' failures. A seed may be given once.
 EOF
 }
 
-QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA=""; RUNS=""; RESULTS=""; DRY=0
+QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA=""; RUNS=""; RESULTS=""; DRY=0; DOWNLOAD=0
 value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none
     if [ -z "${2:-}" ] || [[ "$2" == --* ]]; then
         echo "reproduce.sh: $1 needs a value (see bash reproduce.sh --help)" >&2; exit 2
@@ -105,17 +119,21 @@ while [ $# -gt 0 ]; do
         --runs) value "$1" "${2:-}"; RUNS="$2"; shift ;;
         --results) value "$1" "${2:-}"; RESULTS="$2"; shift ;;
         --dry-run) DRY=1 ;;
+        --download) DOWNLOAD=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "reproduce.sh: unknown option $1 (see bash reproduce.sh --help)" >&2; exit 2 ;;
     esac
     shift
 done
 case "$ONLY" in
-    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior|oraclefree|lee) ;;
+    ""|boolean|arithmetic|vision|lm|persistence|ablation|data|mult2|visionprior|oraclefree|parity3|lee|mult-ladder) ;;
     *) echo "reproduce.sh: --only takes boolean, arithmetic, vision, lm, persistence, ablation, data, mult2," \
-            "visionprior, oraclefree or lee, not '$ONLY'" >&2
+            "visionprior, oraclefree, parity3, lee or mult-ladder, not '$ONLY'" >&2
        exit 2 ;;
 esac
+if [ "$ONLY" = mult-ladder ] && [ "$QUICK" = 1 ]; then
+    echo "reproduce.sh: --only mult-ladder is the paper preset's (a GPU's); leave out --quick" >&2; exit 2
+fi
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
 DUP=$(printf '%s\n' $SEEDS | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -n "$DUP" ] && { echo "reproduce.sh: --seeds lists seed $DUP twice (two runs would share one folder)" >&2; exit 2; }
@@ -124,7 +142,7 @@ absolute() { if [ -z "$1" ] || [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/
 # folders given are read from where the script is started; the defaults live beside it
 RUNS=$(absolute "$RUNS"); RESULTS=$(absolute "$RESULTS"); DATA=$(absolute "$DATA"); DATA="${DATA:-data}"
 cd "$(dirname "$0")"
-if [[ " ablation data mult2 visionprior oraclefree " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
+if [[ " ablation data mult2 visionprior oraclefree parity3 " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
     echo "reproduce.sh: --only $ONLY runs at the small preset (as with --quick)"
     QUICK=1
 fi
@@ -153,16 +171,32 @@ fi
 # ---- the run list: reporting/plan.py says which runs each table makes, and which are skipped for want of their
 # data (and where to get it). A line is "TABLE TASK INIT SEED TAG FLAGS..." (the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG];
 # @DATA and @RUNS in the flags stand for the --data and --runs folders, passed as one argument whatever they hold);
-# WAIT lets every run before it finish (teachers before their students).
-PLAN_ARGS=(--seeds "$SEEDS" --data "$DATA")
+# WAIT lets every run before it finish (teachers before their students); REPLAN does too, then the plan is read
+# again (once): its next runs are chosen from those results (mult-ladder's better order).
+# "DOWNLOAD NAME..." names the data sets missing from --data that train.py download fetches (--download).
+PLAN_ARGS=(--seeds "$SEEDS" --data "$DATA" --runs "$RUNS" --jobs "$JOBS")
 [ "$QUICK" = 1 ] && PLAN_ARGS+=(--quick)
 [ -n "$ONLY" ] && PLAN_ARGS+=(--only "$ONLY")
-LIST_TEXT=$("$PY" -m reporting.plan "${PLAN_ARGS[@]}" --list) \
-    || { echo "reproduce.sh: cannot read the run list with $PY (python -m reporting.plan)" >&2; exit 1; }
-LIST=() PLAN_TEXT=()         # the plan's text (its lines led by "# "), then the runs
-while IFS= read -r line; do
-    case "$line" in "# "*) PLAN_TEXT+=("${line#\# }") ;; "") ;; *) LIST+=("$line") ;; esac
-done <<< "$LIST_TEXT"
+read_plan() {
+    LIST_TEXT=$("$PY" -m reporting.plan "${PLAN_ARGS[@]}" --list) \
+        || { echo "reproduce.sh: cannot read the run list with $PY (python -m reporting.plan)" >&2; exit 1; }
+    LIST=() PLAN_TEXT=() FETCH=""        # the plan's text (its lines led by "# "), the sets to fetch, the runs
+    while IFS= read -r line; do
+        case "$line" in "# "*) PLAN_TEXT+=("${line#\# }") ;; "DOWNLOAD "*) FETCH="${line#DOWNLOAD }" ;; "") ;;
+                        *) LIST+=("$line") ;; esac
+    done <<< "$LIST_TEXT"
+}
+read_plan
+if [ "$DOWNLOAD" = 1 ] && [ -n "$FETCH" ]; then
+    if [ "$DRY" = 1 ]; then
+        echo "reproduce.sh: --download would fetch $FETCH into $DATA first (python train.py download $FETCH --data $DATA)"
+    else
+        echo "reproduce.sh: --download: fetching $FETCH into $DATA"
+        # shellcheck disable=SC2086  # FETCH is a list of set names
+        "$PY" train.py download $FETCH --data "$DATA" || exit $?
+        read_plan                     # the plan again, with the sets now there
+    fi
+fi
 
 # ---- one run: skip if finished, resume if interrupted, else start
 run_one() {
@@ -229,16 +263,30 @@ STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || { echo "reproduce.sh: c
 trap 'rm -rf "$STATE"' EXIT
 STATUS=0
 set -m
+REPLANNED=0 AGAIN=1
+while [ "$AGAIN" = 1 ]; do
+AGAIN=0
 for item in "${LIST[@]}"; do
     [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
-    if [ "$item" = WAIT ]; then                 # the runs after it read the ones before (teachers)
+    if [ "$item" = REPLAN ] && [ "$DRY" = 1 ]; then
+        echo "then    the runs the plan chooses from these runs' results (reproduce.sh reads it again once they are in)"
+        continue
+    fi
+    if [ "$item" = WAIT ] || [ "$item" = REPLAN ]; then     # the runs after it read the ones before (teachers)
         while [ -n "$(jobs -rp)" ]; do wait 2>/dev/null; done
+        if [ "$item" = REPLAN ] && [ "$REPLANNED" = 0 ] && [ -z "$SIGNAL" ] && [ ! -s "$STATE/failed" ]; then
+            REPLANNED=1 AGAIN=1
+            read_plan
+            printf '%s\n' "${PLAN_TEXT[@]}"
+            break
+        fi
         continue
     fi
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null; done
     [ -n "$SIGNAL" ] || [ -f "$STATE/interrupted" ] && break
     read -ra fields <<< "$item"
     if [ "$DRY" = 1 ]; then run_one "${fields[@]}"; else run_one "${fields[@]}" & fi
+done
 done
 while [ -n "$(jobs -rp)" ]; do wait 2>/dev/null; done      # a signal ends a wait early: wait again
 set +m

@@ -2462,7 +2462,8 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
                               for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
         raise DataError(f"CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
                         f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; "
-                        f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
+                        f"fetch it with `python train.py download cifar10 --data {data_dir}` (from {CIFAR_URL}, "
+                        f"checked and unpacked), or point --data-dir at it")
     py = _find(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
         return "python", [os.path.join(py, s) for s in ("train", "test")]
@@ -2471,7 +2472,8 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
         return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
     raise DataError(f"CIFAR-100 not found: looked for cifar-100-python/train (python) and "
                     f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; "
-                    f"download and unpack it from {CIFAR_URL}, or point --data-dir at it")
+                    f"fetch it with `python train.py download cifar100 --data {data_dir}` (from {CIFAR_URL}, "
+                    f"checked and unpacked), or point --data-dir at it")
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
@@ -2543,7 +2545,8 @@ def imagenet100_layout(data_dir: str) -> str:
         return "downsampled"
     raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for train/<wnid>/*.JPEG with "
                     f"val/<wnid>/ (an ImageFolder tree; needs Pillow), and for train_data_batch_1..10 and val_data "
-                    f"with map_clsloc.txt (the downsampled ImageNet, {IMAGENET32_URL})")
+                    f"with map_clsloc.txt (the downsampled ImageNet, {IMAGENET32_URL}); `python train.py imagenet100 "
+                    f"--from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
 def _wnid_map_path(data_dir: str) -> str:
@@ -3256,8 +3259,8 @@ class ImageNet100(ImageTask):
 # Two corpora are supported, read from the files their authors publish (no
 # ``datasets`` library, no network):
 #
-# * **WikiText-2** (https://huggingface.co/datasets/Salesforce/wikitext, the
-#   ``wikitext-2-v1`` / ``wikitext-2-raw-v1`` zips), either release:
+# * **WikiText-2** (https://wikitext.smerity.com, the ``wikitext-2-v1`` /
+#   ``wikitext-2-raw-v1`` zips; ``train.py download wikitext2``), either release:
 #
 #   - ``wikitext-2/wiki.{train,valid,test}.tokens`` (word level, rare words
 #     already replaced by ``<unk>``), tried first;
@@ -3303,7 +3306,7 @@ class ImageNet100(ImageTask):
 #
 
 
-WIKITEXT_URL = "https://huggingface.co/datasets/Salesforce/wikitext"
+WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors released them
 
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
@@ -3515,7 +3518,8 @@ def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> t
     zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip" for r in releases)
     raise DataError(
         f"WikiText-2 not found: looked for {', '.join(looked)}; "
-        f"download {zips} from {WIKITEXT_URL} and unzip it into {data_dir}"
+        f"fetch both releases with `python train.py download wikitext2 --data {data_dir}` ({zips} from "
+        f"{WIKITEXT_URL}, checked and unzipped)"
     )
 
 
@@ -3670,7 +3674,7 @@ def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -
     wanted = " or ".join(f"{TINYSTORIES_VERSIONS[v]}-{{train,valid}}.txt" for v in versions)
     raise DataError(
         f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; "
-        f"download them from {TINYSTORIES_URL} into {data_dir}"
+        f"fetch the V2 files with `python train.py download tinystories --data {data_dir}` (from {TINYSTORIES_URL})"
     )
 
 

@@ -7028,6 +7028,80 @@ def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path
     assert "FAILED" not in second.stdout + second.stderr
 
 
+def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_fetches_it(tmp_path):
+    """A plan without its data names the commands that fetch it (train.py download for the published sets, train.py
+    imagenet100 for ImageNet-100); reproduce.sh --download runs the first, then plans with the sets in; --dry-run only
+    says so; a failed download starts no run."""
+    import reporting.plan as P
+    empty = P.run_list(seeds=(0,), data=str(tmp_path / "none"))
+    assert empty.absent == ["cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"]
+    fetch = P.fetch_lines(empty)
+    assert fetch[0].startswith(f"python train.py download cifar10 cifar100 wikitext2 tinystories --data {tmp_path}")
+    assert fetch[1].startswith("python train.py imagenet100 --from IMAGENET_1K_DIR") and len(fetch) == 2
+    data = tmp_path / "data"
+    _write_layout(data, "cifar10 python")
+    plan = P.run_list(only="vision", seeds=(0,), data=str(data))
+    assert plan.absent == ["cifar100", "imagenet100"] and len(plan.runs) == 5
+    assert "fetch: python train.py download cifar100 --data" in P.describe(plan, {})
+    r = _reproduce("--dry-run", "--download", "--only", "lm", "--data", str(tmp_path / "none"))
+    assert r.returncode == 0 and not (tmp_path / "none").exists()
+    assert "--download would fetch wikitext2 tinystories into" in r.stdout and "skipped: lm wikitext2" in r.stdout
+    # the download (a stand-in that records its command and puts CIFAR-100 in), then the plan with the set in
+    calls = tmp_path / "calls"
+    fake = _fake_python(tmp_path / "py", f'echo "$@" >> {calls}\n[ "$2" = download ] && cp -r '
+                        f'{tmp_path}/src/cifar-100-python {data}/\nexit 0')
+    _write_layout(tmp_path / "src", "cifar100 python")
+    runs = tmp_path / "runs"
+    r = _reproduce("--download", "--only", "vision", "--seeds", "0", "--data", str(data), "--runs", str(runs),
+                   "--results", str(tmp_path / "res"), env={"PYTHON": str(fake)})
+    lines = calls.read_text().splitlines()
+    assert r.returncode == 0 and lines[0] == f"train.py download cifar100 --data {data}", r.stdout + r.stderr
+    assert "plan: 10 runs" in r.stdout and sum("--task cifar100" in x for x in lines) == 5
+    fail = _fake_python(tmp_path / "py2", '[ "$2" = download ] && { echo "refused: bad sum" >&2; exit 2; }\nexit 0')
+    r = _reproduce("--download", "--only", "vision", "--seeds", "0", "--data", str(tmp_path / "none2"), "--runs",
+                   str(tmp_path / "runs2"), env={"PYTHON": str(fail)})
+    assert r.returncode == 2 and "refused: bad sum" in r.stderr and not (tmp_path / "runs2").exists()
+
+
+def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
+    """--only mult-ladder: the paper preset, msb and lsb at 5,000 steps, four inits (the partial pattern one of
+    them); then, once those results are in, the order of the higher mean sequence accuracy at 20,000 steps."""
+    import reporting.plan as P
+    plan = P.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
+    names = [r.name for r in plan.runs]
+    assert len(names) == 24 and not plan.quick and plan.items[-1] == P.REPLAN and len(plan.later) == 12
+    assert {r.flags for r in plan.runs if r.name == "multiplication-mask-s1-lsb-partial"} == {
+        "--answer-order lsb --steps 5000 --pattern partial"}
+    assert sorted({r.init for r in plan.runs}) == ["default", "mask", "qk-opt"] and "then   12 runs" in P.describe(plan, {})
+    for r in plan.runs:                          # lsb learns better: its runs average the higher sequence accuracy
+        d = tmp_path / r.table / r.name
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps(_fake_result(r.task, r.init, r.seed, {
+            "seq_acc": 0.3 if "lsb" in r.tag else 0.2}, r.tag)))
+    chosen = P.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
+    later = chosen.runs[24:]
+    assert P.REPLAN not in chosen.items and len(later) == 12 and not chosen.later
+    assert all(r.tag.startswith("lsb-20k") and "--answer-order lsb --steps 20000" in r.flags for r in later)
+    # reproduce.sh: the dry run says a stage follows; a stand-in run writes its result, so the plan is read again
+    r = _reproduce("--only", "mult-ladder", "--dry-run", "--runs", str(tmp_path / "fresh"))
+    assert r.returncode == 0 and r.stdout.count("\nstart") == 24 and "\nthen    the runs the plan chooses" in r.stdout
+    assert _reproduce("--only", "mult-ladder", "--quick", "--dry-run").returncode == 2
+    fake = _fake_python(tmp_path / "py", 'while [ $# -gt 0 ]; do [ "$1" = --out ] && out="$2"; shift; done\n'
+                        '[ -n "${out:-}" ] && mkdir -p "$out" && cp ' + str(tmp_path / "mult-ladder" /
+                        "multiplication-default-s0-lsb" / "result.json") + ' "$out/"\nexit 0')
+    r = _reproduce("--only", "mult-ladder", "--seeds", "0", "--runs", str(tmp_path / "run2"), "--results",
+                   str(tmp_path / "res"), env={"PYTHON": str(fake)})
+    assert r.returncode == 0 and (tmp_path / "run2" / "mult-ladder" / "multiplication-qk-opt-s0-msb-20k").is_dir()
+
+
+def test_reproduce_sh_takes_every_table_of_the_plan():
+    """reproduce.sh's --only list is the plan's TABLES (a table added there is reachable from the script)."""
+    import reporting.plan as P
+    text = open(os.path.join(HERE, "reproduce.sh")).read()
+    case = re.search(r'case "\$ONLY" in\n\s*""\|([a-z0-9|-]+)\)', text).group(1).split("|")
+    assert sorted(case) == sorted(P.TABLES)
+
+
 # ---------------------------------------------------------------------------------------- benchmarks
 
 def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():

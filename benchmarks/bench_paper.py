@@ -4,6 +4,7 @@ its steps and evaluations and its runs, as device-hours per table of the paper.
 
     python benchmarks/bench_paper.py --device cuda --write      # the whole paper on one GPU, bf16; keeps the times
     python benchmarks/bench_paper.py --only vision --steps 3     # one table, fewer timed steps
+    python benchmarks/bench_paper.py --quick --device cpu --write   # reproduce.sh --quick on this CPU, 1 thread a run
     python benchmarks/bench_paper.py --plan                      # runs and steps only, no timing
 
 Each (task, init) is built as `train.py --task T --init I --preset paper` builds it (train.build: same flags, same
@@ -14,13 +15,16 @@ the device; token windows of the corpus' vocabulary. An evaluation is the task's
 the real size (images and tokens drawn; the Boolean cube and the arithmetic pairs as they are), at the log steps'
 size (`--eval-points`) and, once, the final whole-set one. The timed steps follow warm-up steps, with the device
 synchronised. With --write the times go to results/step_times.json, which reproduce.sh's plan reads for its
-device-hours. On a CPU use `--batch-size 2 --steps 1 --eval-points 64` to check that everything builds and runs (the times
+device-hours (or, --quick, its minutes), under keys of preset, task, init and the flags that change a step's cost
+(reporting/plan.time_key); a run's start (the process, its imports, the data and the model built, the init
+applied) is timed too. On a CPU use `--batch-size 2 --steps 1 --eval-points 64` to check that everything builds and runs (the times
 are then meaningless).
 """
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -38,10 +42,10 @@ TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}       
 VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}   # WikiText-2's validation split; the preset's cap
 
 
-def paper_runs(only: str | None = None) -> tuple[list, int]:
-    """reproduce.sh's paper run list (every dataset taken as present): [(table, task, inits, flags)] in its order (one
-    entry per task and extra flags), and the seeds a (task, init) runs."""
-    plan = P.run_list(only=only, data=None)
+def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]:
+    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present): [(table, task, inits,
+    flags)] in its order (one entry per task and extra flags), and the seeds a (task, init) runs."""
+    plan = P.run_list(quick=quick, only=only, data=None)
     groups = {}
     for r in plan.runs:
         inits = groups.setdefault((r.table, r.task, r.flags), [])
@@ -51,13 +55,13 @@ def paper_runs(only: str | None = None) -> tuple[list, int]:
 
 
 def flags_of(text: str) -> list:
-    """The plan's flags as train.py argv (its data folders dropped: nothing is read)."""
+    """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is read)."""
     words = text.split()
     out, skip = [], False
     for i, w in enumerate(words):
         if skip:
             skip = False
-        elif w == "--data-dir":
+        elif w in ("--data-dir", "--prior-from"):
             skip = True
         else:
             out.append(w)
@@ -86,10 +90,11 @@ def synthetic_data(task, device, args):
     return task
 
 
-def build(task_name: str, init: str, device: torch.device, extra: list):
-    """train.build of one run of the paper preset, its data drawn where the real files would be read."""
-    argv = ["--task", task_name, "--init", init, "--preset", "paper", "--device", str(device),
-            *(["--qk-opt-steps", "20"] if init == "qk-opt" else []), *extra]
+def build(task_name: str, init: str, device: torch.device, extra: list, preset: str = "paper"):
+    """train.build of one run of a preset, its data drawn where the real files would be read (the paper preset's
+    qk-opt at 20 optimisation steps: its start is not what is timed there)."""
+    argv = ["--task", task_name, "--init", init, "--preset", preset, "--device", str(device),
+            *(["--qk-opt-steps", "20"] if init == "qk-opt" and preset == "paper" else []), *extra]
     kind = T.TASKS[task_name].KIND
     if kind in ("vision", "lm"):
         argv += ["--data-dir", "."]
@@ -130,13 +135,27 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
     return ms_step, ms_eval, ms_final
 
 
+def start_ms() -> float:
+    """ms a run's process takes to start and import train.py (torch included), the median of three."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import train"], cwd=os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), check=True)
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--only", choices=["boolean", "arithmetic", "vision", "lm"], help="one table")
+    p.add_argument("--quick", action="store_true", help="the --quick plan (the small presets, reproduce.sh --quick) "
+                   "instead of the paper's; on the CPU at --threads 1, as reproduce.sh --quick runs each run")
+    p.add_argument("--only", choices=P.TABLES, help="one table or study")
     p.add_argument("--task", help="one task of the table(s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after the warm-up steps)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
     p.add_argument("--batch-size", type=int, help="override the presets' batch (a CPU smoke test); the hours "
                    "then do not describe the paper")
     p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points, log and final alike "
@@ -145,48 +164,62 @@ def main():
     p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
     p.add_argument("--write", action="store_true", help=f"keep the times in {os.path.relpath(P.STEP_TIMES)}")
     a = p.parse_args()
-    runs, seeds = paper_runs(a.only)
-    if a.task:
-        runs = [r for r in runs if r[1] == a.task]
-        if not runs:
-            p.error(f"--task {a.task} is not in the paper's run list{' of ' + a.only if a.only else ''}")
+    if a.write and (a.batch_size or a.eval_points):
+        p.error("--write keeps a preset's own times: leave out --batch-size and --eval-points")
+    preset = "small" if a.quick or a.only in P.STUDIES else "paper"
+    plan = P.run_list(quick=preset == "small", only=a.only, data=None)
+    runs = [r for r in plan.runs if not a.task or r.task == a.task]
+    if not runs:
+        p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
     if a.plan:
+        groups, seeds = paper_runs(a.only, preset == "small")
         print("| table | task | inits | runs | steps per run | evaluations per run | steps |\n|---|---|---|---|---|---|---|")
-        for table, task_name, inits, flags in runs:
-            n, evals = P.steps_of(P.Run(table, task_name, inits[0], 0, "", flags))
+        for table, task_name, inits, flags in groups:
+            if a.task and task_name != a.task:
+                continue
+            n, evals = P.steps_of(P.Run(table, task_name, inits[0], 0, "", flags), preset)
             print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | {evals:,} | "
                   f"{len(inits) * seeds * n:,} |")
         return
     device = torch.device(a.device)
+    threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | torch "
-          f"{torch.__version__} | compile {a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | "
-          f"{seeds} seeds per run | evaluations on "
-          + (f"{a.eval_points} points (not the paper's cost)" if a.eval_points else "a test set of the real size"))
-    print(f"{'table':<11}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'steps/run':>11}"
-          f"{'runs':>6}{'hours':>8}", flush=True)
-    times, per_table, ratio = P.step_times() if a.write else {}, {}, {}
-    for table, task_name, inits, flags in runs:
-        ms = {}
-        for init in inits:
-            built = build(task_name, init, device, [*flags_of(flags), *extra])
-            ms_step, ms_eval, ms_final = time_run(built, device, a.warmup, a.steps, a.eval_points)
-            times[f"{task_name} {init}"] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3),
-                                            "ms_final": round(ms_final, 3), "device": torch.cuda.get_device_name(device)
-                                            if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                                            "batch_size": built.config.batch_size}
-            run = P.Run(table, task_name, init, 0, "", flags)
-            h = P.hours(run, times) * seeds
-            per_table[table] = per_table.get(table, 0.0) + h
-            ms[init] = ms_step
-            steps, _ = P.steps_of(run)
-            print(f"{table:<11}{task_name:<15}{init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}{steps:>11,}"
-                  f"{seeds:>6}{h:>8.3f}", flush=True)
-        if "mask" in ms and "default" in ms:
-            ratio[task_name] = ms["mask"] / ms["default"]
+    first = {}                                          # each time_key once: the first run that has it
+    for r in runs:
+        first.setdefault(P.time_key(r, preset), r)
+    ms_start = start_ms()
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
+          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile {a.compile} | "
+          f"{a.warmup} warm-up + {a.steps} timed steps per run | a run's process starts in {ms_start / 1000:.1f} s | "
+          "evaluations on " + (f"{a.eval_points} points (not the paper's cost)" if a.eval_points
+                               else "a test set of the real size"))
+    print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
+          f"{'runs':>6}{'hours':>8}  flags", flush=True)
+    times, ratio = P.step_times() if a.write else {}, {}
+    for key, run in first.items():
+        t0 = time.perf_counter()
+        built = build(run.task, run.init, device, [*flags_of(run.flags), *extra], preset)
+        ms_setup = ms_start + 1000 * (time.perf_counter() - t0)
+        ms_step, ms_eval, ms_final = time_run(built, device, a.warmup, a.steps, a.eval_points)
+        times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3), "ms_final": round(ms_final, 3),
+                      "ms_setup": round(ms_setup, 1), "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)", "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "batch_size": built.config.batch_size}
+        sharing = [r for r in runs if P.time_key(r, preset) == key]
+        h = sum(P.hours(r, times, preset) for r in sharing)
+        print(f"{run.table:<13}{run.task:<15}{run.init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}"
+              f"{ms_setup / 1000:>9.1f}{len(sharing):>6}{h:>8.3f}  {' '.join(flags_of(run.flags))}", flush=True)
+        if not run.flags:
+            ratio.setdefault(run.task, {})[run.init] = ms_step
+    per_table = {}
+    for r in runs:
+        per_table[r.table] = per_table.get(r.table, 0.0) + P.hours(r, times, preset)
     for table, h in per_table.items():
-        print(f"total {table:<11}{h:>9.2f} device-hours (steps and evaluations)")
-    print(f"total paper      {sum(per_table.values()):>9.2f} device-hours")
+        print(f"total {table:<11}{h:>9.2f} device-hours (steps, evaluations, starts)")
+    print(f"total            {sum(per_table.values()):>9.2f} device-hours")
+    ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m and "default" in m}
     if ratio:
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU paths in one short script (8-12 minutes on one H200): the CUDA tests, then the measurements
+# The GPU paths in one short script (10-14 minutes on one H200): the CUDA tests, then the measurements
 # results/README.md waits for, each under its own time limit so that one hang costs only its own slot.
 #
 #   bash benchmarks/gpu_check.sh [OUT]        # OUT (default $OUT, else gpu_check/): one log per step
@@ -14,6 +14,8 @@
 #      presets -> results/step_times.json (reproduce.sh's plan then prints device-hours)
 #   5. 300 steps of the paper parity2 model (12 layers), default and mask, as train.py runs them
 #   6. Lee et al.'s two NanoGPT runs (reproduce.sh --only lee), as far as LEE_SECONDS allows
+#   7. multiplication's ladder (reproduce.sh --only mult-ladder, seed 0): timed by bench_paper, then run as far
+#      as LADDER_SECONDS allows
 # Each step's exit status is in OUT/status.txt; the script goes on after a failure and exits 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,5 +56,13 @@ echo "== lee"
 timeout "${LEE_SECONDS:-120}" bash reproduce.sh --only lee --seeds 0 --runs "$out/runs" --results "$out/lee" 2>&1 \
   | tee "$out/lee.log"
 echo "lee ${PIPESTATUS[0]} (124: cut at LEE_SECONDS; the same line resumes it)" >> "$out/status.txt"
+# 7. the ladder's (task, init)s timed into step_times.json, then its runs (seed 0) for LADDER_SECONDS (default 120);
+#    cut short, a run keeps its checkpoint and the same line resumes it
+step ladder-times 90 python benchmarks/bench_paper.py --device cuda --only mult-ladder --write
+cp results/step_times.json "$out/" 2>/dev/null
+echo "== mult-ladder"
+timeout "${LADDER_SECONDS:-120}" bash reproduce.sh --only mult-ladder --seeds 0 --runs "$out/runs" \
+  --results "$out/mult-ladder" 2>&1 | tee "$out/mult-ladder.log"
+echo "mult-ladder ${PIPESTATUS[0]} (124: cut at LADDER_SECONDS; the same line resumes it)" >> "$out/status.txt"
 echo "== status"; cat "$out/status.txt"
 exit $failed

@@ -1,6 +1,6 @@
 """The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`), the datasets they
-read and where to get them (`missing_data`), and the plan `bash reproduce.sh` prints before its first run (runs per
-table, the ones skipped and why, device-hours where a step time was measured). reproduce.sh reads the list from
+read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh` prints before its first run (runs per
+table, the ones skipped and why, device-hours or --quick minutes where a step time was measured). reproduce.sh reads the list from
 `python -m reporting.plan ... --list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets (tasks.py)
 and the datasets' names, nothing of train.py.
 
@@ -9,7 +9,8 @@ and the datasets' names, nothing of train.py.
 
 A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for the --data and --runs
 folders, which reproduce.sh fills in whatever they hold); `WAIT` lets every run before it finish (teachers before
-their students). The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
+their students); `DOWNLOAD NAME...` (before the runs) names the absent data sets `train.py download` fetches.
+The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks as T  # noqa: E402
 
 # reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small preset)
 TABLES = ("boolean", "arithmetic", "vision", "lm", "persistence", "ablation", "data", "mult2", "visionprior",
-          "oraclefree", "parity3", "lee")
+          "oraclefree", "parity3", "lee", "mult-ladder")
 STUDIES = ("ablation", "data", "mult2", "visionprior", "oraclefree", "parity3")
 QK = ("default", "mask", "qk-svd", "qk-opt")
 SHORT = "--steps 250 --log-every 10 --eval-points 500"       # addition at the paper's regime (its budget is unknown)
@@ -48,28 +49,35 @@ class Run:
 
 
 WAIT = "WAIT"
+REPLAN = "REPLAN"      # the runs before it finish, then reproduce.sh reads the plan again (it chooses from them)
 
 
 @dataclass
 class Plan:
-    """What a reproduction runs: `items` (Runs and WAITs, in order) and `skipped` ({table: [(what, why)]}: the runs
-    left out for want of their data, with where to get it)."""
+    """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what, why)]}: the runs
+    left out for want of their data, with where to get it) and `absent` (the data sets missing from their own place
+    in DATA, which `train.py download` or `train.py imagenet100` puts there)."""
     quick: bool
     only: str | None
     seeds: tuple
     data: str | None
     items: list
     skipped: dict
+    absent: list = field(default_factory=list)
+    later: list = field(default_factory=list)    # [(Run, why)]: runs planned once the runs before REPLAN are in
 
     @property
     def runs(self) -> list[Run]:
-        return [r for r in self.items if r != WAIT]
+        return [r for r in self.items if isinstance(r, Run)]
 
 
-def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data: str | None = "data") -> Plan:
-    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA`: every table's (the paper
-    presets; --quick: the CPU version), or one table's or study's. A run whose dataset is not in DATA is skipped and
-    named in `skipped` (nothing else is looked at); data None: every run, as if every dataset were there."""
+
+def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data: str | None = "data",
+             runs: str | None = None) -> Plan:
+    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs RUNS`: every table's
+    (the paper presets; --quick: the CPU version), or one table's or study's. A run whose dataset is not in DATA is
+    skipped and named in `skipped` (nothing else is looked at); data None: every run, as if every dataset were
+    there. RUNS: the results a later stage chooses from (mult-ladder); None: that stage waits (`later`)."""
     plan = Plan(quick or only in STUDIES, only, tuple(seeds), data, [], {})
 
     def want(table):
@@ -113,6 +121,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data
         _oracle_free(plan, add)
     if only == "parity3":
         _parity3(plan, add)
+    if only == "mult-ladder":
+        _mult_ladder(plan, add, runs)
     if only == "persistence":
         plan.items = []                                          # it only aggregates the Boolean runs already made
     return plan
@@ -128,7 +138,25 @@ def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None
         return True
     except T.DataError as e:
         plan.skipped.setdefault(table, []).append((task if runs is None else f"{task} ({runs} runs)", str(e)))
+        if where == HOME.get(task, "") and task not in plan.absent:
+            plan.absent.append(task)
         return False
+
+
+HOME = {"imagenet100": "/imagenet100"}        # where in DATA a set's fetched copy lies, if not in DATA itself
+
+
+def fetch_lines(plan: Plan) -> list[str]:
+    """The commands that put the plan's absent data sets in DATA: one `train.py download` for those published
+    (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an ImageNet-1k copy)."""
+    from datafetch.download import SOURCES
+    names = [t for t in plan.absent if t in SOURCES]
+    lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash reproduce.sh --download)"
+             ] if names else []
+    if "imagenet100" in plan.absent:
+        lines.append(f"python train.py imagenet100 --from IMAGENET_1K_DIR --data {plan.data}   (its licence forbids "
+                     "a download)")
+    return lines
 
 
 def _arithmetic(plan, add):
@@ -158,6 +186,49 @@ def _lee(plan, add):
         for epochs, log in ((40, 48), (150, 180), (500, 600)):        # a log step every 1/20 of a run
             add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order {order} --epochs {epochs} "
                 f"--log-every {log}", f"{order}-ep{epochs}")
+
+
+LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", "-partial"), ("qk-opt", "", ""))
+
+
+def _mult_ladder(plan, add, runs):
+    """Multiplication at the paper preset (a GPU's): answers msb and lsb, 5,000 steps, default, the mask (`carry`),
+    the mask with --pattern partial and qk-opt; then the better order (the higher mean sequence accuracy of its
+    runs in RUNS) at 20,000 steps, planned after a REPLAN once the first stage's results are in."""
+    def stage(order, steps, tag):
+        for init, pattern, suffix in LADDER:
+            add("mult-ladder", "multiplication", (init,), f"--answer-order {order} --steps {steps}{pattern}",
+                f"{order}{tag}{suffix}")
+    for order in ("msb", "lsb"):
+        stage(order, 5000, "")
+    first = list(plan.runs)
+    better = _better_order(first, runs)
+    if better:
+        stage(better, 20000, "-20k")
+        return
+    plan.items.append(REPLAN)
+    stage("msb", 20000, "-20k")                 # its cost (either order's): kept in `later`, not run
+    plan.later = [(r, "the better order of the 5,000-step runs (the higher mean sequence accuracy), once they "
+                      "are in") for r in plan.runs[len(first):]]
+    plan.items = [i for i in plan.items if not isinstance(i, Run) or i in first]
+
+
+def _better_order(first: list, runs: str | None) -> str | None:
+    """msb or lsb: the order whose runs in `first` have the higher mean sequence accuracy in RUNS (msb on a tie);
+    None while any of them has no result.json."""
+    if runs is None:
+        return None
+    mean = {}
+    for order in ("msb", "lsb"):
+        accs = []
+        for r in first:
+            if f"--answer-order {order}" in r.flags:
+                try:
+                    accs.append(T.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
+                except (T.ReadError, KeyError, TypeError):
+                    return None
+        mean[order] = sum(accs) / len(accs)
+    return "lsb" if mean["lsb"] > mean["msb"] else "msb"
 
 
 def _vision_prior(plan, add):
@@ -307,22 +378,38 @@ STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def step_times(path: str = STEP_TIMES) -> dict:
-    """{"TASK INIT": {"ms_step": ..., "ms_eval": ..., "device": ...}} that benchmarks/bench_paper.py measured on a GPU
-    (the paper presets, real data path, evaluation included) and wrote to results/step_times.json; {} without it."""
+    """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that benchmarks/bench_paper.py
+    measured (the paper presets on a GPU, the --quick ones on a CPU; real data path, evaluation included) and wrote
+    to results/step_times.json; {} without it."""
     try:
         return T.read_json(path)
     except T.ReadError:
         return {}
 
 
-def hours(run: Run, times: dict) -> float | None:
-    """A run's device-hours from the measured times of its (task, init): its steps, its log steps' evaluations and
-    the final one over the whole test set (`steps_of`); None where its time was not measured."""
-    t = times.get(f"{run.task} {run.init}")
+LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")   # how long, where: not a step's cost
+
+
+def time_key(run: Run, preset: str = "paper") -> str:
+    """The step time a run shares with every run of its preset, task, init and flags, but those that only set how
+    long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask", "small addition default"."""
+    words, kept = run.flags.split(), []
+    for i, w in enumerate(words):
+        if w not in LENGTH_FLAGS and (i == 0 or words[i - 1] not in LENGTH_FLAGS):
+            kept.append(w)
+    return " ".join([preset, run.task, run.init, *kept])
+
+
+def hours(run: Run, times: dict, preset: str = "paper") -> float | None:
+    """A run's device-hours from the measured times of its time_key: its steps, its log steps' evaluations, the
+    final one over the whole test set (`steps_of`) and its start (process, data, model, init: `ms_setup`); None
+    where its time was not measured."""
+    t = times.get(time_key(run, preset))
     if not isinstance(t, dict):
         return None
-    steps, evals = steps_of(run)
-    return (t["ms_step"] * steps + t["ms_eval"] * (evals - 1) + t.get("ms_final", t["ms_eval"])) / 3.6e6
+    steps, evals = steps_of(run, preset)
+    return (t["ms_step"] * steps + t["ms_eval"] * (evals - 1) + t.get("ms_final", t["ms_eval"])
+            + t.get("ms_setup", 0.0)) / 3.6e6
 
 
 def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
@@ -347,27 +434,44 @@ def train_size(task: str) -> int:
     return getattr(cls, "TRAIN_SIZE", None) or T.make_task(task).setup().n_train
 
 
-def describe(plan: Plan, times: dict | None = None) -> str:
-    """The plan as reproduce.sh prints it first: per table its runs and device-hours (measured step times, or "not
-    measured"), then every table or task skipped and why, with where to get its data."""
+def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
+    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step times (the paper
+    presets: device-hours; --quick: minutes of wall time at `jobs` runs at a time), or "not measured"; then every
+    table or task skipped and why, and the commands that fetch the missing data."""
     times = step_times() if times is None else times
-    lines, total = [], 0.0
-    by_table = {}
+    preset = "small" if plan.quick else "paper"
+    lines, total, by_table = [], 0.0, {}
     for r in plan.runs:
         by_table.setdefault(r.table, []).append(r)
-    preset = "small (CPU)" if plan.quick else "paper (one GPU)"
-    lines.append(f"plan: {len(plan.runs)} runs, preset {preset}, seeds {' '.join(map(str, plan.seeds))}")
+    lines.append(f"plan: {len(plan.runs)} runs, preset {preset} ({'CPU' if plan.quick else 'one GPU'}), seeds "
+                 f"{' '.join(map(str, plan.seeds))}")
+    unknown = False
     for table, rs in by_table.items():
-        h = [hours(r, times) for r in rs] if not plan.quick else [None]
-        known = None not in h
-        total += sum(h) if known else 0.0
-        when = f"{sum(h):.2f} device-hours" if known else "device-hours not measured"
+        h = [hours(r, times, preset) for r in rs]
+        if None in h:
+            unknown, when = True, ("minutes" if plan.quick else "device-hours") + " not measured"
+        elif plan.quick:
+            total += sum(h)
+            when = f"about {60 * sum(h) / jobs:.0f} min"
+        else:
+            total += sum(h)
+            when = f"{sum(h):.2f} device-hours"
         lines.append(f"  {table:<12} {len(rs):>4} runs  {when}")
+    if plan.later:
+        h = [hours(r, times, preset) for r, _ in plan.later]
+        cost = "device-hours not measured" if None in h else f"{sum(h):.2f} device-hours"
+        lines.append(f"  then {len(plan.later):>4} runs  {cost}: {plan.later[0][1]}")
+    if by_table and not unknown:
+        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time" if plan.quick else
+                     f"  in all: {total:.2f} device-hours")
     for table, skips in plan.skipped.items():
         for what, why in skips:
             lines.append(f"  skipped: {table} {what}: {why}")
-    if not plan.quick:
-        lines.append(f"  measured step times: {os.path.relpath(STEP_TIMES) if times else 'none (python benchmarks/bench_paper.py --device cuda writes them)'}")
+    lines += [f"  fetch: {line}" for line in fetch_lines(plan)]
+    measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ") and isinstance(t, dict)}
+    how = f"python benchmarks/bench_paper.py {'--quick --device cpu' if plan.quick else '--device cuda'} --write"
+    lines.append(f"  step times: {os.path.relpath(STEP_TIMES)} ({', '.join(sorted(map(str, measured)))}; {how} "
+                 "measures them again)" if measured else f"  step times: none measured ({how} measures them)")
     return "\n".join(lines)
 
 
@@ -377,15 +481,19 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=TABLES)
     p.add_argument("--seeds", default="0 1 2")
     p.add_argument("--data", default="data")
+    p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (the --quick plan's minutes)")
     p.add_argument("--list", action="store_true", help="the plan as reproduce.sh reads it: its text, each line led by "
                    "'# ', then the runs, one a line")
     a = p.parse_args(argv)
-    plan = run_list(a.quick, a.only, [int(s) for s in a.seeds.split()], a.data)
+    plan = run_list(a.quick, a.only, [int(s) for s in a.seeds.split()], a.data, a.runs)
     if a.list:
-        print("\n".join(["# " + line for line in describe(plan).splitlines()]
-                        + [item if item == WAIT else item.line() for item in plan.items]))
+        fetch = [t for t in plan.absent if t != "imagenet100"]
+        print("\n".join(["# " + line for line in describe(plan, jobs=a.jobs).splitlines()]
+                        + (["DOWNLOAD " + " ".join(fetch)] if fetch else [])
+                        + [item if isinstance(item, str) else item.line() for item in plan.items]))
     else:
-        print(describe(plan))
+        print(describe(plan, jobs=a.jobs))
     return 0
 
 
