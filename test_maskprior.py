@@ -107,9 +107,12 @@ class _Touch:
         return (subprocess.call, (["touch", self.path],))
 
 
-def _tree(folder) -> dict:
-    """{relative path: bytes} of every file under folder."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+def _tree(folder) -> dict | None:
+    """Every path under `folder` (hidden ones and folders too; None for a folder or link) with its bytes, None where
+    there is no folder: a folder 'as it was' compares equal."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(folder.rglob("*"))} if folder.exists() else None
 
 
 @pytest.fixture
@@ -3895,7 +3898,7 @@ def test_wikitext_missing_files_error(tmp_path):
     message = str(info.value)
     assert "\n" not in message
     for needle in ("wiki.{train,valid,test}.tokens", ".raw", str(tmp_path / "wikitext-2"),
-                   "wikitext-2-v1.zip", "huggingface.co/datasets/Salesforce/wikitext"):
+                   "wikitext-2-v1.zip", "wikitext.smerity.com", "python train.py download wikitext2 --data"):
         assert needle in message
     # An incomplete release is not used.
     write(tmp_path / "wikitext-2" / "wiki.train.tokens", WIKI_TRAIN)
@@ -3906,7 +3909,7 @@ def test_wikitext_missing_files_error(tmp_path):
 @pytest.mark.parametrize("split", ["train", "valid", "test"])
 def test_wikitext_empty_split_error(tmp_path, split):
     make_wikitext(tmp_path, **{split: ""})
-    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*Salesforce/wikitext"):
+    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*wikitext\.smerity\.com"):
         T.load_lm_corpus("wikitext2", tmp_path)
     assert not (tmp_path / "maskprior-cache").exists()               # no vocab, no split, no folder left
 
@@ -4495,12 +4498,6 @@ def fixture_sets(tmp_path):
              "tinystories": tuple(_entry(n, blobs[n], n) for n in ("TinyStoriesV2-GPT4-train.txt",
                                                                   "TinyStoriesV2-GPT4-valid.txt"))}
     return table, blobs
-
-
-def _tree(folder: Path) -> dict:
-    """Every path under `folder` (hidden ones too) with its bytes: a folder 'as it was' compares equal."""
-    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
-            for p in sorted(folder.rglob("*"))} if folder.exists() else None
 
 
 @pytest.mark.parametrize("name", ["cifar10", "wikitext2", "tinystories"])
