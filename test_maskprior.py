@@ -2621,7 +2621,7 @@ def test_every_log_line_is_checked_on_resume_and_in_reports(tmp_path, capsys, ca
     assert _tree(out) == before
     (Path(out) / "result.json").write_text(json.dumps({**_fake_result("parity2", "mask", 0, {"acc": 1.0}), "steps": 20}))
     assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
-    assert "| mask | 0 | 100.00 ± 0.00 |" in (tmp_path / "res" / "boolean.md").read_text()
+    assert "| mask | 0 | 100.00 (1 seed) |" in (tmp_path / "res" / "boolean.md").read_text()
     notes = (tmp_path / "res" / "steps_to_target.md").read_text()
     assert f"{out}: its log is left out of the curves" in notes and needle in notes
     assert ",mask,0," not in (tmp_path / "res" / "curves.csv").read_text()
@@ -6376,7 +6376,7 @@ def test_mixed_configurations_are_never_averaged(tmp_path):
                      "its own, never averaged together"]
     table = R.summarize([str(folder)])
     assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
-    assert "| mask | 1 | 30.00 ± 0.00 |" in table                       # seed 1 alone, not the mean of three
+    assert "| mask | 1 | 30.00 (1 seed) |" in table                       # seed 1 alone, not the mean of three
 
 
 def test_summarize_of_a_path_that_does_not_exist_is_one_line_on_stderr(tmp_path, capsys):
@@ -6398,8 +6398,8 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
     assert {"visionprior.md", "mult2.md"} <= written
     vision = (tmp_path / "res" / "visionprior.md").read_text()
-    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 ± 0.00 |" in vision and "(pattern=local)" in vision
-    assert "| mask | 0 | 10.00 ± 0.00 | 50.00 ± 0.00 |" in (tmp_path / "res" / "mult2.md").read_text()
+    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 (1 seed) |" in vision and "(pattern=local)" in vision
+    assert "| mask | 0 | 10.00 (1 seed) | 50.00 (1 seed) |" in (tmp_path / "res" / "mult2.md").read_text()
     # the prior's mass is drawn beside the headline metric: the mass curve of each prior
     curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
@@ -6423,6 +6423,17 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     assert any(p.endswith("ablation.md") for p in written)
 
 
+def test_one_seed_says_so_instead_of_a_spread_of_zero():
+    """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
+    every form a report writes (a metric, the mass start → end, a cell with its count)."""
+    assert R.mean_std([]) == "" and R.mean_std([0.5]) == "0.50 (1 seed)" and R.mean_std([3.0], digits=0) == "3 (1 seed)"
+    assert R.mean_std([1.0, 1.0]) == "1.00 ± 0.00" and R.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
+    assert R.mean_std([7.0], count=True) == "7.00 (1 seed)"
+    one = [{"prior_mass_start": 0.9, "prior_mass_end": 0.8}]
+    assert R._mass(one) == "0.90 → 0.80 (1 seed)" and R._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
+    assert R._mass([{}]) == ""
+
+
 def test_learning_curves_and_steps_to_target(tmp_path):
     runs = tmp_path / "runs"
     seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
@@ -6444,7 +6455,7 @@ def test_learning_curves_and_steps_to_target(tmp_path):
     assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
     assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
     assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
-    assert any("| parity2 |" in r and "| 1/1 | 20 ± 0 |" in r for r in rows)
+    assert any("| parity2 |" in r and "| 1/1 | 20 (1 seed) |" in r for r in rows)
 
 
 def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
@@ -6605,7 +6616,7 @@ def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
         assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
     assert capsys.readouterr().err == ""
     table = (tmp_path / "res" / "boolean.md").read_text()
-    assert "| default | 0 | 75.00 ± 0.00 |" in table
+    assert "| default | 0 | 75.00 (1 seed) |" in table
     assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
     if listed:
         assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")

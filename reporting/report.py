@@ -85,13 +85,16 @@ def once_each(runs: list, problems: list) -> tuple[list, list]:
     return kept, problems
 
 
-def mean_std(values, digits: int = 2) -> str:
-    """"mean ± sample std" of the values with `digits` decimals ("" for none; std 0 for one)."""
+def mean_std(values, digits: int = 2, count: bool = False) -> str:
+    """"mean ± sample std" of the values with `digits` decimals, and their number in brackets with `count`; one value
+    is "value (1 seed)" (no spread to show, not a spread of 0); "" for none."""
     if not values:
         return ""
     m = sum(values) / len(values)
-    s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    if len(values) == 1:
+        return f"{m:.{digits}f} (1 seed)"
+    s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{m:.{digits}f} ± {s:.{digits}f}" + (f" ({len(values)})" if count else "")
 
 
 def init_order(runs: list):
@@ -116,6 +119,9 @@ def _num(key):
 
 def _mass(ms):
     start, end = _num("prior_mass_start")(ms), _num("prior_mass_end")(ms)
+    one = " (1 seed)"
+    if start.endswith(one) and end.endswith(one):          # one run: said once
+        return f"{start[:-len(one)]} → {end}"
     return f"{start} → {end}" if start or end else ""
 
 
@@ -633,7 +639,7 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
     mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
     rows = []
     for n in sizes:
-        cells = [f"{mean_std([100 * v for v in by[i][n]])} ({len(by[i][n])})" if n in by[i] else "" for i in inits]
+        cells = [mean_std([100 * v for v in by[i][n]], count=True) if n in by[i] else "" for i in inits]
         enough = ""
         if "default" in mean and "mask" in mean and n in mean["default"]:
             hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
@@ -721,7 +727,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
         for _, init, tag in cols:
             rs = table[row].get((init, tag), [])
             vals = [scale * r["metrics"][key] for r in rs if r["metrics"].get(key) is not None]
-            cells.append(f"{mean_std(vals)} ({len(vals)})" if vals else "")
+            cells.append(mean_std(vals, count=True))
         results.append([row, label, *cells])
     found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
               mean_std([r for _, r in pr]), len(pr)] for row in rows for tag, pr in agreement.get(row, {}).items()]
