@@ -6423,6 +6423,43 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     assert any(p.endswith("ablation.md") for p in written)
 
 
+def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch):
+    """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1) and
+    attention.png for a mask run; attention.png alone for an init without M; a relative M as profiles; a folder
+    without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
+    _extra("matplotlib")
+    from PIL import Image
+    from reporting import show as S
+    for init in ("mask", "default"):
+        rc, out = run_train(tmp_path, "--task", "parity2", "--init", init, "--steps", "4", "--log-every", "2",
+                            "--eval-points", "64", name=init)
+        assert rc == 0
+        capsys.readouterr()
+        assert train.main(["show", out, "--out", str(tmp_path / f"fig-{init}")]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        files = sorted(os.listdir(tmp_path / f"fig-{init}"))
+        assert files == (["attention.png", "m.png"] if init == "mask" else ["attention.png"]), printed
+        assert init == "mask" or "has no M (--init default)" in printed[0]
+        for f in files:
+            w, h = Image.open(tmp_path / f"fig-{init}" / f).size
+            assert max(w, h) <= 4 * min(w, h) and min(w, h) > 200
+    start = [torch.linspace(-5, 5, 9).expand(3, 9)] * 2             # a relative M: 2 layers, 3 heads, 9 distances
+    path = S.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True)
+    w, h = Image.open(path).size
+    assert max(w, h) <= 4 * min(w, h)
+    before = _tree(tmp_path)
+    (tmp_path / "file").write_text("x")
+    for argv, words in ((["show", str(tmp_path / "fig-mask")], "no checkpoint"),
+                        (["show", str(tmp_path / "mask"), "--out", str(tmp_path / "file")], "is a file")):
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "file").unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)            # no matplotlib: one line, nothing written
+    assert train.main(["show", str(tmp_path / "mask"), "--out", str(tmp_path / "none")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err and _tree(tmp_path) == before
+
+
 def test_one_seed_says_so_instead_of_a_spread_of_zero():
     """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
     every form a report writes (a metric, the mass start → end, a cell with its count)."""

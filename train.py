@@ -7,6 +7,7 @@
     python train.py report runs/quick results/quick   # results/*.md tables, learning and persistence curves
     python train.py download cifar10 wikitext2 --data data/      # the public data sets, fetched and checked
     python train.py imagenet100 --from /datasets/imagenet --data data/   # ImageNet-100 from an ImageNet-1k copy
+    python train.py show runs/parity2-mask-s0   # m.png (M at the start and end), attention.png
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
 
 A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
@@ -298,7 +299,7 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
           "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
 
 
-COMMANDS = ("train", "summarize", "report", "download", "imagenet100", "make-digits", "make-wikitext")
+COMMANDS = ("train", "summarize", "report", "download", "imagenet100", "show", "make-digits", "make-wikitext")
 UsageError, BusyError = T.UsageError, T.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
 
 
@@ -349,14 +350,14 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> Parser:
-    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `download`, `imagenet100`, `make-digits`,
-    `make-wikitext`."""
+    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `download`, `imagenet100`, `show`,
+    `make-digits`, `make-wikitext`."""
     p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
                        description="Train a task with an attention prior. A flag not given takes the task's preset "
                                    "value (--preset small or paper), else the default shown. Other commands: "
-                                   "summarize, report, download, imagenet100, make-digits, make-wikitext "
+                                   "summarize, report, download, imagenet100, show, make-digits, make-wikitext "
                                    "(python train.py COMMAND --help).")
     add_train_flags(t)
     s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
@@ -380,6 +381,12 @@ def build_parser() -> Parser:
                                    "whole or not at all. See datafetch/imagenet100.py.")
     i.add_argument("--from", dest="source", required=True, metavar="IMAGENET_1K_DIR")
     i.add_argument("--data", required=True, metavar="DIR")
+    v = sub.add_parser("show", help="draw a run's M at its start and end (m.png) and its attention (attention.png)",
+                       description="Draw M at the start and at the end of a run, per layer and head, on one colour "
+                                   "scale (m.png; none for an init without M), and the mean attention on the task's "
+                                   "probe inputs at the end (attention.png). Needs matplotlib. See reporting/show.py.")
+    v.add_argument("run", metavar="RUN", help="a run folder (with its ckpt.pt)")
+    v.add_argument("--out", metavar="DIR", help="where to write the figures (default: RUN itself)")
     d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python layout")
     d.add_argument("folder")
     w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's word-level layout")
@@ -1302,6 +1309,44 @@ CKPT_SCHEMA = {
 CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
 
+def show(run_dir: str, out: str) -> int:
+    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
+    and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
+    the checkpoint, checked as --resume checks it); each file's path printed. A run without M draws its attention
+    alone; a task whose data is not where the run read it draws M alone, and says so."""
+    from reporting import show as S
+    if S.pyplot() is None:
+        raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
+    path = os.path.join(run_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained")
+    ckpt = read_checkpoint(path, "show")
+    config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
+    title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"show: --out {out} is a file, not a folder")
+    os.makedirs(out, exist_ok=True)
+    end = [ckpt["model"][k].float() for k in sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
+                                                     key=lambda k: int(k.split(".")[1]))]
+    if end:
+        start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
+        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, ckpt["model_config"]["causal"]))
+    else:
+        print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
+    task = task_for(config)
+    try:
+        task.setup(torch.device("cpu"))
+    except T.DataError as e:
+        print(f"show: attention.png not drawn: the run's data is not there ({e})")
+        return 0
+    model, model_cfg = build_model(config, task, torch.device("cpu"))
+    check_architecture(ckpt, model_cfg, "show", run_dir)
+    model.load_state_dict(ckpt["model"])
+    inputs = task.probe_inputs(config.probe_size)
+    print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title))
+    return 0
+
+
 def read_checkpoint(path: str, flag: str) -> dict:
     """A checkpoint read as someone else's file (`T.read_checkpoint`), then checked before any value is used: its
     schema, its flags (`saved_config`) matching their hash, its model config rebuilding a model with exactly its
@@ -1532,6 +1577,8 @@ def main(argv=None) -> int:
             from datafetch import imagenet100
             print(imagenet100.build(flags.source, flags.data))
             return 0
+        if flags.command == "show":
+            return show(flags.run, flags.out or flags.run)
         if flags.command in ("make-digits", "make-wikitext"):      # the fixture writers
             print(T.make_digits(flags.folder) if flags.command == "make-digits" else
                   T.make_wikitext(flags.folder, flags.files))
