@@ -6444,9 +6444,19 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
             w, h = Image.open(tmp_path / f"fig-{init}" / f).size
             assert max(w, h) <= 4 * min(w, h) and min(w, h) > 200
     start = [torch.linspace(-5, 5, 9).expand(3, 9)] * 2             # a relative M: 2 layers, 3 heads, 9 distances
-    path = S.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True)
-    w, h = Image.open(path).size
-    assert max(w, h) <= 4 * min(w, h)
+    deep = [torch.randn(3, 5, 5)] * 12                               # ViT-Tiny's 12 layers x 3 heads: blocks wrap
+    for path in (S.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True),
+                 S.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
+                 S.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
+        w, h = Image.open(path).size
+        assert max(w, h) <= 4 * min(w, h), path
+    # an image's M as offsets: M[i, j] a function of the patch offset (key - query) comes back as that function
+    g, prefix = 3, 1
+    r, c = torch.arange(g * g) // g, torch.arange(g * g) % g
+    m = torch.zeros(2, 1 + g * g, 1 + g * g)
+    m[:, 1:, 1:] = 10 * (r[None, :] - r[:, None]) + (c[None, :] - c[:, None])
+    dy, dx = torch.meshgrid(torch.arange(-g + 1, g), torch.arange(-g + 1, g), indexing="ij")
+    assert torch.allclose(S.offset_map(m, g, prefix), (10 * dy + dx).float().expand(2, -1, -1))
     before = _tree(tmp_path)
     (tmp_path / "file").write_text("x")
     for argv, words in ((["show", str(tmp_path / "fig-mask")], "no checkpoint"),

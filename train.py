@@ -1330,7 +1330,9 @@ def show(run_dir: str, out: str) -> int:
                                                      key=lambda k: int(k.split(".")[1]))]
     if end:
         start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
-        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, ckpt["model_config"]["causal"]))
+        mc = ckpt["model_config"]
+        grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
+        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, mc.get("causal", False), grid))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
     task = task_for(config)

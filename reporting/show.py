@@ -1,16 +1,18 @@
 """M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
 
-    m.png          M at the start and at the end of the run, per layer (rows: layer l start, layer l end) and head
+    m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row) and head
                    (columns), on one colour scale; a full M as its N x N (query x key) matrix with the pairs M
                    started above 0 on (the pattern's allowed pairs) outlined, a relative M as a profile per head
-                   over the distance i - j, start dashed, end solid
-    attention.png  the mean attention on the task's probe inputs at the end, per layer (rows) and head (columns),
+                   over the distance i - j, start dashed, end solid, an image's M as a 2-D map of patch offsets
+    attention.png  the mean attention on the task's probe inputs at the end, per layer and head,
                    its colour capped at the 99th percentile (said on the colour bar: a causal first row's 1 would
                    wash out the rest)
 
-Pure drawing: tensors in, a PNG out (matplotlib, Agg, written atomically); nothing here reads a run folder.
+The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib, Agg, written atomically); nothing here reads a run folder.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,44 +21,77 @@ from reporting.report import figure, pyplot, save_figure  # noqa: F401 (pyplot: 
 PANEL = 2.2          # inches a panel
 
 
-def _grid(rows: int, cols: int):
-    got = figure(rows, cols, PANEL, PANEL, layout="constrained")
+def _grid(layers: int, rows: int, heads: int):
+    """(plt, fig, at): a figure of one block of `rows` x `heads` panels a layer, the blocks wrapped into as many
+    columns as keep the figure nearest square (never a strip); at(layer, row, head) -> its axes. Unused panels
+    are hidden."""
+    c = min(range(1, layers + 1), key=lambda c: abs(math.log(-(-layers // c) * rows / (c * heads))))
+    got = figure(-(-layers // c) * rows, c * heads, PANEL, PANEL, layout="constrained")
     if got is None:
         raise ImportError("drawing needs matplotlib: pip install matplotlib")
-    return got
+    plt, fig, axes = got
+    for ax in axes.flat[:]:
+        ax.set_visible(False)
+
+    def at(layer, row, head):
+        ax = axes[(layer // c) * rows + row, (layer % c) * heads + head]
+        ax.set_visible(True)
+        return ax
+    return plt, fig, at
 
 
-def draw_m(start: list, end: list, path: str, title: str, causal: bool = False) -> str:
+def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
+    """(H, N, N) M of an image's patches (row-major after `prefix` tokens, N = prefix + grid^2) -> (H, 2g-1, 2g-1):
+    the mean of M over the patch pairs of each offset (dy, dx) = key - query, index (dy + g - 1, dx + g - 1)."""
+    heads, g = m.shape[0], grid
+    patches = m[:, prefix:, prefix:].reshape(heads, -1)
+    idx = torch.arange(g * g)
+    dy = (idx[None, :] // g - idx[:, None] // g) + g - 1
+    dx = (idx[None, :] % g - idx[:, None] % g) + g - 1
+    cell = (dy * (2 * g - 1) + dx).flatten()
+    total = torch.zeros(heads, (2 * g - 1) ** 2).index_add_(1, cell, patches.float())
+    count = torch.zeros((2 * g - 1) ** 2).index_add_(0, cell, torch.ones(cell.numel()))
+    return (total / count).reshape(heads, 2 * g - 1, 2 * g - 1)
+
+
+def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, grid: tuple | None = None) -> str:
     """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None where the run
     kept no snapshot of M): a causal relative table holds distances 0..D-1, another -(n-1)..n-1 (D = 2n - 1).
-    Writes `path` (m.png) and returns it."""
+    `grid` (g, prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). Writes `path` (m.png)
+    and returns it."""
+    if grid is not None:
+        start = [None if s is None else offset_map(s, *grid) for s in start]
+        end = [offset_map(e, *grid) for e in end]
+        title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
+        if grid[1]:
+            title += ", the CLS token's row and column left out"
     heads, full = end[0].shape[0], end[0].dim() == 3
     values = torch.cat([m.flatten() for m in end + [s for s in start if s is not None]])
     lim = float(values.abs().max().clamp_min(1e-6))
     if not full:                                         # a profile per head: one row a layer, start and end in it
-        plt, fig, axes = _grid(len(end), heads)
+        plt, fig, at = _grid(len(end), 1, heads)
         for layer, (s, e) in enumerate(zip(start, end)):
             d = e.shape[1]
             dist = torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2
             for h in range(heads):
-                ax = axes[layer, h]
+                ax = at(layer, 0, h)
                 if s is not None:
                     ax.plot(dist.numpy(), s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
                 ax.plot(dist.numpy(), e[h].numpy(), color="tab:red", lw=1.4, label="end")
                 ax.set_ylim(-1.05 * lim, 1.05 * lim)
                 ax.set_title(f"layer {layer} head {h}", fontsize=8)
                 ax.tick_params(labelsize=6)
-                if layer == len(end) - 1:
-                    ax.set_xlabel("distance i - j", fontsize=7)
-        fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)
+                ax.set_xlabel("distance i - j", fontsize=7)
+        fig.legend(*at(0, 0, 0).get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)
         fig.suptitle(title, fontsize=9)
         return save_figure(fig, path, dpi=110)
-    plt, fig, axes = _grid(2 * len(end), heads)
-    image = None
+    plt, fig, at = _grid(len(end), 2, heads)
+    image, shown = None, []
     for layer, (s, e) in enumerate(zip(start, end)):
         for row, (m, when) in enumerate(((s, "start"), (e, "end"))):
             for h in range(heads):
-                ax = axes[2 * layer + row, h]
+                ax = at(layer, row, h)
+                shown.append(ax)
                 ax.set_xticks([])
                 ax.set_yticks([])
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
@@ -66,8 +101,9 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False) 
                 image = ax.imshow(m[h].numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
                 if s is not None and bool((s[h] > 0).any()) and bool((s[h] <= 0).any()):
                     ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="M (the bias is log sigmoid M)")
-    fig.suptitle(f"{title}; rows: query, columns: key; outlined: where M started above 0", fontsize=9)
+    fig.colorbar(image, ax=shown, shrink=0.6, label="M (the bias is log sigmoid M)")
+    axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
+    fig.suptitle(f"{title}; {axes_of}; outlined: where M started above 0", fontsize=9, wrap=True)
     return save_figure(fig, path, dpi=110)
 
 
@@ -76,16 +112,17 @@ def draw_attention(maps: torch.Tensor, path: str, title: str) -> str:
     layers, heads = maps.shape[:2]
     flat = maps.flatten().float()
     top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())   # not a causal row 0's 1
-    plt, fig, axes = _grid(layers, heads)
-    image = None
+    plt, fig, at = _grid(layers, 1, heads)
+    image, shown = None, []
     for layer in range(layers):
         for h in range(heads):
-            ax = axes[layer, h]
+            ax = at(layer, 0, h)
+            shown.append(ax)
             image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
-    fig.colorbar(image, ax=axes, shrink=0.6, extend="max", label=f"mean attention (colour capped at its 99th "
+    fig.colorbar(image, ax=shown, shrink=0.6, extend="max", label=f"mean attention (colour capped at its 99th "
                  f"percentile, {top:.2f})")
     fig.suptitle(f"{title}; rows: query, columns: key", fontsize=9)
     return save_figure(fig, path, dpi=110)
