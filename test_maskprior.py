@@ -6470,6 +6470,29 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     assert "pip install matplotlib" in capsys.readouterr().err and _tree(tmp_path) == before
 
 
+def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys):
+    """A retrofit's call: reporting.show.draw_model(model, path, title, mp.prior_snapshot(model) before training);
+    `train.py show DIR` of its save_pretrained folder draws M at the end (its start was not saved)."""
+    tf = _extra("transformers")
+    from PIL import Image
+    from reporting import show as S
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = tf.GPT2LMHeadModel(cfg)
+    with pytest.raises(ValueError, match="has no mask prior"):
+        S.draw_model(model, str(tmp_path / "none.png"), "plain")
+    mp.add_mask_prior(model, logits=mp.causal_distance_logits(32, 4))
+    snap = mp.prior_snapshot(model)
+    with pytest.raises(ValueError, match="start holds 1 snapshots, the model 2 priors"):
+        S.draw_model(model, str(tmp_path / "bad.png"), "gpt2", snap[:1])
+    assert not (tmp_path / "bad.png").exists()
+    w, h = Image.open(S.draw_model(model, str(tmp_path / "m.png"), "gpt2", snap)).size
+    assert max(w, h) <= 4 * min(w, h)
+    model.save_pretrained(tmp_path / "saved")
+    capsys.readouterr()
+    assert train.main(["show", str(tmp_path / "saved"), "--out", str(tmp_path / "fig")]) == 0
+    assert os.listdir(tmp_path / "fig") == ["m.png"] and "holds no inputs to probe" in capsys.readouterr().out
+
+
 def test_one_seed_says_so_instead_of_a_spread_of_zero():
     """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
     every form a report writes (a metric, the mass start → end, a cell with its count)."""

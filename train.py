@@ -1318,8 +1318,11 @@ def show(run_dir: str, out: str) -> int:
     if S.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     path = os.path.join(run_dir, "ckpt.pt")
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
+        return show_saved(run_dir, out, S)
     if not os.path.isfile(path):
-        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained")
+        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained, or a "
+                         f"model saved with save_pretrained after mp.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
     config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
@@ -1346,6 +1349,27 @@ def show(run_dir: str, out: str) -> int:
     model.load_state_dict(ckpt["model"])
     inputs = task.probe_inputs(config.probe_size)
     print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title))
+    return 0
+
+
+def show_saved(folder: str, out: str, S) -> int:
+    """`train.py show DIR` of a Hugging Face model saved with save_pretrained after `mp.add_mask_prior`: its M at
+    the end (the start is not saved; `reporting.show.draw_model` with a snapshot draws both) -> m.png."""
+    try:
+        from transformers import AutoModel
+    except ImportError:
+        raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs transformers: pip install "
+                         "transformers") from None
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"show: --out {out} is a file, not a folder")
+    try:
+        model = mp.from_pretrained(AutoModel, folder)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"show: {e}") from None
+    os.makedirs(out, exist_ok=True)
+    print(S.draw_model(model, os.path.join(out, "m.png"), f"{os.path.basename(os.path.abspath(folder))} "
+                       f"({type(model).__name__}, saved)"))
+    print("show: attention.png not drawn: a saved model holds no inputs to probe")
     return 0
 
 

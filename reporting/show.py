@@ -59,18 +59,20 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
     kept no snapshot of M): a causal relative table holds distances 0..D-1, another -(n-1)..n-1 (D = 2n - 1).
     `grid` (g, prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). Writes `path` (m.png)
     and returns it."""
+    if all(s is None for s in start):                    # M at the end alone (a saved model): one row a layer
+        start, title = None, f"{title}; M at the end (its start was not saved)"
     if grid is not None:
-        start = [None if s is None else offset_map(s, *grid) for s in start]
+        start = None if start is None else [None if s is None else offset_map(s, *grid) for s in start]
         end = [offset_map(e, *grid) for e in end]
         title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
         if grid[1]:
             title += ", the CLS token's row and column left out"
     heads, full = end[0].shape[0], end[0].dim() == 3
-    values = torch.cat([m.flatten() for m in end + [s for s in start if s is not None]])
+    values = torch.cat([m.flatten() for m in end + [s for s in start or [] if s is not None]])
     lim = float(values.abs().max().clamp_min(1e-6))
     if not full:                                         # a profile per head: one row a layer, start and end in it
         plt, fig, at = _grid(len(end), 1, heads)
-        for layer, (s, e) in enumerate(zip(start, end)):
+        for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
             d = e.shape[1]
             dist = torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2
             for h in range(heads):
@@ -85,10 +87,11 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
         fig.legend(*at(0, 0, 0).get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)
         fig.suptitle(title, fontsize=9)
         return save_figure(fig, path, dpi=110)
-    plt, fig, at = _grid(len(end), 2, heads)
+    plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
     image, shown = None, []
-    for layer, (s, e) in enumerate(zip(start, end)):
-        for row, (m, when) in enumerate(((s, "start"), (e, "end"))):
+    for layer, e in enumerate(end):
+        s = None if start is None else start[layer]
+        for row, (m, when) in enumerate(((e, "end"),) if start is None else ((s, "start"), (e, "end"))):
             for h in range(heads):
                 ax = at(layer, row, h)
                 shown.append(ax)
@@ -103,8 +106,29 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
                     ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
     fig.colorbar(image, ax=shown, shrink=0.6, label="M (the bias is log sigmoid M)")
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
-    fig.suptitle(f"{title}; {axes_of}; outlined: where M started above 0", fontsize=9, wrap=True)
+    outline = "" if start is None else "; outlined: where M started above 0"
+    fig.suptitle(f"{title}; {axes_of}{outline}", fontsize=9, wrap=True)
     return save_figure(fig, path, dpi=110)
+
+
+def draw_model(model, path: str, title: str, start: list | None = None) -> str:
+    """Any model with priors (`mp.add_mask_prior`, a saved one loaded with `mp.from_pretrained`) -> m.png: its M per
+    prior, beside `start` (`mp.prior_snapshot(model)` taken before training) when given. The call for a retrofit:
+
+        snap = mp.prior_snapshot(model)            # after add_mask_prior, before training
+        ...                                        # train
+        draw_model(model, "m.png", "GPT-2 + relative prior", snap)
+    """
+    import maskprior as mp
+    priors = mp.mask_priors(model)
+    if not priors:
+        raise ValueError(f"draw_model: {type(model).__name__} has no mask prior (mp.add_mask_prior gives it one)")
+    end = [p.bias.detach().float().cpu() for p in priors]
+    if start is not None and len(start) != len(end):
+        raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} priors: take it "
+                         f"with mp.prior_snapshot(model) after add_mask_prior")
+    first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start or [{}] * len(end)]
+    return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
 def draw_attention(maps: torch.Tensor, path: str, title: str) -> str:
