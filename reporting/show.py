@@ -5,7 +5,7 @@
                    started above 0 on (the pattern's allowed pairs) outlined, a relative M as a profile per head
                    over the distance i - j, start dashed, end solid, an image's M as a 2-D map of patch offsets
     attention.png  the mean attention on the task's probe inputs at the end, per layer and head,
-                   its colour capped at the 99th percentile (said on the colour bar: a causal first row's 1 would
+                   its colour capped at the 99th percentile (said in the title: a causal first row's 1 would
                    wash out the rest)
 
 The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib, Agg, written atomically); nothing here reads a run folder.
@@ -104,10 +104,10 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
                 image = ax.imshow(m[h].numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
                 if s is not None and bool((s[h] > 0).any()) and bool((s[h] <= 0).any()):
                     ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
-    fig.colorbar(image, ax=shown, shrink=0.6, label="M (the bias is log sigmoid M)")
+    fig.colorbar(image, ax=shown, shrink=0.8, label="M")
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
     outline = "" if start is None else "; outlined: where M started above 0"
-    fig.suptitle(f"{title}; {axes_of}{outline}", fontsize=9, wrap=True)
+    fig.suptitle(f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}", fontsize=9, wrap=True)
     return save_figure(fig, path, dpi=110)
 
 
@@ -146,7 +146,7 @@ def draw_attention(maps: torch.Tensor, path: str, title: str) -> str:
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
-    fig.colorbar(image, ax=shown, shrink=0.6, extend="max", label=f"mean attention (colour capped at its 99th "
-                 f"percentile, {top:.2f})")
-    fig.suptitle(f"{title}; rows: query, columns: key", fontsize=9)
+    fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
+    fig.suptitle(f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})", fontsize=9,
+                 wrap=True)
     return save_figure(fig, path, dpi=110)
