@@ -1312,11 +1312,13 @@ CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 def show(run_dir: str, out: str) -> int:
     """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
     and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
-    the checkpoint, checked as --resume checks it); each file's path printed. A run without M draws its attention
-    alone; a task whose data is not where the run read it draws M alone, and says so."""
+    the checkpoint, checked as --resume checks it, before anything is written); each file's path printed. A run
+    without M draws its attention alone; a task whose data is not where the run read it draws M alone, and says so."""
     from reporting import show as S
     if S.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"show: --out {out} is a file, not a folder")
     path = os.path.join(run_dir, "ckpt.pt")
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
         return show_saved(run_dir, out, S)
@@ -1326,8 +1328,15 @@ def show(run_dir: str, out: str) -> int:
     ckpt = read_checkpoint(path, "show")
     config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"show: --out {out} is a file, not a folder")
+    task, model, absent = task_for(config), None, None
+    try:
+        task.setup(torch.device("cpu"))
+    except T.DataError as e:
+        absent = e
+    if absent is None:
+        model, model_cfg = build_model(config, task, torch.device("cpu"))
+        check_architecture(ckpt, model_cfg, "show", run_dir)
+        model.load_state_dict(ckpt["model"])
     os.makedirs(out, exist_ok=True)
     end = [ckpt["model"][k].float() for k in sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
                                                      key=lambda k: int(k.split(".")[1]))]
@@ -1338,15 +1347,9 @@ def show(run_dir: str, out: str) -> int:
         print(S.draw_m(start, end, os.path.join(out, "m.png"), title, mc.get("causal", False), grid))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
-    task = task_for(config)
-    try:
-        task.setup(torch.device("cpu"))
-    except T.DataError as e:
-        print(f"show: attention.png not drawn: the run's data is not there ({e})")
+    if model is None:
+        print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
-    model, model_cfg = build_model(config, task, torch.device("cpu"))
-    check_architecture(ckpt, model_cfg, "show", run_dir)
-    model.load_state_dict(ckpt["model"])
     inputs = task.probe_inputs(config.probe_size)
     print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title))
     return 0
@@ -1360,8 +1363,6 @@ def show_saved(folder: str, out: str, S) -> int:
     except ImportError:
         raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs transformers: pip install "
                          "transformers") from None
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"show: --out {out} is a file, not a folder")
     try:
         model = mp.from_pretrained(AutoModel, folder)
     except (ValueError, OSError) as e:

@@ -118,11 +118,10 @@ def _num(key):
 
 
 def _mass(ms):
-    start, end = _num("prior_mass_start")(ms), _num("prior_mass_end")(ms)
-    one = " (1 seed)"
-    if start.endswith(one) and end.endswith(one):          # one run: said once
-        return f"{start[:-len(one)]} → {end}"
-    return f"{start} → {end}" if start or end else ""
+    start, end = ([m[k] for m in ms if m.get(k) is not None] for k in ("prior_mass_start", "prior_mass_end"))
+    if len(start) == len(end) == 1:                        # one run: said once
+        return f"{start[0]:.2f} → {end[0]:.2f} (1 seed)"
+    return f"{mean_std(start)} → {mean_std(end)}" if start or end else ""
 
 
 def _mdi(ms):
