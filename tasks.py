@@ -168,6 +168,11 @@ class Task:
         al.'s data, picks it here)."""
         return cls(**options)
 
+    def token_labels(self) -> list | None:
+        """The names of the model's input positions (a Boolean task's bits, an arithmetic format's digits), for the
+        ticks of M and attention maps; None where positions have no fixed meaning (images, text)."""
+        return None
+
     @classmethod
     def presets(cls) -> tuple:
         return tuple(dict.fromkeys(p for klass in cls.__mro__ for p in vars(klass).get("PRESETS", {})))
@@ -1257,6 +1262,9 @@ class BooleanTask(Task):
     def arch(self) -> dict:
         return {"vocab_size": 2, "seq_len": self.n_bits, "n_outputs": 1, "readout": self.readout}
 
+    def token_labels(self) -> list:
+        return ["CLS"] * (self.readout == "cls") + [f"x{i}" for i in range(self.n_bits)]
+
     def pattern_name(self, variant: str | None) -> str:
         variant = variant or self.DEFAULT_PATTERN
         mine = self.patterns(self.readout == "cls")
@@ -1724,6 +1732,12 @@ class ArithmeticTask(Task):
         return {"vocab_size": len(ARITH_VOCAB), "seq_len": self.length - 1, "n_outputs": len(ARITH_VOCAB),
                 "readout": "tokens", "causal": True}
 
+    def token_labels(self) -> list:
+        """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the decoder's inputs."""
+        d, places = self.n_digits, range(self.n_digits - 1, -1, -1)
+        answer = [f"c{self.answer_significance(i)}" for i in range(self.n_answer)]
+        return ([f"a{p}" for p in places] + [self.op] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
+
     def _levels(self, variant: str) -> torch.Tensor:
         """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions.
 
@@ -2087,6 +2101,9 @@ class LeeMultiplication(ArithmeticTask):
     def arch(self) -> dict:
         return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1, "n_outputs": len(LEE_VOCAB),
                 "readout": "tokens", "causal": True}
+
+    def token_labels(self) -> None:
+        return None                 # the operands' lengths move the digits: a position is no fixed digit
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded layout's grades."""

@@ -6423,7 +6423,81 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     assert any(p.endswith("ablation.md") for p in written)
 
 
-def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def readable_figures(monkeypatch):
+    """Every figure saved while the test runs (by report, show or anything else) is checked by
+    `R.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
+    matplotlib = _extra("matplotlib")
+    import matplotlib.figure
+    seen, save = {}, matplotlib.figure.Figure.savefig
+
+    def checked(fig, *args, **kw):
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = R.figure_problems(fig)
+        return save(fig, *args, **kw)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
+    yield seen
+    assert seen and not {k: v for k, v in seen.items() if v}, seen
+
+
+def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
+    """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
+    plt = R.pyplot()
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3))
+    for ax in axes[:4]:
+        ax.plot([0, 1], [0, 1])
+    axes[0].set_title("one title")
+    axes[0].text(0.5, 1.0, "one title too", transform=axes[0].transAxes, ha="center", va="bottom")
+    problems = R.figure_problems(fig)
+    assert any("a strip" in p for p in problems) and any("nothing drawn" in p for p in problems)
+    assert any("'one title' overlaps 'one title too'" in p or "'one title too' overlaps 'one title'" in p
+               for p in problems), problems
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
+    ax.plot([0, 1], [0, 1], label="a")
+    ax.set_title("fine")
+    assert R.figure_problems(fig) == []
+    R.save_figure(fig, str(tmp_path / "fine.png"))
+
+
+def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
+    """A report over small runs of every kind (three Boolean tasks x four inits, two arithmetic budgets, a data
+    series, twelve vision priors side by side, an oracle-free study of two rows, a mask run with its checkpoint):
+    each figure it draws is no strip, has no blank panel and no two overlapping pieces of text (readable_figures);
+    M is drawn per task beside the persistence curves, and a configuration's label reads as its flags."""
+    runs = tmp_path / "runs"
+    for task in ("parity2", "majority3", "cyclic3"):
+        for init in ("default", "mask", "qk-svd", "qk-opt"):
+            for seed in (0, 1):
+                _fake_run(runs / "boolean", task, init, seed, 0.75, masses=(0.9, 0.7, 0.6, 0.6 - 0.1 * seed))
+    rc, _ = run_train(tmp_path, *TINY, "--init", "mask", "--steps", "4", "--log-every", "2", "--seed", "7",
+                      name="runs/boolean/parity2-mask-s7")
+    assert rc == 0
+    for init in ("default", "mask"):
+        for steps in (50, 250):
+            _curve_run(runs / "arithmetic", "addition", init, 0, [{"seq_acc": 0.1 * i, "digit_acc": 0.2 * i}
+                                                                 for i in range(5)], steps=steps, tag=f"-{steps}")
+        for n in (500, 8000):
+            _curve_run(runs / "data", "addition", init, 0, [{"seq_acc": n / 1e4, "digit_acc": 0.5, "n_train": n}],
+                       tag=f"-frac{n}", data_frac=n / 1e6)
+    for i in range(12):
+        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": 0.05 * i + 0.01 * s} for s in range(4)],
+                   kind="vision", tag=f"-p{i}", pattern=f"p{i}", qk_svd_pos_scale=None)
+    pattern = T.make_task("parity2", readout="mean").pattern()
+    for task in ("parity2", "majority3"):
+        for init, tag, flags in (("default", "", {}), ("mask", "", {}), ("mask", "-discovered", {"pattern": "discovered"}),
+                                 ("mask", "-teacher", {"prior_from": "T"}), ("qk-svd", "-teacher", {"prior_from": "T"})):
+            d = _fake_run(runs / "oraclefree", task, init, 0, 0.75, tag=tag, readout="mean", masses=(0.9, 0.5, 0.4),
+                          **flags)
+            torch.save({"pattern": pattern, "logits": pattern.float(), "source": {}}, d / "prior.pt")
+    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
+    assert {"persistence.png", "curves.png", "data_efficiency.png", "visionprior.png", "oraclefree_mass.png",
+            "oraclefree_patterns.png", "m_parity2.png"} <= written
+    assert any("M at the start" not in k and "parity2 --init mask seed 7" in k for k in readable_figures)
+    assert R.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
+    assert len({R.line_style(i) for i in range(40)}) == 40 and R.line_style(3, "mask") == R.INIT_STYLES["mask"]
+
+
+def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):
     """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1) and
     attention.png for a mask run; attention.png alone for an init without M; a relative M as profiles; a folder
     without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
@@ -6470,7 +6544,7 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     assert "pip install matplotlib" in capsys.readouterr().err and _tree(tmp_path) == before
 
 
-def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys):
+def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, readable_figures):
     """A retrofit's call: reporting.show.draw_model(model, path, title, mp.prior_snapshot(model) before training);
     `train.py show DIR` of its save_pretrained folder draws M at the end (its start was not saved)."""
     tf = _extra("transformers")

@@ -1338,20 +1338,20 @@ def show(run_dir: str, out: str) -> int:
         check_architecture(ckpt, model_cfg, "show", run_dir)
         model.load_state_dict(ckpt["model"])
     os.makedirs(out, exist_ok=True)
-    end = [ckpt["model"][k].float() for k in sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
-                                                     key=lambda k: int(k.split(".")[1]))]
+    start, end = S.m_of_checkpoint(ckpt)
     if end:
-        start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
         mc = ckpt["model_config"]
         grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
-        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, mc.get("causal", False), grid))
+        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, mc.get("causal", False), grid,
+                       task.token_labels()))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
     if model is None:
         print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
     inputs = task.probe_inputs(config.probe_size)
-    print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title))
+    print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title,
+                           task.token_labels()))
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import textwrap
@@ -199,37 +200,153 @@ def pyplot():
     return plt
 
 
-def figure(n_rows: int, n_cols: int, width: float, height: float, **kw):
-    """(pyplot, figure, axes: an (n_rows, n_cols) array) of a new figure of panels `width` x `height` inches
-    each, or None when matplotlib is not installed."""
+# Every figure the reports draw: panels in a grid (`panel_grid`), one line style per init or series (`line_style`),
+# the legend and the caption outside the panels (`legend_below`, `caption`), constrained layout; `figure_problems`
+# is what a test asserts of each one saved.
+MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
+INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"), "qk-svd": ("tab:blue", "--"),
+               "qk-opt": ("tab:green", "-."), "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
+               "mask-impulse": ("tab:brown", "-")}
+SERIES_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                  "tab:gray", "tab:olive", "tab:cyan")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def line_style(i: int, init: str | None = None) -> tuple:
+    """(colour, line style): the init's own where it has one (the same in every figure), else series i's, distinct
+    for the first 40 series (ten colours, then the same ten dashed, ...)."""
+    if init in INIT_STYLES:
+        return INIT_STYLES[init]
+    return SERIES_COLOURS[i % len(SERIES_COLOURS)], LINESTYLES[(i // len(SERIES_COLOURS)) % len(LINESTYLES)]
+
+
+def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, height: float = 3.0):
+    """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each), the blocks wrapped
+    into as many columns as keep the figure nearest square, so that no figure is a strip; constrained layout.
+    at(block, row=0, col=0) -> its axes. Panels never asked for are dropped when the figure is saved. None when
+    matplotlib is not installed."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or blocks < 1:
         return None
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)
-    return plt, fig, axes
+    c = min(range(1, blocks + 1), key=lambda c: abs(math.log(c * cols * width / (-(-blocks // c) * rows * height))))
+    fig, axes = plt.subplots(-(-blocks // c) * rows, c * cols, figsize=(c * cols * width, -(-blocks // c) * rows * height),
+                             squeeze=False, layout="constrained")
+    for ax in axes.flat:
+        ax.set_visible(False)
+
+    def at(block: int, row: int = 0, col: int = 0):
+        ax = axes[(block // c) * rows + row, (block % c) * cols + col]
+        ax.set_visible(True)
+        return ax
+    return plt, fig, at
 
 
-def save_figure(fig, path: str, dpi: int) -> str:
-    """Save a figure as a PNG atomically and close it; returns path."""
+def wrapped(text: str, inches: float, size: float) -> str:
+    """text broken into lines (at its own line breaks too) that fit `inches` at font size `size`."""
+    chars = max(20, int(inches * 72 / (0.6 * size)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
+def caption(fig, text: str, size: float = 9) -> None:
+    """The figure's title, wrapped to its width."""
+    fig.suptitle(wrapped(text, fig.get_figwidth(), size), fontsize=size)
+
+
+def legend_below(fig, size: float = 8) -> None:
+    """One legend for the whole figure, under its panels (each label once, in the order first drawn)."""
+    seen = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    if seen:
+        ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * max(map(len, seen)) + 40))))
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=ncols, fontsize=size)
+
+
+def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
+    """Name the rows (queries) and columns (keys) of an n x n map by their tokens (every k-th where n is over 24),
+    or leave it without ticks where `names` does not name n tokens."""
+    if not names or len(names) != n:
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    at = list(range(0, n, -(-n // 24)))
+    ax.set_xticks(at, [names[i] for i in at], fontsize=size, rotation=90)
+    ax.set_yticks(at, [names[i] for i in at], fontsize=size)
+    ax.tick_params(length=1, pad=1)
+
+
+def token_names(run: dict) -> list | None:
+    """The names of a run's token positions (its task's `token_labels`, the task rebuilt from the run's flags), or
+    None where it has none."""
+    cls = T.TASKS.get(run.get("task"))
+    if cls is None:
+        return None
+    try:
+        flags = {k: v for k, v in run.get("tells_apart", {}).items() if k in cls.options()}
+        return T.make_task(run["task"], **flags).token_labels()
+    except (T.TaskError, TypeError, ValueError):
+        return None
+
+
+def flag_label(label: str) -> str:
+    """A configuration's label as the flags that make it: "qk_svd_pos_scale=None, steps=250" ->
+    "--qk-svd-pos-scale (unset), --steps 250"."""
+    parts = []
+    for part in filter(None, label.split(", ")):
+        key, eq, value = part.partition("=")
+        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq else part)
+    return ", ".join(parts)
+
+
+def figure_problems(fig) -> list[str]:
+    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a
+    panel with nothing drawn in it, or two pieces of text (titles, labels, tick labels, legend entries) whose
+    boxes overlap (the renderer's extents, one pixel of slack)."""
+    import numpy as np
+    from matplotlib.text import Text
+    w, h = fig.get_size_inches()
+    problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if max(w / h, h / w) > MAX_ASPECT else []
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    hidden = set()
+    for ax in fig.axes:
+        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches or ax.texts):
+            problems.append(f"panel {ax.get_title()!r}: nothing drawn")
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):    # located, not drawn
+                    hidden.update((id(tick.label1), id(tick.label2)))
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
+             and all(a.get_visible() for a in [t.axes] if a is not None)]
+    boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
+    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
+    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
+    for i, j in zip(*np.nonzero(np.triu((x > 1) & (y > 1), 1))):
+        problems.append(f"text {texts[i].get_text()!r} overlaps {texts[j].get_text()!r}")
+    return problems
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """Drop the panels never drawn in, save the figure as a PNG atomically and close it; returns path."""
+    for ax in [ax for ax in fig.axes if not ax.get_visible()]:
+        fig.delaxes(ax)
     with T.atomic_output(path) as f:
         fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)
     return path
 
 
-INIT_COLOURS = {"default": "tab:gray", "mask": "tab:red", "qk-svd": "tab:blue", "qk-opt": "tab:green",
-                "mimetic": "tab:purple", "impulse": "tab:orange"}
-
-
-def plot_band(ax, by_step: dict, init: str, label: bool = True, scale: float = 1.0, colour=None) -> None:
-    """Draw {step: [values over seeds]} as the mean line with a min-to-max band, in the init's colour
-    (or `colour`), labelled `init` (any legend text) when `label`."""
+def plot_band(ax, by_step: dict, label: str, style: tuple, scale: float = 1.0) -> None:
+    """Draw {step: [values over seeds]} as the mean line with a min-to-max band in `style` (colour, line style,
+    `line_style`), labelled `label` for the legend."""
     steps = sorted(by_step)
     vals = [by_step[st] for st in steps]
-    colour = colour or INIT_COLOURS.get(init)
-    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, lw=1.8, label=init if label else None)
+    colour, dashes = style
+    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, ls=dashes, lw=1.6, label=label)
     ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
-                    alpha=0.2, lw=0)
+                    alpha=0.15, lw=0)
 
 
 def log_records(run: dict) -> list[dict]:
@@ -282,30 +399,49 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
     tasks = sorted({r["task"] for r in rows})
-    made = figure(2, len(tasks), 4.2, 3.2, sharex="col") if tasks else None
+    made = panel_grid(len(tasks), rows=2, width=4.2, height=3.0)
     if made is None:
         return written
-    _, fig, axes = made
-    for col, task in enumerate(tasks):
-        for init in PERSISTENCE_INITS:
+    _, fig, at = made
+    for b, task in enumerate(tasks):
+        for i, init in enumerate(PERSISTENCE_INITS):
             for row, key in ((0, "mass"), (1, "drift")):
                 by_step = {}
                 for r in rows:
                     if r["task"] == task and r["init"] == init and r[key] == r[key]:     # drift may be NaN
                         by_step.setdefault(r["step"], []).append(r[key])
                 if by_step:
-                    plot_band(axes[row][col], by_step, init, label=row == 0)
-        axes[0][col].set_title(task)
-        axes[0][col].set_ylim(0, 1.02)
-        axes[1][col].set_xlabel("training step")
+                    plot_band(at(b, row), by_step, init, line_style(i, init))
+        at(b, 0).set_title(f"{task}: attention mass on the pattern", fontsize=9)
+        at(b, 0).set_ylim(0, 1.02)
+        at(b, 1).set_title(f"{task}: relative change of the prior", fontsize=9)
+        at(b, 1).set_xlabel("training step")
         for row in (0, 1):
-            axes[row][col].grid(alpha=0.3)
-    axes[0][0].set_ylabel("attention mass on the pattern")
-    axes[1][0].set_ylabel("relative change of the prior\n(M, or Wq Wk^T)")
-    axes[0][-1].legend(loc="best")
-    fig.suptitle(textwrap.fill(PERSISTENCE_CAPTION, 40 * len(tasks)), fontsize=9)
-    fig.tight_layout()
+            at(b, row).grid(alpha=0.3)
+    legend_below(fig)
+    caption(fig, PERSISTENCE_CAPTION)
     return written + [save_figure(fig, os.path.join(out_dir, "persistence.png"), dpi=120)]
+
+
+def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
+    """m_TASK.png beside persistence.png, per Boolean task with a `mask` run: M at the start and at the end of its
+    lowest seed's run whose checkpoint reads, per layer and head (`reporting.show.draw_m`). Needs matplotlib."""
+    if pyplot() is None:
+        return []
+    from reporting import show
+    written, runs = [], sorted(collect_runs([boolean_dir])[0], key=lambda r: r["seed"])
+    for task in sorted({r["task"] for r in runs if r["init"] == "mask"}):
+        for r in (r for r in runs if r["task"] == task and r["init"] == "mask"):
+            try:
+                start, end = show.m_of_checkpoint(T.read_checkpoint(os.path.join(r["run_dir"], "ckpt.pt")))
+            except (T.ReadError, KeyError, TypeError, AttributeError, ValueError):
+                continue
+            if end and len(start) == len(end) and all(s is None or s.shape == e.shape for s, e in zip(start, end)):
+                title = f"{task} --init mask seed {r['seed']} ({os.path.basename(r['run_dir'])})"
+                written.append(show.draw_m(start, end, os.path.join(out_dir, f"m_{task}.png"), title,
+                                           names=token_names(r)))
+                break
+    return written
 
 
 ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
@@ -424,37 +560,28 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
                     per_metric[k].setdefault(r["init"], {}).setdefault(step, []).append(v)
         for k, name, _ in CURVE_METRICS.get(kind, ()):
             if per_metric[k]:
-                panels.append((task + (f"\n{label}" if label else ""), k, name, per_metric[k]))
+                panels.append((task + (f"\n{flag_label(label)}" if label else ""), k, name, per_metric[k]))
     csv_path = os.path.join(out_dir, "curves.csv")
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
     written = [csv_path]
-    titles = list(dict.fromkeys(p[0] for p in panels))           # one row per task and configuration
-    cols = max((sum(p[0] == t for p in panels) for t in titles), default=0)
-    made = figure(len(titles), cols, 4.4, 3.2) if panels else None
+    made = panel_grid(len(panels), width=4.0, height=3.0)
     if made is None:
         return written
-    _, fig, axes = made
-    used = {t: 0 for t in titles}
-    for title, key, name, by_init in panels:
-        ax = axes[titles.index(title)][used[title]]
-        used[title] += 1
-        for init, by_step in by_init.items():
-            plot_band(ax, by_step, init, scale=100.0 if key in PERCENT_METRICS else 1.0)
+    _, fig, at = made
+    for b, (title, key, name, by_init) in enumerate(panels):
+        ax = at(b)
+        for i, (init, by_step) in enumerate(by_init.items()):
+            plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(wrapped(title, 3.8, 8), fontsize=8)
         ax.set_xlabel("training step")
-        ax.set_ylabel(name + (" %" if key in PERCENT_METRICS else ""))
+        ax.set_ylabel(name + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    for t in titles:
-        for ax in axes[titles.index(t)][used[t]:]:
-            ax.axis("off")
-    fig.suptitle(textwrap.fill("Headline metric (and, for arithmetic and vision, the attention mass on the prior "
-                               "pattern) against the training step; mean over seeds, band = min to max", 55 * cols),
-                 fontsize=9)
-    fig.tight_layout()
-    return written + [save_figure(fig, os.path.join(out_dir, "curves.png"), dpi=110)]
+    legend_below(fig)
+    caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the prior pattern) against "
+                 "the training step; mean over seeds, band = min to max")
+    return written + [save_figure(fig, os.path.join(out_dir, "curves.png"))]
 
 
 def write_comparison(groups: dict, path: str, title: str) -> list[str]:
@@ -472,26 +599,25 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
                     for k, pts in curve_points(r).items():
                         for step, v in pts:
                             by_metric.setdefault(k, {}).setdefault(step, []).append(v)
-            series.append((init + (f", {label}" if label else ""), by_metric))
-    metrics = CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
-    made = figure(1, len(metrics), 6.0, 4.4)
+            series.append((init + (f", {flag_label(label)}" if label else ""), by_metric))
+    metrics = [m for m in CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
+               if any(by_metric.get(m[0]) for _, by_metric in series)]
+    made = panel_grid(len(metrics), width=5.0, height=3.8)
     if made is None:
         return []
-    plt, fig, axes = made
-    colours = plt.get_cmap("tab10")
-    for col, (k, name, _) in enumerate(metrics):
-        ax = axes[0][col]
+    _, fig, at = made
+    for b, (k, name, _) in enumerate(metrics):
+        ax = at(b)
         scale = 100.0 if k in PERCENT_METRICS else 1.0
         for i, (legend, by_metric) in enumerate(series):
             if by_metric.get(k):
-                plot_band(ax, by_metric[k], legend, scale=scale, colour=colours(i % 10))
+                plot_band(ax, by_metric[k], legend, line_style(i), scale=scale)
         ax.set_xlabel("training step")
         ax.set_ylabel(name + (" %" if scale == 100.0 else ""))
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6.5, loc="best")
-    fig.suptitle(textwrap.fill(title + "; mean over seeds, band = min to max", 60 * len(metrics)), fontsize=9)
-    fig.tight_layout()
-    return [save_figure(fig, path, dpi=110)]
+    legend_below(fig, size=7)
+    caption(fig, title + "; mean over seeds, band = min to max")
+    return [save_figure(fig, path)]
 
 
 def first_step(records: list, target: list):
@@ -650,25 +776,24 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
 
 def _efficiency_figure(panels: list, out_dir: str) -> list[str]:
     """data_efficiency.png: a panel per configuration, sequence accuracy against the training set size."""
-    made = figure(1, len(panels), 4.8, 3.6) if panels else None
+    made = panel_grid(len(panels), width=4.8, height=3.6)
     if made is None:
         return []
-    _, fig, axes = made
-    for ax, (label, by, sizes, digits) in zip(axes[0], panels):
-        for init, by_size in by.items():
-            plot_band(ax, by_size, init, scale=100.0)
+    _, fig, at = made
+    for b, (label, by, sizes, digits) in enumerate(panels):
+        ax = at(b)
+        for i, (init, by_size) in enumerate(by.items()):
+            plot_band(ax, by_size, init, line_style(i, init), scale=100.0)
         ax.set_xscale("log")
-        ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7)
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7, rotation=30)
         ax.minorticks_off()
         ax.set_xlabel(f"training pairs (of 10^{2 * digits})")
         ax.set_ylabel("sequence accuracy %")
-        ax.set_title("addition" + (f"\n{label}" if label else ""), fontsize=9)
+        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    fig.suptitle(textwrap.fill("Final sequence accuracy against the training set size; mean over seeds, band = "
-                               "min to max", 60 * len(panels)), fontsize=9)
-    fig.tight_layout()
-    return [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"), dpi=110)]
+    legend_below(fig)
+    caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = min to max")
+    return [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"))]
 
 
 # The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
@@ -755,22 +880,24 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
                 lines[head] = by_step
         if lines:
             curves.append((row, lines))
-    made = figure(1, len(curves), 4.2, 3.4) if curves else None
+    made = panel_grid(len(curves), width=4.0, height=3.0)
     if made is None:
         return []
-    plt, fig, axes = made
-    colours = plt.get_cmap("tab10")
-    for ax, (row, lines) in zip(axes[0], curves):
-        for i, (head, by_step) in enumerate(lines.items()):
-            plot_band(ax, by_step, head, colour=colours(i % 10))
+    _, fig, at = made
+    heads = [h for h, _, _ in ORACLE_FREE_COLUMNS]
+    for b, (row, lines) in enumerate(curves):
+        ax = at(b)
+        for head, by_step in lines.items():
+            plot_band(ax, by_step, head, line_style(heads.index(head)))
         ax.set_title(row, fontsize=9)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("training step")
+        ax.set_ylabel("mass on its pattern", fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("attention mass on the prior's pattern")
-    axes[0][-1].legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    return [save_figure(fig, os.path.join(out_dir, "oraclefree_mass.png"), dpi=110)]
+    legend_below(fig)
+    caption(fig, "Attention mass on each prior's own pattern against the training step; mean over seeds, band = "
+                 "min to max")
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_mass.png"))]
 
 
 def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
@@ -787,21 +914,19 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
                 pattern = T.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
             except T.ReadError:
                 continue
-            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern))
-    made = figure(-(-len(panels) // 4), 4, 3.0, 3.0) if panels else None
+            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern,
+                           token_names(first[0])))
+    made = panel_grid(len(panels), width=3.0, height=3.2)
     if made is None:
         return []
-    _, fig, axes = made
-    for ax, (title, p) in zip(axes.flat, panels):
+    _, fig, at = made
+    for b, (title, p, names) in enumerate(panels):
+        ax = at(b)
         ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(title, fontsize=7)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle("Patterns the priors started from: row = query, column = key, black = allowed (first head)", fontsize=9)
-    fig.tight_layout()
-    return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"), dpi=110)]
+        ax.set_title(wrapped(title, 2.9, 7), fontsize=7)
+        token_ticks(ax, names, p.shape[-1])
+    caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed (first head)")
+    return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"))]
 
 
 STEPS_TO_TARGET_HEAD = (
@@ -848,7 +973,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
                             f"seeds; accuracy over the whole cube (exact match for cyclic3); {made_by}.\n\n"
                             f"{ablation(folders)}"))
     if os.path.isdir(boolean):
-        written += write_persistence(persistence_rows(boolean), out_dir)
+        written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean, out_dir)
     if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
         written += oracle_free(os.path.join(runs_dir, "oraclefree"), out_dir)
     data, arithmetic = os.path.join(runs_dir, "data"), os.path.join(runs_dir, "arithmetic")

@@ -12,32 +12,30 @@ The layers' blocks wrap into columns so that no figure is a strip. Pure drawing:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from reporting.report import figure, pyplot, save_figure  # noqa: F401 (pyplot: train.py show asks it first)
+from reporting.report import caption, legend_below, panel_grid, pyplot, save_figure, token_ticks  # noqa: F401
 
 PANEL = 2.2          # inches a panel
 
 
 def _grid(layers: int, rows: int, heads: int):
-    """(plt, fig, at): a figure of one block of `rows` x `heads` panels a layer, the blocks wrapped into as many
-    columns as keep the figure nearest square (never a strip); at(layer, row, head) -> its axes. Unused panels
-    are hidden."""
-    c = min(range(1, layers + 1), key=lambda c: abs(math.log(-(-layers // c) * rows / (c * heads))))
-    got = figure(-(-layers // c) * rows, c * heads, PANEL, PANEL, layout="constrained")
+    """(plt, fig, at): one block of `rows` x `heads` panels a layer, wrapped so the figure is never a strip
+    (`panel_grid`); at(layer, row, head) -> its axes."""
+    got = panel_grid(layers, rows, heads, PANEL, PANEL)
     if got is None:
         raise ImportError("drawing needs matplotlib: pip install matplotlib")
-    plt, fig, axes = got
-    for ax in axes.flat[:]:
-        ax.set_visible(False)
+    return got
 
-    def at(layer, row, head):
-        ax = axes[(layer // c) * rows + row, (layer % c) * heads + head]
-        ax.set_visible(True)
-        return ax
-    return plt, fig, at
+
+def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
+    """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept none) and its weights'
+    `attn.prior.bias` in layer order; ([], []) for a run without M."""
+    keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")), key=lambda k: int(k.split(".")[1]))
+    if not keys:
+        return [], []
+    start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
+    return start, [ckpt["model"][k].float() for k in keys]
 
 
 def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
@@ -54,16 +52,18 @@ def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
     return (total / count).reshape(heads, 2 * g - 1, 2 * g - 1)
 
 
-def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, grid: tuple | None = None) -> str:
+def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, grid: tuple | None = None,
+           names: list | None = None) -> str:
     """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None where the run
     kept no snapshot of M): a causal relative table holds distances 0..D-1, another -(n-1)..n-1 (D = 2n - 1).
-    `grid` (g, prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). Writes `path` (m.png)
-    and returns it."""
+    `grid` (g, prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). `names`: the N tokens'
+    names for the ticks (`Task.token_labels`). Writes `path` (m.png) and returns it."""
     if all(s is None for s in start):                    # M at the end alone (a saved model): one row a layer
         start, title = None, f"{title}; M at the end (its start was not saved)"
     if grid is not None:
         start = None if start is None else [None if s is None else offset_map(s, *grid) for s in start]
         end = [offset_map(e, *grid) for e in end]
+        names = [str(o) for o in range(1 - grid[0], grid[0])]
         title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
         if grid[1]:
             title += ", the CLS token's row and column left out"
@@ -81,12 +81,12 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
                     ax.plot(dist.numpy(), s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
                 ax.plot(dist.numpy(), e[h].numpy(), color="tab:red", lw=1.4, label="end")
                 ax.set_ylim(-1.05 * lim, 1.05 * lim)
-                ax.set_title(f"layer {layer} head {h}", fontsize=8)
+                ax.set_title(f"layer {layer} head {h}", fontsize=7)
                 ax.tick_params(labelsize=6)
                 ax.set_xlabel("distance i - j", fontsize=7)
-        fig.legend(*at(0, 0, 0).get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)
-        fig.suptitle(title, fontsize=9)
-        return save_figure(fig, path, dpi=110)
+        legend_below(fig, size=7)
+        caption(fig, title + "; M over the distance (the bias is log sigmoid M)")
+        return save_figure(fig, path)
     plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
     image, shown = None, []
     for layer, e in enumerate(end):
@@ -95,8 +95,7 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
             for h in range(heads):
                 ax = at(layer, row, h)
                 shown.append(ax)
-                ax.set_xticks([])
-                ax.set_yticks([])
+                token_ticks(ax, names, (e if m is None else m).shape[-1])
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
                 if m is None:
                     ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
@@ -107,8 +106,8 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
     fig.colorbar(image, ax=shown, shrink=0.8, label="M")
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
     outline = "" if start is None else "; outlined: where M started above 0"
-    fig.suptitle(f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}", fontsize=9, wrap=True)
-    return save_figure(fig, path, dpi=110)
+    caption(fig, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}")
+    return save_figure(fig, path)
 
 
 def draw_model(model, path: str, title: str, start: list | None = None) -> str:
@@ -131,8 +130,9 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
-def draw_attention(maps: torch.Tensor, path: str, title: str) -> str:
-    """`maps`: (L, H, N, N) mean attention probabilities. Writes `path` (attention.png) and returns it."""
+def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None = None) -> str:
+    """`maps`: (L, H, N, N) mean attention probabilities; `names`: the N tokens' names for the ticks. Writes `path`
+    (attention.png) and returns it."""
     layers, heads = maps.shape[:2]
     flat = maps.flatten().float()
     top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())   # not a causal row 0's 1
@@ -143,10 +143,8 @@ def draw_attention(maps: torch.Tensor, path: str, title: str) -> str:
             ax = at(layer, 0, h)
             shown.append(ax)
             image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
+            token_ticks(ax, names, maps.shape[-1])
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
     fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
-    fig.suptitle(f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})", fontsize=9,
-                 wrap=True)
-    return save_figure(fig, path, dpi=110)
+    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})")
+    return save_figure(fig, path)
