@@ -222,13 +222,16 @@ def line_style(i: int, init: str | None = None) -> tuple:
 
 def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, height: float = 3.0):
     """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each), the blocks wrapped
-    into as many columns as keep the figure nearest square, so that no figure is a strip; constrained layout.
+    into columns: of the counts that keep the figure within 3:1 either way, the one that leaves fewest blocks of its
+    last row empty, then the nearest square; so no figure is a strip. Constrained layout.
     at(block, row=0, col=0) -> its axes. Panels never asked for are dropped when the figure is saved. None when
     matplotlib is not installed."""
     plt = pyplot()
     if plt is None or blocks < 1:
         return None
-    c = min(range(1, blocks + 1), key=lambda c: abs(math.log(c * cols * width / (-(-blocks // c) * rows * height))))
+    aspect = lambda c: c * cols * width / (-(-blocks // c) * rows * height)           # noqa: E731
+    fits = [c for c in range(1, blocks + 1) if 1 / 3 <= aspect(c) <= 3] or range(1, blocks + 1)
+    c = min(fits, key=lambda c: (-blocks % c, abs(math.log(aspect(c)))))        # no empty blocks, then nearest square
     fig, axes = plt.subplots(-(-blocks // c) * rows, c * cols, figsize=(c * cols * width, -(-blocks // c) * rows * height),
                              squeeze=False, layout="constrained")
     for ax in axes.flat:
@@ -301,7 +304,7 @@ def flag_label(label: str) -> str:
 
 def figure_problems(fig) -> list[str]:
     """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a
-    panel with nothing drawn in it, or two pieces of text (titles, labels, tick labels, legend entries) whose
+    panel with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles, labels, tick labels, legend entries) whose
     boxes overlap (the renderer's extents, one pixel of slack)."""
     import numpy as np
     from matplotlib.text import Text
@@ -318,6 +321,12 @@ def figure_problems(fig) -> list[str]:
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
                 if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):    # located, not drawn
                     hidden.update((id(tick.label1), id(tick.label2)))
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    for i, a in enumerate(panels):
+        for b in panels[i + 1:]:
+            one, two = a.get_window_extent(renderer), b.get_window_extent(renderer)
+            if min(one.x1, two.x1) - max(one.x0, two.x0) > 1 and min(one.y1, two.y1) - max(one.y0, two.y0) > 1:
+                problems.append(f"panels {a.get_title() or a.get_label()!r} and {b.get_title() or b.get_label()!r} overlap")
     texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
              and all(a.get_visible() for a in [t.axes] if a is not None)]
     boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)

@@ -1,7 +1,7 @@
 """M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
 
-    m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row) and head
-                   (columns), on one colour scale; a full M as its N x N (query x key) matrix with the pairs M
+    m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row, and
+                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a full M as its N x N (query x key) matrix with the pairs M
                    started above 0 on (the pattern's allowed pairs) outlined, a relative M as a profile per head
                    over the distance i - j, start dashed, end solid, an image's M as a 2-D map of patch offsets
     attention.png  the mean attention on the task's probe inputs at the end, per layer and head,
@@ -70,42 +70,59 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
     heads, full = end[0].shape[0], end[0].dim() == 3
     values = torch.cat([m.flatten() for m in end + [s for s in start or [] if s is not None]])
     lim = float(values.abs().max().clamp_min(1e-6))
-    if not full:                                         # a profile per head: one row a layer, start and end in it
-        plt, fig, at = _grid(len(end), 1, heads)
+    change = [None if s is None else e - s for s, e in zip(start or [None] * len(end), end)]
+    dlim = max((float(c.abs().max()) for c in change if c is not None), default=0.0) or 1e-6
+    moved = f"; the last row of each layer: end - start, on its own scale (largest change {dlim:.3g})"
+    if not full:                                 # a profile per head: M (start dashed, end solid), then end - start
+        plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
         for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
             d = e.shape[1]
-            dist = torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2
+            dist = (torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2).numpy()
             for h in range(heads):
                 ax = at(layer, 0, h)
                 if s is not None:
-                    ax.plot(dist.numpy(), s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
-                ax.plot(dist.numpy(), e[h].numpy(), color="tab:red", lw=1.4, label="end")
+                    ax.plot(dist, s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
+                ax.plot(dist, e[h].numpy(), color="tab:red", lw=1.4, label="end")
                 ax.set_ylim(-1.05 * lim, 1.05 * lim)
                 ax.set_title(f"layer {layer} head {h}", fontsize=7)
+                if start is not None:
+                    ax = at(layer, 1, h)
+                    if s is None:
+                        ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
+                    else:
+                        ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2, label="end - start")
+                        ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
+                    ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
                 ax.tick_params(labelsize=6)
                 ax.set_xlabel("distance i - j", fontsize=7)
         legend_below(fig, size=7)
-        caption(fig, title + "; M over the distance (the bias is log sigmoid M)")
+        caption(fig, title + "; M over the distance (the bias is log sigmoid M)" + ("" if start is None else moved))
         return save_figure(fig, path)
-    plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
-    image, shown = None, []
-    for layer, e in enumerate(end):
+    plt, fig, at = _grid(len(end), 1 if start is None else 3, heads)
+    image, shown, moved_image, moved_axes = None, [], None, []
+    for layer, (e, c) in enumerate(zip(end, change)):
         s = None if start is None else start[layer]
-        for row, (m, when) in enumerate(((e, "end"),) if start is None else ((s, "start"), (e, "end"))):
+        maps = ((e, "end", None),) if start is None else ((s, "start", None), (e, "end", None), (c, "end - start", 1))
+        for row, (m, when, delta) in enumerate(maps):
             for h in range(heads):
                 ax = at(layer, row, h)
-                shown.append(ax)
-                token_ticks(ax, names, (e if m is None else m).shape[-1])
+                (moved_axes if delta else shown).append(ax)
+                token_ticks(ax, names, e.shape[-1])
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
                 if m is None:
                     ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
                     continue
-                image = ax.imshow(m[h].numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+                shown_now = ax.imshow(m[h].numpy(), cmap="PuOr_r" if delta else "RdBu_r", vmin=-(dlim if delta else lim),
+                                      vmax=dlim if delta else lim, interpolation="nearest")
+                moved_image, image = (shown_now, image) if delta else (moved_image, shown_now)
                 if s is not None and bool((s[h] > 0).any()) and bool((s[h] <= 0).any()):
                     ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
-    fig.colorbar(image, ax=shown, shrink=0.8, label="M")
+    fig.colorbar(image, ax=shown, shrink=0.6, label="M")
+    if moved_image is not None:
+        fig.colorbar(moved_image, ax=moved_axes, shrink=0.6, location="bottom", label="end - start",
+                     ticks=[-dlim, -dlim / 2, 0, dlim / 2, dlim], format="%.2g")
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
-    outline = "" if start is None else "; outlined: where M started above 0"
+    outline = "" if start is None else "; outlined: where M started above 0" + moved
     caption(fig, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}")
     return save_figure(fig, path)
 
