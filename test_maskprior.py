@@ -6499,8 +6499,45 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
     assert {"persistence.png", "curves.png", "data_efficiency.png", "visionprior.png", "oraclefree_mass.png",
             "oraclefree_patterns.png", "m_parity2.png"} <= written
     assert any("M at the start" not in k and "parity2 --init mask seed 7" in k for k in readable_figures)
+    # redraw: the same figures again from the CSVs beside them alone (the runs deleted), from the same rows
+    shutil.rmtree(runs)
+    before = {f: (tmp_path / "res" / f).read_bytes() for f in os.listdir(tmp_path / "res") if not f.endswith(".png")}
+    redrawn, left = R.redraw(str(tmp_path / "res"))
+    assert {os.path.basename(p) for p in redrawn} == {"curves.png", "persistence.png", "data_efficiency.png",
+                                                      "visionprior.png"}
+    assert left == ["m_parity2.png", "oraclefree_mass.png", "oraclefree_patterns.png"]
+    assert before == {f: (tmp_path / "res" / f).read_bytes() for f in before}          # tables and CSVs untouched
+    curves = R.read_rows(str(tmp_path / "res" / "curves.csv"), R.CURVES_HEADER, R._curve_row)
+    assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
     assert R.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
     assert len({R.line_style(i) for i in range(40)}) == 40 and R.line_style(3, "mask") == R.INIT_STYLES["mask"]
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: p.write_text("task,init\n"), "is not the table a report writes"),
+    (lambda p: p.write_text(p.read_text() + 'parity2,"",mask,0,10,mse,inf\n'), "'inf' is not a finite number"),
+    (lambda p: p.write_text(p.read_text() + 'parity2,"",mask,zero,10,mse,1\n'), "line "),
+    (lambda p: p.write_text(p.read_text() + "parity2,mask\n"), "2 cells, the header has 7"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "cannot read"),
+])
+def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, capsys, damage, words):
+    """`train.py redraw RESULTS`: a CSV that is not one a report wrote (its header, a cell, a short row, bytes that
+    are not text) is one line naming it, exit 2, and no figure is drawn, not even from the other, whole CSVs."""
+    _extra("matplotlib")
+    runs = tmp_path / "runs"
+    _curve_run(runs / "boolean", "parity2", "mask", 0, [{"acc_unseen": 0.5, "mse": 1.0}, {"acc_unseen": 1.0, "mse": 0.1}],
+               kind="boolean")
+    _fake_run(runs / "boolean", "parity2", "qk-svd", 0, 0.75)
+    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    damage(tmp_path / "res" / "curves.csv")
+    before = _tree(tmp_path / "res")
+    capsys.readouterr()
+    assert train.main(["redraw", str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "curves.csv" in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(tmp_path / "res") == before
+    (tmp_path / "empty").mkdir()
+    assert train.main(["redraw", str(tmp_path / "empty")]) == 2 and "nothing to redraw" in capsys.readouterr().err
 
 
 def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):

@@ -299,7 +299,7 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
           "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
 
 
-COMMANDS = ("train", "summarize", "report", "download", "imagenet100", "show", "make-digits", "make-wikitext")
+COMMANDS = ("train", "summarize", "report", "redraw", "download", "imagenet100", "show", "make-digits", "make-wikitext")
 UsageError, BusyError = T.UsageError, T.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
 
 
@@ -350,14 +350,14 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> Parser:
-    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `download`, `imagenet100`, `show`,
-    `make-digits`, `make-wikitext`."""
+    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `redraw`, `download`, `imagenet100`,
+    `show`, `make-digits`, `make-wikitext`."""
     p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
                        description="Train a task with an attention prior. A flag not given takes the task's preset "
                                    "value (--preset small or paper), else the default shown. Other commands: "
-                                   "summarize, report, download, imagenet100, show, make-digits, make-wikitext "
+                                   "summarize, report, redraw, download, imagenet100, show, make-digits, make-wikitext "
                                    "(python train.py COMMAND --help).")
     add_train_flags(t)
     s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
@@ -365,6 +365,8 @@ def build_parser() -> Parser:
     r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a reproduction")
     r.add_argument("runs", help="a reproduce.sh runs folder (e.g. runs/quick)")
     r.add_argument("out", help="the folder to write the tables and figures to (e.g. results/quick)")
+    d = sub.add_parser("redraw", help="a results folder's figures drawn again from the CSVs beside them, no runs")
+    d.add_argument("results", help="a folder train.py report wrote (e.g. results/quick)")
     g = sub.add_parser("download", help="fetch the public data sets into a folder, checked against pinned sums",
                        description="Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and "
                                    "valid) into --data: resumable (run again after a cut), checked against their "
@@ -1593,9 +1595,10 @@ class Interrupt:
 def main(argv=None) -> int:
     try:
         flags, explicit = parse_args(argv)
-        if flags.command in ("summarize", "report"):
+        if flags.command in ("summarize", "report", "redraw"):
             from reporting import report             # the reports load only for their commands
             return report.summarize_command(flags.paths) if flags.command == "summarize" else \
+                report.redraw_command(flags.results) if flags.command == "redraw" else \
                 report.report_command(flags.runs, flags.out)
         if flags.command == "download":
             from datafetch import download

@@ -10,7 +10,9 @@ oracle-free study) -> `report`, which writes them all.
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
+import io
 import json
 import math
 import os
@@ -397,8 +399,8 @@ PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative c
 
 
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
-    """persistence.csv always; persistence.png (mass and drift per task, mean and min-max band over
-    seeds) when matplotlib is installed. Returns the paths written."""
+    """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed. Returns the paths
+    written."""
     csv_path = os.path.join(out_dir, "persistence.csv")
     n_layers = max((len(r["layers"]) for r in rows), default=0)
     lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
@@ -406,11 +408,16 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
     T.atomic_write(csv_path, "\n".join(lines) + "\n")
-    written = [csv_path]
+    return [csv_path] + draw_persistence(rows, os.path.join(out_dir, "persistence.png"))
+
+
+def draw_persistence(rows: list[dict], path: str) -> list[str]:
+    """persistence.png from persistence rows: per task, the mass on the pattern and the drift of the prior against
+    the step, a line per prior init (mean over seeds, band = min to max). Returns [path], or [] without matplotlib."""
     tasks = sorted({r["task"] for r in rows})
     made = panel_grid(len(tasks), rows=2, width=4.2, height=3.0)
     if made is None:
-        return written
+        return []
     _, fig, at = made
     for b, task in enumerate(tasks):
         for i, init in enumerate(PERSISTENCE_INITS):
@@ -429,7 +436,7 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
             at(b, row).grid(alpha=0.3)
     legend_below(fig)
     caption(fig, PERSISTENCE_CAPTION)
-    return written + [save_figure(fig, os.path.join(out_dir, "persistence.png"), dpi=120)]
+    return [save_figure(fig, path, dpi=120)]
 
 
 def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
@@ -553,31 +560,63 @@ def curve_points(run: dict) -> dict:
     return points
 
 
-def write_curves(groups: dict, out_dir: str) -> list[str]:
-    """curves.csv (one row per run, logged step and headline metric) always; curves.png (per task and
-    configuration, each headline metric against the step: mean over seeds per init, band = min to
-    max) when matplotlib is installed. Returns the paths written."""
-    lines = ["task,config,init,seed,step,metric,value"]
-    panels = []          # (title, metric key, label, {init: {step: [values]}})
+CURVES_HEADER = ("task", "config", "init", "seed", "step", "metric", "value")
+EFFICIENCY_HEADER = ("config", "init", "seed", "n_train", "seq_acc", "digit_acc")
+METRIC_NAMES = {k: name for metrics in CURVE_METRICS.values() for k, name, _ in metrics}
+
+
+def curve_rows(groups: dict) -> list[tuple]:
+    """(task, configuration label, init, seed, step, metric, value) for every logged headline metric of every run of
+    `groups` (`config_groups`), by init then seed: the rows of curves.csv, from which its figures are drawn."""
+    rows = []
     for (task, label), rs in groups.items():
-        kind = rs[0].get("kind", "boolean")
-        per_metric = {k: {} for k, _, _ in CURVE_METRICS.get(kind, ())}
         for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"])):
-            for k, pts in curve_points(r).items():
-                for step, v in pts:
-                    lines.append(f"{task},\"{label}\",{r['init']},{r['seed']},{step},{k},{v:.6g}")
-                    per_metric[k].setdefault(r["init"], {}).setdefault(step, []).append(v)
-        for k, name, _ in CURVE_METRICS.get(kind, ()):
-            if per_metric[k]:
-                panels.append((task + (f"\n{flag_label(label)}" if label else ""), k, name, per_metric[k]))
-    csv_path = os.path.join(out_dir, "curves.csv")
-    T.atomic_write(csv_path, "\n".join(lines) + "\n")
-    written = [csv_path]
+            rows += [(task, label, r["init"], r["seed"], step, k, v) for k, pts in curve_points(r).items() for step, v in pts]
+    return rows
+
+
+def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) -> str:
+    """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a label with commas;
+    floats to 6 significant digits); returns path."""
+    cell = lambda i, v: f'"{v}"' if i == quoted else f"{v:.6g}" if isinstance(v, float) else str(v)   # noqa: E731
+    T.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v) for i, v in enumerate(row))
+                                                          for row in rows]) + "\n")
+    return path
+
+
+def write_curves(groups: dict, out_dir: str) -> list[str]:
+    """curves.csv (a row per run, logged step and headline metric) always; curves.png (`draw_curves`) when
+    matplotlib is installed. Returns the paths written."""
+    rows = curve_rows(groups)
+    written = [write_rows(os.path.join(out_dir, "curves.csv"), CURVES_HEADER, rows, quoted=1)]
+    return written + draw_curves(rows, os.path.join(out_dir, "curves.png"))
+
+
+def _by_metric(rows: list, key) -> dict:
+    """{key(row): {metric: {init or legend: {step: [values over seeds]}}}} of curve rows, in the order first met."""
+    out = {}
+    for task, label, init, seed, step, metric, value in rows:
+        out.setdefault(key(task, label, init), {}).setdefault(metric, {}).setdefault(init, {}).setdefault(step, []).append(value)
+    return out
+
+
+def _metric_order(metrics) -> list:
+    """The metrics in CURVE_METRICS' order (any it does not know after, as met)."""
+    known = list(METRIC_NAMES)
+    return sorted(metrics, key=lambda k: known.index(k) if k in known else len(known))
+
+
+def draw_curves(rows: list, path: str) -> list[str]:
+    """curves.png from curve rows: a panel per task, configuration and headline metric against the step, a line per
+    init (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
+    panels = [(task + (f"\n{flag_label(label)}" if label else ""), k, by_init)
+              for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
+              for k in _metric_order(by) for by_init in [by[k]]]
     made = panel_grid(len(panels), width=4.0, height=3.0)
     if made is None:
-        return written
+        return []
     _, fig, at = made
-    for b, (title, key, name, by_init) in enumerate(panels):
+    for b, (title, key, by_init) in enumerate(panels):
         ax = at(b)
         for i, (init, by_step) in enumerate(by_init.items()):
             plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS else 1.0)
@@ -585,44 +624,40 @@ def write_curves(groups: dict, out_dir: str) -> list[str]:
             ax.set_yscale("log")
         ax.set_title(wrapped(title, 3.8, 8), fontsize=8)
         ax.set_xlabel("training step")
-        ax.set_ylabel(name + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
+        ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
     caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the prior pattern) against "
                  "the training step; mean over seeds, band = min to max")
-    return written + [save_figure(fig, os.path.join(out_dir, "curves.png"))]
+    return [save_figure(fig, path)]
 
 
 def write_comparison(groups: dict, path: str, title: str) -> list[str]:
-    """One figure that sets every configuration and init of `groups` side by side: a panel per curve
-    metric of their kind, a line per (configuration, init), mean over seeds with a min-to-max band.
-    Returns [path], or [] without matplotlib or runs."""
+    """A study's runs side by side: FOLDER.csv (curves.csv's rows of these runs) and FOLDER.png (`draw_comparison`)
+    beside it. Returns the paths written ([] without runs)."""
     if not groups:
         return []
-    series = []                                 # (legend, {metric: {step: [values over seeds]}})
-    for (_, label), rs in groups.items():
-        for init in sorted({r["init"] for r in rs}, key=init_order(rs)):
-            by_metric = {}
-            for r in rs:
-                if r["init"] == init:
-                    for k, pts in curve_points(r).items():
-                        for step, v in pts:
-                            by_metric.setdefault(k, {}).setdefault(step, []).append(v)
-            series.append((init + (f", {flag_label(label)}" if label else ""), by_metric))
-    metrics = [m for m in CURVE_METRICS.get(next(iter(groups.values()))[0].get("kind", "boolean"), ())
-               if any(by_metric.get(m[0]) for _, by_metric in series)]
+    rows = curve_rows(groups)
+    return [write_rows(path[:-4] + ".csv", CURVES_HEADER, rows, quoted=1)] + draw_comparison(rows, path, title)
+
+
+def draw_comparison(rows: list, path: str, title: str) -> list[str]:
+    """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a line per
+    (configuration, init), mean over seeds with a min-to-max band. Returns [path], or [] without matplotlib."""
+    series = _by_metric(rows, lambda t, c, i: i + (f", {flag_label(c)}" if c else ""))
+    metrics = _metric_order({k for by in series.values() for k in by})
     made = panel_grid(len(metrics), width=5.0, height=3.8)
     if made is None:
         return []
     _, fig, at = made
-    for b, (k, name, _) in enumerate(metrics):
+    for b, k in enumerate(metrics):
         ax = at(b)
         scale = 100.0 if k in PERCENT_METRICS else 1.0
-        for i, (legend, by_metric) in enumerate(series):
-            if by_metric.get(k):
-                plot_band(ax, by_metric[k], legend, line_style(i), scale=scale)
+        for i, (legend, by) in enumerate(series.items()):
+            for by_step in by.get(k, {}).values():
+                plot_band(ax, by_step, legend, line_style(i), scale=scale)
         ax.set_xlabel("training step")
-        ax.set_ylabel(name + (" %" if scale == 100.0 else ""))
+        ax.set_ylabel(METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
         ax.grid(alpha=0.3)
     legend_below(fig, size=7)
     caption(fig, title + "; mean over seeds, band = min to max")
@@ -739,13 +774,13 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     runs, problems = collect_runs(folders)
     runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
     groups, notes = config_groups(runs, ignore={"data_frac"})
-    lines, md, panels = ["config,init,seed,n_train,seq_acc,digit_acc"], [], []
+    rows, md, panels = [], [], []
     for (_, label), rs in groups.items():
         by = {}                                                      # {init: {n_train: [seq_acc]}}
         for r in sorted(rs, key=lambda r: (r["init_order"], r["metrics"]["n_train"], r["seed"])):
             m = r["metrics"]
             by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
-            lines.append(f"\"{label}\",{r['init']},{r['seed']},{m['n_train']},{m['seq_acc']:.6g},{m['digit_acc']:.6g}")
+            rows.append((label, r["init"], r["seed"], m["n_train"], float(m["seq_acc"]), float(m["digit_acc"])))
         sizes = sorted({n for d in by.values() for n in d})
         if len(sizes) < 2:
             md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
@@ -753,9 +788,8 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
         digits = run_config(rs[0]).get("digits") or 3                       # the task's own universe: 10^(2d) pairs
         md += ["\n**addition**" + (f" ({label})" if label else "") + "\n", *_efficiency_table(by, inits, sizes, digits)]
-        panels.append((label, {i: by[i] for i in inits}, sizes, digits))
-    csv_path = os.path.join(out_dir, "data_efficiency.csv")
-    T.atomic_write(csv_path, "\n".join(lines) + "\n")
+        panels.append(label)
+    csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows, quoted=0)
     text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
             "Final sequence accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). "
             "The last column: the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at "
@@ -765,7 +799,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
     T.atomic_write(md_path, text)
-    return [md_path, csv_path] + _efficiency_figure(panels, out_dir)
+    return [md_path, csv_path] + draw_efficiency(rows, os.path.join(out_dir, "data_efficiency.png"))
 
 
 def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[str]:
@@ -783,26 +817,34 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
                      "fewest pairs with mask >= default here"], rows)
 
 
-def _efficiency_figure(panels: list, out_dir: str) -> list[str]:
-    """data_efficiency.png: a panel per configuration, sequence accuracy against the training set size."""
+def draw_efficiency(rows: list, path: str) -> list[str]:
+    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more training
+    set sizes, sequence accuracy against the size, a line per init run at more than one (mean over seeds, band = min
+    to max). Returns [path], or [] without matplotlib or such a configuration."""
+    by_config = {}                                              # {label: {init: {n_train: [seq_acc]}}}
+    for label, init, seed, n, seq_acc, digit_acc in rows:
+        by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
+    panels = [(label, {i: s for i, s in by.items() if len(s) > 1}) for label, by in by_config.items()
+              if len({n for s in by.values() for n in s}) > 1]
     made = panel_grid(len(panels), width=4.8, height=3.6)
     if made is None:
         return []
     _, fig, at = made
-    for b, (label, by, sizes, digits) in enumerate(panels):
+    for b, (label, by) in enumerate(panels):
         ax = at(b)
         for i, (init, by_size) in enumerate(by.items()):
             plot_band(ax, by_size, init, line_style(i, init), scale=100.0)
+        sizes = sorted({n for s in by.values() for n in s})
         ax.set_xscale("log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7, rotation=30)
         ax.minorticks_off()
-        ax.set_xlabel(f"training pairs (of 10^{2 * digits})")
+        ax.set_xlabel("training pairs")
         ax.set_ylabel("sequence accuracy %")
         ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9), fontsize=9)
         ax.grid(alpha=0.3)
     legend_below(fig)
     caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = min to max")
-    return [save_figure(fig, os.path.join(out_dir, "data_efficiency.png"))]
+    return [save_figure(fig, path)]
 
 
 # The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
@@ -1025,6 +1067,89 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
                       + "".join(f"- {n}\n" for n in notes) + "\n")
     return written + [emit(out_dir, "steps_to_target.md", STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
                       emit(out_dir, "prior_layers.md", PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
+
+
+# ----------------------------------------------------------------------------------------
+# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw RESULTS`), no runs needed
+
+def _finite(cell: str) -> float:
+    v = float(cell)
+    if not math.isfinite(v):
+        raise ValueError(f"{cell!r} is not a finite number")
+    return v
+
+
+def _persistence_row(cells: list) -> dict:
+    """A persistence.csv row (a drift of nan: a run that logged none)."""
+    return {"task": cells[0], "init": cells[1], "seed": int(cells[2]), "step": int(cells[3]), "mass": _finite(cells[4]),
+            "drift": math.nan if cells[5] == "nan" else _finite(cells[5]), "layers": [_finite(c) for c in cells[6:]]}
+
+
+def _curve_row(cells: list) -> tuple:
+    """A curves.csv row: (task, configuration, init, seed, step, metric, value)."""
+    return cells[0], cells[1], cells[2], int(cells[3]), int(cells[4]), cells[5], _finite(cells[6])
+
+
+def _efficiency_row(cells: list) -> tuple:
+    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit acc)."""
+    return cells[0], cells[1], int(cells[2]), int(cells[3]), _finite(cells[4]), _finite(cells[5])
+
+
+# name -> (the CSV's header, at least; a row's parser; the drawer of NAME.png from the rows)
+REDRAWN = {"curves": (CURVES_HEADER, _curve_row, draw_curves),
+           "persistence": (("task", "init", "seed", "step", "mass_mean", "drift_mean"), _persistence_row,
+                           draw_persistence),
+           "data_efficiency": (EFFICIENCY_HEADER, _efficiency_row, draw_efficiency),
+           **{study: (CURVES_HEADER, _curve_row, lambda rows, path, title=title: draw_comparison(rows, path, title))
+              for study, title in STUDY_FIGURES.items()}}
+
+
+def read_rows(path: str, header: tuple, parse) -> list:
+    """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a ReportError
+    naming the file and the line."""
+    try:
+        lines = list(csv.reader(io.StringIO(T.read_back(path, "log").decode("utf-8"))))
+    except (T.ReadError, UnicodeDecodeError, csv.Error) as e:
+        raise ReportError(f"redraw: cannot read {path} ({e})") from None
+    if not lines or tuple(lines[0][:len(header)]) != header:
+        raise ReportError(f"redraw: {path} is not the table a report writes: its header is not {','.join(header)}")
+    rows = []
+    for n, cells in enumerate(lines[1:], 2):
+        try:
+            if not len(header) <= len(cells) <= len(lines[0]):        # persistence: a task's layers, up to the most
+                raise ValueError(f"{len(cells)} cells, the header has {len(lines[0])}")
+            rows.append(parse(cells))
+        except ValueError as e:
+            raise ReportError(f"redraw: {path} line {n}: {e}; nothing was redrawn from it") from None
+    return rows
+
+
+def redraw(results: str) -> list[str]:
+    """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from that CSV; the
+    CSVs and tables are left as they are. Every CSV is read and checked before any figure is drawn. Returns
+    (written, the figures there that are drawn from the runs alone: report again to redraw them)."""
+    if pyplot() is None:
+        raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
+    if not os.path.isdir(results):
+        raise ReportError(f"redraw: {results} is not a folder of tables and figures (train.py report RUNS OUT writes one)")
+    tables = {name: read_rows(os.path.join(results, name + ".csv"), header, parse)
+              for name, (header, parse, _) in REDRAWN.items() if os.path.isfile(os.path.join(results, name + ".csv"))}
+    if not tables:
+        raise ReportError(f"redraw: {results} holds none of {', '.join(n + '.csv' for n in REDRAWN)}, so there is "
+                          f"nothing to redraw and nothing was written")
+    written = [p for name, rows in tables.items() for p in REDRAWN[name][2](rows, os.path.join(results, name + ".png"))]
+    left = sorted(f for f in os.listdir(results) if f.endswith(".png") and os.path.join(results, f) not in written)
+    return written, left
+
+
+def redraw_command(results: str) -> int:
+    written, left = redraw(results)
+    for path in written:
+        print(f"redrew {path}")
+    if left:
+        print(f"redraw: not redrawn (drawn from the runs, not from a table: train.py report RUNS {results} draws "
+              f"them): {', '.join(left)}")
+    return 0
 
 
 # ----------------------------------------------------------------------------------------
