@@ -600,9 +600,10 @@ def _by_metric(rows: list, key) -> dict:
     return out
 
 
-def _metric_order(metrics) -> list:
-    """The metrics in CURVE_METRICS' order (any it does not know after, as met)."""
-    known = list(METRIC_NAMES)
+def _metric_order(metrics, task: str) -> list:
+    """The metrics in the order CURVE_METRICS gives the task's kind (any other after, as met)."""
+    kind = getattr(T.TASKS.get(task), "KIND", None)
+    known = [k for k, _, _ in CURVE_METRICS.get(kind, ())] + list(METRIC_NAMES)
     return sorted(metrics, key=lambda k: known.index(k) if k in known else len(known))
 
 
@@ -611,7 +612,7 @@ def draw_curves(rows: list, path: str) -> list[str]:
     init (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
     panels = [(task + (f"\n{flag_label(label)}" if label else ""), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
-              for k in _metric_order(by) for by_init in [by[k]]]
+              for k in _metric_order(by, task) for by_init in [by[k]]]
     made = panel_grid(len(panels), width=4.0, height=3.0)
     if made is None:
         return []
@@ -645,7 +646,7 @@ def draw_comparison(rows: list, path: str, title: str) -> list[str]:
     """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a line per
     (configuration, init), mean over seeds with a min-to-max band. Returns [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: i + (f", {flag_label(c)}" if c else ""))
-    metrics = _metric_order({k for by in series.values() for k in by})
+    metrics = _metric_order({k for by in series.values() for k in by}, rows[0][0] if rows else "")
     made = panel_grid(len(metrics), width=5.0, height=3.8)
     if made is None:
         return []
