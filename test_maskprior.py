@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import maskprior as mp
 import reporting.report as R
+import runfiles as RF
 import tasks as T
 import train
 
@@ -184,9 +185,9 @@ def _files_whole(folder) -> None:
             text = open(path).read()
             assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
         elif name == "ckpt.pt":
-            assert set(train.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
+            assert set(RF.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
         elif name == "prior.pt":
-            T.read_prior(path)
+            RF.read_prior(path)
         else:
             assert name.startswith(".") and name.endswith(".tmp"), name
 
@@ -2463,15 +2464,15 @@ def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
     the folder unchanged. A real checkpoint loads at both levels with weights_only=True."""
     out = _halted(tmp_path)
     outer = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(train.CKPT_KEYS)
+    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(RF.CKPT_KEYS)
     marker = tmp_path / "ran"
     if how == "plain":
         torch.save({"model": _Touch(marker), "step": 1}, os.path.join(out, "ckpt.pt"))
     else:
         buf = io.BytesIO()
-        torch.save({**{k: 0 for k in train.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
+        torch.save({**{k: 0 for k in RF.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
         payload = buf.getvalue()
-        torch.save({"format": T.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
+        torch.save({"format": RF.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
                    os.path.join(out, "ckpt.pt"))
     before = _tree(out)
     capsys.readouterr()
@@ -2484,7 +2485,7 @@ def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
 
 
 def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
-    """`T.load_torch` keeps whatever torch.load warns (older torch warns on several load paths; 2.14 on none of
+    """`RF.load_torch` keeps whatever torch.load warns (older torch warns on several load paths; 2.14 on none of
     this suite's) out of the user's terminal: a torch.load that warns, then loads, leaves no warning behind."""
     real = torch.load
 
@@ -2496,7 +2497,7 @@ def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
     torch.save({"a": torch.ones(2)}, buf)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert torch.equal(T.load_torch(buf.getvalue(), "x.pt")["a"], torch.ones(2))
+        assert torch.equal(RF.load_torch(buf.getvalue(), "x.pt")["a"], torch.ones(2))
     assert not [w for w in seen if "torch says" in str(w.message)]
 
 
@@ -2507,7 +2508,7 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
     path = os.path.join(out, "ckpt.pt")
     good = open(path, "rb").read()
     outer = torch.load(path, weights_only=False)
-    assert outer["format"] == T.CKPT_FORMAT and len(outer["sha256"]) == 64
+    assert outer["format"] == RF.CKPT_FORMAT and len(outer["sha256"]) == 64
     payload = bytearray(outer["payload"])
     payload[len(payload) // 2] ^= 0x10
     torch.save({**outer, "payload": bytes(payload)}, path)
@@ -2963,10 +2964,10 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
     report = t.discovery()["pairs"]
     assert report["tested"] == 9 and report["kept"] == 7 and report["steps"]["c2"][-1][0] == "a0b0"
-    assert T.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
+    assert RF.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
         "digit, operand digit pair) dependences pass the permutation test (9 pairs tried per answer digit, alpha " \
         "0.05): 14 pairs"
-    assert T.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
+    assert RF.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
     x, y = np.arange(1000) % 10, np.arange(1000) % 7
     assert T.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < T.conditional_mi(x, x, 0 * x)
     assert T.conditional_mi(x, x, x) == pytest.approx(0.0, abs=1e-12)          # nothing left once x is known
@@ -4334,7 +4335,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
         {"cifar-10-batches-py"} if held.startswith("an empty") else set()))
     # an interrupted write into a fresh folder leaves nothing of the new set
     fresh, calls = tmp_path / "fresh", []
-    real = T.atomic_write
+    real = RF.atomic_write
 
     def interrupted(path, data):
         calls.append(path)
@@ -5234,7 +5235,7 @@ def _save_checkpoint(path, contents: dict) -> None:
     buf = io.BytesIO()
     torch.save(contents, buf)
     payload = buf.getvalue()
-    torch.save({"format": T.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
+    torch.save({"format": RF.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
 
 
 @pytest.mark.parametrize("case, needle", [

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
 import torch  # noqa: E402
 
 import maskprior as mp  # noqa: E402
+import runfiles as RF  # noqa: E402
 import tasks as T  # noqa: E402
 
 
@@ -300,7 +301,7 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
 
 
 COMMANDS = ("train", "summarize", "report", "redraw", "download", "imagenet100", "show", "make-digits", "make-wikitext")
-UsageError, BusyError = T.UsageError, T.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
+UsageError, BusyError = RF.UsageError, RF.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
 
 
 def say(text: str) -> None:
@@ -606,7 +607,7 @@ def init_default(model, prior, config, g) -> dict:
 
 def init_mask(model, prior, config, g) -> dict:
     """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
-    return prior.write_mask(model)
+    return mp.init_mask_(model, logits=prior.logits)
 
 
 def init_qk_svd(model, prior, config, g) -> dict:
@@ -638,7 +639,7 @@ def init_mask_impulse(model, prior, config, g) -> dict:
     scale = config.qk_svd_pos_scale or 18.0                 # impulse's scale, applied as init_qk_svd_ applies it
     with torch.no_grad():
         model.pos_emb.mul_(scale)
-    report = prior.write_mask(model)
+    report = mp.init_mask_(model, logits=prior.logits)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
     report["pos_scale"] = scale
     return report
@@ -648,13 +649,13 @@ INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-
          "mimetic": init_mimetic, "impulse": init_impulse, "mask-impulse": init_mask_impulse}
 
 
-def apply_init(model, prior: T.Prior, config) -> dict:
+def apply_init(model, prior: RF.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
     return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
-def make_prior(config, task, device, teacher: Teacher | None = None) -> T.Prior:
-    """The run's prior (`T.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)."""
+def make_prior(config, task, device, teacher: Teacher | None = None) -> RF.Prior:
+    """The run's prior (`RF.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)."""
     if config.prior_from is None:
         return task.prior(config.pattern, config.mask_on, config.mask_off)
     return teacher_prior(config, task, device, teacher or read_teacher(config, task))
@@ -674,10 +675,10 @@ def read_teacher(config, task) -> Teacher:
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
     if not os.path.lexists(os.path.join(folder, "result.json")):
         raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
-    with T.RunFolder(folder).reading(flag):
+    with RF.RunFolder(folder).reading(flag):
         try:
-            result = T.read_result(os.path.join(folder, "result.json"))
-        except T.ReadError as e:
+            result = RF.read_result(os.path.join(folder, "result.json"))
+        except RF.ReadError as e:
             raise UsageError(f"{flag}: {e}") from None
         ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
     ident = ckpt["identity"]
@@ -701,7 +702,7 @@ def read_teacher(config, task) -> Teacher:
     return Teacher(folder, ckpt, saved)
 
 
-def teacher_prior(config, task, device, teacher: Teacher) -> T.Prior:
+def teacher_prior(config, task, device, teacher: Teacher) -> RF.Prior:
     """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
     teacher_task = task_for(teacher.config).setup(device)
@@ -846,14 +847,14 @@ class Run:
     device: torch.device
     init_report: dict
     mass_start: list | None
-    folder: T.RunFolder | None        # rank 0's (the others never touch the run folder)
+    folder: RF.RunFolder | None        # rank 0's (the others never touch the run folder)
     dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
     data: str | None = None         # the task's data hash (T.Task.data_hash), saved in ckpt.pt
     prior_source: dict | None = None  # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
-    prior_file: bytes | None = None   # a new run's prior.pt (`T.Prior.to_bytes`), written by `begin`
+    prior_file: bytes | None = None   # a new run's prior.pt (`RF.Prior.to_bytes`), written by `begin`
     prior_sha256: str | None = None   # its sha256, saved in ckpt.pt: a resume reads back the same file
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
@@ -884,7 +885,7 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        line = T.RunFolder(config.out).failure(e, config.resume, state and state.step, state and state.saved_step)
+        line = RF.RunFolder(config.out).failure(e, config.resume, state and state.step, state and state.saved_step)
         if line is None:
             raise
         raise UsageError(line) from None
@@ -903,7 +904,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
-            folder = T.RunFolder(config.out)
+            folder = RF.RunFolder(config.out)
             if config.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
@@ -987,7 +988,7 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
     return Built(config, task, model, model_cfg, make_optimizer(model, config), report, prior)
 
 
-def build_run(config, explicit: set, task, device, folder: T.RunFolder | None, ckpt: dict | None,
+def build_run(config, explicit: set, task, device, folder: RF.RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist(), teacher: Teacher | None = None) -> Run:
     """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None: `new_run`) or
     restore the checkpoint's state (`restored_run`), everything checked and nothing written (`begin` writes)."""
@@ -1001,7 +1002,7 @@ def build_run(config, explicit: set, task, device, folder: T.RunFolder | None, c
     return state
 
 
-def new_run(built: Built, task, device, folder: T.RunFolder | None, dist: Dist) -> Run:
+def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist) -> Run:
     """A new run from its build, in memory: the start checked and measured (rank 0), the prior serialised for prior.pt."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
@@ -1020,7 +1021,7 @@ def new_run(built: Built, task, device, folder: T.RunFolder | None, dist: Dist) 
     return state
 
 
-def restored_run(built: Built, task, device, folder: T.RunFolder | None, dist: Dist, ckpt: dict) -> Run:
+def restored_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist, ckpt: dict) -> Run:
     """The run a checkpoint holds, on the build of its own config, in memory: its steps, architecture, data, moving
     average and prior file checked, then the weights, optimiser, probe snapshot and RNG restored."""
     config, model, model_cfg = built.config, built.model, built.model_cfg
@@ -1094,7 +1095,7 @@ def train_loop(state: Run) -> int | None:
                 state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
                               "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
-                T.append_log(state.path("metrics.jsonl"), state.last)
+                RF.append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {state.probe.line(rec)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time(eta(state, step, rate))}", flush=True)
@@ -1195,7 +1196,7 @@ def finish(state: Run) -> int:
               "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
               "device": str(state.device),
               "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
-    T.atomic_write(state.path("result.json"), json_text(result))
+    RF.atomic_write(state.path("result.json"), json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, "
           f"{time.time() - STARTED:.1f} s wall since the command started | {state.path('result.json')}", flush=True)
     return 0
@@ -1205,7 +1206,7 @@ def sample(config, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    folder = T.RunFolder(config.out)
+    folder = RF.RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
@@ -1231,8 +1232,8 @@ def fmt_time(s: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Durability: a run's files are written whole (T.RunFolder, T.atomic_write), everything it reads back is
-# checked before use (T.read_back, a schema), and a run that stops, however it stops, resumes exactly:
+# Durability: a run's files are written whole (RF.RunFolder, RF.atomic_write), everything it reads back is
+# checked before use (RF.read_back, a schema), and a run that stops, however it stops, resumes exactly:
 # what a run writes when it begins, what a checkpoint holds and how it is checked, what a resume checks
 # against the run's files, and how a run stops (a signal, a non-finite step).
 
@@ -1243,8 +1244,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     log back to the checkpoint's step and rewrites args.json. Each then says what it runs."""
     config, folder = state.config, state.folder
     if ckpt is not None:
-        T.truncate_log(state.path("metrics.jsonl"), state.step)
-        T.atomic_write(state.path("args.json"), json_text(asdict(config)))
+        RF.truncate_log(state.path("metrics.jsonl"), state.step)
+        RF.atomic_write(state.path("args.json"), json_text(asdict(config)))
         note = rounding_note(ckpt, state.device)
         return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}" if note else ""))
     folder.create()
@@ -1256,7 +1257,7 @@ def begin(state: Run, ckpt: dict | None) -> None:
     init = f"{config.init} (pseudo-input mass {sum(pm) / len(pm):.3f}) " if pm else f"{config.init} "
     print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} params | "
           f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
-    if evidence := T.prior_evidence(state.prior_source):
+    if evidence := RF.prior_evidence(state.prior_source):
         print(f"prior {evidence}", flush=True)
     if config.preset == "paper" and state.device.type == "cpu":
         print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
@@ -1283,7 +1284,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    state.folder.write("ckpt.pt", T.checkpoint_bytes(ckpt))    # a plain write: a full disk is an OSError (ENOSPC)
+    state.folder.write("ckpt.pt", RF.checkpoint_bytes(ckpt))    # a plain write: a full disk is an OSError (ENOSPC)
     state.saved_step = state.step
 
 
@@ -1293,22 +1294,6 @@ def config_hash(flags: dict) -> str:
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
-CKPT_SCHEMA = {
-    "model": (T.is_named_tensors, "finite tensors by name"), "optimizer": (T.is_of(dict), "an optimiser state"),
-    "step": (T.is_count, "a step"), "seconds": (lambda v: T.is_finite(v) and v >= 0, "a training time"),
-    "config": (T.is_of(dict), "the run's flags"), "model_config": (T.is_of(dict), "a model config"),
-    "init_report": (T.is_optional(T.is_of(dict)), "a report"), "snapshot": (T.is_list_of(T.is_of(dict)), "a record a layer"),
-    "prior_mass_start": (T.is_optional(T.is_list_of(T.is_finite)), "finite numbers per layer"),
-    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor) and v["torch"].dtype == torch.uint8,
-            "the generators' states"),
-    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("run_id"), str), "the run's id and config hash"),
-    "log_step": (T.is_count, "a step"), "data": (T.is_optional(T.is_of(str)), "a data hash"),
-    "machine": (T.is_of(dict), "a machine"), "prior_source": (T.is_optional(T.is_of(dict)), "a prior's source"),
-    "prior_sha256": (T.is_of(str), "a sha256"), "ema": (T.is_named_tensors, "finite tensors by name")}
-
-
-CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
 
 def show(run_dir: str, out: str) -> int:
@@ -1377,13 +1362,13 @@ def show_saved(folder: str, out: str, S) -> int:
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint read as someone else's file (`T.read_checkpoint`), then checked before any value is used: its
-    schema, its flags (`saved_config`) matching their hash, its model config rebuilding a model with exactly its
+    """A checkpoint read as someone else's file and checked against its schema (`RF.read_checkpoint`), then before
+    any value is used: its flags (`saved_config`) matching their hash, its model config rebuilding a model with exactly its
     weights (`check_model_fits`), a snapshot a layer. Anything else is one clear line."""
     where = f"{flag}: {path}"
     try:
-        ckpt = T.check_schema(T.read_checkpoint(path), CKPT_SCHEMA, CKPT_KEYS, path)
-    except T.ReadError as e:
+        ckpt = RF.read_checkpoint(path)
+    except RF.ReadError as e:
         raise UsageError(f"{flag}: {e}") from None
     if ckpt["log_step"] > ckpt["step"]:
         raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step {ckpt['step']}")
@@ -1449,7 +1434,7 @@ def check_model_fits(model_config: dict, state: dict, where: str) -> None:
                          f"maskprior or altered: continue it with that version, or start a new run")
 
 
-def restore_config(config: Config, explicit: set, folder: T.RunFolder, ckpt: dict) -> Config:
+def restore_config(config: Config, explicit: set, folder: RF.RunFolder, ckpt: dict) -> Config:
     """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out given: a run folder
     can move) and the RESUMABLE flags given now; any other flag given must agree."""
     saved = check_resume(folder, ckpt)
@@ -1468,7 +1453,7 @@ def restore_config(config: Config, explicit: set, folder: T.RunFolder, ckpt: dic
     return Config(**{**values, "resume": True})
 
 
-def check_resume(folder: T.RunFolder, ckpt: dict) -> dict:
+def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
     """The run's flags from args.json once the three files are one run at one step: metrics.jsonl starts at step 0,
     reaches the checkpoint's last log step and names its run; args.json holds valid flags (`saved_config`) equal to
     the checkpoint's where a resume may not change them. Anything else is one line."""
@@ -1478,8 +1463,8 @@ def check_resume(folder: T.RunFolder, ckpt: dict) -> dict:
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
                          f"with another --out")
     try:
-        records, logged = T.read_log(log), ckpt["log_step"]
-    except T.LogError as e:
+        records, logged = RF.read_log(log), ckpt["log_step"]
+    except RF.LogError as e:
         raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log from a copy, or "
                          f"start a new run with another --out") from None
     ident = ckpt["identity"]
@@ -1493,8 +1478,8 @@ def check_resume(folder: T.RunFolder, ckpt: dict) -> dict:
                          f"logging steps 0 .. {logged}: the log lost lines, so the run cannot be continued whole; "
                          f"start a new run with another --out")
     try:
-        saved = asdict(saved_config(T.read_json(path), f"--resume: {path}"))
-    except T.ReadError as e:
+        saved = asdict(saved_config(RF.read_json(path), f"--resume: {path}"))
+    except RF.ReadError as e:
         raise UsageError(f"--resume: {e}; the run's flags are lost") from None
     for key in (k for k in FIELDS if k not in RESUMABLE and k != "out" and saved[k] != flags[k]):
         raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was trained with "
@@ -1522,16 +1507,16 @@ def check_same_data(ckpt: dict, task, config) -> None:
                          + (f" (it started from {was})" if was else ""))
 
 
-def saved_prior(config, task, sha256: str) -> T.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`T.read_prior`), the bytes its checkpoint names."""
+def saved_prior(config, task, sha256: str) -> RF.Prior:
+    """A resumed run's prior: its prior.pt through the one reader (`RF.read_prior`), the bytes its checkpoint names."""
     path = os.path.join(config.out, "prior.pt")
     try:
-        data = T.read_back(path, "prior")
+        data = RF.read_back(path, "prior")
         if hashlib.sha256(data).hexdigest() != sha256:
             raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is not the one in the "
                              f"checkpoint); restore the run's own prior.pt")
-        return T.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
-    except T.ReadError as e:
+        return RF.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
+    except RF.ReadError as e:
         raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import reporting.plan as P  # noqa: E402
+import runfiles as RF  # noqa: E402
 import tasks as T  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
@@ -225,7 +226,7 @@ def main():
               + f" (median {statistics.median(ratio.values()):.3f})")
     if a.write:
         os.makedirs(os.path.dirname(P.STEP_TIMES), exist_ok=True)
-        T.atomic_write(P.STEP_TIMES, json.dumps(times, indent=2) + "\n")
+        RF.atomic_write(P.STEP_TIMES, json.dumps(times, indent=2) + "\n")
         print(f"wrote {P.STEP_TIMES}")
 
 

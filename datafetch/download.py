@@ -33,6 +33,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 
+import runfiles as RF
 import tasks as T
 
 try:
@@ -124,7 +125,7 @@ class _locked:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(self.fd)
-                raise T.BusyError(f"another download into {self.folder} is running; wait for it, or give another "
+                raise RF.BusyError(f"another download into {self.folder} is running; wait for it, or give another "
                                   f"--data") from None
         return self
 

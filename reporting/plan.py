@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import runfiles as RF  # noqa: E402
 import tasks as T  # noqa: E402
 
 # reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small preset)
@@ -224,8 +225,8 @@ def _better_order(first: list, runs: str | None) -> str | None:
         for r in first:
             if f"--answer-order {order}" in r.flags:
                 try:
-                    accs.append(T.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
-                except (T.ReadError, KeyError, TypeError):
+                    accs.append(RF.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
+                except (RF.ReadError, KeyError, TypeError):
                     return None
         mean[order] = sum(accs) / len(accs)
     return "lsb" if mean["lsb"] > mean["msb"] else "msb"
@@ -382,8 +383,8 @@ def step_times(path: str = STEP_TIMES) -> dict:
     measured (the paper presets on a GPU, the --quick ones on a CPU; real data path, evaluation included) and wrote
     to results/step_times.json; {} without it."""
     try:
-        return T.read_json(path)
-    except T.ReadError:
+        return RF.read_json(path)
+    except RF.ReadError:
         return {}
 
 

@@ -1,6 +1,6 @@
 """The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence curves, the
-prior per layer, data efficiency and the oracle-free study. Loaded only by `python train.py summarize` and
-`python train.py report`; it reads what train.py wrote (result.json, args.json, metrics.jsonl) and never
+prior per layer, data efficiency and the oracle-free study. Loaded only by `python train.py summarize`, `report`
+and `redraw`; it reads what train.py wrote (result.json, args.json, metrics.jsonl, through runfiles) and never
 trains or changes a run.
 
 Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures
@@ -20,7 +20,7 @@ import re
 import textwrap
 
 
-import tasks as T
+import runfiles as RF
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
@@ -62,8 +62,8 @@ def collect_runs(paths) -> tuple[list, list]:
             problems.append(f"{d}: no result.json (unfinished or failed run)")
             continue
         try:
-            runs.append({**T.read_result(res), "run_dir": d})
-        except T.ReadError as e:
+            runs.append({**RF.read_result(res), "run_dir": d})
+        except RF.ReadError as e:
             problems.append(f"{d}: unreadable result.json ({e})")
     return once_each(runs, problems)
 
@@ -283,7 +283,8 @@ def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
 
 def token_names(run: dict) -> list | None:
     """The names of a run's token positions (its task's `token_labels`, the task rebuilt from the run's flags), or
-    None where it has none."""
+    None where it has none. The one place a report asks the task registry (loaded here, not at import)."""
+    import tasks as T
     cls = T.TASKS.get(run.get("task"))
     if cls is None:
         return None
@@ -343,7 +344,7 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
     """Drop the panels never drawn in, save the figure as a PNG atomically and close it; returns path."""
     for ax in [ax for ax in fig.axes if not ax.get_visible()]:
         fig.delaxes(ax)
-    with T.atomic_output(path) as f:
+    with RF.atomic_output(path) as f:
         fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)
     return path
@@ -366,8 +367,8 @@ def log_records(run: dict) -> list[dict]:
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         try:
-            run["_records"] = T.read_log(path) if os.path.isfile(path) else []
-        except T.LogError as e:                  # the run has no curves; its result.json still counts in the tables
+            run["_records"] = RF.read_log(path) if os.path.isfile(path) else []
+        except RF.LogError as e:                  # the run has no curves; its result.json still counts in the tables
             run["_records"] = []
             run["_log_problem"] = str(e)
     return run["_records"]
@@ -407,7 +408,7 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
-    T.atomic_write(csv_path, "\n".join(lines) + "\n")
+    RF.atomic_write(csv_path, "\n".join(lines) + "\n")
     return [csv_path] + draw_persistence(rows, os.path.join(out_dir, "persistence.png"))
 
 
@@ -449,8 +450,8 @@ def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
     for task in sorted({r["task"] for r in runs if r["init"] == "mask"}):
         for r in (r for r in runs if r["task"] == task and r["init"] == "mask"):
             try:
-                start, end = show.m_of_checkpoint(T.read_checkpoint(os.path.join(r["run_dir"], "ckpt.pt")))
-            except (T.ReadError, KeyError, TypeError, AttributeError, ValueError):
+                start, end = show.m_of_checkpoint(RF.read_checkpoint(os.path.join(r["run_dir"], "ckpt.pt")))
+            except (RF.ReadError, KeyError, TypeError, AttributeError, ValueError):
                 continue
             if end and len(start) == len(end) and all(s is None or s.shape == e.shape for s, e in zip(start, end)):
                 title = f"{task} --init mask seed {r['seed']} ({os.path.basename(r['run_dir'])})"
@@ -579,7 +580,7 @@ def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) 
     """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a label with commas;
     floats to 6 significant digits); returns path."""
     cell = lambda i, v: f'"{v}"' if i == quoted else f"{v:.6g}" if isinstance(v, float) else str(v)   # noqa: E731
-    T.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v) for i, v in enumerate(row))
+    RF.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v) for i, v in enumerate(row))
                                                           for row in rows]) + "\n")
     return path
 
@@ -602,6 +603,7 @@ def _by_metric(rows: list, key) -> dict:
 
 def _metric_order(metrics, task: str) -> list:
     """The metrics in the order CURVE_METRICS gives the task's kind (any other after, as met)."""
+    import tasks as T                            # the task's kind: the registry, loaded here, not at import
     kind = getattr(T.TASKS.get(task), "KIND", None)
     known = [k for k, _, _ in CURVE_METRICS.get(kind, ())] + list(METRIC_NAMES)
     return sorted(metrics, key=lambda k: known.index(k) if k in known else len(known))
@@ -799,7 +801,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
-    T.atomic_write(md_path, text)
+    RF.atomic_write(md_path, text)
     return [md_path, csv_path] + draw_efficiency(rows, os.path.join(out_dir, "data_efficiency.png"))
 
 
@@ -912,7 +914,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     path = os.path.join(out_dir, "oraclefree.md")
-    T.atomic_write(path, "\n".join(out) + "\n")
+    RF.atomic_write(path, "\n".join(out) + "\n")
     return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows, out_dir)
 
 
@@ -963,8 +965,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
             if not first:
                 continue
             try:
-                pattern = T.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
-            except T.ReadError:
+                pattern = RF.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
+            except RF.ReadError:
                 continue
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern,
                            token_names(first[0])))
@@ -1005,7 +1007,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     curves, steps to target and the prior per layer (`report_curves`). Unfinished or unreadable runs
     are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
-    for tmp, name in T.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
+    for tmp, name in RF.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
         if name.endswith((".md", ".csv", ".png")):
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -1038,7 +1040,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
 def emit(out_dir: str, name: str, text: str) -> str:
     """Write a report file atomically; returns its path."""
     path = os.path.join(out_dir, name)
-    T.atomic_write(path, text)
+    RF.atomic_write(path, text)
     return path
 
 
@@ -1109,8 +1111,8 @@ def read_rows(path: str, header: tuple, parse) -> list:
     """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a ReportError
     naming the file and the line."""
     try:
-        lines = list(csv.reader(io.StringIO(T.read_back(path, "log").decode("utf-8"))))
-    except (T.ReadError, UnicodeDecodeError, csv.Error) as e:
+        lines = list(csv.reader(io.StringIO(RF.read_back(path, "log").decode("utf-8"))))
+    except (RF.ReadError, UnicodeDecodeError, csv.Error) as e:
         raise ReportError(f"redraw: cannot read {path} ({e})") from None
     if not lines or tuple(lines[0][:len(header)]) != header:
         raise ReportError(f"redraw: {path} is not the table a report writes: its header is not {','.join(header)}")
@@ -1156,7 +1158,7 @@ def redraw_command(results: str) -> int:
 # ----------------------------------------------------------------------------------------
 # The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
 
-class ReportError(T.TaskError):
+class ReportError(RF.UsageError):
     """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints it)."""
 
 
@@ -1190,7 +1192,7 @@ def report_command(runs: str, out: str) -> int:
     try:
         written = report(runs, out)
     except OSError as e:
-        if e.errno not in T.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
+        if e.errno not in RF.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
             raise
         raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before is "
                           f"whole: give another folder, or free space, and report again") from None
