@@ -6,6 +6,7 @@ the retrofit into torch, timm, Hugging Face and PEFT models); tasks.py (base, fi
 language, fixtures); train.py (config, build, data parallelism, loop, durability); reports; reproduce.sh;
 benchmarks; README and CI. A fixture sits before its first user.
 """
+import ast
 import collections
 import contextlib
 import copy
@@ -228,6 +229,7 @@ def _extra(name: str):
 
 # ---------------------------------------------------------------------------------------- maskprior.py: module, checks
 
+@pytest.mark.slow
 def test_maskprior_copied_alone_runs(tmp_path):
     shutil.copy(os.path.join(HERE, "maskprior.py"), tmp_path)
     code = ("import maskprior as mp, torch, sys\n"
@@ -694,6 +696,7 @@ def test_a_relative_prior_serves_any_length_and_generation_past_it_equals_with_a
         mp.init_qk_svd_(model, mp.causal_pattern(8))
 
 
+@pytest.mark.slow
 def test_a_causal_distance_prior_is_small_by_default_and_a_large_full_m_is_one_line():
     """A causal prior whose logits depend on i - j alone (causal_distance_logits, relative_from_attention) is stored per
     distance unless param='full' is asked: at GPT-2 small's shape (12 layers, 12 heads, 1,024 positions) the prior adds
@@ -756,6 +759,7 @@ def _one_step(make_optimizer, model, x, weight_decay: float):
     return model
 
 
+@pytest.mark.slow
 def test_a_plain_trainer_timm_s_factory_and_param_groups_leave_m_undecayed(tmp_path):
     """M is named `bias`, which the usual optimiser builders never decay: a plain transformers.Trainer (no subclass),
     timm's create_optimizer_v2 and torch's AdamW over mp.param_groups, run with weight decay 0.1, move M exactly as
@@ -810,6 +814,7 @@ def test_cuda_bf16_fused_matches_explicit_with_mask(causal):
     assert float((gm1 - gm2).norm() / gm2.norm()) < 3e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_compiled_model_matches_eager(fused):
     """torch.compile traces both attention paths with the learnable mask (aot_eager here, no compiler needed;
@@ -1599,6 +1604,7 @@ def test_lengths_a_padded_text_batch_is_served_an_other_image_size_is_refused():
     assert enc(torch.randn(2, 5, 16)).shape == (2, 5, 16)   # prefix=True: positions 0..4
 
 
+@pytest.mark.slow
 def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_loud(tmp_path):
     tf = _extra("transformers")
     for name in ("gpt2", "vit"):
@@ -2501,6 +2507,7 @@ def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
     assert not [w for w in seen if "torch says" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
     """ckpt.pt holds its contents beside their sha256: a bit flipped in the contents, or anywhere in the file,
     is one line and exit 2 (never a resume from damaged weights); the intact file resumes."""
@@ -2555,6 +2562,7 @@ def test_an_out_that_cannot_hold_a_run_is_one_line(tmp_path, capsys, where):
     assert open(tmp_path / "f").read() == "not a folder"
 
 
+@pytest.mark.slow
 def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
     rc, out = run_train(tmp_path, "--steps", "2", *SMALL)
     assert rc == 0
@@ -2577,6 +2585,7 @@ def test_a_start_that_died_before_its_first_checkpoint_is_taken_over(tmp_path, c
     assert "already holds a run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, needle", [
     ("middle line deleted", "line 3 (step 15) was logged after step 10, but the line before it is step 5: a line of "
                             "the log is missing"),
@@ -2628,6 +2637,7 @@ def test_every_log_line_is_checked_on_resume_and_in_reports(tmp_path, capsys, ca
     assert ",mask,0," not in (tmp_path / "res" / "curves.csv").read_text()
 
 
+@pytest.mark.slow
 def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
     runs = tmp_path / "runs" / "boolean"
     out = str(runs / "parity2-mask-s0")
@@ -2679,6 +2689,7 @@ def test_epoch_batches_cover_train_set_once():
     assert not torch.equal(task.train_batch(0, 64)[0], task.train_batch(spe, 64)[0])   # reshuffled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,acc,extra", [("parity2", 0.75, {}), ("majority3", 0.875, {}),
                                             ("cyclic3", 0.875, {"sign_acc": 0.928253173828125})])
 def test_mdi_accuracies(name, acc, extra):
@@ -2770,6 +2781,7 @@ def test_the_walsh_cut_stands_above_sampling_noise_so_a_small_training_set_gives
         T.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=12).setup().pattern("discovered")
 
 
+@pytest.mark.slow
 def test_the_forward_selection_keeps_no_pair_of_digits_that_tells_nothing():
     """Digit pairs independent of the answer digit pass the permutation test at most about alpha of the time."""
     rng = np.random.default_rng(1)
@@ -2949,6 +2961,7 @@ def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac,
     assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
 
 
+@pytest.mark.slow
 def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_below():
     """Addition's answer digit c_k depends on a_k and b_k together (either alone says nothing, so digit pairs are
     the candidates) and, once they are known, on the pair below (the carry): the forward selection by conditional
@@ -3036,6 +3049,7 @@ def test_arithmetic_pattern_for_known_positions():
     assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
 
 
+@pytest.mark.slow
 def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
     rc, out = run_train(tmp_path, "--task", "addition", "--init", "mask", "--steps", "250", "--log-every", "250",
                         "--layers", "2", "--dim", "64", "--heads", "4", "--mlp-dim", "128", "--probe-size", "64")
@@ -3073,6 +3087,7 @@ def _lee_pair(text: str) -> tuple:
     return int(a), int(b)
 
 
+@pytest.mark.slow
 def test_lee_samples_are_lee_et_al_s_construction():
     """--lee-samples N (--digits 2): the 100 one-digit pairs, then N - 100 drawn with replacement from
     0..99 x 0..99 by the seed; unpadded a*b=c (lsb: $a*b=rev(c)$); tested on every pair not trained on."""
@@ -3200,6 +3215,7 @@ def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(o
     assert float(task.loss(_LeeOracle(task), rows)) < float(task.loss(_LeeOracle(task, early=True), rows))
 
 
+@pytest.mark.slow
 def test_lee_run_logs_train_and_test_accuracy(tmp_path):
     rc, out = run_train(tmp_path, "--task", "multiplication", "--digits", "2", "--lee-samples", "200", "--init", "mask",
                         "--answer-order", "lsb", "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
@@ -4257,6 +4273,7 @@ def test_lm_patterns_follow_the_alibi_slopes():
     assert (bias[p & ~torch.eye(300, dtype=torch.bool)] > -1.0001).all()
 
 
+@pytest.mark.slow
 def test_lm_short_run_lowers_validation_loss_and_samples(tmp_path, capsys):
     _write_text_corpus(tmp_path / "data")
     rc, out = run_train(tmp_path, "--task", "wikitext2", "--data-dir", tmp_path / "data", "--init", "mask",
@@ -4348,6 +4365,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     assert len(calls) == 3 and os.listdir(fresh) == []
 
 
+@pytest.mark.slow
 def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
     """make-digits (scikit-learn's digits) writes a whole CIFAR-10 python release that the reader reads: 1,500
     train and 297 test images, labels 0..9; then a second call over it is refused."""
@@ -5053,6 +5071,7 @@ def _but(argv, *changes):
     return argv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [2 ** 32, 2 ** 40, 2 ** 64, -1])
 def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
     assert train.main([*RUN24, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
@@ -5159,6 +5178,7 @@ def _teacher(tmp_path, *changes, name="teacher"):
     return out
 
 
+@pytest.mark.slow
 def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path, capsys):
     """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
     `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
@@ -5238,6 +5258,7 @@ def _save_checkpoint(path, contents: dict) -> None:
     torch.save({"format": RF.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, needle", [
     ("not a folder", "is not a folder; give the folder of a finished run"),
     ("unfinished", "is not a finished run (no result.json)"),
@@ -5351,6 +5372,7 @@ def _torchrun(*args, n=2, cwd=None, timeout=120):
                           env=env, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
     r = _torchrun(*_but(DDP_TINY, "--batch-size", 33), "--out", tmp_path / "odd")
     assert r.returncode != 0 and r.stderr.count("does not divide by the 2 processes") == 1
@@ -5372,6 +5394,7 @@ def _params(folder):
     return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["model"]
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_path):
     """Same global batch: the 2-process gloo run logs the 1-process loss curve (to 1e-5) and ends at its
     parameters (to 1e-6), M included, in one run folder; a halted 2-process run resumes under torchrun, or
@@ -5394,6 +5417,7 @@ def test_torchrun_two_processes_match_one_and_resume_with_either_world_size(tmp_
     assert env == os.environ.get("OMP_NUM_THREADS")
 
 
+@pytest.mark.slow
 def test_torchrun_on_an_image_task_matches_one_process(tmp_path, image_dir):
     common = ["--task", "cifar10", "--data-dir", image_dir, "--init", "mask", "--layers", "1", "--dim", "24",
               "--mlp-dim", "48", "--batch-size", "8", "--steps", "6", "--log-every", "3", "--probe-size", "4"]
@@ -5430,6 +5454,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
     (tmp_path / "grad.py").write_text(DDP_GRAD_SCRIPT)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -5443,6 +5468,7 @@ def test_ddp_averages_the_mask_gradient_like_any_other(tmp_path):
 
 # ---------------------------------------------------------------------------------------- train.py: loop
 
+@pytest.mark.slow
 def test_run_directory_and_result(tmp_path):
     rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--steps", "20", "--log-every", "10", *SMALL)
     assert rc == 0
@@ -5457,6 +5483,7 @@ def test_run_directory_and_result(tmp_path):
     assert [x["step"] for x in lines] == [0, 10, 20] and "mask_drift" in lines[-1]
 
 
+@pytest.mark.slow
 def test_log_steps_use_eval_points_and_the_end_the_whole_cube(tmp_path):
     rc, out = run_train(tmp_path, "--task", "parity2", "--init", "default", "--steps", "20", "--log-every", "10",
                         "--eval-points", "512", *SMALL)
@@ -5472,6 +5499,7 @@ def _qk_opt(init: str, steps: int) -> list:
     return ["--qk-opt-steps", str(steps)] if init == "qk-opt" else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["qk-svd", "qk-opt"])
 def test_qk_inits_run(tmp_path, init):
     rc, out = run_train(tmp_path, "--task", "majority3", "--init", init, "--steps", "4", *_qk_opt(init, 200),
@@ -5481,6 +5509,7 @@ def test_qk_inits_run(tmp_path, init):
     assert len(res["init_report"]["pseudo_mass"]) == 1 and "qk_drift" in res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
 def test_vision_run_every_init(tmp_path, init):
     x, y = _images(64), np.arange(64) % 10
@@ -5495,6 +5524,7 @@ def test_vision_run_every_init(tmp_path, init):
         assert res["metrics"]["prior_mass_start"] > 0.3            # uniform attention would give 1/16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt"])
 def test_lm_run_every_init(tmp_path, init):
     _write_text_corpus(tmp_path / "data")
@@ -5532,6 +5562,7 @@ def _smoke_data(root: Path, task: str) -> list:
     return ["--data-dir", str(root)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
 def test_every_task_trains_with_every_init(tmp_path, task, init):
     """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
@@ -5547,6 +5578,7 @@ def test_every_task_trains_with_every_init(tmp_path, task, init):
         assert res["metrics"]["prior_mass_start"] is not None or "constrains no query row" in res["prior_mass_note"]
 
 
+@pytest.mark.slow
 def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
     out = str(tmp_path / "run")
     common = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--mlp-dim", "48",
@@ -5595,6 +5627,7 @@ def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
     assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_mask_beats_default_on_unseen_majority3(tmp_path):
     """The paper's claim in miniature: on majority3 the mask generalises to the unseen quarter,
     default stays at the min-degree interpolator (50% on U, 87.5% on the cube). 400 steps (6 s a run):
@@ -5612,6 +5645,7 @@ def test_mask_beats_default_on_unseen_majority3(tmp_path):
     assert rm["prior_mass_end"] > 0.8 > 0.3 > rd["prior_mass_end"]
 
 
+@pytest.mark.slow
 def test_train_step_is_the_step_the_loop_takes(tmp_path):
     """train.build + train.train_step (what the benchmarks time), replayed, give bitwise the weights the loop
     trained (learning-rate schedule, clipping and the update included)."""
@@ -5628,6 +5662,7 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
     assert opt.param_groups[0]["lr"] == json.loads(open(tmp_path / "run" / "metrics.jsonl").readlines()[-1])["lr"]
 
 
+@pytest.mark.slow
 def test_the_compile_flag_trains_through_torch_compile_on_the_cpu(tmp_path, monkeypatch):
     """--compile on the CPU: the steps run through torch.compile's graph (dynamo traces it; the aot_eager
     backend stands in for inductor, which needs a C++ compiler and minutes here) and train the weights an
@@ -5673,6 +5708,7 @@ def test_cuda_compile_matches_eager(tmp_path):
     assert train.main([*TINY, "--init", "mask", "--steps", "20", "--compile", "--device", "cuda", "--out", out]) == 0
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     """A run halted and resumed ends bitwise where an uninterrupted one does: weights, the optimiser and, with
     dropout drawing random numbers every step, the RNG state (restored from the checkpoint)."""
@@ -5726,6 +5762,7 @@ def test_a_language_model_without_positions_evaluates_at_twice_its_context(tmp_p
             assert params["blocks.0.attn.prior.bias"].shape == (4, 4 if extra else 16)
 
 
+@pytest.mark.slow
 def test_a_resume_with_the_three_files_of_one_run_goes_on(tmp_path, capsys):
     """What a resume must still take: a run halted between log steps, resumed with another --log-every and
     halted again before its next log line; and the three files moved together to another folder."""
@@ -5758,6 +5795,7 @@ def test_a_resume_with_another_thread_count_says_it_is_not_bitwise(tmp_path, cap
     assert "note: the run trained with 1 CPU threads, now 2" in said and "OMP_NUM_THREADS=1" in said
 
 
+@pytest.mark.slow
 def test_a_run_that_has_not_logged_yet_prints_an_early_eta(tmp_path, capsys, monkeypatch):
     """Before its first log step a run prints its pace and ETA once (after train.EARLY_ETA seconds), and
     --preset paper on the CPU says at the start that it is sized for a GPU."""
@@ -5788,6 +5826,7 @@ def test_the_eta_counts_every_evaluation_left_and_the_final_one_over_the_whole_t
     assert T.make_task("addition").setup().final_cost(500) == 20.0 and task.final_cost(0) == 1.0
 
 
+@pytest.mark.slow
 def test_the_paper_vision_recipe_trains_a_step_of_vit_tiny_at_224_on_the_cpu(tmp_path, image_dir):
     """The paper vision preset, as a GPU runs it, for one step here: ViT-Tiny/16 (12 layers) at 224 x 224 on CIFAR
     upsampled by the random resized crop, RandAugment m9, random erasing, mixup and cutmix (soft labels), label
@@ -5814,6 +5853,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     assert not os.path.exists(os.path.join(out, "result.json"))
 
 
+@pytest.mark.slow
 def test_a_non_finite_stop_keeps_a_finite_checkpoint_and_resumes_with_a_lower_lr(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train.main([*TINY, "--steps", "20", "--log-every", "5", "--lr", "1e8", "--out", out]) == 1
@@ -5826,6 +5866,7 @@ def test_a_non_finite_stop_keeps_a_finite_checkpoint_and_resumes_with_a_lower_lr
     assert json.load(open(os.path.join(out, "result.json")))["steps"] == 20
 
 
+@pytest.mark.slow
 def test_the_weights_are_checked_finite_before_every_save(tmp_path, capsys, monkeypatch):
     """An update that leaves a weight infinite while the loss it came from was finite (an overflow, injected
     here into the first update): the run stops before saving, naming the parameters; the checkpoint kept is
@@ -5857,6 +5898,7 @@ def test_resume_with_other_architecture_is_refused(tmp_path, capsys):
     assert train.main(["--out", os.path.join(tmp_path, "nothing"), "--resume"]) == 2
 
 
+@pytest.mark.slow
 def test_resume_refuses_fewer_steps_than_done_a_lost_log_and_a_foreign_checkpoint(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train.main([*TINY, "--steps", "20", "--log-every", "10", "--halt-after", "20", "--out", out]) == 0
@@ -5879,6 +5921,7 @@ def _edit_json(path, change):
     open(path, "w").write(json.dumps(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, message", [
     ("foreign checkpoint, other seed", "is the checkpoint of another run"),
     ("foreign checkpoint, same seed", "is the checkpoint of another run"),
@@ -5937,6 +5980,7 @@ def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, case, message):
     assert files() == before
 
 
+@pytest.mark.slow
 def test_language_models_default_to_the_relative_prior_and_a_checkpoint_without_a_flag_is_one_line(tmp_path, text_dir,
                                                                                                    capsys):
     """Language models take the relative prior by default. A checkpoint holds every flag of its version: one
@@ -5984,6 +6028,7 @@ def test_checkpoints_of_an_earlier_version_are_refused_in_one_line(tmp_path, cap
     assert "earlier version of train.py (maskprior-checkpoint-1)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["a 3 x 3 pattern", "the pattern inverted", "a symlink to /etc/passwd",
                                     "cut to 500 bytes", "a FIFO", "removed"])
 def test_a_prior_file_changed_before_resume_is_one_line_and_nothing_changes(tmp_path, capsys, change):
@@ -6020,6 +6065,7 @@ def test_a_prior_file_changed_before_resume_is_one_line_and_nothing_changes(tmp_
     assert {p: os.lstat(os.path.join(out, p)).st_mtime_ns for p in os.listdir(out)} == before
 
 
+@pytest.mark.slow
 def test_resume_on_other_data_is_refused_and_on_the_same_data_moved_goes_on(tmp_path, capsys, image_dir):
     """The checkpoint records a hash of the data: --resume --data-dir on another CIFAR set (other
     pixels, same sizes and names) is one line and exit 2; the same set copied elsewhere resumes."""
@@ -6056,6 +6102,7 @@ def test_a_locked_run_folder_is_refused(tmp_path, capsys):
     assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 0
 
 
+@pytest.mark.slow
 def test_two_processes_on_one_run_folder(tmp_path):
     """Two runs started at once into one folder: one trains, the other is refused; the log is one run's."""
     out = str(tmp_path / "run")
@@ -6070,6 +6117,7 @@ def test_two_processes_on_one_run_folder(tmp_path):
     assert steps == list(range(0, 61, 10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code):
     out = os.path.join(tmp_path, "int")
@@ -6089,6 +6137,7 @@ def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code)
     assert rc == 0 and json.load(open(os.path.join(out, "result.json")))["steps"] == step + 5
 
 
+@pytest.mark.slow
 def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):
     """A disk that fails in the middle of writing a checkpoint (half the bytes written, then ENOSPC; no root
     needed: the file object's write is made to fail): the run stops in one line, ckpt.pt is still the previous
@@ -6148,6 +6197,7 @@ def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resume
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_a_run_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, capsys):
     """--out on a 100 KB tmpfs: the second checkpoint does not fit. One line naming the file and the step of
     the whole checkpoint, exit 2, no temporary file; the folder moved to a disk with room resumes and ends
@@ -6175,6 +6225,7 @@ def test_a_full_disk_stops_a_run_in_one_line_and_the_checkpoint_resumes_exactly(
         assert os.listdir(tiny) == []
 
 
+@pytest.mark.slow
 def test_resume_writes_to_the_out_given_so_a_run_folder_can_move(tmp_path):
     x, y = str(tmp_path / "X"), str(tmp_path / "Y")
     assert train.main([*TINY, "--init", "mask", "--steps", "20", "--log-every", "10", "--halt-after", "10",
@@ -6194,6 +6245,7 @@ def test_resume_writes_to_the_out_given_so_a_run_folder_can_move(tmp_path):
     assert json.load(open(tmp_path / "Z" / "result.json"))["steps"] == 30
 
 
+@pytest.mark.slow
 def test_a_run_folder_moved_while_it_trains_is_one_line_and_resumes_bitwise(tmp_path):
     """The run folder moved away while the run trains: its next write finds no folder, the run stops with one
     line naming what happened and what to do (exit 2), and from the new place it resumes to the parameters an
@@ -6216,6 +6268,7 @@ def test_a_run_folder_moved_while_it_trains_is_one_line_and_resumes_bitwise(tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(tmp_path):
     """Fault injection: a run killed with SIGKILL at random moments after it has made progress (its log has
     grown since this start; checkpoints are written every step, so some kills land inside a checkpoint write),
@@ -6304,6 +6357,7 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
 
 
+@pytest.mark.slow
 def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsys):
     """A backup copy of a run folder (the same run id), eight copies, or the same task, init, seed and flags
     run again in another folder: `summarize` and `report` count seed 0 once and name each other folder."""
@@ -6440,6 +6494,7 @@ def readable_figures(monkeypatch):
     assert seen and not {k: v for k, v in seen.items() if v}, seen
 
 
+@pytest.mark.slow
 def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
     """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
     plt = R.pyplot()
@@ -6466,6 +6521,7 @@ def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_pa
     R.save_figure(fig, str(tmp_path / "fine.png"))
 
 
+@pytest.mark.slow
 def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
     """A report over small runs of every kind (three Boolean tasks x four inits, two arithmetic budgets, a data
     series, twelve vision priors side by side, an oracle-free study of two rows, a mask run with its checkpoint):
@@ -6514,6 +6570,7 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
     assert len({R.line_style(i) for i in range(40)}) == 40 and R.line_style(3, "mask") == R.INIT_STYLES["mask"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, words", [
     (lambda p: p.write_text("task,init\n"), "is not the table a report writes"),
     (lambda p: p.write_text(p.read_text() + 'parity2,"",mask,0,10,mse,inf\n'), "'inf' is not a finite number"),
@@ -6541,6 +6598,7 @@ def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, 
     assert train.main(["redraw", str(tmp_path / "empty")]) == 2 and "nothing to redraw" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):
     """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1) and
     attention.png for a mask run; attention.png alone for an init without M; a relative M as profiles; a folder
@@ -6588,6 +6646,7 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     assert "pip install matplotlib" in capsys.readouterr().err and _tree(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, readable_figures):
     """A retrofit's call: reporting.show.draw_model(model, path, title, mp.prior_snapshot(model) before training);
     `train.py show DIR` of its save_pretrained folder draws M at the end (its start was not saved)."""
@@ -6741,6 +6800,7 @@ def test_oracle_free_rows_and_columns_come_from_the_folder_names():
 
 # ---------------------------------------------------------------------------------------- report.py: broken runs
 
+@pytest.mark.slow
 def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
     out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
     assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
@@ -6782,9 +6842,17 @@ def _report_case(tmp_path, case):
     elif case == "log a folder":
         os.remove(log)
         os.mkdir(log)
+    elif case == "result.json nested 200,000 deep":
+        res.write_text('{"metrics": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    elif case == "a 400-digit metric":
+        res.write_text(res.read_text().replace('"metrics": {', '"metrics": {"big": ' + "9" * 400 + ", ", 1))
+    elif case == "a log mass of 1e400":
+        with open(log, "a") as f:
+            f.write('{"step": 11, "metrics": {}, "prior_mass": [1e400], "prior_mass_mean": 1e400}\n')
     return runs, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,listed", [
     ("result.json without seed", "parity2-mask-s0: unreadable result.json ("),
     ("seed a string", "result.json: seed is '0', not an integer)"),
@@ -6794,6 +6862,8 @@ def _report_case(tmp_path, case):
     ("recall a string", "not null or a dict whose precision and recall are in [0, 1])"),
     ("result.json a FIFO", "result.json is a FIFO (named pipe), not a regular file"),
     ("non-UTF-8 log line", None), ("log line without metrics", None), ("log a folder", None),
+    ("result.json nested 200,000 deep", "nested more than 64 levels deep)"),
+    ("a 400-digit metric", "an integer of 400 digits (at most 40))"), ("a log mass of 1e400", None),
 ])
 def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
     """The report of a folder with one broken run: exit 0, every table written, the healthy run's row
@@ -6812,6 +6882,7 @@ def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
         assert "| mask | 0 |" in table
 
 
+@pytest.mark.slow
 def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
     runs, _ = _report_case(tmp_path, "")
     (tmp_path / "file").write_text("x")
@@ -6851,6 +6922,7 @@ def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing
         assert f"give the folder above it: python train.py report {runs}" in err
 
 
+@pytest.mark.slow
 def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
     runs, _ = _report_case(tmp_path, "")
     res = tmp_path / "res"
@@ -7026,6 +7098,7 @@ def test_the_plan_finds_every_layout_the_readers_read(tmp_path, monkeypatch, lay
         assert "needs Pillow: pip install pillow" in skipped["imagenet100 (5 runs)"]
 
 
+@pytest.mark.slow
 def test_reproduce_help_and_dry_run(tmp_path):
     """What the script itself does with the plan's list: the dry run's lines, the folders and data filled in, a
     finished run skipped and an interrupted one resumed, missing data named, a failed run named."""
@@ -7073,6 +7146,7 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert r.returncode == 1 and "FAILED" in r.stderr and "parity2-mask-s0" in r.stderr
 
 
+@pytest.mark.slow
 def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
     r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
     assert r.returncode == 2 and "--only needs a value" in r.stderr
@@ -7080,6 +7154,7 @@ def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
     assert r.returncode == 2 and "seed 0 twice" in r.stderr
 
 
+@pytest.mark.slow
 def test_reproduce_reports_an_interrupted_run_as_interrupted(tmp_path):
     fake = _fake_python(tmp_path / "py", "exit 130")
     r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1", "--runs", str(tmp_path / "runs"),
@@ -7101,6 +7176,7 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for left-over runs in /proc (Linux)")
 def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path):
     """SIGTERM to reproduce.sh: both running runs save a checkpoint and exit, no new run starts, the script
@@ -7128,6 +7204,7 @@ def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path
     assert "in use" not in text and text.count("resuming ") == 1 and "saving a checkpoint" in text
 
 
+@pytest.mark.slow
 def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_spaces(tmp_path):
     """--runs and --results given as relative paths are read from the folder the script is started in, and a
     --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
@@ -7149,6 +7226,7 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     assert f"{work}/relres" in args                                   # the report goes there too
 
 
+@pytest.mark.slow
 def test_reproduce_gpus_lines_and_refusals(tmp_path):
     r = _reproduce("--quick", "--only", "boolean", "--seeds", "0", "--gpus", "2", "--jobs", "1", "--dry-run",
                    "--runs", str(tmp_path / "runs"))
@@ -7194,6 +7272,7 @@ open(os.path.join(out, "result.json"), "w").write("{{}}")
 """
 
 
+@pytest.mark.slow
 def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path):
     """Two reproduce.sh started at once on the same --runs (a stand-in train.py that locks its run folder as
     train.py does): every run is trained once, by one of them, the other leaves it ("busy"); neither names a
@@ -7224,6 +7303,7 @@ def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path
     assert "FAILED" not in second.stdout + second.stderr
 
 
+@pytest.mark.slow
 def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_fetches_it(tmp_path):
     """A plan without its data names the commands that fetch it (train.py download for the published sets, train.py
     imagenet100 for ImageNet-100); reproduce.sh --download runs the first, then plans with the sets in; --dry-run only
@@ -7259,6 +7339,7 @@ def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_
     assert r.returncode == 2 and "refused: bad sum" in r.stderr and not (tmp_path / "runs2").exists()
 
 
+@pytest.mark.slow
 def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
     """--only mult-ladder: the paper preset, msb and lsb at 5,000 steps, four inits (the partial pattern one of
     them); then, once those results are in, the order of the higher mean sequence accuracy at 20,000 steps."""
@@ -7300,6 +7381,7 @@ def test_reproduce_sh_takes_every_table_of_the_plan():
 
 # ---------------------------------------------------------------------------------------- benchmarks
 
+@pytest.mark.slow
 def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():
     """bench_paper reads reproduce.sh's one run list (reporting/plan.py): the 123 runs of the paper presets."""
     bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
@@ -7315,6 +7397,7 @@ def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():
     assert r.returncode == 0 and r.stdout.count("\nboolean") == 4 and "mask / default step time" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_retrofit_prints_the_ratio_side_by_side():
     _extra("timm"), _extra("transformers")
     r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "bench_retrofit.py"), "--tiny", "--steps", "1",
@@ -7327,6 +7410,7 @@ def test_bench_retrofit_prints_the_ratio_side_by_side():
         assert floor.startswith("  floor (M constant)") and float(floor.split()[-1]) > 0 < float(prior.split()[-1])
 
 
+@pytest.mark.slow
 def test_bench_attention_and_bench_vit_time_train_py_s_step():
     """Both benchmarks run train.train_step (the loop's own step) and print a ratio column led by 1.000."""
     for script, argv in (("bench_attention.py", ["--steps", "1", "--rounds", "1"]),
@@ -7358,6 +7442,7 @@ def test_bench_context_worker_measures_each_variant():
     assert all(r["ms"] > 0 for r in rows.values()) and peak > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_refuses_a_machine_without_cuda_and_its_train_lines_parse(tmp_path):
     """benchmarks/gpu_check.sh, the device script: without CUDA one line, exit 2, nothing written; the train.py
     runs it makes are flags train.py takes (so the GPU's minutes are not lost to a typo)."""
@@ -7387,6 +7472,7 @@ def test_ci_runs_the_readme_test_command():
     assert first_block[1].startswith("python train.py --task")
 
 
+@pytest.mark.slow
 def test_the_example_task_runs_as_written(tmp_path):
     """examples/my_task.py, the README's new task: one class registered as a task trains through train.main with
     the prior, and a flag of another family is refused."""
@@ -7409,6 +7495,7 @@ def _readme_snippets() -> list[str]:
     return [b.split("\n", 1)[1] for b in readme.split("```")[1::2] if b.startswith("python\n")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(7))
 def test_every_readme_snippet_runs_alone_and_prints_what_it_says(tmp_path, monkeypatch, i):
     """Each python block of the README, alone in a fresh namespace in an empty folder, prints exactly the lines its
@@ -7482,3 +7569,17 @@ def test_every_guarantee_names_a_test_that_exists():
     assert len(names) >= 20 and all(callable(globals().get(n)) for n in names), [n for n in names if n not in globals()]
     cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
     assert f"`test_bad_input_exits_2` ({cases} inputs" in section
+
+
+def test_every_test_that_starts_a_process_is_marked_slow():
+    """The fast loop (`pytest -m "not slow"`) leaves out every test that starts a process (a call on `subprocess`),
+    itself or through a helper of this file; the marks are checked here, not trusted."""
+    functions = [n for n in ast.parse(open(__file__).read()).body if isinstance(n, ast.FunctionDef)]
+    calls = {f.name: {c.func for c in ast.walk(f) if isinstance(c, ast.Call)} for f in functions}
+    starts = {name for name, funcs in calls.items() if any(isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name)
+                                                        and c.value.id == "subprocess" for c in funcs)}
+    while grown := {name for name, funcs in calls.items() if name not in starts and any(
+            isinstance(c, ast.Name) and c.id in starts and not c.id.startswith("test_") for c in funcs)}:
+        starts |= grown
+    marked = {f.name for f in functions if any("mark.slow" in ast.unparse(d) for d in f.decorator_list)}
+    assert len(starts) > 20 and not {k for k in starts if k.startswith("test_")} - marked

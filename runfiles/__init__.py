@@ -159,10 +159,42 @@ def load_torch(data: bytes, path: str | os.PathLike):
         raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
 
 
+JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40        # deeper than anything this program writes; an int past any count
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > JSON_MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {JSON_MAX_DIGITS})")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError(f"{text[:40]!r} overflows a float")
+    return v
+
+
+def _json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON bytes (brackets inside strings not counted)."""
+    depth = deepest = 0
+    for token in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', data):
+        t = token.group()
+        if t in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif t in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
 def load_json(data: bytes, path: str | os.PathLike):
-    """JSON of bytes read back (UTF-8)."""
+    """JSON of bytes read back (UTF-8), bounded before it is parsed: at most JSON_MAX_DEPTH levels of nesting,
+    integers of at most JSON_MAX_DIGITS digits, no number that overflows a float; anything else is a ReadError."""
     try:
-        return json.loads(data.decode("utf-8"))
+        if _json_depth(data) > JSON_MAX_DEPTH:
+            raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep")
+        return json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
     except ValueError as e:                               # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
 
@@ -498,8 +530,8 @@ def read_log(path: str) -> list[dict]:
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            rec = json.loads(line.decode("utf-8"))
-        except ValueError:                        # UnicodeDecodeError is a ValueError
+            rec = load_json(line, path)
+        except ReadError:
             rec = None
         if not log_line(rec):
             raise LogError(f"{path} line {number} is damaged (not a whole record as train.py writes it)")
