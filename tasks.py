@@ -943,25 +943,32 @@ class Cyclic3(BooleanTask):
                          discover_alpha=discover_alpha)
 
 
+def cut(text, most: int = 40) -> str:
+    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not echoed whole)."""
+    text = str(text)
+    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"
+
+
+def parse_count(token, what: str, least: int, most: int) -> int:
+    """The one parser of every integer a list or count on the command line holds (--bits, --unseen, --terms,
+    'random:K'): ASCII digits alone (no sign, no '_', no other script's digits), in least..most; anything else is a
+    TaskError naming the token, cut to 40 characters."""
+    token = str(token).strip()
+    if not (token.isascii() and token.isdigit()) or len(token) > len(str(most)) or not least <= int(token) <= most:
+        raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII digits)")
+    return int(token)
+
+
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
-    try:
-        bits = tuple(int(b) for b in str(text).split(",") if b.strip() != "")
-    except ValueError:
-        raise TaskError(f"--{what} must be comma-separated bit indices like 0,1,2, got {text!r}") from None
-    if not bits or any(not 0 <= b < n_bits for b in bits) or len(set(bits)) != len(bits):
-        raise TaskError(f"--{what} must list distinct bits in 0..{n_bits - 1}, got {text!r}")
+    bits = tuple(parse_count(b, what, 0, n_bits - 1) for b in str(text).split(",") if b.strip() != "")
+    if not bits or len(set(bits)) != len(bits):
+        raise TaskError(f"--{what} must list distinct bits in 0..{n_bits - 1}, got {cut(text)}")
     return bits
 
 
 def _count(text: str, prefix: str, what: str, most: int) -> int:
     """K of 'PREFIX:K', an integer in 1..most."""
-    try:
-        k = int(str(text)[len(prefix):])
-    except ValueError:
-        k = 0
-    if not 1 <= k <= most:
-        raise TaskError(f"--{what} {text!r}: {prefix}K needs K in 1..{most}")
-    return k
+    return parse_count(str(text)[len(prefix):], what, 1, most)
 
 
 def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
@@ -979,10 +986,11 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
         kind = "majority" if part.startswith("m") else "parity"
         bits = _parse_bits(part[1:] if kind == "majority" else part, "terms", n_bits)
         if kind == "majority" and len(bits) % 2 == 0:
-            raise TaskError(f"--terms {text!r}: the majority term {part!r} needs an odd number of bits (ties have no "
-                            f"sign)")
-        if (kind, set(bits)) in [(k, set(b)) for k, b in terms]:
-            raise TaskError(f"--terms {text!r}: the term {part!r} is given twice")
+            raise TaskError(f"--terms {cut(text)}: the majority term {cut(part)} needs an odd number of bits (ties "
+                            f"have no sign)")
+        same = lambda k, b: (k if len(b) > 1 else "parity", set(b))        # noqa: E731 (one bit: itself, either kind)
+        if same(kind, bits) in [same(k, b) for k, b in terms]:
+            raise TaskError(f"--terms {cut(text)}: the term {cut(part)} is given twice")
         terms.append((kind, bits))
     return terms
 

@@ -4891,7 +4891,7 @@ BAD_INPUT = [
     (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
      "with --lee-samples has no pattern 'partial'"),
     (["--task", "addition", "--lee-samples", "3000"], "--lee-samples does not apply to task addition"),
-    (["--task", "kparity", "--bits", "0,40"], "--bits must list distinct bits"),
+    (["--task", "kparity", "--bits", "0,40"], "--bits: '40' is not an integer in 0..14"),
     (["--task", "kparity", "--bits", "random:15", "--unseen", "bits:2"], "is a least-squares problem in 32,768 monomials"),
     (["--task", "kmajority", "--bits", "random:11", "--n-bits", "15"], "at most 1,024 are solved"),
     (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
@@ -7569,6 +7569,23 @@ def test_every_guarantee_names_a_test_that_exists():
     assert len(names) >= 20 and all(callable(globals().get(n)) for n in names), [n for n in names if n not in globals()]
     cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
     assert f"`test_bad_input_exits_2` ({cases} inputs" in section
+
+
+@pytest.mark.parametrize("text, words", [
+    ("0,1_0", "'1_0' is not an integer in 0..14"), ("\u0660,\u0661", "is not an integer in 0..14"),
+    ("\uff10,\uff11", "is not an integer in 0..14"), ("-1,2", "'-1' is not"), ("0,15", "'15' is not"),
+    ("9" * 5000, "... (5,000 characters) is not"), ("0,0", "distinct bits"), ("", "distinct bits"),
+])
+def test_every_index_list_goes_through_one_parser(text, words):
+    """--bits, --unseen and --terms take ASCII digits in range alone, through `tasks.parse_count`; the token that is
+    not is named, cut to 40 characters; a term repeated as another kind (x1 as a parity and a majority) is caught."""
+    for parse in (lambda s: T._parse_bits(s, "bits", 15), lambda s: T.parse_terms(s, 15)):
+        with pytest.raises(T.TaskError, match=re.escape(words)) as err:
+            parse(text)
+        assert len(str(err.value)) < 200
+    assert T._parse_bits(" 0, 1 ", "bits", 15) == (0, 1) and T._count("random:3", "random:", "bits", 15) == 3
+    with pytest.raises(T.TaskError, match="given twice"):
+        T.parse_terms("1:m1", 15)
 
 
 def test_every_test_that_starts_a_process_is_marked_slow():
