@@ -5793,6 +5793,12 @@ def test_a_resume_with_another_thread_count_says_it_is_not_bitwise(tmp_path, cap
         torch.set_num_threads(threads)
     said = capsys.readouterr().out
     assert "note: the run trained with 1 CPU threads, now 2" in said and "OMP_NUM_THREADS=1" in said
+    out = str(tmp_path / "amp")                # --amp (a NUMERICS flag) changed on resume: named in the same note
+    assert train.main([*TINY, "--steps", "6", "--log-every", "2", "--halt-after", "2", "--out", out]) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", "--out", out, "--amp", "bf16"]) == 0
+    said = capsys.readouterr().out
+    assert "note: the run trained with --amp" in said and "now bf16" in said and "not bitwise" in said
 
 
 @pytest.mark.slow

@@ -731,9 +731,13 @@ def lr_at(step: int, total: int, config) -> float:
     return config.lr
 
 
+def amp_on(amp: str, device_type: str) -> bool:
+    """Whether --amp runs the step under bf16 autocast on this device type."""
+    return amp == "bf16" or (amp == "auto" and device_type == "cuda")
+
+
 def autocast(device, config):
-    use = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on(config.amp, device.type))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1246,7 +1250,7 @@ def begin(state: Run, ckpt: dict | None) -> None:
     if ckpt is not None:
         RF.truncate_log(state.path("metrics.jsonl"), state.step)
         RF.atomic_write(state.path("args.json"), json_text(asdict(config)))
-        note = rounding_note(ckpt, state.device)
+        note = rounding_note(ckpt, state.device, config)
         return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}" if note else ""))
     folder.create()
     folder.write("args.json", json_text(asdict(config)))
@@ -1520,16 +1524,24 @@ def saved_prior(config, task, sha256: str) -> RF.Prior:
         raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 
-def rounding_note(ckpt: dict, device: torch.device) -> str | None:
-    """A note that a resume on another device type or CPU thread count is exact only to rounding, or None."""
+NUMERICS = ("amp", "compile")      # resumable flags that change how a step's floats round, not what the run is
+
+
+def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
+    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
+    (NUMERICS), is exact only to rounding, or None."""
     saved, now = ckpt["machine"], machine(device)
-    if saved == now:
+    effective = {"amp": lambda v, kind: amp_on(v, kind), "compile": lambda v, kind: v}
+    changed = [f"--{k} {ckpt['config'].get(k)}, now {getattr(config, k)}" for k in NUMERICS
+               if effective[k](ckpt["config"].get(k), saved["device"]) != effective[k](getattr(config, k), device.type)]
+    if saved == now and not changed:
         return None
     same = saved["device"] == now["device"]
-    what = f"{saved['threads']} CPU threads, now {now['threads']}" if same else f"on {saved['device']}, now on {now['device']}"
-    return (f"note: the run trained with {what}: its sums round in another order, so the resumed run matches an "
-            f"uninterrupted one to about 1e-6, not bitwise" + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes "
-                                                               f"bitwise" if same else ""))
+    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same else
+                                    f"on {saved['device']}, now on {now['device']}"]
+    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another order, so the resumed "
+            f"run matches an uninterrupted one to about 1e-6, not bitwise"
+            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same and not changed else ""))
 
 
 def machine(device: torch.device) -> dict:
