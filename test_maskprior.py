@@ -6828,6 +6828,12 @@ def _report_case(tmp_path, case):
         _edit_json(res, lambda d: d.pop("seed"))
     elif case == "seed a string":
         _edit_json(res, lambda d: d.update(seed="0"))
+    elif case == "seed 10^30":
+        _edit_json(res, lambda d: d.update(seed=10 ** 30))
+    elif case == "a task name of markdown":
+        _edit_json(res, lambda d: d.update(task="parity2 |\n## injected"))
+    elif case == "an unknown kind":
+        _edit_json(res, lambda d: d.update(kind="other"))
     elif case == "result.json a list":
         res.write_text("[]")
     elif case == "NaN metric":
@@ -6861,7 +6867,9 @@ def _report_case(tmp_path, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case,listed", [
     ("result.json without seed", "parity2-mask-s0: unreadable result.json ("),
-    ("seed a string", "result.json: seed is '0', not an integer)"),
+    ("seed a string", "result.json: seed is '0', not a seed in 0 .. 2^32 - 1)"),
+    ("seed 10^30", "not a seed in 0 .. 2^32 - 1)"), ("a task name of markdown", "not a task name)"),
+    ("an unknown kind", "not one of boolean, arithmetic, vision, lm)"),
     ("result.json a list", "result.json holds a list, not the dict this program writes there)"),
     ("NaN metric", "result.json: metric acc is nan, not a finite number)"),
     ("precision NaN", "result.json: prior_source is {"),

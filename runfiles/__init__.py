@@ -256,11 +256,20 @@ def check_schema(obj, schema: dict, required, path) -> dict:
 # result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are in every one (a run of
 # an earlier version lacks some: reports list it).
 
+def is_name(v) -> bool:
+    """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_' (nothing a table
+    of a report would read as markdown)."""
+    return isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,39}", v) is not None
+
+
+KINDS = ("boolean", "arithmetic", "vision", "lm")      # the task families a result belongs to
+
 RESULT_SCHEMA = {
-    "task": (is_of(str), "a task name"), "init": (is_of(str), "an init name"), "seed": (is_of(int), "an integer"),
+    "task": (is_name, "a task name"), "init": (is_name, "an init name"),
+    "seed": (lambda v: is_count(v) and v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
     "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and is_optional(is_finite)(x)
                                                       for k, x in v.items()), "a dict of finite numbers (or null)"),
-    "kind": (is_of(str), "a task family"), "preset": (is_of(str), "a preset name"),
+    "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"), "preset": (is_name, "a preset name"),
     "run_id": (is_optional(is_of(str)), "an id"), "data": (is_optional(is_of(str)), "a data hash"),
     "steps": (is_count, "a step count"), "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
     "prior_mass_start_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
