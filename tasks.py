@@ -36,6 +36,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator, Sequence
@@ -155,6 +156,11 @@ class Task:
         """The task these options make (a family whose variant is a class of its own, e.g. multiplication on Lee et
         al.'s data, picks it here)."""
         return cls(**options)
+
+    def test_size(self) -> int | None:
+        """How many points the final evaluation scores where log steps score a sample of them (`--eval-points`), or
+        None where every evaluation scores the whole test set; needs setup."""
+        return None
 
     def token_labels(self) -> list | None:
         """The names of the model's input positions (a Boolean task's bits, an arithmetic format's digits), for the
@@ -335,6 +341,18 @@ class Probe:
         parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE if k in m]
         return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
+    def say_final_size(self, model) -> None:
+        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
+        2^20 points), time one sample now and say its size and an estimate when it passes 10 s."""
+        size = self.task.test_size()
+        if not size or size < 10 * self.eval_points:
+            return
+        started = time.perf_counter()
+        self.task.evaluate(model, points=self.eval_points)
+        seconds = size / self.eval_points * (time.perf_counter() - started)
+        if seconds > 10:
+            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
+
     def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
         """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_* metrics). Log
         steps of a Boolean or arithmetic task use `eval_points` cube points or test pairs; the final measurement
@@ -342,6 +360,8 @@ class Probe:
         points = None if final else self.eval_points
         model.eval()
         with self.autocast():
+            if final:
+                self.say_final_size(model)
             metrics = self.task.evaluate(model, points=points)
             if ema is not None:
                 averaged = self.task.evaluate(ema.eval(), points=points)
@@ -561,15 +581,22 @@ def cyclic_patterns(n_bits: int, width: int = 2):
 
 # ---- finding the pattern from the training data (never from the target function): `--pattern discovered`
 
+WALSH_RATE = 3e8          # (set, point) terms a second of walsh_coefficients on the 2-core CPU (4.7e8 measured idle)
+
+
 def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
     """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
-    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}."""
-    x = np.asarray(x, dtype=np.float64)
+    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}. The
+    product of +-1 bits is the sign of an XOR of their -1 flags, so each term is +-(y - mean y) exactly."""
+    negative = np.asfortranarray(np.asarray(x) < 0)             # (P, n): a bit's flags contiguous
     yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
     out = {}
     for degree in range(1, max_degree + 1):
-        for s in itertools.combinations(range(x.shape[1]), degree):
-            out[s] = float(np.mean(yc * np.prod(x[:, list(s)], axis=1)))
+        for s in itertools.combinations(range(negative.shape[1]), degree):
+            odd = negative[:, s[0]].copy()
+            for i in s[1:]:
+                odd ^= negative[:, i]
+            out[s] = float(np.mean(np.where(odd, -yc, yc)))
     return out
 
 
@@ -697,6 +724,9 @@ class BooleanTask(Task):
     def token_labels(self) -> list:
         return ["CLS"] * (self.readout == "cls") + [f"x{i}" for i in range(self.n_bits)]
 
+    def test_size(self) -> int:
+        return len(self.x_test)
+
     def pattern_name(self, variant: str | None) -> str:
         variant = variant or self.DEFAULT_PATTERN
         mine = self.patterns(self.readout == "cls")
@@ -726,6 +756,10 @@ class BooleanTask(Task):
                             f"first")
         if "discovery" not in self._cache:
             x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
+            sets = sum(math.comb(self.n_bits, d) for d in range(1, self.discover_degree + 1))
+            if sets * len(x) > 10 * WALSH_RATE:
+                self.say(f"finding the pattern in the training data: {sets:,} Walsh sets of up to {self.discover_degree} "
+                         f"bits over {len(x):,} points (about {sets * len(x) / WALSH_RATE:.0f} s on a 2-core CPU)")
             sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree, self.discover_threshold,
                                       self.discover_alpha)
             if not sets:
@@ -1171,6 +1205,9 @@ class ArithmeticTask(Task):
     def arch(self) -> dict:
         return {"vocab_size": len(ARITH_VOCAB), "seq_len": self.length - 1, "n_outputs": len(ARITH_VOCAB),
                 "readout": "tokens", "causal": True}
+
+    def test_size(self) -> int:
+        return len(self.test_seq)
 
     def token_labels(self) -> list:
         """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the decoder's inputs."""

@@ -5167,6 +5167,29 @@ def test_a_discovered_pattern_runs_and_is_recorded(tmp_path, capsys):
                        T.make_task("parity2", readout="mean").pattern())       # the preset layout
 
 
+@pytest.mark.slow
+def test_slow_work_says_its_size_and_an_estimate_before_it_starts(tmp_path, capsys, monkeypatch):
+    """The Walsh search of --pattern discovered and a final evaluation that scores 10x a log step's sample each
+    print their size and an estimate first when it passes 10 s (made slow here: a slower rate, a slower sample);
+    at their real pace on this small task neither says a word."""
+    argv = [*TINY[:-2], "--eval-points", "64", "--init", "mask", "--pattern", "discovered", "--steps", "2"]
+    assert train.main([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    assert "finding the pattern" not in (said := capsys.readouterr().out) and "the final evaluation" not in said
+    monkeypatch.setattr(T, "WALSH_RATE", 1e3)
+    evaluate = T.BooleanTask.evaluate
+
+    def slow(self, model, points=None):
+        time.sleep(0.05 if points else 0)
+        return evaluate(self, model, points)
+    monkeypatch.setattr(T.BooleanTask, "evaluate", slow)
+    assert train.main([*argv, "--out", str(tmp_path / "slow")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("finding the pattern in the training data: 575 Walsh sets of up to 3 bits over 24,576 "
+                               "points (about ")
+    final = [line for line in lines if line.startswith("the final evaluation: the whole test set, 32,768 points")]
+    assert len(final) == 1 and lines.index(final[0]) < len(lines) - 2        # before the last step's line
+
+
 def _mask_start(folder):
     return train.read_checkpoint(str(os.path.join(folder, "ckpt.pt")), "test")["snapshot"][0]["mask"]
 
