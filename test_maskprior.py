@@ -7625,6 +7625,23 @@ def test_every_index_list_goes_through_one_parser(text, words):
         T.parse_terms("1:m1", 15)
 
 
+@pytest.mark.parametrize("text, words", [
+    ("[]", "holds list, not the step times bench_paper.py writes"), ('{"small parity2 mask": {"ms_eval": 1}}', "has no ms_step"),
+    ('{"small parity2 mask": {"ms_step": -1, "ms_eval": 1}}', "ms_step is -1, not milliseconds"),
+    ('{"small parity2 mask": 3}', "holds a int, not the dict"), ("{", "is not JSON"),
+])
+def test_a_step_times_file_that_is_not_one_is_one_line(tmp_path, text, words):
+    """results/step_times.json read by the plan: a list, an entry without a time or with a negative one, or bytes
+    that are not JSON is a ReadError naming the file and the mend, never a traceback; no file is no times."""
+    from reporting import plan
+    path = tmp_path / "step_times.json"
+    path.write_text(text)
+    with pytest.raises(RF.ReadError, match=re.escape(words)) as err:
+        plan.step_times(str(path))
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    assert plan.step_times(str(tmp_path / "none.json")) == {} and plan.step_times()      # the committed file reads
+
+
 def test_every_test_that_starts_a_process_is_marked_slow():
     """The fast loop (`pytest -m "not slow"`) leaves out every test that starts a process (a call on `subprocess`),
     itself or through a helper of this file; the marks are checked here, not trusted."""

@@ -382,10 +382,22 @@ def step_times(path: str = STEP_TIMES) -> dict:
     """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that benchmarks/bench_paper.py
     measured (the paper presets on a GPU, the --quick ones on a CPU; real data path, evaluation included) and wrote
     to results/step_times.json; {} without it."""
-    try:
-        return RF.read_json(path)
-    except RF.ReadError:
+    if not os.path.exists(path):
         return {}
+    times = RF.read_json(path)
+    how = "measure them again with python benchmarks/bench_paper.py --write, or remove the file"
+    if not isinstance(times, dict):
+        raise RF.ReadError(f"{path} holds {type(times).__name__}, not the step times bench_paper.py writes; {how}")
+    for key, entry in times.items():
+        try:
+            RF.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
+        except RF.ReadError as e:
+            raise RF.ReadError(f"{e}; {how}") from None
+    return times
+
+
+_ms = (lambda v: RF.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
+STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms}     # what hours() reads
 
 
 LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")   # how long, where: not a step's cost
@@ -488,6 +500,11 @@ def main(argv=None) -> int:
                    "'# ', then the runs, one a line")
     a = p.parse_args(argv)
     plan = run_list(a.quick, a.only, [int(s) for s in a.seeds.split()], a.data, a.runs)
+    try:
+        step_times()
+    except RF.ReadError as e:                       # one line, exit 2: reproduce.sh passes it on and starts nothing
+        print(f"reporting.plan: {e}", file=sys.stderr)
+        return 2
     if a.list:
         fetch = [t for t in plan.absent if t != "imagenet100"]
         print("\n".join(["# " + line for line in describe(plan, jobs=a.jobs).splitlines()]
