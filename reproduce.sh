@@ -103,10 +103,15 @@ EOF
 }
 
 QUICK=0; ONLY=""; SEEDS="0 1 2"; JOBS=""; JOBS_GIVEN=0; GPUS=0; DATA=""; RUNS=""; RESULTS=""; DRY=0; DOWNLOAD=0
-value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none
+GIVEN=" "
+value() {   # value OPTION NEXT-ARG: the option's value, or exit 2 when there is none or the option came before
     if [ -z "${2:-}" ] || [[ "$2" == --* ]]; then
         echo "reproduce.sh: $1 needs a value (see bash reproduce.sh --help)" >&2; exit 2
     fi
+    if [[ "$GIVEN" == *" $1 "* ]]; then
+        echo "reproduce.sh: $1 is given twice; give each flag once" >&2; exit 2
+    fi
+    GIVEN="$GIVEN$1 "
 }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -135,6 +140,13 @@ if [ "$ONLY" = mult-ladder ] && [ "$QUICK" = 1 ]; then
     echo "reproduce.sh: --only mult-ladder is the paper preset's (a GPU's); leave out --quick" >&2; exit 2
 fi
 [[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
+for s in $SEEDS; do     # torch's CPU generator keeps 32 bits: a seed is 0 .. 2^32 - 1, as train.py checks it
+    [ ${#s} -le 10 ] && [ "$((10#$s))" -le 4294967295 ] || {
+        echo "reproduce.sh: --seeds: ${s:0:40} is not a seed in 0 .. 4294967295" >&2; exit 2; }
+done
+for f in "$RUNS" "$RESULTS"; do
+    [ -n "$f" ] && [ -e "$f" ] && [ ! -d "$f" ] && { echo "reproduce.sh: $f is a file; --runs and --results take a folder" >&2; exit 2; }
+done
 DUP=$(printf '%s\n' $SEEDS | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -n "$DUP" ] && { echo "reproduce.sh: --seeds lists seed $DUP twice (two runs would share one folder)" >&2; exit 2; }
 PY="${PYTHON:-python}"

@@ -7184,11 +7184,21 @@ def test_reproduce_help_and_dry_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds():
+def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds(tmp_path):
+    """reproduce.sh and `python -m reporting.plan` check their flags as train.py does: a value, each flag once, a seed
+    in 0 .. 2^32 - 1 once, a folder where a folder is meant; each refusal one line, exit 2, nothing started."""
     r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
     assert r.returncode == 2 and "--only needs a value" in r.stderr
-    r = _reproduce("--quick", "--seeds", "0 0", "--dry-run")
-    assert r.returncode == 2 and "seed 0 twice" in r.stderr
+    (tmp_path / "file").write_text("x")
+    for argv, words in ((["--seeds", "0 0"], "seed 0 twice"), (["--seeds", "0", "--seeds", "1"], "--seeds is given twice"),
+                        (["--seeds", "99999999999"], "99999999999 is not a seed in 0 .. 4294967295"),
+                        (["--runs", str(tmp_path / "file")], "is a file; --runs and --results take a folder")):
+        r = _reproduce("--quick", "--dry-run", *argv)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+    for argv, words in ((["--seeds", "-1"], "'-1' is not an integer in 0..4294967295"),
+                        (["--seeds", "0", "--seeds", "1"], "--seeds is given twice"), (["--seeds", "1 1"], "distinct")):
+        r = subprocess.run([sys.executable, "-m", "reporting.plan", *argv], cwd=HERE, capture_output=True, text=True)
+        assert r.returncode == 2 and words in r.stderr and r.stdout == "", (argv, r.stderr)
 
 
 @pytest.mark.slow

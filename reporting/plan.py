@@ -488,8 +488,26 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
     return "\n".join(lines)
 
 
+class _Once(argparse.Action):
+    """A flag's value, refused when the flag is given twice (the last would win in silence)."""
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in getattr(namespace, "_given", set()):
+            parser.error(f"{option_string} is given twice; give each flag once")
+        namespace._given = getattr(namespace, "_given", set()) | {option_string}
+        setattr(namespace, self.dest, values)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts (tasks.parse_count)."""
+    seeds = [T.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise T.TaskError(f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {T.cut(text)}")
+    return seeds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.register("action", None, _Once)                # every flag below: given once
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=TABLES)
     p.add_argument("--seeds", default="0 1 2")
@@ -499,10 +517,10 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="the plan as reproduce.sh reads it: its text, each line led by "
                    "'# ', then the runs, one a line")
     a = p.parse_args(argv)
-    plan = run_list(a.quick, a.only, [int(s) for s in a.seeds.split()], a.data, a.runs)
     try:
+        plan = run_list(a.quick, a.only, parse_seeds(a.seeds), a.data, a.runs)
         step_times()
-    except RF.ReadError as e:                       # one line, exit 2: reproduce.sh passes it on and starts nothing
+    except (RF.UsageError, RF.ReadError) as e:      # one line, exit 2: reproduce.sh passes it on and starts nothing
         print(f"reporting.plan: {e}", file=sys.stderr)
         return 2
     if a.list:
