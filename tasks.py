@@ -36,7 +36,6 @@ import re
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator, Sequence
@@ -314,62 +313,6 @@ class Task:
             self._perm = torch.randperm(self.n_train, generator=g).to(self.device)
             self._perm_epoch = epoch
         return self._perm[i * batch_size:(i + 1) * batch_size]
-
-
-@dataclass
-class Probe:
-    """What every log step of a run measures: the task's metrics, and the prior per layer (attention mass on the
-    prior's pattern and content margin on a fixed real batch `inputs`, drift of M and Wq Wk^T since `snapshot`, the
-    start). When the pattern constrains no query row there is no mass to measure: `no_mass` says why. `autocast`
-    makes the context the model runs in (train.py's --amp)."""
-    task: Task
-    pattern: torch.Tensor
-    inputs: torch.Tensor
-    snapshot: list
-    eval_points: int
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-
-    def __post_init__(self):
-        causal = self.task.arch().get("causal", False)
-        self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
-            f"the prior's pattern of {self.task.name} constrains no query row at this size (every row allows every "
-            f"key it can see), so there is no prior mass to measure")
-
-    def line(self, rec: dict) -> str:
-        """A log record as the progress line shows it: the task's headline metrics and the prior's mean mass."""
-        m, mass = rec["metrics"], rec["prior_mass_mean"]
-        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE if k in m]
-        return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
-
-    def say_final_size(self, model) -> None:
-        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
-        2^20 points), time one sample now and say its size and an estimate when it passes 10 s."""
-        size = self.task.test_size()
-        if not size or size < 10 * self.eval_points:
-            return
-        started = time.perf_counter()
-        self.task.evaluate(model, points=self.eval_points)
-        seconds = size / self.eval_points * (time.perf_counter() - started)
-        if seconds > 10:
-            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
-
-    def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
-        """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_* metrics). Log
-        steps of a Boolean or arithmetic task use `eval_points` cube points or test pairs; the final measurement
-        always uses the whole test set."""
-        points = None if final else self.eval_points
-        model.eval()
-        with self.autocast():
-            if final:
-                self.say_final_size(model)
-            metrics = self.task.evaluate(model, points=points)
-            if ema is not None:
-                averaged = self.task.evaluate(ema.eval(), points=points)
-                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
-            mass, margin = mp.prior_probe(model, self.inputs, self.pattern) if self.no_mass is None else (None, None)
-        model.train()
-        return {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
-                "content_margin": margin, **mp.prior_drift(model, self.snapshot)}
 
 
 # ----------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
     eval_cap n > 0: both evaluations on n points (a check that they run, not their cost)."""
     config, task, model = built.config, built.task, built.model
     trained = torch.compile(model) if config.compile else model
-    probe = T.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size), mp.prior_snapshot(model),
+    probe = train.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size), mp.prior_snapshot(model),
                     eval_cap or config.eval_points, lambda: train.autocast(device, config))
 
     def step(i):
