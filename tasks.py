@@ -156,7 +156,7 @@ class Task:
         al.'s data, picks it here)."""
         return cls(**options)
 
-    def test_size(self) -> int | None:
+    def final_eval_size(self) -> int | None:
         """How many points the final evaluation scores where log steps score a sample of them (`--eval-points`), or
         None where every evaluation scores the whole test set; needs setup."""
         return None
@@ -667,7 +667,7 @@ class BooleanTask(Task):
     def token_labels(self) -> list:
         return ["CLS"] * (self.readout == "cls") + [f"x{i}" for i in range(self.n_bits)]
 
-    def test_size(self) -> int:
+    def final_eval_size(self) -> int:
         return len(self.x_test)
 
     def pattern_name(self, variant: str | None) -> str:
@@ -1149,7 +1149,7 @@ class ArithmeticTask(Task):
         return {"vocab_size": len(ARITH_VOCAB), "seq_len": self.length - 1, "n_outputs": len(ARITH_VOCAB),
                 "readout": "tokens", "causal": True}
 
-    def test_size(self) -> int:
+    def final_eval_size(self) -> int:
         return len(self.test_seq)
 
     def token_labels(self) -> list:

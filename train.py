@@ -745,8 +745,8 @@ class Probe:
     def say_final_size(self, model) -> None:
         """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
         2^20 points), time one sample now and say its size and an estimate when it passes 10 s."""
-        size = self.task.test_size()
-        if not size or size < 10 * self.eval_points:
+        size = self.task.final_eval_size()
+        if not size or not self.eval_points or size < 10 * self.eval_points:
             return
         started = time.perf_counter()
         self.task.evaluate(model, points=self.eval_points)
