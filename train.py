@@ -729,6 +729,7 @@ class Probe:
     snapshot: list
     eval_points: int
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    sample_seconds: list = field(default_factory=list)      # each log step's sampled evaluation, in order
 
     def __post_init__(self):
         causal = self.task.arch().get("causal", False)
@@ -744,13 +745,16 @@ class Probe:
 
     def say_final_size(self, model) -> None:
         """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
-        2^20 points), time one sample now and say its size and an estimate when it passes 10 s."""
+        2^20 points), say its size and an estimate when it passes 10 s. The estimate scales the last log step's
+        sample; only where no log step came after the first (whose one-time work inflates its time) is one timed."""
         size = self.task.final_eval_size()
         if not size or not self.eval_points or size < 10 * self.eval_points:
             return
-        started = time.perf_counter()
-        self.task.evaluate(model, points=self.eval_points)
-        seconds = size / self.eval_points * (time.perf_counter() - started)
+        if len(self.sample_seconds) < 2:
+            started = time.perf_counter()
+            self.task.evaluate(model, points=self.eval_points)
+            self.sample_seconds.append(time.perf_counter() - started)
+        seconds = size / self.eval_points * self.sample_seconds[-1]
         if seconds > 10:
             self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
 
@@ -763,7 +767,10 @@ class Probe:
         with self.autocast():
             if final:
                 self.say_final_size(model)
+            started = time.perf_counter()
             metrics = self.task.evaluate(model, points=points)
+            if not final:
+                self.sample_seconds.append(time.perf_counter() - started)
             if ema is not None:
                 averaged = self.task.evaluate(ema.eval(), points=points)
                 metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})

@@ -307,8 +307,8 @@ def flag_label(label: str) -> str:
 
 def figure_problems(fig) -> list[str]:
     """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a
-    panel with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles, labels, tick labels, legend entries) whose
-    boxes overlap (the renderer's extents, one pixel of slack)."""
+    panel with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles,
+    labels, tick labels, legend entries) whose boxes overlap (the renderer's extents, one pixel of slack)."""
     import numpy as np
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
