@@ -13,7 +13,8 @@ baselines write the same pattern into Wq, Wk instead (`init_qk_svd_`, `init_qk_o
 
 Models: `Transformer` (a token encoder with a CLS / mean / per-token readout, or with
 `causal=True` a decoder / language model; `generate` samples from it) and `ViT`, two
-embeddings on one `Trunk` of `Block`s.
+embeddings on one `Trunk` of `Block`s; `MODELS` maps each config class to its model
+(`build_model`), and a new family is one entry there.
 
 In another codebase's model, `add_mask_prior` gives every attention layer its own `MaskPrior`:
 nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
@@ -34,7 +35,7 @@ import math
 import numbers
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -973,10 +974,25 @@ class ViT(Trunk):
         return self.drop(x + self.pos_emb)
 
 
+MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}     # a model family: its config class -> its model
+
+
+def build_model(cfg: TrunkConfig) -> Trunk:
+    """The model of a config (an instance of one of MODELS' config classes), its weights as drawn."""
+    if type(cfg) not in MODELS:
+        raise TypeError(f"no model family takes a {type(cfg).__name__}; MODELS holds "
+                        f"{', '.join(c.__name__ for c in MODELS)}")
+    return MODELS[type(cfg)](cfg)
+
+
 def model_from_config(config: dict) -> Trunk:
-    """The model a saved config describes (`asdict` of a ViTConfig, which has a patch size, or of a TransformerConfig):
-    its weights as drawn; build it under `torch.device("meta")` to check a config against saved weights for free."""
-    return ViT(ViTConfig(**config)) if "patch_size" in config else Transformer(TransformerConfig(**config))
+    """The model a saved config (`asdict` of a MODELS config) describes: the one family whose config takes every
+    saved key. Build it under `torch.device("meta")` to check a config against saved weights for free."""
+    families = [c for c in MODELS if set(config) <= {f.name for f in fields(c)}]
+    if len(families) != 1:
+        raise ValueError(f"a saved config with keys {', '.join(sorted(config))} fits {len(families)} model families "
+                         f"({', '.join(c.__name__ for c in families) or 'none'}), not one")
+    return build_model(families[0](**config))
 
 
 def state_mismatch(config: dict, state: dict) -> str | None:

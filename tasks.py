@@ -161,6 +161,11 @@ class Task:
         None where every evaluation scores the whole test set; needs setup."""
         return None
 
+    def normal_options(self) -> dict:
+        """The options whose target has several spellings, in the one a run stores ({} here): the same target is one
+        configuration, so one row of a report."""
+        return {}
+
     def token_labels(self) -> list | None:
         """The names of the model's input positions (a Boolean task's bits, an arithmetic format's digits), for the
         ticks of M and attention maps; None where positions have no fixed meaning (images, text)."""
@@ -972,6 +977,13 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
     return terms
 
 
+def terms_text(terms: list) -> str:
+    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of more than one bit."""
+    spelt = (("m" if kind == "majority" and len(bits) > 1 else "") + ",".join(map(str, sorted(bits)))
+             for kind, bits in terms)
+    return ":".join(sorted(spelt, key=lambda t: ([int(b) for b in t.lstrip("m").split(",")], t)))
+
+
 def term_fn(kind: str, bits: tuple):
     return parity_fn(bits) if kind == "parity" else majority_fn(bits)
 
@@ -991,6 +1003,16 @@ class _CustomBoolean(BooleanTask):
             raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
         self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)), unseen,
                    train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
+        drawn = str(bits).startswith("random:")         # drawn bits come sorted: 'bits:J' names the same ones
+        self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
+                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:") else self._unseen_text()}
+
+    def _unseen_text(self) -> str:
+        return ",".join(map(str, sorted(self.unseen)))
+
+    def normal_options(self) -> dict:
+        """Bits and unseen bits sorted ('bits:J' as the bits it names, unless the bits are drawn)."""
+        return dict(self.normal)
 
     @staticmethod
     def _check_size(n_bits, train_size):
@@ -1043,8 +1065,10 @@ class KSum(_CustomBoolean):
                  readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
                  discover_alpha: float = 0.05, seed: int = 0):
         self._check_size(n_bits, train_size)
-        self._make(n_bits, parse_terms(terms, n_bits), str(terms), unseen, train_size, readout, discover_degree,
+        parsed = parse_terms(terms, n_bits)
+        self._make(n_bits, parsed, terms_text(parsed), unseen, train_size, readout, discover_degree,
                    discover_threshold, discover_alpha, seed)
+        self.normal = {"terms": terms_text(parsed), "unseen": self._unseen_text()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -1052,12 +1076,11 @@ class KSum(_CustomBoolean):
 # A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
 # most significant digit first, or reversed with answer_order="lsb"). The model reads the
 # sequence without its last token and predicts the next one; the loss and the metrics
-# count only the A answer digits.
+# count only the A answer digits. An operation is a subclass of ArithmeticTask: its symbol,
+# its answer, its answer's length and which operand digits its carry pattern holds strong.
 
 
-ARITH_VOCAB = "0123456789+*="
-
-ARITH_TOKENS = {ch: i for i, ch in enumerate(ARITH_VOCAB)}
+ARITH_VOCAB = "0123456789+*="        # an operation whose symbol is not here appends it to its own vocabulary
 
 UNIVERSE = 1000 * 1000          # ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
 
@@ -1066,8 +1089,8 @@ ARITH_TEST_SIZE = 10_000        # held-out pairs, or every pair not trained on w
 
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
-    """Addition (`op='+'`, d + 1 answer digits) or multiplication (`op='*'`, 2d) on d-digit operands
-    (`n_digits`, default 3).
+    """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands (`n_digits`,
+    default 3).
 
     `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint: 10,000
     pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
@@ -1089,7 +1112,8 @@ class ArithmeticTask(Task):
                                  schedule="cosine", warmup=100, steps=5000, log_every=500)},
     }
 
-    op: str
+    SYMBOL: ClassVar[str]               # the operation's token between the operands
+
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
@@ -1115,17 +1139,36 @@ class ArithmeticTask(Task):
         if self.answer_order not in ("msb", "lsb"):
             raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
         _check_alpha(self.discover_alpha)
-        self.n_answer = 2 * self.n_digits if self.op == "*" else self.n_digits + 1
+        self.n_answer = self.answer_digits(self.n_digits)
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
+
+    # ---- the operation (a subclass's)
+    @staticmethod
+    def answer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(B,) operands -> (B,) answers."""
+        raise NotImplementedError
+
+    @staticmethod
+    def answer_digits(d: int) -> int:
+        """Digits in the answer of two d-digit operands (zero-padded to this length)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def strong(j: int, k: int) -> bool:
+        """The carry pattern: whether an operand digit of significance j <= k is strong for answer digit c_k."""
+        raise NotImplementedError
+
+    @property
+    def vocab(self) -> str:
+        return ARITH_VOCAB if self.SYMBOL in ARITH_VOCAB else ARITH_VOCAB + self.SYMBOL
 
     # ---- encoding
     def encode(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """(B,) operands -> (B, length) token ids."""
-        c = a * b if self.op == "*" else a + b
-        d, A = self.n_digits, self.n_answer
-        cols = [(a // 10 ** (d - 1 - i)) % 10 for i in range(d)] + [np.full_like(a, ARITH_TOKENS[self.op])]
-        cols += [(b // 10 ** (d - 1 - i)) % 10 for i in range(d)] + [np.full_like(a, ARITH_TOKENS["="])]
+        c, (d, A) = self.answer(a, b), (self.n_digits, self.n_answer)
+        cols = [(a // 10 ** (d - 1 - i)) % 10 for i in range(d)] + [np.full_like(a, self.vocab.index(self.SYMBOL))]
+        cols += [(b // 10 ** (d - 1 - i)) % 10 for i in range(d)] + [np.full_like(a, self.vocab.index("="))]
         ans = [(c // 10 ** (A - 1 - i)) % 10 for i in range(A)]
         cols += ans if self.answer_order == "msb" else ans[::-1]
         return np.stack(cols, axis=1).astype(np.int64)
@@ -1146,7 +1189,7 @@ class ArithmeticTask(Task):
 
     # ---- model shape and pattern
     def arch(self) -> dict:
-        return {"vocab_size": len(ARITH_VOCAB), "seq_len": self.length - 1, "n_outputs": len(ARITH_VOCAB),
+        return {"vocab_size": len(self.vocab), "seq_len": self.length - 1, "n_outputs": len(self.vocab),
                 "readout": "tokens", "causal": True}
 
     def final_eval_size(self) -> int:
@@ -1154,9 +1197,9 @@ class ArithmeticTask(Task):
 
     def token_labels(self) -> list:
         """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the decoder's inputs."""
-        d, places = self.n_digits, range(self.n_digits - 1, -1, -1)
+        places = range(self.n_digits - 1, -1, -1)
         answer = [f"c{self.answer_significance(i)}" for i in range(self.n_answer)]
-        return ([f"a{p}" for p in places] + [self.op] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
+        return ([f"a{p}" for p in places] + [self.SYMBOL] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
 
     def _levels(self, variant: str) -> torch.Tensor:
         """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions.
@@ -1183,7 +1226,7 @@ class ArithmeticTask(Task):
                 elif variant == "aligned" and j in (k, k - 1):
                     lv[q, pos] = 2
                 elif variant == "carry" and j <= k:
-                    lv[q, pos] = 2 if (self.op == "*" or j >= k - 1) else 1
+                    lv[q, pos] = 2 if self.strong(j, k) else 1
         return lv
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -1225,7 +1268,7 @@ class ArithmeticTask(Task):
         if "selection" not in self._cache:
             d, base = self.n_digits, 10 ** self.n_digits
             a, b = self.train_idx // base, self.train_idx % base
-            c = a * b if self.op == "*" else a + b
+            c = self.answer(a, b)
             digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
             pairs = {(i, j): digit(a, i) * 10 + digit(b, j) for i in range(d) for j in range(d)}
             rng = np.random.default_rng([self.seed, 44])
@@ -1376,10 +1419,23 @@ class Addition(ArithmeticTask):
     # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps 250` as the
     # paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
+    SYMBOL = "+"
+
+    @staticmethod
+    def answer(a, b):
+        return a + b
+
+    @staticmethod
+    def answer_digits(d):
+        return d + 1
+
+    @staticmethod
+    def strong(j, k):
+        return j >= k - 1               # the aligned digits and the pair below, the carry's source
 
     def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
                  discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(op="+", data_frac=data_frac, answer_order=answer_order, n_digits=digits,
+        super().__init__(data_frac=data_frac, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
 
 
@@ -1419,10 +1475,23 @@ class Multiplication(ArithmeticTask):
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
+    SYMBOL = "*"
+
+    @staticmethod
+    def answer(a, b):
+        return a * b
+
+    @staticmethod
+    def answer_digits(d):
+        return 2 * d
+
+    @staticmethod
+    def strong(j, k):
+        return True                     # every digit of significance <= k enters a partial product of c_k
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
                  discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(op="*", data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
+        super().__init__(data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
                          n_digits=digits, discover_alpha=discover_alpha, seed=seed)
         self.heads = heads
 
@@ -1497,6 +1566,8 @@ class LeeMultiplication(ArithmeticTask):
     inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior fitted on fixed "
                  "positions cannot follow)")
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
+    SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k] for k in ("SYMBOL", "answer", "answer_digits",
+                                                                               "strong"))
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
                  discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
@@ -1509,7 +1580,7 @@ class LeeMultiplication(ArithmeticTask):
         if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
             raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
                             f"draws from the 10^4 pairs), got {lee_samples!r}")
-        super().__init__(op="*", data_frac=0.03, answer_order=answer_order, n_digits=digits,
+        super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
         self.heads, self.lee_samples = heads, lee_samples
         self.n_train, self.length = lee_samples, LEE_ROW[answer_order]

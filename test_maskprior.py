@@ -920,6 +920,20 @@ def test_transformer_and_vit_share_one_trunk():
     assert block.mlp[0].out_features == 24 and block.attn.prior.bias.shape == (2, 16, 16)
 
 
+
+def test_one_model_registry_builds_each_family_and_reads_its_saved_config():
+    """MODELS maps each config class to its model: `build_model` builds from a config, `model_from_config` from its
+    saved dict (the one family whose config takes every key; a dict that fits none, or a config class that is not
+    registered, is refused), so a new family is one entry."""
+    small = dict(n_layers=1, dim=16, n_heads=2, mlp_dim=16)
+    for cfg in (mp.TransformerConfig(**small), mp.ViTConfig(**small, image_size=8, patch_size=4)):
+        assert type(mp.build_model(cfg)) is mp.MODELS[type(cfg)]
+        assert type(mp.model_from_config(dataclasses.asdict(cfg))) is mp.MODELS[type(cfg)]
+    with pytest.raises(ValueError, match="fits 0 model families"):
+        mp.model_from_config({"vocab_size": 2, "patch_size": 4})
+    with pytest.raises(TypeError, match="no model family takes a TrunkConfig"):
+        mp.build_model(mp.TrunkConfig())
+
 @pytest.mark.parametrize("init", ["default", "mask"])
 def test_causal_lm_never_sees_the_future(init):
     """Changing tokens after position t leaves the outputs at positions <= t unchanged."""
@@ -3048,6 +3062,26 @@ def test_arithmetic_pattern_for_known_positions():
     lsb = T.make_task("addition", answer_order="lsb").pattern()
     assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
 
+
+def test_an_arithmetic_operation_is_one_subclass(monkeypatch):
+    """Adding an operation touches one place: a subclass with its symbol, its answer, the answer's length and which
+    operand digits its carry pattern holds strong; a symbol new to the vocabulary goes at the end of its own, so the
+    registered operations keep their token ids (and their checkpoints)."""
+    class Maximum(T.ArithmeticTask):
+        SYMBOL = "^"
+        answer, answer_digits = staticmethod(np.maximum), staticmethod(lambda d: d)
+        strong = staticmethod(lambda j, k: j == k)
+
+    monkeypatch.setitem(T.TASKS, "maximum", Maximum)
+    task = Maximum(data_frac=0.01).setup()
+    assert task.vocab == "0123456789+*=^" and task.arch()["vocab_size"] == 14
+    assert task.encode(np.array([123]), np.array([405])).tolist() == [[1, 2, 3, 13, 4, 0, 5, 12, 4, 0, 5]]
+    assert task.decode(task.encode(np.array([7]), np.array([30]))[0]) == (7, 30, 30)
+    logits = task.mask_logits("carry", 5.0, 5.0)            # row 8 predicts c1: a1, b1 strong; a0, b0 allowed
+    assert logits[8, [1, 5]].tolist() == [5.0, 5.0] and logits[8, [2, 6]].tolist() == [0.0, 0.0]
+    assert [T.make_task(n).vocab for n in ("addition", "multiplication")] == ["0123456789+*="] * 2
+    model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, dim=16, n_heads=2, mlp_dim=16))
+    assert model(task.train_seq[:4, :-1]).shape == (4, 10, 14)
 
 @pytest.mark.slow
 def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
@@ -7633,6 +7667,34 @@ def test_every_index_list_goes_through_one_parser(text, words):
     assert T._parse_bits(" 0, 1 ", "bits", 15) == (0, 1) and T._count("random:3", "random:", "bits", 15) == 3
     with pytest.raises(T.TaskError, match="given twice"):
         T.parse_terms("1:m1", 15)
+
+
+@pytest.mark.parametrize("task, options, stored", [
+    ("ksum", [{"terms": t} for t in ("0,1:2,3,4", " 0,1:2,3,4", "0,1:2,3,4,", "2,3,4:0,1", "4,3,2:1,0")],
+     {"terms": "0,1:2,3,4", "unseen": "0,1"}),
+    ("ksum", [{"terms": "m4,2,3:1,0"}, {"terms": "0,1:m2,3,4", "unseen": "1,0"}], {"terms": "0,1:m2,3,4", "unseen": "0,1"}),
+    ("ksum", [{"terms": "1:m2"}, {"terms": "m2:1"}], {"terms": "1:2", "unseen": "0,1"}),
+    ("ksum", [{"terms": "2,3:0,1", "unseen": "bits:2"}, {"terms": "0,1:2,3", "unseen": "3,2"}],
+     {"terms": "0,1:2,3", "unseen": "2,3"}),
+    ("kparity", [{"bits": "7,4,0", "unseen": "bits:2"}, {"bits": "0,4,7", "unseen": "7,4"}], {"bits": "0,4,7", "unseen": "4,7"}),
+    ("kparity", [{"bits": "random:3", "unseen": "bits:2"}], {"bits": "random:3", "unseen": "bits:2"}),
+])
+def test_one_target_is_one_spelling(task, options, stored):
+    """Every spelling of a target (terms in any order, bits in any order, spaces, a trailing comma, 'bits:J' for the
+    bits it names) is stored in one (`Task.normal_options`), so one target is one configuration and one report
+    row; drawn bits keep 'random:K' and 'bits:J' (the seed names them)."""
+    for given in options:
+        assert T.make_task(task, **given).normal_options() == stored, given
+
+
+def test_a_run_stores_the_one_spelling_and_says_so(tmp_path, capsys):
+    """train.py stores the task's one spelling in args.json (the resolved flags) and says so in one line."""
+    out = str(tmp_path / "r")
+    argv = ["--task", "ksum", "--terms", "3,2:1,0,", "--layers", "1", "--dim", "16", "--heads", "2", "--mlp-dim", "16",
+            "--steps", "1", "--log-every", "1", "--out", out]
+    assert train.main(argv) == 0
+    assert "stored as --terms 0,1:2,3 (the one spelling of this target)" in capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "args.json")))["terms"] == "0,1:2,3"
 
 
 @pytest.mark.parametrize("text, words", [

@@ -598,7 +598,7 @@ def model_config(config, task, device=torch.device("cpu")):
 def build_model(config, task, device):
     model_cfg = model_config(config, task, device)
     torch.manual_seed(config.seed)
-    model = mp.ViT(model_cfg) if isinstance(model_cfg, mp.ViTConfig) else mp.Transformer(model_cfg)
+    model = mp.build_model(model_cfg)
     return model.to(device), model_cfg
 
 
@@ -982,6 +982,11 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
                 folder.check_free()
             check_applies(config, explicit)
             task = task_for(config)
+            respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
+            if respelt and ckpt is None:                 # one target, one spelling: what the run stores
+                say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in respelt.items()) +
+                    " (the one spelling of this target)")
+                config, task = replace(config, **respelt), task_for(replace(config, **respelt))
             task.say = say                               # the task's word on its slow work (the exact MDI)
             validate(config, task, explicit)
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
