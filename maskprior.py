@@ -30,6 +30,7 @@ the retrofit into other libraries' models (`add_mask_prior` and what it needs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import numbers
@@ -42,25 +43,117 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------
-# Argument checks shared by the public functions: a switch is a real bool, a number that ends up in M is finite,
-# a prior starts from a pattern or from logits. Each refusal is one ValueError line: what, what is expected, what to do.
+# The public arguments, in one table as train.py's flags are: an argument's name means one thing wherever the
+# library takes it (ARGS), and `checked` checks every argument of a public function that the table names (None
+# passes where the function's default is None). Each refusal is one ValueError line: what, what is expected.
 
 
-def _check_bool(name: str, value, who: str, none_ok: bool = False) -> None:
-    """Refuse a switch that is not True or False (None too where `none_ok`): "no" or 1 would be taken as True."""
-    if isinstance(value, bool) or (none_ok and value is None):
-        return
-    want = "True, False or None" if none_ok else "True or False"
-    raise ValueError(f"{who}: {name} must be {want}, got {value!r} ({type(value).__name__}); pass a bool "
-                     f"(a string or number would be read as True or False by its truth value)")
+@dataclass(frozen=True)
+class Arg:
+    """What a public argument of this name must be: `kind` bool, int, real (finite), pattern (a bool tensor that
+    allows a pair), logits (a finite float tensor), maps (finite probabilities that attend somewhere), indices (a
+    list or 1-D tensor of positions) or offsets ((dr, dc) pairs of ints); ints and reals at least `least` (above it
+    where `above`)."""
+    kind: str
+    least: float | None = None
+    above: bool = False
 
 
-def _check_finite(name: str, value, who: str) -> None:
-    """Refuse a number that is not a finite real (nan, +-inf, a string, a bool): M is a finite matrix."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        return
-    raise ValueError(f"{who}: {name} must be a finite number, got {value!r}; M and log sigmoid(M) are finite only "
-                     f"from finite numbers: give a float such as {name}=5.0")
+ARGS = {
+    **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal", "keys", "per_head",
+                                "prefix", "cross_attention", "flex")},
+    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel", "top_k")},
+    **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
+    **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
+    "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
+    "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"), "readout": Arg("indices"),
+    "offsets": Arg("offsets"),
+}
+
+
+def checked(fn):
+    """Decorator: check each argument of `fn` that ARGS names (`check_arg`) before `fn` runs."""
+    sig, who = inspect.signature(fn), fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
+    names = {k: p.default is None for k, p in sig.parameters.items() if k in ARGS}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for name, value in sig.bind(*args, **kwargs).arguments.items():
+            if name in names and not (value is None and names[name]):
+                check_arg(name, value, who)
+        return fn(*args, **kwargs)
+    call.checked = tuple(names)
+    return call
+
+
+def check_arg(name: str, value, who: str) -> None:
+    """Refuse `value` for the argument `name` unless it is what ARGS says, in one ValueError line."""
+    arg = ARGS[name]
+    if arg.kind == "bool":
+        return _check_bool(name, value, who)
+    if arg.kind in ("int", "real"):
+        number = numbers.Integral if arg.kind == "int" else numbers.Real
+        bound = "" if arg.least is None else f" {'>' if arg.above else '>='} {arg.least:g}"
+        if not isinstance(value, number) or isinstance(value, bool) or not math.isfinite(value) or (
+                arg.least is not None and (value <= arg.least if arg.above else value < arg.least)):
+            what = "an integer" if arg.kind == "int" else "a finite number"
+            raise ValueError(f"{who}: {name} must be {what}{bound}, got {value!r}" + (
+                "" if arg.kind == "int" else f"; give a float such as {name}=5.0"))
+        return None
+    return _TENSOR_CHECKS[arg.kind](name, value, who)
+
+
+def _check_tensor(name: str, value, who: str, floating: bool) -> None:
+    """A tensor of (..., N, N) (bool, or floating and finite where `floating`)."""
+    kind = "a float" if floating else "a bool"
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() != floating or value.dtype == torch.bool \
+            and floating or value.dim() < 2:
+        what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+            type(value).__name__
+        raise ValueError(f"{who}: {name} must be {kind} tensor (..., N, N), got {what}" + (
+            "" if floating else "; for real-valued M give logits= instead"))
+    if floating and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{who}: {name} hold non-finite values (nan or inf); M is finite only from finite numbers")
+
+
+def _check_pattern_arg(name: str, value, who: str) -> None:
+    _check_tensor(name, value, who, floating=False)
+    if not bool(value.any()):
+        raise ValueError(f"{who}: {name} of shape {tuple(value.shape)} allows no pair: a prior from it is no prior")
+
+
+def _check_maps_arg(name: str, value, who: str) -> None:
+    _check_maps(value, who)
+    if bool((value < 0).any()) or not bool((value.sum(-1) > 0).all()):
+        raise ValueError(f"{who}: attention maps are probabilities: each row >= 0 and attending somewhere, got "
+                         f"{'negative values' if bool((value < 0).any()) else 'a row of zeros'}")
+
+
+def _check_indices(name: str, value, who: str) -> None:
+    ok = isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point() and \
+        value.dtype != torch.bool or isinstance(value, (list, tuple, range)) and \
+        all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value)
+    if not ok or len(value) == 0 or min(int(i) for i in value) < 0:
+        raise ValueError(f"{who}: {name} must be a non-empty list (or 1-D integer tensor) of positions >= 0, got "
+                         f"{value!r}"[:240])
+
+
+def _check_offsets(name: str, value, who: str) -> None:
+    pairs = list(value) if isinstance(value, (list, tuple)) else None
+    if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in p) for p in pairs):
+        raise ValueError(f"{who}: {name} must be a non-empty list of (dr, dc) pairs of integers, got {value!r}"[:240])
+
+
+_TENSOR_CHECKS = {"pattern": _check_pattern_arg, "logits": lambda n, v, w: _check_tensor(n, v, w, floating=True),
+                  "maps": _check_maps_arg, "indices": _check_indices, "offsets": _check_offsets}
+
+
+def _check_bool(name: str, value, who: str) -> None:
+    """Refuse a switch that is not True or False: "no" or 1 would be taken as True."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{who}: {name} must be True or False, got {value!r} ({type(value).__name__}); pass a bool "
+                         f"(a string or number would be read as True or False by its truth value)")
 
 
 def _pattern_or_logits(pattern, logits, who: str) -> None:
@@ -75,11 +168,10 @@ def _pattern_or_logits(pattern, logits, who: str) -> None:
 # Row i lists the keys that query i is allowed to attend to.
 
 
+@checked
 def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool = True) -> torch.Tensor:
     """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal.
     A pair outside 0 .. N-1 is an error (a negative index would wrap around to the end)."""
-    _check_bool("symmetric", symmetric, "pattern_from_pairs")
-    _check_bool("self_loops", self_loops, "pattern_from_pairs")
     p = torch.zeros(n, n, dtype=torch.bool)
     for i, j in pairs:
         if not (0 <= i < n and 0 <= j < n):
@@ -92,9 +184,9 @@ def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool 
     return p
 
 
+@checked
 def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
     """(N, N) bool pattern, True where |i - j| <= width (distance taken mod N if circulant)."""
-    _check_bool("circulant", circulant, "banded_pattern")
     i = torch.arange(n)
     d = (i[:, None] - i[None, :]).abs()
     if circulant:
@@ -102,6 +194,7 @@ def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
     return d <= width
 
 
+@checked
 def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False pattern."""
     out = torch.zeros(*pattern.shape[:-2], n, n, dtype=torch.bool)
@@ -110,6 +203,7 @@ def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     return out
 
 
+@checked
 def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
     """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
 
@@ -117,8 +211,11 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
     falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
     `prefix_all` they attend to, and are attended by, every token.
     """
-    _check_bool("prefix_all", prefix_all, "impulse_pattern")
     n = n_prefix + grid_h * grid_w
+    for dr, dc in offsets:
+        if abs(dr) >= grid_h or abs(dc) >= grid_w:
+            raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x {grid_w} grid from every "
+                             f"patch (each would fall back to itself): give offsets inside the grid")
     pats = []
     for dr, dc in offsets:
         p = torch.zeros(n, n, dtype=torch.bool)
@@ -152,6 +249,7 @@ def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
     return out
 
 
+@checked
 def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix: int = 0) -> torch.Tensor:
     """(H, N, N) bool: every head may see the kernel x kernel window of patches around the query (a
     local attention shared by all heads); prefix tokens see and are seen by every token."""
@@ -160,14 +258,13 @@ def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix
     return _with_prefix(local.expand(n_heads, -1, -1).clone(), n_prefix, True)
 
 
+@checked
 def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
                        n_prefix: int = 0) -> torch.Tensor:
     """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
     initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
     -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
     [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
-    for name, value in (("alpha", alpha), ("m_on", m_on), ("m_off", m_off)):
-        _check_finite(name, value, "soft_offset_logits")
     d = _grid_displacements(grid_h, grid_w)
     off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
     sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
@@ -179,12 +276,14 @@ def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: fl
 IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)]
 
 
+@checked
 def random_impulse_offsets(n_heads: int, kernel: int = 3, generator: torch.Generator | None = None):
     """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
     idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
     return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
 
 
+@checked
 def causal_pattern(n: int) -> torch.Tensor:
     """(N, N) bool, True where key j <= query i."""
     return torch.ones(n, n, dtype=torch.bool).tril()
@@ -195,11 +294,13 @@ def future_keys(t: int, device=None) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
 
+@checked
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """(H,) ALiBi slopes 2^(-8 h / H), h = 1..H."""
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
 
 
+@checked
 def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
     """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
 
@@ -207,7 +308,6 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
     and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
     -self_logit; the hard causal mask removes them anyway.
     """
-    _check_finite("self_logit", self_logit, "causal_distance_logits")
     i = torch.arange(n)
     d = (i[:, None] - i[None, :]).float()
     p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
@@ -232,11 +332,9 @@ def check_pattern(pattern) -> None:
                          f"logits= instead")
 
 
+@checked
 def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
-    check_pattern(pattern)
-    _check_finite("m_on", m_on, "mask_logits_from_pattern")
-    _check_finite("m_off", m_off, "mask_logits_from_pattern")
     return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
 
 
@@ -245,6 +343,7 @@ def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(mask_logits)
 
 
+@checked
 def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: torch.Tensor) -> torch.Tensor:
     """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
 
@@ -293,6 +392,7 @@ class MaskPrior(nn.Module):
     `prior_parameter_names`), or the decay erases the prior.
     """
 
+    @checked
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = M_ON,
                  m_off: float = M_OFF, causal: bool = False, logits: torch.Tensor | None = None,
                  param: str | None = None, n_keys: int | None = None, prefix: bool = False):
@@ -300,16 +400,7 @@ class MaskPrior(nn.Module):
         if param not in (None, "full", "relative"):
             raise ValueError(f"MaskPrior param must be 'full', 'relative' or None (relative where the prior depends "
                              f"on i - j alone), got {param!r}")
-        _check_bool("causal", causal, "MaskPrior")
-        _check_bool("prefix", prefix, "MaskPrior")
-        _check_finite("m_on", m_on, "MaskPrior")
-        _check_finite("m_off", m_off, "MaskPrior")
         _pattern_or_logits(pattern, logits, "MaskPrior")
-        if pattern is not None:
-            check_pattern(pattern)
-        for what, v in (("n", n), ("heads", heads), ("n_keys", 1 if n_keys is None else n_keys)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MaskPrior {what} must be an integer >= 1, got {v!r}")
         src = logits if logits is not None else pattern
         if param is None:       # a causal distance prior is stored by distance; anything else (a layout) by pair
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
@@ -326,6 +417,7 @@ class MaskPrior(nn.Module):
         # holding "bias", timm's ".bias", minGPT's): decay would pull M to 0 and erase the prior. float32 whatever the
         # default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
+        self.unset = False                    # to_empty gave M memory but no values: set or load it first
         if pattern is not None and causal:
             _check_past_only(pattern, f"{self.where}: the pattern allows", "give pattern & mp.causal_pattern(n)")
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
@@ -345,7 +437,10 @@ class MaskPrior(nn.Module):
             if out.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16) and t.dtype == torch.float32:
                 return t.to(out.device)
             return out
-        return super()._apply(keep_float32, *args, **kwargs)
+        was_meta = self.bias.is_meta
+        out = super()._apply(keep_float32, *args, **kwargs)
+        self.unset = self.unset or (was_meta and not self.bias.is_meta)     # to_empty: memory, no values
+        return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the outputs would be nan)."""
@@ -354,6 +449,7 @@ class MaskPrior(nn.Module):
             raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
                              f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is no prior")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.unset = self.unset and prefix + "bias" not in state_dict
 
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a float64 M."""
@@ -384,6 +480,7 @@ class MaskPrior(nn.Module):
                              "logits.tril(), or logits built with causal=True)")
         if self.param == "full":
             self.bias.copy_(full)
+            self.unset = False
             return
         idx = self._index(self._square()).expand(self.heads, -1, -1)
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
@@ -394,6 +491,14 @@ class MaskPrior(nn.Module):
             raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, but these logits "
                              "differ along a diagonal; use param='full' for them")
         self.bias.copy_(table)
+        self.unset = False
+
+    def check_set(self) -> None:
+        """Refuse to serve an M that `to_empty` moved off the meta device and nothing set since: its memory is
+        uninitialised."""
+        if self.unset:
+            raise ValueError(f"{self.where}: M was built on the meta device and holds no values yet (to_empty leaves "
+                             f"memory uninitialised): set it (init_mask_, set_logits) or load a state dict first")
 
     def full_logits(self) -> torch.Tensor:
         """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal one are
@@ -434,6 +539,9 @@ class MaskPrior(nn.Module):
                 start: int | None = None) -> torch.Tensor:
         t = self.n if t is None else t
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
+        if not (isinstance(t, int) and isinstance(s, int) and t >= 1 and s >= 1):
+            raise ValueError(f"{self.where}: a prior serves t >= 1 queries and k_len >= 1 keys, got {t!r} and {s!r}")
+        self.check_set()
         r = self._rows(t, s, start)
         # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
         c = s if self.param == "relative" else min(s, self.n_keys)
@@ -463,6 +571,7 @@ class MaskPrior(nn.Module):
         kernel, forward and backward), torch's reference implementation elsewhere."""
         t = q.shape[-2]
         self._rows(t, t)
+        self.check_set()
         if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.bias.requires_grad):
             raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
                              f"or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
@@ -540,6 +649,7 @@ def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
                          f"never sees: {way}")
 
 
+@checked
 def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
     """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and below the diagonal when
     `causal`): what a relative prior (`param="relative"`) holds exactly."""
@@ -680,6 +790,7 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
     (B, H, T, d), a causal prior's future hidden. On the CPU through `_FusedPrior` (the fused kernel, M's gradient
     apart); elsewhere, or per example (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
+    prior.check_set()
     if q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None and \
             q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype:
         return _FusedPrior.apply(q, k, v, prior.bias, prior)
@@ -1025,6 +1136,7 @@ def _vit_init(m: nn.Module):
 
 
 @torch.no_grad()
+@checked
 def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None, cache: bool = True) -> torch.Tensor:
     """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens'. temperature 0 =
@@ -1072,6 +1184,7 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = 
 
 
 @torch.no_grad()
+@checked
 def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
                logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
@@ -1085,8 +1198,8 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
     (`param_groups`), or the decay pulls it to 0 and erases the prior.
     """
     _pattern_or_logits(pattern, logits, "init_mask_")
-    _check_finite("m_on", m_on, "init_mask_")
-    _check_finite("m_off", m_off, "init_mask_")
+    if logits is None:
+        check_pattern(pattern)
     src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
@@ -1122,22 +1235,22 @@ def _set_qk_(attn: Attention, wq: torch.Tensor, wk: torch.Tensor):
         attn.qkv.bias[:2 * inner].zero_()
 
 
-def qk_weights(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_weights(layer: Attention) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, dim, head_dim) query and key maps of one attention layer."""
-    h, r = attn.n_heads, attn.head_dim
-    w = attn.qkv.weight
+    h, r = layer.n_heads, layer.head_dim
+    w = layer.qkv.weight
     wq = w[:h * r].reshape(h, r, -1).transpose(1, 2)
     wk = w[h * r:2 * h * r].reshape(h, r, -1).transpose(1, 2)
     return wq, wk
 
 
 @torch.no_grad()
-def pseudo_attention(attn: Attention, pseudo: torch.Tensor) -> torch.Tensor:
+def pseudo_attention(layer: Attention, pseudo: torch.Tensor) -> torch.Tensor:
     """(H, N, N) attention of the pseudo input (N, dim) through one layer's Wq, Wk (no mask)."""
-    wq, wk = qk_weights(attn)
+    wq, wk = qk_weights(layer)
     q = torch.einsum("nd,hdr->hnr", pseudo, wq)
     k = torch.einsum("nd,hdr->hnr", pseudo, wk)
-    return (q @ k.transpose(1, 2) * attn.head_dim ** -0.5).softmax(-1)
+    return (q @ k.transpose(1, 2) * layer.head_dim ** -0.5).softmax(-1)
 
 
 def _trunc_normal(shape, std: float, bound: float, generator=None) -> torch.Tensor:
@@ -1158,6 +1271,7 @@ def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+@checked
 def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0, noise: float = 3.0,
                  factor_norm: float = 7.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None) -> dict:
@@ -1197,6 +1311,7 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     return {"pseudo_mass": masses}
 
 
+@checked
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
                  norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None, log=None, log_seconds: float = 10.0) -> dict:
@@ -1303,6 +1418,7 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
 # Optimiser parameter groups
 
 
+@checked
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or
     more dimensions: Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases,
@@ -1346,23 +1462,23 @@ def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor |
     return mass.mean()
 
 
+@checked
 def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an
     (H, N, N) one. A row is free when it allows every key the query can see (all keys, or keys
     j <= i when causal); free rows carry no prior and are left out of the mass."""
-    _check_bool("causal", causal, "prior_rows")
     n = pattern.shape[-1]
     visible = causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
     return ~(pattern.cpu() == visible).all(-1)
 
 
+@checked
 def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None = None,
                  causal: bool = False) -> float:
     """One layer's content margin (see `content_margin`) from its (B, H, T, T) attention map `a`:
     the layer's (H, T, T) `bias` log sigmoid(M) (None without a prior) is taken out of log a, then
     log-sum-exp over the visible keys off `pattern` minus over those on it, averaged over the
     constrained `rows`, heads and batch."""
-    _check_bool("causal", causal, "layer_margin")
     n = a.shape[-1]
     on = pattern.to(a.device)
     off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
@@ -1497,16 +1613,16 @@ def mean_attention(model: nn.Module, inputs) -> torch.Tensor:
     return attn
 
 
+@checked
 def visible_keys(n: int, causal: bool = False) -> torch.Tensor:
     """(N, N) bool: the keys each query row can see (every key, or j <= i when causal)."""
-    _check_bool("causal", causal, "visible_keys")
     return causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
 
 
+@checked
 def attention_ratio(attn: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """attn (..., N, N) probabilities -> the same shape: each probability over its row's uniform share,
     1 / (the keys the row sees), so 1.0 is uniform attention; 0 on keys a causal row cannot see."""
-    _check_bool("causal", causal, "attention_ratio")
     vis = visible_keys(attn.shape[-1], causal).to(attn.device)
     return attn.float() * vis.sum(-1, keepdim=True) * vis
 
@@ -1532,7 +1648,6 @@ def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
     """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N); checked
     (`_check_maps`) first."""
     _check_maps(attn, who)
-    _check_bool("per_head", per_head, who)
     if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attention maps are (..., N, N) with N queries and N keys, got shape {tuple(attn.shape)}")
     if per_head:
@@ -1542,6 +1657,7 @@ def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
     return attn.float().cpu().reshape(-1, *attn.shape[-2:]).mean(0)
 
 
+@checked
 def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False, keys: bool = False,
                            readout=None, per_head: bool = False) -> torch.Tensor:
     """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged
@@ -1555,13 +1671,11 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed (no row is
     empty), future keys never (causal). A pattern that names no pair beyond the self-loops (no share reaches
     `ratio`) is refused, naming the largest ratio present."""
-    _check_finite("ratio", ratio, "pattern_from_attention")
-    if not ratio > 0:
-        raise ValueError(f"ratio must be a finite number > 0 (a multiple of the uniform share), got {ratio}")
-    _check_bool("causal", causal, "pattern_from_attention")
-    _check_bool("keys", keys, "pattern_from_attention")
     r = attention_ratio(_over_layers(attn, per_head, "pattern_from_attention"), causal)
     n = r.shape[-1]
+    if readout is not None and max(int(i) for i in readout) >= n:
+        raise ValueError(f"pattern_from_attention: readout rows {list(map(int, readout))} reach past the maps' {n} "
+                         f"queries (rows 0 .. {n - 1})"[:240])
     vis, eye = visible_keys(n, causal).to(r.device), torch.eye(n, dtype=torch.bool, device=r.device)
     rows = torch.zeros(n, dtype=torch.bool, device=r.device)
     rows[list(range(n)) if readout is None else list(readout)] = True
@@ -1594,6 +1708,7 @@ def _names_pairs(pattern: torch.Tensor, given: torch.Tensor, ratio: float, large
                      f"a ratio of at most {reach:.4g}, or maps with structure")
 
 
+@checked
 def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
     """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an oracle's, over
     the rows the oracle constrains (per head where both are per head, else over the union of heads)."""
@@ -1609,6 +1724,7 @@ def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -
             "found_pairs": int(f.sum()), "oracle_pairs": int(o.sum())}
 
 
+@checked
 def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                           per_head: bool = True) -> torch.Tensor:
     """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over
@@ -1616,17 +1732,9 @@ def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float =
     = log(a_ij / max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each
     row's favourite key at about 0 and the others suppressed by their log ratio to it; keys a causal row
     cannot see get -m_off (the causal mask hides them). Returns (H, N, N) or (N, N)."""
-    _check_soft("logits_from_attention", m_on, m_off, causal)
     a = _over_layers(attn, per_head, "logits_from_attention").clamp_min(0)
     vis = visible_keys(a.shape[-1], causal).to(a.device)
     return _logit_of_share(a / a.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off).masked_fill(~vis, -float(m_off))
-
-
-def _check_soft(who: str, m_on, m_off, causal: bool = False) -> None:
-    """The arguments every soft prior from attention takes: finite m_on and m_off, a bool causal."""
-    _check_finite("m_on", m_on, who)
-    _check_finite("m_off", m_off, who)
-    _check_bool("causal", causal, who)
 
 
 def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
@@ -1635,6 +1743,7 @@ def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
     return (q.log() - (-q).log1p()).clamp(-m_off, m_on)
 
 
+@checked
 def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                             causal: bool = False) -> torch.Tensor:
     """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each
@@ -1642,7 +1751,6 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that
     depend on i - j alone, as a relative MaskPrior (`param="relative"`) holds them; a causal prior's future
     entries get -m_off (the causal mask hides them)."""
-    _check_soft("relative_from_attention", m_on, m_off, causal)
     a = _over_layers(attn, True, "relative_from_attention")
     h, n = a.shape[0], a.shape[-1]
     i = torch.arange(n, device=a.device)
@@ -1655,6 +1763,7 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     return m.masked_fill(~vis, -float(m_off))
 
 
+@checked
 def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0, m_on: float = M_ON,
                            m_off: float = M_OFF) -> torch.Tensor:
     """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to
@@ -1663,7 +1772,6 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     (CLS) attend and are attended at m_on.
     attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset prior
     (compare `soft_offset_logits`, whose bump is set by hand)."""
-    _check_soft("offsets_from_attention", m_on, m_off)
     a = _over_layers(attn, True, "offsets_from_attention")
     h, n, g = a.shape[0], a.shape[-1], grid_h * grid_w
     if n != n_prefix + g:
@@ -1934,18 +2042,6 @@ def _check_size(model: nn.Module, priors: dict[str, MaskPrior], src: torch.Tenso
                          f"layer was changed")
 
 
-def _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention) -> None:
-    """add_mask_prior's arguments, before any layer is looked at: one source, finite numbers, real switches."""
-    _pattern_or_logits(pattern, logits, "add_mask_prior")
-    _check_finite("m_on", m_on, "add_mask_prior")
-    _check_finite("m_off", m_off, "add_mask_prior")
-    _check_bool("causal", causal, "add_mask_prior", none_ok=True)
-    _check_bool("prefix", prefix, "add_mask_prior", none_ok=True)
-    _check_bool("cross_attention", cross_attention, "add_mask_prior")
-    if logits is None:
-        check_pattern(pattern)
-
-
 def _under_peft(model: nn.Module) -> bool:
     """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on the
     model get_peft_model was given), or PEFT's adapter layers among its modules."""
@@ -1969,6 +2065,7 @@ def _recorded_layers(model: nn.Module) -> dict:
     return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
 
 
+@checked
 def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
                    causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str | None = None,
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
@@ -1994,8 +2091,12 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it
     undecayed.
     """
-    _check_prior_args(pattern, logits, m_on, m_off, causal, prefix, cross_attention)
-    _check_bool("flex", flex, "add_mask_prior")
+    _pattern_or_logits(pattern, logits, "add_mask_prior")
+    if logits is None:
+        check_pattern(pattern)
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose layers take no hooks "
+                         f"and no new parameters: add the prior to the nn.Module, then script or trace it")
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")

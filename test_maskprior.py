@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import maskprior as mp
 import reporting.report as R
 import runfiles as RF
+from datafetch import write as W
 import tasks as T
 import train
 
@@ -76,7 +77,7 @@ def _write_text_corpus(folder, n_articles=24):
         paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
                  for _ in range(20)]
         arts.append((f"Story {i % 3}", paras))
-    return T.write_wikitext_layout(arts, str(folder), min_count=1)
+    return W.write_wikitext_layout(arts, str(folder), min_count=1)
 
 
 @pytest.fixture
@@ -121,7 +122,7 @@ def _tree(folder) -> dict | None:
 def image_dir(tmp_path):
     """A small CIFAR-10 python release (40 train, 8 test images) in a fresh folder."""
     x, y = _images(40), np.arange(40) % 10
-    T.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
+    W.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
     return str(tmp_path / "cifar")
 
 
@@ -395,28 +396,6 @@ def test_theorem_1_bound_holds_on_the_relative_table():
     per_distance = torch.stack([bound[:, d == k].sum(-1) for k in range(n)], -1)               # (H, n)
     g = prior.bias.grad
     assert g.abs().max() > 0 and bool((g.abs() <= per_distance + 1e-6).all())
-
-
-@pytest.mark.parametrize("call", ["MaskPrior", "init_mask_", "add_mask_prior", "mask_logits_from_pattern"])
-@pytest.mark.parametrize("pattern", ["float", "int", "a list"])
-def test_a_pattern_that_is_not_bool_is_refused(call, pattern):
-    """A pattern is a bool tensor: a float or int tensor (the allowed pairs as 1.0 / 1) or a list is refused in
-    one ValueError that says to give logits= for real values, by every entry point."""
-    p = mp.banded_pattern(6, 1)
-    p = {"float": p.float(), "int": p.long(), "a list": p.tolist()}[pattern]
-    with pytest.raises(ValueError, match="a pattern is a bool tensor .* give logits= instead"):
-        if call == "MaskPrior":
-            mp.MaskPrior(6, 2, p)
-        elif call == "init_mask_":
-            model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=6, readout="mean", n_layers=1,
-                                                        n_heads=2, dim=16, mlp_dim=16, learnable_mask=True))
-            mp.init_mask_(model, p)
-        elif call == "add_mask_prior":
-            enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
-                                        enable_nested_tensor=False)
-            mp.add_mask_prior(enc, torch.as_tensor(p) if pattern != "a list" else p)
-        else:
-            mp.mask_logits_from_pattern(p)
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: MaskPrior
@@ -919,6 +898,11 @@ def test_transformer_and_vit_share_one_trunk():
     block = mp.Block(cfg, mask_size=16, causal=False)
     assert block.mlp[0].out_features == 24 and block.attn.prior.bias.shape == (2, 16, 16)
 
+
+
+def test_the_inits_a_result_may_name_are_train_s_inits_in_order():
+    """runfiles.INITS (what a result.json's init may be, read by reports) is train.INITS' names in their order."""
+    assert tuple(train.INITS) == RF.INITS
 
 
 def test_one_model_registry_builds_each_family_and_reads_its_saved_config():
@@ -2172,42 +2156,6 @@ def test_mask_prior_and_init_mask_refuse_a_pattern_given_with_logits():
 # ---- 11: switches are bools
 
 _PAT, _MAP = mp.banded_pattern(8, 1), torch.rand(2, 8, 8).softmax(-1)
-SWITCHES = {   # a call with a switch that is not a bool -> the argument the refusal names
-    "add_mask_prior causal='no'": (lambda: mp.add_mask_prior(_encoder()[0], _PAT, causal="no"), "causal"),
-    "add_mask_prior causal=0": (lambda: mp.add_mask_prior(_encoder()[0], _PAT, causal=0), "causal"),
-    "add_mask_prior prefix='yes'": (lambda: mp.add_mask_prior(_encoder()[0], _PAT, prefix="yes"), "prefix"),
-    "add_mask_prior cross_attention=None": (lambda: mp.add_mask_prior(_encoder()[0], _PAT, cross_attention=None),
-                                            "cross_attention"),
-    "add_mask_prior cross_attention='False'": (lambda: mp.add_mask_prior(_encoder()[0], _PAT, cross_attention="False"),
-                                               "cross_attention"),
-    "MaskPrior causal='no'": (lambda: mp.MaskPrior(8, 2, _PAT, causal="no"), "causal"),
-    "MaskPrior causal=None": (lambda: mp.MaskPrior(8, 2, _PAT, causal=None), "causal"),
-    "MaskPrior prefix=1": (lambda: mp.MaskPrior(8, 2, _PAT, prefix=1), "prefix"),
-    "pattern_from_pairs symmetric='no'": (lambda: mp.pattern_from_pairs(4, [(0, 1)], symmetric="no"), "symmetric"),
-    "pattern_from_pairs self_loops=0": (lambda: mp.pattern_from_pairs(4, [(0, 1)], self_loops=0), "self_loops"),
-    "banded_pattern circulant='no'": (lambda: mp.banded_pattern(8, 1, circulant="no"), "circulant"),
-    "impulse_pattern prefix_all=1": (lambda: mp.impulse_pattern(2, 2, [(0, 1)], 1, prefix_all=1), "prefix_all"),
-    "pattern_from_attention causal='no'": (lambda: mp.pattern_from_attention(_MAP, 1.5, causal="no"), "causal"),
-    "pattern_from_attention keys='yes'": (lambda: mp.pattern_from_attention(_MAP, 1.5, keys="yes"), "keys"),
-    "pattern_from_attention per_head=None": (lambda: mp.pattern_from_attention(_MAP, 1.5, per_head=None), "per_head"),
-    "logits_from_attention causal='no'": (lambda: mp.logits_from_attention(_MAP, causal="no"), "causal"),
-    "logits_from_attention per_head=1": (lambda: mp.logits_from_attention(_MAP, per_head=1), "per_head"),
-    "relative_from_attention causal='no'": (lambda: mp.relative_from_attention(_MAP, causal="no"), "causal"),
-    "prior_rows causal='no'": (lambda: mp.prior_rows(_PAT, "no"), "causal"),
-    "visible_keys causal=1": (lambda: mp.visible_keys(8, 1), "causal"),
-    "attention_ratio causal='no'": (lambda: mp.attention_ratio(_MAP, "no"), "causal"),
-}
-
-
-@pytest.mark.parametrize("case", list(SWITCHES))
-def test_a_switch_that_is_not_a_bool_is_refused_in_one_line(case):
-    call, name = SWITCHES[case]
-    want = rf": {name} must be True(, False or None| or False), got .*; pass a bool"
-    with pytest.raises(ValueError, match=want) as err:
-        call()
-    _one_line(err)
-
-
 def test_add_mask_prior_still_takes_causal_and_prefix_none_as_the_layers_own():
     enc, priors = _encoder()
     assert all(p.causal is False and p.prefix is False for p in priors.values())
@@ -2360,31 +2308,134 @@ def test_mean_attention_refuses_maps_of_a_model_whose_attention_is_nan():
         mp.mean_attention(enc, torch.randn(2, 8, 32))
 
 
-NUMBERS = {   # a call with m_on / m_off (or a number that becomes M) that is not finite
-    "mask_logits_from_pattern m_on=nan": lambda v: mp.mask_logits_from_pattern(_PAT, m_on=v),
-    "MaskPrior m_off": lambda v: mp.MaskPrior(8, 2, _PAT, m_off=v),
-    "MaskPrior m_on with logits": lambda v: mp.MaskPrior(8, 2, logits=torch.zeros(8, 8), m_on=v),
-    "init_mask_ m_on": lambda v: mp.init_mask_(mp.Transformer(mp.TransformerConfig(
-        vocab_size=2, seq_len=8, readout="mean", learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16)),
-        _PAT, m_on=v),
-    "add_mask_prior m_off": lambda v: mp.add_mask_prior(_encoder()[0], _PAT, m_off=v),
-    "add_mask_prior m_on with logits": lambda v: mp.add_mask_prior(_encoder()[0], logits=torch.zeros(8, 8), m_on=v),
-    "logits_from_attention m_on": lambda v: mp.logits_from_attention(_MAP, m_on=v),
-    "relative_from_attention m_off": lambda v: mp.relative_from_attention(_MAP, m_off=v),
-    "offsets_from_attention m_on": lambda v: mp.offsets_from_attention(torch.rand(2, 5, 5).softmax(-1), 2, 2, 1,
-                                                                       m_on=v),
-    "soft_offset_logits m_off": lambda v: mp.soft_offset_logits(2, 2, [(0, 1)], 1.0, 5.0, v),
-    "soft_offset_logits alpha": lambda v: mp.soft_offset_logits(2, 2, [(0, 1)], v, 5.0, 5.0),
-    "pattern_from_attention ratio": lambda v: mp.pattern_from_attention(_MAP, v),
-    "causal_distance_logits self_logit": lambda v: mp.causal_distance_logits(8, 2, v),
+def _lm() -> mp.Transformer:
+    return mp.Transformer(mp.TransformerConfig(vocab_size=5, seq_len=8, readout="tokens", causal=True, n_outputs=5,
+                                               learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+
+
+_MODEL8 = lambda: mp.Transformer(mp.TransformerConfig(  # noqa: E731
+    vocab_size=2, seq_len=8, readout="mean", learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+def _source(kwargs: dict) -> dict:
+    """The arguments given, with the pattern _PAT where they name neither a pattern nor logits."""
+    return kwargs if {"pattern", "logits"} & set(kwargs) else {"pattern": _PAT, **kwargs}
+
+
+LIBRARY_CALLS = {   # each public function `mp.checked` checks, called well: the generated test changes one argument
+    "pattern_from_pairs": lambda **k: mp.pattern_from_pairs(**{"n": 4, "pairs": [(0, 1)], **k}),
+    "banded_pattern": lambda **k: mp.banded_pattern(**{"n": 8, "width": 1, **k}),
+    "embed_pattern": lambda **k: mp.embed_pattern(**{"pattern": _PAT, "offset": 1, "n": 9, **k}),
+    "impulse_pattern": lambda **k: mp.impulse_pattern(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)], "n_prefix": 1,
+                                                         **k}),
+    "window_pattern": lambda **k: mp.window_pattern(**{"grid_h": 3, "grid_w": 3, "kernel": 3, "n_heads": 2, **k}),
+    "soft_offset_logits": lambda **k: mp.soft_offset_logits(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)],
+                                                               "alpha": 1.0, "m_on": 5.0, "m_off": 5.0, **k}),
+    "random_impulse_offsets": lambda **k: mp.random_impulse_offsets(**{"n_heads": 3, **k}),
+    "causal_pattern": lambda **k: mp.causal_pattern(**{"n": 4, **k}),
+    "alibi_slopes": lambda **k: mp.alibi_slopes(**{"n_heads": 4, **k}),
+    "causal_distance_logits": lambda **k: mp.causal_distance_logits(**{"n": 8, "n_heads": 2, **k}),
+    "mask_logits_from_pattern": lambda **k: mp.mask_logits_from_pattern(**{"pattern": _PAT, **k}),
+    "MaskPrior": lambda **k: mp.MaskPrior(**_source({"n": 8, "heads": 2, **k})),
+    "init_mask_": lambda **k: mp.init_mask_(_MODEL8(), **_source(k)),
+    "param_groups": lambda **k: mp.param_groups(_MODEL8(), **{"weight_decay": 0.1, **k}),
+    "prior_rows": lambda **k: mp.prior_rows(**{"pattern": _PAT, **k}),
+    "layer_margin": lambda **k: mp.layer_margin(**{"a": _MAP[None], "pattern": _PAT, "rows": torch.ones(8, dtype=bool),
+                                                   **k}),
+    "visible_keys": lambda **k: mp.visible_keys(**{"n": 8, **k}),
+    "attention_ratio": lambda **k: mp.attention_ratio(**{"attn": _MAP, **k}),
+    "pattern_from_attention": lambda **k: mp.pattern_from_attention(**{"attn": _MAP, "ratio": 1.01, **k}),
+    "logits_from_attention": lambda **k: mp.logits_from_attention(**{"attn": _MAP, **k}),
+    "relative_from_attention": lambda **k: mp.relative_from_attention(**{"attn": _MAP, **k}),
+    "offsets_from_attention": lambda **k: mp.offsets_from_attention(**{"attn": torch.rand(2, 5, 5).softmax(-1),
+                                                                       "grid_h": 2, "grid_w": 2, "n_prefix": 1, **k}),
+    "add_mask_prior": lambda **k: mp.add_mask_prior(nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        16, 2, 16, batch_first=True), 1, enable_nested_tensor=False), **_source(k)),
+    "init_qk_svd_": lambda **k: mp.init_qk_svd_(_MODEL8(), **{"pattern": _PAT, **k}),
+    "init_qk_opt_": lambda **k: mp.init_qk_opt_(_MODEL8(), **{"pattern": _PAT, "steps": 2, **k}),
+    "depends_on_distance": lambda **k: mp.depends_on_distance(_PAT, **k),
+    "pattern_agreement": lambda **k: mp.pattern_agreement(_PAT, _PAT, **{"causal": False, **k}),
+    "mask_grad_bound": lambda **k: mp.mask_grad_bound(**{"attn": _MAP, "attn_grad": _MAP, "mask_logits": _MAP, **k}),
+    "generate": lambda **k: mp.generate(_lm(), **{"idx": torch.zeros(1, 2, dtype=torch.long), "n_new": 2, **k}),
+}
+BAD = {   # an argument's kind -> values it must refuse (ints and reals also just below their least)
+    "bool": ["no", 1, 0.0],
+    "int": [2.5, True, "3", float("nan")],
+    "real": [float("nan"), float("inf"), -float("inf"), "5", True],
+    "pattern": [torch.zeros(8, 8, dtype=torch.bool), torch.ones(8, 8), torch.ones(8, dtype=torch.bool), "all"],
+    "logits": [torch.ones(8, 8, dtype=torch.bool), torch.full((8, 8), float("nan")), torch.ones(8, 8, dtype=torch.long),
+               torch.zeros(8)],
+    "maps": [-_MAP, torch.zeros(2, 8, 8), torch.full((2, 8, 8), float("nan")), torch.ones(2, 8, 8, dtype=torch.long),
+             torch.empty(0, 8, 8)],
+    "indices": [[0.5], 0, [], [-1], torch.tensor([True, False]), [True]],
+    "offsets": [[], [(0,)], [(0.5, 0)], "ab", [(0, True)]],
 }
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), "5"], ids=["nan", "inf", "-inf", "str"])
-@pytest.mark.parametrize("case", list(NUMBERS))
-def test_a_non_finite_m_on_or_m_off_is_refused_wherever_it_is_taken(case, value):
-    with pytest.raises(ValueError, match=r": \w+ must be a finite number, got .*give a float such as") as err:
-        NUMBERS[case](value)
+def _bad_values(arg: mp.Arg) -> list:
+    below = [] if arg.least is None else [arg.least if arg.above else arg.least - 1]
+    return BAD[arg.kind] + [int(v) if arg.kind == "int" else float(v) for v in below]
+
+
+def _checked(fn: str) -> tuple:
+    target = getattr(mp, fn)
+    return (target.__init__ if isinstance(target, type) else target).checked
+
+
+LIBRARY_CASES = [(fn, name, i) for fn in LIBRARY_CALLS for name in _checked(fn)
+                 for i in range(len(_bad_values(mp.ARGS[name])))]
+
+
+def test_every_public_argument_the_table_names_is_checked_and_every_checked_function_has_a_call():
+    """By construction: every public function or class of maskprior.py that takes an argument ARGS names is
+    `mp.checked` (but `pattern_mass`, a measurement: nan maps give a nan mass, which training watches), and every
+    checked one has a good call above, so the generated test reaches each new one; each call as given runs."""
+    public = {n: (f.__init__ if isinstance(f, type) else f) for n, f in vars(mp).items()
+              if not n.startswith("_") and callable(f) and getattr(f, "__module__", "") == "maskprior"
+              and (not isinstance(f, type) or issubclass(f, nn.Module))}
+    takes = {n for n, f in public.items() if set(inspect.signature(f).parameters) & set(mp.ARGS)}
+    exempt = {"pattern_mass", "prior_probe", "prior_mass", "content_margin",     # measurements
+              "check_pattern", "Block", "Attention"}                             # the check; built from a checked config
+    assert {n for n in takes if not hasattr(public[n], "checked")} <= exempt
+    assert {n for n, f in public.items() if hasattr(f, "checked")} == set(LIBRARY_CALLS)
+    for fn, call in LIBRARY_CALLS.items():
+        call()
+
+
+def test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line():
+    """A model built on the meta device and moved with `to_empty` has memory but no values in M: its forward is one
+    line until init_mask_ or load_state_dict sets M (then it runs as the model it was loaded from); a TorchScript model
+    cannot take a prior (no hooks, no new parameters): one line saying to add it before scripting."""
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    x, saved = torch.zeros(1, 7, dtype=torch.long), mp.Transformer(cfg).eval()
+    for fused in (True, False):
+        for load in (True, False):
+            with torch.device("meta"):
+                model = mp.Transformer(dataclasses.replace(cfg, fused=fused))
+            model = model.to_empty(device="cpu").eval()
+            with pytest.raises(ValueError, match="M was built on the meta device and holds no values yet"):
+                model(x)
+            if load:
+                model.load_state_dict(saved.state_dict())
+                torch.testing.assert_close(model(x), saved(x))
+            else:               # M set; the other weights are still to_empty's memory (initialise them as you would)
+                mp.init_mask_(model, mp.banded_pattern(8, 1))
+                assert model(x).shape == (1, 1)
+    scripted = torch.jit.script(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
+                                                      enable_nested_tensor=False))
+    with pytest.raises(ValueError, match="is a TorchScript model.*add the prior to the nn.Module, then script") as err:
+        mp.add_mask_prior(scripted, _PAT)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("fn, name, i", LIBRARY_CASES, ids=[f"{f}-{n}-{i}" for f, n, i in LIBRARY_CASES])
+def test_the_library_refuses_each_bad_value_of_each_public_argument(fn, name, i):
+    """Generated from the table (`mp.ARGS`): each public argument of each checked function, given each bad value of
+    its kind (a switch that is not a bool, a number not finite or below its least, a pattern that allows nothing or
+    is not bool, logits that are bool or nan, maps that are negative or attend nowhere, readout rows that are not
+    positions, offsets that are not pairs), is one ValueError line naming the function."""
+    value = _bad_values(mp.ARGS[name])[i]
+    with pytest.raises(ValueError) as err:
+        LIBRARY_CALLS[fn](**{name: value})
+    assert str(err.value).startswith(f"{fn}: ") or fn in str(err.value), str(err.value)
     _one_line(err)
 
 
@@ -3360,6 +3411,8 @@ def test_malformed_and_missing_image_files(tmp_path):
     good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
     (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
     with pytest.raises(T.DataError, match="truncated, damaged or not a release pickle"):
+        T.read_cifar_pickle(str(py / "data_batch_1"))
+    with pytest.raises(T.DataError, match="data_batch_2 is missing"):  # the release's files checked before decoding
         T.read_cifar(str(tmp_path / "p"), "cifar10")
     _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
     with pytest.raises(T.DataError, match="2 images but 3 labels"):
@@ -3454,7 +3507,7 @@ _U8 = np.zeros((4, 3072), np.uint8)
 ])
 def test_broken_cifar_data_is_refused_before_anything_is_cached(tmp_path, capsys, data, labels, needle):
     x, y = _images(4), [1, 2, 3, 4]
-    T.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
+    W.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
     _py2_pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {b"data": data, b"labels": labels})
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--steps", "1", "--layers", "1",
                         "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8", "--batch-size", "4")
@@ -3480,7 +3533,7 @@ def test_broken_binary_labels_and_imagenet_batches_are_refused(tmp_path):
 
 def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
     x, y = _images(10), np.arange(10) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
     os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
     os.mkdir(tmp_path / "cifar-10-batches-py" / "data_batch_3")
     with pytest.raises(T.DataError, match="data_batch_3 is not a file"):
@@ -3503,7 +3556,7 @@ def test_a_dataset_file_that_would_run_code_runs_nothing(tmp_path, capsys, where
     evil = {b"data": _Touch(marker, how), b"labels": [1]}
     if where.startswith("cifar10 "):
         data = tmp_path / "data"
-        T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
+        W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
         target = data / "cifar-10-batches-py" / where.split()[1]
         target.write_bytes(pickle.dumps(evil if "test" in where else _Touch(marker, how), protocol=2))
         argv = ["--task", "cifar10", "--data-dir", data]
@@ -3595,7 +3648,7 @@ def test_damaged_copies_of_a_release_batch_are_one_data_error_each(tmp_path):
 
 def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_path, monkeypatch):
     x, y = _images(10), np.arange(10) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
     first = T.load_image_dataset("cifar10", str(tmp_path))
     cache = tmp_path / "maskprior-cache" / "cifar10-32.npz"
     assert cache.exists()
@@ -3605,7 +3658,7 @@ def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_pat
     assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
     # the batches replaced in place (other images, other labels): the cache is rebuilt, not trusted
     x2 = 255 - x
-    T.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
+    W.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
     for f in os.listdir(tmp_path / "new" / "cifar-10-batches-py"):
         shutil.copyfile(tmp_path / "new" / "cifar-10-batches-py" / f, tmp_path / "cifar-10-batches-py" / f)
     os.utime(tmp_path / "cifar-10-batches-py" / "test_batch", ns=(1, 1))      # even with an older mtime
@@ -3755,7 +3808,7 @@ def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
 
 def test_image_task_batches_mixup_and_cutmix(tmp_path):
     x, y = _images(40), np.arange(40) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
+    W.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
     for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
         task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
         xb, yb = task.train_batch(3, 16)
@@ -4271,7 +4324,7 @@ def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, c
     keeps the cache."""
     if corpus == "cifar10":
         x, y = _images(10), np.arange(10) % 10
-        T.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+        W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
         source = tmp_path / "cifar-10-batches-py" / "test_batch"
         load = lambda: T.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
     elif corpus == "wikitext2":
@@ -4358,7 +4411,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     d = tmp_path / "data"
     d.mkdir()
     if held == "cifar-10-batches-py":
-        T.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
+        W.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
     elif held == "cifar-10-batches-bin":
         (d / "cifar-10-batches-bin").mkdir()
         (d / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(bytes(3073))
@@ -4378,7 +4431,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     cifar = "cifar" in held or "batches" in held
     command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
     if cifar:
-        monkeypatch.setattr(T, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
+        monkeypatch.setattr(W, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
     assert train.main(command) == 2
     err = capsys.readouterr().err.strip()
     assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
@@ -4393,7 +4446,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
         if len(calls) == 3:
             raise KeyboardInterrupt
         real(path, data)
-    monkeypatch.setattr(T, "atomic_write", interrupted)
+    monkeypatch.setattr(W, "atomic_write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.main(["make-digits", str(fresh)] if cifar else ["make-wikitext", str(fresh), *map(str, texts)])
     assert len(calls) == 3 and os.listdir(fresh) == []
@@ -4414,10 +4467,10 @@ def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
 
 
 def test_wikitext_tokenize_and_layout(tmp_path):
-    assert T.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
+    assert W.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
         ["A", "well", "@-@", "known", "1", "@,@", "000", "@-@", "page", "book", ",", "3", "@.@", "5", "cm", "."]
     arts = [(f"Title {i}", ["the cat sat on the mat .", "the dog sat ."]) for i in range(12)]
-    out = T.write_wikitext_layout(arts, str(tmp_path))
+    out = W.write_wikitext_layout(arts, str(tmp_path))
     text = open(os.path.join(out, "wiki.train.tokens")).read()
     assert text.startswith(" \n = Title <unk> = \n \n the cat sat on the mat . \n \n")
     assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
@@ -5570,7 +5623,7 @@ def test_qk_inits_run(tmp_path, init):
 @pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
 def test_vision_run_every_init(tmp_path, init):
     x, y = _images(64), np.arange(64) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    W.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "2",
                         "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8",
                         "--batch-size", "16", *_qk_opt(init, 20), "--probe-size", "8")
@@ -5600,7 +5653,7 @@ SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points
 def _smoke_data(root: Path, task: str) -> list:
     """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
     if task == "cifar10":
-        T.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
+        W.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
     elif task == "cifar100":
         py = root / "cifar-100-python"
         py.mkdir(parents=True)
@@ -5665,7 +5718,7 @@ def test_cuda_training_run(tmp_path):
 def test_cuda_vision_run_bf16(tmp_path, init):
     """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
     x, y = _images(64), np.arange(64) % 10
-    T.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    W.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
                         "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
                         "--batch-size", "16", "--probe-size", "8")
@@ -6138,7 +6191,7 @@ def test_resume_on_other_data_is_refused_and_on_the_same_data_moved_goes_on(tmp_
     assert train.main([*common, "--data-dir", image_dir, "--out", out]) == 0
     other = tmp_path / "other"
     x = 255 - _images(40)
-    T.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
+    W.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
     before = _tree(out)
     capsys.readouterr()
     assert train.main(["--resume", "--out", out, "--data-dir", str(other)]) == 2
@@ -6447,8 +6500,8 @@ def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved
     the same set at another path is the same run again (result.json's data hash); a result.json without it (an
     earlier version's) is listed, not guessed from --data-dir."""
     x, y = _images(16), np.arange(16) % 10
-    T.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
-    T.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
+    W.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
+    W.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
     shutil.copytree(tmp_path / "one", tmp_path / "one-again")
     runs = tmp_path / "runs" / "vision"
     common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
@@ -6891,6 +6944,8 @@ def _report_case(tmp_path, case):
         _edit_json(res, lambda d: d.update(task="parity2 |\n## injected"))
     elif case == "an unknown kind":
         _edit_json(res, lambda d: d.update(kind="other"))
+    elif case == "an unknown init":
+        _edit_json(res, lambda d: d.update(init="qk-svd2"))
     elif case == "result.json a list":
         res.write_text("[]")
     elif case == "NaN metric":
@@ -6927,6 +6982,7 @@ def _report_case(tmp_path, case):
     ("seed a string", "result.json: seed is '0', not a seed in 0 .. 2^32 - 1)"),
     ("seed 10^30", "not a seed in 0 .. 2^32 - 1)"), ("a task name of markdown", "not a task name)"),
     ("an unknown kind", "not one of boolean, arithmetic, vision, lm)"),
+    ("an unknown init", "init is 'qk-svd2', not one of default, mask, qk-svd, qk-opt, mimetic, impulse, mask-impulse)"),
     ("result.json a list", "result.json holds a list, not the dict this program writes there)"),
     ("NaN metric", "result.json: metric acc is nan, not a finite number)"),
     ("precision NaN", "result.json: prior_source is {"),
@@ -6941,9 +6997,14 @@ def test_no_broken_run_breaks_a_report(tmp_path, capsys, case, listed):
     there, and the broken run either listed by name with what is wrong, or in its table (a bad log line is
     dropped like a cut one; a log that cannot be read leaves the run without curves)."""
     runs, out = _report_case(tmp_path, case)
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "mult2.md").write_text("an earlier report's table\n")
     with _deadline(120):
         assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
-    assert capsys.readouterr().err == ""
+    said = capsys.readouterr()
+    assert said.err == "" and said.out.endswith("not made by these runs, left as they were (an earlier report's, or "
+                                                "yours): mult2.md\n")
+    assert (tmp_path / "res" / "mult2.md").read_text() == "an earlier report's table\n"
     table = (tmp_path / "res" / "boolean.md").read_text()
     assert "| default | 0 | 75.00 (1 seed) |" in table
     assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
@@ -7100,7 +7161,7 @@ def _write_layout(data: Path, layout: str) -> str:
     the folder the task's --data-dir names."""
     if layout.startswith("cifar10 "):
         if layout == "cifar10 python":
-            T.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
+            W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
         else:
             (data / "cifar-10-batches-bin").mkdir(parents=True)
             for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
@@ -7138,6 +7199,40 @@ def _write_layout(data: Path, layout: str) -> str:
     make_tinystories(data if layout.endswith("V2") else data / "TinyStories",
                      "TinyStoriesV2-GPT4" if layout.endswith("V2") else "TinyStories")
     return str(data)
+
+
+DAMAGED = {   # a layout -> (a file or folder of it, what to do to it, what the skip says)
+    "cifar10 python": ("cifar-10-batches-py/data_batch_3", "empty", "is empty"),
+    "cifar10 binary": ("cifar-10-batches-bin/test_batch.bin", "cut", "not whole 3073-byte records"),
+    "cifar100 python": ("cifar-100-python/test", "text", "does not open as the release's files do"),
+    "cifar100 binary": ("cifar-100-binary/train.bin", "empty", "is empty"),
+    "imagenet100 downsampled": ("imagenet100/val_data", "empty", "is empty"),
+    "imagenet100 folder": ("imagenet100/val", "no images", "holds no image"),
+    "wikitext2 tokens": ("wikitext-2/wiki.test.tokens", "empty", "is empty"),
+    "tinystories V2": ("TinyStoriesV2-GPT4-valid.txt", "empty", "is empty"),
+}
+
+
+@pytest.mark.parametrize("layout", list(DAMAGED))
+def test_the_plan_counts_a_release_present_only_if_its_files_pass_the_header_check(tmp_path, layout):
+    """A release whose file is empty, cut short of whole records or not a pickle, or an ImageNet tree with a class
+    folder empty, is not counted as present: the plan skips its runs naming the file (`T.release_file`, the check
+    the readers make before decoding a byte), where the names alone would have counted it."""
+    import reporting.plan as P
+    task, table = layout.split()[0], T.TASKS[layout.split()[0]].KIND
+    folder = _write_layout(tmp_path / "data", layout)
+    path, damage, words = DAMAGED[layout]
+    path = tmp_path / "data" / path
+    if damage == "no images":
+        for f in path.glob("*/*"):
+            f.unlink()
+    else:
+        path.write_bytes({"empty": b"", "text": b"not a pickle", "cut": path.read_bytes()[:-7]}[damage])
+    skipped = dict(P.run_list(only=table, seeds=(0,), data=str(tmp_path / "data")).skipped[table])
+    why = next(reason for what, reason in skipped.items() if what.split()[0] == task)
+    assert words in why and str(path) in why, why
+    with pytest.raises(T.DataError, match=re.escape(words)):
+        T.TASKS[task].locate(folder)
 
 
 @pytest.mark.parametrize("layout", ["cifar10 python", "cifar10 binary", "cifar100 python", "cifar100 binary",
@@ -7193,11 +7288,11 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
     assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
     # @DATA and @RUNS filled in: the digits (--data) and the two corpora, teachers read from --runs
-    T.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
+    W.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
     for corpus in ("vimtext-a", "vimtext-b"):
         (tmp_path / "digits" / corpus / "wikitext-2").mkdir(parents=True)
         for split in ("train", "valid", "test"):                  # the whole layout the reader reads
-            (tmp_path / "digits" / corpus / "wikitext-2" / f"wiki.{split}.tokens").write_text("")
+            (tmp_path / "digits" / corpus / "wikitext-2" / f"wiki.{split}.tokens").write_text(" = A = \n a b \n")
     r = _reproduce("--only", "oraclefree", "--dry-run", "--seeds", "0", "--runs", str(runs), "--data",
                    str(tmp_path / "digits"))
     starts = [line for line in r.stdout.splitlines() if line.startswith("start")]
@@ -7291,8 +7386,7 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
     fake = _fake_python(tmp_path / "py", 'for a in "$@"; do echo "$a"; done >> "$ARGS_LOG"; echo ok')
     data = tmp_path / "my data &1"
-    (data / "cifar-10-batches-py").mkdir(parents=True)
-    (data / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
+    W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
     work = tmp_path / "elsewhere"
     work.mkdir()
     r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",

@@ -1676,8 +1676,9 @@ def main(argv=None) -> int:
         if flags.command == "show":
             return show(flags.run, flags.out or flags.run)
         if flags.command in ("make-digits", "make-wikitext"):      # the fixture writers
-            print(T.make_digits(flags.folder) if flags.command == "make-digits" else
-                  T.make_wikitext(flags.folder, flags.files))
+            from datafetch import write
+            print(write.make_digits(flags.folder) if flags.command == "make-digits" else
+                  write.make_wikitext(flags.folder, flags.files))
             return 0
         return run(flags, explicit)
     except UsageError as e:

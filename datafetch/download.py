@@ -13,7 +13,7 @@ Each file of a set (SOURCES) goes the same way:
    is deleted (a wrong whole file cannot be resumed into a right one);
 3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under the archive's
    one top folder, no absolute path or `..`, no links or devices, at most `max_unpacked` bytes in all; the set's
-   reader must then find it there (`Task.locate`) before the folder is renamed into place (tasks.write_new_dataset),
+   reader must then find it there (`Task.locate`) before the folder is renamed into place (datafetch.write.write_new_dataset),
    so DIR holds the set whole or not at all; the .part is deleted once the set is in.
 
 Every failure is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for a resumable .part.
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import runfiles as RF
 import tasks as T
+from datafetch.write import write_new_dataset
 
 try:
     import fcntl
@@ -286,7 +287,7 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
         task = T.TASKS.get(set_name)
         if task is not None:
             task.locate(tmp)                 # the reader finds the set where it will lie (DataError if not)
-    T.write_new_dataset(data_dir, f.target, write)
+    write_new_dataset(data_dir, f.target, write)
 
 
 def _members(archive: str, f: File):

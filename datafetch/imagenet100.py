@@ -7,7 +7,7 @@ The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid
 ImageNet and most copies use; a flat val/ must first be sorted into its classes). Every one of the 100 classes must
 be there in both splits, as regular files; each file is hard-linked where the filesystem allows (no space taken),
 else copied. The tree is built in a hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
-(tasks.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was.
+(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import shutil
 import stat
 
 import tasks as T
+from datafetch.write import write_new_dataset
 
 SPLITS = ("train", "val")
 
@@ -83,7 +84,7 @@ def build(source: str, data_dir: str) -> str:
         if T.imagenet100_layout(tmp) != "folder":
             raise T.DataError(f"the tree built in {tmp} is not read as an ImageFolder tree")
 
-    T.write_new_dataset(data_dir, "imagenet100", write)
+    write_new_dataset(data_dir, "imagenet100", write)
     linked = state["linked"]
     how = "hard links" if linked == count else f"{linked:,} hard links, {count - linked:,} copies"
     return f"imagenet100: {target} built ({count:,} images, {how})"

@@ -1198,4 +1198,8 @@ def report_command(runs: str, out: str) -> int:
                           f"whole: give another folder, or free space, and report again") from None
     for path in written:
         print(f"wrote {path}")
+    stale = sorted(name for name in os.listdir(out) if name.endswith((".md", ".csv", ".png"))
+                   and os.path.join(out, name) not in written)
+    if stale:
+        print(f"not made by these runs, left as they were (an earlier report's, or yours): {', '.join(stale)}")
     return 0

@@ -264,8 +264,10 @@ def is_name(v) -> bool:
 
 KINDS = ("boolean", "arithmetic", "vision", "lm")      # the task families a result belongs to
 
+INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")    # train.INITS' names, in order
+
 RESULT_SCHEMA = {
-    "task": (is_name, "a task name"), "init": (is_name, "an init name"),
+    "task": (is_name, "a task name"), "init": (lambda v: v in INITS, f"one of {', '.join(INITS)}"),
     "seed": (lambda v: is_count(v) and v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
     "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and is_optional(is_finite)(x)
                                                       for k, x in v.items()), "a dict of finite numbers (or null)"),

@@ -1,0 +1,178 @@
+"""Writing a data set into a folder, whole (`write_new_dataset`: `download` and `imagenet100` write through it), and
+the stand-ins: small real data sets in the real release layouts, so that the readers, the tests and a CPU trial run
+on real files (`python train.py make-digits DIR`, `python train.py make-wikitext DIR FILE...`). Nothing on the run
+path calls them."""
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from typing import Callable
+
+import numpy as np
+
+from runfiles import ReadError, _umask, atomic_write, open_back
+from tasks import DataError, _find, find_wikitext_files
+
+
+
+
+def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held: str | None = None) -> str:
+    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside `folder`, which is
+    renamed to folder/name once complete, so an interrupted write leaves no folder/name (a killed process, at
+    most its hidden `.name.*.tmp`). Refused (DataError, nothing written) when folder/name exists or `held`
+    names a set already in `folder` that the new one would shadow. Returns folder/name."""
+    target = os.path.join(folder, name)
+    held = held or (target if os.path.lexists(target) else None)
+    if held:
+        raise DataError(f"{folder} already holds a data set ({held}); a data set is never overwritten or shadowed: "
+                        f"give another folder, or move that one away first")
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())            # mkdtemp's 0700 would hide the set from the group
+        os.rename(tmp, target)                      # refused if a non-empty folder/name appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _held_cifar10(folder: str) -> str | None:
+    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)."""
+    return _find(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
+                          "cifar-10-batches-py", os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
+                          "data_batch_1.bin"])
+
+
+def _held_wikitext(folder: str) -> str | None:
+    """The WikiText-2 release `find_wikitext_files` would read from `folder`, if any."""
+    try:
+        return str(find_wikitext_files(folder)[1]["train"].parent)
+    except DataError:
+        return _find(folder, ["wikitext-2"])
+
+
+def digits_arrays() -> tuple:
+    """scikit-learn's bundled handwritten digits (1,797 8x8 images, no download) as 32x32 RGB uint8
+    (N, 3, 32, 32), nearest-upscaled, split 1,500 train / 297 test by seed 0.
+    Returns (x_train, y_train, x_test, y_test); DataError without scikit-learn."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("make-digits needs scikit-learn for its bundled digits: pip install scikit-learn") from None
+    d = load_digits()
+    x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
+    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                        # nearest upscaling to 32x32
+    x = np.repeat(x[:, None], 3, axis=1)                                     # grey -> RGB
+    order = np.random.default_rng(0).permutation(len(x))
+    tr, te = order[:1500], order[1500:]
+    return x[tr], d.target[tr], x[te], d.target[te]
+
+
+def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                         y_test: np.ndarray, label_names=None) -> str:
+    """Write images in the CIFAR-10 python release layout: folder/cifar-10-batches-py/ with
+    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3, 32,
+    32) uint8, y: (N,) ints. Returns the batches folder. A folder that already holds a CIFAR-10 set in
+    any layout `read_cifar` reads is refused (`write_new_dataset`): a set is never overwritten or shadowed."""
+    def write(out):
+        def dump(name, x, y, label):
+            d = {b"batch_label": label.encode(), b"labels": [int(v) for v in y],
+                 b"data": np.ascontiguousarray(x, dtype=np.uint8).reshape(len(x), -1),
+                 b"filenames": [f"{name}_{i}.png".encode() for i in range(len(x))]}
+            atomic_write(os.path.join(out, name), pickle.dumps(d, protocol=2))
+
+        for i, part in enumerate(np.array_split(np.arange(len(x_train)), 5), 1):
+            dump(f"data_batch_{i}", x_train[part], y_train[part], f"training batch {i} of 5")
+        dump("test_batch", x_test, y_test, "testing batch 1 of 1")
+        names = label_names or [str(i) for i in range(10)]
+        atomic_write(os.path.join(out, "batches.meta"),
+                     pickle.dumps({b"label_names": [n.encode() for n in names],
+                                   b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072}, protocol=2))
+
+    return write_new_dataset(folder, "cifar-10-batches-py", write, _held_cifar10(folder))
+
+
+_WORD = re.compile(r"\w+(?:[-,.]\w+)*|[^\w\s]")
+
+
+def wikitext_tokenize(text: str) -> list[str]:
+    """Plain English -> WikiText-style tokens: punctuation split off, and the in-word joiners of
+    WikiText: 'well-known' -> well @-@ known, '1,000' -> 1 @,@ 000, '3.5' -> 3 @.@ 5."""
+    out = []
+    for tok in _WORD.findall(text):
+        out.extend(re.sub(r"(?<=\w)([-,.])(?=\w)", r" @\1@ ", tok).split())
+    return out
+
+
+def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int = 12) -> str:
+    """Write (title, [paragraph, ...]) articles as WikiText-2's word-level release:
+    folder/wikitext-2/wiki.{train,valid,test}.tokens with ' = Title = ' headings, blank lines
+    between paragraphs, and words seen fewer than `min_count` times in train replaced by <unk>.
+    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train. A folder
+    that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
+    articles = list(articles)
+    if len(articles) < every:
+        raise DataError(f"make-wikitext needs at least {every} articles (text files) so that train, valid and test "
+                        f"each get one (articles i with i mod {every} = {every - 7} go to valid, {every - 1} to "
+                        f"test); got {len(articles)}")
+    split_of = ["train"] * every
+    split_of[every - 7], split_of[every - 1] = "valid", "test"
+    toks = {s: [] for s in ("train", "valid", "test")}
+    for i, (title, paragraphs) in enumerate(articles):
+        toks[split_of[i % every]].append((wikitext_tokenize(title), [wikitext_tokenize(p) for p in paragraphs]))
+    counts = {}
+    for title, paras in toks["train"]:
+        for w in itertools.chain(title, *paras):
+            counts[w] = counts.get(w, 0) + 1
+
+    def line(words):
+        return " " + " ".join(w if counts.get(w, 0) >= min_count else "<unk>" for w in words) + " \n"
+    def write(out):
+        for split, arts in toks.items():
+            text = []
+            for title, paras in arts:
+                text.append(" \n = " + line(title).strip() + " = \n \n")
+                text += [line(p) + " \n" for p in paras if p]
+            atomic_write(os.path.join(out, f"wiki.{split}.tokens"), "".join(text))
+
+    return write_new_dataset(folder, "wikitext-2", write, _held_wikitext(folder))
+
+
+def make_digits(folder: str) -> str:
+    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32 RGB and written
+    in the CIFAR-10 python format (`digits_arrays`): a small, real, learnable image set for trying the vision path
+    on a CPU. Returns what it says."""
+    x_train, y_train, x_test, y_test = digits_arrays()
+    out = write_cifar10_python(folder, x_train, y_train, x_test, y_test)
+    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\n"
+            f"train on them with: python train.py --task cifar10 --data-dir {folder} --init mask")
+
+
+def make_wikitext(folder: str, files: list) -> str:
+    """python train.py make-wikitext DIR FILE...: plain-text files (one article each; paragraphs separated by blank
+    lines; the first line is the title) written in WikiText-2's word-level layout under DIR/wikitext-2/, so that any
+    English text can stand in for the corpus. Returns what it says."""
+    articles = []
+    for path in files:
+        try:
+            with io.TextIOWrapper(open_back(path), encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except (OSError, ReadError) as e:
+            raise DataError(f"make-wikitext: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+        paras = [" ".join(p.split()) for p in text.split("\n\n")]
+        paras = [p for p in paras if p]
+        if paras:
+            articles.append((paras[0][:80], paras[1:]))
+    out = write_wikitext_layout(articles, folder)
+    sizes = {}
+    for s in ("train", "valid", "test"):
+        with io.TextIOWrapper(open_back(os.path.join(out, f"wiki.{s}.tokens")), encoding="utf-8") as f:
+            sizes[s] = sum(len(line.split()) + 1 for line in f)
+    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items())
