@@ -507,7 +507,7 @@ class MaskPrior(nn.Module):
             return self.bias
         return self.bias[:, self._index(self._square())]
 
-    def _rows(self, t: int, s: int, start: int | None = None) -> int:
+    def _first_row(self, t: int, s: int, start: int | None = None) -> int:
         """The first of the t query rows the prior serves with s keys (`start`, when the caller knows the
         first query's position, e.g. from a static KV cache whose s keys include empty slots; else s - t);
         raises in one line when (t, s) does not fit, naming the way out. A relative prior serves any length."""
@@ -542,7 +542,7 @@ class MaskPrior(nn.Module):
         if not (isinstance(t, int) and isinstance(s, int) and t >= 1 and s >= 1):
             raise ValueError(f"{self.where}: a prior serves t >= 1 queries and k_len >= 1 keys, got {t!r} and {s!r}")
         self.check_set()
-        r = self._rows(t, s, start)
+        r = self._first_row(t, s, start)
         # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
         c = s if self.param == "relative" else min(s, self.n_keys)
         if self.roles is not None:                  # per example: M's row of each query's role, column of each key's
@@ -570,7 +570,7 @@ class MaskPrior(nn.Module):
         (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused
         kernel, forward and backward), torch's reference implementation elsewhere."""
         t = q.shape[-2]
-        self._rows(t, t)
+        self._first_row(t, t)
         self.check_set()
         if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.bias.requires_grad):
             raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
@@ -756,7 +756,7 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
     if not need_m:
         return dq, dk, dv, None
     if full:                                        # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias
-        r, c = prior._rows(t, s), min(s, prior.n_keys)
+        r, c = prior._first_row(t, s), min(s, prior.n_keys)
         dm, rows = torch.zeros_like(prior.bias), dm
         dm[:, r:r + t, :c] = rows[..., :c] * torch.sigmoid(-prior.bias[:, r:r + t, :c])
     else:
@@ -2610,7 +2610,7 @@ def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict, s
     return next((n for n in names if n in named), None)
 
 
-def _concrete(model_class, config):
+def _model_class_for(model_class, config):
     """A model class for `config`: `model_class` itself, or the one an Auto class (AutoModelForCausalLM...) maps it to."""
     if isinstance(model_class, type) and issubclass(model_class, nn.Module):
         return model_class
@@ -2637,7 +2637,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
         raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load it with "
                          f"{getattr(model_class, '__name__', model_class)}.from_pretrained")
     _check_record(record, path)
-    model_class = _concrete(model_class, config)
+    model_class = _model_class_for(model_class, config)
     _register_hf()
 
     class WithPriors(model_class):

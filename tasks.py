@@ -113,9 +113,7 @@ class Task:
     n_train: int = 0
     _perm_epoch: int | None = None
 
-    @staticmethod
-    def say(text: str) -> None:
-        """Where a task says what slow work it does (train.py points it at its log: `task.say = print`)."""
+    say: ClassVar[Callable[[str], None]] = print     # where a task says what slow work it does (train.py: its log)
 
     @property
     def name(self) -> str:
@@ -2752,7 +2750,7 @@ def _release(layout: str, files: dict, name: str) -> str:
     return layout
 
 
-def _located(read, data_dir: str | None, name: str) -> str:
+def _in_data_dir(read, data_dir: str | None, name: str) -> str:
     """`read(data_dir)` for a task's `locate` (it names what it looked for and where to get it)."""
     if data_dir is None:
         raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
@@ -2767,7 +2765,7 @@ class Cifar10(ImageTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _located(lambda d: cifar_release(d, cls.NAME)[0], data_dir, cls.NAME)
+        return _in_data_dir(lambda d: cifar_release(d, cls.NAME)[0], data_dir, cls.NAME)
 
 
 @register("cifar100")
@@ -2786,7 +2784,7 @@ class ImageNet100(ImageTask):
     def locate(cls, data_dir):
         """The layout, with what its reader needs first: every class folder, and an image in each split (the tree,
         and Pillow), or every batch and the label map (downsampled)."""
-        layout = _located(imagenet100_layout, data_dir, cls.NAME)
+        layout = _in_data_dir(imagenet100_layout, data_dir, cls.NAME)
         if layout == "folder":
             _pillow()
             for split in ("train", "val"):
@@ -3592,7 +3590,7 @@ class WikiText2(LMTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _located(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir, cls.NAME)
+        return _in_data_dir(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir, cls.NAME)
 
 
 @register("tinystories")
@@ -3602,4 +3600,4 @@ class TinyStories(LMTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _located(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir, cls.NAME)
+        return _in_data_dir(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir, cls.NAME)

@@ -542,7 +542,9 @@ def task_for(config) -> T.Task:
     """The task of config.task, given its options (flags of the same names) and the seed."""
     options = {k: getattr(config, k) for k in T.TASKS[config.task].options()
                if k in FIELDS and getattr(config, k) is not None}
-    return T.make_task(config.task, seed=config.seed, **options)
+    task = T.make_task(config.task, seed=config.seed, **options)
+    task.say = say                       # the task's word on its slow work (the exact MDI), from one process
+    return task
 
 
 def pick_device(name: str) -> torch.device:
@@ -987,7 +989,6 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
                 say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in respelt.items()) +
                     " (the one spelling of this target)")
                 config, task = replace(config, **respelt), task_for(replace(config, **respelt))
-            task.say = say                               # the task's word on its slow work (the exact MDI)
             validate(config, task, explicit)
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
             device = pick_device(config.device)
@@ -1353,7 +1354,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
             "identity": {"run_id": state.run_id, "seed": state.config.seed, "config_hash": config_hash(asdict(state.config))},
             "log_step": state.log_step,
-            "data": state.data, "machine": machine(state.device), "prior_source": state.prior_source,
+            "data": state.data, "machine": float_order(state.device), "prior_source": state.prior_source,
             "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -1599,7 +1600,7 @@ NUMERICS = ("amp", "compile")      # resumable flags that change how a step's fl
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
     """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
     (NUMERICS), is exact only to rounding, or None."""
-    saved, now = ckpt["machine"], machine(device)
+    saved, now = ckpt["machine"], float_order(device)
     effective = {"amp": lambda v, kind: amp_on(v, kind), "compile": lambda v, kind: v}
     changed = [f"--{k} {ckpt['config'].get(k)}, now {getattr(config, k)}" for k in NUMERICS
                if effective[k](ckpt["config"].get(k), saved["device"]) != effective[k](getattr(config, k), device.type)]
@@ -1613,7 +1614,7 @@ def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
             + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same and not changed else ""))
 
 
-def machine(device: torch.device) -> dict:
+def float_order(device: torch.device) -> dict:
     """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
     return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
