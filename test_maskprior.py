@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskprior as mp
+import reporting.figures as FIG
 import reporting.report as R
 import runfiles as RF
 from datafetch import write as W
@@ -6575,7 +6576,7 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
     assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
-    if R.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+    if FIG.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
         assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -6597,13 +6598,13 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
 @pytest.fixture
 def readable_figures(monkeypatch):
     """Every figure saved while the test runs (by report, show or anything else) is checked by
-    `R.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
+    `FIG.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
     matplotlib = _extra("matplotlib")
     import matplotlib.figure
     seen, save = {}, matplotlib.figure.Figure.savefig
 
     def checked(fig, *args, **kw):
-        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = R.figure_problems(fig)
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = FIG.figure_problems(fig)
         return save(fig, *args, **kw)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
     yield seen
@@ -6613,13 +6614,13 @@ def readable_figures(monkeypatch):
 @pytest.mark.slow
 def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
     """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
-    plt = R.pyplot()
+    plt = FIG.pyplot()
     fig, axes = plt.subplots(1, 5, figsize=(20, 3))
     for ax in axes[:4]:
         ax.plot([0, 1], [0, 1])
     axes[0].set_title("one title")
     axes[0].text(0.5, 1.0, "one title too", transform=axes[0].transAxes, ha="center", va="bottom")
-    problems = R.figure_problems(fig)
+    problems = FIG.figure_problems(fig)
     assert any("a strip" in p for p in problems) and any("nothing drawn" in p for p in problems)
     assert any("'one title' overlaps 'one title too'" in p or "'one title too' overlaps 'one title'" in p
                for p in problems), problems
@@ -6628,13 +6629,13 @@ def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_pa
     image = ax.imshow([[0.0, 1.0]])
     fig.colorbar(image, ax=ax, label="one")
     fig.add_axes([0.8, 0.1, 0.15, 0.8]).plot([0, 1])            # over the colour bar
-    assert any("overlap" in p and "panels" in p for p in R.figure_problems(fig))
+    assert any("overlap" in p and "panels" in p for p in FIG.figure_problems(fig))
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
     ax.plot([0, 1], [0, 1], label="a")
     ax.set_title("fine")
-    assert R.figure_problems(fig) == []
-    R.save_figure(fig, str(tmp_path / "fine.png"))
+    assert FIG.figure_problems(fig) == []
+    FIG.save_figure(fig, str(tmp_path / "fine.png"))
 
 
 @pytest.mark.slow
@@ -6683,7 +6684,7 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
     curves = R.read_rows(str(tmp_path / "res" / "curves.csv"), R.CURVES_HEADER, R._curve_row)
     assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
     assert R.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
-    assert len({R.line_style(i) for i in range(40)}) == 40 and R.line_style(3, "mask") == R.INIT_STYLES["mask"]
+    assert len({FIG.line_style(i) for i in range(40)}) == 40 and FIG.line_style(3, "mask") == FIG.INIT_STYLES["mask"]
 
 
 @pytest.mark.slow
@@ -6892,7 +6893,7 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
                         "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
     assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
     assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
-    if R.pyplot() is not None:
+    if FIG.pyplot() is not None:
         assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from reporting.report import caption, legend_below, panel_grid, pyplot, save_figure, token_ticks  # noqa: F401
+from reporting.figures import caption, legend_below, panel_grid, pyplot, save_figure, token_ticks  # noqa: F401
 
 PANEL = 2.2          # inches a panel
 
