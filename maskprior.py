@@ -106,8 +106,7 @@ def check_arg(name: str, value, who: str) -> None:
 def _check_tensor(name: str, value, who: str, floating: bool) -> None:
     """A tensor of (..., N, N) (bool, or floating and finite where `floating`)."""
     kind = "a float" if floating else "a bool"
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() != floating or value.dtype == torch.bool \
-            and floating or value.dim() < 2:
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() != floating or value.dim() < 2:
         what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
             type(value).__name__
         raise ValueError(f"{who}: {name} must be {kind} tensor (..., N, N), got {what}" + (
@@ -124,9 +123,10 @@ def _check_pattern_arg(name: str, value, who: str) -> None:
 
 def _check_maps_arg(name: str, value, who: str) -> None:
     _check_maps(value, who)
-    if bool((value < 0).any()) or not bool((value.sum(-1) > 0).all()):
+    negative = bool((value < 0).any())
+    if negative or not bool((value.sum(-1) > 0).all()):
         raise ValueError(f"{who}: attention maps are probabilities: each row >= 0 and attending somewhere, got "
-                         f"{'negative values' if bool((value < 0).any()) else 'a row of zeros'}")
+                         f"{'negative values' if negative else 'a row of zeros'}")
 
 
 def _check_indices(name: str, value, who: str) -> None:
@@ -1645,9 +1645,8 @@ def _check_maps(attn, who: str) -> None:
 
 
 def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
-    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N); checked
-    (`_check_maps`) first."""
-    _check_maps(attn, who)
+    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N); the maps
+    are its `checked` callers' `attn` (ARGS: `_check_maps` and more), checked already."""
     if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attention maps are (..., N, N) with N queries and N keys, got shape {tuple(attn.shape)}")
     if per_head:

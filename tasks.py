@@ -976,9 +976,8 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
 
 def terms_text(terms: list) -> str:
     """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of more than one bit."""
-    spelt = (("m" if kind == "majority" and len(bits) > 1 else "") + ",".join(map(str, sorted(bits)))
-             for kind, bits in terms)
-    return ":".join(sorted(spelt, key=lambda t: ([int(b) for b in t.lstrip("m").split(",")], t)))
+    spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "") for kind, bits in terms)
+    return ":".join(m + ",".join(map(str, bits)) for bits, m in spelt)
 
 
 def term_fn(kind: str, bits: tuple):
@@ -2076,6 +2075,9 @@ def imagenet100_layout(data_dir: str) -> str:
                     f"--from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
+DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)   # then .npz or not
+
+
 def _wnid_map_path(data_dir: str) -> str:
     map_path = os.path.join(data_dir, "map_clsloc.txt")
     if not os.path.exists(map_path):
@@ -2115,7 +2117,7 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
             ys.append(lut[y[keep]])
         return np.concatenate(xs), np.concatenate(ys)
 
-    return {"train": load([f"train_data_batch_{i}" for i in range(1, 11)]), "test": load(["val_data"]),
+    return {"train": load(DOWNSAMPLED_BATCHES[:-1]), "test": load(DOWNSAMPLED_BATCHES[-1:]),
             "sources": sources}
 
 
@@ -2797,7 +2799,7 @@ class ImageNet100(ImageTask):
                                     f"--data DIR` builds the tree")
             return layout
         _wnid_map_path(data_dir)
-        for n in [f"train_data_batch_{i}" for i in range(1, 11)] + ["val_data"]:
+        for n in DOWNSAMPLED_BATCHES:
             release_file(_find(data_dir, [n, n + ".npz"]) or os.path.join(data_dir, n), cls.NAME)
         return layout
 
