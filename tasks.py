@@ -17,7 +17,8 @@ classes. What train.py uses of a task:
 
 Layout: the base and the registry; caches; one section per family (its task classes, readers and `small` /
 `paper` presets); fixtures (small real data sets written in the real layouts, for tests and CPU trials). What a run
-writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is `runfiles`.
+writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is `runfiles`;
+the image augmentation the vision tasks train with is `augment`.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ try:
 except ImportError:             # not on POSIX: run folders are not locked
     fcntl = None
 
+import augment as A
 import maskprior as mp
 from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)  # noqa: F401
 
@@ -2214,319 +2216,6 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     return data
 
 
-def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator, flip: bool = True) -> torch.Tensor:
-    """Batched augmentation on the device: zero-pad by `pad`, crop back at a random offset per
-    image, flip half the images left-right. x: (B, C, H, W) -> same shape and dtype."""
-    b, c, h, w = x.shape
-    if pad:
-        xp = F.pad(x, (pad, pad, pad, pad))
-        oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
-        ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
-        rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None].expand(b, c, h, w + 2 * pad)
-        x = xp.gather(2, rows)
-        cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :].expand(b, c, h, w)
-        x = x.gather(3, cols)
-    if flip:
-        f = torch.rand(b, generator=generator, device=x.device) < 0.5
-        x = torch.where(f[:, None, None, None], x.flip(-1), x)
-    return x
-
-
-# ---- RandAugment, random resized crop and random erasing, batched on the device. Images stay
-# uint8 (B, 3, H, W) through the photometric and geometric ops (values computed in float,
-# truncated to 0..255 as Pillow does); each op takes per-image arguments, so one call serves a
-# batch whose images drew different magnitudes.
-
-AUG_FILL = (124, 116, 104)              # fill of the geometric ops: the ImageNet mean in 0..255, as timm uses
-
-
-def _truncate(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(0, 255).to(torch.uint8)          # float -> uint8 by truncation toward zero, as Pillow's blend
-
-
-def _per_image(v, x: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(x.shape[0]).view(-1, 1, 1, 1)
-
-
-def _gray(x: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> (B, 1, H, W) float, Pillow's "L": (19595 R + 38470 G + 7471 B + 2^15) >> 16."""
-    r, g, b = x.long().unbind(1)
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).unsqueeze(1).float()
-
-
-def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor) -> torch.Tensor:
-    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate), per image factor."""
-    f = _per_image(factor, x)
-    return _truncate(degenerate + f * (x.float() - degenerate))
-
-
-def aug_brightness(x, factor):
-    return _blend(x, torch.zeros_like(x, dtype=torch.float32), factor)
-
-
-def aug_color(x, factor):
-    return _blend(x, _gray(x).expand_as(x), factor)
-
-
-def aug_contrast(x, factor):
-    mean = (_gray(x).mean(dim=(1, 2, 3), keepdim=True) + 0.5).floor()        # Pillow: int(mean + 0.5)
-    return _blend(x, mean.expand_as(x), factor)
-
-
-def aug_sharpness(x, factor):
-    """Blend with Pillow's SMOOTH filter ([[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded; the border
-    pixels keep their values)."""
-    k = torch.tensor([[1.0, 1, 1], [1, 5, 1], [1, 1, 1]], device=x.device) / 13
-    xf = x.float()
-    smooth = F.conv2d(xf.flatten(0, 1).unsqueeze(1), k.view(1, 1, 3, 3)).view(*x.shape[:2], x.shape[2] - 2,
-                                                                              x.shape[3] - 2)
-    degenerate = xf.clone()
-    degenerate[..., 1:-1, 1:-1] = (smooth + 0.5).floor()
-    return _blend(x, degenerate, factor)
-
-
-def aug_posterize(x, bits):
-    """Keep the top `bits` bits of every value (bits per image, 1..8)."""
-    keep = torch.as_tensor(bits, device=x.device).long().expand(x.shape[0]).view(-1, 1, 1, 1)
-    mask = (255 - ((1 << (8 - keep)) - 1)).to(torch.uint8)
-    return x & mask
-
-
-def aug_solarize(x, threshold):
-    """Invert every value >= threshold (per image; 256 leaves the image as it is)."""
-    t = _per_image(threshold, x)
-    return torch.where(x.float() >= t, 255 - x, x)
-
-
-def aug_autocontrast(x, *_):
-    """Stretch each channel of each image to 0..255 (Pillow's autocontrast, no cutoff)."""
-    xf = x.double()
-    lo, hi = xf.amin(dim=(2, 3), keepdim=True), xf.amax(dim=(2, 3), keepdim=True)
-    scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)          # a true division, as Pillow's
-    out = (xf * scale - lo * scale).clamp(0, 255).floor()
-    return torch.where(hi > lo, out, xf).to(torch.uint8)
-
-
-def aug_equalize(x, *_):
-    """Pillow's equalize per image and channel: lut[i] = (step // 2 + #values below i) // step with
-    step = (#values - #values of the last used level) // 255; an image with one level, or a step of
-    0, is left as it is."""
-    b, c = x.shape[:2]
-    flat = x.flatten(2).long()                                              # (B, C, HW)
-    hist = torch.zeros(b, c, 256, dtype=torch.long, device=x.device).scatter_add_(2, flat, torch.ones_like(flat))
-    last = 255 - (hist.flip(-1) > 0).long().argmax(-1)                     # highest level present
-    step = (flat.shape[-1] - hist.gather(2, last.unsqueeze(-1)).squeeze(-1)) // 255
-    below = hist.cumsum(-1) - hist
-    lut = ((step.unsqueeze(-1) // 2 + below) // step.clamp_min(1).unsqueeze(-1)).clamp(max=255)
-    lut = torch.where((step > 0).unsqueeze(-1), lut, torch.arange(256, device=x.device))
-    return lut.gather(2, flat).view_as(x).to(torch.uint8)
-
-
-def _affine(x: torch.Tensor, m: torch.Tensor, fill=AUG_FILL) -> torch.Tensor:
-    """Sample every output pixel (i, j) at the input point (x, y) = m @ (j, i, 1), pixel units, per
-    image m (B, 2, 3); bilinear, points outside the image take `fill`."""
-    b, c, h, w = x.shape
-    ii, jj = torch.meshgrid(torch.arange(h, device=x.device, dtype=torch.float32),
-                            torch.arange(w, device=x.device, dtype=torch.float32), indexing="ij")
-    pts = torch.stack([jj, ii, torch.ones_like(ii)], -1).view(1, h * w, 3)
-    src = pts @ m.float().transpose(1, 2)                                   # (B, HW, 2): input x, y
-    grid = torch.stack([(src[..., 0] + 0.5) / w * 2 - 1, (src[..., 1] + 0.5) / h * 2 - 1], -1).view(b, h, w, 2)
-    f = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
-    out = F.grid_sample(x.float() - f, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + f
-    return (out + 0.5).clamp(0, 255).to(torch.uint8)
-
-
-def _matrices(x, a, b, e, d, f_, g):
-    n = x.shape[0]
-    rows = [torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(n) for v in (a, b, e, d, f_, g)]
-    return torch.stack(rows, -1).view(n, 2, 3)
-
-
-def aug_shear_x(x, s):
-    """Input x = j + s * i (Pillow's AFFINE (1, s, 0, 0, 1, 0), origin top left)."""
-    return _affine(x, _matrices(x, 1, s, 0, 0, 1, 0))
-
-
-def aug_shear_y(x, s):
-    return _affine(x, _matrices(x, 1, 0, 0, s, 1, 0))
-
-
-def aug_translate_x(x, fraction):
-    """Shift left by fraction * width (negative: right)."""
-    return _affine(x, _matrices(x, 1, 0, torch.as_tensor(fraction, device=x.device) * x.shape[3], 0, 1, 0))
-
-
-def aug_translate_y(x, fraction):
-    return _affine(x, _matrices(x, 1, 0, 0, 0, 1, torch.as_tensor(fraction, device=x.device) * x.shape[2]))
-
-
-def aug_rotate(x, degrees):
-    """Rotate counter-clockwise by `degrees` about the image centre."""
-    t = torch.deg2rad(torch.as_tensor(degrees, dtype=torch.float32, device=x.device)).expand(x.shape[0])
-    cx, cy = (x.shape[3] - 1) / 2, (x.shape[2] - 1) / 2
-    cos, sin = t.cos(), t.sin()
-    return _affine(x, _matrices(x, cos, -sin, cx - cos * cx + sin * cy, sin, cos, cy - sin * cx - cos * cy))
-
-
-def aug_identity(x, *_):
-    return x
-
-
-# RandAugment's ops and how a magnitude m in [0, 10] maps to each op's argument (a random sign
-# where the op has a direction); every op with an argument is the identity at m = 0.
-
-RANDAUG_OPS = {
-    "identity": (aug_identity, None),
-    "autocontrast": (aug_autocontrast, None),
-    "equalize": (aug_equalize, None),
-    "rotate": (aug_rotate, lambda m, s: s * 30.0 * m / 10),
-    "solarize": (aug_solarize, lambda m, s: 256.0 - 256.0 * m / 10),
-    "color": (aug_color, lambda m, s: 1.0 + s * 0.9 * m / 10),
-    "posterize": (aug_posterize, lambda m, s: 8 - (4 * m / 10).round()),
-    "contrast": (aug_contrast, lambda m, s: 1.0 + s * 0.9 * m / 10),
-    "brightness": (aug_brightness, lambda m, s: 1.0 + s * 0.9 * m / 10),
-    "sharpness": (aug_sharpness, lambda m, s: 1.0 + s * 0.9 * m / 10),
-    "shear_x": (aug_shear_x, lambda m, s: s * 0.3 * m / 10),
-    "shear_y": (aug_shear_y, lambda m, s: s * 0.3 * m / 10),
-    "translate_x": (aug_translate_x, lambda m, s: s * 0.45 * m / 10),
-    "translate_y": (aug_translate_y, lambda m, s: s * 0.45 * m / 10),
-}
-
-
-def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float = 9.0, std: float = 0.5,
-                 n_ops: int = 2, prob: float = 0.5) -> torch.Tensor:
-    """RandAugment on a uint8 batch (B, 3, H, W): `n_ops` times, every image draws an op of
-    RANDAUG_OPS uniformly and applies it with probability `prob`, at magnitude m ~ N(magnitude,
-    std^2) clipped to [0, 10] (drawn per image and op). Same shape and dtype; deterministic in the
-    generator's state."""
-    names = list(RANDAUG_OPS)
-    b = x.shape[0]
-    x = x.clone()
-    for _ in range(n_ops):
-        op = torch.randint(0, len(names), (b,), generator=generator, device=x.device)
-        use = torch.rand(b, generator=generator, device=x.device) < prob
-        m = (magnitude + std * torch.randn(b, generator=generator, device=x.device)).clamp(0, 10)
-        sign = torch.where(torch.rand(b, generator=generator, device=x.device) < 0.5, -1.0, 1.0)
-        for k, name in enumerate(names):
-            pick = (op == k) & use
-            if not bool(pick.any()):
-                continue
-            fn, arg = RANDAUG_OPS[name]
-            sel = pick.nonzero().squeeze(1)
-            x[sel] = fn(x[sel], None if arg is None else arg(m[sel], sign[sel]))
-    return x
-
-
-def _sample(x: torch.Tensor, x0, y0, w, h, out: int, flip=None) -> torch.Tensor:
-    """Bilinear resampling of the box (x0, y0, w, h) of each image (pixel units, per image) to
-    out x out, mirrored where `flip`; uint8 in and out."""
-    b = x.shape[0]
-    size = x.shape[-1]
-    t = (torch.arange(out, device=x.device, dtype=torch.float32) + 0.5) / out          # (out,) in (0, 1)
-    if flip is not None:
-        tx = torch.where(flip[:, None], 1 - t[None], t[None])
-    else:
-        tx = t[None].expand(b, -1)
-    gx = ((x0[:, None] + tx * w[:, None]) / size * 2 - 1)                              # (B, out)
-    gy = ((y0[:, None] + t[None] * h[:, None]) / size * 2 - 1)
-    grid = torch.stack([gx[:, None, :].expand(b, out, out), gy[:, :, None].expand(b, out, out)], -1)
-    y = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
-    return (y + 0.5).clamp(0, 255).to(torch.uint8)
-
-
-def _box_draws(b: int, pixels: float, fraction, ratio, generator: torch.Generator, device) -> tuple:
-    """10 candidate boxes per image (timm's attempts): area pixels * U(fraction), aspect ratio
-    log-uniform in `ratio`. Returns the rounded sides (sqrt(area * r), sqrt(area / r)), each (b, 10)."""
-    area = pixels * (fraction[0] + (fraction[1] - fraction[0]) * torch.rand(b, 10, generator=generator, device=device))
-    r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0]))
-                  * torch.rand(b, 10, generator=generator, device=device))
-    return (area * r).sqrt().round(), (area / r).sqrt().round()
-
-
-def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, scale=(0.08, 1.0),
-                        ratio=(3 / 4, 4 / 3), flip: bool = True) -> torch.Tensor:
-    """timm's RandomResizedCrop + horizontal flip on a uint8 batch (B, C, S, S) -> (B, C, out, out):
-    per image a box of area fraction U(scale) and log-uniform aspect ratio (first of 10 draws that
-    fits, else the whole image) at a random place, resampled bilinearly (this upsamples 32 x 32
-    CIFAR to a 224 x 224 model input), then mirrored with probability 1/2."""
-    b, s = x.shape[0], x.shape[-1]
-    kw = dict(generator=generator, device=x.device)
-    w, h = _box_draws(b, s * s, scale, ratio, generator, x.device)
-    ok = (w <= s) & (h <= s) & (w > 0) & (h > 0)
-    first = ok.float().argmax(1, keepdim=True)
-    w = torch.where(ok.any(1), w.gather(1, first).squeeze(1), torch.full((b,), float(s), device=x.device))
-    h = torch.where(ok.any(1), h.gather(1, first).squeeze(1), torch.full((b,), float(s), device=x.device))
-    x0 = (torch.rand(b, **kw) * (s - w + 1)).floor()
-    y0 = (torch.rand(b, **kw) * (s - h + 1)).floor()
-    mirror = torch.rand(b, **kw) < 0.5 if flip else None
-    return _sample(x, x0, y0, w, h, out, mirror)
-
-
-def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tensor:
-    """The evaluation view: resize to out / crop_pct (bicubic), keep the centre out x out. uint8 in and out."""
-    size = int(math.floor(out / crop_pct))
-    y = F.interpolate(x.float(), size=(size, size), mode="bicubic", align_corners=False)
-    top = (size - out) // 2
-    return (y[..., top:top + out, top:top + out] + 0.5).clamp(0, 255).to(torch.uint8)
-
-
-def mixup(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor, lam: float):
-    """Mixup (Zhang et al. 2018): each image and its target blended with those of the batch permuted by `perm`,
-    `lam` of it its own. x (B, C, H, W), y (B, n_classes), perm (B,) -> (x, y) of the same shapes."""
-    return lam * x + (1 - lam) * x[perm], lam * y + (1 - lam) * y[perm]
-
-
-def cutmix(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor, lam: float, g: torch.Generator):
-    """CutMix (Yun et al. 2019): a square of side S sqrt(1 - lam) around a centre drawn from `g` (clipped at the
-    border) pasted from the batch permuted by `perm`; the targets mixed by the area each image keeps.
-    x (B, C, S, S), y (B, n_classes), perm (B,) -> (x, y) of the same shapes."""
-    s = x.shape[-1]
-    side = int(s * math.sqrt(1 - lam))
-    cy, cx = (int(v) for v in torch.randint(0, s, (2,), generator=g, device=x.device))
-    y0, y1, x0, x1 = max(cy - side // 2, 0), min(cy + side // 2, s), max(cx - side // 2, 0), min(cx + side // 2, s)
-    x = x.clone()
-    x[:, :, y0:y1, x0:x1] = x[perm][:, :, y0:y1, x0:x1]
-    kept = 1 - (y1 - y0) * (x1 - x0) / (s * s)
-    return x, kept * y + (1 - kept) * y[perm]
-
-
-def mix_batch(x: torch.Tensor, y: torch.Tensor, mixup_alpha: float, cutmix_alpha: float, g: torch.Generator,
-              rng: np.random.Generator):
-    """timm's switch: cutmix or mixup (each with probability 1/2 when both are on, drawn from `g`), lam ~
-    Beta(alpha, alpha) from `rng`, the partner images a permutation of the batch drawn from `g`; both alphas 0:
-    the batch as it is. x (B, C, S, S), y (B, n_classes) -> (x, y) of the same shapes."""
-    if mixup_alpha <= 0 and cutmix_alpha <= 0:
-        return x, y
-    perm = torch.randperm(len(x), generator=g, device=x.device)
-    cut = cutmix_alpha > 0 and (mixup_alpha == 0 or torch.rand(1, generator=g, device=x.device) < 0.5)
-    alpha = cutmix_alpha if cut else mixup_alpha
-    lam = float(rng.beta(alpha, alpha))
-    return cutmix(x, y, perm, lam, g) if cut else mixup(x, y, perm, lam)
-
-
-def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, area=(0.02, 1 / 3),
-                   ratio=(0.3, 1 / 0.3)) -> torch.Tensor:
-    """timm's RandomErasing, mode 'pixel', on a normalised float batch (B, C, H, W): with probability
-    `prob` an image gets one box of area fraction U(area) and log-uniform aspect ratio (the first of
-    10 draws that fits) filled with N(0, 1) noise per pixel and channel."""
-    b, c, hh, ww = x.shape
-    kw = dict(generator=generator, device=x.device)
-    use = torch.rand(b, **kw) < prob
-    h, w = _box_draws(b, hh * ww, area, ratio, generator, x.device)
-    ok = (h < hh) & (w < ww)
-    first = ok.float().argmax(1, keepdim=True)
-    use = use & ok.any(1)
-    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
-    top = (torch.rand(b, **kw) * (hh - h + 1)).floor()
-    left = (torch.rand(b, **kw) * (ww - w + 1)).floor()
-    rows = torch.arange(hh, device=x.device)[None, :, None]
-    cols = torch.arange(ww, device=x.device)[None, None, :]
-    box = (rows >= top[:, None, None]) & (rows < (top + h)[:, None, None]) & \
-          (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None]) & use[:, None, None]
-    noise = torch.randn(x.shape, **kw, dtype=x.dtype)
-    return torch.where(box[:, None], noise, x)
-
-
 @dataclass(kw_only=True)
 class ImageTask(Task):
     """Image classification with a ViT; the prior lives on the grid of patches: `impulse` (the
@@ -2683,21 +2372,19 @@ class ImageTask(Task):
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
-            x = random_resized_crop(self.x_train[idx], self.input_size, g)
+            x = A.random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
-            x = random_crop_flip(self.x_train[idx], self.pad, g)
+            x = A.random_crop_flip(self.x_train[idx], self.pad, g)
             if self.input_size != self.image_size:             # the whole image, upsampled bilinearly
-                corner = torch.zeros(len(x), device=x.device)
-                side = torch.full((len(x),), float(self.image_size), device=x.device)
-                x = _sample(x, corner, corner, side, side, self.input_size)
+                x = A.resize(x, self.input_size)
         if self.randaug > 0:
-            x = rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
+            x = A.rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
         x = self.normalize(x)
         if self.reprob > 0:
-            x = random_erasing(x, self.reprob, g)
+            x = A.random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
-        return mix_batch(x, y, self.mixup, self.cutmix, g, np.random.default_rng([self.seed, step]))
+        return A.mix_batch(x, y, self.mixup, self.cutmix, g, np.random.default_rng([self.seed, step]))
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch
@@ -2707,7 +2394,7 @@ class ImageTask(Task):
         """Test images as the model sees them: normalised, and at another input size resized to
         input / crop_pct and centre-cropped (timm's evaluation view)."""
         if self.input_size != self.image_size:
-            x_uint8 = resize_center_crop(x_uint8, self.input_size, self.crop_pct)
+            x_uint8 = A.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
         return self.normalize(x_uint8)
 
     def probe_inputs(self, n: int = 64) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import augment as A
 import maskprior as mp
 import reporting.figures as FIG
 import reporting.report as R
@@ -3674,14 +3675,14 @@ def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_pat
 
 def test_augmentation_shapes_and_determinism():
     x = torch.as_tensor(_images(8))
-    a = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    b = T.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    c = T.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
+    a = A.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    b = A.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    c = A.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
     assert a.shape == x.shape and a.dtype == torch.uint8 and a.equal(b) and not a.equal(c)
-    assert T.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
+    assert A.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
     # a crop is a shifted window of the zero-padded image
     one = torch.arange(16, dtype=torch.uint8).view(1, 1, 4, 4)
-    out = T.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
+    out = A.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
     padded = F.pad(one, (1, 1, 1, 1))
     assert any(out.equal(padded[..., i:i + 4, j:j + 4]) for i in range(3) for j in range(3))
 
@@ -3693,9 +3694,9 @@ def _aug_images(n=6, h=9, w=11, seed=0):
     return torch.as_tensor(x)
 
 
-@pytest.mark.parametrize("name", list(T.RANDAUG_OPS))
+@pytest.mark.parametrize("name", list(A.RANDAUG_OPS))
 def test_randaugment_op_shapes_range_determinism_and_identity(name):
-    fn, arg = T.RANDAUG_OPS[name]
+    fn, arg = A.RANDAUG_OPS[name]
     x = _aug_images()
     m = torch.full((6,), 7.0)
     sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
@@ -3723,7 +3724,7 @@ PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that a
 @pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
 def test_randaugment_photometric_ops_equal_pillows(name):
     """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
-    fn = T.RANDAUG_OPS[name][0]
+    fn = A.RANDAUG_OPS[name][0]
     a, ref = PIL_EQUIVALENT[name]
     x = _aug_images()
     ours = fn(x, a).numpy()
@@ -3742,26 +3743,26 @@ def test_randaugment_photometric_ops_equal_pillows(name):
 
 def test_geometric_ops_by_hand():
     x = _aug_images(4, 9, 9)
-    assert torch.equal(T.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
-    assert torch.equal(T.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
-    t = T.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
-    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(T.AUG_FILL)
-    t = T.aug_translate_y(x, -3 / 9)                                               # three pixels down
+    assert torch.equal(A.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
+    assert torch.equal(A.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
+    t = A.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
+    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(A.AUG_FILL)
+    t = A.aug_translate_y(x, -3 / 9)                                               # three pixels down
     assert torch.equal(t[..., 3:, :], x[..., :6, :])
-    s = T.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
+    s = A.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
     assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
-    s = T.aug_shear_y(x, 1.0)
+    s = A.aug_shear_y(x, 1.0)
     assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
 
 
 def test_rand_augment_is_seeded_and_mixes_ops():
     x = _aug_images(64, 16, 16)
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a, b = T.rand_augment(x, g(), 9.0, 0.5), T.rand_augment(x, g(), 9.0, 0.5)
+    a, b = A.rand_augment(x, g(), 9.0, 0.5), A.rand_augment(x, g(), 9.0, 0.5)
     assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
     changed = (a != x).flatten(1).any(1).float().mean()
     assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
-    zero = T.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
+    zero = A.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
     unchanged = (zero == x).flatten(1).all(1).float().mean()
     assert 0.5 < unchanged < 1.0
 
@@ -3769,39 +3770,39 @@ def test_rand_augment_is_seeded_and_mixes_ops():
 def test_random_resized_crop_erasing_and_eval_view():
     x = _aug_images(8, 32, 32)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    out = T.random_resized_crop(x, 224, g())
-    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, T.random_resized_crop(x, 224, g()))
-    whole = T.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    out = A.random_resized_crop(x, 224, g())
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, A.random_resized_crop(x, 224, g()))
+    whole = A.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
     up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
     assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
-    view = T.resize_center_crop(x, 224, 0.875)
+    view = A.resize_center_crop(x, 224, 0.875)
     assert view.shape == (8, 3, 224, 224)
     xf = torch.randn(64, 3, 16, 16)
-    e = T.random_erasing(xf, 0.5, g())
+    e = A.random_erasing(xf, 0.5, g())
     erased = (e != xf).flatten(1).any(1)
-    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, T.random_erasing(xf, 0.5, g()))
+    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, A.random_erasing(xf, 0.5, g()))
     frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
     assert 0.02 <= frac <= 0.34
-    assert torch.equal(T.random_erasing(xf, 0.0, g()), xf)
+    assert torch.equal(A.random_erasing(xf, 0.0, g()), xf)
 
 
 def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8), torch.eye(4)
     perm = torch.tensor([1, 0, 3, 2])
-    mx, my = T.mixup(x, y, perm, 0.7)
+    mx, my = A.mixup(x, y, perm, 0.7)
     assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
-    cx, cy = T.cutmix(x, y, perm, 0.75, g)
+    cx, cy = A.cutmix(x, y, perm, 0.75, g)
     pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
     assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
                                                                                    x[~pasted.unsqueeze(1).expand_as(x)])
     kept = 1 - pasted[0].float().mean()
     assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
-    assert torch.equal(T.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
+    assert torch.equal(A.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
     rng = np.random.default_rng(0)
-    assert T.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
+    assert A.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
     for mix, cut in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
-        bx, by = T.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
+        bx, by = A.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
         assert bx.shape == x.shape and torch.allclose(by.sum(-1), torch.ones(4)) and not torch.equal(bx, x)
 
 
@@ -4541,7 +4542,7 @@ class LoopServer:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self):
         self.server.shutdown()
