@@ -17,9 +17,9 @@ embeddings on one `Trunk` of `Block`s; `MODELS` maps each config class to its mo
 (`build_model`), and a new family is one entry there.
 
 In another codebase's model, `add_mask_prior` gives every attention layer its own `MaskPrior`:
-nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
-Whisper, CLIP, Swin...), or any module with an additive-mask keyword; `from_pretrained` loads a Hugging
-Face model saved with them, `remove_mask_prior` takes them out again.
+nn.MultiheadAttention, timm's and Hugging Face's attention (GPT-2, BERT, ViT, Llama, Mistral, BART,
+T5, Whisper, CLIP, Swin...), or any module with an additive-mask keyword; `from_pretrained` loads a
+Hugging Face model saved with them, `remove_mask_prior` takes them out again.
 
 This file imports only torch and the standard library (transformers only inside the Hugging Face
 calls): copy it into your codebase. Reading order: the method first (pattern builders -> mask
@@ -43,17 +43,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------
-# The public arguments, in one table as train.py's flags are: an argument's name means one thing wherever the
-# library takes it (ARGS), and `checked` checks every argument of a public function that the table names (None
-# passes where the function's default is None). Each refusal is one ValueError line: what, what is expected.
+# The public arguments, in one table as train.py's flags are: an argument's name means one thing
+# wherever the library takes it (ARGS), and `checked` checks every argument of a public function
+# that the table names (None passes where the function's default is None). Each refusal is one
+# ValueError line: what, what is expected.
 
 
 @dataclass(frozen=True)
 class Arg:
-    """What a public argument of this name must be: `kind` bool, int, real (finite), pattern (a bool tensor that
-    allows a pair), logits (a finite float tensor), maps (finite probabilities that attend somewhere), indices (a
-    list or 1-D tensor of positions) or offsets ((dr, dc) pairs of ints); ints and reals at least `least` (above it
-    where `above`)."""
+    """What a public argument of this name must be: `kind` bool, int, real (finite), pattern (a
+    bool tensor that allows a pair), logits (a finite float tensor), maps (finite probabilities
+    that attend somewhere), indices (a list or 1-D tensor of positions) or offsets ((dr, dc) pairs
+    of ints); ints and reals at least `least` (above it where `above`)."""
     kind: str
     least: float | None = None
     above: bool = False
@@ -62,11 +63,13 @@ class Arg:
 ARGS = {
     **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal", "keys", "per_head",
                                 "prefix", "cross_attention", "flex")},
-    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel", "top_k")},
+    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel",
+                                  "top_k")},
     **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
     **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
     "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
-    "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"), "readout": Arg("indices"),
+    "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
+        "readout": Arg("indices"),
     "offsets": Arg("offsets"),
 }
 
@@ -87,7 +90,8 @@ def checked(fn):
 
 
 def check_arg(name: str, value, who: str) -> None:
-    """Refuse `value` for the argument `name` unless it is what ARGS says, in one ValueError line."""
+    """Refuse `value` for the argument `name` unless it is what ARGS says, in one ValueError
+    line."""
     arg = ARGS[name]
     if arg.kind == "bool":
         return _check_bool(name, value, who)
@@ -95,7 +99,8 @@ def check_arg(name: str, value, who: str) -> None:
         number = numbers.Integral if arg.kind == "int" else numbers.Real
         bound = "" if arg.least is None else f" {'>' if arg.above else '>='} {arg.least:g}"
         if not isinstance(value, number) or isinstance(value, bool) or not math.isfinite(value) or (
-                arg.least is not None and (value <= arg.least if arg.above else value < arg.least)):
+                arg.least is not None and (value <= arg.least if arg.above
+                                           else value < arg.least)):
             what = "an integer" if arg.kind == "int" else "a finite number"
             raise ValueError(f"{who}: {name} must be {what}{bound}, got {value!r}" + (
                 "" if arg.kind == "int" else f"; give a float such as {name}=5.0"))
@@ -112,21 +117,23 @@ def _check_tensor(name: str, value, who: str, floating: bool) -> None:
         raise ValueError(f"{who}: {name} must be {kind} tensor (..., N, N), got {what}" + (
             "" if floating else "; for real-valued M give logits= instead"))
     if floating and not bool(torch.isfinite(value).all()):
-        raise ValueError(f"{who}: {name} hold non-finite values (nan or inf); M is finite only from finite numbers")
+        raise ValueError(f"{who}: {name} hold non-finite values (nan or inf); M is finite only "
+                         "from finite numbers")
 
 
 def _check_pattern_arg(name: str, value, who: str) -> None:
     _check_tensor(name, value, who, floating=False)
     if not bool(value.any()):
-        raise ValueError(f"{who}: {name} of shape {tuple(value.shape)} allows no pair: a prior from it is no prior")
+        raise ValueError(f"{who}: {name} of shape {tuple(value.shape)} allows no pair: a prior "
+                         "from it is no prior")
 
 
 def _check_maps_arg(name: str, value, who: str) -> None:
     _check_maps(value, who)
     negative = bool((value < 0).any())
     if negative or not bool((value.sum(-1) > 0).all()):
-        raise ValueError(f"{who}: attention maps are probabilities: each row >= 0 and attending somewhere, got "
-                         f"{'negative values' if negative else 'a row of zeros'}")
+        raise ValueError(f"{who}: attention maps are probabilities: each row >= 0 and attending "
+                         f"somewhere, got {'negative values' if negative else 'a row of zeros'}")
 
 
 def _check_indices(name: str, value, who: str) -> None:
@@ -134,33 +141,38 @@ def _check_indices(name: str, value, who: str) -> None:
         value.dtype != torch.bool or isinstance(value, (list, tuple, range)) and \
         all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value)
     if not ok or len(value) == 0 or min(int(i) for i in value) < 0:
-        raise ValueError(f"{who}: {name} must be a non-empty list (or 1-D integer tensor) of positions >= 0, got "
-                         f"{value!r}"[:240])
+        raise ValueError(f"{who}: {name} must be a non-empty list (or 1-D integer tensor) of "
+                         f"positions >= 0, got {value!r}"[:240])
 
 
 def _check_offsets(name: str, value, who: str) -> None:
     pairs = list(value) if isinstance(value, (list, tuple)) else None
     if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(
-            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in p) for p in pairs):
-        raise ValueError(f"{who}: {name} must be a non-empty list of (dr, dc) pairs of integers, got {value!r}"[:240])
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in p)
+                            for p in pairs):
+        raise ValueError(f"{who}: {name} must be a non-empty list of (dr, dc) pairs of integers, "
+                         f"got {value!r}"[:240])
 
 
-_TENSOR_CHECKS = {"pattern": _check_pattern_arg, "logits": lambda n, v, w: _check_tensor(n, v, w, floating=True),
-                  "maps": _check_maps_arg, "indices": _check_indices, "offsets": _check_offsets}
+_TENSOR_CHECKS = {"pattern": _check_pattern_arg, "logits": lambda n, v,
+                  w: _check_tensor(n, v, w, floating=True), "maps": _check_maps_arg,
+                  "indices": _check_indices, "offsets": _check_offsets}
 
 
 def _check_bool(name: str, value, who: str) -> None:
     """Refuse a switch that is not True or False: "no" or 1 would be taken as True."""
     if not isinstance(value, bool):
-        raise ValueError(f"{who}: {name} must be True or False, got {value!r} ({type(value).__name__}); pass a bool "
-                         f"(a string or number would be read as True or False by its truth value)")
+        raise ValueError(f"{who}: {name} must be True or False, got {value!r} "
+                         f"({type(value).__name__}); pass a bool (a string or number would be "
+                         "read as True or False by its truth value)")
 
 
 def _pattern_or_logits(pattern, logits, who: str) -> None:
     """Refuse a pattern and logits given together (one of them would be dropped without a word)."""
     if pattern is not None and logits is not None:
-        raise ValueError(f"{who}: got both a pattern and logits, and one would be dropped; a prior starts from one: "
-                         f"give pattern= (bool, M = +m_on / -m_off) or logits= (M itself), not both")
+        raise ValueError(f"{who}: got both a pattern and logits, and one would be dropped; a "
+                         "prior starts from one: give pattern= (bool, M = +m_on / -m_off) or "
+                         "logits= (M itself), not both")
 
 
 # ----------------------------------------------------------------------------------------
@@ -169,13 +181,16 @@ def _pattern_or_logits(pattern, logits, who: str) -> None:
 
 
 @checked
-def pattern_from_pairs(n: int, pairs, symmetric: bool = False, self_loops: bool = True) -> torch.Tensor:
-    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal.
-    A pair outside 0 .. N-1 is an error (a negative index would wrap around to the end)."""
+def pattern_from_pairs(n: int, pairs, symmetric: bool = False,
+                       self_loops: bool = True) -> torch.Tensor:
+    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with
+    diagonal. A pair outside 0 .. N-1 is an error (a negative index would wrap around to the
+    end)."""
     p = torch.zeros(n, n, dtype=torch.bool)
     for i, j in pairs:
         if not (0 <= i < n and 0 <= j < n):
-            raise ValueError(f"pattern_from_pairs: pair ({i}, {j}) is outside positions 0 .. {n - 1}")
+            raise ValueError(f"pattern_from_pairs: pair ({i}, {j}) is outside positions 0 .. "
+                             f"{n - 1}")
         p[i, j] = True
         if symmetric:
             p[j, i] = True
@@ -196,7 +211,8 @@ def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
 
 @checked
 def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
-    """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False pattern."""
+    """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False
+    pattern."""
     out = torch.zeros(*pattern.shape[:-2], n, n, dtype=torch.bool)
     k = pattern.shape[-1]
     out[..., offset:offset + k, offset:offset + k] = pattern
@@ -204,7 +220,8 @@ def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 
 
 @checked
-def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
+def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0,
+                    prefix_all: bool = True) -> torch.Tensor:
     """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
 
     Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
@@ -214,8 +231,9 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
     n = n_prefix + grid_h * grid_w
     for dr, dc in offsets:
         if abs(dr) >= grid_h or abs(dc) >= grid_w:
-            raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x {grid_w} grid from every "
-                             f"patch (each would fall back to itself): give offsets inside the grid")
+            raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x "
+                             f"{grid_w} grid from every patch (each would fall back to itself): "
+                             "give offsets inside the grid")
     pats = []
     for dr, dc in offsets:
         p = torch.zeros(n, n, dtype=torch.bool)
@@ -234,13 +252,15 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
 
 
 def _grid_displacements(grid_h: int, grid_w: int) -> torch.Tensor:
-    """(P, P, 2) float: (row, column) of key patch minus that of query patch, P = grid_h * grid_w."""
+    """(P, P, 2) float: (row, column) of key patch minus that of query patch, P = grid_h *
+    grid_w."""
     rc = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
     return (rc[None, :, :] - rc[:, None, :]).float()
 
 
 def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
-    """(H, P, P) -> (H, n_prefix + P, n_prefix + P): prefix rows and columns (e.g. CLS) set to `fill`."""
+    """(H, P, P) -> (H, n_prefix + P, n_prefix + P): prefix rows and columns (e.g. CLS) set to
+    `fill`."""
     if not n_prefix:
         return grid
     h, p, _ = grid.shape
@@ -250,7 +270,8 @@ def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
 
 
 @checked
-def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix: int = 0) -> torch.Tensor:
+def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int,
+                   n_prefix: int = 0) -> torch.Tensor:
     """(H, N, N) bool: every head may see the kernel x kernel window of patches around the query (a
     local attention shared by all heads); prefix tokens see and are seen by every token."""
     d = _grid_displacements(grid_h, grid_w).abs()
@@ -268,7 +289,8 @@ def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: fl
     d = _grid_displacements(grid_h, grid_w)
     off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
     sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
-    return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix, float(m_on))
+    return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix,
+                        float(m_on))
 
 
 # The 3x3 offsets in the order of the 2025 structured-initialization code:
@@ -277,7 +299,8 @@ IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), 
 
 
 @checked
-def random_impulse_offsets(n_heads: int, kernel: int = 3, generator: torch.Generator | None = None):
+def random_impulse_offsets(n_heads: int, kernel: int = 3,
+                           generator: torch.Generator | None = None):
     """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
     idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
     return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
@@ -319,7 +342,8 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 # ----------------------------------------------------------------------------------------
 # Mask helpers
 
-M_ON, M_OFF = 5.0, 5.0     # the initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007)
+# the initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007)
+M_ON, M_OFF = 5.0, 5.0
 
 
 def check_pattern(pattern) -> None:
@@ -328,13 +352,15 @@ def check_pattern(pattern) -> None:
         raise ValueError("no pattern: give a bool (N, N) or (heads, N, N) pattern, or logits")
     if not isinstance(pattern, torch.Tensor) or pattern.dtype != torch.bool:
         what = pattern.dtype if isinstance(pattern, torch.Tensor) else type(pattern).__name__
-        raise ValueError(f"a pattern is a bool tensor (True = allowed pair), got {what}; for real-valued M give "
-                         f"logits= instead")
+        raise ValueError(f"a pattern is a bool tensor (True = allowed pair), got {what}; for "
+                         "real-valued M give logits= instead")
 
 
 @checked
-def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
-    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
+def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON,
+                             m_off: float = M_OFF) -> torch.Tensor:
+    """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both
+    finite."""
     return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
 
 
@@ -344,7 +370,8 @@ def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
 
 
 @checked
-def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: torch.Tensor) -> torch.Tensor:
+def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor,
+                    mask_logits: torch.Tensor) -> torch.Tensor:
     """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
 
     attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
@@ -369,57 +396,65 @@ class MaskPrior(nn.Module):
     on future keys when `causal`. `param="full"`: M is (heads, n, n), one logit per (query, key);
     `param="relative"`: one logit per head and distance i - j, a (heads, n) table when causal
     ((heads, 2n - 1) otherwise), log sigmoid taken on the table and then gathered, so the prior
-    costs O(heads x n) parameters instead of O(heads x n^2). By default (`param=None`) a causal prior whose pattern
-    or logits depend on i - j alone (`depends_on_distance`: a distance prior, a band) is stored relative, anything
-    else (a layout: a grid, a CLS token, a non-causal band) full. M starts from `pattern` (bool (n, n)
-    or (heads, n, n): +m_on on allowed pairs, -m_off elsewhere), from `logits`, or at 0 (the same
-    constant on every logit: no prior until `init_mask_` sets it). Shaped for the caller:
+    costs O(heads x n) parameters instead of O(heads x n^2). By default (`param=None`) a causal
+    prior whose pattern or logits depend on i - j alone (`depends_on_distance`: a distance prior, a
+    band) is stored relative, anything else (a layout: a grid, a CLS token, a non-causal band)
+    full. M starts from `pattern` (bool (n, n) or (heads, n, n): +m_on on allowed pairs, -m_off
+    elsewhere), from `logits`, or at 0 (the same constant on every logit: no prior until
+    `init_mask_` sets it). Shaped for the caller:
 
         prior(t)                -> (heads, t, t)          F.scaled_dot_product_attention(attn_mask=...)
         prior(q_len, k_len=s)   -> (heads, q_len, s)      a causal layer with a KV cache of s keys
         prior.for_mha(b, t)     -> (b * heads, t, t)      nn.MultiheadAttention(attn_mask=...)
         prior.for_4d(b, t)      -> (b, heads, t, t)       a 4-D additive mask (Hugging Face style)
 
-    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit
-    (the far bucket, as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024
-    tokens and generation past n, and costs O(heads x n) whatever the length. A full M serves at most n
-    tokens: by default exactly n; a causal one reads a prefix (a prompt) and, with a KV
-    cache, the rows of the last q_len of its k_len positions. `prefix=True` lets a non-causal prior
-    read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size is
-    another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of
-    (heads, n, n_keys). M stays float32 when the module is cast to half precision (an Adam step
-    of 1e-3 on |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`,
+    Lengths: a relative prior serves any length: a distance past its table reads the table's last
+    logit (the far bucket, as T5's relative bias does past its max_distance), so a prior of n = 128
+    serves 1,024 tokens and generation past n, and costs O(heads x n) whatever the length. A full M
+    serves at most n tokens: by default exactly n; a causal one reads a prefix (a prompt) and, with
+    a KV cache, the rows of the last q_len of its k_len positions. `prefix=True` lets a non-causal
+    prior read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size
+    is another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of
+    (heads, n, n_keys). M stays float32 when the module is cast to half precision (an Adam step of
+    1e-3 on |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`,
     `prior_parameter_names`), or the decay erases the prior.
     """
 
     @checked
-    def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None, m_on: float = M_ON,
-                 m_off: float = M_OFF, causal: bool = False, logits: torch.Tensor | None = None,
-                 param: str | None = None, n_keys: int | None = None, prefix: bool = False):
+    def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None,
+                 m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
+                 logits: torch.Tensor | None = None, param: str | None = None,
+                 n_keys: int | None = None, prefix: bool = False):
         super().__init__()
         if param not in (None, "full", "relative"):
-            raise ValueError(f"MaskPrior param must be 'full', 'relative' or None (relative where the prior depends "
-                             f"on i - j alone), got {param!r}")
+            raise ValueError("MaskPrior param must be 'full', 'relative' or None (relative where "
+                             f"the prior depends on i - j alone), got {param!r}")
         _pattern_or_logits(pattern, logits, "MaskPrior")
         src = logits if logits is not None else pattern
-        if param is None:       # a causal distance prior is stored by distance; anything else (a layout) by pair
+        # a causal distance prior is stored by distance; anything else (a layout) by pair
+        if param is None:
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if n_keys is not None and (causal or param != "full"):
             raise ValueError("a cross-attention MaskPrior (n_keys) is non-causal with param='full'")
         self.n, self.heads, self.causal, self.param = n, heads, causal, param
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
-        self.where = "MaskPrior"              # the layer it serves, for error messages (set by add_mask_prior)
+        # the layer it serves, for error messages (set by add_mask_prior)
+        self.where = "MaskPrior"
         self.record = None                    # a list while `attention_maps` records probabilities
-        self.use_flex = False                 # a retrofitted HF layer on CUDA: M inside flex_attention (`flex`)
-        self.roles = None                     # (rows, cols) (B, L) long while `prior_roles` is in effect
+        # a retrofitted HF layer on CUDA: M inside flex_attention (`flex`)
+        self.use_flex = False
+        # (rows, cols) (B, L) long while `prior_roles` is in effect
+        self.roles = None
         size = (heads, n, self.n_keys) if param == "full" else (heads, n if causal else 2 * n - 1)
-        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging Face Trainer's names
-        # holding "bias", timm's ".bias", minGPT's): decay would pull M to 0 and erase the prior. float32 whatever the
-        # default dtype.
+        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging
+        # Face Trainer's names holding "bias", timm's ".bias", minGPT's): decay would pull M to 0
+        # and erase the prior. float32 whatever the default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
-        self.unset = False                    # to_empty gave M memory but no values: set or load it first
+        # to_empty gave M memory but no values: set or load it first
+        self.unset = False
         if pattern is not None and causal:
-            _check_past_only(pattern, f"{self.where}: the pattern allows", "give pattern & mp.causal_pattern(n)")
+            _check_past_only(pattern, f"{self.where}: the pattern allows",
+                             "give pattern & mp.causal_pattern(n)")
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
                                                                                                        m_off)
         if src is not None:
@@ -430,8 +465,8 @@ class MaskPrior(nn.Module):
         return f"n={self.n}{keys}, heads={self.heads}, causal={self.causal}, param={self.param}, prefix={self.prefix}"
 
     def _apply(self, fn, *args, **kwargs):
-        """M keeps float32 through model.to(bfloat16) / .half(): a cast to a narrower float is undone on M
-        from the float32 values (device moves and float64 pass)."""
+        """M keeps float32 through model.to(bfloat16) / .half(): a cast to a narrower float is
+        undone on M from the float32 values (device moves and float64 pass)."""
         def keep_float32(t):
             out = fn(t)
             if out.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16) and t.dtype == torch.float32:
@@ -439,26 +474,30 @@ class MaskPrior(nn.Module):
             return out
         was_meta = self.bias.is_meta
         out = super()._apply(keep_float32, *args, **kwargs)
-        self.unset = self.unset or (was_meta and not self.bias.is_meta)     # to_empty: memory, no values
+        # to_empty: memory, no values
+        self.unset = self.unset or (was_meta and not self.bias.is_meta)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the outputs would be nan)."""
+        """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the
+        outputs would be nan)."""
         saved = state_dict.get(prefix + "bias")
         if isinstance(saved, torch.Tensor) and saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
             raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
-                             f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is no prior")
+                             f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is "
+                             "no prior")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.unset = self.unset and prefix + "bias" not in state_dict
 
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
-        """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a float64 M."""
+        """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a
+        float64 M."""
         return m if m.dtype == torch.float64 else m.float()
 
     def _index(self, d: torch.Tensor) -> torch.Tensor:
-        """The relative table's index of distances d = i - j (any shape): d itself when causal (future keys at 0,
-        masked later), else d + n - 1; distances past the table read its last logit (its first, for the keys far
-        after the query of a non-causal prior)."""
+        """The relative table's index of distances d = i - j (any shape): d itself when causal
+        (future keys at 0, masked later), else d + n - 1; distances past the table read its last
+        logit (its first, for the keys far after the query of a non-causal prior)."""
         return d.clamp(0, self.n - 1) if self.causal else d.clamp(1 - self.n, self.n - 1) + self.n - 1
 
     def _square(self) -> torch.Tensor:
@@ -468,15 +507,18 @@ class MaskPrior(nn.Module):
 
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
-        """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they
-        depend on i - j alone (on and below the diagonal when causal). A causal prior refuses logits that allow a
-        future key (M > 0 there: log sigmoid(M) would keep most of its weight), which it would drop in silence."""
-        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.bias.device, self.bias.dtype)
+        """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only
+        if they depend on i - j alone (on and below the diagonal when causal). A causal prior
+        refuses logits that allow a future key (M > 0 there: log sigmoid(M) would keep most of its
+        weight), which it would drop in silence."""
+        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.bias.device,
+                                                                     self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
-            raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite matrix (log sigmoid(M) "
-                             f"of +-inf or nan is no prior)")
+            raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite "
+                             "matrix (log sigmoid(M) of +-inf or nan is no prior)")
         if self.causal:
-            _check_past_only(full, f"{self.where}: the logits allow", "set them to at most 0 there (e.g. "
+            _check_past_only(full, f"{self.where}: the logits allow",
+                             "set them to at most 0 there (e.g. "
                              "logits.tril(), or logits built with causal=True)")
         if self.param == "full":
             self.bias.copy_(full)
@@ -487,30 +529,33 @@ class MaskPrior(nn.Module):
         seen = seen.tril() if self.causal else seen
         table = torch.zeros_like(self.bias).scatter_(1, idx[:, seen].view(self.heads, -1),
                                                             full[:, seen].view(self.heads, -1))
-        if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)), full[:, seen].view(self.heads, -1)):
-            raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, but these logits "
-                             "differ along a diagonal; use param='full' for them")
+        if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)),
+                           full[:, seen].view(self.heads, -1)):
+            raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, "
+                             "but these logits differ along a diagonal; use param='full' for them")
         self.bias.copy_(table)
         self.unset = False
 
     def check_set(self) -> None:
-        """Refuse to serve an M that `to_empty` moved off the meta device and nothing set since: its memory is
-        uninitialised."""
+        """Refuse to serve an M that `to_empty` moved off the meta device and nothing set since:
+        its memory is uninitialised."""
         if self.unset:
-            raise ValueError(f"{self.where}: M was built on the meta device and holds no values yet (to_empty leaves "
-                             f"memory uninitialised): set it (init_mask_, set_logits) or load a state dict first")
+            raise ValueError(f"{self.where}: M was built on the meta device and holds no values "
+                             "yet (to_empty leaves memory uninitialised): set it (init_mask_, "
+                             "set_logits) or load a state dict first")
 
     def full_logits(self) -> torch.Tensor:
-        """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal one are
-        its distance-0 logit, and masked in the bias)."""
+        """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal
+        one are its distance-0 logit, and masked in the bias)."""
         if self.param == "full":
             return self.bias
         return self.bias[:, self._index(self._square())]
 
     def _first_row(self, t: int, s: int, start: int | None = None) -> int:
-        """The first of the t query rows the prior serves with s keys (`start`, when the caller knows the
-        first query's position, e.g. from a static KV cache whose s keys include empty slots; else s - t);
-        raises in one line when (t, s) does not fit, naming the way out. A relative prior serves any length."""
+        """The first of the t query rows the prior serves with s keys (`start`, when the caller
+        knows the first query's position, e.g. from a static KV cache whose s keys include empty
+        slots; else s - t); raises in one line when (t, s) does not fit, naming the way out. A
+        relative prior serves any length."""
         if self.param == "relative":
             first = start if start is not None and self.causal else s - t
             if (first < 0 or first + t > s) if self.causal else s != t:
@@ -519,8 +564,9 @@ class MaskPrior(nn.Module):
             return first if self.causal else 0
         if start is not None and self.causal:
             if start + t > min(s, self.n):
-                raise ValueError(f"{self.where}: queries at positions {start} .. {start + t - 1} with {s} keys do not "
-                                 f"fit the mask size {self.n}: a causal prior serves positions 0 .. {self.n - 1}")
+                raise ValueError(f"{self.where}: queries at positions {start} .. {start + t - 1} "
+                                 f"with {s} keys do not fit the mask size {self.n}: a causal "
+                                 f"prior serves positions 0 .. {self.n - 1}")
             return start
         fits = (s <= self.n and t <= s) if self.causal else \
             (t <= self.n and s <= self.n_keys and (self.cross or s == t)
@@ -528,59 +574,73 @@ class MaskPrior(nn.Module):
         if not fits:
             size = f"{self.n} x {self.n_keys}" if self.cross else f"{self.n}"
             keys = f" with {s} keys" if s != t or self.cross else ""
-            way = ("a causal prior serves at most its n positions (with a KV cache, q_len <= k_len <= n)"
-                   if self.causal else "a shorter sequence is served only with prefix=True (positions 0..t-1, "
-                   "right-padded text); an image of another size is another grid: build the prior for that "
-                   "grid, or feed the size it was built for")
-            raise ValueError(f"{self.where}: sequence length {t}{keys} does not fit the mask size {size}: {way}")
+            way = ("a causal prior serves at most its n positions (with a KV cache, q_len <= "
+                   "k_len <= n)"
+                   if self.causal else "a shorter sequence is served only with prefix=True "
+                                       "(positions 0..t-1, right-padded text); an image of "
+                                       "another size is another grid: build the prior for that "
+                                       "grid, or feed the size it was built for")
+            raise ValueError(f"{self.where}: sequence length {t}{keys} does not fit the mask size "
+                             f"{size}: {way}")
         return s - t if self.causal else 0
 
-    def forward(self, t: int | None = None, dtype: torch.dtype | None = None, k_len: int | None = None,
-                start: int | None = None) -> torch.Tensor:
+    def forward(self, t: int | None = None, dtype: torch.dtype | None = None,
+                k_len: int | None = None, start: int | None = None) -> torch.Tensor:
         t = self.n if t is None else t
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
         if not (isinstance(t, int) and isinstance(s, int) and t >= 1 and s >= 1):
-            raise ValueError(f"{self.where}: a prior serves t >= 1 queries and k_len >= 1 keys, got {t!r} and {s!r}")
+            raise ValueError(f"{self.where}: a prior serves t >= 1 queries and k_len >= 1 keys, "
+                             f"got {t!r} and {s!r}")
         self.check_set()
         r = self._first_row(t, s, start)
-        # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
+        # keys past a full M (empty slots of a static cache) are future keys; a relative M reads
+        # every key
         c = s if self.param == "relative" else min(s, self.n_keys)
-        if self.roles is not None:                  # per example: M's row of each query's role, column of each key's
+        # per example: M's row of each query's role, column of each key's
+        if self.roles is not None:
             rows, cols = self.roles
             if rows.shape[1] < r + t or cols.shape[1] < c:
-                raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} queries and {c} keys")
+                raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} "
+                                 f"queries and {c} keys")
             rq, kc = rows[:, r:r + t].to(self.bias.device), cols[:, :c].to(self.bias.device)
             bias = mask_bias(self._logits(self.full_logits()))[:, rq[:, :, None], kc[:, None, :]].transpose(0, 1)
         elif self.param == "full":
             bias = mask_bias(self._logits(self.bias[:, r:r + t, :c]))
-        else:           # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
+        # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz
+        # copy
+        else:
             dist = torch.arange(r + t - 1, r - c, -1, device=self.bias.device)
             line = mask_bias(self._logits(self.bias))[:, self._index(dist)]
             line = line.masked_fill(dist < 0, float("-inf")) if self.causal else line
-            bias = line.unfold(1, c, 1).flip(1)     # row i, key j: line[t - 1 - i + j], distance r + i - j
+            # row i, key j: line[t - 1 - i + j], distance r + i - j
+            bias = line.unfold(1, c, 1).flip(1)
         if self.causal and self.param == "full":
             bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
     def flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read inside the kernel (a
-        score_mod indexing the (heads, N, N) bias, or the relative table by distance), never a (B, heads, T, T) bias
-        in memory, and stays learnable; a causal prior's future is a block mask. Self-attention of T <= N tokens
-        (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused
-        kernel, forward and backward), torch's reference implementation elsewhere."""
+        """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read
+        inside the kernel (a score_mod indexing the (heads, N, N) bias, or the relative table by
+        distance), never a (B, heads, T, T) bias in memory, and stays learnable; a causal prior's
+        future is a block mask. Self-attention of T <= N tokens (`prior_roles` takes the bias
+        path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused kernel,
+        forward and backward), torch's reference implementation elsewhere."""
         t = q.shape[-2]
         self._first_row(t, t)
         self.check_set()
-        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or self.bias.requires_grad):
-            raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
-                             f"or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
+        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad
+                                                                   or self.bias.requires_grad):
+            raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: "
+                             "train with it on CUDA, or use the fused or explicit path here (its "
+                             "forward runs on the CPU under torch.no_grad)")
         table = mask_bias(self._logits(self.bias)).to(q.dtype)
         if self.param == "full":
             def score_mod(score, b, h, i, j):
                 return score + table[h, i, j]
         else:
-            lo, hi, offset = (0, self.n - 1, 0) if self.causal else (1 - self.n, self.n - 1, self.n - 1)
+            lo, hi, offset = (0, self.n - 1, 0) if self.causal else (1 - self.n, self.n - 1,
+                                                                     self.n - 1)
 
             def score_mod(score, b, h, i, j):               # `_index`, written out for the kernel
                 return score + table[h, (i - j).clamp(lo, hi) + offset]
@@ -588,30 +648,35 @@ class MaskPrior(nn.Module):
         return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block)
 
     def check_roles_batch(self, batch: int) -> None:
-        """Refuse a batch of another size than the roles `prior_roles` gave (one row of roles per example): a bias
-        of one example broadcast over the batch would read every example by the first one's layout."""
+        """Refuse a batch of another size than the roles `prior_roles` gave (one row of roles per
+        example): a bias of one example broadcast over the batch would read every example by the
+        first one's layout."""
         if self.roles is not None and self.roles[0].shape[0] != batch:
-            raise ValueError(f"{self.where}: prior_roles gave roles for {self.roles[0].shape[0]} examples, but this "
-                             f"call's batch holds {batch}: give rows and cols of shape (batch, L), one row per example")
+            raise ValueError(f"{self.where}: prior_roles gave roles for {self.roles[0].shape[0]} "
+                             f"examples, but this call's batch holds {batch}: give rows and cols "
+                             "of shape (batch, L), one row per example")
 
     def for_mha(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
                 k_len: int | None = None) -> torch.Tensor:
-        """(batch * heads, t, k_len), batch-major as nn.MultiheadAttention reads a 3-D attn_mask."""
+        """(batch * heads, t, k_len), batch-major as nn.MultiheadAttention reads a 3-D
+        attn_mask."""
         return self(t, dtype, k_len).repeat(batch, 1, 1)
 
     def for_4d(self, batch: int, t: int | None = None, dtype: torch.dtype | None = None,
                k_len: int | None = None) -> torch.Tensor:
-        """(batch, heads, t, k_len): add a padding mask of shape (batch, 1, 1, k_len) to it if you have one."""
+        """(batch, heads, t, k_len): add a padding mask of shape (batch, 1, 1, k_len) to it if you
+        have one."""
         b = self(t, dtype, k_len)
         return b.unsqueeze(0).expand(batch, *b.shape)
 
 
-_FLEX: dict = {}            # flex_attention compiled for CUDA and causal block masks, made on first use (not at import)
+# flex_attention compiled for CUDA and causal block masks, made on first use (not at import)
+_FLEX: dict = {}
 
 
 def _flex_attention(device_type: str):
-    """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the reference implementation,
-    torch's warning about it silenced: it is what runs on a CPU)."""
+    """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the
+    reference implementation, torch's warning about it silenced: it is what runs on a CPU)."""
     import warnings
     from torch.nn.attention.flex_attention import flex_attention
     if device_type == "cuda":
@@ -627,7 +692,8 @@ def _flex_attention(device_type: str):
 
 
 def _causal_block_mask(t: int, device: torch.device):
-    """flex_attention's block mask of a causal layer of t tokens (key j <= query i), cached per size and device."""
+    """flex_attention's block mask of a causal layer of t tokens (key j <= query i), cached per
+    size and device."""
     from torch.nn.attention.flex_attention import create_block_mask
     key = ("causal", t, str(device))
     if key not in _FLEX:
@@ -636,23 +702,24 @@ def _causal_block_mask(t: int, device: torch.device):
 
 
 def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
-    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose future half holds
-    structure (allowed pairs, M > 0, that vary from pair to pair: a band, another model's non-causal attention), which
-    the causal mask would drop in silence. A future that is the same everywhere (all allowed, a neutral M = +30, or
-    all -inf-like) says nothing and passes."""
+    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose
+    future half holds structure (allowed pairs, M > 0, that vary from pair to pair: a band, another
+    model's non-causal attention), which the causal mask would drop in silence. A future that is
+    the same everywhere (all allowed, a neutral M = +30, or all -inf-like) says nothing and
+    passes."""
     later = future_keys(values.shape[-1], values.device)
     future = values[..., later]                                  # (..., pairs above the diagonal)
     allowed = future if future.dtype == torch.bool else future > 0
     if bool(allowed.any()) and not bool((future == future.flatten()[0]).all()):
         i, j = (int(v) for v in later.nonzero()[int(allowed.reshape(-1, future.shape[-1]).any(0).nonzero()[0])])
-        raise ValueError(f"{what} {int(allowed.sum())} future keys (e.g. query {i}, key {j}), which a causal layer "
-                         f"never sees: {way}")
+        raise ValueError(f"{what} {int(allowed.sum())} future keys (e.g. query {i}, key {j}), "
+                         f"which a causal layer never sees: {way}")
 
 
 @checked
 def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
-    """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and below the diagonal when
-    `causal`): what a relative prior (`param="relative"`) holds exactly."""
+    """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and
+    below the diagonal when `causal`): what a relative prior (`param="relative"`) holds exactly."""
     if not isinstance(values, torch.Tensor) or values.dim() not in (2, 3) or values.shape[-1] != values.shape[-2]:
         return False
     same = values[..., 1:, 1:] == values[..., :-1, :-1]          # (i + 1, j + 1) against (i, j)
@@ -667,21 +734,24 @@ def mask_priors(model: nn.Module) -> list[MaskPrior]:
 
 @contextlib.contextmanager
 def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
-    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to
-    example (operands of varying length, say): M is indexed by role, not by position. rows, cols: (B, L)
-    long, the role (a row, a column of M, in 0..n-1) of each example's positions as a query and as a
-    key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i], cols[b, j]]), a
-    (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise with the position
-    keep a causal prior causal. Outside the block (the probes, a layout with rows = cols = 0..n-1)
-    M is read by position as usual. A model without a prior is left alone. Served in maskprior's own models and
-    in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm, keyword), with one row of roles
-    per example of each call (another batch size is refused); a cross-attention prior is refused."""
+    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example
+    to example (operands of varying length, say): M is indexed by role, not by position. rows,
+    cols: (B, L) long, the role (a row, a column of M, in 0..n-1) of each example's positions as a
+    query and as a key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i],
+    cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise
+    with the position keep a causal prior causal. Outside the block (the probes, a layout with rows
+    = cols = 0..n-1) M is read by position as usual. A model without a prior is left alone. Served
+    in maskprior's own models and in every self-attention layer add_mask_prior serves (torch,
+    Hugging Face, timm, keyword), with one row of roles per example of each call (another batch
+    size is refused); a cross-attention prior is refused."""
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
-                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n) for x in (rows, cols)):
-            raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, long, in 0..{p.n - 1} "
-                             f"(self-attention); got {tuple(rows.shape)} and {tuple(cols.shape)}")
+                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n)
+                          for x in (rows, cols)):
+            raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, "
+                             f"long, in 0..{p.n - 1} (self-attention); got {tuple(rows.shape)} "
+                             f"and {tuple(cols.shape)}")
     for p in priors:
         p.roles = (rows, cols)
     try:
@@ -692,8 +762,9 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
 
 
 def prior_parameter_names(model: nn.Module) -> list[str]:
-    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser builder must
-    keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay list)."""
+    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser
+    builder must keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay
+    list)."""
     return [f"{name}.bias" if name else "bias"
             for name, m in model.named_modules() if isinstance(m, MaskPrior)]
 
@@ -703,43 +774,55 @@ def prior_parameter_names(model: nn.Module) -> list[str]:
 
 
 def _cpu_kernel():
-    """torch's fused CPU attention kernel as an op that takes a float mask beside is_causal and gives the row
-    log-sum-exp (the aten op behind F.scaled_dot_product_attention, torch >= 2.3); None where this torch lacks it."""
+    """torch's fused CPU attention kernel as an op that takes a float mask beside is_causal and
+    gives the row log-sum-exp (the aten op behind F.scaled_dot_product_attention, torch >= 2.3);
+    None where this torch lacks it."""
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
-    """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i = e - R."""
+    """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i
+    = e - R."""
     h, r, c = ds.shape
-    pad = F.pad(ds, (r, 0, 0, 1))                   # R zeros before each row, a zero row after the last: the
-    return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)   # skewed rows read only zeros past
+    # R zeros before each row, a zero row after the last: the
+    pad = F.pad(ds, (r, 0, 0, 1))
+    # skewed rows read only zeros past
+    return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)
 
 
 @torch.no_grad()
-def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int = 64):
-    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and
-    row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O),
-    dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees),
-    in float32. dM: dS summed over the batch, by (query, key) for a full M, by distance for a relative one, through
-    log sigmoid. About what the kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d);
-    k, v (B, H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
+def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True,
+              block: int = 64):
+    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward
+    kernel's output and row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP =
+    dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows
+    at a time (only the keys a causal block sees), in float32. dM: dS summed over the batch, by
+    (query, key) for a full M, by distance for a relative one, through log sigmoid. About what the
+    kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B,
+    H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
     h, t, s = bias.shape
-    first, scale = s - t, q.shape[-1] ** -0.5       # query i is at position first + i (after a KV cache)
+    # query i is at position first + i (after a KV cache)
+    first, scale = s - t, q.shape[-1] ** -0.5
     q, k, v, out, dout = (x.float() for x in (q, k, v, out, dout))
     d_rows = (dout * out).sum(-1, keepdim=True)
-    # S - lse and dP - D as one product each: q and dO gain a column (-lse, -D), k and v a column of ones
+    # S - lse and dP - D as one product each: q and dO gain a column (-lse, -D), k and v a column
+    # of ones
     qa, da = torch.cat([q * scale, -lse.unsqueeze(-1)], -1), torch.cat([dout, -d_rows], -1)
     ka, va = F.pad(k, (0, 1), value=1.0), F.pad(v, (0, 1), value=1.0)
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     full = prior.param == "full"
-    dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape, dtype=torch.float64,
+    dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape,
+                                                                        dtype=torch.float64,
                                                                         device=q.device)
     for r0 in range(0, t, block):
         r1 = min(t, r0 + block)
-        c = first + r1 if prior.causal else s       # keys after the block's last query are future keys
+        # keys after the block's last query are future keys
+        c = first + r1 if prior.causal else s
         p = (qa[:, :, r0:r1] @ ka[:, :, :c].transpose(-2, -1)).add_(bias[:, r0:r1, :c])
-        p.clamp_(min=-80.0).exp_()                  # P < e^-80 adds nothing; exp of a number past -87 is 20x slower
-        if prior.causal:                            # the future, only in the block's last keys: exactly 0
+        # P < e^-80 adds nothing; exp of a number past -87 is 20x slower
+        p.clamp_(min=-80.0).exp_()
+        # the future, only in the block's last keys: exactly 0
+        if prior.causal:
             p[..., c - (r1 - r0):].masked_fill_(future_keys(r1 - r0, p.device), 0.0)
         dv[:, :, :c] += p.transpose(-2, -1) @ dout[:, :, r0:r1]
         ds = p.mul_(da[:, :, r0:r1] @ va[:, :, :c].transpose(-2, -1))
@@ -750,12 +833,14 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
         ds = ds.sum(0)                              # (H, rows, keys): the bias is the batch's
         if full:
             dm[:, r0:r1, :c] = ds
-        else:                                       # by diagonal: entry e holds key - query = e - rows
+        # by diagonal: entry e holds key - query = e - rows
+        else:
             dist = first + r1 - torch.arange(r1 - r0 + c, device=q.device)
             dm.index_add_(1, prior._index(dist), _diagonal_sums(ds).double())
     if not need_m:
         return dq, dk, dv, None
-    if full:                                        # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias
+    # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias
+    if full:
         r, c = prior._first_row(t, s), min(s, prior.n_keys)
         dm, rows = torch.zeros_like(prior.bias), dm
         dm[:, r:r + t, :c] = rows[..., :c] * torch.sigmoid(-prior.bias[:, r:r + t, :c])
@@ -765,9 +850,10 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
 
 
 class _FusedPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which reads the bias as a
-    constant (and skips the future's blocks when causal) and saves the row log-sum-exp; backward by `_backward`, which
-    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to rounding)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which
+    reads the bias as a constant (and skips the future's blocks when causal) and saves the row
+    log-sum-exp; backward by `_backward`, which gives M its gradient beside q's, k's and v's.
+    Exact: the explicit path's outputs and gradients (to rounding)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, prior):
@@ -782,39 +868,45 @@ class _FusedPrior(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, bias = ctx.saved_tensors
-        dq, dk, dv, dm = _backward(ctx.prior, q, k, v, out, lse, dout, bias.float(), ctx.needs_input_grad[3])
+        dq, dk, dv, dm = _backward(ctx.prior, q, k, v, out, lse, dout, bias.float(),
+                                   ctx.needs_input_grad[3])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
 
 
-def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPrior) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
-    (B, H, T, d), a causal prior's future hidden. On the CPU through `_FusedPrior` (the fused kernel, M's gradient
-    apart); elsewhere, or per example (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
+def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    prior: MaskPrior) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k,
+    v (B, H, S, d) -> (B, H, T, d), a causal prior's future hidden. On the CPU through
+    `_FusedPrior` (the fused kernel, M's gradient apart); elsewhere, or per example
+    (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
     prior.check_set()
     if q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None and \
             q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype:
         return _FusedPrior.apply(q, k, v, prior.bias, prior)
     bias = prior(q.shape[-2], q.dtype, k_len=k.shape[-2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if bias.dim() == 4 else bias.unsqueeze(0))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if bias.dim() == 4
+                                          else bias.unsqueeze(0))
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with an optional learnable log-sigmoid mask.
 
-    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N)
-    parameter, and T must equal N; the bias log sigmoid(M) is added to the logits. M starts
-    at 0, which adds the same constant to every logit, i.e. no prior until `init_mask_` sets
-    it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
-    (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
-    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T.
-    `fused=True` uses F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
-    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs a layer with
-    M through torch's flex_attention instead (`MaskPrior.flex`: M read inside the kernel).
+    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N) parameter,
+    and T must equal N; the bias log sigmoid(M) is added to the logits. M starts at 0, which adds
+    the same constant to every logit, i.e. no prior until `init_mask_` sets it. `causal=True` adds
+    a hard -inf on future keys; only then may T be shorter than N (a prefix, e.g. a prompt while
+    generating), and the bias is M's top-left T x T block. `mask_param="relative"`: M per head and
+    distance (`mask_window` of them, default N), any T. `fused=True` uses
+    F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
+    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs
+    a layer with M through torch's flex_attention instead (`MaskPrior.flex`: M read inside the
+    kernel).
     """
 
-    def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
-                 causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
-                 flex: bool = False, mask_window: int | None = None):
+    def __init__(self, dim: int, n_heads: int, head_dim: int | None = None,
+                 mask_size: int | None = None, causal: bool = False, qkv_bias: bool = False,
+                 fused: bool = True, mask_param: str = "full", flex: bool = False,
+                 mask_window: int | None = None):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim or dim // n_heads
@@ -822,21 +914,26 @@ class Attention(nn.Module):
         self.fused, self.flex = fused, flex
         inner = n_heads * self.head_dim
         # the prior first: M is the layer's first parameter (and first in the optimiser's state)
-        if mask_window is not None and not (mask_param == "relative" and mask_size and 1 <= mask_window <= mask_size):
-            raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its {mask_size} positions "
-                             f"(mask_param='relative')")
-        self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param) if mask_size
+        if mask_window is not None and not (mask_param == "relative" and mask_size
+                                            and 1 <= mask_window <= mask_size):
+            raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its "
+                             f"{mask_size} positions (mask_param='relative')")
+        self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param)
+                      if mask_size
                       else None)
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
-    def attn_bias(self, t: int, dtype: torch.dtype, k_len: int | None = None) -> torch.Tensor | None:
-        """(heads, T, S) additive bias: log sigmoid(M) plus -inf on the future if causal (None without M)."""
+    def attn_bias(self, t: int, dtype: torch.dtype,
+                  k_len: int | None = None) -> torch.Tensor | None:
+        """(heads, T, S) additive bias: log sigmoid(M) plus -inf on the future if causal (None
+        without M)."""
         return None if self.prior is None else self.prior(t, dtype, k_len=k_len)
 
     def forward(self, x: torch.Tensor, return_attn: bool = False, cache: dict | None = None):
-        """x (B, T, dim) -> (B, T, dim) and the (B, heads, T, S) attention (None on the fused path). `cache`: a dict
-        this layer keeps its keys and values in across calls (a causal layer decoding token by token: S keys)."""
+        """x (B, T, dim) -> (B, T, dim) and the (B, heads, T, S) attention (None on the fused
+        path). `cache`: a dict this layer keeps its keys and values in across calls (a causal layer
+        decoding token by token: S keys)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if cache is not None:
@@ -850,7 +947,8 @@ class Attention(nn.Module):
         elif self.fused and not return_attn and self.prior is not None:
             out = prior_attention(q, k, v, self.prior)
         elif self.fused and not return_attn:
-            late = self.causal and s > t            # queries after a cache: is_causal would align them to key 0
+            # queries after a cache: is_causal would align them to key 0
+            late = self.causal and s > t
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~future_keys(s, x.device)[s - t:] if late else None,
                                                  is_causal=self.causal and not late)
         else:
@@ -867,8 +965,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Sequential):
     def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
-        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim),
-                         nn.Dropout(dropout))
+        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout),
+                         nn.Linear(hidden, dim), nn.Dropout(dropout))
 
 
 @dataclass
@@ -881,13 +979,17 @@ class TrunkConfig:
     mlp_dim: int = 256              # hidden units of the MLP
     learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
     fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
-    flex: bool = False              # a layer with M: torch's flex_attention, M read inside the kernel
+    # a layer with M: torch's flex_attention, M read inside the kernel
+    flex: bool = False
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
-    drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
-    mask_param: str = "full"        # M per (query, key), or "relative": per distance i - j (MaskPrior)
-    mask_window: int | None = None  # a relative M's distances 0 .. W - 1, the last read past them (default: N)
+    # stochastic depth: the last block skips its branches with this probability
+    drop_path: float = 0.0
+    # M per (query, key), or "relative": per distance i - j (MaskPrior)
+    mask_param: str = "full"
+    # a relative M's distances 0 .. W - 1, the last read past them (default: N)
+    mask_window: int | None = None
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -905,12 +1007,13 @@ class Block(nn.Module):
     `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys;
     `drop_path`: this block's stochastic-depth probability."""
 
-    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False, drop_path: float = 0.0):
+    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False,
+                 drop_path: float = 0.0):
         super().__init__()
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias, cfg.fused,
-                              cfg.mask_param, cfg.flex, cfg.mask_window)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias,
+                              cfg.fused, cfg.mask_param, cfg.flex, cfg.mask_window)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
@@ -937,14 +1040,16 @@ class Trunk(nn.Module):
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
-        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]   # timm's: 0 to drop_path
+        # timm's: 0 to drop_path
+        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]
         self.blocks = nn.ModuleList([Block(cfg, mask_size, causal, rate) for rate in rates])
         self.ln_f = nn.LayerNorm(cfg.dim)
 
-    def forward(self, inputs: torch.Tensor, return_attn: bool = False, cache: list[dict] | None = None):
-        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`. `cache`: one dict per
-        block, where a causal model keeps its keys and values between calls (`generate`); the inputs are then the
-        tokens after those already cached."""
+    def forward(self, inputs: torch.Tensor, return_attn: bool = False,
+                cache: list[dict] | None = None):
+        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`.
+        `cache`: one dict per block, where a causal model keeps its keys and values between calls
+        (`generate`); the inputs are then the tokens after those already cached."""
         x = self.embed(inputs) if cache is None else self.embed(inputs, start=cache[0]["k"].shape[2] if cache[0] else 0)
         maps = []
         for i, block in enumerate(self.blocks):
@@ -965,11 +1070,13 @@ class TransformerConfig(TrunkConfig):
     vocab_size: int = 2
     seq_len: int = 15
     n_outputs: int = 1
-    readout: str = "cls"            # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
+    # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
+    readout: str = "cls"
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
-    positions: str = "learned"      # 'learned' (a table of N positions) or 'none' (order from the causal mask and a
+    # 'learned' (a table of N positions) or 'none' (order from the causal mask and a
+    positions: str = "learned"
                                     # relative prior, as ALiBi: any length)
 
     @property
@@ -978,12 +1085,13 @@ class TransformerConfig(TrunkConfig):
 
 
 class Transformer(Trunk):
-    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
+    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for
+    'tokens'.
 
-    With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of
-    Abbe et al. 2023; with `causal=True, readout='tokens'` it is a decoder / language model. With
-    `positions='none'` it has no positional embedding and serves any T, as far as its priors do (a relative M
-    serves any length, a full one its N).
+    With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et
+    al. 2023; with `causal=True, readout='tokens'` it is a decoder / language model. With
+    `positions='none'` it has no positional embedding and serves any T, as far as its priors do (a
+    relative M serves any length, a full one its N).
     """
 
     def __init__(self, cfg: TransformerConfig):
@@ -1009,18 +1117,21 @@ class Transformer(Trunk):
             self.head.weight = self.tok_emb.weight
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(B, T) ids at positions start .. start + T - 1 -> (B, N, dim) input to the first block (CLS prepended at
-        position 0, positions added)."""
+        """(B, T) ids at positions start .. start + T - 1 -> (B, N, dim) input to the first block
+        (CLS prepended at position 0, positions added)."""
         if self.pos_emb is not None and start + idx.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"an input of {start + idx.shape[1]} tokens is longer than the model's seq_len "
-                             f"{self.cfg.seq_len} (its positional embedding; positions='none' has none)")
+            raise ValueError(f"an input of {start + idx.shape[1]} tokens is longer than the "
+                             f"model's seq_len {self.cfg.seq_len} (its positional embedding; "
+                             "positions='none' has none)")
         x = self.tok_emb(idx)
         if self.cls is not None and start == 0:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.drop(x if self.pos_emb is None else x + self.pos_emb[:, start:start + x.shape[1]])
+        return self.drop(x if self.pos_emb is None
+                         else x + self.pos_emb[:, start:start + x.shape[1]])
 
     def any_length(self) -> bool:
-        """Whether the model serves sequences of any length: no positional table, and no M of a fixed size."""
+        """Whether the model serves sequences of any length: no positional table, and no M of a
+        fixed size."""
         return self.pos_emb is None and all(p.param == "relative" for p in mask_priors(self))
 
 
@@ -1053,14 +1164,16 @@ class ViTConfig(TrunkConfig):
 
 
 class ViT(Trunk):
-    """Images (B, C, H, W) float -> logits (B, n_classes). Patches are numbered row-major after the prefix."""
+    """Images (B, C, H, W) float -> logits (B, n_classes). Patches are numbered row-major after the
+    prefix."""
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         if cfg.pool not in ("mean", "cls"):
             raise ValueError(f"pool must be 'mean' or 'cls', got {cfg.pool!r}")
         if cfg.image_size % cfg.patch_size:
-            raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
+            raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size "
+                             f"{cfg.patch_size}")
         self.cfg, self.readout = cfg, cfg.pool
         n = cfg.n_positions
         self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size, cfg.patch_size)
@@ -1077,19 +1190,22 @@ class ViT(Trunk):
         """(B, C, H, W) -> (B, N, dim) tokens (CLS first if any) with positions added."""
         size = self.cfg.image_size
         if images.dim() != 4 or tuple(images.shape[-2:]) != (size, size):
-            raise ValueError(f"images of shape {tuple(images.shape)} do not fit the model: it takes (B, C, {size}, "
-                             f"{size}) (its patch grid and positional embedding)")
+            raise ValueError(f"images of shape {tuple(images.shape)} do not fit the model: it "
+                             f"takes (B, C, {size}, {size}) (its patch grid and positional "
+                             "embedding)")
         x = self.patch_embed(images).flatten(2).transpose(1, 2)
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
         return self.drop(x + self.pos_emb)
 
 
-MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}     # a model family: its config class -> its model
+# a model family: its config class -> its model
+MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}
 
 
 def build_model(cfg: TrunkConfig) -> Trunk:
-    """The model of a config (an instance of one of MODELS' config classes), its weights as drawn."""
+    """The model of a config (an instance of one of MODELS' config classes), its weights as
+    drawn."""
     if type(cfg) not in MODELS:
         raise TypeError(f"no model family takes a {type(cfg).__name__}; MODELS holds "
                         f"{', '.join(c.__name__ for c in MODELS)}")
@@ -1097,28 +1213,34 @@ def build_model(cfg: TrunkConfig) -> Trunk:
 
 
 def model_from_config(config: dict) -> Trunk:
-    """The model a saved config (`asdict` of a MODELS config) describes: the one family whose config takes every
-    saved key. Build it under `torch.device("meta")` to check a config against saved weights for free."""
+    """The model a saved config (`asdict` of a MODELS config) describes: the one family whose
+    config takes every saved key. Build it under `torch.device("meta")` to check a config against
+    saved weights for free."""
     families = [c for c in MODELS if set(config) <= {f.name for f in fields(c)}]
     if len(families) != 1:
-        raise ValueError(f"a saved config with keys {', '.join(sorted(config))} fits {len(families)} model families "
+        raise ValueError(f"a saved config with keys {', '.join(sorted(config))} fits "
+                         f"{len(families)} model families "
                          f"({', '.join(c.__name__ for c in families) or 'none'}), not one")
     return build_model(families[0](**config))
 
 
 def state_mismatch(config: dict, state: dict) -> str | None:
-    """What keeps saved weights `state` from fitting the model a saved `config` describes (`model_from_config`, built on
-    the meta device: no memory): a weight it lacks or has in excess, another shape or dtype; None where they fit."""
+    """What keeps saved weights `state` from fitting the model a saved `config` describes
+    (`model_from_config`, built on the meta device: no memory): a weight it lacks or has in excess,
+    another shape or dtype; None where they fit."""
     try:
         with torch.device("meta"):
-            model = {k: (tuple(t.shape), t.dtype) for k, t in model_from_config(config).state_dict().items()}
+            model = {k: (tuple(t.shape), t.dtype)
+                     for k, t in model_from_config(config).state_dict().items()}
     except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
         return f"its config does not build a model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
     missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
     other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
-    return (f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which the model has not" if extra
-            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model" if other else None)
+    return (f"it lacks {missing[0]}" if missing
+            else f"it holds {extra[0]}, which the model has not" if extra
+            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model"
+            if other else None)
 
 
 def _vit_init(m: nn.Module):
@@ -1137,19 +1259,22 @@ def _vit_init(m: nn.Module):
 
 @torch.no_grad()
 @checked
-def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, cache: bool = True) -> torch.Tensor:
-    """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens'. temperature 0 =
-    greedy. -> (B, T + n_new). A model that serves any length (`any_length`) reads the whole sequence; else the
-    context is cropped to the last seq_len tokens. `cache`: keep each layer's keys and values (a KV cache) while the
-    sequence fits, so each step runs the new token alone; the tokens are the same as without it."""
+def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             cache: bool = True) -> torch.Tensor:
+    """Sample `n_new` tokens after `idx` (B, T) from a causal Transformer with readout 'tokens'.
+    temperature 0 = greedy. -> (B, T + n_new). A model that serves any length (`any_length`) reads
+    the whole sequence; else the context is cropped to the last seq_len tokens. `cache`: keep each
+    layer's keys and values (a KV cache) while the sequence fits, so each step runs the new token
+    alone; the tokens are the same as without it."""
     kv = [{} for _ in model.blocks] if cache else None
     limit = None if model.any_length() else model.cfg.seq_len
     for _ in range(n_new):
         if kv is not None and (limit is None or idx.shape[1] <= limit):
             done = kv[0]["k"].shape[2] if kv[0] else 0
             logits = model(idx[:, done:], cache=kv)[:, -1].float()
-        else:                                       # past the context: a window that slides, recomputed
+        # past the context: a window that slides, recomputed
+        else:
             kv = None
             logits = model(idx if limit is None else idx[:, -limit:])[:, -1].float()
         if temperature == 0:
@@ -1172,41 +1297,47 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = None) -> torch.Tensor:
-    """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its `n_keys`, default n)."""
+def _per_head(pattern: torch.Tensor, n_heads: int, n: int,
+              n_keys: int | None = None) -> torch.Tensor:
+    """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its
+    `n_keys`, default n)."""
     s = n if n_keys is None else n_keys
     if pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads) \
             or tuple(pattern.shape[-2:]) != (n, s):
-        raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer with {n_heads} "
-                         f"heads and {n} positions: expected ({n}, {s}) or ({n_heads}, {n}, {s}); build it "
-                         f"for the model's own token layout (with or without a CLS token)")
+        raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer "
+                         f"with {n_heads} heads and {n} positions: expected ({n}, {s}) or "
+                         f"({n_heads}, {n}, {s}); build it for the model's own token layout (with "
+                         "or without a CLS token)")
     return pattern.unsqueeze(0).expand(n_heads, -1, -1) if pattern.dim() == 2 else pattern
 
 
 @torch.no_grad()
 @checked
-def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
-               logits: torch.Tensor | None = None) -> dict:
+def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
+               m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
     given `logits`).
 
-    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the
-    model's own N positions (e.g. with or without a CLS token in front): every attention layer
-    must already own an M (build the model with `learnable_mask=True`, `Attention(mask_size=N)`,
-    or `add_mask_prior`) of that size, or this raises; it never creates or resizes M, since an
-    optimiser made earlier would not see a new parameter. Give M to the optimiser without weight decay
-    (`param_groups`), or the decay pulls it to 0 and erases the prior.
+    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's
+    own N positions (e.g. with or without a CLS token in front): every attention layer must already
+    own an M (build the model with `learnable_mask=True`, `Attention(mask_size=N)`, or
+    `add_mask_prior`) of that size, or this raises; it never creates or resizes M, since an
+    optimiser made earlier would not see a new parameter. Give M to the optimiser without weight
+    decay (`param_groups`), or the decay pulls it to 0 and erases the prior.
     """
     _pattern_or_logits(pattern, logits, "init_mask_")
     if logits is None:
         check_pattern(pattern)
     src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
-        raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True "
-                         "(or Attention(..., mask_size=N)), or give your own attention a MaskPrior")
-    if any(prior.causal for prior in mask_priors(model)):    # refused before any M changes, as a prior would
+        raise ValueError("init_mask_: an attention layer has no M; build the model with "
+                         "learnable_mask=True (or Attention(..., mask_size=N)), or give your own "
+                         "attention a MaskPrior")
+    # refused before any M changes, as a prior would
+    if any(prior.causal for prior in mask_priors(model)):
         _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
-                         "build it for a causal model (pattern & mp.causal_pattern(n); logits at most 0 there)")
+                         "build it for a causal model (pattern & mp.causal_pattern(n); logits at "
+                         "most 0 there)")
     for prior in mask_priors(model):
         prior.set_logits(src)
     if logits is not None:
@@ -1216,10 +1347,11 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
 
 def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
     """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on. Expects
-    `model.pos_emb` (1, N, dim) and `model.blocks` (each with `ln1`), as `Transformer` and `ViT` have."""
+    `model.pos_emb` (1, N, dim) and `model.blocks` (each with `ln1`), as `Transformer` and `ViT`
+    have."""
     if getattr(model, "pos_emb", None) is None:
-        raise ValueError("the QK inits fit the pattern on the positional embedding, which this model has not "
-                         "(positions='none'); give it positions='learned'")
+        raise ValueError("the QK inits fit the pattern on the positional embedding, which this "
+                         "model has not (positions='none'); give it positions='learned'")
     block = block or model.blocks[0]
     with torch.no_grad():
         return block.ln1(model.pos_emb[0]).detach()
@@ -1272,8 +1404,8 @@ def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
 
 @torch.no_grad()
 @checked
-def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0, noise: float = 3.0,
-                 factor_norm: float = 7.0, pos_scale: float | None = None,
+def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
+                 noise: float = 3.0, factor_norm: float = 7.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None) -> dict:
     """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer.
 
@@ -1314,7 +1446,8 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
 @checked
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
                  norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
-                 generator: torch.Generator | None = None, log=None, log_seconds: float = 10.0) -> dict:
+                 generator: torch.Generator | None = None, log=None,
+                 log_seconds: float = 10.0) -> dict:
     """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
 
     Adam on per-head Q (H, dim, r), K (H, dim, r) minimising
@@ -1354,8 +1487,8 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
             opt.step()
             loss_val = float(loss.detach())
             if log is not None and time.monotonic() - said >= log_seconds:
-                log(f"qk-opt: fitting Q K to the pattern (N = {p.shape[0]}, {h} heads): step {step:,} of at most "
-                    f"{steps:,}, loss {loss_val:.3g}")
+                log(f"qk-opt: fitting Q K to the pattern (N = {p.shape[0]}, {h} heads): step "
+                    f"{step:,} of at most {steps:,}, loss {loss_val:.3g}")
                 said = time.monotonic()
             if step % norm_every == 0:
                 with torch.no_grad():
@@ -1382,8 +1515,10 @@ def _ortho_like(dim: int, alpha: float, beta: float, sign: float, generator=None
 
 @torch.no_grad()
 def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
-                  vo: tuple[float, float] | None = (0.4, 0.4), generator: torch.Generator | None = None) -> dict:
-    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
+                  vo: tuple[float, float] | None = (0.4, 0.4),
+                  generator: torch.Generator | None = None) -> dict:
+    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~
+    a Z - b I.
 
     Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that
     product alone. Returns the relative error of the V-proj products to their targets
@@ -1405,8 +1540,10 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
             _set_qk_(attn, torch.stack(wq).to(dev), torch.stack(wk).to(dev))
         if vo is not None:
             left, right = _ortho_like(dim, *vo, sign=-1.0, generator=generator)
-            attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))     # v = x @ left[:, :inner]
-            attn.proj.weight.copy_(right[:inner].T.to(dev))                  # out = v @ right[:inner]
+            # v = x @ left[:, :inner]
+            attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))
+            # out = v @ right[:inner]
+            attn.proj.weight.copy_(right[:inner].T.to(dev))
             if attn.qkv.bias is not None:
                 attn.qkv.bias[2 * inner:].zero_()
             full = left @ right
@@ -1431,18 +1568,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            if name == "weight" and p.dim() >= 2 and not isinstance(module, (nn.Embedding, MaskPrior)):
+            if name == "weight" and p.dim() >= 2 and not isinstance(module,
+                                                                    (nn.Embedding, MaskPrior)):
                 decay.append(p)
             else:
                 no_decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ----------------------------------------------------------------------------------------
 # Probes: how much of the prior survives.
 
 
-def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """Mean attention probability mass on the pattern.
 
     attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or
@@ -1473,8 +1613,8 @@ def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
 
 
 @checked
-def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None = None,
-                 causal: bool = False) -> float:
+def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor,
+                 bias: torch.Tensor | None = None, causal: bool = False) -> float:
     """One layer's content margin (see `content_margin`) from its (B, H, T, T) attention map `a`:
     the layer's (H, T, T) `bias` log sigmoid(M) (None without a prior) is taken out of log a, then
     log-sum-exp over the visible keys off `pattern` minus over those on it, averaged over the
@@ -1484,7 +1624,8 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bia
     off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
     c = a.float().clamp_min(1e-30).log()
     if bias is not None:
-        c = c - bias.to(a.device).nan_to_num(neginf=0.0)          # future keys (causal) are left out below
+        # future keys (causal) are left out below
+        c = c - bias.to(a.device).nan_to_num(neginf=0.0)
     margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
     rows = rows.to(a.device)
     margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
@@ -1493,20 +1634,22 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor, bia
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
-    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's
-    own models through their explicit path; a model with `add_mask_prior` through its priors (the
-    nn.MultiheadAttention, Hugging Face and timm layers record their probabilities). Raises for a layer
-    whose softmax the library cannot see (a `modules=` attention of your own: return its maps yourself
-    and use `pattern_mass`)."""
+    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`:
+    maskprior's own models through their explicit path; a model with `add_mask_prior` through its
+    priors (the nn.MultiheadAttention, Hugging Face and timm layers record their probabilities).
+    Raises for a layer whose softmax the library cannot see (a `modules=` attention of your own:
+    return its maps yourself and use `pattern_mass`)."""
     if attention_layers(model):
         return list(model(inputs, return_attn=True)[1])
     priors = mask_priors(model)
     if not priors:
-        raise ValueError(f"attention_maps: {type(model).__name__} has no maskprior Attention and no MaskPrior "
-                         f"(add_mask_prior) to read attention maps from")
-    fused = {m: m.fused_attn for m in model.modules() if hasattr(m, "mask_prior") and hasattr(m, "fused_attn")}
+        raise ValueError(f"attention_maps: {type(model).__name__} has no maskprior Attention and "
+                         "no MaskPrior (add_mask_prior) to read attention maps from")
+    fused = {m: m.fused_attn for m in model.modules() if hasattr(m, "mask_prior")
+             and hasattr(m, "fused_attn")}
     for m in fused:
-        m.fused_attn = False                          # timm's explicit path, where attn_drop sees the probabilities
+        # timm's explicit path, where attn_drop sees the probabilities
+        m.fused_attn = False
     for p in priors:
         p.record = []
     try:
@@ -1519,19 +1662,21 @@ def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
             m.fused_attn = flag
     for p, got in zip(priors, maps):
         if len(got) != 1:
-            raise ValueError(f"attention_maps: {p.where} gave {len(got)} attention maps in one forward pass (its "
-                             f"softmax is not one the library can see, or the layer ran {len(got)} times); return "
-                             f"its maps yourself and use mp.pattern_mass")
+            raise ValueError(f"attention_maps: {p.where} gave {len(got)} attention maps in one "
+                             "forward pass (its softmax is not one the library can see, or the "
+                             f"layer ran {len(got)} times); return its maps yourself and use "
+                             "mp.pattern_mass")
     return [got[0] for got in maps]
 
 
 @torch.no_grad()
-def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`:
-    maskprior's own models, or any model with `add_mask_prior`). The pattern must cover the model's
-    positions exactly; only a causal model may read a prefix of it (shorter inputs). Raises ValueError
-    when the pattern constrains no row (`prior_rows` all False: e.g. a causal window wider than the
-    context), where the mass would be an empty mean."""
+def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float],
+                                                                          list[float]]:
+    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs`
+    (`attention_maps`: maskprior's own models, or any model with `add_mask_prior`). The pattern
+    must cover the model's positions exactly; only a causal model may read a prefix of it (shorter
+    inputs). Raises ValueError when the pattern constrains no row (`prior_rows` all False: e.g. a
+    causal window wider than the context), where the mass would be an empty mean."""
     maps = attention_maps(model, inputs)
     n = maps[0].shape[-1]
     layers = attention_layers(model)
@@ -1544,8 +1689,9 @@ def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[f
         pattern = pattern[..., :n, :n]
     rows = prior_rows(pattern, causal)
     if not rows.any():
-        raise ValueError(f"the pattern of shape {tuple(pattern.shape)} constrains no query row (each row allows "
-                         f"every key it can see), so there is no prior mass to measure")
+        raise ValueError(f"the pattern of shape {tuple(pattern.shape)} constrains no query row "
+                         "(each row allows every key it can see), so there is no prior mass to "
+                         "measure")
     mass = [float(pattern_mass(a, pattern, rows)) for a in maps]
     return mass, [layer_margin(a, pattern, rows, bias, causal) for a, bias in zip(maps, biases)]
 
@@ -1597,17 +1743,19 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
 # Priors without an oracle: a trained model's attention turned into a prior. The probes above read
 # where a model attends; these read it as a prior for another model. `mean_attention` averages a
 # batch's attention maps; against each row's uniform share (1 / the keys the row sees) it gives a
-# bool pattern (`pattern_from_attention`: query-key pairs, or keys made a clique), soft logits whose
-# bias alone reproduces the mean attention (`logits_from_attention`), or a translation-invariant
-# form (`relative_from_attention`: a profile per head and distance i - j; `offsets_from_attention`:
-# a profile per head and 2-D offset on an image grid). All end in `init_mask_(model, pattern)` or
-# `init_mask_(model, logits=...)` / `add_mask_prior(model, logits=...)`.
+# bool pattern (`pattern_from_attention`: query-key pairs, or keys made a clique), soft logits
+# whose bias alone reproduces the mean attention (`logits_from_attention`), or a
+# translation-invariant form (`relative_from_attention`: a profile per head and distance i - j;
+# `offsets_from_attention`: a profile per head and 2-D offset on an image grid). All end in
+# `init_mask_(model, pattern)` or `init_mask_(model, logits=...)` / `add_mask_prior(model,
+# logits=...)`.
 
 
 @torch.no_grad()
 def mean_attention(model: nn.Module, inputs) -> torch.Tensor:
-    """(L, H, N, N) float: the attention probabilities of `attention_maps(model, inputs)` (every model it
-    reads) averaged over the batch, one (H, N, N) map per layer; refused where they hold a non-finite value."""
+    """(L, H, N, N) float: the attention probabilities of `attention_maps(model, inputs)` (every
+    model it reads) averaged over the batch, one (H, N, N) map per layer; refused where they hold a
+    non-finite value."""
     attn = torch.stack([a.float().mean(0) for a in attention_maps(model, inputs)])
     _check_maps(attn, "mean_attention")
     return attn
@@ -1621,96 +1769,113 @@ def visible_keys(n: int, causal: bool = False) -> torch.Tensor:
 
 @checked
 def attention_ratio(attn: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """attn (..., N, N) probabilities -> the same shape: each probability over its row's uniform share,
-    1 / (the keys the row sees), so 1.0 is uniform attention; 0 on keys a causal row cannot see."""
+    """attn (..., N, N) probabilities -> the same shape: each probability over its row's uniform
+    share, 1 / (the keys the row sees), so 1.0 is uniform attention; 0 on keys a causal row cannot
+    see."""
     vis = visible_keys(attn.shape[-1], causal).to(attn.device)
     return attn.float() * vis.sum(-1, keepdim=True) * vis
 
 
 def _check_maps(attn, who: str) -> None:
-    """Refuse attention maps that are not a tensor, hold nothing, or hold a non-finite value (one nan would make every
-    logit nan, or read as no attention at all)."""
+    """Refuse attention maps that are not a tensor, hold nothing, or hold a non-finite value (one
+    nan would make every logit nan, or read as no attention at all)."""
     if not isinstance(attn, torch.Tensor) or not attn.is_floating_point():
         what = attn.dtype if isinstance(attn, torch.Tensor) else type(attn).__name__
-        raise ValueError(f"{who}: attention maps are a float tensor of probabilities, got {what}; pass "
-                         f"mean_attention's (L, H, N, N) or any (..., N, N) maps")
+        raise ValueError(f"{who}: attention maps are a float tensor of probabilities, got {what}; "
+                         "pass mean_attention's (L, H, N, N) or any (..., N, N) maps")
     if attn.numel() == 0:
-        raise ValueError(f"{who}: the attention maps of shape {tuple(attn.shape)} are empty; there is no attention to "
-                         f"read a prior from: pass maps of at least one layer, head and token")
+        raise ValueError(f"{who}: the attention maps of shape {tuple(attn.shape)} are empty; "
+                         "there is no attention to read a prior from: pass maps of at least one "
+                         "layer, head and token")
     bad = int((~torch.isfinite(attn)).sum())
     if bad:
-        raise ValueError(f"{who}: the attention maps hold {bad} non-finite values (nan or inf) of {attn.numel()}; a "
-                         f"prior read from them would be nan or arbitrary: read the maps from a model whose outputs "
-                         f"are finite")
+        raise ValueError(f"{who}: the attention maps hold {bad} non-finite values (nan or inf) of "
+                         f"{attn.numel()}; a prior read from them would be nan or arbitrary: read "
+                         "the maps from a model whose outputs are finite")
 
 
 def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
-    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else (N, N); the maps
-    are its `checked` callers' `attn` (ARGS: `_check_maps` and more), checked already."""
+    """(..., H, N, N) or (N, N) -> (H, N, N) averaged over the leading dimensions (per_head), else
+    (N, N); the maps are its `checked` callers' `attn` (ARGS: `_check_maps` and more), checked
+    already."""
     if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
-        raise ValueError(f"attention maps are (..., N, N) with N queries and N keys, got shape {tuple(attn.shape)}")
+        raise ValueError("attention maps are (..., N, N) with N queries and N keys, got shape "
+                         f"{tuple(attn.shape)}")
     if per_head:
         if attn.dim() < 3:
-            raise ValueError(f"per_head needs maps with a head dimension (..., H, N, N), got {tuple(attn.shape)}")
+            raise ValueError("per_head needs maps with a head dimension (..., H, N, N), got "
+                             f"{tuple(attn.shape)}")
         return attn.float().cpu().reshape(-1, *attn.shape[-3:]).mean(0)
     return attn.float().cpu().reshape(-1, *attn.shape[-2:]).mean(0)
 
 
 @checked
-def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False, keys: bool = False,
-                           readout=None, per_head: bool = False) -> torch.Tensor:
-    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged
-    over its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
+def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False,
+                           keys: bool = False, readout=None,
+                           per_head: bool = False) -> torch.Tensor:
+    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N),
+    averaged over its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
 
-    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's
-    uniform share; with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are
-    constrained, the others keep every key they see. Keys (keys=True): the keys whose share, averaged over
-    the `readout` rows (every row when None), is at least `ratio` times uniform form a clique (each sees
-    the others), the `readout` rows given attend to them, every other row to itself: the form of the Boolean
-    tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed (no row is
-    empty), future keys never (causal). A pattern that names no pair beyond the self-loops (no share reaches
-    `ratio`) is refused, naming the largest ratio present."""
+    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times
+    row i's uniform share; with `readout` (query rows, e.g. the answer rows of a decoder) only
+    those rows are constrained, the others keep every key they see. Keys (keys=True): the keys
+    whose share, averaged over the `readout` rows (every row when None), is at least `ratio` times
+    uniform form a clique (each sees the others), the `readout` rows given attend to them, every
+    other row to itself: the form of the Boolean tasks' oracle patterns (a CLS readout:
+    readout=[0]; mean pooling: None). Self-loops are always allowed (no row is empty), future keys
+    never (causal). A pattern that names no pair beyond the self-loops (no share reaches `ratio`)
+    is refused, naming the largest ratio present."""
     r = attention_ratio(_over_layers(attn, per_head, "pattern_from_attention"), causal)
     n = r.shape[-1]
     if readout is not None and max(int(i) for i in readout) >= n:
-        raise ValueError(f"pattern_from_attention: readout rows {list(map(int, readout))} reach past the maps' {n} "
-                         f"queries (rows 0 .. {n - 1})"[:240])
-    vis, eye = visible_keys(n, causal).to(r.device), torch.eye(n, dtype=torch.bool, device=r.device)
+        raise ValueError(f"pattern_from_attention: readout rows {list(map(int, readout))} reach "
+                         f"past the maps' {n} queries (rows 0 .. {n - 1})"[:240])
+    vis, eye = visible_keys(n, causal).to(r.device), torch.eye(n, dtype=torch.bool,
+                                                               device=r.device)
     rows = torch.zeros(n, dtype=torch.bool, device=r.device)
     rows[list(range(n)) if readout is None else list(readout)] = True
     if not keys:
         found = (r >= ratio) & vis
         free = vis.expand_as(found) & ~rows[:, None]
-        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())   # a constrained row's other keys
+        # a constrained row's other keys
+        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())
         return _names_pairs(found | free | eye, free | eye, ratio, largest, largest)
-    seen = vis & rows[:, None]                                   # the readout rows, over the keys each sees
-    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)   # (..., N): a key's mean share over those rows
+    # the readout rows, over the keys each sees
+    seen = vis & rows[:, None]
+    # (..., N): a key's mean share over those rows
+    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)
     key = relevance >= ratio
     clique = key[..., :, None] & key[..., None, :]
     reads = (rows[:, None] & key[..., None, :]) if readout is not None else torch.zeros_like(clique)
-    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())   # a clique needs two keys
-    if readout is not None:                              # or one key that a readout row other than itself sees
+    # a clique needs two keys
+    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())
+    # or one key that a readout row other than itself sees
+    if readout is not None:
         read = (vis & rows[:, None] & ~eye).any(-2)
         reach = torch.maximum(reach, relevance.masked_fill(~read, 0).amax(-1))
-    return _names_pairs((clique | reads | eye) & vis, eye, ratio, float(relevance.max()), float(reach.max()))
+    return _names_pairs((clique | reads | eye) & vis, eye, ratio, float(relevance.max()),
+                        float(reach.max()))
 
 
 def _names_pairs(pattern: torch.Tensor, given: torch.Tensor, ratio: float, largest: float,
                  reach: float) -> torch.Tensor:
-    """`pattern`, unless it names no pair beyond what it holds anyway (`given`: self-loops, free rows): then no share
-    reached `ratio`, and a self-loops-only prior would pass for a found one. One line naming the largest ratio present
-    and the ratio at or below which a pair appears (`reach`)."""
+    """`pattern`, unless it names no pair beyond what it holds anyway (`given`: self-loops, free
+    rows): then no share reached `ratio`, and a self-loops-only prior would pass for a found one.
+    One line naming the largest ratio present and the ratio at or below which a pair appears
+    (`reach`)."""
     if bool((pattern & ~given).any()):
         return pattern
-    raise ValueError(f"pattern_from_attention: no query-key pair beyond the self-loops reaches ratio {ratio:g} (the "
-                     f"largest share present is {largest:.4g} times uniform), so the pattern would name nothing: give "
-                     f"a ratio of at most {reach:.4g}, or maps with structure")
+    raise ValueError("pattern_from_attention: no query-key pair beyond the self-loops reaches "
+                     f"ratio {ratio:g} (the largest share present is {largest:.4g} times "
+                     "uniform), so the pattern would name nothing: give a ratio of at most "
+                     f"{reach:.4g}, or maps with structure")
 
 
 @checked
 def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -> dict:
-    """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an oracle's, over
-    the rows the oracle constrains (per head where both are per head, else over the union of heads)."""
+    """Precision and recall of the pairs (query i, key j != i) a found pattern allows against an
+    oracle's, over the rows the oracle constrains (per head where both are per head, else over the
+    union of heads)."""
     if found.dim() != oracle.dim():
         found, oracle = (p.any(0) if p.dim() == 3 else p for p in (found, oracle))
     rows = prior_rows(oracle, causal)
@@ -1724,20 +1889,22 @@ def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -
 
 
 @checked
-def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
-                          per_head: bool = True) -> torch.Tensor:
-    """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over
-    the leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that log sigmoid(M)
-    = log(a_ij / max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each
-    row's favourite key at about 0 and the others suppressed by their log ratio to it; keys a causal row
-    cannot see get -m_off (the causal mask hides them). Returns (H, N, N) or (N, N)."""
+def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
+                          causal: bool = False, per_head: bool = True) -> torch.Tensor:
+    """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False),
+    averaged over the leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on],
+    so that log sigmoid(M) = log(a_ij / max_j a_ij) and the bias alone (content logits equal) gives
+    the mean attention back, each row's favourite key at about 0 and the others suppressed by their
+    log ratio to it; keys a causal row cannot see get -m_off (the causal mask hides them). Returns
+    (H, N, N) or (N, N)."""
     a = _over_layers(attn, per_head, "logits_from_attention").clamp_min(0)
     vis = visible_keys(a.shape[-1], causal).to(a.device)
     return _logit_of_share(a / a.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off).masked_fill(~vis, -float(m_off))
 
 
 def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
-    """M with log sigmoid(M) = log q for shares q in [0, 1] (1: no suppression), clamped to [-m_off, m_on]."""
+    """M with log sigmoid(M) = log q for shares q in [0, 1] (1: no suppression), clamped to
+    [-m_off, m_on]."""
     q = q.clamp(1e-12, 1 - 1e-12)
     return (q.log() - (-q).log1p()).clamp(-m_off, m_on)
 
@@ -1745,11 +1912,11 @@ def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
 @checked
 def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                             causal: bool = False) -> torch.Tensor:
-    """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each
-    distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) = log of that share,
-    clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that
-    depend on i - j alone, as a relative MaskPrior (`param="relative"`) holds them; a causal prior's future
-    entries get -m_off (the causal mask hides them)."""
+    """The translation-invariant form in 1-D: per head, the mean attention averaged along each
+    diagonal (each distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) =
+    log of that share, clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N,
+    N) -> (H, N, N) logits that depend on i - j alone, as a relative MaskPrior (`param="relative"`)
+    holds them; a causal prior's future entries get -m_off (the causal mask hides them)."""
     a = _over_layers(attn, True, "relative_from_attention")
     h, n = a.shape[0], a.shape[-1]
     i = torch.arange(n, device=a.device)
@@ -1757,58 +1924,65 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     vis = visible_keys(n, causal).to(a.device)
     total = torch.zeros(h, 2 * n - 1, device=a.device).index_add_(1, d[vis], a[:, vis])
     count = torch.zeros(2 * n - 1, device=a.device).index_add_(0, d[vis], torch.ones(int(vis.sum()), device=a.device))
-    table = total / count.clamp_min(1)                           # (H, 2N - 1): the mean share per distance
+    # (H, 2N - 1): the mean share per distance
+    table = total / count.clamp_min(1)
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, d]
     return m.masked_fill(~vis, -float(m_off))
 
 
 @checked
-def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0, m_on: float = M_ON,
-                           m_off: float = M_OFF) -> torch.Tensor:
-    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to
-    patch (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), over its largest value, as M
-    (log sigmoid(M) = log of that share, clamped to [-m_off, m_on]) spread back over the grid; prefix tokens
-    (CLS) attend and are attended at m_on.
-    attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset prior
-    (compare `soft_offset_logits`, whose bump is set by hand)."""
+def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0,
+                           m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
+    """The translation-invariant form on an image grid: per head, the mean attention of patch (r,
+    c) to patch (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), over its
+    largest value, as M (log sigmoid(M) = log of that share, clamped to [-m_off, m_on]) spread back
+    over the grid; prefix tokens (CLS) attend and are attended at m_on. attn (..., H, N, N) with N
+    = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset prior (compare
+    `soft_offset_logits`, whose bump is set by hand)."""
     a = _over_layers(attn, True, "offsets_from_attention")
     h, n, g = a.shape[0], a.shape[-1], grid_h * grid_w
     if n != n_prefix + g:
-        raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} prefix tokens "
-                         f"has {n_prefix + g}")
-    disp = _grid_displacements(grid_h, grid_w).long()            # (G, G, 2): key position - query position
+        raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} "
+                         f"prefix tokens has {n_prefix + g}")
+    # (G, G, 2): key position - query position
+    disp = _grid_displacements(grid_h, grid_w).long()
     idx = (disp[..., 0] + grid_h - 1) * (2 * grid_w - 1) + disp[..., 1] + grid_w - 1
     idx = idx.reshape(-1).to(a.device)
     grid = a[:, n_prefix:, n_prefix:].reshape(h, -1)
     slots = (2 * grid_h - 1) * (2 * grid_w - 1)
     total = torch.zeros(h, slots, device=a.device).index_add_(1, idx, grid)
-    count = torch.zeros(slots, device=a.device).index_add_(0, idx, torch.ones(idx.numel(), device=a.device))
-    table = total / count.clamp_min(1)                           # (H, (2 gh - 1)(2 gw - 1)): share per offset
+    count = torch.zeros(slots, device=a.device).index_add_(0, idx, torch.ones(idx.numel(),
+                                                                              device=a.device))
+    # (H, (2 gh - 1)(2 gw - 1)): share per offset
+    table = total / count.clamp_min(1)
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
     return _with_prefix(m, n_prefix, float(m_on))
 
 
 # ========================================================================================
-# The retrofit: the prior in other libraries' models (torch, timm, Hugging Face, your own attention).
-# Everything above is the method; this part only attaches `MaskPrior`s to attention layers that are
-# not ours, and reads them back. Frameworks are recognised by duck typing; transformers and peft are
-# imported only inside the calls that need them, so the file still imports torch alone.
+# The retrofit: the prior in other libraries' models (torch, timm, Hugging Face, your own
+# attention). Everything above is the method; this part only attaches `MaskPrior`s to attention
+# layers that are not ours, and reads them back. Frameworks are recognised by duck typing;
+# transformers and peft are imported only inside the calls that need them, so the file still
+# imports torch alone.
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
 # The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
 # checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
-#   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
-#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that names an
-#            attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
-#            model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs.
-#   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
-#   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
-# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
+# torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask hf
+# Hugging Face attention modules: the layer's config is swapped for a view of it that names an
+# attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
+# model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs. timm
+# timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword keyword
+# any module you name (class or predicate) whose forward names an additive mask keyword Frameworks
+# are recognised by duck typing; transformers is imported only inside the HF calls.
 # `remove_mask_prior` takes every prior out again.
 
-HF_ATTENTION = "maskprior_attention"  # the attn_implementation a prior's layer runs under (registered with HF)
-HF_SAVED = "maskprior"                # what config.json names: never registered, so a plain from_pretrained fails
+# the attn_implementation a prior's layer runs under (registered with HF)
+HF_ATTENTION = "maskprior_attention"
+# what config.json names: never registered, so a plain from_pretrained fails
+HF_SAVED = "maskprior"
 GRID = "the patch grid and any class/prefix tokens"
 
 
@@ -1820,16 +1994,19 @@ class Site:
     kind: str                          # "torch", "hf", "timm" or "keyword"
     heads: int
     cross: bool = False                # keys from another sequence
-    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
-    tokens: int | None = None          # exactly this many tokens (an image model's grid, a window), where known
-    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
+    # what the layer is, where it says so (HF); None: the caller says
+    causal: bool | None = None
+    # exactly this many tokens (an image model's grid, a window), where known
+    tokens: int | None = None
+    # at most this many positions (a text model's table), where known
+    max_tokens: int | None = None
     prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
     layout: str = GRID                 # what `tokens` counts, for error messages
 
 
 def _takes_keyword(module: nn.Module, keyword: str) -> bool:
-    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not trusted: a mask it
-    swallows and passes nowhere would be a prior that changes nothing."""
+    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not
+    trusted: a mask it swallows and passes nowhere would be a prior that changes nothing."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -1854,8 +2031,9 @@ def _hf_config(module: nn.Module):
 
 
 def _is_hf_attention(module: nn.Module) -> bool:
-    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
-    T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
+    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT,
+    ViT, Llama, BART, T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's
+    `scale`), from a file that imports it."""
     source = sys.modules.get(type(module).__module__)
     return (_hf_config(module) is not None and hasattr(module, "is_causal")
             and (hasattr(module, "scaling") or hasattr(module, "scale"))
@@ -1863,12 +2041,14 @@ def _is_hf_attention(module: nn.Module) -> bool:
 
 
 def _is_timm_attention(module: nn.Module) -> bool:
-    return (type(module).__module__.startswith("timm.") and isinstance(getattr(module, "num_heads", None), int)
+    return (type(module).__module__.startswith("timm.")
+            and isinstance(getattr(module, "num_heads", None), int)
             and _takes_keyword(module, "attn_mask"))
 
 
 def _window_tokens(module: nn.Module) -> int | None:
-    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or a child."""
+    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or
+    a child."""
     for m in (module, *module.children()):
         w = getattr(m, "window_size", None)
         if isinstance(w, int) and not isinstance(w, bool):
@@ -1880,16 +2060,19 @@ def _window_tokens(module: nn.Module) -> int | None:
 
 def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
     leaf = name.rpartition(".")[2].lower()
-    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in type(module).__name__.lower()
-            or "cross" in leaf or leaf == "encoder_attn"                              # BART, Whisper
-            or (parent is not None and "cross" in type(parent).__name__.lower())      # T5's EncDecAttention
+    return (bool(getattr(module, "is_cross_attention", False))
+            or "cross" in type(module).__name__.lower()
+            # BART, Whisper
+            or "cross" in leaf or leaf == "encoder_attn"
+            # T5's EncDecAttention
+            or (parent is not None and "cross" in type(parent).__name__.lower())
             or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
 
 
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix
-    tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a text model's most
-    positions (its config)."""
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus
+    prefix tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a
+    text model's most positions (its config)."""
     embed = getattr(model, "patch_embed", None)
     if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
         return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
@@ -1913,10 +2096,10 @@ def _picked(modules, name: str, module: nn.Module) -> bool:
 
 
 def find_attention(model: nn.Module, modules=None) -> list[Site]:
-    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face
-    and timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate
-    `(name, module) -> bool`), exactly the modules it names (served as what they are, else by their mask
-    keyword)."""
+    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention,
+    Hugging Face and timm attention modules; or, with `modules` (a class, a tuple of classes, or a
+    predicate `(name, module) -> bool`), exactly the modules it names (served as what they are,
+    else by their mask keyword)."""
     named = dict(model.named_modules())
     tokens, max_tokens = _positions(model)
     sites = []
@@ -1930,8 +2113,9 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
         elif _is_hf_attention(m):
             window = _window_tokens(m)
             seen = window or tokens
-            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
-                              causal=bool(m.is_causal), tokens=seen, max_tokens=max_tokens, prefix=seen is None,
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0,
+                              cross=_named_cross(name, m, parent), causal=bool(m.is_causal),
+                              tokens=seen, max_tokens=max_tokens, prefix=seen is None,
                               layout="its attention window" if window else GRID))
         elif _is_timm_attention(m):
             sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
@@ -1942,117 +2126,141 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
 
 def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
     done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
-    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; {done}")
+    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} "
+                      f"heads) {what}; {done}")
 
 
 def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
-    """One line for a model where add_mask_prior finds no layer: the attention-like modules it could not reach (their
-    own softmax: DeBERTa...), or none, and how to attach by hand."""
+    """One line for a model where add_mask_prior finds no layer: the attention-like modules it
+    could not reach (their own softmax: DeBERTa...), or none, and how to attach by hand."""
     if modules is not None:
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
-    hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or passed to "
-            f"scaled_dot_product_attention) and name it with modules=")
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` "
+                          "names")
+    hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or "
+            "passed to scaled_dot_product_attention) and name it with modules=")
     own = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
            and not any("attention" in type(c).__name__.lower() for c in m.children())]
     if own:
         name, m = own[0]
         more = f" and {len(own) - 1} more" if len(own) > 1 else ""
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it can reach: {name} "
-                          f"({type(m).__name__}){more} computes its own softmax (it calls no transformers attention "
-                          f"function and names no `{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
-                          f"layer was changed")
-    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, Hugging Face or timm "
-                      f"attention; for an attention of your own, {hand}YourAttention")
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it "
+                          f"can reach: {name} ({type(m).__name__}){more} computes its own softmax "
+                          "(it calls no transformers attention function and names no "
+                          f"`{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
+                          "layer was changed")
+    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, "
+                      "Hugging Face or timm attention; for an attention of your own, "
+                      f"{hand}YourAttention")
 
 
 def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
+    """The attention implementation the model of an HF layer runs (its config's, not a prior's
+    view)."""
     return _hf_config(module)._attn_implementation
 
 
-def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
-    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by add_mask_prior's own
-    search, not named with `modules`)."""
+def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
+                who: str = "add_mask_prior") -> None:
+    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
+    add_mask_prior's own search, not named with `modules`)."""
     if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
-        raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all is not trusted: a mask "
-                       f"it passes nowhere would change nothing): add `{mask_kwarg}=None` and pass it to "
-                       f"scaled_dot_product_attention", who)
+        raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all "
+                       "is not trusted: a mask it passes nowhere would change nothing): add "
+                       f"`{mask_kwarg}=None` and pass it to scaled_dot_product_attention", who)
     if s.cross and s.kind in ("timm", "keyword"):
-        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve", who)
+        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve",
+                    who)
     if s.kind == "timm" and s.tokens is None and found:
-        raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid (patch_embed.num_patches): "
-                       f"its pooled stages or branches see other token counts, which one prior cannot serve; give a "
-                       f"stage its own prior with modules=lambda name, m: name.startswith('<stage>.') and name.endswith('.attn')",
+        raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid "
+                       "(patch_embed.num_patches): its pooled stages or branches see other token "
+                       "counts, which one prior cannot serve; give a stage its own prior with "
+                       "modules=lambda name, m: name.startswith('<stage>.') and "
+                       "name.endswith('.attn')",
                        who)
     if s.kind == "hf":
         impl = _hf_impl(s.module)
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
-            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors and "
-                           f"loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
+            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model "
+                           "saved with priors and loaded plainly): load it with "
+                           "mp.from_pretrained(ModelClass, path)", who)
         if impl not in ("sdpa", "eager"):
-            raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the model with "
-                           f"attn_implementation='sdpa' (or 'eager')", who)
-        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__], "eager_attention_forward"):
-            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to wrap: use 'sdpa'", who)
+            raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the "
+                           "model with attn_implementation='sdpa' (or 'eager')", who)
+        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__],
+                                           "eager_attention_forward"):
+            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to "
+                           "wrap: use 'sdpa'", who)
 
 
 def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
                who: str = "add_mask_prior") -> MaskPrior:
-    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
+    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing
+    changed yet)."""
     shape = tuple(src.shape)
     if hasattr(site.module, "mask_prior"):
         raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
     heads = site.heads or (shape[0] if src.dim() == 3 else 1)
     if src.dim() == 3 and shape[0] != heads:
-        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
-    is_causal = bool(site.causal) if causal is None else causal     # a layer that does not say: not causal
+        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, "
+                          "N)", who)
+    # a layer that does not say: not causal
+    is_causal = bool(site.causal) if causal is None else causal
     if site.causal is not None and is_causal != site.causal:
-        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
+        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was "
+                          "asked", who)
     n, n_keys = shape[-2], shape[-1]
     if not site.cross and n != n_keys:
-        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)", who)
+        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys "
+                          "must be square)", who)
     if site.tokens is not None and not site.cross and n != site.tokens:
-        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build it for "
-                          f"{site.tokens} positions ({site.layout})", who)
+        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build "
+                          f"it for {site.tokens} positions ({site.layout})", who)
     if site.max_tokens is not None and n > site.max_tokens:
-        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
+        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape "
+                          f"{shape}", who)
     try:
         prior = MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
-                          n_keys=n_keys if site.cross else None, prefix=site.prefix if prefix is None else prefix)
+                          n_keys=n_keys if site.cross else None, prefix=site.prefix
+                          if prefix is None else prefix)
     except ValueError as e:
         raise _fail(site, str(e), who) from None
     prior.where = site.name
     return prior.to(next(site.module.parameters(), prior.bias).device)
 
 
-FULL_SHARE = 0.1           # a full M (param=None) adding more than this share of a model's parameters is refused
+# a full M (param=None) adding more than this share of a model's parameters is refused
+FULL_SHARE = 0.1
 
 
 def _check_size(model: nn.Module, priors: dict[str, MaskPrior], src: torch.Tensor) -> None:
-    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add more than FULL_SHARE of
-    the model's parameters: a full M grows as layers x heads x N^2 (151M for GPT-2 small at N = 1,024)."""
+    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add
+    more than FULL_SHARE of the model's parameters: a full M grows as layers x heads x N^2 (151M
+    for GPT-2 small at N = 1,024)."""
     full = [p for p in priors.values() if p.param == "full"]
     size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
-    if full and own and size > FULL_SHARE * own:            # (a module with no weights of its own: nothing to weigh)
-        way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer" if
+    # (a module with no weights of its own: nothing to weigh)
+    if full and own and size > FULL_SHARE * own:
+        way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
+               if
                not full[0].cross and depends_on_distance(src) else "param='full' takes it anyway")
-        raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} parameters to the model's "
-                         f"{own:,} ({size / own:.0%}); {way} (or build the prior for fewer positions); no "
-                         f"layer was changed")
+        raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} "
+                         f"parameters to the model's {own:,} ({size / own:.0%}); {way} (or build "
+                         "the prior for fewer positions); no layer was changed")
 
 
 def _under_peft(model: nn.Module) -> bool:
-    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on the
-    model get_peft_model was given), or PEFT's adapter layers among its modules."""
+    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its
+    peft_config (set on the model get_peft_model was given), or PEFT's adapter layers among its
+    modules."""
     return getattr(model, "peft_config", None) is not None or \
         any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules())
 
 
 def _record_key(recorded: dict, name: str, part: str) -> str | None:
-    """The key the config records layer `name` of a model of class `part` under: its name, or 'Part:name' where a
-    layer of another part holds that name (an encoder's and a decoder's layers.0.self_attn). None where a layer of that
-    name in a part of the same class is recorded already: two parts of one class sharing the config, which the record
-    could not tell apart."""
+    """The key the config records layer `name` of a model of class `part` under: its name, or
+    'Part:name' where a layer of another part holds that name (an encoder's and a decoder's
+    layers.0.self_attn). None where a layer of that name in a part of the same class is recorded
+    already: two parts of one class sharing the config, which the record could not tell apart."""
     if any(key.rpartition(":")[2] == name and isinstance(geo, dict) and geo.get("part") == part
            for key, geo in recorded.items()):
         return None
@@ -2065,44 +2273,51 @@ def _recorded_layers(model: nn.Module) -> dict:
 
 
 @checked
-def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON, m_off: float = M_OFF,
-                   causal: bool | None = None, logits: torch.Tensor | None = None, *, param: str | None = None,
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
+                   m_off: float = M_OFF, causal: bool | None = None,
+                   logits: torch.Tensor | None = None, *, param: str | None = None,
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
                    mask_kwarg: str = "attn_mask", flex: bool = False) -> dict[str, MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
-    (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool
+    (N, N) or (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers
+    that got one.
 
-    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
-    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
-    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
-    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only
-    an encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style).
-    Self-attention gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
-    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to
-    what the layer is where it says (HF), else False. `prefix` (default: True for HF text models, else False)
-    lets a non-causal prior read shorter inputs as positions 0..t-1. Every layer is checked before any is
-    changed: one the prior cannot serve raises ValueError naming it, its class, heads and what to do, and the
-    model is left as it was. `param`: by default relative for a causal prior that depends on i - j alone (a distance
-    prior: heads x N a layer, any length), else full, refused in one line where the full M's would add more than 10% of
-    the model's parameters (pass param='full' to take them, or 'relative' for a non-causal band). `flex`: on CUDA a
-    Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call) wherever the call is
-    plain self-attention (`_prior_alone`; set `prior.use_flex` later to change it). Make the optimiser after this
-    call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it
-    undecayed.
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama,
+    Mistral, BART, T5, Whisper, CLIP, Swin...: through transformers' attention-function interface,
+    wrapping the model's 'sdpa' or 'eager'; the config records the priors for `from_pretrained`),
+    timm's attention (ViT / DeiT), and, with `modules` (a class, tuple of classes or predicate
+    `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
+    forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the
+    prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
+    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal`
+    defaults to what the layer is where it says (HF), else False. `prefix` (default: True for HF
+    text models, else False) lets a non-causal prior read shorter inputs as positions 0..t-1. Every
+    layer is checked before any is changed: one the prior cannot serve raises ValueError naming it,
+    its class, heads and what to do, and the model is left as it was. `param`: by default relative
+    for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
+    length), else full, refused in one line where the full M's would add more than 10% of the
+    model's parameters (pass param='full' to take them, or 'relative' for a non-causal band).
+    `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on
+    its first call) wherever the call is plain self-attention (`_prior_alone`; set `prior.use_flex`
+    later to change it). Make the optimiser after this call; M is named `bias`, so Hugging Face's
+    Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed.
     """
     _pattern_or_logits(pattern, logits, "add_mask_prior")
     if logits is None:
         check_pattern(pattern)
     if isinstance(model, torch.jit.ScriptModule):
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose layers take no hooks "
-                         f"and no new parameters: add the prior to the nn.Module, then script or trace it")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose "
+                         "layers take no hooks and no new parameters: add the prior to the "
+                         "nn.Module, then script or trace it")
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
-        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
+                         "N)")
     if _under_peft(model):
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
-                         f"save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
-                         f"its config (M then trains and is saved with the adapter); no layer was changed")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
+                         "whose adapter would not save M: add the priors first, then "
+                         "get_peft_model with modules_to_save=['mask_prior'] in its config (M "
+                         "then trains and is saved with the adapter); no layer was changed")
     sites = find_attention(model, modules)
     if not sites:
         raise _unreachable(model, modules, mask_kwarg)
@@ -2112,16 +2327,18 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
         way = ("leave out cross_attention=True" if cross_attention else
                "pass cross_attention=True and an (N_query, N_key) pattern")
         raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
-                         f"{'self' if cross_attention else 'cross'}-attention ({', '.join(other)}); {way} to give it "
-                         f"a prior")
+                         f"{'self' if cross_attention else 'cross'}-attention "
+                         f"({', '.join(other)}); {way} to give it a prior")
     recorded, part = _recorded_layers(model), type(model).__name__
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
         if s.kind == "hf" and not hasattr(s.module, "mask_prior") and _record_key(recorded, s.name, part) is None:
-            raise _fail(s, f"has a name the config already records a prior under, on a layer of another {part} (two "
-                           f"parts of one class: the record could not tell them apart when loading): give both parts' "
-                           f"layers their priors from the whole model, picking them with modules=lambda name, m: ...")
-    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix) for s in sites}
+            raise _fail(s, "has a name the config already records a prior under, on a layer of "
+                           f"another {part} (two parts of one class: the record could not tell "
+                           "them apart when loading): give both parts' layers their priors from "
+                           "the whole model, picking them with modules=lambda name, m: ...")
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
+              for s in sites}
     if param is None:
         _check_size(model, priors, src)
     for prior in priors.values():
@@ -2147,26 +2364,30 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
     s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
     if not prior.cross and key is not query:
-        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
-                         f"queries, {s} keys): give cross-attention its own prior with "
-                         f"add_mask_prior(..., cross_attention=True) and an (N_query, N_key) pattern")
+        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not "
+                         f"its queries ({t} queries, {s} keys): give cross-attention its own "
+                         "prior with add_mask_prior(..., cross_attention=True) and an (N_query, "
+                         "N_key) pattern")
     bias = prior(t, query.dtype, k_len=s)
     batch = query.shape[0 if mha.batch_first else 1] if batched else 1
     prior.check_roles_batch(batch)
-    if bias.dim() == 4:                                  # per example (prior_roles): (B, heads) batch-major for MHA
+    # per example (prior_roles): (B, heads) batch-major for MHA
+    if bias.dim() == 4:
         bias = bias.flatten(0, 1) if batched else bias[0]
     elif batched:
         bias = bias.repeat(batch, 1, 1)
     given = kwargs.get("attn_mask")
     if given is not None:
-        if given.dtype == torch.bool:                    # True = not allowed, for nn.MultiheadAttention
+        # True = not allowed, for nn.MultiheadAttention
+        if given.dtype == torch.bool:
             given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
         bias = bias + given
     bias = _fold_causal(bias, kwargs, t)
     padding = kwargs.get("key_padding_mask")
     if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
         kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
-                                                 device=bias.device).masked_fill(padding, float("-inf"))
+                                                 device=bias.device).masked_fill(padding,
+                                                                                 float("-inf"))
     if prior.record is not None:
         kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
     kwargs["attn_mask"] = bias
@@ -2174,8 +2395,9 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
 
 
 def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
-    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set False in
-    `kwargs`: attention takes a mask or is_causal, not both (nn.MultiheadAttention would drop the mask)."""
+    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set
+    False in `kwargs`: attention takes a mask or is_causal, not both (nn.MultiheadAttention would
+    drop the mask)."""
     if not kwargs.get("is_causal"):
         return bias
     kwargs["is_causal"] = False
@@ -2198,23 +2420,26 @@ def _attach_torch(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
 
 
 def _amp_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
+    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's
+    own."""
     try:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-    except (TypeError, AttributeError):                 # torch < 2.4: device-type autocast queries missing
+    # torch < 2.4: device-type autocast queries missing
+    except (TypeError, AttributeError):
         pass
     return x.dtype
 
 
 def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added to a
-    mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a call with
-    is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added
+    to a mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a
+    call with is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
     prior, key = module.mask_prior, module.mask_prior_kwarg
     x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
     t = x.shape[-2]
-    if prior.roles is not None:                         # (B, heads, T, T) per example: B must be x's batch
+    # (B, heads, T, T) per example: B must be x's batch
+    if prior.roles is not None:
         prior.check_roles_batch(x.shape[0] if x.dim() >= 3 else 1)
     bias = prior(t, _amp_dtype(x))
     given = kwargs.get(key)
@@ -2236,20 +2461,23 @@ def _attach_keyword(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
     hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
     drop = getattr(m, "attn_drop", None)
     if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
-        object.__setattr__(drop, "mask_prior_owner", m)       # a plain reference, not a submodule (no cycle)
+        # a plain reference, not a submodule (no cycle)
+        object.__setattr__(drop, "mask_prior_owner", m)
         hooks.append(drop.register_forward_hook(_timm_record_hook))
     m.mask_prior_hooks = hooks
 
 
 def _timm_after(model: nn.Module, names: list[str]) -> None:
-    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
+    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add
+    every M."""
     base = getattr(model, "no_weight_decay", None)
     if callable(base):
         model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
 
 
 class _NoWeightDecay:
-    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
+    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable
+    callable."""
     def __init__(self, names: set[str]):
         self.names = frozenset(names)
 
@@ -2257,13 +2485,15 @@ class _NoWeightDecay:
         return set(self.names)
 
 
-# Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
+# Hugging Face: an attention function registered with transformers, reached through a view of the
+# layer's config
 
 
 class _PriorConfig:
-    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach it),
-    except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention` (layers that
-    share the config keep theirs). `model_config` is the config itself."""
+    """What an HF layer with a prior sees as its `config`: its model's config, read through (later
+    changes reach it), except that it names HF_ATTENTION as the attention function, so this layer
+    alone runs `hf_attention` (layers that share the config keep theirs). `model_config` is the
+    config itself."""
     _attn_implementation = HF_ATTENTION
 
     def __init__(self, model_config):
@@ -2271,105 +2501,129 @@ class _PriorConfig:
 
     def __getattr__(self, name: str):
         config = self.__dict__.get("model_config")
-        if config is None or name.startswith("__"):       # while being copied or unpickled: no read-through
+        # while being copied or unpickled: no read-through
+        if config is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(config, name)
 
 
 def _register_hf() -> None:
-    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once, lazily)."""
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once,
+    lazily)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(HF_ATTENTION, hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
 
 
-def _hf_start(prior: MaskPrior, q_len: int, k_len: int, position_ids: torch.Tensor | None) -> int | None:
-    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from the model's
-    position ids (a static cache holds empty slots, so k_len - q_len is not it): one run shared by every row, else
-    one line. Without a cache or ids, the queries are the last q_len of the k_len positions (no check, so no sync:
-    HF leaves out the mask only where it sees one unpadded sequence per row)."""
+def _hf_start(prior: MaskPrior, q_len: int, k_len: int,
+              position_ids: torch.Tensor | None) -> int | None:
+    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from
+    the model's position ids (a static cache holds empty slots, so k_len - q_len is not it): one
+    run shared by every row, else one line. Without a cache or ids, the queries are the last q_len
+    of the k_len positions (no check, so no sync: HF leaves out the mask only where it sees one
+    unpadded sequence per row)."""
     if not prior.causal or k_len == q_len or position_ids is None:
         return None
     first = position_ids[:, :1]
     run = first + torch.arange(q_len, device=position_ids.device)
     if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
-        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed sequences) or differ between "
-                         f"rows, but the prior indexes one sequence's positions from 0: give each sequence its own row")
+        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed "
+                         "sequences) or differ between rows, but the prior indexes one "
+                         "sequence's positions from 0: give each sequence its own row")
     return int(first[0, 0])
 
 
-def _causal_bias(prior: MaskPrior, allowed: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """(B, heads, q, k) float32 bias of a causal prior for a masked call: the rows and columns of each batch row's
-    own positions (a left-padded batch, a sliding window, a static or sliding-window KV cache).
+def _causal_bias(prior: MaskPrior, allowed: torch.Tensor,
+                 position_ids: torch.Tensor | None) -> torch.Tensor:
+    """(B, heads, q, k) float32 bias of a causal prior for a masked call: the rows and columns of
+    each batch row's own positions (a left-padded batch, a sliding window, a static or
+    sliding-window KV cache).
 
-    allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or None. A query's
-    own key is the last one it sees, so each row's slot - position shift is read off its queries; a query that
-    sees no key, or no new one (padding), is left out. Without position ids the slots are the positions, and a
-    batch whose first query sees nothing (left padding) is refused. Under `prior_roles` each batch row's positions
-    are read by its roles (M's row and column of each position), over the positions the roles cover."""
+    allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or
+    None. A query's own key is the last one it sees, so each row's slot - position shift is read
+    off its queries; a query that sees no key, or no new one (padding), is left out. Without
+    position ids the slots are the positions, and a batch whose first query sees nothing (left
+    padding) is refused. Under `prior_roles` each batch row's positions are read by its roles (M's
+    row and column of each position), over the positions the roles cover."""
     q_len, k_len = allowed.shape[-2:]
-    relative = prior.param == "relative" and prior.roles is None                   # any position: by distance
+    # any position: by distance
+    relative = prior.param == "relative" and prior.roles is None
     n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
-    full = None if relative else prior(n, torch.float32)                           # (H, n, n), or (B, H, n, n)
+    # (H, n, n), or (B, H, n, n)
+    full = None if relative else prior(n, torch.float32)
     full = full if full is None or full.dim() == 4 else full.unsqueeze(0)
     b = max(allowed.shape[0], 1 if full is None else full.shape[0],
             1 if position_ids is None else position_ids.shape[0])
     allowed = allowed.expand(b, q_len, k_len)
     seen = allowed.any(-1)                                                         # (B, q)
-    last = k_len - 1 - allowed.flip(-1).int().argmax(-1)                           # the last key each query sees
+    # the last key each query sees
+    last = k_len - 1 - allowed.flip(-1).int().argmax(-1)
     before_seen = torch.cat([torch.zeros_like(seen[:, :1]), seen[:, :-1]], 1)
     before_last = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], 1)
-    own = seen & (~before_seen | (last > before_last))                             # it sees a new key: its own
+    # it sees a new key: its own
+    own = seen & (~before_seen | (last > before_last))
     if position_ids is None:
         if not bool(seen[:, 0].all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (its first query sees no key), and the model "
-                             f"passes no position ids to read each row's positions from: pad on the right")
+            raise ValueError(f"{prior.where}: this batch is left-padded (its first query sees no "
+                             "key), and the model passes no position ids to read each row's "
+                             "positions from: pad on the right")
         pos = last
     else:
         pos = position_ids.to(last.device).expand(b, q_len)
-    shift = last - pos                                                             # the slot of position 0
+    # the slot of position 0
+    shift = last - pos
     first = torch.where(own, shift, torch.iinfo(shift.dtype).max).amin(-1)         # (B,)
     if bool(((shift != first[:, None]) & own).any()):
-        raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), but the prior "
-                         f"indexes one sequence's positions from 0: give each sequence its own row")
+        raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), "
+                         "but the prior indexes one sequence's positions from 0: give each "
+                         "sequence its own row")
     rows = torch.where(own, pos, 0)
-    cols = torch.arange(k_len, device=allowed.device) - first[:, None]             # (B, k): each key's position
+    # (B, k): each key's position
+    cols = torch.arange(k_len, device=allowed.device) - first[:, None]
     if relative:
         d = rows[:, :, None] - cols[:, None, :]                                    # (B, q, k)
         bias = mask_bias(prior._logits(prior.bias))[:, prior._index(d)].movedim(0, 1)
         return bias.masked_fill(((d < 0) | (cols < 0)[:, None, :])[:, None], float("-inf"))
     if bool((rows >= n).any()):
         fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
-        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit {fit}: a causal prior "
-                         f"serves positions 0 .. {n - 1} (a relative one serves any)")
+        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit "
+                         f"{fit}: a causal prior serves positions 0 .. {n - 1} (a relative one "
+                         "serves any)")
     inside = (cols >= 0) & (cols < n)
     batch = torch.arange(b, device=allowed.device)[:, None, None]
-    bias = full.expand(b, -1, -1, -1).movedim(1, -1)[batch, rows[:, :, None], cols.clamp(0, n - 1)[:, None, :]]
-    return bias.movedim(-1, 1).masked_fill(~inside[:, None, None, :], float("-inf"))          # (B, H, q, k)
+    bias = full.expand(b, -1, -1, -1).movedim(1, -1)[batch, rows[:, :, None],
+                                                     cols.clamp(0, n - 1)[:, None, :]]
+    # (B, H, q, k)
+    return bias.movedim(-1, 1).masked_fill(~inside[:, None, None, :], float("-inf"))
 
 
-def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
-             kwargs: dict) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the queries' and keys'
-    positions, with HF's mask (padding, causal, sliding window: bool, or additive) folded in."""
+def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor,
+             mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the
+    queries' and keys' positions, with HF's mask (padding, causal, sliding window: bool, or
+    additive) folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     prior.check_roles_batch(query.shape[0])
     allowed = None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool else \
         mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
-    if prior.cross:                                    # rows from the decoder's position (its KV cache)
+    # rows from the decoder's position (its KV cache)
+    if prior.cross:
         start = getattr(module, "mask_prior_start", 0)
         bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
     elif prior.causal and allowed is not None:
         bias = _causal_bias(prior, allowed[:, 0], kwargs.get("position_ids")).to(query.dtype)
     else:
         if allowed is not None and not bool(allowed[..., 0].any(-1).all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), but a non-causal prior "
-                             f"indexes sequence positions from 0: pad on the right (tokenizer.padding_side = 'right')")
+            raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), "
+                             "but a non-causal prior indexes sequence positions from 0: pad on "
+                             "the right (tokenizer.padding_side = 'right')")
         start = _hf_start(prior, q_len, k_len, kwargs.get("position_ids"))
         bias = prior(q_len, query.dtype, k_len=k_len, start=start)
-        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)      # (B, ...) per example under prior_roles
-        if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:   # CLIP's text tower
+        # (B, ...) per example under prior_roles
+        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)
+        # CLIP's text tower
+        if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
             bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
     if mask is None:
         return bias
@@ -2380,16 +2634,19 @@ def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torc
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, **kwargs):
-    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the module's
-    prior to the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
+    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the
+    module's prior to the logits and runs the model's own implementation (`sdpa` or its
+    `eager`)."""
     prior = getattr(module, "mask_prior", None)
     if prior is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no "
-                           f"MaskPrior: a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
+                           "but holds no MaskPrior: a model saved with mask priors loads with "
+                           "mp.from_pretrained(ModelClass, path)")
     module.mask_prior_pending = False
     if prior.record is None and _prior_alone(module, prior, query, key, attention_mask, kwargs) and \
             (query.device.type == "cpu" or prior.use_flex):
-        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))     # grouped keys
+        # grouped keys
+        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
         out = prior_attention(query, k, v, prior) if query.device.type == "cpu" else prior.flex(query, k, v)
         return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
@@ -2400,45 +2657,51 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return _hf_base(module)(module, query, key, value, bias, **kwargs)
 
 
-def _prior_alone(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask, kwargs) -> bool:
-    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale): then maskprior's own kernels serve it, as in its
-    own models: on the CPU `prior_attention` (M's gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where
-    asked (`use_flex`)."""
+def _prior_alone(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
+                 kwargs) -> bool:
+    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or
+    padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale): then
+    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's
+    gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where asked (`use_flex`)."""
     extras = ("softcap", "sliding_window", "s_aux", "sinks")
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
-            and (prior.causal or not kwargs.get("is_causal")) and not float(kwargs.get("dropout") or 0.0)
+            and (prior.causal or not kwargs.get("is_causal"))
+            and not float(kwargs.get("dropout") or 0.0)
             and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
             and all(kwargs.get(name) is None for name in extras))
 
 
 def _hf_base(module: nn.Module):
-    """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
-    between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
+    """The model's own attention function that a layer's prior wraps, read at every call (so
+    set_attn_implementation between 'sdpa' and 'eager' is followed); one line for an implementation
+    that cannot add a bias."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = _hf_impl(module)
     if impl == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     if impl == "sdpa":
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which cannot add the "
-                       f"prior's bias; use model.set_attn_implementation('sdpa') (or 'eager')")
+    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which "
+                       "cannot add the prior's bias; use model.set_attn_implementation('sdpa') "
+                       "(or 'eager')")
 
 
 def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation without a bias; keys from
-    another sequence on a self-attention prior, or the other way round); note a cross-attention call's first query
-    row (its decoder position, from the KV cache)."""
+    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation
+    without a bias; keys from another sequence on a self-attention prior, or the other way round);
+    note a cross-attention call's first query row (its decoder position, from the KV cache)."""
     _hf_base(module)
     call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
     prior = module.mask_prior
     crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
     if crossed != prior.cross:
-        what = ("a self-attention prior, but this call's keys come from another sequence" if crossed else
+        what = ("a self-attention prior, but this call's keys come from another sequence"
+                if crossed else
                 "a cross-attention prior, but this call attends to its own sequence")
-        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
-                         f"cross_attention=True) and an (N_query, N_key) pattern")
+        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with "
+                         "add_mask_prior(..., cross_attention=True) and an (N_query, N_key) "
+                         "pattern")
     module.mask_prior_start = 0
     cache = next((call[k] for k in ("cache", "past_key_values", "past_key_value") if call.get(k) is not None), None)
     hidden = call.get("hidden_states", args[0] if args else None)
@@ -2448,11 +2711,13 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _hf_reached(module: nn.Module, args: tuple, output) -> None:
-    """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
+    """Forward hook: a layer that ran without calling the attention function would leave its prior
+    unused; refuse."""
     if getattr(module, "mask_prior_pending", False):
         module.mask_prior_pending = False
-        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling transformers' attention function, "
-                           f"so its prior changed nothing; give it an attn_mask keyword and attach it with modules=")
+        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling "
+                           "transformers' attention function, so its prior changed nothing; give "
+                           "it an attn_mask keyword and attach it with modules=")
 
 
 def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
@@ -2460,14 +2725,16 @@ def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
     m.mask_prior = prior
     m.config = _PriorConfig(m.config)
     m.mask_prior_args = list(inspect.signature(m.forward).parameters)
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True), m.register_forward_hook(_hf_reached)]
+    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
+                          m.register_forward_hook(_hf_reached)]
 
 
 def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
-    """Record the priors in the model's config under the layers' names in `model` (and its class: a part of a model,
-    e.g. BART's encoder, is found again in the whole): save_pretrained writes them to config.json, mp.from_pretrained
-    re-attaches them, and a plain from_pretrained fails while loading (config.json names HF_SAVED, an attention
-    implementation no one registers, even in a process that imported maskprior)."""
+    """Record the priors in the model's config under the layers' names in `model` (and its class: a
+    part of a model, e.g. BART's encoder, is found again in the whole): save_pretrained writes them
+    to config.json, mp.from_pretrained re-attaches them, and a plain from_pretrained fails while
+    loading (config.json names HF_SAVED, an attention implementation no one registers, even in a
+    process that imported maskprior)."""
     _register_hf()
     cfg = _hf_config(model)
     if cfg is None:
@@ -2483,17 +2750,18 @@ def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior])
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given (the whole or a part): a training forward after PEFT froze M
-    (get_peft_model freezes every parameter outside its adapter, and its adapter would not save M) is refused in one
-    line."""
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a training forward
+    after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its adapter
+    would not save M) is refused in one line."""
     if not (model.training and torch.is_grad_enabled()):
         return
-    frozen = next((p for m in model.modules() if isinstance(p := m._modules.get("mask_prior"), MaskPrior)
+    frozen = next((p for m in model.modules()
+                   if isinstance(p := m._modules.get("mask_prior"), MaskPrior)
                    and not p.bias.requires_grad), None)
     if frozen is not None and _under_peft(model):
-        raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its adapter would not "
-                           f"save it); pass modules_to_save=['mask_prior'] to the PEFT config, so that M trains and "
-                           f"is saved with the adapter")
+        raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its "
+                           "adapter would not save it); pass modules_to_save=['mask_prior'] to "
+                           "the PEFT config, so that M trains and is saved with the adapter")
 
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
@@ -2501,7 +2769,8 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPri
         for m in model.modules():
             if isinstance(m, nn.TransformerEncoder):
                 m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
-                m.use_nested_tensor = False          # a nested (padded) batch would skip the attn_mask
+                # a nested (padded) batch would skip the attn_mask
+                m.use_nested_tensor = False
     hf = [s for s in sites if s.kind == "hf"]
     if hf:
         _hf_after(model, hf, priors)
@@ -2510,17 +2779,20 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPri
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
 
 
-_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
+_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword,
+           "keyword": _attach_keyword}
 
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
-    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors, hooks and layer
-    config views, their records in the model's config, the names added to timm's no_weight_decay. The model is the
-    plain one again (the same outputs, state_dict keys and config). Returns the names of the layers that had one."""
+    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors,
+    hooks and layer config views, their records in the model's config, the names added to timm's
+    no_weight_decay. The model is the plain one again (the same outputs, state_dict keys and
+    config). Returns the names of the layers that had one."""
     named = dict(model.named_modules())
     layers = [(n, m) for n, m in named.items() if "mask_prior_hooks" in m.__dict__]
     if not layers:
-        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from add_mask_prior")
+        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from "
+                         "add_mask_prior")
     cfg, gone = _hf_config(model), {id(m) for _, m in layers}
     recorded = _recorded_layers(model)
     for key, geo in list(recorded.items()):
@@ -2546,7 +2818,8 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
     for m in model.modules():
         if "mask_prior_nested" in m.__dict__:
             m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
-    for m in model.modules():                         # add_mask_prior was given the model, or parts of it
+    # add_mask_prior was given the model, or parts of it
+    for m in model.modules():
         if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
             del m.__dict__["no_weight_decay"]
         if "mask_prior_guard" in m.__dict__:
@@ -2567,74 +2840,82 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
 
 
 def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
-    model is built)."""
+    """One ValueError naming the layer and the field when a config's `mask_prior` record is
+    malformed (before any model is built)."""
     where = f"from_pretrained: {path}'s config.json"
     if not isinstance(record, dict):
-        raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, not "
-                         f"{{'layers': {{name: {{...}}}}, 'base': 'sdpa'}}; nothing was loaded")
+        raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
+                         "not {'layers': {name: {...}}, 'base': 'sdpa'}; nothing was loaded")
     if record.get("base") not in ("sdpa", "eager"):
         has = f"base {record['base']!r}" if "base" in record else "no base"
-        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' (the implementation "
-                         f"the priors wrap); nothing was loaded")
+        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' "
+                         "(the implementation the priors wrap); nothing was loaded")
     layers = record.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
-                         f"{{layer name: {{n, heads, ...}}}}, one entry per prior; nothing was loaded")
+        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a "
+                         "non-empty {layer name: {n, heads, ...}}, one entry per prior; "
+                         "nothing was loaded")
     for name, geo in layers.items():
         if not isinstance(geo, dict):
-            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a dict; nothing was "
-                             f"loaded")
+            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a "
+                             "dict; nothing was loaded")
         for field, (ok, want) in _RECORD_FIELDS.items():
             if field not in geo or not ok(geo[field]):
                 has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
-                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
-                                 f"nothing was loaded")
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: "
+                                 f"expected {want}; nothing was loaded")
 
 
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict, strict: bool = False) -> str | None:
-    """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior was given, of
-    class geo['part'], after a 'Part:' qualifier if any): under that part where it is one module of `model`, else as
-    saved from the model with a head and loaded as the base model, or the other way round. `strict` (taking a prior
-    out of a part): not by a bare name where the part is absent, which may be a sibling part's layer (an encoder's
-    layers.0.self_attn is not its decoder's)."""
+def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict,
+                      strict: bool = False) -> str | None:
+    """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior
+    was given, of class geo['part'], after a 'Part:' qualifier if any): under that part where it is
+    one module of `model`, else as saved from the model with a head and loaded as the base model,
+    or the other way round. `strict` (taking a prior out of a part): not by a bare name where the
+    part is absent, which may be a sibling part's layer (an encoder's layers.0.self_attn is not its
+    decoder's)."""
     name = recorded.rpartition(":")[2]
     base = getattr(model, "base_model_prefix", "") + "."
     parts = [n for n, m in named.items() if type(m).__name__ == geo.get("part")]
     names = [f"{parts[0]}.{name}" if parts[0] else name] if len(parts) == 1 else []
     if not strict:
         names += [name, base + name, name.removeprefix(base)]
-    elif not parts and name.startswith(base):          # recorded on the model with a head, taken out of its base
+    # recorded on the model with a head, taken out of its base
+    elif not parts and name.startswith(base):
         names.append(name.removeprefix(base))
     return next((n for n in names if n in named), None)
 
 
 def _model_class_for(model_class, config):
-    """A model class for `config`: `model_class` itself, or the one an Auto class (AutoModelForCausalLM...) maps it to."""
+    """A model class for `config`: `model_class` itself, or the one an Auto class
+    (AutoModelForCausalLM...) maps it to."""
     if isinstance(model_class, type) and issubclass(model_class, nn.Module):
         return model_class
     try:
         return model_class._model_mapping[type(config)]
     except (AttributeError, KeyError, TypeError):
-        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model class "
-                         f"nor an Auto class with a model for {type(config).__name__}") from None
+        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is "
+                         "neither a model class nor an Auto class with a model for "
+                         f"{type(config).__name__}") from None
 
 
 def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
-    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors included.
+    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors
+    included.
 
-    The priors its config.json records are checked, then attached while the model is built, so transformers' own
-    loader reads every M from the checkpoint (sharded or not, keys renamed or not). An M the checkpoint lacks, holds
-    in another shape (also with ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an
-    error, never a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
-    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained. A path whose config records no prior is
-    refused."""
+    The priors its config.json records are checked, then attached while the model is built, so
+    transformers' own loader reads every M from the checkpoint (sharded or not, keys renamed or
+    not). An M the checkpoint lacks, holds in another shape (also with
+    ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an error, never
+    a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
+    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained. A path whose config
+    records no prior is refused."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     record = getattr(config, "mask_prior", None)
     if not record:
-        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load it with "
-                         f"{getattr(model_class, '__name__', model_class)}.from_pretrained")
+        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load "
+                         f"it with {getattr(model_class, '__name__', model_class)}.from_pretrained")
     _check_record(record, path)
     model_class = _model_class_for(model_class, config)
     _register_hf()
@@ -2644,29 +2925,38 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
             super().__init__(*args, **kw)
             _reattach(self, record)
 
-    for attr in ("__name__", "__qualname__", "__module__"):      # transformers finds key renamings by these
+    # transformers finds key renamings by these
+    for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
-    model, info = WithPriors.from_pretrained(path, **{"attn_implementation": record["base"], **kwargs},
+    model, info = WithPriors.from_pretrained(path,
+                                             **{"attn_implementation": record["base"], **kwargs},
                                              output_loading_info=True)
-    model.__class__ = model_class                      # the plain class again: save_pretrained names it
+    # the plain class again: save_pretrained names it
+    model.__class__ = model_class
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
                 if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
-    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
-                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
+    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model "
+                                       "with its priors"),
+                      ("mismatched_keys",
+                       "holds {} ({} in all) in another shape than its config records (M is "
                                           "never re-initialised, ignore_mismatched_sizes or not)"),
-                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
+                      ("unexpected_keys",
+                       "holds {} ({} in all) on a layer its config records no prior for")):
         if ours[key]:
-            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
+            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0],
+                                                                       len(ours[key])))
     bad = [p.where for p in mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
     if bad:
-        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
+        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in "
+                         "all)")
     return model
 
 
 def _reattach(model: nn.Module, record: dict) -> None:
-    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
-    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
+    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found
+    and checked (an attention layer the prior can serve, of the recorded heads, causality and size)
+    before any is changed."""
     named = dict(model.named_modules())
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
@@ -2677,15 +2967,17 @@ def _reattach(model: nn.Module, record: dict) -> None:
                              f"{type(model).__name__} does not have")
         if name not in found:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
-                             f"{type(named[name]).__name__}, which is not an attention layer add_mask_prior reaches; "
-                             f"nothing was loaded")
+                             f"{type(named[name]).__name__}, which is not an attention layer "
+                             "add_mask_prior reaches; nothing was loaded")
         site = found[name]
         _check_site(model, site, False, "attn_mask", "from_pretrained")
-        shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")   # M starts at 0
-        priors[name] = _prior_for(site, shape, None, M_ON, M_OFF, geo["causal"], None, geo["param"], geo["prefix"],
-                                  "from_pretrained")
+        # M starts at 0
+        shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")
+        priors[name] = _prior_for(site, shape, None, M_ON, M_OFF, geo["causal"], None,
+                                  geo["param"], geo["prefix"], "from_pretrained")
         sites.append(site)
     for s in sites:
         _attach_hf(s, priors[s.name], "attn_mask")
-    model.config.mask_prior = None                     # recorded again, under this model's own layer names
+    # recorded again, under this model's own layer names
+    model.config.mask_prior = None
     _after_attach(model, sites, priors)

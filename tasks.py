@@ -15,10 +15,11 @@ classes. What train.py uses of a task:
     evaluate(model, points)     -> dict of metrics on the test split
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
-Layout: the base and the registry; caches; one section per family (its task classes, readers and `small` /
-`paper` presets); fixtures (small real data sets written in the real layouts, for tests and CPU trials). What a run
-writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is `runfiles`;
-the image augmentation the vision tasks train with is `augment`.
+Layout: the base and the registry; caches; one section per family (its task classes, readers and
+`small` / `paper` presets); fixtures (small real data sets written in the real layouts, for tests
+and CPU trials). What a run writes and reads back (the one reader and writer, run folders,
+checkpoints, logs, prior.pt) is `runfiles`; the image augmentation the vision tasks train with is
+`augment`.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def register(name: str):
     """Class decorator: make a Task subclass available as `--task name`."""
     def add(cls):
         if name in TASKS:
-            raise ValueError(f"task {name!r} is registered twice ({TASKS[name].__name__}, {cls.__name__})")
+            raise ValueError(f"task {name!r} is registered twice ({TASKS[name].__name__}, "
+                             f"{cls.__name__})")
         cls.NAME = name
         TASKS[name] = cls
         return cls
@@ -81,15 +83,16 @@ def register(name: str):
 
 
 def make_task(name: str, **options) -> Task:
-    """Build a registered task; `options` must be among its `options()` (plus `seed`); None means the
-    task's own default."""
+    """Build a registered task; `options` must be among its `options()` (plus `seed`); None means
+    the task's own default."""
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
     cls = TASKS[name]
     options = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(options) - set(cls.options()) - {"seed"})
     if unknown:
-        raise TaskError(f"task {name} takes no option {', '.join(unknown)}; it takes {', '.join(cls.options()) or 'none'}")
+        raise TaskError(f"task {name} takes no option {', '.join(unknown)}; it takes "
+                        f"{', '.join(cls.options()) or 'none'}")
     return cls.build(**options)
 
 
@@ -107,7 +110,8 @@ class Task:
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
     INITS: ClassVar[tuple] = ("default", "mask", "qk-svd", "qk-opt")
-    HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
+    # metrics of the log line; the first heads the tables
+    HEADLINE: ClassVar[tuple] = ()
     PRESETS: ClassVar[dict] = {}
 
     seed: int = 0
@@ -115,7 +119,8 @@ class Task:
     n_train: int = 0
     _perm_epoch: int | None = None
 
-    say: ClassVar[Callable[[str], None]] = print     # where a task says what slow work it does (train.py: its log)
+    # where a task says what slow work it does (train.py: its log)
+    say: ClassVar[Callable[[str], None]] = print
 
     @property
     def name(self) -> str:
@@ -129,85 +134,99 @@ class Task:
 
     @classmethod
     def preset_parts(cls, name: str) -> tuple[dict, dict]:
-        """(model size, training recipe) of the named preset: the family's entries, then the task's own.
-        A preset holds exactly these two parts ("model": architecture flags, "recipe": everything else:
-        optimiser, schedule, init strengths, augmentation, logging); anything else is an error."""
+        """(model size, training recipe) of the named preset: the family's entries, then the task's
+        own. A preset holds exactly these two parts ("model": architecture flags, "recipe":
+        everything else: optimiser, schedule, init strengths, augmentation, logging); anything else
+        is an error."""
         model, recipe = {}, {}
         for klass in reversed(cls.__mro__):
             entry = vars(klass).get("PRESETS", {}).get(name, {})
             if set(entry) - {"model", "recipe"}:
-                raise ValueError(f"{klass.__name__}.PRESETS[{name!r}] holds {sorted(entry)}; a preset has a 'model' "
-                                 f"part (the size) and a 'recipe' part (the training), nothing else")
+                raise ValueError(f"{klass.__name__}.PRESETS[{name!r}] holds {sorted(entry)}; a "
+                                 "preset has a 'model' part (the size) and a 'recipe' part (the "
+                                 "training), nothing else")
             model.update(entry.get("model", {}))
             recipe.update(entry.get("recipe", {}))
         return model, recipe
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options: the keyword arguments its constructor takes and those `build` takes where it picks
-        the variant class (less `seed`); train.py passes the flags of these names, the signatures are the one list."""
-        params = [*inspect.signature(cls).parameters.values(), *inspect.signature(cls.build).parameters.values()]
-        return tuple(dict.fromkeys(p.name for p in params if p.name != "seed" and p.kind != p.VAR_KEYWORD))
+        """The task's options: the keyword arguments its constructor takes and those `build` takes
+        where it picks the variant class (less `seed`); train.py passes the flags of these names,
+        the signatures are the one list."""
+        params = [*inspect.signature(cls).parameters.values(),
+                  *inspect.signature(cls.build).parameters.values()]
+        return tuple(dict.fromkeys(p.name for p in params if p.name != "seed"
+                                   and p.kind != p.VAR_KEYWORD))
 
     @classmethod
     def build(cls, **options) -> Task:
-        """The task these options make (a family whose variant is a class of its own, e.g. multiplication on Lee et
-        al.'s data, picks it here)."""
+        """The task these options make (a family whose variant is a class of its own, e.g.
+        multiplication on Lee et al.'s data, picks it here)."""
         return cls(**options)
 
     def final_eval_size(self) -> int | None:
-        """How many points the final evaluation scores where log steps score a sample of them (`--eval-points`), or
-        None where every evaluation scores the whole test set; needs setup."""
+        """How many points the final evaluation scores where log steps score a sample of them
+        (`--eval-points`), or None where every evaluation scores the whole test set; needs
+        setup."""
         return None
 
     def normal_options(self) -> dict:
-        """The options whose target has several spellings, in the one a run stores ({} here): the same target is one
-        configuration, so one row of a report."""
+        """The options whose target has several spellings, in the one a run stores ({} here): the
+        same target is one configuration, so one row of a report."""
         return {}
 
     def token_labels(self) -> list | None:
-        """The names of the model's input positions (a Boolean task's bits, an arithmetic format's digits), for the
-        ticks of M and attention maps; None where positions have no fixed meaning (images, text)."""
+        """The names of the model's input positions (a Boolean task's bits, an arithmetic format's
+        digits), for the ticks of M and attention maps; None where positions have no fixed meaning
+        (images, text)."""
         return None
 
     @classmethod
     def presets(cls) -> tuple:
-        return tuple(dict.fromkeys(p for klass in cls.__mro__ for p in vars(klass).get("PRESETS", {})))
+        return tuple(dict.fromkeys(p for klass in cls.__mro__
+                                   for p in vars(klass).get("PRESETS", {})))
 
     def pattern_name(self, variant: str | None) -> str:
-        """The pattern variant to use (None: the default); TaskError for a name it does not have."""
+        """The pattern variant to use (None: the default); TaskError for a name it does not
+        have."""
         variant = variant or self.DEFAULT_PATTERN
         if variant not in self.PATTERNS:
-            raise TaskError(f"task {self.name} has no pattern {variant!r}; choose from {list(self.PATTERNS)}")
+            raise TaskError(f"task {self.name} has no pattern {variant!r}; choose from "
+                            f"{list(self.PATTERNS)}")
         return variant
 
     def pattern(self, variant: str | None = None) -> torch.Tensor:
         return self.build_pattern(self.pattern_name(variant))
 
     def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
-        """The prior of pattern `variant` (None: the default): a hand pattern, or `discovered` in the training set,
-        its M from `mask_logits`."""
+        """The prior of pattern `variant` (None: the default): a hand pattern, or `discovered` in
+        the training set, its M from `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
-        return self.found_prior(pattern, logits, {**source, **self.discovery()} if name == "discovered" else source)
+        return self.found_prior(pattern, logits, {**source, **self.discovery()}
+                                if name == "discovered" else source)
 
     def discovery(self) -> dict:
-        """What `--pattern discovered` found and how (recorded in result.json's prior_source): the sets or pairs
-        tested and kept, the noise level they had to pass."""
+        """What `--pattern discovered` found and how (recorded in result.json's prior_source): the
+        sets or pairs tested and kept, the noise level they had to pass."""
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
-        """A Prior; one not written by hand (found in the data or a teacher) carries the precision and recall of its
-        pairs against the task's default hand pattern (`mp.pattern_agreement`), and one that names no pair beyond
-        self-loops in the rows it was found for (`found_rows`) is a TaskError: it would hold nothing."""
+        """A Prior; one not written by hand (found in the data or a teacher) carries the precision
+        and recall of its pairs against the task's default hand pattern (`mp.pattern_agreement`),
+        and one that names no pair beyond self-loops in the rows it was found for (`found_rows`) is
+        a TaskError: it would hold nothing."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
-            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
-                            f"would hold nothing; it is refused, not used (use a hand pattern or another teacher)")
+            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each "
+                            "token itself, so it would hold nothing; it is refused, not used "
+                            "(use a hand pattern or another teacher)")
         if source["from"] != "hand":
             oracle = self.pattern(self.DEFAULT_PATTERN)
-            source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
+            source = {**source, **mp.pattern_agreement(pattern, oracle,
+                                                       self.arch().get("causal", False))}
         return Prior(pattern, logits, source)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -221,69 +240,80 @@ class Task:
         return math.ceil(self.n_train / batch_size)
 
     def final_cost(self, points: int) -> float:
-        """What the final evaluation (the whole test set) costs in log-step evaluations of `points` test items (the
-        ETA counts it): 1 for a task that evaluates every item at every log step."""
+        """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
+        test items (the ETA counts it): 1 for a task that evaluates every item at every log
+        step."""
         return 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
-        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), read from the names the
-        readers look for and nothing else; DataError naming what was looked for and where to get it. None: the task
-        has no data files (reproduce.sh's plan asks this before its first run)."""
+        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), read
+        from the names the readers look for and nothing else; DataError naming what was looked for
+        and where to get it. None: the task has no data files (reproduce.sh's plan asks this before
+        its first run)."""
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so that a
-        resume on other data (another --data-dir) is refused. None: the task has no data of its own to check."""
+        """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so
+        that a resume on other data (another --data-dir) is refused. None: the task has no data of
+        its own to check."""
         return None
 
     def found_rows(self) -> list[int] | None:
-        """The rows (queries) a found prior is found for (None: every row); the others are the task's by
-        construction (arithmetic's prompt rows: causal)."""
+        """The rows (queries) a found prior is found for (None: every row); the others are the
+        task's by construction (arithmetic's prompt rows: causal)."""
         return None
 
     def names_pairs(self, pattern: torch.Tensor) -> bool:
-        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in `found_rows`."""
+        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in
+        `found_rows`."""
         off = pattern & ~torch.eye(pattern.shape[-1], dtype=torch.bool, device=pattern.device)
         rows = self.found_rows()
         return bool((off if rows is None else off[..., rows, :]).any())
 
-    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
-    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")     # --prior-kind values; the first is the default
-    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`), below which its
-    # attention is refused as a prior (--teacher-min-fit overrides): each family's own measure and level.
+    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and
+    # how
+    # --prior-kind values; the first is the default
+    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")
+    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`), below
+    # which its attention is refused as a prior (--teacher-min-fit overrides): each family's own
+    # measure and level.
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
-        """The teacher's accuracy on the training examples its attention is read on (`teacher_inputs(n)`)."""
+        """The teacher's accuracy on the training examples its attention is read on
+        (`teacher_inputs(n)`)."""
         raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe batch; a task
-        with held-out test inputs reads its training inputs instead."""
+        """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe
+        batch; a task with held-out test inputs reads its training inputs instead."""
         return self.probe_inputs(n)
 
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N):
-        `pattern`: query-key pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on
-        on them and -m_off elsewhere; `logits`: M whose bias alone gives the teacher's mean attention, per head
-        (`mp.logits_from_attention`), the pattern where log sigmoid(M) > -1. A family reads its own rows and
-        forms (Boolean tasks: keys; arithmetic: the answer rows; vision: offsets; language: distances)."""
+        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N,
+        N): `pattern`: query-key pairs above `ratio` times the uniform share
+        (`mp.pattern_from_attention`), M +m_on on them and -m_off elsewhere; `logits`: M whose bias
+        alone gives the teacher's mean attention, per head (`mp.logits_from_attention`), the
+        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean tasks:
+        keys; arithmetic: the answer rows; vision: offsets; language: distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, causal)
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
-    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str,
-                           ratio: float, m_on: float, m_off: float, source: dict, min_fit: float | None = None
+    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
+                           kind: str, ratio: float, m_on: float, m_off: float, source: dict,
+                           min_fit: float | None = None
                            ) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, its `weights`), its mean attention
-        on its own training inputs (`teacher_task`, set up: a teacher of another corpus reads its own), turned into
-        this task's prior (`teacher_prior`). A teacher that fits less than `min_fit` of those inputs (None: the
-        family's TEACHER_MIN_FIT) did not learn its task, and a map that names nothing or is not finite is no
-        prior: each a TaskError, never used."""
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, its
+        `weights`), its mean attention on its own training inputs (`teacher_task`, set up: a
+        teacher of another corpus reads its own), turned into this task's prior (`teacher_prior`).
+        A teacher that fits less than `min_fit` of those inputs (None: the family's
+        TEACHER_MIN_FIT) did not learn its task, and a map that names nothing or is not finite is
+        no prior: each a TaskError, never used."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -292,9 +322,10 @@ class Task:
         least = self.TEACHER_MIN_FIT if min_fit is None else min_fit
         source = {**source, "teacher_fit": round(fit, 4), "teacher_min_fit": least}
         if fit < least:
-            raise TaskError(f"the teacher fits {fit:.1%} of its own training inputs, under the {least:.0%} a teacher "
-                            f"that learned its task reaches (--teacher-min-fit): its attention is no prior; train it "
-                            f"longer, or choose another teacher")
+            raise TaskError(f"the teacher fits {fit:.1%} of its own training inputs, under the "
+                            f"{least:.0%} a teacher that learned its task reaches "
+                            "(--teacher-min-fit): its attention is no prior; train it longer, or "
+                            "choose another teacher")
         inputs = teacher_task.teacher_inputs(n)
         try:
             pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
@@ -320,8 +351,8 @@ class Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Caches: where decoded data lives and the signature of its sources, fingerprints of data. The one writer and the
-# one reader they use, and everything a run writes and reads back, are runfiles'.
+# Caches: where decoded data lives and the signature of its sources, fingerprints of data. The one
+# writer and the one reader they use, and everything a run writes and reads back, are runfiles'.
 
 
 CACHE_DIRNAME = "maskprior-cache"
@@ -372,10 +403,11 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
-    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a file
-    replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave it) is seen;
-    and its stat (size, mtime, ctime, inode): while the stat of a `known` signature (one a cache recorded)
-    still holds, its hash is reused without reading the file (every write moves ctime, and no tool sets it)."""
+    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a
+    file replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave
+    it) is seen; and its stat (size, mtime, ctime, inode): while the stat of a `known` signature
+    (one a cache recorded) still holds, its hash is reused without reading the file (every write
+    moves ctime, and no tool sets it)."""
     st, name = path.stat(), name or path.name
     stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     for k in known:
@@ -385,9 +417,11 @@ def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None =
 
 
 def _same_sources(a, b) -> bool:
-    """Whether two lists of source signatures name the same files with the same contents (stat aside)."""
+    """Whether two lists of source signatures name the same files with the same contents (stat
+    aside)."""
     def content(sigs):
-        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s for s in sigs]
+        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s
+                for s in sigs]
     return isinstance(a, list) and isinstance(b, list) and content(a) == content(b)
 
 
@@ -411,14 +445,16 @@ def array_hash(*arrays) -> str:
 READOUTS = ("cls", "mean")
 
 
-# The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
-# two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
+# The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core
+# CPU, 2,048 (11 bits) two minutes, 4,096 more than five; a task whose MDI needs more is refused
+# when it is made.
 
 MDI_MAX_MONOMIALS = 1024
 
 
 def cube(n: int) -> np.ndarray:
-    """(2^n, n) int8 array of every point of {-1, +1}^n; row r has bit i = +1 iff bit i of r is 0."""
+    """(2^n, n) int8 array of every point of {-1, +1}^n; row r has bit i = +1 iff bit i of r is
+    0."""
     r = np.arange(2 ** n, dtype=np.int64)[:, None]
     bits = (r >> np.arange(n)[None, :]) & 1
     return (1 - 2 * bits).astype(np.int8)
@@ -485,7 +521,8 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
     raise ValueError(f"no interpolator of degree <= {max_degree}")
 
 
-def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
+def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor,
+                 exact: bool) -> dict:
     """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
     unseen points, `top` is the top monomial at each point."""
     sign_ok = (torch.sign(pred) == torch.sign(y)).float()
@@ -526,15 +563,18 @@ def cyclic_patterns(n_bits: int, width: int = 2):
     return build
 
 
-# ---- finding the pattern from the training data (never from the target function): `--pattern discovered`
+# ---- finding the pattern from the training data (never from the target function): `--pattern
+# discovered`
 
-WALSH_RATE = 3e8          # (set, point) terms a second of walsh_coefficients on the 2-core CPU (4.7e8 measured idle)
+# (set, point) terms a second of walsh_coefficients on the 2-core CPU (4.7e8 measured idle)
+WALSH_RATE = 3e8
 
 
 def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
     """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
-    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}. The
-    product of +-1 bits is the sign of an XOR of their -1 flags, so each term is +-(y - mean y) exactly."""
+    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S:
+    coefficient}. The product of +-1 bits is the sign of an XOR of their -1 flags, so each term is
+    +-(y - mean y) exactly."""
     negative = np.asfortranarray(np.asarray(x) < 0)             # (P, n): a bit's flags contiguous
     yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
     out = {}
@@ -548,38 +588,42 @@ def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dic
 
 
 def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
-    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets independent of the
-    bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1),
-    so over `n_sets` sets all stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with
-    probability at least 1 - alpha (Bonferroni)."""
+    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets
+    independent of the bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard
+    error std(y) / sqrt(P) (chi_S^2 = 1), so over `n_sets` sets all stay below z * std(y) /
+    sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability at least 1 - alpha
+    (Bonferroni)."""
     z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
     return z * float(np.std(y)) / math.sqrt(len(y))
 
 
-def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25, alpha: float = 0.05
+def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25,
+               alpha: float = 0.05
                ) -> tuple[list[tuple], dict]:
-    """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one and
-    above the sampling noise of this many points (`walsh_noise` at `alpha`), largest first: the interactions the
-    seen data shows (it hides how the target extrapolates, not which bits interact). A small training set gives
-    fewer sets, or none; the report says how many of how many passed, the noise level and the largest."""
+    """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the
+    largest one and above the sampling noise of this many points (`walsh_noise` at `alpha`),
+    largest first: the interactions the seen data shows (it hides how the target extrapolates, not
+    which bits interact). A small training set gives fewer sets, or none; the report says how many
+    of how many passed, the noise level and the largest."""
     coefs = walsh_coefficients(x, y, max_degree)
     top = max(abs(v) for v in coefs.values())
     noise = walsh_noise(y, len(coefs), alpha)
     cut = max(threshold * top, noise, 1e-12)
     sets = sorted((s for s, v in coefs.items() if abs(v) >= cut), key=lambda s: -abs(coefs[s]))
-    return sets, {"points": len(y), "sets_tested": len(coefs), "sets_kept": len(sets), "noise_level": round(noise, 6),
-                  "largest": round(top, 6), "alpha": alpha}
+    return sets, {"points": len(y), "sets_tested": len(coefs), "sets_kept": len(sets),
+                  "noise_level": round(noise, 6), "largest": round(top, 6), "alpha": alpha}
 
 
 def _check_alpha(alpha: float) -> None:
     if not (isinstance(alpha, (int, float)) and 0.001 <= alpha <= 0.5):
-        raise TaskError(f"--discover-alpha is the chance that a set (pair) of no dependence passes the cut, in "
-                        f"0.001 .. 0.5, got {alpha}")
+        raise TaskError("--discover-alpha is the chance that a set (pair) of no dependence "
+                        f"passes the cut, in 0.001 .. 0.5, got {alpha}")
 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
-    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and with a CLS
-    token in front (position 0) CLS -> every bit of the sets; the form of `gotu_patterns`' clique."""
+    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and
+    with a CLS token in front (position 0) CLS -> every bit of the sets; the form of
+    `gotu_patterns`' clique."""
     off = int(cls)
     edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
     if cls:
@@ -588,9 +632,9 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
 
 
 def set_patterns(n_bits: int, sets):
-    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms): each set a clique
-    (`pattern_from_sets`), the CLS token reading every bit of them ("clique"), or CLS -> the bits alone ("cls",
-    with a CLS token only)."""
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms): each set a
+    clique (`pattern_from_sets`), the CLS token reading every bit of them ("clique"), or CLS -> the
+    bits alone ("cls", with a CLS token only)."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
         return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)} if cls \
@@ -613,15 +657,16 @@ class BooleanTask(Task):
     KIND = "boolean"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     PRESETS = {
-        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and these
-        # budgets: results/README.md, "Choices where the paper is silent")
-        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5),
-                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75,
-                                 eval_points=4096)},
+        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and
+        # these budgets: results/README.md, "Choices where the paper is silent")
+        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256,
+                                pos_init_std=0.5),
+                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100,
+                                 steps=1500, log_every=75, eval_points=4096)},
         # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "paper": {"model": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256),
-                  "recipe": dict(lr=1e-5, batch_size=256, weight_decay=1e-3, optimizer="adam", schedule="constant",
-                                 epochs=20, log_every=500)},
+                  "recipe": dict(lr=1e-5, batch_size=256, weight_decay=1e-3, optimizer="adam",
+                                 schedule="constant", epochs=20, log_every=500)},
     }
 
     n_bits: int
@@ -633,36 +678,44 @@ class BooleanTask(Task):
     exact: bool = False
     description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
-    degree: int = 0                     # the target's Fourier degree, which bounds the MDI's (its cost)
+    # the target's Fourier degree, which bounds the MDI's (its cost)
+    degree: int = 0
     readout: str = "cls"
     discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
-    discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
-    discover_alpha: float = 0.05        # ... and above the sampling noise at this false-positive rate
+    # ... kept when at least this fraction of the largest coefficient
+    discover_threshold: float = 0.25
+    # ... and above the sampling noise at this false-positive rate
+    discover_alpha: float = 0.05
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.readout not in READOUTS:
-            raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got {self.readout!r}")
+            raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got "
+                            f"{self.readout!r}")
         if not 1 <= self.discover_degree <= 4:
-            raise TaskError(f"--discover-degree must be in 1..4 (sets of up to 4 bits), got {self.discover_degree}")
+            raise TaskError("--discover-degree must be in 1..4 (sets of up to 4 bits), got "
+                            f"{self.discover_degree}")
         if not 0 < self.discover_threshold <= 1:
-            raise TaskError(f"--discover-threshold is a fraction of the largest coefficient in (0, 1], got "
-                            f"{self.discover_threshold}")
+            raise TaskError("--discover-threshold is a fraction of the largest coefficient in "
+                            f"(0, 1], got {self.discover_threshold}")
         _check_alpha(self.discover_alpha)
         size = self.mdi_size()
         if size > MDI_MAX_MONOMIALS:
-            raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is a least-squares "
-                            f"problem in {size:,} monomials of the {len(self.mdi_bits())} bits the target and the "
-                            f"unseen domain read, which takes minutes to hours; at most {MDI_MAX_MONOMIALS:,} are "
-                            f"solved (a parity or majority of at most 10 bits, the unseen ones among them)")
+            raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is "
+                            f"a least-squares problem in {size:,} monomials of the "
+                            f"{len(self.mdi_bits())} bits the target and the unseen domain read, "
+                            f"which takes minutes to hours; at most {MDI_MAX_MONOMIALS:,} are "
+                            "solved (a parity or majority of at most 10 bits, the unseen ones "
+                            "among them)")
 
     def mdi_bits(self) -> list[int]:
         """The bits the MDI is solved on: those the target and the unseen domain depend on."""
         return sorted(set(range(self.n_bits) if self.support is None else self.support) | set(self.unseen))
 
     def mdi_size(self) -> int:
-        """Monomials of up to the target's degree on `mdi_bits`: what the MDI's least squares solve in."""
+        """Monomials of up to the target's degree on `mdi_bits`: what the MDI's least squares solve
+        in."""
         return sum(math.comb(len(self.mdi_bits()), d) for d in range(self.degree + 1))
 
     def arch(self) -> dict:
@@ -681,40 +734,45 @@ class BooleanTask(Task):
             other = "mean" if self.readout == "cls" else "cls"
             hint = (f" (pattern {variant!r} needs --readout {other})"
                     if variant in self.patterns(other == "cls") else "")
-            raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout {self.readout}; "
-                            f"choose from {sorted(mine) + ['discovered']}{hint}")
+            raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout "
+                            f"{self.readout}; choose from {sorted(mine) + ['discovered']}{hint}")
         return variant
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits.
-        `discovered` is found in the training set (`discovered_sets`), never from the target function."""
+        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else
+        n_bits. `discovered` is found in the training set (`discovered_sets`), never from the
+        target function."""
         if variant == "discovered":
             return pattern_from_sets(self.n_bits, self.discovered_sets(), self.readout == "cls")
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data: those whose Walsh coefficient (of the
-        training points and their targets, y centred) is at least `discover_threshold` times the largest and
-        above the sampling noise of the training set (`discover_alpha`), over every set of up to
-        `discover_degree` bits (`walsh_sets`). Needs setup (the training set). None passing is a TaskError: the
-        training set is too small to show any interaction, and no pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data: those whose Walsh coefficient (of
+        the training points and their targets, y centred) is at least `discover_threshold` times
+        the largest and above the sampling noise of the training set (`discover_alpha`), over every
+        set of up to `discover_degree` bits (`walsh_sets`). Needs setup (the training set). None
+        passing is a TaskError: the training set is too small to show any interaction, and no
+        pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
-            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up "
-                            f"first")
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
+                            "set the task up first")
         if "discovery" not in self._cache:
             x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
             sets = sum(math.comb(self.n_bits, d) for d in range(1, self.discover_degree + 1))
             if sets * len(x) > 10 * WALSH_RATE:
-                self.say(f"finding the pattern in the training data: {sets:,} Walsh sets of up to {self.discover_degree} "
-                         f"bits over {len(x):,} points (about {sets * len(x) / WALSH_RATE:.0f} s on a 2-core CPU)")
-            sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree, self.discover_threshold,
-                                      self.discover_alpha)
+                self.say(f"finding the pattern in the training data: {sets:,} Walsh sets of up to "
+                         f"{self.discover_degree} bits over {len(x):,} points (about "
+                         f"{sets * len(x) / WALSH_RATE:.0f} s on a 2-core CPU)")
+            sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree,
+                                      self.discover_threshold, self.discover_alpha)
             if not sets:
-                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands above "
-                                f"the sampling noise of the {report['points']:,} training points (noise level "
-                                f"{report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the largest "
-                                f"coefficient is {report['largest']:.3f}): too few points to find a pattern in; give "
-                                f"more (--train-size) or a hand pattern")
+                raise TaskError("--pattern discovered: no Walsh set of up to "
+                                f"{self.discover_degree} bits stands above the sampling noise of "
+                                f"the {report['points']:,} training points (noise level "
+                                f"{report['noise_level']:.3f} at --discover-alpha "
+                                f"{self.discover_alpha}; the largest coefficient is "
+                                f"{report['largest']:.3f}): too few points to find a pattern in; "
+                                "give more (--train-size) or a hand pattern")
             self._cache["discovery"] = sets, report
         return self._cache["discovery"][0]
 
@@ -728,21 +786,25 @@ class BooleanTask(Task):
         return torch.randperm(len(self.x_train), generator=torch.Generator().manual_seed(0))[:n].to(self.device)
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """A fixed sample of training points (seen domain only: no unseen input reaches the teacher's reading)."""
+        """A fixed sample of training points (seen domain only: no unseen input reaches the
+        teacher's reading)."""
         return self.x_train[self._teacher_sample(n)]
 
     def teacher_fit(self, model, n: int) -> float:
-        """Sign accuracy (exact match for an integer target) on the training points of `teacher_inputs`."""
+        """Sign accuracy (exact match for an integer target) on the training points of
+        `teacher_inputs`."""
         idx = self._teacher_sample(n)
         pred, y = model(self.x_train[idx]).squeeze(-1).float(), self.y_train[idx]
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`): averaged
-        over the readout rows (the CLS row with a CLS token, else every bit), the keys above `ratio` times the
-        uniform share made a clique, the CLS row reading them: the form of the hand patterns."""
+        """Boolean tasks read the keys a teacher attends to
+        (`mp.pattern_from_attention(keys=True)`): averaged over the readout rows (the CLS row with
+        a CLS token, else every bit), the keys above `ratio` times the uniform share made a clique,
+        the CLS row reading them: the form of the hand patterns."""
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0] if self.readout == "cls" else None)
+            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0]
+                                                if self.readout == "cls" else None)
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
@@ -769,7 +831,8 @@ class BooleanTask(Task):
     def _cube_targets(self) -> tuple:
         """(targets, unseen mask, top monomial) over the whole cube, as CPU tensors."""
         x_all = cube(self.n_bits)
-        return (torch.as_tensor(self.target(x_all), dtype=torch.float32), torch.as_tensor(self.in_unseen(x_all)),
+        return (torch.as_tensor(self.target(x_all), dtype=torch.float32),
+                torch.as_tensor(self.in_unseen(x_all)),
                 torch.as_tensor(chi(x_all, self.top_monomial), dtype=torch.float32))
 
     @property
@@ -806,18 +869,21 @@ class BooleanTask(Task):
             u = self.unseen_mask.cpu()
             n_u = round(n * float(u.float().mean()))
             parts = [torch.nonzero(part).squeeze(1) for part in (u, ~u)]
-            idx = [p[torch.randperm(len(p), generator=g)[:k]] for p, k in zip(parts, (n_u, n - n_u))]
+            idx = [p[torch.randperm(len(p), generator=g)[:k]]
+                   for p, k in zip(parts, (n_u, n - n_u))]
             self._cache[key] = torch.cat(idx).sort().values.to(self.device)
         return self._cache[key]
 
     @torch.no_grad()
-    def predict(self, model, idx: torch.Tensor | None = None, batch_size: int = 8192) -> torch.Tensor:
+    def predict(self, model, idx: torch.Tensor | None = None,
+                batch_size: int = 8192) -> torch.Tensor:
         x = self.x_test if idx is None else self.x_test[idx]
-        return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float() for i in range(0, len(x), batch_size)])
+        return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float()
+                          for i in range(0, len(x), batch_size)])
 
     def metrics(self, pred: torch.Tensor, idx: torch.Tensor | None = None) -> dict:
-        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the mean
-        prediction on U. `pred` covers the whole cube, or the points `idx` only."""
+        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the
+        mean prediction on U. `pred` covers the whole cube, or the points `idx` only."""
         y, u, top = (self.y_test, self.unseen_mask, self.chi_top) if idx is None else \
             (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx])
         return cube_metrics(pred, y, u, top, self.exact)
@@ -846,29 +912,32 @@ class BooleanTask(Task):
             # is solved on that sub-cube and read back on the whole cube.
             rel = self.mdi_bits()
             if self.mdi_size() > 256:
-                self.say(f"computing the exact min-degree interpolator of {self.name} ({self.mdi_size():,} monomials "
-                         f"on {len(rel)} bits; up to a minute)")
+                self.say(f"computing the exact min-degree interpolator of {self.name} "
+                         f"({self.mdi_size():,} monomials on {len(rel)} bits; up to a minute)")
             x_sub = np.unique(x_all[seen][:, rel], axis=0)
             full = np.zeros((len(x_sub), self.n_bits), dtype=np.int8)
             full[:, rel] = x_sub
             _, degree, coefs = min_degree_interpolator(x_sub, self.target(full), x_sub)
             pred = sum(v * chi(x_all, [rel[i] for i in m]) for m, v in coefs.items())
             coefs = {tuple(rel[i] for i in m): v for m, v in coefs.items()}
-            m = cube_metrics(torch.as_tensor(pred, dtype=torch.float32), *self._cube_targets(), self.exact)
+            m = cube_metrics(torch.as_tensor(pred, dtype=torch.float32), *self._cube_targets(),
+                             self.exact)
             m["degree"] = degree
-            m["coefficients"] = {"x" + "x".join(map(str, k)) if k else "1": v for k, v in coefs.items()}
+            m["coefficients"] = {"x" + "x".join(map(str, k)) if k else "1": v
+                                 for k, v in coefs.items()}
             self._cache["mdi"] = m
         return self._cache["mdi"]
 
 
 # The QK inits fit the pattern on the positional embedding, which must not be drowned by the token
-# embeddings: parity2 generalises only without a CLS token and with near-zero positions (README: the
-# grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a 0.02-std
-# embedding.
+# embeddings: parity2 generalises only without a CLS token and with near-zero positions (README:
+# the grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a
+# 0.02-std embedding.
 
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
 
-_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)         # recipe: the QK inits scale the positions
+# recipe: the QK inits scale the positions
+_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
 
 
 @register("parity2")
@@ -876,18 +945,21 @@ class Parity2(BooleanTask):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
-    # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md, "Choices where the paper is silent")
+    # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md,
+    # "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
-                 discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         bits = (0, 1)
-        super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
-                         top_monomial=bits, degree=2, description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
+        super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1},
+                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=2,
+                         description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
                          support=bits, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, discover_alpha=discover_alpha, seed=seed)
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
+                         seed=seed)
 
 
 @register("majority3")
@@ -897,11 +969,12 @@ class Majority3(BooleanTask):
     DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
-                 discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         bits = (0, 1, 2)
-        super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1}, patterns=gotu_patterns(15, bits),
-                         top_monomial=bits, degree=3, train_size=32768, support=bits, readout=readout, seed=seed,
+        super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1},
+                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=3,
+                         train_size=32768, support=bits, readout=readout, seed=seed,
                          description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha)
@@ -913,35 +986,40 @@ class Cyclic3(BooleanTask):
     PATTERNS = ("band", "band-only", "discovered")
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
-    PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
+    PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)},
+               "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
-                 discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
-                         top_monomial=(0, 1, 2), degree=3, exact=True, readout=readout, seed=seed,
+    def __init__(self, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
+        super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1},
+                         patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3,
+                         exact=True, readout=readout, seed=seed,
                          description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha)
 
 
 def cut(text, most: int = 40) -> str:
-    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not echoed whole)."""
+    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not
+    echoed whole)."""
     text = str(text)
     return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:
-    """The one parser of every integer a list or count on the command line holds (--bits, --unseen, --terms,
-    'random:K'): ASCII digits alone (no sign, no '_', no other script's digits), in least..most; anything else is a
-    TaskError naming the token, cut to 40 characters."""
+    """The one parser of every integer a list or count on the command line holds (--bits, --unseen,
+    --terms, 'random:K'): ASCII digits alone (no sign, no '_', no other script's digits), in
+    least..most; anything else is a TaskError naming the token, cut to 40 characters."""
     token = str(token).strip()
     if not (token.isascii() and token.isdigit()) or len(token) > len(str(most)) or not least <= int(token) <= most:
-        raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII digits)")
+        raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII "
+                        "digits)")
     return int(token)
 
 
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
-    bits = tuple(parse_count(b, what, 0, n_bits - 1) for b in str(text).split(",") if b.strip() != "")
+    bits = tuple(parse_count(b, what, 0, n_bits - 1) for b in str(text).split(",")
+                 if b.strip() != "")
     if not bits or len(set(bits)) != len(bits):
         raise TaskError(f"--{what} must list distinct bits in 0..{n_bits - 1}, got {cut(text)}")
     return bits
@@ -953,22 +1031,25 @@ def _count(text: str, prefix: str, what: str, most: int) -> int:
 
 
 def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
-    """'random:K': K distinct bits of 0..n_bits-1 drawn by the seed (a task nobody wrote the pattern of)."""
+    """'random:K': K distinct bits of 0..n_bits-1 drawn by the seed (a task nobody wrote the
+    pattern of)."""
     k = _count(text, "random:", "bits", n_bits)
-    return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k, replace=False)))
+    return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k,
+                                                                                replace=False)))
 
 
 def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
-    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their majority, an odd
-    number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3, 4))]. A bit twice in a term, the same
-    term twice, a bit outside 0..n_bits-1 or an even majority is a TaskError."""
+    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their
+    majority, an odd number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3,
+    4))]. A bit twice in a term, the same term twice, a bit outside 0..n_bits-1 or an even majority
+    is a TaskError."""
     terms = []
     for part in str(text).split(":"):
         kind = "majority" if part.startswith("m") else "parity"
         bits = _parse_bits(part[1:] if kind == "majority" else part, "terms", n_bits)
         if kind == "majority" and len(bits) % 2 == 0:
-            raise TaskError(f"--terms {cut(text)}: the majority term {cut(part)} needs an odd number of bits (ties "
-                            f"have no sign)")
+            raise TaskError(f"--terms {cut(text)}: the majority term {cut(part)} needs an odd "
+                            "number of bits (ties have no sign)")
         same = lambda k, b: (k if len(b) > 1 else "parity", set(b))        # noqa: E731 (one bit: itself, either kind)
         if same(kind, bits) in [same(k, b) for k, b in terms]:
             raise TaskError(f"--terms {cut(text)}: the term {cut(part)} is given twice")
@@ -977,8 +1058,10 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
 
 
 def terms_text(terms: list) -> str:
-    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of more than one bit."""
-    spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "") for kind, bits in terms)
+    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of
+    more than one bit."""
+    spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "")
+                   for kind, bits in terms)
     return ":".join(m + ",".join(map(str, bits)) for bits, m in spelt)
 
 
@@ -987,35 +1070,41 @@ def term_fn(kind: str, bits: tuple):
 
 
 class _CustomBoolean(BooleanTask):
-    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
-    `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
+    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen
+    domain sets the `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order
+    given)."""
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
 
-    def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1", train_size: int | None = None,
-                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
-                 discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
+                 train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         self._check_size(n_bits, train_size)
         b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
         if self.NAME == "kmajority" and len(b) % 2 == 0:
-            raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
-        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)), unseen,
-                   train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
-        drawn = str(bits).startswith("random:")         # drawn bits come sorted: 'bits:J' names the same ones
+            raise TaskError("--bits for kmajority needs an odd number of bits (ties have no "
+                            f"sign), got {len(b)}")
+        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)],
+                   ",".join(map(str, b)), unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
+        # drawn bits come sorted: 'bits:J' names the same ones
+        drawn = str(bits).startswith("random:")
         self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
-                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:") else self._unseen_text()}
+                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:")
+                       else self._unseen_text()}
 
     def _unseen_text(self) -> str:
         return ",".join(map(str, sorted(self.unseen)))
 
     def normal_options(self) -> dict:
-        """Bits and unseen bits sorted ('bits:J' as the bits it names, unless the bits are drawn)."""
+        """Bits and unseen bits sorted ('bits:J' as the bits it names, unless the bits are
+        drawn)."""
         return dict(self.normal)
 
     @staticmethod
     def _check_size(n_bits, train_size):
         if not 2 <= n_bits <= 20:
-            raise TaskError(f"--n-bits must be in 2..20 (the whole cube is enumerated), got {n_bits}")
+            raise TaskError("--n-bits must be in 2..20 (the whole cube is enumerated), got "
+                            f"{n_bits}")
         if train_size is not None and train_size < 1:
             raise TaskError(f"--train-size must be a positive number of draws, got {train_size}")
 
@@ -1025,13 +1114,15 @@ class _CustomBoolean(BooleanTask):
         b = tuple(dict.fromkeys(bit for _, bits in terms for bit in bits))
         u = b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:") else \
             _parse_bits(unseen, "unseen", n_bits)
-        fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x) for t in terms))
+        fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x)
+                                                                       for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
         desc = f"{self.NAME} on {f'bits {b}' if len(terms) == 1 else text}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
-                         top_monomial=max((bits for _, bits in terms), key=len), degree=max(len(t) for _, t in terms),
-                         train_size=train_size, description=desc, support=b, readout=readout, exact=len(terms) > 1,
+                         top_monomial=max((bits for _, bits in terms), key=len),
+                         degree=max(len(t) for _, t in terms), train_size=train_size,
+                         description=desc, support=b, readout=readout, exact=len(terms) > 1,
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha, seed=seed)
 
@@ -1050,18 +1141,19 @@ class KParity(_CustomBoolean):
 
 @register("kmajority")
 class KMajority(_CustomBoolean):
-    """The majority of `--bits` (an odd number) on `--n-bits` bits, unseen where the `--unseen` bits are -1."""
+    """The majority of `--bits` (an odd number) on `--n-bits` bits, unseen where the `--unseen`
+    bits are -1."""
 
 
 @register("ksum")
 class KSum(_CustomBoolean):
-    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 + maj(x2, x3, x4)): a
-    target that mixes structures, integer-valued (accuracy is the exact match); the hand pattern makes each term a
-    clique. Unseen where the `--unseen` bits are -1."""
+    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 +
+    maj(x2, x3, x4)): a target that mixes structures, integer-valued (accuracy is the exact match);
+    the hand pattern makes each term a clique. Unseen where the `--unseen` bits are -1."""
 
-    def __init__(self, n_bits: int = 15, terms: str = "0,1:2,3,4", unseen: str = "0,1", train_size: int | None = None,
-                 readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
-                 discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, n_bits: int = 15, terms: str = "0,1:2,3,4", unseen: str = "0,1",
+                 train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         self._check_size(n_bits, train_size)
         parsed = parse_terms(terms, n_bits)
         self._make(n_bits, parsed, terms_text(parsed), unseen, train_size, readout, discover_degree,
@@ -1078,36 +1170,41 @@ class KSum(_CustomBoolean):
 # its answer, its answer's length and which operand digits its carry pattern holds strong.
 
 
-ARITH_VOCAB = "0123456789+*="        # an operation whose symbol is not here appends it to its own vocabulary
+# an operation whose symbol is not here appends it to its own vocabulary
+ARITH_VOCAB = "0123456789+*="
 
-UNIVERSE = 1000 * 1000          # ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
+# ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
+UNIVERSE = 1000 * 1000
 
-ARITH_TEST_SIZE = 10_000        # held-out pairs, or every pair not trained on where the universe is smaller
+# held-out pairs, or every pair not trained on where the universe is smaller
+ARITH_TEST_SIZE = 10_000
 
 
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
-    """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands (`n_digits`,
-    default 3).
+    """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands
+    (`n_digits`, default 3).
 
-    `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint: 10,000
-    pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
+    `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint:
+    10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
     """
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
     HEADLINE = ("seq_acc", "digit_acc")
     PRESETS = {
-        "small": {"model": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
-                                qkv_bias=True),
-                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128, schedule="cosine",
-                                 warmup=100, steps=600, log_every=100, eval_points=2000)},
-        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3, batch 256,
-        # 5,000 iterations, 100 warm-up, cosine
-        "paper": {"model": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02,
-                                qkv_bias=True, dropout=0.2),
-                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99", batch_size=256,
-                                 schedule="cosine", warmup=100, steps=5000, log_every=500)},
+        "small": {"model": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0,
+                                pos_init_std=1.0, qkv_bias=True),
+                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
+                                 schedule="cosine", warmup=100, steps=600, log_every=100,
+                                 eval_points=2000)},
+        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3,
+        # batch 256, 5,000 iterations, 100 warm-up, cosine
+        "paper": {"model": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02,
+                                pos_init_std=0.02, qkv_bias=True, dropout=0.2),
+                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99",
+                                 batch_size=256, schedule="cosine", warmup=100, steps=5000,
+                                 log_every=500)},
     }
 
     SYMBOL: ClassVar[str]               # the operation's token between the operands
@@ -1115,7 +1212,8 @@ class ArithmeticTask(Task):
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
-    discover_alpha: float = 0.05        # --pattern discovered: the test level of each digit pair's selection
+    # --pattern discovered: the test level of each digit pair's selection
+    discover_alpha: float = 0.05
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -1124,16 +1222,18 @@ class ArithmeticTask(Task):
             raise TaskError(f"--digits must be an integer in 1..4, got {self.n_digits!r}")
         if not (0 < self.data_frac <= 1):
             raise TaskError(f"--data-frac must be in (0, 1], got {self.data_frac}")
-        self.universe = 10 ** (2 * self.n_digits)                  # ordered pairs of d-digit operands
+        # ordered pairs of d-digit operands
+        self.universe = 10 ** (2 * self.n_digits)
         self.n_train = int(round(self.data_frac * self.universe))
         if self.n_train < 1:
-            raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of {self.universe:,}; "
-                            f"use at least {1 / self.universe:g}")
+            raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of "
+                            f"{self.universe:,}; use at least {1 / self.universe:g}")
         self.test_size = min(ARITH_TEST_SIZE, self.universe - self.n_train)
         if self.test_size < min(ARITH_TEST_SIZE, self.universe // 10):
             most = (self.universe - min(ARITH_TEST_SIZE, self.universe // 10)) / self.universe
-            raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the {self.universe:,} pairs "
-                            f"for the disjoint test set; use at most {most:g}")
+            raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the "
+                            f"{self.universe:,} pairs for the disjoint test set; use at most "
+                            f"{most:g}")
         if self.answer_order not in ("msb", "lsb"):
             raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
         _check_alpha(self.discover_alpha)
@@ -1154,7 +1254,8 @@ class ArithmeticTask(Task):
 
     @staticmethod
     def strong(j: int, k: int) -> bool:
-        """The carry pattern: whether an operand digit of significance j <= k is strong for answer digit c_k."""
+        """The carry pattern: whether an operand digit of significance j <= k is strong for answer
+        digit c_k."""
         raise NotImplementedError
 
     @property
@@ -1187,14 +1288,15 @@ class ArithmeticTask(Task):
 
     # ---- model shape and pattern
     def arch(self) -> dict:
-        return {"vocab_size": len(self.vocab), "seq_len": self.length - 1, "n_outputs": len(self.vocab),
-                "readout": "tokens", "causal": True}
+        return {"vocab_size": len(self.vocab), "seq_len": self.length - 1,
+                "n_outputs": len(self.vocab), "readout": "tokens", "causal": True}
 
     def final_eval_size(self) -> int:
         return len(self.test_seq)
 
     def token_labels(self) -> list:
-        """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the decoder's inputs."""
+        """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the
+        decoder's inputs."""
         places = range(self.n_digits - 1, -1, -1)
         answer = [f"c{self.answer_significance(i)}" for i in range(self.n_answer)]
         return ([f"a{p}" for p in places] + [self.SYMBOL] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
@@ -1233,8 +1335,8 @@ class ArithmeticTask(Task):
         return self._levels(variant) > 0
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 = -0.69),
-        -m_off elsewhere."""
+        """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 =
+        -0.69), -m_off elsewhere."""
         variant = self.pattern_name(variant)
         if variant not in ("carry", "aligned", "lower"):           # found, or per head: two levels
             return super().mask_logits(variant, m_on, m_off)
@@ -1246,8 +1348,8 @@ class ArithmeticTask(Task):
         return list(range(self.eq_pos, self.length - 1))
 
     def _row_pattern(self, sees) -> torch.Tensor:
-        """bool (N, N): prompt rows causal; each answer row itself and the operand positions `sees(k)` names
-        for the significance k it predicts."""
+        """bool (N, N): prompt rows causal; each answer row itself and the operand positions
+        `sees(k)` names for the significance k it predicts."""
         n = self.length - 1
         pattern = mp.causal_pattern(n).clone()
         for q in self.answer_rows():
@@ -1257,12 +1359,13 @@ class ArithmeticTask(Task):
         return pattern
 
     def digit_selection(self) -> dict:
-        """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it depends on in the
-        training pairs, chosen by greedy forward selection (`forward_selection`): the pair with the largest
-        conditional mutual information given the pairs chosen so far, while it stands above what a permutation
-        within their strata gives (`discover_alpha`). Pairs, not single digits: a digit of a sum is independent
-        of either operand digit alone (like parity), not of the two; conditioning on the aligned pair first is
-        what lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
+        """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it
+        depends on in the training pairs, chosen by greedy forward selection (`forward_selection`):
+        the pair with the largest conditional mutual information given the pairs chosen so far,
+        while it stands above what a permutation within their strata gives (`discover_alpha`).
+        Pairs, not single digits: a digit of a sum is independent of either operand digit alone
+        (like parity), not of the two; conditioning on the aligned pair first is what lets the
+        carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
         if "selection" not in self._cache:
             d, base = self.n_digits, 10 ** self.n_digits
             a, b = self.train_idx // base, self.train_idx % base
@@ -1270,18 +1373,21 @@ class ArithmeticTask(Task):
             digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
             pairs = {(i, j): digit(a, i) * 10 + digit(b, j) for i in range(d) for j in range(d)}
             rng = np.random.default_rng([self.seed, 44])
-            self._cache["selection"] = {k: forward_selection(digit(c, k), pairs, self.discover_alpha, rng)
+            self._cache["selection"] = {k: forward_selection(digit(c, k), pairs,
+                                                             self.discover_alpha, rng)
                                         for k in range(self.n_answer)}
         return self._cache["selection"]
 
     def discovered_pattern(self) -> torch.Tensor:
-        """`--pattern discovered`, found in the training pairs: the row that predicts the answer digit of
-        significance k sees the operand digits of the pairs `digit_selection` chose for it; prompt rows causal."""
+        """`--pattern discovered`, found in the training pairs: the row that predicts the answer
+        digit of significance k sees the operand digits of the pairs `digit_selection` chose for
+        it; prompt rows causal."""
         if not hasattr(self, "train_idx"):
-            raise TaskError(f"--pattern discovered for {self.name} is found in the training pairs: set the task up "
-                            f"first")
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training "
+                            "pairs: set the task up first")
         chosen, d = self.digit_selection(), self.n_digits
-        pos_a = {i: d - 1 - i for i in range(d)}                    # significance -> sequence position
+        # significance -> sequence position
+        pos_a = {i: d - 1 - i for i in range(d)}
         pos_b = {i: 2 * d - i for i in range(d)}
         return self._row_pattern(lambda k: sorted({p for i, j, _, _, kept in chosen[k] if kept
                                                    for p in (pos_a[i], pos_b[j])}))
@@ -1290,15 +1396,18 @@ class ArithmeticTask(Task):
         chosen = self.digit_selection()
         steps = {f"c{k}": [[f"a{i}b{j}", round(v, 4), round(n, 4), kept] for i, j, v, n, kept in s]
                  for k, s in chosen.items()}
-        return {"pairs": {"tested": self.n_digits ** 2, "kept": sum(kept for s in chosen.values() for *_, kept in s),
+        return {"pairs": {"tested": self.n_digits ** 2,
+                          "kept": sum(kept for s in chosen.values() for *_, kept in s),
                           "alpha": self.discover_alpha, "steps": steps}}
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The first n training sequences, without their last token (no test pair reaches the teacher)."""
+        """The first n training sequences, without their last token (no test pair reaches the
+        teacher)."""
         return self.train_seq[:n, :-1]
 
     def teacher_fit(self, model, n: int) -> float:
-        """Answer-digit accuracy, each digit predicted from the true ones before it, on `teacher_inputs`."""
+        """Answer-digit accuracy, each digit predicted from the true ones before it, on
+        `teacher_inputs`."""
         seq = self.train_seq[:n]
         return float((model(seq[:, :-1])[:, self.eq_pos:].argmax(-1) == seq[:, self.eq_pos + 1:]).float().mean())
 
@@ -1306,10 +1415,11 @@ class ArithmeticTask(Task):
         return self.answer_rows()
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows keep the
-        causal pattern, as in the hand patterns)."""
+        """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows
+        keep the causal pattern, as in the hand patterns)."""
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal=True, readout=self.answer_rows())
+            pattern = mp.pattern_from_attention(attn, ratio, causal=True,
+                                                readout=self.answer_rows())
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
@@ -1321,7 +1431,8 @@ class ArithmeticTask(Task):
         self.device = torch.device(device)
         base = 10 ** self.n_digits                                 # pair index = a * base + b
         self.train_seq = torch.as_tensor(self.encode(self.train_idx // base, self.train_idx % base), device=device)
-        self.test_seq = torch.as_tensor(self.encode(self.test_idx // base, self.test_idx % base), device=device)
+        self.test_seq = torch.as_tensor(self.encode(self.test_idx // base, self.test_idx % base),
+                                        device=device)
         return self
 
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
@@ -1331,8 +1442,10 @@ class ArithmeticTask(Task):
         return array_hash(self.train_seq, self.test_seq)
 
     def loss(self, model, batch) -> torch.Tensor:
-        logits = model(batch[:, :-1])[:, self.eq_pos:]               # rows that predict answer digits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, self.eq_pos + 1:].reshape(-1))
+        # rows that predict answer digits
+        logits = model(batch[:, :-1])[:, self.eq_pos:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               batch[:, self.eq_pos + 1:].reshape(-1))
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         return self.test_seq[:n, :-1]
@@ -1351,13 +1464,15 @@ class ArithmeticTask(Task):
 
     def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
         """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0)
-        on the first n of them (a random draw, like the whole test set); `eval_points` says which."""
+        on the first n of them (a random draw, like the whole test set); `eval_points` says
+        which."""
         test = self.test_seq[:points] if points and points < len(self.test_seq) else self.test_seq
         preds = torch.cat([self.generate(model, test[i:i + batch_size, :self.eq_pos + 1])
                            for i in range(0, len(test), batch_size)])
         ok = preds == test[:, self.eq_pos + 1:]
         return {"seq_acc": float(ok.all(1).float().mean()), "digit_acc": float(ok.float().mean()),
-                "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
+                "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq)
+                else len(test)}
 
 
 def _entropy(codes: np.ndarray) -> float:
@@ -1380,21 +1495,25 @@ def conditional_mi(y: np.ndarray, x: np.ndarray, z: np.ndarray) -> float:
     return _entropy(_joint(y, z)) - _entropy(z) - _entropy(_joint(y, zx)) + _entropy(zx)
 
 
-def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.random.Generator) -> list[tuple]:
-    """Greedy forward selection of the candidates (key -> integer codes per example) that y depends on: at each
-    step the candidate of largest I(y; candidate | the chosen ones) is kept when it exceeds every one of
-    round(1 / alpha) - 1 permutations (each candidate's codes shuffled within the strata of the chosen ones, the
-    largest over candidates taken: a test at level alpha that counts how many were tried); the first that does
-    not ends the selection. [(*key, cmi, noise, kept)], the last entry the one that stopped it (if any)."""
+def forward_selection(y: np.ndarray, candidates: dict, alpha: float,
+                      rng: np.random.Generator) -> list[tuple]:
+    """Greedy forward selection of the candidates (key -> integer codes per example) that y depends
+    on: at each step the candidate of largest I(y; candidate | the chosen ones) is kept when it
+    exceeds every one of round(1 / alpha) - 1 permutations (each candidate's codes shuffled within
+    the strata of the chosen ones, the largest over candidates taken: a test at level alpha that
+    counts how many were tried); the first that does not ends the selection. [(*key, cmi, noise,
+    kept)], the last entry the one that stopped it (if any)."""
     chosen, steps, z = [], [], np.zeros(len(y), dtype=np.int64)
     while len(chosen) < len(candidates):
         rest = [k for k in candidates if k not in chosen]
         values = {k: conditional_mi(y, candidates[k], z) for k in rest}
         noise = 0.0
         for _ in range(round(1 / alpha) - 1):
-            order = np.lexsort((rng.random(len(z)), z))            # a permutation within each stratum of z
+            # a permutation within each stratum of z
+            order = np.lexsort((rng.random(len(z)), z))
             by_z = np.argsort(z, kind="stable")
-            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
+            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z)
+                                   for k in rest))
         best = max(values, key=values.get)
         kept = values[best] > noise + 1e-12
         steps.append((*best, values[best], noise, kept))
@@ -1413,9 +1532,10 @@ def _shuffled(x: np.ndarray, order: np.ndarray, by_z: np.ndarray) -> np.ndarray:
 
 @register("addition")
 class Addition(ArithmeticTask):
-    """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
-    # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps 250` as the
-    # paper's regime: results/README.md, "Choices where the paper is silent"
+    """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the
+    pairs by default."""
+    # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps
+    # 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
     SYMBOL = "+"
 
@@ -1438,11 +1558,11 @@ class Addition(ArithmeticTask):
 
 
 # Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
-# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only; the 100 pairs of
-# 0..9 x 0..9 plus N - 100 pairs drawn with replacement from 0..99 x 0..99; unpadded, one character a
-# token: `a*b=c\n` (plain: the answer most significant digit first) or `$a*b=rev(c)$` (reversed); the test
-# set is every pair not trained on. A row holds one example, padded after its end with '_' (never a
-# target, and causal attention keeps every real row from seeing it).
+# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only; the 100
+# pairs of 0..9 x 0..9 plus N - 100 pairs drawn with replacement from 0..99 x 0..99; unpadded, one
+# character a token: `a*b=c\n` (plain: the answer most significant digit first) or `$a*b=rev(c)$`
+# (reversed); the test set is every pair not trained on. A row holds one example, padded after its
+# end with '_' (never a target, and causal attention keeps every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
 
@@ -1450,7 +1570,8 @@ LEE_TOKENS = {ch: i for i, ch in enumerate(LEE_VOCAB)}
 
 LEE_ROW = {"msb": 11, "lsb": 12}     # tokens in the longest row: 12*34=1234\n, $12*34=4321$
 
-LEE_NEW = 5                          # characters generated for an answer: up to 4 digits and the end
+# characters generated for an answer: up to 4 digits and the end
+LEE_NEW = 5
 
 
 def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
@@ -1461,15 +1582,17 @@ def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
 
 
 def lee_text(a: int, b: int, answer_order: str) -> str:
-    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$` (lsb)."""
+    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$`
+    (lsb)."""
     c = str(a * b)
     return f"{a}*{b}={c}\n" if answer_order == "msb" else f"${a}*{b}={c[::-1]}$"
 
 
 @register("multiplication")
 class Multiplication(ArithmeticTask):
-    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default.
-    With --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`: `LeeMultiplication`)."""
+    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by
+    default. With --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`:
+    `LeeMultiplication`)."""
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
@@ -1485,17 +1608,20 @@ class Multiplication(ArithmeticTask):
 
     @staticmethod
     def strong(j, k):
-        return True                     # every digit of significance <= k enters a partial product of c_k
+        # every digit of significance <= k enters a partial product of c_k
+        return True
 
-    def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
-                         n_digits=digits, discover_alpha=discover_alpha, seed=seed)
+    def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3,
+                 heads: int = 4, discover_alpha: float = 0.05, seed: int = 0):
+        super().__init__(data_frac=0.03 if data_frac is None else data_frac,
+                         answer_order=answer_order, n_digits=digits, discover_alpha=discover_alpha,
+                         seed=seed)
         self.heads = heads
 
     @classmethod
     def build(cls, lee_samples: int | None = None, **options) -> Task:
-        """Lee et al.'s data where --lee-samples N is given (`LeeMultiplication`), else the zero-padded pairs."""
+        """Lee et al.'s data where --lee-samples N is given (`LeeMultiplication`), else the
+        zero-padded pairs."""
         return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -1504,32 +1630,36 @@ class Multiplication(ArithmeticTask):
         return super().build_pattern(variant)
 
     def _partial_products(self) -> torch.Tensor:
-        """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit of
-        significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is not a
-        digit of b); in head d the answer digits already written (the carries' trace); in any further
-        head the `carry` pattern. Prompt rows keep the plain causal pattern in every head."""
+        """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit
+        of significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is
+        not a digit of b); in head d the answer digits already written (the carries' trace); in any
+        further head the `carry` pattern. Prompt rows keep the plain causal pattern in every
+        head."""
         d = self.n_digits
         return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
                                     lambda k: [[(i, k - i)] for i in range(d)])
 
     def _columns(self) -> torch.Tensor:
-        """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit c_k sees, in head
-        0, itself and every a_i, b_j of its column (i + j = k); in head 1 the column below (k - 1, where the carry
-        into k mostly comes from), in head 2 the column below that (k - 2); in head 3 the answer digits already
-        written (answers lsb first: the lower digits, the trace of the running sum); in any further head the `carry`
-        pattern. Prompt rows keep the plain causal pattern in every head."""
+        """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit
+        c_k sees, in head 0, itself and every a_i, b_j of its column (i + j = k); in head 1 the
+        column below (k - 1, where the carry into k mostly comes from), in head 2 the column below
+        that (k - 2); in head 3 the answer digits already written (answers lsb first: the lower
+        digits, the trace of the running sum); in any further head the `carry` pattern. Prompt rows
+        keep the plain causal pattern in every head."""
         d = self.n_digits
         return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
-                                    lambda k: [[(i, k - c - i) for i in range(d)] for c in range(3)])
+                                    lambda k: [[(i, k - c - i) for i in range(d)]
+                                               for c in range(3)])
 
     def _heads_of_pairs(self, name: str, gives: str, groups) -> torch.Tensor:
-        """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the digits of the
-        pairs (i, j) (significances of a and b; pairs off the operands dropped) that `groups(k)[h]` names; in head G
-        the answer digits already written; in any further head the `carry` pattern. Prompt rows stay causal."""
+        """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the
+        digits of the pairs (i, j) (significances of a and b; pairs off the operands dropped) that
+        `groups(k)[h]` names; in head G the answer digits already written; in any further head the
+        `carry` pattern. Prompt rows stay causal."""
         d, n, g = self.n_digits, self.length - 1, len(groups(0))
         if self.heads < g + 1:
-            raise TaskError(f"--pattern {name} gives {gives} and one head to the answer so far: it needs --heads >= "
-                            f"{g + 1}, got {self.heads}")
+            raise TaskError(f"--pattern {name} gives {gives} and one head to the answer so far: "
+                            f"it needs --heads >= {g + 1}, got {self.heads}")
         pos_a = {d - 1 - i: i for i in range(d)}                    # significance -> position
         pos_b = {j: d + 1 + (d - 1 - j) for j in range(d)}
         pat = self._levels("carry").gt(0).unsqueeze(0).repeat(self.heads, 1, 1)
@@ -1541,43 +1671,49 @@ class Multiplication(ArithmeticTask):
                 for i, j in pairs:
                     if 0 <= j < d:
                         pat[head, q, pos_a[i]] = pat[head, q, pos_b[j]] = True
-            pat[g, q, self.eq_pos + 1:q + 1] = True                 # the answer digits written so far
+            # the answer digits written so far
+            pat[g, q, self.eq_pos + 1:q + 1] = True
         return pat
 
-    # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest ("frame"):
-    # [$] a1 a0 * b1 b0 = and four answer digits, which is also where a 2 x 2-digit example puts them. An
-    # example with a one-digit operand has its characters moved to the roles of the same significance,
-    # digits aligned from the right; a query row's role is the role of the character it predicts, less
-    # one. Reversed answers are aligned by significance exactly; a plain (msb) answer's length is not
-    # known while it is written, so its digits take the significance of the longest answer the operands
-    # allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there).
+    # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest
+    # ("frame"): [$] a1 a0 * b1 b0 = and four answer digits, which is also where a 2 x 2-digit
+    # example puts them. An example with a one-digit operand has its characters moved to the roles
+    # of the same significance, digits aligned from the right; a query row's role is the role of
+    # the character it predicts, less one. Reversed answers are aligned by significance exactly; a
+    # plain (msb) answer's length is not known while it is written, so its digits take the
+    # significance of the longest answer the operands allow (len(a) + len(b) digits; a shorter
+    # answer shifts every digit up by one there).
 
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: unpadded, so an example's
-    positions move with its operands' lengths; M lives on the roles of the longest layout and each example's digits
-    are aligned to it by significance from the right (`lee_roles`, `mp.prior_roles`). `--task multiplication
-    --lee-samples N` (`Multiplication.build`)."""
+    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: unpadded, so
+    an example's positions move with its operands' lengths; M lives on the roles of the longest
+    layout and each example's digits are aligned to it by significance from the right (`lee_roles`,
+    `mp.prior_roles`). `--task multiplication --lee-samples N` (`Multiplication.build`)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     INITS = ("default", "mask")
-    inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior fitted on fixed "
-                 "positions cannot follow)")
+    inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior "
+                 "fitted on fixed positions cannot follow)")
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
-    SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k] for k in ("SYMBOL", "answer", "answer_digits",
+    SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
+                                             for k in ("SYMBOL", "answer", "answer_digits",
                                                                                "strong"))
 
-    def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
-                 discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
+    def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3,
+                 heads: int = 4, discover_alpha: float = 0.05, data_frac: float | None = None,
+                 seed: int = 0):
         if digits != 2:
-            raise TaskError(f"--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give --digits 2 "
-                            f"(got --digits {digits})")
+            raise TaskError("--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give "
+                            f"--digits 2 (got --digits {digits})")
         if data_frac is not None:
-            raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair "
-                            "not trained on as the test set); leave --data-frac out")
+            raise TaskError("--lee-samples draws its own training set (N samples with "
+                            "replacement, every pair not trained on as the test set); leave "
+                            "--data-frac out")
         if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
-            raise TaskError(f"--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
-                            f"draws from the 10^4 pairs), got {lee_samples!r}")
+            raise TaskError("--lee-samples must be an integer in 100 .. 10,000 (the 100 "
+                            "one-digit pairs, then draws from the 10^4 pairs), got "
+                            f"{lee_samples!r}")
         super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
         self.heads, self.lee_samples = heads, lee_samples
@@ -1588,28 +1724,32 @@ class LeeMultiplication(ArithmeticTask):
         return "multiplication with --lee-samples"
 
     def arch(self) -> dict:
-        return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1, "n_outputs": len(LEE_VOCAB),
-                "readout": "tokens", "causal": True}
+        return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1,
+                "n_outputs": len(LEE_VOCAB), "readout": "tokens", "causal": True}
 
     def token_labels(self) -> None:
-        return None                 # the operands' lengths move the digits: a position is no fixed digit
+        # the operands' lengths move the digits: a position is no fixed digit
+        return None
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded layout's grades."""
+        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded
+        layout's grades."""
         return Task.mask_logits(self, variant, m_on, m_off)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the
-        plain causal pattern. The row that predicts the answer digit of significance k sees the operand
-        digits a_i, b_j that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the
-        answer written so far (itself included); the row that predicts the end of a full answer sees every
-        digit."""
+        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt
+        rows: the plain causal pattern. The row that predicts the answer digit of significance k
+        sees the operand digits a_i, b_j that a product a_i b_j with i + j <= k reads (significance
+        <= k), the '=' and the answer written so far (itself included); the row that predicts the
+        end of a full answer sees every digit."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len, eq = self.length - 1, pre + 5
-        sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}          # a1 a0 * b1 b0: role -> significance
+        # a1 a0 * b1 b0: role -> significance
+        sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}
         pat = mp.causal_pattern(r_len).clone()
         for r in range(eq, r_len):
-            t = r - eq                                               # the answer character this row predicts
+            # the answer character this row predicts
+            t = r - eq
             k = 4 if t == LEE_NEW - 1 else (t if self.answer_order == "lsb" else 3 - t)
             pat[r] = False
             pat[r, eq:r + 1] = True
@@ -1618,25 +1758,29 @@ class LeeMultiplication(ArithmeticTask):
         return pat
 
     def lee_roles(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, cols): (B, R) long, the frame roles of each position of x (B, T >= its '=') as a query
-        and as a key (`mp.prior_roles`). Positions past an example's end take the last role (only
-        padding rows see them)."""
+        """(rows, cols): (B, R) long, the frame roles of each position of x (B, T >= its '=') as a
+        query and as a key (`mp.prior_roles`). Positions past an example's end take the last role
+        (only padding rows see them)."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len = self.length - 1
         star = (x == LEE_TOKENS["*"]).long().argmax(1, keepdim=True)
         eq = (x == LEE_TOKENS["="]).long().argmax(1, keepdim=True)
         la, lb = star - pre, eq - star - 1
-        gap = 4 - la - lb                                           # digits missing from the prompt
+        # digits missing from the prompt
+        gap = 4 - la - lb
         p = torch.arange(r_len + 1, device=x.device)[None]
-        after = gap if self.answer_order == "lsb" else 2 * gap      # msb: the answer also shifts to the longest
-        shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la, torch.where(p <= eq, gap, after)))
+        # msb: the answer also shifts to the longest
+        after = gap if self.answer_order == "lsb" else 2 * gap
+        shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la,
+                                                    torch.where(p <= eq, gap, after)))
         cols = (p + shift).clamp(0, r_len - 1)[:, :r_len]
         rows = (p[:, :r_len] + shift[:, 1:]).clamp(0, r_len - 1)
         return rows, cols
 
     def lee_encode(self, pairs: np.ndarray) -> torch.Tensor:
         """(n, 2) pairs -> (n, row length) token ids, '_' after each example's end."""
-        rows = [lee_text(int(a), int(b), self.answer_order).ljust(self.length, "_") for a, b in pairs]
+        rows = [lee_text(int(a), int(b), self.answer_order).ljust(self.length, "_")
+                for a, b in pairs]
         return torch.tensor([[LEE_TOKENS[ch] for ch in row] for row in rows], dtype=torch.long)
 
     def lee_decode(self, row) -> str:
@@ -1645,7 +1789,8 @@ class LeeMultiplication(ArithmeticTask):
     def setup(self, device="cpu"):
         rng = np.random.default_rng([self.seed, 34])
         pairs = lee_pairs(self.lee_samples, self.seed)
-        self.train_pairs = pairs[rng.permutation(len(pairs))]      # shuffled: a prefix is a random sample
+        # shuffled: a prefix is a random sample
+        self.train_pairs = pairs[rng.permutation(len(pairs))]
         seen = set(map(tuple, pairs.tolist()))
         test = np.array([(a, b) for a in range(100) for b in range(100) if (a, b) not in seen])
         self.test_pairs = test[rng.permutation(len(test))]
@@ -1656,14 +1801,17 @@ class LeeMultiplication(ArithmeticTask):
         return self
 
     def loss(self, model, batch) -> torch.Tensor:
-        """Cross-entropy on the answer characters and the end (every character after '=' but the padding)."""
+        """Cross-entropy on the answer characters and the end (every character after '=' but the
+        padding)."""
         x = batch[:, :-1]
         with mp.prior_roles(model, *self.lee_roles(x)):
             logits = model(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(), ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(),
+                               ignore_index=-100)
 
     def lee_targets(self, batch: torch.Tensor) -> torch.Tensor:
-        """(B, L - 1): the next character where a row predicts an answer character or the end, else -100."""
+        """(B, L - 1): the next character where a row predicts an answer character or the end, else
+        -100."""
         y = batch[:, 1:]
         answer = ((batch == LEE_TOKENS["="]).long().cumsum(1)[:, :-1] > 0) & (y != LEE_TOKENS["_"])
         return torch.where(answer, y, -100)
@@ -1671,8 +1819,9 @@ class LeeMultiplication(ArithmeticTask):
     @torch.no_grad()
     def lee_generate(self, model, prompts: torch.Tensor, temperature: float = 0.0,
                      generator: torch.Generator | None = None) -> torch.Tensor:
-        """Decoding among the digits and the end character, greedy or (`temperature` > 0) sampled from
-        softmax(logits / temperature). prompts: (B, P) ending in '=' (one length) -> (B, LEE_NEW)."""
+        """Decoding among the digits and the end character, greedy or (`temperature` > 0) sampled
+        from softmax(logits / temperature). prompts: (B, P) ending in '=' (one length) -> (B,
+        LEE_NEW)."""
         end = LEE_TOKENS["\n" if self.answer_order == "msb" else "$"]
         banned = torch.ones(len(LEE_VOCAB), dtype=torch.bool, device=prompts.device)
         banned[:10] = banned[end] = False
@@ -1690,8 +1839,9 @@ class LeeMultiplication(ArithmeticTask):
 
     def _score(self, model, seq: torch.Tensor, batch_size: int = 2500, temperature: float = 0.0,
                    generator: torch.Generator | None = None) -> tuple[float, float]:
-        """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`: right iff every
-        answer digit and the end are; characters after the end are not read (Lee et al. cut the answer there)."""
+        """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`:
+        right iff every answer digit and the end are; characters after the end are not read (Lee et
+        al. cut the answer there)."""
         eq = (seq == LEE_TOKENS["="]).long().argmax(1)
         right, chars, chars_right = 0, 0, 0
         for e in eq.unique().tolist():
@@ -1699,35 +1849,38 @@ class LeeMultiplication(ArithmeticTask):
             for i in range(0, len(rows), batch_size):
                 part = rows[i:i + batch_size]
                 target = part[:, e + 1:e + 1 + LEE_NEW]
-                read = ((target == LEE_TOKENS["_"]).long().cumsum(1) == 0)        # up to and with the end
+                # up to and with the end
+                read = ((target == LEE_TOKENS["_"]).long().cumsum(1) == 0)
                 ok = self.lee_generate(model, part[:, :e + 1], temperature, generator) == target
                 right += int((ok | ~read).all(1).sum())
                 chars, chars_right = chars + int(read.sum()), chars_right + int((ok & read).sum())
         return right / len(seq), chars_right / chars
 
     def evaluate(self, model, points: int | None = None, temperature: float = 0.0) -> dict:
-        """Sequence and character accuracy on the test pairs and, as `train_*`, on the N training samples (Lee et
-        al.'s train accuracy); `points` n > 0: the first n of each (random draws). Training runs decode greedily;
-        `temperature` 0.8 samples as Lee et al.'s evaluation does (their top-k 200 keeps every character), by the
-        task's seed."""
+        """Sequence and character accuracy on the test pairs and, as `train_*`, on the N training
+        samples (Lee et al.'s train accuracy); `points` n > 0: the first n of each (random draws).
+        Training runs decode greedily; `temperature` 0.8 samples as Lee et al.'s evaluation does
+        (their top-k 200 keeps every character), by the task's seed."""
         n = points if points else None
         test, train = self.test_seq[:n], self.train_seq[:n]
         g = torch.Generator().manual_seed(self.seed) if temperature > 0 else None
         seq_acc, digit_acc = self._score(model, test, temperature=temperature, generator=g)
         train_seq, train_digit = self._score(model, train, temperature=temperature, generator=g)
-        return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq, "train_digit_acc": train_digit,
-                "n_train": self.n_train, "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size,
-                "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
+        return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq,
+                "train_digit_acc": train_digit, "n_train": self.n_train,
+                "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size, "eval_points": 0
+                if len(test) == len(self.test_seq) else len(test)}
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
-        """Test prompts of two 2-digit operands only, the layout whose roles are their positions (the probes read M
-        by position)."""
+        """Test prompts of two 2-digit operands only, the layout whose roles are their positions
+        (the probes read M by position)."""
         two = self.test_pairs.min(1) >= 10
         return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout moves "
-                        "with the operands' lengths, so a teacher's map has no one place to live")
+        raise TaskError("--prior-from reads a teacher's attention by position; with "
+                        "--lee-samples the layout moves with the operands' lengths, so a "
+                        "teacher's map has no one place to live")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1773,14 +1926,18 @@ def _key(d: dict, name: str):
 
 
 def _reconstruct(subtype, shape, typecode):
-    """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes after)."""
+    """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes
+    after)."""
     if subtype is not np.ndarray:
-        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not numpy.ndarray")
+        raise pickle.UnpicklingError("an array of class "
+                                     f"{getattr(subtype, '__name__', subtype)!r}, not "
+                                     "numpy.ndarray")
     return np.ndarray.__new__(np.ndarray, shape, typecode)
 
 
 def _numeric_dtype(spec, *args):
-    """numpy.dtype for numbers and strings only: an object dtype would let a file place Python objects in an array."""
+    """numpy.dtype for numbers and strings only: an object dtype would let a file place Python
+    objects in an array."""
     dt = np.dtype(spec.decode("ascii") if isinstance(spec, bytes) else spec, *args)
     if dt.hasobject:
         raise pickle.UnpicklingError("an array of Python objects (the releases hold numbers)")
@@ -1791,7 +1948,8 @@ def _scalar(dtype, data):
     """numpy's `scalar`: one number of a numeric dtype from its bytes."""
     dt = _numeric_dtype(dtype)
     if dt.hasobject or not isinstance(data, bytes) or len(data) != dt.itemsize:
-        raise pickle.UnpicklingError(f"a numpy scalar of {len(data) if isinstance(data, bytes) else '?'} bytes for "
+        raise pickle.UnpicklingError("a numpy scalar of "
+                                     f"{len(data) if isinstance(data, bytes) else '?'} bytes for "
                                      f"dtype {dt}")
     return np.frombuffer(data, dt, count=1)[0]
 
@@ -1802,51 +1960,54 @@ def _frombuffer(buffer, dtype, shape, order):
 
 
 def _latin1(text, encoding):
-    """`_codecs.encode(text, 'latin1')`: how Python 3 writes bytes in a protocol 2 pickle; no other codec."""
+    """`_codecs.encode(text, 'latin1')`: how Python 3 writes bytes in a protocol 2 pickle; no other
+    codec."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
         raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} (only latin1 writes bytes)")
     return text.encode("latin1")
 
 
-# The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core, numpy 2
-# writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a checked stand-in.
+# The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core,
+# numpy 2 writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a
+# checked stand-in.
 
 RELEASE_GLOBALS = {
     **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
     **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
     **{(f"numpy.{core}.numeric", "_frombuffer"): _frombuffer for core in ("core", "_core")},
-    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype, ("_codecs", "encode"): _latin1,
+    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype,
+                   ("_codecs", "encode"): _latin1,
 }
 
 
 class ReleaseUnpickler(pickle._Unpickler):
-    """An unpickler that admits only what the dataset releases hold: dicts, lists, strings, bytes, numbers and
-    numpy arrays of numbers. Any other global, the way a crafted pickle runs code (os.system, eval, ...), is
-    refused before it is called."""
+    """An unpickler that admits only what the dataset releases hold: dicts, lists, strings, bytes,
+    numbers and numpy arrays of numbers. Any other global, the way a crafted pickle runs code
+    (os.system, eval, ...), is refused before it is called."""
 
     def find_class(self, module: str, name: str):
         found = RELEASE_GLOBALS.get((module, name))
         if found is None:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which no release file holds (a crafted file "
-                                         f"runs code this way; nothing was run)")
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which no release file holds "
+                                         "(a crafted file runs code this way; nothing was run)")
         return found
 
 
 def _load_pickle(path: str) -> dict:
-    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a file that
-    is damaged, or names anything but numbers and arrays, is one DataError."""
+    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
+    file that is damaged, or names anything but numbers and arrays, is one DataError."""
     try:
         with open_back(path) as f:
             raw = f.read()
     except (OSError, ReadError) as e:
-        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should be a file of the "
-                        f"release") from None
+        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
+                        "be a file of the release") from None
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
         what = str(e).splitlines()[0][:200] if str(e) else ""
-        raise DataError(f"{path} is truncated, damaged or not a release pickle ({type(e).__name__}: {what}); "
-                        f"re-download the release") from None
+        raise DataError(f"{path} is truncated, damaged or not a release pickle "
+                        f"({type(e).__name__}: {what}); re-download the release") from None
     if not isinstance(d, dict):
         raise DataError(f"{path} does not hold a dict of arrays (found {type(d).__name__})")
     return d
@@ -1856,19 +2017,20 @@ def _pixels(data, path: str) -> np.ndarray:
     """Pixel rows as stored, refused unless they are integers in 0..255 (a cast would turn 0-1
     floats into black images, NaN into 0 and 300 into 44)."""
     if not isinstance(data, np.ndarray):
-        raise DataError(f"{path}: pixels must be a numpy array of uint8 rows (as in the release), found "
-                        f"{type(data).__name__}; re-download the release")
+        raise DataError(f"{path}: pixels must be a numpy array of uint8 rows (as in the release), "
+                        f"found {type(data).__name__}; re-download the release")
     if data.dtype == np.uint8:
         return data
     if data.dtype.kind not in "iu":
         what = f"{data.dtype} values" if data.dtype.kind != "f" or not data.size else (
             f"{data.dtype} values with NaN" if np.isnan(data).any()
             else f"{data.dtype} values in {data.min():g}..{data.max():g}")
-        raise DataError(f"{path}: pixels must be integers 0..255 (uint8, as in the release), found {what}; "
-                        f"re-download the release or write the images as uint8")
+        raise DataError(f"{path}: pixels must be integers 0..255 (uint8, as in the release), "
+                        f"found {what}; re-download the release or write the images as uint8")
     if data.size and (data.min() < 0 or data.max() > 255):
-        raise DataError(f"{path}: pixels must be integers 0..255, found {data.min()}..{data.max()}; "
-                        f"re-download the release or write the images as uint8")
+        raise DataError(f"{path}: pixels must be integers 0..255, found "
+                        f"{data.min()}..{data.max()}; re-download the release or write the images "
+                        "as uint8")
     return data
 
 
@@ -1876,25 +2038,29 @@ def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
     """(N, 3*S*S) uint8 rows, R then G then B planes -> (N, 3, S, S); S is `size` when given."""
     data = _pixels(data, path)
     if data.ndim != 2 or data.shape[1] % 3:
-        raise DataError(f"{path}: expected image rows of 3*S*S bytes, got an array of shape {data.shape}")
+        raise DataError(f"{path}: expected image rows of 3*S*S bytes, got an array of shape "
+                        f"{data.shape}")
     if len(data) == 0:
         raise DataError(f"{path} holds no images (an empty batch); re-download the release")
     side = int(round((data.shape[1] // 3) ** 0.5))
     if 3 * side * side != data.shape[1]:
         raise DataError(f"{path}: rows of {data.shape[1]} bytes are not 3 square colour planes")
     if size and side != size:
-        raise DataError(f"{path}: rows of {data.shape[1]} bytes are {side}x{side} images; expected {size}x{size} "
-                        f"(rows of {3 * size * size} bytes)")
+        raise DataError(f"{path}: rows of {data.shape[1]} bytes are {side}x{side} images; "
+                        f"expected {size}x{size} (rows of {3 * size * size} bytes)")
     return data.astype(np.uint8, copy=False).reshape(-1, 3, side, side)
 
 
 def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> np.ndarray:
-    """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when given)."""
+    """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when
+    given)."""
     if isinstance(values, (list, tuple)):
         if any(isinstance(v, (list, tuple, dict)) for v in values):
-            raise DataError(f"{path}: labels must be a flat list of integers, found a list of lists")
+            raise DataError(f"{path}: labels must be a flat list of integers, found a list of "
+                            "lists")
         if any(isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63 for v in values):
-            raise DataError(f"{path}: labels must be 64-bit integers, found one outside -2^63 .. 2^63 - 1")
+            raise DataError(f"{path}: labels must be 64-bit integers, found one outside -2^63 .. "
+                            "2^63 - 1")
     elif not isinstance(values, np.ndarray):
         raise DataError(f"{path}: labels must be a list of integers, found {type(values).__name__}")
     try:
@@ -1902,21 +2068,24 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> n
     except (ValueError, TypeError, OverflowError) as e:
         raise DataError(f"{path}: labels must be a flat list of integers ({type(e).__name__})") from None
     if y.ndim != 1:
-        raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape {y.shape}")
+        raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape "
+                        f"{y.shape}")
     if y.size and y.dtype.kind not in "iu":
-        raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. {repr(y[:1].tolist()[0])[:40]})")
+        raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. "
+                        f"{repr(y[:1].tolist()[0])[:40]})")
     if len(y) != n_images:
         raise DataError(f"{path}: {n_images} images but {len(y)} labels (truncated?)")
     y = y.astype(np.int64)
     if n_classes is not None and (y.min() < 0 or y.max() >= n_classes):
-        raise DataError(f"{path}: labels must lie in 0..{n_classes - 1}, found {y.min()}..{y.max()}")
+        raise DataError(f"{path}: labels must lie in 0..{n_classes - 1}, found "
+                        f"{y.min()}..{y.max()}")
     return y
 
 
 def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels int64),
-    labels checked against `n_classes` when given."""
+    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels
+    int64), labels checked against `n_classes` when given."""
     d = _load_pickle(path)
     try:
         data, labels = _key(d, "data"), _key(d, label_key)
@@ -1926,7 +2095,8 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
     return x, _labels(labels, path, len(x), n_classes)
 
 
-def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0, n_classes: int | None = None
+def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
+                      n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes.
 
@@ -1937,13 +2107,15 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0, n_c
         with open_back(path) as f:
             raw = np.frombuffer(f.read(), dtype=np.uint8)
     except (OSError, ReadError) as e:
-        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should be a file of the "
-                        f"release") from None
+        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
+                        "be a file of the release") from None
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
-        raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
+        raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records "
+                        "(truncated?)")
     raw = raw.reshape(-1, rec)
-    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path, len(raw), n_classes)
+    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path,
+                                                                       len(raw), n_classes)
 
 
 def _find(data_dir: str, candidates) -> str | None:
@@ -1955,31 +2127,35 @@ def _find(data_dir: str, candidates) -> str | None:
 
 
 def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
-    """Where CIFAR-10 or CIFAR-100 lies in `data_dir` (or a sub-folder it holds): ("python" or "binary", its files:
-    the training batches, then the test batch); DataError naming what was looked for and where to get it."""
+    """Where CIFAR-10 or CIFAR-100 lies in `data_dir` (or a sub-folder it holds): ("python" or
+    "binary", its files: the training batches, then the test batch); DataError naming what was
+    looked for and where to get it."""
     if name == "cifar10":
-        py = _find(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
+        py = _find(data_dir, [os.path.join(d, "data_batch_1")
+                              for d in ("cifar-10-batches-py", ".")])
         if py:
             py = os.path.dirname(py)
-            return "python", [os.path.join(py, f) for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
+            return "python", [os.path.join(py, f)
+                              for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
         binary = _find(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
             return "binary", [os.path.join(binary, f)
                               for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
-        raise DataError(f"CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
-                        f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; "
-                        f"fetch it with `python train.py download cifar10 --data {data_dir}` (from {CIFAR_URL}, "
-                        f"checked and unpacked), or point --data-dir at it")
+        raise DataError("CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 "
+                        "(python) and cifar-10-batches-bin/data_batch_1.bin (binary) in "
+                        f"{os.path.abspath(data_dir)}; fetch it with `python train.py download "
+                        f"cifar10 --data {data_dir}` (from {CIFAR_URL}, checked and unpacked), or "
+                        "point --data-dir at it")
     py = _find(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
         return "python", [os.path.join(py, s) for s in ("train", "test")]
     binary = _find(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
         return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
-    raise DataError(f"CIFAR-100 not found: looked for cifar-100-python/train (python) and "
-                    f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; "
-                    f"fetch it with `python train.py download cifar100 --data {data_dir}` (from {CIFAR_URL}, "
-                    f"checked and unpacked), or point --data-dir at it")
+    raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and "
+                    f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; fetch "
+                    f"it with `python train.py download cifar100 --data {data_dir}` (from "
+                    f"{CIFAR_URL}, checked and unpacked), or point --data-dir at it")
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
@@ -1998,25 +2174,30 @@ def read_cifar(data_dir: str, name: str) -> dict:
     return {"train": read(files[0]), "test": read(files[1]), "sources": files}
 
 
-CIFAR_RECORD = {"cifar10": 3073, "cifar100": 3074}        # bytes a binary record holds: its label(s), then 3072 pixels
+# bytes a binary record holds: its label(s), then 3072 pixels
+CIFAR_RECORD = {"cifar10": 3073, "cifar100": 3074}
 
 
 def cifar_release(data_dir: str, name: str) -> tuple[str, list[str]]:
-    """`cifar_files`, each file's header checked (`release_file`): a pickle (python), whole records (binary)."""
+    """`cifar_files`, each file's header checked (`release_file`): a pickle (python), whole records
+    (binary)."""
     kind, files = cifar_files(data_dir, name)
     for f in files:
-        release_file(f, name, header=b"\x80" if kind == "python" else b"", record=0 if kind == "python" else
+        release_file(f, name, header=b"\x80" if kind == "python" else b"", record=0
+                     if kind == "python" else
                      CIFAR_RECORD[name])
     return kind, files
 
 
 def release_file(path: str, name: str, header: bytes = b"", record: int = 0) -> str:
-    """`path`, a file of a release, checked before a byte of it is decoded: there, a regular file, not empty, opening
-    with `header` and (where `record`) whole records of that many bytes; else a DataError naming it."""
+    """`path`, a file of a release, checked before a byte of it is decoded: there, a regular file,
+    not empty, opening with `header` and (where `record`) whole records of that many bytes; else a
+    DataError naming it."""
     if not os.path.exists(path):
         raise DataError(f"{name}: {path} is missing (the release is incomplete?); re-download it")
     if not os.path.isfile(path):
-        raise DataError(f"{name}: {path} is not a file (a folder?); it should be the file of the release")
+        raise DataError(f"{name}: {path} is not a file (a folder?); it should be the file of the "
+                        "release")
     size = os.path.getsize(path)
     if size == 0 or (record and size % record):
         raise DataError(f"{name}: {path} is {'empty' if size == 0 else f'{size:,} bytes, not whole {record}-byte records'}"
@@ -2024,7 +2205,8 @@ def release_file(path: str, name: str, header: bytes = b"", record: int = 0) -> 
     if header:
         with open_back(path) as f:
             if f.read(len(header)) != header:
-                raise DataError(f"{name}: {path} does not open as the release's files do (not a pickle); re-download it")
+                raise DataError(f"{name}: {path} does not open as the release's files do (not a "
+                                "pickle); re-download it")
     return path
 
 
@@ -2065,38 +2247,45 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def imagenet100_layout(data_dir: str) -> str:
-    """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/, read with Pillow)
-    or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError naming both where it holds neither."""
-    if os.path.isdir(os.path.join(data_dir, "train")) and not _find(data_dir, ["val_data", "val_data.npz"]):
+    """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/,
+    read with Pillow) or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError
+    naming both where it holds neither."""
+    if os.path.isdir(os.path.join(data_dir, "train")) and not _find(data_dir,
+                                                                    ["val_data", "val_data.npz"]):
         return "folder"
     if _find(data_dir, ["train_data_batch_1", "train_data_batch_1.npz"]):
         return "downsampled"
-    raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for train/<wnid>/*.JPEG with "
-                    f"val/<wnid>/ (an ImageFolder tree; needs Pillow), and for train_data_batch_1..10 and val_data "
-                    f"with map_clsloc.txt (the downsampled ImageNet, {IMAGENET32_URL}); `python train.py imagenet100 "
-                    f"--from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
+    raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for "
+                    "train/<wnid>/*.JPEG with val/<wnid>/ (an ImageFolder tree; needs Pillow), "
+                    "and for train_data_batch_1..10 and val_data with map_clsloc.txt (the "
+                    f"downsampled ImageNet, {IMAGENET32_URL}); `python train.py imagenet100 "
+                    "--from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
-DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)   # then .npz or not
+# then .npz or not
+DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)
 
 
 def _wnid_map_path(data_dir: str) -> str:
     map_path = os.path.join(data_dir, "map_clsloc.txt")
     if not os.path.exists(map_path):
-        raise DataError(f"ImageNet-100: {map_path} is missing; it maps labels 1..1000 to wnids and comes with "
-                        f"the ImageNet devkit (ILSVRC2012 devkit, data/map_clsloc.txt)")
+        raise DataError(f"ImageNet-100: {map_path} is missing; it maps labels 1..1000 to wnids "
+                        "and comes with the ImageNet devkit (ILSVRC2012 devkit, "
+                        "data/map_clsloc.txt)")
     return map_path
 
 
 def read_imagenet100_downsampled(data_dir: str) -> dict:
-    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data; pickles or
-    .npz) and the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted wnid order."""
+    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data;
+    pickles or .npz) and the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted
+    wnid order."""
     map_path = _wnid_map_path(data_dir)
     label_to_wnid = read_wnid_map(map_path)
     index = {w: i for i, w in enumerate(IMAGENET100_WNIDS)}
     missing = [w for w in IMAGENET100_WNIDS if w not in set(label_to_wnid.values())]
     if missing:
-        raise DataError(f"{map_path} lacks {len(missing)} of the ImageNet-100 wnids (e.g. {missing[0]})")
+        raise DataError(f"{map_path} lacks {len(missing)} of the ImageNet-100 wnids (e.g. "
+                        f"{missing[0]})")
     lut = np.full(max(label_to_wnid) + 1, -1, dtype=np.int64)
     for lab, w in label_to_wnid.items():
         lut[lab] = index.get(w, -1)
@@ -2108,12 +2297,13 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
         for n in names:
             path = _find(data_dir, [n, n + ".npz"])
             if path is None:
-                raise DataError(f"ImageNet-100: {os.path.join(data_dir, n)} (or .npz) is missing; get the "
-                                f"downsampled ImageNet from {IMAGENET32_URL}")
+                raise DataError(f"ImageNet-100: {os.path.join(data_dir, n)} (or .npz) is missing; "
+                                f"get the downsampled ImageNet from {IMAGENET32_URL}")
             sources.append(release_file(path, "ImageNet-100"))
             x, y = _read_downsampled(path)
             if y.min() < 1 or y.max() >= len(lut):
-                raise DataError(f"{path}: labels must be 1..{len(lut) - 1} (1-based), found {y.min()}..{y.max()}")
+                raise DataError(f"{path}: labels must be 1..{len(lut) - 1} (1-based), found "
+                                f"{y.min()}..{y.max()}")
             keep = lut[y] >= 0
             xs.append(x[keep])
             ys.append(lut[y[keep]])
@@ -2128,13 +2318,14 @@ def _pillow():
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("reading an ImageFolder tree needs Pillow: pip install pillow (or use the downsampled "
-                        "ImageNet pickles, which need nothing)") from None
+        raise DataError("reading an ImageFolder tree needs Pillow: pip install pillow (or use "
+                        "the downsampled ImageNet pickles, which need nothing)") from None
     return Image
 
 
 def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size (Pillow)."""
+    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size
+    (Pillow)."""
     Image = _pillow()
     xs, ys = [], []
     for label, wnid in enumerate(IMAGENET100_WNIDS):
@@ -2153,14 +2344,15 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
-    """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a change in
-    any file's contents, or another set of files, invalidates the image cache."""
-    return [_source_signature(Path(path), known, os.path.relpath(path, data_dir)) for path in sorted(sources)]
+    """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a
+    change in any file's contents, or another set of files, invalidates the image cache."""
+    return [_source_signature(Path(path), known, os.path.relpath(path, data_dir))
+            for path in sorted(sources)]
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
-    """Write the decoded arrays, their hash and their sources' signature to the first writable cache
-    folder; without one, run uncached."""
+    """Write the decoded arrays, their hash and their sources' signature to the first writable
+    cache folder; without one, run uncached."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
     except DataError:
@@ -2172,11 +2364,13 @@ def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
-    """The cached arrays, or None when the cache is broken, has no signature, or its sources changed."""
+    """The cached arrays, or None when the cache is broken, has no signature, or its sources
+    changed."""
     try:
         with open_back(cache) as f, np.load(f) as z:
             saved = json.loads(str(z["sources"]))
-            now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved], known=saved)
+            now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved],
+                                   known=saved)
             if not _same_sources(now, saved):
                 return None
             return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"]),
@@ -2186,11 +2380,13 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
-    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the
-    cache while every source file keeps its contents (`_source_signature`), and rebuild it when one changes.
-    Returns {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
+    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read
+    the cache while every source file keeps its contents (`_source_signature`), and rebuild it when
+    one changes. Returns {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four
+    arrays}."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
+        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that "
+                        f"holds the {name} files")
     key = f"{name}-{image_size}"
     for cache in (folder / f"{key}.npz" for folder in default_cache_dirs(data_dir)):
         if cache.exists():
@@ -2205,12 +2401,14 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
         data = {"train": read_image_folder(os.path.join(data_dir, "train"), image_size),
                 "test": read_image_folder(os.path.join(data_dir, "val"), image_size),
                 "sources": [os.path.join(root, f) for split in ("train", "val")
-                            for root, _, files in os.walk(os.path.join(data_dir, split)) for f in files]}
+                            for root, _, files in os.walk(os.path.join(data_dir, split))
+                            for f in files]}
     else:
         data = read_imagenet100_downsampled(data_dir)
     size = data["train"][0].shape[-1]
     if size != image_size:
-        raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
+        raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is "
+                        f"{image_size}")
     data["data_hash"] = array_hash(*data["train"], *data["test"])
     _save_image_cache(data_dir, key, data, _image_signature(data_dir, data.pop("sources")))
     return data
@@ -2219,60 +2417,72 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
 @dataclass(kw_only=True)
 class ImageTask(Task):
     """Image classification with a ViT; the prior lives on the grid of patches: `impulse` (the
-    default) gives each head one convolution-like offset (with `--impulse random`, drawn by the seed),
-    `soft` a 2-D bump around that offset (`--soft-alpha`, ConViT-like), `local` every head the
-    `--window` x `--window` neighbourhood, `graded` the head's offset at +m_on and the rest of the 3 x 3
-    neighbourhood at 0 (log sigmoid 0 = -0.69)."""
+    default) gives each head one convolution-like offset (with `--impulse random`, drawn by the
+    seed), `soft` a 2-D bump around that offset (`--soft-alpha`, ConViT-like), `local` every head
+    the `--window` x `--window` neighbourhood, `graded` the head's offset at +m_on and the rest of
+    the 3 x 3 neighbourhood at 0 (log sigmoid 0 = -0.69)."""
     KIND = "vision"
     PATTERNS = ("impulse", "soft", "local", "graded")
     DEFAULT_PATTERN = "impulse"
     INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")
-    # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and mimetic V-proj
-    # (`--init mask-impulse`) it beats `impulse` on every seed of the digits stand-in (results/README.md); the
-    # QK inits read it as its centre, the impulse pattern (`build_pattern`), so they are as before.
+    # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and
+    # mimetic V-proj (`--init mask-impulse`) it beats `impulse` on every seed of the digits
+    # stand-in (results/README.md); the QK inits read it as its centre, the impulse pattern
+    # (`build_pattern`), so they are as before.
     HEADLINE = ("top1", "loss")
     MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
-        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
-                                pos_init_std=0.02, pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
-                                 schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1, qk_opt_steps=2000,
-                                 log_every=100)},
-        # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
-        # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
-        # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay
-        # 0.05, 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0
-        # (switch 0.5), random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
-        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
+        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean",
                                 qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
-                                 batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300, label_smoothing=0.1,
-                                 mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0, randaug_std=0.5,
-                                 randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000)},
-        # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
-        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean",
-                                  qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
-                                   schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05,
+                                 batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30,
+                                 label_smoothing=0.1, qk_opt_steps=2000, log_every=100)},
+        # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization
+        # README, timm 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by
+        # a random resized crop (evaluation: resize to 256, centre 224), 300 epochs, global batch
+        # 512, AdamW 2e-3 (eps 1e-8), decay 0.05, 50 warm-up epochs then cosine, RandAugment m9
+        # mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5), random erasing 0.25 (pixel),
+        # label smoothing 0.1, drop path 0.1; no EMA, no clipping
+        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16,
+                                input_size=224, pool="cls", qkv_bias=True, pos_init_std=0.02,
+                                pattern="soft"),
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05,
+                                 betas="0.9,0.999", batch_size=512, schedule="cosine",
+                                 warmup_epochs=50, epochs=300, label_smoothing=0.1, mixup=0.8,
+                                 cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0,
+                                 randaug_std=0.5, randaug_ops=2, reprob=0.25, drop_path=0.1,
+                                 log_every=1000)},
+        # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling
+        # (Zheng et al. 2024)
+        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2,
+                                  pool="mean", qkv_bias=True, pos_init_std=0.02, pattern="soft"),
+                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3,
+                                   weight_decay=0.05, batch_size=512, schedule="cosine",
+                                   warmup_epochs=10, epochs=200, label_smoothing=0.1,
                                    log_every=1000)},
     }
     N_CLASSES: ClassVar[int] = 0
 
     data_dir: str | None = None
     image_size: int = 32                # the images' side as stored
-    input_size: int | None = None       # the model's input side (None: image_size); larger = upsampled
+    # the model's input side (None: image_size); larger = upsampled
+    input_size: int | None = None
     patch_size: int = 4
     pool: str = "mean"
     heads: int = 3
-    impulse: str = "fixed"              # 'fixed' (self, up, right, ...) or 'random' offsets per head
-    soft_alpha: float = 1.0             # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
+    # 'fixed' (self, up, right, ...) or 'random' offsets per head
+    impulse: str = "fixed"
+    # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
+    soft_alpha: float = 1.0
     window: int = 3                     # the `local` prior's side in patches (odd)
     pad: int = 4
     label_smoothing: float = 0.1
     mixup: float = 0.0
     cutmix: float = 0.0
-    crop: str = "pad"                   # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
-    crop_pct: float = 0.875             # evaluation at another input size: resize to input / crop_pct, centre crop
+    # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
+    crop: str = "pad"
+    # evaluation at another input size: resize to input / crop_pct, centre crop
+    crop_pct: float = 0.875
     randaug: float = 0.0                # RandAugment magnitude in [0, 10]; 0 = off
     randaug_std: float = 0.5
     randaug_ops: int = 2
@@ -2283,10 +2493,11 @@ class ImageTask(Task):
         self.n_classes = self.N_CLASSES
         self.input_size = self.input_size or self.image_size
         if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the dataset files")
+            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
+                            "dataset files")
         if self.input_size % self.patch_size:
-            raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a multiple of "
-                            f"--patch-size {self.patch_size}")
+            raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a "
+                            f"multiple of --patch-size {self.patch_size}")
         if self.crop not in ("pad", "rrc"):
             raise TaskError(f"--crop must be pad or rrc, got {self.crop!r}")
         if not 0 <= self.randaug <= 10:
@@ -2302,7 +2513,8 @@ class ImageTask(Task):
         if not (math.isfinite(self.soft_alpha) and self.soft_alpha > 0):
             raise TaskError(f"--soft-alpha must be a finite number > 0, got {self.soft_alpha}")
         if self.window < 1 or self.window % 2 == 0:
-            raise TaskError(f"--window is the local prior's side in patches, an odd number >= 1; got {self.window}")
+            raise TaskError("--window is the local prior's side in patches, an odd number >= 1; "
+                            f"got {self.window}")
 
     def arch(self) -> dict:
         return {"model": "vit", "image_size": self.input_size, "patch_size": self.patch_size,
@@ -2311,20 +2523,23 @@ class ImageTask(Task):
     def offsets(self):
         """One (dy, dx) offset per head: the fixed order, or drawn by the task's seed."""
         if self.impulse == "random":
-            return mp.random_impulse_offsets(self.heads, 3, torch.Generator().manual_seed(self.seed))
+            return mp.random_impulse_offsets(self.heads, 3,
+                                             torch.Generator().manual_seed(self.seed))
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the keys
-        whose initial log sigmoid(M) is above -1, and in a row with none (its offset leaves the grid) the
-        row's likeliest key, itself: at alpha 1 the impulse pattern, so a QK init reads the same prior
-        with either; `graded`: the 3 x 3 neighbourhood it allows)."""
+        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the
+        keys whose initial log sigmoid(M) is above -1, and in a row with none (its offset leaves
+        the grid) the row's likeliest key, itself: at alpha 1 the impulse pattern, so a QK init
+        reads the same prior with either; `graded`: the 3 x 3 neighbourhood it allows)."""
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "local" or variant == "graded":
-            return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
+            return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads,
+                                     prefix)
         if variant == "soft":
             bias = torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0))
-            above, patches = bias > -1, bias[..., prefix:]           # a CLS key is +m_on for every row
+            # a CLS key is +m_on for every row
+            above, patches = bias > -1, bias[..., prefix:]
             likeliest = torch.zeros_like(above)
             likeliest[..., prefix:] = patches == patches.amax(-1, keepdim=True)
             return above | (~above[..., prefix:].any(-1, keepdim=True) & likeliest)
@@ -2334,10 +2549,12 @@ class ImageTask(Task):
         variant = self.pattern_name(variant)
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "soft":
-            return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off, prefix)
+            return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off,
+                                         prefix)
         if variant == "graded":
             strong = mp.impulse_pattern(g, g, self.offsets(), prefix)
-            return torch.where(strong, float(m_on), torch.where(self.pattern("graded"), 0.0, -float(m_off)))
+            return torch.where(strong, float(m_on),
+                               torch.where(self.pattern("graded"), 0.0, -float(m_off)))
         return super().mask_logits(variant, m_on, m_off)
 
     def setup(self, device="cpu"):
@@ -2346,7 +2563,8 @@ class ImageTask(Task):
         self._data_hash = data["data_hash"]
         for split, y in (("train", ytr), ("test", yte)):
             if len(y) == 0 or y.min() < 0 or y.max() >= self.n_classes:
-                raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} and be non-empty")
+                raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} "
+                                "and be non-empty")
         self.device = torch.device(device)
         self.x_train = torch.as_tensor(xtr, device=device)
         self.y_train = torch.as_tensor(ytr, device=device)
@@ -2365,17 +2583,19 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: crop + flip (pad
-        and crop at the stored size, then upsampled to the input size; or a random resized crop to
-        it), RandAugment on the uint8 images, normalisation, random erasing, mixup / cutmix.
-        Returns (images float (B, 3, S, S), soft targets (B, n_classes)), S = the input size."""
+        """Augmented batch of a step, deterministic in (seed, step), all on the device: crop + flip
+        (pad and crop at the stored size, then upsampled to the input size; or a random resized
+        crop to it), RandAugment on the uint8 images, normalisation, random erasing, mixup /
+        cutmix. Returns (images float (B, 3, S, S), soft targets (B, n_classes)), S = the input
+        size."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
             x = A.random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
             x = A.random_crop_flip(self.x_train[idx], self.pad, g)
-            if self.input_size != self.image_size:             # the whole image, upsampled bilinearly
+            # the whole image, upsampled bilinearly
+            if self.input_size != self.image_size:
                 x = A.resize(x, self.input_size)
         if self.randaug > 0:
             x = A.rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
@@ -2384,7 +2604,8 @@ class ImageTask(Task):
             x = A.random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
-        return A.mix_batch(x, y, self.mixup, self.cutmix, g, np.random.default_rng([self.seed, step]))
+        return A.mix_batch(x, y, self.mixup, self.cutmix, g,
+                           np.random.default_rng([self.seed, step]))
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch
@@ -2405,7 +2626,8 @@ class ImageTask(Task):
     TEACHER_MIN_FIT = 0.5
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
-        """The first n training images, as evaluation sees them (no augmentation; no test image)."""
+        """The first n training images, as evaluation sees them (no augmentation; no test
+        image)."""
         return self.test_view(self.x_train[:n])
 
     def teacher_fit(self, model, n: int) -> float:
@@ -2413,11 +2635,13 @@ class ImageTask(Task):
         return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft
-        prior per head, translation-invariant like the impulse and soft patterns)."""
+        """Vision reads a teacher's attention per 2-D offset by default
+        (`mp.offsets_from_attention`: a soft prior per head, translation-invariant like the impulse
+        and soft patterns)."""
         if kind == "offsets":
             g = self.input_size // self.patch_size
-            return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls" else 0, m_on, m_off))
+            return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls"
+                                                        else 0, m_on, m_off))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     @torch.no_grad()
@@ -2433,7 +2657,8 @@ class ImageTask(Task):
 
 
 def _release(layout: str, files: dict, name: str) -> str:
-    """`layout`, once each of its files (a text corpus's splits) is a non-empty regular file (`release_file`)."""
+    """`layout`, once each of its files (a text corpus's splits) is a non-empty regular file
+    (`release_file`)."""
     for path in files.values():
         release_file(str(path), name)
     return layout
@@ -2448,9 +2673,11 @@ def _in_data_dir(read, data_dir: str | None, name: str) -> str:
 
 @register("cifar10")
 class Cifar10(ImageTask):
-    """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10 classes."""
+    """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10
+    classes."""
     N_CLASSES = 10
-    TRAIN_SIZE = 50_000                 # training images as released (reproduce.sh's plan sizes epochs with it)
+    # training images as released (reproduce.sh's plan sizes epochs with it)
+    TRAIN_SIZE = 50_000
 
     @classmethod
     def locate(cls, data_dir):
@@ -2465,14 +2692,15 @@ class Cifar100(Cifar10):
 
 @register("imagenet100")
 class ImageNet100(ImageTask):
-    """ImageNet-100 (the CMC class list) from the downsampled ImageNet pickles or an ImageFolder tree."""
+    """ImageNet-100 (the CMC class list) from the downsampled ImageNet pickles or an ImageFolder
+    tree."""
     N_CLASSES = 100
     TRAIN_SIZE = 126_689
 
     @classmethod
     def locate(cls, data_dir):
-        """The layout, with what its reader needs first: every class folder, and an image in each split (the tree,
-        and Pillow), or every batch and the label map (downsampled)."""
+        """The layout, with what its reader needs first: every class folder, and an image in each
+        split (the tree, and Pillow), or every batch and the label map (downsampled)."""
         layout = _in_data_dir(imagenet100_layout, data_dir, cls.NAME)
         if layout == "folder":
             _pillow()
@@ -2482,8 +2710,8 @@ class ImageNet100(ImageTask):
                 if missing or not any(os.listdir(f) for f in folders):
                     what = f"class folder {missing[0]} is missing" if missing else \
                         f"{os.path.join(data_dir, split)} holds no image"
-                    raise DataError(f"ImageNet-100: {what}; `python train.py imagenet100 --from IMAGENET_1K_DIR "
-                                    f"--data DIR` builds the tree")
+                    raise DataError(f"ImageNet-100: {what}; `python train.py imagenet100 --from "
+                                    "IMAGENET_1K_DIR --data DIR` builds the tree")
             return layout
         _wnid_map_path(data_dir)
         for n in DOWNSAMPLED_BATCHES:
@@ -2551,7 +2779,8 @@ TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 
-CACHE_FORMAT = 2  # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
+# bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
+CACHE_FORMAT = 2
 
 UNK = "<unk>"
 
@@ -2617,7 +2846,8 @@ def load_lm_corpus(
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
-        return load_tinystories(data_dir, version=version, chunk_size=chunk_size, cache_dir=cache_dir)
+        return load_tinystories(data_dir, version=version, chunk_size=chunk_size,
+                                cache_dir=cache_dir)
     raise DataError(f"unknown corpus {name!r}: expected 'wikitext2' or 'tinystories'")
 
 
@@ -2739,10 +2969,12 @@ def _choices(value: str, options: dict, what: str) -> list[str]:
         return list(options)
     if value in options:
         return [value]
-    raise DataError(f"unknown {what} {value!r}: expected 'auto' or one of {', '.join(map(repr, options))}")
+    raise DataError(f"unknown {what} {value!r}: expected 'auto' or one of "
+                    f"{', '.join(map(repr, options))}")
 
 
-def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> tuple[str, dict[str, Path]]:
+def find_wikitext_files(data_dir: str | os.PathLike,
+                        release: str = "auto") -> tuple[str, dict[str, Path]]:
     """Locate ``wiki.{train,valid,test}.{tokens|raw}``; returns (release, {split: path})."""
     data_dir = Path(data_dir)
     releases = _choices(release, WIKITEXT_RELEASES, "WikiText-2 release")
@@ -2754,11 +2986,12 @@ def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> t
             if all(path.is_file() for path in files.values()):
                 return name, files
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
-    zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip" for r in releases)
+    zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip"
+                       for r in releases)
     raise DataError(
-        f"WikiText-2 not found: looked for {', '.join(looked)}; "
-        f"fetch both releases with `python train.py download wikitext2 --data {data_dir}` ({zips} from "
-        f"{WIKITEXT_URL}, checked and unzipped)"
+        f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
+        f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
+        "unzipped)"
     )
 
 
@@ -2810,14 +3043,17 @@ def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
     return "".join(out)
 
 
-def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sources: list[dict]) -> None:
+def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path],
+                          sources: list[dict]) -> None:
     """Tokenise the three splits, refuse an empty one, then write the vocab and each split's
     tokens and meta (nothing is written for a corpus that is refused)."""
     vocab = build_vocab(iter_wikitext_words(files["train"]))
-    ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
+    ids = {split: encode_words(iter_wikitext_words(files[split]), vocab)
+           for split in WIKITEXT_SPLITS}
     for split, tokens in ids.items():
         if len(tokens) == 0:
-            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it from {WIKITEXT_URL}")
+            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
+                            f"from {WIKITEXT_URL}")
     atomic_write(folder / f"{stem}.vocab.json", _vocab_bytes(vocab))
     vocab_sha1 = hashlib.sha1(_vocab_bytes(vocab)).hexdigest()
     for split in WIKITEXT_SPLITS:
@@ -2828,7 +3064,8 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sourc
 def _read_wikitext_cache(
     folder: Path, stem: str, sources: list[dict]
 ) -> tuple[dict[str, np.memmap], list[str], str] | None:
-    """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``, else None."""
+    """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``,
+    else None."""
     try:
         raw = read_back(folder / f"{stem}.vocab.json", "json")
         vocab = json.loads(raw)
@@ -2899,7 +3136,8 @@ def load_tinystories(
     return out
 
 
-def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -> tuple[str, dict[str, Path]]:
+def find_tinystories_files(data_dir: str | os.PathLike,
+                           version: str = "auto") -> tuple[str, dict[str, Path]]:
     """Locate the train/valid text files; returns (version, {split: path})."""
     data_dir = Path(data_dir)
     versions = _choices(version, TINYSTORIES_VERSIONS, "TinyStories version")
@@ -2912,8 +3150,9 @@ def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -
                 return name, files
     wanted = " or ".join(f"{TINYSTORIES_VERSIONS[v]}-{{train,valid}}.txt" for v in versions)
     raise DataError(
-        f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; "
-        f"fetch the V2 files with `python train.py download tinystories --data {data_dir}` (from {TINYSTORIES_URL})"
+        f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
+        f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
+        f"{TINYSTORIES_URL})"
     )
 
 
@@ -3030,12 +3269,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def _cache_candidates(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> list[Path]:
+def _cache_candidates(data_dir: str | os.PathLike,
+                      cache_dir: str | os.PathLike | None) -> list[Path]:
     return [Path(cache_dir)] if cache_dir is not None else default_cache_dirs(data_dir)
 
 
 def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
-    """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse their hashes)."""
+    """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse
+    their hashes)."""
     known = []
     for folder in candidates:
         for meta_path in sorted(folder.glob(f"{glob.escape(stem)}.*.json")):
@@ -3058,8 +3299,8 @@ def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
 
 def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int
                 ) -> tuple[np.memmap, str] | None:
-    """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent, stale or
-    damaged."""
+    """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent,
+    stale or damaged."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     try:
         meta = read_json(meta_path)
@@ -3087,8 +3328,8 @@ def _write_split(
     vocab_size: int,
     empty_message: str,
 ) -> int:
-    """Stream ``arrays`` into the split's binary file, then write its meta (with the sha256 of the tokens);
-    returns the count."""
+    """Stream ``arrays`` into the split's binary file, then write its meta (with the sha256 of the
+    tokens); returns the count."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
     count, digest = 0, hashlib.sha256()
@@ -3100,8 +3341,8 @@ def _write_split(
             count += len(array)
         if count == 0:
             raise DataError(empty_message)
-    full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count, "vocab_size": vocab_size,
-                 "sha256": digest.hexdigest()}
+    full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count,
+                 "vocab_size": vocab_size, "sha256": digest.hexdigest()}
     atomic_write(meta_path, json.dumps(full_meta, indent=1).encode("utf-8"))
     return count
 
@@ -3126,46 +3367,59 @@ class LMTask(Task):
     DEFAULT_PATTERN = "distance"
     HEADLINE = ("val_loss", "val_ppl")
     PRESETS = {
-        # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's
-        # N x N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context.
-        # small: a 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
-        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02,
-                                pos_init_std=0.02, qkv_bias=True, context=64, dropout=0.1),
-                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.95",
-                                 batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0, log_every=20)},
+        # the prior is a relative-distance M (one logit per head and distance; --mask-param full
+        # for the paper's N x N M): on the stand-in corpus it is not worse (results/README.md) and
+        # it scales with the context. small: a 4 x 128 causal decoder, context 64, 400 steps of 16
+        # windows: about 3 minutes on one core
+        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512,
+                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=64,
+                                dropout=0.1),
+                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1,
+                                 betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40,
+                                 steps=400, grad_clip=1.0, log_every=20)},
         # nanoGPT-like: 6 layers, 6 heads, width 384, context 256, AdamW 6e-4, cosine, dropout 0.2
-        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02,
-                                pos_init_std=0.02, qkv_bias=True, context=256, dropout=0.2),
-                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95", batch_size=64,
-                                 schedule="cosine", warmup=200, steps=10000, grad_clip=1.0, log_every=500)},
+        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536,
+                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=256,
+                                dropout=0.2),
+                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95",
+                                 batch_size=64, schedule="cosine", warmup=200, steps=10000,
+                                 grad_clip=1.0, log_every=500)},
     }
 
     data_dir: str | None = None
     context: int = 128
     heads: int = 4
-    val_tokens: int = 0             # 0: the whole validation split; else its first val_tokens tokens
-    positions: str = "learned"      # the model's positional embedding: a learned table, or none (any length)
-    eval_context: int = 0           # also evaluate on windows of this many tokens (0: only the training context)
+    # 0: the whole validation split; else its first val_tokens tokens
+    val_tokens: int = 0
+    # the model's positional embedding: a learned table, or none (any length)
+    positions: str = "learned"
+    # also evaluate on windows of this many tokens (0: only the training context)
+    eval_context: int = 0
     mask_window: int | None = None  # the relative M's distances (default: the context)
     seed: int = 0
 
     def __post_init__(self):
         if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the corpus files")
+            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
+                            "corpus files")
         if self.context < 2:
             raise TaskError(f"--context must be at least 2, got {self.context}")
         if self.positions not in ("learned", "none"):
             raise TaskError(f"--positions must be learned or none, got {self.positions!r}")
         if self.eval_context < 0 or 0 < self.eval_context < 2:
-            raise TaskError(f"--eval-context must be 0 (off) or at least 2 tokens, got {self.eval_context}")
+            raise TaskError("--eval-context must be 0 (off) or at least 2 tokens, got "
+                            f"{self.eval_context}")
         if self.positions == "learned" and self.eval_context > self.context:
-            raise TaskError(f"--eval-context {self.eval_context} is past --context {self.context}, which a learned "
-                            f"positional table cannot serve: give --positions none (the order from the causal mask "
-                            f"and the prior, as ALiBi), or an --eval-context up to {self.context}")
+            raise TaskError(f"--eval-context {self.eval_context} is past --context "
+                            f"{self.context}, which a learned positional table cannot serve: give "
+                            "--positions none (the order from the causal mask and the prior, as "
+                            f"ALiBi), or an --eval-context up to {self.context}")
         if self.mask_window is not None and not 1 <= self.mask_window <= self.context:
-            raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got {self.mask_window}")
+            raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got "
+                            f"{self.mask_window}")
         if self.val_tokens < 0:
-            raise TaskError(f"--val-tokens must be >= 0 (0 = the whole split), got {self.val_tokens}")
+            raise TaskError("--val-tokens must be >= 0 (0 = the whole split), got "
+                            f"{self.val_tokens}")
         self.vocab_size = None
 
     def setup(self, device="cpu"):
@@ -3190,29 +3444,33 @@ class LMTask(Task):
         return encode_words(text.split(), self.vocab).tolist()
 
     @torch.no_grad()
-    def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int, generator) -> str:
-        """`prompt` and `n` tokens `model` writes after it (`mp.generate`: temperature 0 greedy; top_k 0 all)."""
+    def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int,
+                      generator) -> str:
+        """`prompt` and `n` tokens `model` writes after it (`mp.generate`: temperature 0 greedy;
+        top_k 0 all)."""
         ids = self.encode(prompt)
         if not ids:
             raise TaskError(f"--sample: the prompt {prompt!r} gives no tokens")
-        out = mp.generate(model, torch.tensor([ids], device=self.device), n, temperature, top_k or None,
-                          generator=generator)
-        sep = " " if self.vocab is not None else ""              # words are joined by spaces, bytes are not
+        out = mp.generate(model, torch.tensor([ids], device=self.device), n, temperature, top_k
+                          or None, generator=generator)
+        # words are joined by spaces, bytes are not
+        sep = " " if self.vocab is not None else ""
         return self.decode(ids) + sep + self.decode(out[0, len(ids):].tolist())
 
     def arch(self) -> dict:
         if self.vocab_size is None:
             raise TaskError("LMTask.arch() needs setup() first: the vocabulary comes from the data")
-        return {"vocab_size": self.vocab_size, "seq_len": self.context, "n_outputs": self.vocab_size,
-                "readout": "tokens", "causal": True, "tie_embeddings": True, "positions": self.positions}
+        return {"vocab_size": self.vocab_size, "seq_len": self.context,
+                "n_outputs": self.vocab_size, "readout": "tokens", "causal": True,
+                "tie_embeddings": True, "positions": self.positions}
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         return lm_patterns(self.context, self.heads)
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the
-        future is removed by the hard causal mask. It has no on / off levels: train.py's table keeps --mask-on
-        and --mask-off to the other families, so m_on and m_off are the defaults here."""
+        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the future
+        is removed by the hard causal mask. It has no on / off levels: train.py's table keeps
+        --mask-on and --mask-off to the other families, so m_on and m_off are the defaults here."""
         self.pattern_name(variant)
         return mp.causal_distance_logits(self.mask_window or self.context, self.heads)
 
@@ -3250,23 +3508,27 @@ class LMTask(Task):
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Language models read a teacher's attention per head and distance by default
-        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param relative`)."""
+        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param
+        relative`)."""
         if kind == "relative":
             return self._soft(mp.relative_from_attention(attn, m_on, m_off, causal=True))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 32) -> dict:
-        """Mean next-token loss over every token of the validation split (or --val-tokens), in windows of the
-        training context; with --eval-context N also in windows of N tokens (long_val_loss, long_val_ppl)."""
+        """Mean next-token loss over every token of the validation split (or --val-tokens), in
+        windows of the training context; with --eval-context N also in windows of N tokens
+        (long_val_loss, long_val_ppl)."""
         out = {}
         for name, context in (("val", self.context), ("long_val", self.eval_context)):
             if not context:
                 continue
             total, count = 0.0, 0
-            for x, y in eval_windows(self.valid, context, max(1, batch_size * self.context // context)):
+            for x, y in eval_windows(self.valid, context,
+                                     max(1, batch_size * self.context // context)):
                 logits = model(x.to(self.device)).float()
-                total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), reduction="sum"))
+                total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(),
+                                               reduction="sum"))
                 count += y.numel()
             out[f"{name}_loss"] = total / count
             out[f"{name}_ppl"] = math.exp(min(total / count, 50.0))
@@ -3279,14 +3541,17 @@ class WikiText2(LMTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir, cls.NAME)
+        return _in_data_dir(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir,
+                            cls.NAME)
 
 
 @register("tinystories")
 class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
-    PRESETS = {"paper": {"model": dict(dropout=0.0), "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
+    PRESETS = {"paper": {"model": dict(dropout=0.0),
+                         "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
 
     @classmethod
     def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir, cls.NAME)
+        return _in_data_dir(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir,
+                            cls.NAME)

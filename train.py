@@ -10,11 +10,13 @@
     python train.py show runs/parity2-mask-s0   # m.png (M at the start and end), attention.png
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
 
-A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
-result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit status 2.
+A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line
+per log step), result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit
+status 2.
 
-Reading order: config (flags, where they apply, presets) -> build (task, model, prior and init, optimiser) -> data
-parallelism -> loop (start or resume, train, finish) -> durability (what is written and checked) -> commands.
+Reading order: config (flags, where they apply, presets) -> build (task, model, prior and init,
+optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability (what is
+written and checked) -> commands.
 """
 from __future__ import annotations
 
@@ -44,15 +46,17 @@ import tasks as T  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------
-# Config: one frozen dataclass holds every setting of a run, one field per flag, and each field says what its flag
-# is (`setting`): argparse is generated from them, `check_applies` refuses a flag where it does not apply, and
-# `resolve` fills a Config once (the flag given, else the task's preset, else the default). Nothing changes a Config
-# after that; what a task sizes, `size_schedule` fills into a new one. args.json is `asdict(config)`.
+# Config: one frozen dataclass holds every setting of a run, one field per flag, and each field
+# says what its flag is (`setting`): argparse is generated from them, `check_applies` refuses a
+# flag where it does not apply, and `resolve` fills a Config once (the flag given, else the task's
+# preset, else the default). Nothing changes a Config after that; what a task sizes,
+# `size_schedule` fills into a new one. args.json is `asdict(config)`.
 
 
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
           "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
-          "arithmetic": "arithmetic (addition, multiplication)", "vision": "vision (cifar10, cifar100, imagenet100)",
+          "arithmetic": "arithmetic (addition, multiplication)",
+          "vision": "vision (cifar10, cifar100, imagenet100)",
           "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
           "sampling": "sampling from a trained language model"}
 
@@ -60,33 +64,39 @@ GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior
 FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
 
 
-def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None,
-            check=None, resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
-    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag
-    without a value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or
-    the data (named so when a resume disagrees);
-    tells_apart: runs that differ in it are different configurations in reports; alternative: the field
-    this one replaces when given (--steps drops the preset's --epochs and the other way round).
-    Where the flag applies (`check_applies` refuses it given anywhere else): needs, {key: allowed}, each key a
-    field (its resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or
-    ON (not zero); excludes, the fields that may not be given with it. A task option (a family's group)
-    applies to the tasks whose constructor takes it."""
-    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch, choices=choices,
-                                                metavar=metavar, check=check, resumable=resumable, arch=arch,
+def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None,
+            metavar=None, check=None, resumable=False, arch=False, tells_apart=True,
+            alternative=None, needs=None, excludes=()):
+    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch:
+    a flag without a value; check: a key of CHECKS; resumable: --resume may change it; arch: it
+    shapes the model or the data (named so when a resume disagrees); tells_apart: runs that differ
+    in it are different configurations in reports; alternative: the field this one replaces when
+    given (--steps drops the preset's --epochs and the other way round). Where the flag applies
+    (`check_applies` refuses it given anywhere else): needs, {key: allowed}, each key a field (its
+    resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or
+    ON (not zero); excludes, the fields that may not be given with it. A task option (a family's
+    group) applies to the tasks whose constructor takes it."""
+    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
+                                                choices=choices, metavar=metavar, check=check,
+                                                resumable=resumable, arch=arch,
                                                 tells_apart=tells_apart, alternative=alternative,
                                                 needs=needs or {}, excludes=tuple(excludes)))
 
 
-GIVEN, ON = "given", "on"          # a `needs` condition other than a tuple of values: the field is set, or not zero
+# a `needs` condition other than a tuple of values: the field is set, or not zero
+GIVEN, ON = "given", "on"
 
 
 # The inits by what they read (the INITS table below holds them all; a test keeps the two in step).
-MASK_INITS = ("mask", "mask-impulse")                  # the model owns an M (a learnable log sigmoid(M) per layer)
+# the model owns an M (a learnable log sigmoid(M) per layer)
+MASK_INITS = ("mask", "mask-impulse")
 
 
-PRIOR_INITS = ("mask", "qk-svd", "qk-opt", "impulse", "mask-impulse")    # write a prior (a pattern or M) into the model
+# write a prior (a pattern or M) into the model
+PRIOR_INITS = ("mask", "qk-svd", "qk-opt", "impulse", "mask-impulse")
 QK_SVD_INITS = ("qk-svd", "impulse")                   # solve Wq Wk in closed form (init_qk_svd_)
-LEVELS = ("boolean", "arithmetic", "vision")           # families whose M has on / off levels (--mask-on, --mask-off)
+# families whose M has on / off levels (--mask-on, --mask-off)
+LEVELS = ("boolean", "arithmetic", "vision")
 
 
 def _group(name: str):
@@ -95,195 +105,256 @@ def _group(name: str):
 
 
 run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
-    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm", "sampling"))
+    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm",
+             "sampling"))
 
 
 QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
-WHERE = dict(resumable=True, tells_apart=False)          # where and how a run runs: a resume may change it
+# where and how a run runs: a resume may change it
+WHERE = dict(resumable=True, tells_apart=False)
 
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting of a training run, one field per flag (see `setting` for what a field carries)."""
+    """Every setting of a training run, one field per flag (see `setting` for what a field
+    carries)."""
     # run
     task: str = run_("parity2", "task name: {tasks} (default parity2)", arch=True)
-    init: str = run_("default", "initialisation: {inits} (default default)", arch=True, tells_apart=False)
-    preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or paper (the paper's "
-                       "setting, for a GPU)")
-    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator keeps 32 bits; default 0)",
+    init: str = run_("default", "initialisation: {inits} (default default)", arch=True,
+                     tells_apart=False)
+    preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or "
+                                "paper (the paper's setting, for a GPU)")
+    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
+                        "keeps 32 bits; default 0)",
                      type=int, check="non_negative", tells_apart=False)
     out: str | None = run_(None, "run directory (default runs/TASK-INIT-sSEED)", tells_apart=False)
-    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True, **WHERE)
+    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True,
+                        **WHERE)
     device: str = run_("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...", **WHERE)
-    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"), **WHERE)
-    log_every: int | None = run_(None, "steps between evaluations and log lines", type=int, check="positive",
-                                 resumable=True)
-    ckpt_every: int | None = run_(None, "steps between checkpoints (default: every log step)", type=int,
-                                  check="positive", **WHERE)
-    halt_after: int | None = run_(None, "stop at this step as if interrupted (checkpoint kept)", type=int,
-                                  check="positive", **WHERE)
-    compile: bool = run_(False, "torch.compile the model for training (the probes run it uncompiled)", switch=True,
+    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"),
+                    **WHERE)
+    log_every: int | None = run_(None, "steps between evaluations and log lines", type=int,
+                                 check="positive", resumable=True)
+    ckpt_every: int | None = run_(None, "steps between checkpoints (default: every log step)",
+                                  type=int, check="positive", **WHERE)
+    halt_after: int | None = run_(None, "stop at this step as if interrupted (checkpoint kept)",
+                                  type=int, check="positive", **WHERE)
+    compile: bool = run_(False, "torch.compile the model for training (the probes run it "
+                                "uncompiled)", switch=True,
                          **WHERE)
-    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at each "
-                               "collective; default 1800)", type=float, check="positive", **WHERE)
+    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes "
+                                       "(joining, and at each collective; default 1800)",
+                               type=float, check="positive", **WHERE)
     # optimisation
-    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True, alternative="epochs")
-    epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float, check="positive",
-                                resumable=True, alternative="steps")
+    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True,
+                             alternative="epochs")
+    epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float,
+                                check="positive", resumable=True, alternative="steps")
     lr: float = opt_(0.0001, "peak learning rate", type=float, check="positive", resumable=True)
     batch_size: int = opt_(64, None, type=int, check="positive")
-    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float, check="non_negative")
-    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled", choices=("adam", "adamw"))
+    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float,
+                               check="non_negative")
+    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled",
+                          choices=("adam", "adamw"))
     betas: str = opt_("0.9,0.999", "Adam betas, e.g. 0.9,0.999")
     schedule: str = opt_("constant", None, choices=("constant", "cosine"))
-    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative", alternative="warmup_epochs")
-    warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)", type=float,
-                                       check="non_negative", alternative="warmup")
-    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float, check="non_negative", resumable=True)
+    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative",
+                       alternative="warmup_epochs")
+    warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)",
+                                       type=float, check="non_negative", alternative="warmup")
+    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float,
+                            check="non_negative", resumable=True)
     # model
     layers: int = model_(2, None, type=int, check="positive", arch=True)
     heads: int = model_(4, None, type=int, check="positive", arch=True)
     dim: int = model_(64, None, type=int, check="positive", arch=True)
-    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive", arch=True)
+    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive",
+                                  arch=True)
     mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
     emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
                                  check="non_negative", arch=True)
-    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float, check="non_negative",
-                                 arch=True)
-    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int, choices=(0, 1), arch=True)
-    dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float, check="fraction",
-                            arch=True)
-    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with this probability, "
-                              "linearly less before it (timm's schedule; 0 = off)", type=float, check="fraction")
-    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. 0.9999), evaluated "
-                        "beside them (ema_* metrics); 0 = off", type=float, check="fraction")
-    attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, or for M torch's "
-                            "flex_attention (CUDA); auto = fused, but explicit for a masked model of <= 128 "
-                            "positions on the CPU",
+    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float,
+                                 check="non_negative", arch=True)
+    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int,
+                                  choices=(0, 1), arch=True)
+    dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float,
+                            check="fraction", arch=True)
+    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with "
+                                   "this probability, linearly less before it (timm's schedule; "
+                                   "0 = off)", type=float, check="fraction")
+    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. "
+                             "0.9999), evaluated beside them (ema_* metrics); 0 = off", type=float,
+                        check="fraction")
+    attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, "
+                                    "or for M torch's flex_attention (CUDA); auto = fused, but "
+                                    "explicit for a masked model of <= 128 positions on the CPU",
                             choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
     # prior
-    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
-    mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float, check="non_negative",
-                            needs={"init": MASK_INITS, "kind": LEVELS})
+    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)",
+                                 arch=True)
+    mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float,
+                            check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
     mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), or relative: one logit per "
-                             "head and distance i - j (heads x N; language models)", choices=("full", "relative"),
+    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), or "
+                                     "relative: one logit per head and distance i - j (heads x "
+                                     "N; language models)", choices=("full", "relative"),
                              arch=True, needs={"init": MASK_INITS})
-    qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float, check="positive",
-                                 needs={"init": QK_SVD_INITS})
-    qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float, check="non_negative",
-                                 needs={"init": QK_SVD_INITS})
-    qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float, check="positive",
-                                needs={"init": QK_SVD_INITS})
-    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding first (impulse and "
-                                            "mask-impulse: 18 unless given)", type=float, check="positive",
+    qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
+                                 check="positive", needs={"init": QK_SVD_INITS})
+    qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float,
+                                 check="non_negative", needs={"init": QK_SVD_INITS})
+    qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float,
+                                check="positive", needs={"init": QK_SVD_INITS})
+    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding "
+                                                  "first (impulse and mask-impulse: 18 unless "
+                                                  "given)", type=float, check="positive",
                                             needs={"init": ("qk-svd", "impulse", "mask-impulse")})
-    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive", needs=QK_OPT)
+    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive",
+                               needs=QK_OPT)
     qk_opt_lr: float = prior_(0.0001, None, type=float, check="positive", needs=QK_OPT)
-    qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this", type=float,
-                               check="non_negative", needs=QK_OPT)
+    qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this",
+                               type=float, check="non_negative", needs=QK_OPT)
     qk_opt_pos_scale: float | None = prior_(None, "qk-opt: multiply the positional embedding first", type=float,
                                             check="positive", needs=QK_OPT)
-    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a teacher): the prior is "
-                                    "read from its attention instead of the task's hand pattern", metavar="RUN",
+    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a "
+                                          "teacher): the prior is read from its attention "
+                                          "instead of the task's hand pattern", metavar="RUN",
                                     arch=True, needs={"init": PRIOR_INITS}, excludes=("pattern",))
-    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key pairs above "
-                                    "--prior-ratio x the uniform share), logits (M whose bias gives the teacher's "
-                                    "mean attention), relative (per head and distance) or offsets (per head and 2-D "
-                                    "offset); default: the task's first", choices=("pattern", "logits", "relative",
+    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key "
+                                          "pairs above --prior-ratio x the uniform share), "
+                                          "logits (M whose bias gives the teacher's mean "
+                                          "attention), relative (per head and distance) or "
+                                          "offsets (per head and 2-D offset); default: the "
+                                          "task's first", choices=("pattern", "logits", "relative",
                                                                                    "offsets"),
                                     arch=True, needs={"prior_from": GIVEN})
-    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
-                                "attention share (default 1.5)", type=float, check="positive", arch=True,
+    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this "
+                                     "multiple of the uniform attention share (default 1.5)",
+                                type=float, check="positive", arch=True,
                                 needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
-    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training inputs (default: "
-                                           "Boolean 0.95, arithmetic 0.9, vision 0.5, language 0.2)", type=float,
+    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training "
+                                                 "inputs (default: Boolean 0.95, arithmetic 0.9, "
+                                                 "vision 0.5, language 0.2)", type=float,
                                            check="unit", arch=True, needs={"prior_from": GIVEN})
     probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
-    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs (0 = "
-                              "all); the final evaluation uses all of them", type=int, check="non_negative",
+    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube "
+                                 "points or test pairs (0 = all); the final evaluation uses all "
+                                 "of them", type=int, check="non_negative",
                               resumable=True, needs={"kind": ("boolean", "arithmetic")})
     # boolean
-    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over the "
-                                "bit tokens; the pattern follows the layout", metavar="{" + ",".join(T.READOUTS) + "}",
+    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token "
+                                      "and mean pooling over the bit tokens; the pattern follows "
+                                      "the layout", metavar="{" + ",".join(T.READOUTS) + "}",
                                 arch=True)
     n_bits: int = bool_(15, "kparity/kmajority/ksum: input bits (default 15)", type=int, arch=True)
-    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; random:K: K drawn by the seed)",
+    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; "
+                               "random:K: K drawn by the seed)",
                       arch=True)
-    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, or majority led by m "
-                       "(default 0,1:2,3,4 = x0 x1 + x2 x3 x4)", arch=True)
-    unseen: str = bool_("0,1", "kparity/kmajority/ksum: bits at -1 in the unseen domain (default 0,1; bits:J: the "
-                        "first J of --bits)", arch=True)
-    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain (default: all)", type=int)
-    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data of up to this many "
-                                 "bits (default 3)", type=int, arch=True, needs=DISCOVERED)
-    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh coefficient is at least "
-                                      "this fraction of the largest (default 0.25)", type=float, arch=True,
+    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, "
+                                    "or majority led by m (default 0,1:2,3,4 = x0 x1 + x2 x3 x4)",
+                       arch=True)
+    unseen: str = bool_("0,1", "kparity/kmajority/ksum: bits at -1 in the unseen domain (default "
+                               "0,1; bits:J: the first J of --bits)", arch=True)
+    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain "
+                                         "(default: all)", type=int)
+    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data "
+                                    "of up to this many bits (default 3)", type=int, arch=True,
+                                 needs=DISCOVERED)
+    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh "
+                                            "coefficient is at least this fraction of the "
+                                            "largest (default 0.25)", type=float, arch=True,
                                       needs=DISCOVERED)
-    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of no dependence "
-                                  "passes the noise cut (default 0.05)", type=float, arch=True, needs=DISCOVERED)
+    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of "
+                                        "no dependence passes the noise cut (default 0.05)",
+                                  type=float, arch=True, needs=DISCOVERED)
     # arithmetic
-    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 for "
-                                     "addition, 0.03 for multiplication)", type=float, arch=True)
-    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain format; the default) "
-                               "or reversed", metavar="{msb,lsb}", arch=True)
-    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee et al.'s "
-                         "multiplication), 1 or 4", type=int, metavar="{1,2,3,4}", arch=True)
-    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the 100 "
-                                     "one-digit pairs, then N - 100 drawn with replacement; theirs: 3000), unpadded "
-                                     "a*b=c, tested on every pair not trained on", type=int, arch=True, metavar="N")
-    # vision
-    data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with cifar-10-batches-py/; for "
-                                   "language models the corpus folder)", **WHERE)
-    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
-                                     type=int, check="positive", arch=True)
-    input_size: int | None = vision_(None, "the model's image side (default: the image size); larger upsamples, e.g. "
-                                     "224 for CIFAR as the paper preset's recipe does", type=int, check="positive",
-                                     arch=True)
-    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive", arch=True)
-    pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token", choices=("mean", "cls"),
+    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on "
+                                           "(default: 0.004 for addition, 0.03 for "
+                                           "multiplication)", type=float, arch=True)
+    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain "
+                                      "format; the default) or reversed", metavar="{msb,lsb}",
                                arch=True)
-    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
-                           "random (drawn by the seed)", metavar="{fixed,random}", arch=True,
+    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee "
+                            "et al.'s multiplication), 1 or 4", type=int, metavar="{1,2,3,4}",
+                         arch=True)
+    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data "
+                                           "instead, N samples (the 100 one-digit pairs, then N "
+                                           "- 100 drawn with replacement; theirs: 3000), "
+                                           "unpadded a*b=c, tested on every pair not trained on",
+                                     type=int, arch=True, metavar="N")
+    # vision
+    data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with "
+                                         "cifar-10-batches-py/; for language models the corpus "
+                                         "folder)", **WHERE)
+    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; "
+                                           "ImageNet-100 32 or 64)",
+                                     type=int, check="positive", arch=True)
+    input_size: int | None = vision_(None, "the model's image side (default: the image size); "
+                                           "larger upsamples, e.g. 224 for CIFAR as the paper "
+                                           "preset's recipe does", type=int, check="positive",
+                                     arch=True)
+    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive",
+                                     arch=True)
+    pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token",
+                               choices=("mean", "cls"), arch=True)
+    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, "
+                                    "...; the default) or random (drawn by the seed)",
+                           metavar="{fixed,random}", arch=True,
                            needs={"pattern": ("impulse", "soft", "graded")})
-    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to the "
-                                "head's offset (default 1.0)", type=float, arch=True, needs={"pattern": ("soft",)})
-    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; default 3)", type=int,
+    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance "
+                                     "(in patches) to the head's offset (default 1.0)", type=float,
+                                arch=True, needs={"pattern": ("soft",)})
+    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; "
+                             "default 3)", type=int,
                           arch=True, needs={"pattern": ("local",)})
     label_smoothing: float | None = vision_(None, None, type=float, check="fraction")
-    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
-    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
-    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale "
-                        "0.08-1); a flip either way", metavar="{pad,rrc}")
-    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
-                              "(default 0.875)", type=float, needs={"input_size": GIVEN})
-    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)", type=float)
-    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)", type=float,
+    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float,
+                           check="non_negative")
+    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float,
+                            check="non_negative")
+    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to "
+                               "the input size (scale 0.08-1); a flip either way",
+                        metavar="{pad,rrc}")
+    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / "
+                                     "crop-pct, keep the centre (default 0.875)", type=float,
+                              needs={"input_size": GIVEN})
+    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
+                             type=float)
+    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise "
+                                      "(default 0.5)", type=float,
                                  check="non_negative", needs={"randaug": ON})
-    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int, needs={"randaug": ON})
-    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)", type=float)
+    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int,
+                               needs={"randaug": ON})
+    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
+                            type=float)
     # lm
-    context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
-    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
-    positions: str = lm_("learned", "the positional embedding: a learned table of --context positions (the default), or "
-                         "none (the order from the causal mask and the prior, as ALiBi: the model serves any length)",
+    context: int | None = lm_(None, "context length in tokens (also the model's positions)",
+                              type=int, arch=True)
+    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)",
+                                 type=int)
+    positions: str = lm_("learned", "the positional embedding: a learned table of --context "
+                                    "positions (the default), or none (the order from the causal "
+                                    "mask and the prior, as ALiBi: the model serves any length)",
                          metavar="{learned,none}", arch=True)
-    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context (long_val_loss, "
-                            "long_val_ppl; past --context it needs --positions none; 0 = off)", type=int, metavar="N",
+    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context "
+                               "(long_val_loss, long_val_ppl; past --context it needs "
+                               "--positions none; 0 = off)", type=int, metavar="N",
                             resumable=True)
-    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them (default: --context); "
-                                  "its gradient costs O(T N)", type=int, metavar="N", arch=True,
-                                  needs={"init": MASK_INITS, "mask_param": ("relative",)}, excludes=("prior_from",))
+    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them "
+                                        "(default: --context); its gradient costs O(T N)",
+                                  type=int, metavar="N", arch=True,
+                                  needs={"init": MASK_INITS, "mask_param": ("relative",)},
+                                  excludes=("prior_from",))
     # sampling
-    sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in --out and exit (no "
-                                 "training)", metavar="PROMPT", **WHERE)
-    sample_tokens: int = sample_(100, "tokens to generate (default 100)", type=int, check="positive",
-                                 needs={"sample": GIVEN}, **WHERE)
+    sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in "
+                                       "--out and exit (no training)", metavar="PROMPT", **WHERE)
+    sample_tokens: int = sample_(100, "tokens to generate (default 100)", type=int,
+                                 check="positive", needs={"sample": GIVEN}, **WHERE)
     temperature: float = sample_(0.8, "0 = greedy (default 0.8)", type=float, check="non_negative",
                                  needs={"sample": GIVEN}, **WHERE)
-    top_k: int = sample_(40, "sample among the k likeliest (0 = all; default 40)", type=int, check="non_negative",
-                         needs={"sample": GIVEN}, **WHERE)
+    top_k: int = sample_(40, "sample among the k likeliest (0 = all; default 40)", type=int,
+                         check="non_negative", needs={"sample": GIVEN}, **WHERE)
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -291,18 +362,21 @@ DEFAULTS = {name: f.default for name, f in FIELDS.items()}
 RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
 ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
 NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
-ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
+ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items()
+                if f.metadata["alternative"]}
 TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
 NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
 EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
 
 
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
+          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+          "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
 
 
 COMMANDS = ("train", "summarize", "report", "redraw", "download", "imagenet100", "show", "make-digits", "make-wikitext")
-UsageError, BusyError = RF.UsageError, RF.BusyError      # bad input: one line, exit status 2 (a busy folder: 75)
+# bad input: one line, exit status 2 (a busy folder: 75)
+UsageError, BusyError = RF.UsageError, RF.BusyError
 
 
 def say(text: str) -> None:
@@ -317,7 +391,8 @@ class Parser(argparse.ArgumentParser):
 
 
 class _Unset:
-    """The default of every flag: tells a flag given on the command line from one left to the preset."""
+    """The default of every flag: tells a flag given on the command line from one left to the
+    preset."""
     __repr__ = lambda self: "preset"  # noqa: E731
 
 
@@ -325,7 +400,8 @@ UNSET = _Unset()
 
 
 class Once(argparse.Action):
-    """Store a flag's value (a switch: True), refusing a flag given twice, whose last value would win in silence."""
+    """Store a flag's value (a switch: True), refusing a flag given twice, whose last value would
+    win in silence."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest, UNSET)
@@ -336,66 +412,87 @@ class Once(argparse.Action):
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per Config field, in its group; every flag parses to UNSET when not given (see `resolve`)."""
+    """One flag per Config field, in its group; every flag parses to UNSET when not given (see
+    `resolve`)."""
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for name, f in FIELDS.items():
         m = f.metadata
-        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS), inits=", ".join(INITS)),
+        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS),
+                                                     inits=", ".join(INITS)),
               "action": Once}
         if m["switch"]:
             kw["nargs"] = 0
         else:
-            kw.update({k: v for k, v in (("type", m["type"]), ("metavar", m["metavar"])) if v is not None})
+            kw.update({k: v for k, v in (("type", m["type"]), ("metavar", m["metavar"]))
+                       if v is not None})
             if m["choices"]:
                 kw["choices"] = list(m["choices"])
         groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def build_parser() -> Parser:
-    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `redraw`, `download`, `imagenet100`,
-    `show`, `make-digits`, `make-wikitext`."""
-    p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
+    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `redraw`, `download`,
+    `imagenet100`, `show`, `make-digits`, `make-wikitext`."""
+    p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate "
+                                            "runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
-                       description="Train a task with an attention prior. A flag not given takes the task's preset "
-                                   "value (--preset small or paper), else the default shown. Other commands: "
-                                   "summarize, report, redraw, download, imagenet100, show, make-digits, make-wikitext "
+                       description="Train a task with an attention prior. A flag not given takes "
+                                   "the task's preset value (--preset small or paper), else the "
+                                   "default shown. Other commands: summarize, report, redraw, "
+                                   "download, imagenet100, show, make-digits, make-wikitext "
                                    "(python train.py COMMAND --help).")
     add_train_flags(t)
-    s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished runs")
+    s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished "
+                                         "runs")
     s.add_argument("paths", nargs="+", help="run directories or folders of them")
-    r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a reproduction")
+    r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a "
+                                      "reproduction")
     r.add_argument("runs", help="a reproduce.sh runs folder (e.g. runs/quick)")
     r.add_argument("out", help="the folder to write the tables and figures to (e.g. results/quick)")
-    d = sub.add_parser("redraw", help="a results folder's figures drawn again from the CSVs beside them, no runs")
+    d = sub.add_parser("redraw", help="a results folder's figures drawn again from the CSVs "
+                                      "beside them, no runs")
     d.add_argument("results", help="a folder train.py report wrote (e.g. results/quick)")
-    g = sub.add_parser("download", help="fetch the public data sets into a folder, checked against pinned sums",
-                       description="Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and "
-                                   "valid) into --data: resumable (run again after a cut), checked against their "
-                                   "pinned sha256 and md5, unpacked safely, moved in whole; a set already there is "
+    g = sub.add_parser("download", help="fetch the public data sets into a folder, checked "
+                                        "against pinned sums",
+                       description="Fetch cifar10, cifar100, wikitext2 (tokens and raw) and "
+                                   "tinystories (V2 train and valid) into --data: resumable (run "
+                                   "again after a cut), checked against their pinned sha256 and "
+                                   "md5, unpacked safely, moved in whole; a set already there is "
                                    "left as it is. See datafetch/download.py.")
-    g.add_argument("names", nargs="+", metavar="NAME", help="cifar10, cifar100, wikitext2, tinystories")
-    g.add_argument("--data", required=True, metavar="DIR", help="the data folder (reproduce.sh's --data)")
-    g.add_argument("--from", dest="mirror", metavar="URL", help="a mirror: a base URL holding the same file names "
+    g.add_argument("names", nargs="+", metavar="NAME",
+                   help="cifar10, cifar100, wikitext2, tinystories")
+    g.add_argument("--data", required=True, metavar="DIR",
+                   help="the data folder (reproduce.sh's --data)")
+    g.add_argument("--from", dest="mirror", metavar="URL",
+                   help="a mirror: a base URL holding the same file names "
                    "(still checked against the pinned sums)")
-    g.add_argument("--timeout", type=float, default=30.0, help="seconds without a byte before a transfer stops")
-    i = sub.add_parser("imagenet100", help="build ImageNet-100 from an ImageNet-1k folder (it needs a licence)",
-                       description="DIR/imagenet100/{train,val}/<wnid>/ from IMAGENET_1K_DIR/{train,val}/<wnid>/, the "
-                                   "100 classes of tasks.IMAGENET100_WNIDS, hard links where possible, else copies; "
-                                   "whole or not at all. See datafetch/imagenet100.py.")
+    g.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds without a byte before a transfer stops")
+    i = sub.add_parser("imagenet100", help="build ImageNet-100 from an ImageNet-1k folder (it "
+                                           "needs a licence)",
+                       description="DIR/imagenet100/{train,val}/<wnid>/ from "
+                                   "IMAGENET_1K_DIR/{train,val}/<wnid>/, the 100 classes of "
+                                   "tasks.IMAGENET100_WNIDS, hard links where possible, else "
+                                   "copies; whole or not at all. See datafetch/imagenet100.py.")
     i.add_argument("--from", dest="source", required=True, metavar="IMAGENET_1K_DIR")
     i.add_argument("--data", required=True, metavar="DIR")
-    v = sub.add_parser("show", help="draw a run's M at its start and end (m.png) and its attention (attention.png)",
-                       description="Draw M at the start and at the end of a run, per layer and head, on one colour "
-                                   "scale (m.png; none for an init without M), and the mean attention on the task's "
-                                   "probe inputs at the end (attention.png). Needs matplotlib. See reporting/show.py.")
+    v = sub.add_parser("show", help="draw a run's M at its start and end (m.png) and its "
+                                    "attention (attention.png)",
+                       description="Draw M at the start and at the end of a run, per layer and "
+                                   "head, on one colour scale (m.png; none for an init without "
+                                   "M), and the mean attention on the task's probe inputs at the "
+                                   "end (attention.png). Needs matplotlib. See reporting/show.py.")
     v.add_argument("run", metavar="RUN", help="a run folder (with its ckpt.pt)")
     v.add_argument("--out", metavar="DIR", help="where to write the figures (default: RUN itself)")
-    d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python layout")
+    d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python "
+                                           "layout")
     d.add_argument("folder")
-    w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's word-level layout")
+    w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's "
+                                             "word-level layout")
     w.add_argument("folder")
-    w.add_argument("files", nargs="+", help="text files: one article each, the first line its title")
+    w.add_argument("files", nargs="+", help="text files: one article each, the first line its "
+                                            "title")
     return p
 
 
@@ -411,7 +508,8 @@ def parse_args(argv=None):
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """Each field: the flag given, else the task's preset (less the alternatives of the flags given), else its default."""
+    """Each field: the flag given, else the task's preset (less the alternatives of the flags
+    given), else its default."""
     given = {k: getattr(flags, k) for k in explicit}
     task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
     if task not in T.TASKS:
@@ -423,7 +521,8 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
     for flag, other in ALTERNATIVES.items():
         if flag in explicit and other in explicit:
-            raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
+            raise UsageError(f"give either --{flag.replace('_', '-')} or "
+                             f"--{other.replace('_', '-')}, not both")
     from_preset = task_cls.preset(preset)
     for flag in explicit & set(ALTERNATIVES):
         from_preset.pop(ALTERNATIVES[flag], None)
@@ -439,8 +538,9 @@ SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of
 def check_numbers(config: Config) -> None:
     """Every numeric field finite and in its range (its `check`), before anything is written."""
     if isinstance(config.seed, int) and not 0 <= config.seed <= SEED_MAX:
-        raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
-                         f"larger seed would train the same weights as a smaller one), got {config.seed}")
+        raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator "
+                         "keeps 32 bits, so a larger seed would train the same weights as a "
+                         f"smaller one), got {config.seed}")
     for name, f in FIELDS.items():
         value = getattr(config, name)
         if f.metadata["check"] is None or value is None:
@@ -456,8 +556,8 @@ def flag(name: str) -> str:
 
 
 def applied_value(config: Config, key: str):
-    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a --pattern or
-    --prior-kind not given: the task's default)."""
+    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a
+    --pattern or --prior-kind not given: the task's default)."""
     task = T.TASKS[config.task]
     if key == "kind":
         return task.KIND
@@ -482,56 +582,68 @@ def unmet(key: str, allowed, value) -> str | None:
 
 
 def check_applies(config: Config, explicit: set) -> None:
-    """The one check of where a flag applies, from the Config table: each flag given must be a task option of the
-    task (its constructor takes it), meet its field's `needs` and come without what it `excludes`; else one line
-    naming the flag and what it needs. Runs before anything is built or read."""
+    """The one check of where a flag applies, from the Config table: each flag given must be a task
+    option of the task (its constructor takes it), meet its field's `needs` and come without what
+    it `excludes`; else one line naming the flag and what it needs. Runs before anything is built
+    or read."""
     task = T.TASKS[config.task]
     options = [o for o in task.options() if o in FIELDS]
     for name in (n for n in FIELDS if n in explicit):
         if name in TASK_FLAGS and name not in options:
             what = f" (use --pool for {config.task})" if name == "readout" and task.KIND == "vision" else ""
-            raise UsageError(f"{flag(name)} does not apply to task {config.task} ({task.KIND}){what}; its task "
-                             f"options are: {', '.join(flag(o) for o in options if o != 'heads')}")
+            raise UsageError(f"{flag(name)} does not apply to task {config.task} "
+                             f"({task.KIND}){what}; its task options are: "
+                             f"{', '.join(flag(o) for o in options if o != 'heads')}")
         for key, allowed in NEEDS.get(name, {}).items():
             need = unmet(key, allowed, applied_value(config, key))
             if need:
-                raise UsageError(f"{flag(name)} applies only {need}; leave it out or give what it needs")
+                raise UsageError(f"{flag(name)} applies only {need}; leave it out or give what it "
+                                 "needs")
         for other in EXCLUDES.get(name, ()):
             if other in explicit:
-                raise UsageError(f"give {flag(name)} or {flag(other)}, not both ({flag(name)} replaces "
-                                 f"{flag(other)})")
+                raise UsageError(f"give {flag(name)} or {flag(other)}, not both ({flag(name)} "
+                                 f"replaces {flag(other)})")
 
 
 def validate(config, task, explicit: set):
     if config.steps is None and config.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
     if config.init not in task.INITS:
-        raise UsageError(f"init {config.init!r} does not apply to task {config.task} ({task.KIND}); "
-                         f"choose from {', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
+        raise UsageError(f"init {config.init!r} does not apply to task {config.task} "
+                         f"({task.KIND}); choose from "
+                         f"{', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
     if config.head_dim is None and config.dim % config.heads:
-        raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set --head-dim")
+        raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set "
+                         "--head-dim")
     if config.pattern == "":
-        raise UsageError(f"--pattern needs a name; {config.task}'s patterns are {', '.join(task.PATTERNS)} (leave the "
-                         f"flag out for the default, {task.pattern_name(None)})")
+        raise UsageError(f"--pattern needs a name; {config.task}'s patterns are "
+                         f"{', '.join(task.PATTERNS)} (leave the flag out for the default, "
+                         f"{task.pattern_name(None)})")
     task.pattern_name(config.pattern)
-    if config.attention == "flex" and (config.init not in MASK_INITS or pick_device(config.device).type != "cuda"):
-        raise UsageError("--attention flex runs M through torch's flex_attention: it needs --init mask or mask-impulse "
-                         "and CUDA (it has no backward on the CPU); use --attention fused or explicit")
-    if getattr(task, "positions", "learned") == "none" and config.init not in ("default", *MASK_INITS):
-        raise UsageError(f"--init {config.init} fits its pattern on the positional embedding, which --positions none "
-                         f"leaves out; use --init mask or default there, or --positions learned")
+    if config.attention == "flex" and (config.init not in MASK_INITS
+                                       or pick_device(config.device).type != "cuda"):
+        raise UsageError("--attention flex runs M through torch's flex_attention: it needs "
+                         "--init mask or mask-impulse and CUDA (it has no backward on the CPU); "
+                         "use --attention fused or explicit")
+    if getattr(task, "positions", "learned") == "none" and config.init not in ("default",
+                                                                               *MASK_INITS):
+        raise UsageError(f"--init {config.init} fits its pattern on the positional embedding, "
+                         "which --positions none leaves out; use --init mask or default there, "
+                         "or --positions learned")
     if getattr(task, "eval_context", 0) > getattr(task, "context", 0) and config.init in MASK_INITS \
             and config.mask_param == "full":
-        raise UsageError(f"--eval-context {task.eval_context} is past --context {task.context}, which a full M (N x N) "
-                         f"cannot serve: give --mask-param relative (its distances serve any length)")
+        raise UsageError(f"--eval-context {task.eval_context} is past --context {task.context}, "
+                         "which a full M (N x N) cannot serve: give --mask-param relative (its "
+                         "distances serve any length)")
     if config.prior_kind not in (None, *task.TEACHER_KINDS):
-        raise UsageError(f"--prior-kind {config.prior_kind} does not apply to task {config.task}; choose from "
-                         f"{', '.join(task.TEACHER_KINDS)}")
+        raise UsageError(f"--prior-kind {config.prior_kind} does not apply to task {config.task}; "
+                         f"choose from {', '.join(task.TEACHER_KINDS)}")
     try:
         b = tuple(float(x) for x in config.betas.split(","))
         assert len(b) == 2 and all(0 <= x < 1 for x in b)
     except (ValueError, AssertionError):
-        raise UsageError(f"--betas must be two numbers in [0, 1) like 0.9,0.999, got {config.betas!r}") from None
+        raise UsageError("--betas must be two numbers in [0, 1) like 0.9,0.999, got "
+                         f"{config.betas!r}") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -543,7 +655,8 @@ def task_for(config) -> T.Task:
     options = {k: getattr(config, k) for k in T.TASKS[config.task].options()
                if k in FIELDS and getattr(config, k) is not None}
     task = T.make_task(config.task, seed=config.seed, **options)
-    task.say = say                       # the task's word on its slow work (the exact MDI), from one process
+    # the task's word on its slow work (the exact MDI), from one process
+    task.say = say
     return task
 
 
@@ -557,23 +670,29 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, cuda:1 or mps")
+        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, "
+                         "cuda:1 or mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     if dev.type == "mps" and not mps:
-        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
+        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use "
+                         "--device cpu")
     return dev
 
 
-EXPLICIT_UP_TO = 128     # --attention auto on the CPU: a masked model of at most this many positions runs the explicit
-                         # softmax, faster there than the fused kernel with M's gradient (bench_context.py --paths all)
+# --attention auto on the CPU: a masked model of at most this many positions runs the explicit
+EXPLICIT_UP_TO = 128
+                         # softmax, faster there than the fused kernel with M's gradient
+                         # (bench_context.py --paths all)
 
 
-def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
-    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
+def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"),
+              n: int = 0) -> bool:
+    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
+    `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
+    the CPU."""
     if attention == "auto":
         return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"
@@ -581,20 +700,24 @@ def use_fused(attention: str, masked: bool = False, device: torch.device = torch
 
 def model_config(config, task, device=torch.device("cpu")):
     arch = task.arch()
-    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
-                 mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
-                 qkv_bias=bool(config.qkv_bias),
-                 dropout=config.dropout, pos_init_std=config.pos_init_std, drop_path=config.drop_path,
+    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
+                 head_dim=config.head_dim, mlp_dim=config.mlp_dim,
+                 learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
+                 qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
+                 pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param, mask_window=config.mask_window)
     if arch.get("model") == "vit":
         cfg = mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
                            n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
     else:
-        cfg = mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"], n_outputs=arch["n_outputs"],
-                                   readout=arch["readout"], causal=arch.get("causal", False),
-                                   emb_init_std=config.emb_init_std, tie_embeddings=arch.get("tie_embeddings", False),
+        cfg = mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"],
+                                   n_outputs=arch["n_outputs"], readout=arch["readout"],
+                                   causal=arch.get("causal", False),
+                                   emb_init_std=config.emb_init_std,
+                                   tie_embeddings=arch.get("tie_embeddings", False),
                                    positions=arch.get("positions", "learned"), **trunk)
-    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
+    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device,
+                                        cfg.n_positions))
 
 
 def build_model(config, task, device):
@@ -609,18 +732,20 @@ def init_default(model, prior, config, g) -> dict:
 
 
 def init_mask(model, prior, config, g) -> dict:
-    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
+    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M,
+    or soft."""
     return mp.init_mask_(model, logits=prior.logits)
 
 
 def init_qk_svd(model, prior, config, g) -> dict:
-    return mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise, config.qk_svd_norm,
-                           config.qk_svd_pos_scale, generator=g)
+    return mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
+                           config.qk_svd_norm, config.qk_svd_pos_scale, generator=g)
 
 
 def init_qk_opt(model, prior, config, g) -> dict:
-    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr, tol=config.qk_opt_tol,
-                           pos_scale=config.qk_opt_pos_scale, generator=g, log=say)
+    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr,
+                           tol=config.qk_opt_tol, pos_scale=config.qk_opt_pos_scale, generator=g,
+                           log=say)
 
 
 def init_mimetic(model, prior, config, g) -> dict:
@@ -628,8 +753,8 @@ def init_mimetic(model, prior, config, g) -> dict:
 
 
 def init_impulse(model, prior, config, g) -> dict:
-    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed form
-    for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
+    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed
+    form for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
     report = mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
                              config.qk_svd_norm, config.qk_svd_pos_scale or 18.0, generator=g)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
@@ -637,9 +762,11 @@ def init_impulse(model, prior, config, g) -> dict:
 
 
 def init_mask_impulse(model, prior, config, g) -> dict:
-    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj as `init_impulse`
-    gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the soft bump); Wq, Wk as drawn."""
-    scale = config.qk_svd_pos_scale or 18.0                 # impulse's scale, applied as init_qk_svd_ applies it
+    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj
+    as `init_impulse` gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the
+    soft bump); Wq, Wk as drawn."""
+    # impulse's scale, applied as init_qk_svd_ applies it
+    scale = config.qk_svd_pos_scale or 18.0
     with torch.no_grad():
         model.pos_emb.mul_(scale)
     report = mp.init_mask_(model, logits=prior.logits)
@@ -658,26 +785,30 @@ def apply_init(model, prior: RF.Prior, config) -> dict:
 
 
 def make_prior(config, task, device, teacher: Teacher | None = None) -> RF.Prior:
-    """The run's prior (`RF.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)."""
+    """The run's prior (`RF.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by
+    `read_teacher`)."""
     if config.prior_from is None:
         return task.prior(config.pattern, config.mask_on, config.mask_off)
     return teacher_prior(config, task, device, teacher or read_teacher(config, task))
 
 
-LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")   # what a teacher's maps must share
+# what a teacher's maps must share
+LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")
 
 
-Teacher = collections.namedtuple("Teacher", "folder ckpt config")    # a --prior-from run, read and checked
+# a --prior-from run, read and checked
+Teacher = collections.namedtuple("Teacher", "folder ckpt config")
 
 def read_teacher(config, task) -> Teacher:
-    """--prior-from RUN, read as someone else's files before anything is built or written: a folder no process trains
-    in, holding a finished run (result.json of the checkpoint's run and step) of this task, token layout and, for a
-    per-head prior, head count. Anything else is one line."""
+    """--prior-from RUN, read as someone else's files before anything is built or written: a folder
+    no process trains in, holding a finished run (result.json of the checkpoint's run and step) of
+    this task, token layout and, for a per-head prior, head count. Anything else is one line."""
     folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
     if not os.path.lexists(os.path.join(folder, "result.json")):
-        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
+        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end "
+                         "first")
     with RF.RunFolder(folder).reading(flag):
         try:
             result = RF.read_result(os.path.join(folder, "result.json"))
@@ -686,69 +817,80 @@ def read_teacher(config, task) -> Teacher:
         ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
     ident = ckpt["identity"]
     if result.get("run_id") != ident.get("run_id") or result.get("steps") != ckpt["step"]:
-        raise UsageError(f"{flag}: its result.json (run {result.get('run_id')}, step {result.get('steps')}) and "
-                         f"ckpt.pt (run {ident.get('run_id')}, step {ckpt['step']}) are not one finished run; "
-                         f"finish the run (--resume) or give another teacher")
-    saved, mine = saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config, task))
+        raise UsageError(f"{flag}: its result.json (run {result.get('run_id')}, step "
+                         f"{result.get('steps')}) and ckpt.pt (run {ident.get('run_id')}, step "
+                         f"{ckpt['step']}) are not one finished run; finish the run (--resume) or "
+                         "give another teacher")
+    saved, mine = saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config,
+                                                                                        task))
     if saved.task != config.task:
-        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher runs the same task")
+        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher "
+                         "runs the same task")
     theirs = ckpt["model_config"]
     other = {k: (theirs.get(k), mine.get(k)) for k in LAYOUT if theirs.get(k) != mine.get(k)}
     if other:
         what = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in other.items())
-        raise UsageError(f"{flag} has another token layout: {what}; a teacher's attention maps must cover this "
-                         f"run's positions")
+        raise UsageError(f"{flag} has another token layout: {what}; a teacher's attention maps "
+                         "must cover this run's positions")
     kind = config.prior_kind or task.TEACHER_KINDS[0]
     if kind != "pattern" and theirs["n_heads"] != config.heads:
-        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} "
-                         f"gives each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
+        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: "
+                         f"--prior-kind {kind} gives each head its own M (the teacher's head); "
+                         "use --prior-kind pattern or as many heads")
     return Teacher(folder, ckpt, saved)
 
 
 def teacher_prior(config, task, device, teacher: Teacher) -> RF.Prior:
-    """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its own flags."""
+    """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its
+    own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
     teacher_task = task_for(teacher.config).setup(device)
-    source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder), "teacher_run_id": ckpt["identity"]["run_id"],
-              "teacher_init": teacher.config.init, "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
+    source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder),
+              "teacher_run_id": ckpt["identity"]["run_id"], "teacher_init": teacher.config.init,
+              "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
     try:
-        return task.prior_from_teacher(teacher_task, ckpt["model_config"], ckpt["model"], config.probe_size, kind,
-                                       config.prior_ratio, config.mask_on, config.mask_off, source,
-                                       config.teacher_min_fit)
+        return task.prior_from_teacher(teacher_task, ckpt["model_config"], ckpt["model"],
+                                       config.probe_size, kind, config.prior_ratio, config.mask_on,
+                                       config.mask_off, source, config.teacher_min_fit)
     except T.TaskError as e:
         raise UsageError(f"--prior-from {teacher.folder}: {e}") from None
 
 
 @dataclass
 class Probe:
-    """What every log step of a run measures: the task's metrics, and the prior per layer (attention mass on the
-    prior's pattern and content margin on a fixed real batch `inputs`, drift of M and Wq Wk^T since `snapshot`, the
-    start). When the pattern constrains no query row there is no mass to measure: `no_mass` says why. `autocast`
-    makes the context the model runs in (train.py's --amp)."""
+    """What every log step of a run measures: the task's metrics, and the prior per layer
+    (attention mass on the prior's pattern and content margin on a fixed real batch `inputs`, drift
+    of M and Wq Wk^T since `snapshot`, the start). When the pattern constrains no query row there
+    is no mass to measure: `no_mass` says why. `autocast` makes the context the model runs in
+    (train.py's --amp)."""
     task: T.Task
     pattern: torch.Tensor
     inputs: torch.Tensor
     snapshot: list
     eval_points: int
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    sample_seconds: list = field(default_factory=list)      # each log step's sampled evaluation, in order
+    # each log step's sampled evaluation, in order
+    sample_seconds: list = field(default_factory=list)
 
     def __post_init__(self):
         causal = self.task.arch().get("causal", False)
         self.no_mass = None if mp.prior_rows(self.pattern, causal).any() else (
-            f"the prior's pattern of {self.task.name} constrains no query row at this size (every row allows every "
-            f"key it can see), so there is no prior mass to measure")
+            f"the prior's pattern of {self.task.name} constrains no query row at this size (every "
+            "row allows every key it can see), so there is no prior mass to measure")
 
     def line(self, rec: dict) -> str:
-        """A log record as the progress line shows it: the task's headline metrics and the prior's mean mass."""
+        """A log record as the progress line shows it: the task's headline metrics and the prior's
+        mean mass."""
         m, mass = rec["metrics"], rec["prior_mass_mean"]
-        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE if k in m]
+        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE
+                 if k in m]
         return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
     def say_final_size(self, model) -> None:
-        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
-        2^20 points), say its size and an estimate when it passes 10 s. The estimate scales the last log step's
-        sample; only where no log step came after the first (whose one-time work inflates its time) is one timed."""
+        """Slow work says so: where the final evaluation scores 10x more points than a log step's
+        sample (a cube of 2^20 points), say its size and an estimate when it passes 10 s. The
+        estimate scales the last log step's sample; only where no log step came after the first
+        (whose one-time work inflates its time) is one timed."""
         size = self.task.final_eval_size()
         if not size or not self.eval_points or size < 10 * self.eval_points:
             return
@@ -758,12 +900,13 @@ class Probe:
             self.sample_seconds.append(time.perf_counter() - started)
         seconds = size / self.eval_points * self.sample_seconds[-1]
         if seconds > 10:
-            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
+            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about "
+                          f"{seconds:.0f} s)")
 
     def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
-        """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_* metrics). Log
-        steps of a Boolean or arithmetic task use `eval_points` cube points or test pairs; the final measurement
-        always uses the whole test set."""
+        """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_*
+        metrics). Log steps of a Boolean or arithmetic task use `eval_points` cube points or test
+        pairs; the final measurement always uses the whole test set."""
         points = None if final else self.eval_points
         model.eval()
         with self.autocast():
@@ -775,16 +918,20 @@ class Probe:
                 self.sample_seconds.append(time.perf_counter() - started)
             if ema is not None:
                 averaged = self.task.evaluate(ema.eval(), points=points)
-                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
+                metrics.update({f"ema_{k}": v for k, v in averaged.items()
+                                if isinstance(v, float)})
             mass, margin = mp.prior_probe(model, self.inputs, self.pattern) if self.no_mass is None else (None, None)
         model.train()
-        return {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None else sum(mass) / len(mass),
-                "content_margin": margin, **mp.prior_drift(model, self.snapshot)}
+        return {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None
+                else sum(mass) / len(mass), "content_margin": margin,
+                **mp.prior_drift(model, self.snapshot)}
 
 
 def make_optimizer(model, config):
-    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam      # M is never decayed
-    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr, betas=tuple(map(float, config.betas.split(","))))
+    # M is never decayed
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr,
+               betas=tuple(map(float, config.betas.split(","))))
 
 
 def lr_at(step: int, total: int, config) -> float:
@@ -803,7 +950,8 @@ def amp_on(amp: str, device_type: str) -> bool:
 
 
 def autocast(device, config):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on(config.amp, device.type))
+    return torch.autocast(device.type, dtype=torch.bfloat16,
+                          enabled=amp_on(config.amp, device.type))
 
 
 # ----------------------------------------------------------------------------------------
@@ -836,29 +984,31 @@ class Dist:
         return box[0]
 
     def agree(self, error: str | None) -> None:
-        """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit quietly."""
+        """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit
+        quietly."""
         error = self.share(error)
         if error is not None:
             raise UsageError(error) if self.main else QuietExit()
 
     def shard(self, batch):
-        """This rank's part of a global batch (a tensor or a tuple of tensors, split along dim 0) and
-        its loss weight, n_rank * world / n_global, so that the averaged gradients are those of the
-        global mean (the last batch of an epoch may not split evenly)."""
+        """This rank's part of a global batch (a tensor or a tuple of tensors, split along dim 0)
+        and its loss weight, n_rank * world / n_global, so that the averaged gradients are those of
+        the global mean (the last batch of an epoch may not split evenly)."""
         if self.world == 1:
             return batch, None
         first = batch[0] if isinstance(batch, (tuple, list)) else batch
         n = len(first)
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         weight = (hi - lo) * self.world / n
-        if hi == lo:                             # fewer examples than ranks: a stand-in with no weight
+        # fewer examples than ranks: a stand-in with no weight
+        if hi == lo:
             lo, hi = 0, 1
         part = (lambda t: t[lo:hi])
         return (type(batch)(part(t) for t in batch) if isinstance(batch, (tuple, list)) else part(batch)), weight
 
     def step_state(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """From this rank's weighted shard loss: the global batch's mean loss and whether any rank was
-        interrupted, the same on every rank."""
+        """From this rank's weighted shard loss: the global batch's mean loss and whether any rank
+        was interrupted, the same on every rank."""
         if self.world == 1:
             return float(loss), stop
         t = torch.tensor([float(loss) / self.world, float(stop)], dtype=torch.float64,
@@ -868,8 +1018,9 @@ class Dist:
 
 
 def init_distributed(config: Config) -> tuple[Dist, Config]:
-    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo on the CPU)
-    and pin this rank's device (the config it returns names it); bad settings are one line from rank 0."""
+    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs,
+    gloo on the CPU) and pin this rank's device (the config it returns names it); bad settings are
+    one line from rank 0."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Dist(), config
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -879,25 +1030,29 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
     if config.sample is not None:
         raise UsageError("--sample runs in one process; start it without torchrun")
     if config.batch_size % world:
-        raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide by the {world} "
-                         f"processes; give a multiple of {world}")
+        raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide by "
+                         f"the {world} processes; give a multiple of {world}")
     device = pick_device(config.device)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
-            raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
-                             f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
+            raise UsageError(f"torchrun started {world} processes per node but torch sees "
+                             f"{torch.cuda.device_count()} CUDA GPU(s); use --nproc_per_node "
+                             f"{torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local)
         config = replace(config, device=f"cuda:{local}")
     elif device.type != "cpu":
-        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
+        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or "
+                         "on the CPU (gloo)")
     import datetime
     try:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=config.dist_timeout))
     except Exception as e:  # noqa: BLE001 - an unreachable rendezvous is one line, not a traceback
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
-                         f"{config.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
+        raise UsageError(f"torchrun: cannot join the process group at {where} within "
+                         f"--dist-timeout {config.dist_timeout} s ({type(e).__name__}); are all "
+                         f"{world} processes started?") from None
     return Dist(rank, world, local), config
 
 
@@ -921,17 +1076,24 @@ class Run:
     dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
-    run_id: str | None = None       # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
+    # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
+    run_id: str | None = None
     data: str | None = None         # the task's data hash (T.Task.data_hash), saved in ckpt.pt
-    prior_source: dict | None = None  # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
-    prior_file: bytes | None = None   # a new run's prior.pt (`RF.Prior.to_bytes`), written by `begin`
-    prior_sha256: str | None = None   # its sha256, saved in ckpt.pt: a resume reads back the same file
+    # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
+    prior_source: dict | None = None
+    # a new run's prior.pt (`RF.Prior.to_bytes`), written by `begin`
+    prior_file: bytes | None = None
+    # its sha256, saved in ckpt.pt: a resume reads back the same file
+    prior_sha256: str | None = None
     log_step: int = 0               # the step of the last line in metrics.jsonl
     saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
     last: dict | None = None        # the latest logged record
-    eval_seconds: float | None = None   # how long the last log step's evaluation took (the ETA counts them)
-    trained: torch.nn.Module | None = None   # what the steps run: the model, compiled and/or in DDP
-    ema: torch.nn.Module | None = None       # the moving average of the weights (--ema): updated each step, saved
+    # how long the last log step's evaluation took (the ETA counts them)
+    eval_seconds: float | None = None
+    # what the steps run: the model, compiled and/or in DDP
+    trained: torch.nn.Module | None = None
+    # the moving average of the weights (--ema): updated each step, saved
+    ema: torch.nn.Module | None = None
 
     def path(self, name: str) -> str:
         return os.path.join(self.config.out, name)
@@ -955,22 +1117,25 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        line = RF.RunFolder(config.out).failure(e, config.resume, state and state.step, state and state.saved_step)
+        line = RF.RunFolder(config.out).failure(e, config.resume, state and state.step, state
+                                                and state.saved_step)
         if line is None:
             raise
         raise UsageError(line) from None
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
-                torch.distributed.barrier()     # leave together: gloo aborts a rank whose peer is gone
+                # leave together: gloo aborts a rank whose peer is gone
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (its flags and where they apply, a resumed run's files, a teacher's), build it in
-    memory, and only then take the run folder and write (`begin`): a refusal writes and deletes nothing; a new run
-    that fails after `begin` removes only what it wrote (`RunFolder.abandon`). Under torchrun rank 0 alone reads and
-    writes the folder and shares the (restored) flags, or its error, with the others."""
+    """Check all the run reads (its flags and where they apply, a resumed run's files, a
+    teacher's), build it in memory, and only then take the run folder and write (`begin`): a
+    refusal writes and deletes nothing; a new run that fails after `begin` removes only what it
+    wrote (`RunFolder.abandon`). Under torchrun rank 0 alone reads and writes the folder and shares
+    the (restored) flags, or its error, with the others."""
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
@@ -985,8 +1150,10 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
             check_applies(config, explicit)
             task = task_for(config)
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
-            if respelt and ckpt is None:                 # one target, one spelling: what the run stores
-                say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in respelt.items()) +
+            # one target, one spelling: what the run stores
+            if respelt and ckpt is None:
+                say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                             for k, v in respelt.items()) +
                     " (the one spelling of this target)")
                 config, task = replace(config, **respelt), task_for(replace(config, **respelt))
             validate(config, task, explicit)
@@ -1001,7 +1168,8 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
     try:
-        if not dist.main:                        # the flags rank 0 restored, then this rank's own copies
+        # the flags rank 0 restored, then this rank's own copies
+        if not dist.main:
             config = Config(**shared)
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
             task, device = task_for(config), pick_device(config.device)
@@ -1023,9 +1191,9 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
 
 
 def size_schedule(config: Config, explicit: set, task) -> Config:
-    """The config with what the task sizes filled in: --steps from --epochs (unless --steps was given, or
-    kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs, and the log
-    (a tenth of the run) and checkpoint (each log step) intervals where not given."""
+    """The config with what the task sizes filled in: --steps from --epochs (unless --steps was
+    given, or kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs,
+    and the log (a tenth of the run) and checkpoint (each log step) intervals where not given."""
     sized = {}
     if config.warmup_epochs is not None:
         sized["warmup"] = round(config.warmup_epochs * task.steps_per_epoch(config.batch_size))
@@ -1035,15 +1203,17 @@ def size_schedule(config: Config, explicit: set, task) -> Config:
     return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
-# What a config builds (`build`): its config with the schedule sized, the task set up, the model and its model config,
-# the optimiser, and the init's report and prior (None where the init was not applied: a resume).
+# What a config builds (`build`): its config with the schedule sized, the task set up, the model
+# and its model config, the optimiser, and the init's report and prior (None where the init was not
+# applied: a resume).
 Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
-def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(), task: T.Task | None = None,
-          init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task set up, the schedule sized, the model built and, with `init`, initialised
-    (`teacher`: --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and benchmarks."""
+def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(),
+          task: T.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
+    """Everything a run trains: the task set up, the schedule sized, the model built and, with
+    `init`, initialised (`teacher`: --prior-from's files, read already), and the optimiser (M
+    undecayed). Runs, tests and benchmarks."""
     device = device or pick_device(config.device)
     task = task or task_for(config)
     task.setup(device)
@@ -1064,8 +1234,9 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
 
 def build_run(config, explicit: set, task, device, folder: RF.RunFolder | None, ckpt: dict | None,
               dist: Dist = Dist(), teacher: Teacher | None = None) -> Run:
-    """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None: `new_run`) or
-    restore the checkpoint's state (`restored_run`), everything checked and nothing written (`begin` writes)."""
+    """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None:
+    `new_run`) or restore the checkpoint's state (`restored_run`), everything checked and nothing
+    written (`begin` writes)."""
     built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
     state = new_run(built, task, device, folder, dist) if ckpt is None else \
         restored_run(built, task, device, folder, dist, ckpt)
@@ -1077,16 +1248,20 @@ def build_run(config, explicit: set, task, device, folder: RF.RunFolder | None, 
 
 
 def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist) -> Run:
-    """A new run from its build, in memory: the start checked and measured (rank 0), the prior serialised for prior.pt."""
+    """A new run from its build, in memory: the start checked and measured (rank 0), the prior
+    serialised for prior.pt."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
-    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, lambda: autocast(device, config))
-    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None,
-                folder, dist, run_id=uuid.uuid4().hex, data=task.data_hash(), prior_source=prior.source)
+    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points,
+                  lambda: autocast(device, config))
+    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device,
+                built.init_report, None, folder, dist, run_id=uuid.uuid4().hex,
+                data=task.data_hash(), prior_source=prior.source)
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
-    state.prior_file = prior.to_bytes()          # kept beside the run, read back on resume and by reports
+    # kept beside the run, read back on resume and by reports
+    state.prior_file = prior.to_bytes()
     state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
     if dist.main:
         began = time.time()
@@ -1095,16 +1270,19 @@ def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist)
     return state
 
 
-def restored_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist, ckpt: dict) -> Run:
-    """The run a checkpoint holds, on the build of its own config, in memory: its steps, architecture, data, moving
-    average and prior file checked, then the weights, optimiser, probe snapshot and RNG restored."""
+def restored_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist,
+                 ckpt: dict) -> Run:
+    """The run a checkpoint holds, on the build of its own config, in memory: its steps,
+    architecture, data, moving average and prior file checked, then the weights, optimiser, probe
+    snapshot and RNG restored."""
     config, model, model_cfg = built.config, built.model, built.model_cfg
     if config.steps < ckpt["step"]:
-        raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, past --steps "
-                         f"{config.steps}; give --steps {ckpt['step']} or more")
+        raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, "
+                         f"past --steps {config.steps}; give --steps {ckpt['step']} or more")
     check_architecture(ckpt, model_cfg, "--resume", config.out)
     if config.ema and "ema" not in ckpt:
-        raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
+        raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average "
+                         "(--ema)")
     check_same_data(ckpt, task, config)
     prior = saved_prior(config, task, ckpt["prior_sha256"])
     pattern, prior_source = prior.pattern.to(device), prior.source
@@ -1112,14 +1290,16 @@ def restored_run(built: Built, task, device, folder: RF.RunFolder | None, dist: 
     try:
         built.optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit this run's "
-                         f"parameters ({type(e).__name__}: {str(e)[:120]})") from None
-    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points,
+        raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit "
+                         f"this run's parameters ({type(e).__name__}: {str(e)[:120]})") from None
+    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"],
+                  config.eval_points,
                     lambda: autocast(device, config))
-    state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
-                ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
-                run_id=ckpt["identity"]["run_id"], log_step=ckpt["log_step"], saved_step=ckpt["step"],
-                data=ckpt["data"], prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
+    state = Run(config, task, model, model_cfg, built.optimizer, probe, device,
+                ckpt["init_report"], ckpt["prior_mass_start"], folder, dist, step=ckpt["step"],
+                seconds=ckpt["seconds"], run_id=ckpt["identity"]["run_id"],
+                log_step=ckpt["log_step"], saved_step=ckpt["step"], data=ckpt["data"],
+                prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
         state.ema.load_state_dict(ckpt["ema"])     # read_checkpoint checked that it fits
@@ -1133,20 +1313,21 @@ def check_start(model, task, config, device) -> None:
     """A new run's initial state must be finite, in its weights and in its loss on the first batch
     (an eval-mode forward: no random state is used), or nothing is written."""
     if not finite_weights(model):
-        raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing was written")
+        raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing "
+                         "was written")
     model.eval()
     with torch.no_grad(), autocast(device, config):
         loss = task.loss(model, task.train_batch(0, config.batch_size))
     model.train()
     if not torch.isfinite(loss):
-        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init {config.init}); "
-                         f"nothing was written")
+        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init "
+                         f"{config.init}); nothing was written")
 
 
 def train_loop(state: Run) -> int | None:
-    """Train from state.step to config.steps, logging and checkpointing; None when it got to the end,
-    else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank takes the
-    same decisions: the loss and the interrupt flag are agreed on each step."""
+    """Train from state.step to config.steps, logging and checkpointing; None when it got to the
+    end, else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank
+    takes the same decisions: the loss and the interrupt flag are agreed on each step."""
     config, model, optimizer, task, dist = state.config, state.model, state.optimizer, state.task, state.dist
     total, t_start, steps_done, estimated, t_eval = config.steps, time.time(), 0, False, 0.0
     with Interrupt() as stop:
@@ -1171,16 +1352,20 @@ def train_loop(state: Run) -> int | None:
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
                 RF.append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
-                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {state.probe.line(rec)} | "
-                      f"{rate:.1f} steps/s | ETA {fmt_time(eta(state, step, rate))}", flush=True)
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | "
+                      f"{state.probe.line(rec)} | {rate:.1f} steps/s | ETA "
+                      f"{fmt_time(eta(state, step, rate))}", flush=True)
                 estimated = True
             elif dist.main and not estimated and time.time() - t_start >= EARLY_ETA:
                 rate = steps_done / (time.time() - t_start - t_eval)
-                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
-                      f"{fmt_time(eta(state, step, rate))} (an early estimate; the first evaluation is at step "
-                      f"{min(total, (step // config.log_every + 1) * config.log_every)})", flush=True)
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s "
+                      f"| ETA {fmt_time(eta(state, step, rate))} (an early estimate; the first "
+                      "evaluation is at step "
+                      f"{min(total, (step // config.log_every + 1) * config.log_every)})",
+                      flush=True)
                 estimated = True
-            halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
+            halt = interrupted or (config.halt_after is not None and step >= config.halt_after
+                                   and step < total)
             if step % config.ckpt_every == 0 or step == total or halt:
                 if not finite_weights(model):
                     return non_finite(state, f"the parameters became non-finite at step {step}")
@@ -1188,36 +1373,41 @@ def train_loop(state: Run) -> int | None:
                     save_checkpoint(state, state.seconds + time.time() - t_start)
             if halt:
                 why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
-                say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with --resume "
-                          f"--out {config.out}")
+                say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with "
+                    f"--resume --out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
 
 
-EARLY_ETA = 10.0        # seconds of training after which a run that has not logged yet prints its pace and ETA
+# seconds of training after which a run that has not logged yet prints its pace and ETA
+EARLY_ETA = 10.0
 
 
 def eta(state: Run, step: int, rate: float) -> float:
-    """Seconds left: the steps at `rate` (training alone), each log step's evaluation as long as the last one timed
-    (`eval_seconds`; a resumed run's is timed at its first log step) and the final one over the whole test set."""
+    """Seconds left: the steps at `rate` (training alone), each log step's evaluation as long as
+    the last one timed (`eval_seconds`; a resumed run's is timed at its first log step) and the
+    final one over the whole test set."""
     config, each = state.config, state.eval_seconds or 0.0
     if step >= config.steps:
-        return 0.0                                   # the final evaluation is the last log step's: done
+        # the final evaluation is the last log step's: done
+        return 0.0
     logs = max(0, (config.steps - 1) // config.log_every - step // config.log_every)
     return (config.steps - step) / rate + each * (logs + state.task.final_cost(config.eval_points))
 
 
 def step_loss(trained, task, batch, config, device, weight: float | None = None) -> torch.Tensor:
-    """The first half of a step: the task's loss through `trained` (compiled and/or in DDP) under --amp, times
-    `weight` (a DDP shard's share of the global batch)."""
+    """The first half of a step: the task's loss through `trained` (compiled and/or in DDP) under
+    --amp, times `weight` (a DDP shard's share of the global batch)."""
     with autocast(device, config):
         loss = task.loss(trained, batch)
         return loss if weight is None else loss * weight
 
 
-def step_update(model, optimizer, loss: torch.Tensor, config, step: int, ema: torch.nn.Module | None = None) -> None:
-    """The second half, once the loss is finite: the step's learning rate, backward, --grad-clip, update, --ema."""
+def step_update(model, optimizer, loss: torch.Tensor, config, step: int,
+                ema: torch.nn.Module | None = None) -> None:
+    """The second half, once the loss is finite: the step's learning rate, backward, --grad-clip,
+    update, --ema."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, config.steps, config)
     optimizer.zero_grad(set_to_none=True)
@@ -1231,8 +1421,8 @@ def step_update(model, optimizer, loss: torch.Tensor, config, step: int, ema: to
 
 def train_step(model, trained, optimizer, task, batch, config, device, step: int,
                ema: torch.nn.Module | None = None) -> torch.Tensor:
-    """One training step exactly as `train_loop` takes it (one process): `step_loss`, then `step_update`.
-    Returns the loss. Benchmarks time this function, so they time the real step."""
+    """One training step exactly as `train_loop` takes it (one process): `step_loss`, then
+    `step_update`. Returns the loss. Benchmarks time this function, so they time the real step."""
     loss = step_loss(trained, task, batch, config, device)
     step_update(model, optimizer, loss, config, step, ema)
     return loss
@@ -1254,25 +1444,32 @@ def finish(state: Run) -> int:
     config, last = state.config, state.last
     if last is None or last["step"] != state.step:
         last = {"step": state.step, **state.probe.measure(state.model, state.ema, final=True)}
-    start = state.mass_start                     # None: the pattern constrains no row (no mass to measure)
+    # None: the pattern constrains no row (no mass to measure)
+    start = state.mass_start
     metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
                "prior_mass_end": start and last["prior_mass_mean"]}
-    result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed, "preset": config.preset,
-              "run_id": state.run_id, "data": state.data, "init_order": list(INITS).index(config.init),
-              "tells_apart": {k: v for k, v in asdict(config).items() if k not in NOT_TELLING_APART},
+    result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
+              "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
+              "data": state.data, "init_order": list(INITS).index(config.init),
+              "tells_apart": {k: v for k, v in asdict(config).items()
+                              if k not in NOT_TELLING_APART},
               "at_preset": all(getattr(config, k) == getattr(resolve(*parse_args(["--task", config.task, "--preset",
                                                                                    config.preset])), k)
-                               for k in ARCH - {"init"}),          # model and data as the preset's (reports mark it)
+                               # model and data as the preset's (reports mark it)
+                               for k in ARCH - {"init"}),
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
-              "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
+              "prior_mass_start_layers": state.mass_start,
+              "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
               **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
-              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
-              "device": str(state.device),
-              "torch": torch.__version__, "params": sum(p.numel() for p in state.model.parameters())}
+              "init_report": state.init_report, "prior_source": state.prior_source,
+              "config": asdict(state.model_cfg), "device": str(state.device),
+              "torch": torch.__version__,
+              "params": sum(p.numel() for p in state.model.parameters())}
     RF.atomic_write(state.path("result.json"), json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, "
-          f"{time.time() - STARTED:.1f} s wall since the command started | {state.path('result.json')}", flush=True)
+          f"{time.time() - STARTED:.1f} s wall since the command started | "
+          f"{state.path('result.json')}", flush=True)
     return 0
 
 
@@ -1282,20 +1479,23 @@ def sample(config, explicit: set) -> int:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
     folder = RF.RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
-        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
+        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first "
+                         "(or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     check_numbers(config)
     check_applies(config, explicit)
     task = task_for(config)
     if task.KIND != "lm":
-        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
+        raise UsageError("--sample needs a language-model run (wikitext2, tinystories); "
+                         f"{config.out} is {config.task}")
     device = pick_device(config.device)
     task.setup(device)
     model, model_cfg = build_model(config, task, device)
     check_architecture(ckpt, model_cfg, "--sample", config.out)
     model.load_state_dict(ckpt["model"])     # read_checkpoint checked that it fits
-    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature, config.top_k,
+    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature,
+                             config.top_k,
                              torch.Generator(device=device).manual_seed(config.seed)))
     return 0
 
@@ -1306,22 +1506,25 @@ def fmt_time(s: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Durability: a run's files are written whole (RF.RunFolder, RF.atomic_write), everything it reads back is
-# checked before use (RF.read_back, a schema), and a run that stops, however it stops, resumes exactly:
-# what a run writes when it begins, what a checkpoint holds and how it is checked, what a resume checks
-# against the run's files, and how a run stops (a signal, a non-finite step).
+# Durability: a run's files are written whole (RF.RunFolder, RF.atomic_write), everything it reads
+# back is checked before use (RF.read_back, a schema), and a run that stops, however it stops,
+# resumes exactly: what a run writes when it begins, what a checkpoint holds and how it is checked,
+# what a resume checks against the run's files, and how a run stops (a signal, a non-finite step).
 
 
 def begin(state: Run, ckpt: dict | None) -> None:
-    """Rank 0, once everything is checked and built: a new run takes its folder (`RunFolder.create`) and writes
-    args.json, prior.pt, the log's first line and last ckpt.pt (which makes the folder a run); a resumed run cuts its
-    log back to the checkpoint's step and rewrites args.json. Each then says what it runs."""
+    """Rank 0, once everything is checked and built: a new run takes its folder
+    (`RunFolder.create`) and writes args.json, prior.pt, the log's first line and last ckpt.pt
+    (which makes the folder a run); a resumed run cuts its log back to the checkpoint's step and
+    rewrites args.json. Each then says what it runs."""
     config, folder = state.config, state.folder
     if ckpt is not None:
         RF.truncate_log(state.path("metrics.jsonl"), state.step)
         RF.atomic_write(state.path("args.json"), json_text(asdict(config)))
         note = rounding_note(ckpt, state.device, config)
-        return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}" if note else ""))
+        return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
+                                                                                   if note
+                                                                                   else ""))
     folder.create()
     folder.write("args.json", json_text(asdict(config)))
     folder.write("prior.pt", state.prior_file)
@@ -1329,13 +1532,13 @@ def begin(state: Run, ckpt: dict | None) -> None:
     save_checkpoint(state)              # last: a folder with a checkpoint is a run
     pm, procs = state.init_report.get("pseudo_mass"), f" x {state.dist.world} processes" if state.dist.world > 1 else ""
     init = f"{config.init} (pseudo-input mass {sum(pm) / len(pm):.3f}) " if pm else f"{config.init} "
-    print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} params | "
-          f"{state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
+    print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} "
+          f"params | {state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
     if evidence := RF.prior_evidence(state.prior_source):
         print(f"prior {evidence}", flush=True)
     if config.preset == "paper" and state.device.type == "cpu":
-        print(f"note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may take hours "
-              f"(an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
+        print("note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may "
+              f"take hours (an estimate follows within {EARLY_ETA:.0f} s of training)", flush=True)
     print(f"step {0:>6}/{config.steps} | {state.probe.line(state.last)}", flush=True)
 
 
@@ -1344,26 +1547,31 @@ def json_text(obj) -> str:
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
-    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the prior's
-    snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are
-    serialised first and stored with their sha256, which `read_checkpoint` verifies."""
-    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
-            "seconds": state.seconds if seconds is None else seconds, "config": asdict(state.config),
-            "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
+    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's
+    report, the prior's snapshot and starting mass, RNG states: all `--resume` needs to continue
+    exactly. They are serialised first and stored with their sha256, which `read_checkpoint`
+    verifies."""
+    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "step": state.step, "seconds": state.seconds if seconds is None else seconds,
+            "config": asdict(state.config), "model_config": asdict(state.model_cfg),
+            "init_report": state.init_report, "snapshot": state.probe.snapshot,
             "prior_mass_start": state.mass_start,
             **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
-            "identity": {"run_id": state.run_id, "seed": state.config.seed, "config_hash": config_hash(asdict(state.config))},
+            "identity": {"run_id": state.run_id, "seed": state.config.seed,
+                         "config_hash": config_hash(asdict(state.config))},
             "log_step": state.log_step,
-            "data": state.data, "machine": float_order(state.device), "prior_source": state.prior_source,
-            "prior_sha256": state.prior_sha256,
+            "data": state.data, "machine": float_order(state.device),
+            "prior_source": state.prior_source, "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    state.folder.write("ckpt.pt", RF.checkpoint_bytes(ckpt))    # a plain write: a full disk is an OSError (ENOSPC)
+    # a plain write: a full disk is an OSError (ENOSPC)
+    state.folder.write("ckpt.pt", RF.checkpoint_bytes(ckpt))
     state.saved_step = state.step
 
 
 def config_hash(flags: dict) -> str:
-    """A short hash of the flags a resume may not change (all but RESUMABLE): one run's configuration."""
+    """A short hash of the flags a resume may not change (all but RESUMABLE): one run's
+    configuration."""
     fixed = {k: v for k, v in flags.items() if k not in RESUMABLE and k != "out"}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
@@ -1371,10 +1579,11 @@ def config_hash(flags: dict) -> str:
 
 
 def show(run_dir: str, out: str) -> int:
-    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
-    and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
-    the checkpoint, checked as --resume checks it, before anything is written); each file's path printed. A run
-    without M draws its attention alone; a task whose data is not where the run read it draws M alone, and says so."""
+    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its
+    weights) -> m.png, and the mean attention on the task's probe inputs at the end ->
+    attention.png (the model rebuilt on the CPU from the checkpoint, checked as --resume checks it,
+    before anything is written); each file's path printed. A run without M draws its attention
+    alone; a task whose data is not where the run read it draws M alone, and says so."""
     from reporting import show as S
     if S.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
@@ -1384,8 +1593,9 @@ def show(run_dir: str, out: str) -> int:
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
         return show_saved(run_dir, out, S)
     if not os.path.isfile(path):
-        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained, or a "
-                         f"model saved with save_pretrained after mp.add_mask_prior")
+        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that "
+                         "has trained, or a model saved with save_pretrained after "
+                         "mp.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
     config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
@@ -1403,52 +1613,57 @@ def show(run_dir: str, out: str) -> int:
     if end:
         mc = ckpt["model_config"]
         grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
-        print(S.draw_m(start, end, os.path.join(out, "m.png"), title, mc.get("causal", False), grid,
-                       task.token_labels()))
+        print(S.draw_m(start, end, os.path.join(out, "m.png"), title,
+                       mc.get("causal", False), grid, task.token_labels()))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
     if model is None:
         print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
     inputs = task.probe_inputs(config.probe_size)
-    print(S.draw_attention(mp.mean_attention(model.eval(), inputs), os.path.join(out, "attention.png"), title,
-                           task.token_labels()))
+    print(S.draw_attention(mp.mean_attention(model.eval(), inputs),
+                           os.path.join(out, "attention.png"), title, task.token_labels()))
     return 0
 
 
 def show_saved(folder: str, out: str, S) -> int:
-    """`train.py show DIR` of a Hugging Face model saved with save_pretrained after `mp.add_mask_prior`: its M at
-    the end (the start is not saved; `reporting.show.draw_model` with a snapshot draws both) -> m.png."""
+    """`train.py show DIR` of a Hugging Face model saved with save_pretrained after
+    `mp.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
+    a snapshot draws both) -> m.png."""
     try:
         from transformers import AutoModel
     except ImportError:
-        raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs transformers: pip install "
-                         "transformers") from None
+        raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs "
+                         "transformers: pip install transformers") from None
     try:
         model = mp.from_pretrained(AutoModel, folder)
     except (ValueError, OSError) as e:
         raise UsageError(f"show: {e}") from None
     os.makedirs(out, exist_ok=True)
-    print(S.draw_model(model, os.path.join(out, "m.png"), f"{os.path.basename(os.path.abspath(folder))} "
+    print(S.draw_model(model, os.path.join(out, "m.png"),
+                       f"{os.path.basename(os.path.abspath(folder))} "
                        f"({type(model).__name__}, saved)"))
     print("show: attention.png not drawn: a saved model holds no inputs to probe")
     return 0
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint read as someone else's file and checked against its schema (`RF.read_checkpoint`), then before
-    any value is used: its flags (`saved_config`) matching their hash, its model config rebuilding a model with exactly its
-    weights (`check_model_fits`), a snapshot a layer. Anything else is one clear line."""
+    """A checkpoint read as someone else's file and checked against its schema
+    (`RF.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching
+    their hash, its model config rebuilding a model with exactly its weights (`check_model_fits`),
+    a snapshot a layer. Anything else is one clear line."""
     where = f"{flag}: {path}"
     try:
         ckpt = RF.read_checkpoint(path)
     except RF.ReadError as e:
         raise UsageError(f"{flag}: {e}") from None
     if ckpt["log_step"] > ckpt["step"]:
-        raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step {ckpt['step']}")
+        raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step "
+                         f"{ckpt['step']}")
     config = saved_config(ckpt["config"], where)
     if ckpt["identity"].get("config_hash") != config_hash(asdict(config)):
-        raise UsageError(f"{where} records flags that do not match its own config hash; the checkpoint was altered")
+        raise UsageError(f"{where} records flags that do not match its own config hash; the "
+                         "checkpoint was altered")
     for key in ("model", "ema"):
         if key in ckpt:
             check_model_fits(ckpt["model_config"], ckpt[key], where)
@@ -1458,19 +1673,21 @@ def read_checkpoint(path: str, flag: str) -> dict:
 
 
 def saved_config(saved: dict, where: str) -> Config:
-    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version, each of its field's
-    type and choices (`value_fits`), in range (`check_numbers`); anything else is one line naming the flag."""
+    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version,
+    each of its field's type and choices (`value_fits`), in range (`check_numbers`); anything else
+    is one line naming the flag."""
     if not isinstance(saved, dict):
         raise UsageError(f"{where} holds a {type(saved).__name__}, not the object of a run's flags")
     missing = [name for name in FIELDS if name not in saved]
     unknown = sorted(set(saved) - set(FIELDS))
     if missing or unknown:
         what = f"no {missing[0]}" if missing else f"{unknown[0]}, which is no flag of this version"
-        raise UsageError(f"{where} holds the flags of another version of train.py ({what}); continue the run with "
-                         f"the version that wrote it, or start a new run")
+        raise UsageError(f"{where} holds the flags of another version of train.py ({what}); "
+                         "continue the run with the version that wrote it, or start a new run")
     for name, value in saved.items():
         if not value_fits(name, value):
-            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} cannot take")
+            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} "
+                             "cannot take")
     config = Config(**saved)
     try:
         check_numbers(config)
@@ -1480,8 +1697,9 @@ def saved_config(saved: dict, where: str) -> Config:
 
 
 def value_fits(name: str, value) -> bool:
-    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float ones, a bool for
-    switches, else a string), None where its default is None, and among its choices; a task and init registered."""
+    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float
+    ones, a bool for switches, else a string), None where its default is None, and among its
+    choices; a task and init registered."""
     f = FIELDS[name]
     m, default = f.metadata, f.default
     if value is None:
@@ -1496,28 +1714,32 @@ def value_fits(name: str, value) -> bool:
 
 
 def check_model_fits(model_config: dict, state: dict, where: str) -> None:
-    """A saved model config that rebuilds a model with exactly the saved weights (`mp.state_mismatch`: on the meta
-    device, no memory), its sizes bounded first (no more layers than weights, none beyond 2^24)."""
+    """A saved model config that rebuilds a model with exactly the saved weights
+    (`mp.state_mismatch`: on the meta device, no memory), its sizes bounded first (no more layers
+    than weights, none beyond 2^24)."""
     sizes = [v for v in model_config.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (model_config.get("n_layers") or 0) <= len(state):
-        raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do not fit its "
-                         f"{len(state)} weights: {model_config})")
+        raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do "
+                         f"not fit its {len(state)} weights: {model_config})")
     which = mp.state_mismatch(model_config, state)
     if which:
-        raise UsageError(f"{where} does not fit this version's model ({which}); it was written by another version of "
-                         f"maskprior or altered: continue it with that version, or start a new run")
+        raise UsageError(f"{where} does not fit this version's model ({which}); it was written by "
+                         "another version of maskprior or altered: continue it with that "
+                         "version, or start a new run")
 
 
 def restore_config(config: Config, explicit: set, folder: RF.RunFolder, ckpt: dict) -> Config:
-    """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out given: a run folder
-    can move) and the RESUMABLE flags given now; any other flag given must agree."""
+    """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out
+    given: a run folder can move) and the RESUMABLE flags given now; any other flag given must
+    agree."""
     saved = check_resume(folder, ckpt)
     for key in sorted(explicit - RESUMABLE - {"out"}):
         new = getattr(config, key)
         if key in saved and saved[key] != new:
             what = "architecture" if key in ARCH else "setting"
-            raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
-                             f"given; a resumed run cannot change its {what} (start a new run with another --out)")
+            raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but "
+                             f"{key}={new!r} was given; a resumed run cannot change its {what} "
+                             "(start a new run with another --out)")
     values = asdict(config)
     for key, value in saved.items():
         if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
@@ -1528,78 +1750,87 @@ def restore_config(config: Config, explicit: set, folder: RF.RunFolder, ckpt: di
 
 
 def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
-    """The run's flags from args.json once the three files are one run at one step: metrics.jsonl starts at step 0,
-    reaches the checkpoint's last log step and names its run; args.json holds valid flags (`saved_config`) equal to
-    the checkpoint's where a resume may not change them. Anything else is one line."""
+    """The run's flags from args.json once the three files are one run at one step: metrics.jsonl
+    starts at step 0, reaches the checkpoint's last log step and names its run; args.json holds
+    valid flags (`saved_config`) equal to the checkpoint's where a resume may not change them.
+    Anything else is one line."""
     path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["config"]
     if not os.path.isfile(log):
         what = "is not a file" if os.path.exists(log) else "is missing"
-        raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a new run "
-                         f"with another --out")
+        raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a "
+                         "new run with another --out")
     try:
         records, logged = RF.read_log(log), ckpt["log_step"]
     except RF.LogError as e:
-        raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log from a copy, or "
-                         f"start a new run with another --out") from None
+        raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log "
+                         "from a copy, or start a new run with another --out") from None
     ident = ckpt["identity"]
     if records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
-        raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run (run "
-                         f"{ident['run_id']}, seed {ident['seed']}; this folder's log is of run "
-                         f"{records[0].get('run_id')}); put back this run's ckpt.pt, or start a new run")
+        raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run "
+                         f"(run {ident['run_id']}, seed {ident['seed']}; this folder's log is of "
+                         f"run {records[0].get('run_id')}); put back this run's ckpt.pt, or start "
+                         "a new run")
     if not records or records[0]["step"] != 0 or records[-1]["step"] < logged:
         held = "no records" if not records else f"steps {records[0]['step']} .. {records[-1]['step']}"
-        raise UsageError(f"--resume: {log} holds {held}, but the checkpoint (step {ckpt['step']}) was saved after "
-                         f"logging steps 0 .. {logged}: the log lost lines, so the run cannot be continued whole; "
-                         f"start a new run with another --out")
+        raise UsageError(f"--resume: {log} holds {held}, but the checkpoint (step {ckpt['step']}) "
+                         f"was saved after logging steps 0 .. {logged}: the log lost lines, so "
+                         "the run cannot be continued whole; start a new run with another --out")
     try:
         saved = asdict(saved_config(RF.read_json(path), f"--resume: {path}"))
     except RF.ReadError as e:
         raise UsageError(f"--resume: {e}; the run's flags are lost") from None
     for key in (k for k in FIELDS if k not in RESUMABLE and k != "out" and saved[k] != flags[k]):
-        raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was trained with "
-                         f"{key}={flags[key]!r}; args.json does not belong to this checkpoint (restore it, or start "
-                         f"a new run with another --out)")
+        raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was "
+                         f"trained with {key}={flags[key]!r}; args.json does not belong to this "
+                         "checkpoint (restore it, or start a new run with another --out)")
     return saved
 
 
 def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
-    """The model a checkpoint holds is the model this config builds (but for its attention path, which may change)."""
+    """The model a checkpoint holds is the model this config builds (but for its attention path,
+    which may change)."""
     if {k: v for k, v in ckpt["model_config"].items() if k != "fused"} != \
             {k: v for k, v in asdict(model_cfg).items() if k != "fused"}:
-        raise UsageError(f"{flag}: the checkpoint in {out} holds a different architecture ({ckpt['model_config']} vs "
-                         f"{asdict(model_cfg)})")
+        raise UsageError(f"{flag}: the checkpoint in {out} holds a different architecture "
+                         f"({ckpt['model_config']} vs {asdict(model_cfg)})")
 
 
 def check_same_data(ckpt: dict, task, config) -> None:
-    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no data files)."""
+    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no
+    data files)."""
     saved, now = ckpt["data"], task.data_hash()
     if saved is not None and now != saved:
         was = ckpt["config"].get("data_dir")
-        raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is not the "
-                         f"data the run in {config.out} trained on (data hash {now[:12]}, the checkpoint's "
-                         f"{saved[:12]}); point --data-dir at the run's own data"
+        raise UsageError("--resume: the "
+                         f"data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} "
+                         f"is not the data the run in {config.out} trained on (data hash "
+                         f"{now[:12]}, the checkpoint's {saved[:12]}); point --data-dir at the "
+                         "run's own data"
                          + (f" (it started from {was})" if was else ""))
 
 
 def saved_prior(config, task, sha256: str) -> RF.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`RF.read_prior`), the bytes its checkpoint names."""
+    """A resumed run's prior: its prior.pt through the one reader (`RF.read_prior`), the bytes its
+    checkpoint names."""
     path = os.path.join(config.out, "prior.pt")
     try:
         data = RF.read_back(path, "prior")
         if hashlib.sha256(data).hexdigest() != sha256:
-            raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is not the one in the "
-                             f"checkpoint); restore the run's own prior.pt")
+            raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is "
+                             "not the one in the checkpoint); restore the run's own prior.pt")
         return RF.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
     except RF.ReadError as e:
-        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
+        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore "
+                         "the file") from None
 
 
-NUMERICS = ("amp", "compile")      # resumable flags that change how a step's floats round, not what the run is
+# resumable flags that change how a step's floats round, not what the run is
+NUMERICS = ("amp", "compile")
 
 
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
-    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
-    (NUMERICS), is exact only to rounding, or None."""
+    """A note that a resume on another device type or CPU thread count, or with another --amp or
+    --compile (NUMERICS), is exact only to rounding, or None."""
     saved, now = ckpt["machine"], float_order(device)
     effective = {"amp": lambda v, kind: amp_on(v, kind), "compile": lambda v, kind: v}
     changed = [f"--{k} {ckpt['config'].get(k)}, now {getattr(config, k)}" for k in NUMERICS
@@ -1607,16 +1838,20 @@ def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
     if saved == now and not changed:
         return None
     same = saved["device"] == now["device"]
-    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same else
+    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same
+                                    else
                                     f"on {saved['device']}, now on {now['device']}"]
-    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another order, so the resumed "
-            f"run matches an uninterrupted one to about 1e-6, not bitwise"
-            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same and not changed else ""))
+    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another "
+            "order, so the resumed run matches an uninterrupted one to about 1e-6, not bitwise"
+            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same
+               and not changed else ""))
 
 
 def float_order(device: torch.device) -> dict:
-    """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
-    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
+    """What decides the order of a step's float sums: the device type and, on the CPU, torch's
+    thread count."""
+    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu"
+            else None}
 
 
 def finite_weights(model) -> bool:
@@ -1625,14 +1860,16 @@ def finite_weights(model) -> bool:
 
 def non_finite(state: Run, what: str) -> int:
     if state.dist.main:
-        print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower "
-              f"--lr or --grad-clip (both may change on --resume)", file=sys.stderr, flush=True)
+        print(f"error: {what}; stopped. The last good checkpoint is kept in "
+              f"{state.path('ckpt.pt')}; try a lower --lr or --grad-clip (both may change on "
+              "--resume)", file=sys.stderr, flush=True)
     return 1
 
 
 class Interrupt:
-    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag checked between
-    steps (`hit`): the run saves a checkpoint and exits 130 (SIGINT) or 143 (SIGTERM). A second signal aborts."""
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag
+    checked between steps (`hit`): the run saves a checkpoint and exits 130 (SIGINT) or 143
+    (SIGTERM). A second signal aborts."""
     SIGNALS = {signal.SIGINT: ("interrupt", 130), signal.SIGTERM: ("terminated", 143)}
 
     def __enter__(self):
@@ -1655,8 +1892,8 @@ class Interrupt:
 
 
 # ----------------------------------------------------------------------------------------
-# Commands: train (the default); summarize and report (reporting/report.py); download and imagenet100 (datafetch/);
-# make-digits and make-wikitext (the fixture writers of tasks.py)
+# Commands: train (the default); summarize and report (reporting/report.py); download and
+# imagenet100 (datafetch/); make-digits and make-wikitext (the fixture writers of tasks.py)
 
 
 def main(argv=None) -> int:

@@ -23,18 +23,21 @@ import train  # noqa: E402
 
 
 def train_config(args, device):
-    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's
-    data is never read: the batch is random), so that each variant takes train.py's own step."""
-    targs = train.resolve(*train.parse_args(["--task", "parity2", "--device", str(device), "--steps", "1000000"]))
+    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the
+    task's data is never read: the batch is random), so that each variant takes train.py's own
+    step."""
+    targs = train.resolve(*train.parse_args(["--task", "parity2", "--device",
+                                             str(device), "--steps", "1000000"]))
     return targs, train.task_for(targs)
 
 
 def build(args, masked: bool, fused: bool, device, targs):
     small = T.BooleanTask.preset("small")
-    cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers or small["layers"],
-                               n_heads=args.heads or small["heads"], dim=args.dim or small["dim"],
-                               head_dim=args.head_dim, mlp_dim=args.mlp_dim or small["mlp_dim"],
-                               learnable_mask=masked, fused=fused)
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers
+                               or small["layers"], n_heads=args.heads or small["heads"],
+                               dim=args.dim or small["dim"], head_dim=args.head_dim,
+                               mlp_dim=args.mlp_dim or small["mlp_dim"], learnable_mask=masked,
+                               fused=fused)
     torch.manual_seed(0)
     model = mp.Transformer(cfg)
     if masked:
@@ -44,7 +47,8 @@ def build(args, masked: bool, fused: bool, device, targs):
 
 
 def step_fn(model, opt, x, y, device, targs, task):
-    def step():                      # train.py's step: its schedule, the task's loss, backward, the update
+    # train.py's step: its schedule, the task's loss, backward, the update
+    def step():
         train.train_step(model, model, opt, task, (x, y), targs, device, 0)
     return step
 
@@ -70,7 +74,8 @@ def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--layers", type=int)
@@ -82,15 +87,18 @@ def main():
     p.add_argument("--batch-size", type=int, default=T.BooleanTask.preset("small")["batch_size"])
     p.add_argument("--steps", type=int, default=20, help="steps per round")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--explicit", action="store_true", help="also time default with the explicit attention path")
+    p.add_argument("--explicit", action="store_true",
+                   help="also time default with the explicit attention path")
     args = p.parse_args()
     device = torch.device(args.device)
     x = torch.randint(0, 2, (args.batch_size, args.seq_len), device=device)
     y = torch.randn(args.batch_size, device=device)
-    # "mask" uses what train.py's --attention auto picks on this device; the other path is shown beside it
+    # "mask" uses what train.py's --attention auto picks on this device; the other path is shown
+    # beside it
     auto_fused = train.use_fused("auto", True, device, args.seq_len + 1)
     other = "mask explicit" if auto_fused else "mask fused"
-    variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
+    variants = {"default": (False, True), "mask": (True, auto_fused),
+                other: (True, not auto_fused)}
     if args.explicit:
         variants["default explicit"] = (False, False)
     targs, task = train_config(args, device)
@@ -103,8 +111,8 @@ def main():
             steps[name]()
     times = interleaved(steps, device, args.rounds, args.steps)
     base = times["default"]
-    print(f"device {device} | batch {args.batch_size} | seq {args.seq_len + 1} | torch {torch.__version__} | "
-          f"{args.rounds} rounds x {args.steps} steps, median")
+    print(f"device {device} | batch {args.batch_size} | seq {args.seq_len + 1} | torch "
+          f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
     print(f"{'variant':<18}{'ms/step':>10}{'ratio':>8}")
     for name, med in times.items():
         print(f"{name:<18}{med * 1e3:>10.2f}{med / base:>8.3f}")

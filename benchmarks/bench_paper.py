@@ -1,24 +1,26 @@
-"""What `bash reproduce.sh` (the paper presets) costs on this device: every (task, init) of its run list
-(reporting/plan.py, the one list reproduce.sh reads) timed on its real path, training step and evaluation, times
-its steps and evaluations and its runs, as device-hours per table of the paper.
+"""What `bash reproduce.sh` (the paper presets) costs on this device: every (task, init) of its run
+list (reporting/plan.py, the one list reproduce.sh reads) timed on its real path, training step and
+evaluation, times its steps and evaluations and its runs, as device-hours per table of the paper.
 
     python benchmarks/bench_paper.py --device cuda --write      # the whole paper on one GPU, bf16; keeps the times
     python benchmarks/bench_paper.py --only vision --steps 3     # one table, fewer timed steps
     python benchmarks/bench_paper.py --quick --device cpu --write   # reproduce.sh --quick on this CPU, 1 thread a run
     python benchmarks/bench_paper.py --plan                      # runs and steps only, no timing
 
-Each (task, init) is built as `train.py --task T --init I --preset paper` builds it (train.build: same flags, same
-attention path, the init applied; bf16 autocast on CUDA). A step is train.py's own step on the batch its task
-makes (`train_batch`): the Boolean and arithmetic tasks' data; images drawn as uint8 of the stored size and put
-through the preset's whole augmentation (random resized crop to 224, RandAugment, erasing, mixup and cutmix) on
-the device; token windows of the corpus' vocabulary. An evaluation is the task's own (`evaluate`) on a test set of
-the real size (images and tokens drawn; the Boolean cube and the arithmetic pairs as they are), at the log steps'
-size (`--eval-points`) and, once, the final whole-set one. The timed steps follow warm-up steps, with the device
-synchronised. With --write the times go to results/step_times.json, which reproduce.sh's plan reads for its
-device-hours (or, --quick, its minutes), under keys of preset, task, init and the flags that change a step's cost
-(reporting/plan.time_key); a run's start (the process, its imports, the data and the model built, the init
-applied) is timed too. On a CPU use `--batch-size 2 --steps 1 --eval-points 64` to check that everything builds and runs (the times
-are then meaningless).
+Each (task, init) is built as `train.py --task T --init I --preset paper` builds it (train.build:
+same flags, same attention path, the init applied; bf16 autocast on CUDA). A step is train.py's own
+step on the batch its task makes (`train_batch`): the Boolean and arithmetic tasks' data; images
+drawn as uint8 of the stored size and put through the preset's whole augmentation (random resized
+crop to 224, RandAugment, erasing, mixup and cutmix) on the device; token windows of the corpus'
+vocabulary. An evaluation is the task's own (`evaluate`) on a test set of the real size (images and
+tokens drawn; the Boolean cube and the arithmetic pairs as they are), at the log steps' size
+(`--eval-points`) and, once, the final whole-set one. The timed steps follow warm-up steps, with
+the device synchronised. With --write the times go to results/step_times.json, which reproduce.sh's
+plan reads for its device-hours (or, --quick, its minutes), under keys of preset, task, init and
+the flags that change a step's cost (reporting/plan.time_key); a run's start (the process, its
+imports, the data and the model built, the init applied) is timed too. On a CPU use `--batch-size 2
+--steps 1 --eval-points 64` to check that everything builds and runs (the times are then
+meaningless).
 """
 import argparse
 import json
@@ -38,14 +40,18 @@ import tasks as T  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
-VOCAB = {"wikitext2": 33_278, "tinystories": 257}           # WikiText-2's word vocabulary; bytes + end of text
-TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}            # test images as released
-VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}   # WikiText-2's validation split; the preset's cap
+# WikiText-2's word vocabulary; bytes + end of text
+VOCAB = {"wikitext2": 33_278, "tinystories": 257}
+# test images as released
+TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}
+# WikiText-2's validation split; the preset's cap
+VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}
 
 
 def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]:
-    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present): [(table, task, inits,
-    flags)] in its order (one entry per task and extra flags), and the seeds a (task, init) runs."""
+    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present):
+    [(table, task, inits, flags)] in its order (one entry per task and extra flags), and the seeds
+    a (task, init) runs."""
     plan = P.run_list(quick=quick, only=only, data=None)
     groups = {}
     for r in plan.runs:
@@ -56,7 +62,8 @@ def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]
 
 
 def flags_of(text: str) -> list:
-    """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is read)."""
+    """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is
+    read)."""
     words = text.split()
     out, skip = [], False
     for i, w in enumerate(words):
@@ -70,9 +77,9 @@ def flags_of(text: str) -> list:
 
 
 def synthetic_data(task, device, args):
-    """The data a vision or language task would read, drawn (timing only): uint8 images of the stored size (the
-    augmentation runs on them as in training) and a test set of the real size; token streams of the corpus'
-    vocabulary for the training windows and the validation split."""
+    """The data a vision or language task would read, drawn (timing only): uint8 images of the
+    stored size (the augmentation runs on them as in training) and a test set of the real size;
+    token streams of the corpus' vocabulary for the training windows and the validation split."""
     g = torch.Generator().manual_seed(0)
     task.device = torch.device(device)
     if task.KIND == "vision":
@@ -92,8 +99,8 @@ def synthetic_data(task, device, args):
 
 
 def build(task_name: str, init: str, device: torch.device, extra: list, preset: str = "paper"):
-    """train.build of one run of a preset, its data drawn where the real files would be read (the paper preset's
-    qk-opt at 20 optimisation steps: its start is not what is timed there)."""
+    """train.build of one run of a preset, its data drawn where the real files would be read (the
+    paper preset's qk-opt at 20 optimisation steps: its start is not what is timed there)."""
     argv = ["--task", task_name, "--init", init, "--preset", preset, "--device", str(device),
             *(["--qk-opt-steps", "20"] if init == "qk-opt" and preset == "paper" else []), *extra]
     kind = T.TASKS[task_name].KIND
@@ -104,20 +111,25 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     task = train.task_for(args)
     if kind in ("vision", "lm"):
         synthetic_data(task, device, args)
-        task.setup = lambda device: task                   # train.build sets the task up: the data is there
+        # train.build sets the task up: the data is there
+        task.setup = lambda device: task
     return train.build(args, device, explicit, task)
 
 
-def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float, float]:
-    """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on its real path.
-    eval_cap n > 0: both evaluations on n points (a check that they run, not their cost)."""
+def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float,
+                                                                                 float]:
+    """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on
+    its real path. eval_cap n > 0: both evaluations on n points (a check that they run, not their
+    cost)."""
     config, task, model = built.config, built.task, built.model
     trained = torch.compile(model) if config.compile else model
-    probe = train.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size), mp.prior_snapshot(model),
+    probe = train.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size),
+                        mp.prior_snapshot(model),
                     eval_cap or config.eval_points, lambda: train.autocast(device, config))
 
     def step(i):
-        train.train_step(model, trained, built.optimizer, task, task.train_batch(i, config.batch_size), config, device, i)
+        train.train_step(model, trained, built.optimizer, task,
+                         task.train_batch(i, config.batch_size), config, device, i)
 
     def timed(fn, n):
         times = []
@@ -137,7 +149,8 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
 
 
 def start_ms() -> float:
-    """ms a run's process takes to start and import train.py (torch included), the median of three."""
+    """ms a run's process takes to start and import train.py (torch included), the median of
+    three."""
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -148,22 +161,31 @@ def start_ms() -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="the --quick plan (the small presets, reproduce.sh --quick) "
+    p.add_argument("--quick", action="store_true",
+                   help="the --quick plan (the small presets, reproduce.sh --quick) "
                    "instead of the paper's; on the CPU at --threads 1, as reproduce.sh --quick runs each run")
     p.add_argument("--only", choices=P.TABLES, help="one table or study")
     p.add_argument("--task", help="one task of the table(s)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after the warm-up steps)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed steps per run (after the warm-up steps)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
-    p.add_argument("--batch-size", type=int, help="override the presets' batch (a CPU smoke test); the hours "
+    p.add_argument("--threads", type=int,
+                   help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
+    p.add_argument("--batch-size", type=int,
+                   help="override the presets' batch (a CPU smoke test); the hours "
                    "then do not describe the paper")
-    p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points, log and final alike "
+    p.add_argument("--eval-points", type=int, default=0,
+                   help="evaluate on this many points, log and final alike "
                    "(a CPU smoke test); the hours then do not describe the paper")
-    p.add_argument("--compile", action="store_true", help="torch.compile every model (train.py --compile)")
-    p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
-    p.add_argument("--write", action="store_true", help=f"keep the times in {os.path.relpath(P.STEP_TIMES)}")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every model (train.py --compile)")
+    p.add_argument("--plan", action="store_true",
+                   help="only the runs and steps per table (nothing is timed)")
+    p.add_argument("--write", action="store_true",
+                   help=f"keep the times in {os.path.relpath(P.STEP_TIMES)}")
     a = p.parse_args()
     if a.write and (a.batch_size or a.eval_points):
         p.error("--write keeps a preset's own times: leave out --batch-size and --eval-points")
@@ -174,27 +196,33 @@ def main():
         p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
     if a.plan:
         groups, seeds = paper_runs(a.only, preset == "small")
-        print("| table | task | inits | runs | steps per run | evaluations per run | steps |\n|---|---|---|---|---|---|---|")
+        print("| table | task | inits | runs | steps per run | evaluations per run | steps "
+              "|\n|---|---|---|---|---|---|---|")
         for table, task_name, inits, flags in groups:
             if a.task and task_name != a.task:
                 continue
             n, evals = P.steps_of(P.Run(table, task_name, inits[0], 0, "", flags), preset)
-            print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | {evals:,} | "
-                  f"{len(inits) * seeds * n:,} |")
+            print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | "
+                  f"{evals:,} | {len(inits) * seeds * n:,} |")
         return
     device = torch.device(a.device)
     threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
-    extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
-    first = {}                                          # each time_key once: the first run that has it
+    extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"]
+                                                                             if a.compile else [])
+    # each time_key once: the first run that has it
+    first = {}
     for r in runs:
         first.setdefault(P.time_key(r, preset), r)
     ms_start = start_ms()
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
-          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile {a.compile} | "
-          f"{a.warmup} warm-up + {a.steps} timed steps per run | a run's process starts in {ms_start / 1000:.1f} s | "
-          "evaluations on " + (f"{a.eval_points} points (not the paper's cost)" if a.eval_points
+    print(f"device {device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
+          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile "
+          f"{a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | a run's process "
+          f"starts in {ms_start / 1000:.1f} s | evaluations on " + (f"{a.eval_points} points (not "
+                                                                    "the paper's cost)"
+                                                                    if a.eval_points
                                else "a test set of the real size"))
     print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
           f"{'runs':>6}{'hours':>8}  flags", flush=True)
@@ -204,10 +232,12 @@ def main():
         built = build(run.task, run.init, device, [*flags_of(run.flags), *extra], preset)
         ms_setup = ms_start + 1000 * (time.perf_counter() - t0)
         ms_step, ms_eval, ms_final = time_run(built, device, a.warmup, a.steps, a.eval_points)
-        times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3), "ms_final": round(ms_final, 3),
-                      "ms_setup": round(ms_setup, 1), "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)", "threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "batch_size": built.config.batch_size}
+        times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3),
+                      "ms_final": round(ms_final, 3), "ms_setup": round(ms_setup, 1),
+                      "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "batch_size": built.config.batch_size}
         sharing = [r for r in runs if P.time_key(r, preset) == key]
         h = sum(P.hours(r, times, preset) for r in sharing)
         print(f"{run.table:<13}{run.task:<15}{run.init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}"
@@ -220,7 +250,8 @@ def main():
     for table, h in per_table.items():
         print(f"total {table:<11}{h:>9.2f} device-hours (steps, evaluations, starts)")
     print(f"total            {sum(per_table.values()):>9.2f} device-hours")
-    ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m and "default" in m}
+    ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m
+             and "default" in m}
     if ratio:
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")

@@ -1,6 +1,6 @@
-"""Forward + backward time of models with and without a retrofitted mask prior (`mp.add_mask_prior`),
-side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging Face) and an
-nn.TransformerEncoder. A model whose library is not installed is left out and named.
+"""Forward + backward time of models with and without a retrofitted mask prior
+(`mp.add_mask_prior`), side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging
+Face) and an nn.TransformerEncoder. A model whose library is not installed is left out and named.
 
     python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
     python benchmarks/bench_retrofit.py --device cuda --amp    # bf16 autocast on a GPU
@@ -8,11 +8,12 @@ nn.TransformerEncoder. A model whose library is not installed is left out and na
     python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
 One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
-model, its twin with the prior, and the floor (that twin with every M frozen: the same path with a constant
-float mask, no gradient for M) are timed in interleaved rounds (warm-up excluded), and the table gives median
-ms/step and the ratio to the plain model. Ratios, not milliseconds, carry from machine to machine. What M costs
-is the prior's ratio over the floor's; what reading a bias costs the kernel is the floor's. GPT-2's prior is the
-library's default for a causal distance prior (a relative M, one logit per head and distance) unless --full.
+model, its twin with the prior, and the floor (that twin with every M frozen: the same path with a
+constant float mask, no gradient for M) are timed in interleaved rounds (warm-up excluded), and the
+table gives median ms/step and the ratio to the plain model. Ratios, not milliseconds, carry from
+machine to machine. What M costs is the prior's ratio over the floor's; what reading a bias costs
+the kernel is the floor's. GPT-2's prior is the library's default for a causal distance prior (a
+relative M, one logit per head and distance) unless --full.
 """
 import argparse
 import os
@@ -27,8 +28,8 @@ from bench_attention import interleaved  # noqa: E402
 
 
 def vit(args):
-    """timm's ViT-Tiny/16 (12 x 192, 3 heads; 197 tokens at 224), prior: the impulse pattern (self, up,
-    right), m_off 10, the class token free."""
+    """timm's ViT-Tiny/16 (12 x 192, 3 heads; 197 tokens at 224), prior: the impulse pattern (self,
+    up, right), m_off 10, the class token free."""
     import timm
     kw = dict(img_size=32, patch_size=8, depth=2) if args.tiny else dict(img_size=args.img_size)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kw)
@@ -40,7 +41,8 @@ def vit(args):
 
 
 def gpt2(args):
-    """A GPT-2 small config (12 x 768, 12 heads, random weights), prior: the causal-distance (ALiBi-like) M."""
+    """A GPT-2 small config (12 x 768, 12 heads, random weights), prior: the causal-distance
+    (ALiBi-like) M."""
     import transformers as tf
     tf.logging.set_verbosity_error()
     t = 16 if args.tiny else args.tokens
@@ -58,9 +60,11 @@ def gpt2(args):
 def encoder(args):
     """nn.TransformerEncoder, 4 x 128, 4 heads, 64 tokens; prior: a band of width 4."""
     dim, t, layers = (16, 8, 1) if args.tiny else (128, 64, 4)
-    layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+    layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True,
+                                       norm_first=True)
     model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-    x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim,
+                    generator=torch.Generator().manual_seed(0))
     return model, x, lambda m: mp.add_mask_prior(m, mp.banded_pattern(t, 4)), f"nn.TransformerEncoder ({t} tokens)"
 
 
@@ -79,22 +83,26 @@ def step_fn(model, x, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="vit,gpt2,encoder", help="comma list of: " + ", ".join(MODELS))
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="vit,gpt2,encoder",
+                   help="comma list of: " + ", ".join(MODELS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--img-size", type=int, default=224, help="ViT-Tiny input size")
     p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
-    p.add_argument("--full", action="store_true", help="GPT-2's prior as a full N x N M (the default: by distance)")
-    p.add_argument("--flex", action="store_true", help="GPT-2's prior inside torch's flex_attention (CUDA)")
+    p.add_argument("--full", action="store_true",
+                   help="GPT-2's prior as a full N x N M (the default: by distance)")
+    p.add_argument("--flex", action="store_true",
+                   help="GPT-2's prior inside torch's flex_attention (CUDA)")
     p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
     p.add_argument("--tiny", action="store_true", help="two-layer toy models (a smoke run)")
     p.add_argument("--steps", type=int, default=3, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     device = torch.device(args.device)
-    print(f"device {device} | amp {args.amp} | torch {torch.__version__} | {args.rounds} rounds x {args.steps} "
-          f"steps, median | forward + backward")
+    print(f"device {device} | amp {args.amp} | torch {torch.__version__} | {args.rounds} rounds x "
+          f"{args.steps} steps, median | forward + backward")
     print(f"{'model':<44}{'ms/step':>9}{'ratio':>8}")
     for key in args.models.split(","):
         try:
@@ -111,7 +119,8 @@ def main():
             prior.bias.requires_grad_(False)
         x = x.to(device)
         steps = {}
-        for name, model in ((label, plain), ("  floor (M constant)", floor), ("  + prior", with_prior)):
+        for name, model in ((label, plain), ("  floor (M constant)", floor),
+                            ("  + prior", with_prior)):
             model.to(device).train()
             steps[name] = step_fn(model, x, args)
             for _ in range(2):

@@ -28,9 +28,11 @@ from bench_attention import interleaved  # noqa: E402
 
 
 def build(init: str, extra: list, device: torch.device):
-    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
+    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device),
+            *extra]
     args = train.resolve(*train.parse_args(argv))
-    args = dataclasses.replace(args, steps=args.steps or 10 ** 6)     # a schedule length for train_step's lr
+    # a schedule length for train_step's lr
+    args = dataclasses.replace(args, steps=args.steps or 10 ** 6)
     task = train.task_for(args)
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, train.make_prior(args, task, device), args)
@@ -51,14 +53,16 @@ def synthetic_data(task, device, n: int = 4096):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--preset", default="small", choices=list(T.ImageTask.presets()))
     p.add_argument("--inits", default="default,mask,impulse,mimetic,qk-svd,qk-opt")
     p.add_argument("--batch-size", type=int, help="default: the preset's")
     p.add_argument("--steps", type=int, default=5, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--qk-opt-steps", type=int, default=50, help="qk-opt fitting steps (its cost is not timed)")
+    p.add_argument("--qk-opt-steps", type=int, default=50,
+                   help="qk-opt fitting steps (its cost is not timed)")
     args = p.parse_args()
     device = torch.device(args.device)
     extra = ["--preset", args.preset]
@@ -67,15 +71,18 @@ def main():
     inits = args.inits.split(",")
     steps, shape = {}, None
     for init in inits:
-        model, opt, cfg, targs, task = build(init, [*extra, *(["--qk-opt-steps", str(args.qk_opt_steps)]
+        model, opt, cfg, targs, task = build(init,
+                                             [*extra, *(["--qk-opt-steps", str(args.qk_opt_steps)]
                                                              if init == "qk-opt" else [])], device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
         y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g)
-        y = torch.nn.functional.one_hot(y, cfg.n_classes).float().to(device)      # the task's soft targets
+        # the task's soft targets
+        y = torch.nn.functional.one_hot(y, cfg.n_classes).float().to(device)
         shape = (targs.batch_size, cfg, targs)
 
-        def step(model=model, opt=opt, x=x, y=y, targs=targs, task=task):          # train.py's own step
+        # train.py's own step
+        def step(model=model, opt=opt, x=x, y=y, targs=targs, task=task):
             train.train_step(model, model, opt, task, (x, y), targs, device, 0)
         for _ in range(2):          # warm-up
             step()
@@ -87,17 +94,19 @@ def main():
     augment = times.pop("augmentation")
     batch, cfg, targs = shape
     base = times[inits[0]]
-    print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} heads, "
-          f"{cfg.n_positions} tokens | batch {batch} | amp {targs.amp} | torch {torch.__version__} | "
-          f"{args.rounds} rounds x {args.steps} steps, median")
+    print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} "
+          f"heads, {cfg.n_positions} tokens | batch {batch} | amp {targs.amp} | torch "
+          f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
     for init, med in times.items():
-        path = "fused" if train.use_fused(targs.attention, init in train.MASK_INITS, device, cfg.n_positions) \
+        path = "fused" if train.use_fused(targs.attention, init in train.MASK_INITS, device,
+                                          cfg.n_positions) \
             else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
-    print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, {augment / (augment + base):.1%} of a "
-          f"{inits[0]} step with it (crop {targs.crop}, RandAugment {targs.randaug}, erasing {targs.reprob}, "
-          f"mixup {targs.mixup}, cutmix {targs.cutmix})")
+    print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, "
+          f"{augment / (augment + base):.1%} of a {inits[0]} step with it (crop {targs.crop}, "
+          f"RandAugment {targs.randaug}, erasing {targs.reprob}, mixup {targs.mixup}, cutmix "
+          f"{targs.cutmix})")
 
 
 if __name__ == "__main__":

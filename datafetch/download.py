@@ -1,4 +1,5 @@
-"""The paper's public data sets fetched into a data folder in one command, checked, resumable, extracted safely.
+"""The paper's public data sets fetched into a data folder in one command, checked, resumable,
+extracted safely.
 
     python train.py download cifar10 cifar100 wikitext2 tinystories --data data
     python train.py download cifar10 --data data --from https://mirror.example/cifar     # same file, same sum
@@ -6,18 +7,22 @@
 
 Each file of a set (SOURCES) goes the same way:
 
-1. its target in DIR (the folder its archive unpacks to, or the text file) already there: one line, left as it is;
-2. fetched to DIR/FILE.part, resumed from where a cut transfer stopped (an HTTP Range request), with a progress bar
+1. its target in DIR (the folder its archive unpacks to, or the text file) already there: one line,
+   left as it is;
+2. fetched to DIR/FILE.part, resumed from where a cut transfer stopped (an HTTP Range request),
+   with a progress bar
    on a terminal (bytes, rate, ETA) and a line per 10% otherwise; then the whole file's sha256 (and md5, where its
    authors publish one) is checked against the pinned sum: a mismatch is one line naming both sums, and the .part
    is deleted (a wrong whole file cannot be resumed into a right one);
-3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under the archive's
+3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under
+   the archive's
    one top folder, no absolute path or `..`, no links or devices, at most `max_unpacked` bytes in all; the set's
    reader must then find it there (`Task.locate`) before the folder is renamed into place (datafetch.write.write_new_dataset),
    so DIR holds the set whole or not at all; the .part is deleted once the set is in.
 
-Every failure is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for a resumable .part.
-One download into a folder at a time (a lock on DIR; a second is refused with exit status 75). Standard library only.
+Every failure is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for
+a resumable .part. One download into a folder at a time (a lock on DIR; a second is refused with
+exit status 75). Standard library only.
 """
 from __future__ import annotations
 
@@ -45,14 +50,15 @@ except ImportError:             # not on POSIX: the data folder is not locked
 
 @dataclass(frozen=True)
 class File:
-    """One published file: where it is, its size and sums, and what it becomes in DIR (`target`: the top folder
-    of an archive, whose members all lie under it, or the name of a plain file)."""
+    """One published file: where it is, its size and sums, and what it becomes in DIR (`target`:
+    the top folder of an archive, whose members all lie under it, or the name of a plain file)."""
     url: str
     size: int
     sha256: str
     target: str
     md5: str | None = None          # where the authors publish one (CIFAR): checked too
-    max_unpacked: int = 0           # an archive: the most bytes its members may hold (0: a plain file)
+    # an archive: the most bytes its members may hold (0: a plain file)
+    max_unpacked: int = 0
 
     @property
     def name(self) -> str:
@@ -84,8 +90,9 @@ SOURCES = {
                          "6874bae9a4c1a4e7edcf0e53b86c17817e9cf881fc75ff2368da457b80c0585d",
                          "TinyStoriesV2-GPT4-valid.txt")),
 }
-NOT_DOWNLOADABLE = {"imagenet100": "ImageNet needs a licence and is not downloaded: build ImageNet-100 from an "
-                                   "ImageNet-1k copy with python train.py imagenet100 --from IMAGENET_1K_DIR --data DIR"}
+NOT_DOWNLOADABLE = {"imagenet100": "ImageNet needs a licence and is not downloaded: build "
+                                   "ImageNet-100 from an ImageNet-1k copy with python train.py "
+                                   "imagenet100 --from IMAGENET_1K_DIR --data DIR"}
 CHUNK = 1 << 20
 
 
@@ -93,12 +100,15 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES, timeout: float = 30.0) -> int:
-    """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's docstring); `mirror`: a
-    base URL that holds the same file names. Returns 0; DataError (exit 2) or BusyError (75) otherwise."""
+def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES,
+             timeout: float = 30.0) -> int:
+    """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's
+    docstring); `mirror`: a base URL that holds the same file names. Returns 0; DataError (exit 2)
+    or BusyError (75) otherwise."""
     for n in names:
         if n not in sources:
-            raise T.DataError(NOT_DOWNLOADABLE.get(n) or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
+            raise T.DataError(NOT_DOWNLOADABLE.get(n)
+                              or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
     created = not os.path.isdir(data_dir)
     os.makedirs(data_dir, exist_ok=True)
     try:
@@ -114,7 +124,8 @@ def download(names, data_dir: str, mirror: str | None = None, sources: dict = SO
 
 
 class _locked:
-    """An exclusive lock on the data folder, refused at once (BusyError) while another download holds it."""
+    """An exclusive lock on the data folder, refused at once (BusyError) while another download
+    holds it."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -126,8 +137,8 @@ class _locked:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(self.fd)
-                raise RF.BusyError(f"another download into {self.folder} is running; wait for it, or give another "
-                                  f"--data") from None
+                raise RF.BusyError(f"another download into {self.folder} is running; wait for it, "
+                                   "or give another --data") from None
         return self
 
     def __exit__(self, *exc):
@@ -143,79 +154,91 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
     part = os.path.join(data_dir, f.name + ".part")
     have = os.path.getsize(part) if os.path.isfile(part) else 0
     if have > f.size:
-        raise T.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it is not a cut "
-                          f"download of it: move it away and run again")
+        raise T.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it "
+                          "is not a cut download of it: move it away and run again")
     need = f.size - have + f.max_unpacked
     free = shutil.disk_usage(data_dir).free
     if free < need:
         raise T.DataError(f"{set_name}: {data_dir} has {free / MB:,.0f} MiB free, {f.name} needs "
                           f"{need / MB:,.0f} MiB (the rest of the download and what it unpacks to)")
     if have < f.size:
-        say(f"{set_name}: {url} ({f.size / MB:,.1f} MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
+        say(f"{set_name}: {url} ({f.size / MB:,.1f} "
+            f"MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
         _transfer(url, part, have, f.size, timeout)
     _check_sums(part, f)
     if f.max_unpacked:
         try:
             _unpack(set_name, part, f, data_dir)
         finally:
-            os.remove(part)                     # unpacked, or refused (a checked file that is unsafe stays unsafe)
+            # unpacked, or refused (a checked file that is unsafe stays unsafe)
+            os.remove(part)
     else:
         try:
-            os.link(part, target)               # refused if the target appeared meanwhile: never overwritten
+            # refused if the target appeared meanwhile: never overwritten
+            os.link(part, target)
         except FileExistsError:
-            raise T.DataError(f"{target} appeared while {f.name} downloaded; left as it is ({part} kept)") from None
+            raise T.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
+                              f"({part} kept)") from None
         os.remove(part)
     say(f"{set_name}: {target} is in place")
 
 
 def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None:
-    """Stream `url` into `part` from byte `have` (a Range request); a server that ignores the range starts over."""
+    """Stream `url` into `part` from byte `have` (a Range request); a server that ignores the range
+    starts over."""
     request = urllib.request.Request(url, headers={"User-Agent": "maskprior-download",
-                                                   **({"Range": f"bytes={have}-"} if have else {})})
+                                                   **({"Range": f"bytes={have}-"} if have
+                                                      else {})})
     try:
         response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
-        raise T.DataError(f"{url}: HTTP {e.code} {e.reason}; try again later, or give a mirror with --from URL "
-                          f"(the same file name under it)") from None
+        raise T.DataError(f"{url}: HTTP {e.code} {e.reason}; try again later, or give a mirror "
+                          "with --from URL (the same file name under it)") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise T.DataError(f"{url}: cannot connect ({reason}); check the network, or give a mirror with --from URL")
+        raise T.DataError(f"{url}: cannot connect ({reason}); check the network, or give a mirror "
+                          "with --from URL")
     with response:
         if have and response.status != 206:
-            have = 0                                           # the whole file again: the server ignored the range
+            # the whole file again: the server ignored the range
+            have = 0
         length = response.headers.get("Content-Length")
         if length is not None and have + int(length) != size:
-            raise T.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned file has {size:,}: "
-                              f"another file, nothing fetched")
+            raise T.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned "
+                              f"file has {size:,}: another file, nothing fetched")
         progress = Progress(size, have)
         with open(part, "ab" if have else "wb") as out:
             got = have
             try:
                 while True:
-                    chunk = response.read1(CHUNK)           # what has come, not a full chunk: a stall keeps it
+                    # what has come, not a full chunk: a stall keeps it
+                    chunk = response.read1(CHUNK)
                     if not chunk:
                         break
                     got += len(chunk)
                     if got > size:
                         out.close()
                         os.remove(part)
-                        raise T.DataError(f"{url} sent more than the {size:,} bytes of the pinned file; deleted "
-                                          f"{part}")
+                        raise T.DataError(f"{url} sent more than the {size:,} bytes of the pinned "
+                                          f"file; deleted {part}")
                     out.write(chunk)
                     progress.update(got)
-            except (OSError, TimeoutError) as e:             # a stall (the timeout) or a cut connection
+            # a stall (the timeout) or a cut connection
+            except (OSError, TimeoutError) as e:
                 out.flush()
                 progress.done()
-                raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes ({e or 'timed out'}); "
-                                  f"run the same command again to resume from {part}") from None
+                raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
+                                  f"({e or 'timed out'}); run the same command again to resume "
+                                  f"from {part}") from None
         progress.done()
     if got < size:
-        raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes; run the same command again to "
-                          f"resume from {part}")
+        raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes; run the "
+                          f"same command again to resume from {part}")
 
 
 class Progress:
-    """A bar on a terminal (bytes, rate, ETA), redrawn at most 10 times a second; a line per 10% otherwise."""
+    """A bar on a terminal (bytes, rate, ETA), redrawn at most 10 times a second; a line per 10%
+    otherwise."""
 
     def __init__(self, size: int, start: int, stream=None):
         self.size, self.start, self.t0 = size, start, time.monotonic()
@@ -259,16 +282,18 @@ def _check_sums(part: str, f: File) -> None:
         for block in iter(lambda: src.read(CHUNK), b""):
             sha.update(block)
             md5.update(block)
-    for kind, got, want in (("sha256", sha.hexdigest(), f.sha256), ("md5", md5.hexdigest(), f.md5)):
+    for kind, got, want in (("sha256", sha.hexdigest(), f.sha256),
+                            ("md5", md5.hexdigest(), f.md5)):
         if want and got != want:
             os.remove(part)
-            raise T.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt transfer or another "
-                              f"file; deleted, nothing unpacked (run again to fetch it afresh)")
+            raise T.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
+                              "transfer or another file; deleted, nothing unpacked (run again to "
+                              "fetch it afresh)")
 
 
 def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
-    """The archive's members under f.target/ into DIR/f.target, whole (a staging folder renamed into place), after
-    every member is checked (`_member_path`) and the set's reader finds it."""
+    """The archive's members under f.target/ into DIR/f.target, whole (a staging folder renamed
+    into place), after every member is checked (`_member_path`) and the set's reader finds it."""
     def write(tmp):
         total = 0
         for path, kind, read in _members(archive, f):
@@ -281,25 +306,29 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
                 for block in iter(lambda: src.read(CHUNK), b""):
                     total += len(block)
                     if total > f.max_unpacked:
-                        raise T.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} bytes, the most its "
-                                          f"set holds: refused, nothing unpacked")
+                        raise T.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
+                                          "bytes, the most its set holds: refused, nothing "
+                                          "unpacked")
                     out.write(block)
         task = T.TASKS.get(set_name)
         if task is not None:
-            task.locate(tmp)                 # the reader finds the set where it will lie (DataError if not)
+            # the reader finds the set where it will lie (DataError if not)
+            task.locate(tmp)
     write_new_dataset(data_dir, f.target, write)
 
 
 def _members(archive: str, f: File):
-    """(name, "file" or "dir", open) of each member; DataError for a link, a device or any other kind."""
+    """(name, "file" or "dir", open) of each member; DataError for a link, a device or any other
+    kind."""
     try:
         if archive.endswith(".zip.part"):
             with zipfile.ZipFile(archive) as z:
                 for info in z.infolist():
                     mode = info.external_attr >> 16
-                    if stat.S_ISLNK(mode) or (mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))):
-                        raise T.DataError(f"{f.name}: member {info.filename!r} is a link or a device: refused, "
-                                          f"nothing unpacked")
+                    if stat.S_ISLNK(mode) or (mode
+                                              and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))):
+                        raise T.DataError(f"{f.name}: member {info.filename!r} is a link or a "
+                                          "device: refused, nothing unpacked")
                     yield info.filename, "dir" if info.is_dir() else "file", lambda i=info: z.open(i)
         else:
             with tarfile.open(archive, "r:*") as t:
@@ -314,9 +343,11 @@ def _members(archive: str, f: File):
 
 
 def _member_path(name: str, f: File, kind: str) -> str:
-    """A member's path below f.target/ ('' for the top folder itself); DataError for anything outside it."""
+    """A member's path below f.target/ ('' for the top folder itself); DataError for anything
+    outside it."""
     parts = [p for p in name.replace("\\", "/").rstrip("/").split("/") if p != "."]
     if name.startswith(("/", "\\")) or ".." in parts or "" in parts[1:] or not parts or parts[0] != f.target or \
             (len(parts) == 1 and kind != "dir"):
-        raise T.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing unpacked")
+        raise T.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing "
+                          "unpacked")
     return "/".join(parts[1:])

@@ -1,13 +1,15 @@
-"""ImageNet-100 (the CMC class list, shared/data/imagenet100_wnids.txt = tasks.IMAGENET100_WNIDS) built from a copy
-of ImageNet-1k, which needs a licence and so is never downloaded:
+"""ImageNet-100 (the CMC class list, shared/data/imagenet100_wnids.txt = tasks.IMAGENET100_WNIDS)
+built from a copy of ImageNet-1k, which needs a licence and so is never downloaded:
 
     python train.py imagenet100 --from /datasets/imagenet --data data      # -> data/imagenet100/{train,val}/<wnid>/
 
-The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (the layout torchvision's
-ImageNet and most copies use; a flat val/ must first be sorted into its classes). Every one of the 100 classes must
-be there in both splits, as regular files; each file is hard-linked where the filesystem allows (no space taken),
-else copied. The tree is built in a hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
-(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was.
+The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (the
+layout torchvision's ImageNet and most copies use; a flat val/ must first be sorted into its
+classes). Every one of the 100 classes must be there in both splits, as regular files; each file is
+hard-linked where the filesystem allows (no space taken), else copied. The tree is built in a
+hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
+(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR
+as it was.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ SPLITS = ("train", "val")
 
 
 def _sources(source: str) -> dict:
-    """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is missing."""
+    """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is
+    missing."""
     if not os.path.isdir(source):
-        raise T.DataError(f"--from {source} is not a folder; give the ImageNet-1k folder that holds train/<wnid>/ "
-                          f"and val/<wnid>/")
+        raise T.DataError(f"--from {source} is not a folder; give the ImageNet-1k folder that "
+                          "holds train/<wnid>/ and val/<wnid>/")
     out, missing = {}, []
     for split in SPLITS:
         for wnid in T.IMAGENET100_WNIDS:
@@ -38,20 +41,23 @@ def _sources(source: str) -> dict:
                 path = os.path.join(folder, name)
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
-                    raise T.DataError(f"{path} is not a regular file (a link, a folder?): refused, nothing built")
+                    raise T.DataError(f"{path} is not a regular file (a link, a folder?): "
+                                      "refused, nothing built")
                 files.append((path, st.st_size))
             if not files:
                 missing.append(f"{split}/{wnid} (empty)")
             out[split, wnid] = files
     if missing:
         raise T.DataError(f"{source} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
-                          f"{', '.join(missing[:3])}: it should hold ImageNet-1k as train/<wnid>/ and val/<wnid>/ "
-                          f"(a flat val/ sorted into its classes first); nothing built")
+                          f"{', '.join(missing[:3])}: it should hold ImageNet-1k as train/<wnid>/ "
+                          "and val/<wnid>/ (a flat val/ sorted into its classes first); nothing "
+                          "built")
     return out
 
 
 def build(source: str, data_dir: str) -> str:
-    """DIR/imagenet100/{train,val}/<wnid>/ from `source` (see the module's docstring); returns the line to print."""
+    """DIR/imagenet100/{train,val}/<wnid>/ from `source` (see the module's docstring); returns the
+    line to print."""
     target = os.path.join(data_dir, "imagenet100")
     if os.path.lexists(target):
         return f"imagenet100: {target} is already there; left as it is"
@@ -75,8 +81,9 @@ def build(source: str, data_dir: str) -> str:
                     if not state["space_checked"]:
                         free = shutil.disk_usage(tmp).free
                         if free < total:
-                            raise T.DataError(f"{source} cannot be hard-linked into {data_dir} and a copy needs "
-                                              f"{total / 2**30:,.1f} GiB, {free / 2**30:,.1f} GiB free: nothing built")
+                            raise T.DataError(f"{source} cannot be hard-linked into {data_dir} "
+                                              f"and a copy needs {total / 2**30:,.1f} GiB, "
+                                              f"{free / 2**30:,.1f} GiB free: nothing built")
                         state["space_checked"] = True
                     shutil.copyfile(path, dest)
             if (i + 1) % 20 == 0:

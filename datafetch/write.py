@@ -1,7 +1,7 @@
-"""Writing a data set into a folder, whole (`write_new_dataset`: `download` and `imagenet100` write through it), and
-the stand-ins: small real data sets in the real release layouts, so that the readers, the tests and a CPU trial run
-on real files (`python train.py make-digits DIR`, `python train.py make-wikitext DIR FILE...`). Nothing on the run
-path calls them."""
+"""Writing a data set into a folder, whole (`write_new_dataset`: `download` and `imagenet100` write
+through it), and the stand-ins: small real data sets in the real release layouts, so that the
+readers, the tests and a CPU trial run on real files (`python train.py make-digits DIR`, `python
+train.py make-wikitext DIR FILE...`). Nothing on the run path calls them."""
 from __future__ import annotations
 
 import io
@@ -21,22 +21,27 @@ from tasks import DataError, _find, find_wikitext_files
 
 
 
-def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held: str | None = None) -> str:
-    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside `folder`, which is
-    renamed to folder/name once complete, so an interrupted write leaves no folder/name (a killed process, at
-    most its hidden `.name.*.tmp`). Refused (DataError, nothing written) when folder/name exists or `held`
-    names a set already in `folder` that the new one would shadow. Returns folder/name."""
+def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
+                      held: str | None = None) -> str:
+    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside
+    `folder`, which is renamed to folder/name once complete, so an interrupted write leaves no
+    folder/name (a killed process, at most its hidden `.name.*.tmp`). Refused (DataError, nothing
+    written) when folder/name exists or `held` names a set already in `folder` that the new one
+    would shadow. Returns folder/name."""
     target = os.path.join(folder, name)
     held = held or (target if os.path.lexists(target) else None)
     if held:
-        raise DataError(f"{folder} already holds a data set ({held}); a data set is never overwritten or shadowed: "
-                        f"give another folder, or move that one away first")
+        raise DataError(f"{folder} already holds a data set ({held}); a data set is never "
+                        "overwritten or shadowed: give another folder, or move that one away "
+                        "first")
     os.makedirs(folder, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())            # mkdtemp's 0700 would hide the set from the group
-        os.rename(tmp, target)                      # refused if a non-empty folder/name appeared meanwhile
+        # mkdtemp's 0700 would hide the set from the group
+        os.chmod(tmp, 0o777 & ~_umask())
+        # refused if a non-empty folder/name appeared meanwhile
+        os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -44,9 +49,11 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held
 
 
 def _held_cifar10(folder: str) -> str | None:
-    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)."""
+    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary
+    layout)."""
     return _find(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
-                          "cifar-10-batches-py", os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
+                          "cifar-10-batches-py",
+                          os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
                           "data_batch_1.bin"])
 
 
@@ -65,10 +72,12 @@ def digits_arrays() -> tuple:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise DataError("make-digits needs scikit-learn for its bundled digits: pip install scikit-learn") from None
+        raise DataError("make-digits needs scikit-learn for its bundled digits: pip install "
+                        "scikit-learn") from None
     d = load_digits()
     x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
-    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                        # nearest upscaling to 32x32
+    # nearest upscaling to 32x32
+    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)
     x = np.repeat(x[:, None], 3, axis=1)                                     # grey -> RGB
     order = np.random.default_rng(0).permutation(len(x))
     tr, te = order[:1500], order[1500:]
@@ -78,9 +87,11 @@ def digits_arrays() -> tuple:
 def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
                          y_test: np.ndarray, label_names=None) -> str:
     """Write images in the CIFAR-10 python release layout: folder/cifar-10-batches-py/ with
-    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3, 32,
-    32) uint8, y: (N,) ints. Returns the batches folder. A folder that already holds a CIFAR-10 set in
-    any layout `read_cifar` reads is refused (`write_new_dataset`): a set is never overwritten or shadowed."""
+    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3,
+    32,
+    32) uint8, y: (N,) ints. Returns the batches folder. A folder that already holds a CIFAR-10 set
+        in any layout `read_cifar` reads is refused (`write_new_dataset`): a set is never
+        overwritten or shadowed."""
     def write(out):
         def dump(name, x, y, label):
             d = {b"batch_label": label.encode(), b"labels": [int(v) for v in y],
@@ -94,7 +105,8 @@ def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, 
         names = label_names or [str(i) for i in range(10)]
         atomic_write(os.path.join(out, "batches.meta"),
                      pickle.dumps({b"label_names": [n.encode() for n in names],
-                                   b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072}, protocol=2))
+                                   b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072},
+                                  protocol=2))
 
     return write_new_dataset(folder, "cifar-10-batches-py", write, _held_cifar10(folder))
 
@@ -115,18 +127,19 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
     """Write (title, [paragraph, ...]) articles as WikiText-2's word-level release:
     folder/wikitext-2/wiki.{train,valid,test}.tokens with ' = Title = ' headings, blank lines
     between paragraphs, and words seen fewer than `min_count` times in train replaced by <unk>.
-    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train. A folder
-    that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
+    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train.
+    A folder that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
     articles = list(articles)
     if len(articles) < every:
-        raise DataError(f"make-wikitext needs at least {every} articles (text files) so that train, valid and test "
-                        f"each get one (articles i with i mod {every} = {every - 7} go to valid, {every - 1} to "
-                        f"test); got {len(articles)}")
+        raise DataError(f"make-wikitext needs at least {every} articles (text files) so that "
+                        f"train, valid and test each get one (articles i with i mod {every} = "
+                        f"{every - 7} go to valid, {every - 1} to test); got {len(articles)}")
     split_of = ["train"] * every
     split_of[every - 7], split_of[every - 1] = "valid", "test"
     toks = {s: [] for s in ("train", "valid", "test")}
     for i, (title, paragraphs) in enumerate(articles):
-        toks[split_of[i % every]].append((wikitext_tokenize(title), [wikitext_tokenize(p) for p in paragraphs]))
+        toks[split_of[i % every]].append((wikitext_tokenize(title),
+                                          [wikitext_tokenize(p) for p in paragraphs]))
     counts = {}
     for title, paras in toks["train"]:
         for w in itertools.chain(title, *paras):
@@ -151,8 +164,9 @@ def make_digits(folder: str) -> str:
     on a CPU. Returns what it says."""
     x_train, y_train, x_test, y_test = digits_arrays()
     out = write_cifar10_python(folder, x_train, y_train, x_test, y_test)
-    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\n"
-            f"train on them with: python train.py --task cifar10 --data-dir {folder} --init mask")
+    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to "
+            f"{out}\ntrain on them with: python train.py --task cifar10 --data-dir {folder} "
+            "--init mask")
 
 
 def make_wikitext(folder: str, files: list) -> str:
@@ -165,7 +179,8 @@ def make_wikitext(folder: str, files: list) -> str:
             with io.TextIOWrapper(open_back(path), encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except (OSError, ReadError) as e:
-            raise DataError(f"make-wikitext: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+            raise DataError(f"make-wikitext: cannot read {path} "
+                            f"({getattr(e, 'strerror', None) or e})") from None
         paras = [" ".join(p.split()) for p in text.split("\n\n")]
         paras = [p for p in paras if p]
         if paras:
@@ -175,4 +190,5 @@ def make_wikitext(folder: str, files: list) -> str:
     for s in ("train", "valid", "test"):
         with io.TextIOWrapper(open_back(os.path.join(out, f"wiki.{s}.tokens")), encoding="utf-8") as f:
             sizes[s] = sum(len(line.split()) + 1 for line in f)
-    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items())
+    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens"
+                                                                    for s, n in sizes.items())

@@ -1,4 +1,5 @@
-"""my_task.py: a new task in one class. Run: python examples/my_task.py --task xor-neighbours --init mask"""
+"""my_task.py: a new task in one class. Run: python examples/my_task.py --task xor-neighbours
+--init mask"""
 import torch
 import torch.nn.functional as F
 
@@ -15,16 +16,19 @@ class XorNeighbours(T.Task):
     DEFAULT_PATTERN = "neighbours"
     HEADLINE = ("acc",)
     PRESETS = {p: {"model": dict(layers=2, heads=2, dim=32, mlp_dim=64),
-                   "recipe": dict(lr=1e-3, batch_size=64, schedule="cosine", steps=600, log_every=50)}
+                   "recipe": dict(lr=1e-3, batch_size=64, schedule="cosine", steps=600,
+                                  log_every=50)}
                for p in ("small", "paper")}
 
-    def __init__(self, n_bits: int = 16, seed: int = 0):   # its options: train.py's flags of these names
+    # its options: train.py's flags of these names
+    def __init__(self, n_bits: int = 16, seed: int = 0):
         self.n, self.seed = n_bits, seed
 
     def arch(self):
         return {"vocab_size": 2, "seq_len": self.n, "n_outputs": 2, "readout": "tokens"}
 
-    def build_pattern(self, variant):                 # each bit may look at itself and its two neighbours
+    # each bit may look at itself and its two neighbours
+    def build_pattern(self, variant):
         return mp.banded_pattern(self.n, 1, circulant=True)
 
     def setup(self, device="cpu"):
@@ -38,7 +42,8 @@ class XorNeighbours(T.Task):
     def target(self, x):
         return x.roll(1, dims=1) ^ x.roll(-1, dims=1)
 
-    def train_batch(self, step, batch_size):          # fresh bits every step, fixed by (seed, step)
+    # fresh bits every step, fixed by (seed, step)
+    def train_batch(self, step, batch_size):
         return self.draw(batch_size, torch.Generator().manual_seed(self.seed * 1_000_003 + step))
 
     def loss(self, model, x):

@@ -1,1 +1,2 @@
-"""Reports of a reproduction (`reporting.report`), loaded only by train.py's summarize and report commands."""
+"""Reports of a reproduction (`reporting.report`), loaded only by train.py's summarize and report
+commands."""

@@ -1,7 +1,7 @@
-"""The figure layer every report and `show` draws with: matplotlib without a display (`pyplot`), panels in a
-grid (`panel_grid`), one line style per init or series (`line_style`), the legend and the caption outside the
-panels, M's token ticks, atomic saving (`save_figure`) and what makes a saved figure hard to read
-(`figure_problems`, asserted of every figure the tests save)."""
+"""The figure layer every report and `show` draws with: matplotlib without a display (`pyplot`),
+panels in a grid (`panel_grid`), one line style per init or series (`line_style`), the legend and
+the caption outside the panels, M's token ticks, atomic saving (`save_figure`) and what makes a
+saved figure hard to read (`figure_problems`, asserted of every figure the tests save)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,8 @@ import runfiles as RF
 
 
 def pyplot():
-    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not installed."""
+    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not
+    installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -21,12 +22,13 @@ def pyplot():
     return plt
 
 
-# Every figure the reports draw: panels in a grid (`panel_grid`), one line style per init or series (`line_style`),
-# the legend and the caption outside the panels (`legend_below`, `caption`), constrained layout; `figure_problems`
-# is what a test asserts of each one saved.
+# Every figure the reports draw: panels in a grid (`panel_grid`), one line style per init or series
+# (`line_style`), the legend and the caption outside the panels (`legend_below`, `caption`),
+# constrained layout; `figure_problems` is what a test asserts of each one saved.
 MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
-INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"), "qk-svd": ("tab:blue", "--"),
-               "qk-opt": ("tab:green", "-."), "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
+INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"),
+               "qk-svd": ("tab:blue", "--"), "qk-opt": ("tab:green", "-."),
+               "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
                "mask-impulse": ("tab:brown", "-")}
 SERIES_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
                   "tab:gray", "tab:olive", "tab:cyan")
@@ -34,26 +36,28 @@ LINESTYLES = ("-", "--", "-.", ":")
 
 
 def line_style(i: int, init: str | None = None) -> tuple:
-    """(colour, line style): the init's own where it has one (the same in every figure), else series i's, distinct
-    for the first 40 series (ten colours, then the same ten dashed, ...)."""
+    """(colour, line style): the init's own where it has one (the same in every figure), else
+    series i's, distinct for the first 40 series (ten colours, then the same ten dashed, ...)."""
     if init in INIT_STYLES:
         return INIT_STYLES[init]
     return SERIES_COLOURS[i % len(SERIES_COLOURS)], LINESTYLES[(i // len(SERIES_COLOURS)) % len(LINESTYLES)]
 
 
 def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, height: float = 3.0):
-    """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each), the blocks wrapped
-    into columns: of the counts that keep the figure within 3:1 either way, the one that leaves fewest blocks of its
-    last row empty, then the nearest square; so no figure is a strip. Constrained layout.
-    at(block, row=0, col=0) -> its axes. Panels never asked for are dropped when the figure is saved. None when
-    matplotlib is not installed."""
+    """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each),
+    the blocks wrapped into columns: of the counts that keep the figure within 3:1 either way, the
+    one that leaves fewest blocks of its last row empty, then the nearest square; so no figure is a
+    strip. Constrained layout. at(block, row=0, col=0) -> its axes. Panels never asked for are
+    dropped when the figure is saved. None when matplotlib is not installed."""
     plt = pyplot()
     if plt is None or blocks < 1:
         return None
     aspect = lambda c: c * cols * width / (-(-blocks // c) * rows * height)           # noqa: E731
     fits = [c for c in range(1, blocks + 1) if 1 / 3 <= aspect(c) <= 3] or range(1, blocks + 1)
-    c = min(fits, key=lambda c: (-blocks % c, abs(math.log(aspect(c)))))        # no empty blocks, then nearest square
-    fig, axes = plt.subplots(-(-blocks // c) * rows, c * cols, figsize=(c * cols * width, -(-blocks // c) * rows * height),
+    # no empty blocks, then nearest square
+    c = min(fits, key=lambda c: (-blocks % c, abs(math.log(aspect(c)))))
+    fig, axes = plt.subplots(-(-blocks // c) * rows, c * cols,
+                             figsize=(c * cols * width, -(-blocks // c) * rows * height),
                              squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.set_visible(False)
@@ -66,7 +70,8 @@ def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, he
 
 
 def wrapped(text: str, inches: float, size: float) -> str:
-    """text broken into lines (at its own line breaks too) that fit `inches` at font size `size`."""
+    """text broken into lines (at its own line breaks too) that fit `inches` at font size
+    `size`."""
     chars = max(20, int(inches * 72 / (0.6 * size)))
     return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
@@ -77,19 +82,21 @@ def caption(fig, text: str, size: float = 9) -> None:
 
 
 def legend_below(fig, size: float = 8) -> None:
-    """One legend for the whole figure, under its panels (each label once, in the order first drawn)."""
+    """One legend for the whole figure, under its panels (each label once, in the order first
+    drawn)."""
     seen = {}
     for ax in fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     if seen:
         ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * max(map(len, seen)) + 40))))
-        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=ncols, fontsize=size)
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=ncols,
+                   fontsize=size)
 
 
 def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
-    """Name the rows (queries) and columns (keys) of an n x n map by their tokens (every k-th where n is over 24),
-    or leave it without ticks where `names` does not name n tokens."""
+    """Name the rows (queries) and columns (keys) of an n x n map by their tokens (every k-th where
+    n is over 24), or leave it without ticks where `names` does not name n tokens."""
     if not names or len(names) != n:
         ax.set_xticks([])
         ax.set_yticks([])
@@ -101,9 +108,10 @@ def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
 
 
 def figure_problems(fig) -> list[str]:
-    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a
-    panel with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles,
-    labels, tick labels, legend entries) whose boxes overlap (the renderer's extents, one pixel of slack)."""
+    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller
+    than 1:4, a panel with nothing drawn in it, two panels (colour bars too) over each other, or
+    two pieces of text (titles, labels, tick labels, legend entries) whose boxes overlap (the
+    renderer's extents, one pixel of slack)."""
     import numpy as np
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
@@ -112,31 +120,38 @@ def figure_problems(fig) -> list[str]:
     renderer = fig.canvas.get_renderer()
     hidden = set()
     for ax in fig.axes:
-        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches or ax.texts):
+        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches
+                                     or ax.texts):
             problems.append(f"panel {ax.get_title()!r}: nothing drawn")
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):    # located, not drawn
+                # located, not drawn
+                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):
                     hidden.update((id(tick.label1), id(tick.label2)))
     panels = [ax for ax in fig.axes if ax.get_visible()]
     for i, a in enumerate(panels):
         for b in panels[i + 1:]:
             one, two = a.get_window_extent(renderer), b.get_window_extent(renderer)
             if min(one.x1, two.x1) - max(one.x0, two.x0) > 1 and min(one.y1, two.y1) - max(one.y0, two.y0) > 1:
-                problems.append(f"panels {a.get_title() or a.get_label()!r} and {b.get_title() or b.get_label()!r} overlap")
-    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
+                problems.append(f"panels {a.get_title() or a.get_label()!r} and "
+                                f"{b.get_title() or b.get_label()!r} overlap")
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
+             and id(t) not in hidden
              and all(a.get_visible() for a in [t.axes] if a is not None)]
     boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
-    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
-    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
+    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0],
+                                                                      boxes[None, :, 0])
+    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1],
+                                                                      boxes[None, :, 1])
     for i, j in zip(*np.nonzero(np.triu((x > 1) & (y > 1), 1))):
         problems.append(f"text {texts[i].get_text()!r} overlaps {texts[j].get_text()!r}")
     return problems
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> str:
-    """Drop the panels never drawn in, save the figure as a PNG atomically and close it; returns path."""
+    """Drop the panels never drawn in, save the figure as a PNG atomically and close it; returns
+    path."""
     for ax in [ax for ax in fig.axes if not ax.get_visible()]:
         fig.delaxes(ax)
     with RF.atomic_output(path) as f:
@@ -146,11 +161,12 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
 
 
 def plot_band(ax, by_step: dict, label: str, style: tuple, scale: float = 1.0) -> None:
-    """Draw {step: [values over seeds]} as the mean line with a min-to-max band in `style` (colour, line style,
-    `line_style`), labelled `label` for the legend."""
+    """Draw {step: [values over seeds]} as the mean line with a min-to-max band in `style` (colour,
+    line style, `line_style`), labelled `label` for the legend."""
     steps = sorted(by_step)
     vals = [by_step[st] for st in steps]
     colour, dashes = style
-    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, ls=dashes, lw=1.6, label=label)
-    ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals], color=colour,
-                    alpha=0.15, lw=0)
+    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, ls=dashes, lw=1.6,
+            label=label)
+    ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals],
+                    color=colour, alpha=0.15, lw=0)

@@ -1,16 +1,18 @@
-"""The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`), the datasets they
-read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh` prints before its first run (runs per
-table, the ones skipped and why, device-hours or --quick minutes where a step time was measured). reproduce.sh reads the list from
-`python -m reporting.plan ... --list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets (tasks.py)
-and the datasets' names, nothing of train.py.
+"""The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`),
+the datasets they read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh`
+prints before its first run (runs per table, the ones skipped and why, device-hours or --quick
+minutes where a step time was measured). reproduce.sh reads the list from `python -m reporting.plan
+... --list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets (tasks.py) and the
+datasets' names, nothing of train.py.
 
     python -m reporting.plan                      # the paper on one GPU: the plan
     python -m reporting.plan --quick --list       # the CPU version's runs, one a line, as reproduce.sh reads them
 
-A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for the --data and --runs
-folders, which reproduce.sh fills in whatever they hold); `WAIT` lets every run before it finish (teachers before
-their students); `DOWNLOAD NAME...` (before the runs) names the absent data sets `train.py download` fetches.
-The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
+A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for
+the --data and --runs folders, which reproduce.sh fills in whatever they hold); `WAIT` lets every
+run before it finish (teachers before their students); `DOWNLOAD NAME...` (before the runs) names
+the absent data sets `train.py download` fetches. The run's folder is
+RUNS/TABLE/TASK-INIT-sSEED[-TAG].
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import runfiles as RF  # noqa: E402
 import tasks as T  # noqa: E402
 
-# reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small preset)
+# reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small
+# preset)
 TABLES = ("boolean", "arithmetic", "vision", "lm", "persistence", "ablation", "data", "mult2", "visionprior",
           "oraclefree", "parity3", "lee", "mult-ladder")
 STUDIES = ("ablation", "data", "mult2", "visionprior", "oraclefree", "parity3")
 QK = ("default", "mask", "qk-svd", "qk-opt")
-SHORT = "--steps 250 --log-every 10 --eval-points 500"       # addition at the paper's regime (its budget is unknown)
+# addition at the paper's regime (its budget is unknown)
+SHORT = "--steps 250 --log-every 10 --eval-points 500"
 
 
 @dataclass(frozen=True)
@@ -46,18 +50,21 @@ class Run:
         return f"{self.task}-{self.init}-s{self.seed}" + (f"-{self.tag}" if self.tag else "")
 
     def line(self) -> str:
-        return " ".join([self.table, self.task, self.init, str(self.seed), self.tag or "-", *self.flags.split()])
+        return " ".join([self.table, self.task, self.init, str(self.seed), self.tag or "-",
+                         *self.flags.split()])
 
 
 WAIT = "WAIT"
-REPLAN = "REPLAN"      # the runs before it finish, then reproduce.sh reads the plan again (it chooses from them)
+# the runs before it finish, then reproduce.sh reads the plan again (it chooses from them)
+REPLAN = "REPLAN"
 
 
 @dataclass
 class Plan:
-    """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what, why)]}: the runs
-    left out for want of their data, with where to get it) and `absent` (the data sets missing from their own place
-    in DATA, which `train.py download` or `train.py imagenet100` puts there)."""
+    """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what,
+    why)]}: the runs left out for want of their data, with where to get it) and `absent` (the data
+    sets missing from their own place in DATA, which `train.py download` or `train.py imagenet100`
+    puts there)."""
     quick: bool
     only: str | None
     seeds: tuple
@@ -65,7 +72,8 @@ class Plan:
     items: list
     skipped: dict
     absent: list = field(default_factory=list)
-    later: list = field(default_factory=list)    # [(Run, why)]: runs planned once the runs before REPLAN are in
+    # [(Run, why)]: runs planned once the runs before REPLAN are in
+    later: list = field(default_factory=list)
 
     @property
     def runs(self) -> list[Run]:
@@ -73,12 +81,13 @@ class Plan:
 
 
 
-def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data: str | None = "data",
-             runs: str | None = None) -> Plan:
-    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs RUNS`: every table's
-    (the paper presets; --quick: the CPU version), or one table's or study's. A run whose dataset is not in DATA is
-    skipped and named in `skipped` (nothing else is looked at); data None: every run, as if every dataset were
-    there. RUNS: the results a later stage chooses from (mult-ladder); None: that stage waits (`later`)."""
+def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
+             data: str | None = "data", runs: str | None = None) -> Plan:
+    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs
+    RUNS`: every table's (the paper presets; --quick: the CPU version), or one table's or study's.
+    A run whose dataset is not in DATA is skipped and named in `skipped` (nothing else is looked
+    at); data None: every run, as if every dataset were there. RUNS: the results a later stage
+    chooses from (mult-ladder); None: that stage waits (`later`)."""
     plan = Plan(quick or only in STUDIES, only, tuple(seeds), data, [], {})
 
     def want(table):
@@ -89,7 +98,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data
             return
         for s in seeds:
             for init in inits:
-                plan.items.append(Run(table, task, init, s, tag, flags + (f" --data-dir @DATA{where}" if where is not None
+                plan.items.append(Run(table, task, init, s, tag,
+                                      flags + (f" --data-dir @DATA{where}" if where is not None
                                                                           and "--data-dir" not in flags else "")))
 
     if want("boolean") or want("persistence"):
@@ -98,12 +108,14 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data
     if want("arithmetic"):
         _arithmetic(plan, add)
     if only == "data":
-        add("arithmetic", "addition", ("default", "mask"))        # 0.4%: the arithmetic table's own runs
+        # 0.4%: the arithmetic table's own runs
+        add("arithmetic", "addition", ("default", "mask"))
         for f in ("0.0005", "0.001", "0.002", "0.008"):
             add("data", "addition", ("default", "mask"), f"--data-frac {f}", f"frac{f}")
     if not plan.quick and want("vision"):
         for t, where in (("cifar10", ""), ("cifar100", ""), ("imagenet100", "/imagenet100")):
-            add("vision", t, ("default", "mimetic", "impulse", "mask", "mask-impulse"), where=where)
+            add("vision", t, ("default", "mimetic", "impulse", "mask", "mask-impulse"),
+                where=where)
     if not plan.quick and want("lm"):
         add("lm", "wikitext2", QK, where="")
         add("lm", "tinystories", ("default", "mask"), where="")
@@ -111,7 +123,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data
         for f in ("0.03", "0.3"):
             d2 = f"--digits 2 --data-frac {f} --answer-order lsb --steps 1000 --log-every 50"
             add("mult2", "multiplication", QK, d2, f"d2-frac{f}")
-            add("mult2", "multiplication", ("mask",), d2 + " --pattern partial", f"d2-frac{f}-partial")
+            add("mult2", "multiplication", ("mask",), d2 + " --pattern partial",
+                f"d2-frac{f}-partial")
     if only == "lee":
         _lee(plan, add)
     if only == "visionprior":
@@ -125,44 +138,51 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2), data
     if only == "mult-ladder":
         _mult_ladder(plan, add, runs)
     if only == "persistence":
-        plan.items = []                                          # it only aggregates the Boolean runs already made
+        # it only aggregates the Boolean runs already made
+        plan.items = []
     return plan
 
 
 def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None) -> bool:
-    """Whether DATA + `where` holds `task`'s data (`T.Task.locate`); if not, the reason is kept in plan.skipped
-    (with the number of `runs` skipped, where one table's runs of the task are meant)."""
+    """Whether DATA + `where` holds `task`'s data (`T.Task.locate`); if not, the reason is kept in
+    plan.skipped (with the number of `runs` skipped, where one table's runs of the task are
+    meant)."""
     if plan.data is None:
         return True
     try:
         T.TASKS[task].locate(plan.data + where)
         return True
     except T.DataError as e:
-        plan.skipped.setdefault(table, []).append((task if runs is None else f"{task} ({runs} runs)", str(e)))
+        plan.skipped.setdefault(table, []).append((task if runs is None
+                                                   else f"{task} ({runs} runs)", str(e)))
         if where == HOME.get(task, "") and task not in plan.absent:
             plan.absent.append(task)
         return False
 
 
-HOME = {"imagenet100": "/imagenet100"}        # where in DATA a set's fetched copy lies, if not in DATA itself
+# where in DATA a set's fetched copy lies, if not in DATA itself
+HOME = {"imagenet100": "/imagenet100"}
 
 
 def fetch_lines(plan: Plan) -> list[str]:
-    """The commands that put the plan's absent data sets in DATA: one `train.py download` for those published
-    (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an ImageNet-1k copy)."""
+    """The commands that put the plan's absent data sets in DATA: one `train.py download` for those
+    published (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an
+    ImageNet-1k copy)."""
     from datafetch.download import SOURCES
     names = [t for t in plan.absent if t in SOURCES]
-    lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash reproduce.sh --download)"
+    lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash "
+             "reproduce.sh --download)"
              ] if names else []
     if "imagenet100" in plan.absent:
-        lines.append(f"python train.py imagenet100 --from IMAGENET_1K_DIR --data {plan.data}   (its licence forbids "
-                     "a download)")
+        lines.append(f"python train.py imagenet100 --from IMAGENET_1K_DIR --data {plan.data}   "
+                     "(its licence forbids a download)")
     return lines
 
 
 def _arithmetic(plan, add):
-    """The paper presets: every init at the preset's budget. --quick: addition at convergence (default and mask; every
-    init with --only arithmetic) and every init at 250 steps (tag 250steps), where the paper's numbers show."""
+    """The paper presets: every init at the preset's budget. --quick: addition at convergence
+    (default and mask; every init with --only arithmetic) and every init at 250 steps (tag
+    250steps), where the paper's numbers show."""
     if not plan.quick:
         add("arithmetic", "addition", QK)
         add("arithmetic", "multiplication", QK)
@@ -176,29 +196,36 @@ def _arithmetic(plan, add):
 
 
 def _lee(plan, add):
-    """Lee et al.'s multiplication data: their NanoGPT budget on a GPU (256 windows of 256 characters / 10.25
-    characters an example); --quick: the CPU ladder at 40, 150 and 500 epochs, plain and reversed."""
+    """Lee et al.'s multiplication data: their NanoGPT budget on a GPU (256 windows of 256
+    characters / 10.25 characters an example); --quick: the CPU ladder at 40, 150 and 500 epochs,
+    plain and reversed."""
     lee = "--digits 2 --lee-samples 3000"
     if not plan.quick:
-        add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size 6400 --log-every 250",
+        add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size "
+                                                          "6400 --log-every 250",
             "msb-nanogpt")
         return
     for order in ("msb", "lsb"):
-        for epochs, log in ((40, 48), (150, 180), (500, 600)):        # a log step every 1/20 of a run
-            add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order {order} --epochs {epochs} "
+        # a log step every 1/20 of a run
+        for epochs, log in ((40, 48), (150, 180), (500, 600)):
+            add("lee", "multiplication", ("default", "mask"),
+                f"{lee} --answer-order {order} --epochs {epochs} "
                 f"--log-every {log}", f"{order}-ep{epochs}")
 
 
-LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", "-partial"), ("qk-opt", "", ""))
+LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", "-partial"),
+          ("qk-opt", "", ""))
 
 
 def _mult_ladder(plan, add, runs):
-    """Multiplication at the paper preset (a GPU's): answers msb and lsb, 5,000 steps, default, the mask (`carry`),
-    the mask with --pattern partial and qk-opt; then the better order (the higher mean sequence accuracy of its
-    runs in RUNS) at 20,000 steps, planned after a REPLAN once the first stage's results are in."""
+    """Multiplication at the paper preset (a GPU's): answers msb and lsb, 5,000 steps, default, the
+    mask (`carry`), the mask with --pattern partial and qk-opt; then the better order (the higher
+    mean sequence accuracy of its runs in RUNS) at 20,000 steps, planned after a REPLAN once the
+    first stage's results are in."""
     def stage(order, steps, tag):
         for init, pattern, suffix in LADDER:
-            add("mult-ladder", "multiplication", (init,), f"--answer-order {order} --steps {steps}{pattern}",
+            add("mult-ladder", "multiplication",
+                (init,), f"--answer-order {order} --steps {steps}{pattern}",
                 f"{order}{tag}{suffix}")
     for order in ("msb", "lsb"):
         stage(order, 5000, "")
@@ -208,15 +235,16 @@ def _mult_ladder(plan, add, runs):
         stage(better, 20000, "-20k")
         return
     plan.items.append(REPLAN)
-    stage("msb", 20000, "-20k")                 # its cost (either order's): kept in `later`, not run
-    plan.later = [(r, "the better order of the 5,000-step runs (the higher mean sequence accuracy), once they "
-                      "are in") for r in plan.runs[len(first):]]
+    # its cost (either order's): kept in `later`, not run
+    stage("msb", 20000, "-20k")
+    plan.later = [(r, "the better order of the 5,000-step runs (the higher mean sequence "
+                      "accuracy), once they are in") for r in plan.runs[len(first):]]
     plan.items = [i for i in plan.items if not isinstance(i, Run) or i in first]
 
 
 def _better_order(first: list, runs: str | None) -> str | None:
-    """msb or lsb: the order whose runs in `first` have the higher mean sequence accuracy in RUNS (msb on a tie);
-    None while any of them has no result.json."""
+    """msb or lsb: the order whose runs in `first` have the higher mean sequence accuracy in RUNS
+    (msb on a tie); None while any of them has no result.json."""
     if runs is None:
         return None
     mean = {}
@@ -241,18 +269,24 @@ def _vision_prior(plan, add):
         add("visionprior", "cifar10", ("mask",), f"{d} --pattern {p}", p)
     add("visionprior", "cifar10", ("default", "impulse"), d)
     for m in (2, 5):                                             # the hard impulse's off level
-        add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}", f"impulse-off{m}")
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}",
+            f"impulse-off{m}")
     for a in ("0.3", "3"):                                       # the soft bump's width
-        add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}", f"soft-alpha{a}")
-    add("visionprior", "cifar10", ("qk-svd",), d)                # impulse taken apart: its QK part alone,
-    add("visionprior", "cifar10", ("qk-svd",), f"{d} --qk-svd-pos-scale 18", "pos18")    # then with the positions x18
-    for p in ("impulse", "soft"):                                # the mask with impulse's positions x18 and mimetic V
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}",
+            f"soft-alpha{a}")
+    # impulse taken apart: its QK part alone,
+    add("visionprior", "cifar10", ("qk-svd",), d)
+    # then with the positions x18
+    add("visionprior", "cifar10", ("qk-svd",), f"{d} --qk-svd-pos-scale 18", "pos18")
+    # the mask with impulse's positions x18 and mimetic V
+    for p in ("impulse", "soft"):
         add("visionprior", "cifar10", ("mask-impulse",), f"{d} --pattern {p}", p)
 
 
 def _ablation(plan, add):
-    """The robustness grid: each Boolean task's readout x positional std x {default, mask}; the cells at the task's own
-    small preset are its Boolean-table runs (all four inits), the others go to ablation/."""
+    """The robustness grid: each Boolean task's readout x positional std x {default, mask}; the
+    cells at the task's own small preset are its Boolean-table runs (all four inits), the others go
+    to ablation/."""
     for t in ("parity2", "majority3", "cyclic3"):
         add("boolean", t, QK)
         preset = T.TASKS[t].preset("small")
@@ -260,23 +294,28 @@ def _ablation(plan, add):
         for readout in ("cls", "mean"):
             for pos in (0.02, 0.5):
                 if (readout, pos) != own:
-                    add("ablation", t, ("default", "mask"), f"--readout {readout} --pos-init-std {pos}",
+                    add("ablation", t, ("default", "mask"), f"--readout {readout} --pos-init-std "
+                                                            f"{pos}",
                         f"{readout}-pos{pos}")
 
 
-ORACLE_FREE_BITS = {"kparity": "--bits random:2 --unseen bits:2", "kmajority": "--bits random:3 --unseen bits:2"}
+ORACLE_FREE_BITS = {"kparity": "--bits random:2 --unseen bits:2",
+                    "kmajority": "--bits random:3 --unseen bits:2"}
 
 
 def _oracle_free(plan, add):
-    """Priors without an oracle, a group of tasks at a time: its teachers (default runs), a WAIT, then the students
-    (the hand mask, the pattern found in the data, the teacher's prior in mask and qk-svd, and default for the
-    teacher's and the student's steps together); the cheap tasks first, cyclic3 (8,000 steps a run) last."""
+    """Priors without an oracle, a group of tasks at a time: its teachers (default runs), a WAIT,
+    then the students (the hand mask, the pattern found in the data, the teacher's prior in mask
+    and qk-svd, and default for the teacher's and the student's steps together); the cheap tasks
+    first, cyclic3 (8,000 steps a run) last."""
     of, teacher = "oraclefree", "--prior-from @RUNS/oraclefree"
-    twice = {t: 2 * int(T.TASKS[t].preset("small").get("steps") or T.TASKS[t].preset("small")["epochs"])
+    twice = {t: 2 * int(T.TASKS[t].preset("small").get("steps")
+                        or T.TASKS[t].preset("small")["epochs"])
              for t in ("parity2", "kparity", "majority3", "kmajority", "addition", "wikitext2", "cyclic3", "cifar10")}
     vision = _have(plan, of, "cifar10", "")
     lm = _have(plan, of, "wikitext2", "/vimtext-a") and _have(plan, of, "wikitext2", "/vimtext-b")
-    for group in (("parity2", "kparity", "majority3", "kmajority", "addition"), "vision", "lm", ("cyclic3",)):
+    for group in (("parity2", "kparity", "majority3", "kmajority", "addition"), "vision", "lm",
+                  ("cyclic3",)):
         if (group == "vision" and not vision) or (group == "lm" and not lm):
             continue
         if group == ("cyclic3",):
@@ -292,29 +331,36 @@ def _oracle_free(plan, add):
         if group == "vision":
             add(of, "cifar10", ("mask",), "--data-dir @DATA")
             for s in plan.seeds:
-                plan.items += [Run(of, "cifar10", "mask", s, "teacher", f"--data-dir @DATA {teacher}/cifar10-default-s{s}"),
+                plan.items += [Run(of, "cifar10", "mask", s, "teacher",
+                                   f"--data-dir @DATA {teacher}/cifar10-default-s{s}"),
                                Run(of, "cifar10", "mask", s, "teacher-impulse",
                                    f"--data-dir @DATA {teacher}/cifar10-impulse-s{s}")]
-            add(of, "cifar10", ("default",), f"--data-dir @DATA --epochs {twice['cifar10']}", "budget2x")
+            add(of, "cifar10", ("default",), f"--data-dir @DATA --epochs {twice['cifar10']}",
+                "budget2x")
         elif group == "lm":
             add(of, "wikitext2", ("default", "mask"), "--data-dir @DATA/vimtext-b", "corpusB")
             for s in plan.seeds:
                 plan.items.append(Run(of, "wikitext2", "mask", s, "corpusB-teacher",
-                                      f"--data-dir @DATA/vimtext-b {teacher}/wikitext2-default-s{s}-corpusA"))
-            add(of, "wikitext2", ("default",), f"--data-dir @DATA/vimtext-b --steps {twice['wikitext2']}",
+                                      "--data-dir @DATA/vimtext-b "
+                                      f"{teacher}/wikitext2-default-s{s}-corpusA"))
+            add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-b --steps "
+                                               f"{twice['wikitext2']}",
                 "corpusB-budget2x")
         else:
             _oracle_free_students(plan, add, group, twice, teacher)
 
 
-SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4", "kparity": "--bits 2,7,11 --unseen 2,7"}
-MIXED = {"sum23": "--terms 0,1:2,3,4", "summaj": "--terms 0,1:m2,3,4"}     # x0 x1 + x2 x3 x4; x0 x1 + maj(x2..x4)
+SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4",
+              "kparity": "--bits 2,7,11 --unseen 2,7"}
+# x0 x1 + x2 x3 x4; x0 x1 + maj(x2..x4)
+MIXED = {"sum23": "--terms 0,1:2,3,4", "summaj": "--terms 0,1:m2,3,4"}
 
 
 def _small_data_and_mixed(plan, add, teacher):
-    """Round two of the priors without an oracle: the data route on small training sets (default, the hand mask
-    and the found one at 100 .. 2,000 draws and every seen point), 2-digit multiplication's found digit pairs, and
-    two targets that mix structures (ksum: teachers, a WAIT, then the hand mask, the found one, the teacher's)."""
+    """Round two of the priors without an oracle: the data route on small training sets (default,
+    the hand mask and the found one at 100 .. 2,000 draws and every seen point), 2-digit
+    multiplication's found digit pairs, and two targets that mix structures (ksum: teachers, a
+    WAIT, then the hand mask, the found one, the teacher's)."""
     of = "oraclefree"
     for task, f in SMALL_DATA.items():
         for n in (100, 250, 500, 2000, None):
@@ -331,63 +377,72 @@ def _small_data_and_mixed(plan, add, teacher):
         add(of, "ksum", ("mask",), f, tag)
         add(of, "ksum", ("mask",), f"{f} --pattern discovered", f"{tag}-discovered")
         for s in plan.seeds:
-            plan.items.append(Run(of, "ksum", "mask", s, f"{tag}-teacher", f"{f} {teacher}/ksum-default-s{s}-{tag}"))
+            plan.items.append(Run(of, "ksum", "mask", s, f"{tag}-teacher",
+                                  f"{f} {teacher}/ksum-default-s{s}-{tag}"))
 
 
 def _parity3(plan, add):
-    """Does any layout let the mask generalise on a 3-parity (kparity on bits 2, 7, 11)? The robustness grid's
-    axes: the readout, the positional std, the depth, and which bits are frozen on U (two of the three, or one);
-    the mask on every seed, default on the first two (the MDI's place). 600 steps: on the preset's 1,500 the mask
-    sits at 50% on U from step 90."""
+    """Does any layout let the mask generalise on a 3-parity (kparity on bits 2, 7, 11)? The
+    robustness grid's axes: the readout, the positional std, the depth, and which bits are frozen
+    on U (two of the three, or one); the mask on every seed, default on the first two (the MDI's
+    place). 600 steps: on the preset's 1,500 the mask sits at 50% on U from step 90."""
     for unseen in ("2,7", "2"):
         for readout in ("cls", "mean"):
             for pos in ("0.02", "0.5"):
                 for layers in (2, 3):
-                    f = (f"--bits 2,7,11 --unseen {unseen} --readout {readout} --pos-init-std {pos} --layers {layers} "
-                         "--steps 600 --log-every 30")
+                    f = (f"--bits 2,7,11 --unseen {unseen} --readout {readout} --pos-init-std "
+                         f"{pos} --layers {layers} --steps 600 --log-every 30")
                     tag = f"U{unseen.replace(',', '')}-{readout}-pos{pos}-L{layers}"
                     add("parity3", "kparity", ("mask",), f, tag)
-                    plan.items += [Run("parity3", "kparity", "default", s, tag, f) for s in plan.seeds[:2]]
+                    plan.items += [Run("parity3", "kparity", "default", s, tag, f)
+                                   for s in plan.seeds[:2]]
 
 
 def _oracle_free_students(plan, add, group, twice, teacher):
     of = "oraclefree"
     for t in group:
-        if t == "addition":                    # addition's default is at 98% by its preset's 1,500 steps: no room
+        # addition's default is at 98% by its preset's 1,500 steps: no room
+        if t == "addition":
             continue
         f = ORACLE_FREE_BITS.get(t, "")
         add(of, t, ("mask",), f)
         add(of, t, ("mask",), f"{f} --pattern discovered".strip(), "discovered")
         for s in plan.seeds:
             for init in ("mask", "qk-svd"):
-                plan.items.append(Run(of, t, init, s, "teacher", f"{f} {teacher}/{t}-default-s{s}".strip()))
+                plan.items.append(Run(of, t, init, s, "teacher",
+                                      f"{f} {teacher}/{t}-default-s{s}".strip()))
         add(of, t, ("default",), f"{f} --steps {twice[t]}".strip(), "budget2x")
-    if "addition" in group:                    # its students at 250 steps, the paper's regime; the teachers are the
+    # its students at 250 steps, the paper's regime; the teachers are the
+    if "addition" in group:
         add(of, "addition", ("default", "mask"), SHORT, "250steps")          # 1,500-step defaults
         add(of, "addition", ("mask",), f"{SHORT} --pattern discovered", "250steps-discovered")
         for s in plan.seeds:
             for init in ("mask", "qk-svd"):
                 plan.items.append(Run(of, "addition", init, s, "250steps-teacher",
                                       f"{SHORT} {teacher}/addition-default-s{s}"))
-        add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 --eval-points 500",
+        add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 "
+                                          "--eval-points 500",
             "250steps-samebudget")
 
 
-# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours where known
+# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours
+# where known
 
-STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "step_times.json")
+STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                          "step_times.json")
 
 
 def step_times(path: str = STEP_TIMES) -> dict:
-    """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that benchmarks/bench_paper.py
-    measured (the paper presets on a GPU, the --quick ones on a CPU; real data path, evaluation included) and wrote
-    to results/step_times.json; {} without it."""
+    """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that
+    benchmarks/bench_paper.py measured (the paper presets on a GPU, the --quick ones on a CPU; real
+    data path, evaluation included) and wrote to results/step_times.json; {} without it."""
     if not os.path.exists(path):
         return {}
     times = RF.read_json(path)
     how = "measure them again with python benchmarks/bench_paper.py --write, or remove the file"
     if not isinstance(times, dict):
-        raise RF.ReadError(f"{path} holds {type(times).__name__}, not the step times bench_paper.py writes; {how}")
+        raise RF.ReadError(f"{path} holds {type(times).__name__}, not the step times "
+                           f"bench_paper.py writes; {how}")
     for key, entry in times.items():
         try:
             RF.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
@@ -397,15 +452,18 @@ def step_times(path: str = STEP_TIMES) -> dict:
 
 
 _ms = (lambda v: RF.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
-STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms}     # what hours() reads
+# what hours() reads
+STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms}
 
 
-LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")   # how long, where: not a step's cost
+# how long, where: not a step's cost
+LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")
 
 
 def time_key(run: Run, preset: str = "paper") -> str:
-    """The step time a run shares with every run of its preset, task, init and flags, but those that only set how
-    long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask", "small addition default"."""
+    """The step time a run shares with every run of its preset, task, init and flags, but those
+    that only set how long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask",
+    "small addition default"."""
     words, kept = run.flags.split(), []
     for i, w in enumerate(words):
         if w not in LENGTH_FLAGS and (i == 0 or words[i - 1] not in LENGTH_FLAGS):
@@ -414,9 +472,9 @@ def time_key(run: Run, preset: str = "paper") -> str:
 
 
 def hours(run: Run, times: dict, preset: str = "paper") -> float | None:
-    """A run's device-hours from the measured times of its time_key: its steps, its log steps' evaluations, the
-    final one over the whole test set (`steps_of`) and its start (process, data, model, init: `ms_setup`); None
-    where its time was not measured."""
+    """A run's device-hours from the measured times of its time_key: its steps, its log steps'
+    evaluations, the final one over the whole test set (`steps_of`) and its start (process, data,
+    model, init: `ms_setup`); None where its time was not measured."""
     t = times.get(time_key(run, preset))
     if not isinstance(t, dict):
         return None
@@ -426,11 +484,12 @@ def hours(run: Run, times: dict, preset: str = "paper") -> float | None:
 
 
 def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
-    """(training steps, evaluations) of a run of the paper preset, from its flags and its task's preset; a preset in
-    epochs takes the dataset's size (`train_size`)."""
+    """(training steps, evaluations) of a run of the paper preset, from its flags and its task's
+    preset; a preset in epochs takes the dataset's size (`train_size`)."""
     p = T.TASKS[run.task].preset(preset)
     words = run.flags.split()
-    flag = {words[i][2:].replace("-", "_"): words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
+    flag = {words[i][2:].replace("-", "_"): words[i + 1] for i in range(len(words) - 1)
+            if words[i].startswith("--")}
     batch = int(flag.get("batch_size", p.get("batch_size", 64)))
     if "steps" in flag or ("epochs" not in flag and "steps" in p):
         steps = int(flag.get("steps", p.get("steps", 0)))
@@ -441,23 +500,24 @@ def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
 
 
 def train_size(task: str) -> int:
-    """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`), else its own
-    count once set up (the Boolean and arithmetic tasks make their data)."""
+    """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`),
+    else its own count once set up (the Boolean and arithmetic tasks make their data)."""
     cls = T.TASKS[task]
     return getattr(cls, "TRAIN_SIZE", None) or T.make_task(task).setup().n_train
 
 
 def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
-    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step times (the paper
-    presets: device-hours; --quick: minutes of wall time at `jobs` runs at a time), or "not measured"; then every
-    table or task skipped and why, and the commands that fetch the missing data."""
+    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step
+    times (the paper presets: device-hours; --quick: minutes of wall time at `jobs` runs at a
+    time), or "not measured"; then every table or task skipped and why, and the commands that fetch
+    the missing data."""
     times = step_times() if times is None else times
     preset = "small" if plan.quick else "paper"
     lines, total, by_table = [], 0.0, {}
     for r in plan.runs:
         by_table.setdefault(r.table, []).append(r)
-    lines.append(f"plan: {len(plan.runs)} runs, preset {preset} ({'CPU' if plan.quick else 'one GPU'}), seeds "
-                 f"{' '.join(map(str, plan.seeds))}")
+    lines.append(f"plan: {len(plan.runs)} runs, preset {preset} "
+                 f"({'CPU' if plan.quick else 'one GPU'}), seeds {' '.join(map(str, plan.seeds))}")
     unknown = False
     for table, rs in by_table.items():
         h = [hours(r, times, preset) for r in rs]
@@ -475,16 +535,19 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
         cost = "device-hours not measured" if None in h else f"{sum(h):.2f} device-hours"
         lines.append(f"  then {len(plan.later):>4} runs  {cost}: {plan.later[0][1]}")
     if by_table and not unknown:
-        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time" if plan.quick else
+        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time"
+                     if plan.quick else
                      f"  in all: {total:.2f} device-hours")
     for table, skips in plan.skipped.items():
         for what, why in skips:
             lines.append(f"  skipped: {table} {what}: {why}")
     lines += [f"  fetch: {line}" for line in fetch_lines(plan)]
-    measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ") and isinstance(t, dict)}
+    measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ")
+                and isinstance(t, dict)}
     how = f"python benchmarks/bench_paper.py {'--quick --device cpu' if plan.quick else '--device cuda'} --write"
-    lines.append(f"  step times: {os.path.relpath(STEP_TIMES)} ({', '.join(sorted(map(str, measured)))}; {how} "
-                 "measures them again)" if measured else f"  step times: none measured ({how} measures them)")
+    lines.append(f"  step times: {os.path.relpath(STEP_TIMES)} "
+                 f"({', '.join(sorted(map(str, measured)))}; {how} measures them again)"
+                 if measured else f"  step times: none measured ({how} measures them)")
     return "\n".join(lines)
 
 
@@ -498,7 +561,8 @@ class _Once(argparse.Action):
 
 
 def parse_seeds(text: str) -> list[int]:
-    """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts (tasks.parse_count)."""
+    """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts
+    (tasks.parse_count)."""
     seeds = [T.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
     if not seeds or len(set(seeds)) != len(seeds):
         raise T.TaskError(f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {T.cut(text)}")
@@ -506,21 +570,25 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.register("action", None, _Once)                # every flag below: given once
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=TABLES)
     p.add_argument("--seeds", default="0 1 2")
     p.add_argument("--data", default="data")
     p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time (the --quick plan's minutes)")
-    p.add_argument("--list", action="store_true", help="the plan as reproduce.sh reads it: its text, each line led by "
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (the --quick plan's minutes)")
+    p.add_argument("--list", action="store_true",
+                   help="the plan as reproduce.sh reads it: its text, each line led by "
                    "'# ', then the runs, one a line")
     a = p.parse_args(argv)
     try:
         plan = run_list(a.quick, a.only, parse_seeds(a.seeds), a.data, a.runs)
         step_times()
-    except (RF.UsageError, RF.ReadError) as e:      # one line, exit 2: reproduce.sh passes it on and starts nothing
+    # one line, exit 2: reproduce.sh passes it on and starts nothing
+    except (RF.UsageError, RF.ReadError) as e:
         print(f"reporting.plan: {e}", file=sys.stderr)
         return 2
     if a.list:

@@ -1,11 +1,11 @@
-"""The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence curves, the
-prior per layer, data efficiency and the oracle-free study. Loaded only by `python train.py summarize`, `report`
-and `redraw`; it reads what train.py wrote (result.json, args.json, metrics.jsonl, through runfiles) and never
-trains or changes a run.
+"""The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence
+curves, the prior per layer, data efficiency and the oracle-free study. Loaded only by `python
+train.py summarize`, `report` and `redraw`; it reads what train.py wrote (result.json, args.json,
+metrics.jsonl, through runfiles) and never trains or changes a run.
 
 Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures
-(persistence, the robustness grid, learning curves, steps to target, the prior per layer, data efficiency, the
-oracle-free study) -> `report`, which writes them all.
+(persistence, the robustness grid, learning curves, steps to target, the prior per layer, data
+efficiency, the oracle-free study) -> `report`, which writes them all.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from reporting.figures import (caption, legend_below, line_style, panel_grid, pl
 PAPER = {
     ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
     ("parity2", "mask"): "100",
-    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87", ("majority3", "qk-opt"): "~87",
+    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87",
+         ("majority3", "qk-opt"): "~87",
     ("majority3", "mask"): "100",
     ("cyclic3", "mask"): "99.98",
     ("addition", "default"): "1.19", ("addition", "mask"): "77.49",
@@ -43,10 +44,10 @@ PAPER = {
 def collect_runs(paths) -> tuple[list, list]:
     """Read result.json under each path (a run directory or a folder of them).
 
-    Returns (results, problems): problems name every run directory whose result.json is
-    missing (an unfinished run) or unreadable, and every run counted once already (a copy of a run folder,
-    or the same task, init, seed and flags run again: one seed is one result), so nothing is skipped or
-    counted twice silently.
+    Returns (results, problems): problems name every run directory whose result.json is missing (an
+    unfinished run) or unreadable, and every run counted once already (a copy of a run folder, or
+    the same task, init, seed and flags run again: one seed is one result), so nothing is skipped
+    or counted twice silently.
     """
     runs, problems = [], []
     dirs = []
@@ -54,7 +55,8 @@ def collect_runs(paths) -> tuple[list, list]:
         if os.path.exists(os.path.join(path, "args.json")) or os.path.exists(os.path.join(path, "result.json")):
             dirs.append(path)
         elif os.path.isdir(path):
-            dirs += sorted(os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+            dirs += sorted(os.path.join(path, d) for d in os.listdir(path)
+                           if os.path.isdir(os.path.join(path, d)))
         else:
             problems.append(f"{path}: no such run directory")
     for d in dirs:
@@ -70,17 +72,20 @@ def collect_runs(paths) -> tuple[list, list]:
 
 
 def once_each(runs: list, problems: list) -> tuple[list, list]:
-    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed, flags
-    and data (the same run again) is left out and named in problems; on other data it is another run."""
+    """Each run once: a folder with the run id of one already read (a copy) or with its task, init,
+    seed, flags and data (the same run again) is left out and named in problems; on other data it
+    is another run."""
     kept, ids, configs = [], {}, {}
     for r in runs:
-        key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), r["data"]], sort_keys=True, default=repr)
+        key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), r["data"]],
+                         sort_keys=True, default=repr)
         rid = r["run_id"]
         if rid in ids:
-            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
+            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): "
+                            "counted once")
         elif key in configs:
-            problems.append(f"{r['run_dir']}: the same task, init, seed, flags and data as {configs[key]}: counted "
-                            f"once")
+            problems.append(f"{r['run_dir']}: the same task, init, seed, flags and data as "
+                            f"{configs[key]}: counted once")
         else:
             kept.append(r)
         if rid:
@@ -90,8 +95,8 @@ def once_each(runs: list, problems: list) -> tuple[list, list]:
 
 
 def mean_std(values, digits: int = 2, count: bool = False) -> str:
-    """"mean ± sample std" of the values with `digits` decimals, and their number in brackets with `count`; one value
-    is "value (1 seed)" (no spread to show, not a spread of 0); "" for none."""
+    """"mean ± sample std" of the values with `digits` decimals, and their number in brackets with
+    `count`; one value is "value (1 seed)" (no spread to show, not a spread of 0); "" for none."""
     if not values:
         return ""
     m = sum(values) / len(values)
@@ -102,7 +107,8 @@ def mean_std(values, digits: int = 2, count: bool = False) -> str:
 
 
 def init_order(runs: list):
-    """The sort key of the inits of `runs`: each init's place in train.py's INITS table, as its runs record it."""
+    """The sort key of the inits of `runs`: each init's place in train.py's INITS table, as its
+    runs record it."""
     order = {r["init"]: r["init_order"] for r in runs}
     return order.__getitem__
 
@@ -122,7 +128,8 @@ def _num(key):
 
 
 def _mass(ms):
-    start, end = ([m[k] for m in ms if m.get(k) is not None] for k in ("prior_mass_start", "prior_mass_end"))
+    start, end = ([m[k] for m in ms if m.get(k) is not None]
+                  for k in ("prior_mass_start", "prior_mass_end"))
     if len(start) == len(end) == 1:                        # one run: said once
         return f"{start[0]:.2f} → {end[0]:.2f} (1 seed)"
     return f"{mean_std(start)} → {mean_std(end)}" if start or end else ""
@@ -137,13 +144,15 @@ def _mdi(ms):
 
 # Columns of the summary table by task kind: (header, function of the runs' metrics).
 COLUMNS = {
-    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")), ("sign acc %", _pct("sign_acc")),
-                ("MSE on U", _num("mse_unseen")), ("MSE", _num("mse")), ("prior mass start → end", _mass),
-                ("MDI acc %", _mdi)],
+    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")),
+                ("sign acc %", _pct("sign_acc")), ("MSE on U", _num("mse_unseen")),
+                ("MSE", _num("mse")), ("prior mass start → end", _mass), ("MDI acc %", _mdi)],
     "arithmetic": [("seq acc %", _pct("seq_acc")), ("digit acc %", _pct("digit_acc")),
                    ("train seq acc %", _pct("train_seq_acc")), ("prior mass start → end", _mass)],
-    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")), ("prior mass start → end", _mass)],
-    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")), ("prior mass start → end", _mass)],
+    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")),
+               ("prior mass start → end", _mass)],
+    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")),
+           ("prior mass start → end", _mass)],
 }
 
 
@@ -160,10 +169,12 @@ def summarize(paths) -> str:
     for task, label in groups:
         kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
         every = [[r["metrics"] for r in rs] for rs in groups[(task, label)].values()]
-        cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"]) if any(f(ms) for ms in every)]
+        cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"])
+                if any(f(ms) for ms in every)]
         out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
         rows = []
-        for init in sorted(groups[(task, label)], key=init_order(sum(groups[(task, label)].values(), []))):
+        for init in sorted(groups[(task, label)],
+                           key=init_order(sum(groups[(task, label)].values(), []))):
             rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
             rows.append([init, ",".join(str(r["seed"]) for r in rs), *(f(ms) for _, f in cols),
@@ -178,23 +189,29 @@ def summarize(paths) -> str:
 # Report: a reproduction's run folders -> results/*.md tables and the persistence curves
 
 TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee", "parity3")
-REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")      # what `report` reads in a runs folder
-TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
-                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
+# what `report` reads in a runs folder
+REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")
+TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree "
+                           "interpolator)",
+                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 "
+                              "held-out pairs)",
                 "vision": "ViT image classification (top-1 on the test split)",
                 "lm": "Language modelling (validation loss and perplexity)",
-                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
-                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)",
-                "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on every pair not "
-                       "trained on, and on the training samples)",
-                "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, positional std, depth and "
-                           "the bits frozen on U"}
+                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair "
+                         "not trained on)",
+                "visionprior": "The vision priors (top-1 on the test split; one table per "
+                               "--pattern)",
+                "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on "
+                       "every pair not trained on, and on the training samples)",
+                "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, "
+                           "positional std, depth and the bits frozen on U"}
 PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
 
 
 def token_names(run: dict) -> list | None:
-    """The names of a run's token positions (its task's `token_labels`, the task rebuilt from the run's flags), or
-    None where it has none. The one place a report asks the task registry (loaded here, not at import)."""
+    """The names of a run's token positions (its task's `token_labels`, the task rebuilt from the
+    run's flags), or None where it has none. The one place a report asks the task registry (loaded
+    here, not at import)."""
     import tasks as T
     cls = T.TASKS.get(run.get("task"))
     if cls is None:
@@ -212,7 +229,8 @@ def flag_label(label: str) -> str:
     parts = []
     for part in filter(None, label.split(", ")):
         key, eq, value = part.partition("=")
-        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq else part)
+        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq
+                     else part)
     return ", ".join(parts)
 
 
@@ -223,7 +241,8 @@ def log_records(run: dict) -> list[dict]:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         try:
             run["_records"] = RF.read_log(path) if os.path.isfile(path) else []
-        except RF.LogError as e:                  # the run has no curves; its result.json still counts in the tables
+        # the run has no curves; its result.json still counts in the tables
+        except RF.LogError as e:
             run["_records"] = []
             run["_log_problem"] = str(e)
     return run["_records"]
@@ -232,7 +251,8 @@ def log_records(run: dict) -> list[dict]:
 def persistence_rows(boolean_dir: str) -> list[dict]:
     """Per logged step of every mask / qk-svd / qk-opt Boolean run, from its metrics.jsonl: the
     attention mass on the pattern (mean over layers, and per layer) and the drift of the prior
-    itself, mean over layers: relative Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
+    itself, mean over layers: relative Frobenius change of M for `mask`, of Wq Wk^T for the QK
+    inits."""
     rows = []
     runs, _ = collect_runs([boolean_dir])
     for r in runs:
@@ -243,23 +263,26 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
             if rec.get("prior_mass") is None:
                 continue
             drift = rec.get(drift_key)
-            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
-                         "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
-                         "drift": sum(drift) / len(drift) if drift else float("nan")})
+            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"],
+                         "step": rec["step"], "mass": rec["prior_mass_mean"],
+                         "layers": rec["prior_mass"], "drift": sum(drift) / len(drift) if drift
+                         else float("nan")})
     rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
     return rows
 
 
-PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative change of the prior itself (bottom: "
-                       "M for mask, Wq Wk^T for qk-svd and qk-opt) over training; mean over seeds, band = min to max")
+PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative change of the "
+                       "prior itself (bottom: M for mask, Wq Wk^T for qk-svd and qk-opt) over "
+                       "training; mean over seeds, band = min to max")
 
 
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
-    """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed. Returns the paths
-    written."""
+    """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed.
+    Returns the paths written."""
     csv_path = os.path.join(out_dir, "persistence.csv")
     n_layers = max((len(r["layers"]) for r in rows), default=0)
-    lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}" for i in range(n_layers))]
+    lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}"
+                                                                    for i in range(n_layers))]
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
@@ -268,8 +291,9 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
 
 
 def draw_persistence(rows: list[dict], path: str) -> list[str]:
-    """persistence.png from persistence rows: per task, the mass on the pattern and the drift of the prior against
-    the step, a line per prior init (mean over seeds, band = min to max). Returns [path], or [] without matplotlib."""
+    """persistence.png from persistence rows: per task, the mass on the pattern and the drift of
+    the prior against the step, a line per prior init (mean over seeds, band = min to max). Returns
+    [path], or [] without matplotlib."""
     tasks = sorted({r["task"] for r in rows})
     made = panel_grid(len(tasks), rows=2, width=4.2, height=3.0)
     if made is None:
@@ -280,7 +304,8 @@ def draw_persistence(rows: list[dict], path: str) -> list[str]:
             for row, key in ((0, "mass"), (1, "drift")):
                 by_step = {}
                 for r in rows:
-                    if r["task"] == task and r["init"] == init and r[key] == r[key]:     # drift may be NaN
+                    # drift may be NaN
+                    if r["task"] == task and r["init"] == init and r[key] == r[key]:
                         by_step.setdefault(r["step"], []).append(r[key])
                 if by_step:
                     plot_band(at(b, row), by_step, init, line_style(i, init))
@@ -296,8 +321,9 @@ def draw_persistence(rows: list[dict], path: str) -> list[str]:
 
 
 def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
-    """m_TASK.png beside persistence.png, per Boolean task with a `mask` run: M at the start and at the end of its
-    lowest seed's run whose checkpoint reads, per layer and head (`reporting.show.draw_m`). Needs matplotlib."""
+    """m_TASK.png beside persistence.png, per Boolean task with a `mask` run: M at the start and at
+    the end of its lowest seed's run whose checkpoint reads, per layer and head
+    (`reporting.show.draw_m`). Needs matplotlib."""
     if pyplot() is None:
         return []
     from reporting import show
@@ -305,12 +331,15 @@ def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
     for task in sorted({r["task"] for r in runs if r["init"] == "mask"}):
         for r in (r for r in runs if r["task"] == task and r["init"] == "mask"):
             try:
-                start, end = show.m_of_checkpoint(RF.read_checkpoint(os.path.join(r["run_dir"], "ckpt.pt")))
+                start, end = show.m_of_checkpoint(RF.read_checkpoint(os.path.join(r["run_dir"],
+                                                                                  "ckpt.pt")))
             except (RF.ReadError, KeyError, TypeError, AttributeError, ValueError):
                 continue
-            if end and len(start) == len(end) and all(s is None or s.shape == e.shape for s, e in zip(start, end)):
+            if end and len(start) == len(end) and all(s is None or s.shape == e.shape
+                                                      for s, e in zip(start, end)):
                 title = f"{task} --init mask seed {r['seed']} ({os.path.basename(r['run_dir'])})"
-                written.append(show.draw_m(start, end, os.path.join(out_dir, f"m_{task}.png"), title,
+                written.append(show.draw_m(start, end,
+                                           os.path.join(out_dir, f"m_{task}.png"), title,
                                            names=token_names(r)))
                 break
     return written
@@ -336,14 +365,16 @@ def ablation(folders) -> str:
         mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
         out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
         rows = []
-        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, ABLATION_INITS.index(k[2])
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0,
+                                                       ABLATION_INITS.index(k[2])
                                                        if k[2] in ABLATION_INITS else 99)):
             readout, pos, init = key
             rs = sorted(groups[task][key], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
             rows.append([f"{readout}{'*' if all(r.get('at_preset') for r in rs) else ''}", pos, init,
-                         ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms), _pct("acc_unseen")(ms),
-                         _num("mse_unseen")(ms), _num("pred_unseen")(ms), _num("prior_mass_end")(ms)])
+                         ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms),
+                         _pct("acc_unseen")(ms), _num("mse_unseen")(ms), _num("pred_unseen")(ms),
+                         _num("prior_mass_end")(ms)])
         out += md_table(["readout", "pos std", "init", "seeds", "acc %", "acc on U %", "MSE on U",
                          "mean prediction on U", "prior mass end"], rows)
     if problems:
@@ -359,25 +390,28 @@ PERCENT_METRICS = ("acc_unseen", "seq_acc", "train_seq_acc", "top1")
 CURVE_METRICS = {
     "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
     "arithmetic": (("seq_acc", "sequence accuracy", True),
-                   ("train_seq_acc", "sequence accuracy on the training samples", True),   # --lee-samples runs
+                   # --lee-samples runs
+                   ("train_seq_acc", "sequence accuracy on the training samples", True),
                    ("prior_mass_mean", "attention mass on the pattern", True)),
-    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
+    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern",
+                                         True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
-# Runs that differ only in what result.json's tells_apart leaves out (where and how a run ran, which run it is, its
-# init and seed) are one configuration; any other difference draws them apart.
+# Runs that differ only in what result.json's tells_apart leaves out (where and how a run ran,
+# which run it is, its init and seed) are one configuration; any other difference draws them apart.
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:
-    """The flags that define a run's configuration: result.json's tells_apart (every flag but where and how it ran,
-    which run it is, its init and seed), less `ignore`."""
+    """The flags that define a run's configuration: result.json's tells_apart (every flag but where
+    and how it ran, which run it is, its init and seed), less `ignore`."""
     return {k: v for k, v in run["tells_apart"].items() if k not in ignore}
 
 
 def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
-    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`). Returns
-    ({(task, label): runs}, notes): label is "" when a task has one configuration, else the flags
-    that tell its configurations apart ("steps=250"), and a note names each such mix in one line."""
+    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`).
+    Returns ({(task, label): runs}, notes): label is "" when a task has one configuration, else the
+    flags that tell its configurations apart ("steps=250"), and a note names each such mix in one
+    line."""
     by_task, notes, groups = {}, [], {}
     for r in runs:
         by_task.setdefault(r["task"], []).append((r, run_config(r, ignore)))
@@ -398,14 +432,15 @@ def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
         configs.sort(key=lambda cr: [json.dumps(cr[0].get(k)) for k in differ])
         for c, rs in configs:
             groups[(task, ", ".join(f"{k}={c.get(k)}" for k in differ))] = rs
-        notes.append(f"{task}: {len(configs)} configurations differing in {', '.join(differ)}; each is drawn "
-                     f"and tabulated on its own, never averaged together")
+        notes.append(f"{task}: {len(configs)} configurations differing in {', '.join(differ)}; "
+                     "each is drawn and tabulated on its own, never averaged together")
     return groups, notes
 
 
 def curve_points(run: dict) -> dict:
-    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics (read
-    from the record's metrics, or from the record itself: the prior's mass, prior_mass_mean)."""
+    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics
+    (read from the record's metrics, or from the record itself: the prior's mass,
+    prior_mass_mean)."""
     keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
     points = {k: [] for k in keys}
     for rec in log_records(run):
@@ -422,34 +457,38 @@ METRIC_NAMES = {k: name for metrics in CURVE_METRICS.values() for k, name, _ in 
 
 
 def curve_rows(groups: dict) -> list[tuple]:
-    """(task, configuration label, init, seed, step, metric, value) for every logged headline metric of every run of
-    `groups` (`config_groups`), by init then seed: the rows of curves.csv, from which its figures are drawn."""
+    """(task, configuration label, init, seed, step, metric, value) for every logged headline
+    metric of every run of `groups` (`config_groups`), by init then seed: the rows of curves.csv,
+    from which its figures are drawn."""
     rows = []
     for (task, label), rs in groups.items():
         for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"])):
-            rows += [(task, label, r["init"], r["seed"], step, k, v) for k, pts in curve_points(r).items() for step, v in pts]
+            rows += [(task, label, r["init"], r["seed"], step, k, v)
+                     for k, pts in curve_points(r).items() for step, v in pts]
     return rows
 
 
 def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) -> str:
-    """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a label with commas;
-    floats to 6 significant digits); returns path."""
+    """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a
+    label with commas; floats to 6 significant digits); returns path."""
     cell = lambda i, v: f'"{v}"' if i == quoted else f"{v:.6g}" if isinstance(v, float) else str(v)   # noqa: E731
-    RF.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v) for i, v in enumerate(row))
+    RF.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v)
+                                                                   for i, v in enumerate(row))
                                                           for row in rows]) + "\n")
     return path
 
 
 def write_curves(groups: dict, out_dir: str) -> list[str]:
-    """curves.csv (a row per run, logged step and headline metric) always; curves.png (`draw_curves`) when
-    matplotlib is installed. Returns the paths written."""
+    """curves.csv (a row per run, logged step and headline metric) always; curves.png
+    (`draw_curves`) when matplotlib is installed. Returns the paths written."""
     rows = curve_rows(groups)
     written = [write_rows(os.path.join(out_dir, "curves.csv"), CURVES_HEADER, rows, quoted=1)]
     return written + draw_curves(rows, os.path.join(out_dir, "curves.png"))
 
 
 def _by_metric(rows: list, key) -> dict:
-    """{key(row): {metric: {init or legend: {step: [values over seeds]}}}} of curve rows, in the order first met."""
+    """{key(row): {metric: {init or legend: {step: [values over seeds]}}}} of curve rows, in the
+    order first met."""
     out = {}
     for task, label, init, seed, step, metric, value in rows:
         out.setdefault(key(task, label, init), {}).setdefault(metric, {}).setdefault(init, {}).setdefault(step, []).append(value)
@@ -458,15 +497,17 @@ def _by_metric(rows: list, key) -> dict:
 
 def _metric_order(metrics, task: str) -> list:
     """The metrics in the order CURVE_METRICS gives the task's kind (any other after, as met)."""
-    import tasks as T                            # the task's kind: the registry, loaded here, not at import
+    # the task's kind: the registry, loaded here, not at import
+    import tasks as T
     kind = getattr(T.TASKS.get(task), "KIND", None)
     known = [k for k, _, _ in CURVE_METRICS.get(kind, ())] + list(METRIC_NAMES)
     return sorted(metrics, key=lambda k: known.index(k) if k in known else len(known))
 
 
 def draw_curves(rows: list, path: str) -> list[str]:
-    """curves.png from curve rows: a panel per task, configuration and headline metric against the step, a line per
-    init (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
+    """curves.png from curve rows: a panel per task, configuration and headline metric against the
+    step, a line per init (mean over seeds, band = min to max). Returns [path], or [] without
+    matplotlib or rows."""
     panels = [(task + (f"\n{flag_label(label)}" if label else ""), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
               for k in _metric_order(by, task) for by_init in [by[k]]]
@@ -477,22 +518,24 @@ def draw_curves(rows: list, path: str) -> list[str]:
     for b, (title, key, by_init) in enumerate(panels):
         ax = at(b)
         for i, (init, by_step) in enumerate(by_init.items()):
-            plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS else 1.0)
+            plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS
+                      else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
         ax.set_title(wrapped(title, 3.8, 8), fontsize=8)
         ax.set_xlabel("training step")
-        ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
+        ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""),
+                      fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
-    caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the prior pattern) against "
-                 "the training step; mean over seeds, band = min to max")
+    caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the "
+                 "prior pattern) against the training step; mean over seeds, band = min to max")
     return [save_figure(fig, path)]
 
 
 def write_comparison(groups: dict, path: str, title: str) -> list[str]:
-    """A study's runs side by side: FOLDER.csv (curves.csv's rows of these runs) and FOLDER.png (`draw_comparison`)
-    beside it. Returns the paths written ([] without runs)."""
+    """A study's runs side by side: FOLDER.csv (curves.csv's rows of these runs) and FOLDER.png
+    (`draw_comparison`) beside it. Returns the paths written ([] without runs)."""
     if not groups:
         return []
     rows = curve_rows(groups)
@@ -500,8 +543,9 @@ def write_comparison(groups: dict, path: str, title: str) -> list[str]:
 
 
 def draw_comparison(rows: list, path: str, title: str) -> list[str]:
-    """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a line per
-    (configuration, init), mean over seeds with a min-to-max band. Returns [path], or [] without matplotlib."""
+    """One figure that sets every configuration and init of curve rows side by side: a panel per
+    metric, a line per (configuration, init), mean over seeds with a min-to-max band. Returns
+    [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: i + (f", {flag_label(c)}" if c else ""))
     metrics = _metric_order({k for by in series.values() for k in by}, rows[0][0] if rows else "")
     made = panel_grid(len(metrics), width=5.0, height=3.8)
@@ -523,8 +567,8 @@ def draw_comparison(rows: list, path: str, title: str) -> list[str]:
 
 
 def first_step(records: list, target: list):
-    """The first logged step (of a run's `log_records`) at which every (metric, threshold, higher is
-    better) of target holds, or None."""
+    """The first logged step (of a run's `log_records`) at which every (metric, threshold, higher
+    is better) of target holds, or None."""
     for rec in records:
         m = rec.get("metrics") or {}
         if all(k in m and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
@@ -533,14 +577,16 @@ def first_step(records: list, target: list):
 
 
 def targets_for(kind: str, runs: list) -> list:
-    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind: arithmetic
-    50% and 90% sequence accuracy; Boolean 99% on U together with 99% on the seen domain (an
-    untrained model can score 100% on U by its constant sign); vision (LM) the default init's final
-    top-1 (perplexity), mean over its seeds."""
+    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind:
+    arithmetic 50% and 90% sequence accuracy; Boolean 99% on U together with 99% on the seen domain
+    (an untrained model can score 100% on U by its constant sign); vision (LM) the default init's
+    final top-1 (perplexity), mean over its seeds."""
     if kind == "arithmetic":
-        return [("seq acc 50%", [("seq_acc", 0.5, True)]), ("seq acc 90%", [("seq_acc", 0.9, True)])]
+        return [("seq acc 50%", [("seq_acc", 0.5, True)]),
+                ("seq acc 90%", [("seq_acc", 0.9, True)])]
     if kind == "boolean":
-        return [("99% on U and on the seen domain", [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
+        return [("99% on U and on the seen domain",
+                 [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
     key, higher = ("top1", True) if kind == "vision" else ("val_ppl", False)
     finals = [r["metrics"][key] for r in runs if r["init"] == "default" and key in r["metrics"]]
     if not finals:
@@ -584,13 +630,14 @@ def steps_to_target(groups: dict) -> str:
 
 
 def prior_layers(groups: dict) -> str:
-    """Markdown: per task (and configuration), prior init (`mask`, the QK inits, `impulse`, `mimetic`)
-    and layer, from the runs' metrics.jsonl (mean over seeds): the attention mass on the pattern at
-    the start, at its lowest and at the end; the first logged step at which it has made half of its
-    change from start to end (when it moves); the final relative change of M (`mask` only) and of
-    Wq Wk^T (the content logits' weights); the content margin (`mp.content_margin`: by how many nats
-    the content logits favour the keys off the pattern) at the start and the end, where logged.
-    Shows where and when a prior's mass goes, and whether the content outbids the bias."""
+    """Markdown: per task (and configuration), prior init (`mask`, the QK inits, `impulse`,
+    `mimetic`) and layer, from the runs' metrics.jsonl (mean over seeds): the attention mass on the
+    pattern at the start, at its lowest and at the end; the first logged step at which it has made
+    half of its change from start to end (when it moves); the final relative change of M (`mask`
+    only) and of Wq Wk^T (the content logits' weights); the content margin (`mp.content_margin`: by
+    how many nats the content logits favour the keys off the pattern) at the start and the end,
+    where logged. Shows where and when a prior's mass goes, and whether the content outbids the
+    bias."""
     rows = []
     avg = lambda v: sum(v) / len(v)                                           # noqa: E731
     for (task, label), rs in groups.items():
@@ -610,25 +657,31 @@ def prior_layers(groups: dict) -> str:
                 half = []
                 for (_, recs), a, b in zip(runs, start, end):
                     mid = (a + b) / 2
-                    half.append(next(rec["step"] for rec in recs if (rec["prior_mass"][layer] - mid) * (a - b) <= 0))
-                drift = {k: [recs[-1][k][layer] for _, recs in runs if recs[-1].get(k)] for k in ("mask_drift",
+                    half.append(next(rec["step"] for rec in recs
+                                     if (rec["prior_mass"][layer] - mid) * (a - b) <= 0))
+                drift = {k: [recs[-1][k][layer] for _, recs in runs if recs[-1].get(k)]
+                         for k in ("mask_drift",
                                                                                                   "qk_drift")}
-                margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer]) for _, recs in runs
+                margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer])
+                          for _, recs in runs
                           if recs[0].get("content_margin") and recs[-1].get("content_margin")]
                 rows.append([name, init, seeds, layer, f"{avg(start):.2f}", f"{avg(low):.2f}", f"{avg(end):.2f}",
                              f"{avg(half):.0f}",
-                             *(f"{avg(drift[k]):.3g}" if drift[k] else "" for k in ("mask_drift", "qk_drift")),
-                             f"{avg([a for a, _ in margin]):.2f} → {avg([b for _, b in margin]):.2f}" if margin else ""])
-    return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass end", "half-way step",
+                             *(f"{avg(drift[k]):.3g}" if drift[k] else ""
+                               for k in ("mask_drift", "qk_drift")),
+                             f"{avg([a for a, _ in margin]):.2f} → "
+                             f"{avg([b for _, b in margin]):.2f}" if margin else ""])
+    return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass "
+                                                                                           "end", "half-way step",
                                "M drift", "Wq Wk^T drift", "content margin start → end"], rows)) + "\n"
 
 
 def data_efficiency(folders: list, out_dir: str) -> list[str]:
-    """Addition's final sequence accuracy against the number of training pairs, per init (mean ± std
-    over seeds; inits run at one size only are left out), from the runs under folders whose
-    configurations differ in --data-frac alone:
-    data_efficiency.md (with, for each size, the fewest pairs at which the mask's mean is at least
-    default's mean at that size), data_efficiency.csv always and .png when matplotlib is installed."""
+    """Addition's final sequence accuracy against the number of training pairs, per init (mean ±
+    std over seeds; inits run at one size only are left out), from the runs under folders whose
+    configurations differ in --data-frac alone: data_efficiency.md (with, for each size, the fewest
+    pairs at which the mask's mean is at least default's mean at that size), data_efficiency.csv
+    always and .png when matplotlib is installed."""
     runs, problems = collect_runs(folders)
     runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
     groups, notes = config_groups(runs, ignore={"data_frac"})
@@ -638,26 +691,33 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         for r in sorted(rs, key=lambda r: (r["init_order"], r["metrics"]["n_train"], r["seed"])):
             m = r["metrics"]
             by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
-            rows.append((label, r["init"], r["seed"], m["n_train"], float(m["seq_acc"]), float(m["digit_acc"])))
+            rows.append((label, r["init"], r["seed"], m["n_train"], float(m["seq_acc"]),
+                         float(m["digit_acc"])))
         sizes = sorted({n for d in by.values() for n in d})
         if len(sizes) < 2:
-            md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
+            md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a "
+                      "series")
             continue
         inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
-        digits = run_config(rs[0]).get("digits") or 3                       # the task's own universe: 10^(2d) pairs
-        md += ["\n**addition**" + (f" ({label})" if label else "") + "\n", *_efficiency_table(by, inits, sizes, digits)]
+        # the task's own universe: 10^(2d) pairs
+        digits = run_config(rs[0]).get("digits") or 3
+        md += ["\n**addition**" + (f" ({label})" if label else "") + "\n",
+               *_efficiency_table(by, inits, sizes, digits)]
         panels.append(label)
-    csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows, quoted=0)
-    text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\n"
-            "Final sequence accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). "
-            "The last column: the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at "
-            "least default's mean at this size. Runs: " + ", ".join(f"`{f}`" for f in folders)
+    csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows,
+                          quoted=0)
+    text = ("# Data efficiency: addition's sequence accuracy against the training set "
+            "size\n\nFinal sequence accuracy on the 10,000 test pairs, mean ± std over seeds "
+            "(their number in brackets). The last column: the fewest training pairs (of the "
+            "sizes run) at which the mask's mean accuracy is at least default's mean at this "
+            "size. Runs: " + ", ".join(f"`{f}`" for f in folders)
             + "; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
     RF.atomic_write(md_path, text)
-    return [md_path, csv_path] + draw_efficiency(rows, os.path.join(out_dir, "data_efficiency.png"))
+    return [md_path, csv_path] + draw_efficiency(rows,
+                                                 os.path.join(out_dir, "data_efficiency.png"))
 
 
 def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[str]:
@@ -665,24 +725,29 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
     mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
     rows = []
     for n in sizes:
-        cells = [mean_std([100 * v for v in by[i][n]], count=True) if n in by[i] else "" for i in inits]
+        cells = [mean_std([100 * v for v in by[i][n]], count=True) if n in by[i] else ""
+                 for i in inits]
         enough = ""
         if "default" in mean and "mask" in mean and n in mean["default"]:
             hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
             enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
         rows.append([f"{n:,}", f"{100 * n / 10 ** (2 * digits):g}", *cells, enough])
-    return md_table(["training pairs", "% of all pairs", *(f"{i} seq acc % (seeds)" for i in inits),
-                     "fewest pairs with mask >= default here"], rows)
+    return md_table(["training pairs", "% of all pairs",
+                     *(f"{i} seq acc % (seeds)" for i in inits), "fewest pairs with mask >= "
+                                                                 "default here"], rows)
 
 
 def draw_efficiency(rows: list, path: str) -> list[str]:
-    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more training
-    set sizes, sequence accuracy against the size, a line per init run at more than one (mean over seeds, band = min
-    to max). Returns [path], or [] without matplotlib or such a configuration."""
-    by_config = {}                                              # {label: {init: {n_train: [seq_acc]}}}
+    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or
+    more training set sizes, sequence accuracy against the size, a line per init run at more than
+    one (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or such a
+    configuration."""
+    # {label: {init: {n_train: [seq_acc]}}}
+    by_config = {}
     for label, init, seed, n, seq_acc, digit_acc in rows:
         by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
-    panels = [(label, {i: s for i, s in by.items() if len(s) > 1}) for label, by in by_config.items()
+    panels = [(label, {i: s for i, s in by.items() if len(s) > 1})
+              for label, by in by_config.items()
               if len({n for s in by.values() for n in s}) > 1]
     made = panel_grid(len(panels), width=4.8, height=3.6)
     if made is None:
@@ -698,29 +763,36 @@ def draw_efficiency(rows: list, path: str) -> list[str]:
         ax.minorticks_off()
         ax.set_xlabel("training pairs")
         ax.set_ylabel("sequence accuracy %")
-        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9), fontsize=9)
+        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9),
+                     fontsize=9)
         ax.grid(alpha=0.3)
     legend_below(fig)
-    caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = min to max")
+    caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = "
+                 "min to max")
     return [save_figure(fig, path)]
 
 
-# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the column of a run is
-# its init and its tag (less a corpus prefix, which names the row instead: the language stand-in's teacher reads
-# corpus A, its students corpus B).
+# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the
+# column of a run is its init and its tag (less a corpus prefix, which names the row instead: the
+# language stand-in's teacher reads corpus A, its students corpus B).
 ORACLE_FREE_COLUMNS = (("default", "default", ""), ("hand pattern, mask", "mask", ""),
-                       ("found in the data, mask", "mask", "discovered"), ("from the teacher, mask", "mask", "teacher"),
+                       ("found in the data, mask", "mask", "discovered"),
+                       ("from the teacher, mask", "mask", "teacher"),
                        ("from an impulse teacher, mask", "mask", "teacher-impulse"),
-                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"), ("impulse", "impulse", ""),
+                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"),
+                       ("impulse", "impulse", ""),
                        ("default, the teacher's + the student's steps", "default", "budget2x"))
-ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100), "arithmetic": ("seq_acc", "sequence accuracy %", 100),
-                      "vision": ("top1", "top-1 %", 100), "lm": ("val_ppl", "validation perplexity", 1)}
+ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100),
+                      "arithmetic": ("seq_acc", "sequence accuracy %", 100),
+                      "vision": ("top1", "top-1 %", 100),
+                      "lm": ("val_ppl", "validation perplexity", 1)}
 
 
 def oracle_free_cell(run: dict) -> tuple[str, str]:
-    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the corpus or the
-    step count the tag names: corpusB-teacher, 250steps-teacher), the tag what follows -sSEED- and them
-    (samebudget, the default at a teacher's steps + its student's, is the budget2x column)."""
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the
+    corpus or the step count the tag names: corpusB-teacher, 250steps-teacher), the tag what
+    follows -sSEED- and them (samebudget, the default at a teacher's steps + its student's, is the
+    budget2x column)."""
     name = os.path.basename(os.path.normpath(run["run_dir"]))
     tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
     row = run["task"]
@@ -730,7 +802,8 @@ def oracle_free_cell(run: dict) -> tuple[str, str]:
     elif re.match(r"\d+steps(-|$)", tag):
         steps, _, tag = tag.partition("-")
         row += f", {steps[:-5]} steps"
-    elif re.match(r"(n\d+|all|d2|sum23|summaj)(-|$)", tag):       # round two: a training-set size, 2 digits, a sum
+    # round two: a training-set size, 2 digits, a sum
+    elif re.match(r"(n\d+|all|d2|sum23|summaj)(-|$)", tag):
         what, _, tag = tag.partition("-")
         row += {"all": ", every seen point", "d2": ", 2 digits", "sum23": " x0x1 + x2x3x4",
                 "summaj": " x0x1 + maj(x2,x3,x4)"}.get(what, f", {what[1:]} points")
@@ -738,9 +811,10 @@ def oracle_free_cell(run: dict) -> tuple[str, str]:
 
 
 def oracle_free(folder: str, out_dir: str) -> list[str]:
-    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their number), and
-    the found patterns' precision and recall of pairs against the hand pattern; oraclefree_patterns.png (with
-    matplotlib): for seed 0, the hand pattern beside the one found in the data and the teacher's."""
+    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their
+    number), and the found patterns' precision and recall of pairs against the hand pattern;
+    oraclefree_patterns.png (with matplotlib): for seed 0, the hand pattern beside the one found in
+    the data and the teacher's."""
     runs, problems = collect_runs([folder])
     table, agreement, rows = {}, {}, []
     for r in runs:
@@ -749,9 +823,12 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
             rows.append(row)
         table.setdefault(row, {}).setdefault((r["init"], tag), []).append(r)
         src = r.get("prior_source") or {}
-        if "precision" in src and r["init"] == "mask":          # qk-svd reads the same teacher's pattern
-            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
-    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
+        # qk-svd reads the same teacher's pattern
+        if "precision" in src and r["init"] == "mask":
+            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"],
+                                                                      src["recall"]))
+    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS
+            if any((i, t) in table[row] for row in rows)]
     results = []
     for row in rows:
         kind = next(iter(table[row].values()))[0].get("kind", "boolean")
@@ -763,19 +840,21 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
             cells.append(mean_std(vals, count=True))
         results.append([row, label, *cells])
     found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
-              mean_std([r for _, r in pr]), len(pr)] for row in rows for tag, pr in agreement.get(row, {}).items()]
+              mean_std([r for _, r in pr]), len(pr)] for row in rows
+             for tag, pr in agreement.get(row, {}).items()]
     out = md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""] +\
         md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found)
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     path = os.path.join(out_dir, "oraclefree.md")
     RF.atomic_write(path, "\n".join(out) + "\n")
-    return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows, out_dir)
+    return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows,
+                                                                                out_dir)
 
 
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
-    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, one line
-    per variant with a prior (mean over seeds, band = min to max)."""
+    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the
+    step, one line per variant with a prior (mean over seeds, band = min to max)."""
     curves = []
     for row in rows:
         lines = {}
@@ -804,8 +883,8 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
         ax.set_ylabel("mass on its pattern", fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
-    caption(fig, "Attention mass on each prior's own pattern against the training step; mean over seeds, band = "
-                 "min to max")
+    caption(fig, "Attention mass on each prior's own pattern against the training step; mean "
+                 "over seeds, band = min to max")
     return [save_figure(fig, os.path.join(out_dir, "oraclefree_mass.png"))]
 
 
@@ -815,7 +894,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
     panels = []
     for row in rows:
         for init, tag, title in (("mask", "", "hand"), ("mask", "discovered", "found in the data"),
-                                 ("mask", "teacher", "from the teacher"), ("mask", "teacher-impulse", "impulse teacher")):
+                                 ("mask", "teacher", "from the teacher"),
+                                 ("mask", "teacher-impulse", "impulse teacher")):
             first = sorted(table[row].get((init, tag), []), key=lambda r: r["seed"])[:1]
             if not first:
                 continue
@@ -823,8 +903,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
                 pattern = RF.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
             except RF.ReadError:
                 continue
-            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0] if pattern.dim() == 3 else pattern,
-                           token_names(first[0])))
+            panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0]
+                           if pattern.dim() == 3 else pattern, token_names(first[0])))
     made = panel_grid(len(panels), width=3.0, height=3.2)
     if made is None:
         return []
@@ -834,35 +914,39 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
         ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(wrapped(title, 2.9, 7), fontsize=7)
         token_ticks(ax, names, p.shape[-1])
-    caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed (first head)")
+    caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed "
+                 "(first head)")
     return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"))]
 
 
 STEPS_TO_TARGET_HEAD = (
-    "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the target (mean ± "
-    "std over the seeds that reach it; the resolution is the log interval; log steps of Boolean and arithmetic "
-    "runs are measured on `--eval-points` points, the last on the whole test set). default / mask is the ratio "
-    "of the mean steps: how many times faster the mask gets there; '> x' where default never does within its "
-    "steps. The curves are `curves.csv` and `curves.png`. ")
+    "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the "
+    "target (mean ± std over the seeds that reach it; the resolution is the log interval; log "
+    "steps of Boolean and arithmetic runs are measured on `--eval-points` points, the last on "
+    "the whole test set). default / mask is the ratio of the mean steps: how many times faster "
+    "the mask gets there; '> x' where default never does within its steps. The curves are "
+    "`curves.csv` and `curves.png`. ")
 PRIOR_LAYERS_HEAD = (
-    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from "
-    "each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step "
-    "at which the layer's mass has made half of its change from start to end. M drift: relative Frobenius "
-    "change of M (`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats "
-    "the content logits q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off "
-    "minus on, mean over rows, heads and the probe batch; runs made before it was logged have none); a row "
-    "keeps most of its mass on the pattern while this stays below the prior's own gap (for `mask`, "
-    "log sigmoid(m_on) - log sigmoid(-m_off), about m_off). ")
+    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over "
+    "seeds, from each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way "
+    "step': the first logged step at which the layer's mass has made half of its change from "
+    "start to end. M drift: relative Frobenius change of M (`mask`); Wq Wk^T drift: of the "
+    "content logits' weights. Content margin: by how many nats the content logits q.k/sqrt(d) "
+    "alone favour the keys off the pattern over those on it (log-sum-exp off minus on, mean over "
+    "rows, heads and the probe batch; runs made before it was logged have none); a row keeps "
+    "most of its mass on the pattern while this stays below the prior's own gap (for `mask`, log "
+    "sigmoid(m_on) - log sigmoid(-m_off), about m_off). ")
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
     """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
     paper's number beside ours), the robustness grid, the persistence curves of the Boolean runs,
     the data-efficiency table, the oracle-free study, and over every table's runs the learning
-    curves, steps to target and the prior per layer (`report_curves`). Unfinished or unreadable runs
-    are listed under their table. Returns the files written."""
+    curves, steps to target and the prior per layer (`report_curves`). Unfinished or unreadable
+    runs are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
-    for tmp, name in RF.partial_writes(out_dir):     # the temporary file of a report that was killed mid-write
+    # the temporary file of a report that was killed mid-write
+    for tmp, name in RF.partial_writes(out_dir):
         if name.endswith((".md", ".csv", ".png")):
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -871,24 +955,29 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     for table in TABLES:
         folder = os.path.join(runs_dir, table)
         if os.path.isdir(folder):
-            written.append(emit(out_dir, f"{table}.md", f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over "
+            written.append(emit(out_dir, f"{table}.md",
+                                f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over "
                                                         f"seeds; {made_by}.\n\n{summarize([folder])}"))
     grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
     if os.path.isdir(grid):
         folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
         written.append(emit(out_dir, "ablation.md",
-                            f"# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
-                            f"preset\n\nRuns: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std over "
-                            f"seeds; accuracy over the whole cube (exact match for cyclic3); {made_by}.\n\n"
-                            f"{ablation(folders)}"))
+                            "# Robustness grid: readout x positional-embedding std x init, "
+                            f"Boolean tasks, `small` preset\n\nRuns: `{grid}` and, at each task's "
+                            f"own preset, `{boolean}`; mean ± std over seeds; accuracy over the "
+                            "whole cube (exact match for cyclic3); "
+                            f"{made_by}.\n\n{ablation(folders)}"))
     if os.path.isdir(boolean):
-        written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean, out_dir)
+        written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean,
+                                                                                     out_dir)
     if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
         written += oracle_free(os.path.join(runs_dir, "oraclefree"), out_dir)
     data, arithmetic = os.path.join(runs_dir, "data"), os.path.join(runs_dir, "arithmetic")
     if os.path.isdir(data):
-        written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
-    folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
+        written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []),
+                                   out_dir)
+    folders = [os.path.join(runs_dir, t) for t in TABLES
+               if os.path.isdir(os.path.join(runs_dir, t))]
     return written + (report_curves(runs_dir, folders, out_dir, made_by) if folders else [])
 
 
@@ -900,15 +989,16 @@ def emit(out_dir: str, name: str, text: str) -> str:
 
 
 STUDY_FIGURES = {
-    "visionprior": "The vision priors side by side: top-1 and the attention mass on each prior's own pattern against "
-                   "the training step",
-    "lee": "Lee et al.'s multiplication data: sequence accuracy on the held-out pairs and on the training samples, "
-           "and the attention mass on the pattern, against the step"}
+    "visionprior": "The vision priors side by side: top-1 and the attention mass on each prior's "
+                   "own pattern against the training step",
+    "lee": "Lee et al.'s multiplication data: sequence accuracy on the held-out pairs and on the "
+           "training samples, and the attention mass on the pattern, against the step"}
 
 
 def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> list[str]:
-    """Over the runs of every table folder: curves.csv / .png, the studies' figures (STUDY_FIGURES), steps to target
-    and the prior per layer (a damaged log is named in the notes of both tables)."""
+    """Over the runs of every table folder: curves.csv / .png, the studies' figures
+    (STUDY_FIGURES), steps to target and the prior per layer (a damaged log is named in the notes
+    of both tables)."""
     runs = collect_runs(folders)[0]
     groups, notes = config_groups(runs)
     written = write_curves(groups, out_dir)
@@ -916,19 +1006,24 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
         where = os.path.normpath(os.path.join(runs_dir, folder))
         study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == where]
         if study:
-            written += write_comparison(config_groups(study)[0], os.path.join(out_dir, f"{folder}.png"), title)
+            written += write_comparison(config_groups(study)[0],
+                                        os.path.join(out_dir, f"{folder}.png"), title)
     for r in runs:
         log_records(r)                          # read every log once: a damaged one is named below
-    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables ({r['_log_problem']}); its "
-              f"result.json counts in the results tables" for r in runs if "_log_problem" in r]
+    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables "
+              f"({r['_log_problem']}); its result.json counts in the results tables" for r in runs
+              if "_log_problem" in r]
     runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
                       + "".join(f"- {n}\n" for n in notes) + "\n")
-    return written + [emit(out_dir, "steps_to_target.md", STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
-                      emit(out_dir, "prior_layers.md", PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
+    return written + [emit(out_dir, "steps_to_target.md",
+                           STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
+                      emit(out_dir, "prior_layers.md",
+                           PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
 
 
 # ----------------------------------------------------------------------------------------
-# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw RESULTS`), no runs needed
+# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw
+# RESULTS`), no runs needed
 
 def _finite(cell: str) -> float:
     v = float(cell)
@@ -939,8 +1034,9 @@ def _finite(cell: str) -> float:
 
 def _persistence_row(cells: list) -> dict:
     """A persistence.csv row (a drift of nan: a run that logged none)."""
-    return {"task": cells[0], "init": cells[1], "seed": int(cells[2]), "step": int(cells[3]), "mass": _finite(cells[4]),
-            "drift": math.nan if cells[5] == "nan" else _finite(cells[5]), "layers": [_finite(c) for c in cells[6:]]}
+    return {"task": cells[0], "init": cells[1], "seed": int(cells[2]), "step": int(cells[3]),
+            "mass": _finite(cells[4]), "drift": math.nan if cells[5] == "nan"
+            else _finite(cells[5]), "layers": [_finite(c) for c in cells[6:]]}
 
 
 def _curve_row(cells: list) -> tuple:
@@ -949,7 +1045,8 @@ def _curve_row(cells: list) -> tuple:
 
 
 def _efficiency_row(cells: list) -> tuple:
-    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit acc)."""
+    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit
+    acc)."""
     return cells[0], cells[1], int(cells[2]), int(cells[3]), _finite(cells[4]), _finite(cells[5])
 
 
@@ -958,23 +1055,26 @@ REDRAWN = {"curves": (CURVES_HEADER, _curve_row, draw_curves),
            "persistence": (("task", "init", "seed", "step", "mass_mean", "drift_mean"), _persistence_row,
                            draw_persistence),
            "data_efficiency": (EFFICIENCY_HEADER, _efficiency_row, draw_efficiency),
-           **{study: (CURVES_HEADER, _curve_row, lambda rows, path, title=title: draw_comparison(rows, path, title))
+           **{study: (CURVES_HEADER, _curve_row, lambda rows, path,
+                      title=title: draw_comparison(rows, path, title))
               for study, title in STUDY_FIGURES.items()}}
 
 
 def read_rows(path: str, header: tuple, parse) -> list:
-    """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a ReportError
-    naming the file and the line."""
+    """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a
+    ReportError naming the file and the line."""
     try:
         lines = list(csv.reader(io.StringIO(RF.read_back(path, "log").decode("utf-8"))))
     except (RF.ReadError, UnicodeDecodeError, csv.Error) as e:
         raise ReportError(f"redraw: cannot read {path} ({e})") from None
     if not lines or tuple(lines[0][:len(header)]) != header:
-        raise ReportError(f"redraw: {path} is not the table a report writes: its header is not {','.join(header)}")
+        raise ReportError(f"redraw: {path} is not the table a report writes: its header is not "
+                          f"{','.join(header)}")
     rows = []
     for n, cells in enumerate(lines[1:], 2):
         try:
-            if not len(header) <= len(cells) <= len(lines[0]):        # persistence: a task's layers, up to the most
+            # persistence: a task's layers, up to the most
+            if not len(header) <= len(cells) <= len(lines[0]):
                 raise ValueError(f"{len(cells)} cells, the header has {len(lines[0])}")
             rows.append(parse(cells))
         except ValueError as e:
@@ -983,20 +1083,26 @@ def read_rows(path: str, header: tuple, parse) -> list:
 
 
 def redraw(results: str) -> list[str]:
-    """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from that CSV; the
-    CSVs and tables are left as they are. Every CSV is read and checked before any figure is drawn. Returns
-    (written, the figures there that are drawn from the runs alone: report again to redraw them)."""
+    """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from
+    that CSV; the CSVs and tables are left as they are. Every CSV is read and checked before any
+    figure is drawn. Returns (written, the figures there that are drawn from the runs alone: report
+    again to redraw them)."""
     if pyplot() is None:
         raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
     if not os.path.isdir(results):
-        raise ReportError(f"redraw: {results} is not a folder of tables and figures (train.py report RUNS OUT writes one)")
+        raise ReportError(f"redraw: {results} is not a folder of tables and figures (train.py "
+                          "report RUNS OUT writes one)")
     tables = {name: read_rows(os.path.join(results, name + ".csv"), header, parse)
-              for name, (header, parse, _) in REDRAWN.items() if os.path.isfile(os.path.join(results, name + ".csv"))}
+              for name, (header, parse, _) in REDRAWN.items()
+              if os.path.isfile(os.path.join(results, name + ".csv"))}
     if not tables:
-        raise ReportError(f"redraw: {results} holds none of {', '.join(n + '.csv' for n in REDRAWN)}, so there is "
-                          f"nothing to redraw and nothing was written")
-    written = [p for name, rows in tables.items() for p in REDRAWN[name][2](rows, os.path.join(results, name + ".png"))]
-    left = sorted(f for f in os.listdir(results) if f.endswith(".png") and os.path.join(results, f) not in written)
+        raise ReportError(f"redraw: {results} holds none of "
+                          f"{', '.join(n + '.csv' for n in REDRAWN)}, so there is nothing to "
+                          "redraw and nothing was written")
+    written = [p for name, rows in tables.items()
+               for p in REDRAWN[name][2](rows, os.path.join(results, name + ".png"))]
+    left = sorted(f for f in os.listdir(results) if f.endswith(".png")
+                  and os.path.join(results, f) not in written)
     return written, left
 
 
@@ -1005,8 +1111,8 @@ def redraw_command(results: str) -> int:
     for path in written:
         print(f"redrew {path}")
     if left:
-        print(f"redraw: not redrawn (drawn from the runs, not from a table: train.py report RUNS {results} draws "
-              f"them): {', '.join(left)}")
+        print("redraw: not redrawn (drawn from the runs, not from a table: train.py report RUNS "
+              f"{results} draws them): {', '.join(left)}")
     return 0
 
 
@@ -1014,34 +1120,39 @@ def redraw_command(results: str) -> int:
 # The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
 
 class ReportError(RF.UsageError):
-    """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints it)."""
+    """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints
+    it)."""
 
 
 def summarize_command(paths: list) -> int:
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise ReportError(f"summarize: {missing[0]} does not exist; give run folders, or folders of them")
+        raise ReportError(f"summarize: {missing[0]} does not exist; give run folders, or folders "
+                          "of them")
     print(summarize(paths), end="")
     return 0
 
 
 def report_command(runs: str, out: str) -> int:
-    """`report` with its refusals: a runs folder without table folders (a hint where it is one table's folder), an
-    OUT that is a file, and a write that fails (a full or read-only disk) are each one line; what was written before
-    is whole."""
+    """`report` with its refusals: a runs folder without table folders (a hint where it is one
+    table's folder), an OUT that is a file, and a write that fails (a full or read-only disk) are
+    each one line; what was written before is whole."""
     if not os.path.isdir(runs):
         raise ReportError(f"report: {runs} is not a folder of runs")
     if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
         held = [d for d in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, d))]
-        runs_inside = [d for d in held if any(os.path.exists(os.path.join(runs, d, f)) for f in ("ckpt.pt", "result.json"))]
+        runs_inside = [d for d in held if any(os.path.exists(os.path.join(runs, d, f))
+                                              for f in ("ckpt.pt", "result.json"))]
         if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
-            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
-                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
+            hint = ("it looks like one table's folder (it holds run folders such as "
+                    f"{runs_inside[0]}); give the folder above it: python train.py report "
+                    f"{os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
                     if runs_inside else "give the folder above it")
         else:
             hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
-        raise ReportError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there "
-                          f"is nothing to report and nothing was written; {hint}")
+        raise ReportError(f"report: {runs} holds none of the table folders "
+                          f"({', '.join(REPORT_FOLDERS)}), so there is nothing to report and "
+                          f"nothing was written; {hint}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"report: {out} is a file; give a folder for the tables and figures")
     try:
@@ -1049,12 +1160,14 @@ def report_command(runs: str, out: str) -> int:
     except OSError as e:
         if e.errno not in RF.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
             raise
-        raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before is "
-                          f"whole: give another folder, or free space, and report again") from None
+        raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file "
+                          "written before is whole: give another folder, or free space, and "
+                          "report again") from None
     for path in written:
         print(f"wrote {path}")
     stale = sorted(name for name in os.listdir(out) if name.endswith((".md", ".csv", ".png"))
                    and os.path.join(out, name) not in written)
     if stale:
-        print(f"not made by these runs, left as they were (an earlier report's, or yours): {', '.join(stale)}")
+        print("not made by these runs, left as they were (an earlier report's, or yours): "
+              f"{', '.join(stale)}")
     return 0

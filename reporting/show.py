@@ -1,4 +1,5 @@
-"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
+"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and
+draws with these.
 
     m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row, and
                    end - start on its own scale, where M moved) and head (columns), M on one colour scale; a full M as its N x N (query x key) matrix with the pairs M
@@ -8,7 +9,8 @@
                    its colour capped at the 99th percentile (said in the title: a causal first row's 1 would
                    wash out the rest)
 
-The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib, Agg, written atomically); nothing here reads a run folder.
+The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG
+out (matplotlib, Agg, written atomically); nothing here reads a run folder.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ PANEL = 2.2          # inches a panel
 
 
 def _grid(layers: int, rows: int, heads: int):
-    """(plt, fig, at): one block of `rows` x `heads` panels a layer, wrapped so the figure is never a strip
-    (`panel_grid`); at(layer, row, head) -> its axes."""
+    """(plt, fig, at): one block of `rows` x `heads` panels a layer, wrapped so the figure is never
+    a strip (`panel_grid`); at(layer, row, head) -> its axes."""
     got = panel_grid(layers, rows, heads, PANEL, PANEL)
     if got is None:
         raise ImportError("drawing needs matplotlib: pip install matplotlib")
@@ -29,9 +31,10 @@ def _grid(layers: int, rows: int, heads: int):
 
 
 def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
-    """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept none) and its weights'
-    `attn.prior.bias` in layer order; ([], []) for a run without M."""
-    keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")), key=lambda k: int(k.split(".")[1]))
+    """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept
+    none) and its weights' `attn.prior.bias` in layer order; ([], []) for a run without M."""
+    keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
+                  key=lambda k: int(k.split(".")[1]))
     if not keys:
         return [], []
     start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
@@ -39,8 +42,9 @@ def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
 
 
 def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) M of an image's patches (row-major after `prefix` tokens, N = prefix + grid^2) -> (H, 2g-1, 2g-1):
-    the mean of M over the patch pairs of each offset (dy, dx) = key - query, index (dy + g - 1, dx + g - 1)."""
+    """(H, N, N) M of an image's patches (row-major after `prefix` tokens, N = prefix + grid^2) ->
+    (H, 2g-1, 2g-1): the mean of M over the patch pairs of each offset (dy, dx) = key - query,
+    index (dy + g - 1, dx + g - 1)."""
     heads, g = m.shape[0], grid
     patches = m[:, prefix:, prefix:].reshape(heads, -1)
     idx = torch.arange(g * g)
@@ -52,16 +56,19 @@ def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
     return (total / count).reshape(heads, 2 * g - 1, 2 * g - 1)
 
 
-def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, grid: tuple | None = None,
-           names: list | None = None) -> str:
-    """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None where the run
-    kept no snapshot of M): a causal relative table holds distances 0..D-1, another -(n-1)..n-1 (D = 2n - 1).
-    `grid` (g, prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). `names`: the N tokens'
-    names for the ticks (`Task.token_labels`). Writes `path` (m.png) and returns it."""
-    if all(s is None for s in start):                    # M at the end alone (a saved model): one row a layer
+def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
+           grid: tuple | None = None, names: list | None = None) -> str:
+    """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None
+    where the run kept no snapshot of M): a causal relative table holds distances 0..D-1, another
+    -(n-1)..n-1 (D = 2n - 1). `grid` (g, prefix): an image's M, drawn as its 2-D offset map per
+    head (`offset_map`). `names`: the N tokens' names for the ticks (`Task.token_labels`). Writes
+    `path` (m.png) and returns it."""
+    # M at the end alone (a saved model): one row a layer
+    if all(s is None for s in start):
         start, title = None, f"{title}; M at the end (its start was not saved)"
     if grid is not None:
-        start = None if start is None else [None if s is None else offset_map(s, *grid) for s in start]
+        start = None if start is None else [None if s is None else offset_map(s, *grid)
+                                            for s in start]
         end = [offset_map(e, *grid) for e in end]
         names = [str(o) for o in range(1 - grid[0], grid[0])]
         title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
@@ -73,7 +80,8 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
     change = [None if s is None else e - s for s, e in zip(start or [None] * len(end), end)]
     dlim = max((float(c.abs().max()) for c in change if c is not None), default=0.0) or 1e-6
     moved = f"; the last row of each layer: end - start, on its own scale (largest change {dlim:.3g})"
-    if not full:                                 # a profile per head: M (start dashed, end solid), then end - start
+    # a profile per head: M (start dashed, end solid), then end - start
+    if not full:
         plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
         for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
             d = e.shape[1]
@@ -88,9 +96,11 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
                 if start is not None:
                     ax = at(layer, 1, h)
                     if s is None:
-                        ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
+                        ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7,
+                                transform=ax.transAxes)
                     else:
-                        ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2, label="end - start")
+                        ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2,
+                                label="end - start")
                         ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
                     ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
                 ax.tick_params(labelsize=6)
@@ -102,7 +112,8 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
     image, shown, moved_image, moved_axes = None, [], None, []
     for layer, (e, c) in enumerate(zip(end, change)):
         s = None if start is None else start[layer]
-        maps = ((e, "end", None),) if start is None else ((s, "start", None), (e, "end", None), (c, "end - start", 1))
+        maps = ((e, "end", None),) if start is None else ((s, "start", None), (e, "end", None),
+                                                          (c, "end - start", 1))
         for row, (m, when, delta) in enumerate(maps):
             for h in range(heads):
                 ax = at(layer, row, h)
@@ -110,17 +121,21 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
                 token_ticks(ax, names, e.shape[-1])
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
                 if m is None:
-                    ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
+                    ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7,
+                            transform=ax.transAxes)
                     continue
-                shown_now = ax.imshow(m[h].numpy(), cmap="PuOr_r" if delta else "RdBu_r", vmin=-(dlim if delta else lim),
-                                      vmax=dlim if delta else lim, interpolation="nearest")
+                shown_now = ax.imshow(m[h].numpy(), cmap="PuOr_r" if delta else "RdBu_r",
+                                      vmin=-(dlim if delta else lim), vmax=dlim if delta else lim,
+                                      interpolation="nearest")
                 moved_image, image = (shown_now, image) if delta else (moved_image, shown_now)
                 if s is not None and bool((s[h] > 0).any()) and bool((s[h] <= 0).any()):
-                    ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
+                    ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k",
+                               linewidths=0.4)
     fig.colorbar(image, ax=shown, shrink=0.6, label="M")
     if moved_image is not None:
-        fig.colorbar(moved_image, ax=moved_axes, shrink=0.6, location="bottom", label="end - start",
-                     ticks=[-dlim, -dlim / 2, 0, dlim / 2, dlim], format="%.2g")
+        fig.colorbar(moved_image, ax=moved_axes, shrink=0.6, location="bottom",
+                     label="end - start", ticks=[-dlim, -dlim / 2, 0, dlim / 2, dlim],
+                     format="%.2g")
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
     outline = "" if start is None else "; outlined: where M started above 0" + moved
     caption(fig, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}")
@@ -128,8 +143,9 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False, 
 
 
 def draw_model(model, path: str, title: str, start: list | None = None) -> str:
-    """Any model with priors (`mp.add_mask_prior`, a saved one loaded with `mp.from_pretrained`) -> m.png: its M per
-    prior, beside `start` (`mp.prior_snapshot(model)` taken before training) when given. The call for a retrofit:
+    """Any model with priors (`mp.add_mask_prior`, a saved one loaded with `mp.from_pretrained`) ->
+    m.png: its M per prior, beside `start` (`mp.prior_snapshot(model)` taken before training) when
+    given. The call for a retrofit:
 
         snap = mp.prior_snapshot(model)            # after add_mask_prior, before training
         ...                                        # train
@@ -138,30 +154,35 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     import maskprior as mp
     priors = mp.mask_priors(model)
     if not priors:
-        raise ValueError(f"draw_model: {type(model).__name__} has no mask prior (mp.add_mask_prior gives it one)")
+        raise ValueError(f"draw_model: {type(model).__name__} has no mask prior "
+                         "(mp.add_mask_prior gives it one)")
     end = [p.bias.detach().float().cpu() for p in priors]
     if start is not None and len(start) != len(end):
-        raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} priors: take it "
-                         f"with mp.prior_snapshot(model) after add_mask_prior")
-    first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start or [{}] * len(end)]
+        raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} "
+                         "priors: take it with mp.prior_snapshot(model) after add_mask_prior")
+    first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start
+             or [{}] * len(end)]
     return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
 def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None = None) -> str:
-    """`maps`: (L, H, N, N) mean attention probabilities; `names`: the N tokens' names for the ticks. Writes `path`
-    (attention.png) and returns it."""
+    """`maps`: (L, H, N, N) mean attention probabilities; `names`: the N tokens' names for the
+    ticks. Writes `path` (attention.png) and returns it."""
     layers, heads = maps.shape[:2]
     flat = maps.flatten().float()
-    top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())   # not a causal row 0's 1
+    # not a causal row 0's 1
+    top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())
     plt, fig, at = _grid(layers, 1, heads)
     image, shown = None, []
     for layer in range(layers):
         for h in range(heads):
             ax = at(layer, 0, h)
             shown.append(ax)
-            image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
+            image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top,
+                              interpolation="nearest")
             token_ticks(ax, names, maps.shape[-1])
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
     fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
-    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})")
+    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile "
+                 f"({top:.2f})")
     return save_figure(fig, path)

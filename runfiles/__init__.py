@@ -1,8 +1,8 @@
-"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the one writer (a file
-appears whole or not at all), the one reader (a regular file within a size limit; torch files with weights_only=True,
-JSON as JSON) and the schemas checked before any value is used: the run folder and its lock, ckpt.pt's container,
-result.json, metrics.jsonl and prior.pt. Imports torch alone; tasks.py (the datasets), train.py and the
-reports build on it.
+"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the
+one writer (a file appears whole or not at all), the one reader (a regular file within a size
+limit; torch files with weights_only=True, JSON as JSON) and the schemas checked before any value
+is used: the run folder and its lock, ckpt.pt's container, result.json, metrics.jsonl and prior.pt.
+Imports torch alone; tasks.py (the datasets), train.py and the reports build on it.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ except ImportError:             # not on POSIX: run folders are not locked
 
 
 class UsageError(ValueError):
-    """Bad input (a flag, a file, a folder): train.py prints the message as one line and exits with `status`."""
+    """Bad input (a flag, a file, a folder): train.py prints the message as one line and exits with
+    `status`."""
     status = 2
 
 
@@ -88,15 +89,15 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
 
 
 
-# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a teacher's
-# checkpoint, result.json and args.json in reports): read as someone else's file, since anyone may have put
-# it there. What is read is bytes of a regular file within a size limit; a torch file is loaded with
-# weights_only=True (tensors and plain values: nothing it names is called), JSON as JSON. Its schema is
-# the reader's caller's to check, before any value is used.
+# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a
+# teacher's checkpoint, result.json and args.json in reports): read as someone else's file, since
+# anyone may have put it there. What is read is bytes of a regular file within a size limit; a
+# torch file is loaded with weights_only=True (tensors and plain values: nothing it names is
+# called), JSON as JSON. Its schema is the reader's caller's to check, before any value is used.
 
 class ReadError(UsageError):
-    """A file read back that is not what this program writes there: missing, not a regular file, too large, or
-    not a file of its kind. The message is one line naming the file."""
+    """A file read back that is not what this program writes there: missing, not a regular file,
+    too large, or not a file of its kind. The message is one line naming the file."""
 
 
 MiB = 1 << 20
@@ -105,9 +106,10 @@ READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB,
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
-    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names checked; a FIFO,
-    device or folder is refused without being opened for reading, so nothing blocks. Every file read goes through
-    here (`read_back` for a whole file within a size limit; the data readers stream)."""
+    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names
+    checked; a FIFO, device or folder is refused without being opened for reading, so nothing
+    blocks. Every file read goes through here (`read_back` for a whole file within a size limit;
+    the data readers stream)."""
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
@@ -125,7 +127,8 @@ def open_back(path: str | os.PathLike) -> BinaryIO:
 
 
 def read_back(path: str | os.PathLike, kind: str) -> bytes:
-    """The bytes of `path` (`open_back`: a regular file) when it holds at most READ_LIMITS[kind] bytes."""
+    """The bytes of `path` (`open_back`: a regular file) when it holds at most READ_LIMITS[kind]
+    bytes."""
     limit = READ_LIMITS[kind]
     with open_back(path) as f:
         try:
@@ -133,7 +136,8 @@ def read_back(path: str | os.PathLike, kind: str) -> bytes:
         except OSError as e:
             raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
     if len(data) > limit:
-        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this program writes")
+        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this "
+                        "program writes")
     return data
 
 
@@ -143,8 +147,9 @@ def _file_kind(mode: int) -> str:
 
 
 def load_torch(data: bytes, path: str | os.PathLike):
-    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
-    names anything else is refused before it is called), torch's own warnings kept out of the one line."""
+    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers;
+    a pickle that names anything else is refused before it is called), torch's own warnings kept
+    out of the one line."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -152,19 +157,23 @@ def load_torch(data: bytes, path: str | os.PathLike):
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"it names {named.group(1)}" if named else next(
-            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
-        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
-                        f"holds and which would run code if unpickled; it was not run") from None
+            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()),
+                                                               "an unsupported pickle")
+        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file "
+                        "of this program holds and which would run code if unpickled; it was not "
+                        "run") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line
         raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
 
 
-JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40        # deeper than anything this program writes; an int past any count
+# deeper than anything this program writes; an int past any count
+JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40
 
 
 def _json_int(text: str) -> int:
     if len(text.lstrip("-")) > JSON_MAX_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {JSON_MAX_DIGITS})")
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most "
+                         f"{JSON_MAX_DIGITS})")
     return int(text)
 
 
@@ -176,7 +185,8 @@ def _json_float(text: str) -> float:
 
 
 def _json_depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in JSON bytes (brackets inside strings not counted)."""
+    """The deepest nesting of arrays and objects in JSON bytes (brackets inside strings not
+    counted)."""
     depth = deepest = 0
     for token in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', data):
         t = token.group()
@@ -189,13 +199,15 @@ def _json_depth(data: bytes) -> int:
 
 
 def load_json(data: bytes, path: str | os.PathLike):
-    """JSON of bytes read back (UTF-8), bounded before it is parsed: at most JSON_MAX_DEPTH levels of nesting,
-    integers of at most JSON_MAX_DIGITS digits, no number that overflows a float; anything else is a ReadError."""
+    """JSON of bytes read back (UTF-8), bounded before it is parsed: at most JSON_MAX_DEPTH levels
+    of nesting, integers of at most JSON_MAX_DIGITS digits, no number that overflows a float;
+    anything else is a ReadError."""
     try:
         if _json_depth(data) > JSON_MAX_DEPTH:
             raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep")
         return json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
-    except ValueError as e:                               # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except ValueError as e:
         raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
 
 
@@ -203,7 +215,8 @@ def read_json(path: str | os.PathLike):
     return load_json(read_back(path, "json"), path)
 
 
-# ---- schemas: key -> (check, what it must be), checked on what is read back before any value is used
+# ---- schemas: key -> (check, what it must be), checked on what is read back before any value is
+# used
 
 def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -234,16 +247,19 @@ def is_list_of(check):
 
 
 def is_named_tensors(v) -> bool:
-    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is ever saved)."""
+    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is
+    ever saved)."""
     return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) and
-                                       (not t.is_floating_point() or bool(torch.isfinite(t).all())) for k, t in v.items())
+                                       (not t.is_floating_point() or bool(torch.isfinite(t).all()))
+                                       for k, t in v.items())
 
 
 def check_schema(obj, schema: dict, required, path) -> dict:
-    """`obj` (a dict read back from `path`) against `schema`: the `required` keys there, every key's value passing its
-    check; ReadError naming the first that does not."""
+    """`obj` (a dict read back from `path`) against `schema`: the `required` keys there, every
+    key's value passing its check; ReadError naming the first that does not."""
     if not isinstance(obj, dict):
-        raise ReadError(f"{path} holds a {type(obj).__name__}, not the dict this program writes there")
+        raise ReadError(f"{path} holds a {type(obj).__name__}, not the dict this program writes "
+                        "there")
     for key in required:
         if key not in obj:
             raise ReadError(f"{path} has no {key}")
@@ -253,38 +269,45 @@ def check_schema(obj, schema: dict, required, path) -> dict:
     return obj
 
 
-# result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are in every one (a run of
-# an earlier version lacks some: reports list it).
+# result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are
+# in every one (a run of an earlier version lacks some: reports list it).
 
 def is_name(v) -> bool:
-    """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_' (nothing a table
-    of a report would read as markdown)."""
+    """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_'
+    (nothing a table of a report would read as markdown)."""
     return isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,39}", v) is not None
 
 
 KINDS = ("boolean", "arithmetic", "vision", "lm")      # the task families a result belongs to
 
-INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")    # train.INITS' names, in order
+# train.INITS' names, in order
+INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")
 
 RESULT_SCHEMA = {
     "task": (is_name, "a task name"), "init": (lambda v: v in INITS, f"one of {', '.join(INITS)}"),
     "seed": (lambda v: is_count(v) and v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
-    "metrics": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and is_optional(is_finite)(x)
-                                                      for k, x in v.items()), "a dict of finite numbers (or null)"),
-    "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"), "preset": (is_name, "a preset name"),
+    "metrics": (lambda v: isinstance(v, dict)
+                and all(isinstance(k, str) and is_optional(is_finite)(x)
+                                                      for k, x in v.items()),
+                "a dict of finite numbers (or null)"),
+    "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"),
+                 "preset": (is_name, "a preset name"),
     "run_id": (is_optional(is_of(str)), "an id"), "data": (is_optional(is_of(str)), "a data hash"),
     "steps": (is_count, "a step count"), "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
     "prior_mass_start_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
     "prior_mass_end_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
-    "init_report": (is_optional(is_of(dict)), "a dict"), "config": (is_optional(is_of(dict)), "a dict"),
+    "init_report": (is_optional(is_of(dict)), "a dict"),
+                 "config": (is_optional(is_of(dict)), "a dict"),
     "tells_apart": (is_of(dict), "the flags that tell runs apart"),
-    "init_order": (is_count, "the init's place in train.INITS"), "at_preset": (is_of(bool), "true or false"),
+    "init_order": (is_count, "the init's place in train.INITS"),
+                 "at_preset": (is_of(bool), "true or false"),
     "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
         is_share(v[k]) for k in ("precision", "recall") if k in v) and all(
         is_count(v[k]) for k in ("found_pairs", "oracle_pairs") if k in v),
         "null or a dict whose precision and recall are in [0, 1]"),
 }
-RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id", "data")
+RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id",
+                   "data")
 
 
 def check_result(result, path: str | os.PathLike) -> dict:
@@ -292,7 +315,8 @@ def check_result(result, path: str | os.PathLike) -> dict:
     bad = [k for k, v in result.get("metrics", {}).items() if not is_optional(is_finite)(v)] \
         if isinstance(result, dict) and isinstance(result.get("metrics"), dict) else []
     if bad:
-        raise ReadError(f"{path}: metric {bad[0]} is {_short(result['metrics'][bad[0]])}, not a finite number")
+        raise ReadError(f"{path}: metric {bad[0]} is {_short(result['metrics'][bad[0]])}, not a "
+                        "finite number")
     return check_schema(result, RESULT_SCHEMA, RESULT_REQUIRED, path)
 
 
@@ -306,20 +330,27 @@ def _short(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file is seen, never used)
+# ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file
+# is seen, never used)
 
-# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
+# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each
+# one.
 CKPT_SCHEMA = {
-    "model": (is_named_tensors, "finite tensors by name"), "optimizer": (is_of(dict), "an optimiser state"),
-    "step": (is_count, "a step"), "seconds": (lambda v: is_finite(v) and v >= 0, "a training time"),
+    "model": (is_named_tensors, "finite tensors by name"),
+               "optimizer": (is_of(dict), "an optimiser state"),
+    "step": (is_count, "a step"), "seconds": (lambda v: is_finite(v) and v >= 0,
+                                              "a training time"),
     "config": (is_of(dict), "the run's flags"), "model_config": (is_of(dict), "a model config"),
-    "init_report": (is_optional(is_of(dict)), "a report"), "snapshot": (is_list_of(is_of(dict)), "a record a layer"),
+    "init_report": (is_optional(is_of(dict)), "a report"),
+               "snapshot": (is_list_of(is_of(dict)), "a record a layer"),
     "prior_mass_start": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
-    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor) and v["torch"].dtype == torch.uint8,
-            "the generators' states"),
-    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("run_id"), str), "the run's id and config hash"),
+    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
+            and v["torch"].dtype == torch.uint8, "the generators' states"),
+    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("run_id"), str),
+                 "the run's id and config hash"),
     "log_step": (is_count, "a step"), "data": (is_optional(is_of(str)), "a data hash"),
-    "machine": (is_of(dict), "a machine"), "prior_source": (is_optional(is_of(dict)), "a prior's source"),
+    "machine": (is_of(dict), "a machine"),
+               "prior_source": (is_optional(is_of(dict)), "a prior's source"),
     "prior_sha256": (is_of(str), "a sha256"), "ema": (is_named_tensors, "finite tensors by name")}
 
 
@@ -338,28 +369,33 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader, both levels with weights_only=True, once they match their
-    sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an earlier version's, or none: before
-    checksums), a damaged one or one whose contents break the schema is a ReadError. What the values mean (the flags,
-    the model they rebuild) is train.py's to check."""
+    """A checkpoint's contents through the one reader, both levels with weights_only=True, once
+    they match their sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an
+    earlier version's, or none: before checksums), a damaged one or one whose contents break the
+    schema is a ReadError. What the values mean (the flags, the model they rebuild) is train.py's
+    to check."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or "format" not in outer:
-        raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one written before "
-                        f"checksums, or another program's file); continue the run with the version that wrote it, or "
-                        f"start a new run")
+        raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one "
+                        "written before checksums, or another program's file); continue the run "
+                        "with the version that wrote it, or start a new run")
     if outer["format"] != CKPT_FORMAT:
-        raise ReadError(f"{path} is a checkpoint of an earlier version of train.py ({outer['format']}); this version "
-                        f"reads {CKPT_FORMAT}: continue the run with the version that wrote it, or start a new run")
+        raise ReadError(f"{path} is a checkpoint of an earlier version of train.py "
+                        f"({outer['format']}); this version reads {CKPT_FORMAT}: continue the run "
+                        "with the version that wrote it, or start a new run")
     payload = outer.get("payload")
     if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
-        raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with them); restore the "
-                        f"file from a copy, or start a new run with another --out")
+        raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with "
+                        "them); restore the file from a copy, or start a new run with another "
+                        "--out")
     return check_schema(load_torch(payload, path), CKPT_SCHEMA, CKPT_KEYS, path)
 
 
-# ---- the run folder: locked by the process that runs in it, its files written whole, a refusal leaving it as it was
+# ---- the run folder: locked by the process that runs in it, its files written whole, a refusal
+# leaving it as it was
 
-# A write that fails for want of room or permission: one line naming it, every file written before whole.
+# A write that fails for want of room or permission: one line naming it, every file written before
+# whole.
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
@@ -376,7 +412,8 @@ class RunFolder:
             raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
         self.path, self.created, self.fd = path, False, None
         self.parents: list[str] = []            # the folders above it this run made, deepest first
-        self.written: list[str] = []            # the files this process wrote here (`write`), in order
+        # the files this process wrote here (`write`), in order
+        self.written: list[str] = []
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -385,10 +422,11 @@ class RunFolder:
         return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
 
     def check_free(self) -> None:
-        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder can be made at
-        (both checked again by `create`, under the lock)."""
+        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder
+        can be made at (both checked again by `create`, under the lock)."""
         if self.holds_run():
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or "
+                             "another --out")
         above = os.path.dirname(os.path.abspath(self.path))
         while not os.path.exists(above):
             above = os.path.dirname(above)
@@ -397,23 +435,24 @@ class RunFolder:
             raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
 
     def write(self, name: str, data: bytes | str) -> None:
-        """Write a file of the run whole (`atomic_write`), remembering that this process wrote it."""
+        """Write a file of the run whole (`atomic_write`), remembering that this process wrote
+        it."""
         atomic_write(self.file(name), data)
         if name not in self.written:
             self.written.append(name)
 
     @contextlib.contextmanager
     def reading(self, flag: str):
-        """Read another run's folder (a teacher's) only while no process trains in it: a shared lock, refused at
-        once where a run holds the folder's lock."""
+        """Read another run's folder (a teacher's) only while no process trains in it: a shared
+        lock, refused at once where a run holds the folder's lock."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except OSError:
-                    raise UsageError(f"{flag} is in use by another process (a run is training there); wait for it "
-                                     f"to end, then give it again") from None
+                    raise UsageError(f"{flag} is in use by another process (a run is training "
+                                     "there); wait for it to end, then give it again") from None
             yield
         finally:
             os.close(fd)
@@ -421,11 +460,13 @@ class RunFolder:
     def open_existing(self) -> None:
         """Lock the folder of a run to resume; it must hold a checkpoint."""
         if not os.path.exists(self.file("ckpt.pt")):
-            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
+            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run "
+                             "without --resume")
         self._lock()
 
     def create(self) -> None:
-        """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
+        """Create (or take over) the folder of a new run and lock it; nothing of another run is
+        touched."""
         try:
             parent = os.path.dirname(os.path.abspath(self.path))
             self.parents = missing_folders(parent)
@@ -433,7 +474,8 @@ class RunFolder:
             try:
                 os.mkdir(self.path)
                 self.created = True
-            except FileExistsError:             # there already, or made by a run starting at the same moment
+            # there already, or made by a run starting at the same moment
+            except FileExistsError:
                 if not os.path.isdir(self.path):
                     raise
         except OSError as e:
@@ -442,7 +484,8 @@ class RunFolder:
         self._lock()
         if self.holds_run():
             self.release()
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or "
+                             "another --out")
 
     def _lock(self) -> None:
         try:
@@ -451,14 +494,15 @@ class RunFolder:
                 pass
         except OSError as e:
             self.release()
-            raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
+            raise UsageError(f"--out {self.path}: the run folder is not writable "
+                             f"({e.strerror or e})") from None
         if fcntl is not None:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 self.release()
-                raise BusyError(f"{self.path} is in use by another process (a run is training there); wait for "
-                                f"it to end, or use another --out") from None
+                raise BusyError(f"{self.path} is in use by another process (a run is training "
+                                "there); wait for it to end, or use another --out") from None
         for tmp, name in partial_writes(self.path):    # temporary files of a write that was killed
             if name in self.OURS:
                 with contextlib.suppress(OSError):
@@ -470,9 +514,10 @@ class RunFolder:
             self.fd = None
 
     def abandon(self) -> None:
-        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote,
-        and the folder and the folders above it where this process made them and nothing else is there; then
-        unlock. Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
+        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this
+        process wrote, and the folder and the folders above it where this process made them and
+        nothing else is there; then unlock. Nothing this process did not write is touched, and a
+        resumed run (it wrote nothing new) keeps all."""
         if "ckpt.pt" not in self.written:
             for name in self.written:
                 with contextlib.suppress(OSError):
@@ -483,24 +528,29 @@ class RunFolder:
                 self._remove_parents()
         self.release()
 
-    def failure(self, e: OSError, resume: bool, step: int | None, saved_step: int | None) -> str | None:
-        """The one line for a write of a run that failed (`e`): the folder moved or deleted while the run trained, or a
-        disk full, over quota or read-only; what failed where, and what is kept (every file is written whole, so the
-        last checkpoint resumes exactly). None for another error (a bug: its traceback is shown)."""
+    def failure(self, e: OSError, resume: bool, step: int | None,
+                saved_step: int | None) -> str | None:
+        """The one line for a write of a run that failed (`e`): the folder moved or deleted while
+        the run trained, or a disk full, over quota or read-only; what failed where, and what is
+        kept (every file is written whole, so the last checkpoint resumes exactly). None for
+        another error (a bug: its traceback is shown)."""
         if e.errno == errno.ENOENT and step is not None and not os.path.isdir(self.path):
-            kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes exactly with "
-                    f"--resume --out NEW_PLACE" if saved_step is not None else "it had no checkpoint yet")
+            kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes "
+                    "exactly with --resume --out NEW_PLACE" if saved_step is not None
+                    else "it had no checkpoint yet")
             return f"the run folder {self.path} disappeared at step {step} (moved or deleted while training); {kept}"
         if e.errno not in STORAGE_ERRORS:
             return None
         what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}" + \
             (f" writing {e.filename}" if e.filename else f" under {self.path}")
         if saved_step is None:
-            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume --out {self.path} again"
-                    if resume else f"{what}; the new run had no checkpoint yet and left nothing behind: free space and "
-                                   f"start it again")
-        return (f"{what} at step {step}; the checkpoint of step {saved_step} in {self.file('ckpt.pt')} is whole: free "
-                f"space, then continue with --resume --out {self.path}")
+            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume "
+                    f"--out {self.path} again"
+                    if resume else f"{what}; the new run had no checkpoint yet and left nothing "
+                                   "behind: free space and start it again")
+        return (f"{what} at step {step}; the checkpoint of step {saved_step} in "
+                f"{self.file('ckpt.pt')} is whole: free space, then continue with --resume --out "
+                f"{self.path}")
 
     def _remove_parents(self) -> None:
         """Remove the folders above the run that this run made, while they are empty (another run
@@ -522,22 +572,25 @@ def missing_folders(path: str) -> list[str]:
     return out
 
 
-# ---- metrics.jsonl, a run's log: one JSON record per log step (train.py appends them; reports read them back)
+# ---- metrics.jsonl, a run's log: one JSON record per log step (train.py appends them; reports
+# read them back)
 
 
 class LogError(ValueError):
-    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
+    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of
+    order."""
 
 
 def read_log(path: str) -> list[dict]:
-    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed write cut
-    short (no newline at its end) is left out; a damaged, lost, repeated or reordered line is a LogError that
-    names it, so nothing is ever dropped or rewritten away."""
+    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed
+    write cut short (no newline at its end) is left out; a damaged, lost, repeated or reordered
+    line is a LogError that names it, so nothing is ever dropped or rewritten away."""
     try:
         lines = read_back(path, "log").split(b"\n")
     except ReadError as e:
         raise LogError(str(e)) from None
-    lines.pop()            # the bytes after the last newline: b"", or a write cut short (its step is logged again)
+    # the bytes after the last newline: b"", or a write cut short (its step is logged again)
+    lines.pop()
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -545,39 +598,44 @@ def read_log(path: str) -> list[dict]:
         except ReadError:
             rec = None
         if not log_line(rec):
-            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py writes it)")
+            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py "
+                           "writes it)")
         records.append(rec)
     check_log(records, path)
     return records
 
 
 def check_log(records: list[dict], path: str) -> None:
-    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before it, written
-    since logs carry it) is the step of the line before: a lost, repeated or reordered line is a LogError."""
+    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before
+    it, written since logs carry it) is the step of the line before: a lost, repeated or reordered
+    line is a LogError."""
     for number, (before, rec) in enumerate(zip([None, *records], records), 1):
         step = rec["step"]
         if before is None:
             if step != 0 or rec.get("prev") is not None:
-                raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the log lost its first "
-                               f"lines")
+                raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the "
+                               "log lost its first lines")
             continue
         if step <= before["step"]:
             what = "repeats" if step == before["step"] else "goes back from"
-            raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of the line before it: "
-                           f"the log holds a repeated or misplaced line")
+            raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of "
+                           "the line before it: the log holds a repeated or misplaced line")
         if "prev" in rec and rec["prev"] != before["step"]:
-            raise LogError(f"{path} line {number} (step {step}) was logged after step {rec['prev']}, but the line "
-                           f"before it is step {before['step']}: a line of the log is missing")
+            raise LogError(f"{path} line {number} (step {step}) was logged after step "
+                           f"{rec['prev']}, but the line before it is step {before['step']}: a "
+                           "line of the log is missing")
 
 
 def log_line(rec) -> bool:
-    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >= 0), a
-    dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their mean."""
+    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >=
+    0), a dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their
+    mean."""
     if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
             and isinstance(rec.get("metrics"), dict)):
         return False
     mass, mean, prev = rec.get("prior_mass"), rec.get("prior_mass_mean"), rec.get("prev")
-    return ((mass is None or isinstance(mass, list) and all(map(is_number, mass))) and (mean is None or is_number(mean))
+    return ((mass is None or isinstance(mass, list) and all(map(is_number, mass)))
+            and (mean is None or is_number(mean))
             and (prev is None or isinstance(prev, int) and not isinstance(prev, bool)))
 
 
@@ -589,15 +647,16 @@ def append_log(path: str, record: dict) -> None:
         while data:
             data = data[os.write(fd, data):]
     except OSError as e:
-        e.filename = path                       # a full disk names the log (a cut line is dropped on resume)
+        # a full disk names the log (a cut line is dropped on resume)
+        e.filename = path
         raise
     finally:
         os.close(fd)
 
 
 def truncate_log(path: str, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut
-    short (`read_log`: anything else damaged is refused before this)."""
+    """Drop log lines written after the checkpoint's step (they will be written again) and a last
+    line cut short (`read_log`: anything else damaged is refused before this)."""
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
 
 
@@ -609,10 +668,10 @@ def _first_line(e: BaseException) -> str:
 
 @dataclass
 class Prior:
-    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit and the probe
-    measures the mass on; `logits`, the initial M of a mask init; and `source`, where both came from (the task's
-    hand pattern, its training data, or a teacher's attention), recorded in result.json. A run keeps it as prior.pt
-    (`to_bytes`; read back by `read_prior`)."""
+    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit
+    and the probe measures the mass on; `logits`, the initial M of a mask init; and `source`, where
+    both came from (the task's hand pattern, its training data, or a teacher's attention), recorded
+    in result.json. A run keeps it as prior.pt (`to_bytes`; read back by `read_prior`)."""
     pattern: torch.Tensor
     logits: torch.Tensor
     source: dict
@@ -624,32 +683,39 @@ class Prior:
 
 
 def prior_evidence(source: dict) -> str | None:
-    """One log line: what a prior not written by hand rests on (`Prior.source`: the sets or pairs that passed the
-    noise, the teacher's fit); None for a hand pattern."""
+    """One log line: what a prior not written by hand rests on (`Prior.source`: the sets or pairs
+    that passed the noise, the teacher's fit); None for a hand pattern."""
     pairs = f"{source.get('found_pairs')} pairs"
     if "walsh" in source:
         w = source["walsh"]
-        return (f"found in the training data: {w['sets_kept']} of {w['sets_tested']} Walsh sets stand above the "
-                f"sampling noise {w['noise_level']:.3f} ({w['points']} points, alpha {w['alpha']}): {pairs}")
+        return (f"found in the training data: {w['sets_kept']} of {w['sets_tested']} Walsh sets "
+                f"stand above the sampling noise {w['noise_level']:.3f} ({w['points']} points, "
+                f"alpha {w['alpha']}): {pairs}")
     if "pairs" in source:
         p = source["pairs"]
-        return (f"found in the training data: {p['kept']} (answer digit, operand digit pair) dependences pass the "
-                f"permutation test ({p['tested']} pairs tried per answer digit, alpha {p['alpha']}): {pairs}")
+        return (f"found in the training data: {p['kept']} (answer digit, operand digit pair) "
+                f"dependences pass the permutation test ({p['tested']} pairs tried per answer "
+                f"digit, alpha {p['alpha']}): {pairs}")
     if "teacher_fit" in source:
-        return (f"read from the teacher {source['teacher']}: it fits {100 * source['teacher_fit']:.1f}% of its "
-                f"training inputs (at least {100 * source['teacher_min_fit']:.0f}% asked): {pairs}")
+        return (f"read from the teacher {source['teacher']}: it fits "
+                f"{100 * source['teacher_fit']:.1f}% of its training inputs (at least "
+                f"{100 * source['teacher_min_fit']:.0f}% asked): {pairs}")
     return None
 
 
 def read_prior(path: str | os.PathLike, n: int | None = None, data: bytes | None = None) -> Prior:
-    """prior.pt through the one reader (its bytes `data` when read already): a bool pattern (N, N) or (H, N, N)
-    (N = `n` where given), finite logits, and a source; ReadError otherwise."""
+    """prior.pt through the one reader (its bytes `data` when read already): a bool pattern (N, N)
+    or (H, N, N) (N = `n` where given), finite logits, and a source; ReadError otherwise."""
     saved = load_torch(read_back(path, "prior") if data is None else data, path)
-    pattern, logits, source = (saved.get(k) if isinstance(saved, dict) else None for k in ("pattern", "logits", "source"))
+    pattern, logits, source = (saved.get(k) if isinstance(saved, dict) else None
+                               for k in ("pattern", "logits", "source"))
     n = n or (pattern.shape[-1] if isinstance(pattern, torch.Tensor) and pattern.dim() else 0)
-    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool and pattern.dim() in (2, 3)
-            and tuple(pattern.shape[-2:]) == (n, n) and isinstance(logits, torch.Tensor) and logits.is_floating_point()
-            and bool(torch.isfinite(logits).all()) and logits.dim() in (2, 3) and isinstance(source, dict)):
-        raise ReadError(f"{path} does not hold a run's prior (a bool pattern of ({n}, {n}) or (heads, {n}, {n}), "
-                        f"finite logits and a source)")
+    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool
+            and pattern.dim() in (2, 3)
+            and tuple(pattern.shape[-2:]) == (n, n) and isinstance(logits, torch.Tensor)
+            and logits.is_floating_point()
+            and bool(torch.isfinite(logits).all()) and logits.dim() in (2, 3)
+            and isinstance(source, dict)):
+        raise ReadError(f"{path} does not hold a run's prior (a bool pattern of ({n}, {n}) or "
+                        f"(heads, {n}, {n}), finite logits and a source)")
     return Prior(pattern, logits, source)
