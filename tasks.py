@@ -39,7 +39,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import Callable, ClassVar, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +53,14 @@ except ImportError:             # not on POSIX: run folders are not locked
 import augment as A
 import maskprior as mp
 from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)  # noqa: F401
+
+
+class Must(NamedTuple):
+    """A task option's refusal, declared: `test(value)` holds, or the option is refused (`flag`:
+    its command-line name where it is not --the-option-name)."""
+    what: str
+    test: Callable
+    flag: str | None = None
 
 
 class TaskError(UsageError):
@@ -121,6 +129,22 @@ class Task:
 
     # where a task says what slow work it does (train.py: its log)
     say: ClassVar[Callable[[str], None]] = print
+    # option -> Must(what it must be, its test[, flag]): refused in one line by `check_options`
+    MUST: ClassVar[dict] = {}
+
+    def check_options(self) -> None:
+        """Refuse the first option that fails its declared test (MUST of the class and its bases):
+        TaskError "--flag must be <what>, got <value>"."""
+        for klass in type(self).__mro__:
+            for name, must in vars(klass).get("MUST", {}).items():
+                value = getattr(self, name)
+                try:
+                    good = bool(must.test(value))
+                except TypeError:               # e.g. a string where a number goes
+                    good = False
+                if not good:
+                    flag = must.flag or "--" + name.replace("_", "-")
+                    raise TaskError(f"{flag} must be {must.what}, got {value!r}")
 
     @property
     def name(self) -> str:
@@ -689,16 +713,17 @@ class BooleanTask(Task):
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
+    MUST: ClassVar[dict] = {
+        "discover_degree": Must("in 1..4 (sets of up to 4 bits)", lambda v: 1 <= v <= 4),
+        "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]",
+                                   lambda v: 0 < v <= 1),
+    }
+
     def __post_init__(self):
         if self.readout not in READOUTS:
             raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got "
                             f"{self.readout!r}")
-        if not 1 <= self.discover_degree <= 4:
-            raise TaskError("--discover-degree must be in 1..4 (sets of up to 4 bits), got "
-                            f"{self.discover_degree}")
-        if not 0 < self.discover_threshold <= 1:
-            raise TaskError("--discover-threshold is a fraction of the largest coefficient in "
-                            f"(0, 1], got {self.discover_threshold}")
+        self.check_options()
         _check_alpha(self.discover_alpha)
         size = self.mdi_size()
         if size > MDI_MAX_MONOMIALS:
@@ -1217,11 +1242,15 @@ class ArithmeticTask(Task):
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
+    MUST: ClassVar[dict] = {
+        "n_digits": Must("an integer in 1..4", lambda v: isinstance(v, int) and 1 <= v <= 4,
+                         "--digits"),
+        "data_frac": Must("in (0, 1]", lambda v: 0 < v <= 1),
+        "answer_order": Must("msb or lsb", lambda v: v in ("msb", "lsb")),
+    }
+
     def __post_init__(self):
-        if not (isinstance(self.n_digits, int) and 1 <= self.n_digits <= 4):
-            raise TaskError(f"--digits must be an integer in 1..4, got {self.n_digits!r}")
-        if not (0 < self.data_frac <= 1):
-            raise TaskError(f"--data-frac must be in (0, 1], got {self.data_frac}")
+        self.check_options()
         # ordered pairs of d-digit operands
         self.universe = 10 ** (2 * self.n_digits)
         self.n_train = int(round(self.data_frac * self.universe))
@@ -1234,8 +1263,6 @@ class ArithmeticTask(Task):
             raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the "
                             f"{self.universe:,} pairs for the disjoint test set; use at most "
                             f"{most:g}")
-        if self.answer_order not in ("msb", "lsb"):
-            raise TaskError(f"--answer-order must be msb or lsb, got {self.answer_order!r}")
         _check_alpha(self.discover_alpha)
         self.n_answer = self.answer_digits(self.n_digits)
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
@@ -2489,6 +2516,18 @@ class ImageTask(Task):
     reprob: float = 0.0                 # random erasing probability
     seed: int = 0
 
+    MUST: ClassVar[dict] = {
+        "crop": Must("pad or rrc", lambda v: v in ("pad", "rrc")),
+        "randaug": Must("a magnitude in [0, 10] (0 = off)", lambda v: 0 <= v <= 10),
+        "reprob": Must("a probability in [0, 1]", lambda v: 0 <= v <= 1),
+        "crop_pct": Must("in (0, 1]", lambda v: 0 < v <= 1),
+        "randaug_ops": Must("at least 1", lambda v: v >= 1),
+        "impulse": Must("fixed or random", lambda v: v in ("fixed", "random")),
+        "soft_alpha": Must("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+        "window": Must("the local prior's side in patches, an odd number >= 1",
+                       lambda v: v >= 1 and v % 2 == 1),
+    }
+
     def __post_init__(self):
         self.n_classes = self.N_CLASSES
         self.input_size = self.input_size or self.image_size
@@ -2498,23 +2537,7 @@ class ImageTask(Task):
         if self.input_size % self.patch_size:
             raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a "
                             f"multiple of --patch-size {self.patch_size}")
-        if self.crop not in ("pad", "rrc"):
-            raise TaskError(f"--crop must be pad or rrc, got {self.crop!r}")
-        if not 0 <= self.randaug <= 10:
-            raise TaskError(f"--randaug is a magnitude in [0, 10] (0 = off), got {self.randaug}")
-        if not 0 <= self.reprob <= 1:
-            raise TaskError(f"--reprob is a probability in [0, 1], got {self.reprob}")
-        if not 0 < self.crop_pct <= 1:
-            raise TaskError(f"--crop-pct must be in (0, 1], got {self.crop_pct}")
-        if self.randaug_ops < 1:
-            raise TaskError(f"--randaug-ops must be at least 1, got {self.randaug_ops}")
-        if self.impulse not in ("fixed", "random"):
-            raise TaskError(f"--impulse must be fixed or random, got {self.impulse!r}")
-        if not (math.isfinite(self.soft_alpha) and self.soft_alpha > 0):
-            raise TaskError(f"--soft-alpha must be a finite number > 0, got {self.soft_alpha}")
-        if self.window < 1 or self.window % 2 == 0:
-            raise TaskError("--window is the local prior's side in patches, an odd number >= 1; "
-                            f"got {self.window}")
+        self.check_options()
 
     def arch(self) -> dict:
         return {"model": "vit", "image_size": self.input_size, "patch_size": self.patch_size,
@@ -3385,6 +3408,12 @@ class LMTask(Task):
                                  batch_size=64, schedule="cosine", warmup=200, steps=10000,
                                  grad_clip=1.0, log_every=500)},
     }
+    MUST: ClassVar[dict] = {
+        "context": Must("at least 2", lambda v: v >= 2),
+        "positions": Must("learned or none", lambda v: v in ("learned", "none")),
+        "eval_context": Must("0 (off) or at least 2 tokens", lambda v: v == 0 or v >= 2),
+        "val_tokens": Must(">= 0 (0 = the whole split)", lambda v: v >= 0),
+    }
 
     data_dir: str | None = None
     context: int = 128
@@ -3402,13 +3431,7 @@ class LMTask(Task):
         if self.data_dir is None:
             raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
                             "corpus files")
-        if self.context < 2:
-            raise TaskError(f"--context must be at least 2, got {self.context}")
-        if self.positions not in ("learned", "none"):
-            raise TaskError(f"--positions must be learned or none, got {self.positions!r}")
-        if self.eval_context < 0 or 0 < self.eval_context < 2:
-            raise TaskError("--eval-context must be 0 (off) or at least 2 tokens, got "
-                            f"{self.eval_context}")
+        self.check_options()
         if self.positions == "learned" and self.eval_context > self.context:
             raise TaskError(f"--eval-context {self.eval_context} is past --context "
                             f"{self.context}, which a learned positional table cannot serve: give "
@@ -3417,9 +3440,6 @@ class LMTask(Task):
         if self.mask_window is not None and not 1 <= self.mask_window <= self.context:
             raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got "
                             f"{self.mask_window}")
-        if self.val_tokens < 0:
-            raise TaskError("--val-tokens must be >= 0 (0 = the whole split), got "
-                            f"{self.val_tokens}")
         self.vocab_size = None
 
     def setup(self, device="cpu"):

@@ -3836,9 +3836,42 @@ def test_vision_patterns_and_their_probe_patterns(image_dir):
     assert (graded[~task.pattern("graded")] == -10).all()
     local = T.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
     assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
-    for bad, needle in (({"window": 4}, "--window is the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
+    for bad, needle in (({"window": 4}, "--window must be the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
         with pytest.raises(T.TaskError, match=needle):
             T.make_task("cifar10", data_dir=image_dir, **bad)
+
+
+MUST_TRIES = (-1, 0, 1, 2, 3, 4, 0.5, 1.5, 11, float("nan"), float("inf"), "msb", "x", True)   # None: the default
+
+
+def test_every_declared_task_option_refuses_exactly_what_its_test_fails(tmp_path):
+    """Each option a task declares (Task.MUST, of every registered task and its bases) is refused in
+    one line, "--flag must be <what>, got <value>", for each tried value its test fails (a TypeError
+    counts as failing), and never for a value its test passes."""
+    tried, seen = 0, set()
+    for name, cls in T.TASKS.items():
+        base = {"data_dir": str(tmp_path)} if "data_dir" in cls.options() else {}
+        for klass in cls.__mro__:
+            for option, must in vars(klass).get("MUST", {}).items():
+                if (klass, option) in seen:                       # each declaration tried on one task
+                    continue
+                seen.add((klass, option))
+                flag = must.flag or "--" + option.replace("_", "-")
+                given = flag[2:].replace("-", "_")                 # the option as make_task takes it
+                assert given in cls.options(), (name, option)
+                for value in MUST_TRIES:
+                    try:
+                        good = bool(must.test(value))
+                    except TypeError:
+                        good = False
+                    try:
+                        T.make_task(name, **base, **{given: value})
+                        said = ""
+                    except T.TaskError as e:
+                        said = str(e)
+                    assert (f"{flag} must be {must.what}, got {value!r}" == said) != good, (name, option, value, said)
+                    tried += 1
+    assert tried > 200
 
 
 def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
@@ -5171,8 +5204,8 @@ def test_seeds_torch_cannot_take_are_refused(tmp_path, capsys, seed):
 
 
 @pytest.mark.parametrize("flag,value,needle", [
-    ("--randaug", "11", "--randaug is a magnitude in [0, 10]"),
-    ("--reprob", "2", "--reprob is a probability in [0, 1]"),
+    ("--randaug", "11", "--randaug must be a magnitude in [0, 10]"),
+    ("--reprob", "2", "--reprob must be a probability in [0, 1]"),
     ("--ema", "1", "--ema must be a finite number in [0, 1)"),
     ("--ema", "-0.5", "--ema must be a finite number"),
     ("--drop-path", "1", "--drop-path must be a finite number in [0, 1)"),
@@ -7568,8 +7601,9 @@ def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():
     import reporting.plan as P
     assert len(P.run_list(data=None).runs) == 123
     assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
-    r = subprocess.run([sys.executable, bench, "--only", "boolean", "--task", "parity2", "--batch-size", "4", "--steps",
-                        "1", "--warmup", "1", "--eval-points", "64"], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, bench, "--quick", "--only", "boolean", "--task", "parity2", "--batch-size",
+                        "4", "--steps", "1", "--warmup", "1", "--eval-points", "64"], capture_output=True, text=True,
+                       timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stdout.count("\nboolean") == 4 and "mask / default step time" in r.stdout
 
