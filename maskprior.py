@@ -639,8 +639,8 @@ class MaskPrior(nn.Module):
             def score_mod(score, b, h, i, j):
                 return score + table[h, i, j]
         else:
-            lo, hi, offset = (0, self.n - 1, 0) if self.causal else (1 - self.n, self.n - 1,
-                                                                     self.n - 1)
+            n = self.n
+            lo, hi, offset = (0, n - 1, 0) if self.causal else (1 - n, n - 1, n - 1)
 
             def score_mod(score, b, h, i, j):               # `_index`, written out for the kernel
                 return score + table[h, (i - j).clamp(lo, hi) + offset]
@@ -1670,8 +1670,8 @@ def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float],
-                                                                          list[float]]:
+def prior_probe(model: nn.Module, inputs,
+                pattern: torch.Tensor) -> tuple[list[float], list[float]]:
     """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs`
     (`attention_maps`: maskprior's own models, or any model with `add_mask_prior`). The pattern
     must cover the model's positions exactly; only a causal model may read a prefix of it (shorter
@@ -2240,9 +2240,9 @@ def _check_size(model: nn.Module, priors: dict[str, MaskPrior], src: torch.Tenso
     size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
     # (a module with no weights of its own: nothing to weigh)
     if full and own and size > FULL_SHARE * own:
+        relative = not full[0].cross and depends_on_distance(src)
         way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
-               if
-               not full[0].cross and depends_on_distance(src) else "param='full' takes it anyway")
+               if relative else "param='full' takes it anyway")
         raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} "
                          f"parameters to the model's {own:,} ({size / own:.0%}); {way} (or build "
                          "the prior for fewer positions); no layer was changed")

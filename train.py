@@ -1838,9 +1838,8 @@ def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
     if saved == now and not changed:
         return None
     same = saved["device"] == now["device"]
-    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same
-                                    else
-                                    f"on {saved['device']}, now on {now['device']}"]
+    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}"
+                                    if same else f"on {saved['device']}, now on {now['device']}"]
     return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another "
             "order, so the resumed run matches an uninterrupted one to about 1e-6, not bitwise"
             + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same
