@@ -148,11 +148,11 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
     return ms_step, ms_eval, ms_final
 
 
-def start_ms() -> float:
+def start_ms(starts: int = 3) -> float:
     """ms a run's process takes to start and import train.py (torch included), the median of
-    three."""
+    `starts` starts."""
     times = []
-    for _ in range(3):
+    for _ in range(starts):
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import train"], cwd=os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), check=True)
@@ -172,6 +172,8 @@ def main():
     p.add_argument("--steps", type=int, default=10,
                    help="timed steps per run (after the warm-up steps)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--starts", type=int, default=3, choices=range(1, 11), metavar="1..10",
+                   help="processes started to time a run's start (their median; default 3)")
     p.add_argument("--threads", type=int,
                    help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
     p.add_argument("--batch-size", type=int,
@@ -215,7 +217,7 @@ def main():
     first = {}
     for r in runs:
         first.setdefault(P.time_key(r, preset), r)
-    ms_start = start_ms()
+    ms_start = start_ms(a.starts)
     print(f"device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
           f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile "

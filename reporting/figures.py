@@ -107,16 +107,18 @@ def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
     ax.tick_params(length=1, pad=1)
 
 
-def figure_problems(fig) -> list[str]:
+def figure_problems(fig, drawn: bool = False) -> list[str]:
     """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller
     than 1:4, a panel with nothing drawn in it, two panels (colour bars too) over each other, or
     two pieces of text (titles, labels, tick labels, legend entries) whose boxes overlap (the
-    renderer's extents, one pixel of slack)."""
+    renderer's extents, one pixel of slack). `drawn`: the figure was just drawn at its current
+    dpi (a save), so its layout is the one checked and it is not drawn again."""
     import numpy as np
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
     problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if max(w / h, h / w) > MAX_ASPECT else []
-    fig.canvas.draw()
+    if not drawn:
+        fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     hidden = set()
     for ax in fig.axes:
