@@ -26,6 +26,7 @@ import shlex
 import shutil
 import signal
 import struct
+import runpy
 import subprocess
 import sys
 import time
@@ -7596,31 +7597,44 @@ def test_reproduce_sh_takes_every_table_of_the_plan():
 
 # ---------------------------------------------------------------------------------------- benchmarks
 
+def _bench(monkeypatch, capsys, script, *argv):
+    """`python benchmarks/SCRIPT ARGV`, run in this process (a script's start is not what its test tests):
+    (exit status, stdout); torch's threads and generator, sys.path and sys.argv are left as they were."""
+    path = os.path.join(HERE, "benchmarks", script)
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    monkeypatch.setattr(sys, "path", [os.path.dirname(path), *sys.path])      # as `python SCRIPT` has it
+    threads, code = torch.get_num_threads(), 0
+    capsys.readouterr()
+    with torch.random.fork_rng():
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table():
+def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table(monkeypatch, capsys):
     """bench_paper reads reproduce.sh's one run list (reporting/plan.py): the 123 runs of the paper presets."""
-    bench = os.path.join(HERE, "benchmarks", "bench_paper.py")
-    r = subprocess.run([sys.executable, bench, "--plan"], capture_output=True, text=True, timeout=120)
-    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert r.returncode == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 123
+    code, out = _bench(monkeypatch, capsys, "bench_paper.py", "--plan")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert code == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 123
     import reporting.plan as P
     assert len(P.run_list(data=None).runs) == 123
     assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
-    r = subprocess.run([sys.executable, bench, "--quick", "--only", "boolean", "--task", "parity2", "--batch-size",
-                        "4", "--steps", "1", "--warmup", "1", "--eval-points", "64", "--starts", "1"],
-                       capture_output=True, text=True,
-                       timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0 and r.stdout.count("\nboolean") == 4 and "mask / default step time" in r.stdout
+    code, out = _bench(monkeypatch, capsys, "bench_paper.py", "--quick", "--only", "boolean", "--task", "parity2",
+                       "--batch-size", "4", "--steps", "1", "--warmup", "1", "--eval-points", "64", "--starts", "1")
+    assert code == 0 and out.count("\nboolean") == 4 and "mask / default step time" in out
 
 
 @pytest.mark.slow
-def test_bench_retrofit_prints_the_ratio_side_by_side():
+def test_bench_retrofit_prints_the_ratio_side_by_side(monkeypatch, capsys):
     _extra("timm"), _extra("transformers")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "bench_retrofit.py"), "--tiny", "--steps", "1",
-                        "--rounds", "1"], capture_output=True, text=True, timeout=300)
-    rows = r.stdout.splitlines()[2:]
-    assert r.returncode == 0 and len(rows) == 9, r.stdout + r.stderr
+    code, out = _bench(monkeypatch, capsys, "bench_retrofit.py", "--tiny", "--steps", "1", "--rounds", "1")
+    rows = out.splitlines()[2:]
+    assert code == 0 and len(rows) == 9, out
     for plain, floor, prior, name in zip(rows[::3], rows[1::3], rows[2::3],
                                          ("timm ViT-Tiny", "GPT-2 toy", "nn.TransformerEncoder")):
         assert plain.startswith(name) and plain.split()[-1] == "1.000" and prior.startswith("  + prior")
@@ -7628,15 +7642,14 @@ def test_bench_retrofit_prints_the_ratio_side_by_side():
 
 
 @pytest.mark.slow
-def test_bench_attention_and_bench_vit_time_train_py_s_step():
+def test_bench_attention_and_bench_vit_time_train_py_s_step(monkeypatch, capsys):
     """Both benchmarks run train.train_step (the loop's own step) and print a ratio column led by 1.000."""
     for script, argv in (("bench_attention.py", ["--steps", "1", "--rounds", "1"]),
                          ("bench_vit.py", ["--steps", "1", "--rounds", "1", "--inits", "default,mask",
                                            "--batch-size", "4"])):
-        r = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", script), *argv], capture_output=True,
-                           text=True, timeout=300)
-        rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("default", "mask"))]
-        assert r.returncode == 0 and rows[0][-1] == "1.000" and len(rows) >= 2, r.stdout + r.stderr
+        code, out = _bench(monkeypatch, capsys, script, *argv)
+        rows = [line.split() for line in out.splitlines() if line.startswith(("default", "mask"))]
+        assert code == 0 and rows[0][-1] == "1.000" and len(rows) >= 2, out
 
 
 def test_bench_context_worker_measures_each_variant():
