@@ -638,10 +638,9 @@ def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: flo
                   "noise_level": round(noise, 6), "largest": round(top, 6), "alpha": alpha}
 
 
-def _check_alpha(alpha: float) -> None:
-    if not (isinstance(alpha, (int, float)) and 0.001 <= alpha <= 0.5):
-        raise TaskError("--discover-alpha is the chance that a set (pair) of no dependence "
-                        f"passes the cut, in 0.001 .. 0.5, got {alpha}")
+# --discover-alpha, of the Boolean and the arithmetic families
+DISCOVER_ALPHA = Must("the chance that a set (pair) of no dependence passes the cut, in "
+                      "0.001 .. 0.5", lambda v: isinstance(v, (int, float)) and 0.001 <= v <= 0.5)
 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
@@ -717,6 +716,7 @@ class BooleanTask(Task):
         "discover_degree": Must("in 1..4 (sets of up to 4 bits)", lambda v: 1 <= v <= 4),
         "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]",
                                    lambda v: 0 < v <= 1),
+        "discover_alpha": DISCOVER_ALPHA,
     }
 
     def __post_init__(self):
@@ -724,7 +724,6 @@ class BooleanTask(Task):
             raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got "
                             f"{self.readout!r}")
         self.check_options()
-        _check_alpha(self.discover_alpha)
         size = self.mdi_size()
         if size > MDI_MAX_MONOMIALS:
             raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is "
@@ -1247,6 +1246,7 @@ class ArithmeticTask(Task):
                          "--digits"),
         "data_frac": Must("in (0, 1]", lambda v: 0 < v <= 1),
         "answer_order": Must("msb or lsb", lambda v: v in ("msb", "lsb")),
+        "discover_alpha": DISCOVER_ALPHA,
     }
 
     def __post_init__(self):
@@ -1263,7 +1263,6 @@ class ArithmeticTask(Task):
             raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the "
                             f"{self.universe:,} pairs for the disjoint test set; use at most "
                             f"{most:g}")
-        _check_alpha(self.discover_alpha)
         self.n_answer = self.answer_digits(self.n_digits)
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
