@@ -112,8 +112,8 @@ def _check_tensor(name: str, value, who: str, floating: bool) -> None:
     """A tensor of (..., N, N) (bool, or floating and finite where `floating`)."""
     kind = "a float" if floating else "a bool"
     if not isinstance(value, torch.Tensor) or value.is_floating_point() != floating or value.dim() < 2:
-        what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
-            type(value).__name__
+        what = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                else type(value).__name__)
         raise ValueError(f"{who}: {name} must be {kind} tensor (..., N, N), got {what}" + (
             "" if floating else "; for real-valued M give logits= instead"))
     if floating and not bool(torch.isfinite(value).all()):
@@ -137,9 +137,10 @@ def _check_maps_arg(name: str, value, who: str) -> None:
 
 
 def _check_indices(name: str, value, who: str) -> None:
-    ok = isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point() and \
-        value.dtype != torch.bool or isinstance(value, (list, tuple, range)) and \
-        all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value)
+    ok = (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()
+          and value.dtype != torch.bool
+          or isinstance(value, (list, tuple, range))
+          and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value))
     if not ok or len(value) == 0 or min(int(i) for i in value) < 0:
         raise ValueError(f"{who}: {name} must be a non-empty list (or 1-D integer tensor) of "
                          f"positions >= 0, got {value!r}"[:240])
@@ -568,9 +569,9 @@ class MaskPrior(nn.Module):
                                  f"with {s} keys do not fit the mask size {self.n}: a causal "
                                  f"prior serves positions 0 .. {self.n - 1}")
             return start
-        fits = (s <= self.n and t <= s) if self.causal else \
-            (t <= self.n and s <= self.n_keys and (self.cross or s == t)
-             and (self.prefix or (t == self.n and s == self.n_keys)))
+        fits = ((s <= self.n and t <= s) if self.causal else
+                (t <= self.n and s <= self.n_keys and (self.cross or s == t)
+                 and (self.prefix or (t == self.n and s == self.n_keys))))
         if not fits:
             size = f"{self.n} x {self.n_keys}" if self.cross else f"{self.n}"
             keys = f" with {s} keys" if s != t or self.cross else ""
@@ -880,8 +881,8 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `_FusedPrior` (the fused kernel, M's gradient apart); elsewhere, or per example
     (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
     prior.check_set()
-    if q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None and \
-            q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype:
+    if (q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None
+            and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype):
         return _FusedPrior.apply(q, k, v, prior.bias, prior)
     bias = prior(q.shape[-2], q.dtype, k_len=k.shape[-2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if bias.dim() == 4
@@ -1302,8 +1303,8 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int,
     """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its
     `n_keys`, default n)."""
     s = n if n_keys is None else n_keys
-    if pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads) \
-            or tuple(pattern.shape[-2:]) != (n, s):
+    if (pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads)
+            or tuple(pattern.shape[-2:]) != (n, s)):
         raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer "
                          f"with {n_heads} heads and {n} positions: expected ({n}, {s}) or "
                          f"({n_heads}, {n}, {s}); build it for the model's own token layout (with "
@@ -2252,8 +2253,8 @@ def _under_peft(model: nn.Module) -> bool:
     """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its
     peft_config (set on the model get_peft_model was given), or PEFT's adapter layers among its
     modules."""
-    return getattr(model, "peft_config", None) is not None or \
-        any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules())
+    return (getattr(model, "peft_config", None) is not None
+            or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
 
 
 def _record_key(recorded: dict, name: str, part: str) -> str | None:
@@ -2605,8 +2606,8 @@ def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torc
     additive) folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     prior.check_roles_batch(query.shape[0])
-    allowed = None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool else \
-        mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
+    allowed = (None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool
+               else mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
     # rows from the decoder's position (its KV cache)
     if prior.cross:
         start = getattr(module, "mask_prior_start", 0)
@@ -2643,8 +2644,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                            "but holds no MaskPrior: a model saved with mask priors loads with "
                            "mp.from_pretrained(ModelClass, path)")
     module.mask_prior_pending = False
-    if prior.record is None and _prior_alone(module, prior, query, key, attention_mask, kwargs) and \
-            (query.device.type == "cpu" or prior.use_flex):
+    if (prior.record is None and _prior_alone(module, prior, query, key, attention_mask, kwargs)
+            and (query.device.type == "cpu" or prior.use_flex)):
         # grouped keys
         k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
         out = prior_attention(query, k, v, prior) if query.device.type == "cpu" else prior.flex(query, k, v)

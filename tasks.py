@@ -660,8 +660,10 @@ def set_patterns(n_bits: int, sets):
     bits alone ("cls", with a CLS token only)."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
-        return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)} if cls \
-            else {"clique": clique}
+        if not cls:
+            return {"clique": clique}
+        singles = [(b,) for s in sets for b in s]
+        return {"clique": clique, "cls": pattern_from_sets(n_bits, singles, True)}
     return build
 
 
@@ -908,8 +910,8 @@ class BooleanTask(Task):
     def metrics(self, pred: torch.Tensor, idx: torch.Tensor | None = None) -> dict:
         """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the
         mean prediction on U. `pred` covers the whole cube, or the points `idx` only."""
-        y, u, top = (self.y_test, self.unseen_mask, self.chi_top) if idx is None else \
-            (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx])
+        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
+                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
         return cube_metrics(pred, y, u, top, self.exact)
 
     def evaluate(self, model, points: int | None = None) -> dict:
@@ -1136,8 +1138,8 @@ class _CustomBoolean(BooleanTask):
               discover_alpha, seed):
         """BooleanTask's fields for the target `terms` ([(kind, bits)]; `text` names it)."""
         b = tuple(dict.fromkeys(bit for _, bits in terms for bit in bits))
-        u = b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:") else \
-            _parse_bits(unseen, "unseen", n_bits)
+        u = (b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:")
+             else _parse_bits(unseen, "unseen", n_bits))
         fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x)
                                                                        for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
@@ -2185,33 +2187,36 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release.
+    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file
+    checked (`release_file`) before one is decoded.
 
     Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
     """
-    kind, files = cifar_release(data_dir, name)
+    kind, files = cifar_files(data_dir, name)
+    decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
+              ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
+              ("python", "cifar100"): lambda f: read_cifar_pickle(f, "fine_labels", 100),
+              ("binary", "cifar100"): lambda f: read_cifar_binary(f, 2, 1, 100)}[kind, name]
+    checked = [release_file(f, name, **CIFAR_FILE[kind, name]) for f in files]   # all, then decode
+    parts = [decode(f) for f in checked]
     if name == "cifar10":
-        read = (lambda f: read_cifar_pickle(f, n_classes=10)) if kind == "python" else \
-            (lambda f: read_cifar_binary(f, n_classes=10))
-        parts = [read(f) for f in files]
         return {"train": _concatenated(parts[:5]), "test": parts[5], "sources": files}
-    read = (lambda f: read_cifar_pickle(f, "fine_labels", 100)) if kind == "python" else \
-        (lambda f: read_cifar_binary(f, 2, 1, 100))
-    return {"train": read(files[0]), "test": read(files[1]), "sources": files}
+    return {"train": parts[0], "test": parts[1], "sources": files}
 
 
-# bytes a binary record holds: its label(s), then 3072 pixels
-CIFAR_RECORD = {"cifar10": 3073, "cifar100": 3074}
+# what a release's file opens with (python: a pickle) or is made of (binary: whole records of
+# the label(s) and 3072 pixels)
+CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"},
+              ("python", "cifar100"): {"header": b"\x80"},
+              ("binary", "cifar10"): {"record": 3073}, ("binary", "cifar100"): {"record": 3074}}
 
 
 def cifar_release(data_dir: str, name: str) -> tuple[str, list[str]]:
-    """`cifar_files`, each file's header checked (`release_file`): a pickle (python), whole records
+    """`cifar_files`, each file checked (`release_file`): a pickle (python), whole records
     (binary)."""
     kind, files = cifar_files(data_dir, name)
     for f in files:
-        release_file(f, name, header=b"\x80" if kind == "python" else b"", record=0
-                     if kind == "python" else
-                     CIFAR_RECORD[name])
+        release_file(f, name, **CIFAR_FILE[kind, name])
     return kind, files
 
 
@@ -2730,8 +2735,8 @@ class ImageNet100(ImageTask):
                 folders = [os.path.join(data_dir, split, wnid) for wnid in IMAGENET100_WNIDS]
                 missing = [f for f in folders if not os.path.isdir(f)]
                 if missing or not any(os.listdir(f) for f in folders):
-                    what = f"class folder {missing[0]} is missing" if missing else \
-                        f"{os.path.join(data_dir, split)} holds no image"
+                    what = (f"class folder {missing[0]} is missing" if missing
+                            else f"{os.path.join(data_dir, split)} holds no image")
                     raise DataError(f"ImageNet-100: {what}; `python train.py imagenet100 --from "
                                     "IMAGENET_1K_DIR --data DIR` builds the tree")
             return layout

@@ -630,8 +630,8 @@ def validate(config, task, explicit: set):
         raise UsageError(f"--init {config.init} fits its pattern on the positional embedding, "
                          "which --positions none leaves out; use --init mask or default there, "
                          "or --positions learned")
-    if getattr(task, "eval_context", 0) > getattr(task, "context", 0) and config.init in MASK_INITS \
-            and config.mask_param == "full":
+    if (getattr(task, "eval_context", 0) > getattr(task, "context", 0)
+            and config.init in MASK_INITS and config.mask_param == "full"):
         raise UsageError(f"--eval-context {task.eval_context} is past --context {task.context}, "
                          "which a full M (N x N) cannot serve: give --mask-param relative (its "
                          "distances serve any length)")
@@ -782,14 +782,6 @@ INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-
 def apply_init(model, prior: RF.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
     return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
-
-
-def make_prior(config, task, device, teacher: Teacher | None = None) -> RF.Prior:
-    """The run's prior (`RF.Prior`): the task's --pattern, or --prior-from's (`teacher`: read by
-    `read_teacher`)."""
-    if config.prior_from is None:
-        return task.prior(config.pattern, config.mask_on, config.mask_off)
-    return teacher_prior(config, task, device, teacher or read_teacher(config, task))
 
 
 # what a teacher's maps must share
@@ -1131,11 +1123,45 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (its flags and where they apply, a resumed run's files, a
-    teacher's), build it in memory, and only then take the run folder and write (`begin`): a
-    refusal writes and deletes nothing; a new run that fails after `begin` removes only what it
-    wrote (`RunFolder.abandon`). Under torchrun rank 0 alone reads and writes the folder and shares
-    the (restored) flags, or its error, with the others."""
+    """Check all the run reads (`check_run`), build it in memory, and only then take the run
+    folder and write (`begin`): a refusal writes and deletes nothing; a new run that fails after
+    `begin` removes only what it wrote (`RunFolder.abandon`). A new run is initialised
+    (`new_run`), a resumed one gets its checkpoint's state (`restored_run`)."""
+    config, folder, ckpt, task, device, teacher = check_run(config, explicit, dist)
+    error = None
+    try:
+        # the flags rank 0 restored, then this rank's own copies
+        if not dist.main:
+            ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
+            task, device = task_for(config), pick_device(config.device)
+        built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
+        state = (new_run(built, task, device, folder, dist) if ckpt is None
+                 else restored_run(built, task, device, folder, dist, ckpt))
+        state.trained = torch.compile(state.model) if state.config.compile else state.model
+        if dist.world > 1:
+            state.trained = torch.nn.parallel.DistributedDataParallel(
+                state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
+        if dist.main:
+            begin(state, ckpt)
+    except UsageError as e:
+        if folder is not None:
+            folder.abandon()
+        if dist.world == 1:
+            raise
+        error = str(e) if dist.main else None
+    except BaseException:
+        if folder is not None:
+            folder.abandon()
+        raise
+    dist.agree(error)
+    return state
+
+
+def check_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
+    """Everything a run reads, checked before anything is written: its flags and where they apply,
+    a resumed run's folder and checkpoint, a teacher's files. Under torchrun rank 0 alone reads the
+    folder and shares the (restored) flags, or its error, with the others. Returns (config,
+    folder, ckpt, task, device, teacher), the last five None on the other ranks."""
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
@@ -1167,27 +1193,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
         error = str(e)
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
-    try:
-        # the flags rank 0 restored, then this rank's own copies
-        if not dist.main:
-            config = Config(**shared)
-            ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
-            task, device = task_for(config), pick_device(config.device)
-        state = build_run(config, explicit, task, device, folder, ckpt, dist, teacher)
-        if dist.main:
-            begin(state, ckpt)
-    except UsageError as e:
-        if folder is not None:
-            folder.abandon()
-        if dist.world == 1:
-            raise
-        error = str(e) if dist.main else None
-    except BaseException:
-        if folder is not None:
-            folder.abandon()
-        raise
-    dist.agree(error)
-    return state
+    return (config if dist.main else Config(**shared)), folder, ckpt, task, device, teacher
 
 
 def size_schedule(config: Config, explicit: set, task) -> Config:
@@ -1222,7 +1228,10 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
     report = prior = None
     if init:
         t0 = time.time()
-        prior = make_prior(config, task, device, teacher)
+        # the prior of the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)
+        prior = (task.prior(config.pattern, config.mask_on, config.mask_off)
+                 if config.prior_from is None
+                 else teacher_prior(config, task, device, teacher or read_teacher(config, task)))
         try:
             report = apply_init(model, prior, config)
         except ValueError as e:     # a pattern that does not fit the model: nothing is written
@@ -1230,21 +1239,6 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
         report["seconds"] = round(time.time() - t0, 3)
         model.to(device)
     return Built(config, task, model, model_cfg, make_optimizer(model, config), report, prior)
-
-
-def build_run(config, explicit: set, task, device, folder: RF.RunFolder | None, ckpt: dict | None,
-              dist: Dist = Dist(), teacher: Teacher | None = None) -> Run:
-    """Load the data, size the schedule, build the model; then initialise a new run (`ckpt` None:
-    `new_run`) or restore the checkpoint's state (`restored_run`), everything checked and nothing
-    written (`begin` writes)."""
-    built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
-    state = new_run(built, task, device, folder, dist) if ckpt is None else \
-        restored_run(built, task, device, folder, dist, ckpt)
-    state.trained = torch.compile(state.model) if state.config.compile else state.model
-    if dist.world > 1:
-        state.trained = torch.nn.parallel.DistributedDataParallel(
-            state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
-    return state
 
 
 def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist) -> Run:
@@ -1789,8 +1783,8 @@ def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
 def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
     """The model a checkpoint holds is the model this config builds (but for its attention path,
     which may change)."""
-    if {k: v for k, v in ckpt["model_config"].items() if k != "fused"} != \
-            {k: v for k, v in asdict(model_cfg).items() if k != "fused"}:
+    if ({k: v for k, v in ckpt["model_config"].items() if k != "fused"}
+            != {k: v for k, v in asdict(model_cfg).items() if k != "fused"}):
         raise UsageError(f"{flag}: the checkpoint in {out} holds a different architecture "
                          f"({ckpt['model_config']} vs {asdict(model_cfg)})")
 
@@ -1900,9 +1894,11 @@ def main(argv=None) -> int:
         flags, explicit = parse_args(argv)
         if flags.command in ("summarize", "report", "redraw"):
             from reporting import report             # the reports load only for their commands
-            return report.summarize_command(flags.paths) if flags.command == "summarize" else \
-                report.redraw_command(flags.results) if flags.command == "redraw" else \
-                report.report_command(flags.runs, flags.out)
+            if flags.command == "summarize":
+                return report.summarize_command(flags.paths)
+            if flags.command == "redraw":
+                return report.redraw_command(flags.results)
+            return report.report_command(flags.runs, flags.out)
         if flags.command == "download":
             from datafetch import download
             return download.download(flags.names, flags.data, flags.mirror, timeout=flags.timeout)

@@ -346,7 +346,8 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
     left = (torch.rand(b, **kw) * (ww - w + 1)).floor()
     rows = torch.arange(hh, device=x.device)[None, :, None]
     cols = torch.arange(ww, device=x.device)[None, None, :]
-    box = (rows >= top[:, None, None]) & (rows < (top + h)[:, None, None]) & \
-          (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None]) & use[:, None, None]
+    box = ((rows >= top[:, None, None]) & (rows < (top + h)[:, None, None])
+           & (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None])
+           & use[:, None, None])
     noise = torch.randn(x.shape, **kw, dtype=x.dtype)
     return torch.where(box[:, None], noise, x)

@@ -36,8 +36,8 @@ def vit(args):
     grid = model.patch_embed.grid_size
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), 3, *model.patch_embed.img_size)
     pattern = mp.impulse_pattern(*grid, mp.IMPULSE_OFFSETS[:3], n_prefix=model.num_prefix_tokens)
-    return model, x, lambda m: mp.add_mask_prior(m, pattern, m_off=10.0), \
-        f"timm ViT-Tiny ({pattern.shape[-1]} tokens)"
+    return (model, x, lambda m: mp.add_mask_prior(m, pattern, m_off=10.0),
+            f"timm ViT-Tiny ({pattern.shape[-1]} tokens)")
 
 
 def gpt2(args):
@@ -53,8 +53,10 @@ def gpt2(args):
                       generator=torch.Generator().manual_seed(0))
     logits = mp.causal_distance_logits(t, cfg.n_head)
     param = "full" if args.full else "relative"
-    return model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param, flex=args.flex), \
-        f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M{', flex' if args.flex else ''})"
+    name = (f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M"
+            f"{', flex' if args.flex else ''})")
+    return (model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param, flex=args.flex),
+            name)
 
 
 def encoder(args):

@@ -35,7 +35,7 @@ def build(init: str, extra: list, device: torch.device):
     args = dataclasses.replace(args, steps=args.steps or 10 ** 6)
     task = train.task_for(args)
     model, cfg = train.build_model(args, task, device)
-    train.apply_init(model, train.make_prior(args, task, device), args)
+    train.apply_init(model, task.prior(args.pattern, args.mask_on, args.mask_off), args)
     return model, train.make_optimizer(model, args), cfg, args, task
 
 
@@ -99,9 +99,8 @@ def main():
           f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
     for init, med in times.items():
-        path = "fused" if train.use_fused(targs.attention, init in train.MASK_INITS, device,
-                                          cfg.n_positions) \
-            else "explicit"
+        fused = train.use_fused(targs.attention, init in train.MASK_INITS, device, cfg.n_positions)
+        path = "fused" if fused else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
     print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, "
           f"{augment / (augment + base):.1%} of a {inits[0]} step with it (crop {targs.crop}, "

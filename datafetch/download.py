@@ -346,8 +346,8 @@ def _member_path(name: str, f: File, kind: str) -> str:
     """A member's path below f.target/ ('' for the top folder itself); DataError for anything
     outside it."""
     parts = [p for p in name.replace("\\", "/").rstrip("/").split("/") if p != "."]
-    if name.startswith(("/", "\\")) or ".." in parts or "" in parts[1:] or not parts or parts[0] != f.target or \
-            (len(parts) == 1 and kind != "dir"):
+    if (name.startswith(("/", "\\")) or ".." in parts or "" in parts[1:] or not parts
+            or parts[0] != f.target or (len(parts) == 1 and kind != "dir")):
         raise T.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing "
                           "unpacked")
     return "/".join(parts[1:])

@@ -115,8 +115,8 @@ def init_order(runs: list):
 
 def md_table(header: list, rows) -> list[str]:
     """A markdown table's lines: the header cells, the rule, one line per row of cells."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +\
-        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def _pct(key):
@@ -842,8 +842,8 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
     found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
               mean_std([r for _, r in pr]), len(pr)] for row in rows
              for tag, pr in agreement.get(row, {}).items()]
-    out = md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""] +\
-        md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found)
+    out = (md_table(["task", "metric", *(h for h, _, _ in cols)], results) + [""]
+           + md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found))
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     path = os.path.join(out_dir, "oraclefree.md")

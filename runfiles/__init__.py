@@ -312,8 +312,9 @@ RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order
 
 def check_result(result, path: str | os.PathLike) -> dict:
     """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
-    bad = [k for k, v in result.get("metrics", {}).items() if not is_optional(is_finite)(v)] \
-        if isinstance(result, dict) and isinstance(result.get("metrics"), dict) else []
+    metrics = result.get("metrics") if isinstance(result, dict) else None
+    bad = ([k for k, v in metrics.items() if not is_optional(is_finite)(v)]
+           if isinstance(metrics, dict) else [])
     if bad:
         raise ReadError(f"{path}: metric {bad[0]} is {_short(result['metrics'][bad[0]])}, not a "
                         "finite number")
@@ -541,8 +542,8 @@ class RunFolder:
             return f"the run folder {self.path} disappeared at step {step} (moved or deleted while training); {kept}"
         if e.errno not in STORAGE_ERRORS:
             return None
-        what = f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}" + \
-            (f" writing {e.filename}" if e.filename else f" under {self.path}")
+        what = (f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}"
+                + (f" writing {e.filename}" if e.filename else f" under {self.path}"))
         if saved_step is None:
             return (f"{what}; the run in {self.path} is unchanged: free space, then --resume "
                     f"--out {self.path} again"
