@@ -53,11 +53,13 @@ import torch.nn.functional as F
 class Arg:
     """What a public argument of this name must be: `kind` bool, int, real (finite), pattern (a
     bool tensor that allows a pair), logits (a finite float tensor), maps (finite probabilities
-    that attend somewhere), indices (a list or 1-D tensor of positions) or offsets ((dr, dc) pairs
-    of ints); ints and reals at least `least` (above it where `above`)."""
+    that attend somewhere), indices (a list or 1-D tensor of positions), offsets ((dr, dc) pairs
+    of ints) or choice (one of `choices`); ints and reals at least `least` (above it where
+    `above`)."""
     kind: str
     least: float | None = None
     above: bool = False
+    choices: tuple = ()
 
 
 ARGS = {
@@ -71,7 +73,15 @@ ARGS = {
     "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
         "readout": Arg("indices"),
     "offsets": Arg("offsets"),
+    **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
 }
+
+# the model configs' fields that are checked as they are made (a config's readout is a word, the
+# readout argument of pattern_from_attention positions)
+FIELDS = {"mask_param": ARGS["mask_param"],
+          "readout": Arg("choice", choices=("cls", "mean", "tokens")),
+          "positions": Arg("choice", choices=("learned", "none")),
+          "pool": Arg("choice", choices=("mean", "cls"))}
 
 
 def checked(fn):
@@ -89,12 +99,17 @@ def checked(fn):
     return call
 
 
-def check_arg(name: str, value, who: str) -> None:
-    """Refuse `value` for the argument `name` unless it is what ARGS says, in one ValueError
-    line."""
-    arg = ARGS[name]
+def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
+    """Refuse `value` for the argument `name` unless it is what ARGS says (or `arg`), in one
+    ValueError line."""
+    arg = arg or ARGS[name]
     if arg.kind == "bool":
         return _check_bool(name, value, who)
+    if arg.kind == "choice":
+        if value not in arg.choices:
+            *first, last = map(repr, arg.choices)
+            raise ValueError(f"{who}: {name} must be {', '.join(first)} or {last}, got {value!r}")
+        return None
     if arg.kind in ("int", "real"):
         number = numbers.Integral if arg.kind == "int" else numbers.Real
         bound = "" if arg.least is None else f" {'>' if arg.above else '>='} {arg.least:g}"
@@ -427,9 +442,6 @@ class MaskPrior(nn.Module):
                  logits: torch.Tensor | None = None, param: str | None = None,
                  n_keys: int | None = None, prefix: bool = False):
         super().__init__()
-        if param not in (None, "full", "relative"):
-            raise ValueError("MaskPrior param must be 'full', 'relative' or None (relative where "
-                             f"the prior depends on i - j alone), got {param!r}")
         _pattern_or_logits(pattern, logits, "MaskPrior")
         src = logits if logits is not None else pattern
         # a causal distance prior is stored by distance; anything else (a layout) by pair
@@ -992,6 +1004,12 @@ class TrunkConfig:
     # a relative M's distances 0 .. W - 1, the last read past them (default: N)
     mask_window: int | None = None
 
+    def __post_init__(self):
+        """Each field FIELDS names is checked (`check_arg`)."""
+        for name, value in vars(self).items():
+            if name in FIELDS:
+                check_arg(name, value, type(self).__name__, FIELDS[name])
+
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Stochastic depth: zero a residual branch for a random fraction p of the samples, scale the
@@ -1097,10 +1115,6 @@ class Transformer(Trunk):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        if cfg.readout not in ("cls", "mean", "tokens"):
-            raise ValueError(f"readout must be 'cls', 'mean' or 'tokens', got {cfg.readout!r}")
-        if cfg.positions not in ("learned", "none"):
-            raise ValueError(f"positions must be 'learned' or 'none', got {cfg.positions!r}")
         self.cfg, self.readout = cfg, cfg.readout
         n = cfg.n_positions
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -1170,8 +1184,6 @@ class ViT(Trunk):
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        if cfg.pool not in ("mean", "cls"):
-            raise ValueError(f"pool must be 'mean' or 'cls', got {cfg.pool!r}")
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"image size {cfg.image_size} is not a multiple of patch size "
                              f"{cfg.patch_size}")

@@ -2370,6 +2370,7 @@ BAD = {   # an argument's kind -> values it must refuse (ints and reals also jus
              torch.empty(0, 8, 8)],
     "indices": [[0.5], 0, [], [-1], torch.tensor([True, False]), [True]],
     "offsets": [[], [(0,)], [(0.5, 0)], "ab", [(0, True)]],
+    "choice": ["ful", "", 1, ("full",)],
 }
 
 
@@ -2440,6 +2441,23 @@ def test_the_library_refuses_each_bad_value_of_each_public_argument(fn, name, i)
         LIBRARY_CALLS[fn](**{name: value})
     assert str(err.value).startswith(f"{fn}: ") or fn in str(err.value), str(err.value)
     _one_line(err)
+
+
+FIELD_CASES = [(cfg, name, value) for cfg in (mp.TransformerConfig, mp.ViTConfig)
+               for name in mp.FIELDS if name in {f.name for f in dataclasses.fields(cfg)}
+               for value in _bad_values(mp.FIELDS[name])]
+
+
+@pytest.mark.parametrize("cfg, name, value", FIELD_CASES,
+                         ids=[f"{c.__name__}-{n}-{v!r}" for c, n, v in FIELD_CASES])
+def test_a_model_config_refuses_each_bad_value_of_each_declared_field(cfg, name, value):
+    """Generated from the table (`mp.FIELDS`): a model config given a bad value of a field the table
+    names is one ValueError line naming the config and the field; each allowed value is taken."""
+    with pytest.raises(ValueError, match=rf"^{cfg.__name__}: {name} must be ") as err:
+        cfg(**{name: value})
+    _one_line(err)
+    for good in mp.FIELDS[name].choices:
+        assert getattr(cfg(**{name: good}), name) == good
 
 
 @pytest.mark.parametrize("keys", [False, True], ids=["pairs", "keys"])
