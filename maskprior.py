@@ -37,6 +37,7 @@ import numbers
 import sys
 import time
 from dataclasses import dataclass, fields
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -45,34 +46,104 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------
 # The public arguments, in one table as train.py's flags are: an argument's name means one thing
 # wherever the library takes it (ARGS), and `checked` checks every argument of a public function
-# that the table names (None passes where the function's default is None). Each refusal is one
-# ValueError line: what, what is expected.
+# that the table names (None passes where the function's default is None). What each kind of
+# argument must be is a row of KINDS: in words, its test, a hint. Each refusal is one ValueError
+# line: what it must be, what it got.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_square(v, floating: bool) -> bool:
+    """A tensor of (..., N, N), floating or bool."""
+    return (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.is_floating_point() == floating
+            and (floating or v.dtype == torch.bool))
+
+
+def _is_positions(v) -> bool:
+    """A non-empty list (or 1-D integer tensor) of positions >= 0."""
+    ints = (isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point()
+            and v.dtype != torch.bool
+            or isinstance(v, (list, tuple, range)) and all(_is_int(i) for i in v))
+    return ints and len(v) > 0 and min(int(i) for i in v) >= 0
+
+
+def _is_offsets(v) -> bool:
+    """A non-empty list of (dr, dc) pairs of integers."""
+    return (isinstance(v, (list, tuple)) and len(v) > 0
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p))
+                    for p in v))
+
+
+def _are_probabilities(v) -> bool:
+    """Attention maps (`_check_maps`'d: a float tensor, not empty, finite) whose rows are >= 0 and
+    attend somewhere."""
+    return not bool((v < 0).any()) and bool((v.sum(-1) > 0).all())
+
+
+class Kind(NamedTuple):
+    """What a kind of argument must be: in words, the test a value passes, how to give it (`name`
+    stands for the argument's), and a check with lines of its own that runs first."""
+    what: str
+    test: Callable[[object], bool]
+    hint: str = ""
+    first: Callable[[object, str], None] | None = None
+
+
+KINDS = {
+    "bool": Kind("True or False", lambda v: isinstance(v, bool),
+                 "pass a bool (a string or number would be read as True or False by its truth "
+                 "value)"),
+    "int": Kind("an integer", _is_int),
+    "real": Kind("a finite number", lambda v: (isinstance(v, numbers.Real)
+                                               and not isinstance(v, bool) and math.isfinite(v)),
+                 "give a float such as {name}=5.0"),
+    "pattern": Kind("a bool tensor (..., N, N) that allows a pair",
+                    lambda v: _is_square(v, False) and bool(v.any()),
+                    "for real-valued M give logits= instead"),
+    "logits": Kind("a finite float tensor (..., N, N)",
+                   lambda v: _is_square(v, True) and bool(torch.isfinite(v).all())),
+    "maps": Kind("attention probabilities, each row >= 0 and attending somewhere",
+                 _are_probabilities, first=lambda v, who: _check_maps(v, who)),
+    "indices": Kind("a non-empty list (or 1-D integer tensor) of positions >= 0", _is_positions),
+    "offsets": Kind("a non-empty list of (dr, dc) pairs of integers", _is_offsets),
+}
 
 
 @dataclass(frozen=True)
 class Arg:
-    """What a public argument of this name must be: `kind` bool, int, real (finite), pattern (a
-    bool tensor that allows a pair), logits (a finite float tensor), maps (finite probabilities
-    that attend somewhere), indices (a list or 1-D tensor of positions), offsets ((dr, dc) pairs
-    of ints) or choice (one of `choices`); ints and reals at least `least` (above it where
-    `above`)."""
+    """What a public argument of this name must be: a `kind` of KINDS (ints and reals at least
+    `least`, above it where `above`), or kind "choice": one of `choices`."""
     kind: str
     least: float | None = None
     above: bool = False
     choices: tuple = ()
 
+    def what(self) -> str:
+        if self.kind == "choice":
+            *first, last = map(repr, self.choices)
+            return f"{', '.join(first)} or {last}"
+        bound = "" if self.least is None else f" {'>' if self.above else '>='} {self.least:g}"
+        return KINDS[self.kind].what + bound
+
+    def fits(self, value) -> bool:
+        if self.kind == "choice":
+            return isinstance(value, str) and value in self.choices
+        return KINDS[self.kind].test(value) and (self.least is None or (
+            value > self.least if self.above else value >= self.least))
+
 
 ARGS = {
-    **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal", "keys", "per_head",
-                                "prefix", "cross_attention", "flex")},
+    **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal",
+                                "keys", "per_head", "prefix", "cross_attention", "flex")},
     **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel",
                                   "top_k")},
     **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
     **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
     "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
     "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
-        "readout": Arg("indices"),
-    "offsets": Arg("offsets"),
+    "readout": Arg("indices"), "offsets": Arg("offsets"),
     **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
 }
 
@@ -86,7 +157,8 @@ FIELDS = {"mask_param": ARGS["mask_param"],
 
 def checked(fn):
     """Decorator: check each argument of `fn` that ARGS names (`check_arg`) before `fn` runs."""
-    sig, who = inspect.signature(fn), fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
+    sig = inspect.signature(fn)
+    who = fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
     names = {k: p.default is None for k, p in sig.parameters.items() if k in ARGS}
 
     @functools.wraps(fn)
@@ -101,86 +173,25 @@ def checked(fn):
 
 def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
     """Refuse `value` for the argument `name` unless it is what ARGS says (or `arg`), in one
-    ValueError line."""
+    ValueError line: what it must be, what it was, how to give it."""
     arg = arg or ARGS[name]
-    if arg.kind == "bool":
-        return _check_bool(name, value, who)
-    if arg.kind == "choice":
-        if value not in arg.choices:
-            *first, last = map(repr, arg.choices)
-            raise ValueError(f"{who}: {name} must be {', '.join(first)} or {last}, got {value!r}")
-        return None
-    if arg.kind in ("int", "real"):
-        number = numbers.Integral if arg.kind == "int" else numbers.Real
-        bound = "" if arg.least is None else f" {'>' if arg.above else '>='} {arg.least:g}"
-        if not isinstance(value, number) or isinstance(value, bool) or not math.isfinite(value) or (
-                arg.least is not None and (value <= arg.least if arg.above
-                                           else value < arg.least)):
-            what = "an integer" if arg.kind == "int" else "a finite number"
-            raise ValueError(f"{who}: {name} must be {what}{bound}, got {value!r}" + (
-                "" if arg.kind == "int" else f"; give a float such as {name}=5.0"))
-        return None
-    return _TENSOR_CHECKS[arg.kind](name, value, who)
+    kind = KINDS.get(arg.kind, Kind("", None))
+    if kind.first is not None:
+        kind.first(value, who)
+    if not arg.fits(value):
+        hint = kind.hint.format(name=name)
+        raise ValueError(f"{who}: {name} must be {arg.what()}, got {_shown(value)}"
+                         + (f"; {hint}" if hint else ""))
 
 
-def _check_tensor(name: str, value, who: str, floating: bool) -> None:
-    """A tensor of (..., N, N) (bool, or floating and finite where `floating`)."""
-    kind = "a float" if floating else "a bool"
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() != floating or value.dim() < 2:
-        what = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                else type(value).__name__)
-        raise ValueError(f"{who}: {name} must be {kind} tensor (..., N, N), got {what}" + (
-            "" if floating else "; for real-valued M give logits= instead"))
-    if floating and not bool(torch.isfinite(value).all()):
-        raise ValueError(f"{who}: {name} hold non-finite values (nan or inf); M is finite only "
-                         "from finite numbers")
-
-
-def _check_pattern_arg(name: str, value, who: str) -> None:
-    _check_tensor(name, value, who, floating=False)
-    if not bool(value.any()):
-        raise ValueError(f"{who}: {name} of shape {tuple(value.shape)} allows no pair: a prior "
-                         "from it is no prior")
-
-
-def _check_maps_arg(name: str, value, who: str) -> None:
-    _check_maps(value, who)
-    negative = bool((value < 0).any())
-    if negative or not bool((value.sum(-1) > 0).all()):
-        raise ValueError(f"{who}: attention maps are probabilities: each row >= 0 and attending "
-                         f"somewhere, got {'negative values' if negative else 'a row of zeros'}")
-
-
-def _check_indices(name: str, value, who: str) -> None:
-    ok = (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()
-          and value.dtype != torch.bool
-          or isinstance(value, (list, tuple, range))
-          and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value))
-    if not ok or len(value) == 0 or min(int(i) for i in value) < 0:
-        raise ValueError(f"{who}: {name} must be a non-empty list (or 1-D integer tensor) of "
-                         f"positions >= 0, got {value!r}"[:240])
-
-
-def _check_offsets(name: str, value, who: str) -> None:
-    pairs = list(value) if isinstance(value, (list, tuple)) else None
-    if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(
-            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in p)
-                            for p in pairs):
-        raise ValueError(f"{who}: {name} must be a non-empty list of (dr, dc) pairs of integers, "
-                         f"got {value!r}"[:240])
-
-
-_TENSOR_CHECKS = {"pattern": _check_pattern_arg, "logits": lambda n, v,
-                  w: _check_tensor(n, v, w, floating=True), "maps": _check_maps_arg,
-                  "indices": _check_indices, "offsets": _check_offsets}
-
-
-def _check_bool(name: str, value, who: str) -> None:
-    """Refuse a switch that is not True or False: "no" or 1 would be taken as True."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{who}: {name} must be True or False, got {value!r} "
-                         f"({type(value).__name__}); pass a bool (a string or number would be "
-                         "read as True or False by its truth value)")
+def _shown(value) -> str:
+    """A value as a refusal names it: a tensor by its dtype and shape (and what is off in it)."""
+    if not isinstance(value, torch.Tensor):
+        return f"{value!r} ({type(value).__name__})"[:240]
+    finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+    off = (" holding nan or inf" if not finite
+           else " allowing no pair" if value.dtype == torch.bool and not bool(value.any()) else "")
+    return f"{value.dtype} of shape {tuple(value.shape)}{off}"
 
 
 def _pattern_or_logits(pattern, logits, who: str) -> None:
