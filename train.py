@@ -1123,11 +1123,11 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (`check_run`), build it in memory, and only then take the run
+    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run
     folder and write (`begin`): a refusal writes and deletes nothing; a new run that fails after
     `begin` removes only what it wrote (`RunFolder.abandon`). A new run is initialised
     (`new_run`), a resumed one gets its checkpoint's state (`restored_run`)."""
-    config, folder, ckpt, task, device, teacher = check_run(config, explicit, dist)
+    config, folder, ckpt, task, device, teacher = prepare_run(config, explicit, dist)
     error = None
     try:
         # the flags rank 0 restored, then this rank's own copies
@@ -1157,7 +1157,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
     return state
 
 
-def check_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
+def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
     """Everything a run reads, checked before anything is written: its flags and where they apply,
     a resumed run's folder and checkpoint, a teacher's files. Under torchrun rank 0 alone reads the
     folder and shares the (restored) flags, or its error, with the others. Returns (config,
