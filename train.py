@@ -1134,6 +1134,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
         if not dist.main:
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
             task, device = task_for(config), pick_device(config.device)
+        task.setup(device)              # its data read (and checked): nothing is written yet
         built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
         state = (new_run(built, task, device, folder, dist) if ckpt is None
                  else restored_run(built, task, device, folder, dist, ckpt))
@@ -1217,12 +1218,14 @@ Built = collections.namedtuple("Built", "config task model model_cfg optimizer i
 
 def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: T.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task set up, the schedule sized, the model built and, with
-    `init`, initialised (`teacher`: --prior-from's files, read already), and the optimiser (M
-    undecayed). Runs, tests and benchmarks."""
+    """Everything a run trains: the task (`task`: set up already, its data read; None: made and
+    set up here), the schedule sized, the model built and, with `init`, initialised (`teacher`:
+    --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and
+    benchmarks."""
     device = device or pick_device(config.device)
-    task = task or task_for(config)
-    task.setup(device)
+    if task is None:
+        task = task_for(config)
+        task.setup(device)
     config = size_schedule(config, explicit, task)
     model, model_cfg = build_model(config, task, device)
     report = prior = None

@@ -111,8 +111,8 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     task = train.task_for(args)
     if kind in ("vision", "lm"):
         synthetic_data(task, device, args)
-        # train.build sets the task up: the data is there
-        task.setup = lambda device: task
+    else:
+        task.setup(device)
     return train.build(args, device, explicit, task)
 
 
