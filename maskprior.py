@@ -30,6 +30,7 @@ the retrofit into other libraries' models (`add_mask_prior` and what it needs).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import math
@@ -56,8 +57,8 @@ def _is_int(v) -> bool:
 
 
 def _is_square(v, floating: bool) -> bool:
-    """A tensor of (..., N, N), floating or bool."""
-    return (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.is_floating_point() == floating
+    """A tensor of (..., N, N), floating or bool, with values (not on the meta device)."""
+    return (isinstance(v, torch.Tensor) and not v.is_meta and v.dim() >= 2 and v.is_floating_point() == floating
             and (floating or v.dtype == torch.bool))
 
 
@@ -188,6 +189,9 @@ def _shown(value) -> str:
     """A value as a refusal names it: a tensor by its dtype and shape (and what is off in it)."""
     if not isinstance(value, torch.Tensor):
         return f"{value!r} ({type(value).__name__})"[:240]
+    if value.is_meta:
+        return (f"{value.dtype} of shape {tuple(value.shape)} on the meta device, which holds no values (build "
+                "it outside `with torch.device('meta')`)")
     finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
     off = (" holding nan or inf" if not finite
            else " allowing no pair" if value.dtype == torch.bool and not bool(value.any()) else "")
@@ -339,7 +343,7 @@ def causal_pattern(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
-def future_keys(t: int, device=None) -> torch.Tensor:
+def future_keys(t: int, device: torch.device | None = None) -> torch.Tensor:
     """(T, T) bool, True where key j > query i: what a causal layer never sees."""
     return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
@@ -418,6 +422,15 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor,
 # for any attention that adds a mask to its logits.
 
 
+def tracing(x=None) -> bool:
+    """Whether this call is being compiled (torch.compile), scripted or traced (TorchScript), or traced by fx
+    (`x`, a value of the call, is an fx Proxy): there host-side checks (a value read back to Python) are left out,
+    so the graph stays whole."""
+    compiling = getattr(torch.compiler, "is_compiling", None)            # torch >= 2.3
+    return (bool(compiling and compiling()) or torch.jit.is_scripting() or torch.jit.is_tracing()
+            or isinstance(x, torch.fx.Proxy))
+
+
 class MaskPrior(nn.Module):
     """The learnable prior of one attention layer: M -> the additive bias log sigmoid(M), plus -inf
     on future keys when `causal`. `param="full"`: M is (heads, n, n), one logit per (query, key);
@@ -476,6 +489,8 @@ class MaskPrior(nn.Module):
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
         # to_empty gave M memory but no values: set or load it first
         self.unset = False
+        # what M starts from (a CPU copy), for reset_parameters
+        self.start = None
         if pattern is not None and causal:
             _check_past_only(pattern, f"{self.where}: the pattern allows",
                              "give pattern & mp.causal_pattern(n)")
@@ -515,8 +530,15 @@ class MaskPrior(nn.Module):
 
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a
-        float64 M."""
-        return m if m.dtype == torch.float64 else m.float()
+        float64 M (read off the parameter itself, so an fx trace records no branch)."""
+        return m if self._parameters["bias"].dtype == torch.float64 else m.float()
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script compiles every forward hook of a model, and a retrofitted layer's are Python: one line
+        instead of TorchScript's traceback, naming the ways that work."""
+        raise ValueError(f"{self.where}: torch.jit.script cannot compile a model that holds a MaskPrior (the "
+                         "prior's hooks and bias are Python); trace it (torch.jit.trace), compile it "
+                         "(torch.compile) or export it (torch.export) instead")
 
     def _index(self, d: torch.Tensor) -> torch.Tensor:
         """The relative table's index of distances d = i - j (any shape): d itself when causal
@@ -524,9 +546,9 @@ class MaskPrior(nn.Module):
         logit (its first, for the keys far after the query of a non-causal prior)."""
         return d.clamp(0, self.n - 1) if self.causal else d.clamp(1 - self.n, self.n - 1) + self.n - 1
 
-    def _square(self) -> torch.Tensor:
-        """(n, n) distances i - j of the prior's own n positions."""
-        i = torch.arange(self.n, device=self.bias.device)
+    def _square(self, device=None) -> torch.Tensor:
+        """(n, n) distances i - j of the prior's own n positions (on M's device, or `device`)."""
+        i = torch.arange(self.n, device=self.bias.device if device is None else device)
         return i[:, None] - i[None, :]
 
     @torch.no_grad()
@@ -534,9 +556,11 @@ class MaskPrior(nn.Module):
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only
         if they depend on i - j alone (on and below the diagonal when causal). A causal prior
         refuses logits that allow a future key (M > 0 there: log sigmoid(M) would keep most of its
-        weight), which it would drop in silence."""
-        full = _per_head(logits, self.heads, self.n, self.n_keys).to(self.bias.device,
-                                                                     self.bias.dtype)
+        weight), which it would drop in silence. Checked where the logits are, and kept (a CPU copy)
+        as M's start for `reset_parameters`: a prior on the meta device takes them too, and is set
+        from them once M has memory (`to_empty`, then `reset_parameters` or Hugging Face's
+        init_weights)."""
+        full = _per_head(logits, self.heads, self.n, self.n_keys).to(dtype=self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
             raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite "
                              "matrix (log sigmoid(M) of +-inf or nan is no prior)")
@@ -544,21 +568,30 @@ class MaskPrior(nn.Module):
             _check_past_only(full, f"{self.where}: the logits allow",
                              "set them to at most 0 there (e.g. "
                              "logits.tril(), or logits built with causal=True)")
-        if self.param == "full":
-            self.bias.copy_(full)
-            self.unset = False
-            return
-        idx = self._index(self._square()).expand(self.heads, -1, -1)
+        value = full if self.param == "full" else self._table(full)
+        self.start = value.to("cpu", copy=True)
+        self.reset_parameters()
+
+    def _table(self, full: torch.Tensor) -> torch.Tensor:
+        """The relative table (heads, n or 2n - 1) of full logits (heads, n, n) that depend on i - j alone."""
+        idx = self._index(self._square(full.device)).expand(self.heads, -1, -1)
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
         seen = seen.tril() if self.causal else seen
-        table = torch.zeros_like(self.bias).scatter_(1, idx[:, seen].view(self.heads, -1),
-                                                            full[:, seen].view(self.heads, -1))
+        table = torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device).scatter_(
+            1, idx[:, seen].view(self.heads, -1), full[:, seen].view(self.heads, -1))
         if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)),
                            full[:, seen].view(self.heads, -1)):
             raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, "
                              "but these logits differ along a diagonal; use param='full' for them")
-        self.bias.copy_(table)
-        self.unset = False
+        return table
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """M back to where it started (the last `set_logits`, else 0): torch's convention for a module whose
+        memory `to_empty` gave without values. Nothing to copy on the meta device."""
+        if not self.bias.is_meta:
+            self.bias.copy_(self.start if self.start is not None else torch.zeros(()))
+            self.unset = False
 
     def check_set(self) -> None:
         """Refuse to serve an M that `to_empty` moved off the meta device and nothing set since:
@@ -566,7 +599,8 @@ class MaskPrior(nn.Module):
         if self.unset:
             raise ValueError(f"{self.where}: M was built on the meta device and holds no values "
                              "yet (to_empty leaves memory uninitialised): set it (init_mask_, "
-                             "set_logits) or load a state dict first")
+                             "set_logits, reset_parameters, a Hugging Face model's init_weights) or "
+                             "load a state dict first")
 
     def full_logits(self) -> torch.Tensor:
         """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal
@@ -612,7 +646,9 @@ class MaskPrior(nn.Module):
                 k_len: int | None = None, start: int | None = None) -> torch.Tensor:
         t = self.n if t is None else t
         s = (self.n_keys if self.cross else t) if k_len is None else k_len
-        if not (isinstance(t, int) and isinstance(s, int) and t >= 1 and s >= 1):
+        if torch.jit.is_tracing():              # sizes come as tensors; the traced graph keeps these
+            t, s = int(t), int(s)
+        if not tracing() and not (isinstance(t, int) and isinstance(s, int) and t >= 1 and s >= 1):
             raise ValueError(f"{self.where}: a prior serves t >= 1 queries and k_len >= 1 keys, "
                              f"got {t!r} and {s!r}")
         self.check_set()
@@ -2280,22 +2316,6 @@ def _under_peft(model: nn.Module) -> bool:
             or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
 
 
-def _record_key(recorded: dict, name: str, part: str) -> str | None:
-    """The key the config records layer `name` of a model of class `part` under: its name, or
-    'Part:name' where a layer of another part holds that name (an encoder's and a decoder's
-    layers.0.self_attn). None where a layer of that name in a part of the same class is recorded
-    already: two parts of one class sharing the config, which the record could not tell apart."""
-    if any(key.rpartition(":")[2] == name and isinstance(geo, dict) and geo.get("part") == part
-           for key, geo in recorded.items()):
-        return None
-    return name if name not in recorded else f"{part}:{name}"
-
-
-def _recorded_layers(model: nn.Module) -> dict:
-    record = getattr(_hf_config(model), "mask_prior", None)
-    return record.get("layers", {}) if isinstance(record, dict) and isinstance(record.get("layers"), dict) else {}
-
-
 @checked
 def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
                    m_off: float = M_OFF, causal: bool | None = None,
@@ -2332,7 +2352,7 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     if isinstance(model, torch.jit.ScriptModule):
         raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose "
                          "layers take no hooks and no new parameters: add the prior to the "
-                         "nn.Module, then script or trace it")
+                         "nn.Module, then trace it (torch.jit.trace), compile it or export it")
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
@@ -2353,14 +2373,8 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
         raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
                          f"{'self' if cross_attention else 'cross'}-attention "
                          f"({', '.join(other)}); {way} to give it a prior")
-    recorded, part = _recorded_layers(model), type(model).__name__
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
-        if s.kind == "hf" and not hasattr(s.module, "mask_prior") and _record_key(recorded, s.name, part) is None:
-            raise _fail(s, "has a name the config already records a prior under, on a layer of "
-                           f"another {part} (two parts of one class: the record could not tell "
-                           "them apart when loading): give both parts' layers their priors from "
-                           "the whole model, picking them with modules=lambda name, m: ...")
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
               for s in sites}
     if param is None:
@@ -2460,17 +2474,29 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
     to a mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a
     call with is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
     prior, key = module.mask_prior, module.mask_prior_kwarg
-    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    t = x.shape[-2]
+    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, (torch.Tensor, torch.fx.Proxy)))
+    symbolic = isinstance(x, torch.fx.Proxy)             # traced by fx: a fixed grid's length, x's own dtype
+    t = prior.n if symbolic else x.shape[-2]
     # (B, heads, T, T) per example: B must be x's batch
     if prior.roles is not None:
         prior.check_roles_batch(x.shape[0] if x.dim() >= 3 else 1)
-    bias = prior(t, _amp_dtype(x))
-    given = kwargs.get(key)
+    bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
+    given, causal = kwargs.get(key), kwargs.get("is_causal", False)
+    if "is_causal" in kwargs:                            # folded into the mask: SDPA takes one or the other
+        kwargs["is_causal"] = False
+    if symbolic:                                         # the caller's mask is known only when the graph runs
+        kwargs[key] = x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
+    else:
+        kwargs[key] = _with_callers_mask(bias, given, causal, t)
+    return args, kwargs
+
+
+def _with_callers_mask(bias: torch.Tensor, given: torch.Tensor | None, causal: bool, t: int) -> torch.Tensor:
+    """The prior's bias with a mask the caller gave added (bool: True = take part, as scaled_dot_product_attention
+    reads it; else additive) and, for an is_causal call, the future's -inf."""
     if given is not None:
         bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
-    kwargs[key] = _fold_causal(bias, kwargs, t)
-    return args, kwargs
+    return bias.masked_fill(future_keys(t, bias.device), float("-inf")) if causal else bias
 
 
 def _timm_record_hook(drop: nn.Module, args: tuple, output):
@@ -2509,6 +2535,22 @@ class _NoWeightDecay:
         return set(self.names)
 
 
+class _InitPriors:
+    """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
+    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it
+    started (`MaskPrior.reset_parameters`), and leaves every other module to the model's own; held by the
+    model itself, a plain picklable callable."""
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module: nn.Module) -> None:
+        if isinstance(module, MaskPrior):
+            if not getattr(module.bias, "_is_hf_initialized", False):     # transformers' mark of a loaded weight
+                module.reset_parameters()
+        else:
+            type(self.model)._init_weights(self.model, module)
+
+
 # Hugging Face: an attention function registered with transformers, reached through a view of the
 # layer's config
 
@@ -2532,123 +2574,115 @@ class _PriorConfig:
 
 
 def _register_hf() -> None:
-    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces (once,
-    lazily)."""
-    from transformers import AttentionInterface
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces, and teach its
+    save_pretrained to write the priors of the model it saves (`_save_pretrained_with_priors`): once, lazily, on
+    the first prior given to (or loaded into) a transformers model."""
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(HF_ATTENTION, hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    if not getattr(PreTrainedModel.save_pretrained, "mask_prior_records", False):
+        PreTrainedModel.save_pretrained = _save_pretrained_with_priors(PreTrainedModel.save_pretrained)
 
 
-def _hf_start(prior: MaskPrior, q_len: int, k_len: int,
-              position_ids: torch.Tensor | None) -> int | None:
-    """The first query's position in an unmasked causal call with a KV cache (k_len > q_len), from
-    the model's position ids (a static cache holds empty slots, so k_len - q_len is not it): one
-    run shared by every row, else one line. Without a cache or ids, the queries are the last q_len
-    of the k_len positions (no check, so no sync: HF leaves out the mask only where it sees one
-    unpadded sequence per row)."""
-    if not prior.causal or k_len == q_len or position_ids is None:
-        return None
-    first = position_ids[:, :1]
-    run = first + torch.arange(q_len, device=position_ids.device)
-    if not (bool((position_ids == run).all()) and bool((first == first[0]).all())):
-        raise ValueError(f"{prior.where}: the position ids restart inside a row (packed "
-                         "sequences) or differ between rows, but the prior indexes one "
-                         "sequence's positions from 0: give each sequence its own row")
-    return int(first[0, 0])
+def _relative_at(prior: MaskPrior, dist: torch.Tensor) -> torch.Tensor:
+    """(B, heads, ...) bias of a relative M at distances `dist` (B, ...) = query position - key position."""
+    return mask_bias(prior._logits(prior.bias))[:, prior._index(dist)].movedim(0, 1)
 
 
-def _causal_bias(prior: MaskPrior, allowed: torch.Tensor,
-                 position_ids: torch.Tensor | None) -> torch.Tensor:
-    """(B, heads, q, k) float32 bias of a causal prior for a masked call: the rows and columns of
-    each batch row's own positions (a left-padded batch, a sliding window, a static or
-    sliding-window KV cache).
-
-    allowed: (B or 1, q, k) bool, what HF's mask lets each query see; position_ids: (B or 1, q) or
-    None. A query's own key is the last one it sees, so each row's slot - position shift is read
-    off its queries; a query that sees no key, or no new one (padding), is left out. Without
-    position ids the slots are the positions, and a batch whose first query sees nothing (left
-    padding) is refused. Under `prior_roles` each batch row's positions are read by its roles (M's
-    row and column of each position), over the positions the roles cover."""
-    q_len, k_len = allowed.shape[-2:]
-    # any position: by distance
-    relative = prior.param == "relative" and prior.roles is None
+def _full_at(prior: MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(B, heads, q, k) bias of a full M (or one read by role, `prior_roles`) at each query's row and each key's
+    column: rows (B or 1, q) and cols (B or 1, q, k) positions, seen (B or 1, q, k) the pairs the framework keeps,
+    which must fit M (checked where not compiling or tracing; clamped there)."""
     n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
-    # (H, n, n), or (B, H, n, n)
-    full = None if relative else prior(n, torch.float32)
-    full = full if full is None or full.dim() == 4 else full.unsqueeze(0)
-    b = max(allowed.shape[0], 1 if full is None else full.shape[0],
-            1 if position_ids is None else position_ids.shape[0])
-    allowed = allowed.expand(b, q_len, k_len)
-    seen = allowed.any(-1)                                                         # (B, q)
-    # the last key each query sees
-    last = k_len - 1 - allowed.flip(-1).int().argmax(-1)
-    before_seen = torch.cat([torch.zeros_like(seen[:, :1]), seen[:, :-1]], 1)
-    before_last = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], 1)
-    # it sees a new key: its own
-    own = seen & (~before_seen | (last > before_last))
-    if position_ids is None:
-        if not bool(seen[:, 0].all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (its first query sees no "
-                             "key), and the model passes no position ids to read each row's "
-                             "positions from: pad on the right")
-        pos = last
+    full = prior(n, torch.float32)                                  # (heads, n, n), or (B, heads, n, n) by role
+    full = full if full.dim() == 4 else full.unsqueeze(0)
+    if not tracing():
+        rows_seen = torch.where(seen.any(-1), rows, -1)
+        if bool((rows_seen >= n).any()):
+            fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
+            raise ValueError(f"{prior.where}: a query at position {int(rows_seen.max())} does not fit {fit}: a "
+                             f"{'causal ' if prior.causal else ''}full prior serves positions 0 .. {n - 1} (a "
+                             "relative one serves any)")
+        if bool(((cols < 0) & seen).any()):
+            raise ValueError(f"{prior.where}: a query sees more keys than there are positions up to its own, so "
+                             "its position ids do not count the keys it sees (packed sequences: pass their "
+                             "position_ids without an attention_mask, as DataCollatorWithFlattening does, and the "
+                             "model keeps each sequence to itself)")
+    b = max(full.shape[0], rows.shape[0], cols.shape[0])
+    flat = rows[..., None].clamp(0, n - 1) * n + cols.clamp(0, n - 1)                     # (B or 1, q, k)
+    q, k = flat.shape[-2:]
+    index = flat.expand(b, q, k).reshape(b, 1, q * k).expand(b, full.shape[1], q * k)
+    return full.flatten(-2).expand(b, -1, -1).gather(-1, index).view(b, -1, q, k)
+
+
+def _causal_bias(prior: MaskPrior, allowed: torch.Tensor | None, positions: torch.Tensor | None, q_len: int,
+                 k_len: int) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) float32 bias of a causal prior in a Hugging Face call.
+
+    allowed: (B or 1, q_len, k_len) bool, what the model's mask lets each query see (padding, the causal future, a
+    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's
+    is_causal, upper-left for several queries, every key for one), whose future the bias then holds as -inf.
+    positions: the queries' position ids (B or 1, q_len), or None.
+
+    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as
+    the model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a
+    KV cache count as the same keys without one, and packed sequences within their own block; so cache = no cache
+    and padded = unpadded hold by construction, with no state and no value read back. A relative M reads the
+    distance; a full M the row of the query's position (its position id, else the keys it sees, less one) and the
+    column of that row less the distance. A key the query does not see gets a finite value, which the model's mask
+    removes."""
+    if allowed is None and prior.param == "relative" and prior.roles is None:
+        return prior(q_len, torch.float32, k_len=k_len, start=0 if q_len > 1 else None).unsqueeze(0)
+    left_out = allowed is None
+    if left_out:
+        own = torch.arange(q_len, device=prior.bias.device) + (k_len - 1 if q_len == 1 else 0)
+        allowed = (torch.arange(k_len, device=own.device) <= own[:, None])[None]
+    after = allowed.flip(-1).cumsum(-1).flip(-1)                  # (B, q, k): the keys seen at or after each key
+    dist = (after - 1).clamp(min=0)
+    if prior.param == "relative" and prior.roles is None:
+        bias = _relative_at(prior, dist)
     else:
-        pos = position_ids.to(last.device).expand(b, q_len)
-    # the slot of position 0
-    shift = last - pos
-    first = torch.where(own, shift, torch.iinfo(shift.dtype).max).amin(-1)         # (B,)
-    if bool(((shift != first[:, None]) & own).any()):
-        raise ValueError(f"{prior.where}: the positions restart inside a row (packed sequences), "
-                         "but the prior indexes one sequence's positions from 0: give each "
-                         "sequence its own row")
-    rows = torch.where(own, pos, 0)
-    # (B, k): each key's position
-    cols = torch.arange(k_len, device=allowed.device) - first[:, None]
-    if relative:
-        d = rows[:, :, None] - cols[:, None, :]                                    # (B, q, k)
-        bias = mask_bias(prior._logits(prior.bias))[:, prior._index(d)].movedim(0, 1)
-        return bias.masked_fill(((d < 0) | (cols < 0)[:, None, :])[:, None], float("-inf"))
-    if bool((rows >= n).any()):
-        fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
-        raise ValueError(f"{prior.where}: a query at position {int(rows.max())} does not fit "
-                         f"{fit}: a causal prior serves positions 0 .. {n - 1} (a relative one "
-                         "serves any)")
-    inside = (cols >= 0) & (cols < n)
-    batch = torch.arange(b, device=allowed.device)[:, None, None]
-    bias = full.expand(b, -1, -1, -1).movedim(1, -1)[batch, rows[:, :, None],
-                                                     cols.clamp(0, n - 1)[:, None, :]]
-    # (B, H, q, k)
-    return bias.movedim(-1, 1).masked_fill(~inside[:, None, None, :], float("-inf"))
+        rows = after[..., 0] - 1 if positions is None else positions.to(dist.device)
+        bias = _full_at(prior, rows, rows[..., None] - dist, allowed)
+    return bias.masked_fill(~allowed[:, None], float("-inf")) if left_out else bias
+
+
+def _query_positions(kwargs: dict, q_len: int) -> torch.Tensor | None:
+    """The queries' position ids the model passed (B or 1, q_len), or None (none, or another layout: M-RoPE's)."""
+    positions = kwargs.get("position_ids")
+    ok = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == q_len
+    return positions if ok else None
 
 
 def _hf_bias(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor,
              mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) bias of one call: the prior's rows and columns for the
-    queries' and keys' positions, with HF's mask (padding, causal, sliding window: bool, or
-    additive) folded in."""
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the queries' and keys' positions, with HF's mask
+    (padding, causal, sliding window: bool, or additive) folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
-    prior.check_roles_batch(query.shape[0])
+    if not tracing():
+        prior.check_roles_batch(query.shape[0])
     allowed = (None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool
                else mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
+    positions = _query_positions(kwargs, q_len)
     # rows from the decoder's position (its KV cache)
     if prior.cross:
         start = getattr(module, "mask_prior_start", 0)
         bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
-    elif prior.causal and allowed is not None:
-        bias = _causal_bias(prior, allowed[:, 0], kwargs.get("position_ids")).to(query.dtype)
+    elif prior.causal:
+        bias = _causal_bias(prior, None if allowed is None else allowed[:, 0], positions, q_len, k_len)
+    elif positions is not None and q_len == k_len:             # the keys are the queries, at their position ids
+        seen = torch.ones(1, q_len, k_len, dtype=torch.bool, device=query.device) if allowed is None else allowed[:, 0]
+        bias = (_relative_at(prior, positions[:, :, None] - positions[:, None, :])
+                if prior.param == "relative" and prior.roles is None
+                else _full_at(prior, positions, positions[:, None, :].expand(-1, q_len, -1), seen))
     else:
-        if allowed is not None and not bool(allowed[..., 0].any(-1).all()):
-            raise ValueError(f"{prior.where}: this batch is left-padded (no query sees key 0), "
-                             "but a non-causal prior indexes sequence positions from 0: pad on "
-                             "the right (tokenizer.padding_side = 'right')")
-        start = _hf_start(prior, q_len, k_len, kwargs.get("position_ids"))
-        bias = prior(q_len, query.dtype, k_len=k_len, start=start)
-        # (B, ...) per example under prior_roles
-        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)
-        # CLIP's text tower
-        if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
-            bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
+        bias = prior(q_len, query.dtype, k_len=k_len)
+        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
+    # CLIP's text tower
+    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
+        bias = bias.masked_fill(future_keys(q_len, bias.device), float("-inf"))
+    bias = bias.to(query.dtype)
     if mask is None:
         return bias
     if mask.dtype == torch.bool:
@@ -2666,8 +2700,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
                            "but holds no MaskPrior: a model saved with mask priors loads with "
                            "mp.from_pretrained(ModelClass, path)")
-    module.mask_prior_pending = False
-    if (prior.record is None and _prior_alone(module, prior, query, key, attention_mask, kwargs)
+    if not tracing():
+        module.mask_prior_pending = False
+    if (prior.record is None and not torch.jit.is_tracing()
+            and _prior_alone(module, prior, query, key, attention_mask, kwargs)
             and (query.device.type == "cpu" or prior.use_flex)):
         # grouped keys
         k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
@@ -2684,13 +2720,15 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or
-    padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale): then
+    padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not
+    given by position ids): then
     maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's
     gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where asked (`use_flex`)."""
     extras = ("softcap", "sliding_window", "s_aux", "sinks")
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
+            and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
             and not float(kwargs.get("dropout") or 0.0)
             and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
             and all(kwargs.get(name) is None for name in extras))
@@ -2731,7 +2769,7 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
     hidden = call.get("hidden_states", args[0] if args else None)
     if prior.cross and hasattr(cache, "get_seq_length") and isinstance(hidden, torch.Tensor):
         module.mask_prior_start = int(cache.get_seq_length(getattr(module, "layer_idx", None) or 0)) - hidden.shape[-2]
-    module.mask_prior_pending = True
+    module.mask_prior_pending = not tracing()
 
 
 def _hf_reached(module: nn.Module, args: tuple, output) -> None:
@@ -2753,24 +2791,42 @@ def _attach_hf(site: Site, prior: MaskPrior, mask_kwarg: str) -> None:
                           m.register_forward_hook(_hf_reached)]
 
 
-def _hf_after(model: nn.Module, sites: list[Site], priors: dict[str, MaskPrior]) -> None:
-    """Record the priors in the model's config under the layers' names in `model` (and its class: a
-    part of a model, e.g. BART's encoder, is found again in the whole): save_pretrained writes them
-    to config.json, mp.from_pretrained re-attaches them, and a plain from_pretrained fails while
-    loading (config.json names HF_SAVED, an attention implementation no one registers, even in a
-    process that imported maskprior)."""
-    _register_hf()
-    cfg = _hf_config(model)
-    if cfg is None:
-        return
-    record, part = getattr(cfg, "mask_prior", None) or {"layers": {}}, type(model).__name__
-    for name, p in priors.items():                   # add_mask_prior checked that each has a key
-        record["layers"][_record_key(record["layers"], name, part)] = {
-            "n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal, "param": p.param,
-            "prefix": p.prefix, "part": part}
-    record["base"] = _hf_impl(sites[0].module)
-    cfg.mask_prior = record
-    cfg.attn_implementation = HF_SAVED
+def prior_record(model: nn.Module) -> dict | None:
+    """What a save of `model` writes into config.json for its Hugging Face layers that hold a prior:
+    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix}}, 'base': 'sdpa' or 'eager'}, or None
+    where none does. Read from the model itself at each save (a part given priors and the whole saved included):
+    the record is the model's state, never written into its config, which other models built from it share."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
+    if not layers:
+        return None
+    geometry = {name: {"n": m.mask_prior.n, "n_keys": m.mask_prior.n_keys if m.mask_prior.cross else None,
+                       "heads": m.mask_prior.heads, "causal": m.mask_prior.causal, "param": m.mask_prior.param,
+                       "prefix": m.mask_prior.prefix} for name, m in layers.items()}
+    return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
+
+
+def _save_pretrained_with_priors(save: Callable) -> Callable:
+    """transformers' save_pretrained, writing the record of the priors of the model being saved (`prior_record`)
+    into its config.json: through a copy of its config, held by that model for the save alone, so the config
+    object it shares with other models never holds it. config.json then names HF_SAVED as the attention
+    implementation, which no one registers: a plain from_pretrained fails loudly; mp.from_pretrained loads it."""
+    @functools.wraps(save)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        record = prior_record(self)
+        if record is None:
+            return save(self, save_directory, *args, **kwargs)
+        shared = self.config
+        self.config = copy.copy(shared)
+        self.config.mask_prior, self.config.attn_implementation = record, HF_SAVED
+        try:
+            return save(self, save_directory, *args, **kwargs)
+        finally:
+            written, self.config = self.config, shared
+            for name in ("architectures", "dtype"):            # what save_pretrained itself sets on the config
+                if name in written.__dict__:
+                    setattr(shared, name, written.__dict__[name])
+    save_pretrained.mask_prior_records = True
+    return save_pretrained
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
@@ -2795,9 +2851,11 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, MaskPri
                 m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
                 # a nested (padded) batch would skip the attn_mask
                 m.use_nested_tensor = False
-    hf = [s for s in sites if s.kind == "hf"]
-    if hf:
-        _hf_after(model, hf, priors)
+    if any(s.kind == "hf" for s in sites):
+        _register_hf()
+        for m in model.modules():            # each transformers model in it: its init_weights re-sets M
+            if _hf_config(m) is not None and callable(getattr(type(m), "_init_weights", None)):
+                m.__dict__.setdefault("_init_weights", _InitPriors(m))
     _timm_after(model, prior_parameter_names(model))
     if "mask_prior_guard" not in model.__dict__:
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
@@ -2809,24 +2867,12 @@ _ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword,
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
     """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors,
-    hooks and layer config views, their records in the model's config, the names added to timm's
-    no_weight_decay. The model is the plain one again (the same outputs, state_dict keys and
+    hooks and layer config views, the names added to timm's no_weight_decay. The model is the plain one again (the same outputs, state_dict keys and
     config). Returns the names of the layers that had one."""
-    named = dict(model.named_modules())
-    layers = [(n, m) for n, m in named.items() if "mask_prior_hooks" in m.__dict__]
+    layers = [(n, m) for n, m in model.named_modules() if "mask_prior_hooks" in m.__dict__]
     if not layers:
         raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from "
                          "add_mask_prior")
-    cfg, gone = _hf_config(model), {id(m) for _, m in layers}
-    recorded = _recorded_layers(model)
-    for key, geo in list(recorded.items()):
-        name = _resolve_recorded(model, named, key, geo, strict=True)
-        if name is not None and id(named[name]) in gone:
-            del recorded[key]
-    if cfg is not None and isinstance(getattr(cfg, "mask_prior", None), dict) and not recorded:
-        delattr(cfg, "mask_prior")
-        if getattr(cfg, "attn_implementation", None) == HF_SAVED:
-            delattr(cfg, "attn_implementation")
     for _, m in layers:
         for hook in m.mask_prior_hooks:
             hook.remove()
@@ -2846,6 +2892,8 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
     for m in model.modules():
         if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
             del m.__dict__["no_weight_decay"]
+        if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
+            del m.__dict__["_init_weights"]
         if "mask_prior_guard" in m.__dict__:
             m.__dict__.pop("mask_prior_guard").remove()
     return [n or type(model).__name__ for n, _ in layers]
@@ -2890,24 +2938,12 @@ def _check_record(record, path: str) -> None:
                                  f"expected {want}; nothing was loaded")
 
 
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str, geo: dict,
-                      strict: bool = False) -> str | None:
-    """The name in `model` of a layer recorded as `recorded` (its name in the model add_mask_prior
-    was given, of class geo['part'], after a 'Part:' qualifier if any): under that part where it is
-    one module of `model`, else as saved from the model with a head and loaded as the base model,
-    or the other way round. `strict` (taking a prior out of a part): not by a bare name where the
-    part is absent, which may be a sibling part's layer (an encoder's layers.0.self_attn is not its
-    decoder's)."""
-    name = recorded.rpartition(":")[2]
+def _resolve_recorded(model: nn.Module, named: dict, recorded: str) -> str | None:
+    """The name in `model` of a layer recorded as `recorded` (its name in the model that was saved): the same,
+    or, saved from the model with a head and loaded as its base model, without the base's prefix, or the other
+    way round."""
     base = getattr(model, "base_model_prefix", "") + "."
-    parts = [n for n, m in named.items() if type(m).__name__ == geo.get("part")]
-    names = [f"{parts[0]}.{name}" if parts[0] else name] if len(parts) == 1 else []
-    if not strict:
-        names += [name, base + name, name.removeprefix(base)]
-    # recorded on the model with a head, taken out of its base
-    elif not parts and name.startswith(base):
-        names.append(name.removeprefix(base))
-    return next((n for n in names if n in named), None)
+    return next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
 
 
 def _model_class_for(model_class, config):
@@ -2932,8 +2968,9 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     not). An M the checkpoint lacks, holds in another shape (also with
     ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an error, never
     a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
-    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained. A path whose config
-    records no prior is refused."""
+    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained (`output_loading_info=True`: returns
+    (model, info) as it does). A path whose config records no prior is refused. The record is read, not kept:
+    the loaded model's config holds none (its priors are its own, recorded again at its next save)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     record = getattr(config, "mask_prior", None)
@@ -2952,11 +2989,13 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     # transformers finds key renamings by these
     for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
+    with_info = kwargs.pop("output_loading_info", False)
     model, info = WithPriors.from_pretrained(path,
                                              **{"attn_implementation": record["base"], **kwargs},
                                              output_loading_info=True)
     # the plain class again: save_pretrained names it
     model.__class__ = model_class
+    model.config.__dict__.pop("mask_prior", None)
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
                 if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
@@ -2974,7 +3013,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     if bad:
         raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in "
                          "all)")
-    return model
+    return (model, info) if with_info else model
 
 
 def _reattach(model: nn.Module, record: dict) -> None:
@@ -2985,7 +3024,7 @@ def _reattach(model: nn.Module, record: dict) -> None:
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
     for recorded, geo in record["layers"].items():
-        name = _resolve_recorded(model, named, recorded, geo)
+        name = _resolve_recorded(model, named, recorded)
         if name is None:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
                              f"{type(model).__name__} does not have")
@@ -3002,6 +3041,4 @@ def _reattach(model: nn.Module, record: dict) -> None:
         sites.append(site)
     for s in sites:
         _attach_hf(s, priors[s.name], "attn_mask")
-    # recorded again, under this model's own layer names
-    model.config.mask_prior = None
     _after_attach(model, sites, priors)

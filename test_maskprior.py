@@ -33,6 +33,7 @@ import time
 import types
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -1402,7 +1403,8 @@ def test_hugging_face_models_take_a_prior_per_layer(name):
     assert priors[next(iter(priors))] is not priors[list(priors)[1]]            # per layer, not one shared mask
     assert all(p.causal == (name in HF_CAUSAL) for p in priors.values())
     assert all(m.config._attn_implementation == mp.HF_ATTENTION for m in layers)         # each layer's view
-    assert model.config._attn_implementation == impl and model.config.attn_implementation == mp.HF_SAVED
+    assert model.config._attn_implementation == impl and not hasattr(model.config, "mask_prior")   # nothing in
+    assert list(mp.prior_record(model)["layers"]) == list(priors)          # the shared config: the model's record
     _prior_works(model, x, n, plain, priors)
 
 
@@ -1423,26 +1425,13 @@ def test_timm_vits_take_a_prior_per_layer(name):
 
 
 def test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword():
-    class CausalSelfAttention(nn.Module):
-        def __init__(self, dim=32, n_head=4):
-            super().__init__()
-            self.n_head, self.c_attn, self.c_proj = n_head, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-        def forward(self, x, attn_mask=None):
-            B, T, C = x.shape
-            q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
-            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
     class NoKeyword(nn.Module):
         n_head = 4
 
         def forward(self, x):
             return x
 
-    torch.manual_seed(0)
-    model = nn.Sequential(CausalSelfAttention(), nn.LayerNorm(32), CausalSelfAttention())
-    x = torch.randn(2, 12, 32)
+    model, x, _ = _nanogpt()
     plain = model(x).detach()                                 # is_causal=True without a mask
     priors = mp.add_mask_prior(model, mp.causal_pattern(12), causal=True, modules=CausalSelfAttention, param="full")
     assert list(priors) == ["0", "2"] and all(p.causal and p.heads == 4 for p in priors.values())
@@ -1582,7 +1571,7 @@ def test_a_relative_prior_generates_past_its_n_with_the_kv_cache_as_without(name
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_lengths_a_padded_text_batch_is_served_an_other_image_size_is_refused():
+def test_lengths_a_padded_text_batch_is_served_at_its_positions_an_other_image_size_is_refused():
     bert, ids, n = _hf("bert")
     mp.add_mask_prior(bert, logits=torch.randn(4, n, n) * 3, param="full")
     short = ids[:1, :12]
@@ -1591,8 +1580,9 @@ def test_lengths_a_padded_text_batch_is_served_an_other_image_size_is_refused():
     mask = torch.cat([torch.ones(1, 12), torch.zeros(1, 4)], 1).long()
     torch.testing.assert_close(bert(padded, attention_mask=mask).last_hidden_state[:, :12], alone, atol=1e-5,
                                rtol=1e-5)
-    with pytest.raises(ValueError, match="left-padded .* pad on the right"):
-        bert(padded.flip(1), attention_mask=mask.flip(1))
+    left, at = padded.roll(4, 1), (mask.flip(1).cumsum(-1) - 1).clamp(min=0)    # left-padded, at the positions
+    torch.testing.assert_close(bert(left, attention_mask=mask.flip(1), position_ids=at).last_hidden_state[:, 4:],
+                               alone, atol=1e-5, rtol=1e-5)             # the model reads too: the prior follows them
     vit, pixels, _ = _hf("vit")
     mp.add_mask_prior(vit, mp.banded_pattern(17, 1))
     with pytest.raises(ValueError, match="sequence length 37 does not fit the mask size 17: .* another grid"):
@@ -1667,7 +1657,7 @@ def test_the_prior_follows_sdpa_and_eager_and_refuses_an_implementation_without_
     eager, x, n = _hf("gpt2")
     eager.set_attn_implementation("eager")                    # chosen before: the priors wrap GPT-2's eager function
     mp.add_mask_prior(eager, logits=m, param="full")
-    assert eager.config.mask_prior["base"] == "eager"
+    assert mp.prior_record(eager)["base"] == "eager"
     torch.testing.assert_close(_out(eager, x), sdpa, atol=1e-5, rtol=1e-5)
 
 
@@ -1849,10 +1839,11 @@ def test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load
 
 @pytest.mark.parametrize("name", LEFT_PADDED)
 def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt(name):
-    """A causal prior takes each row's positions from the model's position ids and mask: a left-padded batch
-    generates what each prompt does alone (dynamic and static caches; Mistral and Gemma2 with a sliding window of 4,
-    shorter than the prompts); a right-padded batch gives its real tokens the logits they have alone; positions that
-    restart inside a row (packed sequences) are refused in one line."""
+    """A causal prior reads a key's distance as the keys its query sees after it, and a full M's row from the
+    position ids: a left-padded batch generates what each prompt does alone (dynamic and static caches; Mistral and
+    Gemma2 with a sliding window of 4, shorter than the prompts); a right-padded batch gives its real tokens the
+    logits they have alone; packed sequences (position ids, no mask) the logits each has alone; a mask that lets a
+    restarted sequence see the one before is refused in one line."""
     model, _, n = _hf(name)
     mp.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=torch.Generator()
                                                                                    .manual_seed(0)), param="full")
@@ -1872,10 +1863,13 @@ def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals
     right = torch.cat([a, torch.cat([b, pad], 1)])
     logits = model(right, attention_mask=mask.flip(1)).logits
     torch.testing.assert_close(logits[1, :4], model(b).logits[0], atol=1e-5, rtol=1e-5)
-    packed = torch.ones(1, 15, dtype=torch.long)
-    packed[0, -1] = 0                                           # two sequences of 7 in one row, one pad
-    with pytest.raises(ValueError, match="the positions restart inside a row \\(packed sequences\\)"):
-        model(torch.cat([a, a, pad[:, :1]], 1), attention_mask=packed, position_ids=torch.arange(15).remainder(7)[None])
+    packed = model(torch.cat([a, b], 1), position_ids=torch.cat([torch.arange(7), torch.arange(4)])[None],
+                   use_cache=False).logits                  # as in training: the model finds the packed blocks
+    torch.testing.assert_close(packed[0], torch.cat([model(a).logits[0], model(b).logits[0]]), atol=1e-5, rtol=1e-5)
+    ones = torch.ones(1, 15, dtype=torch.long)          # a mask that lets the second sequence see the first
+    with pytest.raises(ValueError, match=r"a query sees more keys than there are positions up to its own, .* \(packed "
+                                         r"sequences: pass their position_ids without an attention_mask"):
+        model(torch.cat([a, a, pad[:, :1]], 1), attention_mask=ones, position_ids=torch.arange(15).remainder(7)[None])
 
 
 def _untouched(model: nn.Module) -> dict:
@@ -2222,7 +2216,7 @@ def test_prior_roles_reads_m_by_role_in_a_causal_gpt2(padded, monkeypatch):
     roles = torch.stack([torch.arange(24), shifted])
     with mp.prior_roles(model, roles, roles):
         by_role = model(ids, **kw).logits
-    assert bool(calls) == padded                                            # the path the test means to run
+    assert calls                                        # every causal call of a retrofitted HF layer
     real_tokens = 16 if padded else 20
     for b in range(2):
         twin = copy.deepcopy(model)
@@ -2408,7 +2402,7 @@ def test_every_public_argument_the_table_names_is_checked_and_every_checked_func
 def test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line():
     """A model built on the meta device and moved with `to_empty` has memory but no values in M: its forward is one
     line until init_mask_ or load_state_dict sets M (then it runs as the model it was loaded from); a TorchScript model
-    cannot take a prior (no hooks, no new parameters): one line saying to add it before scripting."""
+    cannot take a prior (no hooks, no new parameters): one line saying to add it to the module, then trace it."""
     cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
     x, saved = torch.zeros(1, 7, dtype=torch.long), mp.Transformer(cfg).eval()
     for fused in (True, False):
@@ -2426,7 +2420,7 @@ def test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_a
                 assert model(x).shape == (1, 1)
     scripted = torch.jit.script(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
                                                       enable_nested_tensor=False))
-    with pytest.raises(ValueError, match="is a TorchScript model.*add the prior to the nn.Module, then script") as err:
+    with pytest.raises(ValueError, match="is a TorchScript model.*add the prior to the nn.Module, then trace") as err:
         mp.add_mask_prior(scripted, _PAT)
     _one_line(err)
 
@@ -2495,8 +2489,8 @@ def test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exa
     for part in (("encoder", "decoder") if order == "encoder first" else ("decoder", "encoder")):
         module, logits = parts[part]
         assert list(mp.add_mask_prior(module, logits=logits)) == ["layers.0.self_attn"]
-    layers = model.config.mask_prior["layers"]
-    assert sorted(g["part"] for g in layers.values()) == sorted(type(m).__name__ for m, _ in parts.values())
+    assert sorted(mp.prior_record(model)["layers"]) == ["model.decoder.layers.0.self_attn",
+                                                        "model.encoder.layers.0.self_attn"]
     out = model(**inputs).logits
     with pytest.raises(ValueError, match=r"layers.0.self_attn .* already has a MaskPrior"):
         mp.add_mask_prior(model.model.decoder, logits=parts["decoder"][1])
@@ -2508,7 +2502,7 @@ def test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exa
     for p, q in zip(mp.mask_priors(model), mp.mask_priors(back)):
         assert p.where.endswith(q.where.rpartition("model.")[2].split(".", 1)[1]) and p.causal == q.causal
     mp.remove_mask_prior(model.model.decoder)
-    assert [g["part"] for g in model.config.mask_prior["layers"].values()] == [type(model.model.encoder).__name__]
+    assert list(mp.prior_record(model)["layers"]) == ["model.encoder.layers.0.self_attn"]
     enc_only = model(**inputs).logits
     model.save_pretrained(tmp_path / "encoder")
     again = mp.from_pretrained(tf.AutoModelForSeq2SeqLM, str(tmp_path / "encoder")).eval()
@@ -2516,19 +2510,347 @@ def test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exa
     torch.testing.assert_close(again(**inputs).logits, enc_only, atol=0, rtol=0)
 
 
-def test_two_parts_of_one_class_that_the_record_cannot_tell_apart_are_refused():
-    """Two BartEncoders sharing one config: the second's layers.0.self_attn would be recorded like the first's, and
-    loading could not tell them apart: refused in one line, nothing changed."""
-    model, _, _ = _seq2seq("bart")
-    other = type(model.model.encoder)(model.config).eval()
-    mp.add_mask_prior(model.model.encoder, logits=torch.randn(4, 10, 10))
-    hooks = sum(len(m._forward_pre_hooks) for m in other.modules())
-    with pytest.raises(ValueError, match=r"layers.0.self_attn \(BartAttention, 4 heads\) has a name the config already "
-                                         r"records a prior under, on a layer of another BartEncoder .*modules=") as err:
-        mp.add_mask_prior(other, logits=torch.randn(4, 10, 10))
-    _one_line(err)
-    assert mp.mask_priors(other) == [] and sum(len(m._forward_pre_hooks) for m in other.modules()) == hooks
-    assert list(model.config.mask_prior["layers"]) == ["layers.0.self_attn"]
+def test_models_built_from_one_config_each_hold_their_own_prior_and_save_it_alone(tmp_path):
+    """The record of a model's priors is the model's, read from it at each save, never written into the config it
+    shares: two models from one config (and a third from model.config) each take a prior; one never given a prior
+    saves and loads plainly; two BartEncoders of one config each save their own; the shared config is untouched."""
+    tf = _extra("transformers")
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    before = cfg.to_dict()
+    a, b = tf.GPT2LMHeadModel(cfg).eval(), tf.GPT2LMHeadModel(cfg).eval()
+    mp.add_mask_prior(a, logits=mp.causal_distance_logits(64, 4))
+    mp.add_mask_prior(b, logits=mp.causal_distance_logits(64, 4) * 2)
+    copy = tf.GPT2LMHeadModel(a.config).eval()                        # a student of the same shape
+    mp.add_mask_prior(copy, logits=mp.causal_distance_logits(64, 4))
+    plain = tf.GPT2LMHeadModel(cfg).eval()
+    assert cfg.to_dict() == before and not hasattr(cfg, "mask_prior")
+    x = torch.randint(1, 50, (2, 9))
+    for name, model in (("a", a), ("b", b), ("plain", plain)):
+        model.save_pretrained(tmp_path / name)
+    assert cfg.to_dict()["architectures"] == ["GPT2LMHeadModel"] and not hasattr(cfg, "mask_prior")
+    assert "mask_prior" not in json.load(open(tmp_path / "plain" / "config.json"))
+    again = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "plain").eval()          # plainly, as it was saved
+    torch.testing.assert_close(again(x).logits, plain(x).logits, atol=0, rtol=0)
+    for name, model in (("a", a), ("b", b)):
+        back = mp.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path / name)).eval()
+        torch.testing.assert_close(back(x).logits, model(x).logits, atol=0, rtol=0)
+        assert not hasattr(back.config, "mask_prior")                           # read, not kept: its own again
+    bart, _, _ = _seq2seq("bart")
+    other = type(bart.model.encoder)(bart.config).eval()                        # two parts of one class
+    mp.add_mask_prior(bart.model.encoder, logits=torch.randn(4, 10, 10))
+    mp.add_mask_prior(other, logits=torch.randn(4, 10, 10))
+    assert mp.prior_record(bart)["layers"].keys() == {"model.encoder.layers.0.self_attn"}
+    assert mp.prior_record(other)["layers"].keys() == {"layers.0.self_attn"}
+
+
+# ---- the peers' behaviours, generated: each family of the README's models table x each behaviour it has
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention with an `attn_mask` keyword (two lines added): what `modules=` reaches."""
+    def __init__(self, dim=32, n_head=4):
+        super().__init__()
+        self.n_head, self.c_attn, self.c_proj = n_head, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _torch_encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval(), torch.randn(2, 16, 32), 16
+
+
+def _nanogpt():
+    torch.manual_seed(0)
+    return nn.Sequential(CausalSelfAttention(), nn.LayerNorm(32), CausalSelfAttention()).eval(), torch.randn(2, 12, 32), 12
+
+
+@dataclasses.dataclass
+class Family:
+    """A row of the README's models table, as the behaviour matrix meets it: how to build a small one (model in eval
+    mode, an input, the prior's N), what it is ("causal": a decoder LM; "text": an encoder of tokens; "image";
+    "seq2seq"; "torch": nn.TransformerEncoder; "keyword": an attention named with modules=), whether it is a
+    transformers model, and add_mask_prior's other arguments."""
+    build: Callable
+    kind: str
+    hf: bool = True
+    attach: dict = dataclasses.field(default_factory=dict)
+
+
+FAMILIES = {
+    **{n: Family(lambda n=n: _hf(n), "causal" if n in HF_CAUSAL else "text" if n in ("bert", "clip-text") else "image")
+       for n in HF_MODELS},
+    **{n: Family(lambda n=n: _seq2seq(n), "seq2seq") for n in SEQ2SEQ},
+    **{n: Family(lambda n=n: _timm(n), "image", hf=False) for n in TIMM_MODELS},
+    "nn.TransformerEncoder": Family(_torch_encoder, "torch", hf=False),
+    "nanoGPT-style": Family(_nanogpt, "keyword", hf=False, attach=dict(causal=True, modules=CausalSelfAttention)),
+}
+PRIORS = ("neutral", "real")
+
+
+def _run(model, x, **kw):
+    y = model(**x, **kw) if isinstance(x, dict) else model(x, **kw)
+    return y if isinstance(y, torch.Tensor) else y[0]
+
+
+def _attach(fam: Family, model, n: int, prior: str) -> dict:
+    """A neutral prior (M = +30: log sigmoid(M) = -1e-13, the plain model's outputs) or a real one (ALiBi-like
+    distances: causal layers store it by distance, the others in full)."""
+    logits = torch.full((n, n), 30.0) if prior == "neutral" else mp.causal_distance_logits(n, 1)[0]
+    param = None if fam.kind in ("causal", "keyword") else "full"
+    return mp.add_mask_prior(model, logits=logits, param=param, **fam.attach)
+
+
+def _same(a, b, atol=1e-5):
+    torch.testing.assert_close(a, b, atol=atol, rtol=atol, equal_nan=True)
+
+
+def _built(name: str, prior: str):
+    """A family's model with a prior, its input and N, and the plain model's output."""
+    fam = FAMILIES[name]
+    model, x, n = fam.build()
+    with torch.no_grad():
+        plain = _run(model, x)
+    _attach(fam, model, n, prior)
+    return fam, model, x, n, plain
+
+
+def _behaves_from_one_config(name):
+    """Several models from one config (and one from model.config): each holds its own prior, the shared config
+    stays as it was, and one never given a prior records none."""
+    model, x, n = FAMILIES[name].build()
+    cfg, before = model.config, model.config.to_dict()
+    twin, student, plain = (type(model)(c).eval() for c in (cfg, model.config, cfg))
+    for prior, m in zip(("neutral", "real", "neutral"), (model, twin, student)):
+        with torch.no_grad():
+            alone = _run(m, x)
+        _attach(FAMILIES[name], m, n, prior)
+        if prior == "neutral":
+            _same(_run(m, x), alone)
+    assert cfg.to_dict() == before and mp.prior_record(plain) is None
+    assert [len(mp.prior_record(m)["layers"]) for m in (model, twin, student)] == [len(mp.mask_priors(model))] * 3
+
+
+def _behaves_eager_and_sdpa(name):
+    """The prior follows the model's implementation: sdpa = eager with it (where the model has both); under a neutral
+    prior, = the plain model."""
+    for prior in PRIORS:
+        fam, model, x, n, plain = _built(name, prior)
+        outs = []
+        for impl in ("sdpa", "eager") if type(model)._supports_sdpa else ("eager",):
+            model.set_attn_implementation(impl)
+            outs.append(_run(model, x))
+        _same(outs[0], outs[-1], atol=1e-4)                            # measured: <= 2e-5
+        if prior == "neutral":
+            _same(outs[-1], plain, atol=1e-4)
+
+
+def _generate(model, x, **kw):
+    ids = ({k: v for k, v in x.items() if not k.startswith("decoder")} if isinstance(x, dict)
+           else dict(inputs=x[:, :6]))
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _behaves_with_the_kv_cache(name):
+    """generate with the KV cache = without it; under a neutral prior, = the plain model's."""
+    fam, model, x, n, _ = _built(name, "neutral")
+    twin = fam.build()[0]
+    for prior in PRIORS:
+        cached, uncached = _generate(model, x, use_cache=True), _generate(model, x, use_cache=False)
+        assert torch.equal(cached[0], uncached[0])
+        _same(cached[1], uncached[1])
+        if prior == "neutral":
+            plain = _generate(twin, x)
+            assert torch.equal(cached[0], plain[0])
+            _same(cached[1], plain[1])
+            fam, model, x, n, _ = _built(name, "real")
+
+
+def _padded(ids: torch.Tensor, where: str, k: int = 3):
+    """ids (1, T) padded with k pad tokens on the left, the right, or as a hole after its second token; the mask,
+    the position ids the model gives them (attention_mask.cumsum(-1) - 1) and the real tokens' slots."""
+    pad = torch.zeros(1, k, dtype=torch.long)
+    parts = {"left": [pad, ids], "right": [ids, pad], "hole": [ids[:, :2], pad, ids[:, 2:]]}[where]
+    mask = torch.cat([torch.zeros_like(p) if p is pad else torch.ones_like(p) for p in parts], 1)
+    return torch.cat(parts, 1), mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[0].bool()
+
+
+def _behaves_padded(name):
+    """Left and right padding and a hole, at the position ids the model reads: under a neutral prior, the plain
+    model's outputs; under a real one, a padded sequence's real tokens get what they get alone, wherever the plain
+    model's do (a sliding window counts pads: Mistral's hole is its own) and the model gives its attention the
+    position ids (CLIP's text tower gives it none: there the prior reads slots, and right padding alone is exact)."""
+    for prior in PRIORS:
+        fam, model, x, n, _ = _built(name, prior)
+        plain = fam.build()[0]
+        ids = x[:1, :8]
+        for where in ("left", "right", "hole"):
+            padded, mask, pos, real = _padded(ids, where)
+            kw = dict(attention_mask=mask, position_ids=pos)
+            with torch.no_grad():
+                out, base = _run(model, padded, **kw)[0], _run(plain, padded, **kw)[0]
+                invariant = _close(base[real], _run(plain, ids)[0]) and (where == "right" or name != "clip-text")
+            if prior == "neutral":
+                _same(out[real], base[real])
+            elif invariant:
+                _same(out[real], _run(model, ids)[0])
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+
+
+def _behaves_packed(name):
+    """Packed sequences (position ids that restart, no mask, as DataCollatorWithFlattening passes them): under a
+    neutral prior, the plain model's logits; under a real one, each sequence's logits alone."""
+    for prior in PRIORS:
+        fam, model, x, n, _ = _built(name, prior)
+        plain = fam.build()[0]
+        a, b = x[:1, :7], x[1:, :5]
+        kw = dict(position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None], use_cache=False)
+        with torch.no_grad():
+            packed, base = (m(torch.cat([a, b], 1), **kw).logits[0] for m in (model, plain))
+            alone = torch.cat([model(a).logits[0], model(b).logits[0]])
+        _same(packed, base if prior == "neutral" else alone)
+
+
+def _behaves_compiled(name):
+    """A static KV cache under torch.compile(fullgraph=True), as generate compiles it on a GPU: the tokens and
+    logits of the uncompiled model (no value read back breaks the graph); under a neutral prior, the plain model's."""
+    tf = _extra("transformers")
+    for prior in PRIORS:
+        fam, model, x, n, _ = _built(name, prior)
+        cc = tf.CompileConfig(fullgraph=True, backend="eager")
+        cc._compile_all_devices = True                           # on the CPU too
+        eager = _generate(model, x, cache_implementation="static")
+        compiled = _generate(model, x, cache_implementation="static", compile_config=cc)
+        assert torch.equal(compiled[0], eager[0])
+        _same(compiled[1], eager[1])
+        if prior == "neutral":
+            assert torch.equal(eager[0], _generate(fam.build()[0], x, cache_implementation="static")[0])
+        torch._dynamo.reset()
+
+
+def _behaves_traced(name):
+    """torch.jit.trace and torch.fx, where the plain model traces: the traced model gives the model's outputs (a
+    neutral prior's: the plain model's); torch.jit.script, which compiles every Python hook, is refused in one line
+    naming what works."""
+    for prior in PRIORS:
+        fam, model, x, n, plain = _built(name, prior)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(model, x, check_trace=False, strict=False)
+            y = traced(x)
+            y = y if isinstance(y, torch.Tensor) else next(iter(y.values())) if isinstance(y, dict) else y[0]
+            _same(y, _run(model, x))
+            if fam.kind == "image" and not fam.hf:               # timm's feature extraction traces with fx
+                _same(torch.fx.symbolic_trace(model)(x), _run(model, x))
+            if prior == "neutral":
+                _same(y, plain)
+        with pytest.raises(ValueError, match="torch.jit.script cannot compile a model that holds a MaskPrior .* "
+                                             "trace it .* compile it .* or export it") as err:
+            torch.jit.script(model)
+        _one_line(err)
+
+
+def _behaves_on_the_meta_device(name):
+    """Built on the meta device (as large models and the peers' suites build), the prior added there with logits
+    on the CPU, then to_empty: M has memory but no values (a prior that refuses to serve:
+    test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line) until the model's initialiser sets it (a
+    transformers model's init_weights, else reset_parameters), to the logits it started from; under a neutral prior
+    the outputs are the plain model's with the same weights."""
+    for prior in PRIORS:
+        fam = FAMILIES[name]
+        model, x, n = fam.build()
+        with torch.device("meta"):
+            model = (type(model)(model.config) if fam.hf else fam.build()[0] if fam.kind != "image"
+                     else _timm(name)[0]).eval()
+        priors = _attach(fam, model, n, prior)
+        assert all(p.bias.is_meta for p in priors.values())
+        model.to_empty(device="cpu")
+        assert all(p.unset for p in priors.values())                      # served only once set
+        if fam.hf:
+            model.init_weights()
+        else:
+            for m in model.modules():
+                if hasattr(m, "reset_parameters") and not isinstance(m, nn.MultiheadAttention):
+                    m.reset_parameters()
+        assert all(torch.equal(p.bias, p.start) for p in priors.values())
+        with torch.no_grad():
+            out = _run(model, x)
+            mp.remove_mask_prior(model)
+            if prior == "neutral":
+                _same(out, _run(model, x))
+
+
+def _behaves_saved_and_loaded(name, tmp_path):
+    """Saved and loaded: a transformers model through save_pretrained and mp.from_pretrained (with and without
+    output_loading_info), anything else through its state_dict into a fresh retrofit: the outputs bit for bit."""
+    for prior in PRIORS:
+        fam, model, x, n, plain = _built(name, prior)
+        if fam.hf:
+            model.save_pretrained(tmp_path / prior)
+            back = mp.from_pretrained(type(model), str(tmp_path / prior)).eval()
+            again, info = mp.from_pretrained(type(model), str(tmp_path / prior), output_loading_info=True)
+            assert not info["missing_keys"] and not info["unexpected_keys"]
+        else:
+            back = fam.build()[0]
+            _attach(fam, back, n, "real" if prior == "neutral" else "neutral")
+            back.load_state_dict(model.state_dict())
+            again = back
+        with torch.no_grad():
+            for m in (back, again.eval()):
+                _same(_run(m, x), _run(model, x), atol=0)
+
+
+def _behaves_with_gradient_checkpointing(name):
+    """Gradient checkpointing, training: the same loss and M's gradient as without it."""
+    for prior in PRIORS:
+        fam, model, x, n, plain = _built(name, prior)
+        model.train()
+        grads = []
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            model.zero_grad()
+            _run(model, x).float().pow(2).mean().backward()
+            grads.append([p.bias.grad.clone() for p in mp.mask_priors(model)])
+        for a, b in zip(*grads):
+            _same(a, b)
+
+
+TEXT = ("causal", "text")
+BEHAVIOURS = {        # name: (the families' kinds it applies to (None: all), transformers only, the behaviour)
+    "one config": (None, True, _behaves_from_one_config),
+    "eager/sdpa": (None, True, _behaves_eager_and_sdpa),
+    "KV cache": (("causal", "seq2seq"), True, _behaves_with_the_kv_cache),
+    "padding, holes": (TEXT, True, _behaves_padded),
+    "packed": (("causal",), True, _behaves_packed),
+    "compiled static cache": (("causal",), True, _behaves_compiled),
+    "trace, fx, script": (("torch", "image"), False, _behaves_traced),
+    "meta device": (None, False, _behaves_on_the_meta_device),
+    "save, load": (None, False, _behaves_saved_and_loaded),
+    "checkpointing": (None, True, _behaves_with_gradient_checkpointing),
+}
+MATRIX = [(f, b) for b, (kinds, hf_only, _) in BEHAVIOURS.items() for f, fam in FAMILIES.items()
+          if (kinds is None or fam.kind in kinds) and (fam.hf or not hf_only)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, behaviour", MATRIX)
+def test_each_family_behaves_as_its_plain_model_with_a_prior(family, behaviour, tmp_path):
+    """The peers' own suites (transformers', timm's) as a matrix of our own: each family of the README's models
+    table x each behaviour it has (BEHAVIOURS), under a neutral prior the plain model's outputs, under a real one
+    self-consistent (cache = no cache, padded = unpadded, saved = loaded). A family added to FAMILIES gets every
+    behaviour of its kind."""
+    run = BEHAVIOURS[behaviour][2]
+    run(family, tmp_path) if "tmp_path" in inspect.signature(run).parameters else run(family)
 
 
 # ---------------------------------------------------------------------------------------- tasks.py: base and registry
@@ -7671,6 +7993,35 @@ def test_bench_attention_and_bench_vit_time_train_py_s_step(monkeypatch, capsys)
         assert code == 0 and rows[0][-1] == "1.000" and len(rows) >= 2, out
 
 
+def test_the_peer_plugin_gives_each_model_one_prior_and_the_runner_reads_junit(tmp_path, monkeypatch):
+    """benchmarks/peer_plugin.py, which runs transformers' and timm's own suites with a prior on every model they
+    build (benchmarks/peer_suites.py): a neutral prior at the model's positions, once per model (a second post_init
+    adds none), a real one that moves the output; peer_suites reads a JUnit file's passed, failed and skipped."""
+    tf = _extra("transformers")
+    monkeypatch.syspath_prepend(os.path.join(HERE, "benchmarks"))
+    import peer_plugin
+    import peer_suites
+    for mode in ("neutral", "real"):
+        monkeypatch.setattr(peer_plugin, "MODE", mode)
+        model, x, _ = _hf("gpt2")
+        plain = _out(model, x)
+        peer_plugin.attach(model)
+        peer_plugin.attach(model)
+        priors = mp.mask_priors(model)
+        assert len(priors) == 2 and all(p.n == 64 and p.param == "relative" for p in priors)
+        changed = (_out(model, x) - plain).abs().max()
+        assert changed < 1e-5 if mode == "neutral" else changed > 1e-3
+    bert = tf.BertModel(tf.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=8,
+                                      max_position_embeddings=16, vocab_size=10))
+    peer_plugin.attach(bert)
+    assert [p.param for p in mp.mask_priors(bert)] == ["relative"]          # a text encoder's, by distance
+    xml = tmp_path / "run.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="a" name="t1"/><testcase classname="a" name="t2">'
+                   '<failure message="x"/></testcase><testcase classname="a" name="t3"><skipped/></testcase>'
+                   '</testsuite></testsuites>')
+    assert peer_suites.outcomes(str(xml)) == {"a::t1": "passed", "a::t2": "failed", "a::t3": "skipped"}
+
+
 def test_bench_context_worker_measures_each_variant():
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
     try:
@@ -7788,6 +8139,9 @@ MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs 
      "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
     ("`mp.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
      "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
+    ("each family above x " + ", ".join(BEHAVIOURS), "neutral M: the plain model; real M: cache = no cache, padded = "
+     "alone, saved = loaded; `torch.jit.script`: refused in one line",
+     "test_each_family_behaves_as_its_plain_model_with_a_prior"),
 ]
 
 
