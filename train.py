@@ -41,6 +41,7 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 
 import maskprior as mp  # noqa: E402
+import maskprior_retrofit as retrofit  # noqa: E402
 import runfiles as RF  # noqa: E402
 import tasks as T  # noqa: E402
 
@@ -1592,7 +1593,7 @@ def show(run_dir: str, out: str) -> int:
     if not os.path.isfile(path):
         raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that "
                          "has trained, or a model saved with save_pretrained after "
-                         "mp.add_mask_prior")
+                         "retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
     config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
@@ -1625,7 +1626,7 @@ def show(run_dir: str, out: str) -> int:
 
 def show_saved(folder: str, out: str, S) -> int:
     """`train.py show DIR` of a Hugging Face model saved with save_pretrained after
-    `mp.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
+    `retrofit.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
     a snapshot draws both) -> m.png."""
     try:
         from transformers import AutoModel
@@ -1633,7 +1634,7 @@ def show_saved(folder: str, out: str, S) -> int:
         raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs "
                          "transformers: pip install transformers") from None
     try:
-        model = mp.from_pretrained(AutoModel, folder)
+        model = retrofit.from_pretrained(AutoModel, folder)
     except (ValueError, OSError) as e:
         raise UsageError(f"show: {e}") from None
     os.makedirs(out, exist_ok=True)

@@ -1,5 +1,5 @@
 """Forward + backward time of models with and without a retrofitted mask prior
-(`mp.add_mask_prior`), side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging
+(`retrofit.add_mask_prior`), side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging
 Face) and an nn.TransformerEncoder. A model whose library is not installed is left out and named.
 
     python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
@@ -24,6 +24,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
+import maskprior_retrofit as retrofit  # noqa: E402
 from bench_attention import interleaved  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def vit(args):
     grid = model.patch_embed.grid_size
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), 3, *model.patch_embed.img_size)
     pattern = mp.impulse_pattern(*grid, mp.IMPULSE_OFFSETS[:3], n_prefix=model.num_prefix_tokens)
-    return (model, x, lambda m: mp.add_mask_prior(m, pattern, m_off=10.0),
+    return (model, x, lambda m: retrofit.add_mask_prior(m, pattern, m_off=10.0),
             f"timm ViT-Tiny ({pattern.shape[-1]} tokens)")
 
 
@@ -55,7 +56,7 @@ def gpt2(args):
     param = "full" if args.full else "relative"
     name = (f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M"
             f"{', flex' if args.flex else ''})")
-    return (model, x, lambda m: mp.add_mask_prior(m, logits=logits, param=param, flex=args.flex),
+    return (model, x, lambda m: retrofit.add_mask_prior(m, logits=logits, param=param, flex=args.flex),
             name)
 
 
@@ -67,7 +68,7 @@ def encoder(args):
     model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim,
                     generator=torch.Generator().manual_seed(0))
-    return model, x, lambda m: mp.add_mask_prior(m, mp.banded_pattern(t, 4)), f"nn.TransformerEncoder ({t} tokens)"
+    return model, x, lambda m: retrofit.add_mask_prior(m, mp.banded_pattern(t, 4)), f"nn.TransformerEncoder ({t} tokens)"
 
 
 MODELS = {"vit": vit, "gpt2": gpt2, "encoder": encoder}

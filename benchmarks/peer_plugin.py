@@ -7,7 +7,7 @@
 max_position_embeddings / n_positions, or a timm ViT's patch grid plus prefix tokens. Every model is given
 the prior when its outermost constructor returns (transformers: the model whose post_init ends the
 construction; timm: create_model), so a model built inside another is not given a second one. A folder
-saved with priors is loaded the way a user of the prior loads it, through `mp.from_pretrained`.
+saved with priors is loaded the way a user of the prior loads it, through `retrofit.from_pretrained`.
 MASKPRIOR_PEER_LOG=FILE appends one JSON line per model: attached, refused (with the reason) or skipped.
 """
 import functools
@@ -41,10 +41,11 @@ def _positions(model) -> int | None:
 
 def attach(model) -> None:
     import maskprior as mp
+    import maskprior_retrofit as retrofit
     if mp.mask_priors(model):                    # post_init called again on a built model
         return
     n = _positions(model)
-    sites = mp.find_attention(model) if n else []
+    sites = retrofit.find_attention(model) if n else []
     if not sites:
         _log(event="skipped", cls=type(model).__name__, why="no positions" if not n else "no attention")
         return
@@ -56,7 +57,7 @@ def attach(model) -> None:
     image = _positions(model) is not None and hasattr(model, "patch_embed")
     param = None if any(s.causal for s in sites) else "full" if image else "relative"
     try:
-        priors = mp.add_mask_prior(model, logits=logits, param=param)
+        priors = retrofit.add_mask_prior(model, logits=logits, param=param)
     except ValueError as e:
         _log(event="refused", cls=type(model).__name__, error=str(e)[:400])
         raise
@@ -65,7 +66,7 @@ def attach(model) -> None:
 
 def _install_transformers() -> None:
     from transformers import AutoConfig, PreTrainedModel
-    import maskprior as mp
+    import maskprior_retrofit as retrofit
     init, post_init = PreTrainedModel.__init__, PreTrainedModel.post_init
     load = PreTrainedModel.from_pretrained.__func__
 
@@ -88,12 +89,12 @@ def _install_transformers() -> None:
         path, saved = args[0] if args else kwargs.get("pretrained_model_name_or_path"), None
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "config.json")):
             saved = getattr(AutoConfig.from_pretrained(path), "mask_prior", None)
-        if not saved or len(args) > 1 or _state["loading"]:          # mp.from_pretrained's own call: as it is
+        if not saved or len(args) > 1 or _state["loading"]:          # retrofit.from_pretrained's own call: as it is
             return load(cls, *args, **kwargs)
         kwargs.pop("pretrained_model_name_or_path", None)
         _state["loading"] += 1
         try:
-            return mp.from_pretrained(cls, path, **kwargs)
+            return retrofit.from_pretrained(cls, path, **kwargs)
         finally:
             _state["loading"] -= 1
 

@@ -10,12 +10,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import maskprior as mp
+import maskprior_retrofit as retrofit
 from reporting.show import draw_model
 
 torch.manual_seed(0)
 gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=32,
                                   bos_token_id=0, eos_token_id=0))
-mp.add_mask_prior(gpt2, logits=mp.causal_distance_logits(32, 4))
+retrofit.add_mask_prior(gpt2, logits=mp.causal_distance_logits(32, 4))
 start = mp.prior_snapshot(gpt2)                          # after add_mask_prior, before training
 opt = torch.optim.AdamW(mp.param_groups(gpt2, 0.01), lr=3e-3)
 for step in range(300):

@@ -143,7 +143,7 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
 
 
 def draw_model(model, path: str, title: str, start: list | None = None) -> str:
-    """Any model with priors (`mp.add_mask_prior`, a saved one loaded with `mp.from_pretrained`) ->
+    """Any model with priors (`retrofit.add_mask_prior`, a saved one loaded with `retrofit.from_pretrained`) ->
     m.png: its M per prior, beside `start` (`mp.prior_snapshot(model)` taken before training) when
     given. The call for a retrofit:
 
@@ -155,7 +155,7 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     priors = mp.mask_priors(model)
     if not priors:
         raise ValueError(f"draw_model: {type(model).__name__} has no mask prior "
-                         "(mp.add_mask_prior gives it one)")
+                         "(retrofit.add_mask_prior gives it one)")
     end = [p.bias.detach().float().cpu() for p in priors]
     if start is not None and len(start) != len(end):
         raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} "

@@ -1,0 +1,1056 @@
+"""The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that
+is not ours its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2,
+BERT, ViT, Llama, Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves
+it the lengths, padding, caches and saving those libraries use, and takes it out again (`remove_mask_prior`);
+`from_pretrained` loads a Hugging Face model saved with priors.
+
+maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
+retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
+imported only inside the calls that need them.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+import maskprior as mp
+
+# ----------------------------------------------------------------------------------------
+# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
+# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
+# torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask hf
+# Hugging Face attention modules: the layer's config is swapped for a view of it that names an
+# attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
+# model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs. timm
+# timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword keyword
+# any module you name (class or predicate) whose forward names an additive mask keyword Frameworks
+# are recognised by duck typing; transformers is imported only inside the HF calls.
+# `remove_mask_prior` takes every prior out again.
+
+# the attn_implementation a prior's layer runs under (registered with HF)
+HF_ATTENTION = "maskprior_attention"
+# what config.json names: never registered, so a plain from_pretrained fails
+HF_SAVED = "maskprior"
+GRID = "the patch grid and any class/prefix tokens"
+
+
+@dataclass
+class Site:
+    """One attention layer `add_mask_prior` can reach, and what its model says about it."""
+    name: str
+    module: nn.Module
+    kind: str                          # "torch", "hf", "timm" or "keyword"
+    heads: int
+    cross: bool = False                # keys from another sequence
+    # what the layer is, where it says so (HF); None: the caller says
+    causal: bool | None = None
+    # exactly this many tokens (an image model's grid, a window), where known
+    tokens: int | None = None
+    # at most this many positions (a text model's table), where known
+    max_tokens: int | None = None
+    prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
+    layout: str = GRID                 # what `tokens` counts, for error messages
+
+
+def _takes_keyword(module: nn.Module, keyword: str) -> bool:
+    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not
+    trusted: a mask it swallows and passes nowhere would be a prior that changes nothing."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params and params[keyword].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                              inspect.Parameter.VAR_KEYWORD)
+
+
+def _heads_of(module: nn.Module) -> int | None:
+    for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
+        if isinstance(getattr(module, attr, None), int):
+            return getattr(module, attr)
+    cfg = getattr(module, "config", None)
+    return getattr(cfg, "num_attention_heads", None)
+
+
+def _hf_config(module: nn.Module):
+    """A transformers module's config (the model's own, under a prior's view of it), or None."""
+    cfg = getattr(module, "config", None)
+    cfg = cfg.model_config if isinstance(cfg, _PriorConfig) else cfg
+    return cfg if hasattr(cfg, "_attn_implementation") and hasattr(cfg, "to_dict") else None
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT,
+    ViT, Llama, BART, T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's
+    `scale`), from a file that imports it."""
+    source = sys.modules.get(type(module).__module__)
+    return (_hf_config(module) is not None and hasattr(module, "is_causal")
+            and (hasattr(module, "scaling") or hasattr(module, "scale"))
+            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
+
+
+def _is_timm_attention(module: nn.Module) -> bool:
+    return (type(module).__module__.startswith("timm.")
+            and isinstance(getattr(module, "num_heads", None), int)
+            and _takes_keyword(module, "attn_mask"))
+
+
+def _window_tokens(module: nn.Module) -> int | None:
+    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or
+    a child."""
+    for m in (module, *module.children()):
+        w = getattr(m, "window_size", None)
+        if isinstance(w, int) and not isinstance(w, bool):
+            return w * w
+        if isinstance(w, (tuple, list)) and w and all(isinstance(v, int) for v in w):
+            return math.prod(w)
+    return None
+
+
+def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    leaf = name.rpartition(".")[2].lower()
+    return (bool(getattr(module, "is_cross_attention", False))
+            or "cross" in type(module).__name__.lower()
+            # BART, Whisper
+            or "cross" in leaf or leaf == "encoder_attn"
+            # T5's EncDecAttention
+            or (parent is not None and "cross" in type(parent).__name__.lower())
+            or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
+
+
+def _positions(model: nn.Module) -> tuple[int | None, int | None]:
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus
+    prefix tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a
+    text model's most positions (its config)."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
+        return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
+    for m in model.modules():
+        if isinstance(getattr(m, "num_patches", None), int) and isinstance(getattr(m, "num_positions", None), int):
+            return m.num_positions, None
+    for name, p in model.named_parameters():
+        if name.endswith("position_embeddings") and p.dim() == 3:
+            return p.shape[1], None
+    cfg = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions"):
+        if isinstance(getattr(cfg, attr, None), int):
+            return None, getattr(cfg, attr)
+    return None, None
+
+
+def _picked(modules, name: str, module: nn.Module) -> bool:
+    if callable(modules) and not isinstance(modules, (type, tuple)):
+        return bool(modules(name, module))
+    return isinstance(module, modules)
+
+
+def find_attention(model: nn.Module, modules=None) -> list[Site]:
+    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention,
+    Hugging Face and timm attention modules; or, with `modules` (a class, a tuple of classes, or a
+    predicate `(name, module) -> bool`), exactly the modules it names (served as what they are,
+    else by their mask keyword)."""
+    named = dict(model.named_modules())
+    tokens, max_tokens = _positions(model)
+    sites = []
+    for name, m in named.items():
+        if modules is not None and not _picked(modules, name, m):
+            continue
+        parent = named.get(name.rpartition(".")[0]) if name else None
+        where = name or type(model).__name__
+        if isinstance(m, nn.MultiheadAttention):
+            sites.append(Site(where, m, "torch", m.num_heads, cross=_named_cross(name, m, parent)))
+        elif _is_hf_attention(m):
+            window = _window_tokens(m)
+            seen = window or tokens
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0,
+                              cross=_named_cross(name, m, parent), causal=bool(m.is_causal),
+                              tokens=seen, max_tokens=max_tokens, prefix=seen is None,
+                              layout="its attention window" if window else GRID))
+        elif _is_timm_attention(m):
+            sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
+        elif modules is not None:
+            sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
+    return sites
+
+
+def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
+    done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
+    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} "
+                      f"heads) {what}; {done}")
+
+
+def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
+    """One line for a model where add_mask_prior finds no layer: the attention-like modules it
+    could not reach (their own softmax: DeBERTa...), or none, and how to attach by hand."""
+    if modules is not None:
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` "
+                          "names")
+    hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or "
+            "passed to scaled_dot_product_attention) and name it with modules=")
+    own = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
+           and not any("attention" in type(c).__name__.lower() for c in m.children())]
+    if own:
+        name, m = own[0]
+        more = f" and {len(own) - 1} more" if len(own) > 1 else ""
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it "
+                          f"can reach: {name} ({type(m).__name__}){more} computes its own softmax "
+                          "(it calls no transformers attention function and names no "
+                          f"`{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
+                          "layer was changed")
+    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, "
+                      "Hugging Face or timm attention; for an attention of your own, "
+                      f"{hand}YourAttention")
+
+
+def _hf_impl(module: nn.Module) -> str:
+    """The attention implementation the model of an HF layer runs (its config's, not a prior's
+    view)."""
+    return _hf_config(module)._attn_implementation
+
+
+def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
+                who: str = "add_mask_prior") -> None:
+    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
+    add_mask_prior's own search, not named with `modules`)."""
+    if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
+        raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all "
+                       "is not trusted: a mask it passes nowhere would change nothing): add "
+                       f"`{mask_kwarg}=None` and pass it to scaled_dot_product_attention", who)
+    if s.cross and s.kind in ("timm", "keyword"):
+        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve",
+                    who)
+    if s.kind == "timm" and s.tokens is None and found:
+        raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid "
+                       "(patch_embed.num_patches): its pooled stages or branches see other token "
+                       "counts, which one prior cannot serve; give a stage its own prior with "
+                       "modules=lambda name, m: name.startswith('<stage>.') and "
+                       "name.endswith('.attn')",
+                       who)
+    if s.kind == "hf":
+        impl = _hf_impl(s.module)
+        if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
+            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model "
+                           "saved with priors and loaded plainly): load it with "
+                           "mp.from_pretrained(ModelClass, path)", who)
+        if impl not in ("sdpa", "eager"):
+            raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the "
+                           "model with attn_implementation='sdpa' (or 'eager')", who)
+        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__],
+                                           "eager_attention_forward"):
+            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to "
+                           "wrap: use 'sdpa'", who)
+
+
+def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
+               who: str = "add_mask_prior") -> mp.MaskPrior:
+    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing
+    changed yet)."""
+    shape = tuple(src.shape)
+    if hasattr(site.module, "mask_prior"):
+        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
+    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
+    if src.dim() == 3 and shape[0] != heads:
+        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, "
+                          "N)", who)
+    # a layer that does not say: not causal
+    is_causal = bool(site.causal) if causal is None else causal
+    if site.causal is not None and is_causal != site.causal:
+        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was "
+                          "asked", who)
+    n, n_keys = shape[-2], shape[-1]
+    if not site.cross and n != n_keys:
+        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys "
+                          "must be square)", who)
+    if site.tokens is not None and not site.cross and n != site.tokens:
+        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build "
+                          f"it for {site.tokens} positions ({site.layout})", who)
+    if site.max_tokens is not None and n > site.max_tokens:
+        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape "
+                          f"{shape}", who)
+    try:
+        prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
+                          n_keys=n_keys if site.cross else None, prefix=site.prefix
+                          if prefix is None else prefix)
+    except ValueError as e:
+        raise _fail(site, str(e), who) from None
+    prior.where = site.name
+    return prior.to(next(site.module.parameters(), prior.bias).device)
+
+
+# a full M (param=None) adding more than this share of a model's parameters is refused
+FULL_SHARE = 0.1
+
+
+def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Tensor) -> None:
+    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add
+    more than FULL_SHARE of the model's parameters: a full M grows as layers x heads x N^2 (151M
+    for GPT-2 small at N = 1,024)."""
+    full = [p for p in priors.values() if p.param == "full"]
+    size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
+    # (a module with no weights of its own: nothing to weigh)
+    if full and own and size > FULL_SHARE * own:
+        relative = not full[0].cross and mp.depends_on_distance(src)
+        way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
+               if relative else "param='full' takes it anyway")
+        raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} "
+                         f"parameters to the model's {own:,} ({size / own:.0%}); {way} (or build "
+                         "the prior for fewer positions); no layer was changed")
+
+
+def _under_peft(model: nn.Module) -> bool:
+    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its
+    peft_config (set on the model get_peft_model was given), or PEFT's adapter layers among its
+    modules."""
+    return (getattr(model, "peft_config", None) is not None
+            or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
+
+
+@mp.checked
+def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = mp.M_ON,
+                   m_off: float = mp.M_OFF, causal: bool | None = None,
+                   logits: torch.Tensor | None = None, *, param: str | None = None,
+                   prefix: bool | None = None, cross_attention: bool = False, modules=None,
+                   mask_kwarg: str = "attn_mask", flex: bool = False) -> dict[str, mp.MaskPrior]:
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool
+    (N, N) or (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers
+    that got one.
+
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama,
+    Mistral, BART, T5, Whisper, CLIP, Swin...: through transformers' attention-function interface,
+    wrapping the model's 'sdpa' or 'eager'; the config records the priors for `from_pretrained`),
+    timm's attention (ViT / DeiT), and, with `modules` (a class, tuple of classes or predicate
+    `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
+    forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the
+    prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
+    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal`
+    defaults to what the layer is where it says (HF), else False. `prefix` (default: True for HF
+    text models, else False) lets a non-causal prior read shorter inputs as positions 0..t-1. Every
+    layer is checked before any is changed: one the prior cannot serve raises ValueError naming it,
+    its class, heads and what to do, and the model is left as it was. `param`: by default relative
+    for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
+    length), else full, refused in one line where the full M's would add more than 10% of the
+    model's parameters (pass param='full' to take them, or 'relative' for a non-causal band).
+    `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on
+    its first call) wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex`
+    later to change it). Make the optimiser after this call; M is named `bias`, so Hugging Face's
+    Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed.
+    """
+    mp.check_one_source(pattern, logits, "add_mask_prior")
+    if logits is None:
+        mp.check_pattern(pattern)
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose "
+                         "layers take no hooks and no new parameters: add the prior to the "
+                         "nn.Module, then trace it (torch.jit.trace), compile it or export it")
+    src = logits if logits is not None else pattern
+    if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
+                         "N)")
+    if _under_peft(model):
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
+                         "whose adapter would not save M: add the priors first, then "
+                         "get_peft_model with modules_to_save=['mask_prior'] in its config (M "
+                         "then trains and is saved with the adapter); no layer was changed")
+    sites = find_attention(model, modules)
+    if not sites:
+        raise _unreachable(model, modules, mask_kwarg)
+    other = [s.name for s in sites if s.cross != cross_attention]
+    sites = [s for s in sites if s.cross == cross_attention]
+    if not sites:
+        way = ("leave out cross_attention=True" if cross_attention else
+               "pass cross_attention=True and an (N_query, N_key) pattern")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
+                         f"{'self' if cross_attention else 'cross'}-attention "
+                         f"({', '.join(other)}); {way} to give it a prior")
+    for s in sites:
+        _check_site(model, s, modules is None, mask_kwarg)
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
+              for s in sites}
+    if param is None:
+        _check_size(model, priors, src)
+    for s in sites:                                   # every layer fits: now change them
+        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
+        s.module.mask_prior_flex = flex
+    _after_attach(model, sites, priors)
+    return priors
+
+
+def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
+    """Refuse a batch of another size than the roles `mp.prior_roles` gave (one row of roles per example): a
+    bias of one example broadcast over the batch would read every example by the first one's layout."""
+    if prior.roles is not None and prior.roles[0].shape[0] != batch:
+        raise ValueError(f"{prior.where}: prior_roles gave roles for {prior.roles[0].shape[0]} "
+                         f"examples, but this call's batch holds {batch}: give rows and cols "
+                         "of shape (batch, L), one row per example")
+
+
+# torch: nn.MultiheadAttention
+
+
+def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
+    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the
+    attn_mask (added to one the caller gave; a causal call's -inf folded in, since MHA drops a
+    mask it takes for the causal one)."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+    kwargs = {**dict(zip(names, args)), **kwargs}
+    query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
+    batched = query.dim() == 3
+    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
+    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
+    if not prior.cross and key is not query:
+        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not "
+                         f"its queries ({t} queries, {s} keys): give cross-attention its own "
+                         "prior with add_mask_prior(..., cross_attention=True) and an (N_query, "
+                         "N_key) pattern")
+    bias = prior(t, query.dtype, k_len=s)
+    batch = query.shape[0 if mha.batch_first else 1] if batched else 1
+    _check_roles_batch(prior, batch)
+    # per example (prior_roles): (B, heads) batch-major for MHA
+    if bias.dim() == 4:
+        bias = bias.flatten(0, 1) if batched else bias[0]
+    elif batched:
+        bias = bias.repeat(batch, 1, 1)
+    given = kwargs.get("attn_mask")
+    if given is not None:
+        # True = not allowed, for nn.MultiheadAttention
+        if given.dtype == torch.bool:
+            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
+        bias = bias + given
+    bias = _fold_causal(bias, kwargs, t)
+    padding = kwargs.get("key_padding_mask")
+    if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
+        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
+                                                 device=bias.device).masked_fill(padding,
+                                                                                 float("-inf"))
+    if prior.record is not None:
+        kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
+    kwargs["attn_mask"] = bias
+    return (), kwargs
+
+
+def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
+    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set
+    False in `kwargs`: attention takes a mask or is_causal, not both (nn.MultiheadAttention would
+    drop the mask)."""
+    if not kwargs.get("is_causal"):
+        return bias
+    kwargs["is_causal"] = False
+    return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf"))
+
+
+def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
+    if mha.mask_prior.record is not None:
+        mha.mask_prior.record.append(output[1])
+
+
+def _attach_torch(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior = prior
+    m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
+                          m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
+
+
+# timm and keyword: a module whose forward names an additive mask keyword
+
+
+def _amp_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's
+    own."""
+    try:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+    # torch < 2.4: device-type autocast queries missing
+    except (TypeError, AttributeError):
+        pass
+    return x.dtype
+
+
+def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added
+    to a mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a
+    call with is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    prior, key = module.mask_prior, module.mask_prior_kwarg
+    if prior.record is not None and getattr(module, "fused_attn", False):
+        module.mask_prior_fused, module.fused_attn = True, False   # timm's explicit path: attn_drop sees p
+    x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, (torch.Tensor, torch.fx.Proxy)))
+    symbolic = isinstance(x, torch.fx.Proxy)             # traced by fx: a fixed grid's length, x's own dtype
+    t = prior.n if symbolic else x.shape[-2]
+    # (B, heads, T, T) per example: B must be x's batch
+    if prior.roles is not None:
+        _check_roles_batch(prior, x.shape[0] if x.dim() >= 3 else 1)
+    bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
+    given, causal = kwargs.get(key), kwargs.get("is_causal", False)
+    if "is_causal" in kwargs:                            # folded into the mask: SDPA takes one or the other
+        kwargs["is_causal"] = False
+    if symbolic:                                         # the caller's mask is known only when the graph runs
+        kwargs[key] = x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
+    else:
+        kwargs[key] = _with_callers_mask(bias, given, causal, t)
+    return args, kwargs
+
+
+def _with_callers_mask(bias: torch.Tensor, given: torch.Tensor | None, causal: bool, t: int) -> torch.Tensor:
+    """The prior's bias with a mask the caller gave added (bool: True = take part, as scaled_dot_product_attention
+    reads it; else additive) and, for an is_causal call, the future's -inf."""
+    if given is not None:
+        bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
+    return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf")) if causal else bias
+
+
+def _timm_record_hook(drop: nn.Module, args: tuple, output):
+    prior = drop.mask_prior_owner.mask_prior
+    if prior.record is not None:
+        prior.record.append(args[0])
+
+
+def _timm_restore_hook(module: nn.Module, args: tuple, output):
+    """Forward hook: a timm layer that recorded its probabilities goes back to its fused path."""
+    if module.__dict__.pop("mask_prior_fused", False):
+        module.fused_attn = True
+
+
+def _attach_keyword(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
+    hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
+    drop = getattr(m, "attn_drop", None)
+    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
+        # a plain reference, not a submodule (no cycle)
+        object.__setattr__(drop, "mask_prior_owner", m)
+        hooks += [drop.register_forward_hook(_timm_record_hook), m.register_forward_hook(_timm_restore_hook)]
+    m.mask_prior_hooks = hooks
+
+
+def _timm_after(model: nn.Module, names: list[str]) -> None:
+    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add
+    every M."""
+    base = getattr(model, "no_weight_decay", None)
+    if callable(base):
+        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
+
+
+class _NoWeightDecay:
+    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable
+    callable."""
+    def __init__(self, names: set[str]):
+        self.names = frozenset(names)
+
+    def __call__(self) -> set[str]:
+        return set(self.names)
+
+
+class _InitPriors:
+    """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
+    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it
+    started (`MaskPrior.reset_parameters`), and leaves every other module to the model's own; held by the
+    model itself, a plain picklable callable."""
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module: nn.Module) -> None:
+        if isinstance(module, mp.MaskPrior):
+            if not getattr(module.bias, "_is_hf_initialized", False):     # transformers' mark of a loaded weight
+                module.reset_parameters()
+        else:
+            type(self.model)._init_weights(self.model, module)
+
+
+# Hugging Face: an attention function registered with transformers, reached through a view of the
+# layer's config
+
+
+class _PriorConfig:
+    """What an HF layer with a prior sees as its `config`: its model's config, read through (later
+    changes reach it), except that it names HF_ATTENTION as the attention function, so this layer
+    alone runs `hf_attention` (layers that share the config keep theirs). `model_config` is the
+    config itself."""
+    _attn_implementation = HF_ATTENTION
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+
+    def __getattr__(self, name: str):
+        config = self.__dict__.get("model_config")
+        # while being copied or unpickled: no read-through
+        if config is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(config, name)
+
+
+def _register_hf() -> None:
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces, and teach its
+    save_pretrained to write the priors of the model it saves (`_save_pretrained_with_priors`): once, lazily, on
+    the first prior given to (or loaded into) a transformers model."""
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    if not getattr(PreTrainedModel.save_pretrained, "mask_prior_records", False):
+        PreTrainedModel.save_pretrained = _save_pretrained_with_priors(PreTrainedModel.save_pretrained)
+
+
+def _relative_at(prior: mp.MaskPrior, dist: torch.Tensor) -> torch.Tensor:
+    """(B, heads, ...) bias of a relative M at distances `dist` (B, ...) = query position - key position."""
+    return prior.at_distance(dist).movedim(0, 1)
+
+
+def _full_at(prior: mp.MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(B, heads, q, k) bias of a full M (or one read by role, `prior_roles`) at each query's row and each key's
+    column: rows (B or 1, q) and cols (B or 1, q, k) positions, seen (B or 1, q, k) the pairs the framework keeps,
+    which must fit M (checked where not compiling or tracing; clamped there)."""
+    n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
+    full = prior(n, torch.float32)                                  # (heads, n, n), or (B, heads, n, n) by role
+    full = full if full.dim() == 4 else full.unsqueeze(0)
+    if not mp.tracing():
+        rows_seen = torch.where(seen.any(-1), rows, -1)
+        if bool((rows_seen >= n).any()):
+            fit = f"the mask size {prior.n}" if n == prior.n else f"the {n} positions prior_roles gave roles for"
+            raise ValueError(f"{prior.where}: a query at position {int(rows_seen.max())} does not fit {fit}: a "
+                             f"{'causal ' if prior.causal else ''}full prior serves positions 0 .. {n - 1} (a "
+                             "relative one serves any)")
+        if bool(((cols < 0) & seen).any()):
+            raise ValueError(f"{prior.where}: a query sees more keys than there are positions up to its own, so "
+                             "its position ids do not count the keys it sees (packed sequences: pass their "
+                             "position_ids without an attention_mask, as DataCollatorWithFlattening does, and the "
+                             "model keeps each sequence to itself)")
+    b = max(full.shape[0], rows.shape[0], cols.shape[0])
+    flat = rows[..., None].clamp(0, n - 1) * n + cols.clamp(0, n - 1)                     # (B or 1, q, k)
+    q, k = flat.shape[-2:]
+    index = flat.expand(b, q, k).reshape(b, 1, q * k).expand(b, full.shape[1], q * k)
+    return full.flatten(-2).expand(b, -1, -1).gather(-1, index).view(b, -1, q, k)
+
+
+def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: torch.Tensor | None, q_len: int,
+                 k_len: int) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) float32 bias of a causal prior in a Hugging Face call.
+
+    allowed: (B or 1, q_len, k_len) bool, what the model's mask lets each query see (padding, the causal future, a
+    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's
+    is_causal, upper-left for several queries, every key for one), whose future the bias then holds as -inf.
+    positions: the queries' position ids (B or 1, q_len), or None.
+
+    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as
+    the model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a
+    KV cache count as the same keys without one, and packed sequences within their own block; so cache = no cache
+    and padded = unpadded hold by construction, with no state and no value read back. A relative M reads the
+    distance; a full M the row of the query's position (its position id, else the keys it sees, less one) and the
+    column of that row less the distance. A key the query does not see gets a finite value, which the model's mask
+    removes."""
+    if allowed is None and prior.param == "relative" and prior.roles is None:
+        return prior(q_len, torch.float32, k_len=k_len, start=0 if q_len > 1 else None).unsqueeze(0)
+    left_out = allowed is None
+    if left_out:
+        own = torch.arange(q_len, device=prior.bias.device) + (k_len - 1 if q_len == 1 else 0)
+        allowed = (torch.arange(k_len, device=own.device) <= own[:, None])[None]
+    after = allowed.flip(-1).cumsum(-1).flip(-1)                  # (B, q, k): the keys seen at or after each key
+    dist = (after - 1).clamp(min=0)
+    if prior.param == "relative" and prior.roles is None:
+        bias = _relative_at(prior, dist)
+    else:
+        rows = after[..., 0] - 1 if positions is None else positions.to(dist.device)
+        bias = _full_at(prior, rows, rows[..., None] - dist, allowed)
+    return bias.masked_fill(~allowed[:, None], float("-inf")) if left_out else bias
+
+
+def _query_positions(kwargs: dict, q_len: int) -> torch.Tensor | None:
+    """The queries' position ids the model passed (B or 1, q_len), or None (none, or another layout: M-RoPE's)."""
+    positions = kwargs.get("position_ids")
+    ok = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == q_len
+    return positions if ok else None
+
+
+def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor,
+             mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the queries' and keys' positions, with HF's mask
+    (padding, causal, sliding window: bool, or additive) folded in."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if not mp.tracing():
+        _check_roles_batch(prior, query.shape[0])
+    allowed = (None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool
+               else mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
+    positions = _query_positions(kwargs, q_len)
+    # rows from the decoder's position (its KV cache)
+    if prior.cross:
+        start = getattr(module, "mask_prior_start", 0)
+        bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
+    elif prior.causal:
+        bias = _causal_bias(prior, None if allowed is None else allowed[:, 0], positions, q_len, k_len)
+    elif positions is not None and q_len == k_len:             # the keys are the queries, at their position ids
+        seen = torch.ones(1, q_len, k_len, dtype=torch.bool, device=query.device) if allowed is None else allowed[:, 0]
+        bias = (_relative_at(prior, positions[:, :, None] - positions[:, None, :])
+                if prior.param == "relative" and prior.roles is None
+                else _full_at(prior, positions, positions[:, None, :].expand(-1, q_len, -1), seen))
+    else:
+        bias = prior(q_len, query.dtype, k_len=k_len)
+        bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
+    # CLIP's text tower
+    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
+        bias = bias.masked_fill(mp.future_keys(q_len, bias.device), float("-inf"))
+    bias = bias.to(query.dtype)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask[..., :k_len], bias, torch.finfo(bias.dtype).min)
+    return bias + mask[..., :k_len]
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs):
+    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the
+    module's prior to the logits and runs the model's own implementation (`sdpa` or its
+    `eager`)."""
+    prior = getattr(module, "mask_prior", None)
+    if prior is None:
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
+                           "but holds no MaskPrior: a model saved with mask priors loads with "
+                           "mp.from_pretrained(ModelClass, path)")
+    if not mp.tracing():
+        module.mask_prior_pending = False
+    if (prior.record is None and not torch.jit.is_tracing()
+            and _prior_alone(module, prior, query, key, attention_mask, kwargs)
+            and (query.device.type == "cpu" or getattr(module, "mask_prior_flex", False))):
+        # grouped keys
+        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
+        out = mp.prior_attention(query, k, v, prior) if query.device.type == "cpu" else prior.flex(query, k, v)
+        return out.transpose(1, 2).contiguous(), None
+    bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
+    if prior.record is not None:
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        prior.record.append(((query @ k.transpose(-2, -1)).float() * scale + bias.float()).softmax(-1))
+    return _hf_base(module)(module, query, key, value, bias, **kwargs)
+
+
+def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
+                 kwargs) -> bool:
+    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or
+    padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not
+    given by position ids): then
+    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's
+    gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where asked (`mask_prior_flex`)."""
+    extras = ("softcap", "sliding_window", "s_aux", "sinks")
+    return (mask is None and prior.roles is None and not prior.cross
+            and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
+            and (prior.causal or not kwargs.get("is_causal"))
+            and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
+            and not float(kwargs.get("dropout") or 0.0)
+            and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
+            and all(kwargs.get(name) is None for name in extras))
+
+
+def _hf_base(module: nn.Module):
+    """The model's own attention function that a layer's prior wraps, read at every call (so
+    set_attn_implementation between 'sdpa' and 'eager' is followed); one line for an implementation
+    that cannot add a bias."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = _hf_impl(module)
+    if impl == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    if impl == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which "
+                       "cannot add the prior's bias; use model.set_attn_implementation('sdpa') "
+                       "(or 'eager')")
+
+
+def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation
+    without a bias; keys from another sequence on a self-attention prior, or the other way round);
+    note a cross-attention call's first query row (its decoder position, from the KV cache)."""
+    _hf_base(module)
+    call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
+    prior = module.mask_prior
+    crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
+    if crossed != prior.cross:
+        what = ("a self-attention prior, but this call's keys come from another sequence"
+                if crossed else
+                "a cross-attention prior, but this call attends to its own sequence")
+        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with "
+                         "add_mask_prior(..., cross_attention=True) and an (N_query, N_key) "
+                         "pattern")
+    module.mask_prior_start = 0
+    cache = next((call[k] for k in ("cache", "past_key_values", "past_key_value") if call.get(k) is not None), None)
+    hidden = call.get("hidden_states", args[0] if args else None)
+    if prior.cross and hasattr(cache, "get_seq_length") and isinstance(hidden, torch.Tensor):
+        module.mask_prior_start = int(cache.get_seq_length(getattr(module, "layer_idx", None) or 0)) - hidden.shape[-2]
+    module.mask_prior_pending = not mp.tracing()
+
+
+def _hf_reached(module: nn.Module, args: tuple, output) -> None:
+    """Forward hook: a layer that ran without calling the attention function would leave its prior
+    unused; refuse."""
+    if getattr(module, "mask_prior_pending", False):
+        module.mask_prior_pending = False
+        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling "
+                           "transformers' attention function, so its prior changed nothing; give "
+                           "it an attn_mask keyword and attach it with modules=")
+
+
+def _attach_hf(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
+    m = site.module
+    m.mask_prior = prior
+    m.config = _PriorConfig(m.config)
+    m.mask_prior_args = list(inspect.signature(m.forward).parameters)
+    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
+                          m.register_forward_hook(_hf_reached)]
+
+
+def prior_record(model: nn.Module) -> dict | None:
+    """What a save of `model` writes into config.json for its Hugging Face layers that hold a prior:
+    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix}}, 'base': 'sdpa' or 'eager'}, or None
+    where none does. Read from the model itself at each save (a part given priors and the whole saved included):
+    the record is the model's state, never written into its config, which other models built from it share."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
+    if not layers:
+        return None
+    geometry = {name: {"n": m.mask_prior.n, "n_keys": m.mask_prior.n_keys if m.mask_prior.cross else None,
+                       "heads": m.mask_prior.heads, "causal": m.mask_prior.causal, "param": m.mask_prior.param,
+                       "prefix": m.mask_prior.prefix} for name, m in layers.items()}
+    return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
+
+
+def _save_pretrained_with_priors(save: Callable) -> Callable:
+    """transformers' save_pretrained, writing the record of the priors of the model being saved (`prior_record`)
+    into its config.json: through a copy of its config, held by that model for the save alone, so the config
+    object it shares with other models never holds it. config.json then names HF_SAVED as the attention
+    implementation, which no one registers: a plain from_pretrained fails loudly; mp.from_pretrained loads it."""
+    @functools.wraps(save)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        record = prior_record(self)
+        if record is None:
+            return save(self, save_directory, *args, **kwargs)
+        shared = self.config
+        self.config = copy.copy(shared)
+        self.config.mask_prior, self.config.attn_implementation = record, HF_SAVED
+        try:
+            return save(self, save_directory, *args, **kwargs)
+        finally:
+            written, self.config = self.config, shared
+            for name in ("architectures", "dtype"):            # what save_pretrained itself sets on the config
+                if name in written.__dict__:
+                    setattr(shared, name, written.__dict__[name])
+    save_pretrained.mask_prior_records = True
+    return save_pretrained
+
+
+def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a training forward
+    after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its adapter
+    would not save M) is refused in one line."""
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    frozen = next((p for m in model.modules()
+                   if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior)
+                   and not p.bias.requires_grad), None)
+    if frozen is not None and _under_peft(model):
+        raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its "
+                           "adapter would not save it); pass modules_to_save=['mask_prior'] to "
+                           "the PEFT config, so that M trains and is saved with the adapter")
+
+
+def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
+    if any(s.kind == "torch" for s in sites):
+        for m in model.modules():
+            if isinstance(m, nn.TransformerEncoder):
+                m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
+                # a nested (padded) batch would skip the attn_mask
+                m.use_nested_tensor = False
+    if any(s.kind == "hf" for s in sites):
+        _register_hf()
+        for m in model.modules():            # each transformers model in it: its init_weights re-sets M
+            if _hf_config(m) is not None and callable(getattr(type(m), "_init_weights", None)):
+                m.__dict__.setdefault("_init_weights", _InitPriors(m))
+    _timm_after(model, mp.prior_parameter_names(model))
+    if "mask_prior_guard" not in model.__dict__:
+        model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
+
+
+_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword,
+           "keyword": _attach_keyword}
+
+
+def remove_mask_prior(model: nn.Module) -> list[str]:
+    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors,
+    hooks and layer config views, the names added to timm's no_weight_decay. The model is the plain one again (the same outputs, state_dict keys and
+    config). Returns the names of the layers that had one."""
+    layers = [(n, m) for n, m in model.named_modules() if "mask_prior_hooks" in m.__dict__]
+    if not layers:
+        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from "
+                         "add_mask_prior")
+    for _, m in layers:
+        for hook in m.mask_prior_hooks:
+            hook.remove()
+        if isinstance(m.__dict__.get("config"), _PriorConfig):
+            m.config = m.config.model_config
+        drop = getattr(m, "attn_drop", None)
+        if isinstance(drop, nn.Module):
+            drop.__dict__.pop("mask_prior_owner", None)
+        for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
+                     "mask_prior_pending", "mask_prior_flex", "mask_prior_fused"):
+            m.__dict__.pop(attr, None)
+        del m.mask_prior
+    for m in model.modules():
+        if "mask_prior_nested" in m.__dict__:
+            m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
+    # add_mask_prior was given the model, or parts of it
+    for m in model.modules():
+        if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
+            del m.__dict__["no_weight_decay"]
+        if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
+            del m.__dict__["_init_weights"]
+        if "mask_prior_guard" in m.__dict__:
+            m.__dict__.pop("mask_prior_guard").remove()
+    return [n or type(model).__name__ for n, _ in layers]
+
+
+# Saved and loaded: Hugging Face's save_pretrained / from_pretrained
+
+_RECORD_FIELDS = {                     # field of a layer's record: (check, what is expected)
+    "heads": (lambda v: type(v) is int and v > 0, "a positive int"),
+    "n": (lambda v: type(v) is int and v > 0, "a positive int"),
+    "n_keys": (lambda v: v is None or (type(v) is int and v > 0), "null or a positive int"),
+    "causal": (lambda v: type(v) is bool, "true or false"),
+    "param": (lambda v: v in ("full", "relative"), "'full' or 'relative'"),
+    "prefix": (lambda v: type(v) is bool, "true or false"),
+}
+
+
+def _check_record(record, path: str) -> None:
+    """One ValueError naming the layer and the field when a config's `mask_prior` record is
+    malformed (before any model is built)."""
+    where = f"from_pretrained: {path}'s config.json"
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
+                         "not {'layers': {name: {...}}, 'base': 'sdpa'}; nothing was loaded")
+    if record.get("base") not in ("sdpa", "eager"):
+        has = f"base {record['base']!r}" if "base" in record else "no base"
+        raise ValueError(f"{where}: the mask_prior record has {has}: expected 'sdpa' or 'eager' "
+                         "(the implementation the priors wrap); nothing was loaded")
+    layers = record.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a "
+                         "non-empty {layer name: {n, heads, ...}}, one entry per prior; "
+                         "nothing was loaded")
+    for name, geo in layers.items():
+        if not isinstance(geo, dict):
+            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a "
+                             "dict; nothing was loaded")
+        for field, (ok, want) in _RECORD_FIELDS.items():
+            if field not in geo or not ok(geo[field]):
+                has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: "
+                                 f"expected {want}; nothing was loaded")
+
+
+def _resolve_recorded(model: nn.Module, named: dict, recorded: str) -> str | None:
+    """The name in `model` of a layer recorded as `recorded` (its name in the model that was saved): the same,
+    or, saved from the model with a head and loaded as its base model, without the base's prefix, or the other
+    way round."""
+    base = getattr(model, "base_model_prefix", "") + "."
+    return next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
+
+
+def _model_class_for(model_class, config):
+    """A model class for `config`: `model_class` itself, or the one an Auto class
+    (AutoModelForCausalLM...) maps it to."""
+    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
+        return model_class
+    try:
+        return model_class._model_mapping[type(config)]
+    except (AttributeError, KeyError, TypeError):
+        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is "
+                         "neither a model class nor an Auto class with a model for "
+                         f"{type(config).__name__}") from None
+
+
+def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
+    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors
+    included.
+
+    The priors its config.json records are checked, then attached while the model is built, so
+    transformers' own loader reads every M from the checkpoint (sharded or not, keys renamed or
+    not). An M the checkpoint lacks, holds in another shape (also with
+    ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an error, never
+    a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
+    Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained (`output_loading_info=True`: returns
+    (model, info) as it does). A path whose config records no prior is refused. The record is read, not kept:
+    the loaded model's config holds none (its priors are its own, recorded again at its next save)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    record = getattr(config, "mask_prior", None)
+    if not record:
+        raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load "
+                         f"it with {getattr(model_class, '__name__', model_class)}.from_pretrained")
+    _check_record(record, path)
+    model_class = _model_class_for(model_class, config)
+    _register_hf()
+
+    class WithPriors(model_class):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            _reattach(self, record)
+
+    # transformers finds key renamings by these
+    for attr in ("__name__", "__qualname__", "__module__"):
+        setattr(WithPriors, attr, getattr(model_class, attr))
+    with_info = kwargs.pop("output_loading_info", False)
+    model, info = WithPriors.from_pretrained(path,
+                                             **{"attn_implementation": record["base"], **kwargs},
+                                             output_loading_info=True)
+    # the plain class again: save_pretrained names it
+    model.__class__ = model_class
+    model.config.__dict__.pop("mask_prior", None)
+    ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
+                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
+            for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
+    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model "
+                                       "with its priors"),
+                      ("mismatched_keys",
+                       "holds {} ({} in all) in another shape than its config records (M is "
+                                          "never re-initialised, ignore_mismatched_sizes or not)"),
+                      ("unexpected_keys",
+                       "holds {} ({} in all) on a layer its config records no prior for")):
+        if ours[key]:
+            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0],
+                                                                       len(ours[key])))
+    bad = [p.where for p in mp.mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
+    if bad:
+        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in "
+                         "all)")
+    return (model, info) if with_info else model
+
+
+def _reattach(model: nn.Module, record: dict) -> None:
+    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found
+    and checked (an attention layer the prior can serve, of the recorded heads, causality and size)
+    before any is changed."""
+    named = dict(model.named_modules())
+    found = {s.name: s for s in find_attention(model)}
+    sites, priors = [], {}
+    for recorded, geo in record["layers"].items():
+        name = _resolve_recorded(model, named, recorded)
+        if name is None:
+            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
+                             f"{type(model).__name__} does not have")
+        if name not in found:
+            raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
+                             f"{type(named[name]).__name__}, which is not an attention layer "
+                             "add_mask_prior reaches; nothing was loaded")
+        site = found[name]
+        _check_site(model, site, False, "attn_mask", "from_pretrained")
+        # M starts at 0
+        shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")
+        priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None,
+                                  geo["param"], geo["prefix"], "from_pretrained")
+        sites.append(site)
+    for s in sites:
+        _attach_hf(s, priors[s.name], "attn_mask")
+    _after_attach(model, sites, priors)
