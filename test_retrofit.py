@@ -1444,19 +1444,23 @@ def _behaves_packed(name):
 
 def _behaves_compiled(name):
     """A static KV cache under torch.compile(fullgraph=True), as generate compiles it on a GPU: the tokens and
-    logits of the uncompiled model (no value read back breaks the graph); under a neutral prior, the plain model's."""
+    logits of the uncompiled model (no value read back breaks the graph); under a neutral prior, the plain model's.
+    One compiled model: its M set to the real prior's values afterwards is read by the same graph."""
     tf = _extra("transformers")
+    fam, model, x, n, _ = _built(name, "neutral")
+    cc = tf.CompileConfig(fullgraph=True, backend="eager")
+    cc._compile_all_devices = True                               # on the CPU too
     for prior in PRIORS:
-        fam, model, x, n, _ = _built(name, prior)
-        cc = tf.CompileConfig(fullgraph=True, backend="eager")
-        cc._compile_all_devices = True                           # on the CPU too
+        if prior == "real":
+            for p in mp.mask_priors(model):
+                p.set_logits(mp.causal_distance_logits(n, 1)[0])
         eager = _generate(model, x, cache_implementation="static")
         compiled = _generate(model, x, cache_implementation="static", compile_config=cc)
         assert torch.equal(compiled[0], eager[0])
         _same(compiled[1], eager[1])
         if prior == "neutral":
             assert torch.equal(eager[0], _generate(fam.build()[0], x, cache_implementation="static")[0])
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def _behaves_traced(name):
