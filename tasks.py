@@ -4,7 +4,8 @@ A task is a class on the small `Task` base below, registered under its command-l
 with `@register("name")`; `make_task(name, **options)` builds one and `TASKS` maps names to
 classes. What train.py uses of a task:
 
-    class constants   KIND, PATTERNS, DEFAULT_PATTERN, INITS, HEADLINE, PRESETS, ...
+    class constants   KIND, PATTERNS, DEFAULT_PATTERN, FIXED_LAYOUT, HEADLINE, PRESETS, ...
+    inits()                     -> the inits it offers (from inits.INITS: its family's, fitted or not)
     options()                   -> the constructor's keyword options (train.py flags of those names)
     arch()                      -> dict of model fields (vocab, sequence length, outputs, readout)
     pattern(variant)            -> bool (N, N) or (H, N, N) interaction pattern
@@ -51,6 +52,7 @@ except ImportError:             # not on POSIX: run folders are not locked
     fcntl = None
 
 import augment as A
+import inits
 import maskprior as mp
 from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)  # noqa: F401
 
@@ -117,7 +119,8 @@ class Task:
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
-    INITS: ClassVar[tuple] = ("default", "mask", "qk-svd", "qk-opt")
+    # one token layout for every example (the inits fitted on positions need it; inits.Init.fixed_layout)
+    FIXED_LAYOUT: ClassVar[bool] = True
     # metrics of the log line; the first heads the tables
     HEADLINE: ClassVar[tuple] = ()
     PRESETS: ClassVar[dict] = {}
@@ -172,6 +175,12 @@ class Task:
             model.update(entry.get("model", {}))
             recipe.update(entry.get("recipe", {}))
         return model, recipe
+
+    @classmethod
+    def inits(cls) -> tuple:
+        """The inits this task offers: those of inits.INITS its family takes (and, where its layout moves from
+        example to example, not those fitted on the positions)."""
+        return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
     def options(cls) -> tuple:
@@ -1720,7 +1729,7 @@ class LeeMultiplication(ArithmeticTask):
     `mp.prior_roles`). `--task multiplication --lee-samples N` (`Multiplication.build`)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
-    INITS = ("default", "mask")
+    FIXED_LAYOUT = False
     inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior "
                  "fitted on fixed positions cannot follow)")
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
@@ -2455,7 +2464,6 @@ class ImageTask(Task):
     KIND = "vision"
     PATTERNS = ("impulse", "soft", "local", "graded")
     DEFAULT_PATTERN = "impulse"
-    INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")
     # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and
     # mimetic V-proj (`--init mask-impulse`) it beats `impulse` on every seed of the digits
     # stand-in (results/README.md); the QK inits read it as its centre, the impulse pattern

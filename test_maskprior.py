@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import augment as A
+import inits
 import maskprior as mp
 import maskprior_retrofit as retrofit
 import reporting.figures as FIG
@@ -818,9 +819,24 @@ def test_transformer_and_vit_share_one_trunk():
 
 
 
-def test_the_inits_a_result_may_name_are_train_s_inits_in_order():
-    """runfiles.INITS (what a result.json's init may be, read by reports) is train.INITS' names in their order."""
-    assert tuple(train.INITS) == RF.INITS
+def test_every_list_of_inits_is_derived_from_the_one_record(monkeypatch):
+    """An init is one record (inits.INITS): train's table and its flag groups, what a result.json may name
+    (runfiles.INITS), each task's offer and the report's tables are read off the records, so a record added is
+    offered, checked and reported everywhere, and one whose flags say otherwise is not."""
+    import reporting.report as report
+    assert train.INITS is inits.INITS and RF.INITS == tuple(inits.INITS)
+    assert train.MASK_INITS == ("mask", "mask-impulse") and train.QK_SVD_INITS == ("qk-svd", "impulse")
+    assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
+    assert report.ABLATION_INITS == ("default", "mask", "qk-svd", "qk-opt")
+    assert report.PERSISTENCE_INITS == ("mask", "qk-svd", "qk-opt")
+    assert T.TASKS["parity2"].inits() == report.ABLATION_INITS and len(T.TASKS["cifar10"].inits()) == len(inits.INITS)
+    assert T.LeeMultiplication.inits() == ("default", "mask")                     # its layout moves: no QK init
+    new = inits.Init("qk-twice", inits.init_qk_svd, ("boolean",), reads_prior=True, closed_form=True,
+                     fixed_layout=True)
+    monkeypatch.setitem(inits.INITS, "qk-twice", new)
+    assert T.TASKS["parity2"].inits()[-1] == "qk-twice" and "qk-twice" not in T.TASKS["cifar10"].inits()
+    assert inits.named(closed_form=True) == ("qk-svd", "impulse", "qk-twice")
+    assert "qk-twice" not in T.LeeMultiplication.inits()
 
 
 def test_one_model_registry_builds_each_family_and_reads_its_saved_config():
@@ -1488,7 +1504,7 @@ def test_registry_and_task_constants():
                             "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
     for name, cls in T.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
-        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.INITS) <= set(train.INITS)
+        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.inits()) <= set(train.INITS)
         assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
     with pytest.raises(T.TaskError, match="unknown task"):
         T.make_task("nosuch")
@@ -3850,13 +3866,13 @@ def _context(name: str, broken: str | None, data: str) -> list:
         for key, allowed in train.NEEDS.get(flag, {}).items():
             if key in (skip, "kind") or not train.unmet(key, allowed, train.applied_value(_resolved(argv), key)):
                 continue
-            choices = cls.INITS if key == "init" else cls.PATTERNS if key == "pattern" else allowed
+            choices = cls.inits() if key == "init" else cls.PATTERNS if key == "pattern" else allowed
             give(key, "9" if allowed == train.ON else None if allowed == train.GIVEN else
                  next(v for v in allowed if v in choices))
             meet(key)
     if broken != "task option":
         if broken in needs and isinstance(needs[broken], tuple) and broken != "kind":
-            choices = cls.INITS if broken == "init" else cls.PATTERNS if broken == "pattern" else \
+            choices = cls.inits() if broken == "init" else cls.PATTERNS if broken == "pattern" else \
                 train.FIELDS[broken].metadata["choices"]
             give(broken, next(v for v in choices if v not in needs[broken]))
             meet(broken)
@@ -4678,7 +4694,7 @@ def _smoke_data(root: Path, task: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.INITS])
+@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.inits()])
 def test_every_task_trains_with_every_init(tmp_path, task, init):
     """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
     result and, for an init that writes a prior, a prior mass at the start."""

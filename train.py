@@ -40,6 +40,7 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
+import inits  # noqa: E402
 import maskprior as mp  # noqa: E402
 import maskprior_retrofit as retrofit  # noqa: E402
 import runfiles as RF  # noqa: E402
@@ -88,14 +89,10 @@ def setting(default=None, help=None, *, group: str, type=None, switch=False, cho
 GIVEN, ON = "given", "on"
 
 
-# The inits by what they read (the INITS table below holds them all; a test keeps the two in step).
-# the model owns an M (a learnable log sigmoid(M) per layer)
-MASK_INITS = ("mask", "mask-impulse")
-
-
-# write a prior (a pattern or M) into the model
-PRIOR_INITS = ("mask", "qk-svd", "qk-opt", "impulse", "mask-impulse")
-QK_SVD_INITS = ("qk-svd", "impulse")                   # solve Wq Wk in closed form (init_qk_svd_)
+# The inits by what their records say (inits.INITS): the model owns an M; the init writes the task's prior (a
+# pattern or M) into the model; it solves Wq Wk in closed form (init_qk_svd_)
+INITS, MASK_INITS, PRIOR_INITS = inits.INITS, inits.named(owns_m=True), inits.named(reads_prior=True)
+QK_SVD_INITS = inits.named(closed_form=True)
 # families whose M has on / off levels (--mask-on, --mask-off)
 LEVELS = ("boolean", "arithmetic", "vision")
 
@@ -609,10 +606,10 @@ def check_applies(config: Config, explicit: set) -> None:
 def validate(config, task, explicit: set):
     if config.steps is None and config.epochs is None:
         raise UsageError("give --steps or --epochs (no preset sets them for this task)")
-    if config.init not in task.INITS:
+    if config.init not in task.inits():
         raise UsageError(f"init {config.init!r} does not apply to task {config.task} "
                          f"({task.KIND}); choose from "
-                         f"{', '.join(task.INITS)}{getattr(task, 'inits_why', '')}")
+                         f"{', '.join(task.inits())}{getattr(task, 'inits_why', '')}")
     if config.head_dim is None and config.dim % config.heads:
         raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set "
                          "--head-dim")
@@ -728,61 +725,10 @@ def build_model(config, task, device):
     return model.to(device), model_cfg
 
 
-def init_default(model, prior, config, g) -> dict:
-    return {}
-
-
-def init_mask(model, prior, config, g) -> dict:
-    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M,
-    or soft."""
-    return mp.init_mask_(model, logits=prior.logits)
-
-
-def init_qk_svd(model, prior, config, g) -> dict:
-    return mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
-                           config.qk_svd_norm, config.qk_svd_pos_scale, generator=g)
-
-
-def init_qk_opt(model, prior, config, g) -> dict:
-    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr,
-                           tol=config.qk_opt_tol, pos_scale=config.qk_opt_pos_scale, generator=g,
-                           log=say)
-
-
-def init_mimetic(model, prior, config, g) -> dict:
-    return mp.init_mimetic_(model, generator=g)
-
-
-def init_impulse(model, prior, config, g) -> dict:
-    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed
-    form for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
-    report = mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
-                             config.qk_svd_norm, config.qk_svd_pos_scale or 18.0, generator=g)
-    report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
-    return report
-
-
-def init_mask_impulse(model, prior, config, g) -> dict:
-    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj
-    as `init_impulse` gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the
-    soft bump); Wq, Wk as drawn."""
-    # impulse's scale, applied as init_qk_svd_ applies it
-    scale = config.qk_svd_pos_scale or 18.0
-    with torch.no_grad():
-        model.pos_emb.mul_(scale)
-    report = mp.init_mask_(model, logits=prior.logits)
-    report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
-    report["pos_scale"] = scale
-    return report
-
-
-INITS = {"default": init_default, "mask": init_mask, "qk-svd": init_qk_svd, "qk-opt": init_qk_opt,
-         "mimetic": init_mimetic, "impulse": init_impulse, "mask-impulse": init_mask_impulse}
-
 
 def apply_init(model, prior: RF.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
-    return INITS[config.init](model, prior, config, torch.Generator().manual_seed(config.seed + 1))
+    return INITS[config.init].apply(model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
 # what a teacher's maps must share

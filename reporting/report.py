@@ -19,6 +19,7 @@ import os
 import re
 
 
+import inits
 import runfiles as RF
 from reporting.figures import (caption, legend_below, line_style, panel_grid, plot_band, pyplot, save_figure,
                                token_ticks, wrapped)
@@ -107,7 +108,7 @@ def mean_std(values, digits: int = 2, count: bool = False) -> str:
 
 
 def init_order(runs: list):
-    """The sort key of the inits of `runs`: each init's place in train.py's INITS table, as its
+    """The sort key of the inits of `runs`: each init's place in inits.INITS, as its
     runs record it."""
     order = {r["init"]: r["init_order"] for r in runs}
     return order.__getitem__
@@ -205,7 +206,7 @@ TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-d
                        "every pair not trained on, and on the training samples)",
                 "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, "
                            "positional std, depth and the bits frozen on U"}
-PERSISTENCE_INITS = ("mask", "qk-svd", "qk-opt")
+PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in Wq Wk
 
 
 def token_names(run: dict) -> list | None:
@@ -345,7 +346,7 @@ def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
     return written
 
 
-ABLATION_INITS = ("default", "mask", "qk-svd", "qk-opt")
+ABLATION_INITS = inits.EVERYWHERE                        # the inits every family offers
 
 
 def ablation(folders) -> str:

@@ -24,6 +24,8 @@ from typing import BinaryIO, Iterator
 
 import torch
 
+import inits
+
 try:
     import fcntl
 except ImportError:             # not on POSIX: run folders are not locked
@@ -280,8 +282,8 @@ def is_name(v) -> bool:
 
 KINDS = ("boolean", "arithmetic", "vision", "lm")      # the task families a result belongs to
 
-# train.INITS' names, in order
-INITS = ("default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse")
+# the inits' names, in their records' order (inits.INITS)
+INITS = tuple(inits.INITS)
 
 RESULT_SCHEMA = {
     "task": (is_name, "a task name"), "init": (lambda v: v in INITS, f"one of {', '.join(INITS)}"),
@@ -299,7 +301,7 @@ RESULT_SCHEMA = {
     "init_report": (is_optional(is_of(dict)), "a dict"),
                  "config": (is_optional(is_of(dict)), "a dict"),
     "tells_apart": (is_of(dict), "the flags that tell runs apart"),
-    "init_order": (is_count, "the init's place in train.INITS"),
+    "init_order": (is_count, "the init's place in inits.INITS"),
                  "at_preset": (is_of(bool), "true or false"),
     "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
         is_share(v[k]) for k in ("precision", "recall") if k in v) and all(
