@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import glob
 import fcntl
 import hashlib
 import inspect
@@ -237,6 +238,39 @@ def _extra(name: str):
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: module, checks
+
+# what each file of ours may import of ours: the method at the bottom, the rooms above it, the commands on top;
+# reports read run folders (runfiles), never the datasets or train
+IMPORTS_ALLOWED = {
+    "maskprior.py": set(), "maskprior_retrofit.py": {"maskprior"}, "inits.py": {"maskprior"},
+    "runfiles/__init__.py": {"inits"}, "augment/__init__.py": set(),
+    "tasks.py": {"maskprior", "inits", "runfiles", "augment"},
+    "reporting/figures.py": {"runfiles"}, "reporting/show.py": {"maskprior", "reporting"},
+    "reporting/report.py": {"inits", "runfiles", "reporting"}, "reporting/plan.py": {"tasks", "runfiles", "datafetch"},
+    "datafetch/write.py": {"tasks", "runfiles"}, "datafetch/download.py": {"tasks", "runfiles", "datafetch"},
+    "datafetch/imagenet100.py": {"tasks", "datafetch"},
+    "train.py": {"maskprior", "maskprior_retrofit", "inits", "runfiles", "tasks", "reporting", "datafetch"},
+}
+
+
+def test_imports_run_one_way():
+    """Each file imports of ours only what IMPORTS_ALLOWED gives it (anywhere in it, functions too), so the layers
+    hold: the method imports nothing of ours, report.py no task and no train; every file of ours is listed."""
+    ours = {"maskprior", "maskprior_retrofit", "inits", "tasks", "train", "runfiles", "augment", "reporting",
+            "datafetch"}
+    found = {os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "**", "*.py"), recursive=True)}
+    found -= {p for p in found if p.startswith(("benchmarks", "examples", "test_"))
+              or p in ("reporting/__init__.py", "datafetch/__init__.py")}       # (empty package markers)
+    assert found == set(IMPORTS_ALLOWED), found ^ set(IMPORTS_ALLOWED)
+    for path, allowed in IMPORTS_ALLOWED.items():
+        got = set()
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, path)).read())):
+            if isinstance(node, ast.Import):
+                got |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                got.add(node.module.split(".")[0])
+        assert got & ours <= allowed, (path, got & ours - allowed)
+
 
 @pytest.mark.slow
 def test_maskprior_copied_alone_runs(tmp_path):

@@ -1395,6 +1395,7 @@ def finish(state: Run) -> int:
     result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
               "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
               "data": state.data, "init_order": list(INITS).index(config.init),
+              "token_labels": state.task.token_labels(),
               "tells_apart": {k: v for k, v in asdict(config).items()
                               if k not in NOT_TELLING_APART},
               "at_preset": all(getattr(config, k) == getattr(resolve(*parse_args(["--task", config.task, "--preset",

@@ -210,18 +210,9 @@ PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in
 
 
 def token_names(run: dict) -> list | None:
-    """The names of a run's token positions (its task's `token_labels`, the task rebuilt from the
-    run's flags), or None where it has none. The one place a report asks the task registry (loaded
-    here, not at import)."""
-    import tasks as T
-    cls = T.TASKS.get(run.get("task"))
-    if cls is None:
-        return None
-    try:
-        flags = {k: v for k, v in run.get("tells_apart", {}).items() if k in cls.options()}
-        return T.make_task(run["task"], **flags).token_labels()
-    except (T.TaskError, TypeError, ValueError):
-        return None
+    """The names of a run's token positions, as the run recorded them (result.json's token_labels: its task's
+    `token_labels`), or None where it has none."""
+    return run.get("token_labels")
 
 
 def flag_label(label: str) -> str:
@@ -496,13 +487,25 @@ def _by_metric(rows: list, key) -> dict:
     return out
 
 
-def _metric_order(metrics, task: str) -> list:
-    """The metrics in the order CURVE_METRICS gives the task's kind (any other after, as met)."""
-    # the task's kind: the registry, loaded here, not at import
-    import tasks as T
-    kind = getattr(T.TASKS.get(task), "KIND", None)
-    known = [k for k, _, _ in CURVE_METRICS.get(kind, ())] + list(METRIC_NAMES)
-    return sorted(metrics, key=lambda k: known.index(k) if k in known else len(known))
+def _merged(orders) -> list:
+    """One order that keeps each of `orders` (lists of names): a name goes before the first name that follows it
+    in its own order and is placed already."""
+    out = []
+    for order in orders:
+        for i, k in enumerate(order):
+            if k not in out:
+                later = [out.index(x) for x in order[i + 1:] if x in out]
+                out.insert(min(later, default=len(out)), k)
+    return out
+
+
+# the metrics in the order CURVE_METRICS gives each family (a task's are one family's), then the rest
+METRIC_ORDER = _merged([k for k, _, _ in metrics] for metrics in CURVE_METRICS.values())
+
+
+def _metric_order(metrics) -> list:
+    """The metrics in METRIC_ORDER (any other after, as met)."""
+    return sorted(metrics, key=lambda k: METRIC_ORDER.index(k) if k in METRIC_ORDER else len(METRIC_ORDER))
 
 
 def draw_curves(rows: list, path: str) -> list[str]:
@@ -511,7 +514,7 @@ def draw_curves(rows: list, path: str) -> list[str]:
     matplotlib or rows."""
     panels = [(task + (f"\n{flag_label(label)}" if label else ""), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
-              for k in _metric_order(by, task) for by_init in [by[k]]]
+              for k in _metric_order(by) for by_init in [by[k]]]
     made = panel_grid(len(panels), width=4.0, height=3.0)
     if made is None:
         return []
@@ -548,7 +551,7 @@ def draw_comparison(rows: list, path: str, title: str) -> list[str]:
     metric, a line per (configuration, init), mean over seeds with a min-to-max band. Returns
     [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: i + (f", {flag_label(c)}" if c else ""))
-    metrics = _metric_order({k for by in series.values() for k in by}, rows[0][0] if rows else "")
+    metrics = _metric_order({k for by in series.values() for k in by})
     made = panel_grid(len(metrics), width=5.0, height=3.8)
     if made is None:
         return []

@@ -274,6 +274,11 @@ def check_schema(obj, schema: dict, required, path) -> dict:
 # result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are
 # in every one (a run of an earlier version lacks some: reports list it).
 
+def is_label(v) -> bool:
+    """A short printable name of a token position (x0, CLS, +)."""
+    return isinstance(v, str) and 0 < len(v) <= 16 and v.isprintable()
+
+
 def is_name(v) -> bool:
     """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_'
     (nothing a table of a report would read as markdown)."""
@@ -302,6 +307,7 @@ RESULT_SCHEMA = {
                  "config": (is_optional(is_of(dict)), "a dict"),
     "tells_apart": (is_of(dict), "the flags that tell runs apart"),
     "init_order": (is_count, "the init's place in inits.INITS"),
+    "token_labels": (is_optional(is_list_of(is_label)), "null or the names of its positions"),
                  "at_preset": (is_of(bool), "true or false"),
     "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
         is_share(v[k]) for k in ("precision", "recall") if k in v) and all(
