@@ -1117,9 +1117,9 @@ class TransformerConfig(TrunkConfig):
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
-    # 'learned' (a table of N positions) or 'none' (order from the causal mask and a
+    # 'learned' (a table of N positions) or 'none' (order from the causal mask and a relative prior, as ALiBi: any
+    # length)
     positions: str = "learned"
-                                    # relative prior, as ALiBi: any length)
 
     @property
     def n_positions(self) -> int:

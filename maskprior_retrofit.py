@@ -26,13 +26,14 @@ import maskprior as mp
 # ----------------------------------------------------------------------------------------
 # The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
 # checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
-# torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask hf
-# Hugging Face attention modules: the layer's config is swapped for a view of it that names an
-# attention function registered with transformers (HF_ATTENTION); it adds the bias, then calls the
-# model's own 'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs. timm
-# timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword keyword
-# any module you name (class or predicate) whose forward names an additive mask keyword Frameworks
-# are recognised by duck typing; transformers is imported only inside the HF calls.
+#   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
+#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that
+#            names an attention function registered with transformers (HF_ATTENTION); it adds the
+#            bias, then calls the model's own 'sdpa' or 'eager'. Layers that share the config and
+#            have no prior keep theirs.
+#   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
+#   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
+# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
 # `remove_mask_prior` takes every prior out again.
 
 # the attn_implementation a prior's layer runs under (registered with HF)

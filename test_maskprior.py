@@ -243,7 +243,7 @@ def _extra(name: str):
 # reports read run folders (runfiles), never the datasets or train
 IMPORTS_ALLOWED = {
     "maskprior.py": set(), "maskprior_retrofit.py": {"maskprior"}, "inits.py": {"maskprior"},
-    "runfiles/__init__.py": {"inits"}, "augment/__init__.py": set(),
+    "runfiles.py": {"inits"}, "augment.py": set(),
     "tasks.py": {"maskprior", "inits", "runfiles", "augment"},
     "reporting/figures.py": {"runfiles"}, "reporting/show.py": {"maskprior", "reporting"},
     "reporting/report.py": {"inits", "runfiles", "reporting"}, "reporting/plan.py": {"tasks", "runfiles", "datafetch"},

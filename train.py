@@ -224,9 +224,9 @@ class Config:
                                           "logits (M whose bias gives the teacher's mean "
                                           "attention), relative (per head and distance) or "
                                           "offsets (per head and 2-D offset); default: the "
-                                          "task's first", choices=("pattern", "logits", "relative",
-                                                                                   "offsets"),
-                                    arch=True, needs={"prior_from": GIVEN})
+                                          "task's first",
+                                    choices=("pattern", "logits", "relative", "offsets"), arch=True,
+                                    needs={"prior_from": GIVEN})
     prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this "
                                      "multiple of the uniform attention share (default 1.5)",
                                 type=float, check="positive", arch=True,
@@ -680,10 +680,9 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-# --attention auto on the CPU: a masked model of at most this many positions runs the explicit
+# --attention auto on the CPU: a masked model of at most this many positions runs the explicit softmax, faster
+# there than the fused kernel with M's gradient (bench_context.py --paths all)
 EXPLICIT_UP_TO = 128
-                         # softmax, faster there than the fused kernel with M's gradient
-                         # (bench_context.py --paths all)
 
 
 def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"),
