@@ -51,7 +51,7 @@ try:
 except ImportError:             # not on POSIX: run folders are not locked
     fcntl = None
 
-import augment as A
+import augment
 import inits
 import maskprior as mp
 from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)  # noqa: F401
@@ -2626,20 +2626,20 @@ class ImageTask(Task):
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
-            x = A.random_resized_crop(self.x_train[idx], self.input_size, g)
+            x = augment.random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
-            x = A.random_crop_flip(self.x_train[idx], self.pad, g)
+            x = augment.random_crop_flip(self.x_train[idx], self.pad, g)
             # the whole image, upsampled bilinearly
             if self.input_size != self.image_size:
-                x = A.resize(x, self.input_size)
+                x = augment.resize(x, self.input_size)
         if self.randaug > 0:
-            x = A.rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
+            x = augment.rand_augment(x, g, self.randaug, self.randaug_std, self.randaug_ops)
         x = self.normalize(x)
         if self.reprob > 0:
-            x = A.random_erasing(x, self.reprob, g)
+            x = augment.random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
-        return A.mix_batch(x, y, self.mixup, self.cutmix, g,
+        return augment.mix_batch(x, y, self.mixup, self.cutmix, g,
                            np.random.default_rng([self.seed, step]))
 
     def loss(self, model, batch) -> torch.Tensor:
@@ -2650,7 +2650,7 @@ class ImageTask(Task):
         """Test images as the model sees them: normalised, and at another input size resized to
         input / crop_pct and centre-cropped (timm's evaluation view)."""
         if self.input_size != self.image_size:
-            x_uint8 = A.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
+            x_uint8 = augment.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
         return self.normalize(x_uint8)
 
     def probe_inputs(self, n: int = 64) -> torch.Tensor:

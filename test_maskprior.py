@@ -43,15 +43,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import augment as A
+import augment
+import datafetch.download
+import datafetch.imagenet100
+import datafetch.write
 import inits
 import maskprior as mp
 import maskprior_retrofit as retrofit
-import reporting.figures as FIG
-import reporting.report as R
-import runfiles as RF
-from datafetch import write as W
-import tasks as T
+import reporting.figures
+import reporting.plan
+import reporting.report
+import reporting.show
+import runfiles
+import tasks
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +90,7 @@ def _write_text_corpus(folder, n_articles=24):
         paras = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} on the mat ." for _ in range(3))
                  for _ in range(20)]
         arts.append((f"Story {i % 3}", paras))
-    return W.write_wikitext_layout(arts, str(folder), min_count=1)
+    return datafetch.write.write_wikitext_layout(arts, str(folder), min_count=1)
 
 
 @pytest.fixture
@@ -131,7 +135,7 @@ def _tree(folder) -> dict | None:
 def image_dir(tmp_path):
     """A small CIFAR-10 python release (40 train, 8 test images) in a fresh folder."""
     x, y = _images(40), np.arange(40) % 10
-    W.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
+    datafetch.write.write_cifar10_python(str(tmp_path / "cifar"), x, y, x[:8], y[:8])
     return str(tmp_path / "cifar")
 
 
@@ -160,7 +164,7 @@ def _fake_result(task, init, seed, metrics, tag="", **flags) -> dict:
     what tells it apart, the init's place in INITS, a run id, no data files, whether it sits at its preset."""
     config = {**train.DEFAULTS, "task": task, "init": init, "seed": seed, **flags}
     preset = train.resolve(*train.parse_args(["--task", task]))
-    return {"task": task, "kind": T.TASKS[task].KIND, "init": init, "seed": seed, "preset": "small",
+    return {"task": task, "kind": tasks.TASKS[task].KIND, "init": init, "seed": seed, "preset": "small",
             "run_id": hashlib.sha256(f"{task}{init}{seed}{tag}{flags}".encode()).hexdigest()[:32], "data": None,
             "init_order": list(train.INITS).index(init), "metrics": metrics,
             "tells_apart": {k: v for k, v in config.items() if k not in train.NOT_TELLING_APART},
@@ -196,9 +200,9 @@ def _files_whole(folder) -> None:
             text = open(path).read()
             assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
         elif name == "ckpt.pt":
-            assert set(RF.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
+            assert set(runfiles.CKPT_KEYS) <= set(train.read_checkpoint(str(path), "test"))
         elif name == "prior.pt":
-            RF.read_prior(path)
+            runfiles.read_prior(path)
         else:
             assert name.startswith(".") and name.endswith(".tmp"), name
 
@@ -858,19 +862,19 @@ def test_every_list_of_inits_is_derived_from_the_one_record(monkeypatch):
     (runfiles.INITS), each task's offer and the report's tables are read off the records, so a record added is
     offered, checked and reported everywhere, and one whose flags say otherwise is not."""
     import reporting.report as report
-    assert train.INITS is inits.INITS and RF.INITS == tuple(inits.INITS)
+    assert train.INITS is inits.INITS and runfiles.INITS == tuple(inits.INITS)
     assert train.MASK_INITS == ("mask", "mask-impulse") and train.QK_SVD_INITS == ("qk-svd", "impulse")
     assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
     assert report.ABLATION_INITS == ("default", "mask", "qk-svd", "qk-opt")
     assert report.PERSISTENCE_INITS == ("mask", "qk-svd", "qk-opt")
-    assert T.TASKS["parity2"].inits() == report.ABLATION_INITS and len(T.TASKS["cifar10"].inits()) == len(inits.INITS)
-    assert T.LeeMultiplication.inits() == ("default", "mask")                     # its layout moves: no QK init
+    assert tasks.TASKS["parity2"].inits() == report.ABLATION_INITS and len(tasks.TASKS["cifar10"].inits()) == len(inits.INITS)
+    assert tasks.LeeMultiplication.inits() == ("default", "mask")                     # its layout moves: no QK init
     new = inits.Init("qk-twice", inits.init_qk_svd, ("boolean",), reads_prior=True, closed_form=True,
                      fixed_layout=True)
     monkeypatch.setitem(inits.INITS, "qk-twice", new)
-    assert T.TASKS["parity2"].inits()[-1] == "qk-twice" and "qk-twice" not in T.TASKS["cifar10"].inits()
+    assert tasks.TASKS["parity2"].inits()[-1] == "qk-twice" and "qk-twice" not in tasks.TASKS["cifar10"].inits()
     assert inits.named(closed_form=True) == ("qk-svd", "impulse", "qk-twice")
-    assert "qk-twice" not in T.LeeMultiplication.inits()
+    assert "qk-twice" not in tasks.LeeMultiplication.inits()
 
 
 def test_one_model_registry_builds_each_family_and_reads_its_saved_config():
@@ -958,7 +962,7 @@ def test_generate_is_seeded_and_crops_the_context():
 # ---------------------------------------------------------------------------------------- maskprior.py: inits
 
 def gotu_model(**kw):
-    task = T.make_task("parity2")
+    task = tasks.make_task("parity2")
     cfg = mp.TransformerConfig(**{**task.arch(), "n_layers": 2, "n_heads": 4, "dim": 64, **kw})
     torch.manual_seed(0)
     return task, mp.Transformer(cfg)
@@ -1534,18 +1538,18 @@ def test_pattern_from_attention_refuses_a_ratio_no_pair_reaches_naming_the_large
 # ---------------------------------------------------------------------------------------- tasks.py: base and registry
 
 def test_registry_and_task_constants():
-    assert set(T.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "ksum", "addition", "multiplication",
+    assert set(tasks.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "ksum", "addition", "multiplication",
                             "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
-    for name, cls in T.TASKS.items():
+    for name, cls in tasks.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
         assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.inits()) <= set(train.INITS)
         assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
-    with pytest.raises(T.TaskError, match="unknown task"):
-        T.make_task("nosuch")
-    with pytest.raises(T.TaskError, match="takes no option data_frac"):
-        T.make_task("parity2", data_frac=0.1)
+    with pytest.raises(tasks.TaskError, match="unknown task"):
+        tasks.make_task("nosuch")
+    with pytest.raises(tasks.TaskError, match="takes no option data_frac"):
+        tasks.make_task("parity2", data_frac=0.1)
     with pytest.raises(ValueError, match="registered twice"):
-        T.register("parity2")(type("Again", (T.Task,), {}))
+        tasks.register("parity2")(type("Again", (tasks.Task,), {}))
 
 
 # ---------------------------------------------------------------------------------------- tasks.py: files
@@ -1557,15 +1561,15 @@ def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
     the folder unchanged. A real checkpoint loads at both levels with weights_only=True."""
     out = _halted(tmp_path)
     outer = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(RF.CKPT_KEYS)
+    assert set(torch.load(io.BytesIO(outer["payload"]), weights_only=True)) >= set(runfiles.CKPT_KEYS)
     marker = tmp_path / "ran"
     if how == "plain":
         torch.save({"model": _Touch(marker), "step": 1}, os.path.join(out, "ckpt.pt"))
     else:
         buf = io.BytesIO()
-        torch.save({**{k: 0 for k in RF.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
+        torch.save({**{k: 0 for k in runfiles.CKPT_KEYS}, "model": _Touch(marker, "eval")}, buf)
         payload = buf.getvalue()
-        torch.save({"format": RF.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
+        torch.save({"format": runfiles.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
                    os.path.join(out, "ckpt.pt"))
     before = _tree(out)
     capsys.readouterr()
@@ -1578,7 +1582,7 @@ def test_a_checkpoint_that_would_run_code_runs_nothing(tmp_path, capsys, how):
 
 
 def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
-    """`RF.load_torch` keeps whatever torch.load warns (older torch warns on several load paths; 2.14 on none of
+    """`runfiles.load_torch` keeps whatever torch.load warns (older torch warns on several load paths; 2.14 on none of
     this suite's) out of the user's terminal: a torch.load that warns, then loads, leaves no warning behind."""
     real = torch.load
 
@@ -1590,7 +1594,7 @@ def test_torch_s_own_warnings_never_reach_the_one_line(monkeypatch):
     torch.save({"a": torch.ones(2)}, buf)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert torch.equal(RF.load_torch(buf.getvalue(), "x.pt")["a"], torch.ones(2))
+        assert torch.equal(runfiles.load_torch(buf.getvalue(), "x.pt")["a"], torch.ones(2))
     assert not [w for w in seen if "torch says" in str(w.message)]
 
 
@@ -1602,7 +1606,7 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
     path = os.path.join(out, "ckpt.pt")
     good = open(path, "rb").read()
     outer = torch.load(path, weights_only=False)
-    assert outer["format"] == RF.CKPT_FORMAT and len(outer["sha256"]) == 64
+    assert outer["format"] == runfiles.CKPT_FORMAT and len(outer["sha256"]) == 64
     payload = bytearray(outer["payload"])
     payload[len(payload) // 2] ^= 0x10
     torch.save({**outer, "payload": bytes(payload)}, path)
@@ -1737,7 +1741,7 @@ def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0, 5, 10, 15, 20]
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"step": 25, "lo')
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "results"))
     assert any(p.endswith("persistence.csv") for p in written)
     assert "its log is left out" not in (tmp_path / "results" / "steps_to_target.md").read_text()
     assert ",mask,0,20," in (tmp_path / "results" / "curves.csv").read_text()
@@ -1748,7 +1752,7 @@ def test_a_partial_last_log_line_is_dropped_on_resume_and_by_report(tmp_path):
 @pytest.mark.parametrize("name,size,frac_unseen", [("parity2", 24576, 0.25), ("majority3", 32768, 0.25),
                                                     ("cyclic3", 28672, 0.125)])
 def test_gotu_splits(name, size, frac_unseen):
-    task = T.make_task(name).setup()
+    task = tasks.make_task(name).setup()
     assert task.n_train == size and len(task.x_test) == 2 ** 15
     assert float(task.unseen_mask.float().mean()) == frac_unseen
     x = task.x_train * 2 - 1
@@ -1760,16 +1764,16 @@ def test_gotu_splits(name, size, frac_unseen):
 
 
 def test_gotu_targets():
-    task = T.make_task("cyclic3").setup()
+    task = tasks.make_task("cyclic3").setup()
     x = task.x_test * 2 - 1
     y = sum(x[:, i] * x[:, (i + 1) % 15] * x[:, (i + 2) % 15] for i in range(15)).float()
     assert torch.equal(task.y_test, y)
-    maj = T.make_task("majority3").setup()
+    maj = tasks.make_task("majority3").setup()
     assert set(maj.y_test.unique().tolist()) == {-1.0, 1.0}
 
 
 def test_epoch_batches_cover_train_set_once():
-    task = T.make_task("parity2", seed=3).setup()
+    task = tasks.make_task("parity2", seed=3).setup()
     spe = task.steps_per_epoch(1000)
     seen = torch.cat([task.train_batch(s, 1000)[0] for s in range(spe)])
     assert len(seen) == task.n_train and len(torch.unique(seen, dim=0)) == task.n_train
@@ -1780,7 +1784,7 @@ def test_epoch_batches_cover_train_set_once():
 @pytest.mark.parametrize("name,acc,extra", [("parity2", 0.75, {}), ("majority3", 0.875, {}),
                                             ("cyclic3", 0.875, {"sign_acc": 0.928253173828125})])
 def test_mdi_accuracies(name, acc, extra):
-    mdi = T.make_task(name).mdi()
+    mdi = tasks.make_task(name).mdi()
     assert mdi["acc"] == acc and mdi["acc_seen"] == 1.0 and mdi["mse_seen"] == pytest.approx(0, abs=1e-9)
     for k, v in extra.items():
         assert mdi[k] == pytest.approx(v)
@@ -1790,36 +1794,36 @@ def test_mdi_accuracies(name, acc, extra):
 
 def test_mdi_prefers_low_degree():
     # on data that a degree-1 function fits, the MDI is that function, not the degree-2 truth
-    x = T.cube(3)
+    x = tasks.cube(3)
     seen = ~((x[:, 0] == -1) & (x[:, 1] == -1))
-    pred, degree, coefs = T.min_degree_interpolator(x[seen], (x[seen, 0] * x[seen, 1]).astype(float), x)
+    pred, degree, coefs = tasks.min_degree_interpolator(x[seen], (x[seen, 0] * x[seen, 1]).astype(float), x)
     assert degree == 1 and coefs == pytest.approx({(): -1.0, (0,): 1.0, (1,): 1.0})
 
 
 def test_mdi_needs_no_setup():
-    task = T.make_task("parity2")
+    task = tasks.make_task("parity2")
     assert task.mdi()["acc"] == pytest.approx(0.75)
     assert not hasattr(task, "x_train")               # computing the MDI did not set the task up
 
 
 def test_custom_boolean_tasks():
-    task = T.make_task("kparity", bits="2,5,9", unseen="2,5").setup()
+    task = tasks.make_task("kparity", bits="2,5,9", unseen="2,5").setup()
     assert task.n_train == 3 * 2 ** 13 and task.mdi()["acc"] == 0.75
     p = task.pattern()
     assert p[0, 3] and p[3, 6] and p[6, 10] and not p[1, 2]
-    maj = T.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup()
+    maj = tasks.make_task("kmajority", bits="0,1,2,3,4", unseen="0,1", train_size=1000).setup()
     assert maj.n_train == 1000
-    with pytest.raises(T.TaskError):
-        T.make_task("kmajority", bits="0,1")
-    with pytest.raises(T.TaskError):
-        T.make_task("kparity", bits="0,99")
+    with pytest.raises(tasks.TaskError):
+        tasks.make_task("kmajority", bits="0,1")
+    with pytest.raises(tasks.TaskError):
+        tasks.make_task("kparity", bits="0,99")
 
 
 def test_patterns_of_the_gotu_tasks():
-    p = T.make_task("parity2").pattern()
+    p = tasks.make_task("parity2").pattern()
     assert p.shape == (16, 16) and p[0, 1] and p[0, 2] and p[1, 2] and p[2, 1] and not p[0, 3]
     assert p.diagonal().all() and not p[1, 3]
-    c = T.make_task("cyclic3").pattern()
+    c = tasks.make_task("cyclic3").pattern()
     assert c[0].all() and c[1, 15] and c[1, 14] and c[1, 3] and not c[1, 4]   # bit 0 ~ bits 13, 14, 1, 2
 
 
@@ -1831,14 +1835,14 @@ def test_walsh_sets_of_the_training_data_find_the_hand_pattern(task, options):
     """--pattern discovered from the training set alone (its Walsh coefficients up to degree 3, the sets above a
     quarter of the largest, each a clique, CLS -> their bits) is exactly the hand pattern, in either layout and
     for bits drawn by the seed; the target function is never read (it is replaced by a stand-in here)."""
-    t = T.make_task(task, **options).setup()
+    t = tasks.make_task(task, **options).setup()
     oracle = t.pattern()
     t.target = lambda x: pytest.fail("the discovery read the target function")
     assert torch.equal(t.pattern("discovered"), oracle)
     assert t.pattern_name("discovered") == "discovered"
     if task == "parity2" and not options:
         assert t.discovered_sets()[0] == (0, 1)
-        coefs = T.walsh_coefficients(2 * t.x_train.numpy() - 1, t.y_train.numpy())
+        coefs = tasks.walsh_coefficients(2 * t.x_train.numpy() - 1, t.y_train.numpy())
         assert coefs[(0, 1)] == pytest.approx(0.889, abs=1e-3) and max(abs(v) for s, v in coefs.items()
                                                                         if not set(s) <= {0, 1}) < 1e-9
     if task == "kparity":
@@ -1852,20 +1856,20 @@ def test_the_walsh_cut_stands_above_sampling_noise_so_a_small_training_set_gives
     them as the size grows (sizes 100, 250, 500: 4, 7, 9 sets), the hand pattern with every seen point; too few
     points for any set is one line."""
     rng = np.random.default_rng(0)
-    passed = sum(bool(T.walsh_sets(rng.choice([-1, 1], (150, 15)), rng.choice([-1.0, 1.0], 150), 3, 1e-9, 0.05)[0])
+    passed = sum(bool(tasks.walsh_sets(rng.choice([-1, 1], (150, 15)), rng.choice([-1.0, 1.0], 150), 3, 1e-9, 0.05)[0])
                  for _ in range(60))
     assert passed <= 8                                            # 60 draws at alpha 0.05: 3 expected
     kept, noise = [], []
     for size in (100, 250, 500, 2000, None):
-        t = T.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=size).setup()
+        t = tasks.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=size).setup()
         sets, report = t.discovered_sets(), t.discovery()["walsh"]
         assert all(set(s) <= {1, 4, 8, 10, 13} for s in sets) and report["sets_kept"] == len(sets)
         kept.append(len(sets))
         noise.append(report["noise_level"])
     assert kept[:3] == sorted(kept[:3]) and kept[0] < kept[-1] and noise == sorted(noise, reverse=True)
     assert torch.equal(t.pattern("discovered"), t.pattern())
-    with pytest.raises(T.TaskError, match="no Walsh set of up to 3 bits stands above the sampling noise of the 12 "):
-        T.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=12).setup().pattern("discovered")
+    with pytest.raises(tasks.TaskError, match="no Walsh set of up to 3 bits stands above the sampling noise of the 12 "):
+        tasks.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=12).setup().pattern("discovered")
 
 
 @pytest.mark.slow
@@ -1875,14 +1879,14 @@ def test_the_forward_selection_keeps_no_pair_of_digits_that_tells_nothing():
     kept = 0
     for trial in range(30):
         pairs = {(i, j): rng.integers(0, 100, 400) for i in range(3) for j in range(3)}
-        kept += T.forward_selection(rng.integers(0, 10, 400), pairs, 0.05, rng)[0][-1]
+        kept += tasks.forward_selection(rng.integers(0, 10, 400), pairs, 0.05, rng)[0][-1]
     assert kept <= 5                                              # 30 draws at alpha 0.05: 1.5 expected
 
 
 def test_ksum_states_a_target_that_mixes_structures_on_the_command_line():
     """--task ksum --terms 0,1:m2,3,4 is x0 x1 + maj(x2, x3, x4): integer-valued, each term a clique of the hand
     pattern (CLS reading every bit of them), its exact MDI solved; the data route finds the same pattern."""
-    t = T.make_task("ksum", terms="0,1:m2,3,4").setup()
+    t = tasks.make_task("ksum", terms="0,1:m2,3,4").setup()
     x = 2 * t.x_test[:64].numpy() - 1
     assert np.array_equal(t.y_test[:64].numpy(), x[:, 0] * x[:, 1] + np.sign(x[:, 2] + x[:, 3] + x[:, 4]))
     assert t.exact and t.degree == 3 and t.name == "ksum[0,1:m2,3,4|U:0,1]"
@@ -1891,7 +1895,7 @@ def test_ksum_states_a_target_that_mixes_structures_on_the_command_line():
     assert torch.equal(t.pattern("discovered"), p)
     mdi = t.mdi()
     assert mdi["acc_unseen"] == 0.0 and mdi["acc"] == 0.75            # the MDI misses all of U
-    assert T.parse_terms("3:m0,1,2", 15) == [("parity", (3,)), ("majority", (0, 1, 2))]
+    assert tasks.parse_terms("3:m0,1,2", 15) == [("parity", (3,)), ("majority", (0, 1, 2))]
 
 
 def _bit_pattern(name: str) -> torch.Tensor:
@@ -1912,7 +1916,7 @@ def _bit_pattern(name: str) -> torch.Tensor:
 def test_mask_follows_the_token_layout(name, readout):
     """The pattern is built for the model's own layout (a CLS token first or none), and M after
     init_mask_ equals it at the bit positions: x0 <-> x1 for parity2 and nothing else among the bits."""
-    task = T.make_task(name, readout=readout)
+    task = tasks.make_task(name, readout=readout)
     cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
     model = mp.Transformer(cfg)
     pat = task.pattern()
@@ -1936,7 +1940,7 @@ def test_parity2_mask_ties_the_unseen_corner_to_seen_points(readout):
     other bit at -1 (each sees only copies of itself), so for ANY weights the output at x0 = x1 depends
     only on how many bits are -1: the unseen corner is tied to seen points with x0 = x1 = +1. A CLS
     token reads x0, x1 through a state nothing ties down, and the outputs differ."""
-    task = T.make_task("parity2", readout=readout)
+    task = tasks.make_task("parity2", readout=readout)
     torch.manual_seed(0)
     cfg = mp.TransformerConfig(**task.arch(), n_layers=2, n_heads=2, dim=16, mlp_dim=32, learnable_mask=True,
                                pos_init_std=0.0)
@@ -1967,7 +1971,7 @@ def test_mean_readout_run_trains_the_right_pattern(tmp_path):
 
 def test_cli_pattern_that_does_not_fit_the_model_exits_2(tmp_path, capsys, monkeypatch):
     """A task whose pattern is built for another layout than the model's: one line, exit 2, nothing written."""
-    monkeypatch.setattr(T.BooleanTask, "pattern", lambda self, variant=None: torch.eye(16, dtype=torch.bool))
+    monkeypatch.setattr(tasks.BooleanTask, "pattern", lambda self, variant=None: torch.eye(16, dtype=torch.bool))
     rc, out = run_train(tmp_path, "--task", "parity2", "--init", "mask", "--readout", "mean", *SMALL)
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "(16, 16)" in err and "15 positions" in err
@@ -1975,16 +1979,16 @@ def test_cli_pattern_that_does_not_fit_the_model_exits_2(tmp_path, capsys, monke
 
 
 def test_pattern_of_the_other_layout_is_refused():
-    with pytest.raises(T.TaskError, match="needs --readout cls"):
-        T.make_task("parity2", readout="mean").pattern("cls")
-    with pytest.raises(T.TaskError, match="needs --readout cls"):
-        T.make_task("cyclic3", readout="mean").pattern("band-only")
-    with pytest.raises(T.TaskError, match="--readout for majority3 must be one of cls, mean"):
-        T.make_task("majority3", readout="tokens")
+    with pytest.raises(tasks.TaskError, match="needs --readout cls"):
+        tasks.make_task("parity2", readout="mean").pattern("cls")
+    with pytest.raises(tasks.TaskError, match="needs --readout cls"):
+        tasks.make_task("cyclic3", readout="mean").pattern("band-only")
+    with pytest.raises(tasks.TaskError, match="--readout for majority3 must be one of cls, mean"):
+        tasks.make_task("majority3", readout="tokens")
 
 
 def test_eval_points_sample_the_cube_in_proportion():
-    task = T.make_task("parity2").setup()
+    task = tasks.make_task("parity2").setup()
     idx = task.eval_points(4096)
     assert len(idx) == len(set(idx.tolist())) == 4096 and torch.equal(idx, task.eval_points(4096))
     assert int(task.unseen_mask[idx].sum()) == 1024                      # U is a quarter of the cube
@@ -2002,15 +2006,15 @@ def test_eval_points_sample_the_cube_in_proportion():
 @pytest.mark.parametrize("name,order", [("addition", "msb"), ("addition", "lsb"), ("multiplication", "msb"),
                                         ("multiplication", "lsb")])
 def test_arithmetic_tokenisation_round_trip(name, order):
-    task = T.make_task(name, data_frac=0.001, answer_order=order)
+    task = tasks.make_task(name, data_frac=0.001, answer_order=order)
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 1000, 500), rng.integers(0, 1000, 500)
     a[:3], b[:3] = [0, 999, 7], [0, 999, 40]
     seq = task.encode(a, b)
-    assert seq.shape == (500, task.length) and seq.max() < len(T.ARITH_VOCAB)
+    assert seq.shape == (500, task.length) and seq.max() < len(tasks.ARITH_VOCAB)
     for s, x, y in zip(seq, a, b):
         assert task.decode(s) == (x, y, x * y if name == "multiplication" else x + y)
-    text = "".join(T.ARITH_VOCAB[i] for i in seq[1])
+    text = "".join(tasks.ARITH_VOCAB[i] for i in seq[1])
     msb = "999+999=1998" if name == "addition" else "999*999=998001"
     lsb = "999+999=8991" if name == "addition" else "999*999=100899"      # the answer digits reversed
     assert text == (msb if order == "msb" else lsb)
@@ -2019,7 +2023,7 @@ def test_arithmetic_tokenisation_round_trip(name, order):
 @pytest.mark.parametrize("name,frac,n", [("addition", None, 4000), ("multiplication", None, 30000),
                                          ("addition", 0.0123, 12300)])
 def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
-    task = T.make_task(name, data_frac=frac, seed=3).setup()
+    task = tasks.make_task(name, data_frac=frac, seed=3).setup()
     assert len(task.train_seq) == n and len(task.test_seq) == 10_000
     pairs = lambda s: {(int(r[:3].dot([100, 10, 1])), int(r[4:7].dot([100, 10, 1]))) for r in s.numpy()}  # noqa
     train_pairs, test_pairs = pairs(task.train_seq), pairs(task.test_seq)
@@ -2030,22 +2034,22 @@ def test_arithmetic_split_sizes_and_disjoint(name, frac, n):
 @pytest.mark.parametrize("frac,n_train,n_test", [(0.03, 300, 9_700), (0.3, 3_000, 7_000), (0.9, 9_000, 1_000)])
 def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac, n_train, n_test):
     """--digits 2: 10^4 pairs; the test set is every pair not trained on (the universe allows no 10,000)."""
-    task = T.make_task("multiplication", digits=2, data_frac=frac, answer_order="lsb", seed=1).setup()
+    task = tasks.make_task("multiplication", digits=2, data_frac=frac, answer_order="lsb", seed=1).setup()
     assert task.length == 10 and task.n_answer == 4 and task.universe == 10_000
     rows = lambda s: {tuple(r) for r in s.numpy().tolist()}                                    # noqa: E731
     train, test = rows(task.train_seq), rows(task.test_seq)
     assert len(train) == n_train and len(test) == n_test and not train & test
     assert len({task.decode(r)[:2] for r in train | test}) == n_train + n_test
     assert all(x * y == c for x, y, c in map(task.decode, task.test_seq[:200]))
-    assert "".join(T.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
+    assert "".join(tasks.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
     p = task.pattern()
     assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
     assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
-    with pytest.raises(T.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
-        T.make_task("multiplication", digits=2, data_frac=0.95)
-    with pytest.raises(T.TaskError, match="--digits must be an integer in 1..4"):
-        T.make_task("multiplication", digits=5)
-    assert len(T.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
+    with pytest.raises(tasks.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
+        tasks.make_task("multiplication", digits=2, data_frac=0.95)
+    with pytest.raises(tasks.TaskError, match="--digits must be an integer in 1..4"):
+        tasks.make_task("multiplication", digits=5)
+    assert len(tasks.make_task("addition", digits=3).setup().test_seq) == 10_000                # 3 digits: as before
 
 
 @pytest.mark.slow
@@ -2055,7 +2059,7 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     mutual information keeps both for c1, c2 and the carry-out c3, and stops at the pair two columns down (a
     carry through a middle column that sums to 9, one case in ten, is within the noise of 4,000 pairs). The rows
     see what was kept; the prompt rows stay causal; result.json's report lists each step."""
-    t = T.make_task("addition").setup()
+    t = tasks.make_task("addition").setup()
     kept = {k: [(i, j) for i, j, _, _, ok in steps if ok] for k, steps in t.digit_selection().items()}
     assert kept == {0: [(0, 0)], 1: [(1, 1), (0, 0)], 2: [(2, 2), (1, 1)], 3: [(2, 2), (1, 1)]}
     p, rows = t.pattern("discovered"), t.answer_rows()             # msb first: rows of c3, c2, c1, c0
@@ -2064,19 +2068,19 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     assert torch.equal(p[:t.eq_pos], mp.causal_pattern(t.length - 1)[:t.eq_pos])
     report = t.discovery()["pairs"]
     assert report["tested"] == 9 and report["kept"] == 7 and report["steps"]["c2"][-1][0] == "a0b0"
-    assert RF.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
+    assert runfiles.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
         "digit, operand digit pair) dependences pass the permutation test (9 pairs tried per answer digit, alpha " \
         "0.05): 14 pairs"
-    assert RF.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
+    assert runfiles.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
     x, y = np.arange(1000) % 10, np.arange(1000) % 7
-    assert T.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < T.conditional_mi(x, x, 0 * x)
-    assert T.conditional_mi(x, x, x) == pytest.approx(0.0, abs=1e-12)          # nothing left once x is known
+    assert tasks.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < tasks.conditional_mi(x, x, 0 * x)
+    assert tasks.conditional_mi(x, x, x) == pytest.approx(0.0, abs=1e-12)          # nothing left once x is known
 
 
 def test_partial_product_pattern_gives_each_head_one_product():
     """--pattern partial (multiplication): head i sees a_i and b_(k-i) for the answer digit of significance k,
     head d the answer written so far, the rest the carry pattern; 2 digits, answers reversed: a1 a0 * b1 b0 = c0.."""
-    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=4)
+    task = tasks.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=4)
     p = task.pattern("partial")
     rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
     assert p.shape == (4, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(4))
@@ -2087,20 +2091,20 @@ def test_partial_product_pattern_gives_each_head_one_product():
     assert p[3].equal(task.pattern("carry"))                           # a fourth head: the carry pattern
     logits = task.mask_logits("partial", 5.0, 10.0)
     assert logits.shape == (4, 9, 9) and logits[1, 6, 0] == 5 and logits[1, 6, 1] == -10
-    msb = T.make_task("multiplication", digits=2, data_frac=0.3, heads=4).pattern("partial")
+    msb = tasks.make_task("multiplication", digits=2, data_frac=0.3, heads=4).pattern("partial")
     assert torch.nonzero(msb[1, 5]).flatten().tolist() == [5]         # msb: '=' predicts c3, a carry alone
     assert torch.nonzero(msb[1, 6]).flatten().tolist() == [0, 3, 6]   # c2: a1 b1 in head 1
-    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
-        T.make_task("multiplication", digits=3, heads=3).pattern("partial")
-    with pytest.raises(T.TaskError, match="has no pattern 'partial'"):
-        T.make_task("addition").pattern("partial")
+    with pytest.raises(tasks.TaskError, match="needs --heads >= 4, got 3"):
+        tasks.make_task("multiplication", digits=3, heads=3).pattern("partial")
+    with pytest.raises(tasks.TaskError, match="has no pattern 'partial'"):
+        tasks.make_task("addition").pattern("partial")
 
 
 def test_columns_pattern_gives_each_head_one_column():
     """--pattern columns (multiplication): for answer digit c_k, head 0 sees the pairs of column k (i + j = k), head
     1 column k - 1, head 2 column k - 2, head 3 the answer so far, further heads the carry pattern; 2 digits,
     answers reversed: a1 a0 * b1 b0 = c0.. (positions 0 1 * 3 4 = 5, answers 6..)."""
-    task = T.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=5)
+    task = tasks.make_task("multiplication", digits=2, data_frac=0.3, answer_order="lsb", heads=5)
     p = task.pattern("columns")
     rows = lambda h, q: torch.nonzero(p[h, q]).flatten().tolist()                          # noqa: E731
     assert p.shape == (5, 9, 9) and all(p[h, :5].equal(mp.causal_pattern(9)[:5]) for h in range(5))
@@ -2110,12 +2114,12 @@ def test_columns_pattern_gives_each_head_one_column():
     assert rows(3, 8) == [6, 7, 8] and rows(3, 5) == [5]                           # head 3: the answer so far
     assert p[4].equal(task.pattern("carry"))
     assert task.mask_logits("columns", 5.0, 10.0).shape == (5, 9, 9)
-    with pytest.raises(T.TaskError, match="needs --heads >= 4, got 3"):
-        T.make_task("multiplication", heads=3).pattern("columns")
+    with pytest.raises(tasks.TaskError, match="needs --heads >= 4, got 3"):
+        tasks.make_task("multiplication", heads=3).pattern("columns")
 
 
 def test_arithmetic_pattern_for_known_positions():
-    add = T.make_task("addition")
+    add = tasks.make_task("addition")
     p = add.pattern()
     assert p.shape == (11, 11)
     # row 8 holds c3 and predicts c2 (significance 2): a2 a1 a0 b2 b1 b0 allowed, '+' and '=' not
@@ -2127,12 +2131,12 @@ def test_arithmetic_pattern_for_known_positions():
     assert logits[8, 0] == 5 and logits[8, 1] == 5 and logits[8, 2] == 0 and logits[8, 3] == -5
     aligned = add.pattern("aligned")
     assert torch.nonzero(aligned[10]).flatten().tolist() == [2, 6, 10]
-    mul = T.make_task("multiplication")
+    mul = tasks.make_task("multiplication")
     m = mul.pattern()
     assert m.shape == (13, 13) and torch.nonzero(m[12]).flatten().tolist() == [2, 6, 12]   # c0: a0, b0
     assert m[9, :7].tolist() == [True, True, True, False, True, True, True]                # c3: all digits
     assert not (m & ~mp.causal_pattern(13)).any()           # the prior never reaches into the future
-    lsb = T.make_task("addition", answer_order="lsb").pattern()
+    lsb = tasks.make_task("addition", answer_order="lsb").pattern()
     assert torch.nonzero(lsb[7]).flatten().tolist() == [2, 6, 7]      # '=' predicts c0 first
 
 
@@ -2140,19 +2144,19 @@ def test_an_arithmetic_operation_is_one_subclass(monkeypatch):
     """Adding an operation touches one place: a subclass with its symbol, its answer, the answer's length and which
     operand digits its carry pattern holds strong; a symbol new to the vocabulary goes at the end of its own, so the
     registered operations keep their token ids (and their checkpoints)."""
-    class Maximum(T.ArithmeticTask):
+    class Maximum(tasks.ArithmeticTask):
         SYMBOL = "^"
         answer, answer_digits = staticmethod(np.maximum), staticmethod(lambda d: d)
         strong = staticmethod(lambda j, k: j == k)
 
-    monkeypatch.setitem(T.TASKS, "maximum", Maximum)
+    monkeypatch.setitem(tasks.TASKS, "maximum", Maximum)
     task = Maximum(data_frac=0.01).setup()
     assert task.vocab == "0123456789+*=^" and task.arch()["vocab_size"] == 14
     assert task.encode(np.array([123]), np.array([405])).tolist() == [[1, 2, 3, 13, 4, 0, 5, 12, 4, 0, 5]]
     assert task.decode(task.encode(np.array([7]), np.array([30]))[0]) == (7, 30, 30)
     logits = task.mask_logits("carry", 5.0, 5.0)            # row 8 predicts c1: a1, b1 strong; a0, b0 allowed
     assert logits[8, [1, 5]].tolist() == [5.0, 5.0] and logits[8, [2, 6]].tolist() == [0.0, 0.0]
-    assert [T.make_task(n).vocab for n in ("addition", "multiplication")] == ["0123456789+*="] * 2
+    assert [tasks.make_task(n).vocab for n in ("addition", "multiplication")] == ["0123456789+*="] * 2
     model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, dim=16, n_heads=2, mlp_dim=16))
     assert model(task.train_seq[:4, :-1]).shape == (4, 10, 14)
 
@@ -2170,7 +2174,7 @@ def test_arithmetic_short_run_improves_digit_accuracy(tmp_path):
 
 
 def test_arithmetic_eval_points_are_the_first_test_pairs():
-    task = T.make_task("addition").setup()
+    task = tasks.make_task("addition").setup()
     torch.manual_seed(0)
     model = mp.Transformer(mp.TransformerConfig(**task.arch(), n_layers=1, n_heads=2, dim=16, mlp_dim=16))
     part, full = task.evaluate(model, points=100), task.evaluate(model)
@@ -2201,27 +2205,27 @@ def test_lee_samples_are_lee_et_al_s_construction():
     every = set(itertools.product(range(100), repeat=2))
     made = {}
     for order in ("msb", "lsb"):
-        task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, seed=5).setup()
+        task = tasks.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, seed=5).setup()
         train_text = [task.lee_decode(r) for r in task.train_seq]
         test_text = [task.lee_decode(r) for r in task.test_seq]
         tr, te = [_lee_pair(x) for x in train_text], [_lee_pair(x) for x in test_text]
         assert len(tr) == task.n_train == 3000 and set(itertools.product(range(10), repeat=2)) <= set(tr)
-        assert collections.Counter(tr) == collections.Counter(map(tuple, T.lee_pairs(3000, 5).tolist()))
-        assert T.lee_pairs(3000, 5)[:100].tolist() == [[a, b] for a in range(10) for b in range(10)]
+        assert collections.Counter(tr) == collections.Counter(map(tuple, tasks.lee_pairs(3000, 5).tolist()))
+        assert tasks.lee_pairs(3000, 5)[:100].tolist() == [[a, b] for a in range(10) for b in range(10)]
         assert len(set(tr)) == task.n_pairs_trained < 3000 and len(te) == len(set(te)) == task.test_size
         assert not set(tr) & set(te) and set(tr) | set(te) == every              # every pair not trained on
-        assert all(x == T.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
-        assert task.train_seq.shape == (3000, T.LEE_ROW[order]) and task.arch()["seq_len"] == T.LEE_ROW[order] - 1
+        assert all(x == tasks.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
+        assert task.train_seq.shape == (3000, tasks.LEE_ROW[order]) and task.arch()["seq_len"] == tasks.LEE_ROW[order] - 1
         made[order] = tr
     assert made["msb"] == made["lsb"]                                      # one draw for both formats
-    assert T.lee_text(7, 12, "msb") == "7*12=84\n" and T.lee_text(7, 12, "lsb") == "$7*12=48$"
-    assert T.lee_text(0, 0, "msb") == "0*0=0\n" and T.lee_text(99, 99, "lsb") == "$99*99=1089$"
-    again, other, twin = (T.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
+    assert tasks.lee_text(7, 12, "msb") == "7*12=84\n" and tasks.lee_text(7, 12, "lsb") == "$7*12=48$"
+    assert tasks.lee_text(0, 0, "msb") == "0*0=0\n" and tasks.lee_text(99, 99, "lsb") == "$99*99=1089$"
+    again, other, twin = (tasks.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
     assert torch.equal(again.train_seq, twin.train_seq) and not torch.equal(again.train_seq, other.train_seq)
-    small = T.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
+    small = tasks.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
     assert small.n_pairs_trained == 100 and small.test_size == 9_900
     row = again.lee_encode(np.array([[7, 3]]))[0]
-    assert again.lee_decode(row) == "7*3=21\n" and "".join(T.LEE_VOCAB[i] for i in row) == "7*3=21\n____"
+    assert again.lee_decode(row) == "7*3=21\n" and "".join(tasks.LEE_VOCAB[i] for i in row) == "7*3=21\n____"
 
 
 def _lee_expected(text: str, order: str) -> torch.Tensor:
@@ -2249,14 +2253,14 @@ def _lee_expected(text: str, order: str) -> torch.Tensor:
 def test_lee_pattern_aligns_digits_by_significance_for_every_operand_length(order):
     """One M on the roles of the longest layout; each example's positions map to the roles of the same
     significance (1x1, 1x2, 2x1, 2x2 operands, full and short answers), the model's bias follows."""
-    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, heads=2)
+    task = tasks.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order, heads=2)
     pairs = [(7, 3), (3, 3), (7, 15), (15, 7), (12, 34), (99, 99)]        # 1x1 (and short), 1x2, 2x1, 2x2
     rows = task.lee_encode(np.array(pairs))
     x = rows[:, :-1]
     r_role, c_role = task.lee_roles(x)
     seen = task.pattern()[r_role[:, :, None], c_role[:, None, :]] & mp.causal_pattern(x.shape[1])
     for i, (a, b) in enumerate(pairs):
-        text = T.lee_text(a, b, order)
+        text = tasks.lee_text(a, b, order)
         n = len(text) - 1                                                 # the rows that predict a character
         assert torch.equal(seen[i, :n, :n], _lee_expected(text, order)), text
     eq = 4 if order == "msb" else 5                                       # 7*15=105: '=' at position 4 (msb)
@@ -2288,22 +2292,22 @@ class _LeeOracle(nn.Module):
         self.task, self.early = task, early
 
     def forward(self, x, return_attn=False):
-        out = torch.zeros(*x.shape, len(T.LEE_VOCAB))
+        out = torch.zeros(*x.shape, len(tasks.LEE_VOCAB))
         for i, row in enumerate(x.tolist()):
-            text = "".join(T.LEE_VOCAB[c] for c in row)
-            answer = T.lee_text(*_lee_pair(text), self.task.answer_order)
+            text = "".join(tasks.LEE_VOCAB[c] for c in row)
+            answer = tasks.lee_text(*_lee_pair(text), self.task.answer_order)
             answer = answer[answer.index("=") + 1:]
             if self.early:
                 answer = answer[:-2] + answer[-1]
             for t in range(text.index("="), len(row)):
                 written = t - text.index("=")
-                out[i, t, T.LEE_TOKENS[answer[written] if written < len(answer) else "_"]] = 1
+                out[i, t, tasks.LEE_TOKENS[answer[written] if written < len(answer) else "_"]] = 1
         return out
 
 
 @pytest.mark.parametrize("order", ["msb", "lsb"])
 def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(order):
-    task = T.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order).setup()
+    task = tasks.make_task("multiplication", digits=2, lee_samples=3000, answer_order=order).setup()
     right = task.evaluate(_LeeOracle(task), points=150)
     assert right["seq_acc"] == right["train_seq_acc"] == right["digit_acc"] == right["train_digit_acc"] == 1.0
     assert right["eval_points"] == 150 and right["n_train"] == 3000 and right["n_test"] == task.test_size
@@ -2318,7 +2322,7 @@ def test_lee_scoring_reads_each_answer_to_its_end_and_the_loss_only_the_answer(o
     rows = task.lee_encode(np.array([[7, 15], [3, 3]]))
     targets = task.lee_targets(rows)
     want = ["105\n", "9\n"] if order == "msb" else ["501$", "9$"]
-    assert ["".join(T.LEE_VOCAB[t] for t in r if t >= 0) for r in targets.tolist()] == want
+    assert ["".join(tasks.LEE_VOCAB[t] for t in r if t >= 0) for r in targets.tolist()] == want
     assert float(task.loss(_LeeOracle(task), rows)) < float(task.loss(_LeeOracle(task, early=True), rows))
 
 
@@ -2382,13 +2386,13 @@ def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
         xs.append(x)
         ys += y
     _py2_pickle(root / "test_batch", {b"labels": [3, 1], b"data": _images(2, 9).reshape(2, -1)})
-    d = T.read_cifar(str(tmp_path), "cifar10")
+    d = tasks.read_cifar(str(tmp_path), "cifar10")
     assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][0].dtype == np.uint8
     assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
     assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
     # the python-3 style (str keys) reads the same
     (root / "test_batch").write_bytes(pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4))
-    assert T.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
+    assert tasks.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
 
 
 def test_cifar100_python_and_binary_releases(tmp_path):
@@ -2397,7 +2401,7 @@ def test_cifar100_python_and_binary_releases(tmp_path):
     for split, n in (("train", 5), ("test", 3)):
         _py2_pickle(py / split, {b"fine_labels": list(range(90, 90 + n)), b"coarse_labels": [1] * n,
                                  b"data": _images(n, n).reshape(n, -1)})
-    d = T.read_cifar(str(tmp_path / "py"), "cifar100")
+    d = tasks.read_cifar(str(tmp_path / "py"), "cifar100")
     assert d["train"][1].tolist() == [90, 91, 92, 93, 94] and np.array_equal(d["test"][0], _images(3, 3))
     # binary: <coarse label byte><fine label byte><3072 pixel bytes> per record
     b = tmp_path / "bin" / "cifar-100-binary"
@@ -2407,7 +2411,7 @@ def test_cifar100_python_and_binary_releases(tmp_path):
         rec = np.concatenate([np.full((n, 1), 7, np.uint8), np.arange(n, dtype=np.uint8)[:, None] + 50,
                               x.reshape(n, -1)], axis=1)
         rec.tofile(b / f"{split}.bin")
-    d = T.read_cifar(str(tmp_path / "bin"), "cifar100")
+    d = tasks.read_cifar(str(tmp_path / "bin"), "cifar100")
     assert d["train"][1].tolist() == [50, 51, 52, 53] and np.array_equal(d["test"][0], _images(2, 12))
 
 
@@ -2417,7 +2421,7 @@ def test_cifar10_binary_release(tmp_path):
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         x = _images(2, len(name))
         np.concatenate([np.array([[4], [9]], np.uint8), x.reshape(2, -1)], axis=1).tofile(b / f"{name}.bin")
-    d = T.read_cifar(str(tmp_path), "cifar10")
+    d = tasks.read_cifar(str(tmp_path), "cifar10")
     assert d["train"][0].shape == (10, 3, 32, 32) and d["train"][1].tolist() == [4, 9] * 5
     assert np.array_equal(d["test"][0], _images(2, len("test_batch")))
 
@@ -2426,24 +2430,24 @@ def test_malformed_and_missing_image_files(tmp_path):
     b = tmp_path / "cifar-10-batches-bin"
     b.mkdir()
     (b / "data_batch_1.bin").write_bytes(b"\0" * 3000)           # not a whole 3073-byte record
-    with pytest.raises(T.DataError, match="not a whole number of 3073-byte records"):
-        T.read_cifar_binary(str(b / "data_batch_1.bin"))
+    with pytest.raises(tasks.DataError, match="not a whole number of 3073-byte records"):
+        tasks.read_cifar_binary(str(b / "data_batch_1.bin"))
     py = tmp_path / "p" / "cifar-10-batches-py"
     py.mkdir(parents=True)
     good = pickle.dumps({b"labels": [1, 2], b"data": _images(2).reshape(2, -1)}, protocol=2)
     (py / "data_batch_1").write_bytes(good[: len(good) // 2])     # truncated download
-    with pytest.raises(T.DataError, match="truncated, damaged or not a release pickle"):
-        T.read_cifar_pickle(str(py / "data_batch_1"))
-    with pytest.raises(T.DataError, match="data_batch_2 is missing"):  # the release's files checked before decoding
-        T.read_cifar(str(tmp_path / "p"), "cifar10")
+    with pytest.raises(tasks.DataError, match="truncated, damaged or not a release pickle"):
+        tasks.read_cifar_pickle(str(py / "data_batch_1"))
+    with pytest.raises(tasks.DataError, match="data_batch_2 is missing"):  # the release's files checked before decoding
+        tasks.read_cifar(str(tmp_path / "p"), "cifar10")
     _py2_pickle(py / "data_batch_1", {b"labels": [1, 2, 3], b"data": _images(2).reshape(2, -1)})
-    with pytest.raises(T.DataError, match="2 images but 3 labels"):
-        T.read_cifar_pickle(str(py / "data_batch_1"))
+    with pytest.raises(tasks.DataError, match="2 images but 3 labels"):
+        tasks.read_cifar_pickle(str(py / "data_batch_1"))
     _py2_pickle(py / "data_batch_1", {b"labels": [1, 2], b"data": _images(2).reshape(2, -1)})
-    with pytest.raises(T.DataError, match="data_batch_2 is missing"):
-        T.read_cifar(str(tmp_path / "p"), "cifar10")
-    with pytest.raises(T.DataError, match="CIFAR-100 not found.*cifar.html"):
-        T.read_cifar(str(tmp_path / "empty"), "cifar100")
+    with pytest.raises(tasks.DataError, match="data_batch_2 is missing"):
+        tasks.read_cifar(str(tmp_path / "p"), "cifar10")
+    with pytest.raises(tasks.DataError, match="CIFAR-100 not found.*cifar.html"):
+        tasks.read_cifar(str(tmp_path / "empty"), "cifar100")
 
 
 def _imagenet_dir(tmp_path, suffix=""):
@@ -2452,10 +2456,10 @@ def _imagenet_dir(tmp_path, suffix=""):
     root = tmp_path / ("in" + suffix)
     root.mkdir()
     others = [f"n9{i:07d}" for i in range(1000 - 100)]
-    wnids = sorted(list(T.IMAGENET100_WNIDS) + others)
+    wnids = sorted(list(tasks.IMAGENET100_WNIDS) + others)
     (root / "map_clsloc.txt").write_text("".join(f"{w} {i} name_{i}\n" for i, w in enumerate(wnids, 1)))
     lab = {w: i for i, w in enumerate(wnids, 1)}
-    want = [lab[T.IMAGENET100_WNIDS[0]], lab[T.IMAGENET100_WNIDS[99]], lab[others[0]]]
+    want = [lab[tasks.IMAGENET100_WNIDS[0]], lab[tasks.IMAGENET100_WNIDS[99]], lab[others[0]]]
 
     def write(name, n):
         x, y = _images(3 * n, n).reshape(3 * n, -1), want * n
@@ -2471,42 +2475,42 @@ def _imagenet_dir(tmp_path, suffix=""):
 
 @pytest.mark.parametrize("suffix", ["", ".npz"])
 def test_imagenet100_downsampled_keeps_the_100_classes_in_wnid_order(tmp_path, suffix):
-    assert len(T.IMAGENET100_WNIDS) == 100 and list(T.IMAGENET100_WNIDS) == sorted(set(T.IMAGENET100_WNIDS))
+    assert len(tasks.IMAGENET100_WNIDS) == 100 and list(tasks.IMAGENET100_WNIDS) == sorted(set(tasks.IMAGENET100_WNIDS))
     root = _imagenet_dir(tmp_path, suffix)
-    d = T.read_imagenet100_downsampled(str(root))
+    d = tasks.read_imagenet100_downsampled(str(root))
     assert d["train"][0].shape == (20, 3, 32, 32) and d["train"][1].tolist() == [0, 99] * 10
     assert d["test"][1].tolist() == [0, 99, 0, 99]
     assert np.array_equal(d["test"][0][:2], _images(6, 2)[:2])
     os.remove(root / "map_clsloc.txt")
-    with pytest.raises(T.DataError, match="map_clsloc.txt is missing"):
-        T.read_imagenet100_downsampled(str(root))
+    with pytest.raises(tasks.DataError, match="map_clsloc.txt is missing"):
+        tasks.read_imagenet100_downsampled(str(root))
 
 
 def test_imagenet_labels_must_be_one_based(tmp_path):
     root = _imagenet_dir(tmp_path)
     _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": [0]})
-    with pytest.raises(T.DataError, match="1-based"):
-        T.read_imagenet100_downsampled(str(root))
+    with pytest.raises(tasks.DataError, match="1-based"):
+        tasks.read_imagenet100_downsampled(str(root))
 
 
 def test_image_folder_reader(tmp_path):
     try:
         from PIL import Image
     except ImportError:
-        with pytest.raises(T.DataError, match="needs Pillow: pip install pillow"):
-            T.read_image_folder(str(tmp_path), 32)
+        with pytest.raises(tasks.DataError, match="needs Pillow: pip install pillow"):
+            tasks.read_image_folder(str(tmp_path), 32)
         return
     for label in (0, 99):
-        folder = tmp_path / T.IMAGENET100_WNIDS[label]
+        folder = tmp_path / tasks.IMAGENET100_WNIDS[label]
         folder.mkdir()
         Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(folder / "a.png")
-    for w in T.IMAGENET100_WNIDS[1:99]:
+    for w in tasks.IMAGENET100_WNIDS[1:99]:
         (tmp_path / w).mkdir()
-    x, y = T.read_image_folder(str(tmp_path), 16)
+    x, y = tasks.read_image_folder(str(tmp_path), 16)
     assert x.shape == (2, 3, 16, 16) and y.tolist() == [0, 99]
-    (tmp_path / T.IMAGENET100_WNIDS[0] / "b.png").write_bytes(b"not an image")
-    with pytest.raises(T.DataError, match="not a readable image"):
-        T.read_image_folder(str(tmp_path), 16)
+    (tmp_path / tasks.IMAGENET100_WNIDS[0] / "b.png").write_bytes(b"not an image")
+    with pytest.raises(tasks.DataError, match="not a readable image"):
+        tasks.read_image_folder(str(tmp_path), 16)
 
 
 _U8 = np.zeros((4, 3072), np.uint8)
@@ -2529,7 +2533,7 @@ _U8 = np.zeros((4, 3072), np.uint8)
 ])
 def test_broken_cifar_data_is_refused_before_anything_is_cached(tmp_path, capsys, data, labels, needle):
     x, y = _images(4), [1, 2, 3, 4]
-    W.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
+    datafetch.write.write_cifar10_python(str(tmp_path), np.concatenate([x] * 5), np.array(y * 5), x, np.array(y))
     _py2_pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {b"data": data, b"labels": labels})
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--steps", "1", "--layers", "1",
                         "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8", "--batch-size", "4")
@@ -2542,26 +2546,26 @@ def test_broken_binary_labels_and_imagenet_batches_are_refused(tmp_path):
     b = tmp_path / "cifar-10-batches-bin"
     b.mkdir()
     np.concatenate([np.array([[4], [12]], np.uint8), _images(2).reshape(2, -1)], axis=1).tofile(b / "x.bin")
-    with pytest.raises(T.DataError, match=r"x.bin: labels must lie in 0..9, found 4..12"):
-        T.read_cifar_binary(str(b / "x.bin"), n_classes=10)
+    with pytest.raises(tasks.DataError, match=r"x.bin: labels must lie in 0..9, found 4..12"):
+        tasks.read_cifar_binary(str(b / "x.bin"), n_classes=10)
     root = _imagenet_dir(tmp_path)
     _py2_pickle(root / "val_data", {b"data": np.full((1, 3072), 0.5), b"labels": [1]})
-    with pytest.raises(T.DataError, match="val_data: pixels must be integers 0..255"):
-        T.read_imagenet100_downsampled(str(root))
+    with pytest.raises(tasks.DataError, match="val_data: pixels must be integers 0..255"):
+        tasks.read_imagenet100_downsampled(str(root))
     _py2_pickle(root / "val_data", {b"data": _images(1).reshape(1, -1), b"labels": ["n01558993"]})
-    with pytest.raises(T.DataError, match="val_data: labels must be integers"):
-        T.read_imagenet100_downsampled(str(root))
+    with pytest.raises(tasks.DataError, match="val_data: labels must be integers"):
+        tasks.read_imagenet100_downsampled(str(root))
 
 
 def test_a_cifar_batch_that_is_a_folder_is_one_line(tmp_path):
     x, y = _images(10), np.arange(10) % 10
-    W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
     os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
     os.mkdir(tmp_path / "cifar-10-batches-py" / "data_batch_3")
-    with pytest.raises(T.DataError, match="data_batch_3 is not a file"):
-        T.read_cifar(str(tmp_path), "cifar10")
-    with pytest.raises(T.DataError, match="cannot be read"):
-        T.read_cifar_pickle(str(tmp_path / "cifar-10-batches-py" / "data_batch_3"))
+    with pytest.raises(tasks.DataError, match="data_batch_3 is not a file"):
+        tasks.read_cifar(str(tmp_path), "cifar10")
+    with pytest.raises(tasks.DataError, match="cannot be read"):
+        tasks.read_cifar_pickle(str(tmp_path / "cifar-10-batches-py" / "data_batch_3"))
 
 
 _PAYLOADS = ["system", "eval", "subprocess"]
@@ -2573,12 +2577,12 @@ _PAYLOADS = ["system", "eval", "subprocess"]
 def test_a_dataset_file_that_would_run_code_runs_nothing(tmp_path, capsys, where, how):
     """A dataset file crafted to run a command when unpickled (os.system, eval, subprocess; as the only
     value, inside the dict, in a Python 2 or a Python 3 pickle) is one line and exit 2, and the command
-    never runs: the batches are read by `T.ReleaseUnpickler`, which admits only numbers and arrays."""
+    never runs: the batches are read by `tasks.ReleaseUnpickler`, which admits only numbers and arrays."""
     marker = tmp_path / "ran"
     evil = {b"data": _Touch(marker, how), b"labels": [1]}
     if where.startswith("cifar10 "):
         data = tmp_path / "data"
-        W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
+        datafetch.write.write_cifar10_python(str(data), _images(10), np.arange(10), _images(2), np.arange(2))
         target = data / "cifar-10-batches-py" / where.split()[1]
         target.write_bytes(pickle.dumps(evil if "test" in where else _Touch(marker, how), protocol=2))
         argv = ["--task", "cifar10", "--data-dir", data]
@@ -2614,7 +2618,7 @@ def test_python_3_pickles_of_a_batch_read_the_same(tmp_path, protocol):
         k = (lambda s: s.encode()) if keys is bytes else (lambda s: s)
         (tmp_path / "b").write_bytes(pickle.dumps({k("data"): x, k("labels"): y, k("batch_label"): k("b")},
                                                   protocol=protocol))
-        got = T.read_cifar_pickle(str(tmp_path / "b"), n_classes=10)
+        got = tasks.read_cifar_pickle(str(tmp_path / "b"), n_classes=10)
         assert np.array_equal(got[0].reshape(3, -1), x) and got[1].tolist() == y
 
 
@@ -2645,64 +2649,64 @@ def test_damaged_copies_of_a_release_batch_are_one_data_error_each(tmp_path):
             del b[p:p + rng.randint(1, 6)]
         path.write_bytes(bytes(b))
         try:
-            T.read_cifar_pickle(str(path), n_classes=10)
+            tasks.read_cifar_pickle(str(path), n_classes=10)
             read += 1
-        except T.DataError:
+        except tasks.DataError:
             refused += 1
     assert read + refused == 600 and refused > 300
     reduce_at = good.index(b"R", good.index(b"numpy\nndarray"))        # REDUCE -> LONG_BINPUT with a huge index
     path.write_bytes(good[:reduce_at] + b"r" + good[reduce_at + 1:])
     tracemalloc.start()
-    with pytest.raises(T.DataError):
-        T.read_cifar_pickle(str(path))
+    with pytest.raises(tasks.DataError):
+        tasks.read_cifar_pickle(str(path))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 50e6, peak
     for labels, needle in (([10 ** 5000], "64-bit integers"), ([[1], [2]] * 3, "a flat list of integers"),
                            (b"\x01" * 6, "labels must be a list of integers, found bytes")):
         _py2_pickle(path, {b"data": x, b"labels": labels})
-        with pytest.raises(T.DataError, match=needle):
-            T.read_cifar_pickle(str(path))
+        with pytest.raises(tasks.DataError, match=needle):
+            tasks.read_cifar_pickle(str(path))
     _py2_pickle(path, {b"data": x.tolist(), b"labels": [1] * 6})
-    with pytest.raises(T.DataError, match="pixels must be a numpy array of uint8 rows"):
-        T.read_cifar_pickle(str(path))
+    with pytest.raises(tasks.DataError, match="pixels must be a numpy array of uint8 rows"):
+        tasks.read_cifar_pickle(str(path))
 
 
 def test_image_cache_is_written_reused_and_rebuilt_when_a_source_changes(tmp_path, monkeypatch):
     x, y = _images(10), np.arange(10) % 10
-    W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
-    first = T.load_image_dataset("cifar10", str(tmp_path))
+    datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+    first = tasks.load_image_dataset("cifar10", str(tmp_path))
     cache = tmp_path / "maskprior-cache" / "cifar10-32.npz"
     assert cache.exists()
     with monkeypatch.context() as m:                               # the second run reads only the cache
-        m.setattr(T, "read_cifar", lambda *a: pytest.fail("the cache was not used"))
-        again = T.load_image_dataset("cifar10", str(tmp_path))
+        m.setattr(tasks, "read_cifar", lambda *a: pytest.fail("the cache was not used"))
+        again = tasks.load_image_dataset("cifar10", str(tmp_path))
     assert np.array_equal(first["train"][0], again["train"][0]) and np.array_equal(again["test"][1], y[:4])
     # the batches replaced in place (other images, other labels): the cache is rebuilt, not trusted
     x2 = 255 - x
-    W.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
+    datafetch.write.write_cifar10_python(str(tmp_path / "new"), x2, y, x2[:4], (y[:4] + 1) % 10)
     for f in os.listdir(tmp_path / "new" / "cifar-10-batches-py"):
         shutil.copyfile(tmp_path / "new" / "cifar-10-batches-py" / f, tmp_path / "cifar-10-batches-py" / f)
     os.utime(tmp_path / "cifar-10-batches-py" / "test_batch", ns=(1, 1))      # even with an older mtime
-    fresh = T.load_image_dataset("cifar10", str(tmp_path))
+    fresh = tasks.load_image_dataset("cifar10", str(tmp_path))
     assert np.array_equal(fresh["train"][0], x2) and fresh["test"][1].tolist() == ((y[:4] + 1) % 10).tolist()
     shutil.rmtree(tmp_path / "cifar-10-batches-py")               # sources gone: the cache is not trusted either
-    with pytest.raises(T.DataError, match="CIFAR-10 not found"):
-        T.load_image_dataset("cifar10", str(tmp_path))
+    with pytest.raises(tasks.DataError, match="CIFAR-10 not found"):
+        tasks.load_image_dataset("cifar10", str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------- tasks.py: augmentation
 
 def test_augmentation_shapes_and_determinism():
     x = torch.as_tensor(_images(8))
-    a = A.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    b = A.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
-    c = A.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
+    a = augment.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    b = augment.random_crop_flip(x, 4, torch.Generator().manual_seed(1))
+    c = augment.random_crop_flip(x, 4, torch.Generator().manual_seed(2))
     assert a.shape == x.shape and a.dtype == torch.uint8 and a.equal(b) and not a.equal(c)
-    assert A.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
+    assert augment.random_crop_flip(x, 0, torch.Generator(), flip=False).equal(x)
     # a crop is a shifted window of the zero-padded image
     one = torch.arange(16, dtype=torch.uint8).view(1, 1, 4, 4)
-    out = A.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
+    out = augment.random_crop_flip(one, 1, torch.Generator().manual_seed(0), flip=False)
     padded = F.pad(one, (1, 1, 1, 1))
     assert any(out.equal(padded[..., i:i + 4, j:j + 4]) for i in range(3) for j in range(3))
 
@@ -2714,9 +2718,9 @@ def _aug_images(n=6, h=9, w=11, seed=0):
     return torch.as_tensor(x)
 
 
-@pytest.mark.parametrize("name", list(A.RANDAUG_OPS))
+@pytest.mark.parametrize("name", list(augment.RANDAUG_OPS))
 def test_randaugment_op_shapes_range_determinism_and_identity(name):
-    fn, arg = A.RANDAUG_OPS[name]
+    fn, arg = augment.RANDAUG_OPS[name]
     x = _aug_images()
     m = torch.full((6,), 7.0)
     sign = torch.tensor([1.0, -1, 1, -1, 1, -1])
@@ -2744,7 +2748,7 @@ PIL_EQUIVALENT = {  # op: (argument, Pillow's function of a PIL image and that a
 @pytest.mark.parametrize("name", list(PIL_EQUIVALENT))
 def test_randaugment_photometric_ops_equal_pillows(name):
     """Each photometric op equals Pillow's on every pixel (Pillow 13 measured; a hand value without Pillow)."""
-    fn = A.RANDAUG_OPS[name][0]
+    fn = augment.RANDAUG_OPS[name][0]
     a, ref = PIL_EQUIVALENT[name]
     x = _aug_images()
     ours = fn(x, a).numpy()
@@ -2763,26 +2767,26 @@ def test_randaugment_photometric_ops_equal_pillows(name):
 
 def test_geometric_ops_by_hand():
     x = _aug_images(4, 9, 9)
-    assert torch.equal(A.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
-    assert torch.equal(A.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
-    t = A.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
-    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(A.AUG_FILL)
-    t = A.aug_translate_y(x, -3 / 9)                                               # three pixels down
+    assert torch.equal(augment.aug_rotate(x, 90.0), torch.rot90(x, 1, (2, 3)))           # counter-clockwise
+    assert torch.equal(augment.aug_rotate(x, -90.0), torch.rot90(x, -1, (2, 3)))
+    t = augment.aug_translate_x(x, 2 / 9)                                                # two pixels to the left
+    assert torch.equal(t[..., :7], x[..., 2:]) and t[0, :, 0, 8].tolist() == list(augment.AUG_FILL)
+    t = augment.aug_translate_y(x, -3 / 9)                                               # three pixels down
     assert torch.equal(t[..., 3:, :], x[..., :6, :])
-    s = A.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
+    s = augment.aug_shear_x(x, 1.0)                                                      # row i reads columns j + i
     assert torch.equal(s[:, :, 2, :7], x[:, :, 2, 2:]) and torch.equal(s[:, :, 0], x[:, :, 0])
-    s = A.aug_shear_y(x, 1.0)
+    s = augment.aug_shear_y(x, 1.0)
     assert torch.equal(s[:, :, :7, 2], x[:, :, 2:, 2])
 
 
 def test_rand_augment_is_seeded_and_mixes_ops():
     x = _aug_images(64, 16, 16)
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a, b = A.rand_augment(x, g(), 9.0, 0.5), A.rand_augment(x, g(), 9.0, 0.5)
+    a, b = augment.rand_augment(x, g(), 9.0, 0.5), augment.rand_augment(x, g(), 9.0, 0.5)
     assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape == x.shape
     changed = (a != x).flatten(1).any(1).float().mean()
     assert 0.5 < changed < 1.0                              # each of 2 ops applied with p 0.5: ~75% change
-    zero = A.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
+    zero = augment.rand_augment(x, g(), 0.0, 0.0, prob=1.0)           # magnitude 0: only autocontrast / equalize act
     unchanged = (zero == x).flatten(1).all(1).float().mean()
     assert 0.5 < unchanged < 1.0
 
@@ -2790,39 +2794,39 @@ def test_rand_augment_is_seeded_and_mixes_ops():
 def test_random_resized_crop_erasing_and_eval_view():
     x = _aug_images(8, 32, 32)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    out = A.random_resized_crop(x, 224, g())
-    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, A.random_resized_crop(x, 224, g()))
-    whole = A.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
-    up = T.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
+    out = augment.random_resized_crop(x, 224, g())
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, augment.random_resized_crop(x, 224, g()))
+    whole = augment.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    up = tasks.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
     assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
-    view = A.resize_center_crop(x, 224, 0.875)
+    view = augment.resize_center_crop(x, 224, 0.875)
     assert view.shape == (8, 3, 224, 224)
     xf = torch.randn(64, 3, 16, 16)
-    e = A.random_erasing(xf, 0.5, g())
+    e = augment.random_erasing(xf, 0.5, g())
     erased = (e != xf).flatten(1).any(1)
-    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, A.random_erasing(xf, 0.5, g()))
+    assert 0.25 < erased.float().mean() < 0.75 and torch.equal(e, augment.random_erasing(xf, 0.5, g()))
     frac = (e != xf)[erased].float().mean()                                      # a box of 2% to 33% of the image
     assert 0.02 <= frac <= 0.34
-    assert torch.equal(A.random_erasing(xf, 0.0, g()), xf)
+    assert torch.equal(augment.random_erasing(xf, 0.0, g()), xf)
 
 
 def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8), torch.eye(4)
     perm = torch.tensor([1, 0, 3, 2])
-    mx, my = A.mixup(x, y, perm, 0.7)
+    mx, my = augment.mixup(x, y, perm, 0.7)
     assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
-    cx, cy = A.cutmix(x, y, perm, 0.75, g)
+    cx, cy = augment.cutmix(x, y, perm, 0.75, g)
     pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
     assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
                                                                                    x[~pasted.unsqueeze(1).expand_as(x)])
     kept = 1 - pasted[0].float().mean()
     assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
-    assert torch.equal(A.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
+    assert torch.equal(augment.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
     rng = np.random.default_rng(0)
-    assert A.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
+    assert augment.mix_batch(x, y, 0.0, 0.0, g, rng) == (x, y)
     for mix, cut in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
-        bx, by = A.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
+        bx, by = augment.mix_batch(x, y, mix, cut, torch.Generator().manual_seed(1), np.random.default_rng(1))
         assert bx.shape == x.shape and torch.allclose(by.sum(-1), torch.ones(4)) and not torch.equal(bx, x)
 
 
@@ -2830,9 +2834,9 @@ def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
 
 def test_image_task_batches_mixup_and_cutmix(tmp_path):
     x, y = _images(40), np.arange(40) % 10
-    W.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
+    datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:8], y[:8])
     for mix in ({}, {"mixup": 0.8}, {"cutmix": 1.0}):
-        task = T.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
+        task = tasks.make_task("cifar10", data_dir=str(tmp_path), **mix).setup()
         xb, yb = task.train_batch(3, 16)
         assert xb.shape == (16, 3, 32, 32) and yb.shape == (16, 10)
         torch.testing.assert_close(yb.sum(-1), torch.ones(16))
@@ -2842,23 +2846,23 @@ def test_image_task_batches_mixup_and_cutmix(tmp_path):
 
 
 def test_vision_patterns_and_their_probe_patterns(image_dir):
-    task = T.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
+    task = tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, heads=3, soft_alpha=1.0)      # 4 x 4 grid
     imp, soft = task.pattern("impulse"), task.pattern("soft")
     # alpha 1: only the offset itself is above -1 (e^-1 at distance 1), and where it leaves the grid the row's
     # likeliest key, itself: the impulse pattern, so a QK init reads the same prior from either (CLS or not)
     assert soft.equal(imp) and (soft.sum(-1) == 1).all()
-    cls = T.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
+    cls = tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
     assert cls.pattern("soft").equal(cls.pattern("impulse"))
-    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
-    assert T.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
+    assert tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
+    assert tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
     graded = task.mask_logits("graded", 5.0, 10.0)
     assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
     assert (graded[~task.pattern("graded")] == -10).all()
-    local = T.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
+    local = tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
     assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
     for bad, needle in (({"window": 4}, "--window must be the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
-        with pytest.raises(T.TaskError, match=needle):
-            T.make_task("cifar10", data_dir=image_dir, **bad)
+        with pytest.raises(tasks.TaskError, match=needle):
+            tasks.make_task("cifar10", data_dir=image_dir, **bad)
 
 
 MUST_TRIES = (-1, 0, 1, 2, 3, 4, 0.5, 1.5, 11, float("nan"), float("inf"), "msb", "x", True)   # None: the default
@@ -2869,7 +2873,7 @@ def test_every_declared_task_option_refuses_exactly_what_its_test_fails(tmp_path
     one line, "--flag must be <what>, got <value>", for each tried value its test fails (a TypeError
     counts as failing), and never for a value its test passes."""
     tried, seen = 0, set()
-    for name, cls in T.TASKS.items():
+    for name, cls in tasks.TASKS.items():
         base = {"data_dir": str(tmp_path)} if "data_dir" in cls.options() else {}
         for klass in cls.__mro__:
             for option, must in vars(klass).get("MUST", {}).items():
@@ -2885,9 +2889,9 @@ def test_every_declared_task_option_refuses_exactly_what_its_test_fails(tmp_path
                     except TypeError:
                         good = False
                     try:
-                        T.make_task(name, **base, **{given: value})
+                        tasks.make_task(name, **base, **{given: value})
                         said = ""
-                    except T.TaskError as e:
+                    except tasks.TaskError as e:
                         said = str(e)
                     assert (f"{flag} must be {must.what}, got {value!r}" == said) != good, (name, option, value, said)
                     tried += 1
@@ -2896,11 +2900,11 @@ def test_every_declared_task_option_refuses_exactly_what_its_test_fails(tmp_path
 
 def test_impulse_pattern_is_fixed_at_construction(tmp_path, image_dir):
     """--impulse random once drew its offsets with seed 0 before setup and with the run's seed after it."""
-    task = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
+    task = tasks.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=5)
     before = task.pattern()
     task.setup()
     assert torch.equal(before, task.pattern())
-    other = T.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
+    other = tasks.make_task("cifar10", data_dir=image_dir, impulse="random", heads=3, seed=6).pattern()
     assert not torch.equal(before, other)
 
 
@@ -2928,10 +2932,10 @@ def test_vision_bad_input_exits_2(tmp_path, capsys, argv, needle):
 # ---------------------------------------------------------------------------------------- tasks.py: language readers
 
 def test_line_words_follow_word_language_model():
-    assert T.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
-    assert T.wikitext_line_words(" \n") == ["<eos>"]
-    assert T.wikitext_line_words("\n") == ["<eos>"]
-    assert T.wikitext_line_words(" 1 @,@ 000 <unk> \n") == ["1", "@,@", "000", "<unk>", "<eos>"]
+    assert tasks.wikitext_line_words(" = Robert Boulter = \n") == ["=", "Robert", "Boulter", "=", "<eos>"]
+    assert tasks.wikitext_line_words(" \n") == ["<eos>"]
+    assert tasks.wikitext_line_words("\n") == ["<eos>"]
+    assert tasks.wikitext_line_words(" 1 @,@ 000 <unk> \n") == ["1", "@,@", "000", "<unk>", "<eos>"]
 
 
 # Corpus readers: small files in the real WikiText-2 / TinyStories layouts.
@@ -2976,7 +2980,7 @@ def write(path: Path, text: str | bytes) -> Path:
 
 
 def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, test=None) -> Path:
-    sub, ext = T.WIKITEXT_RELEASES[release]
+    sub, ext = tasks.WIKITEXT_RELEASES[release]
     texts = (WIKI_TRAIN, WIKI_VALID, WIKI_TEST) if release == "tokens" else (RAW_TRAIN, RAW_VALID, RAW_TEST)
     for split, default, given in zip(("train", "valid", "test"), texts, (train, valid, test)):
         write(root / sub / f"wiki.{split}{ext}", default if given is None else given)
@@ -2986,13 +2990,13 @@ def make_wikitext(root: Path, release: str = "tokens", train=None, valid=None, t
 def test_vocab_order_specials_then_frequency_then_alphabetical(tmp_path):
     train = "b a b\n\nc a b d c\n"  # b:3, a:2, c:2, d:1, <eos>:3
     make_wikitext(tmp_path, train=train, valid="a d\n", test="c\n")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    corpus = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert corpus["vocab"] == ["<unk>", "<eos>", "b", "a", "c", "d"]
     assert corpus["vocab_size"] == 6
     assert corpus["train"].tolist() == [2, 3, 2, 1, 1, 4, 3, 2, 5, 4, 1]
     assert corpus["valid"].tolist() == [3, 5, 1]
     assert corpus["test"].tolist() == [4, 1]
-    assert T.build_vocab(["<eos>", "<unk>", "z", "y", "z"]) == ["<unk>", "<eos>", "z", "y"]
+    assert tasks.build_vocab(["<eos>", "<unk>", "z", "y", "z"]) == ["<unk>", "<eos>", "z", "y"]
 
 
 def reference_words(text: str) -> list[str]:
@@ -3001,7 +3005,7 @@ def reference_words(text: str) -> list[str]:
 
 def test_wikitext_tokens_release_ids_and_round_trip(tmp_path):
     make_wikitext(tmp_path)
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    corpus = tasks.load_lm_corpus("wikitext2", tmp_path)
     vocab = corpus["vocab"]
     assert vocab[:2] == ["<unk>", "<eos>"]
     assert vocab.count("<unk>") == 1  # the train <unk> is the special, not a second entry
@@ -3021,7 +3025,7 @@ def test_wikitext_tokens_release_ids_and_round_trip(tmp_path):
 
 def test_wikitext_raw_release_maps_oov_to_unk(tmp_path):
     make_wikitext(tmp_path, release="raw")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    corpus = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert "raw release" in corpus["source"]
     vocab = corpus["vocab"]
     assert "unseenword" not in vocab and "actor." in vocab
@@ -3033,11 +3037,11 @@ def test_wikitext_raw_release_maps_oov_to_unk(tmp_path):
 def test_wikitext_data_dir_may_be_the_subfolder_and_tokens_is_preferred(tmp_path):
     sub = make_wikitext(tmp_path, release="tokens")
     make_wikitext(tmp_path, release="raw")
-    from_parent = T.load_lm_corpus("wikitext2", tmp_path)
+    from_parent = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert "tokens release" in from_parent["source"]
-    from_sub = T.load_lm_corpus("wikitext2", sub)
+    from_sub = tasks.load_lm_corpus("wikitext2", sub)
     assert from_sub["train"].tolist() == from_parent["train"].tolist()
-    raw = T.load_lm_corpus("wikitext2", tmp_path, version="raw")
+    raw = tasks.load_lm_corpus("wikitext2", tmp_path, version="raw")
     assert "raw release" in raw["source"]
     assert raw["vocab"] != from_parent["vocab"]
 
@@ -3045,15 +3049,15 @@ def test_wikitext_data_dir_may_be_the_subfolder_and_tokens_is_preferred(tmp_path
 def test_wikitext_large_vocab_uses_uint32(tmp_path):
     words = " ".join(f"w{i}" for i in range(70_000))
     make_wikitext(tmp_path, train=words + "\n", valid="w1 w69999\n", test="w2\n")
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    corpus = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert corpus["vocab_size"] == 70_002
     assert corpus["train"].dtype == np.uint32
     assert [corpus["vocab"][i] for i in corpus["valid"]] == ["w1", "w69999", "<eos>"]
 
 
 def test_wikitext_missing_files_error(tmp_path):
-    with pytest.raises(T.DataError) as info:
-        T.load_lm_corpus("wikitext2", tmp_path)
+    with pytest.raises(tasks.DataError) as info:
+        tasks.load_lm_corpus("wikitext2", tmp_path)
     message = str(info.value)
     assert "\n" not in message
     for needle in ("wiki.{train,valid,test}.tokens", ".raw", str(tmp_path / "wikitext-2"),
@@ -3061,15 +3065,15 @@ def test_wikitext_missing_files_error(tmp_path):
         assert needle in message
     # An incomplete release is not used.
     write(tmp_path / "wikitext-2" / "wiki.train.tokens", WIKI_TRAIN)
-    with pytest.raises(T.DataError, match="not found"):
-        T.load_lm_corpus("wikitext2", tmp_path)
+    with pytest.raises(tasks.DataError, match="not found"):
+        tasks.load_lm_corpus("wikitext2", tmp_path)
 
 
 @pytest.mark.parametrize("split", ["train", "valid", "test"])
 def test_wikitext_empty_split_error(tmp_path, split):
     make_wikitext(tmp_path, **{split: ""})
-    with pytest.raises(T.DataError, match=rf"wiki\.{split}\.tokens is empty.*wikitext\.smerity\.com"):
-        T.load_lm_corpus("wikitext2", tmp_path)
+    with pytest.raises(tasks.DataError, match=rf"wiki\.{split}\.tokens is empty.*wikitext\.smerity\.com"):
+        tasks.load_lm_corpus("wikitext2", tmp_path)
     assert not (tmp_path / "maskprior-cache").exists()               # no vocab, no split, no folder left
 
 
@@ -3114,7 +3118,7 @@ STORIES = (
 
 
 def stream(path: Path, chunk_size: int) -> list[int]:
-    arrays = list(T.iter_tinystories_tokens(path, chunk_size))
+    arrays = list(tasks.iter_tinystories_tokens(path, chunk_size))
     return np.concatenate(arrays).tolist() if arrays else []
 
 
@@ -3156,7 +3160,7 @@ def make_tinystories(root: Path, prefix: str = "TinyStoriesV2-GPT4", train=STORI
 
 def test_tinystories_load_decode_round_trip(tmp_path):
     make_tinystories(tmp_path)
-    corpus = T.load_lm_corpus("tinystories", tmp_path, chunk_size=7)
+    corpus = tasks.load_lm_corpus("tinystories", tmp_path, chunk_size=7)
     assert corpus["vocab_size"] == 257
     train, valid = corpus["train"], corpus["valid"]
     assert isinstance(train, np.memmap) and train.dtype == np.uint16 and not train.flags.writeable
@@ -3175,30 +3179,30 @@ def test_tinystories_load_decode_round_trip(tmp_path):
 
 def test_tinystories_version_choice(tmp_path):
     make_tinystories(tmp_path, "TinyStories", train="v one\n<|endoftext|>\n", valid="v1 valid\n")
-    assert T.load_lm_corpus("tinystories", tmp_path)["decode"]([118, 32, 111]) == "v o"
-    v1 = T.load_lm_corpus("tinystories", tmp_path)
+    assert tasks.load_lm_corpus("tinystories", tmp_path)["decode"]([118, 32, 111]) == "v o"
+    v1 = tasks.load_lm_corpus("tinystories", tmp_path)
     assert "TinyStories-train.txt" in v1["source"]
     assert bytes(v1["train"][:-1].tolist()) == b"v one"
     make_tinystories(tmp_path, "TinyStoriesV2-GPT4", train="v two\n", valid="v2 valid\n")
-    auto = T.load_lm_corpus("tinystories", tmp_path)
+    auto = tasks.load_lm_corpus("tinystories", tmp_path)
     assert bytes(auto["train"][:-1].tolist()) == b"v two"
-    chosen = T.load_lm_corpus("tinystories", tmp_path, version="v1")
+    chosen = tasks.load_lm_corpus("tinystories", tmp_path, version="v1")
     assert bytes(chosen["train"][:-1].tolist()) == b"v one"
-    with pytest.raises(T.DataError, match="unknown TinyStories version"):
-        T.load_lm_corpus("tinystories", tmp_path, version="v3")
-    with pytest.raises(T.DataError, match="unknown corpus"):
-        T.load_lm_corpus("ptb", tmp_path)
+    with pytest.raises(tasks.DataError, match="unknown TinyStories version"):
+        tasks.load_lm_corpus("tinystories", tmp_path, version="v3")
+    with pytest.raises(tasks.DataError, match="unknown corpus"):
+        tasks.load_lm_corpus("ptb", tmp_path)
 
 
 def test_tinystories_subfolder(tmp_path):
     make_tinystories(tmp_path / "TinyStories")
-    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+    assert tasks.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
 
 
 def test_tinystories_missing_files_error(tmp_path):
     write(tmp_path / "TinyStoriesV2-GPT4-train.txt", STORIES)  # valid missing
-    with pytest.raises(T.DataError) as info:
-        T.load_lm_corpus("tinystories", tmp_path)
+    with pytest.raises(tasks.DataError) as info:
+        tasks.load_lm_corpus("tinystories", tmp_path)
     message = str(info.value)
     assert "\n" not in message
     for needle in ("TinyStoriesV2-GPT4-{train,valid}.txt", "TinyStories-{train,valid}.txt",
@@ -3208,14 +3212,14 @@ def test_tinystories_missing_files_error(tmp_path):
 
 def test_tinystories_empty_corpus_error(tmp_path):
     make_tinystories(tmp_path, train="\n<|endoftext|>\n  \n<|endoftext|>\n\n")
-    with pytest.raises(T.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
-        T.load_lm_corpus("tinystories", tmp_path)
+    with pytest.raises(tasks.DataError, match=r"TinyStoriesV2-GPT4-train\.txt contains no stories.*roneneldan"):
+        tasks.load_lm_corpus("tinystories", tmp_path)
     assert not (tmp_path / "maskprior-cache").exists()  # no half cache, no temp file, no folder
 
 
 def test_random_windows_shapes_shift_and_determinism():
     tokens = np.arange(1000, 1100, dtype=np.uint16)
-    x, y = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    x, y = tasks.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (5, 8) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     for row_x, row_y in zip(x, y):
@@ -3223,26 +3227,26 @@ def test_random_windows_shapes_shift_and_determinism():
         assert 0 <= start <= 100 - 9
         assert row_x.tolist() == tokens[start : start + 8].tolist()
         assert row_y.tolist() == tokens[start + 1 : start + 9].tolist()
-    x2, y2 = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
+    x2, y2 = tasks.random_windows(tokens, 8, 5, torch.Generator().manual_seed(0))
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    x3, _ = T.random_windows(tokens, 8, 5, torch.Generator().manual_seed(1))
+    x3, _ = tasks.random_windows(tokens, 8, 5, torch.Generator().manual_seed(1))
     assert not torch.equal(x, x3)
 
 
 def test_random_windows_reach_both_ends():
     tokens = np.arange(10, dtype=np.uint32)
-    x, y = T.random_windows(tokens, 9, 64, torch.Generator().manual_seed(0))  # only one possible window
+    x, y = tasks.random_windows(tokens, 9, 64, torch.Generator().manual_seed(0))  # only one possible window
     assert (x == torch.arange(9)).all() and (y == torch.arange(1, 10)).all()
-    x, _ = T.random_windows(tokens, 3, 2000, torch.Generator().manual_seed(0))
+    x, _ = tasks.random_windows(tokens, 3, 2000, torch.Generator().manual_seed(0))
     assert set(x[:, 0].tolist()) == set(range(7))
-    with pytest.raises(T.DataError, match=r"--context 10 is longer than the training split \(10 tokens\)"):
-        T.random_windows(tokens, 10, 2, torch.Generator())
+    with pytest.raises(tasks.DataError, match=r"--context 10 is longer than the training split \(10 tokens\)"):
+        tasks.random_windows(tokens, 10, 2, torch.Generator())
 
 
 @pytest.mark.parametrize("n, context, batch_size", [(11, 5, 1), (12, 5, 1), (23, 5, 3), (6, 5, 4), (100, 7, 4)])
 def test_eval_windows_cover_the_split(n, context, batch_size):
     tokens = np.arange(n, dtype=np.uint16) * 3
-    batches = list(T.eval_windows(tokens, context, batch_size))
+    batches = list(tasks.eval_windows(tokens, context, batch_size))
     xs = torch.cat([x.reshape(-1) for x, _ in batches])
     ys = torch.cat([y.reshape(-1) for _, y in batches])
     assert xs.tolist() == tokens[:-1].tolist()  # consecutive, non-overlapping, nothing dropped
@@ -3255,12 +3259,12 @@ def test_eval_windows_cover_the_split(n, context, batch_size):
 
 def test_eval_windows_context_longer_than_validation_split(tmp_path):
     make_wikitext(tmp_path)
-    corpus = T.load_lm_corpus("wikitext2", tmp_path)
+    corpus = tasks.load_lm_corpus("wikitext2", tmp_path)
     n = len(corpus["valid"])
-    with pytest.raises(T.DataError) as info:
-        T.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
+    with pytest.raises(tasks.DataError) as info:
+        tasks.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
     assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
-    assert len(list(T.eval_windows(corpus["valid"], n - 1))) == 1
+    assert len(list(tasks.eval_windows(corpus["valid"], n - 1))) == 1
 
 
 # ---------------------------------------------------------------------------------------- tasks.py: token cache
@@ -3271,7 +3275,7 @@ def cache_files(folder: Path) -> dict[str, int]:
 
 def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
     sub = make_wikitext(tmp_path)
-    first = T.load_lm_corpus("wikitext2", tmp_path)
+    first = tasks.load_lm_corpus("wikitext2", tmp_path)
     cache = tmp_path / "maskprior-cache"
     before = cache_files(cache)
     assert set(before) == {
@@ -3288,8 +3292,8 @@ def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
     def no_tokenising(*args, **kwargs):
         raise AssertionError("re-tokenised although the cache is valid")
 
-    monkeypatch.setattr(T, "iter_wikitext_words", no_tokenising)
-    second = T.load_lm_corpus("wikitext2", tmp_path)
+    monkeypatch.setattr(tasks, "iter_wikitext_words", no_tokenising)
+    second = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert cache_files(cache) == before
     assert second["vocab"] == first["vocab"]
     assert second["train"].tolist() == first["train"].tolist()
@@ -3297,7 +3301,7 @@ def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
 
     # A changed train file rebuilds vocab and all splits.
     write(sub / "wiki.train.tokens", WIKI_TRAIN + " zebra" * 9 + " \n")
-    third = T.load_lm_corpus("wikitext2", tmp_path)
+    third = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert third["vocab"][2] == "zebra"
     assert third["valid"].tolist() != first["valid"].tolist()
 
@@ -3306,26 +3310,26 @@ def test_wikitext_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
     write(path, WIKI_TEST.replace("2000", "film"))  # same size
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    fourth = T.load_lm_corpus("wikitext2", tmp_path)
+    fourth = tasks.load_lm_corpus("wikitext2", tmp_path)
     assert "He starred in film ." in fourth["decode"](fourth["test"].tolist())
 
 
 def test_tinystories_cache_round_trip_and_rebuild(tmp_path, monkeypatch):
     make_tinystories(tmp_path)
-    first = T.load_lm_corpus("tinystories", tmp_path, chunk_size=5)
+    first = tasks.load_lm_corpus("tinystories", tmp_path, chunk_size=5)
     cache = tmp_path / "maskprior-cache"
     before = cache_files(cache)
     assert set(before) == {f"tinystories-v2.{s}.{e}" for s in ("train", "valid") for e in ("bin", "json")}
     assert (cache / "tinystories-v2.train.bin").stat().st_size == 2 * len(first["train"])
 
-    monkeypatch.setattr(T, "iter_tinystories_tokens", lambda *a, **k: pytest.fail("re-tokenised"))
-    second = T.load_lm_corpus("tinystories", tmp_path)
+    monkeypatch.setattr(tasks, "iter_tinystories_tokens", lambda *a, **k: pytest.fail("re-tokenised"))
+    second = tasks.load_lm_corpus("tinystories", tmp_path)
     assert cache_files(cache) == before
     assert second["train"].tolist() == first["train"].tolist()
     monkeypatch.undo()
 
     write(tmp_path / "TinyStoriesV2-GPT4-valid.txt", "Changed.\n<|endoftext|>\n")
-    third = T.load_lm_corpus("tinystories", tmp_path)
+    third = tasks.load_lm_corpus("tinystories", tmp_path)
     assert third["valid"].tolist() == list(b"Changed.") + [256]
     after = cache_files(cache)
     assert after["tinystories-v2.train.bin"] == before["tinystories-v2.train.bin"]  # train not rebuilt
@@ -3339,12 +3343,12 @@ def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
         yield np.array([1, 2, 3], dtype=np.uint16)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(T, "iter_tinystories_tokens", interrupted)
+    monkeypatch.setattr(tasks, "iter_tinystories_tokens", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        T.load_lm_corpus("tinystories", tmp_path)
+        tasks.load_lm_corpus("tinystories", tmp_path)
     assert not (tmp_path / "maskprior-cache").exists()               # no half file, no temp file, no folder
     monkeypatch.undo()
-    assert T.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
+    assert tasks.load_lm_corpus("tinystories", tmp_path)["train"].tolist() == reference_bytes(STORIES.encode())
 
 
 def test_fallback_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatch):
@@ -3352,22 +3356,22 @@ def test_fallback_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatch):
     write(data / "maskprior-cache", "a file, so the cache folder cannot be created here")
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
-    corpus = T.load_lm_corpus("tinystories", data)
+    corpus = tasks.load_lm_corpus("tinystories", data)
     folders = list((home / ".cache" / "maskprior").iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("data-") and len(folders[0].name) == 5 + 16
-    assert folders[0] == T.default_cache_dirs(data)[1]
+    assert folders[0] == tasks.default_cache_dirs(data)[1]
     assert (folders[0] / "tinystories-v2.train.bin").is_file()
     assert corpus["train"].tolist() == reference_bytes(STORIES.encode())
     # Another data_dir with the same folder name gets its own cache folder.
     other = make_tinystories(tmp_path / "elsewhere" / "data", train="Other.\n")
     write(other / "maskprior-cache", "blocked")
-    assert T.load_lm_corpus("tinystories", other)["train"].tolist() == list(b"Other.") + [256]
+    assert tasks.load_lm_corpus("tinystories", other)["train"].tolist() == list(b"Other.") + [256]
     assert len(list((home / ".cache" / "maskprior").iterdir())) == 2
 
 
 def test_explicit_cache_dir(tmp_path):
     make_wikitext(tmp_path / "data")
-    T.load_lm_corpus("wikitext2", tmp_path / "data", cache_dir=tmp_path / "c")
+    tasks.load_lm_corpus("wikitext2", tmp_path / "data", cache_dir=tmp_path / "c")
     assert (tmp_path / "c" / "wikitext2-tokens.train.bin").is_file()
     assert not (tmp_path / "data" / "maskprior-cache").exists()
 
@@ -3379,17 +3383,17 @@ def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, c
     keeps the cache."""
     if corpus == "cifar10":
         x, y = _images(10), np.arange(10) % 10
-        W.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
+        datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:4], y[:4])
         source = tmp_path / "cifar-10-batches-py" / "test_batch"
-        load = lambda: T.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
+        load = lambda: tasks.load_image_dataset("cifar10", str(tmp_path))["test"][0]   # noqa: E731
     elif corpus == "wikitext2":
         _write_text_corpus(tmp_path)
         source = tmp_path / "wikitext-2" / "wiki.valid.tokens"
-        load = lambda: np.array(T.load_lm_corpus("wikitext2", tmp_path)["valid"])   # noqa: E731
+        load = lambda: np.array(tasks.load_lm_corpus("wikitext2", tmp_path)["valid"])   # noqa: E731
     else:
         make_tinystories(tmp_path)
         source = next(tmp_path.rglob("*-valid.txt"))
-        load = lambda: np.array(T.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
+        load = lambda: np.array(tasks.load_lm_corpus("tinystories", tmp_path)["valid"])   # noqa: E731
     first = load()
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10 ** 9))    # a touch: same bytes
     assert np.array_equal(load(), first)
@@ -3407,7 +3411,7 @@ def test_a_cache_sees_a_source_replaced_with_the_same_size_and_mtime(tmp_path, c
 # ---------------------------------------------------------------------------------------- tasks.py: LMTask
 
 def test_lm_patterns_follow_the_alibi_slopes():
-    p = T.lm_patterns(300, 4)
+    p = tasks.lm_patterns(300, 4)
     assert p.shape == (4, 300, 300) and not (p & ~mp.causal_pattern(300)).any()
     assert [int(p[h, 299].sum()) for h in range(4)] == [5, 17, 65, 257]      # windows 4, 16, 64, 256
     m = mp.causal_distance_logits(300, 4)
@@ -3466,7 +3470,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     d = tmp_path / "data"
     d.mkdir()
     if held == "cifar-10-batches-py":
-        W.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
+        datafetch.write.write_cifar10_python(str(d), _images(10), np.arange(10), _images(2), np.arange(2))
     elif held == "cifar-10-batches-bin":
         (d / "cifar-10-batches-bin").mkdir()
         (d / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(bytes(3073))
@@ -3486,7 +3490,7 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     cifar = "cifar" in held or "batches" in held
     command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
     if cifar:
-        monkeypatch.setattr(W, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
+        monkeypatch.setattr(datafetch.write, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
     assert train.main(command) == 2
     err = capsys.readouterr().err.strip()
     assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
@@ -3494,14 +3498,14 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
         {"cifar-10-batches-py"} if held.startswith("an empty") else set()))
     # an interrupted write into a fresh folder leaves nothing of the new set
     fresh, calls = tmp_path / "fresh", []
-    real = RF.atomic_write
+    real = runfiles.atomic_write
 
     def interrupted(path, data):
         calls.append(path)
         if len(calls) == 3:
             raise KeyboardInterrupt
         real(path, data)
-    monkeypatch.setattr(W, "atomic_write", interrupted)
+    monkeypatch.setattr(datafetch.write, "atomic_write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.main(["make-digits", str(fresh)] if cifar else ["make-wikitext", str(fresh), *map(str, texts)])
     assert len(calls) == 3 and os.listdir(fresh) == []
@@ -3514,7 +3518,7 @@ def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
     _extra("sklearn")
     assert train.main(["make-digits", str(tmp_path / "digits")]) == 0
     assert "wrote 1500 train / 297 test digits" in capsys.readouterr().out
-    d = T.read_cifar(str(tmp_path / "digits"), "cifar10")
+    d = tasks.read_cifar(str(tmp_path / "digits"), "cifar10")
     assert d["train"][0].shape == (1500, 3, 32, 32) and len(d["test"][1]) == 297
     assert set(d["train"][1].tolist()) == set(range(10)) and d["train"][0].max() == 255
     assert sorted(os.listdir(tmp_path / "digits")) == ["cifar-10-batches-py"]
@@ -3522,10 +3526,10 @@ def test_make_digits_writes_a_set_the_cifar_reader_reads(tmp_path, capsys):
 
 
 def test_wikitext_tokenize_and_layout(tmp_path):
-    assert W.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
+    assert datafetch.write.wikitext_tokenize("A well-known 1,000-page book, 3.5 cm.") == \
         ["A", "well", "@-@", "known", "1", "@,@", "000", "@-@", "page", "book", ",", "3", "@.@", "5", "cm", "."]
     arts = [(f"Title {i}", ["the cat sat on the mat .", "the dog sat ."]) for i in range(12)]
-    out = W.write_wikitext_layout(arts, str(tmp_path))
+    out = datafetch.write.write_wikitext_layout(arts, str(tmp_path))
     text = open(os.path.join(out, "wiki.train.tokens")).read()
     assert text.startswith(" \n = Title <unk> = \n \n the cat sat on the mat . \n \n")
     assert " = Title <unk> = " in open(os.path.join(out, "wiki.valid.tokens")).read()
@@ -3551,8 +3555,6 @@ import tarfile  # noqa: E402
 import threading  # noqa: E402
 import zipfile  # noqa: E402
 
-from datafetch import download as DL  # noqa: E402
-from datafetch import imagenet100 as IN  # noqa: E402
 
 
 class LoopServer:
@@ -3636,9 +3638,9 @@ def _zip(folder: Path, top: str) -> bytes:
     return buf.getvalue()
 
 
-def _entry(name: str, data: bytes, target: str, unpacked: int = 0) -> DL.File:
+def _entry(name: str, data: bytes, target: str, unpacked: int = 0) -> datafetch.download.File:
     """A File of the test's own checksum table (the pinned ones describe the real releases)."""
-    return DL.File(f"https://example.invalid/{name}", len(data), hashlib.sha256(data).hexdigest(), target,
+    return datafetch.download.File(f"https://example.invalid/{name}", len(data), hashlib.sha256(data).hexdigest(), target,
                    md5=hashlib.md5(data).hexdigest(), max_unpacked=unpacked)
 
 
@@ -3665,12 +3667,12 @@ def fixture_sets(tmp_path):
 def test_download_fetches_checks_and_unpacks_a_set_whole(name, tmp_path, loop_server, fixture_sets, capsys):
     table, blobs = fixture_sets
     server, data = loop_server(blobs), tmp_path / "data"
-    assert DL.download([name], str(data), server.base + "/good", table) == 0
-    assert T.TASKS[name].locate(str(data))                     # its reader finds it, where reproduce.sh looks
+    assert datafetch.download.download([name], str(data), server.base + "/good", table) == 0
+    assert tasks.TASKS[name].locate(str(data))                     # its reader finds it, where reproduce.sh looks
     assert sorted(os.listdir(data)) == sorted(f.target for f in table[name])    # no .part, no staging folder left
     out = capsys.readouterr().out
     assert "100%" in out and out.count("%  ") <= 10 * len(table[name]) and "is in place" in out
-    assert DL.download([name], str(data), server.base + "/e404", table) == 0          # there: no request made
+    assert datafetch.download.download([name], str(data), server.base + "/e404", table) == 0          # there: no request made
     assert "already there; left as it is" in capsys.readouterr().out and len(server.ranges) == len(table[name])
 
 
@@ -3681,8 +3683,8 @@ def test_download_refuses_a_corrupt_file_naming_both_sums_and_keeps_nothing(tmp_
     server, data = loop_server({"cifar-10-python.tar.gz": bytes(bad)}), tmp_path / "data"
     (data / "notes").mkdir(parents=True)
     before = _tree(data)
-    with pytest.raises(T.DataError) as e:
-        DL.download(["cifar10"], str(data), server.base + "/good", table)
+    with pytest.raises(tasks.DataError) as e:
+        datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
     text = str(e.value)
     assert hashlib.sha256(bytes(bad)).hexdigest() in text and table["cifar10"][0].sha256 in text and "\n" not in text
     assert _tree(data) == before
@@ -3692,13 +3694,13 @@ def test_download_cut_short_resumes_from_its_part_with_a_range_request(tmp_path,
     table, blobs = fixture_sets
     server, data = loop_server(blobs), tmp_path / "data"
     size = len(blobs["cifar-10-python.tar.gz"])
-    with pytest.raises(T.DataError, match="run the same command again to resume"):
-        DL.download(["cifar10"], str(data), server.base + "/cut", table)
+    with pytest.raises(tasks.DataError, match="run the same command again to resume"):
+        datafetch.download.download(["cifar10"], str(data), server.base + "/cut", table)
     assert os.listdir(data) == ["cifar-10-python.tar.gz.part"]
     assert (data / "cifar-10-python.tar.gz.part").stat().st_size == size // 2
-    DL.download(["cifar10"], str(data), server.base + "/good", table)
+    datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
     assert server.ranges == [None, f"bytes={size // 2}-"] and os.listdir(data) == ["cifar-10-batches-py"]
-    assert T.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
+    assert tasks.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
 
 
 @pytest.mark.parametrize("member", [("cifar-10-batches-py/../../evil", tarfile.REGTYPE, b"x"),
@@ -3715,8 +3717,8 @@ def test_download_refuses_an_unsafe_archive_and_leaves_the_folder_as_it_was(memb
     table = {"cifar10": (_entry("cifar-10-python.tar.gz", blob, "cifar-10-batches-py", 1 << 20),)}
     server = loop_server({"cifar-10-python.tar.gz": blob})
     data.mkdir()
-    with pytest.raises(T.DataError, match="refused, nothing unpacked"):
-        DL.download(["cifar10"], str(data), server.base + "/good", table)
+    with pytest.raises(tasks.DataError, match="refused, nothing unpacked"):
+        datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
     assert os.listdir(data) == [] and not (tmp_path / "evil").exists()
 
 
@@ -3725,8 +3727,8 @@ def test_download_server_errors_and_stalls_are_one_line(mode, words, tmp_path, l
     table, blobs = fixture_sets
     server, data = loop_server(blobs), tmp_path / "data"
     t0 = time.monotonic()
-    with pytest.raises(T.DataError, match=words) as e:
-        DL.download(["cifar10"], str(data), f"{server.base}/{mode}", table, timeout=0.5)
+    with pytest.raises(tasks.DataError, match=words) as e:
+        datafetch.download.download(["cifar10"], str(data), f"{server.base}/{mode}", table, timeout=0.5)
     assert "\n" not in str(e.value) and time.monotonic() - t0 < 2.5
     assert (os.listdir(data) == ["cifar-10-python.tar.gz.part"]) if mode == "stall" else not data.exists()
 
@@ -3756,7 +3758,7 @@ def test_progress_draws_a_bar_on_a_terminal_and_lines_in_a_log():
             return True
     tty, log = Tty(), io.StringIO()
     for stream in (tty, log):
-        p = DL.Progress(1000, 0, stream)
+        p = datafetch.download.Progress(1000, 0, stream)
         for got in range(50, 1001, 50):
             p.update(got)
         p.done()
@@ -3765,18 +3767,18 @@ def test_progress_draws_a_bar_on_a_terminal_and_lines_in_a_log():
 
 
 def test_pinned_sources_name_their_sums_and_the_readers_folders():
-    for name, files in DL.SOURCES.items():
+    for name, files in datafetch.download.SOURCES.items():
         for f in files:
             assert len(f.sha256) == 64 and f.size > 0 and f.url.endswith("/" + f.name)
             assert (f.md5 is not None) == name.startswith("cifar") or name == "wikitext2"
-    assert [f.target for f in DL.SOURCES["wikitext2"]] == [T.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")]
+    assert [f.target for f in datafetch.download.SOURCES["wikitext2"]] == [tasks.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")]
 
 
 # ---- imagenet100: the 100 classes from an ImageNet-1k folder
 
 def _imagenet1k(root: Path, skip=()) -> Path:
     for split in ("train", "val"):
-        for w in T.IMAGENET100_WNIDS + ("n99999999",):             # one class not of the 100
+        for w in tasks.IMAGENET100_WNIDS + ("n99999999",):             # one class not of the 100
             if (split, w) not in skip:
                 write(root / split / w / f"{w}_{split}.JPEG", f"{split} {w}")
     return root
@@ -3784,13 +3786,13 @@ def _imagenet1k(root: Path, skip=()) -> Path:
 
 def test_imagenet100_builds_the_tree_with_hard_links(tmp_path):
     src, data = _imagenet1k(tmp_path / "in1k"), tmp_path / "data"
-    line = IN.build(str(src), str(data))
+    line = datafetch.imagenet100.build(str(src), str(data))
     assert "200 images, hard links" in line and os.listdir(data) == ["imagenet100"]
-    assert T.imagenet100_layout(str(data / "imagenet100")) == "folder"
-    assert sorted(os.listdir(data / "imagenet100" / "val")) == sorted(T.IMAGENET100_WNIDS)
-    w = T.IMAGENET100_WNIDS[5]
+    assert tasks.imagenet100_layout(str(data / "imagenet100")) == "folder"
+    assert sorted(os.listdir(data / "imagenet100" / "val")) == sorted(tasks.IMAGENET100_WNIDS)
+    w = tasks.IMAGENET100_WNIDS[5]
     assert os.path.samefile(data / "imagenet100" / "train" / w / f"{w}_train.JPEG", src / "train" / w / f"{w}_train.JPEG")
-    assert "already there; left as it is" in IN.build(str(src), str(data))
+    assert "already there; left as it is" in datafetch.imagenet100.build(str(src), str(data))
 
 
 def test_imagenet100_copies_where_links_are_refused(tmp_path, monkeypatch):
@@ -3798,15 +3800,15 @@ def test_imagenet100_copies_where_links_are_refused(tmp_path, monkeypatch):
 
     def refuse(*a, **k):
         raise OSError(errno.EXDEV, "cross-device link")
-    monkeypatch.setattr(IN.os, "link", refuse)
-    assert "0 hard links, 200 copies" in IN.build(str(src), str(data))
-    w = T.IMAGENET100_WNIDS[0]
+    monkeypatch.setattr(datafetch.imagenet100.os, "link", refuse)
+    assert "0 hard links, 200 copies" in datafetch.imagenet100.build(str(src), str(data))
+    w = tasks.IMAGENET100_WNIDS[0]
     assert (data / "imagenet100" / "val" / w / f"{w}_val.JPEG").read_text() == f"val {w}"
 
 
 @pytest.mark.parametrize("case", ["missing class", "empty class", "a symlink"])
 def test_imagenet100_refuses_an_incomplete_source_and_builds_nothing(case, tmp_path):
-    w = T.IMAGENET100_WNIDS[7]
+    w = tasks.IMAGENET100_WNIDS[7]
     src = _imagenet1k(tmp_path / "in1k", skip={("val", w)} if case == "missing class" else ())
     if case == "empty class":
         (src / "val" / w / f"{w}_val.JPEG").unlink()
@@ -3814,8 +3816,8 @@ def test_imagenet100_refuses_an_incomplete_source_and_builds_nothing(case, tmp_p
         os.symlink("/etc/hostname", src / "train" / w / "x.JPEG")
     data = tmp_path / "data"
     data.mkdir()
-    with pytest.raises(T.DataError, match="nothing built"):
-        IN.build(str(src), str(data))
+    with pytest.raises(tasks.DataError, match="nothing built"):
+        datafetch.imagenet100.build(str(src), str(data))
     assert os.listdir(data) == []
     assert train.main(["imagenet100", "--from", str(src), "--data", str(data)]) == 2
 
@@ -3829,7 +3831,7 @@ def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
     dests = set(vars(args)) - {"command"}
     assert explicit == set() and dests == set(train.DEFAULTS)
     assert all(getattr(args, d) is train.UNSET for d in dests)
-    for name, cls in T.TASKS.items():
+    for name, cls in tasks.TASKS.items():
         for preset in cls.presets():
             assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
         assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
@@ -3885,14 +3887,14 @@ def _context(name: str, broken: str | None, data: str) -> list:
     `broken` (None: everything holds)."""
     needs = train.NEEDS.get(name, {})
     def fits(task):
-        cls = T.TASKS[task]
+        cls = tasks.TASKS[task]
         takes = name not in train.TASK_FLAGS or name in cls.options()
         kind_ok = "kind" not in needs or cls.KIND in needs["kind"]
         if broken == "task option":
             return not takes
         return takes and (not kind_ok if broken == "kind" else kind_ok)
     task = next(t for t in APPLY_TASKS if fits(t))
-    cls = T.TASKS[task]
+    cls = tasks.TASKS[task]
     argv = ["--task", task] + (["--data-dir", data] if cls.KIND in ("vision", "lm") else [])
     def give(key, value):
         argv.extend(["--" + key.replace("_", "-"), *([str(value)] if value is not None else _flag_value(key))])
@@ -3958,20 +3960,20 @@ def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
 def test_presets_say_model_size_and_recipe_apart(monkeypatch):
     """Every preset is a model part (architecture flags only) and a recipe part (no architecture flag); the
     flat preset is their union, and a preset with anything else in it is an error, not ignored."""
-    for name, cls in T.TASKS.items():
+    for name, cls in tasks.TASKS.items():
         for preset in cls.presets():
             model, recipe = cls.preset_parts(preset)
             assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
             assert cls.preset(preset) == {**model, **recipe}
-    assert T.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
-    monkeypatch.setitem(T.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
+    assert tasks.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
+    monkeypatch.setitem(tasks.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
     with pytest.raises(ValueError, match=r"Addition.PRESETS\['small'\] holds \['steps'\]; a preset has a 'model'"):
-        T.Addition.preset("small")
+        tasks.Addition.preset("small")
 
 
 def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
     resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
-    monkeypatch.setitem(T.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
+    monkeypatch.setitem(tasks.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
                                                              "recipe": dict(steps=6000)})
     args = resolve("--task", "multiplication")
     assert (args.answer_order, args.impulse, args.steps, args.lr) == ("lsb", "random", 6000, 1e-3)
@@ -4157,7 +4159,7 @@ def test_task_options_are_declared_once():
     checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
     unchecked = train.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
     assert unchecked == set(), f"task options with no range test: {sorted(unchecked)}"
-    for name, cls in T.TASKS.items():
+    for name, cls in tasks.TASKS.items():
         params = {**inspect.signature(cls.build).parameters, **inspect.signature(cls).parameters}
         for option in set(cls.options()) & train.TASK_FLAGS:
             if train.DEFAULTS[option] is not None:
@@ -4246,7 +4248,7 @@ def test_vit_mlp_width_is_the_flag_given():
     """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
     args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
                                             "--heads", "4"]))
-    task = T.make_task("cifar10", data_dir=".", heads=4)
+    task = tasks.make_task("cifar10", data_dir=".", heads=4)
     model = mp.ViT(train.model_config(args, task))
     assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
 
@@ -4279,8 +4281,8 @@ def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_di
 def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_were(image_dir):
     """Every vision preset's prior is the soft bump; `impulse` and `qk-svd` under it write the weights they write
     with the impulse pattern (they read the bump's centre)."""
-    for preset in T.TASKS["cifar10"].presets():
-        assert T.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
+    for preset in tasks.TASKS["cifar10"].presets():
+        assert tasks.TASKS["cifar10"].preset(preset)["pattern"] == "soft"
     argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
             "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
     for init in ("impulse", "qk-svd"):
@@ -4306,7 +4308,7 @@ def test_a_discovered_pattern_runs_and_is_recorded(tmp_path, capsys):
                                                 "noise_level": pytest.approx(0.0236, abs=1e-4),
                                                 "largest": pytest.approx(0.8889, abs=1e-4)}}
     assert torch.equal(torch.load(os.path.join(out, "prior.pt"), weights_only=True)["pattern"],
-                       T.make_task("parity2", readout="mean").pattern())       # the preset layout
+                       tasks.make_task("parity2", readout="mean").pattern())       # the preset layout
 
 
 @pytest.mark.slow
@@ -4317,13 +4319,13 @@ def test_slow_work_says_its_size_and_an_estimate_before_it_starts(tmp_path, caps
     argv = [*TINY[:-2], "--eval-points", "64", "--init", "mask", "--pattern", "discovered", "--steps", "2"]
     assert train.main([*argv, "--out", str(tmp_path / "quiet")]) == 0
     assert "finding the pattern" not in (said := capsys.readouterr().out) and "the final evaluation" not in said
-    monkeypatch.setattr(T, "WALSH_RATE", 1e3)
-    evaluate = T.BooleanTask.evaluate
+    monkeypatch.setattr(tasks, "WALSH_RATE", 1e3)
+    evaluate = tasks.BooleanTask.evaluate
 
     def slow(self, model, points=None):
         time.sleep(0.05 if points else 0)
         return evaluate(self, model, points)
-    monkeypatch.setattr(T.BooleanTask, "evaluate", slow)
+    monkeypatch.setattr(tasks.BooleanTask, "evaluate", slow)
     assert train.main([*argv, "--out", str(tmp_path / "slow")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("finding the pattern in the training data: 575 Walsh sets of up to 3 bits over 24,576 "
@@ -4345,7 +4347,7 @@ def _teacher(tmp_path, *changes, name="teacher"):
 
 @pytest.mark.slow
 def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path, capsys):
-    """--prior-from RUN: the student's M is the one the teacher's attention gives (`T.Task.teacher_prior` of
+    """--prior-from RUN: the student's M is the one the teacher's attention gives (`tasks.Task.teacher_prior` of
     `mp.mean_attention` on the teacher's training inputs), prior.pt holds it (readable with weights_only=True),
     result.json records the teacher's folder and run id and the found pattern's precision and recall against
     the hand pattern, args.json the folder; the QK inits fit the found pattern; the run resumes exactly."""
@@ -4362,7 +4364,7 @@ def test_a_prior_from_a_teacher_run_is_read_saved_and_recorded(tmp_path, capsys)
     saved = torch.load(os.path.join(out, "prior.pt"), weights_only=True)
     model = mp.Transformer(mp.TransformerConfig(**tck["model_config"]))
     model.load_state_dict(tck["model"])
-    task = T.make_task("parity2", readout="mean").setup()
+    task = tasks.make_task("parity2", readout="mean").setup()
     want, logits = task.teacher_prior(mp.mean_attention(model.eval(), task.teacher_inputs(16)), "pattern", 1.01, 5.0,
                                       5.0)
     assert torch.equal(saved["pattern"], want) and torch.equal(saved["logits"], logits)
@@ -4409,7 +4411,7 @@ def test_a_teacher_s_fit_is_its_accuracy_on_the_training_inputs_its_attention_is
         elif family == "vision":
             want = (model(task.teacher_inputs(16)).argmax(-1) == task.y_train[:16]).float().mean()
         else:
-            x, y = next(T.eval_windows(task.train, task.context, 16))
+            x, y = next(tasks.eval_windows(task.train, task.context, 16))
             want = (model(x).argmax(-1) == y).float().mean()
     assert 0 <= fit <= 1 and fit == pytest.approx(float(want))
     assert type(task).TEACHER_MIN_FIT == {"boolean": 0.95, "arithmetic": 0.9, "vision": 0.5, "lm": 0.2}[family]
@@ -4420,7 +4422,7 @@ def _save_checkpoint(path, contents: dict) -> None:
     buf = io.BytesIO()
     torch.save(contents, buf)
     payload = buf.getvalue()
-    torch.save({"format": RF.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
+    torch.save({"format": runfiles.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
 
 
 @pytest.mark.slow
@@ -4678,7 +4680,7 @@ def test_qk_inits_run(tmp_path, init):
 @pytest.mark.parametrize("init", ["default", "mask", "qk-svd", "qk-opt", "mimetic", "impulse", "mask-impulse"])
 def test_vision_run_every_init(tmp_path, init):
     x, y = _images(64), np.arange(64) % 10
-    W.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "2",
                         "--layers", "1", "--dim", "24", "--heads", "3", "--mlp-dim", "48", "--patch-size", "8",
                         "--batch-size", "16", *_qk_opt(init, 20), "--probe-size", "8")
@@ -4708,7 +4710,7 @@ SMOKE_FLAGS = {"boolean": ["--eval-points", "64"], "arithmetic": ["--eval-points
 def _smoke_data(root: Path, task: str) -> list:
     """The --data-dir flags of a task that reads files: a tiny release in the task's real layout."""
     if task == "cifar10":
-        W.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
+        datafetch.write.write_cifar10_python(str(root), _images(20), np.arange(20) % 10, _images(4, 1), np.arange(4))
     elif task == "cifar100":
         py = root / "cifar-100-python"
         py.mkdir(parents=True)
@@ -4728,14 +4730,14 @@ def _smoke_data(root: Path, task: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task, init", [(t, i) for t, cls in T.TASKS.items() for i in cls.inits()])
+@pytest.mark.parametrize("task, init", [(t, i) for t, cls in tasks.TASKS.items() for i in cls.inits()])
 def test_every_task_trains_with_every_init(tmp_path, task, init):
     """Two steps of a one-layer model for each registered task and each init it offers: the run ends with a
     result and, for an init that writes a prior, a prior mass at the start."""
     out = str(tmp_path / "run")
     argv = ["--task", task, "--init", init, "--steps", "2", "--log-every", "1", "--layers", "1", "--dim", "16",
             "--heads", "2", "--mlp-dim", "16", "--batch-size", "4", "--probe-size", "4", *_qk_opt(init, 5),
-            *SMOKE_FLAGS[T.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
+            *SMOKE_FLAGS[tasks.TASKS[task].KIND], *_smoke_data(tmp_path / "data", task), "--out", out]
     assert train.main(argv) == 0
     res = json.load(open(os.path.join(out, "result.json")))
     assert res["task"] == task and res["init"] == init and res["steps"] == 2 and res["metrics"]
@@ -4773,7 +4775,7 @@ def test_cuda_training_run(tmp_path):
 def test_cuda_vision_run_bf16(tmp_path, init):
     """The vision path on a GPU: data resident on the device, bf16 autocast, masked attention backward."""
     x, y = _images(64), np.arange(64) % 10
-    W.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
+    datafetch.write.write_cifar10_python(str(tmp_path), x, y, x[:16], y[:16])
     rc, out = run_train(tmp_path, "--task", "cifar10", "--data-dir", tmp_path, "--init", init, "--steps", "3",
                         "--device", "cuda", "--layers", "2", "--dim", "48", "--heads", "3", "--mlp-dim", "96",
                         "--batch-size", "16", "--probe-size", "8")
@@ -4985,7 +4987,7 @@ def test_the_eta_counts_every_evaluation_left_and_the_final_one_over_the_whole_t
     """A run's ETA is its steps at the training rate, plus each log step's evaluation as long as the last one took,
     plus the final evaluation over the whole test set (a Boolean task at --eval-points 2048 on a 32,768-point cube:
     16 log evaluations' worth), nothing once that is done; before a resumed run has timed one, the steps alone."""
-    task = T.make_task("parity2").setup()
+    task = tasks.make_task("parity2").setup()
     config = train.resolve(*train.parse_args(["--task", "parity2", "--steps", "600", "--log-every", "30",
                                               "--eval-points", "2048"]))
     state = types.SimpleNamespace(config=config, task=task, eval_seconds=0.5)
@@ -4994,7 +4996,7 @@ def test_the_eta_counts_every_evaluation_left_and_the_final_one_over_the_whole_t
     assert train.eta(state, 599, 10.0) == pytest.approx(0.1 + 0.5 * 16)
     assert train.eta(state, 600, 10.0) == 0.0                     # the last log step was the final evaluation
     assert train.eta(types.SimpleNamespace(config=config, task=task, eval_seconds=None), 30, 10.0) == pytest.approx(57)
-    assert T.make_task("addition").setup().final_cost(500) == 20.0 and task.final_cost(0) == 1.0
+    assert tasks.make_task("addition").setup().final_cost(500) == 20.0 and task.final_cost(0) == 1.0
 
 
 @pytest.mark.slow
@@ -5157,7 +5159,7 @@ def test_language_models_default_to_the_relative_prior_and_a_checkpoint_without_
     """Language models take the relative prior by default. A checkpoint holds every flag of its version: one
     whose config lacks one (a run of another version, or an edited file, its sha256 recomputed) is one line."""
     args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
-    assert args.mask_param == "relative" and T.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
+    assert args.mask_param == "relative" and tasks.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
     out = str(tmp_path / "old")
     common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
               "--mlp-dim", "16", "--context", "16", "--val-tokens", "200", "--steps", "6", "--log-every", "3",
@@ -5246,7 +5248,7 @@ def test_resume_on_other_data_is_refused_and_on_the_same_data_moved_goes_on(tmp_
     assert train.main([*common, "--data-dir", image_dir, "--out", out]) == 0
     other = tmp_path / "other"
     x = 255 - _images(40)
-    W.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
+    datafetch.write.write_cifar10_python(str(other), x, np.arange(40) % 10, x[:8], np.arange(8) % 10)
     before = _tree(out)
     capsys.readouterr()
     assert train.main(["--resume", "--out", out, "--data-dir", str(other)]) == 2
@@ -5511,12 +5513,12 @@ def test_summarize_and_report_from_hand_written_runs(tmp_path):
     (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
     bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
     (bad / "result.json").write_text("{not json")                           # corrupt
-    table = R.summarize([str(boolean)])
+    table = reporting.report.summarize([str(boolean)])
     row = next(line for line in table.splitlines() if line.startswith("| mask |"))
     assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
     assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
     assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
-    written = R.report(str(runs), str(tmp_path / "results"))
+    written = reporting.report.report(str(runs), str(tmp_path / "results"))
     names = sorted(os.path.basename(p) for p in written)
     assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
     csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
@@ -5539,7 +5541,7 @@ def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsy
         shutil.copytree(a, runs / f"parity2-mask-s0.backup{i}")
     assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(runs / "rerun")]) == 0
     assert train.main([*TINY, "--init", "mask", "--steps", "4", "--seed", "1", "--out", str(runs / "seed1")]) == 0
-    table = R.summarize([str(runs)])
+    table = reporting.report.summarize([str(runs)])
     assert "| mask | 0,1 |" in table
     for i in range(8):
         assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
@@ -5555,21 +5557,21 @@ def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved
     the same set at another path is the same run again (result.json's data hash); a result.json without it (an
     earlier version's) is listed, not guessed from --data-dir."""
     x, y = _images(16), np.arange(16) % 10
-    W.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
-    W.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
+    datafetch.write.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
+    datafetch.write.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
     shutil.copytree(tmp_path / "one", tmp_path / "one-again")
     runs = tmp_path / "runs" / "vision"
     common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
               "--batch-size", "8", "--steps", "2", "--log-every", "2", "--probe-size", "4"]
     for name, data in (("a", "one"), ("b", "two"), ("c", "one-again")):
         assert train.main([*common, "--data-dir", str(tmp_path / data), "--out", str(runs / name)]) == 0
-    kept, problems = R.collect_runs([str(runs)])
+    kept, problems = reporting.report.collect_runs([str(runs)])
     assert [os.path.basename(r["run_dir"]) for r in kept] == ["a", "b"]
     assert problems == [f"{runs / 'c'}: the same task, init, seed, flags and data as {runs / 'a'}: counted once"]
     res = json.load(open(runs / "c" / "result.json"))
     del res["data"]
     (runs / "c" / "result.json").write_text(json.dumps(res))
-    kept, problems = R.collect_runs([str(runs)])
+    kept, problems = reporting.report.collect_runs([str(runs)])
     assert len(kept) == 2 and problems == [f"{runs / 'c'}: unreadable result.json ({runs / 'c' / 'result.json'} has "
                                            f"no data)"]
 
@@ -5594,13 +5596,13 @@ def test_mixed_configurations_are_never_averaged(tmp_path):
     _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
     _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
     _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
-    runs, _ = R.collect_runs([str(folder)])
-    groups, notes = R.config_groups(runs)
+    runs, _ = reporting.report.collect_runs([str(folder)])
+    groups, notes = reporting.report.config_groups(runs)
     assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
                                                     "log_every=20, steps=50"]
     assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
                      "its own, never averaged together"]
-    table = R.summarize([str(folder)])
+    table = reporting.report.summarize([str(folder)])
     assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
     assert "| mask | 1 | 30.00 (1 seed) |" in table                       # seed 1 alone, not the mean of three
 
@@ -5621,7 +5623,7 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
         _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
     _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
                data_frac=0.3)
-    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
+    written = {os.path.basename(p) for p in reporting.report.report(str(runs), str(tmp_path / "res"))}
     assert {"visionprior.md", "mult2.md"} <= written
     vision = (tmp_path / "res" / "visionprior.md").read_text()
     assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 (1 seed) |" in vision and "(pattern=local)" in vision
@@ -5630,7 +5632,7 @@ def test_report_writes_the_tables_of_the_two_studies(tmp_path):
     curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
     assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
-    if FIG.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+    if reporting.figures.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
         assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -5640,19 +5642,19 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
         _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
         _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
     _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
-    table = R.ablation([str(grid), str(boolean)])
+    table = reporting.report.ablation([str(grid), str(boolean)])
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
     assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
                                                   ["| mean*", "0.02", "qk-svd"]]
     assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "results"))
     assert any(p.endswith("ablation.md") for p in written)
 
 
 @pytest.fixture
 def readable_figures(monkeypatch):
     """Every figure saved while the test runs (by report, show or anything else) is checked by
-    `FIG.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
+    `reporting.figures.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
     matplotlib = _extra("matplotlib")
     import matplotlib.figure
     seen, save = {}, matplotlib.figure.Figure.savefig
@@ -5660,7 +5662,7 @@ def readable_figures(monkeypatch):
     def checked(fig, *args, **kw):                  # the figure as saved: drawn once, at the save's dpi
         out, dpi = save(fig, *args, **kw), fig.dpi
         fig.set_dpi(kw.get("dpi", dpi))
-        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = FIG.figure_problems(fig, drawn=True)
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = reporting.figures.figure_problems(fig, drawn=True)
         fig.set_dpi(dpi)
         return out
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
@@ -5671,15 +5673,15 @@ def readable_figures(monkeypatch):
 @pytest.mark.slow
 def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
     """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
-    plt = FIG.pyplot()
+    plt = reporting.figures.pyplot()
     fig, axes = plt.subplots(1, 5, figsize=(20, 3))
     for ax in axes[:4]:
         ax.plot([0, 1], [0, 1])
     axes[0].set_title("one title")
     axes[0].text(0.5, 1.0, "one title too", transform=axes[0].transAxes, ha="center", va="bottom")
-    problems = FIG.figure_problems(fig)
+    problems = reporting.figures.figure_problems(fig)
     fig.canvas.print_figure(io.BytesIO(), format="png")            # as the fixture checks: drawn by a save
-    assert FIG.figure_problems(fig, drawn=True) == problems
+    assert reporting.figures.figure_problems(fig, drawn=True) == problems
     assert any("a strip" in p for p in problems) and any("nothing drawn" in p for p in problems)
     assert any("'one title' overlaps 'one title too'" in p or "'one title too' overlaps 'one title'" in p
                for p in problems), problems
@@ -5688,13 +5690,13 @@ def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_pa
     image = ax.imshow([[0.0, 1.0]])
     fig.colorbar(image, ax=ax, label="one")
     fig.add_axes([0.8, 0.1, 0.15, 0.8]).plot([0, 1])            # over the colour bar
-    assert any("overlap" in p and "panels" in p for p in FIG.figure_problems(fig))
+    assert any("overlap" in p and "panels" in p for p in reporting.figures.figure_problems(fig))
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
     ax.plot([0, 1], [0, 1], label="a")
     ax.set_title("fine")
-    assert FIG.figure_problems(fig) == []
-    FIG.save_figure(fig, str(tmp_path / "fine.png"))
+    assert reporting.figures.figure_problems(fig) == []
+    reporting.figures.save_figure(fig, str(tmp_path / "fine.png"))
 
 
 @pytest.mark.slow
@@ -5721,29 +5723,29 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
     for i in range(12):
         _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": 0.05 * i + 0.01 * s} for s in range(4)],
                    kind="vision", tag=f"-p{i}", pattern=f"p{i}", qk_svd_pos_scale=None)
-    pattern = T.make_task("parity2", readout="mean").pattern()
+    pattern = tasks.make_task("parity2", readout="mean").pattern()
     for task in ("parity2", "majority3"):
         for init, tag, flags in (("default", "", {}), ("mask", "", {}), ("mask", "-discovered", {"pattern": "discovered"}),
                                  ("mask", "-teacher", {"prior_from": "T"}), ("qk-svd", "-teacher", {"prior_from": "T"})):
             d = _fake_run(runs / "oraclefree", task, init, 0, 0.75, tag=tag, readout="mean", masses=(0.9, 0.5, 0.4),
                           **flags)
             torch.save({"pattern": pattern, "logits": pattern.float(), "source": {}}, d / "prior.pt")
-    written = {os.path.basename(p) for p in R.report(str(runs), str(tmp_path / "res"))}
+    written = {os.path.basename(p) for p in reporting.report.report(str(runs), str(tmp_path / "res"))}
     assert {"persistence.png", "curves.png", "data_efficiency.png", "visionprior.png", "oraclefree_mass.png",
             "oraclefree_patterns.png", "m_parity2.png"} <= written
     assert any("M at the start" not in k and "parity2 --init mask seed 7" in k for k in readable_figures)
     # redraw: the same figures again from the CSVs beside them alone (the runs deleted), from the same rows
     shutil.rmtree(runs)
     before = {f: (tmp_path / "res" / f).read_bytes() for f in os.listdir(tmp_path / "res") if not f.endswith(".png")}
-    redrawn, left = R.redraw(str(tmp_path / "res"))
+    redrawn, left = reporting.report.redraw(str(tmp_path / "res"))
     assert {os.path.basename(p) for p in redrawn} == {"curves.png", "persistence.png", "data_efficiency.png",
                                                       "visionprior.png"}
     assert left == ["m_parity2.png", "oraclefree_mass.png", "oraclefree_patterns.png"]
     assert before == {f: (tmp_path / "res" / f).read_bytes() for f in before}          # tables and CSVs untouched
-    curves = R.read_rows(str(tmp_path / "res" / "curves.csv"), R.CURVES_HEADER, R._curve_row)
+    curves = reporting.report.read_rows(str(tmp_path / "res" / "curves.csv"), reporting.report.CURVES_HEADER, reporting.report._curve_row)
     assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
-    assert R.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
-    assert len({FIG.line_style(i) for i in range(40)}) == 40 and FIG.line_style(3, "mask") == FIG.INIT_STYLES["mask"]
+    assert reporting.report.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
+    assert len({reporting.figures.line_style(i) for i in range(40)}) == 40 and reporting.figures.line_style(3, "mask") == reporting.figures.INIT_STYLES["mask"]
 
 
 @pytest.mark.slow
@@ -5781,7 +5783,6 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
     _extra("matplotlib")
     from PIL import Image
-    from reporting import show as S
     for init in ("mask", "default"):
         rc, out = run_train(tmp_path, "--task", "parity2", "--init", init, "--steps", "4", "--log-every", "2",
                             "--eval-points", "64", name=init)
@@ -5797,9 +5798,9 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
             assert max(w, h) <= 4 * min(w, h) and min(w, h) > 200
     start = [torch.linspace(-5, 5, 9).expand(3, 9)] * 2             # a relative M: 2 layers, 3 heads, 9 distances
     deep = [torch.randn(3, 5, 5)] * 12                               # ViT-Tiny's 12 layers x 3 heads: blocks wrap
-    for path in (S.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True),
-                 S.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
-                 S.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
+    for path in (reporting.show.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True),
+                 reporting.show.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
+                 reporting.show.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
         w, h = Image.open(path).size
         assert max(w, h) <= 4 * min(w, h), path
     # an image's M as offsets: M[i, j] a function of the patch offset (key - query) comes back as that function
@@ -5808,7 +5809,7 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     m = torch.zeros(2, 1 + g * g, 1 + g * g)
     m[:, 1:, 1:] = 10 * (r[None, :] - r[:, None]) + (c[None, :] - c[:, None])
     dy, dx = torch.meshgrid(torch.arange(-g + 1, g), torch.arange(-g + 1, g), indexing="ij")
-    assert torch.allclose(S.offset_map(m, g, prefix), (10 * dy + dx).float().expand(2, -1, -1))
+    assert torch.allclose(reporting.show.offset_map(m, g, prefix), (10 * dy + dx).float().expand(2, -1, -1))
     before = _tree(tmp_path)
     (tmp_path / "file").write_text("x")
     for argv, words in ((["show", str(tmp_path / "fig-mask")], "no checkpoint"),
@@ -5828,17 +5829,16 @@ def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, re
     `train.py show DIR` of its save_pretrained folder draws M at the end (its start was not saved)."""
     tf = _extra("transformers")
     from PIL import Image
-    from reporting import show as S
     cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
     model = tf.GPT2LMHeadModel(cfg)
     with pytest.raises(ValueError, match="has no mask prior"):
-        S.draw_model(model, str(tmp_path / "none.png"), "plain")
+        reporting.show.draw_model(model, str(tmp_path / "none.png"), "plain")
     retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(32, 4))
     snap = mp.prior_snapshot(model)
     with pytest.raises(ValueError, match="start holds 1 snapshots, the model 2 priors"):
-        S.draw_model(model, str(tmp_path / "bad.png"), "gpt2", snap[:1])
+        reporting.show.draw_model(model, str(tmp_path / "bad.png"), "gpt2", snap[:1])
     assert not (tmp_path / "bad.png").exists()
-    w, h = Image.open(S.draw_model(model, str(tmp_path / "m.png"), "gpt2", snap)).size
+    w, h = Image.open(reporting.show.draw_model(model, str(tmp_path / "m.png"), "gpt2", snap)).size
     assert max(w, h) <= 4 * min(w, h)
     model.save_pretrained(tmp_path / "saved")
     capsys.readouterr()
@@ -5849,12 +5849,12 @@ def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, re
 def test_one_seed_says_so_instead_of_a_spread_of_zero():
     """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
     every form a report writes (a metric, the mass start → end, a cell with its count)."""
-    assert R.mean_std([]) == "" and R.mean_std([0.5]) == "0.50 (1 seed)" and R.mean_std([3.0], digits=0) == "3 (1 seed)"
-    assert R.mean_std([1.0, 1.0]) == "1.00 ± 0.00" and R.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
-    assert R.mean_std([7.0], count=True) == "7.00 (1 seed)"
+    assert reporting.report.mean_std([]) == "" and reporting.report.mean_std([0.5]) == "0.50 (1 seed)" and reporting.report.mean_std([3.0], digits=0) == "3 (1 seed)"
+    assert reporting.report.mean_std([1.0, 1.0]) == "1.00 ± 0.00" and reporting.report.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
+    assert reporting.report.mean_std([7.0], count=True) == "7.00 (1 seed)"
     one = [{"prior_mass_start": 0.9, "prior_mass_end": 0.8}]
-    assert R._mass(one) == "0.90 → 0.80 (1 seed)" and R._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
-    assert R._mass([{}]) == ""
+    assert reporting.report._mass(one) == "0.90 → 0.80 (1 seed)" and reporting.report._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
+    assert reporting.report._mass([{}]) == ""
 
 
 def test_learning_curves_and_steps_to_target(tmp_path):
@@ -5867,7 +5867,7 @@ def test_learning_curves_and_steps_to_target(tmp_path):
     boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
                {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
     _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
-    written = R.report(str(runs), str(tmp_path / "res"))
+    written = reporting.report.report(str(runs), str(tmp_path / "res"))
     assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
     csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
     assert csv[0] == "task,config,init,seed,step,metric,value"
@@ -5886,7 +5886,7 @@ def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
     for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
         _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
     _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
-    R.report(str(runs), str(tmp_path / "res"))
+    reporting.report.report(str(runs), str(tmp_path / "res"))
     rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
             if line.startswith("| parity2")]
     # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
@@ -5911,7 +5911,7 @@ def test_data_efficiency_table(tmp_path):
     # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
     _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
                data_frac=None)
-    written = R.report(str(runs), str(tmp_path / "res"))
+    written = reporting.report.report(str(runs), str(tmp_path / "res"))
     assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
     assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
     text = (tmp_path / "res" / "data_efficiency.md").read_text()
@@ -5930,7 +5930,7 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
     folder = tmp_path / "runs" / "oraclefree"
     acc = {("default", ""): 0.0, ("mask", ""): 1.0, ("mask", "discovered"): 1.0, ("mask", "teacher"): 0.5,
            ("qk-svd", "teacher"): 0.1, ("default", "budget2x"): 0.02}
-    found = T.make_task("parity2", readout="mean").pattern()
+    found = tasks.make_task("parity2", readout="mean").pattern()
     flags = {"": {}, "discovered": {"pattern": "discovered"}, "teacher": {"prior_from": "T"}, "budget2x": {"steps": 1200}}
     for (init, tag), a in acc.items():
         for seed in (0, 1):
@@ -5944,7 +5944,7 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
             torch.save({"pattern": found, "logits": found.float(), "source": res.get("prior_source") or {}},
                        d / "prior.pt")
             (d / "result.json").write_text(json.dumps(res))
-    written = R.report(str(tmp_path / "runs"), str(tmp_path / "res"))
+    written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "res"))
     table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
     assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
                         "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
@@ -5952,14 +5952,14 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
                         "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
     assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
     assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
-    if FIG.pyplot() is not None:
+    if reporting.figures.pyplot() is not None:
         assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
 
 
 def test_oracle_free_rows_and_columns_come_from_the_folder_names():
     """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
     its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
-    cell = lambda name, task, seed: R.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
+    cell = lambda name, task, seed: reporting.report.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
                                                         "seed": seed})
     assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
     assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
@@ -5983,7 +5983,7 @@ def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
     res = json.load(open(out / "result.json"))
     res["metrics"]["acc"] = "high"
     (out / "result.json").write_text(json.dumps(res))
-    table = open(R.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
+    table = open(reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
     assert "metric acc is 'high', not a finite number" in table
 
 
@@ -6123,7 +6123,7 @@ def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
     for p in stale:
         p.write_bytes(b"half")
     (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
-    R.report(str(runs), str(res))
+    reporting.report.report(str(runs), str(res))
     assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()
 
 
@@ -6145,11 +6145,10 @@ def _reproduce(*args, env=None):
 def _planned(only=None, quick=False, data=None, runs="RUNS"):
     """reporting.plan's run list (the one reproduce.sh reads) as lines like reproduce.sh's dry run: the run's folder
     under RUNS, its preset and flags (@RUNS filled in)."""
-    import reporting.plan as P
-    plan = P.run_list(quick, only, (0,), data)
+    plan = reporting.plan.run_list(quick, only, (0,), data)
     preset = "small" if plan.quick else "paper"
     lines = [f"{runs}/{r.table}/{r.name} --preset {preset} {r.flags.replace('@RUNS', runs)} " for r in plan.runs]
-    return lines, P.describe(plan, {})
+    return lines, reporting.plan.describe(plan, {})
 
 
 def test_the_plan_lists_each_table_s_runs():
@@ -6221,7 +6220,7 @@ def _write_layout(data: Path, layout: str) -> str:
     the folder the task's --data-dir names."""
     if layout.startswith("cifar10 "):
         if layout == "cifar10 python":
-            W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
+            datafetch.write.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
         else:
             (data / "cifar-10-batches-bin").mkdir(parents=True)
             for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
@@ -6247,7 +6246,7 @@ def _write_layout(data: Path, layout: str) -> str:
     if layout == "imagenet100 folder":
         from PIL import Image
         for split in ("train", "val"):
-            for label, w in enumerate(T.IMAGENET100_WNIDS):
+            for label, w in enumerate(tasks.IMAGENET100_WNIDS):
                 (data / "imagenet100" / split / w).mkdir(parents=True)
                 if label in (0, 99):
                     Image.fromarray(_images(1, label)[0].transpose(1, 2, 0)).save(
@@ -6276,10 +6275,9 @@ DAMAGED = {   # a layout -> (a file or folder of it, what to do to it, what the 
 @pytest.mark.parametrize("layout", list(DAMAGED))
 def test_the_plan_counts_a_release_present_only_if_its_files_pass_the_header_check(tmp_path, layout):
     """A release whose file is empty, cut short of whole records or not a pickle, or an ImageNet tree with a class
-    folder empty, is not counted as present: the plan skips its runs naming the file (`T.release_file`, the check
+    folder empty, is not counted as present: the plan skips its runs naming the file (`tasks.release_file`, the check
     the readers make before decoding a byte), where the names alone would have counted it."""
-    import reporting.plan as P
-    task, table = layout.split()[0], T.TASKS[layout.split()[0]].KIND
+    task, table = layout.split()[0], tasks.TASKS[layout.split()[0]].KIND
     folder = _write_layout(tmp_path / "data", layout)
     path, damage, words = DAMAGED[layout]
     path = tmp_path / "data" / path
@@ -6288,11 +6286,11 @@ def test_the_plan_counts_a_release_present_only_if_its_files_pass_the_header_che
             f.unlink()
     else:
         path.write_bytes({"empty": b"", "text": b"not a pickle", "cut": path.read_bytes()[:-7]}[damage])
-    skipped = dict(P.run_list(only=table, seeds=(0,), data=str(tmp_path / "data")).skipped[table])
+    skipped = dict(reporting.plan.run_list(only=table, seeds=(0,), data=str(tmp_path / "data")).skipped[table])
     why = next(reason for what, reason in skipped.items() if what.split()[0] == task)
     assert words in why and str(path) in why, why
-    with pytest.raises(T.DataError, match=re.escape(words)):
-        T.TASKS[task].locate(folder)
+    with pytest.raises(tasks.DataError, match=re.escape(words)):
+        tasks.TASKS[task].locate(folder)
 
 
 @pytest.mark.parametrize("layout", ["cifar10 python", "cifar10 binary", "cifar100 python", "cifar100 binary",
@@ -6301,26 +6299,25 @@ def test_the_plan_counts_a_release_present_only_if_its_files_pass_the_header_che
 def test_the_plan_finds_every_layout_the_readers_read(tmp_path, monkeypatch, layout):
     """reproduce.sh's plan counts a dataset's runs in every release layout its reader reads (found by the task's own
     `locate`, then read by the reader train.py uses), and skips them, saying where to get it, in a folder without."""
-    import reporting.plan as P
     task = layout.split()[0]
-    table = T.TASKS[task].KIND
+    table = tasks.TASKS[task].KIND
     data = tmp_path / "data"
     folder = _write_layout(data, layout)
     if table == "vision":
-        got = T.load_image_dataset(task, folder, 32)
+        got = tasks.load_image_dataset(task, folder, 32)
         assert len(got["train"][0]) > 0 and len(got["test"][0]) > 0
     else:
-        assert len(T.load_lm_corpus(task, folder)["train"]) > 0
-    plan = P.run_list(only=table, seeds=(0,), data=str(data))
+        assert len(tasks.load_lm_corpus(task, folder)["train"]) > 0
+    plan = reporting.plan.run_list(only=table, seeds=(0,), data=str(data))
     assert sum(r.task == task for r in plan.runs) == (5 if table == "vision" else 4 if task == "wikitext2" else 2)
     assert not any(what.split()[0] == task for skips in plan.skipped.values() for what, _ in skips)
-    empty = P.run_list(only=table, seeds=(0,), data=str(tmp_path / "empty"))
+    empty = reporting.plan.run_list(only=table, seeds=(0,), data=str(tmp_path / "empty"))
     assert not any(r.task == task for r in empty.runs)
     why = {what.split()[0]: reason for what, reason in empty.skipped[table]}[task]
     assert "not found" in why and ("http" in why or "download" in why)
     if layout == "imagenet100 folder":                      # what else the layout needs is looked for too
         monkeypatch.setitem(sys.modules, "PIL", None)
-        skipped = dict(P.run_list(only=table, seeds=(0,), data=str(data)).skipped[table])
+        skipped = dict(reporting.plan.run_list(only=table, seeds=(0,), data=str(data)).skipped[table])
         assert "needs Pillow: pip install pillow" in skipped["imagenet100 (5 runs)"]
 
 
@@ -6348,7 +6345,7 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert any(line.startswith("resume") and "parity2-default-s0" in line for line in lines)
     assert sum(line.startswith(("start", "resume", "skip")) for line in lines) == 12
     # @DATA and @RUNS filled in: the digits (--data) and the two corpora, teachers read from --runs
-    W.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
+    datafetch.write.write_cifar10_python(str(tmp_path / "digits"), _images(10), np.arange(10), _images(4), np.arange(4))
     for corpus in ("vimtext-a", "vimtext-b"):
         (tmp_path / "digits" / corpus / "wikitext-2").mkdir(parents=True)
         for split in ("train", "valid", "test"):                  # the whole layout the reader reads
@@ -6446,7 +6443,7 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     --data folder with a space reaches train.py as one argument (a stand-in python records its arguments)."""
     fake = _fake_python(tmp_path / "py", 'for a in "$@"; do echo "$a"; done >> "$ARGS_LOG"; echo ok')
     data = tmp_path / "my data &1"
-    W.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
+    datafetch.write.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
     work = tmp_path / "elsewhere"
     work.mkdir()
     r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",
@@ -6543,17 +6540,16 @@ def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_
     """A plan without its data names the commands that fetch it (train.py download for the published sets, train.py
     imagenet100 for ImageNet-100); reproduce.sh --download runs the first, then plans with the sets in; --dry-run only
     says so; a failed download starts no run."""
-    import reporting.plan as P
-    empty = P.run_list(seeds=(0,), data=str(tmp_path / "none"))
+    empty = reporting.plan.run_list(seeds=(0,), data=str(tmp_path / "none"))
     assert empty.absent == ["cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"]
-    fetch = P.fetch_lines(empty)
+    fetch = reporting.plan.fetch_lines(empty)
     assert fetch[0].startswith(f"python train.py download cifar10 cifar100 wikitext2 tinystories --data {tmp_path}")
     assert fetch[1].startswith("python train.py imagenet100 --from IMAGENET_1K_DIR") and len(fetch) == 2
     data = tmp_path / "data"
     _write_layout(data, "cifar10 python")
-    plan = P.run_list(only="vision", seeds=(0,), data=str(data))
+    plan = reporting.plan.run_list(only="vision", seeds=(0,), data=str(data))
     assert plan.absent == ["cifar100", "imagenet100"] and len(plan.runs) == 5
-    assert "fetch: python train.py download cifar100 --data" in P.describe(plan, {})
+    assert "fetch: python train.py download cifar100 --data" in reporting.plan.describe(plan, {})
     r = _reproduce("--dry-run", "--download", "--only", "lm", "--data", str(tmp_path / "none"))
     assert r.returncode == 0 and not (tmp_path / "none").exists()
     assert "--download would fetch wikitext2 tinystories into" in r.stdout and "skipped: lm wikitext2" in r.stdout
@@ -6578,21 +6574,20 @@ def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_
 def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
     """--only mult-ladder: the paper preset, msb and lsb at 5,000 steps, four inits (the partial pattern one of
     them); then, once those results are in, the order of the higher mean sequence accuracy at 20,000 steps."""
-    import reporting.plan as P
-    plan = P.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
+    plan = reporting.plan.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
     names = [r.name for r in plan.runs]
-    assert len(names) == 24 and not plan.quick and plan.items[-1] == P.REPLAN and len(plan.later) == 12
+    assert len(names) == 24 and not plan.quick and plan.items[-1] == reporting.plan.REPLAN and len(plan.later) == 12
     assert {r.flags for r in plan.runs if r.name == "multiplication-mask-s1-lsb-partial"} == {
         "--answer-order lsb --steps 5000 --pattern partial"}
-    assert sorted({r.init for r in plan.runs}) == ["default", "mask", "qk-opt"] and "then   12 runs" in P.describe(plan, {})
+    assert sorted({r.init for r in plan.runs}) == ["default", "mask", "qk-opt"] and "then   12 runs" in reporting.plan.describe(plan, {})
     for r in plan.runs:                          # lsb learns better: its runs average the higher sequence accuracy
         d = tmp_path / r.table / r.name
         d.mkdir(parents=True)
         (d / "result.json").write_text(json.dumps(_fake_result(r.task, r.init, r.seed, {
             "seq_acc": 0.3 if "lsb" in r.tag else 0.2}, r.tag)))
-    chosen = P.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
+    chosen = reporting.plan.run_list(only="mult-ladder", seeds=(0, 1, 2), runs=str(tmp_path))
     later = chosen.runs[24:]
-    assert P.REPLAN not in chosen.items and len(later) == 12 and not chosen.later
+    assert reporting.plan.REPLAN not in chosen.items and len(later) == 12 and not chosen.later
     assert all(r.tag.startswith("lsb-20k") and "--answer-order lsb --steps 20000" in r.flags for r in later)
     # reproduce.sh: the dry run says a stage follows; a stand-in run writes its result, so the plan is read again
     r = _reproduce("--only", "mult-ladder", "--dry-run", "--runs", str(tmp_path / "fresh"))
@@ -6608,10 +6603,9 @@ def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
 
 def test_reproduce_sh_takes_every_table_of_the_plan():
     """reproduce.sh's --only list is the plan's TABLES (a table added there is reachable from the script)."""
-    import reporting.plan as P
     text = open(os.path.join(HERE, "reproduce.sh")).read()
     case = re.search(r'case "\$ONLY" in\n\s*""\|([a-z0-9|-]+)\)', text).group(1).split("|")
-    assert sorted(case) == sorted(P.TABLES)
+    assert sorted(case) == sorted(reporting.plan.TABLES)
 
 
 # ---------------------------------------------------------------------------------------- benchmarks
@@ -6640,8 +6634,7 @@ def test_bench_paper_plans_reproduce_sh_s_runs_and_times_a_table(monkeypatch, ca
     code, out = _bench(monkeypatch, capsys, "bench_paper.py", "--plan")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert code == 0 and len(rows) == 10 and sum(int(row[3]) for row in rows) == 123
-    import reporting.plan as P
-    assert len(P.run_list(data=None).runs) == 123
+    assert len(reporting.plan.run_list(data=None).runs) == 123
     assert {row[1]: row[4] for row in rows}["cifar10"] == "29,400"            # 300 epochs of 98 steps
     code, out = _bench(monkeypatch, capsys, "bench_paper.py", "--quick", "--only", "boolean", "--task", "parity2",
                        "--batch-size", "4", "--steps", "1", "--warmup", "1", "--eval-points", "64", "--starts", "1")
@@ -6788,13 +6781,13 @@ def test_every_guarantee_names_a_test_that_exists():
 def test_every_index_list_goes_through_one_parser(text, words):
     """--bits, --unseen and --terms take ASCII digits in range alone, through `tasks.parse_count`; the token that is
     not is named, cut to 40 characters; a term repeated as another kind (x1 as a parity and a majority) is caught."""
-    for parse in (lambda s: T._parse_bits(s, "bits", 15), lambda s: T.parse_terms(s, 15)):
-        with pytest.raises(T.TaskError, match=re.escape(words)) as err:
+    for parse in (lambda s: tasks._parse_bits(s, "bits", 15), lambda s: tasks.parse_terms(s, 15)):
+        with pytest.raises(tasks.TaskError, match=re.escape(words)) as err:
             parse(text)
         assert len(str(err.value)) < 200
-    assert T._parse_bits(" 0, 1 ", "bits", 15) == (0, 1) and T._count("random:3", "random:", "bits", 15) == 3
-    with pytest.raises(T.TaskError, match="given twice"):
-        T.parse_terms("1:m1", 15)
+    assert tasks._parse_bits(" 0, 1 ", "bits", 15) == (0, 1) and tasks._count("random:3", "random:", "bits", 15) == 3
+    with pytest.raises(tasks.TaskError, match="given twice"):
+        tasks.parse_terms("1:m1", 15)
 
 
 @pytest.mark.parametrize("task, options, stored", [
@@ -6812,7 +6805,7 @@ def test_one_target_is_one_spelling(task, options, stored):
     bits it names) is stored in one (`Task.normal_options`), so one target is one configuration and one report
     row; drawn bits keep 'random:K' and 'bits:J' (the seed names them)."""
     for given in options:
-        assert T.make_task(task, **given).normal_options() == stored, given
+        assert tasks.make_task(task, **given).normal_options() == stored, given
 
 
 def test_a_run_stores_the_one_spelling_and_says_so(tmp_path, capsys):
@@ -6836,7 +6829,7 @@ def test_a_step_times_file_that_is_not_one_is_one_line(tmp_path, text, words):
     from reporting import plan
     path = tmp_path / "step_times.json"
     path.write_text(text)
-    with pytest.raises(RF.ReadError, match=re.escape(words)) as err:
+    with pytest.raises(runfiles.ReadError, match=re.escape(words)) as err:
         plan.step_times(str(path))
     assert str(path) in str(err.value) and "\n" not in str(err.value)
     assert plan.step_times(str(tmp_path / "none.json")) == {} and plan.step_times()      # the committed file reads

@@ -20,31 +20,37 @@ written and checked) -> commands.
 """
 from __future__ import annotations
 
+import argparse
+import collections
+import contextlib
+import copy
+import datetime
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
 import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Callable
 
-STARTED = time.time()       # the process's start, for the wall time the final line prints
+import torch
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import contextlib  # noqa: E402
-import copy  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import uuid  # noqa: E402
-from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
-from typing import Callable  # noqa: E402
+import datafetch.download
+import datafetch.imagenet100
+import datafetch.write
+import inits
+import maskprior as mp
+import maskprior_retrofit as retrofit
+import reporting.report
+import reporting.show
+import runfiles
+import tasks
 
-import torch  # noqa: E402
-
-import inits  # noqa: E402
-import maskprior as mp  # noqa: E402
-import maskprior_retrofit as retrofit  # noqa: E402
-import runfiles as RF  # noqa: E402
-import tasks as T  # noqa: E402
+# the command's start (after its imports), for the wall time the final line prints
+STARTED = time.time()
 
 
 # ----------------------------------------------------------------------------------------
@@ -243,7 +249,7 @@ class Config:
     # boolean
     readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token "
                                       "and mean pooling over the bit tokens; the pattern follows "
-                                      "the layout", metavar="{" + ",".join(T.READOUTS) + "}",
+                                      "the layout", metavar="{" + ",".join(tasks.READOUTS) + "}",
                                 arch=True)
     n_bits: int = bool_(15, "kparity/kmajority/ksum: input bits (default 15)", type=int, arch=True)
     bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; "
@@ -374,7 +380,7 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
 
 COMMANDS = ("train", "summarize", "report", "redraw", "download", "imagenet100", "show", "make-digits", "make-wikitext")
 # bad input: one line, exit status 2 (a busy folder: 75)
-UsageError, BusyError = RF.UsageError, RF.BusyError
+UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 
 
 def say(text: str) -> None:
@@ -415,7 +421,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for name, f in FIELDS.items():
         m = f.metadata
-        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(T.TASKS),
+        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS),
                                                      inits=", ".join(INITS)),
               "action": Once}
         if m["switch"]:
@@ -510,11 +516,11 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
     given), else its default."""
     given = {k: getattr(flags, k) for k in explicit}
     task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
-    if task not in T.TASKS:
-        raise UsageError(f"unknown task {task!r}; choose from {', '.join(T.TASKS)}")
+    if task not in tasks.TASKS:
+        raise UsageError(f"unknown task {task!r}; choose from {', '.join(tasks.TASKS)}")
     if init not in INITS:
         raise UsageError(f"unknown init {init!r}; choose from {', '.join(INITS)}")
-    task_cls = T.TASKS[task]
+    task_cls = tasks.TASKS[task]
     if preset not in task_cls.presets():
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
     for flag, other in ALTERNATIVES.items():
@@ -556,7 +562,7 @@ def flag(name: str) -> str:
 def applied_value(config: Config, key: str):
     """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a
     --pattern or --prior-kind not given: the task's default)."""
-    task = T.TASKS[config.task]
+    task = tasks.TASKS[config.task]
     if key == "kind":
         return task.KIND
     if key == "pattern":
@@ -584,7 +590,7 @@ def check_applies(config: Config, explicit: set) -> None:
     option of the task (its constructor takes it), meet its field's `needs` and come without what
     it `excludes`; else one line naming the flag and what it needs. Runs before anything is built
     or read."""
-    task = T.TASKS[config.task]
+    task = tasks.TASKS[config.task]
     options = [o for o in task.options() if o in FIELDS]
     for name in (n for n in FIELDS if n in explicit):
         if name in TASK_FLAGS and name not in options:
@@ -648,11 +654,11 @@ def validate(config, task, explicit: set):
 # Build: the task, the model, the prior and the init, the optimiser
 
 
-def task_for(config) -> T.Task:
+def task_for(config) -> tasks.Task:
     """The task of config.task, given its options (flags of the same names) and the seed."""
-    options = {k: getattr(config, k) for k in T.TASKS[config.task].options()
+    options = {k: getattr(config, k) for k in tasks.TASKS[config.task].options()
                if k in FIELDS and getattr(config, k) is not None}
-    task = T.make_task(config.task, seed=config.seed, **options)
+    task = tasks.make_task(config.task, seed=config.seed, **options)
     # the task's word on its slow work (the exact MDI), from one process
     task.say = say
     return task
@@ -725,7 +731,7 @@ def build_model(config, task, device):
 
 
 
-def apply_init(model, prior: RF.Prior, config) -> dict:
+def apply_init(model, prior: runfiles.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
     return INITS[config.init].apply(model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
@@ -747,10 +753,10 @@ def read_teacher(config, task) -> Teacher:
     if not os.path.lexists(os.path.join(folder, "result.json")):
         raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end "
                          "first")
-    with RF.RunFolder(folder).reading(flag):
+    with runfiles.RunFolder(folder).reading(flag):
         try:
-            result = RF.read_result(os.path.join(folder, "result.json"))
-        except RF.ReadError as e:
+            result = runfiles.read_result(os.path.join(folder, "result.json"))
+        except runfiles.ReadError as e:
             raise UsageError(f"{flag}: {e}") from None
         ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
     ident = ckpt["identity"]
@@ -778,8 +784,8 @@ def read_teacher(config, task) -> Teacher:
     return Teacher(folder, ckpt, saved)
 
 
-def teacher_prior(config, task, device, teacher: Teacher) -> RF.Prior:
-    """The prior a teacher's attention gives (`T.Task.prior_from_teacher`), its task made from its
+def teacher_prior(config, task, device, teacher: Teacher) -> runfiles.Prior:
+    """The prior a teacher's attention gives (`tasks.Task.prior_from_teacher`), its task made from its
     own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
     teacher_task = task_for(teacher.config).setup(device)
@@ -790,7 +796,7 @@ def teacher_prior(config, task, device, teacher: Teacher) -> RF.Prior:
         return task.prior_from_teacher(teacher_task, ckpt["model_config"], ckpt["model"],
                                        config.probe_size, kind, config.prior_ratio, config.mask_on,
                                        config.mask_off, source, config.teacher_min_fit)
-    except T.TaskError as e:
+    except tasks.TaskError as e:
         raise UsageError(f"--prior-from {teacher.folder}: {e}") from None
 
 
@@ -801,7 +807,7 @@ class Probe:
     of M and Wq Wk^T since `snapshot`, the start). When the pattern constrains no query row there
     is no mass to measure: `no_mass` says why. `autocast` makes the context the model runs in
     (train.py's --amp)."""
-    task: T.Task
+    task: tasks.Task
     pattern: torch.Tensor
     inputs: torch.Tensor
     snapshot: list
@@ -981,7 +987,6 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
     elif device.type != "cpu":
         raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or "
                          "on the CPU (gloo)")
-    import datetime
     try:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                              rank=rank, world_size=world,
@@ -1002,7 +1007,7 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
 class Run:
     """Everything a run carries from its start to its end."""
     config: Config
-    task: T.Task
+    task: tasks.Task
     model: torch.nn.Module
     model_cfg: object
     optimizer: torch.optim.Optimizer
@@ -1010,16 +1015,16 @@ class Run:
     device: torch.device
     init_report: dict
     mass_start: list | None
-    folder: RF.RunFolder | None        # rank 0's (the others never touch the run folder)
+    folder: runfiles.RunFolder | None        # rank 0's (the others never touch the run folder)
     dist: Dist
     step: int = 0
     seconds: float = 0.0            # training time before this invocation
     # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
     run_id: str | None = None
-    data: str | None = None         # the task's data hash (T.Task.data_hash), saved in ckpt.pt
+    data: str | None = None         # the task's data hash (tasks.Task.data_hash), saved in ckpt.pt
     # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
     prior_source: dict | None = None
-    # a new run's prior.pt (`RF.Prior.to_bytes`), written by `begin`
+    # a new run's prior.pt (`runfiles.Prior.to_bytes`), written by `begin`
     prior_file: bytes | None = None
     # its sha256, saved in ckpt.pt: a resume reads back the same file
     prior_sha256: str | None = None
@@ -1055,7 +1060,7 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        line = RF.RunFolder(config.out).failure(e, config.resume, state and state.step, state
+        line = runfiles.RunFolder(config.out).failure(e, config.resume, state and state.step, state
                                                 and state.saved_step)
         if line is None:
             raise
@@ -1112,7 +1117,7 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
-            folder = RF.RunFolder(config.out)
+            folder = runfiles.RunFolder(config.out)
             if config.resume:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
@@ -1163,7 +1168,7 @@ Built = collections.namedtuple("Built", "config task model model_cfg optimizer i
 
 
 def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(),
-          task: T.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
+          task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
     """Everything a run trains: the task (`task`: set up already, its data read; None: made and
     set up here), the schedule sized, the model built and, with `init`, initialised (`teacher`:
     --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and
@@ -1190,7 +1195,7 @@ def build(config: Config, device: torch.device | None = None, explicit: set = fr
     return Built(config, task, model, model_cfg, make_optimizer(model, config), report, prior)
 
 
-def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist) -> Run:
+def new_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist) -> Run:
     """A new run from its build, in memory: the start checked and measured (rank 0), the prior
     serialised for prior.pt."""
     config, model, prior = built.config, built.model, built.prior
@@ -1213,7 +1218,7 @@ def new_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist)
     return state
 
 
-def restored_run(built: Built, task, device, folder: RF.RunFolder | None, dist: Dist,
+def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist,
                  ckpt: dict) -> Run:
     """The run a checkpoint holds, on the build of its own config, in memory: its steps,
     architecture, data, moving average and prior file checked, then the weights, optimiser, probe
@@ -1293,7 +1298,7 @@ def train_loop(state: Run) -> int | None:
                 state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
                               "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
-                RF.append_log(state.path("metrics.jsonl"), state.last)
+                runfiles.append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | "
                       f"{state.probe.line(rec)} | {rate:.1f} steps/s | ETA "
@@ -1410,7 +1415,7 @@ def finish(state: Run) -> int:
               "config": asdict(state.model_cfg), "device": str(state.device),
               "torch": torch.__version__,
               "params": sum(p.numel() for p in state.model.parameters())}
-    RF.atomic_write(state.path("result.json"), json_text(result))
+    runfiles.atomic_write(state.path("result.json"), json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, "
           f"{time.time() - STARTED:.1f} s wall since the command started | "
           f"{state.path('result.json')}", flush=True)
@@ -1421,7 +1426,7 @@ def sample(config, explicit: set) -> int:
     """--sample PROMPT: load the language model in --out and print PROMPT and its continuation."""
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
-    folder = RF.RunFolder(config.out)
+    folder = runfiles.RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
         raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first "
                          "(or check --out)")
@@ -1450,8 +1455,8 @@ def fmt_time(s: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Durability: a run's files are written whole (RF.RunFolder, RF.atomic_write), everything it reads
-# back is checked before use (RF.read_back, a schema), and a run that stops, however it stops,
+# Durability: a run's files are written whole (runfiles.RunFolder, runfiles.atomic_write), everything it reads
+# back is checked before use (runfiles.read_back, a schema), and a run that stops, however it stops,
 # resumes exactly: what a run writes when it begins, what a checkpoint holds and how it is checked,
 # what a resume checks against the run's files, and how a run stops (a signal, a non-finite step).
 
@@ -1463,8 +1468,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     rewrites args.json. Each then says what it runs."""
     config, folder = state.config, state.folder
     if ckpt is not None:
-        RF.truncate_log(state.path("metrics.jsonl"), state.step)
-        RF.atomic_write(state.path("args.json"), json_text(asdict(config)))
+        runfiles.truncate_log(state.path("metrics.jsonl"), state.step)
+        runfiles.atomic_write(state.path("args.json"), json_text(asdict(config)))
         note = rounding_note(ckpt, state.device, config)
         return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
                                                                                    if note
@@ -1478,7 +1483,7 @@ def begin(state: Run, ckpt: dict | None) -> None:
     init = f"{config.init} (pseudo-input mass {sum(pm) / len(pm):.3f}) " if pm else f"{config.init} "
     print(f"{config.task} | init {init}| {sum(p.numel() for p in state.model.parameters()):,} "
           f"params | {state.device}{procs} | {config.steps} steps | out {config.out}", flush=True)
-    if evidence := RF.prior_evidence(state.prior_source):
+    if evidence := runfiles.prior_evidence(state.prior_source):
         print(f"prior {evidence}", flush=True)
     if config.preset == "paper" and state.device.type == "cpu":
         print("note: --preset paper is the paper's setting, sized for a GPU; on this CPU it may "
@@ -1509,7 +1514,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     # a plain write: a full disk is an OSError (ENOSPC)
-    state.folder.write("ckpt.pt", RF.checkpoint_bytes(ckpt))
+    state.folder.write("ckpt.pt", runfiles.checkpoint_bytes(ckpt))
     state.saved_step = state.step
 
 
@@ -1528,14 +1533,13 @@ def show(run_dir: str, out: str) -> int:
     attention.png (the model rebuilt on the CPU from the checkpoint, checked as --resume checks it,
     before anything is written); each file's path printed. A run without M draws its attention
     alone; a task whose data is not where the run read it draws M alone, and says so."""
-    from reporting import show as S
-    if S.pyplot() is None:
+    if reporting.show.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"show: --out {out} is a file, not a folder")
     path = os.path.join(run_dir, "ckpt.pt")
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
-        return show_saved(run_dir, out, S)
+        return show_saved(run_dir, out)
     if not os.path.isfile(path):
         raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that "
                          "has trained, or a model saved with save_pretrained after "
@@ -1546,18 +1550,18 @@ def show(run_dir: str, out: str) -> int:
     task, model, absent = task_for(config), None, None
     try:
         task.setup(torch.device("cpu"))
-    except T.DataError as e:
+    except tasks.DataError as e:
         absent = e
     if absent is None:
         model, model_cfg = build_model(config, task, torch.device("cpu"))
         check_architecture(ckpt, model_cfg, "show", run_dir)
         model.load_state_dict(ckpt["model"])
     os.makedirs(out, exist_ok=True)
-    start, end = S.m_of_checkpoint(ckpt)
+    start, end = reporting.show.m_of_checkpoint(ckpt)
     if end:
         mc = ckpt["model_config"]
         grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
-        print(S.draw_m(start, end, os.path.join(out, "m.png"), title,
+        print(reporting.show.draw_m(start, end, os.path.join(out, "m.png"), title,
                        mc.get("causal", False), grid, task.token_labels()))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
@@ -1565,12 +1569,12 @@ def show(run_dir: str, out: str) -> int:
         print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
     inputs = task.probe_inputs(config.probe_size)
-    print(S.draw_attention(mp.mean_attention(model.eval(), inputs),
+    print(reporting.show.draw_attention(mp.mean_attention(model.eval(), inputs),
                            os.path.join(out, "attention.png"), title, task.token_labels()))
     return 0
 
 
-def show_saved(folder: str, out: str, S) -> int:
+def show_saved(folder: str, out: str) -> int:
     """`train.py show DIR` of a Hugging Face model saved with save_pretrained after
     `retrofit.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
     a snapshot draws both) -> m.png."""
@@ -1584,7 +1588,7 @@ def show_saved(folder: str, out: str, S) -> int:
     except (ValueError, OSError) as e:
         raise UsageError(f"show: {e}") from None
     os.makedirs(out, exist_ok=True)
-    print(S.draw_model(model, os.path.join(out, "m.png"),
+    print(reporting.show.draw_model(model, os.path.join(out, "m.png"),
                        f"{os.path.basename(os.path.abspath(folder))} "
                        f"({type(model).__name__}, saved)"))
     print("show: attention.png not drawn: a saved model holds no inputs to probe")
@@ -1593,13 +1597,13 @@ def show_saved(folder: str, out: str, S) -> int:
 
 def read_checkpoint(path: str, flag: str) -> dict:
     """A checkpoint read as someone else's file and checked against its schema
-    (`RF.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching
+    (`runfiles.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching
     their hash, its model config rebuilding a model with exactly its weights (`check_model_fits`),
     a snapshot a layer. Anything else is one clear line."""
     where = f"{flag}: {path}"
     try:
-        ckpt = RF.read_checkpoint(path)
-    except RF.ReadError as e:
+        ckpt = runfiles.read_checkpoint(path)
+    except runfiles.ReadError as e:
         raise UsageError(f"{flag}: {e}") from None
     if ckpt["log_step"] > ckpt["step"]:
         raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step "
@@ -1653,7 +1657,7 @@ def value_fits(name: str, value) -> bool:
     kind = bool if m["switch"] else m["type"] or str
     ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
           else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
-    choices = m["choices"] or {"task": tuple(T.TASKS), "init": tuple(INITS)}.get(name)
+    choices = m["choices"] or {"task": tuple(tasks.TASKS), "init": tuple(INITS)}.get(name)
     return ok and (not choices or value in choices)
 
 
@@ -1672,7 +1676,7 @@ def check_model_fits(model_config: dict, state: dict, where: str) -> None:
                          "version, or start a new run")
 
 
-def restore_config(config: Config, explicit: set, folder: RF.RunFolder, ckpt: dict) -> Config:
+def restore_config(config: Config, explicit: set, folder: runfiles.RunFolder, ckpt: dict) -> Config:
     """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out
     given: a run folder can move) and the RESUMABLE flags given now; any other flag given must
     agree."""
@@ -1693,7 +1697,7 @@ def restore_config(config: Config, explicit: set, folder: RF.RunFolder, ckpt: di
     return Config(**{**values, "resume": True})
 
 
-def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
+def check_resume(folder: runfiles.RunFolder, ckpt: dict) -> dict:
     """The run's flags from args.json once the three files are one run at one step: metrics.jsonl
     starts at step 0, reaches the checkpoint's last log step and names its run; args.json holds
     valid flags (`saved_config`) equal to the checkpoint's where a resume may not change them.
@@ -1704,8 +1708,8 @@ def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
         raise UsageError(f"--resume: {log} {what}, so the run's log cannot be continued; start a "
                          "new run with another --out")
     try:
-        records, logged = RF.read_log(log), ckpt["log_step"]
-    except RF.LogError as e:
+        records, logged = runfiles.read_log(log), ckpt["log_step"]
+    except runfiles.LogError as e:
         raise UsageError(f"--resume: {e}, so the run cannot be continued whole; restore the log "
                          "from a copy, or start a new run with another --out") from None
     ident = ckpt["identity"]
@@ -1720,8 +1724,8 @@ def check_resume(folder: RF.RunFolder, ckpt: dict) -> dict:
                          f"was saved after logging steps 0 .. {logged}: the log lost lines, so "
                          "the run cannot be continued whole; start a new run with another --out")
     try:
-        saved = asdict(saved_config(RF.read_json(path), f"--resume: {path}"))
-    except RF.ReadError as e:
+        saved = asdict(saved_config(runfiles.read_json(path), f"--resume: {path}"))
+    except runfiles.ReadError as e:
         raise UsageError(f"--resume: {e}; the run's flags are lost") from None
     for key in (k for k in FIELDS if k not in RESUMABLE and k != "out" and saved[k] != flags[k]):
         raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was "
@@ -1753,17 +1757,17 @@ def check_same_data(ckpt: dict, task, config) -> None:
                          + (f" (it started from {was})" if was else ""))
 
 
-def saved_prior(config, task, sha256: str) -> RF.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`RF.read_prior`), the bytes its
+def saved_prior(config, task, sha256: str) -> runfiles.Prior:
+    """A resumed run's prior: its prior.pt through the one reader (`runfiles.read_prior`), the bytes its
     checkpoint names."""
     path = os.path.join(config.out, "prior.pt")
     try:
-        data = RF.read_back(path, "prior")
+        data = runfiles.read_back(path, "prior")
         if hashlib.sha256(data).hexdigest() != sha256:
             raise UsageError(f"--resume: {path} has changed since the run started (its sha256 is "
                              "not the one in the checkpoint); restore the run's own prior.pt")
-        return RF.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
-    except RF.ReadError as e:
+        return runfiles.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
+    except runfiles.ReadError as e:
         raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore "
                          "the file") from None
 
@@ -1839,31 +1843,23 @@ class Interrupt:
 # imagenet100 (datafetch/); make-digits and make-wikitext (the fixture writers of tasks.py)
 
 
+# each command's work, in its room (the flags parse_args gave it -> an exit status)
+COMMANDS = {
+    "summarize": lambda f, _: reporting.report.summarize_command(f.paths),
+    "report": lambda f, _: reporting.report.report_command(f.runs, f.out),
+    "redraw": lambda f, _: reporting.report.redraw_command(f.results),
+    "download": lambda f, _: datafetch.download.download(f.names, f.data, f.mirror, timeout=f.timeout),
+    "imagenet100": lambda f, _: print(datafetch.imagenet100.build(f.source, f.data)) or 0,
+    "show": lambda f, _: show(f.run, f.out or f.run),
+    "make-digits": lambda f, _: print(datafetch.write.make_digits(f.folder)) or 0,
+    "make-wikitext": lambda f, _: print(datafetch.write.make_wikitext(f.folder, f.files)) or 0,
+}
+
+
 def main(argv=None) -> int:
     try:
         flags, explicit = parse_args(argv)
-        if flags.command in ("summarize", "report", "redraw"):
-            from reporting import report             # the reports load only for their commands
-            if flags.command == "summarize":
-                return report.summarize_command(flags.paths)
-            if flags.command == "redraw":
-                return report.redraw_command(flags.results)
-            return report.report_command(flags.runs, flags.out)
-        if flags.command == "download":
-            from datafetch import download
-            return download.download(flags.names, flags.data, flags.mirror, timeout=flags.timeout)
-        if flags.command == "imagenet100":
-            from datafetch import imagenet100
-            print(imagenet100.build(flags.source, flags.data))
-            return 0
-        if flags.command == "show":
-            return show(flags.run, flags.out or flags.run)
-        if flags.command in ("make-digits", "make-wikitext"):      # the fixture writers
-            from datafetch import write
-            print(write.make_digits(flags.folder) if flags.command == "make-digits" else
-                  write.make_wikitext(flags.folder, flags.files))
-            return 0
-        return run(flags, explicit)
+        return COMMANDS.get(flags.command, run)(flags, explicit)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
             print(f"error: {e}", file=sys.stderr)

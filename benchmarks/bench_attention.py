@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
-import tasks as T  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def train_config(args, device):
 
 
 def build(args, masked: bool, fused: bool, device, targs):
-    small = T.BooleanTask.preset("small")
+    small = tasks.BooleanTask.preset("small")
     cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers
                                or small["layers"], n_heads=args.heads or small["heads"],
                                dim=args.dim or small["dim"], head_dim=args.head_dim,
@@ -84,7 +84,7 @@ def main():
     p.add_argument("--head-dim", type=int)
     p.add_argument("--mlp-dim", type=int)
     p.add_argument("--seq-len", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=T.BooleanTask.preset("small")["batch_size"])
+    p.add_argument("--batch-size", type=int, default=tasks.BooleanTask.preset("small")["batch_size"])
     p.add_argument("--steps", type=int, default=20, help="steps per round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--explicit", action="store_true",

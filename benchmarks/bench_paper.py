@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
-import reporting.plan as P  # noqa: E402
-import runfiles as RF  # noqa: E402
-import tasks as T  # noqa: E402
+import reporting.plan  # noqa: E402
+import runfiles  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
@@ -52,7 +52,7 @@ def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]
     """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present):
     [(table, task, inits, flags)] in its order (one entry per task and extra flags), and the seeds
     a (task, init) runs."""
-    plan = P.run_list(quick=quick, only=only, data=None)
+    plan = reporting.plan.run_list(quick=quick, only=only, data=None)
     groups = {}
     for r in plan.runs:
         inits = groups.setdefault((r.table, r.task, r.flags), [])
@@ -103,7 +103,7 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     paper preset's qk-opt at 20 optimisation steps: its start is not what is timed there)."""
     argv = ["--task", task_name, "--init", init, "--preset", preset, "--device", str(device),
             *(["--qk-opt-steps", "20"] if init == "qk-opt" and preset == "paper" else []), *extra]
-    kind = T.TASKS[task_name].KIND
+    kind = tasks.TASKS[task_name].KIND
     if kind in ("vision", "lm"):
         argv += ["--data-dir", "."]
     flags, explicit = train.parse_args(argv)
@@ -167,7 +167,7 @@ def main():
     p.add_argument("--quick", action="store_true",
                    help="the --quick plan (the small presets, reproduce.sh --quick) "
                    "instead of the paper's; on the CPU at --threads 1, as reproduce.sh --quick runs each run")
-    p.add_argument("--only", choices=P.TABLES, help="one table or study")
+    p.add_argument("--only", choices=reporting.plan.TABLES, help="one table or study")
     p.add_argument("--task", help="one task of the table(s)")
     p.add_argument("--steps", type=int, default=10,
                    help="timed steps per run (after the warm-up steps)")
@@ -187,12 +187,12 @@ def main():
     p.add_argument("--plan", action="store_true",
                    help="only the runs and steps per table (nothing is timed)")
     p.add_argument("--write", action="store_true",
-                   help=f"keep the times in {os.path.relpath(P.STEP_TIMES)}")
+                   help=f"keep the times in {os.path.relpath(reporting.plan.STEP_TIMES)}")
     a = p.parse_args()
     if a.write and (a.batch_size or a.eval_points):
         p.error("--write keeps a preset's own times: leave out --batch-size and --eval-points")
-    preset = "small" if a.quick or a.only in P.STUDIES else "paper"
-    plan = P.run_list(quick=preset == "small", only=a.only, data=None)
+    preset = "small" if a.quick or a.only in reporting.plan.STUDIES else "paper"
+    plan = reporting.plan.run_list(quick=preset == "small", only=a.only, data=None)
     runs = [r for r in plan.runs if not a.task or r.task == a.task]
     if not runs:
         p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
@@ -203,7 +203,7 @@ def main():
         for table, task_name, inits, flags in groups:
             if a.task and task_name != a.task:
                 continue
-            n, evals = P.steps_of(P.Run(table, task_name, inits[0], 0, "", flags), preset)
+            n, evals = reporting.plan.steps_of(reporting.plan.Run(table, task_name, inits[0], 0, "", flags), preset)
             print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | "
                   f"{evals:,} | {len(inits) * seeds * n:,} |")
         return
@@ -216,7 +216,7 @@ def main():
     # each time_key once: the first run that has it
     first = {}
     for r in runs:
-        first.setdefault(P.time_key(r, preset), r)
+        first.setdefault(reporting.plan.time_key(r, preset), r)
     ms_start = start_ms(a.starts)
     print(f"device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
@@ -228,7 +228,7 @@ def main():
                                else "a test set of the real size"))
     print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
           f"{'runs':>6}{'hours':>8}  flags", flush=True)
-    times, ratio = P.step_times() if a.write else {}, {}
+    times, ratio = reporting.plan.step_times() if a.write else {}, {}
     for key, run in first.items():
         t0 = time.perf_counter()
         built = build(run.task, run.init, device, [*flags_of(run.flags), *extra], preset)
@@ -240,15 +240,15 @@ def main():
                       if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "batch_size": built.config.batch_size}
-        sharing = [r for r in runs if P.time_key(r, preset) == key]
-        h = sum(P.hours(r, times, preset) for r in sharing)
+        sharing = [r for r in runs if reporting.plan.time_key(r, preset) == key]
+        h = sum(reporting.plan.hours(r, times, preset) for r in sharing)
         print(f"{run.table:<13}{run.task:<15}{run.init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}"
               f"{ms_setup / 1000:>9.1f}{len(sharing):>6}{h:>8.3f}  {' '.join(flags_of(run.flags))}", flush=True)
         if not run.flags:
             ratio.setdefault(run.task, {})[run.init] = ms_step
     per_table = {}
     for r in runs:
-        per_table[r.table] = per_table.get(r.table, 0.0) + P.hours(r, times, preset)
+        per_table[r.table] = per_table.get(r.table, 0.0) + reporting.plan.hours(r, times, preset)
     for table, h in per_table.items():
         print(f"total {table:<11}{h:>9.2f} device-hours (steps, evaluations, starts)")
     print(f"total            {sum(per_table.values()):>9.2f} device-hours")
@@ -258,9 +258,9 @@ def main():
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")
     if a.write:
-        os.makedirs(os.path.dirname(P.STEP_TIMES), exist_ok=True)
-        RF.atomic_write(P.STEP_TIMES, json.dumps(times, indent=2) + "\n")
-        print(f"wrote {P.STEP_TIMES}")
+        os.makedirs(os.path.dirname(reporting.plan.STEP_TIMES), exist_ok=True)
+        runfiles.atomic_write(reporting.plan.STEP_TIMES, json.dumps(times, indent=2) + "\n")
+        print(f"wrote {reporting.plan.STEP_TIMES}")
 
 
 if __name__ == "__main__":

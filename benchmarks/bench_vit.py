@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tasks as T  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
 from bench_attention import interleaved  # noqa: E402
 
@@ -56,7 +56,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="small", choices=list(T.ImageTask.presets()))
+    p.add_argument("--preset", default="small", choices=list(tasks.ImageTask.presets()))
     p.add_argument("--inits", default="default,mask,impulse,mimetic,qk-svd,qk-opt")
     p.add_argument("--batch-size", type=int, help="default: the preset's")
     p.add_argument("--steps", type=int, default=5, help="steps per round")

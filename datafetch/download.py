@@ -38,8 +38,8 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 
-import runfiles as RF
-import tasks as T
+import runfiles
+import tasks
 from datafetch.write import write_new_dataset
 
 try:
@@ -107,7 +107,7 @@ def download(names, data_dir: str, mirror: str | None = None, sources: dict = SO
     or BusyError (75) otherwise."""
     for n in names:
         if n not in sources:
-            raise T.DataError(NOT_DOWNLOADABLE.get(n)
+            raise tasks.DataError(NOT_DOWNLOADABLE.get(n)
                               or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
     created = not os.path.isdir(data_dir)
     os.makedirs(data_dir, exist_ok=True)
@@ -137,7 +137,7 @@ class _locked:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(self.fd)
-                raise RF.BusyError(f"another download into {self.folder} is running; wait for it, "
+                raise runfiles.BusyError(f"another download into {self.folder} is running; wait for it, "
                                    "or give another --data") from None
         return self
 
@@ -154,12 +154,12 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
     part = os.path.join(data_dir, f.name + ".part")
     have = os.path.getsize(part) if os.path.isfile(part) else 0
     if have > f.size:
-        raise T.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it "
+        raise tasks.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it "
                           "is not a cut download of it: move it away and run again")
     need = f.size - have + f.max_unpacked
     free = shutil.disk_usage(data_dir).free
     if free < need:
-        raise T.DataError(f"{set_name}: {data_dir} has {free / MB:,.0f} MiB free, {f.name} needs "
+        raise tasks.DataError(f"{set_name}: {data_dir} has {free / MB:,.0f} MiB free, {f.name} needs "
                           f"{need / MB:,.0f} MiB (the rest of the download and what it unpacks to)")
     if have < f.size:
         say(f"{set_name}: {url} ({f.size / MB:,.1f} "
@@ -177,7 +177,7 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
             # refused if the target appeared meanwhile: never overwritten
             os.link(part, target)
         except FileExistsError:
-            raise T.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
+            raise tasks.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
                               f"({part} kept)") from None
         os.remove(part)
     say(f"{set_name}: {target} is in place")
@@ -192,11 +192,11 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
     try:
         response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
-        raise T.DataError(f"{url}: HTTP {e.code} {e.reason}; try again later, or give a mirror "
+        raise tasks.DataError(f"{url}: HTTP {e.code} {e.reason}; try again later, or give a mirror "
                           "with --from URL (the same file name under it)") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise T.DataError(f"{url}: cannot connect ({reason}); check the network, or give a mirror "
+        raise tasks.DataError(f"{url}: cannot connect ({reason}); check the network, or give a mirror "
                           "with --from URL")
     with response:
         if have and response.status != 206:
@@ -204,7 +204,7 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
             have = 0
         length = response.headers.get("Content-Length")
         if length is not None and have + int(length) != size:
-            raise T.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned "
+            raise tasks.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned "
                               f"file has {size:,}: another file, nothing fetched")
         progress = Progress(size, have)
         with open(part, "ab" if have else "wb") as out:
@@ -219,7 +219,7 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
                     if got > size:
                         out.close()
                         os.remove(part)
-                        raise T.DataError(f"{url} sent more than the {size:,} bytes of the pinned "
+                        raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned "
                                           f"file; deleted {part}")
                     out.write(chunk)
                     progress.update(got)
@@ -227,12 +227,12 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
             except (OSError, TimeoutError) as e:
                 out.flush()
                 progress.done()
-                raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
+                raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
                                   f"({e or 'timed out'}); run the same command again to resume "
                                   f"from {part}") from None
         progress.done()
     if got < size:
-        raise T.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes; run the "
+        raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes; run the "
                           f"same command again to resume from {part}")
 
 
@@ -286,7 +286,7 @@ def _check_sums(part: str, f: File) -> None:
                             ("md5", md5.hexdigest(), f.md5)):
         if want and got != want:
             os.remove(part)
-            raise T.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
+            raise tasks.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
                               "transfer or another file; deleted, nothing unpacked (run again to "
                               "fetch it afresh)")
 
@@ -306,11 +306,11 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
                 for block in iter(lambda: src.read(CHUNK), b""):
                     total += len(block)
                     if total > f.max_unpacked:
-                        raise T.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
+                        raise tasks.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
                                           "bytes, the most its set holds: refused, nothing "
                                           "unpacked")
                     out.write(block)
-        task = T.TASKS.get(set_name)
+        task = tasks.TASKS.get(set_name)
         if task is not None:
             # the reader finds the set where it will lie (DataError if not)
             task.locate(tmp)
@@ -327,19 +327,19 @@ def _members(archive: str, f: File):
                     mode = info.external_attr >> 16
                     if stat.S_ISLNK(mode) or (mode
                                               and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))):
-                        raise T.DataError(f"{f.name}: member {info.filename!r} is a link or a "
+                        raise tasks.DataError(f"{f.name}: member {info.filename!r} is a link or a "
                                           "device: refused, nothing unpacked")
                     yield info.filename, "dir" if info.is_dir() else "file", lambda i=info: z.open(i)
         else:
             with tarfile.open(archive, "r:*") as t:
                 for m in t:
                     if not (m.isfile() or m.isdir()):
-                        raise T.DataError(f"{f.name}: member {m.name!r} is a "
+                        raise tasks.DataError(f"{f.name}: member {m.name!r} is a "
                                           f"{'link' if m.issym() or m.islnk() else 'device or special file'}: "
                                           f"refused, nothing unpacked")
                     yield m.name, "dir" if m.isdir() else "file", lambda m=m: t.extractfile(m)
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
-        raise T.DataError(f"{f.name} is not a readable archive ({e}): refused, nothing unpacked") from None
+        raise tasks.DataError(f"{f.name} is not a readable archive ({e}): refused, nothing unpacked") from None
 
 
 def _member_path(name: str, f: File, kind: str) -> str:
@@ -348,6 +348,6 @@ def _member_path(name: str, f: File, kind: str) -> str:
     parts = [p for p in name.replace("\\", "/").rstrip("/").split("/") if p != "."]
     if (name.startswith(("/", "\\")) or ".." in parts or "" in parts[1:] or not parts
             or parts[0] != f.target or (len(parts) == 1 and kind != "dir")):
-        raise T.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing "
+        raise tasks.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing "
                           "unpacked")
     return "/".join(parts[1:])

@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 
-import tasks as T
+import tasks
 from datafetch.write import write_new_dataset
 
 SPLITS = ("train", "val")
@@ -27,11 +27,11 @@ def _sources(source: str) -> dict:
     """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is
     missing."""
     if not os.path.isdir(source):
-        raise T.DataError(f"--from {source} is not a folder; give the ImageNet-1k folder that "
+        raise tasks.DataError(f"--from {source} is not a folder; give the ImageNet-1k folder that "
                           "holds train/<wnid>/ and val/<wnid>/")
     out, missing = {}, []
     for split in SPLITS:
-        for wnid in T.IMAGENET100_WNIDS:
+        for wnid in tasks.IMAGENET100_WNIDS:
             folder = os.path.join(source, split, wnid)
             if not os.path.isdir(folder):
                 missing.append(f"{split}/{wnid}")
@@ -41,14 +41,14 @@ def _sources(source: str) -> dict:
                 path = os.path.join(folder, name)
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
-                    raise T.DataError(f"{path} is not a regular file (a link, a folder?): "
+                    raise tasks.DataError(f"{path} is not a regular file (a link, a folder?): "
                                       "refused, nothing built")
                 files.append((path, st.st_size))
             if not files:
                 missing.append(f"{split}/{wnid} (empty)")
             out[split, wnid] = files
     if missing:
-        raise T.DataError(f"{source} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
+        raise tasks.DataError(f"{source} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
                           f"{', '.join(missing[:3])}: it should hold ImageNet-1k as train/<wnid>/ "
                           "and val/<wnid>/ (a flat val/ sorted into its classes first); nothing "
                           "built")
@@ -81,15 +81,15 @@ def build(source: str, data_dir: str) -> str:
                     if not state["space_checked"]:
                         free = shutil.disk_usage(tmp).free
                         if free < total:
-                            raise T.DataError(f"{source} cannot be hard-linked into {data_dir} "
+                            raise tasks.DataError(f"{source} cannot be hard-linked into {data_dir} "
                                               f"and a copy needs {total / 2**30:,.1f} GiB, "
                                               f"{free / 2**30:,.1f} GiB free: nothing built")
                         state["space_checked"] = True
                     shutil.copyfile(path, dest)
             if (i + 1) % 20 == 0:
                 print(f"  {i + 1} of {len(files)} class folders", flush=True)
-        if T.imagenet100_layout(tmp) != "folder":
-            raise T.DataError(f"the tree built in {tmp} is not read as an ImageFolder tree")
+        if tasks.imagenet100_layout(tmp) != "folder":
+            raise tasks.DataError(f"the tree built in {tmp} is not read as an ImageFolder tree")
 
     write_new_dataset(data_dir, "imagenet100", write)
     linked = state["linked"]

@@ -4,12 +4,12 @@ import torch
 import torch.nn.functional as F
 
 import maskprior as mp
-import tasks as T
+import tasks
 import train
 
 
-@T.register("xor-neighbours")
-class XorNeighbours(T.Task):
+@tasks.register("xor-neighbours")
+class XorNeighbours(tasks.Task):
     """n random bits; at every position, predict the XOR of its two (cyclic) neighbours."""
     KIND = "boolean"                                  # which results table it joins
     PATTERNS = ("neighbours",)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import textwrap
 
-import runfiles as RF
+import runfiles
 
 
 def pyplot():
@@ -156,7 +156,7 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
     path."""
     for ax in [ax for ax in fig.axes if not ax.get_visible()]:
         fig.delaxes(ax)
-    with RF.atomic_output(path) as f:
+    with runfiles.atomic_output(path) as f:
         fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)
     return path

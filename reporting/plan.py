@@ -23,8 +23,9 @@ import sys
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import runfiles as RF  # noqa: E402
-import tasks as T  # noqa: E402
+import datafetch.download  # noqa: E402
+import runfiles  # noqa: E402
+import tasks  # noqa: E402
 
 # reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small
 # preset)
@@ -144,15 +145,15 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
 
 
 def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None) -> bool:
-    """Whether DATA + `where` holds `task`'s data (`T.Task.locate`); if not, the reason is kept in
+    """Whether DATA + `where` holds `task`'s data (`tasks.Task.locate`); if not, the reason is kept in
     plan.skipped (with the number of `runs` skipped, where one table's runs of the task are
     meant)."""
     if plan.data is None:
         return True
     try:
-        T.TASKS[task].locate(plan.data + where)
+        tasks.TASKS[task].locate(plan.data + where)
         return True
-    except T.DataError as e:
+    except tasks.DataError as e:
         plan.skipped.setdefault(table, []).append((task if runs is None
                                                    else f"{task} ({runs} runs)", str(e)))
         if where == HOME.get(task, "") and task not in plan.absent:
@@ -168,8 +169,7 @@ def fetch_lines(plan: Plan) -> list[str]:
     """The commands that put the plan's absent data sets in DATA: one `train.py download` for those
     published (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an
     ImageNet-1k copy)."""
-    from datafetch.download import SOURCES
-    names = [t for t in plan.absent if t in SOURCES]
+    names = [t for t in plan.absent if t in datafetch.download.SOURCES]
     lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash "
              "reproduce.sh --download)"
              ] if names else []
@@ -253,8 +253,8 @@ def _better_order(first: list, runs: str | None) -> str | None:
         for r in first:
             if f"--answer-order {order}" in r.flags:
                 try:
-                    accs.append(RF.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
-                except (RF.ReadError, KeyError, TypeError):
+                    accs.append(runfiles.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
+                except (runfiles.ReadError, KeyError, TypeError):
                     return None
         mean[order] = sum(accs) / len(accs)
     return "lsb" if mean["lsb"] > mean["msb"] else "msb"
@@ -289,7 +289,7 @@ def _ablation(plan, add):
     to ablation/."""
     for t in ("parity2", "majority3", "cyclic3"):
         add("boolean", t, QK)
-        preset = T.TASKS[t].preset("small")
+        preset = tasks.TASKS[t].preset("small")
         own = (preset["readout"], preset["pos_init_std"])
         for readout in ("cls", "mean"):
             for pos in (0.02, 0.5):
@@ -309,8 +309,8 @@ def _oracle_free(plan, add):
     and qk-svd, and default for the teacher's and the student's steps together); the cheap tasks
     first, cyclic3 (8,000 steps a run) last."""
     of, teacher = "oraclefree", "--prior-from @RUNS/oraclefree"
-    twice = {t: 2 * int(T.TASKS[t].preset("small").get("steps")
-                        or T.TASKS[t].preset("small")["epochs"])
+    twice = {t: 2 * int(tasks.TASKS[t].preset("small").get("steps")
+                        or tasks.TASKS[t].preset("small")["epochs"])
              for t in ("parity2", "kparity", "majority3", "kmajority", "addition", "wikitext2", "cyclic3", "cifar10")}
     vision = _have(plan, of, "cifar10", "")
     lm = _have(plan, of, "wikitext2", "/vimtext-a") and _have(plan, of, "wikitext2", "/vimtext-b")
@@ -438,20 +438,20 @@ def step_times(path: str = STEP_TIMES) -> dict:
     data path, evaluation included) and wrote to results/step_times.json; {} without it."""
     if not os.path.exists(path):
         return {}
-    times = RF.read_json(path)
+    times = runfiles.read_json(path)
     how = "measure them again with python benchmarks/bench_paper.py --write, or remove the file"
     if not isinstance(times, dict):
-        raise RF.ReadError(f"{path} holds {type(times).__name__}, not the step times "
+        raise runfiles.ReadError(f"{path} holds {type(times).__name__}, not the step times "
                            f"bench_paper.py writes; {how}")
     for key, entry in times.items():
         try:
-            RF.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
-        except RF.ReadError as e:
-            raise RF.ReadError(f"{e}; {how}") from None
+            runfiles.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
+        except runfiles.ReadError as e:
+            raise runfiles.ReadError(f"{e}; {how}") from None
     return times
 
 
-_ms = (lambda v: RF.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
+_ms = (lambda v: runfiles.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
 # what hours() reads
 STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms}
 
@@ -486,7 +486,7 @@ def hours(run: Run, times: dict, preset: str = "paper") -> float | None:
 def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
     """(training steps, evaluations) of a run of the paper preset, from its flags and its task's
     preset; a preset in epochs takes the dataset's size (`train_size`)."""
-    p = T.TASKS[run.task].preset(preset)
+    p = tasks.TASKS[run.task].preset(preset)
     words = run.flags.split()
     flag = {words[i][2:].replace("-", "_"): words[i + 1] for i in range(len(words) - 1)
             if words[i].startswith("--")}
@@ -502,8 +502,8 @@ def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
 def train_size(task: str) -> int:
     """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`),
     else its own count once set up (the Boolean and arithmetic tasks make their data)."""
-    cls = T.TASKS[task]
-    return getattr(cls, "TRAIN_SIZE", None) or T.make_task(task).setup().n_train
+    cls = tasks.TASKS[task]
+    return getattr(cls, "TRAIN_SIZE", None) or tasks.make_task(task).setup().n_train
 
 
 def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
@@ -563,9 +563,9 @@ class _Once(argparse.Action):
 def parse_seeds(text: str) -> list[int]:
     """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts
     (tasks.parse_count)."""
-    seeds = [T.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
+    seeds = [tasks.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
     if not seeds or len(set(seeds)) != len(seeds):
-        raise T.TaskError(f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {T.cut(text)}")
+        raise tasks.TaskError(f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {tasks.cut(text)}")
     return seeds
 
 
@@ -588,7 +588,7 @@ def main(argv=None) -> int:
         plan = run_list(a.quick, a.only, parse_seeds(a.seeds), a.data, a.runs)
         step_times()
     # one line, exit 2: reproduce.sh passes it on and starts nothing
-    except (RF.UsageError, RF.ReadError) as e:
+    except (runfiles.UsageError, runfiles.ReadError) as e:
         print(f"reporting.plan: {e}", file=sys.stderr)
         return 2
     if a.list:

@@ -20,7 +20,8 @@ import re
 
 
 import inits
-import runfiles as RF
+import runfiles
+from reporting import show
 from reporting.figures import (caption, legend_below, line_style, panel_grid, plot_band, pyplot, save_figure,
                                token_ticks, wrapped)
 
@@ -66,8 +67,8 @@ def collect_runs(paths) -> tuple[list, list]:
             problems.append(f"{d}: no result.json (unfinished or failed run)")
             continue
         try:
-            runs.append({**RF.read_result(res), "run_dir": d})
-        except RF.ReadError as e:
+            runs.append({**runfiles.read_result(res), "run_dir": d})
+        except runfiles.ReadError as e:
             problems.append(f"{d}: unreadable result.json ({e})")
     return once_each(runs, problems)
 
@@ -232,9 +233,9 @@ def log_records(run: dict) -> list[dict]:
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         try:
-            run["_records"] = RF.read_log(path) if os.path.isfile(path) else []
+            run["_records"] = runfiles.read_log(path) if os.path.isfile(path) else []
         # the run has no curves; its result.json still counts in the tables
-        except RF.LogError as e:
+        except runfiles.LogError as e:
             run["_records"] = []
             run["_log_problem"] = str(e)
     return run["_records"]
@@ -278,7 +279,7 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
-    RF.atomic_write(csv_path, "\n".join(lines) + "\n")
+    runfiles.atomic_write(csv_path, "\n".join(lines) + "\n")
     return [csv_path] + draw_persistence(rows, os.path.join(out_dir, "persistence.png"))
 
 
@@ -318,14 +319,13 @@ def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
     (`reporting.show.draw_m`). Needs matplotlib."""
     if pyplot() is None:
         return []
-    from reporting import show
     written, runs = [], sorted(collect_runs([boolean_dir])[0], key=lambda r: r["seed"])
     for task in sorted({r["task"] for r in runs if r["init"] == "mask"}):
         for r in (r for r in runs if r["task"] == task and r["init"] == "mask"):
             try:
-                start, end = show.m_of_checkpoint(RF.read_checkpoint(os.path.join(r["run_dir"],
+                start, end = show.m_of_checkpoint(runfiles.read_checkpoint(os.path.join(r["run_dir"],
                                                                                   "ckpt.pt")))
-            except (RF.ReadError, KeyError, TypeError, AttributeError, ValueError):
+            except (runfiles.ReadError, KeyError, TypeError, AttributeError, ValueError):
                 continue
             if end and len(start) == len(end) and all(s is None or s.shape == e.shape
                                                       for s, e in zip(start, end)):
@@ -464,7 +464,7 @@ def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) 
     """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a
     label with commas; floats to 6 significant digits); returns path."""
     cell = lambda i, v: f'"{v}"' if i == quoted else f"{v:.6g}" if isinstance(v, float) else str(v)   # noqa: E731
-    RF.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v)
+    runfiles.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v)
                                                                    for i, v in enumerate(row))
                                                           for row in rows]) + "\n")
     return path
@@ -719,7 +719,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
     md_path = os.path.join(out_dir, "data_efficiency.md")
-    RF.atomic_write(md_path, text)
+    runfiles.atomic_write(md_path, text)
     return [md_path, csv_path] + draw_efficiency(rows,
                                                  os.path.join(out_dir, "data_efficiency.png"))
 
@@ -851,7 +851,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
     path = os.path.join(out_dir, "oraclefree.md")
-    RF.atomic_write(path, "\n".join(out) + "\n")
+    runfiles.atomic_write(path, "\n".join(out) + "\n")
     return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows,
                                                                                 out_dir)
 
@@ -904,8 +904,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
             if not first:
                 continue
             try:
-                pattern = RF.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
-            except RF.ReadError:
+                pattern = runfiles.read_prior(os.path.join(first[0]["run_dir"], "prior.pt")).pattern
+            except runfiles.ReadError:
                 continue
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0]
                            if pattern.dim() == 3 else pattern, token_names(first[0])))
@@ -950,7 +950,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     runs are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
     # the temporary file of a report that was killed mid-write
-    for tmp, name in RF.partial_writes(out_dir):
+    for tmp, name in runfiles.partial_writes(out_dir):
         if name.endswith((".md", ".csv", ".png")):
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -988,7 +988,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
 def emit(out_dir: str, name: str, text: str) -> str:
     """Write a report file atomically; returns its path."""
     path = os.path.join(out_dir, name)
-    RF.atomic_write(path, text)
+    runfiles.atomic_write(path, text)
     return path
 
 
@@ -1068,8 +1068,8 @@ def read_rows(path: str, header: tuple, parse) -> list:
     """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a
     ReportError naming the file and the line."""
     try:
-        lines = list(csv.reader(io.StringIO(RF.read_back(path, "log").decode("utf-8"))))
-    except (RF.ReadError, UnicodeDecodeError, csv.Error) as e:
+        lines = list(csv.reader(io.StringIO(runfiles.read_back(path, "log").decode("utf-8"))))
+    except (runfiles.ReadError, UnicodeDecodeError, csv.Error) as e:
         raise ReportError(f"redraw: cannot read {path} ({e})") from None
     if not lines or tuple(lines[0][:len(header)]) != header:
         raise ReportError(f"redraw: {path} is not the table a report writes: its header is not "
@@ -1123,7 +1123,7 @@ def redraw_command(results: str) -> int:
 # ----------------------------------------------------------------------------------------
 # The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
 
-class ReportError(RF.UsageError):
+class ReportError(runfiles.UsageError):
     """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints
     it)."""
 
@@ -1162,7 +1162,7 @@ def report_command(runs: str, out: str) -> int:
     try:
         written = report(runs, out)
     except OSError as e:
-        if e.errno not in RF.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
+        if e.errno not in runfiles.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
             raise
         raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file "
                           "written before is whole: give another folder, or free space, and "

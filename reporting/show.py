@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+import maskprior as mp
 from reporting.figures import caption, legend_below, panel_grid, pyplot, save_figure, token_ticks  # noqa: F401
 
 PANEL = 2.2          # inches a panel
@@ -151,7 +152,6 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
         ...                                        # train
         draw_model(model, "m.png", "GPT-2 + relative prior", snap)
     """
-    import maskprior as mp
     priors = mp.mask_priors(model)
     if not priors:
         raise ValueError(f"draw_model: {type(model).__name__} has no mask prior "
