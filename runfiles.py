@@ -55,7 +55,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
         e.filename = e.filename or str(path)
         raise
     try:
-        os.fchmod(fd, 0o666 & ~_umask())         # mkstemp's 0600 would hide results from the group
+        os.fchmod(fd, 0o666 & ~umask())         # mkstemp's 0600 would hide results from the group
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -78,7 +78,8 @@ def partial_writes(folder: str | os.PathLike) -> Iterator[tuple[str, str]]:
             yield os.path.join(folder, entry), m.group(1)
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (read without changing it): the mode a new file gets."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -54,7 +54,8 @@ except ImportError:             # not on POSIX: run folders are not locked
 import augment
 import inits
 import maskprior as mp
-from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)  # noqa: F401
+from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back,
+                      read_json)
 
 
 class Must(NamedTuple):
@@ -2155,7 +2156,8 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
                                                                        len(raw), n_classes)
 
 
-def _find(data_dir: str, candidates) -> str | None:
+def find_first(data_dir: str, candidates) -> str | None:
+    """The first of `candidates` (paths below data_dir) that exists, or None."""
     for c in candidates:
         p = os.path.join(data_dir, c)
         if os.path.exists(p):
@@ -2168,13 +2170,13 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
     "binary", its files: the training batches, then the test batch); DataError naming what was
     looked for and where to get it."""
     if name == "cifar10":
-        py = _find(data_dir, [os.path.join(d, "data_batch_1")
+        py = find_first(data_dir, [os.path.join(d, "data_batch_1")
                               for d in ("cifar-10-batches-py", ".")])
         if py:
             py = os.path.dirname(py)
             return "python", [os.path.join(py, f)
                               for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
-        binary = _find(data_dir, ["cifar-10-batches-bin", "."])
+        binary = find_first(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
             return "binary", [os.path.join(binary, f)
                               for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
@@ -2183,10 +2185,10 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
                         f"{os.path.abspath(data_dir)}; fetch it with `python train.py download "
                         f"cifar10 --data {data_dir}` (from {CIFAR_URL}, checked and unpacked), or "
                         "point --data-dir at it")
-    py = _find(data_dir, ["cifar-100-python", "."])
+    py = find_first(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
         return "python", [os.path.join(py, s) for s in ("train", "test")]
-    binary = _find(data_dir, ["cifar-100-binary", "."])
+    binary = find_first(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
         return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
     raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and "
@@ -2290,10 +2292,10 @@ def imagenet100_layout(data_dir: str) -> str:
     """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/,
     read with Pillow) or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError
     naming both where it holds neither."""
-    if os.path.isdir(os.path.join(data_dir, "train")) and not _find(data_dir,
+    if os.path.isdir(os.path.join(data_dir, "train")) and not find_first(data_dir,
                                                                     ["val_data", "val_data.npz"]):
         return "folder"
-    if _find(data_dir, ["train_data_batch_1", "train_data_batch_1.npz"]):
+    if find_first(data_dir, ["train_data_batch_1", "train_data_batch_1.npz"]):
         return "downsampled"
     raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for "
                     "train/<wnid>/*.JPEG with val/<wnid>/ (an ImageFolder tree; needs Pillow), "
@@ -2335,7 +2337,7 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
     def load(names):
         xs, ys = [], []
         for n in names:
-            path = _find(data_dir, [n, n + ".npz"])
+            path = find_first(data_dir, [n, n + ".npz"])
             if path is None:
                 raise DataError(f"ImageNet-100: {os.path.join(data_dir, n)} (or .npz) is missing; "
                                 f"get the downsampled ImageNet from {IMAGENET32_URL}")
@@ -2750,7 +2752,7 @@ class ImageNet100(ImageTask):
             return layout
         _wnid_map_path(data_dir)
         for n in DOWNSAMPLED_BATCHES:
-            release_file(_find(data_dir, [n, n + ".npz"]) or os.path.join(data_dir, n), cls.NAME)
+            release_file(find_first(data_dir, [n, n + ".npz"]) or os.path.join(data_dir, n), cls.NAME)
         return layout
 
 

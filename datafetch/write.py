@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from runfiles import ReadError, _umask, atomic_write, open_back
-from tasks import DataError, _find, find_wikitext_files
+from runfiles import ReadError, umask, atomic_write, open_back
+from tasks import DataError, find_first, find_wikitext_files
 
 
 
@@ -39,7 +39,7 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
     try:
         write(tmp)
         # mkdtemp's 0700 would hide the set from the group
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         # refused if a non-empty folder/name appeared meanwhile
         os.rename(tmp, target)
     except BaseException:
@@ -51,7 +51,7 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
 def _held_cifar10(folder: str) -> str | None:
     """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary
     layout)."""
-    return _find(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
+    return find_first(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
                           "cifar-10-batches-py",
                           os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
                           "data_batch_1.bin"])
@@ -62,7 +62,7 @@ def _held_wikitext(folder: str) -> str | None:
     try:
         return str(find_wikitext_files(folder)[1]["train"].parent)
     except DataError:
-        return _find(folder, ["wikitext-2"])
+        return find_first(folder, ["wikitext-2"])
 
 
 def digits_arrays() -> tuple:
