@@ -354,6 +354,21 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
                          "N)")
+    sites = _sites_for(model, cross_attention, modules, mask_kwarg)
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
+              for s in sites}
+    if param is None:
+        _check_size(model, priors, src)
+    for s in sites:                                   # every layer fits: now change them
+        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
+        s.module.mask_prior_flex = flex
+    _after_attach(model, sites, priors)
+    return priors
+
+
+def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str) -> list[Site]:
+    """The layers add_mask_prior gives a prior (self- or cross-attention, as asked), each checked
+    (`_check_site`); one line for a model PEFT wrapped first, or with no such layer."""
     if _under_peft(model):
         raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
                          "whose adapter would not save M: add the priors first, then "
@@ -372,15 +387,7 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                          f"({', '.join(other)}); {way} to give it a prior")
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
-    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
-              for s in sites}
-    if param is None:
-        _check_size(model, priors, src)
-    for s in sites:                                   # every layer fits: now change them
-        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
-        s.module.mask_prior_flex = flex
-    _after_attach(model, sites, priors)
-    return priors
+    return sites
 
 
 def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:

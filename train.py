@@ -434,69 +434,61 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
 
 
+# the commands beside train: name -> (help, description or None, its arguments: (names, keywords))
+SUBCOMMANDS = {
+    "summarize": ("a markdown table (mean ± std over seeds) of finished runs", None, [
+        (("paths",), dict(nargs="+", help="run directories or folders of them"))]),
+    "report": ("results/*.md tables, learning and persistence curves of a reproduction", None, [
+        (("runs",), dict(help="a reproduce.sh runs folder (e.g. runs/quick)")),
+        (("out",), dict(help="the folder to write the tables and figures to (e.g. results/quick)"))]),
+    "redraw": ("a results folder's figures drawn again from the CSVs beside them, no runs", None, [
+        (("results",), dict(help="a folder train.py report wrote (e.g. results/quick)"))]),
+    "download": ("fetch the public data sets into a folder, checked against pinned sums",
+                 "Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and valid) "
+                 "into --data: resumable (run again after a cut), checked against their pinned sha256 and md5, "
+                 "unpacked safely, moved in whole; a set already there is left as it is. See "
+                 "datafetch/download.py.", [
+                     (("names",), dict(nargs="+", metavar="NAME", help="cifar10, cifar100, wikitext2, tinystories")),
+                     (("--data",), dict(required=True, metavar="DIR", help="the data folder (reproduce.sh's --data)")),
+                     (("--from",), dict(dest="mirror", metavar="URL",
+                                        help="a mirror: a base URL holding the same file names (still checked "
+                                             "against the pinned sums)")),
+                     (("--timeout",), dict(type=float, default=30.0,
+                                           help="seconds without a byte before a transfer stops"))]),
+    "imagenet100": ("build ImageNet-100 from an ImageNet-1k folder (it needs a licence)",
+                    "DIR/imagenet100/{train,val}/<wnid>/ from IMAGENET_1K_DIR/{train,val}/<wnid>/, the 100 classes "
+                    "of tasks.IMAGENET100_WNIDS, hard links where possible, else copies; whole or not at all. See "
+                    "datafetch/imagenet100.py.", [
+                        (("--from",), dict(dest="source", required=True, metavar="IMAGENET_1K_DIR")),
+                        (("--data",), dict(required=True, metavar="DIR"))]),
+    "show": ("draw a run's M at its start and end (m.png) and its attention (attention.png)",
+             "Draw M at the start and at the end of a run, per layer and head, on one colour scale (m.png; none "
+             "for an init without M), and the mean attention on the task's probe inputs at the end "
+             "(attention.png). Needs matplotlib. See reporting/show.py.", [
+                 (("run",), dict(metavar="RUN", help="a run folder (with its ckpt.pt)")),
+                 (("--out",), dict(metavar="DIR", help="where to write the figures (default: RUN itself)"))]),
+    "make-digits": ("scikit-learn's digits written in the CIFAR-10 python layout", None, [(("folder",), {})]),
+    "make-wikitext": ("plain-text files written in WikiText-2's word-level layout", None, [
+        (("folder",), {}),
+        (("files",), dict(nargs="+", help="text files: one article each, the first line its title"))]),
+}
+
+
 def build_parser() -> Parser:
-    """`train.py [train] FLAGS` (the default command), `summarize`, `report`, `redraw`, `download`,
-    `imagenet100`, `show`, `make-digits`, `make-wikitext`."""
+    """`train.py [train] FLAGS` (the default command) and each command of SUBCOMMANDS."""
     p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate "
                                             "runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
                        description="Train a task with an attention prior. A flag not given takes "
                                    "the task's preset value (--preset small or paper), else the "
-                                   "default shown. Other commands: summarize, report, redraw, "
-                                   "download, imagenet100, show, make-digits, make-wikitext "
-                                   "(python train.py COMMAND --help).")
+                                   "default shown. Other commands: " + ", ".join(SUBCOMMANDS) +
+                                   " (python train.py COMMAND --help).")
     add_train_flags(t)
-    s = sub.add_parser("summarize", help="a markdown table (mean ± std over seeds) of finished "
-                                         "runs")
-    s.add_argument("paths", nargs="+", help="run directories or folders of them")
-    r = sub.add_parser("report", help="results/*.md tables, learning and persistence curves of a "
-                                      "reproduction")
-    r.add_argument("runs", help="a reproduce.sh runs folder (e.g. runs/quick)")
-    r.add_argument("out", help="the folder to write the tables and figures to (e.g. results/quick)")
-    d = sub.add_parser("redraw", help="a results folder's figures drawn again from the CSVs "
-                                      "beside them, no runs")
-    d.add_argument("results", help="a folder train.py report wrote (e.g. results/quick)")
-    g = sub.add_parser("download", help="fetch the public data sets into a folder, checked "
-                                        "against pinned sums",
-                       description="Fetch cifar10, cifar100, wikitext2 (tokens and raw) and "
-                                   "tinystories (V2 train and valid) into --data: resumable (run "
-                                   "again after a cut), checked against their pinned sha256 and "
-                                   "md5, unpacked safely, moved in whole; a set already there is "
-                                   "left as it is. See datafetch/download.py.")
-    g.add_argument("names", nargs="+", metavar="NAME",
-                   help="cifar10, cifar100, wikitext2, tinystories")
-    g.add_argument("--data", required=True, metavar="DIR",
-                   help="the data folder (reproduce.sh's --data)")
-    g.add_argument("--from", dest="mirror", metavar="URL",
-                   help="a mirror: a base URL holding the same file names "
-                   "(still checked against the pinned sums)")
-    g.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds without a byte before a transfer stops")
-    i = sub.add_parser("imagenet100", help="build ImageNet-100 from an ImageNet-1k folder (it "
-                                           "needs a licence)",
-                       description="DIR/imagenet100/{train,val}/<wnid>/ from "
-                                   "IMAGENET_1K_DIR/{train,val}/<wnid>/, the 100 classes of "
-                                   "tasks.IMAGENET100_WNIDS, hard links where possible, else "
-                                   "copies; whole or not at all. See datafetch/imagenet100.py.")
-    i.add_argument("--from", dest="source", required=True, metavar="IMAGENET_1K_DIR")
-    i.add_argument("--data", required=True, metavar="DIR")
-    v = sub.add_parser("show", help="draw a run's M at its start and end (m.png) and its "
-                                    "attention (attention.png)",
-                       description="Draw M at the start and at the end of a run, per layer and "
-                                   "head, on one colour scale (m.png; none for an init without "
-                                   "M), and the mean attention on the task's probe inputs at the "
-                                   "end (attention.png). Needs matplotlib. See reporting/show.py.")
-    v.add_argument("run", metavar="RUN", help="a run folder (with its ckpt.pt)")
-    v.add_argument("--out", metavar="DIR", help="where to write the figures (default: RUN itself)")
-    d = sub.add_parser("make-digits", help="scikit-learn's digits written in the CIFAR-10 python "
-                                           "layout")
-    d.add_argument("folder")
-    w = sub.add_parser("make-wikitext", help="plain-text files written in WikiText-2's "
-                                             "word-level layout")
-    w.add_argument("folder")
-    w.add_argument("files", nargs="+", help="text files: one article each, the first line its "
-                                            "title")
+    for name, (help_, description, arguments) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_, description=description)
+        for names, keywords in arguments:
+            command.add_argument(*names, **keywords)
     return p
 
 

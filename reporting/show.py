@@ -75,40 +75,57 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
         title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
         if grid[1]:
             title += ", the CLS token's row and column left out"
-    heads, full = end[0].shape[0], end[0].dim() == 3
+    full = end[0].dim() == 3
     values = torch.cat([m.flatten() for m in end + [s for s in start or [] if s is not None]])
     lim = float(values.abs().max().clamp_min(1e-6))
     change = [None if s is None else e - s for s, e in zip(start or [None] * len(end), end)]
     dlim = max((float(c.abs().max()) for c in change if c is not None), default=0.0) or 1e-6
     moved = f"; the last row of each layer: end - start, on its own scale (largest change {dlim:.3g})"
-    # a profile per head: M (start dashed, end solid), then end - start
     if not full:
-        plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
-        for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
-            d = e.shape[1]
-            dist = (torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2).numpy()
-            for h in range(heads):
-                ax = at(layer, 0, h)
-                if s is not None:
-                    ax.plot(dist, s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
-                ax.plot(dist, e[h].numpy(), color="tab:red", lw=1.4, label="end")
-                ax.set_ylim(-1.05 * lim, 1.05 * lim)
-                ax.set_title(f"layer {layer} head {h}", fontsize=7)
-                if start is not None:
-                    ax = at(layer, 1, h)
-                    if s is None:
-                        ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7,
-                                transform=ax.transAxes)
-                    else:
-                        ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2,
-                                label="end - start")
-                        ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
-                    ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
-                ax.tick_params(labelsize=6)
-                ax.set_xlabel("distance i - j", fontsize=7)
-        legend_below(fig, size=7)
-        caption(fig, title + "; M over the distance (the bias is log sigmoid M)" + ("" if start is None else moved))
-        return save_figure(fig, path)
+        return _draw_profiles(start, end, path, title + "; M over the distance (the bias is log sigmoid M)"
+                              + ("" if start is None else moved), causal, lim, dlim)
+    axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
+    outline = "" if start is None else "; outlined: where M started above 0" + moved
+    return _draw_maps(start, end, change, path, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}",
+                      names, lim, dlim)
+
+
+def _draw_profiles(start, end, path: str, title: str, causal: bool, lim: float, dlim: float) -> str:
+    """draw_m for relative tables: a profile per head over the distance, M (start dashed, end solid), then a row
+    of end - start."""
+    heads = end[0].shape[0]
+    plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
+    for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
+        d = e.shape[1]
+        dist = (torch.arange(d) if causal else torch.arange(d) - (d - 1) // 2).numpy()
+        for h in range(heads):
+            ax = at(layer, 0, h)
+            if s is not None:
+                ax.plot(dist, s[h].numpy(), "--", color="tab:gray", lw=1, label="start")
+            ax.plot(dist, e[h].numpy(), color="tab:red", lw=1.4, label="end")
+            ax.set_ylim(-1.05 * lim, 1.05 * lim)
+            ax.set_title(f"layer {layer} head {h}", fontsize=7)
+            if start is not None:
+                ax = at(layer, 1, h)
+                if s is None:
+                    ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7,
+                            transform=ax.transAxes)
+                else:
+                    ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2,
+                            label="end - start")
+                    ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
+                ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.set_xlabel("distance i - j", fontsize=7)
+    legend_below(fig, size=7)
+    caption(fig, title)
+    return save_figure(fig, path)
+
+
+def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dlim: float) -> str:
+    """draw_m for full M: per layer a row of maps per head at the start, at the end and of end - start (outlined
+    where M started above 0), with their colour bars."""
+    heads = end[0].shape[0]
     plt, fig, at = _grid(len(end), 1 if start is None else 3, heads)
     image, shown, moved_image, moved_axes = None, [], None, []
     for layer, (e, c) in enumerate(zip(end, change)):
@@ -137,9 +154,7 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
         fig.colorbar(moved_image, ax=moved_axes, shrink=0.6, location="bottom",
                      label="end - start", ticks=[-dlim, -dlim / 2, 0, dlim / 2, dlim],
                      format="%.2g")
-    axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
-    outline = "" if start is None else "; outlined: where M started above 0" + moved
-    caption(fig, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}")
+    caption(fig, title)
     return save_figure(fig, path)
 
 
