@@ -160,7 +160,7 @@ def start_ms(starts: int = 3) -> float:
     return 1000 * statistics.median(times)
 
 
-def main():
+def parse_flags():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,43 +191,30 @@ def main():
     a = p.parse_args()
     if a.write and (a.batch_size or a.eval_points):
         p.error("--write keeps a preset's own times: leave out --batch-size and --eval-points")
-    preset = "small" if a.quick or a.only in reporting.plan.STUDIES else "paper"
-    plan = reporting.plan.run_list(quick=preset == "small", only=a.only, data=None)
-    runs = [r for r in plan.runs if not a.task or r.task == a.task]
-    if not runs:
-        p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
-    if a.plan:
-        groups, seeds = paper_runs(a.only, preset == "small")
-        print("| table | task | inits | runs | steps per run | evaluations per run | steps "
-              "|\n|---|---|---|---|---|---|---|")
-        for table, task_name, inits, flags in groups:
-            if a.task and task_name != a.task:
-                continue
-            n, evals = reporting.plan.steps_of(reporting.plan.Run(table, task_name, inits[0], 0, "", flags), preset)
-            print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | "
-                  f"{evals:,} | {len(inits) * seeds * n:,} |")
-        return
-    device = torch.device(a.device)
-    threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
+    return p, a
+
+
+def print_plan(a, preset: str) -> None:
+    """--plan: the runs and steps per table, nothing timed."""
+    groups, seeds = paper_runs(a.only, preset == "small")
+    print("| table | task | inits | runs | steps per run | evaluations per run | steps "
+          "|\n|---|---|---|---|---|---|---|")
+    for table, task_name, inits, flags in groups:
+        if a.task and task_name != a.task:
+            continue
+        n, evals = reporting.plan.steps_of(reporting.plan.Run(table, task_name, inits[0], 0, "", flags), preset)
+        print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | "
+              f"{evals:,} | {len(inits) * seeds * n:,} |")
+
+
+def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float) -> tuple[dict, dict]:
+    """Each time key's first run built and timed, a line each: ({time key: times}, {task: {init: ms per step}})."""
     extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"]
                                                                              if a.compile else [])
     # each time_key once: the first run that has it
     first = {}
     for r in runs:
         first.setdefault(reporting.plan.time_key(r, preset), r)
-    ms_start = start_ms(a.starts)
-    print(f"device {device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
-          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile "
-          f"{a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | a run's process "
-          f"starts in {ms_start / 1000:.1f} s | evaluations on " + (f"{a.eval_points} points (not "
-                                                                    "the paper's cost)"
-                                                                    if a.eval_points
-                               else "a test set of the real size"))
-    print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
-          f"{'runs':>6}{'hours':>8}  flags", flush=True)
     times, ratio = reporting.plan.step_times() if a.write else {}, {}
     for key, run in first.items():
         t0 = time.perf_counter()
@@ -246,6 +233,10 @@ def main():
               f"{ms_setup / 1000:>9.1f}{len(sharing):>6}{h:>8.3f}  {' '.join(flags_of(run.flags))}", flush=True)
         if not run.flags:
             ratio.setdefault(run.task, {})[run.init] = ms_step
+    return times, ratio
+
+
+def print_totals(runs: list, times: dict, ratio: dict, preset: str) -> None:
     per_table = {}
     for r in runs:
         per_table[r.table] = per_table.get(r.table, 0.0) + reporting.plan.hours(r, times, preset)
@@ -257,6 +248,34 @@ def main():
     if ratio:
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")
+
+
+def main():
+    p, a = parse_flags()
+    preset = "small" if a.quick or a.only in reporting.plan.STUDIES else "paper"
+    plan = reporting.plan.run_list(quick=preset == "small", only=a.only, data=None)
+    runs = [r for r in plan.runs if not a.task or r.task == a.task]
+    if not runs:
+        p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
+    if a.plan:
+        return print_plan(a, preset)
+    device = torch.device(a.device)
+    threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    ms_start = start_ms(a.starts)
+    print(f"device {device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
+          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile "
+          f"{a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | a run's process "
+          f"starts in {ms_start / 1000:.1f} s | evaluations on " + (f"{a.eval_points} points (not "
+                                                                    "the paper's cost)"
+                                                                    if a.eval_points
+                               else "a test set of the real size"))
+    print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
+          f"{'runs':>6}{'hours':>8}  flags", flush=True)
+    times, ratio = time_runs(a, runs, preset, device, ms_start)
+    print_totals(runs, times, ratio, preset)
     if a.write:
         os.makedirs(os.path.dirname(reporting.plan.STEP_TIMES), exist_ok=True)
         runfiles.atomic_write(reporting.plan.STEP_TIMES, json.dumps(times, indent=2) + "\n")
