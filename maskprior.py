@@ -21,8 +21,11 @@ module with an additive-mask keyword), maskprior_retrofit.py's `add_mask_prior` 
 attention layer its own `MaskPrior`; it imports this file, which imports nothing of it.
 
 This file imports only torch and the standard library: copy it into your codebase. Reading order:
-pattern builders -> mask helpers -> the prior, `MaskPrior` -> attention -> blocks -> models ->
-sampling -> initialisers -> optimiser groups -> probes -> priors from a trained model's attention.
+the core first (about 560 lines, 330 of code: the patterns it reads, `MaskPrior`, `Attention` with
+its fused and explicit paths, `init_mask_`, `param_groups`; it runs alone, needing nothing below it), then the
+argument tables that check every public call, then the rest of the method: more patterns, the
+fast paths (torch's fused CPU kernel with M's gradient apart, flex_attention), blocks and models,
+sampling, the QK initialisers, the probes and the priors read from a trained model's attention.
 """
 from __future__ import annotations
 
@@ -39,174 +42,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# ----------------------------------------------------------------------------------------
-# The public arguments, in one table as train.py's flags are: an argument's name means one thing
-# wherever the library takes it (ARGS), and `checked` checks every argument of a public function
-# that the table names (None passes where the function's default is None). What each kind of
-# argument must be is a row of KINDS: in words, its test, a hint. Each refusal is one ValueError
-# line: what it must be, what it got.
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_square(v, floating: bool) -> bool:
-    """A tensor of (..., N, N), floating or bool, with values (not on the meta device)."""
-    return (isinstance(v, torch.Tensor) and not v.is_meta and v.dim() >= 2 and v.is_floating_point() == floating
-            and (floating or v.dtype == torch.bool))
-
-
-def _is_positions(v) -> bool:
-    """A non-empty list (or 1-D integer tensor) of positions >= 0."""
-    ints = (isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point()
-            and v.dtype != torch.bool
-            or isinstance(v, (list, tuple, range)) and all(_is_int(i) for i in v))
-    return ints and len(v) > 0 and min(int(i) for i in v) >= 0
-
-
-def _is_offsets(v) -> bool:
-    """A non-empty list of (dr, dc) pairs of integers."""
-    return (isinstance(v, (list, tuple)) and len(v) > 0
-            and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p))
-                    for p in v))
-
-
-def _are_probabilities(v) -> bool:
-    """Attention maps (`_check_maps`'d: a float tensor, not empty, finite) whose rows are >= 0 and
-    attend somewhere."""
-    return not bool((v < 0).any()) and bool((v.sum(-1) > 0).all())
-
-
-class Kind(NamedTuple):
-    """What a kind of argument must be: in words, the test a value passes, how to give it (`name`
-    stands for the argument's), and a check with lines of its own that runs first."""
-    what: str
-    test: Callable[[object], bool]
-    hint: str = ""
-    first: Callable[[object, str], None] | None = None
-
-
-KINDS = {
-    "bool": Kind("True or False", lambda v: isinstance(v, bool),
-                 "pass a bool (a string or number would be read as True or False by its truth "
-                 "value)"),
-    "int": Kind("an integer", _is_int),
-    "real": Kind("a finite number", lambda v: (isinstance(v, numbers.Real)
-                                               and not isinstance(v, bool) and math.isfinite(v)),
-                 "give a float such as {name}=5.0"),
-    "pattern": Kind("a bool tensor (..., N, N) that allows a pair",
-                    lambda v: _is_square(v, False) and bool(v.any()),
-                    "for real-valued M give logits= instead"),
-    "logits": Kind("a finite float tensor (..., N, N)",
-                   lambda v: _is_square(v, True) and bool(torch.isfinite(v).all())),
-    "maps": Kind("attention probabilities, each row >= 0 and attending somewhere",
-                 _are_probabilities, first=lambda v, who: _check_maps(v, who)),
-    "indices": Kind("a non-empty list (or 1-D integer tensor) of positions >= 0", _is_positions),
-    "offsets": Kind("a non-empty list of (dr, dc) pairs of integers", _is_offsets),
-}
-
-
-@dataclass(frozen=True)
-class Arg:
-    """What a public argument of this name must be: a `kind` of KINDS (ints and reals at least
-    `least`, above it where `above`), or kind "choice": one of `choices`."""
-    kind: str
-    least: float | None = None
-    above: bool = False
-    choices: tuple = ()
-
-    def what(self) -> str:
-        if self.kind == "choice":
-            *first, last = map(repr, self.choices)
-            return f"{', '.join(first)} or {last}"
-        bound = "" if self.least is None else f" {'>' if self.above else '>='} {self.least:g}"
-        return KINDS[self.kind].what + bound
-
-    def fits(self, value) -> bool:
-        if self.kind == "choice":
-            return isinstance(value, str) and value in self.choices
-        return KINDS[self.kind].test(value) and (self.least is None or (
-            value > self.least if self.above else value >= self.least))
-
-
-ARGS = {
-    **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal",
-                                "keys", "per_head", "prefix", "cross_attention", "flex")},
-    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel",
-                                  "top_k")},
-    **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
-    **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
-    "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
-    "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
-    "readout": Arg("indices"), "offsets": Arg("offsets"),
-    **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
-}
-
-# the model configs' fields that are checked as they are made (a config's readout is a word, the
-# readout argument of pattern_from_attention positions)
-FIELDS = {"mask_param": ARGS["mask_param"],
-          "readout": Arg("choice", choices=("cls", "mean", "tokens")),
-          "positions": Arg("choice", choices=("learned", "none")),
-          "pool": Arg("choice", choices=("mean", "cls"))}
-
-
-def checked(fn):
-    """Decorator: check each argument of `fn` that ARGS names (`check_arg`) before `fn` runs."""
-    sig = inspect.signature(fn)
-    who = fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
-    names = {k: p.default is None for k, p in sig.parameters.items() if k in ARGS}
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        for name, value in sig.bind(*args, **kwargs).arguments.items():
-            if name in names and not (value is None and names[name]):
-                check_arg(name, value, who)
-        return fn(*args, **kwargs)
-    call.checked = tuple(names)
-    return call
-
-
-def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
-    """Refuse `value` for the argument `name` unless it is what ARGS says (or `arg`), in one
-    ValueError line: what it must be, what it was, how to give it."""
-    arg = arg or ARGS[name]
-    kind = KINDS.get(arg.kind, Kind("", None))
-    if kind.first is not None:
-        kind.first(value, who)
-    if not arg.fits(value):
-        hint = kind.hint.format(name=name)
-        raise ValueError(f"{who}: {name} must be {arg.what()}, got {_shown(value)}"
-                         + (f"; {hint}" if hint else ""))
-
-
-def _shown(value) -> str:
-    """A value as a refusal names it: a tensor by its dtype and shape (and what is off in it)."""
-    if not isinstance(value, torch.Tensor):
-        return f"{value!r} ({type(value).__name__})"[:240]
-    if value.is_meta:
-        return (f"{value.dtype} of shape {tuple(value.shape)} on the meta device, which holds no values (build "
-                "it outside `with torch.device('meta')`)")
-    finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
-    off = (" holding nan or inf" if not finite
-           else " allowing no pair" if value.dtype == torch.bool and not bool(value.any()) else "")
-    return f"{value.dtype} of shape {tuple(value.shape)}{off}"
-
-
-def check_one_source(pattern, logits, who: str) -> None:
-    """Refuse a pattern and logits given together (one of them would be dropped without a word)."""
-    if pattern is not None and logits is not None:
-        raise ValueError(f"{who}: got both a pattern and logits, and one would be dropped; a "
-                         "prior starts from one: give pattern= (bool, M = +m_on / -m_off) or "
-                         "logits= (M itself), not both")
-
+# ========================================================================================
+# The core: the prior, the attention, init_mask_ and param_groups, lifted whole (to the argument
+# tables). It needs nothing below it; the tables check its public calls afterwards.
+# ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# Pattern builders: bool tensors, (N, N) for all heads or (H, N, N) per head.
-# Row i lists the keys that query i is allowed to attend to.
+# The initial M and the patterns it reads: bool tensors, (N, N) for all heads or (H, N, N) per
+# head; row i lists the keys that query i is allowed to attend to.
 
 
-@checked
+# the initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007)
+M_ON, M_OFF = 5.0, 5.0
+
+
 def pattern_from_pairs(n: int, pairs, symmetric: bool = False,
                        self_loops: bool = True) -> torch.Tensor:
     """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with
@@ -225,7 +74,6 @@ def pattern_from_pairs(n: int, pairs, symmetric: bool = False,
     return p
 
 
-@checked
 def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
     """(N, N) bool pattern, True where |i - j| <= width (distance taken mod N if circulant)."""
     i = torch.arange(n)
@@ -235,104 +83,6 @@ def banded_pattern(n: int, width: int, circulant: bool = False) -> torch.Tensor:
     return d <= width
 
 
-@checked
-def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
-    """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False
-    pattern."""
-    out = torch.zeros(*pattern.shape[:-2], n, n, dtype=torch.bool)
-    k = pattern.shape[-1]
-    out[..., offset:offset + k, offset:offset + k] = pattern
-    return out
-
-
-@checked
-def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0,
-                    prefix_all: bool = True) -> torch.Tensor:
-    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
-
-    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
-    falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
-    `prefix_all` they attend to, and are attended by, every token.
-    """
-    n = n_prefix + grid_h * grid_w
-    for dr, dc in offsets:
-        if abs(dr) >= grid_h or abs(dc) >= grid_w:
-            raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x "
-                             f"{grid_w} grid from every patch (each would fall back to itself): "
-                             "give offsets inside the grid")
-    pats = []
-    for dr, dc in offsets:
-        p = torch.zeros(n, n, dtype=torch.bool)
-        for r in range(grid_h):
-            for c in range(grid_w):
-                rr, cc = r + dr, c + dc
-                if not (0 <= rr < grid_h and 0 <= cc < grid_w):
-                    rr, cc = r, c
-                p[n_prefix + r * grid_w + c, n_prefix + rr * grid_w + cc] = True
-        if n_prefix:
-            p[:n_prefix, :] = prefix_all
-            p[:, :n_prefix] = prefix_all
-            p[:n_prefix, :n_prefix] |= torch.eye(n_prefix, dtype=torch.bool)
-        pats.append(p)
-    return torch.stack(pats)
-
-
-def _grid_displacements(grid_h: int, grid_w: int) -> torch.Tensor:
-    """(P, P, 2) float: (row, column) of key patch minus that of query patch, P = grid_h *
-    grid_w."""
-    rc = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
-    return (rc[None, :, :] - rc[:, None, :]).float()
-
-
-def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
-    """(H, P, P) -> (H, n_prefix + P, n_prefix + P): prefix rows and columns (e.g. CLS) set to
-    `fill`."""
-    if not n_prefix:
-        return grid
-    h, p, _ = grid.shape
-    out = torch.full((h, n_prefix + p, n_prefix + p), fill, dtype=grid.dtype)
-    out[:, n_prefix:, n_prefix:] = grid
-    return out
-
-
-@checked
-def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int,
-                   n_prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) bool: every head may see the kernel x kernel window of patches around the query (a
-    local attention shared by all heads); prefix tokens see and are seen by every token."""
-    d = _grid_displacements(grid_h, grid_w).abs()
-    local = (d <= kernel // 2).all(-1)
-    return _with_prefix(local.expand(n_heads, -1, -1).clone(), n_prefix, True)
-
-
-@checked
-def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
-                       n_prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
-    initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
-    -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
-    [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
-    d = _grid_displacements(grid_h, grid_w)
-    off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
-    sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
-    return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix,
-                        float(m_on))
-
-
-# The 3x3 offsets in the order of the 2025 structured-initialization code:
-# self, up, right, left, down, then the diagonals.
-IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)]
-
-
-@checked
-def random_impulse_offsets(n_heads: int, kernel: int = 3,
-                           generator: torch.Generator | None = None):
-    """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
-    idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
-    return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
-
-
-@checked
 def causal_pattern(n: int) -> torch.Tensor:
     """(N, N) bool, True where key j <= query i."""
     return torch.ones(n, n, dtype=torch.bool).tril()
@@ -343,33 +93,12 @@ def future_keys(t: int, device: torch.device | None = None) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
 
-@checked
-def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """(H,) ALiBi slopes 2^(-8 h / H), h = 1..H."""
-    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
-
-
-@checked
-def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
-    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
-
-    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite
-    and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
-    -self_logit; the hard causal mask removes them anyway.
-    """
-    i = torch.arange(n)
-    d = (i[:, None] - i[None, :]).float()
-    p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
-    m = (torch.log(p) - torch.log1p(-p)).float()          # logit(p), finite for d >= 1
-    m = m.masked_fill(d == 0, self_logit)
-    return m.masked_fill(d < 0, -self_logit)
-
-
-# ----------------------------------------------------------------------------------------
-# Mask helpers
-
-# the initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007)
-M_ON, M_OFF = 5.0, 5.0
+def check_one_source(pattern, logits, who: str) -> None:
+    """Refuse a pattern and logits given together (one of them would be dropped without a word)."""
+    if pattern is not None and logits is not None:
+        raise ValueError(f"{who}: got both a pattern and logits, and one would be dropped; a "
+                         "prior starts from one: give pattern= (bool, M = +m_on / -m_off) or "
+                         "logits= (M itself), not both")
 
 
 def check_pattern(pattern) -> None:
@@ -382,7 +111,6 @@ def check_pattern(pattern) -> None:
                          "real-valued M give logits= instead")
 
 
-@checked
 def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON,
                              m_off: float = M_OFF) -> torch.Tensor:
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both
@@ -395,21 +123,51 @@ def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(mask_logits)
 
 
-@checked
-def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor,
-                    mask_logits: torch.Tensor) -> torch.Tensor:
-    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
+def mask_bias_grad(mask_logits: torch.Tensor) -> torch.Tensor:
+    """d mask_bias / dM = sigmoid(-M), elementwise, in (0, 1): what a fast path that computes the
+    bias's gradient itself multiplies it by (autograd of `mask_bias` gives the same; a test keeps
+    the two equal)."""
+    return torch.sigmoid(-mask_logits)
 
-    attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
-    layer; mask_logits: (H, N, N). Through the softmax and d logsigmoid(m)/dm = sigma(-m),
-        dL/dM_ij = sigma(-M_ij) * sum_b p_bij * (g_bij - sum_k p_bik g_bik),
-    and the bracket lies within max_k g_bik - min_k g_bik, so
-        |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
-    The mask's gradient is thus at most the attention probability (times sigma(-M) <= 1)
-    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do.
-    """
-    spread = attn_grad.amax(-1, keepdim=True) - attn_grad.amin(-1, keepdim=True)
-    return torch.sigmoid(-mask_logits) * (attn * spread).sum(0)
+
+def _per_head(pattern: torch.Tensor, n_heads: int, n: int,
+              n_keys: int | None = None) -> torch.Tensor:
+    """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its
+    `n_keys`, default n)."""
+    s = n if n_keys is None else n_keys
+    if (pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads)
+            or tuple(pattern.shape[-2:]) != (n, s)):
+        raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer "
+                         f"with {n_heads} heads and {n} positions: expected ({n}, {s}) or "
+                         f"({n_heads}, {n}, {s}); build it for the model's own token layout (with "
+                         "or without a CLS token)")
+    return pattern.unsqueeze(0).expand(n_heads, -1, -1) if pattern.dim() == 2 else pattern
+
+
+def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
+    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose
+    future half holds structure (allowed pairs, M > 0, that vary from pair to pair: a band, another
+    model's non-causal attention), which the causal mask would drop in silence. A future that is
+    the same everywhere (all allowed, a neutral M = +30, or all -inf-like) says nothing and
+    passes."""
+    later = future_keys(values.shape[-1], values.device)
+    future = values[..., later]                                  # (..., pairs above the diagonal)
+    allowed = future if future.dtype == torch.bool else future > 0
+    if bool(allowed.any()) and not bool((future == future.flatten()[0]).all()):
+        i, j = (int(v) for v in later.nonzero()[int(allowed.reshape(-1, future.shape[-1]).any(0).nonzero()[0])])
+        raise ValueError(f"{what} {int(allowed.sum())} future keys (e.g. query {i}, key {j}), "
+                         f"which a causal layer never sees: {way}")
+
+
+def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
+    """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and
+    below the diagonal when `causal`): what a relative prior (`param="relative"`) holds exactly."""
+    if not isinstance(values, torch.Tensor) or values.dim() not in (2, 3) or values.shape[-1] != values.shape[-2]:
+        return False
+    same = values[..., 1:, 1:] == values[..., :-1, :-1]          # (i + 1, j + 1) against (i, j)
+    if causal:
+        same = same | future_keys(values.shape[-1] - 1, values.device)
+    return bool(same.all())
 
 
 # ----------------------------------------------------------------------------------------
@@ -454,8 +212,6 @@ class MaskPrior(nn.Module):
     1e-3 on |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`,
     `prior_parameter_names`), or the decay erases the prior.
     """
-
-    @checked
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None,
                  m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                  logits: torch.Tensor | None = None, param: str | None = None,
@@ -677,248 +433,26 @@ class MaskPrior(nn.Module):
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
         return bias if dtype is None else bias.to(dtype)
 
-    def flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read
-        inside the kernel (a score_mod indexing the (heads, N, N) bias, or the relative table by
-        distance), never a (B, heads, T, T) bias in memory, and stays learnable; a causal prior's
-        future is a block mask. Self-attention of T <= N tokens (`prior_roles` takes the bias
-        path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused kernel,
-        forward and backward), torch's reference implementation elsewhere."""
-        t = q.shape[-2]
-        self._first_row(t, t)
-        self.check_set()
-        if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad
-                                                                   or self.bias.requires_grad):
-            raise ValueError(f"{self.where}: torch's flex_attention has no backward on the CPU: "
-                             "train with it on CUDA, or use the fused or explicit path here (its "
-                             "forward runs on the CPU under torch.no_grad)")
-        table = mask_bias(self._logits(self.bias)).to(q.dtype)
-        if self.param == "full":
-            def score_mod(score, b, h, i, j):
-                return score + table[h, i, j]
-        else:
-            n = self.n
-            lo, hi, offset = (0, n - 1, 0) if self.causal else (1 - n, n - 1, n - 1)
-
-            def score_mod(score, b, h, i, j):               # `_index`, written out for the kernel
-                return score + table[h, (i - j).clamp(lo, hi) + offset]
-        block = _causal_block_mask(t, q.device) if self.causal else None
-        return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block)
-
-
-# flex_attention compiled for CUDA and causal block masks, made on first use (not at import)
-_FLEX: dict = {}
-
-
-def _flex_attention(device_type: str):
-    """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the
-    reference implementation, torch's warning about it silenced: it is what runs on a CPU)."""
-    import warnings
-    from torch.nn.attention.flex_attention import flex_attention
-    if device_type == "cuda":
-        if "cuda" not in _FLEX:
-            _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
-        return _FLEX["cuda"]
-
-    def eager(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return flex_attention(*args, **kwargs)
-    return eager
-
-
-def _causal_block_mask(t: int, device: torch.device):
-    """flex_attention's block mask of a causal layer of t tokens (key j <= query i), cached per
-    size and device."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    key = ("causal", t, str(device))
-    if key not in _FLEX:
-        _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device=device)
-    return _FLEX[key]
-
-
-def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
-    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose
-    future half holds structure (allowed pairs, M > 0, that vary from pair to pair: a band, another
-    model's non-causal attention), which the causal mask would drop in silence. A future that is
-    the same everywhere (all allowed, a neutral M = +30, or all -inf-like) says nothing and
-    passes."""
-    later = future_keys(values.shape[-1], values.device)
-    future = values[..., later]                                  # (..., pairs above the diagonal)
-    allowed = future if future.dtype == torch.bool else future > 0
-    if bool(allowed.any()) and not bool((future == future.flatten()[0]).all()):
-        i, j = (int(v) for v in later.nonzero()[int(allowed.reshape(-1, future.shape[-1]).any(0).nonzero()[0])])
-        raise ValueError(f"{what} {int(allowed.sum())} future keys (e.g. query {i}, key {j}), "
-                         f"which a causal layer never sees: {way}")
-
-
-@checked
-def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
-    """Whether a square pattern or logits (n, n) or (heads, n, n) depend on i - j alone (on and
-    below the diagonal when `causal`): what a relative prior (`param="relative"`) holds exactly."""
-    if not isinstance(values, torch.Tensor) or values.dim() not in (2, 3) or values.shape[-1] != values.shape[-2]:
-        return False
-    same = values[..., 1:, 1:] == values[..., :-1, :-1]          # (i + 1, j + 1) against (i, j)
-    if causal:
-        same = same | future_keys(values.shape[-1] - 1, values.device)
-    return bool(same.all())
-
-
-def mask_priors(model: nn.Module) -> list[MaskPrior]:
-    return [m for m in model.modules() if isinstance(m, MaskPrior)]
-
-
-@contextlib.contextmanager
-def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
-    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example
-    to example (operands of varying length, say): M is indexed by role, not by position. rows,
-    cols: (B, L) long, the role (a row, a column of M, in 0..n-1) of each example's positions as a
-    query and as a key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i],
-    cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise
-    with the position keep a causal prior causal. Outside the block (the probes, a layout with rows
-    = cols = 0..n-1) M is read by position as usual. A model without a prior is left alone. Served
-    in maskprior's own models and in every self-attention layer add_mask_prior serves (torch,
-    Hugging Face, timm, keyword), with one row of roles per example of each call (another batch
-    size is refused); a cross-attention prior is refused."""
-    priors = mask_priors(model)
-    for p in priors:
-        if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
-                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n)
-                          for x in (rows, cols)):
-            raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, "
-                             f"long, in 0..{p.n - 1} (self-attention); got {tuple(rows.shape)} "
-                             f"and {tuple(cols.shape)}")
-    for p in priors:
-        p.roles = (rows, cols)
-    try:
-        yield
-    finally:
-        for p in priors:
-            p.roles = None
-
-
-def prior_parameter_names(model: nn.Module) -> list[str]:
-    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser
-    builder must keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay
-    list)."""
-    return [f"{name}.bias" if name else "bias"
-            for name, m in model.named_modules() if isinstance(m, MaskPrior)]
-
 
 # ----------------------------------------------------------------------------------------
-# Attention
+# Attention: the fused path (scaled_dot_product_attention with the prior's bias; speedups plug in
+# through FAST_PATHS and compute the same) and the explicit softmax, which can return the maps.
 
 
-def _cpu_kernel():
-    """torch's fused CPU attention kernel as an op that takes a float mask beside is_causal and
-    gives the row log-sum-exp (the aten op behind F.scaled_dot_product_attention, torch >= 2.3);
-    None where this torch lacks it."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FAST_PATHS: list = []   # (q, k, v, prior, flex) -> the output, or None where a speedup does not apply
 
 
-def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
-    """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i
-    = e - R."""
-    h, r, c = ds.shape
-    # R zeros before each row, a zero row after the last: the
-    pad = F.pad(ds, (r, 0, 0, 1))
-    # skewed rows read only zeros past
-    return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)
-
-
-@torch.no_grad()
-def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True,
-              block: int = 64):
-    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward
-    kernel's output and row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP =
-    dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows
-    at a time (only the keys a causal block sees), in float32. dM: dS summed over the batch, by
-    (query, key) for a full M, by distance for a relative one, through log sigmoid. About what the
-    kernel's own backward costs on the CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B,
-    H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
-    h, t, s = bias.shape
-    # query i is at position first + i (after a KV cache)
-    first, scale = s - t, q.shape[-1] ** -0.5
-    q, k, v, out, dout = (x.float() for x in (q, k, v, out, dout))
-    d_rows = (dout * out).sum(-1, keepdim=True)
-    # S - lse and dP - D as one product each: q and dO gain a column (-lse, -D), k and v a column
-    # of ones
-    qa, da = torch.cat([q * scale, -lse.unsqueeze(-1)], -1), torch.cat([dout, -d_rows], -1)
-    ka, va = F.pad(k, (0, 1), value=1.0), F.pad(v, (0, 1), value=1.0)
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    full = prior.param == "full"
-    dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape,
-                                                                        dtype=torch.float64,
-                                                                        device=q.device)
-    for r0 in range(0, t, block):
-        r1 = min(t, r0 + block)
-        # keys after the block's last query are future keys
-        c = first + r1 if prior.causal else s
-        p = (qa[:, :, r0:r1] @ ka[:, :, :c].transpose(-2, -1)).add_(bias[:, r0:r1, :c])
-        # P < e^-80 adds nothing; exp of a number past -87 is 20x slower
-        p.clamp_(min=-80.0).exp_()
-        # the future, only in the block's last keys: exactly 0
-        if prior.causal:
-            p[..., c - (r1 - r0):].masked_fill_(future_keys(r1 - r0, p.device), 0.0)
-        dv[:, :, :c] += p.transpose(-2, -1) @ dout[:, :, r0:r1]
-        ds = p.mul_(da[:, :, r0:r1] @ va[:, :, :c].transpose(-2, -1))
-        dq[:, :, r0:r1] = (ds @ k[:, :, :c]).mul_(scale)
-        dk[:, :, :c] += (ds.transpose(-2, -1) @ q[:, :, r0:r1]).mul_(scale)
-        if not need_m:
-            continue
-        ds = ds.sum(0)                              # (H, rows, keys): the bias is the batch's
-        if full:
-            dm[:, r0:r1, :c] = ds
-        # by diagonal: entry e holds key - query = e - rows
-        else:
-            dist = first + r1 - torch.arange(r1 - r0 + c, device=q.device)
-            dm.index_add_(1, prior._index(dist), _diagonal_sums(ds).double())
-    if not need_m:
-        return dq, dk, dv, None
-    # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias
-    if full:
-        r, c = prior._first_row(t, s), min(s, prior.n_keys)
-        dm, rows = torch.zeros_like(prior.bias), dm
-        dm[:, r:r + t, :c] = rows[..., :c] * torch.sigmoid(-prior.bias[:, r:r + t, :c])
-    else:
-        dm = (dm * torch.sigmoid(-prior.bias.double())).to(prior.bias.dtype)
-    return dq, dk, dv, dm
-
-
-class _FusedPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which
-    reads the bias as a constant (and skips the future's blocks when causal) and saves the row
-    log-sum-exp; backward by `_backward`, which gives M its gradient beside q's, k's and v's.
-    Exact: the explicit path's outputs and gradients (to rounding)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, m, prior):
-        fwd = _cpu_kernel()
-        t, s = q.shape[-2], k.shape[-2]
-        bias = prior(t, q.dtype, k_len=s)
-        out, lse = fwd(q, k, v, 0.0, prior.causal and t == s, attn_mask=bias.unsqueeze(0))
-        ctx.save_for_backward(q, k, v, out, lse, bias)
-        ctx.prior = prior
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, bias = ctx.saved_tensors
-        dq, dk, dv, dm = _backward(ctx.prior, q, k, v, out, lse, dout, bias.float(),
-                                   ctx.needs_input_grad[3])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
-
-
-def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    prior: MaskPrior) -> torch.Tensor:
+def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPrior,
+                    use_flex: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k,
-    v (B, H, S, d) -> (B, H, T, d), a causal prior's future hidden. On the CPU through
-    `_FusedPrior` (the fused kernel, M's gradient apart); elsewhere, or per example
-    (`prior_roles`), F.scaled_dot_product_attention with the bias as its mask."""
+    v (B, H, S, d) -> (B, H, T, d), a causal prior's future hidden. F.scaled_dot_product_attention
+    with the prior's bias as its mask, unless a speedup of FAST_PATHS takes the call (`use_flex`: torch's
+    flex_attention where it applies, asked for)."""
     prior.check_set()
-    if (q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None
-            and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype):
-        return _FusedPrior.apply(q, k, v, prior.bias, prior)
+    for path in FAST_PATHS:
+        out = path(q, k, v, prior, use_flex)
+        if out is not None:
+            return out
     bias = prior(q.shape[-2], q.dtype, k_len=k.shape[-2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if bias.dim() == 4
                                           else bias.unsqueeze(0))
@@ -935,7 +469,7 @@ class Attention(nn.Module):
     distance (`mask_window` of them, default N), any T. `fused=True` uses
     F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
     `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs
-    a layer with M through torch's flex_attention instead (`MaskPrior.flex`: M read inside the
+    a layer with M through torch's flex_attention instead (`prior_flex`: M read inside the
     kernel).
     """
 
@@ -978,10 +512,9 @@ class Attention(nn.Module):
             cache["k"], cache["v"] = k, v
         s = k.shape[2]
         attn = None
-        if self.flex and self.prior is not None and self.prior.roles is None and not return_attn and s == t:
-            out = self.prior.flex(q, k, v)
-        elif self.fused and not return_attn and self.prior is not None:
-            out = prior_attention(q, k, v, self.prior)
+        flex = self.flex and self.prior is not None and self.prior.roles is None and s == t
+        if (self.fused or flex) and not return_attn and self.prior is not None:
+            out = prior_attention(q, k, v, self.prior, flex)
         elif self.fused and not return_attn:
             # queries after a cache: is_causal would align them to key 0
             late = self.causal and s > t
@@ -997,6 +530,603 @@ class Attention(nn.Module):
             out = attn @ v
         out = out.transpose(1, 2).reshape(b, t, -1)
         return self.proj(out), attn
+
+
+# ----------------------------------------------------------------------------------------
+# Initialising M, and optimiser groups that never decay it
+
+
+def mask_priors(model: nn.Module) -> list[MaskPrior]:
+    return [m for m in model.modules() if isinstance(m, MaskPrior)]
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+@torch.no_grad()
+def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
+               m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
+    """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
+    given `logits`).
+
+    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's
+    own N positions (e.g. with or without a CLS token in front): every attention layer must already
+    own an M (build the model with `learnable_mask=True`, `Attention(mask_size=N)`, or
+    `add_mask_prior`) of that size, or this raises; it never creates or resizes M, since an
+    optimiser made earlier would not see a new parameter. Give M to the optimiser without weight
+    decay (`param_groups`), or the decay pulls it to 0 and erases the prior.
+    """
+    check_one_source(pattern, logits, "init_mask_")
+    if logits is None:
+        check_pattern(pattern)
+    src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
+    if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
+        raise ValueError("init_mask_: an attention layer has no M; build the model with "
+                         "learnable_mask=True (or Attention(..., mask_size=N)), or give your own "
+                         "attention a MaskPrior")
+    # refused before any M changes, as a prior would
+    if any(prior.causal for prior in mask_priors(model)):
+        _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
+                         "build it for a causal model (pattern & mp.causal_pattern(n); logits at "
+                         "most 0 there)")
+    for prior in mask_priors(model):
+        prior.set_logits(src)
+    if logits is not None:
+        return {"m_min": float(logits.min()), "m_max": float(logits.max())}
+    return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}
+
+
+def prior_parameter_names(model: nn.Module) -> list[str]:
+    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser
+    builder must keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay
+    list)."""
+    return [f"{name}.bias" if name else "bias"
+            for name, m in model.named_modules() if isinstance(m, MaskPrior)]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or
+    more dimensions: Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases,
+    norms, embedding tables (nn.Embedding) and other parameters (positional embeddings, class
+    tokens). Decay would pull M to 0 and erase the prior. A head tied to the token embedding counts
+    as the embedding (modules are visited in order)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if name == "weight" and p.dim() >= 2 and not isinstance(module,
+                                                                    (nn.Embedding, MaskPrior)):
+                decay.append(p)
+            else:
+                no_decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ----------------------------------------------------------------------------------------
+# The public arguments, in one table as train.py's flags are: an argument's name means one thing
+# wherever the library takes it (ARGS), and `checked` checks every argument of a public function
+# that the table names (None passes where the function's default is None). What each kind of
+# argument must be is a row of KINDS: in words, its test, a hint. Each refusal is one ValueError
+# line: what it must be, what it got.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_square(v, floating: bool) -> bool:
+    """A tensor of (..., N, N), floating or bool, with values (not on the meta device)."""
+    return (isinstance(v, torch.Tensor) and not v.is_meta and v.dim() >= 2 and v.is_floating_point() == floating
+            and (floating or v.dtype == torch.bool))
+
+
+def _is_positions(v) -> bool:
+    """A non-empty list (or 1-D integer tensor) of positions >= 0."""
+    ints = (isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point()
+            and v.dtype != torch.bool
+            or isinstance(v, (list, tuple, range)) and all(_is_int(i) for i in v))
+    return ints and len(v) > 0 and min(int(i) for i in v) >= 0
+
+
+def _is_offsets(v) -> bool:
+    """A non-empty list of (dr, dc) pairs of integers."""
+    return (isinstance(v, (list, tuple)) and len(v) > 0
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p))
+                    for p in v))
+
+
+def _are_probabilities(v) -> bool:
+    """Attention maps (`_check_maps`'d: a float tensor, not empty, finite) whose rows are >= 0 and
+    attend somewhere."""
+    return not bool((v < 0).any()) and bool((v.sum(-1) > 0).all())
+
+
+class Kind(NamedTuple):
+    """What a kind of argument must be: in words, the test a value passes, how to give it (`name`
+    stands for the argument's), and a check with lines of its own that runs first."""
+    what: str
+    test: Callable[[object], bool]
+    hint: str = ""
+    first: Callable[[object, str], None] | None = None
+
+
+KINDS = {
+    "bool": Kind("True or False", lambda v: isinstance(v, bool),
+                 "pass a bool (a string or number would be read as True or False by its truth "
+                 "value)"),
+    "int": Kind("an integer", _is_int),
+    "real": Kind("a finite number", lambda v: (isinstance(v, numbers.Real)
+                                               and not isinstance(v, bool) and math.isfinite(v)),
+                 "give a float such as {name}=5.0"),
+    "pattern": Kind("a bool tensor (..., N, N) that allows a pair",
+                    lambda v: _is_square(v, False) and bool(v.any()),
+                    "for real-valued M give logits= instead"),
+    "logits": Kind("a finite float tensor (..., N, N)",
+                   lambda v: _is_square(v, True) and bool(torch.isfinite(v).all())),
+    "maps": Kind("attention probabilities, each row >= 0 and attending somewhere",
+                 _are_probabilities, first=lambda v, who: _check_maps(v, who)),
+    "indices": Kind("a non-empty list (or 1-D integer tensor) of positions >= 0", _is_positions),
+    "offsets": Kind("a non-empty list of (dr, dc) pairs of integers", _is_offsets),
+}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """What a public argument of this name must be: a `kind` of KINDS (ints and reals at least
+    `least`, above it where `above`), or kind "choice": one of `choices`."""
+    kind: str
+    least: float | None = None
+    above: bool = False
+    choices: tuple = ()
+
+    def what(self) -> str:
+        if self.kind == "choice":
+            *first, last = map(repr, self.choices)
+            return f"{', '.join(first)} or {last}"
+        bound = "" if self.least is None else f" {'>' if self.above else '>='} {self.least:g}"
+        return KINDS[self.kind].what + bound
+
+    def fits(self, value) -> bool:
+        if self.kind == "choice":
+            return isinstance(value, str) and value in self.choices
+        return KINDS[self.kind].test(value) and (self.least is None or (
+            value > self.least if self.above else value >= self.least))
+
+
+ARGS = {
+    **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal",
+                                "keys", "per_head", "prefix", "cross_attention", "flex")},
+    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel",
+                                  "top_k")},
+    **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
+    **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
+    "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
+    "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
+    "readout": Arg("indices"), "offsets": Arg("offsets"),
+    **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
+}
+
+
+# the model configs' fields that are checked as they are made (a config's readout is a word, the
+# readout argument of pattern_from_attention positions)
+FIELDS = {"mask_param": ARGS["mask_param"],
+          "readout": Arg("choice", choices=("cls", "mean", "tokens")),
+          "positions": Arg("choice", choices=("learned", "none")),
+          "pool": Arg("choice", choices=("mean", "cls"))}
+
+
+def checked(fn):
+    """Decorator: check each argument of `fn` that ARGS names (`check_arg`) before `fn` runs."""
+    sig = inspect.signature(fn)
+    who = fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
+    names = {k: p.default is None for k, p in sig.parameters.items() if k in ARGS}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for name, value in sig.bind(*args, **kwargs).arguments.items():
+            if name in names and not (value is None and names[name]):
+                check_arg(name, value, who)
+        return fn(*args, **kwargs)
+    call.checked = tuple(names)
+    return call
+
+
+def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
+    """Refuse `value` for the argument `name` unless it is what ARGS says (or `arg`), in one
+    ValueError line: what it must be, what it was, how to give it."""
+    arg = arg or ARGS[name]
+    kind = KINDS.get(arg.kind, Kind("", None))
+    if kind.first is not None:
+        kind.first(value, who)
+    if not arg.fits(value):
+        hint = kind.hint.format(name=name)
+        raise ValueError(f"{who}: {name} must be {arg.what()}, got {_shown(value)}"
+                         + (f"; {hint}" if hint else ""))
+
+
+def _shown(value) -> str:
+    """A value as a refusal names it: a tensor by its dtype and shape (and what is off in it)."""
+    if not isinstance(value, torch.Tensor):
+        return f"{value!r} ({type(value).__name__})"[:240]
+    if value.is_meta:
+        return (f"{value.dtype} of shape {tuple(value.shape)} on the meta device, which holds no values (build "
+                "it outside `with torch.device('meta')`)")
+    finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+    off = (" holding nan or inf" if not finite
+           else " allowing no pair" if value.dtype == torch.bool and not bool(value.any()) else "")
+    return f"{value.dtype} of shape {tuple(value.shape)}{off}"
+
+
+# The core's public calls, checked from these tables as the rest's are (the core itself stays free of
+# them, so it lifts whole)
+for _name in ("pattern_from_pairs", "banded_pattern", "causal_pattern", "mask_logits_from_pattern", "depends_on_distance", "init_mask_", "param_groups"):
+    globals()[_name] = checked(globals()[_name])
+del _name
+MaskPrior.__init__ = checked(MaskPrior.__init__)
+
+
+# ========================================================================================
+# The rest of the method: more patterns, the fast paths, the models, sampling, the QK inits, the
+# probes and the priors read from a trained model's attention.
+# ========================================================================================
+
+# ----------------------------------------------------------------------------------------
+# More pattern builders: on an image's patch grid, graded, and the causal distance prior
+
+
+@checked
+def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """Place a (..., K, K) pattern at rows/cols [offset, offset+K) of a (..., N, N) False
+    pattern."""
+    out = torch.zeros(*pattern.shape[:-2], n, n, dtype=torch.bool)
+    k = pattern.shape[-1]
+    out[..., offset:offset + k, offset:offset + k] = pattern
+    return out
+
+
+@checked
+def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0,
+                    prefix_all: bool = True) -> torch.Tensor:
+    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
+
+    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
+    falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
+    `prefix_all` they attend to, and are attended by, every token.
+    """
+    n = n_prefix + grid_h * grid_w
+    for dr, dc in offsets:
+        if abs(dr) >= grid_h or abs(dc) >= grid_w:
+            raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x "
+                             f"{grid_w} grid from every patch (each would fall back to itself): "
+                             "give offsets inside the grid")
+    pats = []
+    for dr, dc in offsets:
+        p = torch.zeros(n, n, dtype=torch.bool)
+        for r in range(grid_h):
+            for c in range(grid_w):
+                rr, cc = r + dr, c + dc
+                if not (0 <= rr < grid_h and 0 <= cc < grid_w):
+                    rr, cc = r, c
+                p[n_prefix + r * grid_w + c, n_prefix + rr * grid_w + cc] = True
+        if n_prefix:
+            p[:n_prefix, :] = prefix_all
+            p[:, :n_prefix] = prefix_all
+            p[:n_prefix, :n_prefix] |= torch.eye(n_prefix, dtype=torch.bool)
+        pats.append(p)
+    return torch.stack(pats)
+
+
+def _grid_displacements(grid_h: int, grid_w: int) -> torch.Tensor:
+    """(P, P, 2) float: (row, column) of key patch minus that of query patch, P = grid_h *
+    grid_w."""
+    rc = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
+    return (rc[None, :, :] - rc[:, None, :]).float()
+
+
+def _with_prefix(grid: torch.Tensor, n_prefix: int, fill) -> torch.Tensor:
+    """(H, P, P) -> (H, n_prefix + P, n_prefix + P): prefix rows and columns (e.g. CLS) set to
+    `fill`."""
+    if not n_prefix:
+        return grid
+    h, p, _ = grid.shape
+    out = torch.full((h, n_prefix + p, n_prefix + p), fill, dtype=grid.dtype)
+    out[:, n_prefix:, n_prefix:] = grid
+    return out
+
+
+@checked
+def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int,
+                   n_prefix: int = 0) -> torch.Tensor:
+    """(H, N, N) bool: every head may see the kernel x kernel window of patches around the query (a
+    local attention shared by all heads); prefix tokens see and are seen by every token."""
+    d = _grid_displacements(grid_h, grid_w).abs()
+    local = (d <= kernel // 2).all(-1)
+    return _with_prefix(local.expand(n_heads, -1, -1).clone(), n_prefix, True)
+
+
+@checked
+def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
+                       n_prefix: int = 0) -> torch.Tensor:
+    """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
+    initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
+    -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
+    [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
+    d = _grid_displacements(grid_h, grid_w)
+    off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
+    sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
+    return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix,
+                        float(m_on))
+
+
+# The 3x3 offsets in the order of the 2025 structured-initialization code:
+# self, up, right, left, down, then the diagonals.
+IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)]
+
+
+@checked
+def random_impulse_offsets(n_heads: int, kernel: int = 3,
+                           generator: torch.Generator | None = None):
+    """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
+    idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
+    return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
+
+
+@checked
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """(H,) ALiBi slopes 2^(-8 h / H), h = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
+
+
+@checked
+def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
+    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
+
+    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite
+    and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
+    -self_logit; the hard causal mask removes them anyway.
+    """
+    i = torch.arange(n)
+    d = (i[:, None] - i[None, :]).float()
+    p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
+    m = (torch.log(p) - torch.log1p(-p)).float()          # logit(p), finite for d >= 1
+    m = m.masked_fill(d == 0, self_logit)
+    return m.masked_fill(d < 0, -self_logit)
+
+
+# ----------------------------------------------------------------------------------------
+# The prior's gradient, its fast paths and prior_roles
+
+
+@checked
+def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor,
+                    mask_logits: torch.Tensor) -> torch.Tensor:
+    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
+
+    attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
+    layer; mask_logits: (H, N, N). Through the softmax and d logsigmoid(m)/dm = sigma(-m),
+        dL/dM_ij = sigma(-M_ij) * sum_b p_bij * (g_bij - sum_k p_bik g_bik),
+    and the bracket lies within max_k g_bik - min_k g_bik, so
+        |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
+    The mask's gradient is thus at most the attention probability (times sigma(-M) <= 1)
+    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do.
+    """
+    spread = attn_grad.amax(-1, keepdim=True) - attn_grad.amin(-1, keepdim=True)
+    return torch.sigmoid(-mask_logits) * (attn * spread).sum(0)
+
+
+# flex_attention compiled for CUDA and causal block masks, made on first use (not at import)
+_FLEX: dict = {}
+
+
+def _flex_attention(device_type: str):
+    """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the
+    reference implementation, torch's warning about it silenced: it is what runs on a CPU)."""
+    import warnings
+    from torch.nn.attention.flex_attention import flex_attention
+    if device_type == "cuda":
+        if "cuda" not in _FLEX:
+            _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        return _FLEX["cuda"]
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flex_attention(*args, **kwargs)
+    return eager
+
+
+def _causal_block_mask(t: int, device: torch.device):
+    """flex_attention's block mask of a causal layer of t tokens (key j <= query i), cached per
+    size and device."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    key = ("causal", t, str(device))
+    if key not in _FLEX:
+        _FLEX[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device=device)
+    return _FLEX[key]
+
+
+def prior_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPrior) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read
+    inside the kernel (a score_mod indexing the (heads, N, N) bias, or the relative table by
+    distance), never a (B, heads, T, T) bias in memory, and stays learnable; a causal prior's
+    future is a block mask. Self-attention of T <= N tokens (`prior_roles` takes the bias
+    path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused kernel,
+    forward and backward), torch's reference implementation elsewhere."""
+    t = q.shape[-2]
+    prior._first_row(t, t)
+    prior.check_set()
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad
+                                                               or prior.bias.requires_grad):
+        raise ValueError(f"{prior.where}: torch's flex_attention has no backward on the CPU: "
+                         "train with it on CUDA, or use the fused or explicit path here (its "
+                         "forward runs on the CPU under torch.no_grad)")
+    table = mask_bias(prior._logits(prior.bias)).to(q.dtype)
+    if prior.param == "full":
+        def score_mod(score, b, h, i, j):
+            return score + table[h, i, j]
+    else:
+        n = prior.n
+        lo, hi, offset = (0, n - 1, 0) if prior.causal else (1 - n, n - 1, n - 1)
+
+        def score_mod(score, b, h, i, j):               # `_index`, written out for the kernel
+            return score + table[h, (i - j).clamp(lo, hi) + offset]
+    block = _causal_block_mask(t, q.device) if prior.causal else None
+    return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block)
+
+
+def _flex_path(q, k, v, prior, flex: bool):
+    """FAST_PATHS: torch's flex_attention where asked (`flex`) for plain self-attention."""
+    return prior_flex(q, k, v, prior) if flex and prior.roles is None and q.shape[-2] == k.shape[-2] else None
+
+
+def _cpu_path(q, k, v, prior, flex: bool):
+    """FAST_PATHS: on the CPU, torch's fused kernel with M's gradient computed apart (`_FusedPrior`)."""
+    if (q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None
+            and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype):
+        return _FusedPrior.apply(q, k, v, prior.bias, prior)
+    return None
+
+
+def _cpu_kernel():
+    """torch's fused CPU attention kernel as an op that takes a float mask beside is_causal and
+    gives the row log-sum-exp (the aten op behind F.scaled_dot_product_attention, torch >= 2.3);
+    None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
+    """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i
+    = e - R."""
+    h, r, c = ds.shape
+    # R zeros before each row, a zero row after the last: the
+    pad = F.pad(ds, (r, 0, 0, 1))
+    # skewed rows read only zeros past
+    return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)
+
+
+@torch.no_grad()
+def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = True,
+              block: int = 64):
+    """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward
+    kernel's output and row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP =
+    dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows
+    at a time (only the keys a causal block sees), in float32. dM: dS summed over the batch, by
+    (query, key) for a full M, by distance for a relative one (float64), then back through the
+    bias (`mask_bias_grad`, beside `mask_bias`). About what the kernel's own backward costs on the
+    CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B,
+    H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
+    h, t, s = bias.shape
+    # query i is at position first + i (after a KV cache)
+    first, scale = s - t, q.shape[-1] ** -0.5
+    q, k, v, out, dout = (x.float() for x in (q, k, v, out, dout))
+    d_rows = (dout * out).sum(-1, keepdim=True)
+    # S - lse and dP - D as one product each: q and dO gain a column (-lse, -D), k and v a column
+    # of ones
+    qa, da = torch.cat([q * scale, -lse.unsqueeze(-1)], -1), torch.cat([dout, -d_rows], -1)
+    ka, va = F.pad(k, (0, 1), value=1.0), F.pad(v, (0, 1), value=1.0)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    full = prior.param == "full"
+    dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape,
+                                                                        dtype=torch.float64,
+                                                                        device=q.device)
+    for r0 in range(0, t, block):
+        r1 = min(t, r0 + block)
+        # keys after the block's last query are future keys
+        c = first + r1 if prior.causal else s
+        p = (qa[:, :, r0:r1] @ ka[:, :, :c].transpose(-2, -1)).add_(bias[:, r0:r1, :c])
+        # P < e^-80 adds nothing; exp of a number past -87 is 20x slower
+        p.clamp_(min=-80.0).exp_()
+        # the future, only in the block's last keys: exactly 0
+        if prior.causal:
+            p[..., c - (r1 - r0):].masked_fill_(future_keys(r1 - r0, p.device), 0.0)
+        dv[:, :, :c] += p.transpose(-2, -1) @ dout[:, :, r0:r1]
+        ds = p.mul_(da[:, :, r0:r1] @ va[:, :, :c].transpose(-2, -1))
+        dq[:, :, r0:r1] = (ds @ k[:, :, :c]).mul_(scale)
+        dk[:, :, :c] += (ds.transpose(-2, -1) @ q[:, :, r0:r1]).mul_(scale)
+        if not need_m:
+            continue
+        ds = ds.sum(0)                              # (H, rows, keys): the bias is the batch's
+        if full:
+            dm[:, r0:r1, :c] = ds
+        # by diagonal: entry e holds key - query = e - rows
+        else:
+            dist = first + r1 - torch.arange(r1 - r0 + c, device=q.device)
+            dm.index_add_(1, prior._index(dist), _diagonal_sums(ds).double())
+    if not need_m:
+        return dq, dk, dv, None
+    # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias; back through mask_bias
+    if full:
+        r, c = prior._first_row(t, s), min(s, prior.n_keys)
+        dm, rows = torch.zeros_like(prior.bias), dm
+        dm[:, r:r + t, :c] = rows[..., :c] * mask_bias_grad(prior.bias[:, r:r + t, :c])
+    else:
+        dm = (dm * mask_bias_grad(prior.bias.double())).to(prior.bias.dtype)
+    return dq, dk, dv, dm
+
+
+class _FusedPrior(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which
+    reads the bias as a constant (and skips the future's blocks when causal) and saves the row
+    log-sum-exp; backward by `_backward`, which gives M its gradient beside q's, k's and v's.
+    Exact: the explicit path's outputs and gradients (to rounding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, m, prior):
+        fwd = _cpu_kernel()
+        t, s = q.shape[-2], k.shape[-2]
+        bias = prior(t, q.dtype, k_len=s)
+        out, lse = fwd(q, k, v, 0.0, prior.causal and t == s, attn_mask=bias.unsqueeze(0))
+        ctx.save_for_backward(q, k, v, out, lse, bias)
+        ctx.prior = prior
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        dq, dk, dv, dm = _backward(ctx.prior, q, k, v, out, lse, dout, bias.float(),
+                                   ctx.needs_input_grad[3])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
+
+
+FAST_PATHS += [_flex_path, _cpu_path]          # flex where asked, else the CPU's fused kernel
+
+
+@contextlib.contextmanager
+def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
+    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example
+    to example (operands of varying length, say): M is indexed by role, not by position. rows,
+    cols: (B, L) long, the role (a row, a column of M, in 0..n-1) of each example's positions as a
+    query and as a key; the bias of query i and key j of example b is log sigmoid(M[rows[b, i],
+    cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that rise
+    with the position keep a causal prior causal. Outside the block (the probes, a layout with rows
+    = cols = 0..n-1) M is read by position as usual. A model without a prior is left alone. Served
+    in maskprior's own models and in every self-attention layer add_mask_prior serves (torch,
+    Hugging Face, timm, keyword), with one row of roles per example of each call (another batch
+    size is refused); a cross-attention prior is refused."""
+    priors = mask_priors(model)
+    for p in priors:
+        if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
+                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n)
+                          for x in (rows, cols)):
+            raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, "
+                             f"long, in 0..{p.n - 1} (self-attention); got {tuple(rows.shape)} "
+                             f"and {tuple(cols.shape)}")
+    for p in priors:
+        p.roles = (rows, cols)
+    try:
+        yield
+    finally:
+        for p in priors:
+            p.roles = None
+
+
+# ----------------------------------------------------------------------------------------
+# Models: one trunk, two front ends. `Transformer` embeds tokens, `ViT` embeds patches;
+# both then run the same blocks, final LayerNorm, readout and linear head.
 
 
 class MLP(nn.Sequential):
@@ -1065,11 +1195,6 @@ class Block(nn.Module):
         x = x + drop_path(self.drop(a), self.drop_path, self.training)
         x = x + drop_path(self.mlp(self.ln2(x)), self.drop_path, self.training)
         return x, attn
-
-
-# ----------------------------------------------------------------------------------------
-# Models: one trunk, two front ends. `Transformer` embeds tokens, `ViT` embeds patches;
-# both then run the same blocks, final LayerNorm, readout and linear head.
 
 
 class Trunk(nn.Module):
@@ -1326,59 +1451,7 @@ def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: flo
 
 
 # ----------------------------------------------------------------------------------------
-# Initialisers: act in place, return a small report. `pattern` is (N, N) or (H, N, N) bool.
-
-
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
-
-
-def _per_head(pattern: torch.Tensor, n_heads: int, n: int,
-              n_keys: int | None = None) -> torch.Tensor:
-    """(N, S) or (H, N, S) -> (H, N, S); raises unless N is the layer's `n` positions (S its
-    `n_keys`, default n)."""
-    s = n if n_keys is None else n_keys
-    if (pattern.dim() not in (2, 3) or (pattern.dim() == 3 and pattern.shape[0] != n_heads)
-            or tuple(pattern.shape[-2:]) != (n, s)):
-        raise ValueError(f"a pattern or mask of shape {tuple(pattern.shape)} does not fit a layer "
-                         f"with {n_heads} heads and {n} positions: expected ({n}, {s}) or "
-                         f"({n_heads}, {n}, {s}); build it for the model's own token layout (with "
-                         "or without a CLS token)")
-    return pattern.unsqueeze(0).expand(n_heads, -1, -1) if pattern.dim() == 2 else pattern
-
-
-@torch.no_grad()
-@checked
-def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
-               m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
-    """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to
-    given `logits`).
-
-    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's
-    own N positions (e.g. with or without a CLS token in front): every attention layer must already
-    own an M (build the model with `learnable_mask=True`, `Attention(mask_size=N)`, or
-    `add_mask_prior`) of that size, or this raises; it never creates or resizes M, since an
-    optimiser made earlier would not see a new parameter. Give M to the optimiser without weight
-    decay (`param_groups`), or the decay pulls it to 0 and erases the prior.
-    """
-    check_one_source(pattern, logits, "init_mask_")
-    if logits is None:
-        check_pattern(pattern)
-    src = logits if logits is not None else mask_logits_from_pattern(pattern, m_on, m_off)
-    if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
-        raise ValueError("init_mask_: an attention layer has no M; build the model with "
-                         "learnable_mask=True (or Attention(..., mask_size=N)), or give your own "
-                         "attention a MaskPrior")
-    # refused before any M changes, as a prior would
-    if any(prior.causal for prior in mask_priors(model)):
-        _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
-                         "build it for a causal model (pattern & mp.causal_pattern(n); logits at "
-                         "most 0 there)")
-    for prior in mask_priors(model):
-        prior.set_logits(src)
-    if logits is not None:
-        return {"m_min": float(logits.min()), "m_max": float(logits.max())}
-    return {"m_on": m_on, "m_off": m_off, "allowed_fraction": float(pattern.float().mean())}
+# The QK initialisers: the same pattern written into Wq, Wk (act in place, return a small report)
 
 
 def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
@@ -1585,32 +1658,6 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
             full = left @ right
             errs.append(float((left[:, :inner] @ right[:inner] - full).norm() / full.norm()))
     return {"vo_truncation_error": errs}
-
-
-# ----------------------------------------------------------------------------------------
-# Optimiser parameter groups
-
-
-@checked
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or
-    more dimensions: Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases,
-    norms, embedding tables (nn.Embedding) and other parameters (positional embeddings, class
-    tokens). Decay would pull M to 0 and erase the prior. A head tied to the token embedding counts
-    as the embedding (modules are visited in order)."""
-    decay, no_decay, seen = [], [], set()
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen or not p.requires_grad:
-                continue
-            seen.add(id(p))
-            if name == "weight" and p.dim() >= 2 and not isinstance(module,
-                                                                    (nn.Embedding, MaskPrior)):
-                decay.append(p)
-            else:
-                no_decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ----------------------------------------------------------------------------------------

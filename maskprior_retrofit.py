@@ -727,7 +727,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             and (query.device.type == "cpu" or getattr(module, "mask_prior_flex", False))):
         # grouped keys
         k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
-        out = mp.prior_attention(query, k, v, prior) if query.device.type == "cpu" else prior.flex(query, k, v)
+        out = mp.prior_attention(query, k, v, prior) if query.device.type == "cpu" else mp.prior_flex(query, k, v, prior)
         return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
     if prior.record is not None:
@@ -743,7 +743,7 @@ def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, ke
     padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not
     given by position ids): then
     maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's
-    gradient apart from the fused kernel), on CUDA `MaskPrior.flex` where asked (`mask_prior_flex`)."""
+    gradient apart from the fused kernel), on CUDA `mp.prior_flex` where asked (`mask_prior_flex`)."""
     extras = ("softcap", "sliding_window", "s_aux", "sinks")
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]

@@ -276,6 +276,34 @@ def test_imports_run_one_way():
         assert got & ours <= allowed, (path, got & ours - allowed)
 
 
+def test_the_core_lifts_whole_and_runs_alone():
+    """maskprior.py's core, up to its argument tables, taken alone as a module: it needs nothing below it, and an
+    Attention with a prior set by init_mask_ trains through param_groups (M undecayed), its fused and explicit paths
+    agreeing; the code in it is about 330 lines."""
+    src = open(os.path.join(HERE, "maskprior.py")).read()
+    core = src[:src.index("# ----------------------------------------------------------------------------------------\n"
+                          "# The public arguments")]
+    lifted = types.ModuleType("lifted")
+    exec(compile(core, "lifted", "exec"), lifted.__dict__)
+    torch.manual_seed(0)
+    attn = lifted.Attention(16, 2, mask_size=6, causal=True)
+    explicit = copy.deepcopy(attn)
+    explicit.fused = False
+    model = nn.Sequential(attn)
+    lifted.init_mask_(model, lifted.banded_pattern(6, 1) & lifted.causal_pattern(6))
+    lifted.init_mask_(nn.Sequential(explicit), lifted.banded_pattern(6, 1) & lifted.causal_pattern(6))
+    x = torch.randn(3, 6, 16)
+    torch.testing.assert_close(attn(x)[0], explicit(x)[0], atol=1e-5, rtol=1e-5)
+    groups = lifted.param_groups(model, 0.1)
+    assert any(attn.prior.bias is p for g in groups if g["weight_decay"] == 0 for p in g["params"])
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    attn(x)[0].pow(2).mean().backward()
+    opt.step()
+    assert attn.prior.bias.grad.abs().max() > 0
+    code = [line for line in core.splitlines()[41:] if line.strip() and not line.lstrip().startswith("#")]
+    assert len(code) < 500
+
+
 @pytest.mark.slow
 def test_maskprior_copied_alone_runs(tmp_path):
     """maskprior.py alone, in an empty folder, trains our models (and imports no library but torch); beside it,
@@ -400,6 +428,14 @@ def test_causal_distance_logits_are_alibi():
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: mask helpers
+
+def test_mask_bias_grad_is_the_derivative_autograd_takes_of_mask_bias():
+    """The fused CPU path's backward multiplies by mask_bias_grad: it must be d mask_bias / dM, as autograd takes it
+    (float64, logits across the range M takes, saturated ones included)."""
+    m = torch.cat([torch.linspace(-40, 40, 81), torch.randn(50) * 5]).double().requires_grad_()
+    grad, = torch.autograd.grad(mp.mask_bias(m).sum(), m)
+    torch.testing.assert_close(mp.mask_bias_grad(m.detach()), grad, atol=0, rtol=1e-12)
+
 
 def test_mask_bias_never_positive():
     m = torch.linspace(-50, 50, 1001)
