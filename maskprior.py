@@ -1373,16 +1373,22 @@ def build_model(cfg: TrunkConfig) -> Trunk:
     return MODELS[type(cfg)](cfg)
 
 
+def family_of(names) -> type:
+    """The one config class of MODELS whose fields take every name in `names` (a task's arch(), a
+    saved config's keys); ValueError where none or several do."""
+    families = [c for c in MODELS if set(names) <= {f.name for f in fields(c)}]
+    if len(families) != 1:
+        raise ValueError(f"a config with keys {', '.join(sorted(names))} fits "
+                         f"{len(families)} model families "
+                         f"({', '.join(c.__name__ for c in families) or 'none'}), not one")
+    return families[0]
+
+
 def model_from_config(config: dict) -> Trunk:
     """The model a saved config (`asdict` of a MODELS config) describes: the one family whose
     config takes every saved key. Build it under `torch.device("meta")` to check a config against
     saved weights for free."""
-    families = [c for c in MODELS if set(config) <= {f.name for f in fields(c)}]
-    if len(families) != 1:
-        raise ValueError(f"a saved config with keys {', '.join(sorted(config))} fits "
-                         f"{len(families)} model families "
-                         f"({', '.join(c.__name__ for c in families) or 'none'}), not one")
-    return build_model(families[0](**config))
+    return build_model(family_of(config)(**config))
 
 
 def state_mismatch(config: dict, state: dict) -> str | None:

@@ -2554,7 +2554,7 @@ class ImageTask(Task):
         self.check_options()
 
     def arch(self) -> dict:
-        return {"model": "vit", "image_size": self.input_size, "patch_size": self.patch_size,
+        return {"image_size": self.input_size, "patch_size": self.patch_size,
                 "n_classes": self.n_classes, "pool": self.pool}
 
     def offsets(self):

@@ -694,23 +694,19 @@ def use_fused(attention: str, masked: bool = False, device: torch.device = torch
 
 
 def model_config(config, task, device=torch.device("cpu")):
+    """The model config of a run: the family MODELS holds for the task's arch() (mp.family_of),
+    its trunk and the family's own fields from the flags."""
     arch = task.arch()
+    family = mp.family_of(arch)
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
                  head_dim=config.head_dim, mlp_dim=config.mlp_dim,
                  learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
                  qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
                  pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param, mask_window=config.mask_window)
-    if arch.get("model") == "vit":
-        cfg = mp.ViTConfig(image_size=arch["image_size"], patch_size=arch["patch_size"],
-                           n_classes=arch["n_classes"], pool=arch["pool"], **trunk)
-    else:
-        cfg = mp.TransformerConfig(vocab_size=arch["vocab_size"], seq_len=arch["seq_len"],
-                                   n_outputs=arch["n_outputs"], readout=arch["readout"],
-                                   causal=arch.get("causal", False),
-                                   emb_init_std=config.emb_init_std,
-                                   tie_embeddings=arch.get("tie_embeddings", False),
-                                   positions=arch.get("positions", "learned"), **trunk)
+    own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items()
+           if k in {f.name for f in fields(family)}}
+    cfg = family(**arch, **trunk, **own)
     return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device,
                                         cfg.n_positions))
 
