@@ -3739,6 +3739,29 @@ def test_download_cut_short_resumes_from_its_part_with_a_range_request(tmp_path,
     assert tasks.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
 
 
+@pytest.mark.parametrize("kind", ["link to a user's file", "link to nowhere", "folder"])
+def test_download_never_writes_through_a_part_that_is_not_its_own(kind, tmp_path, loop_server, fixture_sets):
+    """Issue 64's data loss: a .part that is a link (to a user's file, or dangling) or a folder is not a download
+    of ours: refused in one line before any byte is fetched, the user's file and the link as they were (it
+    used to be appended to, and the message said the part was deleted)."""
+    table, blobs = fixture_sets
+    server, data, user = loop_server(blobs), tmp_path / "data", tmp_path / "user.txt"
+    data.mkdir()
+    user.write_bytes(b"the user's own words\n")
+    part = data / "wikitext-2-v1.zip.part"
+    if kind == "folder":
+        part.mkdir()
+    else:
+        part.symlink_to(user if kind.endswith("user's file") else tmp_path / "absent")
+    before, words = _tree(data), user.read_bytes()
+    with pytest.raises(tasks.DataError, match=r"wikitext-2-v1.zip.part is a link or not a regular file, so not a "
+                                              r"download of ours; nothing was written or removed") as err:
+        datafetch.download.download(["wikitext2"], str(data), server.base + "/cut", table)
+    assert "\n" not in str(err.value) and server.ranges == []                # refused before a request
+    assert _tree(data) == before and user.read_bytes() == words and not (tmp_path / "absent").exists()
+    assert os.path.islink(part) == (kind != "folder")
+
+
 @pytest.mark.parametrize("member", [("cifar-10-batches-py/../../evil", tarfile.REGTYPE, b"x"),
                                     ("/tmp/evil", tarfile.REGTYPE, b"x"),
                                     ("cifar-10-batches-py/link", tarfile.SYMTYPE, b""),

@@ -26,6 +26,7 @@ exit status 75). Standard library only.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -152,7 +153,7 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
         return
     url = f"{mirror.rstrip('/')}/{f.name}" if mirror else f.url
     part = os.path.join(data_dir, f.name + ".part")
-    have = os.path.getsize(part) if os.path.isfile(part) else 0
+    have = _own_part(part)
     if have > f.size:
         raise tasks.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it "
                           "is not a cut download of it: move it away and run again")
@@ -183,6 +184,33 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
     say(f"{set_name}: {target} is in place")
 
 
+def _own_part(part: str) -> int:
+    """The bytes of a cut download of ours at `part` (0 where none is there). Anything but a regular
+    file there (a link, a folder, a device) is not ours: one line, and nothing is written through
+    it or removed."""
+    try:
+        info = os.lstat(part)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(info.st_mode):
+        raise tasks.DataError(f"{part} is a link or not a regular file, so not a download of ours; "
+                              "nothing was written or removed: move it away and run again")
+    return info.st_size
+
+
+def _open_part(part: str, have: int):
+    """`part` opened for writing, never through a link (O_NOFOLLOW): appended to from byte `have`,
+    or made afresh (empty) from 0."""
+    flags = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if have else os.O_CREAT | os.O_TRUNC)
+    try:
+        return os.fdopen(os.open(part, flags, 0o666), "ab" if have else "wb")
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of ours; "
+                              "nothing was written through it: move it away and run again") from None
+
+
 def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None:
     """Stream `url` into `part` from byte `have` (a Range request); a server that ignores the range
     starts over."""
@@ -207,7 +235,7 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
             raise tasks.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned "
                               f"file has {size:,}: another file, nothing fetched")
         progress = Progress(size, have)
-        with open(part, "ab" if have else "wb") as out:
+        with _open_part(part, have) as out:
             got = have
             try:
                 while True:
