@@ -6479,7 +6479,9 @@ def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path
            "--runs", str(runs), "--results", str(tmp_path / "res")]
     logs = [runs / "boolean" / f"parity2-{i}-s0.log" for i in ("default", "mask")]
     for sig, code, said in ((signal.SIGTERM, 143, "step "), (signal.SIGINT, 130, "resuming ")):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # as started from a terminal: a shell that inherits an ignored SIGINT (a `cmd &` in a script) cannot trap it
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         started = _wait_for(lambda: all(log.exists() and said in log.read_text().split("saving a checkpoint")[-1]
                                         for log in logs))
         p.send_signal(sig)
