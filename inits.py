@@ -23,7 +23,7 @@ FAMILIES = ("boolean", "arithmetic", "vision", "lm")
 @dataclass(frozen=True)
 class Init:
     """One init. `apply(model, prior, config, generator) -> dict` writes it into a freshly built model (prior: the
-    run's runfiles.Prior, its pattern and M's logits; config: the run's train.Config) and returns its report.
+    run's runfiles.Prior, its pattern and M's logits; config: the run's runconfig.Config) and returns its report.
     `families`: the task kinds that offer it. `reads_prior`: it writes the task's prior (a pattern or M) into the
     model; `owns_m`: the model owns an M (a learnable log sigmoid(M) per layer); `closed_form`: it solves Wq Wk in
     closed form (init_qk_svd_'s flags apply); `fixed_layout`: it is fitted on the token positions, so a task whose

@@ -163,8 +163,9 @@ if [ "$QUICK" = 1 ]; then
 else
     PRESET=paper; RUNS="${RUNS:-runs/paper}"; RESULTS="${RESULTS:-results}"; JOBS="${JOBS:-1}"
 fi
-[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: --jobs needs a positive integer" >&2; exit 2; }
-[[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "reproduce.sh: --gpus needs a number of GPUs" >&2; exit 2; }
+# counts as ASCII digits of at most 4 (bash's arithmetic would wrap a longer one in silence)
+[[ "$JOBS" =~ ^[1-9][0-9]{0,3}$ ]] || { echo "reproduce.sh: --jobs needs a positive integer up to 9999" >&2; exit 2; }
+[[ "$GPUS" =~ ^[0-9]{1,4}$ ]] || { echo "reproduce.sh: --gpus needs a number of GPUs up to 9999" >&2; exit 2; }
 LAUNCH=(train.py)
 if [ "$GPUS" -gt 0 ]; then
     if [ "$JOBS" -gt 1 ]; then

@@ -2933,13 +2933,14 @@ def eval_windows(
     return _iter_eval_windows(tokens, context, batch_size)
 
 
-def _check_context(context: int, n_tokens: int, split: str) -> None:
+def _check_context(context: int, n_tokens: int, split: str, flag: str = "--context") -> None:
+    """A window of `context` tokens (its flag `flag`) fits the split: context + 1 tokens at least."""
     if context < 1:
-        raise DataError(f"--context must be >= 1, got {context}")
+        raise DataError(f"{flag} must be >= 1, got {context}")
     if n_tokens < context + 1:
         raise DataError(
-            f"--context {context} is longer than the {split} split ({n_tokens} tokens); "
-            f"use --context {max(n_tokens - 1, 1)} or less"
+            f"{flag} {context} is longer than the {split} split ({n_tokens} tokens); "
+            f"use {flag} {max(n_tokens - 1, 1)} or less"
         )
 
 
@@ -3464,7 +3465,9 @@ class LMTask(Task):
         self.vocab_size, self.decode, self.vocab = corpus["vocab_size"], corpus["decode"], corpus.get("vocab")
         self._data_hash = corpus["data_hash"]
         _check_context(self.context, len(self.train), "training")
-        _check_context(max(self.context, self.eval_context), len(self.valid), "validation")
+        _check_context(self.context, len(self.valid), "validation")
+        if self.eval_context:
+            _check_context(self.eval_context, len(self.valid), "validation", "--eval-context")
         self.device = torch.device(device)
         return self
 

@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import argparse
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,6 +58,7 @@ import reporting.report
 import reporting.show
 import runfiles
 import tasks
+import runconfig
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -162,13 +165,13 @@ def _halted(tmp_path, name="run", seed=0) -> str:
 def _fake_result(task, init, seed, metrics, tag="", **flags) -> dict:
     """result.json as train.py writes it, for a run of `task`, `init`, `seed` with `flags` (the rest at the defaults):
     what tells it apart, the init's place in INITS, a run id, no data files, whether it sits at its preset."""
-    config = {**train.DEFAULTS, "task": task, "init": init, "seed": seed, **flags}
-    preset = train.resolve(*train.parse_args(["--task", task]))
+    config = {**runconfig.DEFAULTS, "task": task, "init": init, "seed": seed, **flags}
+    preset = runconfig.resolve(*train.parse_args(["--task", task]))
     return {"task": task, "kind": tasks.TASKS[task].KIND, "init": init, "seed": seed, "preset": "small",
             "run_id": hashlib.sha256(f"{task}{init}{seed}{tag}{flags}".encode()).hexdigest()[:32], "data": None,
-            "init_order": list(train.INITS).index(init), "metrics": metrics,
-            "tells_apart": {k: v for k, v in config.items() if k not in train.NOT_TELLING_APART},
-            "at_preset": all(config[k] == getattr(preset, k) for k in flags if k in train.ARCH)}
+            "init_order": list(runconfig.INITS).index(init), "metrics": metrics,
+            "tells_apart": {k: v for k, v in config.items() if k not in runconfig.NOT_TELLING_APART},
+            "at_preset": all(config[k] == getattr(preset, k) for k in flags if k in runconfig.ARCH)}
 
 
 def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), tag="", readout="cls", pos=0.5,
@@ -253,15 +256,16 @@ IMPORTS_ALLOWED = {
     "reporting/report.py": {"inits", "runfiles", "reporting"}, "reporting/plan.py": {"tasks", "runfiles", "datafetch"},
     "datafetch/write.py": {"tasks", "runfiles"}, "datafetch/download.py": {"tasks", "runfiles", "datafetch"},
     "datafetch/imagenet100.py": {"tasks", "datafetch"},
-    "train.py": {"maskprior", "maskprior_retrofit", "inits", "runfiles", "tasks", "reporting", "datafetch"},
+    "runconfig.py": {"maskprior", "inits", "runfiles", "tasks"},
+    "train.py": {"maskprior", "maskprior_retrofit", "runconfig", "runfiles", "tasks", "reporting", "datafetch"},
 }
 
 
 def test_imports_run_one_way():
     """Each file imports of ours only what IMPORTS_ALLOWED gives it (anywhere in it, functions too), so the layers
     hold: the method imports nothing of ours, report.py no task and no train; every file of ours is listed."""
-    ours = {"maskprior", "maskprior_retrofit", "inits", "tasks", "train", "runfiles", "augment", "reporting",
-            "datafetch"}
+    ours = {"maskprior", "maskprior_retrofit", "inits", "tasks", "runconfig", "train", "runfiles", "augment",
+            "reporting", "datafetch"}
     found = {os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "**", "*.py"), recursive=True)}
     found -= {p for p in found if p.startswith(("benchmarks", "examples", "test_"))
               or p in ("reporting/__init__.py", "datafetch/__init__.py")}       # (empty package markers)
@@ -898,18 +902,21 @@ def test_every_list_of_inits_is_derived_from_the_one_record(monkeypatch):
     (runfiles.INITS), each task's offer and the report's tables are read off the records, so a record added is
     offered, checked and reported everywhere, and one whose flags say otherwise is not."""
     import reporting.report as report
-    assert train.INITS is inits.INITS and runfiles.INITS == tuple(inits.INITS)
-    assert train.MASK_INITS == ("mask", "mask-impulse") and train.QK_SVD_INITS == ("qk-svd", "impulse")
-    assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
-    assert report.ABLATION_INITS == ("default", "mask", "qk-svd", "qk-opt")
-    assert report.PERSISTENCE_INITS == ("mask", "qk-svd", "qk-opt")
+    assert runconfig.INITS is inits.INITS and runfiles.INITS == tuple(inits.INITS)
+    # the paper's inits lead each list; a record added joins the lists its flags name (the recipe: one record, one test)
+    assert runconfig.MASK_INITS[:2] == ("mask", "mask-impulse") and runconfig.QK_SVD_INITS[:2] == ("qk-svd", "impulse")
+    assert runconfig.PRIOR_INITS == tuple(n for n, i in inits.INITS.items() if i.reads_prior)
+    assert report.ABLATION_INITS[:4] == ("default", "mask", "qk-svd", "qk-opt")
+    assert report.PERSISTENCE_INITS[:3] == ("mask", "qk-svd", "qk-opt")
     assert tasks.TASKS["parity2"].inits() == report.ABLATION_INITS and len(tasks.TASKS["cifar10"].inits()) == len(inits.INITS)
-    assert tasks.LeeMultiplication.inits() == ("default", "mask")                     # its layout moves: no QK init
+    assert tasks.LeeMultiplication.inits() == tuple(n for n, i in inits.INITS.items()   # its layout moves: no QK init
+                                                    if "arithmetic" in i.families and not i.fixed_layout)
+    assert tasks.LeeMultiplication.inits()[:2] == ("default", "mask")
     new = inits.Init("qk-twice", inits.init_qk_svd, ("boolean",), reads_prior=True, closed_form=True,
                      fixed_layout=True)
     monkeypatch.setitem(inits.INITS, "qk-twice", new)
     assert tasks.TASKS["parity2"].inits()[-1] == "qk-twice" and "qk-twice" not in tasks.TASKS["cifar10"].inits()
-    assert inits.named(closed_form=True) == ("qk-svd", "impulse", "qk-twice")
+    assert inits.named(closed_form=True)[-1] == "qk-twice"
     assert "qk-twice" not in tasks.LeeMultiplication.inits()
 
 
@@ -1578,7 +1585,7 @@ def test_registry_and_task_constants():
                             "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
     for name, cls in tasks.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
-        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.inits()) <= set(train.INITS)
+        assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.inits()) <= set(runconfig.INITS)
         assert {"small", "paper"} <= set(cls.presets()) <= {"small", "paper", "paper32"}
     with pytest.raises(tasks.TaskError, match="unknown task"):
         tasks.make_task("nosuch")
@@ -3301,6 +3308,10 @@ def test_eval_windows_context_longer_than_validation_split(tmp_path):
         tasks.eval_windows(corpus["valid"], n)  # raised eagerly, before iterating
     assert str(info.value).startswith(f"--context {n} is longer than the validation split ({n} tokens)")
     assert len(list(tasks.eval_windows(corpus["valid"], n - 1))) == 1
+    # --eval-context past the split names itself, not --context
+    task = tasks.make_task("wikitext2", data_dir=str(tmp_path), context=4, positions="none", eval_context=n)
+    with pytest.raises(tasks.DataError, match=f"^--eval-context {n} is longer than the validation split"):
+        task.setup()
 
 
 # ---------------------------------------------------------------------------------------- tasks.py: token cache
@@ -3888,12 +3899,12 @@ def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
     flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
     args, explicit = train.parse_args([])
     dests = set(vars(args)) - {"command"}
-    assert explicit == set() and dests == set(train.DEFAULTS)
+    assert explicit == set() and dests == set(runconfig.DEFAULTS)
     assert all(getattr(args, d) is train.UNSET for d in dests)
     for name, cls in tasks.TASKS.items():
         for preset in cls.presets():
-            assert set(cls.preset(preset)) <= set(train.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
-        assert {o for o in cls.options() if o in train.FIELDS} <= train.TASK_FLAGS | {"heads"}, name
+            assert set(cls.preset(preset)) <= set(runconfig.DEFAULTS) - {"task", "init", "preset"}, (name, preset)
+        assert {o for o in cls.options() if o in runconfig.FIELDS} <= runconfig.TASK_FLAGS | {"heads"}, name
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -3916,7 +3927,7 @@ def test_epochs_flag_sets_steps(tmp_path):
     assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
 
 
-# Where each flag applies, generated from the Config table (train.NEEDS, train.EXCLUDES, the task options): every
+# Where each flag applies, generated from the Config table (runconfig.NEEDS, runconfig.EXCLUDES, the task options): every
 # (flag, condition) pair gets a context that meets the flag's other conditions and breaks this one, so a flag added
 # to the table is tested here without a new test.
 APPLY_TASKS = ("parity2", "kparity", "addition", "multiplication", "cifar10", "wikitext2")
@@ -3924,7 +3935,7 @@ APPLY_TASKS = ("parity2", "kparity", "addition", "multiplication", "cifar10", "w
 
 def _flag_value(name: str) -> list:
     """A value the flag parses (its default, else its first choice, else 1), as argv."""
-    m, default = train.FIELDS[name].metadata, train.FIELDS[name].default
+    m, default = runconfig.FIELDS[name].metadata, runconfig.FIELDS[name].default
     if m["switch"]:
         return []
     value = default if default not in (None, False, True) else (m["choices"] or [1])[0]
@@ -3932,22 +3943,22 @@ def _flag_value(name: str) -> list:
 
 
 def _applicability_cases() -> list:
-    cases = [(name, key) for name, needs in train.NEEDS.items() for key in needs]
-    cases += [(name, f"excludes {other}") for name, excluded in train.EXCLUDES.items() for other in excluded]
-    return cases + [(name, "task option") for name in sorted(train.TASK_FLAGS)]
+    cases = [(name, key) for name, needs in runconfig.NEEDS.items() for key in needs]
+    cases += [(name, f"excludes {other}") for name, excluded in runconfig.EXCLUDES.items() for other in excluded]
+    return cases + [(name, "task option") for name in sorted(runconfig.TASK_FLAGS)]
 
 
 def _resolved(argv):
-    return train.resolve(*train.parse_args(argv))
+    return runconfig.resolve(*train.parse_args(argv))
 
 
 def _context(name: str, broken: str | None, data: str) -> list:
     """argv giving --NAME where all it needs holds (and, transitively, all that the flags added for it need) except
     `broken` (None: everything holds)."""
-    needs = train.NEEDS.get(name, {})
+    needs = runconfig.NEEDS.get(name, {})
     def fits(task):
         cls = tasks.TASKS[task]
-        takes = name not in train.TASK_FLAGS or name in cls.options()
+        takes = name not in runconfig.TASK_FLAGS or name in cls.options()
         kind_ok = "kind" not in needs or cls.KIND in needs["kind"]
         if broken == "task option":
             return not takes
@@ -3958,17 +3969,17 @@ def _context(name: str, broken: str | None, data: str) -> list:
     def give(key, value):
         argv.extend(["--" + key.replace("_", "-"), *([str(value)] if value is not None else _flag_value(key))])
     def meet(flag, skip=None):
-        for key, allowed in train.NEEDS.get(flag, {}).items():
-            if key in (skip, "kind") or not train.unmet(key, allowed, train.applied_value(_resolved(argv), key)):
+        for key, allowed in runconfig.NEEDS.get(flag, {}).items():
+            if key in (skip, "kind") or not runconfig.unmet(key, allowed, runconfig.applied_value(_resolved(argv), key)):
                 continue
             choices = cls.inits() if key == "init" else cls.PATTERNS if key == "pattern" else allowed
-            give(key, "9" if allowed == train.ON else None if allowed == train.GIVEN else
+            give(key, "9" if allowed == runconfig.ON else None if allowed == runconfig.GIVEN else
                  next(v for v in allowed if v in choices))
             meet(key)
     if broken != "task option":
         if broken in needs and isinstance(needs[broken], tuple) and broken != "kind":
             choices = cls.inits() if broken == "init" else cls.PATTERNS if broken == "pattern" else \
-                train.FIELDS[broken].metadata["choices"]
+                runconfig.FIELDS[broken].metadata["choices"]
             give(broken, next(v for v in choices if v not in needs[broken]))
             meet(broken)
         meet(name, skip=broken)
@@ -3991,17 +4002,17 @@ def test_every_flag_given_where_it_does_not_apply_is_refused(tmp_path, capsys, n
     assert not os.path.exists(out)
     if not broken.startswith(("excludes ", "task option")):
         good = _context(name, None, str(tmp_path))
-        train.check_applies(_resolved(good), train.parse_args(good)[1])
+        runconfig.check(_resolved(good), train.parse_args(good)[1], rules=False)
 
 
 def test_the_flag_table_names_real_inits_and_fields():
     """The table's init lists are inits of the INITS table, and every `needs` key is a field or the task's kind."""
-    for group in (train.MASK_INITS, train.PRIOR_INITS, train.QK_SVD_INITS):
-        assert set(group) <= set(train.INITS)
-    assert set(train.PRIOR_INITS) == set(train.INITS) - {"default", "mimetic"}
-    for name, needs in train.NEEDS.items():
-        assert set(needs) <= set(train.FIELDS) | {"kind"}, name
-        assert all(isinstance(a, tuple) or a in (train.GIVEN, train.ON) for a in needs.values()), name
+    for group in (runconfig.MASK_INITS, runconfig.PRIOR_INITS, runconfig.QK_SVD_INITS):
+        assert set(group) <= set(runconfig.INITS)
+    assert set(runconfig.PRIOR_INITS) == {n for n, i in runconfig.INITS.items() if i.reads_prior}
+    for name, needs in runconfig.NEEDS.items():
+        assert set(needs) <= set(runconfig.FIELDS) | {"kind"}, name
+        assert all(isinstance(a, tuple) or a in (runconfig.GIVEN, runconfig.ON) for a in needs.values()), name
 
 
 def test_task_flags_of_another_family_are_refused(tmp_path, capsys):
@@ -4022,7 +4033,7 @@ def test_presets_say_model_size_and_recipe_apart(monkeypatch):
     for name, cls in tasks.TASKS.items():
         for preset in cls.presets():
             model, recipe = cls.preset_parts(preset)
-            assert set(model) <= train.ARCH and not set(recipe) & train.ARCH, (name, preset, model, recipe)
+            assert set(model) <= runconfig.ARCH and not set(recipe) & runconfig.ARCH, (name, preset, model, recipe)
             assert cls.preset(preset) == {**model, **recipe}
     assert tasks.TASKS["cifar10"].preset_parts("paper")[0]["input_size"] == 224
     monkeypatch.setitem(tasks.Addition.PRESETS, "small", dict(steps=10))          # the flat form of before
@@ -4031,7 +4042,7 @@ def test_presets_say_model_size_and_recipe_apart(monkeypatch):
 
 
 def test_an_explicit_flag_beats_the_preset_and_its_alternative(monkeypatch):
-    resolve = lambda *argv: train.resolve(*train.parse_args(list(argv)))  # noqa: E731
+    resolve = lambda *argv: runconfig.resolve(*train.parse_args(list(argv)))  # noqa: E731
     monkeypatch.setitem(tasks.Multiplication.PRESETS, "small", {"model": dict(answer_order="lsb", impulse="random"),
                                                              "recipe": dict(steps=6000)})
     args = resolve("--task", "multiplication")
@@ -4058,14 +4069,14 @@ def test_explicit_warmup_on_an_image_task_is_the_warmup_used(tmp_path, image_dir
 
 
 def test_the_paper_vision_preset_is_the_recipe_and_the_old_one_is_paper32(tmp_path, image_dir):
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
+    args = runconfig.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper"]))
     want = dict(patch_size=16, input_size=224, pool="cls", epochs=300, batch_size=512, lr=2e-3, weight_decay=0.05,
                 warmup_epochs=50, randaug=9.0, randaug_std=0.5, mixup=0.8, cutmix=1.0, reprob=0.25,
                 label_smoothing=0.1, drop_path=0.1, crop="rrc", ema=0.0, grad_clip=0.0)
     assert {k: getattr(args, k) for k in want} == want
-    task = train.task_for(args)
+    task = runconfig.task_for(args)
     assert task.pattern().shape == (3, 197, 197)                # 14 x 14 patches and the class token
-    old = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
+    old = runconfig.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", image_dir, "--preset", "paper32"]))
     assert (old.patch_size, old.input_size, old.epochs) == (2, None, 200)
 
 
@@ -4213,28 +4224,31 @@ def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, cap
 def test_task_options_are_declared_once():
     """A task option's range lives in its task (checked above) or, where no task checks it, in its Config field,
     never both; its Config default is its task's default (a preset may then set it)."""
-    both = {n for n in train.TASK_FLAGS if train.FIELDS[n].metadata["check"] or train.FIELDS[n].metadata["choices"]}
+    both = {n for n in runconfig.TASK_FLAGS if runconfig.FIELDS[n].metadata["check"] or runconfig.FIELDS[n].metadata["choices"]}
     assert both == CONFIG_CHECKED_TASK_OPTIONS
     checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
-    unchecked = train.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
+    unchecked = runconfig.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
     assert unchecked == set(), f"task options with no range test: {sorted(unchecked)}"
     for name, cls in tasks.TASKS.items():
         params = {**inspect.signature(cls.build).parameters, **inspect.signature(cls).parameters}
-        for option in set(cls.options()) & train.TASK_FLAGS:
-            if train.DEFAULTS[option] is not None:
-                assert train.DEFAULTS[option] == params[option].default, (name, option)
+        for option in set(cls.options()) & runconfig.TASK_FLAGS:
+            if runconfig.DEFAULTS[option] is not None:
+                assert runconfig.DEFAULTS[option] == params[option].default, (name, option)
 
 
 def _checked_fields():
     """(flag, argv, message) for every range-checked Config field: a non-finite value and an out-of-range one."""
     cases = []
-    for name, f in train.FIELDS.items():
+    for name, f in runconfig.FIELDS.items():
         check, kind = f.metadata["check"], f.metadata["type"]
         if check is None:
             continue
         flag = "--" + name.replace("_", "-")
-        low = {"positive": 0, "non_negative": -1, "fraction": 1, "unit": 1.5}[check]
-        out_of_range = [str(low), "-3"] if check in ("fraction", "unit") else [str(low)]
+        if kind is None:                                    # a string the check parses (--betas)
+            cases += [(flag, [flag, bad], f"{flag} must be") for bad in ("0.9", "1,0.5", "nan,0.9", "a,b", "")]
+            continue
+        out_of_range = {"positive": ["0"], "non_negative": ["-1"], "fraction": ["1", "-3"], "unit": ["1.5", "-3"],
+                        "seed": ["-1", str(2 ** 32)]}[check]
         for bad in ["nan", "inf", *out_of_range]:
             if kind is int and bad in ("nan", "inf"):
                 cases.append((flag, [flag, bad], f"argument {flag}: invalid int value: '{bad}'"))
@@ -4258,8 +4272,64 @@ def test_every_checked_field_refuses_non_finite_and_out_of_range_values(tmp_path
 def test_the_checked_fields_are_the_config_s():
     """The list above covers every range-checked field (52 and counting), each with a nan, an inf and an
     out-of-range case."""
-    checked = {n for n, f in train.FIELDS.items() if f.metadata["check"]}
+    checked = {n for n, f in runconfig.FIELDS.items() if f.metadata["check"]}
     assert {flag[2:].replace("-", "_") for flag, _, _ in _checked_fields()} == checked and len(checked) >= 40
+
+
+# text a fuzzer gives a flag: numbers in and out of range, other scripts' digits, '_' in numbers, huge, empty
+FLAG_TEXT = st.one_of(st.sampled_from(["0", "-1", "1", "3", "0.5", "1e308", "-1e308", "nan", "inf", "1_0", "\u0661\u0660",
+                                       "\uff13", "", " ", "x", "mask", "auto", "cls", "0,4", "9" * 400, "1e-400"]),
+                      st.text(max_size=8))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(task=st.sampled_from(("parity2", "kparity", "addition", "cyclic3")),
+       pairs=st.lists(st.tuples(st.sampled_from(sorted(runconfig.FIELDS)), FLAG_TEXT), max_size=4))
+def test_fuzz_train_flags_make_a_checked_config_or_one_line(task, pairs):
+    """Any flags of the table with any text: parsed (one ASCII parser, each flag once), resolved and checked
+    (`runconfig.check`, the task built) to a Config, or one line (UsageError); never another exception."""
+    argv = ["--task", task] + [w for name, text in pairs for w in ("--" + name.replace("_", "-"), text)]
+    try:
+        flags, explicit = train.parse_args([w for w in argv if w != "--resume"])
+        runconfig.check(runconfig.resolve(flags, explicit), explicit)
+    except runfiles.UsageError as e:
+        assert str(e) and "\n" not in str(e).strip(), argv
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(command=st.sampled_from(sorted(train.SUBCOMMANDS)), words=st.lists(st.one_of(
+    FLAG_TEXT, st.sampled_from(["--data", "--from", "--timeout", "--out", "--help-me", "-x"])), max_size=5))
+@example(command="download", words=["x", "--timeout", "1_0"])
+@example(command="download", words=["x", "--data", "a", "--data", "b"])
+def test_fuzz_every_command_s_flags_parse_or_say_one_line(command, words):
+    """Every command's arguments (SUBCOMMANDS) with any words: a namespace, or one line (UsageError) where a flag
+    is unknown, given twice, or a number is not ASCII digits; never another exception."""
+    try:
+        flags, _ = train.parse_args([command, *words])
+    except runfiles.UsageError as e:
+        assert str(e) and "\n" not in str(e).strip(), words
+        return
+    for option in ("--timeout", "--data", "--from"):
+        assert words.count(option) <= 1 or command not in ("download", "imagenet100")
+
+
+@pytest.mark.parametrize("command", ["train", *train.SUBCOMMANDS])
+def test_each_command_refuses_a_flag_twice_and_numbers_in_other_scripts(command, capsys):
+    """By construction (the parser gives every option the one `Once` action and every number the one ASCII
+    parser): for each command, each option given twice is one line, and a number option refuses '1_0' and '\u0661'."""
+    parser = train.build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]
+    options = [a for a in sub._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    for action in options:
+        flag, number = action.option_strings[0], action.type is not None and action.type.__name__ in ("int", "float")
+        assert isinstance(action, train.Once), (command, action.dest)
+        value = [] if action.nargs == 0 else [str((action.choices or ["1" if number else "a"])[0])]
+        with pytest.raises(runfiles.UsageError, match=f"{flag} is given twice"):
+            train.parse_args([command, flag, *value, flag, *value])
+        for bad in ("1_0", "\u0661") if number else ():
+            with pytest.raises(runfiles.UsageError, match="invalid"):
+                train.parse_args([command, flag, bad])
+    assert train.parse_args(["train", "--task", "cyclic3"]) == train.parse_args(["--task", "cyclic3"])
 
 
 def _but(argv, *changes):
@@ -4305,7 +4375,7 @@ def test_recipe_bad_input_is_one_line(tmp_path, capsys, image_dir, flag, value, 
 
 def test_vit_mlp_width_is_the_flag_given():
     """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
-    args = train.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
+    args = runconfig.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
                                             "--heads", "4"]))
     task = tasks.make_task("cifar10", data_dir=".", heads=4)
     model = mp.ViT(train.model_config(args, task))
@@ -4318,7 +4388,7 @@ def test_mask_impulse_is_impulse_with_the_pattern_moved_into_the_logits(image_di
     --init mask sets it, Wq Wk as drawn (impulse solves them): only where the pattern lives differs."""
     argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "2", "--dim", "24", "--heads", "3",
             "--mlp-dim", "48", "--patch-size", "8", "--steps", "1", "--pattern", pattern]
-    built = {i: train.build(train.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
+    built = {i: train.build(runconfig.resolve(*train.parse_args([*argv, "--init", i])), torch.device("cpu"))
              for i in ("default", "mask", "impulse", "mask-impulse")}
     state = {i: b.model.state_dict() for i, b in built.items()}
     ours, base = state["mask-impulse"], state["default"]
@@ -4345,11 +4415,11 @@ def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_we
     argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
             "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
     for init in ("impulse", "qk-svd"):
-        preset, hard = (train.build(train.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
+        preset, hard = (train.build(runconfig.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
                         for more in ([], ["--pattern", "impulse"]))
         assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
         assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
-    mask = train.build(train.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
+    mask = train.build(runconfig.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
     assert torch.equal(mask.model.blocks[0].attn.prior.bias, mask.task.mask_logits("soft", 5.0, 10.0))
 
 
@@ -4455,8 +4525,8 @@ def test_a_teacher_s_fit_is_its_accuracy_on_the_training_inputs_its_attention_is
             "vision": ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3"],
             "lm": ["--task", "wikitext2", "--data-dir", str(tmp_path / "text"), "--context", "8", "--layers", "1",
                    "--dim", "16", "--heads", "2"]}[family]
-    config = train.resolve(*train.parse_args(argv))
-    task = train.task_for(config).setup("cpu")
+    config = runconfig.resolve(*train.parse_args(argv))
+    task = runconfig.task_for(config).setup("cpu")
     model = mp.model_from_config(dataclasses.asdict(train.model_config(config, task))).eval()
     with torch.no_grad():
         fit = task.teacher_fit(model, 16)
@@ -4816,7 +4886,7 @@ def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
     assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
     a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
     assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
-    xb, yb = train.task_for(train.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
+    xb, yb = runconfig.task_for(runconfig.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
     assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
 
 
@@ -4879,7 +4949,7 @@ def test_train_step_is_the_step_the_loop_takes(tmp_path):
             "cosine", "--warmup", "2", "--out", str(tmp_path / "run")]
     assert train.main(argv) == 0
     device = torch.device("cpu")
-    b = train.build(train.resolve(*train.parse_args(argv)), device)
+    b = train.build(runconfig.resolve(*train.parse_args(argv)), device)
     model, opt, task, args = b.model, b.optimizer, b.task, b.config
     for step in range(6):
         train.train_step(model, model, opt, task, task.train_batch(step, args.batch_size), args, device, step)
@@ -5047,7 +5117,7 @@ def test_the_eta_counts_every_evaluation_left_and_the_final_one_over_the_whole_t
     plus the final evaluation over the whole test set (a Boolean task at --eval-points 2048 on a 32,768-point cube:
     16 log evaluations' worth), nothing once that is done; before a resumed run has timed one, the steps alone."""
     task = tasks.make_task("parity2").setup()
-    config = train.resolve(*train.parse_args(["--task", "parity2", "--steps", "600", "--log-every", "30",
+    config = runconfig.resolve(*train.parse_args(["--task", "parity2", "--steps", "600", "--log-every", "30",
                                               "--eval-points", "2048"]))
     state = types.SimpleNamespace(config=config, task=task, eval_seconds=0.5)
     # at step 30, 10 steps/s: 57 s of steps, 18 log evaluations before the last, the last over 16x the points
@@ -5217,7 +5287,7 @@ def test_language_models_default_to_the_relative_prior_and_a_checkpoint_without_
                                                                                                    capsys):
     """Language models take the relative prior by default. A checkpoint holds every flag of its version: one
     whose config lacks one (a run of another version, or an edited file, its sha256 recomputed) is one line."""
-    args = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
+    args = runconfig.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", text_dir]))
     assert args.mask_param == "relative" and tasks.TASKS["tinystories"].preset("paper")["mask_param"] == "relative"
     out = str(tmp_path / "old")
     common = ["--task", "wikitext2", "--data-dir", text_dir, "--init", "mask", "--layers", "1", "--dim", "16",
@@ -5905,6 +5975,49 @@ def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, re
     assert os.listdir(tmp_path / "fig") == ["m.png"] and "holds no inputs to probe" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_show_of_a_crafted_saved_folder_is_one_line(tmp_path, capsys):
+    """`train.py show DIR` reads a saved folder as someone else's: a pickle alone, a config.json nested 100,000
+    deep, a size of 10**400 or 10**9, an M of another shape in the safetensors: each one line, exit 2, no figure
+    (transformers' own errors and its pickle loader never reach the user)."""
+    tf = _extra("transformers")
+    from safetensors.torch import load_file, save_file
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = tf.GPT2LMHeadModel(cfg)
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(32, 4))
+    model.save_pretrained(tmp_path / "good")
+
+    def crafted(name, config=None, weights=None):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "good", folder)
+        if config is not None:
+            (folder / "config.json").write_text(config((folder / "config.json").read_text()))
+        if weights is not None:
+            weights(folder)
+        return folder
+
+    def pickle_only(folder):
+        torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
+
+    def other_m(folder):
+        state = load_file(folder / "model.safetensors")
+        key = next(k for k in state if "prior" in k)
+        state[key] = torch.zeros(3, 5)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    cases = {"pickle": crafted("pickle", weights=pickle_only),
+             "deep": crafted("deep", config=lambda t: "[" * 100_000 + "]" * 100_000),
+             "huge": crafted("huge", config=lambda t: t.replace('"n_embd": 32', '"n_embd": 1' + "0" * 400)),
+             "big": crafted("big", config=lambda t: t.replace('"n_embd": 32', '"n_embd": 1000000000')),
+             "m": crafted("m", weights=other_m)}
+    for name, folder in cases.items():
+        capsys.readouterr()
+        assert train.main(["show", str(folder), "--out", str(tmp_path / f"fig-{name}")]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1, (name, err)
+        assert not (tmp_path / f"fig-{name}").exists()
+
+
 def test_one_seed_says_so_instead_of_a_spread_of_zero():
     """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
     every form a report writes (a metric, the mass start → end, a cell with its count)."""
@@ -6537,6 +6650,9 @@ def test_reproduce_gpus_lines_and_refusals(tmp_path):
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 2, 4]
     r = _reproduce("--quick", "--gpus", "2", "--jobs", "2", "--dry-run", "--runs", str(tmp_path / "runs"))
     assert r.returncode == 2 and "--gpus" in r.stderr
+    for flag, count in (("--gpus", "9" * 20), ("--jobs", "9" * 20), ("--gpus", "\u0662")):   # never wrapped in silence
+        r = _reproduce("--quick", flag, count, "--dry-run", "--runs", str(tmp_path / "runs"))
+        assert r.returncode == 2 and f"{flag} needs" in r.stderr and not r.stdout.strip(), (flag, r.stdout)
     if not torch.cuda.is_available():
         r = _reproduce("--quick", "--only", "boolean", "--gpus", "2", "--jobs", "1", "--runs", str(tmp_path / "r2"))
         assert r.returncode == 2 and "sees 0 CUDA GPU" in r.stderr and not (tmp_path / "r2").exists()
@@ -6748,8 +6864,8 @@ def test_gpu_check_refuses_a_machine_without_cuda_and_its_train_lines_parse(tmp_
     assert len(lines) == 1
     for init in ("default", "mask"):
         words = shlex.split(lines[0].split(" train.py ", 1)[1].replace("$init", init).replace("$out", str(tmp_path)))
-        config = train.resolve(*train.parse_args(words))
-        train.check_applies(config, train.parse_args(words)[1])
+        config = runconfig.resolve(*train.parse_args(words))
+        runconfig.check(config, train.parse_args(words)[1], rules=False)
         assert config.layers == 12 and config.steps == 300 and config.device == "cuda"
     if not torch.cuda.is_available():
         r = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=120)

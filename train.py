@@ -14,9 +14,9 @@ A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metric
 per log step), result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit
 status 2.
 
-Reading order: config (flags, where they apply, presets) -> build (task, model, prior and init,
-optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability (what is
-written and checked) -> commands.
+Reading order: the parser (every run flag a field of runconfig.Config, which resolves and checks
+them) -> build (task, model, prior and init, optimiser) -> data parallelism -> loop (start or
+resume, train, finish) -> durability (what is written and checked) -> commands.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import contextlib
 import copy
 import datetime
 import hashlib
+import io
 import json
 import math
 import os
@@ -41,357 +42,33 @@ import torch
 import datafetch.download
 import datafetch.imagenet100
 import datafetch.write
-import inits
 import maskprior as mp
 import maskprior_retrofit as retrofit
 import reporting.report
 import reporting.show
 import runfiles
+import runconfig
 import tasks
 
 # the command's start (after its imports), for the wall time the final line prints
 STARTED = time.time()
-
-
-# ----------------------------------------------------------------------------------------
-# Config: one frozen dataclass holds every setting of a run, one field per flag, and each field
-# says what its flag is (`setting`): argparse is generated from them, `check_applies` refuses a
-# flag where it does not apply, and `resolve` fills a Config once (the flag given, else the task's
-# preset, else the default). Nothing changes a Config after that; what a task sizes,
-# `size_schedule` fills into a new one. args.json is `asdict(config)`.
-
-
-GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
-          "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
-          "arithmetic": "arithmetic (addition, multiplication)",
-          "vision": "vision (cifar10, cifar100, imagenet100)",
-          "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
-          "sampling": "sampling from a trained language model"}
-
-
-FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
-
-
-def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None,
-            metavar=None, check=None, resumable=False, arch=False, tells_apart=True,
-            alternative=None, needs=None, excludes=()):
-    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch:
-    a flag without a value; check: a key of CHECKS; resumable: --resume may change it; arch: it
-    shapes the model or the data (named so when a resume disagrees); tells_apart: runs that differ
-    in it are different configurations in reports; alternative: the field this one replaces when
-    given (--steps drops the preset's --epochs and the other way round). Where the flag applies
-    (`check_applies` refuses it given anywhere else): needs, {key: allowed}, each key a field (its
-    resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or
-    ON (not zero); excludes, the fields that may not be given with it. A task option (a family's
-    group) applies to the tasks whose constructor takes it."""
-    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
-                                                choices=choices, metavar=metavar, check=check,
-                                                resumable=resumable, arch=arch,
-                                                tells_apart=tells_apart, alternative=alternative,
-                                                needs=needs or {}, excludes=tuple(excludes)))
-
-
-# a `needs` condition other than a tuple of values: the field is set, or not zero
-GIVEN, ON = "given", "on"
-
-
-# The inits by what their records say (inits.INITS): the model owns an M; the init writes the task's prior (a
-# pattern or M) into the model; it solves Wq Wk in closed form (init_qk_svd_)
-INITS, MASK_INITS, PRIOR_INITS = inits.INITS, inits.named(owns_m=True), inits.named(reads_prior=True)
-QK_SVD_INITS = inits.named(closed_form=True)
-# families whose M has on / off levels (--mask-on, --mask-off)
-LEVELS = ("boolean", "arithmetic", "vision")
-
-
-def _group(name: str):
-    """`setting` for the fields of one argparse group (see GROUPS)."""
-    return lambda *args, **kw: setting(*args, group=name, **kw)
-
-
-run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
-    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm",
-             "sampling"))
-
-
-QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
-# where and how a run runs: a resume may change it
-WHERE = dict(resumable=True, tells_apart=False)
-
-
-@dataclass(frozen=True)
-class Config:
-    """Every setting of a training run, one field per flag (see `setting` for what a field
-    carries)."""
-    # run
-    task: str = run_("parity2", "task name: {tasks} (default parity2)", arch=True)
-    init: str = run_("default", "initialisation: {inits} (default default)", arch=True,
-                     tells_apart=False)
-    preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or "
-                                "paper (the paper's setting, for a GPU)")
-    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
-                        "keeps 32 bits; default 0)",
-                     type=int, check="non_negative", tells_apart=False)
-    out: str | None = run_(None, "run directory (default runs/TASK-INIT-sSEED)", tells_apart=False)
-    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True,
-                        **WHERE)
-    device: str = run_("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...", **WHERE)
-    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"),
-                    **WHERE)
-    log_every: int | None = run_(None, "steps between evaluations and log lines", type=int,
-                                 check="positive", resumable=True)
-    ckpt_every: int | None = run_(None, "steps between checkpoints (default: every log step)",
-                                  type=int, check="positive", **WHERE)
-    halt_after: int | None = run_(None, "stop at this step as if interrupted (checkpoint kept)",
-                                  type=int, check="positive", **WHERE)
-    compile: bool = run_(False, "torch.compile the model for training (the probes run it "
-                                "uncompiled)", switch=True,
-                         **WHERE)
-    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes "
-                                       "(joining, and at each collective; default 1800)",
-                               type=float, check="positive", **WHERE)
-    # optimisation
-    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True,
-                             alternative="epochs")
-    epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float,
-                                check="positive", resumable=True, alternative="steps")
-    lr: float = opt_(0.0001, "peak learning rate", type=float, check="positive", resumable=True)
-    batch_size: int = opt_(64, None, type=int, check="positive")
-    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float,
-                               check="non_negative")
-    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled",
-                          choices=("adam", "adamw"))
-    betas: str = opt_("0.9,0.999", "Adam betas, e.g. 0.9,0.999")
-    schedule: str = opt_("constant", None, choices=("constant", "cosine"))
-    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative",
-                       alternative="warmup_epochs")
-    warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)",
-                                       type=float, check="non_negative", alternative="warmup")
-    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float,
-                            check="non_negative", resumable=True)
-    # model
-    layers: int = model_(2, None, type=int, check="positive", arch=True)
-    heads: int = model_(4, None, type=int, check="positive", arch=True)
-    dim: int = model_(64, None, type=int, check="positive", arch=True)
-    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive",
-                                  arch=True)
-    mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
-    emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
-                                 check="non_negative", arch=True)
-    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float,
-                                 check="non_negative", arch=True)
-    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int,
-                                  choices=(0, 1), arch=True)
-    dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float,
-                            check="fraction", arch=True)
-    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with "
-                                   "this probability, linearly less before it (timm's schedule; "
-                                   "0 = off)", type=float, check="fraction")
-    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. "
-                             "0.9999), evaluated beside them (ema_* metrics); 0 = off", type=float,
-                        check="fraction")
-    attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, "
-                                    "or for M torch's flex_attention (CUDA); auto = fused, but "
-                                    "explicit for a masked model of <= 128 positions on the CPU",
-                            choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
-    # prior
-    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)",
-                                 arch=True)
-    mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float,
-                            check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
-                             needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), or "
-                                     "relative: one logit per head and distance i - j (heads x "
-                                     "N; language models)", choices=("full", "relative"),
-                             arch=True, needs={"init": MASK_INITS})
-    qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
-                                 check="positive", needs={"init": QK_SVD_INITS})
-    qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float,
-                                 check="non_negative", needs={"init": QK_SVD_INITS})
-    qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float,
-                                check="positive", needs={"init": QK_SVD_INITS})
-    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding "
-                                                  "first (impulse and mask-impulse: 18 unless "
-                                                  "given)", type=float, check="positive",
-                                            needs={"init": ("qk-svd", "impulse", "mask-impulse")})
-    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive",
-                               needs=QK_OPT)
-    qk_opt_lr: float = prior_(0.0001, None, type=float, check="positive", needs=QK_OPT)
-    qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this",
-                               type=float, check="non_negative", needs=QK_OPT)
-    qk_opt_pos_scale: float | None = prior_(None, "qk-opt: multiply the positional embedding first", type=float,
-                                            check="positive", needs=QK_OPT)
-    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a "
-                                          "teacher): the prior is read from its attention "
-                                          "instead of the task's hand pattern", metavar="RUN",
-                                    arch=True, needs={"init": PRIOR_INITS}, excludes=("pattern",))
-    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key "
-                                          "pairs above --prior-ratio x the uniform share), "
-                                          "logits (M whose bias gives the teacher's mean "
-                                          "attention), relative (per head and distance) or "
-                                          "offsets (per head and 2-D offset); default: the "
-                                          "task's first",
-                                    choices=("pattern", "logits", "relative", "offsets"), arch=True,
-                                    needs={"prior_from": GIVEN})
-    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this "
-                                     "multiple of the uniform attention share (default 1.5)",
-                                type=float, check="positive", arch=True,
-                                needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
-    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training "
-                                                 "inputs (default: Boolean 0.95, arithmetic 0.9, "
-                                                 "vision 0.5, language 0.2)", type=float,
-                                           check="unit", arch=True, needs={"prior_from": GIVEN})
-    probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
-    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube "
-                                 "points or test pairs (0 = all); the final evaluation uses all "
-                                 "of them", type=int, check="non_negative",
-                              resumable=True, needs={"kind": ("boolean", "arithmetic")})
-    # boolean
-    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token "
-                                      "and mean pooling over the bit tokens; the pattern follows "
-                                      "the layout", metavar="{" + ",".join(tasks.READOUTS) + "}",
-                                arch=True)
-    n_bits: int = bool_(15, "kparity/kmajority/ksum: input bits (default 15)", type=int, arch=True)
-    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; "
-                               "random:K: K drawn by the seed)",
-                      arch=True)
-    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, "
-                                    "or majority led by m (default 0,1:2,3,4 = x0 x1 + x2 x3 x4)",
-                       arch=True)
-    unseen: str = bool_("0,1", "kparity/kmajority/ksum: bits at -1 in the unseen domain (default "
-                               "0,1; bits:J: the first J of --bits)", arch=True)
-    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain "
-                                         "(default: all)", type=int)
-    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data "
-                                    "of up to this many bits (default 3)", type=int, arch=True,
-                                 needs=DISCOVERED)
-    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh "
-                                            "coefficient is at least this fraction of the "
-                                            "largest (default 0.25)", type=float, arch=True,
-                                      needs=DISCOVERED)
-    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of "
-                                        "no dependence passes the noise cut (default 0.05)",
-                                  type=float, arch=True, needs=DISCOVERED)
-    # arithmetic
-    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on "
-                                           "(default: 0.004 for addition, 0.03 for "
-                                           "multiplication)", type=float, arch=True)
-    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain "
-                                      "format; the default) or reversed", metavar="{msb,lsb}",
-                               arch=True)
-    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee "
-                            "et al.'s multiplication), 1 or 4", type=int, metavar="{1,2,3,4}",
-                         arch=True)
-    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data "
-                                           "instead, N samples (the 100 one-digit pairs, then N "
-                                           "- 100 drawn with replacement; theirs: 3000), "
-                                           "unpadded a*b=c, tested on every pair not trained on",
-                                     type=int, arch=True, metavar="N")
-    # vision
-    data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with "
-                                         "cifar-10-batches-py/; for language models the corpus "
-                                         "folder)", **WHERE)
-    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; "
-                                           "ImageNet-100 32 or 64)",
-                                     type=int, check="positive", arch=True)
-    input_size: int | None = vision_(None, "the model's image side (default: the image size); "
-                                           "larger upsamples, e.g. 224 for CIFAR as the paper "
-                                           "preset's recipe does", type=int, check="positive",
-                                     arch=True)
-    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive",
-                                     arch=True)
-    pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token",
-                               choices=("mean", "cls"), arch=True)
-    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, "
-                                    "...; the default) or random (drawn by the seed)",
-                           metavar="{fixed,random}", arch=True,
-                           needs={"pattern": ("impulse", "soft", "graded")})
-    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance "
-                                     "(in patches) to the head's offset (default 1.0)", type=float,
-                                arch=True, needs={"pattern": ("soft",)})
-    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; "
-                             "default 3)", type=int,
-                          arch=True, needs={"pattern": ("local",)})
-    label_smoothing: float | None = vision_(None, None, type=float, check="fraction")
-    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float,
-                           check="non_negative")
-    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float,
-                            check="non_negative")
-    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to "
-                               "the input size (scale 0.08-1); a flip either way",
-                        metavar="{pad,rrc}")
-    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / "
-                                     "crop-pct, keep the centre (default 0.875)", type=float,
-                              needs={"input_size": GIVEN})
-    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
-                             type=float)
-    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise "
-                                      "(default 0.5)", type=float,
-                                 check="non_negative", needs={"randaug": ON})
-    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int,
-                               needs={"randaug": ON})
-    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
-                            type=float)
-    # lm
-    context: int | None = lm_(None, "context length in tokens (also the model's positions)",
-                              type=int, arch=True)
-    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)",
-                                 type=int)
-    positions: str = lm_("learned", "the positional embedding: a learned table of --context "
-                                    "positions (the default), or none (the order from the causal "
-                                    "mask and the prior, as ALiBi: the model serves any length)",
-                         metavar="{learned,none}", arch=True)
-    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context "
-                               "(long_val_loss, long_val_ppl; past --context it needs "
-                               "--positions none; 0 = off)", type=int, metavar="N",
-                            resumable=True)
-    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them "
-                                        "(default: --context); its gradient costs O(T N)",
-                                  type=int, metavar="N", arch=True,
-                                  needs={"init": MASK_INITS, "mask_param": ("relative",)},
-                                  excludes=("prior_from",))
-    # sampling
-    sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in "
-                                       "--out and exit (no training)", metavar="PROMPT", **WHERE)
-    sample_tokens: int = sample_(100, "tokens to generate (default 100)", type=int,
-                                 check="positive", needs={"sample": GIVEN}, **WHERE)
-    temperature: float = sample_(0.8, "0 = greedy (default 0.8)", type=float, check="non_negative",
-                                 needs={"sample": GIVEN}, **WHERE)
-    top_k: int = sample_(40, "sample among the k likeliest (0 = all; default 40)", type=int,
-                         check="non_negative", needs={"sample": GIVEN}, **WHERE)
-
-
-FIELDS = {f.name: f for f in fields(Config)}
-DEFAULTS = {name: f.default for name, f in FIELDS.items()}
-RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
-ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
-NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
-ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items()
-                if f.metadata["alternative"]}
-TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
-NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
-EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
-
-
-CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
-          "unit": (lambda v: 0 <= v <= 1, "in [0, 1]")}
-
-
-COMMANDS = ("train", "summarize", "report", "redraw", "download", "imagenet100", "show", "make-digits", "make-wikitext")
 # bad input: one line, exit status 2 (a busy folder: 75)
 UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 
 
-def say(text: str) -> None:
-    """A line of progress on standard output, from one process (under torchrun, rank 0's)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(text, flush=True)
+# ----------------------------------------------------------------------------------------
+# Parser: every flag of `train` from the Config table (runconfig.py), each command's from SUBCOMMANDS; every
+# option of every command given once, and every number through one ASCII parser (`number`)
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that would break or hide a line (a newline, a control) written as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (see python train.py --help)")
+    def error(self, message):                       # argparse echoes the words given: one line whatever they hold
+        raise UsageError(f"{one_line(message)} (see python train.py --help)")
 
 
 class _Unset:
@@ -408,26 +85,40 @@ class Once(argparse.Action):
     win in silence."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        before = getattr(namespace, self.dest, UNSET)
-        if before is not UNSET:
+        before = getattr(namespace, self.dest, self.default)
+        if before is not self.default:
             again = "" if self.nargs == 0 else f" ({before!r}, then {values!r})"
             raise UsageError(f"{option_string} is given twice{again}; give each flag once")
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
+def number(kind):
+    """argparse's `type` for a flag: int and float take ASCII text alone (Python's own also read '1_0' and other
+    scripts' digits, '١٠'); any other kind as it is."""
+    if kind not in (int, float):
+        return kind
+
+    def parse(text: str):
+        if not text.isascii() or "_" in text:
+            raise ValueError(text)
+        return kind(text)
+    parse.__name__ = kind.__name__              # argparse's line: "invalid int value: '1_0'"
+    return parse
+
+
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per Config field, in its group; every flag parses to UNSET when not given (see
+    """One flag per Config field (runconfig.py), in its group; every flag parses to UNSET when not given (see
     `resolve`)."""
-    groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
-    for name, f in FIELDS.items():
+    groups = {key: p.add_argument_group(title) for key, title in runconfig.GROUPS.items()}
+    for name, f in runconfig.FIELDS.items():
         m = f.metadata
         kw = {"help": m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS),
-                                                     inits=", ".join(INITS)),
+                                                     inits=", ".join(runconfig.INITS)),
               "action": Once}
         if m["switch"]:
             kw["nargs"] = 0
         else:
-            kw.update({k: v for k, v in (("type", m["type"]), ("metavar", m["metavar"]))
+            kw.update({k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"]))
                        if v is not None})
             if m["choices"]:
                 kw["choices"] = list(m["choices"])
@@ -488,7 +179,8 @@ def build_parser() -> Parser:
     for name, (help_, description, arguments) in SUBCOMMANDS.items():
         command = sub.add_parser(name, help=help_, description=description)
         for names, keywords in arguments:
-            command.add_argument(*names, **keywords)
+            once = {"action": Once} if names[0].startswith("--") else {}
+            command.add_argument(*names, **{**keywords, **once, "type": number(keywords.get("type"))})
     return p
 
 
@@ -496,186 +188,17 @@ def parse_args(argv=None):
     """-> (namespace, explicit): the command's arguments, and for `train` the flags given on the
     command line (the others are UNSET until `resolve`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
+    if not argv or argv[0] not in ("train", *SUBCOMMANDS):
         argv = ["train"] + argv                       # training is the default command
     flags = build_parser().parse_args(argv)
     explicit = {k for k, v in vars(flags).items() if v is not UNSET} - {"command"}
     return flags, explicit
 
 
-def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """Each field: the flag given, else the task's preset (less the alternatives of the flags
-    given), else its default."""
-    given = {k: getattr(flags, k) for k in explicit}
-    task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
-    if task not in tasks.TASKS:
-        raise UsageError(f"unknown task {task!r}; choose from {', '.join(tasks.TASKS)}")
-    if init not in INITS:
-        raise UsageError(f"unknown init {init!r}; choose from {', '.join(INITS)}")
-    task_cls = tasks.TASKS[task]
-    if preset not in task_cls.presets():
-        raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
-    for flag, other in ALTERNATIVES.items():
-        if flag in explicit and other in explicit:
-            raise UsageError(f"give either --{flag.replace('_', '-')} or "
-                             f"--{other.replace('_', '-')}, not both")
-    from_preset = task_cls.preset(preset)
-    for flag in explicit & set(ALTERNATIVES):
-        from_preset.pop(ALTERNATIVES[flag], None)
-    values = {**DEFAULTS, **from_preset, **given}
-    if values["out"] is None:
-        values["out"] = os.path.join("runs", f"{task}-{init}-s{values['seed']}")
-    return Config(**values)
-
-
-SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of a seed
-
-
-def check_numbers(config: Config) -> None:
-    """Every numeric field finite and in its range (its `check`), before anything is written."""
-    if isinstance(config.seed, int) and not 0 <= config.seed <= SEED_MAX:
-        raise UsageError(f"--seed must be an integer in 0 .. {SEED_MAX} (torch's CPU generator "
-                         "keeps 32 bits, so a larger seed would train the same weights as a "
-                         f"smaller one), got {config.seed}")
-    for name, f in FIELDS.items():
-        value = getattr(config, name)
-        if f.metadata["check"] is None or value is None:
-            continue
-        ok, what = CHECKS[f.metadata["check"]]
-        if not (math.isfinite(value) and ok(value)):
-            kind = "an integer" if isinstance(value, int) else "a finite number"
-            raise UsageError(f"--{name.replace('_', '-')} must be {kind} {what}, got {value}")
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def applied_value(config: Config, key: str):
-    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a
-    --pattern or --prior-kind not given: the task's default)."""
-    task = tasks.TASKS[config.task]
-    if key == "kind":
-        return task.KIND
-    if key == "pattern":
-        return config.pattern or task.DEFAULT_PATTERN
-    if key == "prior_kind":
-        return config.prior_kind or task.TEACHER_KINDS[0]
-    return getattr(config, key)
-
-
-def unmet(key: str, allowed, value) -> str | None:
-    """What a flag needs of `key` when `value` does not meet `allowed` (None: it does)."""
-    if allowed == GIVEN:
-        return None if value is not None else f"with {flag(key)}"
-    if allowed == ON:
-        return None if value else f"with {flag(key)} above 0 (here {value})"
-    if value in allowed:
-        return None
-    if key == "kind":
-        return f"to the {' and '.join(allowed)} tasks (this task is {value})"
-    return f"with {flag(key)} {' or '.join(map(str, allowed))} (here {value})"
-
-
-def check_applies(config: Config, explicit: set) -> None:
-    """The one check of where a flag applies, from the Config table: each flag given must be a task
-    option of the task (its constructor takes it), meet its field's `needs` and come without what
-    it `excludes`; else one line naming the flag and what it needs. Runs before anything is built
-    or read."""
-    task = tasks.TASKS[config.task]
-    options = [o for o in task.options() if o in FIELDS]
-    for name in (n for n in FIELDS if n in explicit):
-        if name in TASK_FLAGS and name not in options:
-            what = f" (use --pool for {config.task})" if name == "readout" and task.KIND == "vision" else ""
-            raise UsageError(f"{flag(name)} does not apply to task {config.task} "
-                             f"({task.KIND}){what}; its task options are: "
-                             f"{', '.join(flag(o) for o in options if o != 'heads')}")
-        for key, allowed in NEEDS.get(name, {}).items():
-            need = unmet(key, allowed, applied_value(config, key))
-            if need:
-                raise UsageError(f"{flag(name)} applies only {need}; leave it out or give what it "
-                                 "needs")
-        for other in EXCLUDES.get(name, ()):
-            if other in explicit:
-                raise UsageError(f"give {flag(name)} or {flag(other)}, not both ({flag(name)} "
-                                 f"replaces {flag(other)})")
-
-
-def validate(config, task, explicit: set):
-    if config.steps is None and config.epochs is None:
-        raise UsageError("give --steps or --epochs (no preset sets them for this task)")
-    if config.init not in task.inits():
-        raise UsageError(f"init {config.init!r} does not apply to task {config.task} "
-                         f"({task.KIND}); choose from "
-                         f"{', '.join(task.inits())}{getattr(task, 'inits_why', '')}")
-    if config.head_dim is None and config.dim % config.heads:
-        raise UsageError(f"--dim {config.dim} is not divisible by --heads {config.heads}; set "
-                         "--head-dim")
-    if config.pattern == "":
-        raise UsageError(f"--pattern needs a name; {config.task}'s patterns are "
-                         f"{', '.join(task.PATTERNS)} (leave the flag out for the default, "
-                         f"{task.pattern_name(None)})")
-    task.pattern_name(config.pattern)
-    if config.attention == "flex" and (config.init not in MASK_INITS
-                                       or pick_device(config.device).type != "cuda"):
-        raise UsageError("--attention flex runs M through torch's flex_attention: it needs "
-                         "--init mask or mask-impulse and CUDA (it has no backward on the CPU); "
-                         "use --attention fused or explicit")
-    if getattr(task, "positions", "learned") == "none" and config.init not in ("default",
-                                                                               *MASK_INITS):
-        raise UsageError(f"--init {config.init} fits its pattern on the positional embedding, "
-                         "which --positions none leaves out; use --init mask or default there, "
-                         "or --positions learned")
-    if (getattr(task, "eval_context", 0) > getattr(task, "context", 0)
-            and config.init in MASK_INITS and config.mask_param == "full"):
-        raise UsageError(f"--eval-context {task.eval_context} is past --context {task.context}, "
-                         "which a full M (N x N) cannot serve: give --mask-param relative (its "
-                         "distances serve any length)")
-    if config.prior_kind not in (None, *task.TEACHER_KINDS):
-        raise UsageError(f"--prior-kind {config.prior_kind} does not apply to task {config.task}; "
-                         f"choose from {', '.join(task.TEACHER_KINDS)}")
-    try:
-        b = tuple(float(x) for x in config.betas.split(","))
-        assert len(b) == 2 and all(0 <= x < 1 for x in b)
-    except (ValueError, AssertionError):
-        raise UsageError("--betas must be two numbers in [0, 1) like 0.9,0.999, got "
-                         f"{config.betas!r}") from None
-
 
 # ----------------------------------------------------------------------------------------
 # Build: the task, the model, the prior and the init, the optimiser
 
-
-def task_for(config) -> tasks.Task:
-    """The task of config.task, given its options (flags of the same names) and the seed."""
-    options = {k: getattr(config, k) for k in tasks.TASKS[config.task].options()
-               if k in FIELDS and getattr(config, k) is not None}
-    task = tasks.make_task(config.task, seed=config.seed, **options)
-    # the task's word on its slow work (the exact MDI), from one process
-    task.say = say
-    return task
-
-
-def pick_device(name: str) -> torch.device:
-    """--device: auto (cuda, else mps, else cpu) or one torch has."""
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, "
-                         "cuda:1 or mps")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-    if dev.type == "mps" and not mps:
-        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use "
-                         "--device cpu")
-    return dev
 
 
 # --attention auto on the CPU: a masked model of at most this many positions runs the explicit softmax, faster
@@ -700,7 +223,7 @@ def model_config(config, task, device=torch.device("cpu")):
     family = mp.family_of(arch)
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
                  head_dim=config.head_dim, mlp_dim=config.mlp_dim,
-                 learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
+                 learnable_mask=config.init in runconfig.MASK_INITS, flex=config.attention == "flex",
                  qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
                  pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param, mask_window=config.mask_window)
@@ -721,7 +244,7 @@ def build_model(config, task, device):
 
 def apply_init(model, prior: runfiles.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
-    return INITS[config.init].apply(model, prior, config, torch.Generator().manual_seed(config.seed + 1))
+    return runconfig.INITS[config.init].apply(model, prior, config, torch.Generator().manual_seed(config.seed + 1))
 
 
 # what a teacher's maps must share
@@ -753,7 +276,7 @@ def read_teacher(config, task) -> Teacher:
                          f"{result.get('steps')}) and ckpt.pt (run {ident.get('run_id')}, step "
                          f"{ckpt['step']}) are not one finished run; finish the run (--resume) or "
                          "give another teacher")
-    saved, mine = saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config,
+    saved, mine = runconfig.saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config,
                                                                                         task))
     if saved.task != config.task:
         raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher "
@@ -776,7 +299,7 @@ def teacher_prior(config, task, device, teacher: Teacher) -> runfiles.Prior:
     """The prior a teacher's attention gives (`tasks.Task.prior_from_teacher`), its task made from its
     own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
-    teacher_task = task_for(teacher.config).setup(device)
+    teacher_task = runconfig.task_for(teacher.config).setup(device)
     source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder),
               "teacher_run_id": ckpt["identity"]["run_id"], "teacher_init": teacher.config.init,
               "teacher_steps": ckpt["step"], "kind": kind, "ratio": config.prior_ratio}
@@ -949,7 +472,7 @@ class Dist:
         return float(t[0]), bool(t[1] > 0)
 
 
-def init_distributed(config: Config) -> tuple[Dist, Config]:
+def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
     """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs,
     gloo on the CPU) and pin this rank's device (the config it returns names it); bad settings are
     one line from rank 0."""
@@ -964,7 +487,7 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
     if config.batch_size % world:
         raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide by "
                          f"the {world} processes; give a multiple of {world}")
-    device = pick_device(config.device)
+    device = runconfig.pick_device(config.device)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
             raise UsageError(f"torchrun started {world} processes per node but torch sees "
@@ -994,7 +517,7 @@ def init_distributed(config: Config) -> tuple[Dist, Config]:
 @dataclass
 class Run:
     """Everything a run carries from its start to its end."""
-    config: Config
+    config: runconfig.Config
     task: tasks.Task
     model: torch.nn.Module
     model_cfg: object
@@ -1032,8 +555,8 @@ class Run:
 
 def run(flags: argparse.Namespace, explicit: set) -> int:
     """The `train` command: resolve the flags, then start or resume, train, finish."""
-    config = resolve(flags, explicit)
-    check_numbers(config)
+    config = runconfig.resolve(flags, explicit)
+    runconfig.check(config, rules=False)        # its numbers, before the processes start (a resume restores the rest)
     dist, config = init_distributed(config)
     state = None
     try:
@@ -1072,7 +595,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
         # the flags rank 0 restored, then this rank's own copies
         if not dist.main:
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
-            task, device = task_for(config), pick_device(config.device)
+            task, device = runconfig.task_for(config), runconfig.pick_device(config.device)
         task.setup(device)              # its data read (and checked): nothing is written yet
         built = build(config, device, explicit, task, init=ckpt is None, teacher=teacher)
         state = (new_run(built, task, device, folder, dist) if ckpt is None
@@ -1110,21 +633,18 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
                 folder.open_existing()
                 ckpt = read_checkpoint(folder.file("ckpt.pt"), "--resume")
                 config = restore_config(config, explicit, folder, ckpt)
-                check_numbers(config)
             else:
                 folder.check_free()
-            check_applies(config, explicit)
-            task = task_for(config)
+            task = runconfig.check(config, explicit)
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
             # one target, one spelling: what the run stores
             if respelt and ckpt is None:
-                say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                runconfig.say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                              for k, v in respelt.items()) +
                     " (the one spelling of this target)")
-                config, task = replace(config, **respelt), task_for(replace(config, **respelt))
-            validate(config, task, explicit)
+                config, task = replace(config, **respelt), runconfig.task_for(replace(config, **respelt))
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
-            device = pick_device(config.device)
+            device = runconfig.pick_device(config.device)
     except UsageError as e:
         if folder is not None:
             folder.release()
@@ -1133,10 +653,10 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
         error = str(e)
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
-    return (config if dist.main else Config(**shared)), folder, ckpt, task, device, teacher
+    return (config if dist.main else runconfig.Config(**shared)), folder, ckpt, task, device, teacher
 
 
-def size_schedule(config: Config, explicit: set, task) -> Config:
+def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Config:
     """The config with what the task sizes filled in: --steps from --epochs (unless --steps was
     given, or kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs,
     and the log (a tenth of the run) and checkpoint (each log step) intervals where not given."""
@@ -1155,15 +675,15 @@ def size_schedule(config: Config, explicit: set, task) -> Config:
 Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
-def build(config: Config, device: torch.device | None = None, explicit: set = frozenset(),
+def build(config: runconfig.Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
     """Everything a run trains: the task (`task`: set up already, its data read; None: made and
     set up here), the schedule sized, the model built and, with `init`, initialised (`teacher`:
     --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and
     benchmarks."""
-    device = device or pick_device(config.device)
+    device = device or runconfig.pick_device(config.device)
     if task is None:
-        task = task_for(config)
+        task = runconfig.task_for(config)
         task.setup(device)
     config = size_schedule(config, explicit, task)
     model, model_cfg = build_model(config, task, device)
@@ -1309,7 +829,7 @@ def train_loop(state: Run) -> int | None:
                     save_checkpoint(state, state.seconds + time.time() - t_start)
             if halt:
                 why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
-                say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with "
+                runconfig.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with "
                     f"--resume --out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
@@ -1386,14 +906,14 @@ def finish(state: Run) -> int:
                "prior_mass_end": start and last["prior_mass_mean"]}
     result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
               "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
-              "data": state.data, "init_order": list(INITS).index(config.init),
+              "data": state.data, "init_order": list(runconfig.INITS).index(config.init),
               "token_labels": state.task.token_labels(),
               "tells_apart": {k: v for k, v in asdict(config).items()
-                              if k not in NOT_TELLING_APART},
-              "at_preset": all(getattr(config, k) == getattr(resolve(*parse_args(["--task", config.task, "--preset",
+                              if k not in runconfig.NOT_TELLING_APART},
+              "at_preset": all(getattr(config, k) == getattr(runconfig.resolve(*parse_args(["--task", config.task, "--preset",
                                                                                    config.preset])), k)
                                # model and data as the preset's (reports mark it)
-                               for k in ARCH - {"init"}),
+                               for k in runconfig.ARCH - {"init"}),
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start,
               "prior_mass_end_layers": last["prior_mass"],
@@ -1420,13 +940,11 @@ def sample(config, explicit: set) -> int:
                          "(or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
-    check_numbers(config)
-    check_applies(config, explicit)
-    task = task_for(config)
+    task = runconfig.check(config, explicit)
     if task.KIND != "lm":
         raise UsageError("--sample needs a language-model run (wikitext2, tinystories); "
                          f"{config.out} is {config.task}")
-    device = pick_device(config.device)
+    device = runconfig.pick_device(config.device)
     task.setup(device)
     model, model_cfg = build_model(config, task, device)
     check_architecture(ckpt, model_cfg, "--sample", config.out)
@@ -1459,7 +977,7 @@ def begin(state: Run, ckpt: dict | None) -> None:
         runfiles.truncate_log(state.path("metrics.jsonl"), state.step)
         runfiles.atomic_write(state.path("args.json"), json_text(asdict(config)))
         note = rounding_note(ckpt, state.device, config)
-        return say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
+        return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
                                                                                    if note
                                                                                    else ""))
     folder.create()
@@ -1507,9 +1025,9 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
 
 
 def config_hash(flags: dict) -> str:
-    """A short hash of the flags a resume may not change (all but RESUMABLE): one run's
+    """A short hash of the flags a resume may not change (all but runconfig.RESUMABLE): one run's
     configuration."""
-    fixed = {k: v for k, v in flags.items() if k not in RESUMABLE and k != "out"}
+    fixed = {k: v for k, v in flags.items() if k not in runconfig.RESUMABLE and k != "out"}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
@@ -1533,9 +1051,9 @@ def show(run_dir: str, out: str) -> int:
                          "has trained, or a model saved with save_pretrained after "
                          "retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
-    config = replace(saved_config(ckpt["config"], f"show: {path}"), device="cpu")
+    config = replace(runconfig.saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
-    task, model, absent = task_for(config), None, None
+    task, model, absent = runconfig.task_for(config), None, None
     try:
         task.setup(torch.device("cpu"))
     except tasks.DataError as e:
@@ -1562,19 +1080,51 @@ def show(run_dir: str, out: str) -> int:
     return 0
 
 
+def json_numbers(obj):
+    """Every number (not a bool) in JSON read back (its depth bounded by the reader)."""
+    if isinstance(obj, dict | list):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from json_numbers(v)
+    elif isinstance(obj, int | float) and not isinstance(obj, bool):
+        yield obj
+
+
+# the largest number a saved model's config.json may hold for `show` (a size, a count): larger builds no model here
+SAVED_CONFIG_MOST = 1 << 24
+
+
 def show_saved(folder: str, out: str) -> int:
     """`train.py show DIR` of a Hugging Face model saved with save_pretrained after
     `retrofit.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
-    a snapshot draws both) -> m.png."""
+    a snapshot draws both) -> m.png. Read as someone else's folder: config.json through the one reader (bounded
+    depth and digits), no number in it past SAVED_CONFIG_MOST, weights from safetensors alone (never a pickle),
+    and any error of transformers' loader one line."""
+    config = runfiles.read_json(os.path.join(folder, "config.json"))
+    numbers = list(json_numbers(config))
+    if not isinstance(config, dict) or any(not math.isfinite(v) or abs(v) > SAVED_CONFIG_MOST for v in numbers):
+        raise UsageError(f"show: {folder}/config.json is not a saved model's config (an object whose sizes are "
+                         f"at most {SAVED_CONFIG_MOST:,})")
+    if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
+        raise UsageError(f"show: {folder} holds no .safetensors weights; show reads only those (a pickle is not "
+                         "read): save the model with save_pretrained(..., safe_serialization=True)")
     try:
-        from transformers import AutoModel
+        import transformers
     except ImportError:
         raise UsageError(f"show: {folder} is a saved Hugging Face model; reading it needs "
                          "transformers: pip install transformers") from None
+    log, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()              # its progress bars and load reports: not ours to print
+    transformers.logging.disable_progress_bar()
     try:
-        model = retrofit.from_pretrained(AutoModel, folder)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"show: {e}") from None
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = retrofit.from_pretrained(transformers.AutoModel, folder, use_safetensors=True)
+    except Exception as e:              # the loader's own errors, whatever they are, at its boundary: one line
+        raise UsageError(f"show: {folder} does not load as a saved model ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no message'})") from None
+    finally:
+        transformers.logging.set_verbosity(log)
+        if bars:
+            transformers.logging.enable_progress_bar()
     os.makedirs(out, exist_ok=True)
     print(reporting.show.draw_model(model, os.path.join(out, "m.png"),
                        f"{os.path.basename(os.path.abspath(folder))} "
@@ -1596,7 +1146,7 @@ def read_checkpoint(path: str, flag: str) -> dict:
     if ckpt["log_step"] > ckpt["step"]:
         raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step "
                          f"{ckpt['step']}")
-    config = saved_config(ckpt["config"], where)
+    config = runconfig.saved_config(ckpt["config"], where)
     if ckpt["identity"].get("config_hash") != config_hash(asdict(config)):
         raise UsageError(f"{where} records flags that do not match its own config hash; the "
                          "checkpoint was altered")
@@ -1607,46 +1157,6 @@ def read_checkpoint(path: str, flag: str) -> dict:
         raise UsageError(f"{where}: its prior snapshot is not one record per layer")
     return ckpt
 
-
-def saved_config(saved: dict, where: str) -> Config:
-    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version,
-    each of its field's type and choices (`value_fits`), in range (`check_numbers`); anything else
-    is one line naming the flag."""
-    if not isinstance(saved, dict):
-        raise UsageError(f"{where} holds a {type(saved).__name__}, not the object of a run's flags")
-    missing = [name for name in FIELDS if name not in saved]
-    unknown = sorted(set(saved) - set(FIELDS))
-    if missing or unknown:
-        what = f"no {missing[0]}" if missing else f"{unknown[0]}, which is no flag of this version"
-        raise UsageError(f"{where} holds the flags of another version of train.py ({what}); "
-                         "continue the run with the version that wrote it, or start a new run")
-    for name, value in saved.items():
-        if not value_fits(name, value):
-            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} "
-                             "cannot take")
-    config = Config(**saved)
-    try:
-        check_numbers(config)
-    except UsageError as e:
-        raise UsageError(f"{where}: {e}") from None
-    return config
-
-
-def value_fits(name: str, value) -> bool:
-    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float
-    ones, a bool for switches, else a string), None where its default is None, and among its
-    choices; a task and init registered."""
-    f = FIELDS[name]
-    m, default = f.metadata, f.default
-    if value is None:
-        return default is None
-    if isinstance(default, bool) and isinstance(value, bool):
-        return True
-    kind = bool if m["switch"] else m["type"] or str
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-          else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
-    choices = m["choices"] or {"task": tuple(tasks.TASKS), "init": tuple(INITS)}.get(name)
-    return ok and (not choices or value in choices)
 
 
 def check_model_fits(model_config: dict, state: dict, where: str) -> None:
@@ -1664,25 +1174,25 @@ def check_model_fits(model_config: dict, state: dict, where: str) -> None:
                          "version, or start a new run")
 
 
-def restore_config(config: Config, explicit: set, folder: runfiles.RunFolder, ckpt: dict) -> Config:
+def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.RunFolder, ckpt: dict) -> runconfig.Config:
     """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out
-    given: a run folder can move) and the RESUMABLE flags given now; any other flag given must
+    given: a run folder can move) and the resumable flags given now; any other flag given must
     agree."""
     saved = check_resume(folder, ckpt)
-    for key in sorted(explicit - RESUMABLE - {"out"}):
+    for key in sorted(explicit - runconfig.RESUMABLE - {"out"}):
         new = getattr(config, key)
         if key in saved and saved[key] != new:
-            what = "architecture" if key in ARCH else "setting"
+            what = "architecture" if key in runconfig.ARCH else "setting"
             raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but "
                              f"{key}={new!r} was given; a resumed run cannot change its {what} "
                              "(start a new run with another --out)")
     values = asdict(config)
     for key, value in saved.items():
-        if key != "out" and key in DEFAULTS and (key not in explicit or key not in RESUMABLE):
+        if key != "out" and key in runconfig.DEFAULTS and (key not in explicit or key not in runconfig.RESUMABLE):
             values[key] = value
     if "halt_after" not in explicit:
         values["halt_after"] = None     # a halt belongs to one invocation
-    return Config(**{**values, "resume": True})
+    return runconfig.Config(**{**values, "resume": True})
 
 
 def check_resume(folder: runfiles.RunFolder, ckpt: dict) -> dict:
@@ -1712,10 +1222,10 @@ def check_resume(folder: runfiles.RunFolder, ckpt: dict) -> dict:
                          f"was saved after logging steps 0 .. {logged}: the log lost lines, so "
                          "the run cannot be continued whole; start a new run with another --out")
     try:
-        saved = asdict(saved_config(runfiles.read_json(path), f"--resume: {path}"))
+        saved = asdict(runconfig.saved_config(runfiles.read_json(path), f"--resume: {path}"))
     except runfiles.ReadError as e:
         raise UsageError(f"--resume: {e}; the run's flags are lost") from None
-    for key in (k for k in FIELDS if k not in RESUMABLE and k != "out" and saved[k] != flags[k]):
+    for key in (k for k in runconfig.FIELDS if k not in runconfig.RESUMABLE and k != "out" and saved[k] != flags[k]):
         raise UsageError(f"--resume: {path} has {key}={saved[key]!r} but the checkpoint was "
                          f"trained with {key}={flags[key]!r}; args.json does not belong to this "
                          "checkpoint (restore it, or start a new run with another --out)")
@@ -1850,7 +1360,7 @@ def main(argv=None) -> int:
         return COMMANDS.get(flags.command, run)(flags, explicit)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {one_line(e)}", file=sys.stderr)
         return getattr(e, "status", 2)
     except QuietExit:
         return 2

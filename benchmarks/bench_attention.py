@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import tasks  # noqa: E402
+import runconfig  # noqa: E402
 import train  # noqa: E402
 
 
@@ -26,9 +27,9 @@ def train_config(args, device):
     """train.py's config and task of the Boolean model timed here (parity2, the small preset; the
     task's data is never read: the batch is random), so that each variant takes train.py's own
     step."""
-    targs = train.resolve(*train.parse_args(["--task", "parity2", "--device",
+    targs = runconfig.resolve(*train.parse_args(["--task", "parity2", "--device",
                                              str(device), "--steps", "1000000"]))
-    return targs, train.task_for(targs)
+    return targs, runconfig.task_for(targs)
 
 
 def build(args, masked: bool, fused: bool, device, targs):

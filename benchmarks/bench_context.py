@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
+import runconfig  # noqa: E402
 import train  # noqa: E402
 from bench_attention import interleaved, sync  # noqa: E402
 
@@ -79,9 +80,9 @@ def build(n: int, variant: str, device: torch.device, amp: str):
     model.to(device)
     # train.py's config and task of the language model (the small preset's AdamW; the corpus is
     # never read)
-    targs = train.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device",
+    targs = runconfig.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device",
                                              str(device), "--amp", amp]))
-    task, opt = train.task_for(targs), train.make_optimizer(model, targs)
+    task, opt = runconfig.task_for(targs), train.make_optimizer(model, targs)
     x = torch.randint(0, 257, (4, n + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
     def step():

@@ -37,6 +37,7 @@ import maskprior as mp  # noqa: E402
 import reporting.plan  # noqa: E402
 import runfiles  # noqa: E402
 import tasks  # noqa: E402
+import runconfig  # noqa: E402
 import train  # noqa: E402
 from bench_attention import sync  # noqa: E402
 
@@ -107,8 +108,8 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     if kind in ("vision", "lm"):
         argv += ["--data-dir", "."]
     flags, explicit = train.parse_args(argv)
-    args = train.resolve(flags, explicit)
-    task = train.task_for(args)
+    args = runconfig.resolve(flags, explicit)
+    task = runconfig.task_for(args)
     if kind in ("vision", "lm"):
         synthetic_data(task, device, args)
     else:

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks  # noqa: E402
+import runconfig  # noqa: E402
 import train  # noqa: E402
 from bench_attention import interleaved  # noqa: E402
 
@@ -30,10 +31,10 @@ from bench_attention import interleaved  # noqa: E402
 def build(init: str, extra: list, device: torch.device):
     argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device),
             *extra]
-    args = train.resolve(*train.parse_args(argv))
+    args = runconfig.resolve(*train.parse_args(argv))
     # a schedule length for train_step's lr
     args = dataclasses.replace(args, steps=args.steps or 10 ** 6)
-    task = train.task_for(args)
+    task = runconfig.task_for(args)
     model, cfg = train.build_model(args, task, device)
     train.apply_init(model, task.prior(args.pattern, args.mask_on, args.mask_off), args)
     return model, train.make_optimizer(model, args), cfg, args, task
@@ -99,7 +100,7 @@ def main():
           f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
     for init, med in times.items():
-        fused = train.use_fused(targs.attention, init in train.MASK_INITS, device, cfg.n_positions)
+        fused = train.use_fused(targs.attention, init in runconfig.MASK_INITS, device, cfg.n_positions)
         path = "fused" if fused else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
     print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, "
