@@ -15,33 +15,49 @@ Each file of a set (SOURCES) goes the same way:
    authors publish one) is checked against the pinned sum: a mismatch is one line naming both sums, and the .part
    is deleted (a wrong whole file cannot be resumed into a right one);
 3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under
-   the archive's
-   one top folder, no absolute path or `..`, no links or devices, at most `max_unpacked` bytes in all; the set's
+   the archive's one top folder, no absolute path or `..`, no links or devices, each path given
+   once (a folder may be given again), no member under a file member, at most DEPTH_MAX folders
+   deep and names a file system holds (MEMBER_MUST), at most `max_unpacked` bytes in all; the set's
    reader must then find it there (`Task.locate`) before the folder is renamed into place (datafetch.write.write_new_dataset),
    so DIR holds the set whole or not at all; the .part is deleted once the set is in.
 
-Every failure is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for
-a resumable .part. One download into a folder at a time (a lock on DIR; a second is refused with
-exit status 75). Standard library only.
+The arguments are checked before anything is written (`check_source`, `check_timeout`, and
+`datafetch.write.make_folder` for DIR): bad input is one line, exit status 2. Every failure after
+is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for a resumable
+.part: whatever urllib, http.client, socket or ssl raise (NET_WORDS), and whatever a damaged
+archive makes tarfile or zipfile raise (DAMAGED), is worded at that boundary. Ctrl-C is one line
+too (Interrupted, exit status 130), saying what .part is kept for the same command to resume
+from. One download into a folder at a time (a lock on DIR; a second is refused with exit status
+75). Standard library only.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import http.client
 import os
+import re
 import shutil
 import stat
 import sys
 import tarfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 import runfiles
 import tasks
-from datafetch.write import write_new_dataset
+from datafetch.write import Interrupted, data_folder, encodable, write_new_dataset
+
+try:
+    import lzma
+except ImportError:             # a Python built without it: tarfile reads no .tar.xz either
+    lzma = None
 
 try:
     import fcntl
@@ -95,6 +111,67 @@ NOT_DOWNLOADABLE = {"imagenet100": "ImageNet needs a licence and is not download
                                    "ImageNet-100 from an ImageNet-1k copy with python train.py "
                                    "imagenet100 --from IMAGENET_1K_DIR --data DIR"}
 CHUNK = 1 << 20
+MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 3600.0    # below a millisecond a socket's timeout rounds to 0
+NAME_MAX, PATH_MAX, DEPTH_MAX = 255, 1024, 64     # what a member's path may be (bytes, folders)
+
+# download's arguments, checked before anything is written: (test, what was expected)
+TIMEOUT_MUST = (lambda t: type(t) in (int, float) and MIN_TIMEOUT <= t <= MAX_TIMEOUT,   # NaN: neither
+                f"a number of seconds from {MIN_TIMEOUT} to {MAX_TIMEOUT:,.0f}, how long a transfer "
+                "waits for a byte before it stops (the default is 30)")
+# --from: (test on the text and its urlsplit parts, what is wrong), the first that fails is the line
+SOURCE_MUST = (
+    (lambda s, u: isinstance(s, str), "is not text"),
+    (lambda s, u: s != "", "is empty"),
+    (lambda s, u: s.isascii(), "holds a character that is not ASCII (percent-encode it; a host in "
+                               "its xn-- form)"),
+    (lambda s, u: s.isprintable() and " " not in s, "holds a space or a control character"),
+    (lambda s, u: u is not None, "is not a URL urllib can read (a bad [IPv6] host, or a port not "
+                                 "in 0..65535)"),
+    (lambda s, u: u.scheme in ("http", "https"), "does not start with http:// or https://"),
+    (lambda s, u: bool(u.hostname), "names no host"),
+    (lambda s, u: u.username is None and u.password is None,
+     "holds a user name or password, which the download does not send"),
+    (lambda s, u: not (u.query or u.fragment), "has a ? or # part, so no file name can follow it"),
+)
+# The reader's boundary: what urllib, http.client, socket and ssl raise (ssl.SSLError and a
+# socket's timeout are OSErrors, a bad host name a ValueError), each named in words; first match
+NET_WORDS = ((urllib.error.HTTPError, "the server answered HTTP {code}"),
+             (http.client.RemoteDisconnected, "the server closed the connection without a reply"),
+             (http.client.BadStatusLine, "the reply is not an HTTP reply"),
+             (http.client.HTTPException, "the reply is not good HTTP"),
+             (urllib.error.URLError, "cannot connect"),
+             (OSError, "the connection failed"),
+             (ValueError, "cannot connect"))
+NET_ERRORS = tuple(kind for kind, _ in NET_WORDS)
+# what the archive readers (tarfile, zipfile, gzip, bz2, lzma, zlib) raise on a damaged archive
+DAMAGED = (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError, OverflowError,
+           NotImplementedError, RuntimeError, zlib.error) + ((lzma.LZMAError,) if lzma else ())
+# a zip member's kind by the file type bits of its Unix mode (external_attr >> 16); 0, none given
+# (DOS, or permission bits only): a file, or a folder by its trailing /. Any other: "other"
+ZIP_KINDS = {0: None, stat.S_IFREG: None, stat.S_IFDIR: "dir", stat.S_IFLNK: "link",
+             stat.S_IFCHR: "device", stat.S_IFBLK: "device", stat.S_IFIFO: "pipe"}
+TAR_KINDS = {tarfile.SYMTYPE: "link", tarfile.LNKTYPE: "link", tarfile.CHRTYPE: "device",
+             tarfile.BLKTYPE: "device", tarfile.FIFOTYPE: "pipe"}
+KIND_WORDS = {"file": "file", "dir": "folder"}
+REFUSED_KINDS = {"link": "a link", "device": "a device", "pipe": "a pipe (FIFO)",
+                 "other": "a special member, not a file or a folder"}
+# every member's path, split at / (and \): (test, what is wrong), the first that fails is the line
+MEMBER_MUST = (
+    (lambda name, parts, kind, f: (not name.startswith(("/", "\\")) and parts[:1] == [f.target]
+                                   and ".." not in parts and "" not in parts[1:]
+                                   and (len(parts) > 1 or kind == "dir")), "lies outside {target}/"),
+    (lambda name, parts, kind, f: len(parts) <= DEPTH_MAX, f"is more than {DEPTH_MAX} folders deep"),
+    (lambda name, parts, kind, f: max(map(_size, parts)) <= NAME_MAX,
+     f"has a name longer than {NAME_MAX} bytes, more than a file system holds"),
+    (lambda name, parts, kind, f: _size(name) <= PATH_MAX, f"is longer than {PATH_MAX} bytes"),
+    (lambda name, parts, kind, f: "\0" not in name and encodable(name),
+     "has a name no file system holds (a NUL, or not Unicode)"),
+)
+
+
+class WriteError(tasks.DataError):
+    """Unpacking failed on this side (the disk, the folder), not the archive's: the download is
+    kept."""
 
 
 def say(text: str) -> None:
@@ -104,24 +181,53 @@ def say(text: str) -> None:
 def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES,
              timeout: float = 30.0) -> int:
     """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's
-    docstring); `mirror`: a base URL that holds the same file names. Returns 0; DataError (exit 2)
-    or BusyError (75) otherwise."""
+    docstring); `mirror`: a base URL that holds the same file names. Its arguments are checked
+    first (nothing written on a refusal). Returns 0; DataError or UsageError (exit 2), BusyError
+    (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
+    check_names(names, sources)
+    check_source(mirror)
+    check_timeout(timeout)
+    with data_folder(data_dir, "--data"), _locked(data_dir):
+        for n in dict.fromkeys(names):
+            for f in sources[n]:
+                with _resumable(f, data_dir):
+                    _fetch_one(n, f, data_dir, mirror, timeout)
+    return 0
+
+
+def check_names(names, sources: dict) -> None:
     for n in names:
         if n not in sources:
             raise tasks.DataError(NOT_DOWNLOADABLE.get(n)
-                              or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
-    created = not os.path.isdir(data_dir)
-    os.makedirs(data_dir, exist_ok=True)
+                                  or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
+
+
+def check_source(mirror) -> None:
+    """--from: None (the authors' servers) or an http(s) base URL that file names can follow
+    (SOURCE_MUST); else one line."""
+    parts = _split_url(mirror) if isinstance(mirror, str) else None
+    for test, wrong in SOURCE_MUST if mirror is not None else ():
+        if not test(mirror, parts):
+            raise runfiles.UsageError(f"--from {mirror!r} {wrong}; give the base URL of a mirror "
+                                      "that holds the same file names, e.g. https://mirror.example/"
+                                      "data, or leave --from out for the authors' servers")
+
+
+def check_timeout(timeout) -> None:
+    test, expected = TIMEOUT_MUST
+    if not test(timeout):
+        raise runfiles.UsageError(f"--timeout {timeout!r} is not {expected}")
+
+
+def _split_url(text: str):
+    """urlsplit's parts of `text`, or None where urllib cannot read it (a bad [IPv6] host, a port
+    out of range)."""
     try:
-        with _locked(data_dir):
-            for n in dict.fromkeys(names):
-                for f in sources[n]:
-                    _fetch_one(n, f, data_dir, mirror, timeout)
-    except BaseException:
-        if created and not os.listdir(data_dir):
-            os.rmdir(data_dir)                 # DIR as it was: not there
-        raise
-    return 0
+        parts = urllib.parse.urlsplit(text)
+        parts.port
+        return parts
+    except ValueError:
+        return None
 
 
 class _locked:
@@ -146,14 +252,53 @@ class _locked:
         os.close(self.fd)
 
 
+@contextlib.contextmanager
+def _resumable(f: File, data_dir: str):
+    """Ctrl-C while `f` is fetched, checked or unpacked: one line saying what is kept
+    (Interrupted: exit status 130); its .part stays, for the same command to resume from."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        part = os.path.join(data_dir, f.name + ".part")
+        kept = _part_bytes(part)
+        raise Interrupted(f"interrupted: {part} is kept, {kept:,} of the {f.size:,} bytes of "
+                          f"{f.name}; run the same command again to resume from it"
+                          if kept is not None else f"interrupted before {f.name} was fetched; "
+                          "nothing written for it: run the same command again") from None
+
+
+def _part_bytes(part: str) -> int | None:
+    """The bytes of the regular file at `part`; None where there is none."""
+    try:
+        info = os.lstat(part)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
 def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeout: float) -> None:
     target = os.path.join(data_dir, f.target)
     if os.path.lexists(target):
         say(f"{set_name}: {target} is already there; left as it is")
         return
-    url = f"{mirror.rstrip('/')}/{f.name}" if mirror else f.url
+    url = f"{mirror.rstrip('/')}/{f.name}" if mirror is not None else f.url
     part = os.path.join(data_dir, f.name + ".part")
     have = _own_part(part)
+    _check_room(set_name, f, part, have, data_dir)
+    if have < f.size:
+        say(f"{set_name}: {url} ({f.size / MB:,.1f} "
+            f"MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
+        _transfer(url, part, have, f.size, timeout)
+    _check_sums(part, f)
+    if f.max_unpacked:
+        _unpack_part(set_name, part, f, data_dir)
+    else:
+        _place(part, target, f)
+    say(f"{set_name}: {target} is in place")
+
+
+def _check_room(set_name: str, f: File, part: str, have: int, data_dir: str) -> None:
+    """The .part no longer than the file, and room in DATA for the rest and what it unpacks to."""
     if have > f.size:
         raise tasks.DataError(f"{part} holds {have:,} bytes, more than the {f.size:,} of {f.name}; it "
                           "is not a cut download of it: move it away and run again")
@@ -162,26 +307,34 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
     if free < need:
         raise tasks.DataError(f"{set_name}: {data_dir} has {free / MB:,.0f} MiB free, {f.name} needs "
                           f"{need / MB:,.0f} MiB (the rest of the download and what it unpacks to)")
-    if have < f.size:
-        say(f"{set_name}: {url} ({f.size / MB:,.1f} "
-            f"MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
-        _transfer(url, part, have, f.size, timeout)
-    _check_sums(part, f)
-    if f.max_unpacked:
-        try:
-            _unpack(set_name, part, f, data_dir)
-        finally:
-            # unpacked, or refused (a checked file that is unsafe stays unsafe)
-            os.remove(part)
-    else:
-        try:
-            # refused if the target appeared meanwhile: never overwritten
-            os.link(part, target)
-        except FileExistsError:
-            raise tasks.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
-                              f"({part} kept)") from None
+
+
+def _unpack_part(set_name: str, part: str, f: File, data_dir: str) -> None:
+    """The checked archive unpacked, then deleted. An archive refused is deleted too (a checked
+    file that is unsafe stays unsafe), and the line says so; a failed write on this side
+    (WriteError) or Ctrl-C keeps it, for the same command to unpack again."""
+    try:
+        _unpack(set_name, part, f, data_dir)
+    except WriteError as e:
+        raise WriteError(f"{e}; {part} is kept: run the same command again once that is "
+                         "fixed") from None
+    except tasks.DataError as e:
         os.remove(part)
-    say(f"{set_name}: {target} is in place")
+        raise tasks.DataError(f"{e}; deleted {part}") from None
+    os.remove(part)
+
+
+def _place(part: str, target: str, f: File) -> None:
+    """A checked plain file moved into place by a hard link (never over a file that appeared
+    meanwhile), then its .part deleted."""
+    try:
+        os.link(part, target)
+    except FileExistsError:
+        raise tasks.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
+                              f"({part} kept)") from None
+    except OSError as e:
+        raise tasks.DataError(f"cannot link {part} to {target} ({e.strerror}); {part} kept") from None
+    os.remove(part)
 
 
 def _own_part(part: str) -> int:
@@ -205,63 +358,95 @@ def _open_part(part: str, have: int):
     try:
         return os.fdopen(os.open(part, flags, 0o666), "ab" if have else "wb")
     except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of ours; "
-                              "nothing was written through it: move it away and run again") from None
+        if e.errno == errno.ELOOP:
+            raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of "
+                                  "ours; nothing was written through it: move it away and run "
+                                  "again") from None
+        raise tasks.DataError(f"cannot write {part} ({e.strerror}); nothing fetched") from None
 
 
 def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None:
     """Stream `url` into `part` from byte `have` (a Range request); a server that ignores the range
-    starts over."""
-    request = urllib.request.Request(url, headers={"User-Agent": "maskprior-download",
-                                                   **({"Range": f"bytes={have}-"} if have
-                                                      else {})})
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise tasks.DataError(f"{url}: HTTP {e.code} {e.reason}; try again later, or give a mirror "
-                          "with --from URL (the same file name under it)") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise tasks.DataError(f"{url}: cannot connect ({reason}); check the network, or give a mirror "
-                          "with --from URL")
-    with response:
-        if have and response.status != 206:
-            # the whole file again: the server ignored the range
-            have = 0
-        length = response.headers.get("Content-Length")
-        if length is not None and have + int(length) != size:
-            raise tasks.DataError(f"{url} serves {int(length):,} bytes from byte {have:,}; the pinned "
-                              f"file has {size:,}: another file, nothing fetched")
+    starts over. Whatever the network or the server does is one line (a DataError)."""
+    with _open_url(url, have, timeout) as response:
+        have = _start_of(response, url, have, size)
         progress = Progress(size, have)
-        with _open_part(part, have) as out:
-            got = have
-            try:
-                while True:
-                    # what has come, not a full chunk: a stall keeps it
-                    chunk = response.read1(CHUNK)
-                    if not chunk:
-                        break
-                    got += len(chunk)
-                    if got > size:
-                        out.close()
-                        os.remove(part)
-                        raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned "
-                                          f"file; deleted {part}")
-                    out.write(chunk)
-                    progress.update(got)
-            # a stall (the timeout) or a cut connection
-            except (OSError, TimeoutError) as e:
-                out.flush()
-                progress.done()
-                raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
-                                  f"({e or 'timed out'}); run the same command again to resume "
-                                  f"from {part}") from None
-        progress.done()
+        try:
+            with _open_part(part, have) as out:
+                got = _copy(response, out, url, part, have, size, progress)
+        finally:
+            progress.done()
     if got < size:
         raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes; run the "
-                          f"same command again to resume from {part}")
+                              f"same command again to resume from {part}")
+
+
+def _open_url(url: str, have: int, timeout: float):
+    """The reply to a GET of `url` from byte `have`; an HTTP error status, or anything the
+    network stack raises on the way, is one line."""
+    headers = {"User-Agent": "maskprior-download", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    except NET_ERRORS as e:
+        raise tasks.DataError(f"{url}: {_failure(e)}; try again later, check the network, or give a "
+                              "mirror with --from URL (the same file name under it)") from None
+
+
+def _start_of(response, url: str, have: int, size: int) -> int:
+    """Where the reply's bytes start in the file: `have` for a 206, else 0 (the server ignored the
+    range). One line where its Content-Length is not a number, or not the rest of the file."""
+    start = have if have and response.status == 206 else 0
+    length = response.headers.get("Content-Length")
+    if length is not None and not re.fullmatch(r"\s*[0-9]{1,19}\s*", length):
+        raise tasks.DataError(f"{url} sent a Content-Length that is not a number "
+                              f"({_words(repr(length))}): not a reply to fetch from; nothing fetched")
+    if length is not None and start + int(length) != size:
+        raise tasks.DataError(f"{url} serves {int(length):,} bytes from byte {start:,}; the pinned "
+                              f"file has {size:,}: another file, nothing fetched")
+    return start
+
+
+def _copy(response, out, url: str, part: str, got: int, size: int, progress) -> int:
+    """The reply's bytes appended to `out` (the .part, holding `got`) up to the pinned `size`;
+    returns the bytes it holds then. A stall, a cut or a broken reply is one line and keeps the
+    part, to resume; more bytes than the file has deletes it."""
+    while True:
+        try:
+            # what has come, not a full chunk: a stall keeps it
+            chunk = response.read1(CHUNK)
+        except NET_ERRORS as e:
+            raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
+                                  f"({_failure(e)}); run the same command again to resume from "
+                                  f"{part}") from None
+        if not chunk:
+            return got
+        if got + len(chunk) > size:
+            out.close()
+            os.remove(part)
+            raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned file; "
+                                  f"deleted {part}")
+        try:
+            out.write(chunk)
+            out.flush()
+        except OSError as e:
+            raise tasks.DataError(f"cannot write {part} ({e.strerror}); the {got:,} bytes before "
+                                  "are kept: make room and run the same command again") from None
+        got += len(chunk)
+        progress.update(got)
+
+
+def _failure(e: BaseException) -> str:
+    """What went wrong at the reader's boundary, in words (NET_WORDS) and the library's own."""
+    words = next(w for kind, w in NET_WORDS if isinstance(e, kind))
+    return f"{words.format(code=getattr(e, 'code', ''))} ({_words(getattr(e, 'reason', None) or e)})"
+
+
+def _words(x, most: int = 200) -> str:
+    """A third party's words (an exception, a reason phrase) as one printable line of at most
+    `most` characters."""
+    text = " ".join(str(x).split()) or type(x).__name__
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 class Progress:
@@ -321,23 +506,16 @@ def _check_sums(part: str, f: File) -> None:
 
 def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
     """The archive's members under f.target/ into DIR/f.target, whole (a staging folder renamed
-    into place), after every member is checked (`_member_path`) and the set's reader finds it."""
+    into place), after every member is checked (`_members`, `_member_path`, `_claim`) and the set's
+    reader finds it. A damaged or unsafe archive is one line (DataError); a write that fails on
+    this side a WriteError; either way nothing is left in DIR."""
     def write(tmp):
-        total = 0
-        for path, kind, read in _members(archive, f):
-            dest = os.path.join(tmp, *_member_path(path, f, kind).split("/"))
-            if kind == "dir":
-                os.makedirs(dest, exist_ok=True)
-                continue
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with read() as src, open(dest, "xb") as out:
-                for block in iter(lambda: src.read(CHUNK), b""):
-                    total += len(block)
-                    if total > f.max_unpacked:
-                        raise tasks.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
-                                          "bytes, the most its set holds: refused, nothing "
-                                          "unpacked")
-                    out.write(block)
+        seen, total = {"": "dir"}, 0
+        for name, kind, read in _members(archive, f):
+            path = _member_path(name, f, kind)
+            _claim(seen, path, kind, name, f)
+            dest = os.path.join(tmp, *path.split("/")) if path else tmp
+            total = _write_member(dest, kind, read, total, f, name)
         task = tasks.TASKS.get(set_name)
         if task is not None:
             # the reader finds the set where it will lie (DataError if not)
@@ -345,37 +523,106 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
     write_new_dataset(data_dir, f.target, write)
 
 
-def _members(archive: str, f: File):
-    """(name, "file" or "dir", open) of each member; DataError for a link, a device or any other
-    kind."""
+def _write_member(dest: str, kind: str, read, total: int, f: File, name: str) -> int:
+    """One checked member at `dest`: a folder made, or a file's bytes written and counted against
+    f.max_unpacked; returns the bytes unpacked so far."""
     try:
-        if archive.endswith(".zip.part"):
-            with zipfile.ZipFile(archive) as z:
-                for info in z.infolist():
-                    mode = info.external_attr >> 16
-                    if stat.S_ISLNK(mode) or (mode
-                                              and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))):
-                        raise tasks.DataError(f"{f.name}: member {info.filename!r} is a link or a "
-                                          "device: refused, nothing unpacked")
-                    yield info.filename, "dir" if info.is_dir() else "file", lambda i=info: z.open(i)
-        else:
-            with tarfile.open(archive, "r:*") as t:
-                for m in t:
-                    if not (m.isfile() or m.isdir()):
-                        raise tasks.DataError(f"{f.name}: member {m.name!r} is a "
-                                          f"{'link' if m.issym() or m.islnk() else 'device or special file'}: "
-                                          f"refused, nothing unpacked")
-                    yield m.name, "dir" if m.isdir() else "file", lambda m=m: t.extractfile(m)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
-        raise tasks.DataError(f"{f.name} is not a readable archive ({e}): refused, nothing unpacked") from None
+        if kind == "dir":
+            os.makedirs(dest, exist_ok=True)
+            return total
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with open(dest, "xb") as out:
+            for block in _read_guarded(_chunks(read), f):
+                total += len(block)
+                if total > f.max_unpacked:
+                    raise tasks.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
+                                          "bytes, the most its set holds: refused, nothing "
+                                          "unpacked")
+                out.write(block)
+    except OSError as e:
+        raise WriteError(f"{f.name}: cannot write its member {_shown(name)} ({e.strerror}); "
+                         "nothing unpacked") from None
+    return total
+
+
+def _chunks(read):
+    with read() as src:
+        for block in iter(lambda: src.read(CHUNK), b""):
+            yield block
+
+
+def _members(archive: str, f: File):
+    """(name, "file" or "dir", open) of each member; one line (DataError) for a member of any
+    other kind (REFUSED_KINDS) or a damaged archive."""
+    entries = _zip_entries(archive) if archive.endswith(".zip.part") else _tar_entries(archive)
+    for name, kind, read in _read_guarded(entries, f):
+        if kind not in ("file", "dir"):
+            raise tasks.DataError(f"{f.name}: member {_shown(name)} is {REFUSED_KINDS[kind]}: "
+                                  "refused, nothing unpacked")
+        yield name, kind, read
+
+
+def _zip_entries(archive: str):
+    with zipfile.ZipFile(archive) as z:
+        for info in z.infolist():
+            kind = ZIP_KINDS.get(stat.S_IFMT(info.external_attr >> 16), "other")
+            yield (info.filename, kind or ("dir" if info.is_dir() else "file"),
+                   lambda i=info: z.open(i))
+
+
+def _tar_entries(archive: str):
+    with tarfile.open(archive, "r:*") as t:
+        for m in t:
+            kind = "file" if m.isfile() else "dir" if m.isdir() else TAR_KINDS.get(m.type, "other")
+            yield m.name, kind, lambda m=m: t.extractfile(m)
+
+
+def _read_guarded(items, f: File):
+    """The items of `items`, a generator that reads the archive, with whatever a damaged archive
+    makes the readers raise (DAMAGED) turned into one line."""
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except DAMAGED as e:
+            raise tasks.DataError(f"{f.name} is a damaged archive ({_words(e)}): refused, nothing "
+                                  "unpacked") from None
+        yield item
 
 
 def _member_path(name: str, f: File, kind: str) -> str:
-    """A member's path below f.target/ ('' for the top folder itself); DataError for anything
-    outside it."""
+    """A member's path below f.target/ ('' for the top folder itself); one line (DataError) for
+    anything outside it, too deep or too long for a file system (MEMBER_MUST)."""
     parts = [p for p in name.replace("\\", "/").rstrip("/").split("/") if p != "."]
-    if (name.startswith(("/", "\\")) or ".." in parts or "" in parts[1:] or not parts
-            or parts[0] != f.target or (len(parts) == 1 and kind != "dir")):
-        raise tasks.DataError(f"{f.name}: member {name!r} lies outside {f.target}/: refused, nothing "
-                          "unpacked")
+    for test, wrong in MEMBER_MUST:
+        if not test(name, parts, kind, f):
+            raise tasks.DataError(f"{f.name}: member {_shown(name)} {wrong.format(target=f.target)}: "
+                                  "refused, nothing unpacked")
     return "/".join(parts[1:])
+
+
+def _claim(seen: dict, path: str, kind: str, name: str, f: File) -> None:
+    """Record member `path` (and the folders it lies in) in `seen` (path -> kind); one line for a
+    path given twice (a folder may be) or for a member under a file member."""
+    parts = path.split("/") if path else []
+    for i in range(1, len(parts)):
+        above = "/".join(parts[:i])
+        if seen.setdefault(above, "dir") != "dir":
+            raise tasks.DataError(f"{f.name}: member {_shown(name)} lies under {f.target}/{above}, "
+                                  "a file member: refused, nothing unpacked")
+    if path in seen and (kind, seen[path]) != ("dir", "dir"):
+        raise tasks.DataError(f"{f.name}: member {_shown(name)} is given twice (as a "
+                              f"{KIND_WORDS[seen[path]]}, then as a {KIND_WORDS[kind]}): refused, "
+                              "nothing unpacked")
+    seen[path] = kind
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _shown(name: str, most: int = 80) -> str:
+    """A member's name as it goes in a line: quoted, escaped, at most `most` characters."""
+    text = repr(name)
+    return text if len(text) <= most else text[:most - 5] + "...'"

@@ -18,7 +18,7 @@ import shutil
 import stat
 
 import tasks
-from datafetch.write import write_new_dataset
+from datafetch.write import Interrupted, data_folder, write_new_dataset
 
 SPLITS = ("train", "val")
 
@@ -27,7 +27,7 @@ def _sources(source: str) -> dict:
     """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is
     missing."""
     if not os.path.isdir(source):
-        raise tasks.DataError(f"--from {source} is not a folder; give the ImageNet-1k folder that "
+        raise tasks.DataError(f"--from {source!r} is not a folder; give the ImageNet-1k folder that "
                           "holds train/<wnid>/ and val/<wnid>/")
     out, missing = {}, []
     for split in SPLITS:
@@ -41,14 +41,14 @@ def _sources(source: str) -> dict:
                 path = os.path.join(folder, name)
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
-                    raise tasks.DataError(f"{path} is not a regular file (a link, a folder?): "
+                    raise tasks.DataError(f"{path!r} is not a regular file (a link, a folder?): "
                                       "refused, nothing built")
                 files.append((path, st.st_size))
             if not files:
                 missing.append(f"{split}/{wnid} (empty)")
             out[split, wnid] = files
     if missing:
-        raise tasks.DataError(f"{source} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
+        raise tasks.DataError(f"{source!r} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
                           f"{', '.join(missing[:3])}: it should hold ImageNet-1k as train/<wnid>/ "
                           "and val/<wnid>/ (a flat val/ sorted into its classes first); nothing "
                           "built")
@@ -57,15 +57,40 @@ def _sources(source: str) -> dict:
 
 def build(source: str, data_dir: str) -> str:
     """DIR/imagenet100/{train,val}/<wnid>/ from `source` (see the module's docstring); returns the
-    line to print."""
+    line to print. DATA is made if missing (and removed again on a refusal); every failure, and
+    Ctrl-C (Interrupted, exit status 130), is one line that leaves DATA as it was."""
     target = os.path.join(data_dir, "imagenet100")
-    if os.path.lexists(target):
-        return f"imagenet100: {target} is already there; left as it is"
-    files = _sources(source)
-    total = sum(size for fs in files.values() for _, size in fs)
-    count = sum(len(fs) for fs in files.values())
-    print(f"imagenet100: {count:,} images ({total / 2**30:,.1f} GiB) from {source} into {target} "
-          f"(hard links where the filesystem allows, else copies)", flush=True)
+    with data_folder(data_dir, "--data"):
+        if os.path.lexists(target):
+            return f"imagenet100: {target} is already there; left as it is"
+        try:
+            files = _on_disk(lambda: _sources(source), f"cannot read {source!r}")
+            total = sum(size for fs in files.values() for _, size in fs)
+            count = sum(len(fs) for fs in files.values())
+            print(f"imagenet100: {count:,} images ({total / 2**30:,.1f} GiB) from {source!r} into "
+                  f"{target} (hard links where the filesystem allows, else copies)", flush=True)
+            linked = _on_disk(lambda: _build_tree(files, source, data_dir, total),
+                              f"cannot build {target}")
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted: nothing built, {data_dir} as it was; run the same "
+                              "command again") from None
+    how = "hard links" if linked == count else f"{linked:,} hard links, {count - linked:,} copies"
+    return f"imagenet100: {target} built ({count:,} images, {how})"
+
+
+def _on_disk(work, what: str):
+    """work(), with an OSError of the file system (a file unreadable, the disk full) as one
+    line."""
+    try:
+        return work()
+    except OSError as e:
+        where = f"{e.filename!r}: " if e.filename else ""
+        raise tasks.DataError(f"{what}: {where}{e.strerror or e}; nothing built") from None
+
+
+def _build_tree(files: dict, source: str, data_dir: str, total: int) -> int:
+    """The tree written through write_new_dataset (whole or not at all); returns how many images
+    were hard-linked (the rest copied)."""
     state = {"linked": 0, "space_checked": False}
 
     def write(tmp):
@@ -81,7 +106,7 @@ def build(source: str, data_dir: str) -> str:
                     if not state["space_checked"]:
                         free = shutil.disk_usage(tmp).free
                         if free < total:
-                            raise tasks.DataError(f"{source} cannot be hard-linked into {data_dir} "
+                            raise tasks.DataError(f"{source!r} cannot be hard-linked into {data_dir} "
                                               f"and a copy needs {total / 2**30:,.1f} GiB, "
                                               f"{free / 2**30:,.1f} GiB free: nothing built")
                         state["space_checked"] = True
@@ -92,6 +117,4 @@ def build(source: str, data_dir: str) -> str:
             raise tasks.DataError(f"the tree built in {tmp} is not read as an ImageFolder tree")
 
     write_new_dataset(data_dir, "imagenet100", write)
-    linked = state["linked"]
-    how = "hard links" if linked == count else f"{linked:,} hard links, {count - linked:,} copies"
-    return f"imagenet100: {target} built ({count:,} images, {how})"
+    return state["linked"]

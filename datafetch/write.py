@@ -4,6 +4,8 @@ readers, the tests and a CPU trial run on real files (`python train.py make-digi
 train.py make-wikitext DIR FILE...`). Nothing on the run path calls them."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import itertools
 import os
@@ -15,10 +17,87 @@ from typing import Callable
 
 import numpy as np
 
-from runfiles import ReadError, umask, atomic_write, open_back
+from runfiles import ReadError, UsageError, umask, atomic_write, open_back
 from tasks import DataError, find_first, find_wikitext_files
 
 
+class Interrupted(UsageError):
+    """Ctrl-C (SIGINT) during a download or a build: one line saying what was kept, and exit
+    status 130 (the shell's for SIGINT) from train.py's main."""
+    status = 130
+
+
+# a data folder's path, before anything is made: (test, what is wrong with it)
+FOLDER_MUST = ((lambda p: isinstance(p, str), "is not a path"),
+               (lambda p: p != "", "is empty"),
+               (lambda p: "\0" not in p, "holds a NUL byte"),
+               (lambda p: p.isprintable(), "holds a control or other unprintable character"),
+               (lambda p: encodable(p), "is not text the file system can hold"))
+# why a folder could not be made, by errno (any other: the system's own words)
+FOLDER_ERRNOS = {errno.EEXIST: "is a file, a device or a link, not a folder",
+                 errno.ENOTDIR: "lies under a file, not a folder",
+                 errno.ENAMETOOLONG: "cannot be made: a name in it is too long for the file system"}
+
+
+def encodable(path: str) -> bool:
+    """Whether the file system can hold `path` (no lone surrogate the file system encoding
+    refuses)."""
+    try:
+        os.fsencode(path)
+        return True
+    except UnicodeError:
+        return False
+
+
+def make_folder(path: str, flag: str = "the data folder") -> list:
+    """`path` as a folder: made, with its missing parents, where it is not one yet. Returns the
+    folders it made, outermost first (`unmake` removes them again); a UsageError of one line where
+    `path` is empty, a file, under a file, or cannot be made, and then nothing is left made."""
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    for test, wrong in FOLDER_MUST:
+        if not test(path):
+            raise UsageError(f"{flag} {path!r} {wrong}; give a folder that exists or can be made")
+    missing, p, made = [], path, []
+    while p and not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p.rstrip(os.sep))
+    try:
+        for q in reversed(missing):
+            try:
+                os.mkdir(q)
+                made.append(q)
+            except FileExistsError:          # q/.. or q/. : a folder already, by another name
+                if not os.path.isdir(q):
+                    raise
+        if not os.path.isdir(path):
+            raise FileExistsError(errno.EEXIST, "not a folder", path)
+    except OSError as e:
+        unmake(made)
+        what = FOLDER_ERRNOS.get(e.errno, f"cannot be made ({e.strerror})")
+        raise UsageError(f"{flag} {path!r} {what}; give a folder that exists or can be made "
+                         "(it is made, with its parents, if missing)") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r} is a folder this user cannot write in; give one it can")
+    return made
+
+
+def unmake(made: list) -> None:
+    """Remove the folders `make_folder` made, innermost first, where they are still empty."""
+    for q in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(q)
+
+
+@contextlib.contextmanager
+def data_folder(path: str, flag: str = "the data folder"):
+    """`path` made a folder for the block (`make_folder`); if the block fails, the folders made for
+    it are removed again where they are still empty, so a refusal leaves no trace."""
+    made = make_folder(path, flag)
+    try:
+        yield path
+    except BaseException:
+        unmake(made)
+        raise
 
 
 def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
@@ -27,14 +106,15 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
     `folder`, which is renamed to folder/name once complete, so an interrupted write leaves no
     folder/name (a killed process, at most its hidden `.name.*.tmp`). Refused (DataError, nothing
     written) when folder/name exists or `held` names a set already in `folder` that the new one
-    would shadow. Returns folder/name."""
+    would shadow; `folder` is made if missing (`make_folder`: one line where it cannot be; it
+    stays if the write fails; `data_folder` around the call removes it). Returns folder/name."""
     target = os.path.join(folder, name)
     held = held or (target if os.path.lexists(target) else None)
     if held:
         raise DataError(f"{folder} already holds a data set ({held}); a data set is never "
                         "overwritten or shadowed: give another folder, or move that one away "
                         "first")
-    os.makedirs(folder, exist_ok=True)
+    make_folder(folder)
     tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         write(tmp)
