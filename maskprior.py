@@ -115,7 +115,8 @@ def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON,
                              m_off: float = M_OFF) -> torch.Tensor:
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both
     finite."""
-    return torch.where(pattern, torch.tensor(float(m_on)), torch.tensor(-float(m_off)))
+    return torch.where(pattern, torch.tensor(float(m_on), device=pattern.device),
+                       torch.tensor(-float(m_off), device=pattern.device))
 
 
 def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
@@ -150,7 +151,7 @@ def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
     model's non-causal attention), which the causal mask would drop in silence. A future that is
     the same everywhere (all allowed, a neutral M = +30, or all -inf-like) says nothing and
     passes."""
-    later = future_keys(values.shape[-1], values.device)
+    later = torch.ones(values.shape[-2:], dtype=torch.bool, device=values.device).triu(1)    # key j > query i
     future = values[..., later]                                  # (..., pairs above the diagonal)
     allowed = future if future.dtype == torch.bool else future > 0
     if bool(allowed.any()) and not bool((future == future.flatten()[0]).all()):
@@ -611,11 +612,25 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # wherever the library takes it (ARGS), and `checked` checks every argument of a public function
 # that the table names (None passes where the function's default is None). What each kind of
 # argument must be is a row of KINDS: in words, its test, a hint. Each refusal is one ValueError
-# line: what it must be, what it got.
+# line: what it must be, what it got. What a call builds and what its arguments must be together
+# (or an argument of that call alone) is its row of CALLS.
+
+# the sizes a call may ask for: a number of positions, of heads, and the entries of one tensor it
+# builds (2**30: 4 GiB of float32); a level (m_on, a logit) is float32's, as M is; what the QK inits
+# aim at (scale, noise), multiply weights or embeddings by, or step with, and an initial std, at most
+# MAX_GAIN (and a positional gain at least its inverse): their float32 solve overflows past that
+MAX_POSITIONS, MAX_HEADS, MAX_ENTRIES, MAX_GAIN = 2 ** 20, 2 ** 12, 2 ** 30, 1e6
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_index(v) -> bool:
+    """An integer, or a 0-d integer tensor with a value (not a bool, not a float)."""
+    return _is_int(v) or (isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_meta
+                          and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool)
 
 
 def _is_square(v, floating: bool) -> bool:
@@ -639,6 +654,13 @@ def _is_offsets(v) -> bool:
                     for p in v))
 
 
+def _are_pairs(v) -> bool:
+    """A list (tuple, or (K, 2) integer tensor) of (query, key) pairs of integers, maybe empty."""
+    return (isinstance(v, (list, tuple, torch.Tensor)) and not (isinstance(v, torch.Tensor) and v.dim() != 2)
+            and all(isinstance(p, (list, tuple, torch.Tensor)) and len(p) == 2 and all(map(_is_index, p))
+                    for p in v))
+
+
 def _are_probabilities(v) -> bool:
     """Attention maps (`_check_maps`'d: a float tensor, not empty, finite) whose rows are >= 0 and
     attend somewhere."""
@@ -647,11 +669,15 @@ def _are_probabilities(v) -> bool:
 
 class Kind(NamedTuple):
     """What a kind of argument must be: in words, the test a value passes, how to give it (`name`
-    stands for the argument's), and a check with lines of its own that runs first."""
+    stands for the argument's), a check with lines of its own that runs first, the range every
+    value of the kind lies in (an Arg's own bounds narrow it), and the type a value reaches the call
+    as (`cast`)."""
     what: str
     test: Callable[[object], bool]
     hint: str = ""
     first: Callable[[object, str], None] | None = None
+    span: tuple = (None, None)
+    cast: Callable[[object], object] | None = None
 
 
 KINDS = {
@@ -659,9 +685,11 @@ KINDS = {
                  "pass a bool (a string or number would be read as True or False by its truth "
                  "value)"),
     "int": Kind("an integer", _is_int),
-    "real": Kind("a finite number", lambda v: (isinstance(v, numbers.Real)
-                                               and not isinstance(v, bool) and math.isfinite(v)),
-                 "give a float such as {name}=5.0"),
+    # float32's range: M, the bias and the logits are float32, where a larger level is inf; a float
+    # (torch takes no int past int64 as a scalar)
+    "real": Kind("a finite number", lambda v: (isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                               and -math.inf < v < math.inf),
+                 "give a float (or an int) within those bounds", span=(-FLOAT32_MAX, FLOAT32_MAX), cast=float),
     "pattern": Kind("a bool tensor (..., N, N) that allows a pair",
                     lambda v: _is_square(v, False) and bool(v.any()),
                     "for real-valued M give logits= instead"),
@@ -671,73 +699,170 @@ KINDS = {
                  _are_probabilities, first=lambda v, who: _check_maps(v, who)),
     "indices": Kind("a non-empty list (or 1-D integer tensor) of positions >= 0", _is_positions),
     "offsets": Kind("a non-empty list of (dr, dc) pairs of integers", _is_offsets),
+    "pairs": Kind("a list of (query, key) pairs of integers (not bools or floats)", _are_pairs,
+                  "e.g. pairs=[(0, 1), (1, 0)]"),
+    "values": Kind("a pattern or logits that hold values", lambda v: not (isinstance(v, torch.Tensor) and v.is_meta)),
 }
+
+
+def _number(v) -> str:
+    """A bound as a refusal writes it: 1,048,576 for a count, 3.40282e+38 for a level."""
+    return f"{int(v):,}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
 
 
 @dataclass(frozen=True)
 class Arg:
     """What a public argument of this name must be: a `kind` of KINDS (ints and reals at least
-    `least`, above it where `above`), or kind "choice": one of `choices`."""
+    `least`, above it where `above`; at most `most`, below it where `under`; within the kind's span),
+    or kind "choice": one of `choices`."""
     kind: str
     least: float | None = None
     above: bool = False
     choices: tuple = ()
+    most: float | None = None
+    under: bool = False
+
+    def bounds(self) -> tuple:
+        """(least, most): the Arg's own, else its kind's span."""
+        lo, hi = KINDS[self.kind].span if self.kind in KINDS else (None, None)
+        return (lo if self.least is None else self.least), (hi if self.most is None else self.most)
 
     def what(self) -> str:
         if self.kind == "choice":
             *first, last = map(repr, self.choices)
             return f"{', '.join(first)} or {last}"
-        bound = "" if self.least is None else f" {'>' if self.above else '>='} {self.least:g}"
-        return KINDS[self.kind].what + bound
+        (lo, hi), low, high = self.bounds(), ">" if self.above else ">=", "<" if self.under else "<="
+        bound = " and ".join(f"{sign} {_number(v)}" for sign, v in ((low, lo), (high, hi)) if v is not None)
+        return KINDS[self.kind].what + (f" {bound}" if bound else "")
 
     def fits(self, value) -> bool:
         if self.kind == "choice":
             return isinstance(value, str) and value in self.choices
-        return KINDS[self.kind].test(value) and (self.least is None or (
-            value > self.least if self.above else value >= self.least))
+        (lo, hi) = self.bounds()
+        return KINDS[self.kind].test(value) and (lo is None or (value > lo if self.above else value >= lo)) and (
+            hi is None or (value < hi if self.under else value <= hi))
 
 
+POSITIONS, HEADS = Arg("int", 1, most=MAX_POSITIONS), Arg("int", 1, most=MAX_HEADS)
 ARGS = {
     **{k: Arg("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal",
                                 "keys", "per_head", "prefix", "cross_attention", "flex")},
-    **{k: Arg("int", 1) for k in ("n", "heads", "n_heads", "n_keys", "grid_h", "grid_w", "kernel",
-                                  "top_k")},
-    **{k: Arg("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
-    **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay")},
-    "ratio": Arg("real", 0, above=True), "temperature": Arg("real", 0), "self_logit": Arg("real"),
+    **{k: POSITIONS for k in ("n", "n_keys", "grid_h", "grid_w", "kernel")},
+    **{k: HEADS for k in ("heads", "n_heads")},
+    **{k: Arg("int", 1) for k in ("top_k", "steps", "norm_every")},
+    **{k: Arg("int", 0, most=MAX_POSITIONS) for k in ("width", "offset", "n_prefix", "n_new")},
+    **{k: Arg("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay", "tol", "log_seconds")},
+    "ratio": Arg("real", 0, above=True), "noise": Arg("real", 0, most=MAX_GAIN),
+    **{k: Arg("real", 0, above=True, most=MAX_GAIN) for k in ("scale", "factor_norm", "lr")},
+    "pos_scale": Arg("real", 1 / MAX_GAIN, most=MAX_GAIN),
+    "temperature": Arg("real", 0), "self_logit": Arg("real"),
     "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
     "readout": Arg("indices"), "offsets": Arg("offsets"),
     **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
 }
 
 
-# the model configs' fields that are checked as they are made (a config's readout is a word, the
-# readout argument of pattern_from_attention positions)
+# the model configs' fields, each checked as a config is made (a config's readout is a word, the
+# readout argument of pattern_from_attention positions); None passes where the default is None
 FIELDS = {"mask_param": ARGS["mask_param"],
           "readout": Arg("choice", choices=("cls", "mean", "tokens")),
           "positions": Arg("choice", choices=("learned", "none")),
-          "pool": Arg("choice", choices=("mean", "cls"))}
+          "pool": Arg("choice", choices=("mean", "cls")),
+          **{k: ARGS["causal"] for k in ("learnable_mask", "fused", "flex", "qkv_bias", "causal",
+                                         "tie_embeddings")},
+          **{k: Arg("int", 1) for k in ("dim", "n_layers", "head_dim", "mlp_dim", "vocab_size", "n_outputs",
+                                        "image_size", "patch_size", "in_chans", "n_classes")},
+          "n_heads": HEADS, "seq_len": POSITIONS, "mask_window": POSITIONS,
+          **{k: Arg("real", 0, most=1, under=True) for k in ("dropout", "drop_path")},
+          **{k: Arg("real", 0, most=MAX_GAIN) for k in ("pos_init_std", "emb_init_std")}}
+
+
+class Call(NamedTuple):
+    """What a checked call builds and what its arguments must be beyond ARGS: the tensor it makes,
+    in words (`builds`), and its entries from the call's arguments (refused past MAX_ENTRIES before
+    anything is allocated), the way to a smaller one; arguments of this call alone (`own`: name ->
+    Arg); and what its arguments break together, as the refusal's words ("" where nothing)."""
+    builds: str = ""
+    entries: Callable[..., int] | None = None
+    way: str = "build it for fewer positions or heads"
+    own: dict = {}
+    together: Callable[..., str] | None = None
+
+
+def _grid_n(grid_h: int, grid_w: int, n_prefix: int = 0, **_) -> int:
+    return n_prefix + grid_h * grid_w
+
+
+def _prior_entries(n: int, heads: int, n_keys, causal: bool, param, pattern, logits, **_) -> int:
+    """The entries of the M MaskPrior would make: (heads, 2n - 1) relative, (heads, n, n_keys) full."""
+    src = logits if logits is not None else pattern
+    relative = param == "relative" or (param is None and causal and src is not None
+                                       and depends_on_distance(src, True))
+    return heads * (2 * n - 1 if relative else n * (n_keys or n))
+
+
+def _embed_fits(pattern, offset: int, n: int, **_) -> str:
+    k = pattern.shape[-1]
+    if pattern.shape[-2] != k:
+        return f"pattern must be square (..., K, K) to be placed on the diagonal, got {tuple(pattern.shape)}"
+    return "" if offset + k <= n else (f"the pattern's {k} positions from offset {offset} end at {offset + k}, "
+                                       f"past n = {n}: give n >= offset + {k}")
+
+
+def _config_fits(dim: int, n_heads: int, head_dim, tie_embeddings: bool = False, n_outputs: int = 0,
+                 vocab_size: int = 0, **_) -> str:
+    """What a model config's fields break together ("" where nothing)."""
+    if not head_dim and dim < n_heads:
+        return f"dim {dim} over n_heads {n_heads} leaves each head no dimension: give dim >= n_heads, or head_dim"
+    return "" if not tie_embeddings or n_outputs == vocab_size else (
+        f"tie_embeddings shares the token embedding with the head, so n_outputs ({n_outputs}) must be vocab_size "
+        f"({vocab_size})")
+
+
+CALLS = {
+    **{k: Call("its (n, n) pattern", lambda n, **_: n * n) for k in ("banded_pattern", "causal_pattern",
+                                                                       "visible_keys")},
+    "pattern_from_pairs": Call("its (n, n) pattern", lambda n, **_: n * n, own={"pairs": Arg("pairs")}),
+    "embed_pattern": Call("its (..., n, n) pattern", lambda pattern, n, **_: pattern.shape[:-2].numel() * n * n,
+                          together=_embed_fits),
+    **{k: Call("its (len(offsets), N, N) tensor (N = n_prefix + grid_h x grid_w)",
+               lambda offsets, **a: len(offsets) * _grid_n(**a) ** 2, "give a smaller grid or fewer offsets")
+       for k in ("impulse_pattern", "soft_offset_logits")},
+    "window_pattern": Call("its (n_heads, N, N) pattern (N = n_prefix + grid_h x grid_w)",
+                           lambda n_heads, **a: n_heads * _grid_n(**a) ** 2),
+    "causal_distance_logits": Call("its (n_heads, n, n) logits", lambda n, n_heads, **_: n_heads * n * n),
+    "MaskPrior": Call("its M", _prior_entries, "param='relative' holds a prior that depends on i - j alone "
+                                               "at heads x (2n - 1); else build it for fewer positions or heads"),
+    "depends_on_distance": Call(own={"values": Arg("values")}),
+    "TrunkConfig": Call(together=_config_fits),
+}
 
 
 def checked(fn):
-    """Decorator: check each argument of `fn` that ARGS names (`check_arg`) before `fn` runs."""
+    """Decorator: check each argument of `fn` that ARGS names (`check_arg`), then its row of CALLS
+    (`check_call`), before `fn` runs."""
     sig = inspect.signature(fn)
-    who = fn.__qualname__.split(".")[0] if fn.__name__ == "__init__" else fn.__name__
+    who = fn.__qualname__.removesuffix(".__init__")
     names = {k: p.default is None for k, p in sig.parameters.items() if k in ARGS}
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        for name, value in sig.bind(*args, **kwargs).arguments.items():
+        bound = sig.bind(*args, **kwargs)
+        for name, value in bound.arguments.items():
             if name in names and not (value is None and names[name]):
-                check_arg(name, value, who)
-        return fn(*args, **kwargs)
+                bound.arguments[name] = check_arg(name, value, who)
+        if who in CALLS:
+            bound.apply_defaults()
+            check_call(CALLS[who], bound.arguments, who)
+        return fn(*bound.args, **bound.kwargs)
     call.checked = tuple(names)
     return call
 
 
-def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
+def check_arg(name: str, value, who: str, arg: Arg | None = None):
     """Refuse `value` for the argument `name` unless it is what ARGS says (or `arg`), in one
-    ValueError line: what it must be, what it was, how to give it."""
+    ValueError line: what it must be, what it was, how to give it. -> the value as the call takes
+    it (its kind's `cast`: a real as a float)."""
     arg = arg or ARGS[name]
     kind = KINDS.get(arg.kind, Kind("", None))
     if kind.first is not None:
@@ -746,6 +871,22 @@ def check_arg(name: str, value, who: str, arg: Arg | None = None) -> None:
         hint = kind.hint.format(name=name)
         raise ValueError(f"{who}: {name} must be {arg.what()}, got {_shown(value)}"
                          + (f"; {hint}" if hint else ""))
+    return value if kind.cast is None else kind.cast(value)
+
+
+def check_call(row: Call, arguments: dict, who: str) -> None:
+    """Refuse, in one ValueError line, a call its row of CALLS refuses: an argument of its own, its
+    arguments together, or a tensor of more than MAX_ENTRIES entries (saying its size and the way
+    to a smaller one)."""
+    for name, arg in row.own.items():
+        check_arg(name, arguments[name], who, arg)
+    broken = row.together(**arguments) if row.together is not None else ""
+    if broken:
+        raise ValueError(f"{who}: {broken}")
+    entries = row.entries(**arguments) if row.entries is not None else 0
+    if entries > MAX_ENTRIES:
+        raise ValueError(f"{who}: {row.builds} would hold {entries:,} entries, more than the {MAX_ENTRIES:,} "
+                         f"(MAX_ENTRIES) of one tensor here: {row.way}")
 
 
 def _shown(value) -> str:
@@ -767,6 +908,7 @@ for _name in ("pattern_from_pairs", "banded_pattern", "causal_pattern", "mask_lo
     globals()[_name] = checked(globals()[_name])
 del _name
 MaskPrior.__init__ = checked(MaskPrior.__init__)
+MaskPrior.set_logits = checked(MaskPrior.set_logits)
 
 
 # ========================================================================================
@@ -871,7 +1013,8 @@ IMPULSE_OFFSETS = [(0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), 
 def random_impulse_offsets(n_heads: int, kernel: int = 3,
                            generator: torch.Generator | None = None):
     """One random (dr, dc) offset per head inside a kernel x kernel window (heads may repeat)."""
-    idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator).tolist()
+    idx = torch.randint(0, kernel * kernel, (n_heads,), generator=generator,
+                        device="cpu" if generator is None else generator.device).tolist()
     return [(k // kernel - kernel // 2, k % kernel - kernel // 2) for k in idx]
 
 
@@ -1158,10 +1301,13 @@ class TrunkConfig:
     mask_window: int | None = None
 
     def __post_init__(self):
-        """Each field FIELDS names is checked (`check_arg`)."""
-        for name, value in vars(self).items():
-            if name in FIELDS:
-                check_arg(name, value, type(self).__name__, FIELDS[name])
+        """Each field FIELDS names is checked (`check_arg`; None passes where the default is None),
+        then the fields together (`check_call`, CALLS' row of TrunkConfig)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in FIELDS and not (value is None and f.default is None):
+                setattr(self, f.name, check_arg(f.name, value, type(self).__name__, FIELDS[f.name]))
+        check_call(CALLS["TrunkConfig"], vars(self), type(self).__name__)
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -1447,7 +1593,9 @@ def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: flo
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            logits = logits / temperature
+            # from the largest, by at least float32's tiny: a small temperature sends the rest to -inf,
+            # never the top to inf or 0 / 0
+            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
             if top_k:
                 kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
