@@ -35,12 +35,15 @@ import inspect
 import math
 import numbers
 import time
+import weakref
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+__version__ = "0.1.0"
 
 # ========================================================================================
 # The core: the prior, the attention, init_mask_ and param_groups, lifted whole (to the argument
@@ -237,6 +240,7 @@ class MaskPrior(nn.Module):
         # Face Trainer's names holding "bias", timm's ".bias", minGPT's): decay would pull M to 0
         # and erase the prior. float32 whatever the default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
+        watch_decay(self)
         # to_empty gave M memory but no values: set or load it first
         self.unset = False
         # what M starts from (a CPU copy), for reset_parameters
@@ -248,6 +252,10 @@ class MaskPrior(nn.Module):
                                                                                                        m_off)
         if src is not None:
             self.set_logits(src)
+
+    def __setstate__(self, state) -> None:     # a copy (deepcopy, pickle) is watched as its original
+        super().__setstate__(state)
+        watch_decay(self)
 
     def extra_repr(self) -> str:
         keys = f", n_keys={self.n_keys}" if self.cross else ""
@@ -605,6 +613,36 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 no_decay.append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
+
+
+# every MaskPrior built in this process, for the check of an optimiser's first step (`watch_decay`)
+_PRIORS: "weakref.WeakSet[MaskPrior]" = weakref.WeakSet()
+
+
+def watch_decay(prior: MaskPrior) -> None:
+    """Check each optimiser's first step for M in a decayed group: a plain `AdamW(model.parameters(),
+    weight_decay=0.1)` would pull M to 0 and erase the prior in silence (param_groups, HF's Trainer and
+    timm's factory leave M out). Registered once, when the first prior is built (never at import)."""
+    if not _PRIORS:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_refuse_decayed_m)
+    _PRIORS.add(prior)
+
+
+def _refuse_decayed_m(optimizer, args, kwargs) -> None:
+    """Optimiser step pre-hook: on an optimiser's first step, one ValueError line if a group with
+    weight_decay > 0 holds a trainable M."""
+    if optimizer.__dict__.get("mask_prior_checked") or not _PRIORS:
+        return
+    optimizer.mask_prior_checked = True
+    ms = {id(p.bias): p.where for p in list(_PRIORS) if p.bias.requires_grad}
+    for i, group in enumerate(optimizer.param_groups):
+        held = [ms[id(p)] for p in group["params"] if id(p) in ms]
+        if held and group.get("weight_decay", 0):
+            raise ValueError(
+                f"{type(optimizer).__name__}: param group {i} decays M of {len(held)} prior(s) ({held[0]}, ...) "
+                f"with weight_decay={group['weight_decay']}, which pulls M to 0 and erases the prior; give M "
+                "weight_decay 0: maskprior.param_groups(model, weight_decay) does")
 
 
 # ----------------------------------------------------------------------------------------
@@ -2188,3 +2226,20 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     table = total / count.clamp_min(1)
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
     return _with_prefix(m, n_prefix, float(m_on))
+
+
+# the public names (`from maskprior import *`); the argument tables' machinery (ARGS, checked, ...) is not among them
+__all__ = [
+    "M_ON", "M_OFF", "IMPULSE_OFFSETS", "MODELS", "MAX_POSITIONS", "MAX_HEADS", "MAX_ENTRIES", "MAX_GAIN",
+    "Attention", "Block", "MLP", "MaskPrior", "Transformer", "TransformerConfig", "Trunk", "TrunkConfig",
+    "ViT", "ViTConfig", "alibi_slopes", "attention_layers", "attention_maps", "attention_ratio",
+    "banded_pattern", "build_model", "causal_distance_logits", "causal_pattern", "content_margin",
+    "depends_on_distance", "embed_pattern", "family_of", "future_keys", "generate", "impulse_pattern",
+    "init_mask_", "init_mimetic_", "init_qk_opt_", "init_qk_svd_", "layer_margin", "logits_from_attention",
+    "mask_bias", "mask_bias_grad", "mask_grad_bound", "mask_logits_from_pattern", "mask_priors",
+    "mean_attention", "model_from_config", "offsets_from_attention", "param_groups", "pattern_agreement",
+    "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift",
+    "prior_flex", "prior_mass", "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows",
+    "prior_snapshot", "pseudo_attention", "pseudo_input", "qk_weights", "random_impulse_offsets",
+    "relative_from_attention", "soft_offset_logits", "state_mismatch", "visible_keys", "window_pattern",
+]

@@ -850,10 +850,11 @@ def _save_pretrained_with_priors(save: Callable) -> Callable:
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given (the whole or a part): a training forward
-    after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its adapter
-    would not save M) is refused in one line."""
-    if not (model.training and torch.is_grad_enabled()):
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a forward that records
+    gradients after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its
+    adapter would not save M) is refused in one line, in train or eval mode (a hand-written loop may
+    never call .train(); from_pretrained leaves a model in eval mode). Inference (no_grad) runs."""
+    if not torch.is_grad_enabled():
         return
     frozen = next((p for m in model.modules()
                    if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior)
@@ -1062,3 +1063,8 @@ def _reattach(model: nn.Module, record: dict) -> None:
     for s in sites:
         _attach_hf(s, priors[s.name], "attn_mask")
     _after_attach(model, sites, priors)
+
+
+# the public names (`from maskprior_retrofit import *`)
+__all__ = ["add_mask_prior", "remove_mask_prior", "from_pretrained", "find_attention", "hf_attention", "prior_record",
+           "Site"]

@@ -139,9 +139,9 @@ class Config:
                                   arch=True)
     mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
     emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
-                                 check="non_negative", arch=True)
+                                 check="gain0", arch=True)
     pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float,
-                                 check="non_negative", arch=True)
+                                 check="gain0", arch=True)
     qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int,
                                   choices=(0, 1), arch=True)
     dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float,
@@ -168,18 +168,18 @@ class Config:
                                      "N; language models)", choices=("full", "relative"),
                              arch=True, needs={"init": MASK_INITS})
     qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
-                                 check="positive", needs={"init": QK_SVD_INITS})
+                                 check="gain", needs={"init": QK_SVD_INITS})
     qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float,
-                                 check="non_negative", needs={"init": QK_SVD_INITS})
+                                 check="gain0", needs={"init": QK_SVD_INITS})
     qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float,
-                                check="positive", needs={"init": QK_SVD_INITS})
+                                check="gain", needs={"init": QK_SVD_INITS})
     qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding "
                                                   "first (impulse and mask-impulse: 18 unless "
-                                                  "given)", type=float, check="positive",
+                                                  "given)", type=float, check="gain",
                                             needs={"init": ("qk-svd", "impulse", "mask-impulse")})
     qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive",
                                needs=QK_OPT)
-    qk_opt_lr: float = prior_(0.0001, None, type=float, check="positive", needs=QK_OPT)
+    qk_opt_lr: float = prior_(0.0001, None, type=float, check="gain", needs=QK_OPT)
     qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this",
                                type=float, check="non_negative", needs=QK_OPT)
     qk_opt_pos_scale: float | None = prior_(None, "qk-opt: multiply the positional embedding first", type=float,
@@ -385,7 +385,10 @@ CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 
           "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
           "seed": (lambda v: 0 <= v <= SEED_MAX, f"in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
                                                  "larger seed would train the same weights as a smaller one)"),
-          "betas": (betas_pair, "two numbers in [0, 1) like 0.9,0.999")}
+          "betas": (betas_pair, "two numbers in [0, 1) like 0.9,0.999"),
+          # the library's bound on a QK init's gains and an embedding's std (mp.MAX_GAIN: its solve overflows past it)
+          "gain": (lambda v: 0 < v <= mp.MAX_GAIN, f"> 0 and <= {mp.MAX_GAIN:,.0f}"),
+          "gain0": (lambda v: 0 <= v <= mp.MAX_GAIN, f">= 0 and <= {mp.MAX_GAIN:,.0f}")}
 
 
 def flag(name: str) -> str:
@@ -400,7 +403,7 @@ def out_of_range(name: str, value) -> str | None:
     holds, what = CHECKS[check]
     if isinstance(value, str):
         return None if holds(value) else f"{flag(name)} must be {what}, got {value!r}"
-    if math.isfinite(value) and holds(value):
+    if (isinstance(value, int) or math.isfinite(value)) and holds(value):
         return None
     kind = "an integer" if isinstance(value, int) else "a finite number"
     return f"{flag(name)} must be {kind} {what}, got {value}"

@@ -1,5 +1,5 @@
-"""Tests for maskprior.py, tasks.py and train.py (the retrofit's: test_retrofit.py). Run: python -m pytest -q
-test_maskprior.py test_retrofit.py
+"""Tests for maskprior.py, tasks.py and train.py (the retrofit's: test_retrofit.py; datafetch/: test_datafetch.py).
+Run: python -m pytest -q test_*.py
 
 In the source's order, a test under the part of the code it tests: helpers shared by several parts; maskprior.py
 (patterns, mask helpers, MaskPrior, attention, models, generate, inits, param groups, probes, priors from attention,
@@ -7,6 +7,7 @@ the retrofit into torch, timm, Hugging Face and PEFT models); tasks.py (base, fi
 language, fixtures); train.py (config, build, data parallelism, loop, durability); reports; reproduce.sh;
 benchmarks; README and CI. A fixture sits before its first user.
 """
+import argparse
 import ast
 import collections
 import contextlib
@@ -16,6 +17,7 @@ import errno
 import glob
 import fcntl
 import hashlib
+import importlib
 import inspect
 import io
 import itertools
@@ -34,13 +36,12 @@ import sys
 import time
 import types
 import warnings
+import zipfile
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-import argparse
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given as fuzz, settings, strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -259,6 +260,38 @@ IMPORTS_ALLOWED = {
     "runconfig.py": {"maskprior", "inits", "runfiles", "tasks"},
     "train.py": {"maskprior", "maskprior_retrofit", "runconfig", "runfiles", "tasks", "reporting", "datafetch"},
 }
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_library_alone_under_names_of_its_own(tmp_path):
+    """`pip install` puts the method and the retrofit into site-packages and nothing else (no top-level `train` or
+    `tasks` to shadow a user's own), with the LICENSE; the version is the one pyproject.toml declares."""
+    pytest.importorskip("setuptools", minversion="61")
+    src = tmp_path / "src"                  # built from a copy of the checkout: setuptools writes build/ beside it
+    shutil.copytree(HERE, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "data", "results"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (wheel,) = tmp_path.glob("maskprior-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n for n in names if ".dist-info/" not in n} == {"maskprior.py", "maskprior_retrofit.py"}
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    version = re.search(r'^version = "([^"]+)"', open(os.path.join(HERE, "pyproject.toml")).read(), re.M).group(1)
+    assert wheel.name.startswith(f"maskprior-{version}-") and mp.__version__ == version
+    assert f"version: {version}" in open(os.path.join(HERE, "CITATION.cff")).read()
+
+
+@pytest.mark.parametrize("module, internal", [
+    (mp, {"Arg", "Call", "Kind", "check_arg", "check_call", "check_one_source", "check_pattern", "checked", "tracing",
+          "watch_decay", "drop_path"}),
+    (retrofit, set())])
+def test_all_names_every_public_function_and_class(module, internal):
+    """`__all__` of the files people copy lists each public function and class they define (a new one is listed or
+    named internal here), and each name in it exists."""
+    defined = {n for n, v in vars(module).items() if not n.startswith("_") and (inspect.isfunction(v) or
+               inspect.isclass(v)) and v.__module__ == module.__name__}
+    assert defined - internal <= set(module.__all__) and all(hasattr(module, n) for n in module.__all__)
+    assert not internal & set(module.__all__)
 
 
 def test_imports_run_one_way():
@@ -1086,6 +1119,34 @@ def test_param_groups_keep_mask_out_of_weight_decay():
     assert id(model.blocks[0].ln1.weight) not in decay and id(model.tok_emb.weight) not in decay
     n_all = sum(1 for _ in model.parameters())
     assert len(groups[0]["params"]) + len(groups[1]["params"]) == n_all
+
+
+@pytest.mark.parametrize("make", [lambda ps, wd: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd),
+                                  lambda ps, wd: torch.optim.Adam(ps, lr=1e-2, weight_decay=wd),
+                                  lambda ps, wd: torch.optim.SGD(ps, lr=1e-2, weight_decay=wd)],
+                         ids=["AdamW", "Adam", "SGD"])
+def test_an_optimiser_that_would_decay_m_is_refused_on_its_first_step(make):
+    """M in a decayed group (a plain optimiser over model.parameters()) is one ValueError line on the first step,
+    M untouched, naming param_groups; M frozen, decay 0, or param_groups' groups step as usual."""
+    task, model = gotu_model(learnable_mask=True)
+    mp.init_mask_(model, task.pattern())
+    start = model.blocks[0].attn.prior.bias.detach().clone()
+    x = task.setup().probe_inputs(4)
+
+    def step(opt):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    with pytest.raises(ValueError, match=r"param group 0 decays M of 2 prior\(s\) .* weight_decay=0.1, .* "
+                                         r"maskprior.param_groups\(model, weight_decay\) does$"):
+        step(make(model.parameters(), 0.1))
+    assert torch.equal(model.blocks[0].attn.prior.bias, start)
+    for opt in (make(mp.param_groups(model, 0.1), 0.1), make(model.parameters(), 0.0)):
+        step(opt)
+        step(opt)
+    for block in model.blocks:
+        block.attn.prior.bias.requires_grad_(False)
+    step(make([p for p in model.parameters() if p.requires_grad], 0.1))
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: probes
@@ -3600,7 +3661,6 @@ def test_make_wikitext_needs_a_file_per_split_and_has_help(tmp_path, capsys):
 import http.server  # noqa: E402
 import tarfile  # noqa: E402
 import threading  # noqa: E402
-import zipfile  # noqa: E402
 
 
 
@@ -3643,6 +3703,7 @@ class LoopServer:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        self.server.handle_error = lambda *a: None          # a client that hung up: no traceback
         self.base = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
@@ -4248,7 +4309,7 @@ def _checked_fields():
             cases += [(flag, [flag, bad], f"{flag} must be") for bad in ("0.9", "1,0.5", "nan,0.9", "a,b", "")]
             continue
         out_of_range = {"positive": ["0"], "non_negative": ["-1"], "fraction": ["1", "-3"], "unit": ["1.5", "-3"],
-                        "seed": ["-1", str(2 ** 32)]}[check]
+                        "seed": ["-1", str(2 ** 32)], "gain": ["0", "2e6"], "gain0": ["-1", "2e6"]}[check]
         for bad in ["nan", "inf", *out_of_range]:
             if kind is int and bad in ("nan", "inf"):
                 cases.append((flag, [flag, bad], f"argument {flag}: invalid int value: '{bad}'"))
@@ -4283,8 +4344,9 @@ FLAG_TEXT = st.one_of(st.sampled_from(["0", "-1", "1", "3", "0.5", "1e308", "-1e
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(task=st.sampled_from(("parity2", "kparity", "addition", "cyclic3")),
+@fuzz(task=st.sampled_from(("parity2", "kparity", "addition", "cyclic3")),
        pairs=st.lists(st.tuples(st.sampled_from(sorted(runconfig.FIELDS)), FLAG_TEXT), max_size=4))
+@example(task="parity2", pairs=[("batch_size", "9" * 400)])         # found by it: an int past float's range
 def test_fuzz_train_flags_make_a_checked_config_or_one_line(task, pairs):
     """Any flags of the table with any text: parsed (one ASCII parser, each flag once), resolved and checked
     (`runconfig.check`, the task built) to a Config, or one line (UsageError); never another exception."""
@@ -4297,7 +4359,7 @@ def test_fuzz_train_flags_make_a_checked_config_or_one_line(task, pairs):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(command=st.sampled_from(sorted(train.SUBCOMMANDS)), words=st.lists(st.one_of(
+@fuzz(command=st.sampled_from(sorted(train.SUBCOMMANDS)), words=st.lists(st.one_of(
     FLAG_TEXT, st.sampled_from(["--data", "--from", "--timeout", "--out", "--help-me", "-x"])), max_size=5))
 @example(command="download", words=["x", "--timeout", "1_0"])
 @example(command="download", words=["x", "--data", "a", "--data", "b"])
@@ -4915,12 +4977,20 @@ def test_cuda_vision_run_bf16(tmp_path, init):
         assert max(res["mask_drift"]) > 0                        # M received gradients through bf16 SDPA
 
 
-def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys):
+def test_init_that_gives_non_finite_weights_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A QK gain past the library's bound is refused by its flag; an init that writes non-finite weights, or weights
+    whose first loss is not finite, is one line and nothing is written."""
     out = str(tmp_path / "run")
     assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e30", "--steps", "2", "--out", out]) == 2
-    assert "loss with these flags" in capsys.readouterr().err and not os.path.exists(out)
-    assert train.main([*TINY, "--init", "qk-svd", "--qk-svd-norm", "1e300", "--steps", "2", "--out", out]) == 2
-    assert "non-finite weights" in capsys.readouterr().err and not os.path.exists(out)
+    assert "--qk-svd-norm must be a finite number > 0 and <= 1,000,000" in capsys.readouterr().err
+    for value, words in ((float("nan"), "non-finite weights"), (1e30, "loss with these flags")):
+        def filled(model, prior, config, g, value=value):
+            with torch.no_grad():
+                model.head.weight.fill_(value)
+            return {}
+        monkeypatch.setitem(inits.INITS, "qk-svd", dataclasses.replace(inits.INITS["qk-svd"], apply=filled))
+        assert train.main([*TINY, "--init", "qk-svd", "--steps", "2", "--out", out]) == 2
+        assert words in capsys.readouterr().err and not os.path.exists(out)
 
 
 @pytest.mark.slow
@@ -6941,10 +7011,12 @@ def test_readme_is_a_manual():
 
 
 def test_every_guarantee_names_a_test_that_exists():
-    import test_retrofit                                    # (it imports this file's helpers: imported here)
+    """Each test GUARANTEES.md names is a test of one of the test files the README's command runs (test_*.py)."""
     section = open(os.path.join(HERE, "GUARANTEES.md")).read()
     names = re.findall(r"`(test_[a-z0-9_]+)`", section)
-    tests = {**vars(test_retrofit), **globals()}
+    tests = dict(globals())
+    for path in glob.glob(os.path.join(HERE, "test_*.py")):     # (they import this file's helpers: imported here)
+        tests.update(vars(importlib.import_module(os.path.basename(path)[:-3])))
     assert len(names) >= 20 and all(callable(tests.get(n)) for n in names), [n for n in names if n not in tests]
     cases = len(BAD_INPUT) + int(torch.backends.mps.is_available())       # the mps case is left out on a Mac
     assert f"`test_bad_input_exits_2` ({cases} inputs" in section

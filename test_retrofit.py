@@ -116,6 +116,21 @@ def test_a_plain_trainer_timm_s_factory_and_param_groups_leave_m_undecayed(tmp_p
         assert not torch.equal(decayed.get_parameter(weights[-1]), plain.get_parameter(weights[-1]))
 
 
+def test_a_plain_adamw_over_a_retrofitted_model_is_refused_before_it_decays_m():
+    """Issue 65's case: `AdamW(model.parameters(), weight_decay=0.1)` on a retrofitted nn.TransformerEncoder (and
+    on a deepcopy of it, whose priors were never built) is one line on its first step, M as it was."""
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                      enable_nested_tensor=False)
+    retrofit.add_mask_prior(enc, mp.banded_pattern(5, 1))
+    for model in (enc, copy.deepcopy(enc)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model(torch.randn(3, 5, 8)).sum().backward()
+        start = [p.bias.detach().clone() for p in mp.mask_priors(model)]
+        with pytest.raises(ValueError, match=r"^AdamW: param group 0 decays M of 2 prior\(s\) \(layers.0.self_attn"):
+            opt.step()
+        assert all(torch.equal(p.bias, s) for p, s in zip(mp.mask_priors(model), start))
+
+
 @cuda
 def test_flex_attention_serves_a_retrofitted_gpt2_on_cuda_as_sdpa_does():
     """add_mask_prior(..., flex=True): a Hugging Face layer's plain self-attention calls run M inside flex_attention on
@@ -925,6 +940,8 @@ def test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_li
     with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn: M is frozen: PEFT's get_peft_model froze it .* "
                                            r"pass modules_to_save=\['mask_prior'\]"):
         frozen(ids)
+    with pytest.raises(RuntimeError, match=r"M is frozen"):
+        frozen.eval()(ids)              # eval mode, gradients on: a hand loop that never called .train() (issue 65)
     with torch.no_grad():
         frozen.eval()(ids)                                      # inference with a frozen M is fine
     model, ids, n = _hf("llama")

@@ -1,11 +1,15 @@
 """my_task.py: a new task in one class. Run: python examples/my_task.py --task xor-neighbours
 --init mask"""
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
-import maskprior as mp
-import tasks
-import train
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout's experiments
+import maskprior as mp  # noqa: E402
+import tasks  # noqa: E402
+import train  # noqa: E402
 
 
 @tasks.register("xor-neighbours")
