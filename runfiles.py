@@ -105,7 +105,8 @@ class ReadError(UsageError):
 
 MiB = 1 << 20
 
-READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB}
+READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB,
+               "table": 64 * MiB}
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
@@ -257,19 +258,70 @@ def is_named_tensors(v) -> bool:
                                        for k, t in v.items())
 
 
+def schema_problem(obj, schema: dict, required) -> str | None:
+    """What in `obj` (a dict read back) breaks `schema` (key -> (check, what it must be)): not a
+    dict, a `required` key absent, or the first value failing its check; None where nothing
+    does. The text follows the file's name (" has no step", ": step is ..., not ...")."""
+    if not isinstance(obj, dict):
+        return f" holds a {type(obj).__name__}, not the dict this program writes there"
+    missing = [key for key in required if key not in obj]
+    bad = [key for key, (ok, _) in schema.items() if key in obj and not ok(obj[key])][:1]
+    return (f" has no {missing[0]}" if missing else
+            f": {bad[0]} is {_short(obj[bad[0]])}, not {schema[bad[0]][1]}" if bad else None)
+
+
 def check_schema(obj, schema: dict, required, path) -> dict:
     """`obj` (a dict read back from `path`) against `schema`: the `required` keys there, every
     key's value passing its check; ReadError naming the first that does not."""
-    if not isinstance(obj, dict):
-        raise ReadError(f"{path} holds a {type(obj).__name__}, not the dict this program writes "
-                        "there")
-    for key in required:
-        if key not in obj:
-            raise ReadError(f"{path} has no {key}")
-    for key, (ok, what) in schema.items():
-        if key in obj and not ok(obj[key]):
-            raise ReadError(f"{path}: {key} is {_short(obj[key])}, not {what}")
+    problem = schema_problem(obj, schema, required)
+    if problem:
+        raise ReadError(f"{path}{problem}")
     return obj
+
+
+# ---- bounds of the numbers read back: what every schema below checks a value against
+
+MAX_STEP = 2 ** 53               # past any run's steps: every step a float holds exactly
+MAX_LAYERS = 1024                # more layers than any model this program builds
+# past any metric, loss or drift a run measures; small enough that the sums and squares a report
+# takes of them stay finite
+MAX_VALUE = 1e100
+MAX_METRICS = 256                # metrics in one log step: more than any task measures
+
+
+def is_value(v) -> bool:
+    """A finite number within +-MAX_VALUE."""
+    return is_finite(v) and abs(v) <= MAX_VALUE
+
+
+def is_measure(v) -> bool:
+    """A number a log step measured: a value (`is_value`), or NaN (nothing there to measure: an
+    empty set of points)."""
+    return is_value(v) or isinstance(v, float) and math.isnan(v)
+
+
+def is_step(v) -> bool:
+    """A step: an int in 0 .. MAX_STEP."""
+    return is_count(v) and v <= MAX_STEP
+
+
+MASS_SLACK = 0.01                # a share measured in low precision (--amp) may pass 1 by as much
+
+
+def is_mass(v) -> bool:
+    """Attention mass: a share, within MASS_SLACK (probabilities rounded to a low precision)."""
+    return is_finite(v) and -MASS_SLACK <= v <= 1 + MASS_SLACK
+
+
+def is_layers(check, least: int = 1):
+    """A list of `least` .. MAX_LAYERS values, one a layer, each passing `check`."""
+    return lambda v: isinstance(v, list) and least <= len(v) <= MAX_LAYERS and all(map(check, v))
+
+
+def is_metrics(v, check=is_optional(is_measure)) -> bool:
+    """A dict of at most MAX_METRICS metrics: short names to values passing `check`."""
+    return isinstance(v, dict) and len(v) <= MAX_METRICS and all(
+        isinstance(k, str) and len(k) <= 64 and check(x) for k, x in v.items())
 
 
 # result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are
@@ -294,18 +346,20 @@ INITS = tuple(inits.INITS)
 RESULT_SCHEMA = {
     "task": (is_name, "a task name"), "init": (lambda v: v in INITS, f"one of {', '.join(INITS)}"),
     "seed": (lambda v: is_count(v) and v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
-    "metrics": (lambda v: isinstance(v, dict)
-                and all(isinstance(k, str) and is_optional(is_finite)(x)
-                                                      for k, x in v.items()),
-                "a dict of finite numbers (or null)"),
+    "metrics": (lambda v: is_metrics(v, is_optional(is_value)),
+                f"a dict of at most {MAX_METRICS} finite numbers within +-{MAX_VALUE:g} (or null)"),
     "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"),
                  "preset": (is_name, "a preset name"),
     "run_id": (is_optional(is_of(str)), "an id"), "data": (is_optional(is_of(str)), "a data hash"),
-    "steps": (is_count, "a step count"), "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
-    "prior_mass_start_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
-    "prior_mass_end_layers": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
+    "steps": (is_step, "a step count in 0 .. 2^53"),
+    "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
+    "prior_mass_start_layers": (is_optional(is_layers(is_value, 0)), "finite numbers per layer"),
+    "prior_mass_end_layers": (is_optional(is_layers(is_value, 0)), "finite numbers per layer"),
     "init_report": (is_optional(is_of(dict)), "a dict"),
-                 "config": (is_optional(is_of(dict)), "a dict"),
+                 "config": (lambda v: v is None or isinstance(v, dict) and (
+                     "n_layers" not in v or is_count(v["n_layers"])
+                     and 0 < v["n_layers"] <= MAX_LAYERS),
+                            f"null or a model config (n_layers in 1 .. {MAX_LAYERS})"),
     "tells_apart": (is_of(dict), "the flags that tell runs apart"),
     "init_order": (is_count, "the init's place in inits.INITS"),
     "token_labels": (is_optional(is_list_of(is_label)), "null or the names of its positions"),
@@ -322,11 +376,12 @@ RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order
 def check_result(result, path: str | os.PathLike) -> dict:
     """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
     metrics = result.get("metrics") if isinstance(result, dict) else None
-    bad = ([k for k, v in metrics.items() if not is_optional(is_finite)(v)]
+    bad = ([k for k, v in metrics.items() if not is_optional(is_value)(v)]
            if isinstance(metrics, dict) else [])
     if bad:
-        raise ReadError(f"{path}: metric {bad[0]} is {_short(result['metrics'][bad[0]])}, not a "
-                        "finite number")
+        v = metrics[bad[0]]
+        raise ReadError(f"{path}: metric {bad[0]} is {_short(v)}, not a finite number"
+                        + (f" within +-{MAX_VALUE:g}" if is_finite(v) else ""))
     return check_schema(result, RESULT_SCHEMA, RESULT_REQUIRED, path)
 
 
@@ -336,12 +391,43 @@ def read_result(path: str | os.PathLike) -> dict:
 
 
 def _short(v) -> str:
-    text = repr(v)
+    """`v` as a one-line message quotes it: its repr on one line (a tensor's spans many), cut to
+    80 characters."""
+    text = re.sub(r"\s+", " ", repr(v))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file
 # is seen, never used)
+
+def is_tensor(ranks: tuple):
+    """A finite floating tensor of one of `ranks` dimensions."""
+    return lambda v: (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in ranks
+                      and bool(torch.isfinite(v).all()))
+
+
+# A layer's record of the prior at the start (mp.prior_snapshot, the probe's `snapshot`): M
+# (null for a layer without one), (heads, N, N) or relative (heads, distances); Wq Wk^T per head.
+SNAPSHOT_SCHEMA = {
+    "mask": (is_optional(is_tensor((2, 3))), "null or M at the start, a finite float tensor of "
+                                             "(heads, N, N) or (heads, distances)"),
+    "qk": (is_optional(is_tensor((3,))), "null or Wq Wk^T per head, a finite float tensor of "
+                                          "(heads, dim, dim)")}
+
+
+def is_snapshot_record(v) -> bool:
+    """One layer's record of a probe snapshot (SNAPSHOT_SCHEMA: both keys there)."""
+    return schema_problem(v, SNAPSHOT_SCHEMA, SNAPSHOT_SCHEMA) is None
+
+
+def snapshot_fits(contents: dict) -> bool:
+    """The snapshot's Ms have the shapes of the model's Ms (`attn.prior.bias`), layer by layer,
+    where the model has M: `show` draws end - start. (Weights that are not this version's model
+    are train.py's to name.)"""
+    ends = [tuple(t.shape) for k, t in contents["model"].items() if k.endswith("attn.prior.bias")]
+    return not ends or [tuple(r["mask"].shape) for r in contents["snapshot"]
+                        if r["mask"] is not None] == ends
+
 
 # A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each
 # one.
@@ -352,7 +438,9 @@ CKPT_SCHEMA = {
                                               "a training time"),
     "config": (is_of(dict), "the run's flags"), "model_config": (is_of(dict), "a model config"),
     "init_report": (is_optional(is_of(dict)), "a report"),
-               "snapshot": (is_list_of(is_of(dict)), "a record a layer"),
+    "snapshot": (is_layers(is_snapshot_record), "a record a layer of M and Wq Wk^T at the start "
+                                                "(SNAPSHOT_SCHEMA: each null or a finite float "
+                                                "tensor, M of 2 or 3 dimensions, Wq Wk^T of 3)"),
     "prior_mass_start": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
     "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
             and v["torch"].dtype == torch.uint8, "the generators' states"),
@@ -365,6 +453,10 @@ CKPT_SCHEMA = {
 
 
 CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
+
+# what the keys of a checkpoint that pass CKPT_SCHEMA must say of each other: (check, what breaks)
+CKPT_RELATIONS = ((snapshot_fits, "its snapshot's M (the start) does not have the shape of the "
+                                  "model's M, layer by layer"),)
 
 CKPT_FORMAT = "maskprior-checkpoint-5"       # a checkpoint of this version holds every flag of it
 
@@ -398,7 +490,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with "
                         "them); restore the file from a copy, or start a new run with another "
                         "--out")
-    return check_schema(load_torch(payload, path), CKPT_SCHEMA, CKPT_KEYS, path)
+    contents = check_schema(load_torch(payload, path), CKPT_SCHEMA, CKPT_KEYS, path)
+    broken = [what for fits, what in CKPT_RELATIONS if not fits(contents)][:1]
+    if broken:
+        raise ReadError(f"{path}: {broken[0]}")
+    return contents
 
 
 # ---- the run folder: locked by the process that runs in it, its files written whole, a refusal
@@ -591,10 +687,53 @@ class LogError(ValueError):
     order."""
 
 
-def read_log(path: str) -> list[dict]:
-    """The records of a metrics.jsonl, checked whole (`check_log`): only a last line that a killed
-    write cut short (no newline at its end) is left out; a damaged, lost, repeated or reordered
-    line is a LogError that names it, so nothing is ever dropped or rewritten away."""
+# A metrics.jsonl line as `train_loop` writes it: key -> (check, what it must be); the LOG_REQUIRED
+# keys are in every one. The lists hold a value a layer (LOG_LAYER_KEYS; qk_drift is empty for a
+# model whose attention is not ours); NaN is a metric or margin with nothing to measure.
+LOG_SCHEMA = {
+    "step": (is_step, "a step in 0 .. 2^53"),
+    "prev": (is_optional(is_step), "null or the step logged before it"),
+    "metrics": (is_metrics, f"a dict of at most {MAX_METRICS} metrics, each a finite number "
+                            f"within +-{MAX_VALUE:g}, NaN or null"),
+    "prior_mass": (is_optional(is_layers(is_mass)), "null or the attention mass on the pattern "
+                                                    f"a layer (1 .. {MAX_LAYERS} shares)"),
+    "prior_mass_mean": (is_optional(is_mass), "null or a share in [0, 1]"),
+    "content_margin": (is_optional(is_layers(is_measure)), "null or a margin a layer (finite "
+                                                           f"within +-{MAX_VALUE:g}, or NaN)"),
+    "mask_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0)),
+                   "null or a relative change >= 0 a layer"),
+    "qk_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0, 0)),
+                 "null or a relative change >= 0 a layer"),
+    "loss": (is_optional(is_value), f"null or a loss within +-{MAX_VALUE:g}"),
+    "lr": (lambda v: is_value(v) and v >= 0, "a learning rate >= 0"),
+    "seconds": (lambda v: is_value(v) and v >= 0, "a time >= 0"),
+    "run_id": (lambda v: v is None or isinstance(v, str) and len(v) <= 64, "null or a run id"),
+}
+LOG_REQUIRED = ("step", "metrics")
+LOG_LAYER_KEYS = ("prior_mass", "content_margin", "mask_drift", "qk_drift")
+# what the keys of a line that passes LOG_SCHEMA must say of each other: (check, what breaks)
+LOG_RELATIONS = ((lambda r: (r.get("prior_mass") is None) == (r.get("prior_mass_mean") is None),
+                  "prior_mass and prior_mass_mean are not both given or both null"),)
+
+
+def log_problem(rec) -> str | None:
+    """What makes a parsed metrics.jsonl line other than a record as `train_loop` writes it
+    (LOG_SCHEMA, LOG_RELATIONS), or None."""
+    problem = schema_problem(rec, LOG_SCHEMA, LOG_REQUIRED)
+    broken = [] if problem else [what for fits, what in LOG_RELATIONS if not fits(rec)]
+    return problem or (f": {broken[0]}" if broken else None)
+
+
+def log_line(rec) -> bool:
+    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it (`log_problem`)."""
+    return log_problem(rec) is None
+
+
+def read_log(path: str, layers: int | None = None) -> list[dict]:
+    """The records of a metrics.jsonl, each line checked (`log_problem`) and the log whole
+    (`check_log`: of a run of `layers` layers where given): only a last line that a
+    killed write cut short (no newline at its end) is left out; a damaged, lost, repeated or
+    reordered line is a LogError that names it, so nothing is ever dropped or rewritten away."""
     try:
         lines = read_back(path, "log").split(b"\n")
     except ReadError as e:
@@ -607,20 +746,27 @@ def read_log(path: str) -> list[dict]:
             rec = load_json(line, path)
         except ReadError:
             rec = None
-        if not log_line(rec):
-            raise LogError(f"{path} line {number} is damaged (not a whole record as train.py "
-                           "writes it)")
+        problem = ": not JSON" if rec is None else log_problem(rec)
+        if problem:
+            raise LogError(f"{path} line {number} is damaged ({problem.lstrip(': ')}; not a "
+                           "whole record as train.py writes it)")
         records.append(rec)
-    check_log(records, path)
+    check_log(records, path, layers)
     return records
 
 
-def check_log(records: list[dict], path: str) -> None:
+def check_log(records: list[dict], path: str, layers: int | None = None) -> None:
     """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before
     it, written since logs carry it) is the step of the line before: a lost, repeated or reordered
-    line is a LogError."""
+    line is a LogError. Each line is of one run: every list of LOG_LAYER_KEYS holds a value for
+    each of its `layers` (where not given: as many as the first such list holds)."""
     for number, (before, rec) in enumerate(zip([None, *records], records), 1):
         step = rec["step"]
+        counts = {len(rec[k]) for k in LOG_LAYER_KEYS if rec.get(k)}
+        layers = layers or min(counts, default=None)
+        if counts - {layers}:
+            raise LogError(f"{path} line {number} holds {max(counts - {layers})} values a layer, "
+                           f"but the run has {layers} layers: the line is not this run's")
         if before is None:
             if step != 0 or rec.get("prev") is not None:
                 raise LogError(f"{path} line 1 is step {step}, not the run's start (step 0): the "
@@ -634,19 +780,6 @@ def check_log(records: list[dict], path: str) -> None:
             raise LogError(f"{path} line {number} (step {step}) was logged after step "
                            f"{rec['prev']}, but the line before it is step {before['step']}: a "
                            "line of the log is missing")
-
-
-def log_line(rec) -> bool:
-    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it: a step (an int >=
-    0), a dict of metrics, and the prior's mass per layer (a list of numbers, or null) with their
-    mean."""
-    if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0
-            and isinstance(rec.get("metrics"), dict)):
-        return False
-    mass, mean, prev = rec.get("prior_mass"), rec.get("prior_mass_mean"), rec.get("prev")
-    return ((mass is None or isinstance(mass, list) and all(map(is_number, mass)))
-            and (mean is None or is_number(mean))
-            and (prev is None or isinstance(prev, int) and not isinstance(prev, bool)))
 
 
 def append_log(path: str, record: dict) -> None:

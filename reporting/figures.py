@@ -69,11 +69,20 @@ def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, he
     return plt, fig, at
 
 
-def wrapped(text: str, inches: float, size: float) -> str:
+def wrapped(text: str, inches: float, size: float, lines: int | None = None) -> str:
     """text broken into lines (at its own line breaks too) that fit `inches` at font size
-    `size`."""
+    `size`; at most `lines` of them where given (a label read from a file), the last saying how
+    many characters are left out."""
     chars = max(20, int(inches * 72 / (0.6 * size)))
-    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+    out = [part for line in text.split("\n") for part in textwrap.wrap(line, chars) or [""]]
+    if lines is None or len(out) <= lines:
+        return "\n".join(out)
+    kept = out[:lines - 1]
+    return "\n".join(kept + [f"... ({len(text) - sum(map(len, kept)):,} characters more, cut "
+                             "here)"])
+
+
+LABEL_LINES = 8         # lines of a title or legend label drawn from a file's names (`wrapped`)
 
 
 def caption(fig, text: str, size: float = 9) -> None:
@@ -89,8 +98,11 @@ def legend_below(fig, size: float = 8) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     if seen:
-        ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * max(map(len, seen)) + 40))))
-        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=ncols,
+        # a long label (a study's flags) broken into lines that fit the figure
+        labels = [wrapped(label, fig.get_figwidth() - 0.6, size, LABEL_LINES) for label in seen]
+        longest = max(len(line) for label in labels for line in label.split("\n"))
+        ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * longest + 40))))
+        fig.legend(list(seen.values()), labels, loc="outside lower center", ncols=ncols,
                    fontsize=size)
 
 
@@ -102,8 +114,10 @@ def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
         ax.set_yticks([])
         return
     at = list(range(0, n, -(-n // 24)))
-    ax.set_xticks(at, [names[i] for i in at], fontsize=size, rotation=90)
-    ax.set_yticks(at, [names[i] for i in at], fontsize=size)
+    # a name with '$' is text, not math (tick labels keep math parsing for the axes' numbers)
+    shown = [names[i].replace("$", r"\$") for i in at]
+    ax.set_xticks(at, shown, fontsize=size, rotation=90)
+    ax.set_yticks(at, shown, fontsize=size)
     ax.tick_params(length=1, pad=1)
 
 
@@ -151,11 +165,28 @@ def figure_problems(fig, drawn: bool = False) -> list[str]:
     return problems
 
 
+def as_text(fig) -> None:
+    """Every text of `fig` drawn as the characters it holds: no math ($...$) and no LaTeX, since
+    titles, labels and legends hold names read from files ('$\\frac{$' is a task's name, not a
+    formula). The axes' tick labels, which matplotlib's formatters write (10^2 on a log scale),
+    keep theirs; `token_ticks` escapes the names it puts there."""
+    from matplotlib.text import Text
+    ticks = {id(t) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+             for t in [axis.offsetText] + [label for tick in axis.get_major_ticks()
+                                           + axis.get_minor_ticks()
+                                           for label in (tick.label1, tick.label2)]}
+    for text in fig.findobj(Text):
+        if id(text) not in ticks:
+            text.set_parse_math(False)
+            text.set_usetex(False)
+
+
 def save_figure(fig, path: str, dpi: int = 110) -> str:
-    """Drop the panels never drawn in, save the figure as a PNG atomically and close it; returns
-    path."""
+    """Drop the panels never drawn in, save the figure as a PNG atomically (its texts as text:
+    `as_text`) and close it; returns path."""
     for ax in [ax for ax in fig.axes if not ax.get_visible()]:
         fig.delaxes(ax)
+    as_text(fig)
     with runfiles.atomic_output(path) as f:
         fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)

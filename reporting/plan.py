@@ -560,6 +560,20 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def one_line(text: str) -> str:
+    """`text` on one line: a character that is not printable (a newline in a path) as its
+    escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its refusals in one line (exit status 2), as every other refusal here."""
+    def error(self, message):
+        print(one_line(f"reporting.plan: {message} (python -m reporting.plan --help lists the "
+                       "flags)"), file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_seeds(text: str) -> list[int]:
     """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts
     (tasks.parse_count)."""
@@ -569,35 +583,53 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+# the count flags: flag -> (least, most), each through the one parser of counts (tasks.parse_count)
+COUNT_FLAGS = {"jobs": (1, 1024)}
+# the folder flags: flag -> what it names; a path there that is not a folder is refused (one that
+# is not there yet is a folder to come: its data sets absent, its runs not made)
+FOLDER_FLAGS = {"data": "the data sets' folder", "runs": "the run folders a later stage reads"}
+
+
+def parse_flags(a: argparse.Namespace) -> dict:
+    """The flags' values past argparse: the seeds and counts parsed, the folders checked; a
+    UsageError (one line) for anything else."""
+    for flag, what in FOLDER_FLAGS.items():
+        path = getattr(a, flag)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise runfiles.UsageError(f"--{flag} {path} is a file, not a folder: give {what}")
+    return {"seeds": parse_seeds(a.seeds), **{flag: tasks.parse_count(getattr(a, flag), flag, *bounds)
+                                              for flag, bounds in COUNT_FLAGS.items()}}
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.register("action", None, _Once)                # every flag below: given once
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=TABLES)
     p.add_argument("--seeds", default="0 1 2")
     p.add_argument("--data", default="data")
     p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time (the --quick plan's minutes)")
+    p.add_argument("--jobs", default="1", help="runs at a time (the --quick plan's minutes), "
+                                               f"1 .. {COUNT_FLAGS['jobs'][1]}")
     p.add_argument("--list", action="store_true",
                    help="the plan as reproduce.sh reads it: its text, each line led by "
                    "'# ', then the runs, one a line")
     a = p.parse_args(argv)
     try:
-        plan = run_list(a.quick, a.only, parse_seeds(a.seeds), a.data, a.runs)
+        flags = parse_flags(a)
+        plan = run_list(a.quick, a.only, flags["seeds"], a.data, a.runs)
         step_times()
     # one line, exit 2: reproduce.sh passes it on and starts nothing
     except (runfiles.UsageError, runfiles.ReadError) as e:
-        print(f"reporting.plan: {e}", file=sys.stderr)
+        print(one_line(f"reporting.plan: {e}"), file=sys.stderr)
         return 2
     if a.list:
         fetch = [t for t in plan.absent if t != "imagenet100"]
-        print("\n".join(["# " + line for line in describe(plan, jobs=a.jobs).splitlines()]
+        print("\n".join(["# " + line for line in describe(plan, jobs=flags["jobs"]).splitlines()]
                         + (["DOWNLOAD " + " ".join(fetch)] if fetch else [])
                         + [item if isinstance(item, str) else item.line() for item in plan.items]))
     else:
-        print(describe(plan, jobs=a.jobs))
+        print(describe(plan, jobs=flags["jobs"]))
     return 0
 
 

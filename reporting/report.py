@@ -14,7 +14,6 @@ import csv
 import errno
 import io
 import json
-import math
 import os
 import re
 
@@ -22,8 +21,8 @@ import re
 import inits
 import runfiles
 from reporting import show
-from reporting.figures import (caption, legend_below, line_style, panel_grid, plot_band, pyplot, save_figure,
-                               token_ticks, wrapped)
+from reporting.figures import (LABEL_LINES, caption, legend_below, line_style, panel_grid, plot_band, pyplot,
+                               save_figure, token_ticks, wrapped)
 
 # ----------------------------------------------------------------------------------------
 # Summaries: run directories -> a markdown table (mean +- std over seeds)
@@ -138,10 +137,9 @@ def _mass(ms):
 
 
 def _mdi(ms):
-    if "mdi_acc" not in ms[0]:
-        return ""
-    extra = f" (sign {100 * ms[0]['mdi_sign_acc']:.1f})" if "mdi_sign_acc" in ms[0] else ""
-    return f"{100 * ms[0]['mdi_acc']:.1f}{extra}"
+    m = ms[0]
+    extra = f" (sign {100 * m['mdi_sign_acc']:.1f})" if m.get("mdi_sign_acc") is not None else ""
+    return "" if m.get("mdi_acc") is None else f"{100 * m['mdi_acc']:.1f}{extra}"
 
 
 # Columns of the summary table by task kind: (header, function of the runs' metrics).
@@ -158,10 +156,11 @@ COLUMNS = {
 }
 
 
-def summarize(paths) -> str:
+def summarize(paths, collected: tuple | None = None) -> str:
     """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's
-    attention mass at start and end, and the paper's number beside ours."""
-    runs, problems = collect_runs(paths)
+    attention mass at start and end, and the paper's number beside ours (of the runs under
+    `paths`, or `collected` from them already)."""
+    runs, problems = collected or collect_runs(paths)
     configs, notes = config_groups(runs)
     groups = {}
     for (task, label), rs in configs.items():
@@ -229,11 +228,14 @@ def flag_label(label: str) -> str:
 
 def log_records(run: dict) -> list[dict]:
     """The records of a run's metrics.jsonl (one per logged step), or [] when it has none; read
-    once per run dict (the curves, steps to target and the prior per layer all use them)."""
+    once per run dict (the curves, steps to target and the prior per layer all use them), each
+    line a record of this run (`runfiles.read_log`: a value a layer of the model its result.json
+    names)."""
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
+        layers = (run.get("config") or {}).get("n_layers")
         try:
-            run["_records"] = runfiles.read_log(path) if os.path.isfile(path) else []
+            run["_records"] = runfiles.read_log(path, layers) if os.path.isfile(path) else []
         # the run has no curves; its result.json still counts in the tables
         except runfiles.LogError as e:
             run["_records"] = []
@@ -269,13 +271,15 @@ PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative c
                        "training; mean over seeds, band = min to max")
 
 
+PERSISTENCE_HEADER = ("task", "init", "seed", "step", "mass_mean", "drift_mean")
+
+
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed.
     Returns the paths written."""
     csv_path = os.path.join(out_dir, "persistence.csv")
     n_layers = max((len(r["layers"]) for r in rows), default=0)
-    lines = ["task,init,seed,step,mass_mean,drift_mean," + ",".join(f"mass_layer{i}"
-                                                                    for i in range(n_layers))]
+    lines = [",".join([*PERSISTENCE_HEADER, *(f"mass_layer{i}" for i in range(n_layers))])]
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
@@ -431,13 +435,13 @@ def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
 
 def curve_points(run: dict) -> dict:
     """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics
-    (read from the record's metrics, or from the record itself: the prior's mass,
-    prior_mass_mean)."""
+    (read from the record's metrics, or from the record itself where its schema has the key: the
+    prior's mass, prior_mass_mean)."""
     keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
     points = {k: [] for k in keys}
     for rec in log_records(run):
         for k in keys:
-            v = (rec.get("metrics") or {}).get(k, rec.get(k))
+            v = rec["metrics"].get(k, rec.get(k) if k in runfiles.LOG_SCHEMA else None)
             if v is not None and v == v:
                 points[k].append((rec["step"], float(v)))
     return points
@@ -526,7 +530,7 @@ def draw_curves(rows: list, path: str) -> list[str]:
                       else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
-        ax.set_title(wrapped(title, 3.8, 8), fontsize=8)
+        ax.set_title(wrapped(title, 3.8, 8, LABEL_LINES), fontsize=8)
         ax.set_xlabel("training step")
         ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""),
                       fontsize=8)
@@ -575,7 +579,8 @@ def first_step(records: list, target: list):
     is better) of target holds, or None."""
     for rec in records:
         m = rec.get("metrics") or {}
-        if all(k in m and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
+        if all(m.get(k) is not None and ((m[k] >= t) if higher else (m[k] <= t))
+               for k, t, higher in target):
             return rec["step"]
     return None
 
@@ -592,7 +597,8 @@ def targets_for(kind: str, runs: list) -> list:
         return [("99% on U and on the seen domain",
                  [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
     key, higher = ("top1", True) if kind == "vision" else ("val_ppl", False)
-    finals = [r["metrics"][key] for r in runs if r["init"] == "default" and key in r["metrics"]]
+    finals = [r["metrics"][key] for r in runs
+              if r["init"] == "default" and r["metrics"].get(key) is not None]
     if not finals:
         return []
     t = sum(finals) / len(finals)
@@ -688,6 +694,8 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     always and .png when matplotlib is installed."""
     runs, problems = collect_runs(folders)
     runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
+    problems += [f"{r['run_dir']}: {what}" for r in runs for what in [efficiency_problem(r)] if what]
+    runs = [r for r in runs if not efficiency_problem(r)]
     groups, notes = config_groups(runs, ignore={"data_frac"})
     rows, md, panels = [], [], []
     for (_, label), rs in groups.items():
@@ -722,6 +730,22 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
     runfiles.atomic_write(md_path, text)
     return [md_path, csv_path] + draw_efficiency(rows,
                                                  os.path.join(out_dir, "data_efficiency.png"))
+
+
+# what a run of the data-efficiency series holds: its metrics (key -> (check, what it must be)) and
+# its digits (tells_apart)
+EFFICIENCY_METRICS = {"n_train": (lambda v: runfiles.is_count(v) and v > 0, "a count of pairs > 0"),
+                      "seq_acc": (runfiles.is_share, "a share in [0, 1]"),
+                      "digit_acc": (runfiles.is_share, "a share in [0, 1]")}
+EFFICIENCY_FLAGS = {"digits": (lambda v: v is None or runfiles.is_count(v) and 0 < v <= 64,
+                               "null or 1 .. 64 digits")}
+
+
+def efficiency_problem(run: dict) -> str | None:
+    """Why an addition run with n_train is not a point of the data-efficiency series, or None."""
+    problem = (runfiles.schema_problem(run["metrics"], EFFICIENCY_METRICS, EFFICIENCY_METRICS)
+               or runfiles.schema_problem(run_config(run), EFFICIENCY_FLAGS, ()))
+    return problem and f"not a point of the series (its metrics or flags{problem})"
 
 
 def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[str]:
@@ -767,7 +791,8 @@ def draw_efficiency(rows: list, path: str) -> list[str]:
         ax.minorticks_off()
         ax.set_xlabel("training pairs")
         ax.set_ylabel("sequence accuracy %")
-        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9),
+        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9,
+                             LABEL_LINES),
                      fontsize=9)
         ax.grid(alpha=0.3)
     legend_below(fig)
@@ -916,7 +941,7 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
     for b, (title, p, names) in enumerate(panels):
         ax = at(b)
         ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(wrapped(title, 2.9, 7), fontsize=7)
+        ax.set_title(wrapped(title, 2.9, 7, LABEL_LINES), fontsize=7)
         token_ticks(ax, names, p.shape[-1])
     caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed "
                  "(first head)")
@@ -1029,51 +1054,113 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
 # Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw
 # RESULTS`), no runs needed
 
-def _finite(cell: str) -> float:
-    v = float(cell)
-    if not math.isfinite(v):
-        raise ValueError(f"{cell!r} is not a finite number")
-    return v
+# characters of a configuration's label: more than all of train.py's flags written out (a figure
+# draws LABEL_LINES lines of one, saying how much it cut)
+LABEL_MAX = 4000
+# a figure redrawn: at most this many panels (about 0.05 s each) and series in its legend (those
+# `line_style` tells apart); one of more than REDRAW_SLOW_PANELS says so before it is drawn
+REDRAW_MAX_PANELS, REDRAW_MAX_SERIES, REDRAW_SLOW_PANELS = 400, 40, 40
+
+
+def _digits(text: str) -> int | None:
+    """An integer cell: ASCII digits alone (no sign, '_', space or other script's digits); None
+    for anything else."""
+    return int(text) if re.fullmatch(r"[0-9]{1,20}", text) else None
+
+
+def _number(text: str) -> float | None:
+    """A number cell as a report writes one (ASCII, 'nan' where nothing was measured); None for
+    anything else."""
+    return (float(text) if re.fullmatch(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan", text)
+            else None)
+
+
+# a report CSV's cells: kind -> (the parser of its text (None: not of the kind), the check of the
+# value, what it must be)
+CELLS = {
+    "name": (str, runfiles.is_name, "a name as train.py writes one (lower-case letters, digits, "
+                                    "- and _, at most 40)"),
+    "label": (str, lambda v: len(v) <= LABEL_MAX and v.isprintable(),
+              f"a configuration's flags (printable, at most {LABEL_MAX} characters)"),
+    "seed": (_digits, lambda v: v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
+    "step": (_digits, runfiles.is_step, "a step in 0 .. 2^53"),
+    "count": (_digits, lambda v: 0 < v <= runfiles.MAX_STEP, "a count in 1 .. 2^53"),
+    "value": (_number, runfiles.is_value, f"a finite number within +-{runfiles.MAX_VALUE:g}"),
+    "mass": (_number, runfiles.is_mass, f"an attention mass in [0, 1] (+-{runfiles.MASS_SLACK:g})"),
+    "drift": (_number, lambda v: v != v or runfiles.is_value(v) and v >= 0,
+              "nan or a relative change >= 0"),
+}
+
+
+def _cells(kinds: tuple, cells: list, rest: str | None = None) -> list:
+    """A CSV row's cells, each parsed and checked as its kind (CELLS; `rest`: the kind of every
+    cell after `kinds`); ValueError naming the first that is not."""
+    specs = [CELLS[kinds[i] if i < len(kinds) else rest] for i in range(len(cells))]
+    values = [parse(text) for (parse, _, _), text in zip(specs, cells)]
+    bad = [(text, what) for (_, ok, what), text, v in zip(specs, cells, values)
+           if v is None or not ok(v)][:1]
+    if bad:
+        raise ValueError(f"{_cut(bad[0][0])} is not {bad[0][1]}")
+    return values
+
+
+def _cut(text: str, most: int = 40) -> str:
+    """`text` as a message quotes it: repr, cut to `most` characters."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
+
+
+PERSISTENCE_CELLS = ("name", "name", "seed", "step", "mass", "drift")
 
 
 def _persistence_row(cells: list) -> dict:
-    """A persistence.csv row (a drift of nan: a run that logged none)."""
-    return {"task": cells[0], "init": cells[1], "seed": int(cells[2]), "step": int(cells[3]),
-            "mass": _finite(cells[4]), "drift": math.nan if cells[5] == "nan"
-            else _finite(cells[5]), "layers": [_finite(c) for c in cells[6:]]}
+    """A persistence.csv row (a drift of nan: a run that logged none), a mass a layer after it."""
+    task, init, seed, step, mass, drift, *layers = _cells(PERSISTENCE_CELLS, cells, "mass")
+    return {"task": task, "init": init, "seed": seed, "step": step, "mass": mass, "drift": drift,
+            "layers": layers}
 
 
 def _curve_row(cells: list) -> tuple:
     """A curves.csv row: (task, configuration, init, seed, step, metric, value)."""
-    return cells[0], cells[1], cells[2], int(cells[3]), int(cells[4]), cells[5], _finite(cells[6])
+    return tuple(_cells(("name", "label", "name", "seed", "step", "name", "value"), cells))
 
 
 def _efficiency_row(cells: list) -> tuple:
     """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit
     acc)."""
-    return cells[0], cells[1], int(cells[2]), int(cells[3]), _finite(cells[4]), _finite(cells[5])
+    return tuple(_cells(("label", "name", "seed", "count", "value", "value"), cells))
 
 
-# name -> (the CSV's header, at least; a row's parser; the drawer of NAME.png from the rows)
-REDRAWN = {"curves": (CURVES_HEADER, _curve_row, draw_curves),
-           "persistence": (("task", "init", "seed", "step", "mass_mean", "drift_mean"), _persistence_row,
-                           draw_persistence),
-           "data_efficiency": (EFFICIENCY_HEADER, _efficiency_row, draw_efficiency),
-           **{study: (CURVES_HEADER, _curve_row, lambda rows, path,
-                      title=title: draw_comparison(rows, path, title))
+def _curves_size(rows: list) -> tuple[int, int]:
+    """curves.png's (panels: task, configuration and metric; series: inits) of curve rows."""
+    return len({(r[0], r[1], r[5]) for r in rows}), len({r[2] for r in rows})
+
+
+# name -> (the CSV's header, at least; the cells after it (a mass a layer); a row's parser; the
+# drawer of NAME.png from the rows; the figure's (panels, series in its legend) from the rows)
+REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves, _curves_size),
+           "persistence": (PERSISTENCE_HEADER, runfiles.MAX_LAYERS, _persistence_row,
+                           draw_persistence,
+                           lambda rows: (2 * len({r["task"] for r in rows}),
+                                         len({r["init"] for r in rows} & set(PERSISTENCE_INITS)))),
+           "data_efficiency": (EFFICIENCY_HEADER, 0, _efficiency_row, draw_efficiency,
+                               lambda rows: (len({r[0] for r in rows}), len({r[1] for r in rows}))),
+           **{study: (CURVES_HEADER, 0, _curve_row,
+                      lambda rows, path, title=title: draw_comparison(rows, path, title),
+                      lambda rows: (len({r[5] for r in rows}), len({(r[2], r[1]) for r in rows})))
               for study, title in STUDY_FIGURES.items()}}
 
 
-def read_rows(path: str, header: tuple, parse) -> list:
-    """The rows of a CSV a report wrote, read through the one reader and parsed; anything else is a
+def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
+    """The rows of a CSV a report wrote, read through the one reader (at most READ_LIMITS'
+    "table" bytes; rows of `header` and up to `extra` cells more) and parsed; anything else is a
     ReportError naming the file and the line."""
     try:
-        lines = list(csv.reader(io.StringIO(runfiles.read_back(path, "log").decode("utf-8"))))
+        lines = list(csv.reader(io.StringIO(runfiles.read_back(path, "table").decode("utf-8"))))
     except (runfiles.ReadError, UnicodeDecodeError, csv.Error) as e:
         raise ReportError(f"redraw: cannot read {path} ({e})") from None
-    if not lines or tuple(lines[0][:len(header)]) != header:
+    if not lines or tuple(lines[0][:len(header)]) != header or len(lines[0]) > len(header) + extra:
         raise ReportError(f"redraw: {path} is not the table a report writes: its header is not "
-                          f"{','.join(header)}")
+                          f"{','.join(header)}" + (f" and at most {extra} more" if extra else ""))
     rows = []
     for n, cells in enumerate(lines[1:], 2):
         try:
@@ -1086,28 +1173,48 @@ def read_rows(path: str, header: tuple, parse) -> list:
     return rows
 
 
-def redraw(results: str) -> list[str]:
+def redraw(results: str) -> tuple[list[str], list[str]]:
     """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from
-    that CSV; the CSVs and tables are left as they are. Every CSV is read and checked before any
-    figure is drawn. Returns (written, the figures there that are drawn from the runs alone: report
-    again to redraw them)."""
+    that CSV; the CSVs and tables are left as they are. Every CSV is read and checked, and each
+    figure's size bounded (`figure_sizes`), before any figure is drawn; a figure of many panels
+    says so before it is drawn. Returns (written, the figures there that are drawn from the runs
+    alone: report again to redraw them)."""
     if pyplot() is None:
         raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
     if not os.path.isdir(results):
         raise ReportError(f"redraw: {results} is not a folder of tables and figures (train.py "
                           "report RUNS OUT writes one)")
-    tables = {name: read_rows(os.path.join(results, name + ".csv"), header, parse)
-              for name, (header, parse, _) in REDRAWN.items()
+    tables = {name: read_rows(os.path.join(results, name + ".csv"), header, parse, extra)
+              for name, (header, extra, parse, _, _) in REDRAWN.items()
               if os.path.isfile(os.path.join(results, name + ".csv"))}
     if not tables:
         raise ReportError(f"redraw: {results} holds none of "
                           f"{', '.join(n + '.csv' for n in REDRAWN)}, so there is nothing to "
                           "redraw and nothing was written")
-    written = [p for name, rows in tables.items()
-               for p in REDRAWN[name][2](rows, os.path.join(results, name + ".png"))]
+    written = []
+    for name, panels in figure_sizes(results, tables).items():
+        if panels > REDRAW_SLOW_PANELS:
+            print(f"redraw: {name}.png: {panels} panels, about {panels // 20 + 1} s to draw",
+                  flush=True)
+        written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"))
     left = sorted(f for f in os.listdir(results) if f.endswith(".png")
                   and os.path.join(results, f) not in written)
     return written, left
+
+
+def figure_sizes(results: str, tables: dict) -> dict:
+    """{name: panels} of the figures drawn from `tables` ({name: rows}); ReportError where one
+    would draw more panels or series than any report does (REDRAW_MAX_PANELS, _SERIES)."""
+    sizes = {name: REDRAWN[name][4](rows) for name, rows in tables.items()}
+    big = [(name, p, s) for name, (p, s) in sizes.items()
+           if p > REDRAW_MAX_PANELS or s > REDRAW_MAX_SERIES][:1]
+    if big:
+        name, p, s = big[0]
+        raise ReportError(f"redraw: {os.path.join(results, name + '.csv')} would draw {p:,} "
+                          f"panels and {s:,} series in one figure, more than any report draws "
+                          f"({REDRAW_MAX_PANELS} panels, {REDRAW_MAX_SERIES} series); it is not "
+                          "a table a report wrote: nothing was redrawn")
+    return {name: p for name, (p, _) in sizes.items()}
 
 
 def redraw_command(results: str) -> int:
@@ -1129,12 +1236,42 @@ class ReportError(runfiles.UsageError):
 
 
 def summarize_command(paths: list) -> int:
-    missing = [p for p in paths if not os.path.exists(p)]
-    if missing:
-        raise ReportError(f"summarize: {missing[0]} does not exist; give run folders, or folders "
-                          "of them")
-    print(summarize(paths), end="")
+    """`summarize PATH...`, refused in one line where a path holds no run (RUN_PATH_PROBLEMS) or
+    none holds a finished one (there is nothing to tabulate)."""
+    bad = [f"{p} {no_runs_in(p)}; give run folders, or folders of them" for p in paths
+           if no_runs_in(p)]
+    collected = ([], bad) if bad else collect_runs(paths)
+    if not collected[0]:
+        raise ReportError("summarize: " + (bad[0] if bad else
+                                           f"no finished run (result.json) in {', '.join(paths)}, "
+                                           "so there is nothing to tabulate "
+                                           f"({'; '.join(collected[1][:3])})"))
+    print(summarize(paths, collected), end="")
     return 0
+
+
+def no_runs_in(path: str) -> str | None:
+    """Why `path` holds no run (the first of RUN_PATH_PROBLEMS that holds), or None."""
+    return next((what for holds_none, what in RUN_PATH_PROBLEMS if holds_none(path)), None)
+
+
+def _listing(path: str) -> list | None:
+    """The names in folder `path`, or None where it cannot be read."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return None
+
+
+# why a path given to `summarize` holds no run, in order: (it holds none, what is wrong)
+RUN_PATH_PROBLEMS = (
+    (lambda p: not os.path.exists(p), "does not exist"),
+    (lambda p: not os.path.isdir(p), "is a file, not a run folder or a folder of them"),
+    (lambda p: _listing(p) is None, "is a folder that cannot be read"),
+    (lambda p: not _listing(p), "is an empty folder"),
+    (lambda p: not ({"args.json", "result.json"} & set(_listing(p))
+                    or any(os.path.isdir(os.path.join(p, d)) for d in _listing(p))),
+     "holds no run folder (neither a run's files nor folders)"))
 
 
 def report_command(runs: str, out: str) -> int:
