@@ -63,7 +63,8 @@ import runconfig
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TEST_FILES = ("test_maskprior.py", "test_retrofit.py")      # the README's test command runs both
+# the README's test command runs them all (test_*.py)
+TEST_FILES = tuple(sorted(os.path.basename(p) for p in glob.glob(os.path.join(HERE, "test_*.py"))))
 
 
 # ---------------------------------------------------------------------------------------- shared helpers
@@ -7071,6 +7072,7 @@ def test_a_run_stores_the_one_spelling_and_says_so(tmp_path, capsys):
     ("[]", "holds list, not the step times bench_paper.py writes"), ('{"small parity2 mask": {"ms_eval": 1}}', "has no ms_step"),
     ('{"small parity2 mask": {"ms_step": -1, "ms_eval": 1}}', "ms_step is -1, not milliseconds"),
     ('{"small parity2 mask": 3}', "holds a int, not the dict"), ("{", "is not JSON"),
+    ('{"small parity2 mask": {"ms_step": 1, "ms_eval": 1, "device": {"a": 1}}}', "device is {'a': 1}, not the device's"),
 ])
 def test_a_step_times_file_that_is_not_one_is_one_line(tmp_path, text, words):
     """results/step_times.json read by the plan: a list, an entry without a time or with a negative one, or bytes

@@ -202,7 +202,7 @@ def test_report_goes_on_past_any_metrics_line(rec, capsys):
         assert ("metrics.jsonl line 2" in notes) != (",mask,0,0," in curves), notes[:2000]
 
 
-def test_report_skips_each_crafted_log_of_issue_64_with_a_line_saying_why(tmp_path, capsys):
+def test_report_skips_each_crafted_log_with_a_line_saying_why(tmp_path, capsys):
     """Issue 64, 3: a step of 10**39, a prior_mass of 50,000 entries on a 2-layer run and values of +-1e308 were
     tracebacks; now each run's log is left out of the curves with the reason, and the report goes on."""
     why = ["step is 10000000000", "prior_mass is [0.5, 0.5", "metrics is {'acc_unseen': 1e+308"]
@@ -293,7 +293,7 @@ def test_redraw_draws_a_report_csv_or_refuses_it_in_one_line(name, rows, hostile
             assert {k: v for k, v in _tree(tmp).items() if k != f"res/{name}.png"} == before
 
 
-def test_redraw_of_each_crafted_table_of_issue_64(tmp_path, capsys):
+def test_redraw_of_each_crafted_table_is_drawn_or_one_line(tmp_path, capsys):
     """Issue 64, 4: 3,000 task names (150 s silent), '$\\frac{$' (a crash in math text), a step of 1e20 (a
     traceback) and a label of 100,000 characters (overlapping text, exit 0): a refusal in one line, fast, or (the
     name) the figure drawn with the name as text."""
@@ -413,7 +413,8 @@ def test_the_plan_prints_a_plan_or_refuses_its_flags_in_one_line(args, capsys):
                 line.split("about ")[1][:1] for line in out.splitlines() if "about " in line), (rc, out, err)
 
 
-def test_each_plan_flag_of_issue_64_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.slow
+def test_each_plan_flag_is_refused_in_one_line(tmp_path, capsys):
     """Issue 64, 8: --jobs 0 (a ZeroDivisionError), --jobs -1 ("-158 min"), --jobs 1_0 and Arabic-Indic digits
     (int() takes both), --data FILE and --runs FILE (exit 0): each one line, exit 2; the CLI itself too."""
     (tmp_path / "file").write_text("x")

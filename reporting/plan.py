@@ -453,7 +453,9 @@ def step_times(path: str = STEP_TIMES) -> dict:
 
 _ms = (lambda v: runfiles.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
 # what hours() reads
-STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms}
+STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms,
+                    "device": (lambda v: isinstance(v, str) and len(v) <= 200 and v.isprintable(),
+                               "the device's name, printable text of at most 200 characters")}
 
 
 # how long, where: not a step's cost
