@@ -94,12 +94,13 @@ class Once(argparse.Action):
 
 def number(kind):
     """argparse's `type` for a flag: int and float take ASCII text alone (Python's own also read '1_0' and other
-    scripts' digits, '١٠'), an int of at most 18 digits (it fits int64); any other kind as it is."""
+    scripts' digits, '١٠'), an int of at most 20 digits (past 2^64: what no count or seed needs, and less than a
+    float's range); any other kind as it is."""
     if kind not in (int, float):
         return kind
 
     def parse(text: str):
-        if not text.isascii() or "_" in text or (kind is int and len(text.strip().lstrip("+-")) > 18):
+        if not text.isascii() or "_" in text or (kind is int and len(text.strip().lstrip("+-")) > 20):
             raise ValueError(text)
         return kind(text)
     parse.__name__ = kind.__name__              # argparse's line: "invalid int value: '1_0'"
