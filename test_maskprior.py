@@ -295,6 +295,17 @@ def test_all_names_every_public_function_and_class(module, internal):
     assert not internal & set(module.__all__)
 
 
+def test_api_md_lists_every_public_name():
+    """API.md, the short reference, has a row for each name of both files' `__all__` (and no name they lack), and
+    options of add_mask_prior and a tested-versions table are there."""
+    text = open(os.path.join(HERE, "API.md")).read()
+    rows = set(re.findall(r"^\| `(\w+)", text, re.M))
+    public = set(mp.__all__) | set(retrofit.__all__)
+    options = set(inspect.signature(retrofit.add_mask_prior).parameters) - {"model"}
+    assert public <= rows and rows - public <= options, (public - rows, rows - public - options)
+    assert options <= rows and "## Tested versions" in text and "| torch | " in text
+
+
 def test_imports_run_one_way():
     """Each file imports of ours only what IMPORTS_ALLOWED gives it (anywhere in it, functions too), so the layers
     hold: the method imports nothing of ours, report.py no task and no train; every file of ours is listed."""
