@@ -673,7 +673,7 @@ def test_a_timeout_not_a_sane_number_of_seconds_is_refused(value, tmp_path):
     assert rc == 2 and "--timeout" in line and "seconds" in line and out == "" and not data.exists()
 
 
-@pytest.mark.parametrize("value, words", [("mirror", "http:// or https://"), ("http://[::1", "not a URL"),
+@pytest.mark.parametrize("value, words", [("mirror", "http://, https:// or file://"), ("http://[::1", "not a URL"),
                                           ("http://a\nb/", "a space or a control character"),
                                           ("", "empty"), ("http://u:p@h/", "user name"),
                                           ("http://h/?q=1", "?")])
@@ -801,3 +801,17 @@ def test_ctrl_c_during_an_imagenet100_build_is_one_line_and_leaves_nothing(in1k,
         got = _one_line(lambda: datafetch.imagenet100.build(in1k, str(data)))
     assert getattr(got, "status", None) == 130 and "nothing built" in str(got)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_on_this_machine_is_a_mirror(tmp_path):
+    """Offline, with the files put by hand in a folder: `--from FOLDER` (or its file:// URL) fetches and checks them
+    as from a server; a folder that lacks a file is one line naming it."""
+    local = tmp_path / "by hand"
+    local.mkdir()
+    (local / "fuzz-1.zip").write_bytes(ZIP)
+    for i, mirror in enumerate((str(local), local.as_uri())):
+        data = tmp_path / f"data{i}"
+        assert dl.download(["fuzzset"], str(data), mirror, ONE) == 0
+        assert (data / "fuzz-1" / "a.txt").read_bytes() == ALPHA
+    got = _one_line(lambda: dl.download(["fuzzset"], str(tmp_path / "data9"), str(tmp_path), ONE))
+    assert got != 0 and "fuzz-1.zip" in str(got) and "\n" not in str(got), str(got)

@@ -143,8 +143,9 @@ SUBCOMMANDS = {
                      (("names",), dict(nargs="+", metavar="NAME", help="cifar10, cifar100, wikitext2, tinystories")),
                      (("--data",), dict(required=True, metavar="DIR", help="the data folder (reproduce.sh's --data)")),
                      (("--from",), dict(dest="mirror", metavar="URL",
-                                        help="a mirror: a base URL holding the same file names (still checked "
-                                             "against the pinned sums)")),
+                                        help="a mirror: a base URL holding the same file names, or a folder "
+                                             "on this machine holding them (still checked against the pinned "
+                                             "sums)")),
                      (("--timeout",), dict(type=float, default=30.0,
                                            help="seconds without a byte before a transfer stops"))]),
     "imagenet100": ("build ImageNet-100 from an ImageNet-1k folder (it needs a licence)",

@@ -37,6 +37,7 @@ import errno
 import hashlib
 import http.client
 import os
+import pathlib
 import re
 import shutil
 import stat
@@ -127,8 +128,8 @@ SOURCE_MUST = (
     (lambda s, u: s.isprintable() and " " not in s, "holds a space or a control character"),
     (lambda s, u: u is not None, "is not a URL urllib can read (a bad [IPv6] host, or a port not "
                                  "in 0..65535)"),
-    (lambda s, u: u.scheme in ("http", "https"), "does not start with http:// or https://"),
-    (lambda s, u: bool(u.hostname), "names no host"),
+    (lambda s, u: u.scheme in ("http", "https", "file"), "does not start with http://, https:// or file://"),
+    (lambda s, u: bool(u.hostname) or u.scheme == "file", "names no host"),
     (lambda s, u: u.username is None and u.password is None,
      "holds a user name or password, which the download does not send"),
     (lambda s, u: not (u.query or u.fragment), "has a ? or # part, so no file name can follow it"),
@@ -185,6 +186,7 @@ def download(names, data_dir: str, mirror: str | None = None, sources: dict = SO
     first (nothing written on a refusal). Returns 0; DataError or UsageError (exit 2), BusyError
     (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
     check_names(names, sources)
+    mirror = local_mirror(mirror)
     check_source(mirror)
     check_timeout(timeout)
     with data_folder(data_dir, "--data"), _locked(data_dir):
@@ -202,15 +204,22 @@ def check_names(names, sources: dict) -> None:
                                   or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
 
 
+def local_mirror(mirror):
+    """--from a folder on this machine (where the files were put by hand, offline) -> its file:// URL; else as given."""
+    if isinstance(mirror, str) and mirror and "://" not in mirror and os.path.isdir(mirror):
+        return pathlib.Path(mirror).resolve().as_uri()
+    return mirror
+
+
 def check_source(mirror) -> None:
-    """--from: None (the authors' servers) or an http(s) base URL that file names can follow
+    """--from: None (the authors' servers) or an http(s) or file:// base URL that file names can follow
     (SOURCE_MUST); else one line."""
     parts = _split_url(mirror) if isinstance(mirror, str) else None
     for test, wrong in SOURCE_MUST if mirror is not None else ():
         if not test(mirror, parts):
             raise runfiles.UsageError(f"--from {mirror!r} {wrong}; give the base URL of a mirror "
                                       "that holds the same file names, e.g. https://mirror.example/"
-                                      "data, or leave --from out for the authors' servers")
+                                      "data, or a folder holding them, or leave --from out for the authors' servers")
 
 
 def check_timeout(timeout) -> None:
