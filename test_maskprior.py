@@ -4355,7 +4355,7 @@ FLAG_TEXT = st.one_of(st.sampled_from(["0", "-1", "1", "3", "0.5", "1e308", "-1e
                       st.text(max_size=8))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @fuzz(task=st.sampled_from(("parity2", "kparity", "addition", "cyclic3")),
        pairs=st.lists(st.tuples(st.sampled_from(sorted(runconfig.FIELDS)), FLAG_TEXT), max_size=4))
 @example(task="parity2", pairs=[("batch_size", "9" * 400)])         # found by it: an int past float's range
@@ -4370,7 +4370,7 @@ def test_fuzz_train_flags_make_a_checked_config_or_one_line(task, pairs):
         assert str(e) and "\n" not in str(e).strip(), argv
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @fuzz(command=st.sampled_from(sorted(train.SUBCOMMANDS)), words=st.lists(st.one_of(
     FLAG_TEXT, st.sampled_from(["--data", "--from", "--timeout", "--out", "--help-me", "-x"])), max_size=5))
 @example(command="download", words=["x", "--timeout", "1_0"])

@@ -156,7 +156,7 @@ def _check_record(rec: dict) -> None:
     assert (rec.get("prior_mass") is None) == (rec.get("prior_mass_mean") is None)
 
 
-@settings(max_examples=150, **FUZZ)
+@settings(max_examples=80, **FUZZ)
 @given(rec=RECORDS)
 @example(rec=ISSUE_LINES[0])
 @example(rec=ISSUE_LINES[1])
