@@ -38,8 +38,9 @@ import maskprior as mp
 
 # the attn_implementation a prior's layer runs under (registered with HF)
 HF_ATTENTION = "maskprior_attention"
-# what config.json names: never registered, so a plain from_pretrained fails
-HF_SAVED = "maskprior"
+# what config.json names: never registered, so a plain from_pretrained fails, and transformers' refusal
+# (`attn_implementation="..." is not supported`) quotes it, naming the loader that keeps M
+HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
 GRID = "the patch grid and any class/prefix tokens"
 
 

@@ -572,7 +572,7 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         retrofit.add_mask_prior(model, logits=_past(torch.randn(4, n, n) * 3), param="full")
         model.save_pretrained(tmp_path / name)
         config = json.load(open(tmp_path / name / "config.json"))
-        assert config["attn_implementation"] == "maskprior" and len(config["mask_prior"]["layers"]) == 2
+        assert config["attn_implementation"] == retrofit.HF_SAVED and len(config["mask_prior"]["layers"]) == 2
         back = retrofit.from_pretrained(type(model), str(tmp_path / name)).eval()
         assert type(back) is type(model)
         torch.testing.assert_close(_out(back, x), _out(model, x), atol=0, rtol=0)
@@ -581,8 +581,9 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         half = retrofit.from_pretrained(type(model), str(tmp_path / name), dtype=torch.bfloat16)
         for a, b in zip(mp.mask_priors(half), mp.mask_priors(model)):          # bf16 weights, M float32 and exact
             assert a.bias.dtype == torch.float32 and torch.equal(a.bias, b.bias)
-        with pytest.raises(ValueError, match='attn_implementation="maskprior"'):   # loading fails, in this process
-            type(model).from_pretrained(tmp_path / name)                    # too (its runtime name is another)
+        with pytest.raises(ValueError, match='attn_implementation="maskprior: load it with '   # loading fails, in this
+                                             'maskprior_retrofit.from_pretrained"'):       # process too, naming the fix
+            type(model).from_pretrained(tmp_path / name)                    # (its runtime name is another)
     model, x, n = _hf("gpt2")                                 # the prior on the base model, saved with the head
     retrofit.add_mask_prior(model.transformer, logits=_past(torch.randn(4, n, n)), param="full")
     model.save_pretrained(tmp_path / "head")
@@ -594,7 +595,7 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
     assert [p.where for p in mp.mask_priors(again)] == ["transformer.h.0.attn", "transformer.h.1.attn"]
     code = f"import transformers as tf; tf.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'gpt2')!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode != 0 and "maskprior" in r.stderr.strip().splitlines()[-1]     # a fresh process: refused
+    assert r.returncode != 0 and "maskprior_retrofit.from_pretrained" in r.stderr.strip().splitlines()[-1]
     plain_dir = tmp_path / "plain"
     tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10)).save_pretrained(plain_dir)
     with pytest.raises(ValueError, match="records no mask prior"):
