@@ -3465,9 +3465,8 @@ class LMTask(Task):
         self.vocab_size, self.decode, self.vocab = corpus["vocab_size"], corpus["decode"], corpus.get("vocab")
         self._data_hash = corpus["data_hash"]
         _check_context(self.context, len(self.train), "training")
-        _check_context(self.context, len(self.valid), "validation")
-        if self.eval_context:
-            _check_context(self.eval_context, len(self.valid), "validation", "--eval-context")
+        for flag, n in (("--context", self.context), ("--eval-context", self.eval_context or self.context)):
+            _check_context(n, len(self.valid), "validation", flag)
         self.device = torch.device(device)
         return self
 
