@@ -21,7 +21,7 @@ Each file of a set (SOURCES) goes the same way:
    reader must then find it there (`Task.locate`) before the folder is renamed into place (datafetch.write.write_new_dataset),
    so DIR holds the set whole or not at all; the .part is deleted once the set is in.
 
-The arguments are checked before anything is written (`check_source`, `check_timeout`, and
+The arguments are checked before anything is written (`refusal`, and
 `datafetch.write.make_folder` for DIR): bad input is one line, exit status 2. Every failure after
 is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for a resumable
 .part: whatever urllib, http.client, socket or ssl raise (NET_WORDS), and whatever a damaged
@@ -185,23 +185,15 @@ def download(names, data_dir: str, mirror: str | None = None, sources: dict = SO
     docstring); `mirror`: a base URL that holds the same file names. Its arguments are checked
     first (nothing written on a refusal). Returns 0; DataError or UsageError (exit 2), BusyError
     (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
-    check_names(names, sources)
     mirror = local_mirror(mirror)
-    check_source(mirror)
-    check_timeout(timeout)
+    if error := refusal(names, mirror, timeout, sources):
+        raise error
     with data_folder(data_dir, "--data"), _locked(data_dir):
         for n in dict.fromkeys(names):
             for f in sources[n]:
                 with _resumable(f, data_dir):
                     _fetch_one(n, f, data_dir, mirror, timeout)
     return 0
-
-
-def check_names(names, sources: dict) -> None:
-    for n in names:
-        if n not in sources:
-            raise tasks.DataError(NOT_DOWNLOADABLE.get(n)
-                                  or f"unknown data set {n!r}; downloadable: {', '.join(sources)}")
 
 
 def local_mirror(mirror):
@@ -211,21 +203,21 @@ def local_mirror(mirror):
     return mirror
 
 
-def check_source(mirror) -> None:
-    """--from: None (the authors' servers) or an http(s) or file:// base URL that file names can follow
-    (SOURCE_MUST); else one line."""
+def refusal(names, mirror, timeout, sources: dict) -> Exception | None:
+    """download's arguments in one pass: the error saying what is first wrong (a set it cannot fetch, a --from
+    that is not a base URL file names can follow by SOURCE_MUST, a --timeout outside TIMEOUT_MUST), else None."""
+    for n in names:
+        if n not in sources:
+            return tasks.DataError(NOT_DOWNLOADABLE.get(n) or f"unknown data set {n!r}; downloadable: "
+                                   f"{', '.join(sources)}")
     parts = _split_url(mirror) if isinstance(mirror, str) else None
     for test, wrong in SOURCE_MUST if mirror is not None else ():
         if not test(mirror, parts):
-            raise runfiles.UsageError(f"--from {mirror!r} {wrong}; give the base URL of a mirror "
-                                      "that holds the same file names, e.g. https://mirror.example/"
-                                      "data, or a folder holding them, or leave --from out for the authors' servers")
-
-
-def check_timeout(timeout) -> None:
+            return runfiles.UsageError(f"--from {mirror!r} {wrong}; give the base URL of a mirror that holds the "
+                                       "same file names, e.g. https://mirror.example/data, or a folder holding "
+                                       "them, or leave --from out for the authors' servers")
     test, expected = TIMEOUT_MUST
-    if not test(timeout):
-        raise runfiles.UsageError(f"--timeout {timeout!r} is not {expected}")
+    return None if test(timeout) else runfiles.UsageError(f"--timeout {timeout!r} is not {expected}")
 
 
 def _split_url(text: str):
