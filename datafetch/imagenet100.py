@@ -26,9 +26,6 @@ SPLITS = ("train", "val")
 def _sources(source: str) -> dict:
     """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is
     missing."""
-    if not os.path.isdir(source):
-        raise tasks.DataError(f"--from {source!r} is not a folder; give the ImageNet-1k folder that "
-                          "holds train/<wnid>/ and val/<wnid>/")
     out, missing = {}, []
     for split in SPLITS:
         for wnid in tasks.IMAGENET100_WNIDS:
@@ -47,11 +44,11 @@ def _sources(source: str) -> dict:
             if not files:
                 missing.append(f"{split}/{wnid} (empty)")
             out[split, wnid] = files
-    if missing:
-        raise tasks.DataError(f"{source!r} lacks {len(missing)} of the ImageNet-100 class folders, e.g. "
-                          f"{', '.join(missing[:3])}: it should hold ImageNet-1k as train/<wnid>/ "
-                          "and val/<wnid>/ (a flat val/ sorted into its classes first); nothing "
-                          "built")
+    if missing:                        # (--from not a folder: every class is missing)
+        what = ("is not a folder" if not os.path.isdir(source) else
+                f"lacks {len(missing)} of the ImageNet-100 class folders, e.g. {', '.join(missing[:3])}")
+        raise tasks.DataError(f"--from {source!r} {what}: give the ImageNet-1k folder that holds train/<wnid>/ "
+                              "and val/<wnid>/ (a flat val/ sorted into its classes first); nothing built")
     return out
 
 

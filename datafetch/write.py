@@ -52,33 +52,34 @@ def encodable(path: str) -> bool:
 def make_folder(path: str, flag: str = "the data folder") -> list:
     """`path` as a folder: made, with its missing parents, where it is not one yet. Returns the
     folders it made, outermost first (`unmake` removes them again); a UsageError of one line where
-    `path` is empty, a file, under a file, or cannot be made, and then nothing is left made."""
+    `path` is empty, a file, under a file, cannot be made or written in, and then nothing is left made."""
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
-    for test, wrong in FOLDER_MUST:
-        if not test(path):
-            raise UsageError(f"{flag} {path!r} {wrong}; give a folder that exists or can be made")
+    made, wrong = [], next((wrong for test, wrong in FOLDER_MUST if not test(path)), None)
+    if wrong is None:
+        made, wrong = _make_dirs(path)
+    if wrong is None and not os.access(path, os.W_OK | os.X_OK):
+        wrong = "is a folder this user cannot write in"
+    if wrong is not None:
+        unmake(made)
+        raise UsageError(f"{flag} {path!r} {wrong}; give a folder that exists or can be made (it is made, with "
+                         "its parents, if missing) and that this user can write in")
+    return made
+
+
+def _make_dirs(path: str) -> tuple[list, str | None]:
+    """(the folders made for `path`, outermost first; what stopped it, by FOLDER_ERRNOS, or None)."""
     missing, p, made = [], path, []
     while p and not os.path.lexists(p):
         missing.append(p)
         p = os.path.dirname(p.rstrip(os.sep))
     try:
         for q in reversed(missing):
-            try:
+            with contextlib.suppress(FileExistsError):      # q/.. or q/. : a folder already, by another name
                 os.mkdir(q)
                 made.append(q)
-            except FileExistsError:          # q/.. or q/. : a folder already, by another name
-                if not os.path.isdir(q):
-                    raise
-        if not os.path.isdir(path):
-            raise FileExistsError(errno.EEXIST, "not a folder", path)
     except OSError as e:
-        unmake(made)
-        what = FOLDER_ERRNOS.get(e.errno, f"cannot be made ({e.strerror})")
-        raise UsageError(f"{flag} {path!r} {what}; give a folder that exists or can be made "
-                         "(it is made, with its parents, if missing)") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r} is a folder this user cannot write in; give one it can")
-    return made
+        return made, FOLDER_ERRNOS.get(e.errno, f"cannot be made ({e.strerror})")
+    return made, None if os.path.isdir(path) else FOLDER_ERRNOS[errno.EEXIST]
 
 
 def unmake(made: list) -> None:
