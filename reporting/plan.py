@@ -576,31 +576,35 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _refused(error: Exception):
+    """Raise `error` (a parser's refusal, as an expression)."""
+    raise error
+
+
 def parse_seeds(text: str) -> list[int]:
     """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts
     (tasks.parse_count)."""
     seeds = [tasks.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise tasks.TaskError(f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {tasks.cut(text)}")
-    return seeds
+    return seeds if seeds and len(set(seeds)) == len(seeds) else _refused(tasks.TaskError(
+        f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {tasks.cut(text)}"))
 
 
-# the count flags: flag -> (least, most), each through the one parser of counts (tasks.parse_count)
-COUNT_FLAGS = {"jobs": (1, 1024)}
-# the folder flags: flag -> what it names; a path there that is not a folder is refused (one that
-# is not there yet is a folder to come: its data sets absent, its runs not made)
-FOLDER_FLAGS = {"data": "the data sets' folder", "runs": "the run folders a later stage reads"}
+def _folder(flag: str, what: str):
+    """The parser of a folder flag: the path, where it is a folder or not there yet (a folder to come: its data
+    sets absent, its runs not made); a path that is something else is refused."""
+    return lambda path: (path if path is None or not os.path.exists(path) or os.path.isdir(path) else
+                         _refused(runfiles.UsageError(f"--{flag} {path} is a file, not a folder: give {what}")))
+
+
+JOBS = (1, 1024)            # runs at a time
+# every flag past argparse, in one table: flag -> its parser (text -> value; a refusal is one line)
+FLAGS = {"seeds": parse_seeds, "jobs": lambda text: tasks.parse_count(text, "jobs", *JOBS),
+         "data": _folder("data", "the data sets' folder"), "runs": _folder("runs", "the run folders a later stage reads")}
 
 
 def parse_flags(a: argparse.Namespace) -> dict:
-    """The flags' values past argparse: the seeds and counts parsed, the folders checked; a
-    UsageError (one line) for anything else."""
-    for flag, what in FOLDER_FLAGS.items():
-        path = getattr(a, flag)
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            raise runfiles.UsageError(f"--{flag} {path} is a file, not a folder: give {what}")
-    return {"seeds": parse_seeds(a.seeds), **{flag: tasks.parse_count(getattr(a, flag), flag, *bounds)
-                                              for flag, bounds in COUNT_FLAGS.items()}}
+    """The flags' values past argparse, each through its parser in FLAGS."""
+    return {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
 
 
 def main(argv=None) -> int:
@@ -612,7 +616,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="data")
     p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
     p.add_argument("--jobs", default="1", help="runs at a time (the --quick plan's minutes), "
-                                               f"1 .. {COUNT_FLAGS['jobs'][1]}")
+                                               f"{JOBS[0]} .. {JOBS[1]}")
     p.add_argument("--list", action="store_true",
                    help="the plan as reproduce.sh reads it: its text, each line led by "
                    "'# ', then the runs, one a line")
