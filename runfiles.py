@@ -628,7 +628,9 @@ class RunFolder:
             for name in self.written:
                 with contextlib.suppress(OSError):
                     os.remove(self.file(name))
-            if self.created:
+            # the folder it made, only while it holds its lock: a run that lost the lock to another started at the
+            # same moment leaves that run its folder (removing it, empty, broke the other's first write)
+            if self.created and self.fd is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.path)
                 self._remove_parents()

@@ -5486,6 +5486,25 @@ def test_a_locked_run_folder_is_refused(tmp_path, capsys):
     assert train.main([*TINY, "--steps", "2", "--out", str(out)]) == 0
 
 
+def test_a_run_that_loses_the_lock_leaves_the_folder_it_made_to_the_winner(tmp_path):
+    """Two new runs at one moment: the one that made the folder can lose the lock to the other; its abandon then
+    leaves the folder (and what the winner writes there) alone. Before, it removed the still-empty folder from
+    under the winner, whose first write failed (test_two_processes_on_one_run_folder, 1 run in 5)."""
+    path = str(tmp_path / "a" / "run")
+    maker, winner = runfiles.RunFolder(path), runfiles.RunFolder(path)
+    maker.create()                              # made the folder (and its parent) ...
+    maker.release()                             # ... and is about to lock it when the other takes the lock
+    winner.create()
+    with pytest.raises(runfiles.BusyError):
+        maker._lock()
+    maker.abandon()
+    assert os.path.isdir(path)
+    winner.write("args.json", "{}")             # the winner's first write
+    assert os.listdir(path) == ["args.json"]
+    winner.abandon()                            # the winner holds the lock: its abandon removes what it wrote
+    assert os.listdir(tmp_path / "a") == ["run"]
+
+
 @pytest.mark.slow
 def test_two_processes_on_one_run_folder(tmp_path):
     """Two runs started at once into one folder: one trains, the other is refused; the log is one run's."""
