@@ -38,6 +38,12 @@ class UsageError(ValueError):
     status = 2
 
 
+def one_line(text) -> str:
+    """`text` on one line, as every refusal is printed: a character that is not printable (a newline in a path a
+    user gave) as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 class BusyError(UsageError):
     """A run folder in use by another process: exit status 75 (EX_TEMPFAIL: try again later)."""
     status = 75

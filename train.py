@@ -61,14 +61,9 @@ UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 # option of every command given once, and every number through one ASCII parser (`number`)
 
 
-def one_line(text: str) -> str:
-    """`text` with every character that would break or hide a line (a newline, a control) written as its escape."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message):                       # argparse echoes the words given: one line whatever they hold
-        raise UsageError(f"{one_line(message)} (see python train.py --help)")
+        raise UsageError(f"{runfiles.one_line(message)} (see python train.py --help)")
 
 
 class _Unset:
@@ -1362,7 +1357,7 @@ def main(argv=None) -> int:
         return COMMANDS.get(flags.command, run)(flags, explicit)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            print(f"error: {runfiles.one_line(e)}", file=sys.stderr)
         return getattr(e, "status", 2)
     except QuietExit:
         return 2

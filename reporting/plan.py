@@ -562,16 +562,10 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def one_line(text: str) -> str:
-    """`text` on one line: a character that is not printable (a newline in a path) as its
-    escape."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with its refusals in one line (exit status 2), as every other refusal here."""
     def error(self, message):
-        print(one_line(f"reporting.plan: {message} (python -m reporting.plan --help lists the "
+        print(runfiles.one_line(f"reporting.plan: {message} (python -m reporting.plan --help lists the "
                        "flags)"), file=sys.stderr)
         sys.exit(2)
 
@@ -627,7 +621,7 @@ def main(argv=None) -> int:
         step_times()
     # one line, exit 2: reproduce.sh passes it on and starts nothing
     except (runfiles.UsageError, runfiles.ReadError) as e:
-        print(one_line(f"reporting.plan: {e}"), file=sys.stderr)
+        print(runfiles.one_line(f"reporting.plan: {e}"), file=sys.stderr)
         return 2
     if a.list:
         fetch = [t for t in plan.absent if t != "imagenet100"]
