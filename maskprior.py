@@ -395,12 +395,11 @@ class MaskPrior(nn.Module):
         if not fits:
             size = f"{self.n} x {self.n_keys}" if self.cross else f"{self.n}"
             keys = f" with {s} keys" if s != t or self.cross else ""
-            way = ("a causal prior serves at most its n positions (with a KV cache, q_len <= "
-                   "k_len <= n)"
-                   if self.causal else "a shorter sequence is served only with prefix=True "
-                                       "(positions 0..t-1, right-padded text); an image of "
-                                       "another size is another grid: build the prior for that "
-                                       "grid, or feed the size it was built for")
+            way = ("a causal prior serves at most its n positions (with a KV cache, q_len <= k_len <= n)" if self.causal
+                   else "a self-attention prior serves as many keys as queries" if not self.cross and s != t
+                   else f"build it for {t} positions, or with prefix=True to read a shorter sequence as positions "
+                        f"0..{t - 1} (right-padded text)" if t < self.n and s <= self.n_keys
+                   else "build it for the longer sequence (an image of another size is another grid)")
             raise ValueError(f"{self.where}: sequence length {t}{keys} does not fit the mask size "
                              f"{size}: {way}")
         return s - t if self.causal else 0
@@ -546,7 +545,19 @@ class Attention(nn.Module):
 
 
 def mask_priors(model: nn.Module) -> list[MaskPrior]:
-    return [m for m in model.modules() if isinstance(m, MaskPrior)]
+    """Every MaskPrior `model` runs, in module order: of a layer whose prior PEFT's modules_to_save holds more than
+    once (its frozen original and a copy per adapter), the one it runs (`_runs`)."""
+    wrappers = [m for m in model.modules() if isinstance(getattr(m, "original_module", None), MaskPrior)]
+    idle = {id(p) for w in wrappers for p in (w.original_module, *w.modules_to_save.values()) if p is not _runs(w)}
+    return [m for m in model.modules() if isinstance(m, MaskPrior) and id(m) not in idle]
+
+
+def _runs(wrapper: nn.Module) -> nn.Module:
+    """The module PEFT's ModulesToSaveWrapper (duck-typed) runs: its active adapter's copy, else (adapters disabled
+    or none active) the original it keeps beside the copies."""
+    active = [] if wrapper.disable_adapters else wrapper.active_adapters
+    copies = wrapper.modules_to_save
+    return copies[active[0]] if active and active[0] in copies else wrapper.original_module
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

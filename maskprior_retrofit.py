@@ -6,15 +6,19 @@ it the lengths, padding, caches and saving those libraries use, and takes it out
 
 maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
 retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
-imported only inside the calls that need them.
+imported only inside the calls that need them. Importing this file teaches PEFT, whenever it is imported, to refuse
+an adapter that carries M onto a model without priors (`_guard_peft`).
 """
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,8 +42,10 @@ import maskprior as mp
 
 # the attn_implementation a prior's layer runs under (registered with HF)
 HF_ATTENTION = "maskprior_attention"
-# what config.json names: never registered, so a plain from_pretrained fails, and transformers' refusal
-# (`attn_implementation="..." is not supported`) quotes it, naming the loader that keeps M
+# what config.json names as its weights file (`transformers_weights`) and attention implementation: neither a
+# file nor registered, so transformers' from_pretrained refuses the folder whatever attn_implementation it is given
+# ("...neither a safetensors file ...: <this>"; from_config: `attn_implementation="<this>" is not supported`), with
+# or without this module imported, naming the loader that keeps M
 HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
 GRID = "the patch grid and any class/prefix tokens"
 
@@ -342,7 +348,9 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on
     its first call) wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex`
     later to change it). Make the optimiser after this call; M is named `bias`, so Hugging Face's
-    Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed.
+    Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An nn.TransformerEncoder
+    runs without its nested-tensor fast path while it holds a prior (its padded batches would skip the
+    mask), with a warning where the path was on; `remove_mask_prior` turns it back on.
     """
     mp.check_one_source(pattern, logits, "add_mask_prior")
     if logits is None:
@@ -826,11 +834,25 @@ def prior_record(model: nn.Module) -> dict | None:
     return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
 
 
+class _SavedWithPriors:
+    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as
+    its `transformers_weights` (the weights file transformers loads; its own save never writes the field), which
+    transformers' from_pretrained refuses before it builds a model, under any attn_implementation."""
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "transformers_weights": HF_SAVED}
+
+
+@functools.cache
+def _saved_with_priors(config_class: type) -> type:
+    return type(config_class.__name__, (_SavedWithPriors, config_class), {"__module__": config_class.__module__})
+
+
 def _save_pretrained_with_priors(save: Callable) -> Callable:
     """transformers' save_pretrained, writing the record of the priors of the model being saved (`prior_record`)
     into its config.json: through a copy of its config, held by that model for the save alone, so the config
     object it shares with other models never holds it. config.json then names HF_SAVED as the attention
-    implementation, which no one registers: a plain from_pretrained fails loudly; mp.from_pretrained loads it."""
+    implementation and the weights file, which no one registers or writes: a plain from_pretrained fails loudly,
+    with any attn_implementation; from_pretrained here loads it."""
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         record = prior_record(self)
@@ -838,6 +860,7 @@ def _save_pretrained_with_priors(save: Callable) -> Callable:
             return save(self, save_directory, *args, **kwargs)
         shared = self.config
         self.config = copy.copy(shared)
+        self.config.__class__ = _saved_with_priors(type(shared))
         self.config.mask_prior, self.config.attn_implementation = record, HF_SAVED
         try:
             return save(self, save_directory, *args, **kwargs)
@@ -868,10 +891,13 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
     if any(s.kind == "torch" for s in sites):
-        for m in model.modules():
+        for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder):
                 m.__dict__.setdefault("mask_prior_nested", m.use_nested_tensor)
-                # a nested (padded) batch would skip the attn_mask
+                if m.use_nested_tensor:                   # said once, where the fast path was on
+                    warnings.warn(f"add_mask_prior: TransformerEncoder{f' {name}' if name else ''} now runs "
+                                  "without its nested-tensor fast path, whose padded batches would skip the "
+                                  "prior's attn_mask; remove_mask_prior turns it back on", stacklevel=4)
                 m.use_nested_tensor = False
     if any(s.kind == "hf" for s in sites):
         _register_hf()
@@ -1012,12 +1038,15 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
+    # the weights file config.json names (HF_SAVED, which refuses plain loads) is the default one again
+    unmarked = {"transformers_weights": None} if getattr(config, "transformers_weights", None) == HF_SAVED else {}
     model, info = WithPriors.from_pretrained(path,
-                                             **{"attn_implementation": record["base"], **kwargs},
+                                             **{"attn_implementation": record["base"], **unmarked, **kwargs},
                                              output_loading_info=True)
     # the plain class again: save_pretrained names it
     model.__class__ = model_class
-    model.config.__dict__.pop("mask_prior", None)
+    for name in ("mask_prior", "transformers_weights"):
+        model.config.__dict__.pop(name, None)
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
                 if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
@@ -1064,6 +1093,81 @@ def _reattach(model: nn.Module, record: dict) -> None:
     for s in sites:
         _attach_hf(s, priors[s.name], "attn_mask")
     _after_attach(model, sites, priors)
+
+
+# PEFT: an adapter that carries M, loaded onto a model without priors, is refused. Nothing PEFT reads from an
+# adapter can refuse it (PEFT drops unexpected keys and modules_to_save names that match nothing in silence, and
+# asks only that one of its target modules exists), so this file wraps PeftModel.from_pretrained as soon as both
+# are imported, in either order.
+
+_HUB = ("subfolder", "revision", "cache_dir", "token")
+
+
+def _check_adapter_base(model: nn.Module, model_id, config, hub: dict) -> None:
+    """Refuse, in one line and before PEFT changes anything, an adapter whose modules_to_save names 'mask_prior'
+    (it carries M) for a model that holds no MaskPrior, where PEFT would drop every M in silence."""
+    import peft
+    config = config if config is not None else peft.PeftConfig.from_pretrained(model_id, **hub)
+    saved = [m for m in getattr(config, "modules_to_save", None) or () if m.rpartition(".")[2] == "mask_prior"]
+    if saved and not mp.mask_priors(model):
+        raise ValueError(f"PeftModel.from_pretrained: the adapter {model_id} carries M (modules_to_save names "
+                         f"{saved[0]!r}), but {type(model).__name__} holds no MaskPrior to take it (PEFT would drop "
+                         "every M): give the model its priors first (add_mask_prior of the adapter's shapes, or "
+                         "from_pretrained of a model saved with them); nothing was loaded")
+
+
+def _guard_peft(peft) -> None:
+    """Wrap PEFT's PeftModel.from_pretrained (its task subclasses' too) with `_check_adapter_base`, once."""
+    load = peft.PeftModel.from_pretrained.__func__
+    if getattr(load, "mask_prior_checked", False):
+        return
+    signature = inspect.signature(load)
+
+    @functools.wraps(load)
+    def from_pretrained(cls, *args, **kwargs):
+        call = signature.bind(cls, *args, **kwargs).arguments
+        hub = {k: v for k, v in call.get("kwargs", {}).items() if k in _HUB}
+        _check_adapter_base(call["model"], call["model_id"], call.get("config"), hub)
+        return load(cls, *args, **kwargs)
+    from_pretrained.mask_prior_checked = True
+    peft.PeftModel.from_pretrained = classmethod(from_pretrained)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A finder ahead of Python's own, for one module: it lets them find the module and, once it is loaded (not
+    merely looked up, as transformers' is_peft_available does), leaves and hands it to `then`."""
+    def __init__(self, name: str, then: Callable):
+        self.name, self.then, self.finding = name, then, False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name or self.finding:
+            return None
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)          # Python's own finders (this one is finding)
+        finally:
+            self.finding = False
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                    self.then(module)
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _when_imported(name: str, then: Callable) -> None:
+    """Hand module `name` to `then`: now, where it is imported, else as soon as it is (without importing it)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+_when_imported("peft", _guard_peft)
 
 
 # the public names (`from maskprior_retrofit import *`)

@@ -3,6 +3,7 @@ own attention), and the peers' own behaviours as a generated matrix. Run: python
 (the README's test command runs it with test_maskprior.py, whose shared helpers it takes)."""
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -581,8 +582,8 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         half = retrofit.from_pretrained(type(model), str(tmp_path / name), dtype=torch.bfloat16)
         for a, b in zip(mp.mask_priors(half), mp.mask_priors(model)):          # bf16 weights, M float32 and exact
             assert a.bias.dtype == torch.float32 and torch.equal(a.bias, b.bias)
-        with pytest.raises(ValueError, match='attn_implementation="maskprior: load it with '   # loading fails, in this
-                                             'maskprior_retrofit.from_pretrained"'):       # process too, naming the fix
+        with pytest.raises(ValueError, match="maskprior: load it with "                 # loading fails, in this
+                                             "maskprior_retrofit.from_pretrained$"):       # process too, naming the fix
             type(model).from_pretrained(tmp_path / name)                    # (its runtime name is another)
     model, x, n = _hf("gpt2")                                 # the prior on the base model, saved with the head
     retrofit.add_mask_prior(model.transformer, logits=_past(torch.randn(4, n, n)), param="full")
@@ -593,9 +594,11 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
     assert list(json.load(open(tmp_path / "base" / "config.json"))["mask_prior"]["layers"]) == ["h.0.attn", "h.1.attn"]
     again = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path / "base"))
     assert [p.where for p in mp.mask_priors(again)] == ["transformer.h.0.attn", "transformer.h.1.attn"]
-    code = f"import transformers as tf; tf.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'gpt2')!r})"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode != 0 and "maskprior_retrofit.from_pretrained" in r.stderr.strip().splitlines()[-1]
+    for impl in ("None", "'sdpa'"):                          # a process that never imports maskprior_retrofit
+        code = (f"import transformers as tf; tf.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'gpt2')!r}, "
+                f"attn_implementation={impl})")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode != 0 and "maskprior_retrofit.from_pretrained" in r.stderr.strip().splitlines()[-1]
     plain_dir = tmp_path / "plain"
     tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10)).save_pretrained(plain_dir)
     with pytest.raises(ValueError, match="records no mask prior"):
@@ -980,6 +983,139 @@ def test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_li
         assert _untouched(model) == before
 
 
+def test_a_folder_saved_with_priors_refuses_a_plain_load_under_any_attn_implementation_naming_the_loader(tmp_path):
+    """Issue 65: config.json names HF_SAVED as its weights file (`transformers_weights`), which transformers refuses
+    before it builds a model, so a plain from_pretrained given attn_implementation='sdpa' or 'eager' is one line naming
+    retrofit.from_pretrained (it loaded with every M dropped, the outputs changed); that loads it exactly, and the
+    loaded model's config holds neither mark. The shared config never holds it."""
+    tf = _extra("transformers")
+    model, x, n = _hf("gpt2")
+    retrofit.add_mask_prior(model, logits=_past(torch.randn(4, n, n) * 3), param="full")
+    model.save_pretrained(tmp_path)
+    assert json.load(open(tmp_path / "config.json"))["transformers_weights"] == retrofit.HF_SAVED
+    assert "transformers_weights" not in model.config.to_dict()
+    for loader, impl in ((tf.GPT2LMHeadModel, "sdpa"), (tf.GPT2LMHeadModel, "eager"),
+                         (tf.AutoModelForCausalLM, "sdpa")):
+        with pytest.raises(ValueError, match=r"maskprior: load it with maskprior_retrofit.from_pretrained$") as err:
+            loader.from_pretrained(tmp_path, attn_implementation=impl)
+        _one_line(err)
+    back = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), attn_implementation="eager")
+    torch.testing.assert_close(_out(back.eval(), x), _out(model, x), atol=1e-5, rtol=1e-5)          # eager vs sdpa
+    assert not {"transformers_weights", "mask_prior"} & set(back.config.to_dict())
+
+
+def test_an_adapter_that_carries_m_is_refused_onto_a_model_without_priors_and_nothing_changes(tmp_path):
+    """Issue 65: PeftModel.from_pretrained of an adapter saved with M (modules_to_save=['mask_prior']) onto a model
+    without priors loaded with every M dropped (no warning, other outputs); it is one line naming the fix, before PEFT
+    wraps anything, for PEFT's task classes too. A model with priors takes the adapter's M."""
+    peft = _extra("peft")
+    model, ids, n = _hf("llama")
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["mask_prior"]))
+    for m in mp.mask_priors(tuned):
+        torch.nn.init.normal_(m.bias)                                   # an M of its own, saved with the adapter
+    tuned.save_pretrained(tmp_path)
+    plain, _, _ = _hf("llama")
+    before = _untouched(plain)
+    for cls in (peft.PeftModel, peft.PeftModelForCausalLM):
+        with pytest.raises(ValueError, match=r"^PeftModel.from_pretrained: the adapter .* carries M \(modules_to_save "
+                                             r"names 'mask_prior'\), but LlamaForCausalLM holds no MaskPrior to take "
+                                             r"it .*; nothing was loaded$") as err:
+            cls.from_pretrained(plain, str(tmp_path))
+        _one_line(err)
+        assert _untouched(plain) == before
+    base, _, _ = _hf("llama")
+    retrofit.add_mask_prior(base, mp.causal_pattern(n))
+    peft.PeftModel.from_pretrained(base, str(tmp_path))
+    saved = [m.mask_prior.bias for m in model.modules() if "mask_prior_hooks" in m.__dict__]
+    loaded = [m.mask_prior.bias for m in base.modules() if "mask_prior_hooks" in m.__dict__]
+    assert len(loaded) == 2 and all(torch.equal(a, b) for a, b in zip(loaded, saved))
+
+
+def test_a_module_imported_after_the_retrofit_is_handed_to_its_hook_once(tmp_path, monkeypatch):
+    """How PEFT learns to refuse an adapter carrying M whichever of the two is imported first (`_when_imported`): a
+    module imported later is handed over right after its code ran (not when merely looked up, as transformers'
+    is_peft_available does), once, and the finder leaves; one already imported, at once."""
+    (tmp_path / "maskprior_probe_module.py").write_text("value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "maskprior_probe_module", raising=False)
+    seen = []
+    retrofit._when_imported("maskprior_probe_module", lambda m: seen.append(m.value))
+    assert importlib.util.find_spec("maskprior_probe_module") is not None and seen == []   # looked up, not loaded
+    module = importlib.import_module("maskprior_probe_module")
+    assert seen == [1] and not any(getattr(f, "name", None) == "maskprior_probe_module" for f in sys.meta_path)
+    importlib.reload(module)
+    assert seen == [1]
+    retrofit._when_imported("maskprior_probe_module", lambda m: seen.append(m.value + 1))
+    assert seen == [1, 2]
+    monkeypatch.delitem(sys.modules, "maskprior_probe_module")
+
+
+def test_a_transformer_encoder_says_once_that_its_nested_tensor_fast_path_is_off_and_gets_it_back():
+    """Issue 65: add_mask_prior turns an nn.TransformerEncoder's nested-tensor fast path off (a padded batch there
+    would skip the attn_mask) and says so in one warning per encoder where the path was on; none where it was off;
+    remove_mask_prior turns it back on."""
+    model = nn.Transformer(16, 2, 1, 1, 32, batch_first=True)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    for module, name in ((enc, ""), (model, " encoder")):
+        assert module.use_nested_tensor if module is enc else module.encoder.use_nested_tensor
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            retrofit.add_mask_prior(module, mp.banded_pattern(8, 1))
+        assert [str(w.message) for w in said] == [f"add_mask_prior: TransformerEncoder{name} now runs without its "
+                                                  "nested-tensor fast path, whose padded batches would skip the "
+                                                  "prior's attn_mask; remove_mask_prior turns it back on"]
+        assert said[0].filename == __file__
+    assert not enc.use_nested_tensor and not model.encoder.use_nested_tensor
+    retrofit.remove_mask_prior(enc)
+    assert enc.use_nested_tensor
+    off = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        retrofit.add_mask_prior(off, mp.banded_pattern(8, 1))
+
+
+def test_the_probes_under_peft_read_the_prior_each_layer_runs_not_the_original_peft_keeps_beside_it():
+    """Issue 65: under PEFT's modules_to_save a layer holds its MaskPrior twice (PEFT's frozen original_module and the
+    adapter's copy it runs): mask_priors, prior_snapshot and prior_drift list one per layer, the copy that runs (2
+    for 2 layers, not 4); with the adapter disabled, the original."""
+    peft = _extra("peft")
+    model, ids, n = _hf("llama")
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["mask_prior"]))
+    wrappers = [m.mask_prior for m in model.modules() if "mask_prior_hooks" in m.__dict__]
+    running = [w.modules_to_save["default"] for w in wrappers]
+    assert mp.mask_priors(tuned) == running
+    start = mp.prior_snapshot(tuned)
+    assert len(start) == 2
+    with torch.no_grad():
+        running[0].bias.add_(1.0)
+    drift = mp.prior_drift(tuned, start)["mask_drift"]
+    assert len(drift) == 2 and drift[0] > 0 and drift[1] == 0
+    with tuned.disable_adapter():
+        assert mp.mask_priors(tuned) == [w.original_module for w in wrappers]
+
+
+def test_a_text_sequence_a_prior_cannot_serve_is_refused_without_speaking_of_an_image_of_another_size():
+    """Issue 65: a shorter sequence fed to a retrofitted text model whose prior serves exactly N positions
+    (nn.TransformerEncoder's default, BERT with prefix=False) is one line naming prefix=True and the size to build,
+    never 'an image of another size'; BERT's default (prefix) serves it."""
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
+    retrofit.add_mask_prior(enc, mp.banded_pattern(8, 1))
+    bert, ids, n = _hf("bert")
+    retrofit.add_mask_prior(bert, logits=torch.randn(4, n, n), param="full", prefix=False)
+    for run, where, t in ((lambda: enc(torch.randn(2, 5, 16)), "layers.0.self_attn", 5),
+                          (lambda: bert(ids[:, :12]), "encoder.layer.0.attention.self", 12)):
+        with pytest.raises(ValueError, match=rf"^{where}: sequence length {t} does not fit the mask size .*: .*"
+                                             rf"prefix=True") as err:
+            run()
+        assert "image" not in _one_line(err)
+    served, _, _ = _hf("bert")
+    retrofit.add_mask_prior(served, logits=torch.randn(4, n, n), param="full")
+    assert served(ids[:, :12]).last_hidden_state.shape == (2, 12, 32)
+
+
+@pytest.mark.filterwarnings("ignore:.*TransformerEncoder now runs without its nested-tensor fast path")
 def test_remove_mask_prior_gives_the_plain_model_back_exactly():
     """remove_mask_prior takes out the priors, hooks, layer config views, config records and no_weight_decay names:
     the outputs equal the plain model's bit for bit, its state_dict keys and config are the plain ones, and a prior can
