@@ -514,3 +514,145 @@ def test_show_refuses_a_snapshot_that_is_not_m_at_the_start_in_one_line(trained,
         assert not (tmp_path / "fig").exists()
     rc, out, err, _ = _main(["show", trained, "--out", str(tmp_path / "fig")], capsys)
     assert rc == 0 and "m.png" in out
+
+
+# ---------------------------------------------------------------------------------------- figures: readable, titled with their data (issue 65)
+
+RESULTS = Path(HERE, "results")
+DIGITS = next(sha for sha, name in reporting.report.KNOWN_DATA.items() if name == "digits stand-in")
+SOFT = "mask_off=10.0, pattern=soft, qk_svd_pos_scale=None, soft_alpha=1.0"     # a line of results/studies
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) of a PNG, from its header."""
+    head = Path(path).read_bytes()[16:24]
+    return int.from_bytes(head[:4], "big"), int.from_bytes(head[4:], "big")
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> dict:
+    """{file name: figure} of every figure the reports draw while the test runs, kept open and never rendered."""
+    figures = {}
+
+    def keep(fig, path, dpi=110):
+        figures[os.path.basename(path)] = fig
+        return path
+    monkeypatch.setattr(reporting.report, "save_figure", keep)
+    yield figures
+    for fig in figures.values():
+        reporting.figures.pyplot().close(fig)
+
+
+def _oracle_free_table(tmp_path, rows: int) -> tuple[dict, list]:
+    """(table, rows) as `report.oracle_free` hands them on: `rows` tasks, each with a hand, a found and a teacher's
+    mask run (seed 0) that started from a prior.pt and logged its mass every 50 steps."""
+    pattern = torch.eye(15, dtype=torch.bool)
+    pattern[0, 1] = pattern[1, 0] = True
+    table, names = {}, [f"task{i}, {100 * i} points" for i in range(rows)]
+    for name in names:
+        for tag in ("", "discovered", "teacher"):
+            d = tmp_path / f"{len(os.listdir(tmp_path))}"
+            d.mkdir()
+            torch.save({"pattern": pattern, "logits": pattern.float(), "source": {}}, d / "prior.pt")
+            records = [{"step": s, "prior_mass_mean": 0.9 - s / 1e4} for s in range(0, 600, 50)]
+            table.setdefault(name, {})[("mask", tag)] = [{"run_dir": str(d), "seed": 0, "_records": records}]
+    return table, names
+
+
+def test_every_committed_figure_is_within_4_to_1():
+    """Issue 65, 1: no committed figure is a strip (oraclefree*/oraclefree_mass.png were 9.9:1 and 17.3:1)."""
+    for png in RESULTS.rglob("*.png"):
+        w, h = _png_size(png)
+        assert max(w / h, h / w) <= reporting.figures.MAX_ASPECT, (png, w, h)
+
+
+def test_the_oracle_free_figures_wrap_into_a_grid_under_their_caption(tmp_path, drawn):
+    """Issue 65, 1 and 2: the mass curves of 17 tasks are a grid within 4:1 (a row of panels was 17.3:1), and the
+    caption of the patterns figure clears its first row's titles (tight_layout left it over them)."""
+    table, rows = _oracle_free_table(tmp_path, 17)
+    reporting.report.oracle_free_mass(table, rows, str(tmp_path))
+    w, h = drawn["oraclefree_mass.png"].get_size_inches()
+    assert max(w / h, h / w) <= reporting.figures.MAX_ASPECT, (w, h)
+    table, rows = _oracle_free_table(tmp_path, 4)
+    reporting.report.oracle_free_figure(table, rows, str(tmp_path))
+    assert reporting.figures.figure_problems(drawn["oraclefree_patterns.png"]) == []
+
+
+def test_a_figure_is_titled_with_the_data_set_its_runs_read(tmp_path, drawn, capsys):
+    """Issue 65, 4: the digits stand-in read by the cifar10 task is titled as the stand-in, not as CIFAR-10, in a
+    report (data.csv, from the hash result.json records) and in a redraw from it; data no one recognised says so;
+    a task that makes its data is its own title; runs on other data are never averaged together."""
+    report = reporting.report
+    assert report.data_set({"kind": "vision", "data": DIGITS}) == "digits stand-in"
+    assert report.data_set({"kind": "lm", "data": "ab" * 32}) == "unrecognised data abababab"
+    assert report.data_set({"kind": "boolean", "data": "ab" * 32}) is None
+    runs = [{**_result(seed=s), "task": "cifar10", "kind": "vision", "data": sha, "run_dir": f"/r/cifar10-mask-s{s}"}
+            for s, sha in ((0, DIGITS), (1, DIGITS), (2, "ab" * 32))]
+    assert report.data_rows(runs[:2] + [_result()]) == [("cifar10", "digits stand-in")]
+    assert report.data_rows(runs) == []                             # two data sets: each configuration says its own
+    assert sorted(report.config_groups(runs)[0]) == [("cifar10", "data=digits stand-in"),
+                                                     ("cifar10", "data=unrecognised data abababab")]
+    assert report.oracle_free_cell({**runs[0], "run_dir": "/r/cifar10-mask-s0-teacher"}) == (
+        "digits stand-in (task cifar10)", "teacher")
+    rows = [["cifar10", SOFT, "mask", "0", str(s), metric, "0.5"] for s in (0, 10)
+            for metric in ("top1", "prior_mass_mean")]
+    for name in ("curves", "visionprior"):
+        _write_csv(tmp_path / f"{name}.csv", CURVES, rows)
+    assert _main(["redraw", str(tmp_path)], capsys)[0] == 0
+    assert {ax.get_title().split("\n")[0] for ax in drawn["curves.png"].axes} == {"cifar10"}
+    _write_csv(tmp_path / "data.csv", list(report.DATA_HEADER), report.data_rows(runs[:2]))
+    assert _main(["redraw", str(tmp_path)], capsys)[0] == 0
+    assert {ax.get_title().split("\n")[0] for ax in drawn["curves.png"].axes} == {"digits stand-in (task cifar10)"}
+    assert "data: digits stand-in (task cifar10)" in " ".join(drawn["visionprior.png"]._suptitle.get_text().split())
+
+
+def test_every_committed_figure_of_a_task_that_reads_files_names_its_data():
+    """Issue 65, 4: each results folder whose figures draw a task that reads its data from files (vision, language)
+    says in data.csv which data set that was, so that its figures (redrawn) are titled with it."""
+    import tasks
+    report, checked = reporting.report, []
+    for table in sorted(RESULTS.glob("*/*.csv")):
+        if report.REDRAWN.get(table.stem, (None,))[0] != report.CURVES_HEADER:
+            continue
+        checked.append(table.name)
+        read = {r[0] for r in report.read_rows(str(table), report.CURVES_HEADER, report._curve_row)
+                if tasks.TASKS[r[0]].KIND not in report.GENERATED}
+        named = table.parent / "data.csv"
+        data = dict(report.read_rows(str(named), report.DATA_HEADER, report._data_row)) if named.exists() else {}
+        assert read <= set(data), (table, read, data)
+    assert {"curves.csv", "visionprior.csv", "lee.csv"} <= set(checked), checked          # the loop reads them
+
+
+def test_legends_and_titles_read_as_words_not_flags(tmp_path, drawn, capsys):
+    """Issue 65, 3: a legend entry is the init and its configuration in words ("mask (soft bump, α 0.3)"), the
+    parts most lines share said once in the caption; no legend or title of a committed table prints a flag ("--")."""
+    report = reporting.report
+    series = [("mask", SOFT), ("mask", SOFT.replace("alpha=1.0", "alpha=0.3")),
+              ("qk-svd", SOFT.replace("pattern=soft", "pattern=None").replace("scale=None", "scale=18.0")),
+              ("default", SOFT.replace("pattern=soft", "pattern=None"))]
+    labels, said = report.series_labels(series)
+    assert list(labels.values()) == ["mask (soft bump)", "mask (soft bump, α 0.3)", "qk-svd (positions x18)",
+                                     "default"] and said == "M off -10, α 1"
+    assert report.config_words("answer_order=lsb, epochs=40.0, log_every=48") == "lsb first, epochs 40, log every 48"
+    for table in sorted(RESULTS.glob("*/*.csv")):
+        if table.stem in report.STUDY_FIGURES or table.stem == "curves":
+            rows = report.read_rows(str(table), report.CURVES_HEADER, report._curve_row)
+            labels, said = report.series_labels(list(dict.fromkeys((r[2], r[1]) for r in rows)))
+            words = [*labels.values(), said, *(report.config_words(r[1]) for r in rows)]
+            assert not [w for w in words if "--" in w] and len(set(labels.values())) == len(labels), table
+    _write_csv(tmp_path / "visionprior.csv", CURVES, [["cifar10", config, init, "0", "0", "top1", "0.5"]
+                                                      for init, config in series])
+    assert _main(["redraw", str(tmp_path)], capsys)[0] == 0
+    legend = [t.get_text() for t in drawn["visionprior.png"].legends[0].get_texts()]
+    assert legend == ["mask (soft bump)", "mask (soft bump, α 0.3)", "qk-svd (positions x18)", "default"], legend
+
+
+@pytest.mark.slow
+def test_the_digits_stand_in_is_known_by_the_hash_its_runs_record(tmp_path):
+    """KNOWN_DATA names the digits stand-in by the sha256 a run on `train.py make-digits`'s files records."""
+    pytest.importorskip("sklearn")
+    import datafetch.write
+    import tasks
+    datafetch.write.make_digits(str(tmp_path / "digits"))
+    sha = tasks.load_image_dataset("cifar10", str(tmp_path / "digits"))["data_hash"]
+    assert reporting.report.data_set({"kind": "vision", "data": sha}) == "digits stand-in"

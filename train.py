@@ -1049,8 +1049,10 @@ def show(run_dir: str, out: str) -> int:
                          "retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
     config = replace(runconfig.saved_config(ckpt["config"], f"show: {path}"), device="cpu")
-    title = f"{config.task} --init {config.init} seed {config.seed}, step {ckpt['step']}"
     task, model, absent = runconfig.task_for(config), None, None
+    data = reporting.report.data_set({"kind": task.KIND, "data": ckpt["data"]})
+    title = (f"{reporting.report.data_title(config.task, {config.task: data} if data else None)}: init {config.init}, "
+             f"seed {config.seed}, step {ckpt['step']}")
     try:
         task.setup(torch.device("cpu"))
     except tasks.DataError as e:

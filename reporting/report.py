@@ -9,6 +9,7 @@ efficiency, the oracle-free study) -> `report`, which writes them all.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import errno
@@ -226,6 +227,99 @@ def flag_label(label: str) -> str:
     return ", ".join(parts)
 
 
+# How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its
+# words, "{}" standing for the value; any other flag reads as its name and value ("steps 250").
+# A pattern with a name of its own reads as that name.
+FLAG_WORDS = {"pattern": "{} pattern", "mask_off": "M off -{}", "mask_on": "M on +{}",
+              "soft_alpha": "α {}", "qk_svd_pos_scale": "positions x{}", "answer_order": "{} first",
+              "pos_init_std": "positional std {}"}
+PATTERN_WORDS = {"soft": "soft bump", "local": "local window"}
+
+
+def flag_words(key: str, value: str) -> str:
+    """One flag of a configuration in words: ("pattern", "soft") -> "soft bump", ("mask_off",
+    "10.0") -> "M off -10", ("log_every", "75") -> "log every 75"."""
+    value = value[:-2] if value.endswith(".0") else value
+    if key == "pattern" and value in PATTERN_WORDS:
+        return PATTERN_WORDS[value]
+    if key in FLAG_WORDS:
+        return FLAG_WORDS[key].replace("{}", value)
+    return f"{key.replace('_', ' ')} {value}"
+
+
+def config_words(label: str, said: frozenset = frozenset()) -> str:
+    """A configuration's label ("mask_off=10.0, pattern=soft") as a legend or a title reads it:
+    its flags in words ("M off -10, soft bump"), leaving out a flag not given (None: the preset's)
+    and the parts in `said` (a figure's caption says them once); a part that is not flag=value is
+    kept as it is."""
+    words = []
+    for part in filter(None, label.split(", ")):
+        key, eq, value = part.partition("=")
+        if part not in said and value != "None":
+            words.append(flag_words(key, value) if eq else part)
+    return ", ".join(words)
+
+
+def shared_parts(labels: list) -> frozenset:
+    """The flag=value parts (given) that more than half of `labels` hold: a figure's caption says
+    them once instead of every legend entry."""
+    counts = collections.Counter(p for label in labels for p in set(filter(None, label.split(", "))))
+    return frozenset(p for p, n in counts.items()
+                     if 2 * n > len(labels) and "=" in p and not p.endswith("=None"))
+
+
+def series_labels(series: list) -> tuple[dict, str]:
+    """({(init, configuration label): its legend entry}, what the caption says for them) of a
+    figure's series: the init, then the configuration in words less the parts most series share
+    ("mask (soft bump, α 0.3)"), and those shared parts in words ("" for none). No two entries
+    read alike: where leaving the shared parts out would make them so, every part is spelled
+    out."""
+    said = shared_parts([c for _, c in series])
+    for known in (said, frozenset()):
+        labels = {(i, c): i + (f" ({words})" if (words := config_words(c, known)) else "")
+                  for i, c in series}
+        if len(set(labels.values())) == len(labels):
+            break
+    return labels, config_words(", ".join(sorted(known)))
+
+
+# The data a run read, by the sha256 its result.json records (`data`: `Task.data_hash`), where it
+# is not what the task's name says: the stand-ins train.py writes (`make-digits`) are the same
+# bytes on every machine. A task whose family makes its data (GENERATED) is its own data set; a
+# task that reads files names its data here or says it is not recognised, so that no figure
+# titles a stand-in with the real set's name ("cifar10" reads the digits in CIFAR-10's layout).
+KNOWN_DATA = {"286666e57db38e96d7105699a9009b0e1911902e38f7bbfd2825f993cc4b7037": "digits stand-in"}
+GENERATED = ("boolean", "arithmetic")
+DATA_HEADER = ("task", "data")
+
+
+def data_set(run: dict) -> str | None:
+    """The data set a run read where a figure must name it (KNOWN_DATA, or "unrecognised data"
+    and its sha256's first 8 digits), or None where the task makes its own (GENERATED)."""
+    if run.get("kind", "boolean") in GENERATED:
+        return None
+    sha = run.get("data") or ""
+    return KNOWN_DATA.get(sha) or "unrecognised data" + (f" {sha[:8]}" if re.fullmatch(r"[0-9a-f]{64}", sha)
+                                                         else "")
+
+
+def data_rows(runs: list) -> list[tuple]:
+    """data.csv's rows: (task, the data set its runs read) for each task whose runs all read one
+    set that a figure must name (`data_set`)."""
+    sets = {}
+    for r in runs:
+        sets.setdefault(r["task"], set()).add(data_set(r))
+    return sorted((task, *named) for task, named in sets.items()
+                  if len(named) == 1 and None not in named)
+
+
+def data_title(task: str, data: dict | None = None) -> str:
+    """What a figure calls a task: the data set it read where `data` ({task: data set}, data.csv)
+    names one, "digits stand-in (task cifar10)"; else the task."""
+    named = (data or {}).get(task)
+    return f"{named} (task {task})" if named else task
+
+
 def log_records(run: dict) -> list[dict]:
     """The records of a run's metrics.jsonl (one per logged step), or [] when it has none; read
     once per run dict (the curves, steps to target and the prior per layer all use them), each
@@ -287,10 +381,10 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     return [csv_path] + draw_persistence(rows, os.path.join(out_dir, "persistence.png"))
 
 
-def draw_persistence(rows: list[dict], path: str) -> list[str]:
-    """persistence.png from persistence rows: per task, the mass on the pattern and the drift of
-    the prior against the step, a line per prior init (mean over seeds, band = min to max). Returns
-    [path], or [] without matplotlib."""
+def draw_persistence(rows: list[dict], path: str, data: dict | None = None) -> list[str]:
+    """persistence.png from persistence rows: per task (`data_title`), the mass on the pattern and
+    the drift of the prior against the step, a line per prior init (mean over seeds, band = min to
+    max). Returns [path], or [] without matplotlib."""
     tasks = sorted({r["task"] for r in rows})
     made = panel_grid(len(tasks), rows=2, width=4.2, height=3.0)
     if made is None:
@@ -306,9 +400,9 @@ def draw_persistence(rows: list[dict], path: str) -> list[str]:
                         by_step.setdefault(r["step"], []).append(r[key])
                 if by_step:
                     plot_band(at(b, row), by_step, init, line_style(i, init))
-        at(b, 0).set_title(f"{task}: attention mass on the pattern", fontsize=9)
+        at(b, 0).set_title(f"{data_title(task, data)}: attention mass on the pattern", fontsize=9)
         at(b, 0).set_ylim(0, 1.02)
-        at(b, 1).set_title(f"{task}: relative change of the prior", fontsize=9)
+        at(b, 1).set_title(f"{data_title(task, data)}: relative change of the prior", fontsize=9)
         at(b, 1).set_xlabel("training step")
         for row in (0, 1):
             at(b, row).grid(alpha=0.3)
@@ -404,13 +498,16 @@ def run_config(run: dict, ignore=frozenset()) -> dict:
 
 
 def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
-    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`).
+    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`, and
+    the data set where a figure must name it: `data_set`).
     Returns ({(task, label): runs}, notes): label is "" when a task has one configuration, else the
     flags that tell its configurations apart ("steps=250"), and a note names each such mix in one
     line."""
     by_task, notes, groups = {}, [], {}
     for r in runs:
-        by_task.setdefault(r["task"], []).append((r, run_config(r, ignore)))
+        # runs on other data are another configuration ("data=digits stand-in" where it differs)
+        named = {"data": data_set(r)} if data_set(r) else {}
+        by_task.setdefault(r["task"], []).append((r, {**run_config(r, ignore), **named}))
     for task in sorted(by_task):
         configs = []
         for r, c in by_task[task]:
@@ -474,12 +571,13 @@ def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) 
     return path
 
 
-def write_curves(groups: dict, out_dir: str) -> list[str]:
+def write_curves(groups: dict, out_dir: str, data: dict | None = None) -> list[str]:
     """curves.csv (a row per run, logged step and headline metric) always; curves.png
-    (`draw_curves`) when matplotlib is installed. Returns the paths written."""
+    (`draw_curves`, its panels titled by `data`) when matplotlib is installed. Returns the paths
+    written."""
     rows = curve_rows(groups)
     written = [write_rows(os.path.join(out_dir, "curves.csv"), CURVES_HEADER, rows, quoted=1)]
-    return written + draw_curves(rows, os.path.join(out_dir, "curves.png"))
+    return written + draw_curves(rows, os.path.join(out_dir, "curves.png"), data)
 
 
 def _by_metric(rows: list, key) -> dict:
@@ -512,11 +610,11 @@ def _metric_order(metrics) -> list:
     return sorted(metrics, key=lambda k: METRIC_ORDER.index(k) if k in METRIC_ORDER else len(METRIC_ORDER))
 
 
-def draw_curves(rows: list, path: str) -> list[str]:
+def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
     """curves.png from curve rows: a panel per task, configuration and headline metric against the
-    step, a line per init (mean over seeds, band = min to max). Returns [path], or [] without
-    matplotlib or rows."""
-    panels = [(task + (f"\n{flag_label(label)}" if label else ""), k, by_init)
+    step, titled by the data set (`data_title`) and the configuration in words, a line per init
+    (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
+    panels = [("\n".join(filter(None, (data_title(task, data), config_words(label)))), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
               for k in _metric_order(by) for by_init in [by[k]]]
     made = panel_grid(len(panels), width=4.0, height=3.0)
@@ -541,20 +639,24 @@ def draw_curves(rows: list, path: str) -> list[str]:
     return [save_figure(fig, path)]
 
 
-def write_comparison(groups: dict, path: str, title: str) -> list[str]:
+def write_comparison(groups: dict, path: str, title: str, data: dict | None = None) -> list[str]:
     """A study's runs side by side: FOLDER.csv (curves.csv's rows of these runs) and FOLDER.png
     (`draw_comparison`) beside it. Returns the paths written ([] without runs)."""
     if not groups:
         return []
     rows = curve_rows(groups)
-    return [write_rows(path[:-4] + ".csv", CURVES_HEADER, rows, quoted=1)] + draw_comparison(rows, path, title)
+    return ([write_rows(path[:-4] + ".csv", CURVES_HEADER, rows, quoted=1)]
+            + draw_comparison(rows, path, title, data))
 
 
-def draw_comparison(rows: list, path: str, title: str) -> list[str]:
+def draw_comparison(rows: list, path: str, title: str, data: dict | None = None) -> list[str]:
     """One figure that sets every configuration and init of curve rows side by side: a panel per
-    metric, a line per (configuration, init), mean over seeds with a min-to-max band. Returns
-    [path], or [] without matplotlib."""
-    series = _by_metric(rows, lambda t, c, i: i + (f", {flag_label(c)}" if c else ""))
+    metric, a line per (init, configuration) in words (`series_labels`), mean over seeds with a
+    min-to-max band; the caption names the data (`data_title`) and the parts of the configuration
+    most lines share. Returns [path], or [] without matplotlib."""
+    series = _by_metric(rows, lambda t, c, i: (i, c))
+    labels, said = series_labels(list(series))
+    tasks = " and ".join(data_title(t, data) for t in dict.fromkeys(r[0] for r in rows))
     metrics = _metric_order({k for by in series.values() for k in by})
     made = panel_grid(len(metrics), width=5.0, height=3.8)
     if made is None:
@@ -563,14 +665,15 @@ def draw_comparison(rows: list, path: str, title: str) -> list[str]:
     for b, k in enumerate(metrics):
         ax = at(b)
         scale = 100.0 if k in PERCENT_METRICS else 1.0
-        for i, (legend, by) in enumerate(series.items()):
+        for i, (key, by) in enumerate(series.items()):
             for by_step in by.get(k, {}).values():
-                plot_band(ax, by_step, legend, line_style(i), scale=scale)
+                plot_band(ax, by_step, labels[key], line_style(i), scale=scale)
         ax.set_xlabel("training step")
         ax.set_ylabel(METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
         ax.grid(alpha=0.3)
     legend_below(fig, size=7)
-    caption(fig, title + "; mean over seeds, band = min to max")
+    caption(fig, f"{title}; data: {tasks}; mean over seeds, band = min to max"
+                 + (f"; where a line's label does not say otherwise: {said}" if said else ""))
     return [save_figure(fig, path)]
 
 
@@ -765,7 +868,7 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
                                                                  "default here"], rows)
 
 
-def draw_efficiency(rows: list, path: str) -> list[str]:
+def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str]:
     """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or
     more training set sizes, sequence accuracy against the size, a line per init run at more than
     one (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or such a
@@ -791,9 +894,8 @@ def draw_efficiency(rows: list, path: str) -> list[str]:
         ax.minorticks_off()
         ax.set_xlabel("training pairs")
         ax.set_ylabel("sequence accuracy %")
-        ax.set_title(wrapped("addition" + (f"\n{flag_label(label)}" if label else ""), 4.6, 9,
-                             LABEL_LINES),
-                     fontsize=9)
+        title = "\n".join(filter(None, (data_title("addition", data), config_words(label))))
+        ax.set_title(wrapped(title, 4.6, 9, LABEL_LINES), fontsize=9)
         ax.grid(alpha=0.3)
     legend_below(fig)
     caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = "
@@ -818,13 +920,14 @@ ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100),
 
 
 def oracle_free_cell(run: dict) -> tuple[str, str]:
-    """(row, column tag) of an oracle-free run from its folder name: the row is the task (and the
-    corpus or the step count the tag names: corpusB-teacher, 250steps-teacher), the tag what
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task, or the
+    data set it read where that must be named (`data_title`), and the corpus or the step count the
+    tag names (corpusB-teacher, 250steps-teacher); the tag what
     follows -sSEED- and them (samebudget, the default at a teacher's steps + its student's, is the
     budget2x column)."""
     name = os.path.basename(os.path.normpath(run["run_dir"]))
     tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
-    row = run["task"]
+    row = data_title(run["task"], {run["task"]: data_set(run)})
     if tag.startswith("corpus"):
         corpus, _, tag = tag.partition("-")
         row += f", corpus {corpus[-1]}"
@@ -1025,18 +1128,20 @@ STUDY_FIGURES = {
 
 
 def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> list[str]:
-    """Over the runs of every table folder: curves.csv / .png, the studies' figures
-    (STUDY_FIGURES), steps to target and the prior per layer (a damaged log is named in the notes
-    of both tables)."""
+    """Over the runs of every table folder: data.csv (the data set of each task a figure must name
+    it for: `data_rows`), curves.csv / .png, the studies' figures (STUDY_FIGURES), steps to target
+    and the prior per layer (a damaged log is named in the notes of both tables)."""
     runs = collect_runs(folders)[0]
     groups, notes = config_groups(runs)
-    written = write_curves(groups, out_dir)
+    data = data_rows(runs)
+    written = [write_rows(os.path.join(out_dir, "data.csv"), DATA_HEADER, data, quoted=1)]
+    written += write_curves(groups, out_dir, dict(data))
     for folder, title in STUDY_FIGURES.items():         # a study's runs side by side: FOLDER.png
         where = os.path.normpath(os.path.join(runs_dir, folder))
         study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == where]
         if study:
             written += write_comparison(config_groups(study)[0],
-                                        os.path.join(out_dir, f"{folder}.png"), title)
+                                        os.path.join(out_dir, f"{folder}.png"), title, dict(data))
     for r in runs:
         log_records(r)                          # read every log once: a damaged one is named below
     notes += [f"{r['run_dir']}: its log is left out of the curves and these tables "
@@ -1089,6 +1194,8 @@ CELLS = {
     "mass": (_number, runfiles.is_mass, f"an attention mass in [0, 1] (+-{runfiles.MASS_SLACK:g})"),
     "drift": (_number, lambda v: v != v or runfiles.is_value(v) and v >= 0,
               "nan or a relative change >= 0"),
+    "data": (str, lambda v: 0 < len(v) <= 80 and v.isprintable() and ", " not in v,
+             "a data set's name (printable, at most 80 characters, no ', ')"),
 }
 
 
@@ -1130,13 +1237,19 @@ def _efficiency_row(cells: list) -> tuple:
     return tuple(_cells(("label", "name", "seed", "count", "value", "value"), cells))
 
 
+def _data_row(cells: list) -> tuple:
+    """A data.csv row: (task, the data set its runs read)."""
+    return tuple(_cells(("name", "data"), cells))
+
+
 def _curves_size(rows: list) -> tuple[int, int]:
     """curves.png's (panels: task, configuration and metric; series: inits) of curve rows."""
     return len({(r[0], r[1], r[5]) for r in rows}), len({r[2] for r in rows})
 
 
 # name -> (the CSV's header, at least; the cells after it (a mass a layer); a row's parser; the
-# drawer of NAME.png from the rows; the figure's (panels, series in its legend) from the rows)
+# drawer of NAME.png from the rows and data.csv's {task: data set}; the figure's (panels, series in
+# its legend) from the rows)
 REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves, _curves_size),
            "persistence": (PERSISTENCE_HEADER, runfiles.MAX_LAYERS, _persistence_row,
                            draw_persistence,
@@ -1145,7 +1258,7 @@ REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves, _curves_size),
            "data_efficiency": (EFFICIENCY_HEADER, 0, _efficiency_row, draw_efficiency,
                                lambda rows: (len({r[0] for r in rows}), len({r[1] for r in rows}))),
            **{study: (CURVES_HEADER, 0, _curve_row,
-                      lambda rows, path, title=title: draw_comparison(rows, path, title),
+                      lambda rows, path, data, title=title: draw_comparison(rows, path, title, data),
                       lambda rows: (len({r[5] for r in rows}), len({(r[2], r[1]) for r in rows})))
               for study, title in STUDY_FIGURES.items()}}
 
@@ -1175,7 +1288,8 @@ def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
 
 def redraw(results: str) -> tuple[list[str], list[str]]:
     """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from
-    that CSV; the CSVs and tables are left as they are. Every CSV is read and checked, and each
+    that CSV, each task titled by the data set data.csv names for it (`data_title`; none there:
+    the task); the CSVs and tables are left as they are. Every CSV is read and checked, and each
     figure's size bounded (`figure_sizes`), before any figure is drawn; a figure of many panels
     says so before it is drawn. Returns (written, the figures there that are drawn from the runs
     alone: report again to redraw them)."""
@@ -1191,12 +1305,14 @@ def redraw(results: str) -> tuple[list[str], list[str]]:
         raise ReportError(f"redraw: {results} holds none of "
                           f"{', '.join(n + '.csv' for n in REDRAWN)}, so there is nothing to "
                           "redraw and nothing was written")
+    named = os.path.join(results, "data.csv")
+    data = dict(read_rows(named, DATA_HEADER, _data_row)) if os.path.isfile(named) else {}
     written = []
     for name, panels in figure_sizes(results, tables).items():
         if panels > REDRAW_SLOW_PANELS:
             print(f"redraw: {name}.png: {panels} panels, about {panels // 20 + 1} s to draw",
                   flush=True)
-        written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"))
+        written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"), data)
     left = sorted(f for f in os.listdir(results) if f.endswith(".png")
                   and os.path.join(results, f) not in written)
     return written, left
