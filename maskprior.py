@@ -21,7 +21,7 @@ module with an additive-mask keyword), maskprior_retrofit.py's `add_mask_prior` 
 attention layer its own `MaskPrior`; it imports this file, which imports nothing of it.
 
 This file imports only torch and the standard library: copy it into your codebase. Reading order:
-the core first (about 560 lines, 330 of code: the patterns it reads, `MaskPrior`, `Attention` with
+the core first (about 660 lines, 360 of code: the patterns it reads, `MaskPrior`, `Attention` with
 its fused and explicit paths, `init_mask_`, `param_groups`; it runs alone, needing nothing below it), then the
 argument tables that check every public call, then the rest of the method: more patterns, the
 fast paths (torch's fused CPU kernel with M's gradient apart, flex_attention), blocks and models,
@@ -61,9 +61,8 @@ M_ON, M_OFF = 5.0, 5.0
 
 def pattern_from_pairs(n: int, pairs, symmetric: bool = False,
                        self_loops: bool = True) -> torch.Tensor:
-    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with
-    diagonal. A pair outside 0 .. N-1 is an error (a negative index would wrap around to the
-    end)."""
+    """(N, N) bool pattern with True at each (query, key) pair; optionally symmetric, with diagonal. A pair
+    outside 0 .. N-1 is an error (a negative index would wrap around to the end)."""
     p = torch.zeros(n, n, dtype=torch.bool)
     for i, j in pairs:
         if not (0 <= i < n and 0 <= j < n):
@@ -128,9 +127,8 @@ def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
 
 
 def mask_bias_grad(mask_logits: torch.Tensor) -> torch.Tensor:
-    """d mask_bias / dM = sigmoid(-M), elementwise, in (0, 1): what a fast path that computes the
-    bias's gradient itself multiplies it by (autograd of `mask_bias` gives the same; a test keeps
-    the two equal)."""
+    """d mask_bias / dM = sigmoid(-M), elementwise, in (0, 1): what a fast path that computes the bias's gradient
+    itself multiplies it by (autograd of `mask_bias` gives the same; a test keeps the two equal)."""
     return torch.sigmoid(-mask_logits)
 
 
@@ -149,11 +147,10 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int,
 
 
 def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
-    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose
-    future half holds structure (allowed pairs, M > 0, that vary from pair to pair: a band, another
-    model's non-causal attention), which the causal mask would drop in silence. A future that is
-    the same everywhere (all allowed, a neutral M = +30, or all -inf-like) says nothing and
-    passes."""
+    """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose future half holds
+    structure (allowed pairs, M > 0, that vary from pair to pair: a band, another model's non-causal attention), which
+    the causal mask would drop in silence. A future that is the same everywhere (all allowed, a neutral M = +30, or
+    all -inf-like) says nothing and passes."""
     later = torch.ones(values.shape[-2:], dtype=torch.bool, device=values.device).triu(1)    # key j > query i
     future = values[..., later]                                  # (..., pairs above the diagonal)
     allowed = future if future.dtype == torch.bool else future > 0
@@ -172,6 +169,31 @@ def depends_on_distance(values: torch.Tensor, causal: bool = False) -> bool:
     if causal:
         same = same | future_keys(values.shape[-1] - 1, values.device)
     return bool(same.all())
+
+
+def grid_index(grid_h: int, grid_w: int, n_prefix: int = 0, device=None) -> torch.Tensor:
+    """(N, N) long, N = n_prefix + grid_h x grid_w (prefix tokens first, patches row-major): the slot of a
+    2-D relative M (`param="grid"`) each (query, key) pair reads: two patches, their displacement's; each
+    prefix token (a class token), a row and a column of its own. `grid_slots` slots a head."""
+    p, wide = grid_h * grid_w, 2 * grid_w - 1
+    rc = torch.stack(torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
+                                    indexing="ij"), -1).reshape(p, 2)
+    d = rc[None] - rc[:, None] + torch.tensor([grid_h - 1, grid_w - 1], device=device)   # (P, P, 2), >= 0
+    n, first = n_prefix + p, (2 * grid_h - 1) * wide
+    idx = torch.empty(n, n, dtype=torch.long, device=device)
+    idx[n_prefix:, n_prefix:] = d[..., 0] * wide + d[..., 1]
+    idx[:n_prefix] = first + torch.arange(n_prefix * n, device=device).view(n_prefix, n)
+    idx[n_prefix:, :n_prefix] = first + n_prefix * n + torch.arange(p * n_prefix, device=device).view(p, n_prefix)
+    return idx
+
+
+_grid_index = grid_index         # the prior's own call, unchecked (the public name is checked after the core)
+
+
+def grid_slots(grid_h: int, grid_w: int, n_prefix: int = 0) -> int:
+    """The logits a head of a 2-D relative M holds (`grid_index`): one per displacement, plus each
+    prefix token's row and column."""
+    return (2 * grid_h - 1) * (2 * grid_w - 1) + n_prefix * (2 * grid_h * grid_w + n_prefix)
 
 
 # ----------------------------------------------------------------------------------------
@@ -193,7 +215,9 @@ class MaskPrior(nn.Module):
     on future keys when `causal`. `param="full"`: M is (heads, n, n), one logit per (query, key);
     `param="relative"`: one logit per head and distance i - j, a (heads, n) table when causal
     ((heads, 2n - 1) otherwise), log sigmoid taken on the table and then gathered, so the prior
-    costs O(heads x n) parameters instead of O(heads x n^2). By default (`param=None`) a causal
+    costs O(heads x n) parameters instead of O(heads x n^2); `param="grid"`, `grid=(grid_h, grid_w)`: an
+    image's 2-D relative M (`grid_index`: Swin's, BEiT's), given logits averaged over each of its slots. By
+    default (`param=None`) a causal
     prior whose pattern or logits depend on i - j alone (`depends_on_distance`: a distance prior, a
     band) is stored relative, anything else (a layout: a grid, a CLS token, a non-causal band)
     full. M starts from `pattern` (bool (n, n) or (heads, n, n): +m_on on allowed pairs, -m_off
@@ -219,7 +243,7 @@ class MaskPrior(nn.Module):
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None,
                  m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                  logits: torch.Tensor | None = None, param: str | None = None,
-                 n_keys: int | None = None, prefix: bool = False):
+                 n_keys: int | None = None, prefix: bool = False, grid: tuple[int, int] | None = None):
         super().__init__()
         check_one_source(pattern, logits, "MaskPrior")
         src = logits if logits is not None else pattern
@@ -228,14 +252,18 @@ class MaskPrior(nn.Module):
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if n_keys is not None and (causal or param != "full"):
             raise ValueError("a cross-attention MaskPrior (n_keys) is non-causal with param='full'")
-        self.n, self.heads, self.causal, self.param = n, heads, causal, param
+        if (param == "grid") != (grid is not None) or (grid and (causal or grid[0] * grid[1] > n)):
+            raise ValueError(f"MaskPrior: param='grid' (a 2-D relative M) goes with grid=(grid_h, grid_w), an image's "
+                             f"patch grid of at most n = {n} positions, non-causal; got param={param!r}, grid={grid!r}")
+        self.n, self.heads, self.causal, self.param, self.grid = n, heads, causal, param, grid
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
         # the layer it serves, for error messages (maskprior_retrofit names it)
         self.where = "MaskPrior"
         self.record = None                    # a list while `attention_maps` records probabilities
         # (rows, cols) (B, L) long while `prior_roles` is in effect
         self.roles = None
-        size = (heads, n, self.n_keys) if param == "full" else (heads, n if causal else 2 * n - 1)
+        size = {"full": (heads, n, self.n_keys), "relative": (heads, n if causal else 2 * n - 1),
+                "grid": (heads, grid_slots(*grid, n - grid[0] * grid[1]) if grid else 0)}[param]
         # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging
         # Face Trainer's names holding "bias", timm's ".bias", minGPT's): decay would pull M to 0
         # and erase the prior. float32 whatever the default dtype.
@@ -258,45 +286,15 @@ class MaskPrior(nn.Module):
         watch_decay(self)
 
     def extra_repr(self) -> str:
-        keys = f", n_keys={self.n_keys}" if self.cross else ""
+        keys = f", n_keys={self.n_keys}" if self.cross else f", grid={self.grid}" if self.grid else ""
         return f"n={self.n}{keys}, heads={self.heads}, causal={self.causal}, param={self.param}, prefix={self.prefix}"
 
-    def _apply(self, fn, *args, **kwargs):
-        """M keeps float32 through model.to(bfloat16) / .half(): a cast to a narrower float is
-        undone on M from the float32 values (device moves and float64 pass)."""
-        def keep_float32(t):
-            out = fn(t)
-            if out.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16) and t.dtype == torch.float32:
-                return t.to(out.device)
-            return out
-        was_meta = self.bias.is_meta
-        out = super()._apply(keep_float32, *args, **kwargs)
-        # to_empty: memory, no values
-        self.unset = self.unset or (was_meta and not self.bias.is_meta)
-        return out
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the
-        outputs would be nan)."""
-        saved = state_dict.get(prefix + "bias")
-        if isinstance(saved, torch.Tensor) and saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
-            raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
-                             f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is "
-                             "no prior")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.unset = self.unset and prefix + "bias" not in state_dict
+    # _apply (M stays float32), _load_from_state_dict (a finite M) and __prepare_scriptable__ are set after the tables
 
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a
         float64 M (read off the parameter itself, so an fx trace records no branch)."""
         return m if self._parameters["bias"].dtype == torch.float64 else m.float()
-
-    def __prepare_scriptable__(self):
-        """torch.jit.script compiles every forward hook of a model, and a retrofitted layer's are Python: one line
-        instead of TorchScript's traceback, naming the ways that work."""
-        raise ValueError(f"{self.where}: torch.jit.script cannot compile a model that holds a MaskPrior (the "
-                         "prior's hooks and bias are Python); trace it (torch.jit.trace), compile it "
-                         "(torch.compile) or export it (torch.export) instead")
 
     def at_distance(self, dist: torch.Tensor) -> torch.Tensor:
         """(heads, *dist.shape) bias log sigmoid(M) of a relative prior at distances `dist` = query position - key
@@ -314,15 +312,20 @@ class MaskPrior(nn.Module):
         i = torch.arange(self.n, device=self.bias.device if device is None else device)
         return i[:, None] - i[None, :]
 
+    def _pairs(self, device=None) -> torch.Tensor:
+        """(n, n) the table slot each (query, key) pair of a relative or grid M reads."""
+        device = self.bias.device if device is None else device
+        if self.param == "grid":
+            return _grid_index(*self.grid, self.n - self.grid[0] * self.grid[1], device)
+        return self._index(self._square(device))
+
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
-        """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only
-        if they depend on i - j alone (on and below the diagonal when causal). A causal prior
-        refuses logits that allow a future key (M > 0 there: log sigmoid(M) would keep most of its
-        weight), which it would drop in silence. Checked where the logits are, and kept (a CPU copy)
-        as M's start for `reset_parameters`: a prior on the meta device takes them too, and is set
-        from them once M has memory (`to_empty`, then `reset_parameters` or Hugging Face's
-        init_weights)."""
+        """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they depend on
+        i - j alone (on and below the diagonal when causal). A causal prior refuses logits that allow a future key (M
+        > 0 there: log sigmoid(M) would keep most of its weight), which it would drop in silence. Checked where the
+        logits are, and kept (a CPU copy) as M's start for `reset_parameters`: a prior on the meta device takes them
+        too, and is set from them once M has memory (`to_empty`, then `reset_parameters` or HF's init_weights)."""
         full = _per_head(logits, self.heads, self.n, self.n_keys).to(dtype=self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
             raise ValueError(f"{self.where}: the logits hold non-finite values; M is a finite "
@@ -336,8 +339,13 @@ class MaskPrior(nn.Module):
         self.reset_parameters()
 
     def _table(self, full: torch.Tensor) -> torch.Tensor:
-        """The relative table (heads, n or 2n - 1) of full logits (heads, n, n) that depend on i - j alone."""
-        idx = self._index(self._square(full.device)).expand(self.heads, -1, -1)
+        """The relative table (heads, n or 2n - 1) of full logits (heads, n, n) that depend on i - j alone; a
+        grid's table, the mean of each slot's logits."""
+        idx = self._pairs(full.device).expand(self.heads, -1, -1)
+        if self.param == "grid":
+            flat, sums = idx.reshape(self.heads, -1), torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device)
+            counts = sums.scatter_add(1, flat, torch.ones_like(full).view(self.heads, -1))
+            return sums.scatter_add_(1, flat, full.reshape(self.heads, -1)) / counts
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
         seen = seen.tril() if self.causal else seen
         table = torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device).scatter_(
@@ -368,15 +376,12 @@ class MaskPrior(nn.Module):
     def full_logits(self) -> torch.Tensor:
         """M as (heads, n, n_keys) logits (a relative table expanded; future entries of a causal
         one are its distance-0 logit, and masked in the bias)."""
-        if self.param == "full":
-            return self.bias
-        return self.bias[:, self._index(self._square())]
+        return self.bias if self.param == "full" else self.bias[:, self._pairs()]
 
     def _first_row(self, t: int, s: int, start: int | None = None) -> int:
-        """The first of the t query rows the prior serves with s keys (`start`, when the caller
-        knows the first query's position, e.g. from a static KV cache whose s keys include empty
-        slots; else s - t); raises in one line when (t, s) does not fit, naming the way out. A
-        relative prior serves any length."""
+        """The first of the t query rows the prior serves with s keys (`start`, when the caller knows the first
+        query's position, e.g. from a static KV cache whose s keys include empty slots; else s - t); raises in one
+        line when (t, s) does not fit, naming the way out. A relative prior serves any length."""
         if self.param == "relative":
             first = start if start is not None and self.causal else s - t
             if (first < 0 or first + t > s) if self.causal else s != t:
@@ -428,6 +433,8 @@ class MaskPrior(nn.Module):
             bias = mask_bias(self._logits(self.full_logits()))[:, rq[:, :, None], kc[:, None, :]].transpose(0, 1)
         elif self.param == "full":
             bias = mask_bias(self._logits(self.bias[:, r:r + t, :c]))
+        elif self.param == "grid":                 # log sigmoid on the table, then gathered (t = c = n)
+            bias = mask_bias(self._logits(self.bias))[:, self._pairs()]
         # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz
         # copy
         else:
@@ -452,10 +459,9 @@ FAST_PATHS: list = []   # (q, k, v, prior, flex) -> the output, or None where a 
 
 def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPrior,
                     use_flex: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k,
-    v (B, H, S, d) -> (B, H, T, d), a causal prior's future hidden. F.scaled_dot_product_attention
-    with the prior's bias as its mask, unless a speedup of FAST_PATHS takes the call (`use_flex`: torch's
-    flex_attention where it applies, asked for)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
+    (B, H, T, d), a causal prior's future hidden. F.scaled_dot_product_attention with the prior's bias as its mask,
+    unless a speedup of FAST_PATHS takes the call (`use_flex`: torch's flex_attention where it applies, asked for)."""
     prior.check_set()
     for path in FAST_PATHS:
         out = path(q, k, v, prior, use_flex)
@@ -474,7 +480,8 @@ class Attention(nn.Module):
     the same constant to every logit, i.e. no prior until `init_mask_` sets it. `causal=True` adds
     a hard -inf on future keys; only then may T be shorter than N (a prefix, e.g. a prompt while
     generating), and the bias is M's top-left T x T block. `mask_param="relative"`: M per head and
-    distance (`mask_window` of them, default N), any T. `fused=True` uses
+    distance (`mask_window` of them, default N), any T; `mask_param="grid"`: M per head and patch
+    displacement of the `mask_grid` (grid_h, grid_w). `fused=True` uses
     F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
     `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs
     a layer with M through torch's flex_attention instead (`prior_flex`: M read inside the
@@ -484,7 +491,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None,
                  mask_size: int | None = None, causal: bool = False, qkv_bias: bool = False,
                  fused: bool = True, mask_param: str = "full", flex: bool = False,
-                 mask_window: int | None = None):
+                 mask_window: int | None = None, mask_grid: tuple[int, int] | None = None):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim or dim // n_heads
@@ -496,7 +503,7 @@ class Attention(nn.Module):
                                             and 1 <= mask_window <= mask_size):
             raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its "
                              f"{mask_size} positions (mask_param='relative')")
-        self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param)
+        self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param, grid=mask_grid)
                       if mask_size
                       else None)
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
@@ -509,9 +516,8 @@ class Attention(nn.Module):
         return None if self.prior is None else self.prior(t, dtype, k_len=k_len)
 
     def forward(self, x: torch.Tensor, return_attn: bool = False, cache: dict | None = None):
-        """x (B, T, dim) -> (B, T, dim) and the (B, heads, T, S) attention (None on the fused
-        path). `cache`: a dict this layer keeps its keys and values in across calls (a causal layer
-        decoding token by token: S keys)."""
+        """x (B, T, dim) -> (B, T, dim) and the (B, heads, T, S) attention (None on the fused path). `cache`: a dict
+        this layer keeps its keys and values in across calls (a causal layer decoding token by token: S keys)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if cache is not None:
@@ -598,19 +604,17 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
 
 
 def prior_parameter_names(model: nn.Module) -> list[str]:
-    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser
-    builder must keep out of weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay
-    list)."""
+    """The names of every M in `model` (as in `model.named_parameters()`): what an optimiser builder must keep out of
+    weight decay (timm's `no_weight_decay`, Hugging Face Trainer's decay list)."""
     return [f"{name}.bias" if name else "bias"
             for name, m in model.named_modules() if isinstance(m, MaskPrior)]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or
-    more dimensions: Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases,
-    norms, embedding tables (nn.Embedding) and other parameters (positional embeddings, class
-    tokens). Decay would pull M to 0 and erase the prior. A head tied to the token embedding counts
-    as the embedding (modules are visited in order)."""
+    """Two AdamW/Adam groups: decay on every weight matrix (a parameter named `weight` of two or more dimensions:
+    Linear, Conv, Hugging Face's Conv1D...); none on M (any MaskPrior), biases, norms, embedding tables (nn.Embedding)
+    and other parameters (positional embeddings, class tokens). Decay would pull M to 0 and erase the prior. A head
+    tied to the token embedding counts as the embedding (modules are visited in order)."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -751,6 +755,9 @@ KINDS = {
     "pairs": Kind("a list of (query, key) pairs of integers (not bools or floats)", _are_pairs,
                   "e.g. pairs=[(0, 1), (1, 0)]"),
     "values": Kind("a pattern or logits that hold values", lambda v: not (isinstance(v, torch.Tensor) and v.is_meta)),
+    "grid": Kind(f"a (grid_h, grid_w) pair of integers in 1 .. {MAX_POSITIONS:,}",
+                 lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(i) and 1 <= i <= MAX_POSITIONS
+                                                                                 for i in v), cast=tuple),
 }
 
 
@@ -807,7 +814,8 @@ ARGS = {
     "temperature": Arg("real", 0), "self_logit": Arg("real"),
     "pattern": Arg("pattern"), "logits": Arg("logits"), "attn": Arg("maps"),
     "readout": Arg("indices"), "offsets": Arg("offsets"),
-    **{k: Arg("choice", choices=("full", "relative")) for k in ("param", "mask_param")},
+    **{k: Arg("choice", choices=("full", "relative", "grid")) for k in ("param", "mask_param")},
+    "grid": Arg("grid"),
 }
 
 
@@ -842,8 +850,10 @@ def _grid_n(grid_h: int, grid_w: int, n_prefix: int = 0, **_) -> int:
     return n_prefix + grid_h * grid_w
 
 
-def _prior_entries(n: int, heads: int, n_keys, causal: bool, param, pattern, logits, **_) -> int:
-    """The entries of the M MaskPrior would make: (heads, 2n - 1) relative, (heads, n, n_keys) full."""
+def _prior_entries(n: int, heads: int, n_keys, causal: bool, param, pattern, logits, grid=None, **_) -> int:
+    """The entries of the M MaskPrior would make: (heads, 2n - 1) relative, (heads, n, n_keys) full, a grid's slots."""
+    if param == "grid" and grid:
+        return heads * grid_slots(*grid, max(0, n - grid[0] * grid[1]))
     src = logits if logits is not None else pattern
     relative = param == "relative" or (param is None and causal and src is not None
                                        and depends_on_distance(src, True))
@@ -859,8 +869,10 @@ def _embed_fits(pattern, offset: int, n: int, **_) -> str:
 
 
 def _config_fits(dim: int, n_heads: int, head_dim, tie_embeddings: bool = False, n_outputs: int = 0,
-                 vocab_size: int = 0, **_) -> str:
+                 vocab_size: int = 0, mask_param: str = "full", image_size=None, **_) -> str:
     """What a model config's fields break together ("" where nothing)."""
+    if mask_param == "grid" and image_size is None:
+        return "mask_param='grid' is a 2-D relative M over an image's patch grid: an image model's (ViTConfig)"
     if not head_dim and dim < n_heads:
         return f"dim {dim} over n_heads {n_heads} leaves each head no dimension: give dim >= n_heads, or head_dim"
     return "" if not tie_embeddings or n_outputs == vocab_size else (
@@ -877,6 +889,7 @@ CALLS = {
     **{k: Call("its (len(offsets), N, N) tensor (N = n_prefix + grid_h x grid_w)",
                lambda offsets, **a: len(offsets) * _grid_n(**a) ** 2, "give a smaller grid or fewer offsets")
        for k in ("impulse_pattern", "soft_offset_logits")},
+    "grid_index": Call("its (N, N) slots (N = n_prefix + grid_h x grid_w)", lambda **a: _grid_n(**a) ** 2),
     "window_pattern": Call("its (n_heads, N, N) pattern (N = n_prefix + grid_h x grid_w)",
                            lambda n_heads, **a: n_heads * _grid_n(**a) ** 2),
     "causal_distance_logits": Call("its (n_heads, n, n) logits", lambda n, n_heads, **_: n_heads * n * n),
@@ -951,9 +964,55 @@ def _shown(value) -> str:
     return f"{value.dtype} of shape {tuple(value.shape)}{off}"
 
 
+# ----------------------------------------------------------------------------------------
+# What keeps a prior whole where other code casts, loads or compiles it, set on MaskPrior here (the core
+# runs without them): M stays float32 through .half() and memory from to_empty is flagged unset (`_apply`);
+# a saved M must be finite (`_load_from_state_dict`); torch.jit.script is refused in one line.
+
+
+def _prior_apply(self, fn, *args, **kwargs):
+    """M keeps float32 through model.to(bfloat16) / .half(): a cast to a narrower float is
+    undone on M from the float32 values (device moves and float64 pass)."""
+    def keep_float32(t):
+        out = fn(t)
+        if out.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16) and t.dtype == torch.float32:
+            return t.to(out.device)
+        return out
+    was_meta = self.bias.is_meta
+    out = nn.Module._apply(self, keep_float32, *args, **kwargs)
+    # to_empty: memory, no values
+    self.unset = self.unset or (was_meta and not self.bias.is_meta)
+    return out
+
+
+def _prior_load(self, state_dict, prefix, *args, **kwargs):
+    """Refuse a saved M that is not finite (log sigmoid of nan or +-inf is no prior: the
+    outputs would be nan)."""
+    saved = state_dict.get(prefix + "bias")
+    if isinstance(saved, torch.Tensor) and saved.is_floating_point() and not bool(torch.isfinite(saved).all()):
+        raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
+                         f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is "
+                         "no prior")
+    nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+    self.unset = self.unset and prefix + "bias" not in state_dict
+
+
+def _refuse_script(self):
+    """torch.jit.script compiles every forward hook of a model, and a retrofitted layer's are Python: one line
+    instead of TorchScript's traceback, naming the ways that work."""
+    raise ValueError(f"{self.where}: torch.jit.script cannot compile a model that holds a MaskPrior (the "
+                     "prior's hooks and bias are Python); trace it (torch.jit.trace), compile it "
+                     "(torch.compile) or export it (torch.export) instead")
+
+
+MaskPrior._apply, MaskPrior._load_from_state_dict = _prior_apply, _prior_load
+MaskPrior.__prepare_scriptable__ = _refuse_script
+
+
 # The core's public calls, checked from these tables as the rest's are (the core itself stays free of
 # them, so it lifts whole)
-for _name in ("pattern_from_pairs", "banded_pattern", "causal_pattern", "mask_logits_from_pattern", "depends_on_distance", "init_mask_", "param_groups"):
+for _name in ("pattern_from_pairs", "banded_pattern", "causal_pattern", "mask_logits_from_pattern",
+              "depends_on_distance", "grid_index", "grid_slots", "init_mask_", "param_groups"):
     globals()[_name] = checked(globals()[_name])
 del _name
 MaskPrior.__init__ = checked(MaskPrior.__init__)
@@ -1160,6 +1219,11 @@ def prior_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: MaskPri
     if prior.param == "full":
         def score_mod(score, b, h, i, j):
             return score + table[h, i, j]
+    elif prior.param == "grid":
+        slot = prior._pairs(q.device)
+
+        def score_mod(score, b, h, i, j):
+            return score + table[h, slot[i, j]]
     else:
         n = prior.n
         lo, hi, offset = (0, n - 1, 0) if prior.causal else (1 - n, n - 1, n - 1)
@@ -1206,11 +1270,10 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
     """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward
     kernel's output and row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP =
     dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows
-    at a time (only the keys a causal block sees), in float32. dM: dS summed over the batch, by
-    (query, key) for a full M, by distance for a relative one (float64), then back through the
-    bias (`mask_bias_grad`, beside `mask_bias`). About what the kernel's own backward costs on the
-    CPU (which gives no dS). q, out, dout (B, H, T, d); k, v (B,
-    H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
+    at a time (only the keys a causal block sees), in float32. dM: dS summed over the batch, by (query, key) for a
+    full M (a grid's then into its slots), by distance for a relative one (float64), then back through the bias
+    (`mask_bias_grad`, beside `mask_bias`). About what the kernel's own backward costs on the CPU (which gives no dS).
+    q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T); bias (H, T, S). dM is None unless `need_m`."""
     h, t, s = bias.shape
     # query i is at position first + i (after a KV cache)
     first, scale = s - t, q.shape[-1] ** -0.5
@@ -1221,7 +1284,7 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
     qa, da = torch.cat([q * scale, -lse.unsqueeze(-1)], -1), torch.cat([dout, -d_rows], -1)
     ka, va = F.pad(k, (0, 1), value=1.0), F.pad(v, (0, 1), value=1.0)
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    full = prior.param == "full"
+    full = prior.param != "relative"          # dM by (query, key), a grid's gathered into its slots at the end
     dm = torch.zeros(h, t, s, device=q.device) if full else torch.zeros(prior.bias.shape,
                                                                         dtype=torch.float64,
                                                                         device=q.device)
@@ -1251,7 +1314,10 @@ def _backward(prior: MaskPrior, q, k, v, out, lse, dout, bias, need_m: bool = Tr
     if not need_m:
         return dq, dk, dv, None
     # M's rows r .. r + t - 1 and keys 0 .. c - 1 made this bias; back through mask_bias
-    if full:
+    if prior.param == "grid":                  # by (query, key) into the slots, then as a relative table
+        dm = torch.zeros(prior.bias.shape, dtype=torch.float64, device=q.device).index_add_(
+            1, prior._pairs(q.device).flatten(), dm.flatten(1).double())
+    if prior.param == "full":
         r, c = prior._first_row(t, s), min(s, prior.n_keys)
         dm, rows = torch.zeros_like(prior.bias), dm
         dm[:, r:r + t, :c] = rows[..., :c] * mask_bias_grad(prior.bias[:, r:r + t, :c])
@@ -1344,10 +1410,15 @@ class TrunkConfig:
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
     # stochastic depth: the last block skips its branches with this probability
     drop_path: float = 0.0
-    # M per (query, key), or "relative": per distance i - j (MaskPrior)
+    # M per (query, key), "relative": per distance i - j, or "grid": per patch displacement (MaskPrior)
     mask_param: str = "full"
     # a relative M's distances 0 .. W - 1, the last read past them (default: N)
     mask_window: int | None = None
+
+    @property
+    def mask_grid(self) -> tuple[int, int] | None:
+        """The patch grid of a 2-D relative M (mask_param="grid"): an image model's."""
+        return None
 
     def __post_init__(self):
         """Each field FIELDS names is checked (`check_arg`; None passes where the default is None),
@@ -1380,7 +1451,7 @@ class Block(nn.Module):
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.head_dim, mask_size, causal, cfg.qkv_bias,
-                              cfg.fused, cfg.mask_param, cfg.flex, cfg.mask_window)
+                              cfg.fused, cfg.mask_param, cfg.flex, cfg.mask_window, cfg.mask_grid)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, cfg.mlp_dim, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
@@ -1515,6 +1586,10 @@ class ViTConfig(TrunkConfig):
     @property
     def n_prefix(self) -> int:
         return 1 if self.pool == "cls" else 0
+
+    @property
+    def mask_grid(self) -> tuple[int, int] | None:
+        return (self.grid, self.grid) if self.mask_param == "grid" else None
 
     @property
     def n_positions(self) -> int:
@@ -1657,44 +1732,87 @@ def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: flo
 # The QK initialisers: the same pattern written into Wq, Wk (act in place, return a small report)
 
 
-def pseudo_input(model: nn.Module, block: Block | None = None) -> torch.Tensor:
-    """(N, dim) LayerNorm(positional embedding): what the QK inits fit the pattern on. Expects
-    `model.pos_emb` (1, N, dim) and `model.blocks` (each with `ln1`), as `Transformer` and `ViT`
-    have."""
-    if getattr(model, "pos_emb", None) is None:
+@dataclass
+class QKSite:
+    """One attention layer as the QK inits read and write it: its pre-norm (what the positions pass
+    first; None where an init needs no positions), heads x head_dim, and views of its weights that
+    writes go through to: q, k, v (heads x head_dim, dim), their biases (or None), o (dim, heads x
+    head_dim), the output projection."""
+    norm: nn.Module | None
+    n_heads: int
+    head_dim: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    biases: tuple = (None, None, None)
+
+
+class QKView(NamedTuple):
+    """What the QK inits read and write of a model: its attention layers in order (QKSite) and its
+    learned positional embedding (1, N, dim), None where it has none. Ours: `qk_view`; timm's and
+    Hugging Face's ViTs: maskprior_retrofit.qk_view."""
+    sites: list
+    pos_emb: torch.Tensor | None
+
+
+def _site(attn: Attention, norm: nn.Module | None = None) -> QKSite:
+    """The QKSite of one of our Attention layers (its fused qkv split in three)."""
+    inner, w, b = attn.n_heads * attn.head_dim, attn.qkv.weight.detach(), attn.qkv.bias
+    parts = [slice(0, inner), slice(inner, 2 * inner), slice(2 * inner, 3 * inner)]
+    return QKSite(norm, attn.n_heads, attn.head_dim, *(w[s] for s in parts), attn.proj.weight.detach(),
+                  (None,) * 3 if b is None else tuple(b.detach()[s] for s in parts))
+
+
+def qk_view(model) -> QKView:
+    """The QKView of one of our models (its `blocks`, each an `ln1` and an `attn`, and `pos_emb`), or of
+    any module holding our Attention layers (no norms, no positions); a QKView passes as it is."""
+    if isinstance(model, QKView):
+        return model
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None and all(isinstance(getattr(b, "attn", None), Attention) for b in blocks):
+        return QKView([_site(b.attn, b.ln1) for b in blocks], getattr(model, "pos_emb", None))
+    if not attention_layers(model):
+        raise ValueError(f"the QK inits read maskprior Attention layers, and {type(model).__name__} has none: "
+                         "for timm's or Hugging Face's ViT give maskprior_retrofit.qk_view(model)")
+    return QKView([_site(a) for a in attention_layers(model)], None)
+
+
+def pseudo_input(model, site: QKSite | None = None) -> torch.Tensor:
+    """(N, dim) LayerNorm(positional embedding) through `site`'s norm (default: the first layer's):
+    what the QK inits fit the pattern on. `model`: one of ours (`Transformer`, `ViT`) or a QKView."""
+    view = qk_view(model)
+    if view.pos_emb is None:
         raise ValueError("the QK inits fit the pattern on the positional embedding, which this "
                          "model has not (positions='none'); give it positions='learned'")
-    block = block or model.blocks[0]
     with torch.no_grad():
-        return block.ln1(model.pos_emb[0]).detach()
+        return (site or view.sites[0]).norm(view.pos_emb[0]).detach()
 
 
-def _set_qk_(attn: Attention, wq: torch.Tensor, wk: torch.Tensor):
-    """wq, wk: (H, dim, head_dim) so that head h computes q = x @ wq[h]."""
-    inner = attn.n_heads * attn.head_dim
-    w = attn.qkv.weight
-    w[:inner].copy_(wq.transpose(1, 2).reshape(inner, -1))
-    w[inner:2 * inner].copy_(wk.transpose(1, 2).reshape(inner, -1))
-    if attn.qkv.bias is not None:
-        attn.qkv.bias[:2 * inner].zero_()
+def _set_qk_(site: QKSite, wq: torch.Tensor, wk: torch.Tensor):
+    """wq, wk: (H, dim, head_dim) so that head h computes q = x @ wq[h]; the query and key biases to 0."""
+    inner = site.n_heads * site.head_dim
+    site.q.copy_(wq.transpose(1, 2).reshape(inner, -1))
+    site.k.copy_(wk.transpose(1, 2).reshape(inner, -1))
+    for b in site.biases[:2]:
+        if b is not None:
+            b.zero_()
 
 
-def qk_weights(layer: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, dim, head_dim) query and key maps of one attention layer."""
-    h, r = layer.n_heads, layer.head_dim
-    w = layer.qkv.weight
-    wq = w[:h * r].reshape(h, r, -1).transpose(1, 2)
-    wk = w[h * r:2 * h * r].reshape(h, r, -1).transpose(1, 2)
-    return wq, wk
+def qk_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, dim, head_dim) query and key maps of one attention layer (our Attention, or a QKSite)."""
+    s = layer if isinstance(layer, QKSite) else _site(layer)
+    h, r = s.n_heads, s.head_dim
+    return tuple(w.reshape(h, r, -1).transpose(1, 2) for w in (s.q, s.k))
 
 
 @torch.no_grad()
-def pseudo_attention(layer: Attention, pseudo: torch.Tensor) -> torch.Tensor:
+def pseudo_attention(layer, pseudo: torch.Tensor) -> torch.Tensor:
     """(H, N, N) attention of the pseudo input (N, dim) through one layer's Wq, Wk (no mask)."""
     wq, wk = qk_weights(layer)
     q = torch.einsum("nd,hdr->hnr", pseudo, wq)
     k = torch.einsum("nd,hdr->hnr", pseudo, wk)
-    return (q @ k.transpose(1, 2) * layer.head_dim ** -0.5).softmax(-1)
+    return (q @ k.transpose(1, 2) * wq.shape[-1] ** -0.5).softmax(-1)
 
 
 def _trunc_normal(shape, std: float, bound: float, generator=None) -> torch.Tensor:
@@ -1728,15 +1846,17 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     the model's positional embedding first. Returns the pseudo input's attention mass on
     the pattern, per layer.
 
-    Expects of `model`: `blocks` (each with `ln1` and a maskprior `attn`) and `pos_emb`
-    (1, N, dim), the positional embedding the pseudo input is made from (`Transformer`, `ViT`).
+    `model`: one of ours (`Transformer`, `ViT`: `blocks`, each with `ln1` and `attn`, and `pos_emb` (1,
+    N, dim), the positional embedding the pseudo input is made from) or a QKView (timm's and Hugging
+    Face's ViTs: maskprior_retrofit.qk_view).
     """
+    view = qk_view(model)
+    pseudo_input(view)                   # refused before anything changes where there are no positions
     if pos_scale is not None:
-        model.pos_emb.mul_(pos_scale)
+        view.pos_emb.mul_(pos_scale)
     masses = []
-    for block in model.blocks:
-        attn = block.attn
-        p = pseudo_input(model, block).float()
+    for attn in view.sites:
+        p = pseudo_input(view, attn).float()
         pat = _per_head(pattern, attn.n_heads, p.shape[0]).to(p.device)
         pinv = _pinv_rank(p, attn.head_dim)
         wqs, wks = [], []
@@ -1770,15 +1890,16 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
     `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are
     not drowned by the token embeddings). `log` (e.g. print), when given, hears what the fit does
     every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps taken and
-    pseudo-input masses. Expects of `model`: `blocks` (each with `ln1` and `attn`, all of the
-    same heads and head_dim) and `pos_emb` (1, N, dim), as `Transformer` and `ViT` have.
+    pseudo-input masses. `model`: as `init_qk_svd_` takes it (its layers all of the same heads and
+    head_dim).
     """
+    view = qk_view(model)
+    pseudo_input(view)
     if pos_scale is not None:
         with torch.no_grad():
-            model.pos_emb.mul_(pos_scale)
-    attn0 = model.blocks[0].attn
-    h, r = attn0.n_heads, attn0.head_dim
-    p = pseudo_input(model).float()
+            view.pos_emb.mul_(pos_scale)
+    h, r = view.sites[0].n_heads, view.sites[0].head_dim
+    p = pseudo_input(view).float()
     pat = _per_head(pattern, h, p.shape[0]).to(p.device)
     target = pat.float()
     d = p.shape[1]
@@ -1811,9 +1932,9 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
                 prev = loss_val
     with torch.no_grad():
         masses = []
-        for block in model.blocks:
-            _set_qk_(block.attn, q.detach(), k.detach())
-            masses.append(float(pattern_mass(pseudo_attention(block.attn, p).unsqueeze(0), pat)))
+        for site in view.sites:
+            _set_qk_(site, q.detach(), k.detach())
+            masses.append(float(pattern_mass(pseudo_attention(site, p).unsqueeze(0), pat)))
     return {"loss": loss_val, "steps": step, "pseudo_mass": masses}
 
 
@@ -1835,13 +1956,13 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
     Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that
     product alone. Returns the relative error of the V-proj products to their targets
     (non-zero only when heads x head_dim < dim truncates them). Works on any model whose
-    attention layers are maskprior `Attention` modules (no positional embedding needed).
+    attention layers are maskprior `Attention` modules (no positional embedding needed), and on a
+    QKView (maskprior_retrofit.qk_view: timm's and Hugging Face's ViTs).
     """
     errs = []
-    for attn in attention_layers(model):
+    for attn in qk_view(model).sites:
         h, r = attn.n_heads, attn.head_dim
-        dim = attn.qkv.weight.shape[1]
-        dev = attn.qkv.weight.device
+        dim, dev = attn.q.shape[1], attn.q.device
         inner = h * r
         if qk is not None:
             wq, wk = [], []
@@ -1852,12 +1973,10 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
             _set_qk_(attn, torch.stack(wq).to(dev), torch.stack(wk).to(dev))
         if vo is not None:
             left, right = _ortho_like(dim, *vo, sign=-1.0, generator=generator)
-            # v = x @ left[:, :inner]
-            attn.qkv.weight[2 * inner:].copy_(left[:, :inner].T.to(dev))
-            # out = v @ right[:inner]
-            attn.proj.weight.copy_(right[:inner].T.to(dev))
-            if attn.qkv.bias is not None:
-                attn.qkv.bias[2 * inner:].zero_()
+            attn.v.copy_(left[:, :inner].T.to(dev))          # v = x @ left[:, :inner]
+            attn.o.copy_(right[:inner].T.to(dev))            # out = v @ right[:inner]
+            if attn.biases[2] is not None:
+                attn.biases[2].zero_()
             full = left @ right
             errs.append(float((left[:, :inner] @ right[:inner] - full).norm() / full.norm()))
     return {"vo_truncation_error": errs}
@@ -2251,6 +2370,7 @@ __all__ = [
     "mean_attention", "model_from_config", "offsets_from_attention", "param_groups", "pattern_agreement",
     "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift",
     "prior_flex", "prior_mass", "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows",
-    "prior_snapshot", "pseudo_attention", "pseudo_input", "qk_weights", "random_impulse_offsets",
+    "prior_snapshot", "pseudo_attention", "pseudo_input", "qk_weights", "random_impulse_offsets", "QKSite", "QKView",
+    "qk_view", "grid_index", "grid_slots",
     "relative_from_attention", "soft_offset_logits", "state_mismatch", "visible_keys", "window_pattern",
 ]

@@ -133,6 +133,33 @@ def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool
             or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
 
 
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def _grid_of(model: nn.Module) -> tuple[int, int] | None:
+    """The patch grid (grid_h, grid_w) of an image model, for param='grid': timm's patch_embed.grid_size, or a
+    Hugging Face vision config's image_size // patch_size; None where it names none."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and getattr(embed, "grid_size", None) is not None:
+        return _pair(embed.grid_size)
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "vision_config", cfg)
+    if cfg is not None and getattr(cfg, "image_size", None) and getattr(cfg, "patch_size", None):
+        return tuple(i // p for i, p in zip(_pair(cfg.image_size), _pair(cfg.patch_size)))
+    return None
+
+
+def _grid_for(model: nn.Module) -> tuple[int, int]:
+    """The model's patch grid for param='grid' (`_grid_of`), or one line asking for grid=."""
+    grid = _grid_of(model)
+    if grid is None:
+        raise ValueError(f"add_mask_prior: param='grid' is a 2-D relative M over an image's patch grid, and "
+                         f"{type(model).__name__} names none (timm's patch_embed.grid_size, a Hugging Face config's "
+                         "image_size and patch_size): give grid=(grid_h, grid_w); no layer was changed")
+    return grid
+
+
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
     """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus
     prefix tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a
@@ -257,7 +284,7 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
 
 
 def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
-               who: str = "add_mask_prior") -> mp.MaskPrior:
+               who: str = "add_mask_prior", grid: tuple[int, int] | None = None) -> mp.MaskPrior:
     """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing
     changed yet)."""
     shape = tuple(src.shape)
@@ -285,7 +312,7 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
     try:
         prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
                           n_keys=n_keys if site.cross else None, prefix=site.prefix
-                          if prefix is None else prefix)
+                          if prefix is None else prefix, grid=grid)
     except ValueError as e:
         raise _fail(site, str(e), who) from None
     prior.where = site.name
@@ -306,7 +333,8 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
     if full and own and size > FULL_SHARE * own:
         relative = not full[0].cross and mp.depends_on_distance(src)
         way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
-               if relative else "param='full' takes it anyway")
+               if relative else "param='grid' holds an image's at one logit per head and patch offset; param='full' "
+                                "takes it anyway" if _grid_of(model) else "param='full' takes it anyway")
         raise ValueError(f"add_mask_prior: a full M on {len(full)} layers would add {size:,} "
                          f"parameters to the model's {own:,} ({size / own:.0%}); {way} (or build "
                          "the prior for fewer positions); no layer was changed")
@@ -325,7 +353,8 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                    m_off: float = mp.M_OFF, causal: bool | None = None,
                    logits: torch.Tensor | None = None, *, param: str | None = None,
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
-                   mask_kwarg: str = "attn_mask", flex: bool = False) -> dict[str, mp.MaskPrior]:
+                   mask_kwarg: str = "attn_mask", flex: bool = False,
+                   grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
     """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool
     (N, N) or (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers
     that got one.
@@ -344,7 +373,10 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     its class, heads and what to do, and the model is left as it was. `param`: by default relative
     for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
     length), else full, refused in one line where the full M's would add more than 10% of the
-    model's parameters (pass param='full' to take them, or 'relative' for a non-causal band).
+    model's parameters (pass param='full' to take them, or 'relative' for a non-causal band); param='grid': an
+    image's 2-D relative M, one logit per head and patch displacement plus each class token's row and column
+    (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default
+    the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch size).
     `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on
     its first call) wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex`
     later to change it). Make the optimiser after this call; M is named `bias`, so Hugging Face's
@@ -364,7 +396,8 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
                          "N)")
     sites = _sites_for(model, cross_attention, modules, mask_kwarg)
-    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix)
+    grid = _grid_for(model) if param == "grid" and grid is None else grid
+    priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix, grid=grid)
               for s in sites}
     if param is None:
         _check_size(model, priors, src)
@@ -822,7 +855,7 @@ def _attach_hf(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
 
 def prior_record(model: nn.Module) -> dict | None:
     """What a save of `model` writes into config.json for its Hugging Face layers that hold a prior:
-    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix}}, 'base': 'sdpa' or 'eager'}, or None
+    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix, grid}}, 'base': 'sdpa' or 'eager'}, or None
     where none does. Read from the model itself at each save (a part given priors and the whole saved included):
     the record is the model's state, never written into its config, which other models built from it share."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
@@ -830,7 +863,8 @@ def prior_record(model: nn.Module) -> dict | None:
         return None
     geometry = {name: {"n": m.mask_prior.n, "n_keys": m.mask_prior.n_keys if m.mask_prior.cross else None,
                        "heads": m.mask_prior.heads, "causal": m.mask_prior.causal, "param": m.mask_prior.param,
-                       "prefix": m.mask_prior.prefix} for name, m in layers.items()}
+                       "prefix": m.mask_prior.prefix, "grid": m.mask_prior.grid and list(m.mask_prior.grid)}
+                for name, m in layers.items()}
     return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
 
 
@@ -954,8 +988,11 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
     "n": (lambda v: type(v) is int and v > 0, "a positive int"),
     "n_keys": (lambda v: v is None or (type(v) is int and v > 0), "null or a positive int"),
     "causal": (lambda v: type(v) is bool, "true or false"),
-    "param": (lambda v: v in ("full", "relative"), "'full' or 'relative'"),
+    "param": (lambda v: v in ("full", "relative", "grid"), "'full', 'relative' or 'grid'"),
     "prefix": (lambda v: type(v) is bool, "true or false"),
+    # a 2-D relative M's patch grid (records saved before it: none)
+    "grid": (lambda v: v is None or (type(v) is list and len(v) == 2 and all(type(i) is int and i > 0 for i in v)),
+             "null or [grid_h, grid_w]"),
 }
 
 
@@ -980,6 +1017,8 @@ def _check_record(record, path: str) -> None:
             raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a "
                              "dict; nothing was loaded")
         for field, (ok, want) in _RECORD_FIELDS.items():
+            if field not in geo and field == "grid":
+                continue
             if field not in geo or not ok(geo[field]):
                 has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
                 raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: "
@@ -1088,7 +1127,8 @@ def _reattach(model: nn.Module, record: dict) -> None:
         # M starts at 0
         shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")
         priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None,
-                                  geo["param"], geo["prefix"], "from_pretrained")
+                                  geo["param"], geo["prefix"], "from_pretrained",
+                                  tuple(geo["grid"]) if geo.get("grid") else None)
         sites.append(site)
     for s in sites:
         _attach_hf(s, priors[s.name], "attn_mask")
@@ -1170,6 +1210,56 @@ def _when_imported(name: str, then: Callable) -> None:
 _when_imported("peft", _guard_peft)
 
 
+# ----------------------------------------------------------------------------------------
+# The QK inits (maskprior's init_qk_svd_, init_qk_opt_, init_mimetic_: `impulse` is the first with pos_scale=18 and
+# the last with qk=None, vo=(0.4, 0.4)) on timm's and Hugging Face's ViTs, through a QKView of their weights.
+
+
+def _projections(module: nn.Module) -> tuple | None:
+    """(q, k, v, o, (q, k, v biases)): views of an attention layer's weights, q/k/v (inner, dim) and o (dim, inner),
+    for timm's fused qkv and proj, or Hugging Face's q_proj, k_proj, v_proj and o_proj; None for another layout."""
+    qkv, proj = getattr(module, "qkv", None), getattr(module, "proj", None)
+    if isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear):
+        parts = [slice(i * qkv.out_features // 3, (i + 1) * qkv.out_features // 3) for i in range(3)]
+        bias = None if qkv.bias is None else qkv.bias.detach()
+        return (*(qkv.weight.detach()[p] for p in parts), proj.weight.detach(),
+                tuple(None if bias is None else bias[p] for p in parts))
+    linears = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if all(isinstance(x, nn.Linear) for x in linears):
+        return (*(x.weight.detach() for x in linears), tuple(None if x.bias is None else x.bias.detach()
+                                                          for x in linears[:3]))
+    return None
+
+
+def qk_view(model: nn.Module) -> mp.QKView:
+    """The QKView of a timm or Hugging Face ViT (any model whose attention layers `find_attention` reaches, each
+    with timm's qkv/proj or Hugging Face's q/k/v/o_proj, in pre-LN blocks): each layer's weights and its block's
+    first LayerNorm, and the model's (1, N, dim) positional embedding (timm's pos_embed, Hugging Face's
+    position_embeddings). Then, e.g. the `impulse` init:
+
+        view = retrofit.qk_view(vit)
+        mp.init_qk_svd_(view, mp.impulse_pattern(14, 14, mp.IMPULSE_OFFSETS[:3], n_prefix=1), pos_scale=18.0)
+        mp.init_mimetic_(view, qk=None, vo=(0.4, 0.4))
+    """
+    named, sites = dict(model.named_modules()), []
+    for site in find_attention(model):
+        weights = _projections(site.module)
+        parent = named[site.name.rpartition(".")[0]]
+        norm = next((m for m in parent.children() if isinstance(m, nn.LayerNorm)), None)
+        if weights is None or norm is None or not site.heads:
+            raise ValueError(f"qk_view: {site.name} ({type(site.module).__name__}) is not a pre-LN block's attention "
+                             "with timm's qkv/proj or Hugging Face's q/k/v/o_proj, which the QK inits write")
+        *w, biases = weights
+        sites.append(mp.QKSite(norm, site.heads, w[0].shape[0] // site.heads, *w, biases))
+    pos = [p for n, p in model.named_parameters() if n.rpartition(".")[2] in ("pos_embed", "position_embeddings")
+           and p.dim() == 3]
+    if not sites or len(pos) != 1:
+        raise ValueError(f"qk_view: {type(model).__name__} has {len(sites)} attention layers the QK inits can write "
+                         f"and {len(pos)} positional embeddings (1, N, dim): they need a ViT's layers and its one "
+                         "learned positional table")
+    return mp.QKView(sites, pos[0])
+
+
 # the public names (`from maskprior_retrofit import *`)
 __all__ = ["add_mask_prior", "remove_mask_prior", "from_pretrained", "find_attention", "hf_attention", "prior_record",
-           "Site"]
+           "Site", "qk_view"]

@@ -163,9 +163,11 @@ class Config:
                             check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
     mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), or "
+    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), "
                                      "relative: one logit per head and distance i - j (heads x "
-                                     "N; language models)", choices=("full", "relative"),
+                                     "N; language models), or grid: per head and patch displacement "
+                                     "plus the class token's row and column (vision)",
+                             choices=("full", "relative", "grid"),
                              arch=True, needs={"init": MASK_INITS})
     qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
                                  check="gain", needs={"init": QK_SVD_INITS})
@@ -477,6 +479,9 @@ RULES = (
                    and c.mask_param == "full"),
      lambda c, t: f"--eval-context {t.eval_context} is past --context {t.context}, which a full M (N x N) cannot "
                   "serve: give --mask-param relative (its distances serve any length)"),
+    (lambda c, t: c.mask_param == "grid" and t.KIND != "vision",
+     lambda c, t: f"--mask-param grid is a 2-D relative M over an image's patch grid, and {c.task} is a "
+                  f"{t.KIND} task: use full or relative"),
     (lambda c, t: c.prior_kind not in (None, *t.TEACHER_KINDS),
      lambda c, t: f"--prior-kind {c.prior_kind} does not apply to task {c.task}; choose from "
                   f"{', '.join(t.TEACHER_KINDS)}"),

@@ -1079,12 +1079,83 @@ def test_init_mask_never_creates_or_resizes_m():
     assert [b.attn.prior.bias for b in model.blocks] == before and all((m == 0).all() for m in before)
 
 
+def test_a_grid_prior_holds_a_logit_per_displacement_and_the_class_tokens_row_and_column():
+    """`grid_index`: two patch pairs share a slot exactly when their displacements agree; the class token's row
+    and column are slots of their own; every slot is read. ViT-Tiny at 224 px (14 x 14 patches and a class
+    token): a grid M adds <= 1% to the model's parameters, where a full M adds 25%."""
+    idx = mp.grid_index(3, 4, n_prefix=1)
+    rc = torch.tensor([(r, c) for r in range(3) for c in range(4)])
+    disp = (rc[None] - rc[:, None]).view(12 * 12, 2)
+    same_slot = idx[1:, 1:].reshape(-1)[:, None] == idx[1:, 1:].reshape(-1)[None]
+    assert torch.equal(same_slot, (disp[:, None] == disp[None]).all(-1))
+    prefix = torch.cat([idx[0], idx[1:, 0]])
+    assert prefix.unique().numel() == 13 + 12 and not bool(torch.isin(prefix, idx[1:, 1:]).any())
+    assert torch.equal(idx.unique(), torch.arange(mp.grid_slots(3, 4, 1)))
+    counts = {}
+    for param in ("full", "grid"):
+        vit = mp.ViT(mp.ViTConfig(image_size=224, patch_size=16, pool="cls", learnable_mask=True, mask_param=param))
+        m = sum(p.bias.numel() for p in mp.mask_priors(vit))
+        counts[param] = (m, sum(p.numel() for p in vit.parameters()) - m)
+    assert counts["full"][0] == 12 * 3 * 197 * 197 and counts["grid"][0] == 12 * 3 * mp.grid_slots(14, 14, 1)
+    assert counts["grid"][0] / counts["grid"][1] <= 0.01 < 0.25 <= counts["full"][0] / counts["full"][1]
+
+
+def test_a_grid_prior_takes_displacement_logits_exactly_and_the_mean_of_each_slot_otherwise():
+    """Logits that depend on the displacement alone (the soft bump, its class token at +m_on) are held exactly;
+    (to rounding: the slot's mean); the impulse pattern, whose edge patches fall back to themselves, becomes each
+    slot's mean: a head's own
+    offset stays +m_on, self-attention (the fall-back of a few patches) its mean."""
+    soft = mp.soft_offset_logits(4, 4, mp.IMPULSE_OFFSETS[:3], 1.0, 5.0, 10.0, n_prefix=1)
+    prior = mp.MaskPrior(17, 3, logits=soft, param="grid", grid=(4, 4))
+    torch.testing.assert_close(prior.full_logits().detach(), soft, atol=1e-5, rtol=0)
+    pat = mp.impulse_pattern(4, 4, [(0, 1)], n_prefix=1)
+    held = mp.MaskPrior(17, 1, pat, param="grid", grid=(4, 4)).full_logits().detach()[0]
+    assert held[1, 2] == 5.0 and held[0].eq(5.0).all() and held[1:, 0].eq(5.0).all()
+    assert float(held[1, 1]) == pytest.approx((4 * 5.0 - 12 * 5.0) / 16)          # 4 of 16 patches at the right edge
+
+
+@pytest.mark.parametrize("pool", ["mean", "cls"])
+def test_a_vit_with_a_grid_prior_gives_the_same_outputs_and_gradients_fused_and_explicit(pool):
+    """The fused path (on the CPU, the kernel with M's gradient by `_backward`, gathered into its slots) and the
+    explicit softmax agree on a ViT with a 2-D relative M, in its outputs and every gradient, M's included."""
+    cfg = mp.ViTConfig(image_size=16, patch_size=4, dim=24, n_layers=2, n_heads=3, mlp_dim=32, pool=pool,
+                       learnable_mask=True, mask_param="grid")
+    torch.manual_seed(0)
+    vit = mp.ViT(cfg)
+    mp.init_mask_(vit, logits=mp.soft_offset_logits(4, 4, mp.IMPULSE_OFFSETS[:3], 0.5, 5.0, 5.0, cfg.n_prefix))
+    x = torch.randn(2, 3, 16, 16)
+    grads = []
+    for fused in (True, False):
+        for block in vit.blocks:
+            block.attn.fused = fused
+        vit.zero_grad()
+        out = vit(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in vit.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_mask_param_grid_is_refused_in_one_line_where_there_is_no_patch_grid(image_dir):
+    """--mask-param grid on a task of tokens (train.py's rule) and mask_param='grid' in a TransformerConfig are
+    each one line; on an image task the run's model holds the grid M."""
+    with pytest.raises(runfiles.UsageError, match=r"^--mask-param grid is a 2-D relative M .* parity2 is a boolean"):
+        runconfig.check(_resolved(["--task", "parity2", "--init", "mask", "--mask-param", "grid"]))
+    with pytest.raises(ValueError, match=r"^TransformerConfig: mask_param='grid'"):
+        mp.TransformerConfig(learnable_mask=True, mask_param="grid")
+    config = _resolved(["--task", "cifar10", "--data-dir", image_dir, "--init", "mask-impulse", "--mask-param", "grid",
+                        "--preset", "small"])
+    model_cfg = train.model_config(config, runconfig.check(config))
+    assert model_cfg.mask_grid == (8, 8) and mp.build_model(model_cfg).blocks[0].attn.prior.param == "grid"
+
+
 def test_qk_svd_puts_pseudo_input_mass_on_pattern():
     task, model = gotu_model()
     pat = task.pattern()
     rep = mp.init_qk_svd_(model, pat, generator=torch.Generator().manual_seed(0))
     assert len(rep["pseudo_mass"]) == 2 and min(rep["pseudo_mass"]) > 0.9
-    p = mp.pseudo_input(model, model.blocks[1])
+    p = mp.pseudo_input(model, mp.qk_view(model).sites[1])
     a = mp.pseudo_attention(model.blocks[1].attn, p)
     assert float(mp.pattern_mass(a.unsqueeze(0), pat)) == pytest.approx(rep["pseudo_mass"][1], abs=1e-5)
     # uniform attention would put only the pattern's density there
@@ -1445,6 +1516,8 @@ LIBRARY_CALLS = {   # each public function `mp.checked` checks, called well: the
     "embed_pattern": lambda **k: mp.embed_pattern(**{"pattern": _PAT, "offset": 1, "n": 9, **k}),
     "impulse_pattern": lambda **k: mp.impulse_pattern(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)], "n_prefix": 1,
                                                          **k}),
+    "grid_index": lambda **k: mp.grid_index(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
+    "grid_slots": lambda **k: mp.grid_slots(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
     "window_pattern": lambda **k: mp.window_pattern(**{"grid_h": 3, "grid_w": 3, "kernel": 3, "n_heads": 2, **k}),
     "soft_offset_logits": lambda **k: mp.soft_offset_logits(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)],
                                                                "alpha": 1.0, "m_on": 5.0, "m_off": 5.0, **k}),
@@ -1486,6 +1559,7 @@ BAD = {   # an argument's kind -> values it must refuse (ints and reals also jus
              torch.empty(0, 8, 8)],
     "indices": [[0.5], 0, [], [-1], torch.tensor([True, False]), [True]],
     "offsets": [[], [(0,)], [(0.5, 0)], "ab", [(0, True)]],
+    "grid": [(0, 4), (4,), (2.0, 2), "ab", (True, 2), (4, 2 ** 21)],
     "choice": ["ful", "", 1, ("full",)],
 }
 
@@ -1569,11 +1643,16 @@ FIELD_CASES = [(cfg, name, value) for cfg in (mp.TransformerConfig, mp.ViTConfig
                          ids=[f"{c.__name__}-{n}-{v!r}" for c, n, v in FIELD_CASES])
 def test_a_model_config_refuses_each_bad_value_of_each_declared_field(cfg, name, value):
     """Generated from the table (`mp.FIELDS`): a model config given a bad value of a field the table
-    names is one ValueError line naming the config and the field; each allowed value is taken."""
+    names is one ValueError line naming the config and the field; each allowed value is taken (but a 2-D
+    relative M, mask_param='grid', by a model of tokens: refused in one line naming the image model)."""
     with pytest.raises(ValueError, match=rf"^{cfg.__name__}: {name} must be ") as err:
         cfg(**{name: value})
     _one_line(err)
     for good in mp.FIELDS[name].choices:
+        if (name, good, cfg) == ("mask_param", "grid", mp.TransformerConfig):
+            with pytest.raises(ValueError, match=r"^TransformerConfig: mask_param='grid' .* \(ViTConfig\)$"):
+                cfg(**{name: good})
+            continue
         assert getattr(cfg(**{name: good}), name) == good
 
 

@@ -393,6 +393,79 @@ def test_timm_vits_take_a_prior_per_layer(name):
     _prior_works(model, x, n, plain, priors)
 
 
+@pytest.mark.parametrize("name", ["timm", "vit"])
+def test_a_vit_of_timm_or_hugging_face_takes_a_grid_prior_that_serves_as_the_full_m_and_saves(name, tmp_path):
+    """param='grid' on timm's and Hugging Face's ViT (the patch grid read off the model): one logit per head and
+    displacement plus the class token's row and column, the same outputs as a full M from the same soft-bump
+    logits (which depend on the displacement alone), the prior's usual behaviour (`_prior_works`'s steps), and a
+    Hugging Face save loads it back as a grid. At 224 px, timm's ViT-Tiny gains 0.71% where a full M adds 24%."""
+    model, x, n = _timm() if name == "timm" else _hf(name)
+    heads = 3 if name == "timm" else 4
+    soft = mp.soft_offset_logits(4, 4, mp.IMPULSE_OFFSETS[:heads], 0.5, 5.0, 5.0, n_prefix=1)
+    full = copy.deepcopy(model)
+    retrofit.add_mask_prior(full, logits=soft, param="full")
+    priors = retrofit.add_mask_prior(model, logits=soft, param="grid")
+    assert all(p.grid == (4, 4) and p.bias.shape == (heads, mp.grid_slots(4, 4, 1)) for p in priors.values())
+    torch.testing.assert_close(_out(model, x), _out(full, x), atol=1e-5, rtol=1e-5)
+    if name == "vit":
+        model.save_pretrained(tmp_path / "grid")
+        back = retrofit.from_pretrained(type(model), tmp_path / "grid")
+        assert [p.grid for p in mp.mask_priors(back)] == [(4, 4)] * 2
+        torch.testing.assert_close(_out(back.eval(), x), _out(model, x))
+    else:
+        big = _extra("timm").create_model("vit_tiny_patch16_224", pretrained=False)
+        own = sum(p.numel() for p in big.parameters())
+        grid = retrofit.add_mask_prior(big, mp.impulse_pattern(14, 14, mp.IMPULSE_OFFSETS[:3], n_prefix=1),
+                                       param="grid")
+        assert sum(p.bias.numel() for p in grid.values()) / own < 0.01 < 0.24 < 12 * 3 * 197 ** 2 / own
+    plain = _out(full if name == "timm" else _hf(name)[0], x).detach()
+    retrofit.remove_mask_prior(full) if name == "timm" else None
+    plain = _out(full, x).detach() if name == "timm" else plain
+    for p in priors.values():
+        p.set_logits(torch.full((n, n), 30.0))
+    torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)
+
+
+def test_param_grid_on_a_model_that_names_no_patch_grid_asks_for_grid_in_one_line():
+    """nn.TransformerEncoder names no patch grid: param='grid' without grid= is one line, the model unchanged;
+    with grid=(2, 4) its 8 tokens are a 2 x 4 grid."""
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match=r"^add_mask_prior: param='grid' .* give grid=\(grid_h, grid_w\); no layer "
+                                         r"was changed$"):
+        retrofit.add_mask_prior(enc, mp.banded_pattern(8, 1), param="grid")
+    assert not mp.mask_priors(enc)
+    priors = retrofit.add_mask_prior(enc, mp.banded_pattern(8, 1), param="grid", grid=(2, 4))
+    assert [p.bias.shape for p in priors.values()] == [(2, mp.grid_slots(2, 4))]
+
+
+@pytest.mark.parametrize("name", ["timm", "vit"])
+def test_the_impulse_init_writes_into_a_timm_or_hugging_face_vit_through_its_qk_view(name):
+    """`retrofit.qk_view` hands the QK inits a timm or Hugging Face ViT: init_qk_svd_ at pos_scale 18 and the
+    mimetic V-proj (the `impulse` recipe) write the layer's own weights: its query and key of the scaled
+    positional pseudo input, read straight from the layer, give the attention mass on the impulse pattern the init
+    reports, far above the drawn weights' (head_dim 64: nearly all; the Hugging Face toy's head_dim 8: 0.7)."""
+    model, x, n = _timm() if name == "timm" else _hf(name)
+    heads = 3 if name == "timm" else 4
+    pat = mp.impulse_pattern(4, 4, mp.IMPULSE_OFFSETS[:heads], n_prefix=1)
+    view = retrofit.qk_view(model)
+    before = float(mp.pattern_mass(mp.pseudo_attention(view.sites[0], mp.pseudo_input(view)).unsqueeze(0), pat))
+    report = mp.init_qk_svd_(view, pat, pos_scale=18.0, generator=torch.Generator().manual_seed(0))
+    report.update(mp.init_mimetic_(view, qk=None, vo=(0.4, 0.4), generator=torch.Generator().manual_seed(0)))
+    assert before < 0.2 and min(report["pseudo_mass"]) > (0.99 if name == "timm" else 0.6)
+    assert report["vo_truncation_error"] == [0.0, 0.0]
+    layer = model.blocks[1] if name == "timm" else model.layers[1]
+    attn, norm = (layer.attn, layer.norm1) if name == "timm" else (layer.attention, layer.layernorm_before)
+    pos = norm(view.pos_emb[0]).detach()
+    dim = pos.shape[-1]
+    q, k = ((attn.qkv(pos)[:, :dim], attn.qkv(pos)[:, dim:2 * dim]) if name == "timm"
+            else (attn.q_proj(pos), attn.k_proj(pos)))
+    q, k = (t.view(n, heads, -1).transpose(0, 1) for t in (q, k))
+    a = (q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])).softmax(-1)
+    assert float(mp.pattern_mass(a.unsqueeze(0).detach(), pat)) == pytest.approx(report["pseudo_mass"][1], abs=1e-4)
+    with pytest.raises(ValueError, match=r"^qk_view: layers.0.self_attn \(MultiheadAttention\) is not a pre-LN"):
+        retrofit.qk_view(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1))
+
+
 def test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword():
     class NoKeyword(nn.Module):
         n_head = 4
@@ -1188,7 +1261,10 @@ def test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every
         (record(lambda r, g: g.update(heads=None)), {}, rf"layer {layer} has heads None: expected a positive int"),
         (record(lambda r, g: g.update(n=-1)), {}, rf"layer {layer} has n -1: expected a positive int"),
         (record(lambda r, g: g.update(causal="yes")), {}, rf"layer {layer} has causal 'yes': expected true or false"),
-        (record(lambda r, g: g.update(param="rel")), {}, rf"layer {layer} has param 'rel': expected 'full' or"),
+        (record(lambda r, g: g.update(param="rel")), {},
+         rf"layer {layer} has param 'rel': expected 'full', 'relative' or 'grid'"),
+        (record(lambda r, g: g.update(grid=[0, 4])), {}, rf"layer {layer} has grid \[0, 4\]: expected null or \[grid_h"),
+        (record(lambda r, g: g.update(grid=[2, 2])), {}, rf"{layer} .*param='grid' \(a 2-D relative M\) goes with grid"),
         (record(lambda r, g: r.pop("base")), {}, r"the mask_prior record has no base: expected 'sdpa' or 'eager'"),
         (record(lambda r, g: r.update(base="maskprior")), {}, r"the mask_prior record has base 'maskprior': expected"),
         ({**config, "mask_prior": "transformer.h.0.attn"}, {}, r"holds a mask_prior record that is a str"),

@@ -33,13 +33,20 @@ def _grid(layers: int, rows: int, heads: int):
 
 def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
     """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept
-    none) and its weights' `attn.prior.bias` in layer order; ([], []) for a run without M."""
+    none) and its weights' `attn.prior.bias` in layer order (a grid's table as its (H, N, N) M); ([], []) for a
+    run without M."""
     keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
                   key=lambda k: int(k.split(".")[1]))
     if not keys:
         return [], []
     start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
-    return start, [ckpt["model"][k].float() for k in keys]
+    end = [ckpt["model"][k].float() for k in keys]
+    mc = ckpt.get("model_config", {})
+    if mc.get("mask_param") == "grid":             # a 2-D relative M's table, laid out as its (H, N, N) M
+        g = mc["image_size"] // mc["patch_size"]
+        slots = mp.grid_index(g, g, int(mc.get("pool") == "cls"))
+        start, end = ([None if m is None else m[:, slots] for m in ms] for ms in (start, end))
+    return start, end
 
 
 def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
@@ -171,12 +178,14 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     if not priors:
         raise ValueError(f"draw_model: {type(model).__name__} has no mask prior "
                          "(retrofit.add_mask_prior gives it one)")
-    end = [p.bias.detach().float().cpu() for p in priors]
+    end = [(p.bias if p.param != "grid" else p.full_logits()).detach().float().cpu() for p in priors]
     if start is not None and len(start) != len(end):
         raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} "
                          "priors: take it with mp.prior_snapshot(model) after add_mask_prior")
     first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start
              or [{}] * len(end)]
+    first = [m if m is None or p.param != "grid" else m[:, mp.grid_index(*p.grid, p.n - p.grid[0] * p.grid[1])]
+             for m, p in zip(first, priors)]
     return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
