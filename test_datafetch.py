@@ -106,7 +106,8 @@ def _changed(before: dict, after: dict) -> set:
 
 
 def _within(rel: str, folder: str) -> bool:
-    return rel == folder or rel.startswith(folder + os.sep)
+    """Whether `rel` (relative to the sandbox) lies in `folder` (relative to it too; "." is the sandbox itself)."""
+    return folder == os.curdir or rel == folder or rel.startswith(folder + os.sep)
 
 
 def _check_changes(sandbox, before, data, ok):
@@ -305,6 +306,7 @@ def _sane(timeout) -> bool:
 @example(mirror="GOOD", timeout=30.0, data=("rel", "afile/sub"))
 @example(mirror="GOOD", timeout=30.0, data=("abs", "/proc/nope/data"))
 @example(mirror="GOOD", timeout=30.0, data=("rel", "new/" + "x" * 300))
+@example(mirror="GOOD", timeout=1.0, data=("rel", "../../../.."))       # found by it: the sandbox itself, "."
 def test_download_arguments_run_or_are_refused_in_one_line(files, mirror, timeout, data):
     """download(names, DATA, MIRROR, timeout=T), called as a library: a run or one line, nothing
     written outside DATA, nothing at all on a refusal of its arguments."""
