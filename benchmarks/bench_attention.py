@@ -59,9 +59,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
-    """{name: median seconds per step}: each step function run `per_round` times a round, the
-    variants taking turns for `rounds` rounds, so that drifts in machine load hit all alike."""
+def timed_rounds(steps: dict, device, rounds: int, per_round: int) -> dict:
+    """{name: [seconds per step, one a round]}: each step function run `per_round` times a round,
+    the variants taking turns for `rounds` rounds, so that drifts in machine load hit all alike."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
@@ -71,7 +71,22 @@ def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
                 step()
             sync(device)
             times[name].append((time.perf_counter() - t0) / per_round)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
+    """{name: median seconds per step} of `timed_rounds`."""
+    return {name: statistics.median(ts)
+            for name, ts in timed_rounds(steps, device, rounds, per_round).items()}
+
+
+def round_ratios(times: dict, base: str) -> dict:
+    """{name: (median, min, max)} of each name's per-round time over `base`'s in the same round
+    (`timed_rounds`' rounds): paired by round, so that load a round shares cancels, and the
+    min-max shows how far the rest of the noise moves a ratio."""
+    def spread(rs):
+        return statistics.median(rs), min(rs), max(rs)
+    return {name: spread([t / b for t, b in zip(ts, times[base])]) for name, ts in times.items()}
 
 
 def main():

@@ -1,13 +1,14 @@
 """How the language-model prior scales with the context, side by side as ratios to default (no M)
 at each context length N: parameters, training-step time and peak memory of
 
-    floor        the same kernel with a constant float mask (the relative prior's bias, no gradient): what the
-                 kernel costs to read a bias, not M
+    floor        default's model reading the relative prior's bias as a constant: the kernel call of the prior's
+                 fused path (on the CPU torch's fused kernel with the bias and is_causal), the kernel's own
+                 backward, no M: what reading a bias costs the kernel
     full         M per query and key, heads x N x N
     relative     M per distance, heads x N
     relative128  a table of 128 distances serving all N (distances past it read its last logit)
 
-so that what M itself costs is a variant's ratio over the floor's.
+so that what M itself costs is a variant's ratio over the floor's (the /floor column).
 
     python benchmarks/bench_context.py                              # N = 256 ... 2048, one CPU thread
     python benchmarks/bench_context.py --sizes 256,1024,2048,4096 --device cuda
@@ -20,15 +21,35 @@ flex_attention (CUDA only, as its backward is).
 The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4,
 train.py's step (forward, backward, AdamW update). Step times: every variant of one N in one
 process, timed in interleaved rounds (warm-up excluded) so that drifts in machine load hit all
-alike, the median of the rounds. Peak memory: each variant alone in a fresh process (peak resident
-memory on the CPU, peak allocated on CUDA).
+alike; the table gives the median, and of the per-round ratios (a variant's step over default's in
+the same round) the median and the min-max, which tells noise from signal. Peak memory: each
+variant alone in a fresh process (peak resident memory on the CPU, peak allocated on CUDA). The
+table is on stdout, with a legend under it; what runs, N by N, on stderr.
+
+Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in
+results/README.md): it was not the prior's kernel call. It gave the bias to
+F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes no is_causal beside a mask, so
+the kernel computed every block of the future that the mask's -inf then hid, forward and backward;
+the prior's CPU path (`mp.FAST_PATHS` -> `_cpu_path` -> `_FusedPrior`) calls the same aten kernel
+with the bias and is_causal, which skips those blocks. Measured here (one thread, a 2-core machine
+shared with other work), one attention call (batch 4, 4 heads, head dim 32, forward + backward) as a
+ratio to SDPA with is_causal and no mask: mask without is_causal 1.35-1.46x at N = 1,024 and 1.75x at
+2,048, the kernel with the mask and is_causal 1.09-1.10x and 1.11x, the prior 1.12-1.13x and 1.57x;
+the whole step at N = 1,024 (11 rounds): old floor 1.27x, this floor 1.03x, relative 1.09x. The floor
+is now that kernel call with the kernel's own backward, so it does less than any prior on the fused
+path; one that comes out above a prior is noise (or the prior runs the explicit or flex path), and
+the table says which under the N's rows. The prior's backward is our own (`mp._backward`, the kernel
+gives no dS), so /floor counts it with M's gradient: at N = 2,048 a frozen M on the prior's path costs
+1.40x, a learnt one 1.42x, the floor 1.13x.
 """
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -36,20 +57,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import runconfig  # noqa: E402
 import train  # noqa: E402
-from bench_attention import interleaved, sync  # noqa: E402
+from bench_attention import round_ratios, sync, timed_rounds  # noqa: E402
 
 VARIANTS = ("default", "floor", "full", "relative", "relative128")
 PATHS = {"auto": ("auto",), "all": ("fused", "explicit", "flex")}
+COLUMNS = (f"{'N':>6}  {'variant':<22}{'params':>9}{'ms/step':>10}{'ratio':>8}{'min-max':>13}{'/floor':>8}"
+           f"{'peak MiB':>10}{'ratio':>7}")
+LEGEND = """\
+params: trainable parameters; ms/step: the median over the rounds.
+ratio: the median over the rounds of the variant's step time over default's in the same round (the rounds are
+  interleaved, so a round's machine load cancels); min-max: the lowest and highest of those per-round ratios:
+  two ratios whose ranges overlap differ by noise. /floor: the same per-round ratio to the floor: what M itself
+  costs (its gradient, with the backward that gives it, its bias, its optimiser state). peak MiB: each variant
+  alone in a fresh process (resident memory on the CPU, allocated on CUDA), and its ratio to default's.
+default: no M (SDPA, is_causal). floor: default's model reading the relative prior's bias as a constant, through
+  the kernel call of the prior's fused path (on the CPU the fused kernel with the bias and is_causal), with the
+  kernel's own backward: what reading a bias costs the kernel. full: M per query and key (heads x N x N);
+  relative: M per distance (heads x N); relative128: a table of 128 distances for every N. :PATH (--paths all):
+  M through that path (fused, explicit, flex). A CPU run of N <= 128 takes the explicit path for M (train.py)."""
 
 
-def floor_attention(attn: mp.Attention, mask: torch.Tensor):
-    """`attn`'s forward with `mask` (1, heads, N, N), a constant float mask, through
-    F.scaled_dot_product_attention's fused kernel: the floor, what reading a bias costs the kernel
-    with no M to learn."""
+def floor_attention(attn: mp.Attention, bias: torch.Tensor):
+    """`attn`'s forward with `bias` (heads, N, N), the relative prior's, as a constant, through the kernel call the
+    prior's fused path makes: on the CPU torch's fused kernel with the bias and is_causal, so that it skips the
+    future's blocks as the prior's does (`mp._cpu_path`), elsewhere SDPA with the bias as its mask; the kernel's
+    own backward, no M: the floor."""
     def forward(x, return_attn=False, cache=None):
         b, t, _ = x.shape
         q, k, v = attn.qkv(x).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+        mask, kernel = bias.unsqueeze(0).to(q.dtype), mp._cpu_kernel()
+        out = (kernel(q, k, v, 0.0, True, attn_mask=mask)[0] if kernel and q.device.type == "cpu"
+               else torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return attn.proj(out.transpose(1, 2).reshape(b, t, -1)), None
     return forward
 
@@ -71,11 +109,9 @@ def build(n: int, variant: str, device: torch.device, amp: str):
     model = mp.Transformer(cfg)
     if masked:
         mp.init_mask_(model, logits=mp.causal_distance_logits(table, 4))
-    # SDPA with a constant 4-D mask, no M
-    if kind == "floor":
+    if kind == "floor":                      # the relative prior's bias, a constant: no M
         for block in model.blocks:
-            block.attn.forward = floor_attention(block.attn,
-                                                 block.attn.prior(n).detach().unsqueeze(0).to(device))
+            block.attn.forward = floor_attention(block.attn, block.attn.prior(n).detach().to(device))
             block.attn.prior = None
     model.to(device)
     # train.py's config and task of the language model (the small preset's AdamW; the corpus is
@@ -91,15 +127,16 @@ def build(n: int, variant: str, device: torch.device, amp: str):
 
 
 def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict:
-    """{variant: {"params", "ms"}} of one N, every variant in this process, in interleaved
-    rounds."""
+    """{variant: {"params" (trainable), "ms" (the median), "ms_rounds" (one a round)}} of one N,
+    every variant in this process, in interleaved rounds."""
     torch.set_num_threads(1)
     device = torch.device(device)
     built = {v: build(n, v, device, amp) for v in variants}
     for _, step in built.values():
         step(), step()                                             # warm-up
-    ms = interleaved({v: step for v, (_, step) in built.items()}, device, rounds, 1)
-    return {v: {"params": sum(p.numel() for p in built[v][0].parameters()), "ms": 1000 * ms[v]}
+    times = timed_rounds({v: step for v, (_, step) in built.items()}, device, rounds, 1)
+    return {v: {"params": sum(p.numel() for p in built[v][0].parameters() if p.requires_grad),
+                "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]]}
             for v in variants}
 
 
@@ -125,7 +162,66 @@ def run(args: list) -> tuple:
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
-def main():
+def say(*line):
+    """Progress, on stderr: slow work says what it does before it starts."""
+    print("bench_context:", *line, file=sys.stderr, flush=True)
+
+
+def timings(n: int, variants: list, common: list) -> tuple:
+    """({variant: time_all's entry}, why the joint run failed or None) at one N: every variant in
+    one process, or, if one of them fails there, each in a process of its own (then the rounds
+    are not paired)."""
+    times, failed = run(["--time", str(n), "--variants", ",".join(variants), *common])
+    if times is None:
+        times = {}
+        for v in variants:
+            t, _ = run(["--time", str(n), "--variants", v, *common])
+            times.update(t or {})
+    return times, failed
+
+
+def rows(n: int, variants: list, times: dict, mib: dict) -> list:
+    """The table's lines of one N, a variant a line."""
+    rounds = {v: t["ms_rounds"] for v, t in times.items()}
+    ratio = round_ratios(rounds, "default")
+    to_floor = round_ratios(rounds, "floor") if "floor" in rounds else {}
+    lines = []
+    for v in variants:
+        if v not in times or mib[v] is None:
+            lines.append(f"{n:>6}  {v:<22}{'failed':>9}")
+            continue
+        r, lo, hi = ratio[v]
+        span = "" if v == "default" else f"{lo:.3f}-{hi:.3f}"
+        floor = f"{to_floor[v][0]:.3f}" if v in to_floor and v not in ("default", "floor") else ""
+        lines.append(f"{n:>6}  {v:<22}{times[v]['params'] / 1e6:>7.2f} M{times[v]['ms']:>10.1f}{r:>8.3f}"
+                     f"{span:>13}{floor:>8}{mib[v]:>10.0f}{mib[v] / mib['default']:>7.2f}")
+    return lines
+
+
+def notes(n: int, times: dict, device: str, paired: bool) -> list:
+    """A line for each prior the floor came out above in the table (ratios to default), with why."""
+    lines = [] if paired else [f"{'':>6}  one variant failed beside the others: each timed alone, rounds unpaired"]
+    if "floor" not in times:
+        return lines
+    rounds = {v: t["ms_rounds"] for v, t in times.items()}
+    shown, floor = round_ratios(rounds, "default"), round_ratios(rounds, "floor")
+    for v, (_, lo, hi) in floor.items():
+        if v in ("default", "floor") or shown[v][0] >= shown["floor"][0]:
+            continue
+        path = v.partition(":")[2] or "auto"
+        if path != "flex" and train.use_fused(path, True, torch.device(device), n):
+            why = ("the floor is the kernel call of its path without M's gradient, less work, " +
+                   ("so noise: the range reaches 1" if hi >= 1 else "yet above it in every round: rerun with more "
+                    "--rounds"))
+        else:
+            why = (f"{v} runs the {'flex' if path == 'flex' else 'explicit'} path, not the floor's kernel call: " +
+                   ("noise or a faster path (the range reaches 1)" if hi >= 1 else "faster here in every round"))
+        lines.append(f"{'':>6}  floor above {v} ({shown['floor'][0]:.3f} against {shown[v][0]:.3f}): {v} / floor "
+                     f"per round {lo:.3f}-{hi:.3f}; {why}")
+    return lines
+
+
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="256,1024,2048")
@@ -139,7 +235,11 @@ def main():
     p.add_argument("--time", metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--peak", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--variants", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    a = parse_args()
     if a.time:
         print(json.dumps(time_all(int(a.time), a.variants.split(","), a.device, a.rounds, a.amp)))
         return
@@ -149,30 +249,26 @@ def main():
     paths = [q for q in PATHS[a.paths] if q != "flex" or a.device.startswith("cuda")]
     variants = ["default", "floor"] + [f"{v}:{q}" if a.paths == "all" else v for v in VARIANTS[2:]
                                        for q in paths]
+    sizes, k = [int(s) for s in a.sizes.split(",")], len(variants)
     common = ["--device", a.device, "--amp", a.amp, "--rounds", str(a.rounds)]
+    say(f"N = {a.sizes}, {k} variants; at each N one process runs each variant 2 warm-up steps and "
+        f"{a.rounds} timed ones ({k * (2 + a.rounds)} steps), then {k} processes 2 steps each for peak memory: "
+        f"{len(sizes) * k * (4 + a.rounds)} steps in all, a step's time growing up to N^2")
     print(f"device {a.device} | 2 x 128, 4 heads, causal, bytes, batch 4 | amp {a.amp} | torch "
-          f"{torch.__version__} | median of {a.rounds} interleaved steps | params, ms per step "
-          "and peak MiB as ratios to default")
-    print(f"{'N':>6} | {'default':>24} | " + " | ".join(f"{v:>22}" for v in variants[1:]))
-    for n in (int(s) for s in a.sizes.split(",")):
-        times, failed = run(["--time", str(n), "--variants", ",".join(variants), *common])
-        # one variant failed: time the rest without it
-        if times is None:
-            times = {}
-            for v in variants:
-                t, _ = run(["--time", str(n), "--variants", v, *common])
-                times.update(t or {})
+          f"{torch.__version__} | {a.rounds} interleaved rounds of one step")
+    print(COLUMNS)
+    for n in sizes:
+        t0 = time.perf_counter()
+        say(f"N = {n}: timing {k} variants x {2 + a.rounds} steps in one process")
+        times, failed = timings(n, variants, common)
+        say(f"N = {n}: peak memory, {k} processes x 2 steps")
         mib = {v: run(["--peak", str(n), v, *common])[0] for v in variants}
-        d = times.get("default")
-        if d is None or mib["default"] is None:
-            print(f"{n:>6} | default failed: {failed}")
+        if "default" not in times or mib["default"] is None:
+            print(f"{n:>6}  default failed: {failed}", flush=True)
             continue
-        cells = [f"{'failed':>22}" if v not in times or mib[v] is None else
-                 f"{times[v]['params'] / d['params']:>5.2f}x {times[v]['ms'] / d['ms']:>6.3f}x "
-                 f"{mib[v] / mib['default']:>6.2f}x" for v in variants[1:]]
-        print(f"{n:>6} | {d['params'] / 1e6:>6.2f} M {d['ms']:>7.1f} ms {mib['default']:>5.0f} M "
-              "| " + " | ".join(cells),
-              flush=True)
+        print(*rows(n, variants, times, mib), *notes(n, times, a.device, failed is None), sep="\n", flush=True)
+        say(f"N = {n}: done in {time.perf_counter() - t0:.0f} s")
+    print(LEGEND)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,31 @@ Face) and an nn.TransformerEncoder. A model whose library is not installed is le
     python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
 One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
-model, its twin with the prior, and the floor (that twin with every M frozen: the same path with a
-constant float mask, no gradient for M) are timed in interleaved rounds (warm-up excluded), and the
-table gives median ms/step and the ratio to the plain model. Ratios, not milliseconds, carry from
-machine to machine. What M costs is the prior's ratio over the floor's; what reading a bias costs
-the kernel is the floor's. GPT-2's prior is the library's default for a causal distance prior (a
-relative M, one logit per head and distance) unless --full.
+model, its twin with the prior, and the floor (that twin with every M frozen: the prior's bias, a
+constant, through the model's own attention call, no gradient for M) are timed in interleaved rounds
+(warm-up excluded). The table (stdout) gives median ms/step and the ratio to the plain model: the
+median of the per-round ratios (a row's time over the plain model's in the same round) and their
+min-max, which tells noise from signal. Ratios, not milliseconds, carry from machine to machine.
+What M costs is the prior's ratio over the floor's (printed on stderr for each model, beside the
+progress, what runs each model's attention, and the legend); what a fixed bias costs is the
+floor's. GPT-2's prior is the library's default for a causal distance prior (a relative M, one
+logit per head and distance) unless --full.
+
+The floor is a true floor: on the CPU it runs the prior's own call, or a faster one, and skips M's
+gradient (checked with torch.profiler): timm's ViT hands the bias to SDPA as a 3-D attn_mask, which
+takes SDPA's math path with or without a gradient; GPT-2's relative prior goes through
+`mp.prior_attention` (the fused kernel with the bias and is_causal, then our own backward, which
+the floor runs without M's gradient); nn.MultiheadAttention (and GPT-2 with --full) hands it to
+SDPA as attn_mask, where a mask that needs a gradient takes the math path and a constant one the
+fused kernel, faster (one attention call of the encoder's size, batch 32, 4 heads, 64 tokens:
+0.80x against 1.29x of no mask). So a floor above the prior is noise, which the per-round min-max
+shows; the stderr notes say so when it happens.
 """
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -25,7 +40,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import maskprior_retrofit as retrofit  # noqa: E402
-from bench_attention import interleaved  # noqa: E402
+from bench_attention import round_ratios, timed_rounds  # noqa: E402
 
 
 def vit(args):
@@ -85,6 +100,66 @@ def step_fn(model, x, args):
     return step
 
 
+# what runs each model's attention on the CPU, with the prior and in its floor (M frozen)
+SDPA_MASK = ("the model's SDPA call with the bias as attn_mask: the prior's, which needs a gradient, takes SDPA's "
+             "math path, the floor's, a constant, its fused kernel")
+KERNELS = {"vit": "timm's SDPA call with the bias as a 3-D attn_mask: SDPA's math path, prior and floor alike",
+           "gpt2": "mp.prior_attention: torch's fused kernel with the bias and is_causal, then our own backward "
+                   "(mp._backward), which the floor runs too, without M's gradient",
+           "gpt2 full": SDPA_MASK, "encoder": SDPA_MASK}
+LEGEND = """\
+bench_retrofit: ms/step: the median over the rounds. ratio: the median over the rounds of the row's time over the
+  plain model's in the same round (the rounds are interleaved, so a round's machine load cancels); min-max: the
+  lowest and highest of those per-round ratios: two ratios whose ranges overlap differ by noise.
+  Rows: the plain model; floor (M constant): its twin with the prior and every M frozen, a constant bias through
+  the model's own attention call (what a fixed bias costs; which kernel that takes is said above); + prior: the
+  twin with M learnt. What M costs is the prior's ratio over the floor's (said above, model by model)."""
+
+
+def say(*line):
+    """Progress and notes, on stderr: stdout holds the table alone (two header lines, then three rows a model,
+    each row's ratio last), for the scripts that read it."""
+    print("bench_retrofit:", *line, file=sys.stderr, flush=True)
+
+
+def twins(key: str, args, device):
+    """(label, {row name: step}) of a model: the plain one, its floor (the prior attached, M frozen) and its twin
+    with the prior, the same weights, after 2 warm-up steps each; None if its library is missing."""
+    try:
+        made = [MODELS[key](args) for _ in range(3)]
+    except ImportError as e:
+        print(f"{key:<44}{'not run':>9}  ({e.name} is not installed)", flush=True)
+        return None
+    (plain, x, _, label), (with_prior, _, attach, _), (floor, _, _, _) = made
+    for model in (with_prior, floor):
+        model.load_state_dict(plain.state_dict())
+        attach(model)
+    for prior in mp.mask_priors(floor):
+        prior.bias.requires_grad_(False)
+    x, steps = x.to(device), {}
+    for name, model in ((label, plain), ("  floor (M constant)", floor), ("  + prior", with_prior)):
+        model.to(device).train()
+        steps[name] = step_fn(model, x, args)
+        for _ in range(2):
+            steps[name]()
+    return label, steps
+
+
+def explain(key: str, times: dict, args) -> None:
+    """What M costs this model (prior over floor, per round), what runs its attention, and why, if the floor came
+    out above the prior in the table."""
+    label, floor, prior = list(times)
+    shown, (r, lo, hi) = round_ratios(times, label), round_ratios(times, floor)[prior]
+    say(f"{label}: prior / floor {r:.3f}, per round {lo:.3f}-{hi:.3f}: what M costs")
+    if args.device == "cpu":
+        say(f"{label}: on the CPU, {KERNELS[key + (' full' if key == 'gpt2' and args.full else '')]}")
+    if shown[floor][0] > shown[prior][0]:
+        why = (f"so noise: in some round the prior is at or above it (prior / floor up to {hi:.3f})" if hi >= 1
+               else "yet below it in every round: rerun with more --rounds")
+        say(f"{label}: floor above the prior ({shown[floor][0]:.3f} against {shown[prior][0]:.3f}): the floor does "
+            f"less work (the same call, or a faster kernel), {why}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,35 +178,27 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    device = torch.device(args.device)
+    device, keys = torch.device(args.device), args.models.split(",")
+    say(f"{', '.join(keys)}: each model, its floor and its prior, 2 warm-up steps and {args.rounds} rounds x "
+        f"{args.steps} timed steps each: {3 * (2 + args.rounds * args.steps)} forward + backward steps a model")
     print(f"device {device} | amp {args.amp} | torch {torch.__version__} | {args.rounds} rounds x "
           f"{args.steps} steps, median | forward + backward")
-    print(f"{'model':<44}{'ms/step':>9}{'ratio':>8}")
-    for key in args.models.split(","):
-        try:
-            made = [MODELS[key](args) for _ in range(2)]
-        except ImportError as e:
-            print(f"{key:<44}{'not run':>9}  ({e.name} is not installed)")
+    print(f"{'model':<44}{'ms/step':>9}{'min-max':>13}{'ratio':>8}", flush=True)
+    for key in keys:
+        t0 = time.perf_counter()
+        say(f"{key}: building the plain model, its floor and its prior")
+        made = twins(key, args, device)
+        if made is None:
             continue
-        made.append(MODELS[key](args))
-        (plain, x, _, label), (with_prior, _, attach, _), (floor, _, _, _) = made
-        for model in (with_prior, floor):
-            model.load_state_dict(plain.state_dict())
-            attach(model)
-        for prior in mp.mask_priors(floor):
-            prior.bias.requires_grad_(False)
-        x = x.to(device)
-        steps = {}
-        for name, model in ((label, plain), ("  floor (M constant)", floor),
-                            ("  + prior", with_prior)):
-            model.to(device).train()
-            steps[name] = step_fn(model, x, args)
-            for _ in range(2):
-                steps[name]()
-        times = interleaved(steps, device, args.rounds, args.steps)
-        base = times[label]
-        for name, med in times.items():
-            print(f"{name:<44}{1000 * med:>9.2f}{med / base:>8.3f}")
+        label, steps = made
+        say(f"{label}: timing 3 x {args.rounds * args.steps} steps")
+        times = timed_rounds(steps, device, args.rounds, args.steps)
+        for name, (r, lo, hi) in round_ratios(times, label).items():
+            span = "" if name == label else f"{lo:.3f}-{hi:.3f}"
+            print(f"{name:<44}{1000 * statistics.median(times[name]):>9.2f}{span:>13}{r:>8.3f}", flush=True)
+        explain(key, times, args)
+        say(f"{label}: done in {time.perf_counter() - t0:.0f} s")
+    print(LEGEND, file=sys.stderr)
 
 
 if __name__ == "__main__":
