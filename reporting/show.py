@@ -55,10 +55,7 @@ def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
     index (dy + g - 1, dx + g - 1)."""
     heads, g = m.shape[0], grid
     patches = m[:, prefix:, prefix:].reshape(heads, -1)
-    idx = torch.arange(g * g)
-    dy = (idx[None, :] // g - idx[:, None] // g) + g - 1
-    dx = (idx[None, :] % g - idx[:, None] % g) + g - 1
-    cell = (dy * (2 * g - 1) + dx).flatten()
+    cell = mp.grid_index(g, g).flatten()             # a 2-D relative M's slots: one per offset, numbered as here
     total = torch.zeros(heads, (2 * g - 1) ** 2).index_add_(1, cell, patches.float())
     count = torch.zeros((2 * g - 1) ** 2).index_add_(0, cell, torch.ones(cell.numel()))
     return (total / count).reshape(heads, 2 * g - 1, 2 * g - 1)
