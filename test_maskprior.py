@@ -4821,6 +4821,21 @@ def _torchrun(*args, n=2, cwd=None, timeout=120):
                           env=env, cwd=cwd, timeout=timeout)
 
 
+def test_a_rank_other_than_0_that_stops_on_bad_input_ends_after_rank_0(tmp_path, capsys, monkeypatch):
+    """torchrun stops every process when the first one ends, so a rank other than 0 that refuses the input (as rank
+    0 does, which says the line) says nothing and waits before it ends; rank 0 ends at once (under load rank 1
+    ended first and rank 0's line was lost)."""
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    for rank, said, waited in (("1", "", [10.0]), ("0", "does not divide by the 2 processes", [])):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        waits.clear()
+        assert train.main([*_but(DDP_TINY, "--batch-size", 33), "--out", str(tmp_path / "odd")]) == 2
+        err = capsys.readouterr().err
+        assert (said in err if said else err == "") and waits == waited and not (tmp_path / "odd").exists()
+
+
 @pytest.mark.slow
 def test_distributed_bad_input_is_one_line_and_writes_nothing(tmp_path):
     r = _torchrun(*_but(DDP_TINY, "--batch-size", 33), "--out", tmp_path / "odd")

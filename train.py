@@ -1360,9 +1360,18 @@ def main(argv=None) -> int:
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":              # under torchrun, rank 0 speaks for all
             print(f"error: {runfiles.one_line(e)}", file=sys.stderr)
-        return getattr(e, "status", 2)
+        return _after_rank_0(getattr(e, "status", 2))
     except QuietExit:
-        return 2
+        return _after_rank_0(2)
+
+
+def _after_rank_0(status: int, wait: float = 10.0) -> int:
+    """`status`, returned by a rank other than 0 only after `wait` seconds: torchrun stops every process when
+    the first one ends, so rank 0, which says the one line, must end first (it does, and torchrun then stops
+    this one while it waits)."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(wait)
+    return status
 
 
 if __name__ == "__main__":
