@@ -667,11 +667,13 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
     assert list(json.load(open(tmp_path / "base" / "config.json"))["mask_prior"]["layers"]) == ["h.0.attn", "h.1.attn"]
     again = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path / "base"))
     assert [p.where for p in mp.mask_priors(again)] == ["transformer.h.0.attn", "transformer.h.1.attn"]
-    for impl in ("None", "'sdpa'"):                          # a process that never imports maskprior_retrofit
-        code = (f"import transformers as tf; tf.GPT2LMHeadModel.from_pretrained({str(tmp_path / 'gpt2')!r}, "
-                f"attn_implementation={impl})")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert r.returncode != 0 and "maskprior_retrofit.from_pretrained" in r.stderr.strip().splitlines()[-1]
+    plain = [subprocess.Popen([sys.executable, "-c", "import transformers as tf; tf.GPT2LMHeadModel.from_pretrained("
+                               f"{str(tmp_path / 'gpt2')!r}, attn_implementation={impl})"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)      # processes that never import maskprior_retrofit,
+             for impl in ("None", "'sdpa'")]                          # started at once
+    for p in plain:
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode != 0 and "maskprior_retrofit.from_pretrained" in err.strip().splitlines()[-1]
     plain_dir = tmp_path / "plain"
     tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10)).save_pretrained(plain_dir)
     with pytest.raises(ValueError, match="records no mask prior"):
