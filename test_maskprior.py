@@ -2058,7 +2058,7 @@ def test_epoch_batches_cover_train_set_once():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,acc,extra", [("parity2", 0.75, {}), ("majority3", 0.875, {}),
                                             ("cyclic3", 0.875, {"sign_acc": 0.928253173828125})])
-def test_mdi_accuracies(name, acc, extra):
+def test_mdi_accuracies(interpolator_once, name, acc, extra):
     mdi = tasks.make_task(name).mdi()
     assert mdi["acc"] == acc and mdi["acc_seen"] == 1.0 and mdi["mse_seen"] == pytest.approx(0, abs=1e-9)
     for k, v in extra.items():
@@ -6957,17 +6957,20 @@ def test_reproduce_gpus_lines_and_refusals(tmp_path):
     lines = [x for x in r.stdout.splitlines() if x.startswith("start")]
     assert r.returncode == 0 and len(lines) == 12
     assert all("-m torch.distributed.run --standalone --nproc_per_node 2 train.py" in x for x in lines)
-    # the line as printed runs: two processes (gloo on this CPU) train the one run, 4 steps (evaluated on 256 points
-    # of the cube, not the preset's 2,048: the evaluations were most of its time)
-    words = lines[1].split()[1:] + ["--steps", "4", "--log-every", "2", "--eval-points", "256", "--device", "cpu"]
-    assert "--init mask" in lines[1] and words[1:3] == ["-m", "torch.distributed.run"]
+    # the line as printed runs: its launcher is the one test_torchrun_two_processes_... starts (two processes, gloo
+    # on this CPU), and its train.py flags train the run (4 steps, on 256 points of the cube, in this process) with a
+    # global batch the two processes share
+    words = shlex.split(lines[1].split(maxsplit=1)[1])
+    launcher, flags = words[:words.index("train.py")], words[words.index("train.py") + 1:]
+    torchrun = _torchrun_call()[0]
+    assert [os.path.basename(launcher[0]), *launcher[1:]] == ["python", *torchrun[1:-1]] and "--init mask" in lines[1]
+    assert runconfig.resolve(*train.parse_args(flags)).batch_size % 2 == 0
     # where torch sees no GPU, the script run for real refuses before anything starts (checked beside the run)
     no_gpu = [] if torch.cuda.is_available() else [_reproduce_call("--quick", "--only", "boolean", "--gpus", "2",
                                                                     "--jobs", "1", "--runs", str(tmp_path / "r2"))]
-    r, *refused = _at_once(([sys.executable, *words[1:]], {"cwd": HERE, "env": {**os.environ, "OMP_NUM_THREADS": "1"}}),
-                           *no_gpu, timeout=300)
+    with _running(*no_gpu) as refused:
+        assert train.main([*flags, "--steps", "4", "--log-every", "2", "--eval-points", "256", "--device", "cpu"]) == 0
     out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
-    assert r.returncode == 0, r.stdout + r.stderr
     assert json.load(open(out / "result.json"))["metrics"]["acc"] >= 0
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 2, 4]
     for r in refused:
@@ -7010,24 +7013,26 @@ def test_two_reproduce_sh_on_one_runs_folder_report_only_their_own_runs(tmp_path
     fake = tmp_path / "py"
     fake.write_text(_FAKE_TRAIN.format(python=sys.executable))
     fake.chmod(0o755)
-    runs = tmp_path / "runs"
-    cmd = ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs", "1",
-           "--runs", str(runs), "--results", str(tmp_path / "res")]
+    runs, apart = tmp_path / "runs", tmp_path / "apart"
+
+    def cmd(folder):
+        return ["bash", os.path.join(HERE, "reproduce.sh"), "--quick", "--only", "boolean", "--seeds", "0", "--jobs",
+                "1", "--runs", str(folder), "--results", str(tmp_path / "res")]
     env = {**os.environ, "PYTHON": str(fake)}
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    both = [subprocess.Popen(cmd(runs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)]
+    # meanwhile, on a folder apart: one run fails in the first script only; the second, started a moment later,
+    # names none of it
+    env_fail = {**env, "FAKE_FAIL": "parity2-default", "FAKE_SECONDS": "0.5"}
+    first = subprocess.Popen(cmd(apart), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_fail)
+    assert _wait_for(lambda: (apart / "boolean" / "started.log").exists())     # its first run (parity2-default) began
+    second = subprocess.run(cmd(apart), capture_output=True, text=True, env=env, timeout=120)
+    outs = [p.communicate(timeout=120) for p in both]
+    assert [p.returncode for p in both] == [0, 0], outs
     assert all("FAILED" not in out + err for out, err in outs)
     started = (runs / "boolean" / "started.log").read_text().splitlines()
     assert len(started) == len(set(started)) == 12                     # 3 tasks x 4 inits, each trained once
     assert sum((out + err).count("busy    ") for out, err in outs) >= 1
-    # one run fails in the first script only: the second, started a moment later, names none of it
-    shutil.rmtree(runs)
-    env_fail = {**env, "FAKE_FAIL": "parity2-default", "FAKE_SECONDS": "0.5"}
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_fail)
-    assert _wait_for(lambda: (runs / "boolean" / "started.log").exists())     # its first run (parity2-default) began
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     out1, err1 = first.communicate(timeout=120)
     assert first.returncode == 1 and "FAILED" in err1 and "parity2-default-s0" in err1
     assert "FAILED" not in second.stdout + second.stderr
