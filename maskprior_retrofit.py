@@ -1077,8 +1077,14 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
-    # the weights file config.json names (HF_SAVED, which refuses plain loads) is the default one again
-    unmarked = {"transformers_weights": None} if getattr(config, "transformers_weights", None) == HF_SAVED else {}
+    # the weights file config.json names (HF_SAVED, which refuses plain loads) is the default one again: a keyword
+    # where transformers reads config.json, a copy without it where the caller gives a config (an Auto class does)
+    given, unmarked = kwargs.get("config"), {}
+    if getattr(given, "transformers_weights", None) == HF_SAVED:
+        kwargs["config"] = copy.deepcopy(given)
+        del kwargs["config"].__dict__["transformers_weights"]
+    elif given is None and getattr(config, "transformers_weights", None) == HF_SAVED:
+        unmarked = {"transformers_weights": None}
     model, info = WithPriors.from_pretrained(path,
                                              **{"attn_implementation": record["base"], **unmarked, **kwargs},
                                              output_loading_info=True)

@@ -685,6 +685,20 @@ def test_hugging_face_save_pretrained_gives_the_prior_back_and_a_plain_load_is_l
         retrofit.from_pretrained(tf.GPT2LMHeadModel, str(broken))
 
 
+def test_a_config_read_from_a_saved_folder_loads_it_with_its_priors(tmp_path):
+    """The config an Auto class passes on, or a user reads and edits: from_pretrained(cls, path, config=AutoConfig.
+    from_pretrained(path)) loads the priors (it was transformers' "neither a safetensors file" error, from the mark
+    that refuses plain loads, which that config carries), and the caller's config keeps its mark."""
+    tf = _extra("transformers")
+    model, x, n = _hf("gpt2")
+    retrofit.add_mask_prior(model, logits=_past(torch.randn(4, n, n) * 3), param="full")
+    model.save_pretrained(tmp_path)
+    config = tf.AutoConfig.from_pretrained(tmp_path)
+    back = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), config=config).eval()
+    torch.testing.assert_close(_out(back, x), _out(model, x), atol=0, rtol=0)
+    assert config.transformers_weights == retrofit.HF_SAVED and len(mp.mask_priors(back)) == 2
+
+
 def test_the_prior_follows_sdpa_and_eager_and_refuses_an_implementation_without_a_bias():
     """The priors wrap the model's own implementation, read at every call: set_attn_implementation between 'sdpa' and
     'eager' keeps the prior (the same output); one that cannot add a bias is refused at the next forward."""
