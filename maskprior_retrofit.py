@@ -1046,6 +1046,20 @@ def _model_class_for(model_class, config):
                          f"{type(config).__name__}") from None
 
 
+def _unmarked(config, kwargs: dict) -> dict:
+    """`kwargs` for transformers' from_pretrained with the weights file config.json names (HF_SAVED, which refuses
+    plain loads) the default one again: a keyword where transformers reads config.json, a copy of the caller's
+    config without it where one is given (an Auto class gives one); the caller's config keeps its mark."""
+    given = kwargs.get("config")
+    if getattr(given, "transformers_weights", None) == HF_SAVED:
+        given = copy.deepcopy(given)
+        del given.__dict__["transformers_weights"]
+        return {**kwargs, "config": given}
+    if given is None and getattr(config, "transformers_weights", None) == HF_SAVED:
+        return {"transformers_weights": None, **kwargs}
+    return kwargs
+
+
 def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors
     included.
@@ -1077,16 +1091,8 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
-    # the weights file config.json names (HF_SAVED, which refuses plain loads) is the default one again: a keyword
-    # where transformers reads config.json, a copy without it where the caller gives a config (an Auto class does)
-    given, unmarked = kwargs.get("config"), {}
-    if getattr(given, "transformers_weights", None) == HF_SAVED:
-        kwargs["config"] = copy.deepcopy(given)
-        del kwargs["config"].__dict__["transformers_weights"]
-    elif given is None and getattr(config, "transformers_weights", None) == HF_SAVED:
-        unmarked = {"transformers_weights": None}
-    model, info = WithPriors.from_pretrained(path,
-                                             **{"attn_implementation": record["base"], **unmarked, **kwargs},
+    model, info = WithPriors.from_pretrained(path, **_unmarked(config, {"attn_implementation": record["base"],
+                                                                        **kwargs}),
                                              output_loading_info=True)
     # the plain class again: save_pretrained names it
     model.__class__ = model_class

@@ -402,6 +402,17 @@ def test_imports_run_one_way():
         assert got & ours <= allowed, (path, got & ours - allowed)
 
 
+def test_no_function_of_ours_is_over_60_lines():
+    """Every function and method in every non-test file of ours (the one list test_imports_run_one_way keeps),
+    docstring included, is at most 60 lines: a long one is split where it grows, not found by a reader."""
+    long = []
+    for path in IMPORTS_ALLOWED:
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, path)).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path}:{node.name} {node.end_lineno - node.lineno + 1}")
+    assert not long, long
+
+
 def test_the_core_lifts_whole_and_runs_alone():
     """maskprior.py's core, up to its argument tables, taken alone as a module: it needs nothing below it, and an
     Attention with a prior set by init_mask_ trains through param_groups (M undecayed), its fused and explicit paths
