@@ -416,7 +416,7 @@ def test_no_function_of_ours_is_over_60_lines():
 def test_the_core_lifts_whole_and_runs_alone():
     """maskprior.py's core, up to its argument tables, taken alone as a module: it needs nothing below it, and an
     Attention with a prior set by init_mask_ trains through param_groups (M undecayed), its fused and explicit paths
-    agreeing; the code in it is about 330 lines."""
+    agreeing; the code in it, docstrings and comments aside, stays under 380 lines (the file's opening says about 360)."""
     src = open(os.path.join(HERE, "maskprior.py")).read()
     core = src[:src.index("# ----------------------------------------------------------------------------------------\n"
                           "# The public arguments")]
@@ -437,8 +437,11 @@ def test_the_core_lifts_whole_and_runs_alone():
     attn(x)[0].pow(2).mean().backward()
     opt.step()
     assert attn.prior.bias.grad.abs().max() > 0
-    code = [line for line in core.splitlines()[41:] if line.strip() and not line.lstrip().startswith("#")]
-    assert len(code) < 500
+    docs = {n for node in ast.walk(ast.parse(core)) if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module))
+            and ast.get_docstring(node) for n in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
+    code = [line for n, line in enumerate(core.splitlines(), 1)
+            if n not in docs and line.strip() and not line.lstrip().startswith(("#", "import ", "from "))]
+    assert len(code) < 380, len(code)
 
 
 @pytest.mark.slow
