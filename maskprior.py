@@ -35,6 +35,7 @@ import inspect
 import math
 import numbers
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple
@@ -1176,7 +1177,6 @@ _FLEX: dict = {}
 def _flex_attention(device_type: str):
     """torch's flex_attention: compiled on CUDA (its fused kernel), as it is elsewhere (the
     reference implementation, torch's warning about it silenced: it is what runs on a CPU)."""
-    import warnings
     from torch.nn.attention.flex_attention import flex_attention
     if device_type == "cuda":
         if "cuda" not in _FLEX:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import textwrap
 
+import numpy as np
+
 import runfiles
 
 
@@ -127,7 +129,6 @@ def figure_problems(fig, drawn: bool = False) -> list[str]:
     two pieces of text (titles, labels, tick labels, legend entries) whose boxes overlap (the
     renderer's extents, one pixel of slack). `drawn`: the figure was just drawn at its current
     dpi (a save), so its layout is the one checked and it is not drawn again."""
-    import numpy as np
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
     problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if max(w / h, h / w) > MAX_ASPECT else []
