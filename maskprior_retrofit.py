@@ -6,8 +6,8 @@ it the lengths, padding, caches and saving those libraries use, and takes it out
 
 maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
 retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
-imported only inside the calls that need them. Importing this file teaches PEFT, whenever it is imported, to refuse
-an adapter that carries M onto a model without priors (`_guard_peft`).
+imported only inside the calls that need them. Importing this file teaches PEFT's and transformers' adapter loaders,
+whenever they are imported, to refuse an adapter that carries M onto a model without priors (`ADAPTER_LOADERS`).
 """
 from __future__ import annotations
 
@@ -1149,40 +1149,69 @@ def _reattach(model: nn.Module, record: dict) -> None:
 
 # PEFT: an adapter that carries M, loaded onto a model without priors, is refused. Nothing PEFT reads from an
 # adapter can refuse it (PEFT drops unexpected keys and modules_to_save names that match nothing in silence, and
-# asks only that one of its target modules exists), so this file wraps PeftModel.from_pretrained as soon as both
-# are imported, in either order.
+# asks only that one of its target modules exists), so this file wraps each loader of adapters (ADAPTER_LOADERS) as
+# soon as its module is imported, before or after this one.
 
 _HUB = ("subfolder", "revision", "cache_dir", "token")
 
 
-def _check_adapter_base(model: nn.Module, model_id, config, hub: dict) -> None:
-    """Refuse, in one line and before PEFT changes anything, an adapter whose modules_to_save names 'mask_prior'
-    (it carries M) for a model that holds no MaskPrior, where PEFT would drop every M in silence."""
-    import peft
-    config = config if config is not None else peft.PeftConfig.from_pretrained(model_id, **hub)
-    saved = [m for m in getattr(config, "modules_to_save", None) or () if m.rpartition(".")[2] == "mask_prior"]
+def _hub(*kwargs: dict | None) -> dict:
+    """The keywords of a loader's call that say where an adapter's config is (a revision, a subfolder, ...)."""
+    return {k: v for kw in kwargs for k, v in (kw or {}).items() if k in _HUB}
+
+
+def _carried(model_id, config, hub: dict, state: dict | None = None) -> list:
+    """The modules_to_save names of an adapter that end in 'mask_prior' (it carries M), read from `config` (a
+    PeftConfig or a dict), else from the adapter's own config file; 'mask_prior' where its `state` holds an M."""
+    if config is None and state is None:
+        import peft
+        config = peft.PeftConfig.from_pretrained(model_id, **hub)
+    saved = config.get("modules_to_save") if isinstance(config, dict) else getattr(config, "modules_to_save", None)
+    return ([m for m in saved or () if m.rpartition(".")[2] == "mask_prior"]
+            or ["mask_prior"] * any(k.endswith("mask_prior.bias") for k in state or {}))
+
+
+def _check_adapter_base(where: str, model: nn.Module, model_id, saved: list) -> None:
+    """Refuse, in one line and before PEFT changes anything, an adapter that carries M (`saved`: its modules_to_save
+    names for M) for a model that holds no MaskPrior, where PEFT would drop every M in silence."""
     if saved and not mp.mask_priors(model):
-        raise ValueError(f"PeftModel.from_pretrained: the adapter {model_id} carries M (modules_to_save names "
-                         f"{saved[0]!r}), but {type(model).__name__} holds no MaskPrior to take it (PEFT would drop "
-                         "every M): give the model its priors first (add_mask_prior of the adapter's shapes, or "
-                         "from_pretrained of a model saved with them); nothing was loaded")
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model   # PEFT's
+        raise ValueError(f"{where}: the adapter {model_id} carries M (modules_to_save names {saved[0]!r}), but "
+                         f"{type(base).__name__} holds no MaskPrior to take it (PEFT would drop every M): give the "
+                         "model its priors first (add_mask_prior of the adapter's shapes, or from_pretrained of a "
+                         "model saved with them); nothing was loaded")
 
 
-def _guard_peft(peft) -> None:
-    """Wrap PEFT's PeftModel.from_pretrained (its task subclasses' too) with `_check_adapter_base`, once."""
-    load = peft.PeftModel.from_pretrained.__func__
-    if getattr(load, "mask_prior_checked", False):
-        return
-    signature = inspect.signature(load)
+# module -> (the class, its loader, what the call reads: the model, the adapter, the names it saves for M)
+ADAPTER_LOADERS = {
+    "peft": [("PeftModel", "from_pretrained", lambda a: (
+        a["model"], a["model_id"], _carried(a["model_id"], a.get("config"), _hub(a.get("kwargs"))))),
+             ("PeftModel", "load_adapter", lambda a: (
+                 a["self"], a["model_id"], _carried(a["model_id"], None, _hub(a.get("kwargs")))))],
+    "transformers.integrations.peft": [("PeftAdapterMixin", "load_adapter", lambda a: (
+        a["self"], a.get("peft_model_id"), _carried(a.get("peft_model_id"), a.get("peft_config"),
+                                                    _hub(a.get("adapter_kwargs"), a.get("kwargs")),
+                                                    a.get("adapter_state_dict"))))],
+}
 
-    @functools.wraps(load)
-    def from_pretrained(cls, *args, **kwargs):
-        call = signature.bind(cls, *args, **kwargs).arguments
-        hub = {k: v for k, v in call.get("kwargs", {}).items() if k in _HUB}
-        _check_adapter_base(call["model"], call["model_id"], call.get("config"), hub)
-        return load(cls, *args, **kwargs)
-    from_pretrained.mask_prior_checked = True
-    peft.PeftModel.from_pretrained = classmethod(from_pretrained)
+
+def _guard_loaders(module) -> None:
+    """Wrap each of `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; a class's
+    subclasses (PEFT's task classes, every transformers model) inherit the check."""
+    for owner, name, read in ADAPTER_LOADERS[module.__name__]:
+        cls = getattr(module, owner)
+        found = cls.__dict__[name]
+        load = found.__func__ if isinstance(found, classmethod) else found
+        if getattr(load, "mask_prior_checked", False):
+            continue
+        signature, where = inspect.signature(load), f"{owner}.{name}"
+
+        def guarded(*args, _load=load, _signature=signature, _where=where, _read=read, **kwargs):
+            _check_adapter_base(_where, *_read(_signature.bind(*args, **kwargs).arguments))
+            return _load(*args, **kwargs)
+        guarded = functools.wraps(load)(guarded)
+        guarded.mask_prior_checked = True
+        setattr(cls, name, classmethod(guarded) if isinstance(found, classmethod) else guarded)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -1219,7 +1248,8 @@ def _when_imported(name: str, then: Callable) -> None:
         sys.meta_path.insert(0, _AfterImport(name, then))
 
 
-_when_imported("peft", _guard_peft)
+for _loaders_of in ADAPTER_LOADERS:
+    _when_imported(_loaders_of, _guard_loaders)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1093,10 +1093,29 @@ def test_a_folder_saved_with_priors_refuses_a_plain_load_under_any_attn_implemen
     assert not {"transformers_weights", "mask_prior"} & set(back.config.to_dict())
 
 
+def _adapter_loads(peft, folder: str):
+    """Each way to load a saved adapter onto a model, as (the loader's name, what makes the model ready for it or
+    None, a call taking the model): PEFT's
+    from_pretrained (its task classes' too) and load_adapter beside an adapter of its own, and transformers'
+    load_adapter from the folder or from the adapter's weights and config."""
+    from safetensors.torch import load_file
+    state = {k.replace("base_model.model.", "", 1): v
+             for k, v in load_file(os.path.join(folder, "adapter_model.safetensors")).items()}
+    def own(m):
+        return peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=["k_proj"]))
+    return [("PeftModel.from_pretrained", None, lambda m: peft.PeftModel.from_pretrained(m, folder)),
+            ("PeftModel.from_pretrained", None, lambda m: peft.PeftModelForCausalLM.from_pretrained(m, folder)),
+            ("PeftModel.load_adapter", own, lambda m: m.load_adapter(folder, "tuned")),
+            ("PeftAdapterMixin.load_adapter", None, lambda m: m.load_adapter(folder)),
+            ("PeftAdapterMixin.load_adapter", None, lambda m: m.load_adapter(
+                adapter_state_dict=state, peft_config=peft.PeftConfig.from_pretrained(folder)))]
+
+
 def test_an_adapter_that_carries_m_is_refused_onto_a_model_without_priors_and_nothing_changes(tmp_path):
-    """Issue 65: PeftModel.from_pretrained of an adapter saved with M (modules_to_save=['mask_prior']) onto a model
-    without priors loaded with every M dropped (no warning, other outputs); it is one line naming the fix, before PEFT
-    wraps anything, for PEFT's task classes too. A model with priors takes the adapter's M."""
+    """Issue 65: an adapter saved with M (modules_to_save=['mask_prior']) loaded onto a model without priors with
+    every M dropped (no warning, other outputs), through every loader of adapters: PEFT's from_pretrained and
+    load_adapter, transformers' load_adapter. Each is one line naming the fix, before PEFT wraps anything; a model
+    with priors takes the adapter's M through each."""
     peft = _extra("peft")
     model, ids, n = _hf("llama")
     retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
@@ -1104,21 +1123,23 @@ def test_an_adapter_that_carries_m_is_refused_onto_a_model_without_priors_and_no
     for m in mp.mask_priors(tuned):
         torch.nn.init.normal_(m.bias)                                   # an M of its own, saved with the adapter
     tuned.save_pretrained(tmp_path)
-    plain, _, _ = _hf("llama")
-    before = _untouched(plain)
-    for cls in (peft.PeftModel, peft.PeftModelForCausalLM):
-        with pytest.raises(ValueError, match=r"^PeftModel.from_pretrained: the adapter .* carries M \(modules_to_save "
-                                             r"names 'mask_prior'\), but LlamaForCausalLM holds no MaskPrior to take "
-                                             r"it .*; nothing was loaded$") as err:
-            cls.from_pretrained(plain, str(tmp_path))
-        _one_line(err)
-        assert _untouched(plain) == before
-    base, _, _ = _hf("llama")
-    retrofit.add_mask_prior(base, mp.causal_pattern(n))
-    peft.PeftModel.from_pretrained(base, str(tmp_path))
     saved = [m.mask_prior.bias for m in model.modules() if "mask_prior_hooks" in m.__dict__]
-    loaded = [m.mask_prior.bias for m in base.modules() if "mask_prior_hooks" in m.__dict__]
-    assert len(loaded) == 2 and all(torch.equal(a, b) for a, b in zip(loaded, saved))
+    for where, ready, load in _adapter_loads(peft, str(tmp_path)):
+        plain, _, _ = _hf("llama")
+        plain = ready(plain) if ready else plain
+        before = _untouched(plain)
+        with pytest.raises(ValueError, match=rf"^{where}: the adapter .* carries M \(modules_to_save names "
+                                             r"'mask_prior'\), but LlamaForCausalLM holds no MaskPrior to take "
+                                             r"it .*; nothing was loaded$") as err:
+            load(plain)
+        _one_line(err)
+        assert _untouched(plain) == before, where
+        base, _, _ = _hf("llama")
+        retrofit.add_mask_prior(base, mp.causal_pattern(n))
+        base = ready(base) if ready else base
+        load(base)
+        loaded = [p for name, p in base.named_parameters() if "mask_prior.modules_to_save." in name]
+        assert len(loaded) == 2 and all(torch.equal(a, b) for a, b in zip(loaded, saved)), (where, loaded)
 
 
 def test_a_module_imported_after_the_retrofit_is_handed_to_its_hook_once(tmp_path, monkeypatch):
