@@ -11,6 +11,7 @@ saved with priors is loaded the way a user of the prior loads it, through `retro
 MASKPRIOR_PEER_LOG=FILE appends one JSON line per model: attached, refused (with the reason) or skipped.
 """
 import functools
+import importlib.util
 import json
 import os
 
@@ -119,11 +120,10 @@ def _install_timm() -> None:
 def pytest_configure(config):
     if MODE == "off":
         return
-    for install in (_install_transformers, _install_timm):
-        try:
+    import maskprior_retrofit  # noqa: F401  (ours must import: missing, it is this error, not a plain run)
+    for peer, install in (("transformers", _install_transformers), ("timm", _install_timm)):
+        if importlib.util.find_spec(peer) is not None:
             install()
-        except ImportError:
-            pass
 
 
 def pytest_runtest_setup(item):

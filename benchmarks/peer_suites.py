@@ -1,6 +1,7 @@
 """Run the peers' own test suites (../shared/peer-tests: transformers' model tests, timm's test_models.py)
 plain, with a neutral prior and with a real one on every model they build (benchmarks/peer_plugin.py), and
-print per file what newly fails.
+print per file what newly fails and how many models were given a prior (the checkout's maskprior, not an installed
+one; a mode that gave none says so).
 
     python benchmarks/peer_suites.py SCRATCH [--modes off,neutral,real] [--only gpt2,timm] [--deps DIR] [--peers DIR]
 
@@ -17,6 +18,7 @@ import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)                 # the checkout's maskprior, whatever is installed
 FILES = {                                  # name: (suite, test file, pytest -k)
     "gpt2": ("hf", "tests/models/gpt2/test_modeling_gpt2.py", None),
     "llama": ("hf", "tests/models/llama/test_modeling_llama.py", None),
@@ -49,15 +51,19 @@ def outcomes(xml_path: str) -> dict:
 
 def run(scratch: str, name: str, mode: str, deps: str | None) -> dict:
     suite, path, select = FILES[name]
-    xml = os.path.join(scratch, f"{name}-{mode}.xml")
-    env = dict(os.environ, MASKPRIOR_PEER=mode, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               MASKPRIOR_PEER_LOG=os.path.join(scratch, f"{name}-{mode}.jsonl"),
-               PYTHONPATH=os.pathsep.join(p for p in (HERE, deps, os.environ.get("PYTHONPATH")) if p))
+    xml, events = os.path.join(scratch, f"{name}-{mode}.xml"), os.path.join(scratch, f"{name}-{mode}.jsonl")
+    for old in (xml, events):
+        if os.path.exists(old):
+            os.remove(old)
+    env = dict(os.environ, MASKPRIOR_PEER=mode, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MASKPRIOR_PEER_LOG=events,
+               PYTHONPATH=os.pathsep.join(p for p in (HERE, ROOT, deps, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "peer_plugin",
            "--timeout=300", f"--junitxml={xml}", path] + (["-k", select] if select else [])
     with open(os.path.join(scratch, f"{name}-{mode}.log"), "w") as log:
         subprocess.run(cmd, cwd=os.path.join(scratch, suite), env=env, stdout=log, stderr=subprocess.STDOUT)
-    return outcomes(xml)
+    got = outcomes(xml) if os.path.exists(xml) else {}
+    attached = sum('"attached"' in line for line in open(events)) if os.path.exists(events) else 0
+    return got, attached
 
 
 def main(argv=None) -> None:
@@ -72,18 +78,21 @@ def main(argv=None) -> None:
     os.makedirs(args.scratch, exist_ok=True)
     unpack(args.scratch, args.peers)
     modes = args.modes.split(",")
-    print("file | mode | passed | failed | skipped | newly failing (passed plain) | seconds", flush=True)
+    print("file | mode | passed | failed | skipped | newly failing (passed plain) | models given a prior | seconds",
+          flush=True)
     for name in args.only.split(","):
         base = None
         for mode in modes:
             start = time.time()
-            got = run(args.scratch, name, mode, args.deps)
+            got, attached = run(args.scratch, name, mode, args.deps)
             base = got if mode == "off" else base
             count = {k: sum(v == k for v in got.values()) for k in ("passed", "failed", "skipped")}
             new = ([t for t, v in got.items() if v == "failed" and base.get(t) == "passed"]
                    if base is not None and mode != "off" else [])
             print(f"{name} | {mode} | {count['passed']} | {count['failed']} | {count['skipped']} | "
-                  f"{len(new) if mode != 'off' else '-'} | {time.time() - start:.0f}", flush=True)
+                  f"{len(new) if mode != 'off' else '-'} | "
+                  f"{'-' if mode == 'off' else attached or 'NONE: this mode ran the plain models'} | "
+                  f"{time.time() - start:.0f}", flush=True)
             with open(os.path.join(args.scratch, f"{name}-{mode}.new"), "w") as f:
                 f.write("\n".join(sorted(new)) + "\n")
 
