@@ -1860,6 +1860,9 @@ def test_bench_retrofit_prints_the_ratio_side_by_side(monkeypatch, capsys):
                                          ("timm ViT-Tiny", "GPT-2 toy", "nn.TransformerEncoder")):
         assert plain.startswith(name) and plain.split()[-1] == "1.000" and prior.startswith("  + prior")
         assert floor.startswith("  floor (M constant)") and float(floor.split()[-1]) > 0 < float(prior.split()[-1])
+    code, out = _bench(monkeypatch, capsys, "bench_retrofit.py", "--tiny", "--steps", "1", "--rounds", "1",
+                       "--models", "vit", "--grid")
+    assert code == 0 and out.splitlines()[2].startswith("timm ViT-Tiny (17 tokens, grid M)"), out
 
 
 def test_the_peer_plugin_gives_each_model_one_prior_and_the_runner_reads_junit(tmp_path, monkeypatch):

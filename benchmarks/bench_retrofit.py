@@ -5,6 +5,7 @@ Face) and an nn.TransformerEncoder. A model whose library is not installed is le
     python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
     python benchmarks/bench_retrofit.py --device cuda --amp    # bf16 autocast on a GPU
     python benchmarks/bench_retrofit.py --models gpt2 --tokens 1024 --full   # GPT-2's prior as a full N x N M
+    python benchmarks/bench_retrofit.py --models vit --grid    # the ViT's as a 2-D relative M (param="grid")
     python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
 One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
@@ -52,8 +53,9 @@ def vit(args):
     grid = model.patch_embed.grid_size
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), 3, *model.patch_embed.img_size)
     pattern = mp.impulse_pattern(*grid, mp.IMPULSE_OFFSETS[:3], n_prefix=model.num_prefix_tokens)
-    return (model, x, lambda m: retrofit.add_mask_prior(m, pattern, m_off=10.0),
-            f"timm ViT-Tiny ({pattern.shape[-1]} tokens)")
+    param = "grid" if args.grid else "full"
+    return (model, x, lambda m: retrofit.add_mask_prior(m, pattern, m_off=10.0, param=param),
+            f"timm ViT-Tiny ({pattern.shape[-1]} tokens, {param} M)")
 
 
 def gpt2(args):
@@ -171,6 +173,9 @@ def main():
     p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
     p.add_argument("--full", action="store_true",
                    help="GPT-2's prior as a full N x N M (the default: by distance)")
+    p.add_argument("--grid", action="store_true",
+                   help="the ViT's prior as a 2-D relative M, one logit per head and patch displacement (default: "
+                        "a full N x N M)")
     p.add_argument("--flex", action="store_true",
                    help="GPT-2's prior inside torch's flex_attention (CUDA)")
     p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
