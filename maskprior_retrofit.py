@@ -1152,7 +1152,7 @@ def _reattach(model: nn.Module, record: dict) -> None:
 # asks only that one of its target modules exists), so this file wraps each loader of adapters (ADAPTER_LOADERS) as
 # soon as its module is imported, before or after this one.
 
-_HUB = ("subfolder", "revision", "cache_dir", "token")
+_HUB = ("subfolder", "revision", "cache_dir", "token", "local_files_only")
 
 
 def _hub(*kwargs: dict | None) -> dict:
@@ -1190,7 +1190,7 @@ ADAPTER_LOADERS = {
                  a["self"], a["model_id"], _carried(a["model_id"], None, _hub(a.get("kwargs")))))],
     "transformers.integrations.peft": [("PeftAdapterMixin", "load_adapter", lambda a: (
         a["self"], a.get("peft_model_id"), _carried(a.get("peft_model_id"), a.get("peft_config"),
-                                                    _hub(a.get("adapter_kwargs"), a.get("kwargs")),
+                                                    _hub(a, a.get("adapter_kwargs"), a.get("kwargs")),
                                                     a.get("adapter_state_dict"))))],
 }
 
