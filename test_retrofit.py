@@ -1095,12 +1095,12 @@ def test_a_folder_saved_with_priors_refuses_a_plain_load_under_any_attn_implemen
 
 def _adapter_loads(peft, folder: str):
     """Each way to load a saved adapter onto a model, as (the loader's name, what makes the model ready for it or
-    None, a call taking the model): PEFT's
-    from_pretrained (its task classes' too) and load_adapter beside an adapter of its own, and transformers'
-    load_adapter from the folder or from the adapter's weights and config."""
+    None, a call taking the model): PEFT's from_pretrained (its task classes' too) and load_adapter beside an adapter
+    of its own, and transformers' load_adapter from the folder or from the adapter's weights and config."""
     from safetensors.torch import load_file
     state = {k.replace("base_model.model.", "", 1): v
              for k, v in load_file(os.path.join(folder, "adapter_model.safetensors")).items()}
+
     def own(m):
         return peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=["k_proj"]))
     return [("PeftModel.from_pretrained", None, lambda m: peft.PeftModel.from_pretrained(m, folder)),

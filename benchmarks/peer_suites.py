@@ -10,6 +10,7 @@ with the suites' own test dependencies (pip install --no-deps --target DIR param
 httpx httpcore). Each file takes 1-7 minutes per mode on 2 cores; the table is printed as each ends.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -49,7 +50,8 @@ def outcomes(xml_path: str) -> dict:
     return result
 
 
-def run(scratch: str, name: str, mode: str, deps: str | None) -> dict:
+def run(scratch: str, name: str, mode: str, deps: str | None) -> tuple[dict, int]:
+    """The file's outcomes in this mode (`outcomes`), and how many models the plugin gave a prior."""
     suite, path, select = FILES[name]
     xml, events = os.path.join(scratch, f"{name}-{mode}.xml"), os.path.join(scratch, f"{name}-{mode}.jsonl")
     for old in (xml, events):
@@ -62,7 +64,8 @@ def run(scratch: str, name: str, mode: str, deps: str | None) -> dict:
     with open(os.path.join(scratch, f"{name}-{mode}.log"), "w") as log:
         subprocess.run(cmd, cwd=os.path.join(scratch, suite), env=env, stdout=log, stderr=subprocess.STDOUT)
     got = outcomes(xml) if os.path.exists(xml) else {}
-    attached = sum('"attached"' in line for line in open(events)) if os.path.exists(events) else 0
+    attached = (sum(json.loads(line)["event"] == "attached" for line in open(events))
+                if os.path.exists(events) else 0)
     return got, attached
 
 
