@@ -1863,6 +1863,8 @@ def test_bench_retrofit_prints_the_ratio_side_by_side(monkeypatch, capsys):
     code, out = _bench(monkeypatch, capsys, "bench_retrofit.py", "--tiny", "--steps", "1", "--rounds", "1",
                        "--models", "vit", "--grid")
     assert code == 0 and out.splitlines()[2].startswith("timm ViT-Tiny (17 tokens, grid M)"), out
+    code, out = _bench(monkeypatch, capsys, "bench_retrofit.py", "--tiny", "--models", "gpt2,encoder", "--grid")
+    assert code == 2 and out == ""                      # --grid without the ViT: refused before anything runs
 
 
 def test_the_peer_plugin_gives_each_model_one_prior_and_the_runner_reads_junit(tmp_path, monkeypatch):

@@ -184,6 +184,9 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     device, keys = torch.device(args.device), args.models.split(",")
+    for flag, model in (("grid", "vit"), ("full", "gpt2"), ("flex", "gpt2")):
+        if getattr(args, flag) and model not in keys:
+            p.error(f"--{flag} applies to the {model} model alone; add it to --models ({args.models} has none)")
     say(f"{', '.join(keys)}: each model, its floor and its prior, 2 warm-up steps and {args.rounds} rounds x "
         f"{args.steps} timed steps each: {3 * (2 + args.rounds * args.steps)} forward + backward steps a model")
     print(f"device {device} | amp {args.amp} | torch {torch.__version__} | {args.rounds} rounds x "
