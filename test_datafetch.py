@@ -10,12 +10,15 @@ The promises checked, whatever the input:
   * each call ends in bounded time.
 
 No network: the files come from servers on 127.0.0.1 in threads, and every other host name is
-refused by a stand-in for socket.getaddrinfo (the HTTP server: test_maskprior.LoopServer).
+refused by a stand-in for socket.getaddrinfo (the HTTP server: LoopServer).
+
+At the end: `train.py download` and `imagenet100` on small copies of the real releases, case by case.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import http.client
 import http.server
@@ -32,6 +35,7 @@ import threading
 import time
 import warnings
 import zipfile
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -42,7 +46,7 @@ import datafetch.imagenet100
 import runfiles
 import tasks
 import train
-from test_maskprior import LoopServer
+from conftest import _tree as _bytes_tree, _write_layout, make_tinystories, make_wikitext, write
 
 FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -224,6 +228,54 @@ TABLE = {"fuzzset": (_entry("fuzz-1.zip", ZIP, "fuzz-1", 1 << 20),
 ONE = {"fuzzset": TABLE["fuzzset"][:1]}
 
 
+class LoopServer:
+    """An HTTP server on 127.0.0.1 for the download tests, serving `files` under a mode: /good/NAME (with Range),
+    /cut/NAME (half the bytes, then the connection closes), /stall/NAME (a few bytes, then silence), /e404/, /e500/.
+    `ranges` keeps the Range header of each request (None where there was none)."""
+
+    def __init__(self, files):
+        self.files, self.ranges = files, []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                _, mode, name = self.path.split("/", 2)
+                owner.ranges.append(self.headers.get("Range"))
+                if mode in ("e404", "e500") or name not in owner.files:
+                    self.send_error(500 if mode == "e500" else 404)
+                    return
+                data, start = owner.files[name], 0
+                if self.headers.get("Range") and mode == "good":
+                    start = int(self.headers["Range"].split("=")[1].rstrip("-"))
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if mode == "cut":
+                    self.wfile.write(data[:len(data) // 2])
+                elif mode == "stall":
+                    self.wfile.write(data[:10])
+                    self.wfile.flush()
+                    time.sleep(3)
+                else:
+                    self.wfile.write(data[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda *a: None          # a client that hung up: no traceback
+        self.base = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.fixture(scope="module")
 def files():
     server = LoopServer({"fuzz-1.zip": ZIP, "notes.txt": NOTES})
@@ -338,8 +390,6 @@ def test_download_command_line_is_one_line_and_exit_2(mirror, timeout, data):
                             "--timeout", timeout if isinstance(timeout, str) else repr(timeout)])
         assert rc == 2
         _check_changes(root, before, path, False)
-
-
 
 
 def _imagenet1k(root) -> str:
@@ -817,3 +867,240 @@ def test_a_folder_on_this_machine_is_a_mirror(tmp_path):
         assert (data / "fuzz-1" / "a.txt").read_bytes() == ALPHA
     got = _one_line(lambda: dl.download(["fuzzset"], str(tmp_path / "data9"), str(tmp_path), ONE))
     assert got != 0 and "fuzz-1.zip" in str(got) and "\n" not in str(got), str(got)
+
+
+# ---------------------------------------------------------------------------------------- datafetch: download
+
+@pytest.fixture
+def loop_server():
+    servers = []
+
+    def start(files):
+        servers.append(LoopServer(files))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _tar_gz(folder: Path, top: str, extra=()) -> bytes:
+    """folder/top as a .tar.gz (the CIFAR releases' format), plus `extra` TarInfo members (name, type, data)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        t.add(folder / top, arcname=top)
+        for name, kind, data in extra:
+            info = tarfile.TarInfo(name)
+            info.type, info.size, info.linkname = kind, len(data), "/etc/passwd" if kind in (tarfile.SYMTYPE,
+                                                                                             tarfile.LNKTYPE) else ""
+            t.addfile(info, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+def _zip(folder: Path, top: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(top + "/", "")
+        for p in sorted((folder / top).rglob("*")):
+            z.write(p, p.relative_to(folder).as_posix())
+    return buf.getvalue()
+
+
+@pytest.fixture
+def fixture_sets(tmp_path):
+    """({set: (File,)}, {file name: bytes}): CIFAR-10 as its python .tar.gz, WikiText-2's tokens as its .zip and
+    TinyStories' two text files, each in its release's exact layout, made small."""
+    src = tmp_path / "src"
+    _write_layout(src, "cifar10 python")
+    make_wikitext(src)
+    stories = make_tinystories(src / "ts")
+    blobs = {"cifar-10-python.tar.gz": _tar_gz(src, "cifar-10-batches-py"), "wikitext-2-v1.zip": _zip(src, "wikitext-2"),
+             "TinyStoriesV2-GPT4-train.txt": (stories / "TinyStoriesV2-GPT4-train.txt").read_bytes(),
+             "TinyStoriesV2-GPT4-valid.txt": (stories / "TinyStoriesV2-GPT4-valid.txt").read_bytes()}
+    table = {"cifar10": (_entry("cifar-10-python.tar.gz", blobs["cifar-10-python.tar.gz"], "cifar-10-batches-py",
+                                1 << 20),),
+             "wikitext2": (_entry("wikitext-2-v1.zip", blobs["wikitext-2-v1.zip"], "wikitext-2", 1 << 20),),
+             "tinystories": tuple(_entry(n, blobs[n], n) for n in ("TinyStoriesV2-GPT4-train.txt",
+                                                                  "TinyStoriesV2-GPT4-valid.txt"))}
+    return table, blobs
+
+
+@pytest.mark.parametrize("name", ["cifar10", "wikitext2", "tinystories"])
+def test_download_fetches_checks_and_unpacks_a_set_whole(name, tmp_path, loop_server, fixture_sets, capsys):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    assert datafetch.download.download([name], str(data), server.base + "/good", table) == 0
+    assert tasks.TASKS[name].locate(str(data))                     # its reader finds it, where reproduce.sh looks
+    assert sorted(os.listdir(data)) == sorted(f.target for f in table[name])    # no .part, no staging folder left
+    out = capsys.readouterr().out
+    assert "100%" in out and out.count("%  ") <= 10 * len(table[name]) and "is in place" in out
+    assert datafetch.download.download([name], str(data), server.base + "/e404", table) == 0          # there: no request made
+    assert "already there; left as it is" in capsys.readouterr().out and len(server.ranges) == len(table[name])
+
+
+def test_download_refuses_a_corrupt_file_naming_both_sums_and_keeps_nothing(tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    bad = bytearray(blobs["cifar-10-python.tar.gz"])
+    bad[len(bad) // 2] ^= 0xFF
+    server, data = loop_server({"cifar-10-python.tar.gz": bytes(bad)}), tmp_path / "data"
+    (data / "notes").mkdir(parents=True)
+    before = _bytes_tree(data)
+    with pytest.raises(tasks.DataError) as e:
+        datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
+    text = str(e.value)
+    assert hashlib.sha256(bytes(bad)).hexdigest() in text and table["cifar10"][0].sha256 in text and "\n" not in text
+    assert _bytes_tree(data) == before
+
+
+def test_download_cut_short_resumes_from_its_part_with_a_range_request(tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    size = len(blobs["cifar-10-python.tar.gz"])
+    with pytest.raises(tasks.DataError, match="run the same command again to resume"):
+        datafetch.download.download(["cifar10"], str(data), server.base + "/cut", table)
+    assert os.listdir(data) == ["cifar-10-python.tar.gz.part"]
+    assert (data / "cifar-10-python.tar.gz.part").stat().st_size == size // 2
+    datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
+    assert server.ranges == [None, f"bytes={size // 2}-"] and os.listdir(data) == ["cifar-10-batches-py"]
+    assert tasks.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
+
+
+@pytest.mark.parametrize("kind", ["link to a user's file", "link to nowhere", "folder"])
+def test_download_never_writes_through_a_part_that_is_not_its_own(kind, tmp_path, loop_server, fixture_sets):
+    """Issue 64's data loss: a .part that is a link (to a user's file, or dangling) or a folder is not a download
+    of ours: refused in one line before any byte is fetched, the user's file and the link as they were (it
+    used to be appended to, and the message said the part was deleted)."""
+    table, blobs = fixture_sets
+    server, data, user = loop_server(blobs), tmp_path / "data", tmp_path / "user.txt"
+    data.mkdir()
+    user.write_bytes(b"the user's own words\n")
+    part = data / "wikitext-2-v1.zip.part"
+    if kind == "folder":
+        part.mkdir()
+    else:
+        part.symlink_to(user if kind.endswith("user's file") else tmp_path / "absent")
+    before, words = _bytes_tree(data), user.read_bytes()
+    with pytest.raises(tasks.DataError, match=r"wikitext-2-v1.zip.part is a link or not a regular file, so not a "
+                                              r"download of ours; nothing was written or removed") as err:
+        datafetch.download.download(["wikitext2"], str(data), server.base + "/cut", table)
+    assert "\n" not in str(err.value) and server.ranges == []                # refused before a request
+    assert _bytes_tree(data) == before and user.read_bytes() == words and not (tmp_path / "absent").exists()
+    assert os.path.islink(part) == (kind != "folder")
+
+
+@pytest.mark.parametrize("member", [("cifar-10-batches-py/../../evil", tarfile.REGTYPE, b"x"),
+                                    ("/tmp/evil", tarfile.REGTYPE, b"x"),
+                                    ("cifar-10-batches-py/link", tarfile.SYMTYPE, b""),
+                                    ("cifar-10-batches-py/hard", tarfile.LNKTYPE, b""),
+                                    ("cifar-10-batches-py/dev", tarfile.CHRTYPE, b""),
+                                    ("elsewhere/file", tarfile.REGTYPE, b"x"),
+                                    ("cifar-10-batches-py/big", tarfile.REGTYPE, b"\0" * (1 << 20))])
+def test_download_refuses_an_unsafe_archive_and_leaves_the_folder_as_it_was(member, tmp_path, loop_server):
+    src, data = tmp_path / "src", tmp_path / "data"
+    _write_layout(src, "cifar10 python")
+    blob = _tar_gz(src, "cifar-10-batches-py", [member])
+    table = {"cifar10": (_entry("cifar-10-python.tar.gz", blob, "cifar-10-batches-py", 1 << 20),)}
+    server = loop_server({"cifar-10-python.tar.gz": blob})
+    data.mkdir()
+    with pytest.raises(tasks.DataError, match="refused, nothing unpacked"):
+        datafetch.download.download(["cifar10"], str(data), server.base + "/good", table)
+    assert os.listdir(data) == [] and not (tmp_path / "evil").exists()
+
+
+@pytest.mark.parametrize("mode, words", [("e404", "HTTP 404"), ("e500", "HTTP 500"), ("stall", "stopped at 10 of")])
+def test_download_server_errors_and_stalls_are_one_line(mode, words, tmp_path, loop_server, fixture_sets):
+    table, blobs = fixture_sets
+    server, data = loop_server(blobs), tmp_path / "data"
+    t0 = time.monotonic()
+    with pytest.raises(tasks.DataError, match=words) as e:
+        datafetch.download.download(["cifar10"], str(data), f"{server.base}/{mode}", table, timeout=0.5)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 2.5
+    assert (os.listdir(data) == ["cifar-10-python.tar.gz.part"]) if mode == "stall" else not data.exists()
+
+
+def test_download_command_wiring_refusals_and_the_lock(tmp_path, loop_server, capsys):
+    data = tmp_path / "data"
+    server = loop_server({})
+    assert train.main(["download", "cifar10", "--data", str(data), "--from", server.base + "/e404"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HTTP 404" in err and f"{server.base}/e404/cifar-10-python.tar.gz" in err
+    assert train.main(["download", "imagenet100", "--data", str(data)]) == 2
+    assert "python train.py imagenet100 --from" in capsys.readouterr().err and not data.exists()
+    data.mkdir()
+    fd = os.open(data, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert train.main(["download", "wikitext2", "--data", str(data), "--from", server.base + "/good"]) == 75
+        assert "another download" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    assert os.listdir(data) == []
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_lines_in_a_log():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        p = datafetch.download.Progress(1000, 0, stream)
+        for got in range(50, 1001, 50):
+            p.update(got)
+        p.done()
+    assert "\r  [" in tty.getvalue() and "MiB/s" in tty.getvalue() and "ETA" in tty.getvalue()
+    assert log.getvalue().count("\n") == 10 and "\r" not in log.getvalue() and " 100%" in log.getvalue()
+
+
+def test_pinned_sources_name_their_sums_and_the_readers_folders():
+    for name, files in datafetch.download.SOURCES.items():
+        for f in files:
+            assert len(f.sha256) == 64 and f.size > 0 and f.url.endswith("/" + f.name)
+            assert (f.md5 is not None) == name.startswith("cifar") or name == "wikitext2"
+    assert [f.target for f in datafetch.download.SOURCES["wikitext2"]] == [tasks.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")]
+
+
+# ---- imagenet100: the 100 classes from an ImageNet-1k folder
+
+def _imagenet1k_folder(root: Path, skip=()) -> Path:
+    for split in ("train", "val"):
+        for w in tasks.IMAGENET100_WNIDS + ("n99999999",):             # one class not of the 100
+            if (split, w) not in skip:
+                write(root / split / w / f"{w}_{split}.JPEG", f"{split} {w}")
+    return root
+
+
+def test_imagenet100_builds_the_tree_with_hard_links(tmp_path):
+    src, data = _imagenet1k_folder(tmp_path / "in1k"), tmp_path / "data"
+    line = datafetch.imagenet100.build(str(src), str(data))
+    assert "200 images, hard links" in line and os.listdir(data) == ["imagenet100"]
+    assert tasks.imagenet100_layout(str(data / "imagenet100")) == "folder"
+    assert sorted(os.listdir(data / "imagenet100" / "val")) == sorted(tasks.IMAGENET100_WNIDS)
+    w = tasks.IMAGENET100_WNIDS[5]
+    assert os.path.samefile(data / "imagenet100" / "train" / w / f"{w}_train.JPEG", src / "train" / w / f"{w}_train.JPEG")
+    assert "already there; left as it is" in datafetch.imagenet100.build(str(src), str(data))
+
+
+def test_imagenet100_copies_where_links_are_refused(tmp_path, monkeypatch):
+    src, data = _imagenet1k_folder(tmp_path / "in1k"), tmp_path / "data"
+
+    def refuse(*a, **k):
+        raise OSError(errno.EXDEV, "cross-device link")
+    monkeypatch.setattr(datafetch.imagenet100.os, "link", refuse)
+    assert "0 hard links, 200 copies" in datafetch.imagenet100.build(str(src), str(data))
+    w = tasks.IMAGENET100_WNIDS[0]
+    assert (data / "imagenet100" / "val" / w / f"{w}_val.JPEG").read_text() == f"val {w}"
+
+
+@pytest.mark.parametrize("case", ["missing class", "empty class", "a symlink"])
+def test_imagenet100_refuses_an_incomplete_source_and_builds_nothing(case, tmp_path):
+    w = tasks.IMAGENET100_WNIDS[7]
+    src = _imagenet1k_folder(tmp_path / "in1k", skip={("val", w)} if case == "missing class" else ())
+    if case == "empty class":
+        (src / "val" / w / f"{w}_val.JPEG").unlink()
+    if case == "a symlink":
+        os.symlink("/etc/hostname", src / "train" / w / "x.JPEG")
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(tasks.DataError, match="nothing built"):
+        datafetch.imagenet100.build(str(src), str(data))
+    assert os.listdir(data) == []
+    assert train.main(["imagenet100", "--from", str(src), "--data", str(data)]) == 2

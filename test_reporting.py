@@ -2,7 +2,8 @@
 back (a metrics.jsonl line, a report's CSV, a checkpoint's probe snapshot, plan's flags) gives either a valid
 result or exactly one line on stderr with exit status 2: never a traceback, nothing touched outside the output
 folder, in bounded time. Property tests (Hypothesis) over each format, the cases of issue 64 as their @examples,
-and a plain regression test for each.
+and a plain regression test for each; after them, the reports' plain tests (summaries, tables and curves,
+broken runs).
 
     python -m pytest -q test_pending_reporting.py          # about 40 s on two cores
 """
@@ -13,21 +14,30 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+import datafetch.write
+import maskprior as mp
+import maskprior_retrofit as retrofit
 import reporting.figures
 import reporting.plan
 import reporting.report
+import reporting.show
 import runfiles
+import tasks
 import train
+from conftest import (TINY, _deadline, _edit_json, _extra, _fake_result, _fake_run, _images, _small_disk, _train,
+                      run_train)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # every property: no deadline (the first example imports matplotlib), no example database in the repository
@@ -656,3 +666,673 @@ def test_the_digits_stand_in_is_known_by_the_hash_its_runs_record(tmp_path):
     datafetch.write.make_digits(str(tmp_path / "digits"))
     sha = tasks.load_image_dataset("cifar10", str(tmp_path / "digits"))["data_hash"]
     assert reporting.report.data_set({"kind": "vision", "data": sha}) == "digits stand-in"
+
+
+# ---------------------------------------------------------------------------------------- report.py: summaries
+
+def test_summarize_and_report_from_hand_written_runs(tmp_path):
+    runs = tmp_path / "runs"
+    boolean = runs / "boolean"
+    _fake_run(boolean, "parity2", "mask", 0, 1.0)
+    _fake_run(boolean, "parity2", "mask", 1, 0.5)
+    _fake_run(boolean, "parity2", "default", 0, 0.75)
+    _fake_run(boolean, "parity2", "qk-opt", 0, 0.75, masses=(0.7, 0.5, 0.3))
+    (boolean / "parity2-qk-svd-s0").mkdir()                                  # unfinished: no result.json
+    bad = _fake_run(boolean, "parity2", "qk-svd", 1, 0.75)
+    (bad / "result.json").write_text("{not json")                           # corrupt
+    table = reporting.report.summarize([str(boolean)])
+    row = next(line for line in table.splitlines() if line.startswith("| mask |"))
+    assert "| 0,1 | 75.00 ± 35.36 |" in row and row.endswith("| 75.0 | 100 |")      # mean ± std, MDI, paper
+    assert table.index("| default |") < table.index("| mask |") < table.index("| qk-opt |")
+    assert "parity2-qk-svd-s0: no result.json" in table and "parity2-qk-svd-s1: unreadable result.json" in table
+    written = reporting.report.report(str(runs), str(tmp_path / "results"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert {"boolean.md", "persistence.csv", "curves.csv", "steps_to_target.md"} <= set(names)
+    csv = (tmp_path / "results" / "persistence.csv").read_text().splitlines()
+    assert csv[0] == "task,init,seed,step,mass_mean,drift_mean,mass_layer0,mass_layer1"
+    assert "parity2,qk-opt,0,20,0.30000,0.20000,0.30000,0.30000" in csv     # qk-opt: the drift of Wq Wk^T
+    assert "parity2,mask,1,10,0.80000,0.10000,0.80000,0.80000" in csv       # mask: the drift of M
+    assert not any(",default," in line for line in csv)                     # only the prior inits
+    assert "unreadable result.json" in (tmp_path / "results" / "boolean.md").read_text()
+    assert train.main(["report", str(tmp_path / "nowhere"), str(tmp_path / "r")]) == 2
+
+
+@pytest.mark.slow
+def test_copies_of_a_run_and_the_same_run_again_are_counted_once(tmp_path, capsys):
+    """A backup copy of a run folder (the same run id), eight copies, or the same task, init, seed and flags
+    run again in another folder: `summarize` and `report` count seed 0 once and name each other folder."""
+    runs = tmp_path / "runs" / "boolean"
+    a = runs / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(a)]) == 0
+    for i in range(8):
+        shutil.copytree(a, runs / f"parity2-mask-s0.backup{i}")
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--out", str(runs / "rerun")]) == 0
+    assert train.main([*TINY, "--init", "mask", "--steps", "4", "--seed", "1", "--out", str(runs / "seed1")]) == 0
+    table = reporting.report.summarize([str(runs)])
+    assert "| mask | 0,1 |" in table
+    for i in range(8):
+        assert f"parity2-mask-s0.backup{i}: a copy of {a} (the same run, id " in table
+    assert f"{runs / 'rerun'}: the same task, init, seed, flags and data as {a}: counted once" in table
+    assert train.main(["report", str(tmp_path / "runs"), str(tmp_path / "res")]) == 0
+    assert "| mask | 0,1 |" in (tmp_path / "res" / "boolean.md").read_text()
+    assert sum(",mask,0," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines()) == \
+        sum(",mask,1," in line for line in (tmp_path / "res" / "curves.csv").read_text().splitlines())
+
+
+def test_the_same_flags_on_other_data_are_another_run_and_on_the_same_data_moved_the_same(tmp_path):
+    """Two corpora or image sets under the same flags (--data-dir tells no configuration apart) are two runs;
+    the same set at another path is the same run again (result.json's data hash); a result.json without it (an
+    earlier version's) is listed, not guessed from --data-dir."""
+    x, y = _images(16), np.arange(16) % 10
+    datafetch.write.write_cifar10_python(str(tmp_path / "one"), x, y, x[:4], y[:4])
+    datafetch.write.write_cifar10_python(str(tmp_path / "two"), x[::-1].copy(), y, x[:4], y[:4])
+    shutil.copytree(tmp_path / "one", tmp_path / "one-again")
+    runs = tmp_path / "runs" / "vision"
+    common = ["--task", "cifar10", "--init", "mask", "--layers", "1", "--dim", "24", "--mlp-dim", "48",
+              "--batch-size", "8", "--steps", "2", "--log-every", "2", "--probe-size", "4"]
+    for name, data in (("a", "one"), ("b", "two"), ("c", "one-again")):
+        assert train.main([*common, "--data-dir", str(tmp_path / data), "--out", str(runs / name)]) == 0
+    kept, problems = reporting.report.collect_runs([str(runs)])
+    assert [os.path.basename(r["run_dir"]) for r in kept] == ["a", "b"]
+    assert problems == [f"{runs / 'c'}: the same task, init, seed, flags and data as {runs / 'a'}: counted once"]
+    res = json.load(open(runs / "c" / "result.json"))
+    del res["data"]
+    (runs / "c" / "result.json").write_text(json.dumps(res))
+    kept, problems = reporting.report.collect_runs([str(runs)])
+    assert len(kept) == 2 and problems == [f"{runs / 'c'}: unreadable result.json ({runs / 'c' / 'result.json'} has "
+                                           f"no data)"]
+
+
+def _curve_run(folder, task, init, seed, curve, kind="arithmetic", steps=50, log_every=10, tag="", **args):
+    """A run directory with args.json (plus `args`) and a metrics.jsonl whose metrics at step 10 * i are curve[i]."""
+    d = folder / f"{task}-{init}-s{seed}{tag}"
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"task": task, "init": init, "seed": seed, "out": str(d), "preset": "small",
+                                             "steps": steps, "log_every": log_every, "lr": 1e-3, **args}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "metrics": m, "prior_mass": [0.9],
+                                                         "prior_mass_mean": 0.9}) + "\n"
+                                             for i, m in enumerate(curve)))
+    (d / "result.json").write_text(json.dumps({**_fake_result(task, init, seed, curve[-1], tag, steps=steps,
+                                                              log_every=log_every, lr=1e-3, **args),
+                                               "kind": kind, "steps": steps}))
+    return d
+
+
+def test_mixed_configurations_are_never_averaged(tmp_path):
+    folder = tmp_path / "runs" / "arithmetic"
+    _curve_run(folder, "addition", "mask", 0, [{"seq_acc": 0.0}, {"seq_acc": 0.9}])
+    _curve_run(folder, "addition", "mask", 1, [{"seq_acc": 0.0}, {"seq_acc": 0.3}], steps=250, tag="-short")
+    _curve_run(folder, "addition", "mask", 2, [{"seq_acc": 0.0}, {"seq_acc": 0.5}], log_every=20, tag="-log20")
+    runs, _ = reporting.report.collect_runs([str(folder)])
+    groups, notes = reporting.report.config_groups(runs)
+    assert sorted(label for _, label in groups) == ["log_every=10, steps=250", "log_every=10, steps=50",
+                                                    "log_every=20, steps=50"]
+    assert notes == ["addition: 3 configurations differing in log_every, steps; each is drawn and tabulated on "
+                     "its own, never averaged together"]
+    table = reporting.report.summarize([str(folder)])
+    assert "**addition** (log_every=10, steps=250)" in table and table.count("| mask | ") == 3
+    assert "| mask | 1 | 30.00 (1 seed) |" in table                       # seed 1 alone, not the mean of three
+
+
+def test_summarize_of_a_path_that_does_not_exist_is_one_line_on_stderr(tmp_path, capsys):
+    _fake_run(tmp_path / "runs", "parity2", "mask", 0, 1.0)
+    assert train.main(["summarize", str(tmp_path / "runs"), str(tmp_path / "no" / "such")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "summarize: " in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert train.main(["summarize", str(tmp_path / "runs")]) == 0 and "| mask |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- report.py: tables and curves
+
+def test_report_writes_the_tables_of_the_two_studies(tmp_path):
+    runs = tmp_path / "runs"
+    for p, acc in (("soft", 0.8), ("local", 0.5)):
+        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": acc}], kind="vision", tag=f"-{p}", pattern=p)
+    _curve_run(runs / "mult2", "multiplication", "mask", 0, [{"seq_acc": 0.1, "digit_acc": 0.5}], digits=2,
+               data_frac=0.3)
+    written = {os.path.basename(p) for p in reporting.report.report(str(runs), str(tmp_path / "res"))}
+    assert {"visionprior.md", "mult2.md"} <= written
+    vision = (tmp_path / "res" / "visionprior.md").read_text()
+    assert "(pattern=soft)" in vision and "| mask | 0 | 80.00 (1 seed) |" in vision and "(pattern=local)" in vision
+    assert "| mask | 0 | 10.00 (1 seed) | 50.00 (1 seed) |" in (tmp_path / "res" / "mult2.md").read_text()
+    # the prior's mass is drawn beside the headline metric: the mass curve of each prior
+    curves = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert 'cifar10,"pattern=soft",mask,0,0,prior_mass_mean,0.9' in curves
+    assert 'cifar10,"pattern=soft",mask,0,0,top1,0.8' in curves
+    if reporting.figures.pyplot() is not None:          # and every prior in one figure, top-1 and mass side by side
+        assert "visionprior.png" in written and (tmp_path / "res" / "visionprior.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
+    grid, boolean = tmp_path / "runs" / "ablation", tmp_path / "runs" / "boolean"
+    for seed, acc in ((0, 1.0), (1, 0.5)):      # the preset's own layout: the Boolean table's runs
+        _fake_run(boolean, "parity2", "mask", seed, acc, readout="mean", pos=0.02)
+        _fake_run(grid, "parity2", "mask", seed, 0.75, tag="-cls-pos0.5", readout="cls", pos=0.5)
+    _fake_run(boolean, "parity2", "qk-svd", 0, 0.75, readout="mean", pos=0.02)
+    table = reporting.report.ablation([str(grid), str(boolean)])
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[:3] for r in rows] == [["| cls", "0.5", "mask"], ["| mean*", "0.02", "mask"],
+                                                  ["| mean*", "0.02", "qk-svd"]]
+    assert "| 0,1 | 75.00 ± 35.36 |" in rows[1] and "MDI: 75.0 %" in table
+    written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "results"))
+    assert any(p.endswith("ablation.md") for p in written)
+
+
+@pytest.fixture
+def readable_figures(monkeypatch):
+    """Every figure saved while the test runs (by report, show or anything else) is checked by
+    `reporting.figures.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
+    matplotlib = _extra("matplotlib")
+    import matplotlib.figure
+    seen, save = {}, matplotlib.figure.Figure.savefig
+
+    def checked(fig, *args, **kw):                  # the figure as saved: drawn once, at the save's dpi
+        out, dpi = save(fig, *args, **kw), fig.dpi
+        fig.set_dpi(kw.get("dpi", dpi))
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = reporting.figures.figure_problems(fig, drawn=True)
+        fig.set_dpi(dpi)
+        return out
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
+    yield seen
+    assert seen and not {k: v for k, v in seen.items() if v}, seen
+
+
+@pytest.mark.slow
+def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
+    """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
+    plt = reporting.figures.pyplot()
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3))
+    for ax in axes[:4]:
+        ax.plot([0, 1], [0, 1])
+    axes[0].set_title("one title")
+    axes[0].text(0.5, 1.0, "one title too", transform=axes[0].transAxes, ha="center", va="bottom")
+    problems = reporting.figures.figure_problems(fig)
+    fig.canvas.print_figure(io.BytesIO(), format="png")            # as the fixture checks: drawn by a save
+    assert reporting.figures.figure_problems(fig, drawn=True) == problems
+    assert any("a strip" in p for p in problems) and any("nothing drawn" in p for p in problems)
+    assert any("'one title' overlaps 'one title too'" in p or "'one title too' overlaps 'one title'" in p
+               for p in problems), problems
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4, 3))
+    image = ax.imshow([[0.0, 1.0]])
+    fig.colorbar(image, ax=ax, label="one")
+    fig.add_axes([0.8, 0.1, 0.15, 0.8]).plot([0, 1])            # over the colour bar
+    assert any("overlap" in p and "panels" in p for p in reporting.figures.figure_problems(fig))
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
+    ax.plot([0, 1], [0, 1], label="a")
+    ax.set_title("fine")
+    assert reporting.figures.figure_problems(fig) == []
+    reporting.figures.save_figure(fig, str(tmp_path / "fine.png"))
+
+
+@pytest.mark.slow
+def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
+    """A report over small runs of every kind (three Boolean tasks x four inits, two arithmetic budgets, a data
+    series, twelve vision priors side by side, an oracle-free study of two rows, a mask run with its checkpoint):
+    each figure it draws is no strip, has no blank panel and no two overlapping pieces of text (readable_figures);
+    M is drawn per task beside the persistence curves, and a configuration's label reads as its flags."""
+    runs = tmp_path / "runs"
+    for task in ("parity2", "majority3", "cyclic3"):
+        for init in ("default", "mask", "qk-svd", "qk-opt"):
+            for seed in (0, 1):
+                _fake_run(runs / "boolean", task, init, seed, 0.75, masses=(0.9, 0.7, 0.6, 0.6 - 0.1 * seed))
+    rc, _ = run_train(tmp_path, *TINY, "--init", "mask", "--steps", "4", "--log-every", "2", "--seed", "7",
+                      name="runs/boolean/parity2-mask-s7")
+    assert rc == 0
+    for init in ("default", "mask"):
+        for steps in (50, 250):
+            _curve_run(runs / "arithmetic", "addition", init, 0, [{"seq_acc": 0.1 * i, "digit_acc": 0.2 * i}
+                                                                 for i in range(5)], steps=steps, tag=f"-{steps}")
+        for n in (500, 8000):
+            _curve_run(runs / "data", "addition", init, 0, [{"seq_acc": n / 1e4, "digit_acc": 0.5, "n_train": n}],
+                       tag=f"-frac{n}", data_frac=n / 1e6)
+    for i in range(12):
+        _curve_run(runs / "visionprior", "cifar10", "mask", 0, [{"top1": 0.05 * i + 0.01 * s} for s in range(4)],
+                   kind="vision", tag=f"-p{i}", pattern=f"p{i}", qk_svd_pos_scale=None)
+    pattern = tasks.make_task("parity2", readout="mean").pattern()
+    for task in ("parity2", "majority3"):
+        for init, tag, flags in (("default", "", {}), ("mask", "", {}), ("mask", "-discovered", {"pattern": "discovered"}),
+                                 ("mask", "-teacher", {"prior_from": "T"}), ("qk-svd", "-teacher", {"prior_from": "T"})):
+            d = _fake_run(runs / "oraclefree", task, init, 0, 0.75, tag=tag, readout="mean", masses=(0.9, 0.5, 0.4),
+                          **flags)
+            torch.save({"pattern": pattern, "logits": pattern.float(), "source": {}}, d / "prior.pt")
+    written = {os.path.basename(p) for p in reporting.report.report(str(runs), str(tmp_path / "res"))}
+    assert {"persistence.png", "curves.png", "data_efficiency.png", "visionprior.png", "oraclefree_mass.png",
+            "oraclefree_patterns.png", "m_parity2.png"} <= written
+    assert any("M at the start" not in k and "parity2 --init mask seed 7" in k for k in readable_figures)
+    # redraw: the same figures again from the CSVs beside them alone (the runs deleted), from the same rows
+    shutil.rmtree(runs)
+    before = {f: (tmp_path / "res" / f).read_bytes() for f in os.listdir(tmp_path / "res") if not f.endswith(".png")}
+    redrawn, left = reporting.report.redraw(str(tmp_path / "res"))
+    assert {os.path.basename(p) for p in redrawn} == {"curves.png", "persistence.png", "data_efficiency.png",
+                                                      "visionprior.png"}
+    assert left == ["m_parity2.png", "oraclefree_mass.png", "oraclefree_patterns.png"]
+    assert before == {f: (tmp_path / "res" / f).read_bytes() for f in before}          # tables and CSVs untouched
+    curves = reporting.report.read_rows(str(tmp_path / "res" / "curves.csv"), reporting.report.CURVES_HEADER, reporting.report._curve_row)
+    assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
+    assert reporting.report.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
+    assert len({reporting.figures.line_style(i) for i in range(40)}) == 40 and reporting.figures.line_style(3, "mask") == reporting.figures.INIT_STYLES["mask"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: p.write_text("task,init\n"), "is not the table a report writes"),
+    (lambda p: p.write_text(p.read_text() + 'parity2,"",mask,0,10,mse,inf\n'), "'inf' is not a finite number"),
+    (lambda p: p.write_text(p.read_text() + 'parity2,"",mask,zero,10,mse,1\n'), "line "),
+    (lambda p: p.write_text(p.read_text() + "parity2,mask\n"), "2 cells, the header has 7"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "cannot read"),
+])
+def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, capsys, damage, words):
+    """`train.py redraw RESULTS`: a CSV that is not one a report wrote (its header, a cell, a short row, bytes that
+    are not text) is one line naming it, exit 2, and no figure is drawn, not even from the other, whole CSVs."""
+    _extra("matplotlib")
+    runs = tmp_path / "runs"
+    _curve_run(runs / "boolean", "parity2", "mask", 0, [{"acc_unseen": 0.5, "mse": 1.0}, {"acc_unseen": 1.0, "mse": 0.1}],
+               kind="boolean")
+    _fake_run(runs / "boolean", "parity2", "qk-svd", 0, 0.75)
+    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    damage(tmp_path / "res" / "curves.csv")
+    before = _tree(tmp_path / "res")
+    capsys.readouterr()
+    assert train.main(["redraw", str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "curves.csv" in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(tmp_path / "res") == before
+    (tmp_path / "empty").mkdir()
+    assert train.main(["redraw", str(tmp_path / "empty")]) == 2 and "nothing to redraw" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):
+    """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1) and
+    attention.png for a mask run; attention.png alone for an init without M; a relative M as profiles; a folder
+    without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
+    _extra("matplotlib")
+    from PIL import Image
+    for init in ("mask", "default"):      # the preset's 2 layers x 4 heads (the figures' grid), narrower: quicker
+        rc, out = run_train(tmp_path, "--task", "parity2", "--init", init, "--steps", "4", "--log-every", "2",
+                            "--eval-points", "64", "--dim", "16", "--mlp-dim", "16", "--batch-size", "32",
+                            "--probe-size", "16", name=init)
+        assert rc == 0
+        capsys.readouterr()
+        assert train.main(["show", out, "--out", str(tmp_path / f"fig-{init}")]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        files = sorted(os.listdir(tmp_path / f"fig-{init}"))
+        assert files == (["attention.png", "m.png"] if init == "mask" else ["attention.png"]), printed
+        assert init == "mask" or "has no M (--init default)" in printed[0]
+        for f in files:
+            w, h = Image.open(tmp_path / f"fig-{init}" / f).size
+            assert max(w, h) <= 4 * min(w, h) and min(w, h) > 200
+    start = [torch.linspace(-5, 5, 9).expand(3, 9)] * 2             # a relative M: 2 layers, 3 heads, 9 distances
+    deep = [torch.randn(3, 5, 5)] * 12                               # ViT-Tiny's 12 layers x 3 heads: blocks wrap
+    for path in (reporting.show.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True),
+                 reporting.show.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
+                 reporting.show.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
+        w, h = Image.open(path).size
+        assert max(w, h) <= 4 * min(w, h), path
+    # an image's M as offsets: M[i, j] a function of the patch offset (key - query) comes back as that function
+    g, prefix = 3, 1
+    r, c = torch.arange(g * g) // g, torch.arange(g * g) % g
+    m = torch.zeros(2, 1 + g * g, 1 + g * g)
+    m[:, 1:, 1:] = 10 * (r[None, :] - r[:, None]) + (c[None, :] - c[:, None])
+    dy, dx = torch.meshgrid(torch.arange(-g + 1, g), torch.arange(-g + 1, g), indexing="ij")
+    assert torch.allclose(reporting.show.offset_map(m, g, prefix), (10 * dy + dx).float().expand(2, -1, -1))
+    before = _tree(tmp_path)
+    (tmp_path / "file").write_text("x")
+    for argv, words in ((["show", str(tmp_path / "fig-mask")], "no checkpoint"),
+                        (["show", str(tmp_path / "mask"), "--out", str(tmp_path / "file")], "is a file")):
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "file").unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)            # no matplotlib: one line, nothing written
+    assert train.main(["show", str(tmp_path / "mask"), "--out", str(tmp_path / "none")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err and _tree(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_show_draws_a_retrofitted_model_s_m_and_a_saved_one(tmp_path, capsys, readable_figures):
+    """A retrofit's call: reporting.show.draw_model(model, path, title, mp.prior_snapshot(model) before training);
+    `train.py show DIR` of its save_pretrained folder draws M at the end (its start was not saved)."""
+    tf = _extra("transformers")
+    from PIL import Image
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = tf.GPT2LMHeadModel(cfg)
+    with pytest.raises(ValueError, match="has no mask prior"):
+        reporting.show.draw_model(model, str(tmp_path / "none.png"), "plain")
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(32, 4))
+    snap = mp.prior_snapshot(model)
+    with pytest.raises(ValueError, match="start holds 1 snapshots, the model 2 priors"):
+        reporting.show.draw_model(model, str(tmp_path / "bad.png"), "gpt2", snap[:1])
+    assert not (tmp_path / "bad.png").exists()
+    w, h = Image.open(reporting.show.draw_model(model, str(tmp_path / "m.png"), "gpt2", snap)).size
+    assert max(w, h) <= 4 * min(w, h)
+    model.save_pretrained(tmp_path / "saved")
+    capsys.readouterr()
+    assert train.main(["show", str(tmp_path / "saved"), "--out", str(tmp_path / "fig")]) == 0
+    assert os.listdir(tmp_path / "fig") == ["m.png"] and "holds no inputs to probe" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_show_of_a_crafted_saved_folder_is_one_line(tmp_path, capsys):
+    """`train.py show DIR` reads a saved folder as someone else's: a pickle alone, a config.json nested 100,000
+    deep, a size of 10**400 or 10**9, an M of another shape in the safetensors: each one line, exit 2, no figure
+    (transformers' own errors and its pickle loader never reach the user)."""
+    tf = _extra("transformers")
+    from safetensors.torch import load_file, save_file
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = tf.GPT2LMHeadModel(cfg)
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(32, 4))
+    model.save_pretrained(tmp_path / "good")
+
+    def crafted(name, config=None, weights=None):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "good", folder)
+        if config is not None:
+            (folder / "config.json").write_text(config((folder / "config.json").read_text()))
+        if weights is not None:
+            weights(folder)
+        return folder
+
+    def pickle_only(folder):
+        torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
+
+    def other_m(folder):
+        state = load_file(folder / "model.safetensors")
+        key = next(k for k in state if "prior" in k)
+        state[key] = torch.zeros(3, 5)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    cases = {"pickle": crafted("pickle", weights=pickle_only),
+             "deep": crafted("deep", config=lambda t: "[" * 100_000 + "]" * 100_000),
+             "huge": crafted("huge", config=lambda t: t.replace('"n_embd": 32', '"n_embd": 1' + "0" * 400)),
+             "big": crafted("big", config=lambda t: t.replace('"n_embd": 32', '"n_embd": 1000000000')),
+             "m": crafted("m", weights=other_m)}
+    for name, folder in cases.items():
+        capsys.readouterr()
+        assert train.main(["show", str(folder), "--out", str(tmp_path / f"fig-{name}")]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1, (name, err)
+        assert not (tmp_path / f"fig-{name}").exists()
+
+
+def test_one_seed_says_so_instead_of_a_spread_of_zero():
+    """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
+    every form a report writes (a metric, the mass start → end, a cell with its count)."""
+    assert reporting.report.mean_std([]) == "" and reporting.report.mean_std([0.5]) == "0.50 (1 seed)" and reporting.report.mean_std([3.0], digits=0) == "3 (1 seed)"
+    assert reporting.report.mean_std([1.0, 1.0]) == "1.00 ± 0.00" and reporting.report.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
+    assert reporting.report.mean_std([7.0], count=True) == "7.00 (1 seed)"
+    one = [{"prior_mass_start": 0.9, "prior_mass_end": 0.8}]
+    assert reporting.report._mass(one) == "0.90 → 0.80 (1 seed)" and reporting.report._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
+    assert reporting.report._mass([{}]) == ""
+
+
+def test_learning_curves_and_steps_to_target(tmp_path):
+    runs = tmp_path / "runs"
+    seq = lambda *v: [{"seq_acc": x} for x in v]                           # noqa: E731
+    for seed in (0, 1):
+        _curve_run(runs / "arithmetic", "addition", "default", seed, seq(0, 0.1, 0.2, 0.3, 0.6, 0.8))
+        _curve_run(runs / "arithmetic", "addition", "mask", seed, seq(0, 0.6, 0.95, 0.97, 0.98, 0.99))
+    # a Boolean run whose untrained sign is right on U but not on the seen domain: not "reached" at step 0
+    boolean = [{"acc_unseen": 1.0, "acc_seen": 0.5, "mse": 1.0}, {"acc_unseen": 0.0, "acc_seen": 1.0, "mse": 0.5},
+               {"acc_unseen": 1.0, "acc_seen": 0.995, "mse": 0.01}]
+    _curve_run(runs / "boolean", "parity2", "mask", 0, boolean, kind="boolean", steps=20)
+    written = reporting.report.report(str(runs), str(tmp_path / "res"))
+    assert {"curves.csv", "steps_to_target.md"} <= {os.path.basename(p) for p in written}
+    csv = (tmp_path / "res" / "curves.csv").read_text().splitlines()
+    assert csv[0] == "task,config,init,seed,step,metric,value"
+    assert 'addition,"",mask,1,20,seq_acc,0.95' in csv and 'parity2,"",mask,0,10,mse,0.5' in csv
+    rows = [line for line in (tmp_path / "res" / "steps_to_target.md").read_text().splitlines()
+            if line.startswith("| addition") or line.startswith("| parity2")]
+    assert "| addition | seq acc 50% | default | 0,1 | 2/2 | 40 ± 0 | 10 |  |" in rows
+    assert "| addition | seq acc 50% | mask | 0,1 | 2/2 | 10 ± 0 | 10 | 4.0 |" in rows       # 4x fewer steps
+    assert "| addition | seq acc 90% | default | 0,1 | 0/2 | not reached | 10 |  |" in rows
+    assert "| addition | seq acc 90% | mask | 0,1 | 2/2 | 20 ± 0 | 10 | > 2.5 |" in rows    # default: > 50 steps
+    assert any("| parity2 |" in r and "| 1/1 | 20 (1 seed) |" in r for r in rows)
+
+
+def test_prior_layers_table_says_when_the_mass_moves(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, masses in ((0, (1.0, 0.9, 0.6, 0.5)), (1, (1.0, 0.7, 0.6, 0.6))):
+        _fake_run(runs / "boolean", "parity2", "mask", seed, 1.0, masses=masses)
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75, masses=(0.5, 0.4))
+    reporting.report.report(str(runs), str(tmp_path / "res"))
+    rows = [line for line in (tmp_path / "res" / "prior_layers.md").read_text().splitlines()
+            if line.startswith("| parity2")]
+    # start 1.0, lowest 0.55, end 0.55; half-way: seed 0 at step 20 (0.6 <= 0.75), seed 1 at step 10 (0.7 <= 0.8)
+    assert rows == [f"| parity2 | mask | 0,1 | {layer} | 1.00 | 0.55 | 0.55 | 15 | 0.3 |  | 0.00 → {end} |"
+                    for layer, end in ((0, "3.00"), (1, "6.00"))]
+
+
+def test_data_efficiency_table(tmp_path):
+    runs = tmp_path / "runs"
+    acc = {("default", 500): (0.1, 0.2), ("default", 4000): (0.7, 0.9), ("mask", 500): (0.8, 0.9),
+           ("mask", 4000): (0.95, 0.97), ("default", 8000): (0.95, 0.99), ("mask", 8000): (0.99, 0.99)}
+    for (init, n), accs in acc.items():
+        for seed, a in enumerate(accs):
+            m = {"seq_acc": a, "digit_acc": a, "n_train": n}
+            if n == 4000:      # the arithmetic table's runs: --data-frac left at the task's default
+                _curve_run(runs / "arithmetic", "addition", init, seed, [m], data_frac=None)
+            else:
+                _curve_run(runs / "data", "addition", init, seed, [m], tag=f"-frac{n / 1e6}", data_frac=n / 1e6)
+    # another budget in the arithmetic folder: a configuration of its own, never mixed into the series
+    _curve_run(runs / "arithmetic", "addition", "mask", 0, [{"seq_acc": 0.0, "digit_acc": 0.0, "n_train": 4000}],
+               steps=250, tag="-250steps", data_frac=None)
+    # an init run at one size only (the arithmetic table's qk-opt) is no series: not a column
+    _curve_run(runs / "arithmetic", "addition", "qk-opt", 0, [{"seq_acc": 0.9, "digit_acc": 0.9, "n_train": 4000}],
+               data_frac=None)
+    written = reporting.report.report(str(runs), str(tmp_path / "res"))
+    assert {"data_efficiency.md", "data_efficiency.csv"} <= {os.path.basename(p) for p in written}
+    assert "qk-opt seq acc" not in (tmp_path / "res" / "data_efficiency.md").read_text()
+    text = (tmp_path / "res" / "data_efficiency.md").read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line[2:3].isdigit()}
+    assert rows["| 4,000"] == "| 4,000 | 0.4 | 80.00 ± 14.14 (2) | 96.00 ± 1.41 (2) | 500 (8x less) |"
+    assert rows["| 8,000"].endswith("| 97.00 ± 2.83 (2) | 99.00 ± 0.00 (2) | 8,000 |")     # mask 99 >= 97: 8,000
+    assert rows["| 500"].endswith("| 500 |") and "steps=250" in text and "one training set size only" in text
+    csv = (tmp_path / "res" / "data_efficiency.csv").read_text().splitlines()
+    assert csv[0] == "config,init,seed,n_train,seq_acc,digit_acc" and len(csv) == 1 + 12 + 1 + 1
+
+
+def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
+    """reproduce.sh --only oraclefree's runs (TASK-INIT-sSEED-TAG): a row per task (and corpus), a column per
+    variant (headline metric, mean ± std, seeds), the precision and recall of the found patterns, and with
+    matplotlib the patterns beside the hand one and the mass curves."""
+    folder = tmp_path / "runs" / "oraclefree"
+    acc = {("default", ""): 0.0, ("mask", ""): 1.0, ("mask", "discovered"): 1.0, ("mask", "teacher"): 0.5,
+           ("qk-svd", "teacher"): 0.1, ("default", "budget2x"): 0.02}
+    found = tasks.make_task("parity2", readout="mean").pattern()
+    flags = {"": {}, "discovered": {"pattern": "discovered"}, "teacher": {"prior_from": "T"}, "budget2x": {"steps": 1200}}
+    for (init, tag), a in acc.items():
+        for seed in (0, 1):
+            d = _fake_run(folder, "parity2", init, seed, 0.75, tag=f"-{tag}" if tag else "", readout="mean",
+                          **flags[tag])
+            res = json.load(open(d / "result.json"))
+            res["metrics"]["acc_unseen"] = a + 0.01 * seed
+            if tag:
+                res["prior_source"] = {"from": "data" if tag == "discovered" else "teacher", "precision": 0.5 + 0.5 * seed,
+                                       "recall": 1.0}
+            torch.save({"pattern": found, "logits": found.float(), "source": res.get("prior_source") or {}},
+                       d / "prior.pt")
+            (d / "result.json").write_text(json.dumps(res))
+    written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "res"))
+    table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
+    assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
+                        "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
+    assert table[2] == ("| parity2 | accuracy on U % | 0.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | "
+                        "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
+    assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
+    assert "| parity2 | teacher | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
+    if reporting.figures.pyplot() is not None:
+        assert {"oraclefree_patterns.png", "oraclefree_mass.png"} <= {os.path.basename(p) for p in written}
+
+
+def test_oracle_free_rows_and_columns_come_from_the_folder_names():
+    """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
+    its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
+    cell = lambda name, task, seed: reporting.report.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
+                                                        "seed": seed})
+    assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
+    assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
+    assert cell("parity2-default-s1-budget2x", "parity2", 1) == ("parity2", "budget2x")
+    assert cell("wikitext2-mask-s0-corpusB-teacher", "wikitext2", 0) == ("wikitext2, corpus B", "teacher")
+    assert cell("wikitext2-default-s2-corpusA", "wikitext2", 2) == ("wikitext2, corpus A", "")
+    assert cell("addition-mask-s0-250steps", "addition", 0) == ("addition, 250 steps", "")
+    assert cell("addition-qk-svd-s3-250steps-teacher", "addition", 3) == ("addition, 250 steps", "teacher")
+    assert cell("addition-mask-s1-250steps-discovered", "addition", 1) == ("addition, 250 steps", "discovered")
+    assert cell("addition-default-s0-250steps-samebudget", "addition", 0) == ("addition, 250 steps", "budget2x")
+    assert cell("addition-default-s0", "addition", 0) == ("addition", "")
+    assert cell("cifar10-mask-s4-teacher-impulse", "cifar10", 4) == ("cifar10", "teacher-impulse")
+
+
+# ---------------------------------------------------------------------------------------- report.py: broken runs
+
+@pytest.mark.slow
+def test_report_lists_a_non_numeric_metric_instead_of_crashing(tmp_path):
+    out = tmp_path / "runs" / "boolean" / "parity2-mask-s0"
+    assert train.main([*TINY, "--init", "mask", "--steps", "5", "--out", str(out)]) == 0
+    res = json.load(open(out / "result.json"))
+    res["metrics"]["acc"] = "high"
+    (out / "result.json").write_text(json.dumps(res))
+    table = open(reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "results"))[0]).read()
+    assert "metric acc is 'high', not a finite number" in table
+
+
+def _report_case(tmp_path, case, once=None):
+    """A finished real run in runs/boolean, then broken as `case` says; returns (runs, its folder)."""
+    runs = tmp_path / "runs"
+    out = runs / "boolean" / "parity2-mask-s0"
+    _train(out, *TINY, "--init", "mask", "--steps", "10", "--log-every", "5", once=once)
+    _fake_run(runs / "boolean", "parity2", "default", 0, 0.75)        # a healthy neighbour: its row must stay
+    res, log = out / "result.json", out / "metrics.jsonl"
+    if case == "result.json without seed":
+        _edit_json(res, lambda d: d.pop("seed"))
+    elif case == "seed a string":
+        _edit_json(res, lambda d: d.update(seed="0"))
+    elif case == "seed 10^30":
+        _edit_json(res, lambda d: d.update(seed=10 ** 30))
+    elif case == "a task name of markdown":
+        _edit_json(res, lambda d: d.update(task="parity2 |\n## injected"))
+    elif case == "an unknown kind":
+        _edit_json(res, lambda d: d.update(kind="other"))
+    elif case == "an unknown init":
+        _edit_json(res, lambda d: d.update(init="qk-svd2"))
+    elif case == "result.json a list":
+        res.write_text("[]")
+    elif case == "NaN metric":
+        _edit_json(res, lambda d: d["metrics"].update(acc=float("nan")))
+    elif case == "precision NaN":                          # a hostile study's result: as an oracle-free run records it
+        _edit_json(res, lambda d: d.update(prior_source={"from": "data", "precision": "NaN", "recall": 1.0}))
+    elif case == "recall a string":
+        _edit_json(res, lambda d: d.update(prior_source={"from": "teacher", "precision": 1.0, "recall": "x"}))
+    elif case == "result.json a FIFO":
+        os.remove(res)
+        os.mkfifo(res)
+    elif case == "non-UTF-8 log line":
+        with open(log, "ab") as f:
+            f.write(b'{"step": 7, "metrics": {"acc": 1.0}, "note": "\xff\xfe"}\n')
+    elif case == "log line without metrics":
+        with open(log, "a") as f:
+            f.write('{"step": 7, "x": 1}\n{"step": 8, "metrics": {}, "prior_mass": ["a"]}\n')
+    elif case == "log a folder":
+        os.remove(log)
+        os.mkdir(log)
+    elif case == "result.json nested 200,000 deep":
+        res.write_text('{"metrics": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    elif case == "a 400-digit metric":
+        res.write_text(res.read_text().replace('"metrics": {', '"metrics": {"big": ' + "9" * 400 + ", ", 1))
+    elif case == "a log mass of 1e400":
+        with open(log, "a") as f:
+            f.write('{"step": 11, "metrics": {}, "prior_mass": [1e400], "prior_mass_mean": 1e400}\n')
+    return runs, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,listed", [
+    ("result.json without seed", "parity2-mask-s0: unreadable result.json ("),
+    ("seed a string", "result.json: seed is '0', not a seed in 0 .. 2^32 - 1)"),
+    ("seed 10^30", "not a seed in 0 .. 2^32 - 1)"), ("a task name of markdown", "not a task name)"),
+    ("an unknown kind", "not one of boolean, arithmetic, vision, lm)"),
+    ("an unknown init", "init is 'qk-svd2', not one of default, mask, qk-svd, qk-opt, mimetic, impulse, mask-impulse)"),
+    ("result.json a list", "result.json holds a list, not the dict this program writes there)"),
+    ("NaN metric", "result.json: metric acc is nan, not a finite number)"),
+    ("precision NaN", "result.json: prior_source is {"),
+    ("recall a string", "not null or a dict whose precision and recall are in [0, 1])"),
+    ("result.json a FIFO", "result.json is a FIFO (named pipe), not a regular file"),
+    ("non-UTF-8 log line", None), ("log line without metrics", None), ("log a folder", None),
+    ("result.json nested 200,000 deep", "nested more than 64 levels deep)"),
+    ("a 400-digit metric", "an integer of 400 digits (at most 40))"), ("a log mass of 1e400", None),
+])
+def test_no_broken_run_breaks_a_report(tmp_path, capsys, trained_once, case, listed):
+    """The report of a folder with one broken run: exit 0, every table written, the healthy run's row
+    there, and the broken run either listed by name with what is wrong, or in its table (a bad log line is
+    dropped like a cut one; a log that cannot be read leaves the run without curves)."""
+    runs, out = _report_case(tmp_path, case, once=trained_once)
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "mult2.md").write_text("an earlier report's table\n")
+    with _deadline(120):
+        assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
+    said = capsys.readouterr()
+    assert said.err == "" and said.out.endswith("not made by these runs, left as they were (an earlier report's, or "
+                                                "yours): mult2.md\n")
+    assert (tmp_path / "res" / "mult2.md").read_text() == "an earlier report's table\n"
+    table = (tmp_path / "res" / "boolean.md").read_text()
+    assert "| default | 0 | 75.00 (1 seed) |" in table
+    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
+    if listed:
+        assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")
+    else:
+        assert "| mask | 0 |" in table
+
+
+@pytest.mark.slow
+def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    runs, _ = _report_case(tmp_path, "")
+    (tmp_path / "file").write_text("x")
+    for out, needle in ((tmp_path / "file", "is a file; give a folder"),
+                        (tmp_path / "file" / "sub", "cannot write")):
+        assert train.main(["report", str(runs), str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "ro", read_only=True) as ro:
+        assert train.main(["report", str(runs), str(ro)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "Read-only file system" in err and len(err.splitlines()) == 1, err
+    with _small_disk(tmp_path / "full", size="20k") as full:       # the tables fit, the figure does not
+        rc = train.main(["report", str(runs), str(full)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "No space left on device" in err and len(err.splitlines()) == 1, err
+        assert not [n for n in os.listdir(full) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["a table's folder", "an empty folder", "a folder of other things"])
+def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing(tmp_path, capsys, where):
+    runs = tmp_path / "runs"
+    if where == "a table's folder":
+        _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
+        given = runs / "boolean"
+    elif where == "an empty folder":
+        runs.mkdir()
+        given = runs
+    else:
+        (runs / "notes").mkdir(parents=True)
+        given = runs
+    assert train.main(["report", str(given), str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds none of the table folders" in err and "nothing was written" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "res").exists()
+    if where == "a table's folder":
+        assert f"give the folder above it: python train.py report {runs}" in err
+
+
+@pytest.mark.slow
+def test_a_report_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path):
+    runs, _ = _report_case(tmp_path, "")
+    res = tmp_path / "res"
+    res.mkdir()
+    stale = [res / ".curves.png.k3j_x9ab.tmp", res / ".boolean.md.q1w2e3r4.tmp"]   # what SIGKILL leaves
+    for p in stale:
+        p.write_bytes(b"half")
+    (res / ".notes.txt.abcdefgh.tmp").write_text("not ours")
+    reporting.report.report(str(runs), str(res))
+    assert not any(p.exists() for p in stale) and (res / ".notes.txt.abcdefgh.tmp").exists()

@@ -1,6 +1,7 @@
 """Tests for maskprior_retrofit.py: the prior in other libraries' models (torch, timm, Hugging Face, PEFT, your
-own attention), and the peers' own behaviours as a generated matrix. Run: python -m pytest -q test_retrofit.py
-(the README's test command runs it with test_maskprior.py, whose shared helpers it takes)."""
+own attention), the peers' own behaviours as a generated matrix, and (at the end) the library's refusals of bad
+arguments (issue 41), generated from maskprior.py's tables. Run: python -m pytest -q test_retrofit.py (the README's
+test command runs it with the others; the helpers they share are in conftest.py)."""
 import copy
 import dataclasses
 import importlib.util
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 import maskprior as mp
 import maskprior_retrofit as retrofit
 import tasks
-from test_maskprior import HERE, _bench, _extra, _one_line, _past, cuda
+from conftest import HERE, _bench, _extra, _past, cuda
 
 
 @pytest.mark.slow
@@ -1072,6 +1073,12 @@ def test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_li
         assert _untouched(model) == before
 
 
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg
+
+
 def test_a_folder_saved_with_priors_refuses_a_plain_load_under_any_attn_implementation_naming_the_loader(tmp_path):
     """Issue 65: config.json names HF_SAVED as its weights file (`transformers_weights`), which transformers refuses
     before it builds a model, so a plain from_pretrained given attn_implementation='sdpa' or 'eager' is one line naming
@@ -1942,3 +1949,237 @@ def test_readme_table_of_models_is_what_the_tests_run():
     rows = ["| model or use | the prior | test |", "|---|---|---|"] + [f"| {a} | {b} | `{c}` |" for a, b, c in MODEL_TABLE]
     assert table.strip().splitlines() == rows
     assert all(callable(globals().get(c)) for _, _, c in MODEL_TABLE)
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: retrofit
+
+# ---- the library refuses what it would drop or guess (issue 41): a pattern with logits, a switch that is not a
+# bool, prior_roles on a retrofitted model, a part's M that PEFT froze, non-finite or empty maps and m_on / m_off,
+# a ratio no pair reaches, an encoder-decoder's parts given priors one call each
+
+
+# ---- 10: pattern and logits
+
+
+def test_mask_prior_and_init_mask_refuse_a_pattern_given_with_logits():
+    with pytest.raises(ValueError, match="MaskPrior: got both a pattern and logits"):
+        mp.MaskPrior(8, 4, mp.banded_pattern(8, 1), logits=torch.zeros(4, 8, 8))
+    model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=8, readout="mean", learnable_mask=True,
+                                                n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    before = model.blocks[0].attn.prior.bias.detach().clone()
+    with pytest.raises(ValueError, match="init_mask_: got both a pattern and logits"):
+        mp.init_mask_(model, mp.banded_pattern(8, 1), logits=torch.zeros(2, 8, 8))
+    assert torch.equal(model.blocks[0].attn.prior.bias, before)
+
+
+# ---- 11: switches are bools
+
+_PAT, _MAP = mp.banded_pattern(8, 1), torch.rand(2, 8, 8).softmax(-1)
+
+
+# ---- 16: maps and numbers
+
+FROM_MAPS = {
+    "pattern_from_attention": lambda a: mp.pattern_from_attention(a, 1.5),
+    "logits_from_attention": lambda a: mp.logits_from_attention(a),
+    "relative_from_attention": lambda a: mp.relative_from_attention(a),
+    "offsets_from_attention": lambda a: mp.offsets_from_attention(a, 2, 2),
+}
+
+
+def _maps(kind: str) -> torch.Tensor:
+    a = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    if kind == "empty":
+        return torch.zeros(0, 3, 4, 4)
+    a[1, 2, 3, 1] = float("nan") if kind == "one nan" else float("inf")
+    return a
+
+
+@pytest.mark.parametrize("kind", ["one nan", "one inf", "empty"])
+@pytest.mark.parametrize("who", list(FROM_MAPS))
+def test_priors_from_attention_refuse_non_finite_or_empty_maps(who, kind):
+    want = "are empty" if kind == "empty" else "hold 1 non-finite values"
+    with pytest.raises(ValueError, match=rf"^{who}: the attention maps .*{want}") as err:
+        FROM_MAPS[who](_maps(kind))
+    _one_line(err)
+
+
+def test_pattern_from_attention_refuses_an_empty_square_map():
+    with pytest.raises(ValueError, match="are empty"):
+        mp.pattern_from_attention(torch.zeros(0, 0), 1.5)
+
+
+def _lm() -> mp.Transformer:
+    return mp.Transformer(mp.TransformerConfig(vocab_size=5, seq_len=8, readout="tokens", causal=True, n_outputs=5,
+                                               learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+
+
+_MODEL8 = lambda: mp.Transformer(mp.TransformerConfig(  # noqa: E731
+    vocab_size=2, seq_len=8, readout="mean", learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+def _source(kwargs: dict) -> dict:
+    """The arguments given, with the pattern _PAT where they name neither a pattern nor logits."""
+    return kwargs if {"pattern", "logits"} & set(kwargs) else {"pattern": _PAT, **kwargs}
+
+
+LIBRARY_CALLS = {   # each public function `mp.checked` checks, called well: the generated test changes one argument
+    "pattern_from_pairs": lambda **k: mp.pattern_from_pairs(**{"n": 4, "pairs": [(0, 1)], **k}),
+    "banded_pattern": lambda **k: mp.banded_pattern(**{"n": 8, "width": 1, **k}),
+    "embed_pattern": lambda **k: mp.embed_pattern(**{"pattern": _PAT, "offset": 1, "n": 9, **k}),
+    "impulse_pattern": lambda **k: mp.impulse_pattern(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)], "n_prefix": 1,
+                                                         **k}),
+    "grid_index": lambda **k: mp.grid_index(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
+    "grid_slots": lambda **k: mp.grid_slots(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
+    "window_pattern": lambda **k: mp.window_pattern(**{"grid_h": 3, "grid_w": 3, "kernel": 3, "n_heads": 2, **k}),
+    "soft_offset_logits": lambda **k: mp.soft_offset_logits(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)],
+                                                               "alpha": 1.0, "m_on": 5.0, "m_off": 5.0, **k}),
+    "random_impulse_offsets": lambda **k: mp.random_impulse_offsets(**{"n_heads": 3, **k}),
+    "causal_pattern": lambda **k: mp.causal_pattern(**{"n": 4, **k}),
+    "alibi_slopes": lambda **k: mp.alibi_slopes(**{"n_heads": 4, **k}),
+    "causal_distance_logits": lambda **k: mp.causal_distance_logits(**{"n": 8, "n_heads": 2, **k}),
+    "mask_logits_from_pattern": lambda **k: mp.mask_logits_from_pattern(**{"pattern": _PAT, **k}),
+    "MaskPrior": lambda **k: mp.MaskPrior(**_source({"n": 8, "heads": 2, **k})),
+    "init_mask_": lambda **k: mp.init_mask_(_MODEL8(), **_source(k)),
+    "param_groups": lambda **k: mp.param_groups(_MODEL8(), **{"weight_decay": 0.1, **k}),
+    "prior_rows": lambda **k: mp.prior_rows(**{"pattern": _PAT, **k}),
+    "layer_margin": lambda **k: mp.layer_margin(**{"a": _MAP[None], "pattern": _PAT, "rows": torch.ones(8, dtype=bool),
+                                                   **k}),
+    "visible_keys": lambda **k: mp.visible_keys(**{"n": 8, **k}),
+    "attention_ratio": lambda **k: mp.attention_ratio(**{"attn": _MAP, **k}),
+    "pattern_from_attention": lambda **k: mp.pattern_from_attention(**{"attn": _MAP, "ratio": 1.01, **k}),
+    "logits_from_attention": lambda **k: mp.logits_from_attention(**{"attn": _MAP, **k}),
+    "relative_from_attention": lambda **k: mp.relative_from_attention(**{"attn": _MAP, **k}),
+    "offsets_from_attention": lambda **k: mp.offsets_from_attention(**{"attn": torch.rand(2, 5, 5).softmax(-1),
+                                                                       "grid_h": 2, "grid_w": 2, "n_prefix": 1, **k}),
+    "add_mask_prior": lambda **k: retrofit.add_mask_prior(nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        16, 2, 16, batch_first=True), 1, enable_nested_tensor=False), **_source(k)),
+    "init_qk_svd_": lambda **k: mp.init_qk_svd_(_MODEL8(), **{"pattern": _PAT, **k}),
+    "init_qk_opt_": lambda **k: mp.init_qk_opt_(_MODEL8(), **{"pattern": _PAT, "steps": 2, **k}),
+    "depends_on_distance": lambda **k: mp.depends_on_distance(_PAT, **k),
+    "pattern_agreement": lambda **k: mp.pattern_agreement(_PAT, _PAT, **{"causal": False, **k}),
+    "mask_grad_bound": lambda **k: mp.mask_grad_bound(**{"attn": _MAP, "attn_grad": _MAP, "mask_logits": _MAP, **k}),
+    "generate": lambda **k: mp.generate(_lm(), **{"idx": torch.zeros(1, 2, dtype=torch.long), "n_new": 2, **k}),
+}
+BAD = {   # an argument's kind -> values it must refuse (ints and reals also just below their least)
+    "bool": ["no", 1, 0.0],
+    "int": [2.5, True, "3", float("nan")],
+    "real": [float("nan"), float("inf"), -float("inf"), "5", True],
+    "pattern": [torch.zeros(8, 8, dtype=torch.bool), torch.ones(8, 8), torch.ones(8, dtype=torch.bool), "all"],
+    "logits": [torch.ones(8, 8, dtype=torch.bool), torch.full((8, 8), float("nan")), torch.ones(8, 8, dtype=torch.long),
+               torch.zeros(8)],
+    "maps": [-_MAP, torch.zeros(2, 8, 8), torch.full((2, 8, 8), float("nan")), torch.ones(2, 8, 8, dtype=torch.long),
+             torch.empty(0, 8, 8)],
+    "indices": [[0.5], 0, [], [-1], torch.tensor([True, False]), [True]],
+    "offsets": [[], [(0,)], [(0.5, 0)], "ab", [(0, True)]],
+    "grid": [(0, 4), (4,), (2.0, 2), "ab", (True, 2), (4, 2 ** 21)],
+    "choice": ["ful", "", 1, ("full",)],
+}
+
+
+def _bad_values(arg: mp.Arg) -> list:
+    below = [] if arg.least is None else [arg.least if arg.above else arg.least - 1]
+    return BAD[arg.kind] + [int(v) if arg.kind == "int" else float(v) for v in below]
+
+
+def _checked(fn: str) -> tuple:
+    target = getattr(mp, fn, None) or getattr(retrofit, fn)
+    return (target.__init__ if isinstance(target, type) else target).checked
+
+
+LIBRARY_CASES = [(fn, name, i) for fn in LIBRARY_CALLS for name in _checked(fn)
+                 for i in range(len(_bad_values(mp.ARGS[name])))]
+
+
+def test_every_public_argument_the_table_names_is_checked_and_every_checked_function_has_a_call():
+    """By construction: every public function or class of maskprior.py and maskprior_retrofit.py that takes an
+    argument ARGS names is `mp.checked` (but `pattern_mass`, a measurement: nan maps give a nan mass, which training
+    watches), and every checked one has a good call above, so the generated test reaches each new one; each call as
+    given runs."""
+    public = {n: (f.__init__ if isinstance(f, type) else f) for module in (mp, retrofit) for n, f in vars(module).items()
+              if not n.startswith("_") and callable(f) and getattr(f, "__module__", "") == module.__name__
+              and (not isinstance(f, type) or issubclass(f, nn.Module))}
+    takes = {n for n, f in public.items() if set(inspect.signature(f).parameters) & set(mp.ARGS)}
+    exempt = {"pattern_mass", "prior_probe", "prior_mass", "content_margin",     # measurements
+              "check_pattern", "check_one_source", "Block", "Attention"}         # the checks; built from a checked config
+    assert {n for n in takes if not hasattr(public[n], "checked")} <= exempt
+    assert {n for n, f in public.items() if hasattr(f, "checked")} == set(LIBRARY_CALLS)
+    for fn, call in LIBRARY_CALLS.items():
+        call()
+
+
+def test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line():
+    """A model built on the meta device and moved with `to_empty` has memory but no values in M: its forward is one
+    line until init_mask_ or load_state_dict sets M (then it runs as the model it was loaded from); a TorchScript model
+    cannot take a prior (no hooks, no new parameters): one line saying to add it to the module, then trace it."""
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    x, saved = torch.zeros(1, 7, dtype=torch.long), mp.Transformer(cfg).eval()
+    for fused in (True, False):
+        for load in (True, False):
+            with torch.device("meta"):
+                model = mp.Transformer(dataclasses.replace(cfg, fused=fused))
+            model = model.to_empty(device="cpu").eval()
+            with pytest.raises(ValueError, match="M was built on the meta device and holds no values yet"):
+                model(x)
+            if load:
+                model.load_state_dict(saved.state_dict())
+                torch.testing.assert_close(model(x), saved(x))
+            else:               # M set; the other weights are still to_empty's memory (initialise them as you would)
+                mp.init_mask_(model, mp.banded_pattern(8, 1))
+                assert model(x).shape == (1, 1)
+    scripted = torch.jit.script(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
+                                                      enable_nested_tensor=False))
+    with pytest.raises(ValueError, match="is a TorchScript model.*add the prior to the nn.Module, then trace") as err:
+        retrofit.add_mask_prior(scripted, _PAT)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("fn, name, i", LIBRARY_CASES, ids=[f"{f}-{n}-{i}" for f, n, i in LIBRARY_CASES])
+def test_the_library_refuses_each_bad_value_of_each_public_argument(fn, name, i):
+    """Generated from the table (`mp.ARGS`): each public argument of each checked function, given each bad value of
+    its kind (a switch that is not a bool, a number not finite or below its least, a pattern that allows nothing or
+    is not bool, logits that are bool or nan, maps that are negative or attend nowhere, readout rows that are not
+    positions, offsets that are not pairs), is one ValueError line naming the function."""
+    value = _bad_values(mp.ARGS[name])[i]
+    with pytest.raises(ValueError) as err:
+        LIBRARY_CALLS[fn](**{name: value})
+    assert str(err.value).startswith(f"{fn}: ") or fn in str(err.value), str(err.value)
+    _one_line(err)
+
+
+FIELD_CASES = [(cfg, name, value) for cfg in (mp.TransformerConfig, mp.ViTConfig)
+               for name in mp.FIELDS if name in {f.name for f in dataclasses.fields(cfg)}
+               for value in _bad_values(mp.FIELDS[name])]
+
+
+@pytest.mark.parametrize("cfg, name, value", FIELD_CASES,
+                         ids=[f"{c.__name__}-{n}-{v!r}" for c, n, v in FIELD_CASES])
+def test_a_model_config_refuses_each_bad_value_of_each_declared_field(cfg, name, value):
+    """Generated from the table (`mp.FIELDS`): a model config given a bad value of a field the table
+    names is one ValueError line naming the config and the field; each allowed value is taken (but a 2-D
+    relative M, mask_param='grid', by a model of tokens: refused in one line naming the image model)."""
+    with pytest.raises(ValueError, match=rf"^{cfg.__name__}: {name} must be ") as err:
+        cfg(**{name: value})
+    _one_line(err)
+    for good in mp.FIELDS[name].choices:
+        if (name, good, cfg) == ("mask_param", "grid", mp.TransformerConfig):
+            with pytest.raises(ValueError, match=r"^TransformerConfig: mask_param='grid' .* \(ViTConfig\)$"):
+                cfg(**{name: good})
+            continue
+        assert getattr(cfg(**{name: good}), name) == good
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["pairs", "keys"])
+def test_pattern_from_attention_refuses_a_ratio_no_pair_reaches_naming_the_largest(keys):
+    """N = 15: no key's share exceeds 15 times uniform, so ratio 1e9 finds only self-loops: refused, naming the
+    largest ratio present (at most 15); a reachable ratio still finds pairs."""
+    attn = torch.rand(2, 4, 15, 15, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    want = r"^pattern_from_attention: no query-key pair beyond the self-loops reaches ratio 1e\+09 \(the largest share"
+    with pytest.raises(ValueError, match=want) as err:
+        mp.pattern_from_attention(attn, 1e9, keys=keys)
+    msg = _one_line(err)
+    largest = float(msg.split("largest share present is ")[1].split(" ")[0])
+    reach = float(msg.split("give a ratio of at most ")[1].split(",")[0])
+    assert 1.0 < reach <= largest <= 15.0 and (reach == largest) != keys
+    found = mp.pattern_from_attention(attn, reach * 0.999, keys=keys)             # the ratio it names finds pairs
+    assert (found & ~torch.eye(15, dtype=torch.bool)).any()
+    with pytest.raises(ValueError, match="no query-key pair beyond the self-loops"):
+        mp.pattern_from_attention(attn, reach * 1.001, keys=keys)
