@@ -6,8 +6,9 @@ it the lengths, padding, caches and saving those libraries use, and takes it out
 
 maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
 retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
-imported only inside the calls that need them. Importing this file teaches PEFT's and transformers' adapter loaders,
-whenever they are imported, to refuse an adapter that carries M onto a model without priors (`ADAPTER_LOADERS`).
+imported only inside the calls that need them. Importing this file changes nothing; once a process attaches its
+first prior, PEFT's and transformers' adapter loaders (now or whenever they are imported) refuse an adapter that
+carries M onto a model without priors (`ADAPTER_LOADERS`).
 """
 from __future__ import annotations
 
@@ -95,9 +96,8 @@ def _hf_config(module: nn.Module):
 
 
 def _is_hf_attention(module: nn.Module) -> bool:
-    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT,
-    ViT, Llama, BART, T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's
-    `scale`), from a file that imports it."""
+    """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
+    T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
     source = sys.modules.get(type(module).__module__)
     return (_hf_config(module) is not None and hasattr(module, "is_causal")
             and (hasattr(module, "scaling") or hasattr(module, "scale"))
@@ -111,8 +111,7 @@ def _is_timm_attention(module: nn.Module) -> bool:
 
 
 def _window_tokens(module: nn.Module) -> int | None:
-    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or
-    a child."""
+    """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or a child."""
     for m in (module, *module.children()):
         w = getattr(m, "window_size", None)
         if isinstance(w, int) and not isinstance(w, bool):
@@ -187,10 +186,9 @@ def _picked(modules, name: str, module: nn.Module) -> bool:
 
 
 def find_attention(model: nn.Module, modules=None) -> list[Site]:
-    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention,
-    Hugging Face and timm attention modules; or, with `modules` (a class, a tuple of classes, or a
-    predicate `(name, module) -> bool`), exactly the modules it names (served as what they are,
-    else by their mask keyword)."""
+    """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face and
+    timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate `(name, module) ->
+    bool`), exactly the modules it names (served as what they are, else by their mask keyword)."""
     named = dict(model.named_modules())
     tokens, max_tokens = _positions(model)
     sites = []
@@ -245,8 +243,7 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
 
 
 def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its config's, not a prior's
-    view)."""
+    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
     return _hf_config(module)._attn_implementation
 
 
@@ -285,8 +282,7 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
 
 def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
                who: str = "add_mask_prior", grid: tuple[int, int] | None = None) -> mp.MaskPrior:
-    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing
-    changed yet)."""
+    """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
     shape = tuple(src.shape)
     if hasattr(site.module, "mask_prior"):
         raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
@@ -324,9 +320,8 @@ FULL_SHARE = 0.1
 
 
 def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Tensor) -> None:
-    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add
-    more than FULL_SHARE of the model's parameters: a full M grows as layers x heads x N^2 (151M
-    for GPT-2 small at N = 1,024)."""
+    """Refuse, in one line, full M's (asked for by default, not by param='full') that would add more than FULL_SHARE
+    of the model's parameters: a full M grows as layers x heads x N^2 (151M for GPT-2 small at N = 1,024)."""
     full = [p for p in priors.values() if p.param == "full"]
     size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
     # (a module with no weights of its own: nothing to weigh)
@@ -341,56 +336,51 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
 
 
 def _under_peft(model: nn.Module) -> bool:
-    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its
-    peft_config (set on the model get_peft_model was given), or PEFT's adapter layers among its
-    modules."""
+    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on
+    the model get_peft_model was given), or PEFT's adapter layers among its modules."""
     return (getattr(model, "peft_config", None) is not None
             or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
 
 
-@mp.checked
 def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = mp.M_ON,
                    m_off: float = mp.M_OFF, causal: bool | None = None,
                    logits: torch.Tensor | None = None, *, param: str | None = None,
                    prefix: bool | None = None, cross_attention: bool = False, modules=None,
                    mask_kwarg: str = "attn_mask", flex: bool = False,
                    grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool
-    (N, N) or (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers
-    that got one.
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads,
+    N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
-    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama,
-    Mistral, BART, T5, Whisper, CLIP, Swin...: through transformers' attention-function interface,
-    wrapping the model's 'sdpa' or 'eager'; the config records the priors for `from_pretrained`),
-    timm's attention (ViT / DeiT), and, with `modules` (a class, tuple of classes or predicate
-    `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
-    forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the
-    prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's
-    decoder, BART's encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal`
-    defaults to what the layer is where it says (HF), else False. `prefix` (default: True for HF
-    text models, else False) lets a non-causal prior read shorter inputs as positions 0..t-1. Every
-    layer is checked before any is changed: one the prior cannot serve raises ValueError naming it,
-    its class, heads and what to do, and the model is left as it was. `param`: by default relative
-    for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
-    length), else full, refused in one line where the full M's would add more than 10% of the
-    model's parameters (pass param='full' to take them, or 'relative' for a non-causal band); param='grid': an
-    image's 2-D relative M, one logit per head and patch displacement plus each class token's row and column
-    (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default
-    the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch size).
-    `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on
-    its first call) wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex`
-    later to change it). Make the optimiser after this call; M is named `bias`, so Hugging Face's
-    Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An nn.TransformerEncoder
-    runs without its nested-tensor fast path while it holds a prior (its padded batches would skip the
-    mask), with a warning where the path was on; `remove_mask_prior` turns it back on.
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
+    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
+    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
+    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an
+    encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention
+    gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's
+    encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is
+    where it says (HF), else False. `prefix` (default: True for HF text models, else False) lets a non-causal prior
+    read shorter inputs as positions 0..t-1. Every layer is checked before any is changed: one the prior cannot
+    serve raises ValueError naming it, its class, heads and what to do, and the model is left as it was. `param`: by
+    default relative for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
+    length), else full, refused in one line where the full M's would add more than 10% of the model's parameters
+    (pass param='full' to take them, or 'relative' for a non-causal band); param='grid': an image's 2-D relative M,
+    one logit per head and patch displacement plus each class token's row and column (about 0.7% of ViT-Tiny's
+    parameters at 224 px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default the model's own patch
+    grid (timm's patch_embed, a Hugging Face config's image and patch size). `flex`: on CUDA a Hugging Face layer's
+    prior runs inside torch's flex_attention (compiled on its first call) wherever the call is plain self-attention
+    (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the optimiser after this call; M is named
+    `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An
+    nn.TransformerEncoder runs without its nested-tensor fast path while it holds a prior (its padded batches would
+    skip the mask), with a warning where the path was on; `remove_mask_prior` turns it back on.
     """
-    mp.check_one_source(pattern, logits, "add_mask_prior")
-    if logits is None:
-        mp.check_pattern(pattern)
-    if isinstance(model, torch.jit.ScriptModule):
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose "
-                         "layers take no hooks and no new parameters: add the prior to the "
-                         "nn.Module, then trace it (torch.jit.trace), compile it or export it")
+    who = "add_mask_prior"
+    pattern, logits = mp._source(who, pattern, logits)
+    m_on, m_off = mp._real(who, "m_on", m_on), mp._real(who, "m_off", m_off)
+    causal = None if causal is None else mp._flag(who, "causal", causal)
+    prefix = None if prefix is None else mp._flag(who, "prefix", prefix)
+    param = None if param is None else mp._choice(who, "param", param, ("full", "relative", "grid"))
+    cross_attention, flex = mp._flag(who, "cross_attention", cross_attention), mp._flag(who, "flex", flex)
+    grid = None if grid is None else mp._grid(who, grid)
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
@@ -410,7 +400,11 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
 
 def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str) -> list[Site]:
     """The layers add_mask_prior gives a prior (self- or cross-attention, as asked), each checked
-    (`_check_site`); one line for a model PEFT wrapped first, or with no such layer."""
+    (`_check_site`); one line for a TorchScript model, a model PEFT wrapped first, or one with no such layer."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is a TorchScript model, whose "
+                         "layers take no hooks and no new parameters: add the prior to the "
+                         "nn.Module, then trace it (torch.jit.trace), compile it or export it")
     if _under_peft(model):
         raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
                          "whose adapter would not save M: add the priors first, then "
@@ -445,9 +439,8 @@ def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
 
 
 def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
-    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the
-    attn_mask (added to one the caller gave; a causal call's -inf folded in, since MHA drops a
-    mask it takes for the causal one)."""
+    """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the attn_mask (added to
+    one the caller gave; a causal call's -inf folded in, since MHA drops a mask it takes for the causal one)."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
              "is_causal")
     kwargs = {**dict(zip(names, args)), **kwargs}
@@ -487,9 +480,8 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
 
 
 def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
-    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set
-    False in `kwargs`: attention takes a mask or is_causal, not both (nn.MultiheadAttention would
-    drop the mask)."""
+    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set False in `kwargs`:
+    attention takes a mask or is_causal, not both (nn.MultiheadAttention would drop the mask)."""
     if not kwargs.get("is_causal"):
         return bias
     kwargs["is_causal"] = False
@@ -512,8 +504,7 @@ def _attach_torch(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
 
 
 def _amp_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's
-    own."""
+    """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
     try:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
@@ -580,16 +571,14 @@ def _attach_keyword(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
 
 
 def _timm_after(model: nn.Module, names: list[str]) -> None:
-    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add
-    every M."""
+    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
     base = getattr(model, "no_weight_decay", None)
     if callable(base):
         model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
 
 
 class _NoWeightDecay:
-    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable
-    callable."""
+    """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
     def __init__(self, names: set[str]):
         self.names = frozenset(names)
 
@@ -613,15 +602,13 @@ class _InitPriors:
             type(self.model)._init_weights(self.model, module)
 
 
-# Hugging Face: an attention function registered with transformers, reached through a view of the
-# layer's config
+# Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
 
 
 class _PriorConfig:
-    """What an HF layer with a prior sees as its `config`: its model's config, read through (later
-    changes reach it), except that it names HF_ATTENTION as the attention function, so this layer
-    alone runs `hf_attention` (layers that share the config keep theirs). `model_config` is the
-    config itself."""
+    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach
+    it), except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention`
+    (layers that share the config keep theirs). `model_config` is the config itself."""
     _attn_implementation = HF_ATTENTION
 
     def __init__(self, model_config):
@@ -754,9 +741,8 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, **kwargs):
-    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the
-    module's prior to the logits and runs the model's own implementation (`sdpa` or its
-    `eager`)."""
+    """transformers attention function (query (B, H, q, D), key/value (B, H_kv, k, D)): adds the module's prior to
+    the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
     prior = getattr(module, "mask_prior", None)
     if prior is None:
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
@@ -769,7 +755,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             and (query.device.type == "cpu" or getattr(module, "mask_prior_flex", False))):
         # grouped keys
         k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
-        out = mp.prior_attention(query, k, v, prior) if query.device.type == "cpu" else mp.prior_flex(query, k, v, prior)
+        out = mp.prior_attention(query, k, v, prior, use_flex=query.device.type != "cpu")
         return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
     if prior.record is not None:
@@ -781,11 +767,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
-    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or
-    padding mask, no dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not
-    given by position ids): then
-    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's
-    gradient apart from the fused kernel), on CUDA `mp.prior_flex` where asked (`mask_prior_flex`)."""
+    """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids):
+    then maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart
+    from the fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
     extras = ("softcap", "sliding_window", "s_aux", "sinks")
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
@@ -797,9 +782,8 @@ def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, ke
 
 
 def _hf_base(module: nn.Module):
-    """The model's own attention function that a layer's prior wraps, read at every call (so
-    set_attn_implementation between 'sdpa' and 'eager' is followed); one line for an implementation
-    that cannot add a bias."""
+    """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
+    between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = _hf_impl(module)
     if impl == "eager":
@@ -835,8 +819,7 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _hf_reached(module: nn.Module, args: tuple, output) -> None:
-    """Forward hook: a layer that ran without calling the attention function would leave its prior
-    unused; refuse."""
+    """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
     if getattr(module, "mask_prior_pending", False):
         module.mask_prior_pending = False
         raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling "
@@ -924,6 +907,7 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
 
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
+    _watch_adapter_loaders()
     if any(s.kind == "torch" for s in sites):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder):
@@ -931,7 +915,7 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
                 if m.use_nested_tensor:                   # said once, where the fast path was on
                     warnings.warn(f"add_mask_prior: TransformerEncoder{f' {name}' if name else ''} now runs "
                                   "without its nested-tensor fast path, whose padded batches would skip the "
-                                  "prior's attn_mask; remove_mask_prior turns it back on", stacklevel=4)
+                                  "prior's attn_mask; remove_mask_prior turns it back on", stacklevel=3)
                 m.use_nested_tensor = False
     if any(s.kind == "hf" for s in sites):
         _register_hf()
@@ -948,9 +932,9 @@ _ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword,
 
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
-    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors,
-    hooks and layer config views, the names added to timm's no_weight_decay. The model is the plain one again (the same outputs, state_dict keys and
-    config). Returns the names of the layers that had one."""
+    """Take out every prior that add_mask_prior (or from_pretrained) gave `model`: the MaskPriors, hooks and layer
+    config views, the names added to timm's no_weight_decay. The model is the plain one again (the same outputs,
+    state_dict keys and config). Returns the names of the layers that had one."""
     layers = [(n, m) for n, m in model.named_modules() if "mask_prior_hooks" in m.__dict__]
     if not layers:
         raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from "
@@ -1061,17 +1045,15 @@ def _unmarked(config, kwargs: dict) -> dict:
 
 
 def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
-    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors
-    included.
+    """Load a Hugging Face model saved with `save_pretrained` after `add_mask_prior`, priors included.
 
-    The priors its config.json records are checked, then attached while the model is built, so
-    transformers' own loader reads every M from the checkpoint (sharded or not, keys renamed or
-    not). An M the checkpoint lacks, holds in another shape (also with
-    ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an error, never
-    a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
+    The priors its config.json records are checked, then attached while the model is built, so transformers' own
+    loader reads every M from the checkpoint (sharded or not, keys renamed or not). An M the checkpoint lacks, holds
+    in another shape (also with ignore_mismatched_sizes=True), holds without a record, or holds non-finite, is an
+    error, never a prior left at 0 or uninitialised. `model_class` is a model class (GPT2LMHeadModel, ...) or an
     Auto class (AutoModelForCausalLM); `kwargs` go to its from_pretrained (`output_loading_info=True`: returns
-    (model, info) as it does). A path whose config records no prior is refused. The record is read, not kept:
-    the loaded model's config holds none (its priors are its own, recorded again at its next save)."""
+    (model, info) as it does). A path whose config records no prior is refused. The record is read, not kept: the
+    loaded model's config holds none (its priors are its own, recorded again at its next save)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     record = getattr(config, "mask_prior", None)
@@ -1119,9 +1101,8 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 
 
 def _reattach(model: nn.Module, record: dict) -> None:
-    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found
-    and checked (an attention layer the prior can serve, of the recorded heads, causality and size)
-    before any is changed."""
+    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
+    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
     named = dict(model.named_modules())
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
@@ -1248,8 +1229,16 @@ def _when_imported(name: str, then: Callable) -> None:
         sys.meta_path.insert(0, _AfterImport(name, then))
 
 
-for _loaders_of in ADAPTER_LOADERS:
-    _when_imported(_loaders_of, _guard_loaders)
+def _watch_adapter_loaders() -> None:
+    """Wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when their module is imported: once,
+    when this process first attaches a prior (`_after_attach`), never at import."""
+    if not _WATCHING_LOADERS:
+        _WATCHING_LOADERS.append(True)
+        for name in ADAPTER_LOADERS:
+            _when_imported(name, _guard_loaders)
+
+
+_WATCHING_LOADERS: list = []
 
 
 # ----------------------------------------------------------------------------------------

@@ -1158,15 +1158,34 @@ def read_checkpoint(path: str, flag: str) -> dict:
 
 
 
+def _state_mismatch(config: dict, state: dict) -> str | None:
+    """What keeps saved weights `state` from fitting the model a saved `config` describes
+    (`model_from_config`, built on the meta device: no memory): a weight it lacks or has in excess,
+    another shape or dtype; None where they fit."""
+    try:
+        with torch.device("meta"):
+            model = {k: (tuple(t.shape), t.dtype) for k, t in mp.model_from_config(config).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        return f"its config does not build a model ({type(e).__name__}: {first})"
+    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+    missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
+    return (f"it lacks {missing[0]}" if missing
+            else f"it holds {extra[0]}, which the model has not" if extra
+            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model"
+            if other else None)
+
+
 def check_model_fits(model_config: dict, state: dict, where: str) -> None:
     """A saved model config that rebuilds a model with exactly the saved weights
-    (`mp.state_mismatch`: on the meta device, no memory), its sizes bounded first (no more layers
+    (`_state_mismatch`: on the meta device, no memory), its sizes bounded first (no more layers
     than weights, none beyond 2^24)."""
     sizes = [v for v in model_config.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (model_config.get("n_layers") or 0) <= len(state):
         raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do "
                          f"not fit its {len(state)} weights: {model_config})")
-    which = mp.state_mismatch(model_config, state)
+    which = _state_mismatch(model_config, state)
     if which:
         raise UsageError(f"{where} does not fit this version's model ({which}); it was written by "
                          "another version of maskprior or altered: continue it with that "
