@@ -561,3 +561,9 @@ def _bench(monkeypatch, capsys, script, *argv):
         finally:
             torch.set_num_threads(threads)
     return code, capsys.readouterr().out
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg

@@ -1,15 +1,14 @@
-"""Tests for maskprior.py, the method: the module and its checks, patterns, mask helpers, MaskPrior, attention,
-models, generate, inits, param groups, probes, priors from attention. Run: python -m pytest -q test_*.py
+"""Tests for maskprior.py, the method (and maskprior_fast.py, the speed paths its fused path takes): the module and
+its span, patterns, mask helpers, MaskPrior, attention, models, generate, inits, param groups, probes, priors from
+attention, and the refusals of bad arguments (generated from ARG_KINDS). Run: python -m pytest -q test_*.py
 
-The other files test the other rooms: test_retrofit.py (maskprior_retrofit.py, and the library's refusals of bad
-arguments), test_library.py (maskprior.py's public arguments, fuzzed), test_tasks.py (tasks.py, augment.py),
+The other files test the other rooms: test_retrofit.py (maskprior_retrofit.py), test_library.py (maskprior.py's public arguments, fuzzed), test_tasks.py (tasks.py, augment.py),
 test_train.py (train.py, runconfig.py, runfiles.py), test_datafetch.py (datafetch/), test_reporting.py (reporting/),
 test_reproduce.py (reproduce.sh, benchmarks/), test_docs.py (the README, GUARANTEES.md, CI); the helpers several
 of them share are in conftest.py. In the source's order, a test under the part of the code it tests; a helper or
 fixture sits before its first user.
 """
 import ast
-import copy
 import dataclasses
 import glob
 import inspect
@@ -19,8 +18,8 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 import zipfile
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -29,12 +28,13 @@ import torch.nn.functional as F
 
 import inits
 import maskprior as mp
+import maskprior_fast
 import maskprior_retrofit as retrofit
 import runfiles
 import tasks
 import runconfig
 import train
-from conftest import HERE, TINY, _at_once, _past, _resolved, cuda, run_train
+from conftest import HERE, TINY, _at_once, _one_line, _past, _resolved, cuda, run_train
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: module, checks
@@ -42,8 +42,9 @@ from conftest import HERE, TINY, _at_once, _past, _resolved, cuda, run_train
 # what each file of ours may import of ours: the method at the bottom, the rooms above it, the commands on top;
 # reports read run folders (runfiles), never the datasets or train
 IMPORTS_ALLOWED = {
-    "maskprior.py": set(), "maskprior_retrofit.py": {"maskprior"}, "inits.py": {"maskprior"},
-    "runfiles.py": {"inits"}, "augment.py": set(),
+    "maskprior.py": {"maskprior_fast"}, "maskprior_fast.py": set(), "maskprior_retrofit.py": {"maskprior"},
+    "inits.py": {"maskprior"},
+    "runfiles.py": {"inits", "maskprior"}, "augment.py": set(),
     "tasks.py": {"maskprior", "inits", "runfiles", "augment"},
     "reporting/figures.py": {"runfiles"}, "reporting/show.py": {"maskprior", "reporting"},
     "reporting/report.py": {"inits", "runfiles", "reporting"}, "reporting/plan.py": {"tasks", "runfiles", "datafetch"},
@@ -66,7 +67,7 @@ def test_the_wheel_installs_the_library_alone_under_names_of_its_own(tmp_path):
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("maskprior-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n for n in names if ".dist-info/" not in n} == {"maskprior.py", "maskprior_retrofit.py"}
+    assert {n for n in names if ".dist-info/" not in n} == {"maskprior.py", "maskprior_fast.py", "maskprior_retrofit.py"}
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     version = re.search(r'^version = "([^"]+)"', open(os.path.join(HERE, "pyproject.toml")).read(), re.M).group(1)
     assert wheel.name.startswith(f"maskprior-{version}-") and mp.__version__ == version
@@ -74,9 +75,8 @@ def test_the_wheel_installs_the_library_alone_under_names_of_its_own(tmp_path):
 
 
 @pytest.mark.parametrize("module, internal", [
-    (mp, {"Arg", "Call", "Kind", "check_arg", "check_call", "check_one_source", "check_pattern", "checked", "tracing",
-          "watch_decay", "drop_path"}),
-    (retrofit, set())])
+    (mp, {"check_size", "tracing", "watch_decay", "drop_path"}),
+    (maskprior_fast, set()), (retrofit, set())])
 def test_all_names_every_public_function_and_class(module, internal):
     """`__all__` of the files people copy lists each public function and class they define (a new one is listed or
     named internal here), and each name in it exists."""
@@ -87,11 +87,11 @@ def test_all_names_every_public_function_and_class(module, internal):
 
 
 def test_api_md_lists_every_public_name():
-    """API.md, the short reference, has a row for each name of both files' `__all__` (and no name they lack), and
-    options of add_mask_prior and a tested-versions table are there."""
+    """API.md, the short reference, has a row for each name of the library files' `__all__` (and no name they lack),
+    and options of add_mask_prior and a tested-versions table are there."""
     text = open(os.path.join(HERE, "API.md")).read()
     rows = set(re.findall(r"^\| `(\w+)", text, re.M))
-    public = set(mp.__all__) | set(retrofit.__all__)
+    public = set(mp.__all__) | set(maskprior_fast.__all__) | set(retrofit.__all__)
     options = set(inspect.signature(retrofit.add_mask_prior).parameters) - {"model"}
     assert public <= rows and rows - public <= options, (public - rows, rows - public - options)
     assert options <= rows and "## Tested versions" in text and "| torch | " in text
@@ -100,8 +100,8 @@ def test_api_md_lists_every_public_name():
 def test_imports_run_one_way():
     """Each file imports of ours only what IMPORTS_ALLOWED gives it (anywhere in it, functions too), so the layers
     hold: the method imports nothing of ours, report.py no task and no train; every file of ours is listed."""
-    ours = {"maskprior", "maskprior_retrofit", "inits", "tasks", "runconfig", "train", "runfiles", "augment",
-            "reporting", "datafetch"}
+    ours = {"maskprior", "maskprior_fast", "maskprior_retrofit", "inits", "tasks", "runconfig", "train", "runfiles",
+            "augment", "reporting", "datafetch"}
     found = {os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "**", "*.py"), recursive=True)}
     found -= {p for p in found if p.startswith(("benchmarks", "examples", "test_", "conftest"))
               or p in ("reporting/__init__.py", "datafetch/__init__.py")}       # (empty package markers)
@@ -127,35 +127,141 @@ def test_no_function_of_ours_is_over_60_lines():
     assert not long, long
 
 
-def test_the_core_lifts_whole_and_runs_alone():
-    """maskprior.py's core, up to its argument tables, taken alone as a module: it needs nothing below it, and an
-    Attention with a prior set by init_mask_ trains through param_groups (M undecayed), its fused and explicit paths
-    agreeing; the code in it, docstrings and comments aside, stays under 380 lines (the file's opening says about 360)."""
-    src = open(os.path.join(HERE, "maskprior.py")).read()
-    core = src[:src.index("# ----------------------------------------------------------------------------------------\n"
-                          "# The public arguments")]
-    lifted = types.ModuleType("lifted")
-    exec(compile(core, "lifted", "exec"), lifted.__dict__)
+SPAN_END = "# Beyond the comparison"        # the banner that ends the method's span in maskprior.py
+# What the span copied alone does, beside what the module does: the same lines run in both (`check` below)
+SPAN_SCRIPT = r"""
+import math, sys
+sys.modules["maskprior_fast"] = None                  # the span alone: no speed file beside it
+import torch, torch.nn as nn
+import span
+sys.path.append(sys.argv[1])
+import maskprior
+assert not {"maskprior_retrofit", "tasks", "train"} & set(sys.modules) and sys.modules["maskprior_fast"] is None
+
+
+def run(lib):
+    out = {}
     torch.manual_seed(0)
-    attn = lifted.Attention(16, 2, mask_size=6, causal=True)
-    explicit = copy.deepcopy(attn)
-    explicit.fused = False
+    attn = lib.Attention(16, 2, mask_size=6, causal=True)
     model = nn.Sequential(attn)
-    lifted.init_mask_(model, lifted.banded_pattern(6, 1) & lifted.causal_pattern(6))
-    lifted.init_mask_(nn.Sequential(explicit), lifted.banded_pattern(6, 1) & lifted.causal_pattern(6))
+    pattern = lib.banded_pattern(6, 1) & lib.causal_pattern(6)
+    out["init"] = lib.init_mask_(model, pattern)
+    explicit = lib.Attention(16, 2, mask_size=6, causal=True, fused=False)
+    explicit.load_state_dict(attn.state_dict())
     x = torch.randn(3, 6, 16)
-    torch.testing.assert_close(attn(x)[0], explicit(x)[0], atol=1e-5, rtol=1e-5)
-    groups = lifted.param_groups(model, 0.1)
-    assert any(attn.prior.bias is p for g in groups if g["weight_decay"] == 0 for p in g["params"])
-    opt = torch.optim.AdamW(groups, lr=1e-2)
+    out["fused"], out["explicit"] = attn(x)[0], explicit(x)[0]
+    torch.testing.assert_close(out["fused"], out["explicit"], atol=1e-5, rtol=1e-5)
+    opt = torch.optim.AdamW(lib.param_groups(model, 0.1), lr=1e-2)
     attn(x)[0].pow(2).mean().backward()
     opt.step()
-    assert attn.prior.bias.grad.abs().max() > 0
-    docs = {n for node in ast.walk(ast.parse(core)) if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module))
-            and ast.get_docstring(node) for n in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
-    code = [line for n, line in enumerate(core.splitlines(), 1)
-            if n not in docs and line.strip() and not line.lstrip().startswith(("#", "import ", "from "))]
-    assert len(code) < 380, len(code)
+    out["trained"] = attn.prior.bias.detach().clone()
+    out["half"] = (attn.half().prior.bias.dtype, attn.to(torch.bfloat16).prior.bias.dtype)
+    bad = {k: v.float() for k, v in attn.state_dict().items()}
+    bad["prior.bias"] = torch.full_like(bad["prior.bias"], math.nan)
+    for name, call in (("nan", lambda: attn.load_state_dict(bad)), ("arg", lambda: lib.banded_pattern(-3, 1)),
+                       ("decay", lambda: torch.optim.AdamW(model.parameters(), weight_decay=0.1).step())):
+        try:
+            call()
+            out[name] = "no refusal"
+        except ValueError as e:
+            out[name] = str(e)
+    torch.manual_seed(1)
+    blocks = [(nn.LayerNorm(16), lib.Attention(16, 2)) for _ in range(2)]
+    view = lib.QKView([lib.qk_site(a.qkv, a.proj, a.n_heads, ln) for ln, a in blocks], torch.randn(1, 6, 16) * 0.02)
+    pattern = lib.banded_pattern(6, 1)
+    out["svd"] = lib.init_qk_svd_(view, pattern, generator=torch.Generator().manual_seed(0), pos_scale=18.0)
+    out["svd_q"] = blocks[1][1].qkv.weight.detach().clone()
+    out["opt"] = lib.init_qk_opt_(view, pattern, steps=30, generator=torch.Generator().manual_seed(0))
+    out["opt_q"] = blocks[1][1].qkv.weight.detach().clone()
+    return out
+
+
+span_out, module_out = run(span), run(maskprior)
+assert span_out["half"] == (torch.float32, torch.float32), span_out["half"]
+assert "non-finite" in span_out["nan"] and "banded_pattern: n must be" in span_out["arg"], span_out
+assert "erases the prior" in span_out["decay"] and span_out["svd"]["pseudo_mass"][0] > 0.5, span_out
+for key in span_out:
+    a, b = span_out[key], module_out[key]
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), key
+    else:
+        assert a == b, (key, a, b)
+print("ok")
+"""
+
+
+def _span() -> str:
+    src = open(os.path.join(HERE, "maskprior.py")).read()
+    return src[:src.index("# ====", src.index(SPAN_END) - 100)]
+
+
+def test_the_method_span_copied_alone_behaves_as_the_module(tmp_path):
+    """maskprior.py's span (its start to the banner "Beyond the comparison"), copied alone into an empty folder
+    beside no speed file, needs torch alone and behaves as the module: M stays float32 through .half() and
+    .to(bfloat16), a NaN state dict and a bad argument are refused in one line, decayed M is refused at the
+    optimiser's step, fused = explicit, and both QK baselines give the module's weights and reports on a model
+    built from the span (a QKView of its Attention layers); it is at most 1,100 lines."""
+    span = _span()
+    assert span.count("\n") <= 1100, span.count("\n")
+    (tmp_path / "span.py").write_text(span)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", SPAN_SCRIPT, HERE], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["maskprior.py", "maskprior_fast.py", "maskprior_retrofit.py"])
+def test_nothing_at_top_level_changes_a_name_defined_above_it(name):
+    """What a reader copies is what runs: at the top level of the library's files no statement rebinds a name
+    defined above it, assigns into one (an attribute, an item: `Cls.method = ...`, `LIST += ...`), or reaches
+    them another way (globals(), setattr, a loop or block at the top level); each class's behaviour is in its body."""
+    tree = ast.parse(open(os.path.join(HERE, name)).read())
+    bound, broken = set(), []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            if node.name in bound:
+                broken.append(f"{node.lineno}: {node.name} defined again")
+            bound.add(node.name)
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue                                   # the module docstring
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            broken.append(f"{node.lineno}: a top-level {type(node).__name__}")
+            continue
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            if any(isinstance(t, (ast.Attribute, ast.Subscript, ast.Starred)) for t in ast.walk(target)):
+                broken.append(f"{node.lineno}: assigns into {ast.unparse(target)}")
+            for t in (t for t in ast.walk(target) if isinstance(t, ast.Name)):
+                if t.id in bound:
+                    broken.append(f"{node.lineno}: {t.id} bound again")
+                bound.add(t.id)
+        if any(isinstance(c, ast.Call) and getattr(c.func, "id", "") in ("globals", "setattr", "exec")
+               for c in ast.walk(node)):
+            broken.append(f"{node.lineno}: globals(), setattr or exec")
+    assert not broken, broken
+
+
+def test_importing_the_library_and_train_installs_nothing():
+    """`import maskprior`, `import maskprior_retrofit` and `import train` leave sys.meta_path and torch's global
+    optimiser hooks as they were; the optimiser check goes in with the process's first MaskPrior, the adapter
+    loaders' check with its first attached prior."""
+    script = ("import sys, torch, torch.optim.optimizer as o\n"
+              "before = (list(sys.meta_path), len(o._global_optimizer_pre_hooks))\n"
+              "import maskprior, maskprior_retrofit, train\n"
+              "assert (list(sys.meta_path), len(o._global_optimizer_pre_hooks)) == before\n"
+              "maskprior.MaskPrior(4)\n"
+              "assert len(o._global_optimizer_pre_hooks) == before[1] + 1 and list(sys.meta_path) == before[0]\n"
+              "maskprior_retrofit.add_mask_prior(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(\n"
+              "    8, 2, 16, batch_first=True), 1, enable_nested_tensor=False), maskprior.banded_pattern(4, 1))\n"
+              "assert len(o._global_optimizer_pre_hooks) == before[1] + 1\n"
+              "assert 'peft' in sys.modules or len(sys.meta_path) > len(before[0])\n"
+              "print('ok')\n")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=HERE, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -291,7 +397,7 @@ def test_mask_bias_grad_is_the_derivative_autograd_takes_of_mask_bias():
     (float64, logits across the range M takes, saturated ones included)."""
     m = torch.cat([torch.linspace(-40, 40, 81), torch.randn(50) * 5]).double().requires_grad_()
     grad, = torch.autograd.grad(mp.mask_bias(m).sum(), m)
-    torch.testing.assert_close(mp.mask_bias_grad(m.detach()), grad, atol=0, rtol=1e-12)
+    torch.testing.assert_close(maskprior_fast.mask_bias_grad(m.detach()), grad, atol=0, rtol=1e-12)
 
 
 def test_mask_bias_never_positive():
@@ -1134,3 +1240,279 @@ def test_a_prior_from_attention_reads_known_maps():
                         (lambda: mp.offsets_from_attention(torch.rand(1, 3, 16, 16), 4, 4, 1), "a 4 x 4 grid")):
         with pytest.raises(ValueError, match=needle):
             bad()
+
+
+# ---------------------------------------------------------------------------------------- maskprior.py: arguments
+
+# ---- the library refuses what it would drop or guess (issue 41): a pattern with logits, a switch that is not a
+# bool, prior_roles on a retrofitted model, a part's M that PEFT froze, non-finite or empty maps and m_on / m_off,
+# a ratio no pair reaches, an encoder-decoder's parts given priors one call each
+
+
+# ---- 10: pattern and logits
+
+
+def test_mask_prior_and_init_mask_refuse_a_pattern_given_with_logits():
+    with pytest.raises(ValueError, match="MaskPrior: got both a pattern and logits"):
+        mp.MaskPrior(8, 4, mp.banded_pattern(8, 1), logits=torch.zeros(4, 8, 8))
+    model = mp.Transformer(mp.TransformerConfig(vocab_size=2, seq_len=8, readout="mean", learnable_mask=True,
+                                                n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+    before = model.blocks[0].attn.prior.bias.detach().clone()
+    with pytest.raises(ValueError, match="init_mask_: got both a pattern and logits"):
+        mp.init_mask_(model, mp.banded_pattern(8, 1), logits=torch.zeros(2, 8, 8))
+    assert torch.equal(model.blocks[0].attn.prior.bias, before)
+
+
+# ---- 11: switches are bools
+
+_PAT, _MAP = mp.banded_pattern(8, 1), torch.rand(2, 8, 8).softmax(-1)
+
+
+# ---- 16: maps and numbers
+
+FROM_MAPS = {
+    "pattern_from_attention": lambda a: mp.pattern_from_attention(a, 1.5),
+    "logits_from_attention": lambda a: mp.logits_from_attention(a),
+    "relative_from_attention": lambda a: mp.relative_from_attention(a),
+    "offsets_from_attention": lambda a: mp.offsets_from_attention(a, 2, 2),
+}
+
+
+def _maps(kind: str) -> torch.Tensor:
+    a = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    if kind == "empty":
+        return torch.zeros(0, 3, 4, 4)
+    a[1, 2, 3, 1] = float("nan") if kind == "one nan" else float("inf")
+    return a
+
+
+@pytest.mark.parametrize("kind", ["one nan", "one inf", "empty"])
+@pytest.mark.parametrize("who", list(FROM_MAPS))
+def test_priors_from_attention_refuse_non_finite_or_empty_maps(who, kind):
+    want = "are empty" if kind == "empty" else "hold 1 non-finite values"
+    with pytest.raises(ValueError, match=rf"^{who}: the attention maps .*{want}") as err:
+        FROM_MAPS[who](_maps(kind))
+    _one_line(err)
+
+
+def test_pattern_from_attention_refuses_an_empty_square_map():
+    with pytest.raises(ValueError, match="are empty"):
+        mp.pattern_from_attention(torch.zeros(0, 0), 1.5)
+
+
+def _lm() -> mp.Transformer:
+    return mp.Transformer(mp.TransformerConfig(vocab_size=5, seq_len=8, readout="tokens", causal=True, n_outputs=5,
+                                               learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+
+
+_MODEL8 = lambda: mp.Transformer(mp.TransformerConfig(  # noqa: E731
+    vocab_size=2, seq_len=8, readout="mean", learnable_mask=True, n_layers=1, n_heads=2, dim=16, mlp_dim=16))
+def _source(kwargs: dict) -> dict:
+    """The arguments given, with the pattern _PAT where they name neither a pattern nor logits."""
+    return kwargs if {"pattern", "logits"} & set(kwargs) else {"pattern": _PAT, **kwargs}
+
+
+LIBRARY_CALLS = {   # each public function that reads an argument ARG_KINDS names, called well: the test changes one
+    "pattern_from_pairs": lambda **k: mp.pattern_from_pairs(**{"n": 4, "pairs": [(0, 1)], **k}),
+    "banded_pattern": lambda **k: mp.banded_pattern(**{"n": 8, "width": 1, **k}),
+    "embed_pattern": lambda **k: mp.embed_pattern(**{"pattern": _PAT, "offset": 1, "n": 9, **k}),
+    "impulse_pattern": lambda **k: mp.impulse_pattern(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)], "n_prefix": 1,
+                                                         **k}),
+    "grid_index": lambda **k: mp.grid_index(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
+    "grid_slots": lambda **k: mp.grid_slots(**{"grid_h": 2, "grid_w": 3, "n_prefix": 1, **k}),
+    "window_pattern": lambda **k: mp.window_pattern(**{"grid_h": 3, "grid_w": 3, "kernel": 3, "n_heads": 2, **k}),
+    "soft_offset_logits": lambda **k: mp.soft_offset_logits(**{"grid_h": 2, "grid_w": 2, "offsets": [(0, 1)],
+                                                               "alpha": 1.0, "m_on": 5.0, "m_off": 5.0, **k}),
+    "random_impulse_offsets": lambda **k: mp.random_impulse_offsets(**{"n_heads": 3, **k}),
+    "causal_pattern": lambda **k: mp.causal_pattern(**{"n": 4, **k}),
+    "alibi_slopes": lambda **k: mp.alibi_slopes(**{"n_heads": 4, **k}),
+    "causal_distance_logits": lambda **k: mp.causal_distance_logits(**{"n": 8, "n_heads": 2, **k}),
+    "mask_logits_from_pattern": lambda **k: mp.mask_logits_from_pattern(**{"pattern": _PAT, **k}),
+    "MaskPrior": lambda **k: mp.MaskPrior(**_source({"n": 8, "heads": 2, **k})),
+    "init_mask_": lambda **k: mp.init_mask_(_MODEL8(), **_source(k)),
+    "param_groups": lambda **k: mp.param_groups(_MODEL8(), **{"weight_decay": 0.1, **k}),
+    "prior_rows": lambda **k: mp.prior_rows(**{"pattern": _PAT, **k}),
+    "layer_margin": lambda **k: mp.layer_margin(**{"a": _MAP[None], "pattern": _PAT, "rows": torch.ones(8, dtype=bool),
+                                                   **k}),
+    "visible_keys": lambda **k: mp.visible_keys(**{"n": 8, **k}),
+    "attention_ratio": lambda **k: mp.attention_ratio(**{"attn": _MAP, **k}),
+    "pattern_from_attention": lambda **k: mp.pattern_from_attention(**{"attn": _MAP, "ratio": 1.01, **k}),
+    "logits_from_attention": lambda **k: mp.logits_from_attention(**{"attn": _MAP, **k}),
+    "relative_from_attention": lambda **k: mp.relative_from_attention(**{"attn": _MAP, **k}),
+    "offsets_from_attention": lambda **k: mp.offsets_from_attention(**{"attn": torch.rand(2, 5, 5).softmax(-1),
+                                                                       "grid_h": 2, "grid_w": 2, "n_prefix": 1, **k}),
+    "add_mask_prior": lambda **k: retrofit.add_mask_prior(nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        16, 2, 16, batch_first=True), 1, enable_nested_tensor=False), **_source(k)),
+    "init_qk_svd_": lambda **k: mp.init_qk_svd_(_MODEL8(), **{"pattern": _PAT, **k}),
+    "init_qk_opt_": lambda **k: mp.init_qk_opt_(_MODEL8(), **{"pattern": _PAT, "steps": 2, **k}),
+    "depends_on_distance": lambda **k: mp.depends_on_distance(_PAT, **k),
+    "pattern_agreement": lambda **k: mp.pattern_agreement(_PAT, _PAT, **{"causal": False, **k}),
+    "mask_grad_bound": lambda **k: mp.mask_grad_bound(**{"attn": _MAP, "attn_grad": _MAP, "mask_logits": _MAP, **k}),
+    "qk_site": lambda **k: mp.qk_site(**{"qkv": nn.Linear(16, 48), "proj": nn.Linear(16, 16), "n_heads": 2, **k}),
+    "generate": lambda **k: mp.generate(_lm(), **{"idx": torch.zeros(1, 2, dtype=torch.long), "n_new": 2, **k}),
+}
+BAD = {   # an argument's kind -> values it must refuse (ints and reals also just below their least)
+    "bool": ["no", 1, 0.0],
+    "int": [2.5, True, "3", float("nan")],
+    "real": [float("nan"), float("inf"), -float("inf"), "5", True],
+    "pattern": [torch.zeros(8, 8, dtype=torch.bool), torch.ones(8, 8), torch.ones(8, dtype=torch.bool), "all"],
+    "logits": [torch.ones(8, 8, dtype=torch.bool), torch.full((8, 8), float("nan")), torch.ones(8, 8, dtype=torch.long),
+               torch.zeros(8)],
+    "maps": [-_MAP, torch.zeros(2, 8, 8), torch.full((2, 8, 8), float("nan")), torch.ones(2, 8, 8, dtype=torch.long),
+             torch.empty(0, 8, 8)],
+    "indices": [[0.5], 0, [], [-1], torch.tensor([True, False]), [True]],
+    "offsets": [[], [(0,)], [(0.5, 0)], "ab", [(0, True)]],
+    "grid": [(0, 4), (4,), (2.0, 2), "ab", (True, 2), (4, 2 ** 21)],
+    "choice": ["ful", "", 1, ("full",)],
+}
+
+
+class Want(NamedTuple):
+    """What a public argument of a name must be: a kind of BAD, the least value it takes (strictly above it where
+    `above`), or for kind "choice" one of `choices`."""
+    kind: str
+    least: float | None = None
+    above: bool = False
+    choices: tuple = ()
+
+
+# every public argument of maskprior.py and maskprior_retrofit.py by its name: a name means one thing everywhere
+ARG_KINDS = {
+    **{k: Want("bool") for k in ("symmetric", "self_loops", "circulant", "prefix_all", "causal", "keys", "per_head",
+                                 "prefix", "cross_attention", "flex")},
+    **{k: Want("int", 1) for k in ("n", "n_keys", "grid_h", "grid_w", "kernel", "heads", "n_heads", "top_k", "steps",
+                                   "norm_every")},
+    **{k: Want("int", 0) for k in ("width", "offset", "n_prefix", "n_new")},
+    **{k: Want("real", 0) for k in ("m_on", "m_off", "alpha", "weight_decay", "tol", "log_seconds", "noise",
+                                    "temperature")},
+    **{k: Want("real", 0, above=True) for k in ("ratio", "scale", "factor_norm", "lr")},
+    "pos_scale": Want("real", 1 / mp.MAX_GAIN), "self_logit": Want("real"),
+    "pattern": Want("pattern"), "logits": Want("logits"), "attn": Want("maps"), "readout": Want("indices"),
+    "offsets": Want("offsets"), "grid": Want("grid"),
+    **{k: Want("choice", choices=("full", "relative", "grid")) for k in ("param", "mask_param")},
+}
+# the model configs' fields: as the arguments of those names, and the config's own
+FIELD_KINDS = {
+    "readout": Want("choice", choices=("cls", "mean", "tokens")), "positions": Want("choice", choices=("learned", "none")),
+    "pool": Want("choice", choices=("mean", "cls")), "mask_param": ARG_KINDS["mask_param"],
+    **{k: Want("bool") for k in ("learnable_mask", "fused", "flex", "qkv_bias", "causal", "tie_embeddings")},
+    **{k: Want("int", 1) for k in ("dim", "n_layers", "head_dim", "mlp_dim", "vocab_size", "n_outputs", "image_size",
+                                   "patch_size", "in_chans", "n_classes", "n_heads", "seq_len", "mask_window")},
+    **{k: Want("real", 0) for k in ("dropout", "drop_path", "pos_init_std", "emb_init_std")},
+}
+
+
+def _bad_values(arg: Want) -> list:
+    below = [] if arg.least is None else [arg.least if arg.above else arg.least - 1]
+    return BAD[arg.kind] + [int(v) if arg.kind == "int" else float(v) for v in below]
+
+
+def _public(module) -> dict:
+    """A module's public functions and nn.Module classes (their __init__)."""
+    return {n: (f.__init__ if isinstance(f, type) else f) for n, f in vars(module).items()
+            if not n.startswith("_") and callable(f) and getattr(f, "__module__", "") == module.__name__
+            and (not isinstance(f, type) or issubclass(f, nn.Module))}
+
+
+def _checked(fn: str) -> tuple:
+    """The arguments of `fn` that ARG_KINDS names: each one a bad value of its kind is refused for."""
+    target = getattr(mp, fn, None) or getattr(retrofit, fn)
+    params = inspect.signature(target.__init__ if isinstance(target, type) else target).parameters
+    return tuple(name for name in params if name in ARG_KINDS)
+
+
+LIBRARY_CASES = [(fn, name, i) for fn in LIBRARY_CALLS for name in _checked(fn)
+                 for i in range(len(_bad_values(ARG_KINDS[name])))]
+
+
+def test_every_public_argument_the_table_names_is_checked_and_every_checked_function_has_a_call():
+    """By construction: every public function or class of maskprior.py and maskprior_retrofit.py that takes an
+    argument ARG_KINDS names has a good call in LIBRARY_CALLS (but `pattern_mass`, a measurement: nan maps give a nan
+    mass, which training watches), so the generated test below gives each of those arguments each bad value of its
+    kind; each call as given runs."""
+    public = {**_public(mp), **_public(retrofit)}
+    takes = {n for n, f in public.items() if set(inspect.signature(f).parameters) & set(ARG_KINDS)}
+    exempt = {"pattern_mass", "prior_probe", "prior_mass", "content_margin",     # measurements
+              "Block", "Attention"}                                             # built from a checked config
+    assert takes - exempt == set(LIBRARY_CALLS), (takes - exempt) ^ set(LIBRARY_CALLS)
+    for fn, call in LIBRARY_CALLS.items():
+        call()
+
+
+def test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line():
+    """A model built on the meta device and moved with `to_empty` has memory but no values in M: its forward is one
+    line until init_mask_ or load_state_dict sets M (then it runs as the model it was loaded from); a TorchScript model
+    cannot take a prior (no hooks, no new parameters): one line saying to add it to the module, then trace it."""
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=7, n_layers=1, n_heads=2, dim=16, mlp_dim=16, learnable_mask=True)
+    x, saved = torch.zeros(1, 7, dtype=torch.long), mp.Transformer(cfg).eval()
+    for fused in (True, False):
+        for load in (True, False):
+            with torch.device("meta"):
+                model = mp.Transformer(dataclasses.replace(cfg, fused=fused))
+            model = model.to_empty(device="cpu").eval()
+            with pytest.raises(ValueError, match="M was built on the meta device and holds no values yet"):
+                model(x)
+            if load:
+                model.load_state_dict(saved.state_dict())
+                torch.testing.assert_close(model(x), saved(x))
+            else:               # M set; the other weights are still to_empty's memory (initialise them as you would)
+                mp.init_mask_(model, mp.banded_pattern(8, 1))
+                assert model(x).shape == (1, 1)
+    scripted = torch.jit.script(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 16, batch_first=True), 1,
+                                                      enable_nested_tensor=False))
+    with pytest.raises(ValueError, match="is a TorchScript model.*add the prior to the nn.Module, then trace") as err:
+        retrofit.add_mask_prior(scripted, _PAT)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("fn, name, i", LIBRARY_CASES, ids=[f"{f}-{n}-{i}" for f, n, i in LIBRARY_CASES])
+def test_the_library_refuses_each_bad_value_of_each_public_argument(fn, name, i):
+    """Generated from the table (`ARG_KINDS`): each public argument of each checked function, given each bad value of
+    its kind (a switch that is not a bool, a number not finite or below its least, a pattern that allows nothing or
+    is not bool, logits that are bool or nan, maps that are negative or attend nowhere, readout rows that are not
+    positions, offsets that are not pairs), is one ValueError line naming the function."""
+    value = _bad_values(ARG_KINDS[name])[i]
+    with pytest.raises(ValueError) as err:
+        LIBRARY_CALLS[fn](**{name: value})
+    assert str(err.value).startswith(f"{fn}: ") or fn in str(err.value), str(err.value)
+    _one_line(err)
+
+
+FIELD_CASES = [(cfg, name, value) for cfg in (mp.TransformerConfig, mp.ViTConfig)
+               for name in FIELD_KINDS if name in {f.name for f in dataclasses.fields(cfg)}
+               for value in _bad_values(FIELD_KINDS[name])]
+
+
+@pytest.mark.parametrize("cfg, name, value", FIELD_CASES,
+                         ids=[f"{c.__name__}-{n}-{v!r}" for c, n, v in FIELD_CASES])
+def test_a_model_config_refuses_each_bad_value_of_each_declared_field(cfg, name, value):
+    """Generated from the table (`FIELD_KINDS`): a model config given a bad value of a field the table
+    names is one ValueError line naming the config and the field; each allowed value is taken (but a 2-D
+    relative M, mask_param='grid', by a model of tokens: refused in one line naming the image model)."""
+    with pytest.raises(ValueError, match=rf"^{cfg.__name__}: {name} must be ") as err:
+        cfg(**{name: value})
+    _one_line(err)
+    for good in FIELD_KINDS[name].choices:
+        if (name, good, cfg) == ("mask_param", "grid", mp.TransformerConfig):
+            with pytest.raises(ValueError, match=r"^TransformerConfig: mask_param='grid' .* \(ViTConfig\)$"):
+                cfg(**{name: good})
+            continue
+        assert getattr(cfg(**{name: good}), name) == good
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["pairs", "keys"])
+def test_pattern_from_attention_refuses_a_ratio_no_pair_reaches_naming_the_largest(keys):
+    """N = 15: no key's share exceeds 15 times uniform, so ratio 1e9 finds only self-loops: refused, naming the
+    largest ratio present (at most 15); a reachable ratio still finds pairs."""
+    attn = torch.rand(2, 4, 15, 15, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    want = r"^pattern_from_attention: no query-key pair beyond the self-loops reaches ratio 1e\+09 \(the largest share"
+    with pytest.raises(ValueError, match=want) as err:
+        mp.pattern_from_attention(attn, 1e9, keys=keys)
+    msg = _one_line(err)
+    largest = float(msg.split("largest share present is ")[1].split(" ")[0])
+    reach = float(msg.split("give a ratio of at most ")[1].split(",")[0])
+    assert 1.0 < reach <= largest <= 15.0 and (reach == largest) != keys
+    found = mp.pattern_from_attention(attn, reach * 0.999, keys=keys)             # the ratio it names finds pairs
+    assert (found & ~torch.eye(15, dtype=torch.bool)).any()
+    with pytest.raises(ValueError, match="no query-key pair beyond the self-loops"):
+        mp.pattern_from_attention(attn, reach * 1.001, keys=keys)

@@ -30,7 +30,7 @@ Why the floor used to come out slower than the prior (1.30x against 1.23x at N =
 results/README.md): it was not the prior's kernel call. It gave the bias to
 F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes no is_causal beside a mask, so
 the kernel computed every block of the future that the mask's -inf then hid, forward and backward;
-the prior's CPU path (`mp.FAST_PATHS` -> `_cpu_path` -> `_FusedPrior`) calls the same aten kernel
+the prior's CPU path (maskprior_fast.prior_attention -> `_FusedPrior`) calls the same aten kernel
 with the bias and is_causal, which skips those blocks. Measured here (one thread, a 2-core machine
 shared with other work), one attention call (batch 4, 4 heads, head dim 32, forward + backward) as a
 ratio to SDPA with is_causal and no mask: mask without is_causal 1.35-1.46x at N = 1,024 and 1.75x at
@@ -38,7 +38,7 @@ ratio to SDPA with is_causal and no mask: mask without is_causal 1.35-1.46x at N
 the whole step at N = 1,024 (11 rounds): old floor 1.27x, this floor 1.03x, relative 1.09x. The floor
 is now that kernel call with the kernel's own backward, so it does less than any prior on the fused
 path; one that comes out above a prior is noise (or the prior runs the explicit or flex path), and
-the table says which under the N's rows. The prior's backward is our own (`mp._backward`, the kernel
+the table says which under the N's rows. The prior's backward is our own (`maskprior_fast._backward`, the kernel
 gives no dS), so /floor counts it with M's gradient: at N = 2,048 a frozen M on the prior's path costs
 1.40x, a learnt one 1.42x, the floor 1.13x.
 """
@@ -55,6 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
+import maskprior_fast  # noqa: E402
 import runconfig  # noqa: E402
 import train  # noqa: E402
 from bench_attention import round_ratios, sync, timed_rounds  # noqa: E402
@@ -80,12 +81,12 @@ default: no M (SDPA, is_causal). floor: default's model reading the relative pri
 def floor_attention(attn: mp.Attention, bias: torch.Tensor):
     """`attn`'s forward with `bias` (heads, N, N), the relative prior's, as a constant, through the kernel call the
     prior's fused path makes: on the CPU torch's fused kernel with the bias and is_causal, so that it skips the
-    future's blocks as the prior's does (`mp._cpu_path`), elsewhere SDPA with the bias as its mask; the kernel's
+    future's blocks as the prior's does (maskprior_fast), elsewhere SDPA with the bias as its mask; the kernel's
     own backward, no M: the floor."""
     def forward(x, return_attn=False, cache=None):
         b, t, _ = x.shape
         q, k, v = attn.qkv(x).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-        mask, kernel = bias.unsqueeze(0).to(q.dtype), mp._cpu_kernel()
+        mask, kernel = bias.unsqueeze(0).to(q.dtype), maskprior_fast._cpu_kernel()
         out = (kernel(q, k, v, 0.0, True, attn_mask=mask)[0] if kernel and q.device.type == "cpu"
                else torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return attn.proj(out.transpose(1, 2).reshape(b, t, -1)), None

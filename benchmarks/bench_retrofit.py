@@ -107,7 +107,7 @@ SDPA_MASK = ("the model's SDPA call with the bias as attn_mask: the prior's, whi
              "math path, the floor's, a constant, its fused kernel")
 KERNELS = {"vit": "timm's SDPA call with the bias as a 3-D attn_mask: SDPA's math path, prior and floor alike",
            "gpt2": "mp.prior_attention: torch's fused kernel with the bias and is_causal, then our own backward "
-                   "(mp._backward), which the floor runs too, without M's gradient",
+                   "(maskprior_fast._backward), which the floor runs too, without M's gradient",
            "gpt2 full": SDPA_MASK, "encoder": SDPA_MASK}
 LEGEND = """\
 bench_retrofit: ms/step: the median over the rounds. ratio: the median over the rounds of the row's time over the
