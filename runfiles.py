@@ -25,6 +25,7 @@ from typing import BinaryIO, Iterator
 import torch
 
 import inits
+import maskprior as mp
 
 try:
     import fcntl
@@ -460,9 +461,40 @@ CKPT_SCHEMA = {
 
 CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
-# what the keys of a checkpoint that pass CKPT_SCHEMA must say of each other: (check, what breaks)
-CKPT_RELATIONS = ((snapshot_fits, "its snapshot's M (the start) does not have the shape of the "
-                                  "model's M, layer by layer"),)
+def weights_mismatch(config: dict, state: dict) -> str | None:
+    """What keeps saved weights `state` from fitting the model a saved `config` describes (`mp.model_from_config`,
+    built on the meta device: no memory), its sizes bounded first (no more layers than weights, none beyond 2^24): a
+    weight it lacks or has in excess, another shape or dtype; None where they fit."""
+    sizes = [v for v in config.values() if isinstance(v, int) and not isinstance(v, bool)]
+    if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (config.get("n_layers") or 0) <= len(state):
+        return f"its model config's sizes do not fit its {len(state)} weights: {config}"[:400]
+    try:
+        with torch.device("meta"):
+            model = {k: (tuple(t.shape), t.dtype) for k, t in mp.model_from_config(config).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        return f"its config does not build a model ({type(e).__name__}: {first})"
+    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+    missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
+    return (f"it lacks {missing[0]}" if missing
+            else f"it holds {extra[0]}, which the model has not" if extra
+            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model"
+            if other else None)
+
+
+def checkpoint_problem(c: dict) -> str | None:
+    """What the keys of a checkpoint that pass CKPT_SCHEMA break together, or None: its log step past its step, a
+    snapshot that is not one record a layer or whose Ms are not the model's shapes, weights (the model's, the
+    EMA's) that do not rebuild the model its config describes (`weights_mismatch`)."""
+    unfit = [w for w in (weights_mismatch(c["model_config"], c[k]) for k in ("model", "ema") if k in c) if w][:1]
+    return (f"its log step {c['log_step']} is past its step {c['step']}" if c["log_step"] > c["step"]
+            else f"does not fit this version's model ({unfit[0]}); it was written by another version of maskprior or "
+                 "altered: continue it with that version, or start a new run" if unfit
+            else "its prior snapshot is not one record per layer"
+            if len(c["snapshot"]) != c["model_config"]["n_layers"]
+            else "its snapshot's M (the start) does not have the shape of the model's M, layer by layer"
+            if not snapshot_fits(c) else None)
 
 CKPT_FORMAT = "maskprior-checkpoint-5"       # a checkpoint of this version holds every flag of it
 
@@ -480,8 +512,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     """A checkpoint's contents through the one reader, both levels with weights_only=True, once
     they match their sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an
     earlier version's, or none: before checksums), a damaged one or one whose contents break the
-    schema is a ReadError. What the values mean (the flags, the model they rebuild) is train.py's
-    to check."""
+    schema or whose keys disagree (`checkpoint_problem`: the model they rebuild too) is a ReadError. What the
+    flags mean is train.py's to check."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or "format" not in outer:
         raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one "
@@ -497,9 +529,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
                         "them); restore the file from a copy, or start a new run with another "
                         "--out")
     contents = check_schema(load_torch(payload, path), CKPT_SCHEMA, CKPT_KEYS, path)
-    broken = [what for fits, what in CKPT_RELATIONS if not fits(contents)][:1]
+    broken = checkpoint_problem(contents)
     if broken:
-        raise ReadError(f"{path}: {broken[0]}")
+        raise ReadError(f"{path}: {broken}")
     return contents
 
 

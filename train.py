@@ -764,17 +764,23 @@ def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, 
 
 def check_start(model, task, config, device) -> None:
     """A new run's initial state must be finite, in its weights and in its loss on the first batch
-    (an eval-mode forward: no random state is used), or nothing is written."""
+    (`first_loss`), or nothing is written."""
     if not finite_weights(model):
         raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing "
                          "was written")
+    loss = first_loss(model, task, config, device)
+    if not torch.isfinite(loss):
+        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init "
+                         f"{config.init}); nothing was written")
+
+
+def first_loss(model, task, config, device) -> torch.Tensor:
+    """The model's loss on the first training batch in an eval-mode forward (no random state is used)."""
     model.eval()
     with torch.no_grad(), autocast(device, config):
         loss = task.loss(model, task.train_batch(0, config.batch_size))
     model.train()
-    if not torch.isfinite(loss):
-        raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init "
-                         f"{config.init}); nothing was written")
+    return loss
 
 
 def train_loop(state: Run) -> int | None:
@@ -1133,70 +1139,25 @@ def show_saved(folder: str, out: str) -> int:
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint read as someone else's file and checked against its schema
-    (`runfiles.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching
-    their hash, its model config rebuilding a model with exactly its weights (`check_model_fits`),
-    a snapshot a layer. Anything else is one clear line."""
-    where = f"{flag}: {path}"
+    """A checkpoint read as someone else's file and checked against its schema and itself, the model it rebuilds
+    included (`runfiles.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching their
+    hash. Anything else is one clear line."""
     try:
         ckpt = runfiles.read_checkpoint(path)
     except runfiles.ReadError as e:
         raise UsageError(f"{flag}: {e}") from None
-    if ckpt["log_step"] > ckpt["step"]:
-        raise UsageError(f"{where}: its log step {ckpt['log_step']} is past its step "
-                         f"{ckpt['step']}")
-    config = runconfig.saved_config(ckpt["config"], where)
+    config = runconfig.saved_config(ckpt["config"], f"{flag}: {path}")
     if ckpt["identity"].get("config_hash") != config_hash(asdict(config)):
-        raise UsageError(f"{where} records flags that do not match its own config hash; the "
-                         "checkpoint was altered")
-    for key in ("model", "ema"):
-        if key in ckpt:
-            check_model_fits(ckpt["model_config"], ckpt[key], where)
-    if len(ckpt["snapshot"]) != ckpt["model_config"]["n_layers"]:
-        raise UsageError(f"{where}: its prior snapshot is not one record per layer")
+        raise UsageError(f"{flag}: {path} records flags that do not match its own config hash; the checkpoint was "
+                         "altered")
     return ckpt
 
 
-
-def _state_mismatch(config: dict, state: dict) -> str | None:
-    """What keeps saved weights `state` from fitting the model a saved `config` describes
-    (`model_from_config`, built on the meta device: no memory): a weight it lacks or has in excess,
-    another shape or dtype; None where they fit."""
-    try:
-        with torch.device("meta"):
-            model = {k: (tuple(t.shape), t.dtype) for k, t in mp.model_from_config(config).state_dict().items()}
-    except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
-        first = str(e).splitlines()[0][:160] if str(e) else ""
-        return f"its config does not build a model ({type(e).__name__}: {first})"
-    saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
-    missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
-    other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
-    return (f"it lacks {missing[0]}" if missing
-            else f"it holds {extra[0]}, which the model has not" if extra
-            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model"
-            if other else None)
-
-
-def check_model_fits(model_config: dict, state: dict, where: str) -> None:
-    """A saved model config that rebuilds a model with exactly the saved weights
-    (`_state_mismatch`: on the meta device, no memory), its sizes bounded first (no more layers
-    than weights, none beyond 2^24)."""
-    sizes = [v for v in model_config.values() if isinstance(v, int) and not isinstance(v, bool)]
-    if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (model_config.get("n_layers") or 0) <= len(state):
-        raise UsageError(f"{where} is not a checkpoint of train.py (its model config's sizes do "
-                         f"not fit its {len(state)} weights: {model_config})")
-    which = _state_mismatch(model_config, state)
-    if which:
-        raise UsageError(f"{where} does not fit this version's model ({which}); it was written by "
-                         "another version of maskprior or altered: continue it with that "
-                         "version, or start a new run")
-
-
 def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.RunFolder, ckpt: dict) -> runconfig.Config:
-    """Resume: the run's config from its saved flags (`check_resume`) but its folder (the --out
+    """Resume: the run's config from its saved flags (`resumed_flags`) but its folder (the --out
     given: a run folder can move) and the resumable flags given now; any other flag given must
     agree."""
-    saved = check_resume(folder, ckpt)
+    saved = resumed_flags(folder, ckpt)
     for key in sorted(explicit - runconfig.RESUMABLE - {"out"}):
         new = getattr(config, key)
         if key in saved and saved[key] != new:
@@ -1213,7 +1174,7 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
     return runconfig.Config(**{**values, "resume": True})
 
 
-def check_resume(folder: runfiles.RunFolder, ckpt: dict) -> dict:
+def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
     """The run's flags from args.json once the three files are one run at one step: metrics.jsonl
     starts at step 0, reaches the checkpoint's last log step and names its run; args.json holds
     valid flags (`saved_config`) equal to the checkpoint's where a resume may not change them.
