@@ -48,8 +48,7 @@ def init_default(model, prior, config, g) -> dict:
 
 
 def init_mask(model, prior, config, g) -> dict:
-    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M,
-    or soft."""
+    """M from the prior's logits: +m_on on the pattern, -m_off elsewhere, the task's own graded M, or soft."""
     return mp.init_mask_(model, logits=prior.logits)
 
 

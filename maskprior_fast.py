@@ -127,8 +127,7 @@ def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True,
-              block: int = 64):
+def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int = 64):
     """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward
     kernel's output and row log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP =
     dO V^T and D = rowsum(dO O), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows

@@ -223,8 +223,7 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
     """One line for a model where add_mask_prior finds no layer: the attention-like modules it
     could not reach (their own softmax: DeBERTa...), or none, and how to attach by hand."""
     if modules is not None:
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` "
-                          "names")
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
     hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or "
             "passed to scaled_dot_product_attention) and name it with modules=")
     own = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
@@ -232,14 +231,12 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
     if own:
         name, m = own[0]
         more = f" and {len(own) - 1} more" if len(own) > 1 else ""
-        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it "
-                          f"can reach: {name} ({type(m).__name__}){more} computes its own softmax "
-                          "(it calls no transformers attention function and names no "
-                          f"`{mask_kwarg}`); to attach by hand, {hand}{type(m).__name__}; no "
-                          "layer was changed")
-    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, "
-                      "Hugging Face or timm attention; for an attention of your own, "
-                      f"{hand}YourAttention")
+        return ValueError(f"add_mask_prior: {type(model).__name__} holds no attention layer it can reach: {name} "
+                          f"({type(m).__name__}){more} computes its own softmax (it calls no transformers "
+                          f"attention function and names no `{mask_kwarg}`); to attach by hand, "
+                          f"{hand}{type(m).__name__}; no layer was changed")
+    return ValueError(f"add_mask_prior: {type(model).__name__} holds no nn.MultiheadAttention, Hugging Face or "
+                      f"timm attention; for an attention of your own, {hand}YourAttention")
 
 
 def _hf_impl(module: nn.Module) -> str:
@@ -247,8 +244,7 @@ def _hf_impl(module: nn.Module) -> str:
     return _hf_config(module)._attn_implementation
 
 
-def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
-                who: str = "add_mask_prior") -> None:
+def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
     """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
     add_mask_prior's own search, not named with `modules`)."""
     if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
@@ -256,28 +252,23 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str,
                        "is not trusted: a mask it passes nowhere would change nothing): add "
                        f"`{mask_kwarg}=None` and pass it to scaled_dot_product_attention", who)
     if s.cross and s.kind in ("timm", "keyword"):
-        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve",
-                    who)
+        raise _fail(s, "is cross-attention, which only nn.MultiheadAttention and HF layers serve", who)
     if s.kind == "timm" and s.tokens is None and found:
         raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid "
-                       "(patch_embed.num_patches): its pooled stages or branches see other token "
-                       "counts, which one prior cannot serve; give a stage its own prior with "
-                       "modules=lambda name, m: name.startswith('<stage>.') and "
-                       "name.endswith('.attn')",
+                       "(patch_embed.num_patches): its pooled stages or branches see other token counts, which "
+                       "one prior cannot serve; give a stage its own prior with modules=lambda name, m: "
+                       "name.startswith('<stage>.') and name.endswith('.attn')",
                        who)
     if s.kind == "hf":
         impl = _hf_impl(s.module)
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
-            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model "
-                           "saved with priors and loaded plainly): load it with "
-                           "mp.from_pretrained(ModelClass, path)", who)
+            raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors "
+                           "and loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
         if impl not in ("sdpa", "eager"):
             raise _fail(s, f"runs attn_implementation {impl!r}, which cannot add a bias; load the "
                            "model with attn_implementation='sdpa' (or 'eager')", who)
-        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__],
-                                           "eager_attention_forward"):
-            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to "
-                           "wrap: use 'sdpa'", who)
+        if impl == "eager" and not hasattr(sys.modules[type(s.module).__module__], "eager_attention_forward"):
+            raise _fail(s, "runs 'eager', but its file defines no eager_attention_forward to wrap: use 'sdpa'", who)
 
 
 def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logits, param, prefix,
@@ -288,13 +279,11 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
         raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
     heads = site.heads or (shape[0] if src.dim() == 3 else 1)
     if src.dim() == 3 and shape[0] != heads:
-        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, "
-                          "N)", who)
+        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
     # a layer that does not say: not causal
     is_causal = bool(site.causal) if causal is None else causal
     if site.causal is not None and is_causal != site.causal:
-        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was "
-                          "asked", who)
+        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
     n, n_keys = shape[-2], shape[-1]
     if not site.cross and n != n_keys:
         raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys "
@@ -303,8 +292,7 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
         raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build "
                           f"it for {site.tokens} positions ({site.layout})", who)
     if site.max_tokens is not None and n > site.max_tokens:
-        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape "
-                          f"{shape}", who)
+        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
     try:
         prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
                           n_keys=n_keys if site.cross else None, prefix=site.prefix
@@ -343,10 +331,9 @@ def _under_peft(model: nn.Module) -> bool:
 
 
 def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = mp.M_ON,
-                   m_off: float = mp.M_OFF, causal: bool | None = None,
-                   logits: torch.Tensor | None = None, *, param: str | None = None,
-                   prefix: bool | None = None, cross_attention: bool = False, modules=None,
-                   mask_kwarg: str = "attn_mask", flex: bool = False,
+                   m_off: float = mp.M_OFF, causal: bool | None = None, logits: torch.Tensor | None = None, *,
+                   param: str | None = None, prefix: bool | None = None, cross_attention: bool = False,
+                   modules=None, mask_kwarg: str = "attn_mask", flex: bool = False,
                    grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
     """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads,
     N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
@@ -383,8 +370,7 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     grid = None if grid is None else mp._grid(who, grid)
     src = logits if logits is not None else pattern
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
-        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, "
-                         "N)")
+        raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
     sites = _sites_for(model, cross_attention, modules, mask_kwarg)
     grid = _grid_for(model) if param == "grid" and grid is None else grid
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix, grid=grid)
@@ -430,9 +416,8 @@ def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
     """Refuse a batch of another size than the roles `mp.prior_roles` gave (one row of roles per example): a
     bias of one example broadcast over the batch would read every example by the first one's layout."""
     if prior.roles is not None and prior.roles[0].shape[0] != batch:
-        raise ValueError(f"{prior.where}: prior_roles gave roles for {prior.roles[0].shape[0]} "
-                         f"examples, but this call's batch holds {batch}: give rows and cols "
-                         "of shape (batch, L), one row per example")
+        raise ValueError(f"{prior.where}: prior_roles gave roles for {prior.roles[0].shape[0]} examples, but this "
+                         f"call's batch holds {batch}: give rows and cols of shape (batch, L), one row per example")
 
 
 # torch: nn.MultiheadAttention
@@ -449,10 +434,9 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
     s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
     if not prior.cross and key is not query:
-        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not "
-                         f"its queries ({t} queries, {s} keys): give cross-attention its own "
-                         "prior with add_mask_prior(..., cross_attention=True) and an (N_query, "
-                         "N_key) pattern")
+        raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
+                         f"queries, {s} keys): give cross-attention its own prior with add_mask_prior(..., "
+                         "cross_attention=True) and an (N_query, N_key) pattern")
     bias = prior(t, query.dtype, k_len=s)
     batch = query.shape[0 if mha.batch_first else 1] if batched else 1
     _check_roles_batch(prior, batch)
@@ -790,9 +774,8 @@ def _hf_base(module: nn.Module):
         return sys.modules[type(module).__module__].eager_attention_forward
     if impl == "sdpa":
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which "
-                       "cannot add the prior's bias; use model.set_attn_implementation('sdpa') "
-                       "(or 'eager')")
+    raise RuntimeError(f"{module.mask_prior.where}: attn_implementation is now {impl!r}, which cannot add the "
+                       "prior's bias; use model.set_attn_implementation('sdpa') (or 'eager')")
 
 
 def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -807,9 +790,8 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
         what = ("a self-attention prior, but this call's keys come from another sequence"
                 if crossed else
                 "a cross-attention prior, but this call attends to its own sequence")
-        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with "
-                         "add_mask_prior(..., cross_attention=True) and an (N_query, N_key) "
-                         "pattern")
+        raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
+                         "cross_attention=True) and an (N_query, N_key) pattern")
     module.mask_prior_start = 0
     cache = next((call[k] for k in ("cache", "past_key_values", "past_key_value") if call.get(k) is not None), None)
     hidden = call.get("hidden_states", args[0] if args else None)
@@ -927,8 +909,7 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
 
 
-_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword,
-           "keyword": _attach_keyword}
+_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
 
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
@@ -937,8 +918,7 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
     state_dict keys and config). Returns the names of the layers that had one."""
     layers = [(n, m) for n, m in model.named_modules() if "mask_prior_hooks" in m.__dict__]
     if not layers:
-        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from "
-                         "add_mask_prior")
+        raise ValueError(f"remove_mask_prior: {type(model).__name__} holds no prior from add_mask_prior")
     for _, m in layers:
         for hook in m.mask_prior_hooks:
             hook.remove()
@@ -1025,9 +1005,8 @@ def _model_class_for(model_class, config):
     try:
         return model_class._model_mapping[type(config)]
     except (AttributeError, KeyError, TypeError):
-        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is "
-                         "neither a model class nor an Auto class with a model for "
-                         f"{type(config).__name__}") from None
+        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model "
+                         f"class nor an Auto class with a model for {type(config).__name__}") from None
 
 
 def _unmarked(config, kwargs: dict) -> dict:
@@ -1083,20 +1062,17 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
                 if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
             for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
-    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model "
-                                       "with its priors"),
+    for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
                       ("mismatched_keys",
                        "holds {} ({} in all) in another shape than its config records (M is "
                                           "never re-initialised, ignore_mismatched_sizes or not)"),
                       ("unexpected_keys",
                        "holds {} ({} in all) on a layer its config records no prior for")):
         if ours[key]:
-            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0],
-                                                                       len(ours[key])))
+            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
     bad = [p.where for p in mp.mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
     if bad:
-        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in "
-                         "all)")
+        raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
     return (model, info) if with_info else model
 
 

@@ -1,10 +1,9 @@
-"""A run's configuration: every flag of `train.py` as a field of one frozen dataclass (`Config`),
-each field saying what its flag is (`setting`); `resolve` fills a Config once (the flag given, else
-the task's preset, else the default), and `check` is the one pass over it (each number in its range,
-each flag given where it applies, the rules between flags) before anything is built or written. A
-saved Config (a checkpoint's, args.json's) is read back through `saved_config`. train.py generates
-its argparse from this table; nothing changes a Config after `resolve` (what a task sizes,
-train.size_schedule fills into a new one); args.json is `asdict(config)`.
+"""A run's configuration: every flag of `train.py` as a field of one frozen dataclass (`Config`), each field saying
+what its flag is (`setting`); `resolve` fills a Config once (the flag given, else the task's preset, else the
+default), and `check` is the one pass over it (each number in its range, each flag given where it applies, the rules
+between flags) before anything is built or written. A saved Config (a checkpoint's, args.json's) is read back
+through `saved_config`. train.py generates its argparse from this table; nothing changes a Config after `resolve`
+(what a task sizes, train.size_schedule fills into a new one); args.json is `asdict(config)`.
 """
 from __future__ import annotations
 
@@ -35,18 +34,16 @@ GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior
 FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
 
 
-def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None,
-            metavar=None, check=None, resumable=False, arch=False, tells_apart=True,
-            alternative=None, needs=None, excludes=()):
-    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch:
-    a flag without a value; check: a key of CHECKS; resumable: --resume may change it; arch: it
-    shapes the model or the data (named so when a resume disagrees); tells_apart: runs that differ
-    in it are different configurations in reports; alternative: the field this one replaces when
-    given (--steps drops the preset's --epochs and the other way round). Where the flag applies
-    (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field (its
-    resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or
-    ON (not zero); excludes, the fields that may not be given with it. A task option (a family's
-    group) applies to the tasks whose constructor takes it."""
+def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None, check=None,
+            resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
+    """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag without a
+    value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or the data (named
+    so when a resume disagrees); tells_apart: runs that differ in it are different configurations in reports;
+    alternative: the field this one replaces when given (--steps drops the preset's --epochs and the other way
+    round). Where the flag applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field
+    (its resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not
+    zero); excludes, the fields that may not be given with it. A task option (a family's group) applies to the tasks
+    whose constructor takes it."""
     return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
                                                 choices=choices, metavar=metavar, check=check,
                                                 resumable=resumable, arch=arch,
@@ -83,31 +80,26 @@ WHERE = dict(resumable=True, tells_apart=False)
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting of a training run, one field per flag (see `setting` for what a field
-    carries)."""
+    """Every setting of a training run, one field per flag (see `setting` for what a field carries)."""
     # run
     task: str = run_("parity2", "task name: {tasks} (default parity2)", arch=True)
-    init: str = run_("default", "initialisation: {inits} (default default)", arch=True,
-                     tells_apart=False)
+    init: str = run_("default", "initialisation: {inits} (default default)", arch=True, tells_apart=False)
     preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or "
                                 "paper (the paper's setting, for a GPU)")
     seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
                         "keeps 32 bits; default 0)",
                      type=int, check="seed", tells_apart=False)
     out: str | None = run_(None, "run directory (default runs/TASK-INIT-sSEED)", tells_apart=False)
-    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True,
-                        **WHERE)
+    resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True, **WHERE)
     device: str = run_("auto", "auto (cuda, mps, cpu; the default), cpu, cuda, ...", **WHERE)
-    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"),
-                    **WHERE)
+    amp: str = run_("auto", "autocast: auto = bf16 on CUDA only", choices=("auto", "bf16", "off"), **WHERE)
     log_every: int | None = run_(None, "steps between evaluations and log lines", type=int,
                                  check="positive", resumable=True)
     ckpt_every: int | None = run_(None, "steps between checkpoints (default: every log step)",
                                   type=int, check="positive", **WHERE)
     halt_after: int | None = run_(None, "stop at this step as if interrupted (checkpoint kept)",
                                   type=int, check="positive", **WHERE)
-    compile: bool = run_(False, "torch.compile the model for training (the probes run it "
-                                "uncompiled)", switch=True,
+    compile: bool = run_(False, "torch.compile the model for training (the probes run it uncompiled)", switch=True,
                          **WHERE)
     dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes "
                                        "(joining, and at each collective; default 1800)",
@@ -121,12 +113,10 @@ class Config:
     batch_size: int = opt_(64, None, type=int, check="positive")
     weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float,
                                check="non_negative")
-    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled",
-                          choices=("adam", "adamw"))
+    optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled", choices=("adam", "adamw"))
     betas: str = opt_("0.9,0.999", "Adam betas, e.g. 0.9,0.999", check="betas")
     schedule: str = opt_("constant", None, choices=("constant", "cosine"))
-    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative",
-                       alternative="warmup_epochs")
+    warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative", alternative="warmup_epochs")
     warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)",
                                        type=float, check="non_negative", alternative="warmup")
     grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float,
@@ -135,15 +125,13 @@ class Config:
     layers: int = model_(2, None, type=int, check="positive", arch=True)
     heads: int = model_(4, None, type=int, check="positive", arch=True)
     dim: int = model_(64, None, type=int, check="positive", arch=True)
-    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive",
-                                  arch=True)
+    head_dim: int | None = model_(None, "default dim // heads", type=int, check="positive", arch=True)
     mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
     emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
                                  check="gain0", arch=True)
     pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float,
                                  check="gain0", arch=True)
-    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int,
-                                  choices=(0, 1), arch=True)
+    qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int, choices=(0, 1), arch=True)
     dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float,
                             check="fraction", arch=True)
     drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with "
@@ -157,16 +145,14 @@ class Config:
                                     "explicit for a masked model of <= 128 positions on the CPU",
                             choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
     # prior
-    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)",
-                                 arch=True)
+    pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
     mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float,
                             check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
     mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), "
-                                     "relative: one logit per head and distance i - j (heads x "
-                                     "N; language models), or grid: per head and patch displacement "
-                                     "plus the class token's row and column (vision)",
+    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), relative: one logit "
+                                     "per head and distance i - j (heads x N; language models), or grid: per head "
+                                     "and patch displacement plus the class token's row and column (vision)",
                              choices=("full", "relative", "grid"),
                              arch=True, needs={"init": MASK_INITS})
     qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
@@ -175,12 +161,10 @@ class Config:
                                  check="gain0", needs={"init": QK_SVD_INITS})
     qk_svd_norm: float = prior_(7.0, "qk-svd Frobenius norm of each factor", type=float,
                                 check="gain", needs={"init": QK_SVD_INITS})
-    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding "
-                                                  "first (impulse and mask-impulse: 18 unless "
-                                                  "given)", type=float, check="gain",
+    qk_svd_pos_scale: float | None = prior_(None, "qk-svd: multiply the positional embedding first (impulse and "
+                                                  "mask-impulse: 18 unless given)", type=float, check="gain",
                                             needs={"init": ("qk-svd", "impulse", "mask-impulse")})
-    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive",
-                               needs=QK_OPT)
+    qk_opt_steps: int = prior_(10000, "qk-opt Adam steps (at most)", type=int, check="positive", needs=QK_OPT)
     qk_opt_lr: float = prior_(0.0001, None, type=float, check="gain", needs=QK_OPT)
     qk_opt_tol: float = prior_(1e-07, "qk-opt stops when 100 steps gain less than this",
                                type=float, check="non_negative", needs=QK_OPT)
@@ -190,12 +174,10 @@ class Config:
                                           "teacher): the prior is read from its attention "
                                           "instead of the task's hand pattern", metavar="RUN",
                                     arch=True, needs={"init": PRIOR_INITS}, excludes=("pattern",))
-    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key "
-                                          "pairs above --prior-ratio x the uniform share), "
-                                          "logits (M whose bias gives the teacher's mean "
-                                          "attention), relative (per head and distance) or "
-                                          "offsets (per head and 2-D offset); default: the "
-                                          "task's first",
+    prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key pairs above "
+                                          "--prior-ratio x the uniform share), logits (M whose bias gives the "
+                                          "teacher's mean attention), relative (per head and distance) or offsets "
+                                          "(per head and 2-D offset); default: the task's first",
                                     choices=("pattern", "logits", "relative", "offsets"), arch=True,
                                     needs={"prior_from": GIVEN})
     prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this "
@@ -207,9 +189,8 @@ class Config:
                                                  "vision 0.5, language 0.2)", type=float,
                                            check="unit", arch=True, needs={"prior_from": GIVEN})
     probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
-    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube "
-                                 "points or test pairs (0 = all); the final evaluation uses all "
-                                 "of them", type=int, check="non_negative",
+    eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs "
+                                 "(0 = all); the final evaluation uses all of them", type=int, check="non_negative",
                               resumable=True, needs={"kind": ("boolean", "arithmetic")})
     # boolean
     readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token "
@@ -238,33 +219,28 @@ class Config:
                                         "no dependence passes the noise cut (default 0.05)",
                                   type=float, arch=True, needs=DISCOVERED)
     # arithmetic
-    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on "
-                                           "(default: 0.004 for addition, 0.03 for "
-                                           "multiplication)", type=float, arch=True)
+    data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 "
+                                           "for addition, 0.03 for multiplication)", type=float, arch=True)
     answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain "
                                       "format; the default) or reversed", metavar="{msb,lsb}",
                                arch=True)
     digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee "
                             "et al.'s multiplication), 1 or 4", type=int, metavar="{1,2,3,4}",
                          arch=True)
-    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data "
-                                           "instead, N samples (the 100 one-digit pairs, then N "
-                                           "- 100 drawn with replacement; theirs: 3000), "
-                                           "unpadded a*b=c, tested on every pair not trained on",
+    lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the "
+                                           "100 one-digit pairs, then N - 100 drawn with replacement; theirs: "
+                                           "3000), unpadded a*b=c, tested on every pair not trained on",
                                      type=int, arch=True, metavar="N")
     # vision
     data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with "
-                                         "cifar-10-batches-py/; for language models the corpus "
-                                         "folder)", **WHERE)
-    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; "
-                                           "ImageNet-100 32 or 64)",
+                                         "cifar-10-batches-py/; for language models the corpus folder)", **WHERE)
+    image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
                                      type=int, check="positive", arch=True)
     input_size: int | None = vision_(None, "the model's image side (default: the image size); "
                                            "larger upsamples, e.g. 224 for CIFAR as the paper "
                                            "preset's recipe does", type=int, check="positive",
                                      arch=True)
-    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive",
-                                     arch=True)
+    patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive", arch=True)
     pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token",
                                choices=("mean", "cls"), arch=True)
     impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, "
@@ -278,30 +254,22 @@ class Config:
                              "default 3)", type=int,
                           arch=True, needs={"pattern": ("local",)})
     label_smoothing: float | None = vision_(None, None, type=float, check="fraction")
-    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float,
-                           check="non_negative")
-    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float,
-                            check="non_negative")
+    mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
+    cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
     crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to "
                                "the input size (scale 0.08-1); a flip either way",
                         metavar="{pad,rrc}")
     crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / "
                                      "crop-pct, keep the centre (default 0.875)", type=float,
                               needs={"input_size": GIVEN})
-    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)",
-                             type=float)
-    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise "
-                                      "(default 0.5)", type=float,
+    randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)", type=float)
+    randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)", type=float,
                                  check="non_negative", needs={"randaug": ON})
-    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int,
-                               needs={"randaug": ON})
-    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)",
-                            type=float)
+    randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int, needs={"randaug": ON})
+    reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)", type=float)
     # lm
-    context: int | None = lm_(None, "context length in tokens (also the model's positions)",
-                              type=int, arch=True)
-    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)",
-                                 type=int)
+    context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
+    val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
     positions: str = lm_("learned", "the positional embedding: a learned table of --context "
                                     "positions (the default), or none (the order from the causal "
                                     "mask and the prior, as ALiBi: the model serves any length)",
@@ -331,8 +299,7 @@ DEFAULTS = {name: f.default for name, f in FIELDS.items()}
 RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
 ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
 NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
-ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items()
-                if f.metadata["alternative"]}
+ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
 TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
 NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
 EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
@@ -358,8 +325,7 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
     for flag, other in ALTERNATIVES.items():
         if flag in explicit and other in explicit:
-            raise UsageError(f"give either --{flag.replace('_', '-')} or "
-                             f"--{other.replace('_', '-')}, not both")
+            raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
     from_preset = task_cls.preset(preset)
     for flag in explicit & set(ALTERNATIVES):
         from_preset.pop(ALTERNATIVES[flag], None)
@@ -438,9 +404,8 @@ def unmet(key: str, allowed, value) -> str | None:
 
 
 def not_applying(config: Config, name: str, explicit) -> str | None:
-    """The line refusing flag `name` given where it does not apply (None: it applies): a task option
-    of another task (its constructor does not take it), a field's `needs` unmet, or given with what
-    it `excludes`."""
+    """The line refusing flag `name` given where it does not apply (None: it applies): a task option of another task
+    (its constructor does not take it), a field's `needs` unmet, or given with what it `excludes`."""
     task = tasks.TASKS[config.task]
     options = [o for o in task.options() if o in FIELDS]
     if name in TASK_FLAGS and name not in options:
@@ -489,10 +454,9 @@ RULES = (
 
 
 def check(config: Config, explicit=frozenset(), rules: bool = True) -> tasks.Task | None:
-    """The one check of a run's flags, before anything is built or written: each field's value in
-    its range (its `check`), each flag given where it applies (`not_applying`), then (rules) the task
-    they name built (`task_for`, returned) and the rules between flags (RULES). The first thing wrong
-    is one line (UsageError)."""
+    """The one check of a run's flags, before anything is built or written: each field's value in its range (its
+    `check`), each flag given where it applies (`not_applying`), then (rules) the task they name built (`task_for`,
+    returned) and the rules between flags (RULES). The first thing wrong is one line (UsageError)."""
     for name in FIELDS:
         line = out_of_range(name, getattr(config, name))
         if line is None and name in explicit:
@@ -528,22 +492,19 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, "
-                         "cuda:1 or mps")
+        raise UsageError(f"--device {name!r} is not a device to train on; use auto, cpu, cuda, cuda:1 or mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     if dev.type == "mps" and not mps:
-        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use "
-                         "--device cpu")
+        raise UsageError("--device mps asked for, but torch sees no Apple GPU (MPS); use --device cpu")
     return dev
 
 
 def saved_config(saved: dict, where: str) -> Config:
-    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version,
-    each of its field's type and choices (`value_fits`), in range (`check`); anything else
-    is one line naming the flag."""
+    """The Config of flags a run saved (a checkpoint's, args.json's): every flag of this version, each of its
+    field's type and choices (`value_fits`), in range (`check`); anything else is one line naming the flag."""
     if not isinstance(saved, dict):
         raise UsageError(f"{where} holds a {type(saved).__name__}, not the object of a run's flags")
     missing = [name for name in FIELDS if name not in saved]
@@ -554,8 +515,7 @@ def saved_config(saved: dict, where: str) -> Config:
                          "continue the run with the version that wrote it, or start a new run")
     for name, value in saved.items():
         if not value_fits(name, value):
-            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} "
-                             "cannot take")
+            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} cannot take")
     config = Config(**saved)
     try:
         check(config, rules=False)
@@ -565,9 +525,8 @@ def saved_config(saved: dict, where: str) -> Config:
 
 
 def value_fits(name: str, value) -> bool:
-    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float
-    ones, a bool for switches, else a string), None where its default is None, and among its
-    choices; a task and init registered."""
+    """Whether `value` is one a field can hold: its type (an int for int flags, a number for float ones, a bool for
+    switches, else a string), None where its default is None, and among its choices; a task and init registered."""
     f = FIELDS[name]
     m, default = f.metadata, f.default
     if value is None:

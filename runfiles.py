@@ -34,8 +34,7 @@ except ImportError:             # not on POSIX: run folders are not locked
 
 
 class UsageError(ValueError):
-    """Bad input (a flag, a file, a folder): train.py prints the message as one line and exits with
-    `status`."""
+    """Bad input (a flag, a file, a folder): train.py prints the message as one line and exits with `status`."""
     status = 2
 
 
@@ -117,10 +116,9 @@ READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB,
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
-    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names
-    checked; a FIFO, device or folder is refused without being opened for reading, so nothing
-    blocks. Every file read goes through here (`read_back` for a whole file within a size limit;
-    the data readers stream)."""
+    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names checked; a FIFO,
+    device or folder is refused without being opened for reading, so nothing blocks. Every file read goes through
+    here (`read_back` for a whole file within a size limit; the data readers stream)."""
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
@@ -138,8 +136,7 @@ def open_back(path: str | os.PathLike) -> BinaryIO:
 
 
 def read_back(path: str | os.PathLike, kind: str) -> bytes:
-    """The bytes of `path` (`open_back`: a regular file) when it holds at most READ_LIMITS[kind]
-    bytes."""
+    """The bytes of `path` (`open_back`: a regular file) when it holds at most READ_LIMITS[kind] bytes."""
     limit = READ_LIMITS[kind]
     with open_back(path) as f:
         try:
@@ -147,8 +144,7 @@ def read_back(path: str | os.PathLike, kind: str) -> bytes:
         except OSError as e:
             raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
     if len(data) > limit:
-        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this "
-                        "program writes")
+        raise ReadError(f"{path} holds more than {limit // MiB} MiB, more than any {kind} this program writes")
     return data
 
 
@@ -158,9 +154,8 @@ def _file_kind(mode: int) -> str:
 
 
 def load_torch(data: bytes, path: str | os.PathLike):
-    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers;
-    a pickle that names anything else is refused before it is called), torch's own warnings kept
-    out of the one line."""
+    """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
+    names anything else is refused before it is called), torch's own warnings kept out of the one line."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -170,9 +165,8 @@ def load_torch(data: bytes, path: str | os.PathLike):
         what = f"it names {named.group(1)}" if named else next(
             (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()),
                                                                "an unsupported pickle")
-        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file "
-                        "of this program holds and which would run code if unpickled; it was not "
-                        "run") from None
+        raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
+                        "holds and which would run code if unpickled; it was not run") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line
         raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
 
@@ -183,8 +177,7 @@ JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40
 
 def _json_int(text: str) -> int:
     if len(text.lstrip("-")) > JSON_MAX_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most "
-                         f"{JSON_MAX_DIGITS})")
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {JSON_MAX_DIGITS})")
     return int(text)
 
 
@@ -196,8 +189,7 @@ def _json_float(text: str) -> float:
 
 
 def _json_depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in JSON bytes (brackets inside strings not
-    counted)."""
+    """The deepest nesting of arrays and objects in JSON bytes (brackets inside strings not counted)."""
     depth = deepest = 0
     for token in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', data):
         t = token.group()
@@ -210,9 +202,8 @@ def _json_depth(data: bytes) -> int:
 
 
 def load_json(data: bytes, path: str | os.PathLike):
-    """JSON of bytes read back (UTF-8), bounded before it is parsed: at most JSON_MAX_DEPTH levels
-    of nesting, integers of at most JSON_MAX_DIGITS digits, no number that overflows a float;
-    anything else is a ReadError."""
+    """JSON of bytes read back (UTF-8), bounded before it is parsed: at most JSON_MAX_DEPTH levels of nesting,
+    integers of at most JSON_MAX_DIGITS digits, no number that overflows a float; anything else is a ReadError."""
     try:
         if _json_depth(data) > JSON_MAX_DEPTH:
             raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep")
@@ -258,8 +249,7 @@ def is_list_of(check):
 
 
 def is_named_tensors(v) -> bool:
-    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is
-    ever saved)."""
+    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is ever saved)."""
     return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) and
                                        (not t.is_floating_point() or bool(torch.isfinite(t).all()))
                                        for k, t in v.items())
@@ -376,15 +366,13 @@ RESULT_SCHEMA = {
         is_count(v[k]) for k in ("found_pairs", "oracle_pairs") if k in v),
         "null or a dict whose precision and recall are in [0, 1]"),
 }
-RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id",
-                   "data")
+RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id", "data")
 
 
 def check_result(result, path: str | os.PathLike) -> dict:
     """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
     metrics = result.get("metrics") if isinstance(result, dict) else None
-    bad = ([k for k, v in metrics.items() if not is_optional(is_value)(v)]
-           if isinstance(metrics, dict) else [])
+    bad = ([k for k, v in metrics.items() if not is_optional(is_value)(v)] if isinstance(metrics, dict) else [])
     if bad:
         v = metrics[bad[0]]
         raise ReadError(f"{path}: metric {bad[0]} is {_short(v)}, not a finite number"
@@ -398,8 +386,7 @@ def read_result(path: str | os.PathLike) -> dict:
 
 
 def _short(v) -> str:
-    """`v` as a one-line message quotes it: its repr on one line (a tensor's spans many), cut to
-    80 characters."""
+    """`v` as a one-line message quotes it: its repr on one line (a tensor's spans many), cut to 80 characters."""
     text = re.sub(r"\s+", " ", repr(v))
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -428,16 +415,13 @@ def is_snapshot_record(v) -> bool:
 
 
 def snapshot_fits(contents: dict) -> bool:
-    """The snapshot's Ms have the shapes of the model's Ms (`attn.prior.bias`), layer by layer,
-    where the model has M: `show` draws end - start. (Weights that are not this version's model
-    are train.py's to name.)"""
+    """The snapshot's Ms have the shapes of the model's Ms (`attn.prior.bias`), layer by layer, where the model has
+    M: `show` draws end - start. (Weights that are not this version's model are train.py's to name.)"""
     ends = [tuple(t.shape) for k, t in contents["model"].items() if k.endswith("attn.prior.bias")]
-    return not ends or [tuple(r["mask"].shape) for r in contents["snapshot"]
-                        if r["mask"] is not None] == ends
+    return not ends or [tuple(r["mask"].shape) for r in contents["snapshot"] if r["mask"] is not None] == ends
 
 
-# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each
-# one.
+# A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
 CKPT_SCHEMA = {
     "model": (is_named_tensors, "finite tensors by name"),
                "optimizer": (is_of(dict), "an optimiser state"),
@@ -509,11 +493,10 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader, both levels with weights_only=True, once
-    they match their sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an
-    earlier version's, or none: before checksums), a damaged one or one whose contents break the
-    schema or whose keys disagree (`checkpoint_problem`: the model they rebuild too) is a ReadError. What the
-    flags mean is train.py's to check."""
+    """A checkpoint's contents through the one reader, both levels with weights_only=True, once they match their
+    sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an earlier version's, or none: before
+    checksums), a damaged one or one whose contents break the schema or whose keys disagree (`checkpoint_problem`:
+    the model they rebuild too) is a ReadError. What the flags mean is train.py's to check."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or "format" not in outer:
         raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one "
@@ -525,9 +508,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
                         "with the version that wrote it, or start a new run")
     payload = outer.get("payload")
     if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
-        raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with "
-                        "them); restore the file from a copy, or start a new run with another "
-                        "--out")
+        raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with them); restore the "
+                        "file from a copy, or start a new run with another --out")
     contents = check_schema(load_torch(payload, path), CKPT_SCHEMA, CKPT_KEYS, path)
     broken = checkpoint_problem(contents)
     if broken:
@@ -538,8 +520,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 # ---- the run folder: locked by the process that runs in it, its files written whole, a refusal
 # leaving it as it was
 
-# A write that fails for want of room or permission: one line naming it, every file written before
-# whole.
+# A write that fails for want of room or permission: one line naming it, every file written before whole.
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
@@ -569,8 +550,7 @@ class RunFolder:
         """Before a new run reads anything: refuse a folder that holds a run, or a path no folder
         can be made at (both checked again by `create`, under the lock)."""
         if self.holds_run():
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or "
-                             "another --out")
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
         above = os.path.dirname(os.path.abspath(self.path))
         while not os.path.exists(above):
             above = os.path.dirname(above)
@@ -579,8 +559,7 @@ class RunFolder:
             raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
 
     def write(self, name: str, data: bytes | str) -> None:
-        """Write a file of the run whole (`atomic_write`), remembering that this process wrote
-        it."""
+        """Write a file of the run whole (`atomic_write`), remembering that this process wrote it."""
         atomic_write(self.file(name), data)
         if name not in self.written:
             self.written.append(name)
@@ -604,13 +583,11 @@ class RunFolder:
     def open_existing(self) -> None:
         """Lock the folder of a run to resume; it must hold a checkpoint."""
         if not os.path.exists(self.file("ckpt.pt")):
-            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run "
-                             "without --resume")
+            raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
         self._lock()
 
     def create(self) -> None:
-        """Create (or take over) the folder of a new run and lock it; nothing of another run is
-        touched."""
+        """Create (or take over) the folder of a new run and lock it; nothing of another run is touched."""
         try:
             parent = os.path.dirname(os.path.abspath(self.path))
             self.parents = missing_folders(parent)
@@ -628,8 +605,7 @@ class RunFolder:
         self._lock()
         if self.holds_run():
             self.release()
-            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or "
-                             "another --out")
+            raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
 
     def _lock(self) -> None:
         try:
@@ -638,8 +614,7 @@ class RunFolder:
                 pass
         except OSError as e:
             self.release()
-            raise UsageError(f"--out {self.path}: the run folder is not writable "
-                             f"({e.strerror or e})") from None
+            raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
         if fcntl is not None:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -658,10 +633,9 @@ class RunFolder:
             self.fd = None
 
     def abandon(self) -> None:
-        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this
-        process wrote, and the folder and the folders above it where this process made them and
-        nothing else is there; then unlock. Nothing this process did not write is touched, and a
-        resumed run (it wrote nothing new) keeps all."""
+        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote, and
+        the folder and the folders above it where this process made them and nothing else is there; then unlock.
+        Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
         if "ckpt.pt" not in self.written:
             for name in self.written:
                 with contextlib.suppress(OSError):
@@ -674,12 +648,10 @@ class RunFolder:
                 self._remove_parents()
         self.release()
 
-    def failure(self, e: OSError, resume: bool, step: int | None,
-                saved_step: int | None) -> str | None:
-        """The one line for a write of a run that failed (`e`): the folder moved or deleted while
-        the run trained, or a disk full, over quota or read-only; what failed where, and what is
-        kept (every file is written whole, so the last checkpoint resumes exactly). None for
-        another error (a bug: its traceback is shown)."""
+    def failure(self, e: OSError, resume: bool, step: int | None, saved_step: int | None) -> str | None:
+        """The one line for a write of a run that failed (`e`): the folder moved or deleted while the run trained,
+        or a disk full, over quota or read-only; what failed where, and what is kept (every file is written whole,
+        so the last checkpoint resumes exactly). None for another error (a bug: its traceback is shown)."""
         if e.errno == errno.ENOENT and step is not None and not os.path.isdir(self.path):
             kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes "
                     "exactly with --resume --out NEW_PLACE" if saved_step is not None
@@ -694,9 +666,8 @@ class RunFolder:
                     f"--out {self.path} again"
                     if resume else f"{what}; the new run had no checkpoint yet and left nothing "
                                    "behind: free space and start it again")
-        return (f"{what} at step {step}; the checkpoint of step {saved_step} in "
-                f"{self.file('ckpt.pt')} is whole: free space, then continue with --resume --out "
-                f"{self.path}")
+        return (f"{what} at step {step}; the checkpoint of step {saved_step} in {self.file('ckpt.pt')} is whole: "
+                f"free space, then continue with --resume --out {self.path}")
 
     def _remove_parents(self) -> None:
         """Remove the folders above the run that this run made, while they are empty (another run
@@ -723,8 +694,7 @@ def missing_folders(path: str) -> list[str]:
 
 
 class LogError(ValueError):
-    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of
-    order."""
+    """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
 
 
 # A metrics.jsonl line as `train_loop` writes it: key -> (check, what it must be); the LOG_REQUIRED
@@ -817,9 +787,8 @@ def check_log(records: list[dict], path: str, layers: int | None = None) -> None
             raise LogError(f"{path} line {number} (step {step}) {what} step {before['step']} of "
                            "the line before it: the log holds a repeated or misplaced line")
         if "prev" in rec and rec["prev"] != before["step"]:
-            raise LogError(f"{path} line {number} (step {step}) was logged after step "
-                           f"{rec['prev']}, but the line before it is step {before['step']}: a "
-                           "line of the log is missing")
+            raise LogError(f"{path} line {number} (step {step}) was logged after step {rec['prev']}, but the line "
+                           f"before it is step {before['step']}: a line of the log is missing")
 
 
 def append_log(path: str, record: dict) -> None:
@@ -871,18 +840,15 @@ def prior_evidence(source: dict) -> str | None:
     pairs = f"{source.get('found_pairs')} pairs"
     if "walsh" in source:
         w = source["walsh"]
-        return (f"found in the training data: {w['sets_kept']} of {w['sets_tested']} Walsh sets "
-                f"stand above the sampling noise {w['noise_level']:.3f} ({w['points']} points, "
-                f"alpha {w['alpha']}): {pairs}")
+        return (f"found in the training data: {w['sets_kept']} of {w['sets_tested']} Walsh sets stand above the "
+                f"sampling noise {w['noise_level']:.3f} ({w['points']} points, alpha {w['alpha']}): {pairs}")
     if "pairs" in source:
         p = source["pairs"]
-        return (f"found in the training data: {p['kept']} (answer digit, operand digit pair) "
-                f"dependences pass the permutation test ({p['tested']} pairs tried per answer "
-                f"digit, alpha {p['alpha']}): {pairs}")
+        return (f"found in the training data: {p['kept']} (answer digit, operand digit pair) dependences pass the "
+                f"permutation test ({p['tested']} pairs tried per answer digit, alpha {p['alpha']}): {pairs}")
     if "teacher_fit" in source:
-        return (f"read from the teacher {source['teacher']}: it fits "
-                f"{100 * source['teacher_fit']:.1f}% of its training inputs (at least "
-                f"{100 * source['teacher_min_fit']:.0f}% asked): {pairs}")
+        return (f"read from the teacher {source['teacher']}: it fits {100 * source['teacher_fit']:.1f}% of its "
+                f"training inputs (at least {100 * source['teacher_min_fit']:.0f}% asked): {pairs}")
     return None
 
 

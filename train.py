@@ -10,13 +10,12 @@
     python train.py show runs/parity2-mask-s0   # m.png (M at the start and end), attention.png
     python train.py make-digits data/digits  # a small real image set in CIFAR-10 format (needs scikit-learn)
 
-A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line
-per log step), result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit
-status 2.
+A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
+result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit status 2.
 
-Reading order: the parser (every run flag a field of runconfig.Config, which resolves and checks
-them) -> build (task, model, prior and init, optimiser) -> data parallelism -> loop (start or
-resume, train, finish) -> durability (what is written and checked) -> commands.
+Reading order: the parser (every run flag a field of runconfig.Config, which resolves and checks them) -> build
+(task, model, prior and init, optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability
+(what is written and checked) -> commands.
 """
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class _Unset:
-    """The default of every flag: tells a flag given on the command line from one left to the
-    preset."""
+    """The default of every flag: tells a flag given on the command line from one left to the preset."""
     __repr__ = lambda self: "preset"  # noqa: E731
 
 
@@ -76,8 +74,7 @@ UNSET = _Unset()
 
 
 class Once(argparse.Action):
-    """Store a flag's value (a switch: True), refusing a flag given twice, whose last value would
-    win in silence."""
+    """Store a flag's value (a switch: True), refusing a flag given twice, whose last value would win in silence."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest, self.default)
@@ -114,8 +111,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         if m["switch"]:
             kw["nargs"] = 0
         else:
-            kw.update({k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"]))
-                       if v is not None})
+            kw.update({k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"])) if v is not None})
             if m["choices"]:
                 kw["choices"] = list(m["choices"])
         groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
@@ -131,16 +127,14 @@ SUBCOMMANDS = {
     "redraw": ("a results folder's figures drawn again from the CSVs beside them, no runs", None, [
         (("results",), dict(help="a folder train.py report wrote (e.g. results/quick)"))]),
     "download": ("fetch the public data sets into a folder, checked against pinned sums",
-                 "Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and valid) "
-                 "into --data: resumable (run again after a cut), checked against their pinned sha256 and md5, "
-                 "unpacked safely, moved in whole; a set already there is left as it is. See "
-                 "datafetch/download.py.", [
+                 "Fetch cifar10, cifar100, wikitext2 (tokens and raw) and tinystories (V2 train and valid) into "
+                 "--data: resumable (run again after a cut), checked against their pinned sha256 and md5, unpacked "
+                 "safely, moved in whole; a set already there is left as it is. See datafetch/download.py.", [
                      (("names",), dict(nargs="+", metavar="NAME", help="cifar10, cifar100, wikitext2, tinystories")),
                      (("--data",), dict(required=True, metavar="DIR", help="the data folder (reproduce.sh's --data)")),
                      (("--from",), dict(dest="mirror", metavar="URL",
-                                        help="a mirror: a base URL holding the same file names, or a folder "
-                                             "on this machine holding them (still checked against the pinned "
-                                             "sums)")),
+                                        help="a mirror: a base URL holding the same file names, or a folder on "
+                                             "this machine holding them (still checked against the pinned sums)")),
                      (("--timeout",), dict(type=float, default=30.0,
                                            help="seconds without a byte before a transfer stops"))]),
     "imagenet100": ("build ImageNet-100 from an ImageNet-1k folder (it needs a licence)",
@@ -164,8 +158,7 @@ SUBCOMMANDS = {
 
 def build_parser() -> Parser:
     """`train.py [train] FLAGS` (the default command) and each command of SUBCOMMANDS."""
-    p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate "
-                                            "runs.")
+    p = Parser(prog="train.py", description="Train a task with an attention prior, or tabulate runs.")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", argument_default=UNSET, help="train one run (the default command)",
                        description="Train a task with an attention prior. A flag not given takes "
@@ -203,8 +196,7 @@ def parse_args(argv=None):
 EXPLICIT_UP_TO = 128
 
 
-def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"),
-              n: int = 0) -> bool:
+def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
     """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
     `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
     the CPU."""
@@ -224,11 +216,9 @@ def model_config(config, task, device=torch.device("cpu")):
                  qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
                  pos_init_std=config.pos_init_std, drop_path=config.drop_path,
                  mask_param=config.mask_param, mask_window=config.mask_window)
-    own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items()
-           if k in {f.name for f in fields(family)}}
+    own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items() if k in {f.name for f in fields(family)}}
     cfg = family(**arch, **trunk, **own)
-    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device,
-                                        cfg.n_positions))
+    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
 
 
 def build_model(config, task, device):
@@ -259,8 +249,7 @@ def read_teacher(config, task) -> Teacher:
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
     if not os.path.lexists(os.path.join(folder, "result.json")):
-        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end "
-                         "first")
+        raise UsageError(f"{flag} is not a finished run (no result.json): train it to the end first")
     with runfiles.RunFolder(folder).reading(flag):
         try:
             result = runfiles.read_result(os.path.join(folder, "result.json"))
@@ -269,15 +258,12 @@ def read_teacher(config, task) -> Teacher:
         ckpt = read_checkpoint(os.path.join(folder, "ckpt.pt"), flag)
     ident = ckpt["identity"]
     if result.get("run_id") != ident.get("run_id") or result.get("steps") != ckpt["step"]:
-        raise UsageError(f"{flag}: its result.json (run {result.get('run_id')}, step "
-                         f"{result.get('steps')}) and ckpt.pt (run {ident.get('run_id')}, step "
-                         f"{ckpt['step']}) are not one finished run; finish the run (--resume) or "
-                         "give another teacher")
-    saved, mine = runconfig.saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config,
-                                                                                        task))
+        raise UsageError(f"{flag}: its result.json (run {result.get('run_id')}, step {result.get('steps')}) and "
+                         f"ckpt.pt (run {ident.get('run_id')}, step {ckpt['step']}) are not one finished run; "
+                         "finish the run (--resume) or give another teacher")
+    saved, mine = runconfig.saved_config(ckpt["config"], f"{flag}: ckpt.pt"), asdict(model_config(config, task))
     if saved.task != config.task:
-        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher "
-                         "runs the same task")
+        raise UsageError(f"{flag} is a run of task {saved.task}, not {config.task}: a teacher runs the same task")
     theirs = ckpt["model_config"]
     other = {k: (theirs.get(k), mine.get(k)) for k in LAYOUT if theirs.get(k) != mine.get(k)}
     if other:
@@ -293,8 +279,7 @@ def read_teacher(config, task) -> Teacher:
 
 
 def teacher_prior(config, task, device, teacher: Teacher) -> runfiles.Prior:
-    """The prior a teacher's attention gives (`tasks.Task.prior_from_teacher`), its task made from its
-    own flags."""
+    """The prior a teacher's attention gives (`tasks.Task.prior_from_teacher`), its task made from its own flags."""
     ckpt, kind = teacher.ckpt, config.prior_kind or task.TEACHER_KINDS[0]
     teacher_task = runconfig.task_for(teacher.config).setup(device)
     source = {"from": "teacher", "teacher": os.path.abspath(teacher.folder),
@@ -310,11 +295,10 @@ def teacher_prior(config, task, device, teacher: Teacher) -> runfiles.Prior:
 
 @dataclass
 class Probe:
-    """What every log step of a run measures: the task's metrics, and the prior per layer
-    (attention mass on the prior's pattern and content margin on a fixed real batch `inputs`, drift
-    of M and Wq Wk^T since `snapshot`, the start). When the pattern constrains no query row there
-    is no mass to measure: `no_mass` says why. `autocast` makes the context the model runs in
-    (train.py's --amp)."""
+    """What every log step of a run measures: the task's metrics, and the prior per layer (attention mass on the
+    prior's pattern and content margin on a fixed real batch `inputs`, drift of M and Wq Wk^T since `snapshot`, the
+    start). When the pattern constrains no query row there is no mass to measure: `no_mass` says why. `autocast`
+    makes the context the model runs in (train.py's --amp)."""
     task: tasks.Task
     pattern: torch.Tensor
     inputs: torch.Tensor
@@ -331,18 +315,15 @@ class Probe:
             "row allows every key it can see), so there is no prior mass to measure")
 
     def line(self, rec: dict) -> str:
-        """A log record as the progress line shows it: the task's headline metrics and the prior's
-        mean mass."""
+        """A log record as the progress line shows it: the task's headline metrics and the prior's mean mass."""
         m, mass = rec["metrics"], rec["prior_mass_mean"]
-        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE
-                 if k in m]
+        parts = [f"{'test_loss' if k == 'loss' else k} {m[k]:.4f}" for k in self.task.HEADLINE if k in m]
         return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
     def say_final_size(self, model) -> None:
-        """Slow work says so: where the final evaluation scores 10x more points than a log step's
-        sample (a cube of 2^20 points), say its size and an estimate when it passes 10 s. The
-        estimate scales the last log step's sample; only where no log step came after the first
-        (whose one-time work inflates its time) is one timed."""
+        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
+        2^20 points), say its size and an estimate when it passes 10 s. The estimate scales the last log step's
+        sample; only where no log step came after the first (whose one-time work inflates its time) is one timed."""
         size = self.task.final_eval_size()
         if not size or not self.eval_points or size < 10 * self.eval_points:
             return
@@ -352,8 +333,7 @@ class Probe:
             self.sample_seconds.append(time.perf_counter() - started)
         seconds = size / self.eval_points * self.sample_seconds[-1]
         if seconds > 10:
-            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about "
-                          f"{seconds:.0f} s)")
+            self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
 
     def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
         """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_*
@@ -370,8 +350,7 @@ class Probe:
                 self.sample_seconds.append(time.perf_counter() - started)
             if ema is not None:
                 averaged = self.task.evaluate(ema.eval(), points=points)
-                metrics.update({f"ema_{k}": v for k, v in averaged.items()
-                                if isinstance(v, float)})
+                metrics.update({f"ema_{k}": v for k, v in averaged.items() if isinstance(v, float)})
             mass, margin = mp.prior_probe(model, self.inputs, self.pattern) if self.no_mass is None else (None, None)
         model.train()
         return {"metrics": metrics, "prior_mass": mass, "prior_mass_mean": None if mass is None
@@ -402,8 +381,7 @@ def amp_on(amp: str, device_type: str) -> bool:
 
 
 def autocast(device, config):
-    return torch.autocast(device.type, dtype=torch.bfloat16,
-                          enabled=amp_on(config.amp, device.type))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on(config.amp, device.type))
 
 
 # ----------------------------------------------------------------------------------------
@@ -436,8 +414,7 @@ class Dist:
         return box[0]
 
     def agree(self, error: str | None) -> None:
-        """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit
-        quietly."""
+        """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit quietly."""
         error = self.share(error)
         if error is not None:
             raise UsageError(error) if self.main else QuietExit()
@@ -470,9 +447,8 @@ class Dist:
 
 
 def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
-    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs,
-    gloo on the CPU) and pin this rank's device (the config it returns names it); bad settings are
-    one line from rank 0."""
+    """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo on the CPU) and
+    pin this rank's device (the config it returns names it); bad settings are one line from rank 0."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Dist(), config
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -666,9 +642,8 @@ def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Co
     return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
-# What a config builds (`build`): its config with the schedule sized, the task set up, the model
-# and its model config, the optimiser, and the init's report and prior (None where the init was not
-# applied: a resume).
+# What a config builds (`build`): its config with the schedule sized, the task set up, the model and its model
+# config, the optimiser, and the init's report and prior (None where the init was not applied: a resume).
 Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
@@ -723,19 +698,16 @@ def new_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist:
     return state
 
 
-def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist,
-                 ckpt: dict) -> Run:
-    """The run a checkpoint holds, on the build of its own config, in memory: its steps,
-    architecture, data, moving average and prior file checked, then the weights, optimiser, probe
-    snapshot and RNG restored."""
+def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist, ckpt: dict) -> Run:
+    """The run a checkpoint holds, on the build of its own config, in memory: its steps, architecture, data, moving
+    average and prior file checked, then the weights, optimiser, probe snapshot and RNG restored."""
     config, model, model_cfg = built.config, built.model, built.model_cfg
     if config.steps < ckpt["step"]:
         raise UsageError(f"--resume: the checkpoint in {config.out} is at step {ckpt['step']}, "
                          f"past --steps {config.steps}; give --steps {ckpt['step']} or more")
     check_architecture(ckpt, model_cfg, "--resume", config.out)
     if config.ema and "ema" not in ckpt:
-        raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average "
-                         "(--ema)")
+        raise UsageError(f"--resume: the checkpoint in {config.out} holds no moving average (--ema)")
     check_same_data(ckpt, task, config)
     prior = saved_prior(config, task, ckpt["prior_sha256"])
     pattern, prior_source = prior.pattern.to(device), prior.source
@@ -766,8 +738,7 @@ def check_start(model, task, config, device) -> None:
     """A new run's initial state must be finite, in its weights and in its loss on the first batch
     (`first_loss`), or nothing is written."""
     if not finite_weights(model):
-        raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing "
-                         "was written")
+        raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing was written")
     loss = first_loss(model, task, config, device)
     if not torch.isfinite(loss):
         raise UsageError(f"the initial model gives a {float(loss)} loss with these flags (--init "
@@ -811,20 +782,17 @@ def train_loop(state: Run) -> int | None:
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
                 runfiles.append_log(state.path("metrics.jsonl"), state.last)
                 state.log_step = step
-                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | "
-                      f"{state.probe.line(rec)} | {rate:.1f} steps/s | ETA "
-                      f"{fmt_time(eta(state, step, rate))}", flush=True)
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {state.probe.line(rec)} | "
+                      f"{rate:.1f} steps/s | ETA {fmt_time(eta(state, step, rate))}", flush=True)
                 estimated = True
             elif dist.main and not estimated and time.time() - t_start >= EARLY_ETA:
                 rate = steps_done / (time.time() - t_start - t_eval)
-                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s "
-                      f"| ETA {fmt_time(eta(state, step, rate))} (an early estimate; the first "
-                      "evaluation is at step "
+                print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
+                      f"{fmt_time(eta(state, step, rate))} (an early estimate; the first evaluation is at step "
                       f"{min(total, (step // config.log_every + 1) * config.log_every)})",
                       flush=True)
                 estimated = True
-            halt = interrupted or (config.halt_after is not None and step >= config.halt_after
-                                   and step < total)
+            halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
             if step % config.ckpt_every == 0 or step == total or halt:
                 if not finite_weights(model):
                     return non_finite(state, f"the parameters became non-finite at step {step}")
@@ -844,9 +812,8 @@ EARLY_ETA = 10.0
 
 
 def eta(state: Run, step: int, rate: float) -> float:
-    """Seconds left: the steps at `rate` (training alone), each log step's evaluation as long as
-    the last one timed (`eval_seconds`; a resumed run's is timed at its first log step) and the
-    final one over the whole test set."""
+    """Seconds left: the steps at `rate` (training alone), each log step's evaluation as long as the last one timed
+    (`eval_seconds`; a resumed run's is timed at its first log step) and the final one over the whole test set."""
     config, each = state.config, state.eval_seconds or 0.0
     if step >= config.steps:
         # the final evaluation is the last log step's: done
@@ -865,8 +832,7 @@ def step_loss(trained, task, batch, config, device, weight: float | None = None)
 
 def step_update(model, optimizer, loss: torch.Tensor, config, step: int,
                 ema: torch.nn.Module | None = None) -> None:
-    """The second half, once the loss is finite: the step's learning rate, backward, --grad-clip,
-    update, --ema."""
+    """The second half, once the loss is finite: the step's learning rate, backward, --grad-clip, update, --ema."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, config.steps, config)
     optimizer.zero_grad(set_to_none=True)
@@ -907,16 +873,15 @@ def finish(state: Run) -> int:
     start = state.mass_start
     metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
                "prior_mass_end": start and last["prior_mass_mean"]}
+    preset = runconfig.resolve(*parse_args(["--task", config.task, "--preset", config.preset]))
     result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
               "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
               "data": state.data, "init_order": list(runconfig.INITS).index(config.init),
               "token_labels": state.task.token_labels(),
               "tells_apart": {k: v for k, v in asdict(config).items()
                               if k not in runconfig.NOT_TELLING_APART},
-              "at_preset": all(getattr(config, k) == getattr(runconfig.resolve(*parse_args(["--task", config.task, "--preset",
-                                                                                   config.preset])), k)
-                               # model and data as the preset's (reports mark it)
-                               for k in runconfig.ARCH - {"init"}),
+              # model and data as the preset's (reports mark it)
+              "at_preset": all(getattr(config, k) == getattr(preset, k) for k in runconfig.ARCH - {"init"}),
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
               "prior_mass_start_layers": state.mass_start,
               "prior_mass_end_layers": last["prior_mass"],
@@ -927,9 +892,8 @@ def finish(state: Run) -> int:
               "torch": torch.__version__,
               "params": sum(p.numel() for p in state.model.parameters())}
     runfiles.atomic_write(state.path("result.json"), json_text(result))
-    print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, "
-          f"{time.time() - STARTED:.1f} s wall since the command started | "
-          f"{state.path('result.json')}", flush=True)
+    print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, {time.time() - STARTED:.1f} s "
+          f"wall since the command started | {state.path('result.json')}", flush=True)
     return 0
 
 
@@ -939,8 +903,7 @@ def sample(config, explicit: set) -> int:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
     folder = runfiles.RunFolder(config.out)
     if not os.path.exists(folder.file("ckpt.pt")):
-        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first "
-                         "(or check --out)")
+        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
     ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     task = runconfig.check(config, explicit)
@@ -971,10 +934,9 @@ def fmt_time(s: float) -> str:
 
 
 def begin(state: Run, ckpt: dict | None) -> None:
-    """Rank 0, once everything is checked and built: a new run takes its folder
-    (`RunFolder.create`) and writes args.json, prior.pt, the log's first line and last ckpt.pt
-    (which makes the folder a run); a resumed run cuts its log back to the checkpoint's step and
-    rewrites args.json. Each then says what it runs."""
+    """Rank 0, once everything is checked and built: a new run takes its folder (`RunFolder.create`) and writes
+    args.json, prior.pt, the log's first line and last ckpt.pt (which makes the folder a run); a resumed run cuts
+    its log back to the checkpoint's step and rewrites args.json. Each then says what it runs."""
     config, folder = state.config, state.folder
     if ckpt is not None:
         runfiles.truncate_log(state.path("metrics.jsonl"), state.step)
@@ -1005,10 +967,9 @@ def json_text(obj) -> str:
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
-    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's
-    report, the prior's snapshot and starting mass, RNG states: all `--resume` needs to continue
-    exactly. They are serialised first and stored with their sha256, which `read_checkpoint`
-    verifies."""
+    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the
+    prior's snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are serialised
+    first and stored with their sha256, which `read_checkpoint` verifies."""
     ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
             "step": state.step, "seconds": state.seconds if seconds is None else seconds,
             "config": asdict(state.config), "model_config": asdict(state.model_cfg),
@@ -1028,8 +989,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
 
 
 def config_hash(flags: dict) -> str:
-    """A short hash of the flags a resume may not change (all but runconfig.RESUMABLE): one run's
-    configuration."""
+    """A short hash of the flags a resume may not change (all but runconfig.RESUMABLE): one run's configuration."""
     fixed = {k: v for k, v in flags.items() if k not in runconfig.RESUMABLE and k != "out"}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
@@ -1037,11 +997,10 @@ def config_hash(flags: dict) -> str:
 
 
 def show(run_dir: str, out: str) -> int:
-    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its
-    weights) -> m.png, and the mean attention on the task's probe inputs at the end ->
-    attention.png (the model rebuilt on the CPU from the checkpoint, checked as --resume checks it,
-    before anything is written); each file's path printed. A run without M draws its attention
-    alone; a task whose data is not where the run read it draws M alone, and says so."""
+    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
+    and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
+    the checkpoint, checked as --resume checks it, before anything is written); each file's path printed. A run
+    without M draws its attention alone; a task whose data is not where the run read it draws M alone, and says so."""
     if reporting.show.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -1050,9 +1009,8 @@ def show(run_dir: str, out: str) -> int:
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
         return show_saved(run_dir, out)
     if not os.path.isfile(path):
-        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that "
-                         "has trained, or a model saved with save_pretrained after "
-                         "retrofit.add_mask_prior")
+        raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained, or a "
+                         "model saved with save_pretrained after retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
     config = replace(runconfig.saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     task, model, absent = runconfig.task_for(config), None, None
@@ -1132,8 +1090,7 @@ def show_saved(folder: str, out: str) -> int:
             transformers.logging.enable_progress_bar()
     os.makedirs(out, exist_ok=True)
     print(reporting.show.draw_model(model, os.path.join(out, "m.png"),
-                       f"{os.path.basename(os.path.abspath(folder))} "
-                       f"({type(model).__name__}, saved)"))
+                       f"{os.path.basename(os.path.abspath(folder))} ({type(model).__name__}, saved)"))
     print("show: attention.png not drawn: a saved model holds no inputs to probe")
     return 0
 
@@ -1154,17 +1111,15 @@ def read_checkpoint(path: str, flag: str) -> dict:
 
 
 def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.RunFolder, ckpt: dict) -> runconfig.Config:
-    """Resume: the run's config from its saved flags (`resumed_flags`) but its folder (the --out
-    given: a run folder can move) and the resumable flags given now; any other flag given must
-    agree."""
+    """Resume: the run's config from its saved flags (`resumed_flags`) but its folder (the --out given: a run folder
+    can move) and the resumable flags given now; any other flag given must agree."""
     saved = resumed_flags(folder, ckpt)
     for key in sorted(explicit - runconfig.RESUMABLE - {"out"}):
         new = getattr(config, key)
         if key in saved and saved[key] != new:
             what = "architecture" if key in runconfig.ARCH else "setting"
-            raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but "
-                             f"{key}={new!r} was given; a resumed run cannot change its {what} "
-                             "(start a new run with another --out)")
+            raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
+                             f"given; a resumed run cannot change its {what} (start a new run with another --out)")
     values = asdict(config)
     for key, value in saved.items():
         if key != "out" and key in runconfig.DEFAULTS and (key not in explicit or key not in runconfig.RESUMABLE):
@@ -1175,10 +1130,9 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
 
 
 def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
-    """The run's flags from args.json once the three files are one run at one step: metrics.jsonl
-    starts at step 0, reaches the checkpoint's last log step and names its run; args.json holds
-    valid flags (`saved_config`) equal to the checkpoint's where a resume may not change them.
-    Anything else is one line."""
+    """The run's flags from args.json once the three files are one run at one step: metrics.jsonl starts at step 0,
+    reaches the checkpoint's last log step and names its run; args.json holds valid flags (`saved_config`) equal to
+    the checkpoint's where a resume may not change them. Anything else is one line."""
     path, log, flags = folder.file("args.json"), folder.file("metrics.jsonl"), ckpt["config"]
     if not os.path.isfile(log):
         what = "is not a file" if os.path.exists(log) else "is missing"
@@ -1191,10 +1145,9 @@ def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
                          "from a copy, or start a new run with another --out") from None
     ident = ckpt["identity"]
     if records and records[0]["step"] == 0 and records[0].get("run_id") != ident["run_id"]:
-        raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run "
-                         f"(run {ident['run_id']}, seed {ident['seed']}; this folder's log is of "
-                         f"run {records[0].get('run_id')}); put back this run's ckpt.pt, or start "
-                         "a new run")
+        raise UsageError(f"--resume: {folder.file('ckpt.pt')} is the checkpoint of another run (run "
+                         f"{ident['run_id']}, seed {ident['seed']}; this folder's log is of run "
+                         f"{records[0].get('run_id')}); put back this run's ckpt.pt, or start a new run")
     if not records or records[0]["step"] != 0 or records[-1]["step"] < logged:
         held = "no records" if not records else f"steps {records[0]['step']} .. {records[-1]['step']}"
         raise UsageError(f"--resume: {log} holds {held}, but the checkpoint (step {ckpt['step']}) "
@@ -1212,8 +1165,7 @@ def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
 
 
 def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
-    """The model a checkpoint holds is the model this config builds (but for its attention path,
-    which may change)."""
+    """The model a checkpoint holds is the model this config builds (but for its attention path, which may change)."""
     if ({k: v for k, v in ckpt["model_config"].items() if k != "fused"}
             != {k: v for k, v in asdict(model_cfg).items() if k != "fused"}):
         raise UsageError(f"{flag}: the checkpoint in {out} holds a different architecture "
@@ -1226,11 +1178,9 @@ def check_same_data(ckpt: dict, task, config) -> None:
     saved, now = ckpt["data"], task.data_hash()
     if saved is not None and now != saved:
         was = ckpt["config"].get("data_dir")
-        raise UsageError("--resume: the "
-                         f"data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} "
-                         f"is not the data the run in {config.out} trained on (data hash "
-                         f"{now[:12]}, the checkpoint's {saved[:12]}); point --data-dir at the "
-                         "run's own data"
+        raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is "
+                         f"not the data the run in {config.out} trained on (data hash {now[:12]}, the checkpoint's "
+                         f"{saved[:12]}); point --data-dir at the run's own data"
                          + (f" (it started from {was})" if was else ""))
 
 
@@ -1272,10 +1222,8 @@ def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
 
 
 def float_order(device: torch.device) -> dict:
-    """What decides the order of a step's float sums: the device type and, on the CPU, torch's
-    thread count."""
-    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu"
-            else None}
+    """What decides the order of a step's float sums: the device type and, on the CPU, torch's thread count."""
+    return {"device": device.type, "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 
 def finite_weights(model) -> bool:
@@ -1284,16 +1232,14 @@ def finite_weights(model) -> bool:
 
 def non_finite(state: Run, what: str) -> int:
     if state.dist.main:
-        print(f"error: {what}; stopped. The last good checkpoint is kept in "
-              f"{state.path('ckpt.pt')}; try a lower --lr or --grad-clip (both may change on "
-              "--resume)", file=sys.stderr, flush=True)
+        print(f"error: {what}; stopped. The last good checkpoint is kept in {state.path('ckpt.pt')}; try a lower "
+              "--lr or --grad-clip (both may change on --resume)", file=sys.stderr, flush=True)
     return 1
 
 
 class Interrupt:
-    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag
-    checked between steps (`hit`): the run saves a checkpoint and exits 130 (SIGINT) or 143
-    (SIGTERM). A second signal aborts."""
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or reproduce.sh's stop) into a flag checked between
+    steps (`hit`): the run saves a checkpoint and exits 130 (SIGINT) or 143 (SIGTERM). A second signal aborts."""
     SIGNALS = {signal.SIGINT: ("interrupt", 130), signal.SIGTERM: ("terminated", 143)}
 
     def __enter__(self):

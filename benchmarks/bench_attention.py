@@ -24,9 +24,8 @@ import train  # noqa: E402
 
 
 def train_config(args, device):
-    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the
-    task's data is never read: the batch is random), so that each variant takes train.py's own
-    step."""
+    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's data is
+    never read: the batch is random), so that each variant takes train.py's own step."""
     targs = runconfig.resolve(*train.parse_args(["--task", "parity2", "--device",
                                              str(device), "--steps", "1000000"]))
     return targs, runconfig.task_for(targs)
@@ -76,8 +75,7 @@ def timed_rounds(steps: dict, device, rounds: int, per_round: int) -> dict:
 
 def interleaved(steps: dict, device, rounds: int, per_round: int) -> dict:
     """{name: median seconds per step} of `timed_rounds`."""
-    return {name: statistics.median(ts)
-            for name, ts in timed_rounds(steps, device, rounds, per_round).items()}
+    return {name: statistics.median(ts) for name, ts in timed_rounds(steps, device, rounds, per_round).items()}
 
 
 def round_ratios(times: dict, base: str) -> dict:
@@ -90,8 +88,7 @@ def round_ratios(times: dict, base: str) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--layers", type=int)
@@ -103,18 +100,15 @@ def main():
     p.add_argument("--batch-size", type=int, default=tasks.BooleanTask.preset("small")["batch_size"])
     p.add_argument("--steps", type=int, default=20, help="steps per round")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--explicit", action="store_true",
-                   help="also time default with the explicit attention path")
+    p.add_argument("--explicit", action="store_true", help="also time default with the explicit attention path")
     args = p.parse_args()
     device = torch.device(args.device)
     x = torch.randint(0, 2, (args.batch_size, args.seq_len), device=device)
     y = torch.randn(args.batch_size, device=device)
-    # "mask" uses what train.py's --attention auto picks on this device; the other path is shown
-    # beside it
+    # "mask" uses what train.py's --attention auto picks on this device; the other path is shown beside it
     auto_fused = train.use_fused("auto", True, device, args.seq_len + 1)
     other = "mask explicit" if auto_fused else "mask fused"
-    variants = {"default": (False, True), "mask": (True, auto_fused),
-                other: (True, not auto_fused)}
+    variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
     if args.explicit:
         variants["default explicit"] = (False, False)
     targs, task = train_config(args, device)

@@ -1,5 +1,5 @@
-"""How the language-model prior scales with the context, side by side as ratios to default (no M)
-at each context length N: parameters, training-step time and peak memory of
+"""How the language-model prior scales with the context, side by side as ratios to default (no M) at each context
+length N: parameters, training-step time and peak memory of
 
     floor        default's model reading the relative prior's bias as a constant: the kernel call of the prior's
                  fused path (on the CPU torch's fused kernel with the bias and is_causal), the kernel's own
@@ -14,33 +14,29 @@ so that what M itself costs is a variant's ratio over the floor's (the /floor co
     python benchmarks/bench_context.py --sizes 256,1024,2048,4096 --device cuda
     python benchmarks/bench_context.py --device cuda --amp bf16 --paths all   # every attention path, side by side
 
-`--paths all` runs each M through every attention path: fused (SDPA's kernel; on the CPU M's
-gradient computed apart from it, `mp.prior_attention`), the explicit softmax, and torch's
-flex_attention (CUDA only, as its backward is).
+`--paths all` runs each M through every attention path: fused (SDPA's kernel; on the CPU M's gradient computed apart
+from it, `mp.prior_attention`), the explicit softmax, and torch's flex_attention (CUDA only, as its backward is).
 
-The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4,
-train.py's step (forward, backward, AdamW update). Step times: every variant of one N in one
-process, timed in interleaved rounds (warm-up excluded) so that drifts in machine load hit all
-alike; the table gives the median, and of the per-round ratios (a variant's step over default's in
-the same round) the median and the min-max, which tells noise from signal. Peak memory: each
-variant alone in a fresh process (peak resident memory on the CPU, peak allocated on CUDA). The
-table is on stdout, with a legend under it; what runs, N by N, on stderr.
+The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step
+(forward, backward, AdamW update). Step times: every variant of one N in one process, timed in interleaved rounds
+(warm-up excluded) so that drifts in machine load hit all alike; the table gives the median, and of the per-round
+ratios (a variant's step over default's in the same round) the median and the min-max, which tells noise from
+signal. Peak memory: each variant alone in a fresh process (peak resident memory on the CPU, peak allocated on
+CUDA). The table is on stdout, with a legend under it; what runs, N by N, on stderr.
 
-Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in
-results/README.md): it was not the prior's kernel call. It gave the bias to
-F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes no is_causal beside a mask, so
-the kernel computed every block of the future that the mask's -inf then hid, forward and backward;
-the prior's CPU path (maskprior_fast.prior_attention -> `_FusedPrior`) calls the same aten kernel
-with the bias and is_causal, which skips those blocks. Measured here (one thread, a 2-core machine
-shared with other work), one attention call (batch 4, 4 heads, head dim 32, forward + backward) as a
-ratio to SDPA with is_causal and no mask: mask without is_causal 1.35-1.46x at N = 1,024 and 1.75x at
-2,048, the kernel with the mask and is_causal 1.09-1.10x and 1.11x, the prior 1.12-1.13x and 1.57x;
-the whole step at N = 1,024 (11 rounds): old floor 1.27x, this floor 1.03x, relative 1.09x. The floor
-is now that kernel call with the kernel's own backward, so it does less than any prior on the fused
-path; one that comes out above a prior is noise (or the prior runs the explicit or flex path), and
-the table says which under the N's rows. The prior's backward is our own (`maskprior_fast._backward`, the kernel
-gives no dS), so /floor counts it with M's gradient: at N = 2,048 a frozen M on the prior's path costs
-1.40x, a learnt one 1.42x, the floor 1.13x.
+Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in results/README.md): it was
+not the prior's kernel call. It gave the bias to F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes
+no is_causal beside a mask, so the kernel computed every block of the future that the mask's -inf then hid, forward
+and backward; the prior's CPU path (maskprior_fast.prior_attention -> `_FusedPrior`) calls the same aten kernel with
+the bias and is_causal, which skips those blocks. Measured here (one thread, a 2-core machine shared with other
+work), one attention call (batch 4, 4 heads, head dim 32, forward + backward) as a ratio to SDPA with is_causal and
+no mask: mask without is_causal 1.35-1.46x at N = 1,024 and 1.75x at 2,048, the kernel with the mask and is_causal
+1.09-1.10x and 1.11x, the prior 1.12-1.13x and 1.57x; the whole step at N = 1,024 (11 rounds): old floor 1.27x, this
+floor 1.03x, relative 1.09x. The floor is now that kernel call with the kernel's own backward, so it does less than
+any prior on the fused path; one that comes out above a prior is noise (or the prior runs the explicit or flex
+path), and the table says which under the N's rows. The prior's backward is our own (`maskprior_fast._backward`, the
+kernel gives no dS), so /floor counts it with M's gradient: at N = 2,048 a frozen M on the prior's path costs 1.40x,
+a learnt one 1.42x, the floor 1.13x.
 """
 import argparse
 import json
@@ -115,8 +111,7 @@ def build(n: int, variant: str, device: torch.device, amp: str):
             block.attn.forward = floor_attention(block.attn, block.attn.prior(n).detach().to(device))
             block.attn.prior = None
     model.to(device)
-    # train.py's config and task of the language model (the small preset's AdamW; the corpus is
-    # never read)
+    # train.py's config and task of the language model (the small preset's AdamW; the corpus is never read)
     targs = runconfig.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device",
                                              str(device), "--amp", amp]))
     task, opt = runconfig.task_for(targs), train.make_optimizer(model, targs)
@@ -142,8 +137,7 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
 
 
 def peak(n: int, variant: str, device: str, amp: str) -> float:
-    """Peak MiB of one variant alone in this process: resident memory on the CPU, allocated memory
-    on CUDA."""
+    """Peak MiB of one variant alone in this process: resident memory on the CPU, allocated memory on CUDA."""
     torch.set_num_threads(1)
     device = torch.device(device)
     _, step = build(n, variant, device, amp)
@@ -154,8 +148,7 @@ def peak(n: int, variant: str, device: str, amp: str) -> float:
 
 
 def run(args: list) -> tuple:
-    """(the last stdout line as JSON, None) of this script run with `args`, or (None, why it
-    failed)."""
+    """(the last stdout line as JSON, None) of this script run with `args`, or (None, why it failed)."""
     r = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode:
@@ -169,9 +162,8 @@ def say(*line):
 
 
 def timings(n: int, variants: list, common: list) -> tuple:
-    """({variant: time_all's entry}, why the joint run failed or None) at one N: every variant in
-    one process, or, if one of them fails there, each in a process of its own (then the rounds
-    are not paired)."""
+    """({variant: time_all's entry}, why the joint run failed or None) at one N: every variant in one process, or,
+    if one of them fails there, each in a process of its own (then the rounds are not paired)."""
     times, failed = run(["--time", str(n), "--variants", ",".join(variants), *common])
     if times is None:
         times = {}
@@ -223,12 +215,10 @@ def notes(n: int, times: dict, device: str, paired: bool) -> list:
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="256,1024,2048")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--amp", default="off", choices=("off", "bf16"),
-                   help="train.py's --amp (bf16 on a GPU)")
+    p.add_argument("--amp", default="off", choices=("off", "bf16"), help="train.py's --amp (bf16 on a GPU)")
     p.add_argument("--paths", default="auto", choices=tuple(PATHS),
                    help="auto: train.py's path for M; all: each path")
     p.add_argument("--rounds", type=int, default=7,
@@ -248,8 +238,7 @@ def main():
         print(json.dumps(peak(int(a.peak[0]), a.peak[1], a.device, a.amp)))
         return
     paths = [q for q in PATHS[a.paths] if q != "flex" or a.device.startswith("cuda")]
-    variants = ["default", "floor"] + [f"{v}:{q}" if a.paths == "all" else v for v in VARIANTS[2:]
-                                       for q in paths]
+    variants = ["default", "floor"] + [f"{v}:{q}" if a.paths == "all" else v for v in VARIANTS[2:] for q in paths]
     sizes, k = [int(s) for s in a.sizes.split(",")], len(variants)
     common = ["--device", a.device, "--amp", a.amp, "--rounds", str(a.rounds)]
     say(f"N = {a.sizes}, {k} variants; at each N one process runs each variant 2 warm-up steps and "

@@ -50,9 +50,8 @@ VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}
 
 
 def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]:
-    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present):
-    [(table, task, inits, flags)] in its order (one entry per task and extra flags), and the seeds
-    a (task, init) runs."""
+    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present): [(table, task,
+    inits, flags)] in its order (one entry per task and extra flags), and the seeds a (task, init) runs."""
     plan = reporting.plan.run_list(quick=quick, only=only, data=None)
     groups = {}
     for r in plan.runs:
@@ -63,8 +62,7 @@ def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]
 
 
 def flags_of(text: str) -> list:
-    """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is
-    read)."""
+    """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is read)."""
     words = text.split()
     out, skip = [], False
     for i, w in enumerate(words):
@@ -89,7 +87,8 @@ def synthetic_data(task, device, args):
         task.y_train = torch.randint(0, task.n_classes, (4096,), generator=g).to(device)
         task.x_test = torch.randint(0, 256, (TEST_SIZE[task.NAME], 3, s, s), generator=g, dtype=torch.uint8).to(device)
         task.y_test = torch.randint(0, task.n_classes, (TEST_SIZE[task.NAME],), generator=g).to(device)
-        task.mean, task.std = torch.full((1, 3, 1, 1), 0.5, device=device), torch.full((1, 3, 1, 1), 0.25, device=device)
+        task.mean = torch.full((1, 3, 1, 1), 0.5, device=device)
+        task.std = torch.full((1, 3, 1, 1), 0.25, device=device)
         task.n_train = 4096
     else:
         v = task.vocab_size = VOCAB[task.NAME]
@@ -117,11 +116,9 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     return train.build(args, device, explicit, task)
 
 
-def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float,
-                                                                                 float]:
-    """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on
-    its real path. eval_cap n > 0: both evaluations on n points (a check that they run, not their
-    cost)."""
+def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float, float]:
+    """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on its real path.
+    eval_cap n > 0: both evaluations on n points (a check that they run, not their cost)."""
     config, task, model = built.config, built.task, built.model
     trained = torch.compile(model) if config.compile else model
     probe = train.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size),
@@ -150,8 +147,7 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
 
 
 def start_ms(starts: int = 3) -> float:
-    """ms a run's process takes to start and import train.py (torch included), the median of
-    `starts` starts."""
+    """ms a run's process takes to start and import train.py (torch included), the median of `starts` starts."""
     times = []
     for _ in range(starts):
         t0 = time.perf_counter()
@@ -162,16 +158,14 @@ def start_ms(starts: int = 3) -> float:
 
 
 def parse_flags():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true",
                    help="the --quick plan (the small presets, reproduce.sh --quick) "
                    "instead of the paper's; on the CPU at --threads 1, as reproduce.sh --quick runs each run")
     p.add_argument("--only", choices=reporting.plan.TABLES, help="one table or study")
     p.add_argument("--task", help="one task of the table(s)")
-    p.add_argument("--steps", type=int, default=10,
-                   help="timed steps per run (after the warm-up steps)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after the warm-up steps)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--starts", type=int, default=3, choices=range(1, 11), metavar="1..10",
                    help="processes started to time a run's start (their median; default 3)")
@@ -183,10 +177,8 @@ def parse_flags():
     p.add_argument("--eval-points", type=int, default=0,
                    help="evaluate on this many points, log and final alike "
                    "(a CPU smoke test); the hours then do not describe the paper")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile every model (train.py --compile)")
-    p.add_argument("--plan", action="store_true",
-                   help="only the runs and steps per table (nothing is timed)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every model (train.py --compile)")
+    p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
     p.add_argument("--write", action="store_true",
                    help=f"keep the times in {os.path.relpath(reporting.plan.STEP_TIMES)}")
     a = p.parse_args()
@@ -210,8 +202,7 @@ def print_plan(a, preset: str) -> None:
 
 def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float) -> tuple[dict, dict]:
     """Each time key's first run built and timed, a line each: ({time key: times}, {task: {init: ms per step}})."""
-    extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"]
-                                                                             if a.compile else [])
+    extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
     # each time_key once: the first run that has it
     first = {}
     for r in runs:
@@ -244,8 +235,7 @@ def print_totals(runs: list, times: dict, ratio: dict, preset: str) -> None:
     for table, h in per_table.items():
         print(f"total {table:<11}{h:>9.2f} device-hours (steps, evaluations, starts)")
     print(f"total            {sum(per_table.values()):>9.2f} device-hours")
-    ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m
-             and "default" in m}
+    ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m and "default" in m}
     if ratio:
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")
@@ -265,11 +255,10 @@ def main():
     if threads:
         torch.set_num_threads(threads)
     ms_start = start_ms(a.starts)
-    print(f"device {device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
-          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile "
-          f"{a.compile} | {a.warmup} warm-up + {a.steps} timed steps per run | a run's process "
-          f"starts in {ms_start / 1000:.1f} s | evaluations on " + (f"{a.eval_points} points (not "
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
+          f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile {a.compile} | "
+          f"{a.warmup} warm-up + {a.steps} timed steps per run | a run's process starts in {ms_start / 1000:.1f} s "
+          "| evaluations on " + (f"{a.eval_points} points (not "
                                                                     "the paper's cost)"
                                                                     if a.eval_points
                                else "a test set of the real size"))

@@ -1,6 +1,6 @@
-"""Forward + backward time of models with and without a retrofitted mask prior
-(`retrofit.add_mask_prior`), side by side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging
-Face) and an nn.TransformerEncoder. A model whose library is not installed is left out and named.
+"""Forward + backward time of models with and without a retrofitted mask prior (`retrofit.add_mask_prior`), side by
+side in one run: timm's ViT-Tiny, a GPT-2 small config (Hugging Face) and an nn.TransformerEncoder. A model whose
+library is not installed is left out and named.
 
     python benchmarks/bench_retrofit.py                        # ViT-Tiny/16 at 224, GPT-2 small at 256 tokens, CPU
     python benchmarks/bench_retrofit.py --device cuda --amp    # bf16 autocast on a GPU
@@ -8,26 +8,23 @@ Face) and an nn.TransformerEncoder. A model whose library is not installed is le
     python benchmarks/bench_retrofit.py --models vit --grid    # the ViT's as a 2-D relative M (param="grid")
     python benchmarks/bench_retrofit.py --tiny                 # two-layer toys (what the test runs)
 
-One step = forward and backward (gradients of every weight and M) on a fixed random batch; each
-model, its twin with the prior, and the floor (that twin with every M frozen: the prior's bias, a
-constant, through the model's own attention call, no gradient for M) are timed in interleaved rounds
-(warm-up excluded). The table (stdout) gives median ms/step and the ratio to the plain model: the
-median of the per-round ratios (a row's time over the plain model's in the same round) and their
-min-max, which tells noise from signal. Ratios, not milliseconds, carry from machine to machine.
-What M costs is the prior's ratio over the floor's (printed on stderr for each model, beside the
-progress, what runs each model's attention, and the legend); what a fixed bias costs is the
-floor's. GPT-2's prior is the library's default for a causal distance prior (a relative M, one
-logit per head and distance) unless --full.
+One step = forward and backward (gradients of every weight and M) on a fixed random batch; each model, its twin with
+the prior, and the floor (that twin with every M frozen: the prior's bias, a constant, through the model's own
+attention call, no gradient for M) are timed in interleaved rounds (warm-up excluded). The table (stdout) gives
+median ms/step and the ratio to the plain model: the median of the per-round ratios (a row's time over the plain
+model's in the same round) and their min-max, which tells noise from signal. Ratios, not milliseconds, carry from
+machine to machine. What M costs is the prior's ratio over the floor's (printed on stderr for each model, beside the
+progress, what runs each model's attention, and the legend); what a fixed bias costs is the floor's. GPT-2's prior
+is the library's default for a causal distance prior (a relative M, one logit per head and distance) unless --full.
 
-The floor is a true floor: on the CPU it runs the prior's own call, or a faster one, and skips M's
-gradient (checked with torch.profiler): timm's ViT hands the bias to SDPA as a 3-D attn_mask, which
-takes SDPA's math path with or without a gradient; GPT-2's relative prior goes through
-`mp.prior_attention` (the fused kernel with the bias and is_causal, then our own backward, which
-the floor runs without M's gradient); nn.MultiheadAttention (and GPT-2 with --full) hands it to
-SDPA as attn_mask, where a mask that needs a gradient takes the math path and a constant one the
-fused kernel, faster (one attention call of the encoder's size, batch 32, 4 heads, 64 tokens:
-0.80x against 1.29x of no mask). So a floor above the prior is noise, which the per-round min-max
-shows; the stderr notes say so when it happens.
+The floor is a true floor: on the CPU it runs the prior's own call, or a faster one, and skips M's gradient (checked
+with torch.profiler): timm's ViT hands the bias to SDPA as a 3-D attn_mask, which takes SDPA's math path with or
+without a gradient; GPT-2's relative prior goes through `mp.prior_attention` (the fused kernel with the bias and
+is_causal, then our own backward, which the floor runs without M's gradient); nn.MultiheadAttention (and GPT-2 with
+--full) hands it to SDPA as attn_mask, where a mask that needs a gradient takes the math path and a constant one the
+fused kernel, faster (one attention call of the encoder's size, batch 32, 4 heads, 64 tokens: 0.80x against 1.29x of
+no mask). So a floor above the prior is noise, which the per-round min-max shows; the stderr notes say so when it
+happens.
 """
 import argparse
 import os
@@ -59,8 +56,7 @@ def vit(args):
 
 
 def gpt2(args):
-    """A GPT-2 small config (12 x 768, 12 heads, random weights), prior: the causal-distance
-    (ALiBi-like) M."""
+    """A GPT-2 small config (12 x 768, 12 heads, random weights), prior: the causal-distance (ALiBi-like) M."""
     import transformers as tf
     tf.logging.set_verbosity_error()
     t = 16 if args.tiny else args.tokens
@@ -71,21 +67,19 @@ def gpt2(args):
                       generator=torch.Generator().manual_seed(0))
     logits = mp.causal_distance_logits(t, cfg.n_head)
     param = "full" if args.full else "relative"
-    name = (f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M"
-            f"{', flex' if args.flex else ''})")
-    return (model, x, lambda m: retrofit.add_mask_prior(m, logits=logits, param=param, flex=args.flex),
-            name)
+    name = (f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M{', flex' if args.flex else ''})")
+    return (model, x, lambda m: retrofit.add_mask_prior(m, logits=logits, param=param, flex=args.flex), name)
 
 
 def encoder(args):
     """nn.TransformerEncoder, 4 x 128, 4 heads, 64 tokens; prior: a band of width 4."""
     dim, t, layers = (16, 8, 1) if args.tiny else (128, 64, 4)
-    layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True,
-                                       norm_first=True)
+    layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
     model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-    x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim,
-                    generator=torch.Generator().manual_seed(0))
-    return model, x, lambda m: retrofit.add_mask_prior(m, mp.banded_pattern(t, 4)), f"nn.TransformerEncoder ({t} tokens)"
+    x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim, generator=torch.Generator().manual_seed(0))
+    def attach(m):
+        return retrofit.add_mask_prior(m, mp.banded_pattern(t, 4))
+    return model, x, attach, f"nn.TransformerEncoder ({t} tokens)"
 
 
 MODELS = {"vit": vit, "gpt2": gpt2, "encoder": encoder}
@@ -163,21 +157,17 @@ def explain(key: str, times: dict, args) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="vit,gpt2,encoder",
-                   help="comma list of: " + ", ".join(MODELS))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="vit,gpt2,encoder", help="comma list of: " + ", ".join(MODELS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--img-size", type=int, default=224, help="ViT-Tiny input size")
     p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
-    p.add_argument("--full", action="store_true",
-                   help="GPT-2's prior as a full N x N M (the default: by distance)")
+    p.add_argument("--full", action="store_true", help="GPT-2's prior as a full N x N M (the default: by distance)")
     p.add_argument("--grid", action="store_true",
                    help="the ViT's prior as a 2-D relative M, one logit per head and patch displacement (default: "
                         "a full N x N M)")
-    p.add_argument("--flex", action="store_true",
-                   help="GPT-2's prior inside torch's flex_attention (CUDA)")
+    p.add_argument("--flex", action="store_true", help="GPT-2's prior inside torch's flex_attention (CUDA)")
     p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
     p.add_argument("--tiny", action="store_true", help="two-layer toy models (a smoke run)")
     p.add_argument("--steps", type=int, default=3, help="steps per round")

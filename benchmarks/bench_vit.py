@@ -5,14 +5,13 @@
     python benchmarks/bench_vit.py --preset paper32 --device cuda    # the earlier preset: patch 2 at 32 x 32
     python benchmarks/bench_vit.py --inits default,mask --batch-size 64
 
-Each init is built exactly as `train.py --task cifar10 --init NAME` builds it (same flags,
-same preset, same attention path), then one step = forward, backward and AdamW update on a
-random batch (timing only: the images' content does not change the cost). Inits are timed in
-interleaved rounds so drifts in machine load hit all alike; the table gives the median
-images/s and the ratio of each init's step time to `default`'s. Only `mask` adds work (the
-additive bias and the gradient of M); the other inits change weights, not the graph. The last
-line times the preset's whole augmentation of one batch on the device (crop, RandAugment,
-erasing, mixup / cutmix, on random uint8 images of the stored size) against a training step.
+Each init is built exactly as `train.py --task cifar10 --init NAME` builds it (same flags, same preset, same
+attention path), then one step = forward, backward and AdamW update on a random batch (timing only: the images'
+content does not change the cost). Inits are timed in interleaved rounds so drifts in machine load hit all alike;
+the table gives the median images/s and the ratio of each init's step time to `default`'s. Only `mask` adds work
+(the additive bias and the gradient of M); the other inits change weights, not the graph. The last line times the
+preset's whole augmentation of one batch on the device (crop, RandAugment, erasing, mixup / cutmix, on random uint8
+images of the stored size) against a training step.
 """
 import argparse
 import dataclasses
@@ -29,8 +28,7 @@ from bench_attention import interleaved  # noqa: E402
 
 
 def build(init: str, extra: list, device: torch.device):
-    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device),
-            *extra]
+    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
     args = runconfig.resolve(*train.parse_args(argv))
     # a schedule length for train_step's lr
     args = dataclasses.replace(args, steps=args.steps or 10 ** 6)
@@ -54,16 +52,14 @@ def synthetic_data(task, device, n: int = 4096):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--preset", default="small", choices=list(tasks.ImageTask.presets()))
     p.add_argument("--inits", default="default,mask,impulse,mimetic,qk-svd,qk-opt")
     p.add_argument("--batch-size", type=int, help="default: the preset's")
     p.add_argument("--steps", type=int, default=5, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--qk-opt-steps", type=int, default=50,
-                   help="qk-opt fitting steps (its cost is not timed)")
+    p.add_argument("--qk-opt-steps", type=int, default=50, help="qk-opt fitting steps (its cost is not timed)")
     args = p.parse_args()
     device = torch.device(args.device)
     extra = ["--preset", args.preset]
@@ -103,10 +99,9 @@ def main():
         fused = train.use_fused(targs.attention, init in runconfig.MASK_INITS, device, cfg.n_positions)
         path = "fused" if fused else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
-    print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, "
-          f"{augment / (augment + base):.1%} of a {inits[0]} step with it (crop {targs.crop}, "
-          f"RandAugment {targs.randaug}, erasing {targs.reprob}, mixup {targs.mixup}, cutmix "
-          f"{targs.cutmix})")
+    print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, {augment / (augment + base):.1%} of a "
+          f"{inits[0]} step with it (crop {targs.crop}, RandAugment {targs.randaug}, erasing {targs.reprob}, mixup "
+          f"{targs.mixup}, cutmix {targs.cutmix})")
 
 
 if __name__ == "__main__":

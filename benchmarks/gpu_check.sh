@@ -36,13 +36,14 @@ step() {   # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its o
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt" 2>&1
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/device.txt"
-step tests 150 python -m pytest -q -x test_maskprior.py test_train.py test_reproduce.py -k "cuda or flex or bf16 or compile"
+step tests 150 python -m pytest -q -x test_maskprior.py test_train.py test_reproduce.py \
+  -k "cuda or flex or bf16 or compile"
 step vit 90 python benchmarks/bench_vit.py --preset paper --device cuda --steps 5 --rounds 3
 step context 150 python benchmarks/bench_context.py --device cuda --amp bf16 --paths all --sizes 1024,2048,4096,8192 \
   --rounds 5
 for n in 1024 2048 4096 8192; do
-  step "retrofit-flex-$n" 60 python benchmarks/bench_retrofit.py --device cuda --amp --models gpt2 --tokens "$n" --flex \
-    --batch-size 1 --steps 2 --rounds 3
+  step "retrofit-flex-$n" 60 python benchmarks/bench_retrofit.py --device cuda --amp --models gpt2 --tokens "$n" \
+    --flex --batch-size 1 --steps 2 --rounds 3
 done
 step paper 180 python benchmarks/bench_paper.py --device cuda --write
 cp results/step_times.json "$out/" 2>/dev/null

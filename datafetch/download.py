@@ -1,5 +1,4 @@
-"""The paper's public data sets fetched into a data folder in one command, checked, resumable,
-extracted safely.
+"""The paper's public data sets fetched into a data folder in one command, checked, resumable, extracted safely.
 
     python train.py download cifar10 cifar100 wikitext2 tinystories --data data
     python train.py download cifar10 --data data --from https://mirror.example/cifar     # same file, same sum
@@ -18,17 +17,16 @@ Each file of a set (SOURCES) goes the same way:
    the archive's one top folder, no absolute path or `..`, no links or devices, each path given
    once (a folder may be given again), no member under a file member, at most DEPTH_MAX folders
    deep and names a file system holds (MEMBER_MUST), at most `max_unpacked` bytes in all; the set's
-   reader must then find it there (`Task.locate`) before the folder is renamed into place (datafetch.write.write_new_dataset),
-   so DIR holds the set whole or not at all; the .part is deleted once the set is in.
+   reader must then find it there (`Task.locate`) before the folder is renamed into place
+   (datafetch.write.write_new_dataset), so DIR holds the set whole or not at all; the .part is deleted once the set
+   is in.
 
-The arguments are checked before anything is written (`refusal`, and
-`datafetch.write.make_folder` for DIR): bad input is one line, exit status 2. Every failure after
-is a DataError (train.py: one line, exit status 2) that leaves DIR as it was, but for a resumable
-.part: whatever urllib, http.client, socket or ssl raise (NET_WORDS), and whatever a damaged
-archive makes tarfile or zipfile raise (DAMAGED), is worded at that boundary. Ctrl-C is one line
-too (Interrupted, exit status 130), saying what .part is kept for the same command to resume
-from. One download into a folder at a time (a lock on DIR; a second is refused with exit status
-75). Standard library only.
+The arguments are checked before anything is written (`refusal`, and `datafetch.write.make_folder` for DIR): bad
+input is one line, exit status 2. Every failure after is a DataError (train.py: one line, exit status 2) that leaves
+DIR as it was, but for a resumable .part: whatever urllib, http.client, socket or ssl raise (NET_WORDS), and
+whatever a damaged archive makes tarfile or zipfile raise (DAMAGED), is worded at that boundary. Ctrl-C is one line
+too (Interrupted, exit status 130), saying what .part is kept for the same command to resume from. One download into
+a folder at a time (a lock on DIR; a second is refused with exit status 75). Standard library only.
 """
 from __future__ import annotations
 
@@ -123,11 +121,9 @@ TIMEOUT_MUST = (lambda t: type(t) in (int, float) and MIN_TIMEOUT <= t <= MAX_TI
 SOURCE_MUST = (
     (lambda s, u: isinstance(s, str), "is not text"),
     (lambda s, u: s != "", "is empty"),
-    (lambda s, u: s.isascii(), "holds a character that is not ASCII (percent-encode it; a host in "
-                               "its xn-- form)"),
+    (lambda s, u: s.isascii(), "holds a character that is not ASCII (percent-encode it; a host in its xn-- form)"),
     (lambda s, u: s.isprintable() and " " not in s, "holds a space or a control character"),
-    (lambda s, u: u is not None, "is not a URL urllib can read (a bad [IPv6] host, or a port not "
-                                 "in 0..65535)"),
+    (lambda s, u: u is not None, "is not a URL urllib can read (a bad [IPv6] host, or a port not in 0..65535)"),
     (lambda s, u: u.scheme in ("http", "https", "file"), "does not start with http://, https:// or file://"),
     (lambda s, u: bool(u.hostname) or u.scheme == "file", "names no host"),
     (lambda s, u: u.username is None and u.password is None,
@@ -171,8 +167,7 @@ MEMBER_MUST = (
 
 
 class WriteError(tasks.DataError):
-    """Unpacking failed on this side (the disk, the folder), not the archive's: the download is
-    kept."""
+    """Unpacking failed on this side (the disk, the folder), not the archive's: the download is kept."""
 
 
 def say(text: str) -> None:
@@ -181,10 +176,9 @@ def say(text: str) -> None:
 
 def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES,
              timeout: float = 30.0) -> int:
-    """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's
-    docstring); `mirror`: a base URL that holds the same file names. Its arguments are checked
-    first (nothing written on a refusal). Returns 0; DataError or UsageError (exit 2), BusyError
-    (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
+    """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's docstring); `mirror`: a
+    base URL that holds the same file names. Its arguments are checked first (nothing written on a refusal). Returns
+    0; DataError or UsageError (exit 2), BusyError (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
     mirror = local_mirror(mirror)
     if error := refusal(names, mirror, timeout, sources):
         raise error
@@ -221,8 +215,7 @@ def refusal(names, mirror, timeout, sources: dict) -> Exception | None:
 
 
 def _split_url(text: str):
-    """urlsplit's parts of `text`, or None where urllib cannot read it (a bad [IPv6] host, a port
-    out of range)."""
+    """urlsplit's parts of `text`, or None where urllib cannot read it (a bad [IPv6] host, a port out of range)."""
     try:
         parts = urllib.parse.urlsplit(text)
         parts.port
@@ -232,8 +225,7 @@ def _split_url(text: str):
 
 
 class _locked:
-    """An exclusive lock on the data folder, refused at once (BusyError) while another download
-    holds it."""
+    """An exclusive lock on the data folder, refused at once (BusyError) while another download holds it."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -287,8 +279,7 @@ def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeou
     have = _own_part(part)
     _check_room(set_name, f, part, have, data_dir)
     if have < f.size:
-        say(f"{set_name}: {url} ({f.size / MB:,.1f} "
-            f"MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
+        say(f"{set_name}: {url} ({f.size / MB:,.1f} MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
         _transfer(url, part, have, f.size, timeout)
     _check_sums(part, f)
     if f.max_unpacked:
@@ -317,8 +308,7 @@ def _unpack_part(set_name: str, part: str, f: File, data_dir: str) -> None:
     try:
         _unpack(set_name, part, f, data_dir)
     except WriteError as e:
-        raise WriteError(f"{e}; {part} is kept: run the same command again once that is "
-                         "fixed") from None
+        raise WriteError(f"{e}; {part} is kept: run the same command again once that is fixed") from None
     except tasks.DataError as e:
         os.remove(part)
         raise tasks.DataError(f"{e}; deleted {part}") from None
@@ -331,17 +321,15 @@ def _place(part: str, target: str, f: File) -> None:
     try:
         os.link(part, target)
     except FileExistsError:
-        raise tasks.DataError(f"{target} appeared while {f.name} downloaded; left as it is "
-                              f"({part} kept)") from None
+        raise tasks.DataError(f"{target} appeared while {f.name} downloaded; left as it is ({part} kept)") from None
     except OSError as e:
         raise tasks.DataError(f"cannot link {part} to {target} ({e.strerror}); {part} kept") from None
     os.remove(part)
 
 
 def _own_part(part: str) -> int:
-    """The bytes of a cut download of ours at `part` (0 where none is there). Anything but a regular
-    file there (a link, a folder, a device) is not ours: one line, and nothing is written through
-    it or removed."""
+    """The bytes of a cut download of ours at `part` (0 where none is there). Anything but a regular file there (a
+    link, a folder, a device) is not ours: one line, and nothing is written through it or removed."""
     try:
         info = os.lstat(part)
     except FileNotFoundError:
@@ -360,9 +348,8 @@ def _open_part(part: str, have: int):
         return os.fdopen(os.open(part, flags, 0o666), "ab" if have else "wb")
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of "
-                                  "ours; nothing was written through it: move it away and run "
-                                  "again") from None
+            raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of ours; nothing "
+                                  "was written through it: move it away and run again") from None
         raise tasks.DataError(f"cannot write {part} ({e.strerror}); nothing fetched") from None
 
 
@@ -416,16 +403,14 @@ def _copy(response, out, url: str, part: str, got: int, size: int, progress) -> 
             # what has come, not a full chunk: a stall keeps it
             chunk = response.read1(CHUNK)
         except NET_ERRORS as e:
-            raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes "
-                                  f"({_failure(e)}); run the same command again to resume from "
-                                  f"{part}") from None
+            raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes ({_failure(e)}); run "
+                                  f"the same command again to resume from {part}") from None
         if not chunk:
             return got
         if got + len(chunk) > size:
             out.close()
             os.remove(part)
-            raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned file; "
-                                  f"deleted {part}")
+            raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned file; deleted {part}")
         try:
             out.write(chunk)
             out.flush()
@@ -443,16 +428,14 @@ def _failure(e: BaseException) -> str:
 
 
 def _words(x, most: int = 200) -> str:
-    """A third party's words (an exception, a reason phrase) as one printable line of at most
-    `most` characters."""
+    """A third party's words (an exception, a reason phrase) as one printable line of at most `most` characters."""
     text = " ".join(str(x).split()) or type(x).__name__
     text = "".join(c if c.isprintable() else "?" for c in text)
     return text if len(text) <= most else text[:most - 3] + "..."
 
 
 class Progress:
-    """A bar on a terminal (bytes, rate, ETA), redrawn at most 10 times a second; a line per 10%
-    otherwise."""
+    """A bar on a terminal (bytes, rate, ETA), redrawn at most 10 times a second; a line per 10% otherwise."""
 
     def __init__(self, size: int, start: int, stream=None):
         self.size, self.start, self.t0 = size, start, time.monotonic()
@@ -496,8 +479,7 @@ def _check_sums(part: str, f: File) -> None:
         for block in iter(lambda: src.read(CHUNK), b""):
             sha.update(block)
             md5.update(block)
-    for kind, got, want in (("sha256", sha.hexdigest(), f.sha256),
-                            ("md5", md5.hexdigest(), f.md5)):
+    for kind, got, want in (("sha256", sha.hexdigest(), f.sha256), ("md5", md5.hexdigest(), f.md5)):
         if want and got != want:
             os.remove(part)
             raise tasks.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
@@ -536,9 +518,8 @@ def _write_member(dest: str, kind: str, read, total: int, f: File, name: str) ->
             for block in _read_guarded(_chunks(read), f):
                 total += len(block)
                 if total > f.max_unpacked:
-                    raise tasks.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} "
-                                          "bytes, the most its set holds: refused, nothing "
-                                          "unpacked")
+                    raise tasks.DataError(f"{f.name} unpacks to more than {f.max_unpacked:,} bytes, the most its "
+                                          "set holds: refused, nothing unpacked")
                 out.write(block)
     except OSError as e:
         raise WriteError(f"{f.name}: cannot write its member {_shown(name)} ({e.strerror}); "
@@ -567,8 +548,7 @@ def _zip_entries(archive: str):
     with zipfile.ZipFile(archive) as z:
         for info in z.infolist():
             kind = ZIP_KINDS.get(stat.S_IFMT(info.external_attr >> 16), "other")
-            yield (info.filename, kind or ("dir" if info.is_dir() else "file"),
-                   lambda i=info: z.open(i))
+            yield (info.filename, kind or ("dir" if info.is_dir() else "file"), lambda i=info: z.open(i))
 
 
 def _tar_entries(archive: str):
@@ -613,9 +593,8 @@ def _claim(seen: dict, path: str, kind: str, name: str, f: File) -> None:
             raise tasks.DataError(f"{f.name}: member {_shown(name)} lies under {f.target}/{above}, "
                                   "a file member: refused, nothing unpacked")
     if path in seen and (kind, seen[path]) != ("dir", "dir"):
-        raise tasks.DataError(f"{f.name}: member {_shown(name)} is given twice (as a "
-                              f"{KIND_WORDS[seen[path]]}, then as a {KIND_WORDS[kind]}): refused, "
-                              "nothing unpacked")
+        raise tasks.DataError(f"{f.name}: member {_shown(name)} is given twice (as a {KIND_WORDS[seen[path]]}, "
+                              f"then as a {KIND_WORDS[kind]}): refused, nothing unpacked")
     seen[path] = kind
 
 

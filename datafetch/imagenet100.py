@@ -1,15 +1,13 @@
-"""ImageNet-100 (the CMC class list, shared/data/imagenet100_wnids.txt = tasks.IMAGENET100_WNIDS)
-built from a copy of ImageNet-1k, which needs a licence and so is never downloaded:
+"""ImageNet-100 (the CMC class list, shared/data/imagenet100_wnids.txt = tasks.IMAGENET100_WNIDS) built from a copy
+of ImageNet-1k, which needs a licence and so is never downloaded:
 
     python train.py imagenet100 --from /datasets/imagenet --data data      # -> data/imagenet100/{train,val}/<wnid>/
 
-The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (the
-layout torchvision's ImageNet and most copies use; a flat val/ must first be sorted into its
-classes). Every one of the 100 classes must be there in both splits, as regular files; each file is
-hard-linked where the filesystem allows (no space taken), else copied. The tree is built in a
-hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
-(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR
-as it was.
+The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (the layout torchvision's
+ImageNet and most copies use; a flat val/ must first be sorted into its classes). Every one of the 100 classes must
+be there in both splits, as regular files; each file is hard-linked where the filesystem allows (no space taken),
+else copied. The tree is built in a hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
+(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was.
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ SPLITS = ("train", "val")
 
 
 def _sources(source: str) -> dict:
-    """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is
-    missing."""
+    """{(split, wnid): [(path, bytes)]} of the 100 classes in `source`; DataError naming what is missing."""
     out, missing = {}, []
     for split in SPLITS:
         for wnid in tasks.IMAGENET100_WNIDS:
@@ -66,8 +63,7 @@ def build(source: str, data_dir: str) -> str:
             count = sum(len(fs) for fs in files.values())
             print(f"imagenet100: {count:,} images ({total / 2**30:,.1f} GiB) from {source!r} into "
                   f"{target} (hard links where the filesystem allows, else copies)", flush=True)
-            linked = _on_disk(lambda: _build_tree(files, source, data_dir, total),
-                              f"cannot build {target}")
+            linked = _on_disk(lambda: _build_tree(files, source, data_dir, total), f"cannot build {target}")
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted: nothing built, {data_dir} as it was; run the same "
                               "command again") from None
@@ -76,8 +72,7 @@ def build(source: str, data_dir: str) -> str:
 
 
 def _on_disk(work, what: str):
-    """work(), with an OSError of the file system (a file unreadable, the disk full) as one
-    line."""
+    """work(), with an OSError of the file system (a file unreadable, the disk full) as one line."""
     try:
         return work()
     except OSError as e:

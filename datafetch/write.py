@@ -40,8 +40,7 @@ FOLDER_ERRNOS = {errno.EEXIST: "is a file, a device or a link, not a folder",
 
 
 def encodable(path: str) -> bool:
-    """Whether the file system can hold `path` (no lone surrogate the file system encoding
-    refuses)."""
+    """Whether the file system can hold `path` (no lone surrogate the file system encoding refuses)."""
     try:
         os.fsencode(path)
         return True
@@ -101,20 +100,17 @@ def data_folder(path: str, flag: str = "the data folder"):
         raise
 
 
-def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
-                      held: str | None = None) -> str:
-    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside
-    `folder`, which is renamed to folder/name once complete, so an interrupted write leaves no
-    folder/name (a killed process, at most its hidden `.name.*.tmp`). Refused (DataError, nothing
-    written) when folder/name exists or `held` names a set already in `folder` that the new one
-    would shadow; `folder` is made if missing (`make_folder`: one line where it cannot be; it
-    stays if the write fails; `data_folder` around the call removes it). Returns folder/name."""
+def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held: str | None = None) -> str:
+    """Write a data set as folder/name, whole: `write(tmp)` fills a temporary folder inside `folder`, which is
+    renamed to folder/name once complete, so an interrupted write leaves no folder/name (a killed process, at most
+    its hidden `.name.*.tmp`). Refused (DataError, nothing written) when folder/name exists or `held` names a set
+    already in `folder` that the new one would shadow; `folder` is made if missing (`make_folder`: one line where it
+    cannot be; it stays if the write fails; `data_folder` around the call removes it). Returns folder/name."""
     target = os.path.join(folder, name)
     held = held or (target if os.path.lexists(target) else None)
     if held:
-        raise DataError(f"{folder} already holds a data set ({held}); a data set is never "
-                        "overwritten or shadowed: give another folder, or move that one away "
-                        "first")
+        raise DataError(f"{folder} already holds a data set ({held}); a data set is never overwritten or shadowed: "
+                        "give another folder, or move that one away first")
     make_folder(folder)
     tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
@@ -130,8 +126,7 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None],
 
 
 def _held_cifar10(folder: str) -> str | None:
-    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary
-    layout)."""
+    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)."""
     return find_first(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
                           "cifar-10-batches-py",
                           os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
@@ -153,8 +148,7 @@ def digits_arrays() -> tuple:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise DataError("make-digits needs scikit-learn for its bundled digits: pip install "
-                        "scikit-learn") from None
+        raise DataError("make-digits needs scikit-learn for its bundled digits: pip install scikit-learn") from None
     d = load_digits()
     x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
     # nearest upscaling to 32x32
@@ -219,8 +213,7 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
     split_of[every - 7], split_of[every - 1] = "valid", "test"
     toks = {s: [] for s in ("train", "valid", "test")}
     for i, (title, paragraphs) in enumerate(articles):
-        toks[split_of[i % every]].append((wikitext_tokenize(title),
-                                          [wikitext_tokenize(p) for p in paragraphs]))
+        toks[split_of[i % every]].append((wikitext_tokenize(title), [wikitext_tokenize(p) for p in paragraphs]))
     counts = {}
     for title, paras in toks["train"]:
         for w in itertools.chain(title, *paras):
@@ -245,9 +238,8 @@ def make_digits(folder: str) -> str:
     on a CPU. Returns what it says."""
     x_train, y_train, x_test, y_test = digits_arrays()
     out = write_cifar10_python(folder, x_train, y_train, x_test, y_test)
-    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to "
-            f"{out}\ntrain on them with: python train.py --task cifar10 --data-dir {folder} "
-            "--init mask")
+    return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\ntrain on "
+            f"them with: python train.py --task cifar10 --data-dir {folder} --init mask")
 
 
 def make_wikitext(folder: str, files: list) -> str:
@@ -260,8 +252,7 @@ def make_wikitext(folder: str, files: list) -> str:
             with io.TextIOWrapper(open_back(path), encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except (OSError, ReadError) as e:
-            raise DataError(f"make-wikitext: cannot read {path} "
-                            f"({getattr(e, 'strerror', None) or e})") from None
+            raise DataError(f"make-wikitext: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
         paras = [" ".join(p.split()) for p in text.split("\n\n")]
         paras = [p for p in paras if p]
         if paras:
@@ -271,5 +262,4 @@ def make_wikitext(folder: str, files: list) -> str:
     for s in ("train", "valid", "test"):
         with io.TextIOWrapper(open_back(os.path.join(out, f"wiki.{s}.tokens")), encoding="utf-8") as f:
             sizes[s] = sum(len(line.split()) + 1 for line in f)
-    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens"
-                                                                    for s, n in sizes.items())
+    return f"wrote {len(articles)} articles to {out}: " + ", ".join(f"{s} {n:,} tokens" for s, n in sizes.items())

@@ -27,5 +27,4 @@ for step in range(300):
     opt.step()
 print(f"loss {loss.item():.3f}")
 print(draw_model(gpt2, sys.argv[1] if len(sys.argv) > 1 else "m.png",
-                 "GPT-2 (2 x 4 heads, random init) + relative prior, 300 steps of a period-3 "
-                 "copy task", start))
+                 "GPT-2 (2 x 4 heads, random init) + relative prior, 300 steps of a period-3 copy task", start))
