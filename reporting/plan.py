@@ -99,7 +99,9 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
             return
         if where is not None and "--data-dir" not in flags:
             flags += f" --data-dir @DATA{where}"
-        plan.items.extend(Run(table, task, init, s, tag, flags) for s in seeds for init in inits)
+        # @SEED in the flags: each run's seed (a student's teacher is the run of its seed)
+        plan.items.extend(Run(table, task, init, s, tag, flags.replace("@SEED", str(s)))
+                          for s in seeds for init in inits)
 
     if want("boolean"):             # not --only persistence: it only aggregates the Boolean runs already made
         for t in ("parity2", "majority3", "cyclic3"):
@@ -302,9 +304,8 @@ def _oracle_free(plan, add):
         add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-a", "corpusA")
         plan.items.append(WAIT)
         add(of, "wikitext2", ("default", "mask"), "--data-dir @DATA/vimtext-b", "corpusB")
-        for s in plan.seeds:
-            plan.items.append(Run(of, "wikitext2", "mask", s, "corpusB-teacher",
-                                  f"--data-dir @DATA/vimtext-b {teacher}/wikitext2-default-s{s}-corpusA"))
+        add(of, "wikitext2", ("mask",), f"--data-dir @DATA/vimtext-b {teacher}/wikitext2-default-s@SEED-corpusA",
+            "corpusB-teacher")
         add(of, "wikitext2", ("default",), f"--data-dir @DATA/vimtext-b --steps {twice['wikitext2']}",
             "corpusB-budget2x")
     _small_data_and_mixed(plan, add, teacher)
@@ -337,9 +338,7 @@ def _small_data_and_mixed(plan, add, teacher):
     for tag, f in MIXED.items():
         add(of, "ksum", ("mask",), f, tag)
         add(of, "ksum", ("mask",), f"{f} --pattern discovered", f"{tag}-discovered")
-        for s in plan.seeds:
-            plan.items.append(Run(of, "ksum", "mask", s, f"{tag}-teacher",
-                                  f"{f} {teacher}/ksum-default-s{s}-{tag}"))
+        add(of, "ksum", ("mask",), f"{f} {teacher}/ksum-default-s@SEED-{tag}", f"{tag}-teacher")
 
 
 def _parity3(plan, add):
@@ -372,19 +371,13 @@ def _oracle_free_group(plan, add, group, twice, teacher):
         f = ORACLE_FREE_BITS.get(t, "")
         add(of, t, ("mask",), f)
         add(of, t, ("mask",), f"{f} --pattern discovered".strip(), "discovered")
-        for s in plan.seeds:
-            for init in ("mask", "qk-svd"):
-                plan.items.append(Run(of, t, init, s, "teacher",
-                                      f"{f} {teacher}/{t}-default-s{s}".strip()))
+        add(of, t, ("mask", "qk-svd"), f"{f} {teacher}/{t}-default-s@SEED".strip(), "teacher")
         add(of, t, ("default",), f"{f} --steps {twice[t]}".strip(), "budget2x")
     # addition's students at 250 steps, the paper's regime; the teachers are the 1,500-step defaults
     if "addition" in group:
         add(of, "addition", ("default", "mask"), SHORT, "250steps")
         add(of, "addition", ("mask",), f"{SHORT} --pattern discovered", "250steps-discovered")
-        for s in plan.seeds:
-            for init in ("mask", "qk-svd"):
-                plan.items.append(Run(of, "addition", init, s, "250steps-teacher",
-                                      f"{SHORT} {teacher}/addition-default-s{s}"))
+        add(of, "addition", ("mask", "qk-svd"), f"{SHORT} {teacher}/addition-default-s@SEED", "250steps-teacher")
         add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 --eval-points 500",
             "250steps-samebudget")
 

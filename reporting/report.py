@@ -351,9 +351,8 @@ def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
 
 
 def draw_persistence(rows: list[dict], path: str, data: dict | None = None) -> list[str]:
-    """persistence.png from persistence rows: per task (`data_title`), the mass on the pattern and
-    the drift of the prior against the step, a line per prior init (mean over seeds, band = min to
-    max). Returns [path], or [] without matplotlib."""
+    """persistence.png from persistence rows: per task (`data_title`), the mass on the pattern and the drift of the
+    prior against the step, a band per prior init (`plot_band`). Returns [path], or [] without matplotlib."""
     tasks = sorted({r["task"] for r in rows})
     if (made := panel_grid(len(tasks), rows=2, width=4.2, height=3.0)) is None:
         return []
@@ -547,9 +546,9 @@ def _metric_order(metrics) -> list:
 
 
 def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """curves.png from curve rows: a panel per task, configuration and headline metric against the
-    step, titled by the data set (`data_title`) and the configuration in words, a line per init
-    (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
+    """curves.png from curve rows: a panel per task, configuration and headline metric against the step, titled by
+    the data set (`data_title`) and the configuration in words, a band per init (`plot_band`). Returns [path], or []
+    without matplotlib or rows."""
     panels = [("\n".join(filter(None, (data_title(task, data), config_words(label)))), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
               for k in _metric_order(by) for by_init in [by[k]]]
@@ -575,10 +574,9 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
 
 
 def draw_comparison(rows: list, path: str, title: str, data: dict | None = None) -> list[str]:
-    """One figure that sets every configuration and init of curve rows side by side: a panel per
-    metric, a line per (init, configuration) in words (`series_labels`), mean over seeds with a
-    min-to-max band; the caption names the data (`data_title`) and the parts of the configuration
-    most lines share. Returns [path], or [] without matplotlib."""
+    """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a band per
+    (init, configuration) in words (`series_labels`, `plot_band`); the caption names the data (`data_title`) and the
+    parts of the configuration most lines share. Returns [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: (i, c))
     labels, said = series_labels(list(series))
     tasks = " and ".join(data_title(t, data) for t in dict.fromkeys(r[0] for r in rows))
@@ -776,10 +774,9 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
 
 
 def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or
-    more training set sizes, sequence accuracy against the size, a line per init run at more than
-    one (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or such a
-    configuration."""
+    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more training set
+    sizes, sequence accuracy against the size, a band per init run at more than one (`plot_band`). Returns [path], or
+    [] without matplotlib or such a configuration."""
     by_config = {}                                          # {label: {init: {n_train: [seq_acc]}}}
     for label, init, seed, n, seq_acc, digit_acc in rows:
         by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
@@ -882,8 +879,8 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
 
 
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
-    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the
-    step, one line per variant with a prior (mean over seeds, band = min to max)."""
+    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, a band per
+    variant with a prior (`plot_band`)."""
     curves = []
     for row in rows:
         lines = {}
