@@ -182,11 +182,7 @@ if [ "$GPUS" -gt 0 ]; then
 fi
 
 # ---- the run list: reporting/plan.py says which runs each table makes, and which are skipped for want of their
-# data (and where to get it). A line is "TABLE TASK INIT SEED TAG FLAGS..." (the run is RUNS/TABLE/TASK-INIT-sSEED[-TAG];
-# @DATA and @RUNS in the flags stand for the --data and --runs folders, passed as one argument whatever they hold);
-# WAIT lets every run before it finish (teachers before their students); REPLAN does too, then the plan is read
-# again (once): its next runs are chosen from those results (mult-ladder's better order).
-# "DOWNLOAD NAME..." names the data sets missing from --data that train.py download fetches (--download).
+# data (and where to get it); its docstring says what each line of `--list` is (a run, WAIT, REPLAN, DOWNLOAD).
 PLAN_ARGS=(--seeds "$SEEDS" --data "$DATA" --runs "$RUNS" --jobs "$JOBS")
 [ "$QUICK" = 1 ] && PLAN_ARGS+=(--quick)
 [ -n "$ONLY" ] && PLAN_ARGS+=(--only "$ONLY")
@@ -225,10 +221,9 @@ run_one() {
         echo "busy    $out (another process trains it; not started here)" | tee -a "$STATE/busy"
         return 0
     fi
-    local resume=() what=start launch
+    local resume=() what=start
     [ -f "$out/ckpt.pt" ] && { resume=(--resume); what=resume; }
-    read -ra launch <<< "$LAUNCH_LINE"
-    local cmd=("$PY" "${launch[@]}" --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" --out "$out"
+    local cmd=("$PY" "${LAUNCH[@]}" --task "$task" --init "$init" --seed "$seed" --preset "$PRESET" --out "$out"
                "${resume[@]}" "${extra[@]}")
     if [ "$DRY" = 1 ]; then
         echo "$what   $(printf '%q ' "${cmd[@]}")"
@@ -253,7 +248,6 @@ run_one() {
         return 1
     fi
 }
-LAUNCH_LINE="${LAUNCH[*]}"
 
 # ---- the runs, JOBS at a time. Each is a job with its own process group (set -m), so Ctrl-C at the
 # terminal reaches this script alone; SIGINT or SIGTERM to the script is passed on once to every

@@ -24,9 +24,6 @@ def pyplot():
     return plt
 
 
-# Every figure the reports draw: panels in a grid (`panel_grid`), one line style per init or series
-# (`line_style`), the legend and the caption outside the panels (`legend_below`, `caption`),
-# constrained layout; `figure_problems` is what a test asserts of each one saved.
 MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
 INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"),
                "qk-svd": ("tab:blue", "--"), "qk-opt": ("tab:green", "-."),
@@ -80,8 +77,7 @@ def wrapped(text: str, inches: float, size: float, lines: int | None = None) -> 
     if lines is None or len(out) <= lines:
         return "\n".join(out)
     kept = out[:lines - 1]
-    return "\n".join(kept + [f"... ({len(text) - sum(map(len, kept)):,} characters more, cut "
-                             "here)"])
+    return "\n".join(kept + [f"... ({len(text) - sum(map(len, kept)):,} characters more, cut here)"])
 
 
 LABEL_LINES = 8         # lines of a title or legend label drawn from a file's names (`wrapped`)

@@ -9,10 +9,11 @@ datasets' names, nothing of train.py.
     python -m reporting.plan --quick --list       # the CPU version's runs, one a line, as reproduce.sh reads them
 
 A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for
-the --data and --runs folders, which reproduce.sh fills in whatever they hold); `WAIT` lets every
-run before it finish (teachers before their students); `DOWNLOAD NAME...` (before the runs) names
-the absent data sets `train.py download` fetches. The run's folder is
-RUNS/TABLE/TASK-INIT-sSEED[-TAG].
+the --data and --runs folders, which reproduce.sh passes as one argument whatever they hold); `WAIT`
+lets every run before it finish (teachers before their students); `REPLAN` does too, then
+reproduce.sh reads the plan again (once): its next runs are chosen from those results
+(mult-ladder's better order); `DOWNLOAD NAME...` (before the runs) names the absent data sets
+`train.py download` fetches (--download). The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
 """
 from __future__ import annotations
 
@@ -81,7 +82,6 @@ class Plan:
         return [r for r in self.items if isinstance(r, Run)]
 
 
-
 def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
              data: str | None = "data", runs: str | None = None) -> Plan:
     """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs
@@ -97,13 +97,13 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
     def add(table, task, inits, flags="", tag="", where=None):
         if where is not None and not _have(plan, table, task, where, len(inits) * len(seeds)):
             return
-        for s in seeds:
-            for init in inits:
-                plan.items.append(Run(table, task, init, s, tag,
-                                      flags + (f" --data-dir @DATA{where}" if where is not None
-                                                                          and "--data-dir" not in flags else "")))
+        if where is not None and "--data-dir" not in flags:
+            flags += f" --data-dir @DATA{where}"
+        # @SEED in the flags: each run's seed (a student's teacher is the run of its seed)
+        plan.items.extend(Run(table, task, init, s, tag, flags.replace("@SEED", str(s)))
+                          for s in seeds for init in inits)
 
-    if want("boolean") or want("persistence"):
+    if want("boolean"):             # not --only persistence: it only aggregates the Boolean runs already made
         for t in ("parity2", "majority3", "cyclic3"):
             add("boolean", t, QK)
     if want("arithmetic"):
@@ -115,8 +115,7 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
             add("data", "addition", ("default", "mask"), f"--data-frac {f}", f"frac{f}")
     if not plan.quick and want("vision"):
         for t, where in (("cifar10", ""), ("cifar100", ""), ("imagenet100", "/imagenet100")):
-            add("vision", t, ("default", "mimetic", "impulse", "mask", "mask-impulse"),
-                where=where)
+            add("vision", t, ("default", "mimetic", "impulse", "mask", "mask-impulse"), where=where)
     if not plan.quick and want("lm"):
         add("lm", "wikitext2", QK, where="")
         add("lm", "tinystories", ("default", "mask"), where="")
@@ -124,23 +123,11 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
         for f in ("0.03", "0.3"):
             d2 = f"--digits 2 --data-frac {f} --answer-order lsb --steps 1000 --log-every 50"
             add("mult2", "multiplication", QK, d2, f"d2-frac{f}")
-            add("mult2", "multiplication", ("mask",), d2 + " --pattern partial",
-                f"d2-frac{f}-partial")
-    if only == "lee":
-        _lee(plan, add)
-    if only == "visionprior":
-        _vision_prior(plan, add)
-    if only == "ablation":
-        _ablation(plan, add)
-    if only == "oraclefree":
-        _oracle_free(plan, add)
-    if only == "parity3":
-        _parity3(plan, add)
-    if only == "mult-ladder":
-        _mult_ladder(plan, add, runs)
-    if only == "persistence":
-        # it only aggregates the Boolean runs already made
-        plan.items = []
+            add("mult2", "multiplication", ("mask",), d2 + " --pattern partial", f"d2-frac{f}-partial")
+    study = {"lee": _lee, "visionprior": _vision_prior, "ablation": _ablation, "oraclefree": _oracle_free,
+             "parity3": _parity3, "mult-ladder": lambda plan, add: _mult_ladder(plan, add, runs)}.get(only)
+    if study:
+        study(plan, add)
     return plan
 
 
@@ -154,8 +141,7 @@ def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None
         tasks.TASKS[task].locate(plan.data + where)
         return True
     except tasks.DataError as e:
-        plan.skipped.setdefault(table, []).append((task if runs is None
-                                                   else f"{task} ({runs} runs)", str(e)))
+        plan.skipped.setdefault(table, []).append((task if runs is None else f"{task} ({runs} runs)", str(e)))
         if where == HOME.get(task, "") and task not in plan.absent:
             plan.absent.append(task)
         return False
@@ -170,8 +156,7 @@ def fetch_lines(plan: Plan) -> list[str]:
     published (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an
     ImageNet-1k copy)."""
     names = [t for t in plan.absent if t in datafetch.download.SOURCES]
-    lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash "
-             "reproduce.sh --download)"
+    lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash reproduce.sh --download)"
              ] if names else []
     if "imagenet100" in plan.absent:
         lines.append(f"python train.py imagenet100 --from IMAGENET_1K_DIR --data {plan.data}   "
@@ -201,20 +186,17 @@ def _lee(plan, add):
     plain and reversed."""
     lee = "--digits 2 --lee-samples 3000"
     if not plan.quick:
-        add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size "
-                                                          "6400 --log-every 250",
+        add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size 6400 --log-every 250",
             "msb-nanogpt")
         return
     for order in ("msb", "lsb"):
         # a log step every 1/20 of a run
         for epochs, log in ((40, 48), (150, 180), (500, 600)):
             add("lee", "multiplication", ("default", "mask"),
-                f"{lee} --answer-order {order} --epochs {epochs} "
-                f"--log-every {log}", f"{order}-ep{epochs}")
+                f"{lee} --answer-order {order} --epochs {epochs} --log-every {log}", f"{order}-ep{epochs}")
 
 
-LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", "-partial"),
-          ("qk-opt", "", ""))
+LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", "-partial"), ("qk-opt", "", ""))
 
 
 def _mult_ladder(plan, add, runs):
@@ -224,8 +206,7 @@ def _mult_ladder(plan, add, runs):
     first stage's results are in."""
     def stage(order, steps, tag):
         for init, pattern, suffix in LADDER:
-            add("mult-ladder", "multiplication",
-                (init,), f"--answer-order {order} --steps {steps}{pattern}",
+            add("mult-ladder", "multiplication", (init,), f"--answer-order {order} --steps {steps}{pattern}",
                 f"{order}{tag}{suffix}")
     for order in ("msb", "lsb"):
         stage(order, 5000, "")
@@ -249,13 +230,11 @@ def _better_order(first: list, runs: str | None) -> str | None:
         return None
     mean = {}
     for order in ("msb", "lsb"):
-        accs = []
-        for r in first:
-            if f"--answer-order {order}" in r.flags:
-                try:
-                    accs.append(runfiles.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"])
-                except (runfiles.ReadError, KeyError, TypeError):
-                    return None
+        try:
+            accs = [runfiles.read_result(os.path.join(runs, r.table, r.name, "result.json"))["metrics"]["seq_acc"]
+                    for r in first if f"--answer-order {order}" in r.flags]
+        except (runfiles.ReadError, KeyError, TypeError):
+            return None
         mean[order] = sum(accs) / len(accs)
     return "lsb" if mean["lsb"] > mean["msb"] else "msb"
 
@@ -269,11 +248,9 @@ def _vision_prior(plan, add):
         add("visionprior", "cifar10", ("mask",), f"{d} --pattern {p}", p)
     add("visionprior", "cifar10", ("default", "impulse"), d)
     for m in (2, 5):                                             # the hard impulse's off level
-        add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}",
-            f"impulse-off{m}")
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}", f"impulse-off{m}")
     for a in ("0.3", "3"):                                       # the soft bump's width
-        add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}",
-            f"soft-alpha{a}")
+        add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}", f"soft-alpha{a}")
     # impulse taken apart: its QK part alone,
     add("visionprior", "cifar10", ("qk-svd",), d)
     # then with the positions x18
@@ -294,8 +271,7 @@ def _ablation(plan, add):
         for readout in ("cls", "mean"):
             for pos in (0.02, 0.5):
                 if (readout, pos) != own:
-                    add("ablation", t, ("default", "mask"), f"--readout {readout} --pos-init-std "
-                                                            f"{pos}",
+                    add("ablation", t, ("default", "mask"), f"--readout {readout} --pos-init-std {pos}",
                         f"{readout}-pos{pos}")
 
 
@@ -314,40 +290,26 @@ def _oracle_free(plan, add):
              for t in ("parity2", "kparity", "majority3", "kmajority", "addition", "wikitext2", "cyclic3", "cifar10")}
     vision = _have(plan, of, "cifar10", "")
     lm = _have(plan, of, "wikitext2", "/vimtext-a") and _have(plan, of, "wikitext2", "/vimtext-b")
-    for group in (("parity2", "kparity", "majority3", "kmajority", "addition"), "vision", "lm",
-                  ("cyclic3",)):
-        if (group == "vision" and not vision) or (group == "lm" and not lm):
-            continue
-        if group == ("cyclic3",):
-            _small_data_and_mixed(plan, add, teacher)
-        if group == "vision":
-            add(of, "cifar10", ("default", "impulse"), "--data-dir @DATA")
-        elif group == "lm":
-            add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-a", "corpusA")
-        else:
-            for t in group:
-                add(of, t, ("default",), ORACLE_FREE_BITS.get(t, ""))
+    _oracle_free_group(plan, add, ("parity2", "kparity", "majority3", "kmajority", "addition"), twice, teacher)
+    if vision:
+        add(of, "cifar10", ("default", "impulse"), "--data-dir @DATA")
         plan.items.append(WAIT)
-        if group == "vision":
-            add(of, "cifar10", ("mask",), "--data-dir @DATA")
-            for s in plan.seeds:
-                plan.items += [Run(of, "cifar10", "mask", s, "teacher",
-                                   f"--data-dir @DATA {teacher}/cifar10-default-s{s}"),
-                               Run(of, "cifar10", "mask", s, "teacher-impulse",
-                                   f"--data-dir @DATA {teacher}/cifar10-impulse-s{s}")]
-            add(of, "cifar10", ("default",), f"--data-dir @DATA --epochs {twice['cifar10']}",
-                "budget2x")
-        elif group == "lm":
-            add(of, "wikitext2", ("default", "mask"), "--data-dir @DATA/vimtext-b", "corpusB")
-            for s in plan.seeds:
-                plan.items.append(Run(of, "wikitext2", "mask", s, "corpusB-teacher",
-                                      "--data-dir @DATA/vimtext-b "
-                                      f"{teacher}/wikitext2-default-s{s}-corpusA"))
-            add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-b --steps "
-                                               f"{twice['wikitext2']}",
-                "corpusB-budget2x")
-        else:
-            _oracle_free_students(plan, add, group, twice, teacher)
+        add(of, "cifar10", ("mask",), "--data-dir @DATA")
+        for s in plan.seeds:
+            plan.items += [Run(of, "cifar10", "mask", s, "teacher", f"--data-dir @DATA {teacher}/cifar10-default-s{s}"),
+                           Run(of, "cifar10", "mask", s, "teacher-impulse",
+                               f"--data-dir @DATA {teacher}/cifar10-impulse-s{s}")]
+        add(of, "cifar10", ("default",), f"--data-dir @DATA --epochs {twice['cifar10']}", "budget2x")
+    if lm:
+        add(of, "wikitext2", ("default",), "--data-dir @DATA/vimtext-a", "corpusA")
+        plan.items.append(WAIT)
+        add(of, "wikitext2", ("default", "mask"), "--data-dir @DATA/vimtext-b", "corpusB")
+        add(of, "wikitext2", ("mask",), f"--data-dir @DATA/vimtext-b {teacher}/wikitext2-default-s@SEED-corpusA",
+            "corpusB-teacher")
+        add(of, "wikitext2", ("default",), f"--data-dir @DATA/vimtext-b --steps {twice['wikitext2']}",
+            "corpusB-budget2x")
+    _small_data_and_mixed(plan, add, teacher)
+    _oracle_free_group(plan, add, ("cyclic3",), twice, teacher)
 
 
 SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4",
@@ -376,9 +338,7 @@ def _small_data_and_mixed(plan, add, teacher):
     for tag, f in MIXED.items():
         add(of, "ksum", ("mask",), f, tag)
         add(of, "ksum", ("mask",), f"{f} --pattern discovered", f"{tag}-discovered")
-        for s in plan.seeds:
-            plan.items.append(Run(of, "ksum", "mask", s, f"{tag}-teacher",
-                                  f"{f} {teacher}/ksum-default-s{s}-{tag}"))
+        add(of, "ksum", ("mask",), f"{f} {teacher}/ksum-default-s@SEED-{tag}", f"{tag}-teacher")
 
 
 def _parity3(plan, add):
@@ -398,8 +358,12 @@ def _parity3(plan, add):
                                    for s in plan.seeds[:2]]
 
 
-def _oracle_free_students(plan, add, group, twice, teacher):
+def _oracle_free_group(plan, add, group, twice, teacher):
+    """A group of tasks' teachers (default runs), a WAIT, then their students."""
     of = "oraclefree"
+    for t in group:
+        add(of, t, ("default",), ORACLE_FREE_BITS.get(t, ""))
+    plan.items.append(WAIT)
     for t in group:
         # addition's default is at 98% by its preset's 1,500 steps: no room
         if t == "addition":
@@ -407,29 +371,21 @@ def _oracle_free_students(plan, add, group, twice, teacher):
         f = ORACLE_FREE_BITS.get(t, "")
         add(of, t, ("mask",), f)
         add(of, t, ("mask",), f"{f} --pattern discovered".strip(), "discovered")
-        for s in plan.seeds:
-            for init in ("mask", "qk-svd"):
-                plan.items.append(Run(of, t, init, s, "teacher",
-                                      f"{f} {teacher}/{t}-default-s{s}".strip()))
+        add(of, t, ("mask", "qk-svd"), f"{f} {teacher}/{t}-default-s@SEED".strip(), "teacher")
         add(of, t, ("default",), f"{f} --steps {twice[t]}".strip(), "budget2x")
-    # its students at 250 steps, the paper's regime; the teachers are the
+    # addition's students at 250 steps, the paper's regime; the teachers are the 1,500-step defaults
     if "addition" in group:
-        add(of, "addition", ("default", "mask"), SHORT, "250steps")          # 1,500-step defaults
+        add(of, "addition", ("default", "mask"), SHORT, "250steps")
         add(of, "addition", ("mask",), f"{SHORT} --pattern discovered", "250steps-discovered")
-        for s in plan.seeds:
-            for init in ("mask", "qk-svd"):
-                plan.items.append(Run(of, "addition", init, s, "250steps-teacher",
-                                      f"{SHORT} {teacher}/addition-default-s{s}"))
-        add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 "
-                                          "--eval-points 500",
+        add(of, "addition", ("mask", "qk-svd"), f"{SHORT} {teacher}/addition-default-s@SEED", "250steps-teacher")
+        add(of, "addition", ("default",), f"--steps {twice['addition'] // 2 + 250} --log-every 50 --eval-points 500",
             "250steps-samebudget")
 
 
 # ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours
 # where known
 
-STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
-                          "step_times.json")
+STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "step_times.json")
 
 
 def step_times(path: str = STEP_TIMES) -> dict:
@@ -441,8 +397,8 @@ def step_times(path: str = STEP_TIMES) -> dict:
     times = runfiles.read_json(path)
     how = "measure them again with python benchmarks/bench_paper.py --write, or remove the file"
     if not isinstance(times, dict):
-        raise runfiles.ReadError(f"{path} holds {type(times).__name__}, not the step times "
-                           f"bench_paper.py writes; {how}")
+        raise runfiles.ReadError(f"{path} holds {type(times).__name__}, not the step times bench_paper.py writes; "
+                                 f"{how}")
     for key, entry in times.items():
         try:
             runfiles.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
@@ -466,10 +422,8 @@ def time_key(run: Run, preset: str = "paper") -> str:
     """The step time a run shares with every run of its preset, task, init and flags, but those
     that only set how long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask",
     "small addition default"."""
-    words, kept = run.flags.split(), []
-    for i, w in enumerate(words):
-        if w not in LENGTH_FLAGS and (i == 0 or words[i - 1] not in LENGTH_FLAGS):
-            kept.append(w)
+    words = run.flags.split()
+    kept = [w for i, w in enumerate(words) if w not in LENGTH_FLAGS and (i == 0 or words[i - 1] not in LENGTH_FLAGS)]
     return " ".join([preset, run.task, run.init, *kept])
 
 
@@ -525,12 +479,9 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
         h = [hours(r, times, preset) for r in rs]
         if None in h:
             unknown, when = True, ("minutes" if plan.quick else "device-hours") + " not measured"
-        elif plan.quick:
-            total += sum(h)
-            when = f"about {60 * sum(h) / jobs:.0f} min"
         else:
             total += sum(h)
-            when = f"{sum(h):.2f} device-hours"
+            when = f"about {60 * sum(h) / jobs:.0f} min" if plan.quick else f"{sum(h):.2f} device-hours"
         lines.append(f"  {table:<12} {len(rs):>4} runs  {when}")
     if plan.later:
         h = [hours(r, times, preset) for r, _ in plan.later]
@@ -565,8 +516,8 @@ class _Once(argparse.Action):
 class _Parser(argparse.ArgumentParser):
     """argparse with its refusals in one line (exit status 2), as every other refusal here."""
     def error(self, message):
-        print(runfiles.one_line(f"reporting.plan: {message} (python -m reporting.plan --help lists the "
-                       "flags)"), file=sys.stderr)
+        print(runfiles.one_line(f"reporting.plan: {message} (python -m reporting.plan --help lists the flags)"),
+              file=sys.stderr)
         sys.exit(2)
 
 
@@ -596,11 +547,6 @@ FLAGS = {"seeds": parse_seeds, "jobs": lambda text: tasks.parse_count(text, "job
          "data": _folder("data", "the data sets' folder"), "runs": _folder("runs", "the run folders a later stage reads")}
 
 
-def parse_flags(a: argparse.Namespace) -> dict:
-    """The flags' values past argparse, each through its parser in FLAGS."""
-    return {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
-
-
 def main(argv=None) -> int:
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.register("action", None, _Once)                # every flag below: given once
@@ -609,14 +555,12 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0 1 2")
     p.add_argument("--data", default="data")
     p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
-    p.add_argument("--jobs", default="1", help="runs at a time (the --quick plan's minutes), "
-                                               f"{JOBS[0]} .. {JOBS[1]}")
+    p.add_argument("--jobs", default="1", help=f"runs at a time (the --quick plan's minutes), {JOBS[0]} .. {JOBS[1]}")
     p.add_argument("--list", action="store_true",
-                   help="the plan as reproduce.sh reads it: its text, each line led by "
-                   "'# ', then the runs, one a line")
+                   help="the plan as reproduce.sh reads it: its text, each line led by '# ', then the runs, one a line")
     a = p.parse_args(argv)
     try:
-        flags = parse_flags(a)
+        flags = {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
         plan = run_list(a.quick, a.only, flags["seeds"], a.data, a.runs)
         step_times()
     # one line, exit 2: reproduce.sh passes it on and starts nothing

@@ -18,7 +18,6 @@ import json
 import os
 import re
 
-
 import inits
 import runfiles
 from reporting import show
@@ -33,8 +32,7 @@ from reporting.figures import (LABEL_LINES, caption, legend_below, line_style, p
 PAPER = {
     ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
     ("parity2", "mask"): "100",
-    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87",
-         ("majority3", "qk-opt"): "~87",
+    ("majority3", "default"): "~87", ("majority3", "qk-svd"): "~87", ("majority3", "qk-opt"): "~87",
     ("majority3", "mask"): "100",
     ("cyclic3", "mask"): "99.98",
     ("addition", "default"): "1.19", ("addition", "mask"): "77.49",
@@ -44,15 +42,10 @@ PAPER = {
 
 
 def collect_runs(paths) -> tuple[list, list]:
-    """Read result.json under each path (a run directory or a folder of them).
-
-    Returns (results, problems): problems name every run directory whose result.json is missing (an
-    unfinished run) or unreadable, and every run counted once already (a copy of a run folder, or
-    the same task, init, seed and flags run again: one seed is one result), so nothing is skipped
-    or counted twice silently.
-    """
-    runs, problems = [], []
-    dirs = []
+    """Read result.json under each path (a run directory or a folder of them). Returns (results, problems):
+    problems name every run directory whose result.json is missing (an unfinished run) or unreadable, and every
+    run counted once already (`once_each`), so nothing is skipped or counted twice silently."""
+    runs, problems, dirs = [], [], []
     for path in paths:
         if os.path.exists(os.path.join(path, "args.json")) or os.path.exists(os.path.join(path, "result.json")):
             dirs.append(path)
@@ -115,6 +108,14 @@ def init_order(runs: list):
     return order.__getitem__
 
 
+def _by_init(runs: list) -> dict:
+    """{init: its runs, by seed}."""
+    by = {}
+    for r in sorted(runs, key=lambda r: r["seed"]):
+        by.setdefault(r["init"], []).append(r)
+    return by
+
+
 def md_table(header: list, rows) -> list[str]:
     """A markdown table's lines: the header cells, the rule, one line per row of cells."""
     return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -122,11 +123,11 @@ def md_table(header: list, rows) -> list[str]:
 
 
 def _pct(key):
-    return lambda ms: mean_std([100 * m[key] for m in ms if m.get(key) is not None])
+    return _num(key, 100)
 
 
-def _num(key):
-    return lambda ms: mean_std([m[key] for m in ms if m.get(key) is not None])
+def _num(key, scale=1, count=False):
+    return lambda ms: mean_std([scale * m[key] for m in ms if m.get(key) is not None], count=count)
 
 
 def _mass(ms):
@@ -162,24 +163,18 @@ def summarize(paths, collected: tuple | None = None) -> str:
     attention mass at start and end, and the paper's number beside ours (of the runs under
     `paths`, or `collected` from them already)."""
     runs, problems = collected or collect_runs(paths)
-    configs, notes = config_groups(runs)
-    groups = {}
-    for (task, label), rs in configs.items():
-        for r in rs:
-            groups.setdefault((task, label), {}).setdefault(r["init"], []).append(r)
+    groups, notes = config_groups(runs)
     out = [f"- {n}" for n in notes]
-    for task, label in groups:
-        kind = next(iter(groups[(task, label)].values()))[0].get("kind", "boolean")
-        every = [[r["metrics"] for r in rs] for rs in groups[(task, label)].values()]
-        cols = [(h, f) for h, f in COLUMNS.get(kind, COLUMNS["boolean"])
+    for (task, label), group in groups.items():
+        by = _by_init(group)
+        every = [[r["metrics"] for r in rs] for rs in by.values()]
+        cols = [(h, f) for h, f in COLUMNS.get(group[0].get("kind", "boolean"), COLUMNS["boolean"])
                 if any(f(ms) for ms in every)]
         out.append(f"\n**{task}**" + (f" ({label})" if label else "") + "\n")
         rows = []
-        for init in sorted(groups[(task, label)],
-                           key=init_order(sum(groups[(task, label)].values(), []))):
-            rs = sorted(groups[(task, label)][init], key=lambda r: r["seed"])
-            ms = [r["metrics"] for r in rs]
-            rows.append([init, ",".join(str(r["seed"]) for r in rs), *(f(ms) for _, f in cols),
+        for init in sorted(by, key=init_order(group)):
+            ms = [r["metrics"] for r in by[init]]
+            rows.append([init, ",".join(str(r["seed"]) for r in by[init]), *(f(ms) for _, f in cols),
                          PAPER.get((task, init), "")])
         out += md_table(["init", "seeds", *(h for h, _ in cols), "paper %"], rows)
     if problems:
@@ -193,27 +188,17 @@ def summarize(paths, collected: tuple | None = None) -> str:
 TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee", "parity3")
 # what `report` reads in a runs folder
 REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")
-TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree "
-                           "interpolator)",
-                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 "
-                              "held-out pairs)",
+TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
+                "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
                 "vision": "ViT image classification (top-1 on the test split)",
                 "lm": "Language modelling (validation loss and perplexity)",
-                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair "
-                         "not trained on)",
-                "visionprior": "The vision priors (top-1 on the test split; one table per "
-                               "--pattern)",
-                "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on "
-                       "every pair not trained on, and on the training samples)",
-                "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, "
-                           "positional std, depth and the bits frozen on U"}
+                "mult2": "Two-digit multiplication (sequence and digit accuracy on every pair not trained on)",
+                "visionprior": "The vision priors (top-1 on the test split; one table per --pattern)",
+                "lee": "Lee et al.'s multiplication data (--lee-samples: sequence accuracy on every pair not "
+                       "trained on, and on the training samples)",
+                "parity3": "3-parity (kparity on bits 2, 7, 11) across layouts: readout, positional std, depth and "
+                           "the bits frozen on U"}
 PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in Wq Wk
-
-
-def token_names(run: dict) -> list | None:
-    """The names of a run's token positions, as the run recorded them (result.json's token_labels: its task's
-    `token_labels`), or None where it has none."""
-    return run.get("token_labels")
 
 
 def flag_label(label: str) -> str:
@@ -260,21 +245,15 @@ def config_words(label: str, said: frozenset = frozenset()) -> str:
     return ", ".join(words)
 
 
-def shared_parts(labels: list) -> frozenset:
-    """The flag=value parts (given) that more than half of `labels` hold: a figure's caption says
-    them once instead of every legend entry."""
-    counts = collections.Counter(p for label in labels for p in set(filter(None, label.split(", "))))
-    return frozenset(p for p, n in counts.items()
-                     if 2 * n > len(labels) and "=" in p and not p.endswith("=None"))
-
-
 def series_labels(series: list) -> tuple[dict, str]:
     """({(init, configuration label): its legend entry}, what the caption says for them) of a
-    figure's series: the init, then the configuration in words less the parts most series share
-    ("mask (soft bump, α 0.3)"), and those shared parts in words ("" for none). No two entries
-    read alike: where leaving the shared parts out would make them so, every part is spelled
-    out."""
-    said = shared_parts([c for _, c in series])
+    figure's series: the init, then the configuration in words less the flag=value parts (given)
+    that more than half of the series hold ("mask (soft bump, α 0.3)"), and those shared parts in
+    words ("" for none). No two entries read alike: where leaving the shared parts out would make
+    them so, every part is spelled out."""
+    counts = collections.Counter(p for _, c in series for p in set(filter(None, c.split(", "))))
+    said = frozenset(p for p, n in counts.items()
+                     if 2 * n > len(series) and "=" in p and not p.endswith("=None"))
     for known in (said, frozenset()):
         labels = {(i, c): i + (f" ({words})" if (words := config_words(c, known)) else "")
                   for i, c in series}
@@ -299,8 +278,7 @@ def data_set(run: dict) -> str | None:
     if run.get("kind", "boolean") in GENERATED:
         return None
     sha = run.get("data") or ""
-    return KNOWN_DATA.get(sha) or "unrecognised data" + (f" {sha[:8]}" if re.fullmatch(r"[0-9a-f]{64}", sha)
-                                                         else "")
+    return KNOWN_DATA.get(sha) or "unrecognised data" + (f" {sha[:8]}" if re.fullmatch(r"[0-9a-f]{64}", sha) else "")
 
 
 def data_rows(runs: list) -> list[tuple]:
@@ -321,10 +299,8 @@ def data_title(task: str, data: dict | None = None) -> str:
 
 
 def log_records(run: dict) -> list[dict]:
-    """The records of a run's metrics.jsonl (one per logged step), or [] when it has none; read
-    once per run dict (the curves, steps to target and the prior per layer all use them), each
-    line a record of this run (`runfiles.read_log`: a value a layer of the model its result.json
-    names)."""
+    """The records of a run's metrics.jsonl (one per logged step, each checked against the model its result.json
+    names: `runfiles.read_log`), or [] when it has none; read once per run dict."""
     if "_records" not in run:
         path = os.path.join(run["run_dir"], "metrics.jsonl")
         layers = (run.get("config") or {}).get("n_layers")
@@ -338,10 +314,9 @@ def log_records(run: dict) -> list[dict]:
 
 
 def persistence_rows(boolean_dir: str) -> list[dict]:
-    """Per logged step of every mask / qk-svd / qk-opt Boolean run, from its metrics.jsonl: the
-    attention mass on the pattern (mean over layers, and per layer) and the drift of the prior
-    itself, mean over layers: relative Frobenius change of M for `mask`, of Wq Wk^T for the QK
-    inits."""
+    """Per logged step of every Boolean run of a PERSISTENCE_INITS init, from its metrics.jsonl: the attention mass
+    on the pattern (mean over layers, and per layer) and the drift of the prior itself, mean over layers: relative
+    Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
     rows = []
     runs, _ = collect_runs([boolean_dir])
     for r in runs:
@@ -360,54 +335,45 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
     return rows
 
 
-PERSISTENCE_CAPTION = ("Attention mass on the prior pattern (top) and relative change of the "
-                       "prior itself (bottom: M for mask, Wq Wk^T for qk-svd and qk-opt) over "
-                       "training; mean over seeds, band = min to max")
-
-
 PERSISTENCE_HEADER = ("task", "init", "seed", "step", "mass_mean", "drift_mean")
 
 
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
     """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed.
     Returns the paths written."""
-    csv_path = os.path.join(out_dir, "persistence.csv")
     n_layers = max((len(r["layers"]) for r in rows), default=0)
     lines = [",".join([*PERSISTENCE_HEADER, *(f"mass_layer{i}" for i in range(n_layers))])]
     for r in rows:
         lines.append(f"{r['task']},{r['init']},{r['seed']},{r['step']},{r['mass']:.5f},{r['drift']:.5f},"
                      + ",".join(f"{m:.5f}" for m in r["layers"]))
-    runfiles.atomic_write(csv_path, "\n".join(lines) + "\n")
-    return [csv_path] + draw_persistence(rows, os.path.join(out_dir, "persistence.png"))
+    return ([emit(out_dir, "persistence.csv", "\n".join(lines) + "\n")]
+            + draw_persistence(rows, os.path.join(out_dir, "persistence.png")))
 
 
 def draw_persistence(rows: list[dict], path: str, data: dict | None = None) -> list[str]:
-    """persistence.png from persistence rows: per task (`data_title`), the mass on the pattern and
-    the drift of the prior against the step, a line per prior init (mean over seeds, band = min to
-    max). Returns [path], or [] without matplotlib."""
+    """persistence.png from persistence rows: per task (`data_title`), the mass on the pattern and the drift of the
+    prior against the step, a band per prior init (`plot_band`). Returns [path], or [] without matplotlib."""
     tasks = sorted({r["task"] for r in rows})
-    made = panel_grid(len(tasks), rows=2, width=4.2, height=3.0)
-    if made is None:
+    if (made := panel_grid(len(tasks), rows=2, width=4.2, height=3.0)) is None:
         return []
     _, fig, at = made
     for b, task in enumerate(tasks):
-        for i, init in enumerate(PERSISTENCE_INITS):
-            for row, key in ((0, "mass"), (1, "drift")):
+        for row, key, what in ((0, "mass", "attention mass on the pattern"),
+                               (1, "drift", "relative change of the prior")):
+            for i, init in enumerate(PERSISTENCE_INITS):
                 by_step = {}
                 for r in rows:
-                    # drift may be NaN
-                    if r["task"] == task and r["init"] == init and r[key] == r[key]:
+                    if r["task"] == task and r["init"] == init and r[key] == r[key]:        # drift may be NaN
                         by_step.setdefault(r["step"], []).append(r[key])
                 if by_step:
                     plot_band(at(b, row), by_step, init, line_style(i, init))
-        at(b, 0).set_title(f"{data_title(task, data)}: attention mass on the pattern", fontsize=9)
-        at(b, 0).set_ylim(0, 1.02)
-        at(b, 1).set_title(f"{data_title(task, data)}: relative change of the prior", fontsize=9)
-        at(b, 1).set_xlabel("training step")
-        for row in (0, 1):
+            at(b, row).set_title(f"{data_title(task, data)}: {what}", fontsize=9)
             at(b, row).grid(alpha=0.3)
+        at(b, 0).set_ylim(0, 1.02)
+        at(b, 1).set_xlabel("training step")
     legend_below(fig)
-    caption(fig, PERSISTENCE_CAPTION)
+    caption(fig, "Attention mass on the prior pattern (top) and relative change of the prior itself (bottom: M for "
+                 "mask, Wq Wk^T for qk-svd and qk-opt) over training; mean over seeds, band = min to max")
     return [save_figure(fig, path, dpi=120)]
 
 
@@ -421,16 +387,13 @@ def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
     for task in sorted({r["task"] for r in runs if r["init"] == "mask"}):
         for r in (r for r in runs if r["task"] == task and r["init"] == "mask"):
             try:
-                start, end = show.m_of_checkpoint(runfiles.read_checkpoint(os.path.join(r["run_dir"],
-                                                                                  "ckpt.pt")))
+                start, end = show.m_of_checkpoint(runfiles.read_checkpoint(os.path.join(r["run_dir"], "ckpt.pt")))
             except (runfiles.ReadError, KeyError, TypeError, AttributeError, ValueError):
                 continue
-            if end and len(start) == len(end) and all(s is None or s.shape == e.shape
-                                                      for s, e in zip(start, end)):
+            if end and len(start) == len(end) and all(s is None or s.shape == e.shape for s, e in zip(start, end)):
                 title = f"{task} --init mask seed {r['seed']} ({os.path.basename(r['run_dir'])})"
-                written.append(show.draw_m(start, end,
-                                           os.path.join(out_dir, f"m_{task}.png"), title,
-                                           names=token_names(r)))
+                written.append(show.draw_m(start, end, os.path.join(out_dir, f"m_{task}.png"), title,
+                                           names=r.get("token_labels")))
                 break
     return written
 
@@ -455,8 +418,7 @@ def ablation(folders) -> str:
         mdi = _mdi([next(iter(groups[task].values()))[0]["metrics"]])
         out.append(f"\n**{task}** (MDI: {mdi} %; * = the task's `small` preset)\n")
         rows = []
-        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0,
-                                                       ABLATION_INITS.index(k[2])
+        for key in sorted(groups[task], key=lambda k: (str(k[0]), k[1] or 0, ABLATION_INITS.index(k[2])
                                                        if k[2] in ABLATION_INITS else 99)):
             readout, pos, init = key
             rs = sorted(groups[task][key], key=lambda r: r["seed"])
@@ -483,12 +445,9 @@ CURVE_METRICS = {
                    # --lee-samples runs
                    ("train_seq_acc", "sequence accuracy on the training samples", True),
                    ("prior_mass_mean", "attention mass on the pattern", True)),
-    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern",
-                                         True)),
+    "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
 }
-# Runs that differ only in what result.json's tells_apart leaves out (where and how a run ran,
-# which run it is, its init and seed) are one configuration; any other difference draws them apart.
 
 
 def run_config(run: dict, ignore=frozenset()) -> dict:
@@ -498,11 +457,9 @@ def run_config(run: dict, ignore=frozenset()) -> dict:
 
 
 def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
-    """Split runs by task, then by configuration (all flags but NOT_TELLING_APART and `ignore`, and
-    the data set where a figure must name it: `data_set`).
-    Returns ({(task, label): runs}, notes): label is "" when a task has one configuration, else the
-    flags that tell its configurations apart ("steps=250"), and a note names each such mix in one
-    line."""
+    """Split runs by task, then by configuration (`run_config` less `ignore`, and the data set where a figure must
+    name it: `data_set`). Returns ({(task, label): runs}, notes): label is "" when a task has one configuration, else
+    the flags that tell its configurations apart ("steps=250"), and a note names each such mix in one line."""
     by_task, notes, groups = {}, [], {}
     for r in runs:
         # runs on other data are another configuration ("data=digits stand-in" where it differs)
@@ -565,19 +522,9 @@ def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) 
     """A CSV of `rows` under `header`, written atomically (column `quoted` in double quotes: a
     label with commas; floats to 6 significant digits); returns path."""
     cell = lambda i, v: f'"{v}"' if i == quoted else f"{v:.6g}" if isinstance(v, float) else str(v)   # noqa: E731
-    runfiles.atomic_write(path, "\n".join([",".join(header)] + [",".join(cell(i, v)
-                                                                   for i, v in enumerate(row))
-                                                          for row in rows]) + "\n")
+    lines = [",".join(header)] + [",".join(cell(i, v) for i, v in enumerate(row)) for row in rows]
+    runfiles.atomic_write(path, "\n".join(lines) + "\n")
     return path
-
-
-def write_curves(groups: dict, out_dir: str, data: dict | None = None) -> list[str]:
-    """curves.csv (a row per run, logged step and headline metric) always; curves.png
-    (`draw_curves`, its panels titled by `data`) when matplotlib is installed. Returns the paths
-    written."""
-    rows = curve_rows(groups)
-    written = [write_rows(os.path.join(out_dir, "curves.csv"), CURVES_HEADER, rows, quoted=1)]
-    return written + draw_curves(rows, os.path.join(out_dir, "curves.png"), data)
 
 
 def _by_metric(rows: list, key) -> dict:
@@ -589,20 +536,8 @@ def _by_metric(rows: list, key) -> dict:
     return out
 
 
-def _merged(orders) -> list:
-    """One order that keeps each of `orders` (lists of names): a name goes before the first name that follows it
-    in its own order and is placed already."""
-    out = []
-    for order in orders:
-        for i, k in enumerate(order):
-            if k not in out:
-                later = [out.index(x) for x in order[i + 1:] if x in out]
-                out.insert(min(later, default=len(out)), k)
-    return out
-
-
-# the metrics in the order CURVE_METRICS gives each family (a task's are one family's), then the rest
-METRIC_ORDER = _merged([k for k, _, _ in metrics] for metrics in CURVE_METRICS.values())
+# the metrics in an order that keeps the one CURVE_METRICS gives each family (a task's are one family's)
+METRIC_ORDER = ("acc_unseen", "mse", "seq_acc", "train_seq_acc", "top1", "prior_mass_mean", "val_ppl")
 
 
 def _metric_order(metrics) -> list:
@@ -611,14 +546,13 @@ def _metric_order(metrics) -> list:
 
 
 def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """curves.png from curve rows: a panel per task, configuration and headline metric against the
-    step, titled by the data set (`data_title`) and the configuration in words, a line per init
-    (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or rows."""
+    """curves.png from curve rows: a panel per task, configuration and headline metric against the step, titled by
+    the data set (`data_title`) and the configuration in words, a band per init (`plot_band`). Returns [path], or []
+    without matplotlib or rows."""
     panels = [("\n".join(filter(None, (data_title(task, data), config_words(label)))), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
               for k in _metric_order(by) for by_init in [by[k]]]
-    made = panel_grid(len(panels), width=4.0, height=3.0)
-    if made is None:
+    if (made := panel_grid(len(panels), width=4.0, height=3.0)) is None:
         return []
     _, fig, at = made
     for b, (title, key, by_init) in enumerate(panels):
@@ -639,27 +573,15 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
     return [save_figure(fig, path)]
 
 
-def write_comparison(groups: dict, path: str, title: str, data: dict | None = None) -> list[str]:
-    """A study's runs side by side: FOLDER.csv (curves.csv's rows of these runs) and FOLDER.png
-    (`draw_comparison`) beside it. Returns the paths written ([] without runs)."""
-    if not groups:
-        return []
-    rows = curve_rows(groups)
-    return ([write_rows(path[:-4] + ".csv", CURVES_HEADER, rows, quoted=1)]
-            + draw_comparison(rows, path, title, data))
-
-
 def draw_comparison(rows: list, path: str, title: str, data: dict | None = None) -> list[str]:
-    """One figure that sets every configuration and init of curve rows side by side: a panel per
-    metric, a line per (init, configuration) in words (`series_labels`), mean over seeds with a
-    min-to-max band; the caption names the data (`data_title`) and the parts of the configuration
-    most lines share. Returns [path], or [] without matplotlib."""
+    """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a band per
+    (init, configuration) in words (`series_labels`, `plot_band`); the caption names the data (`data_title`) and the
+    parts of the configuration most lines share. Returns [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: (i, c))
     labels, said = series_labels(list(series))
     tasks = " and ".join(data_title(t, data) for t in dict.fromkeys(r[0] for r in rows))
     metrics = _metric_order({k for by in series.values() for k in by})
-    made = panel_grid(len(metrics), width=5.0, height=3.8)
-    if made is None:
+    if (made := panel_grid(len(metrics), width=5.0, height=3.8)) is None:
         return []
     _, fig, at = made
     for b, k in enumerate(metrics):
@@ -710,17 +632,14 @@ def targets_for(kind: str, runs: list) -> list:
 
 
 def steps_to_target(groups: dict) -> str:
-    """Markdown: per task (and configuration), target and init, the first logged step at which the
-    headline metric reaches the target (mean ± std over the seeds that reach it, how many do), and
-    the ratio default / mask of the mean steps; where default never reaches it and the mask always
-    does, the ratio is a lower bound (default's total steps / the mask's mean)."""
+    """Markdown: per task (and configuration), target and init, the first logged step at which the headline metric
+    reaches the target (STEPS_TO_TARGET_HEAD says what each column is); where default never reaches it and the mask
+    always does, the ratio default / mask is a lower bound (default's total steps / the mask's mean)."""
     rows = []
     for (task, label), rs in groups.items():
         name = task + (f" ({label})" if label else "")
         log_every = run_config(rs[0]).get("log_every", "")
-        by_init = {}
-        for r in sorted(rs, key=lambda r: r["seed"]):
-            by_init.setdefault(r["init"], []).append(r)
+        by_init = _by_init(rs)
         for desc, target in targets_for(rs[0].get("kind", "boolean"), rs):
             found = {init: [first_step(log_records(r), target) for r in by_init[init]]
                      for init in sorted(by_init, key=init_order(rs))}
@@ -743,14 +662,11 @@ def steps_to_target(groups: dict) -> str:
 
 
 def prior_layers(groups: dict) -> str:
-    """Markdown: per task (and configuration), prior init (`mask`, the QK inits, `impulse`,
-    `mimetic`) and layer, from the runs' metrics.jsonl (mean over seeds): the attention mass on the
-    pattern at the start, at its lowest and at the end; the first logged step at which it has made
-    half of its change from start to end (when it moves); the final relative change of M (`mask`
-    only) and of Wq Wk^T (the content logits' weights); the content margin (`mp.content_margin`: by
-    how many nats the content logits favour the keys off the pattern) at the start and the end,
-    where logged. Shows where and when a prior's mass goes, and whether the content outbids the
-    bias."""
+    """Markdown: per task (and configuration), prior init and layer, from the runs' metrics.jsonl (mean over
+    seeds): the attention mass on the pattern at the start, its lowest and the end, the half-way step, the final
+    drift of M and of Wq Wk^T, and the content margin (`mp.content_margin`) at the start and the end, where logged
+    (PRIOR_LAYERS_HEAD says what each is). Shows where and when a prior's mass goes, and whether the content
+    outbids the bias."""
     rows = []
     avg = lambda v: sum(v) / len(v)                                           # noqa: E731
     for (task, label), rs in groups.items():
@@ -767,14 +683,11 @@ def prior_layers(groups: dict) -> str:
                 start = [recs[0]["prior_mass"][layer] for _, recs in runs]
                 end = [recs[-1]["prior_mass"][layer] for _, recs in runs]
                 low = [min(rec["prior_mass"][layer] for rec in recs) for _, recs in runs]
-                half = []
-                for (_, recs), a, b in zip(runs, start, end):
-                    mid = (a + b) / 2
-                    half.append(next(rec["step"] for rec in recs
-                                     if (rec["prior_mass"][layer] - mid) * (a - b) <= 0))
+                # the first logged step at which the mass has made half of its change from start to end
+                half = [next(rec["step"] for rec in recs if (rec["prior_mass"][layer] - (a + b) / 2) * (a - b) <= 0)
+                        for (_, recs), a, b in zip(runs, start, end)]
                 drift = {k: [recs[-1][k][layer] for _, recs in runs if recs[-1].get(k)]
-                         for k in ("mask_drift",
-                                                                                                  "qk_drift")}
+                         for k in ("mask_drift", "qk_drift")}
                 margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer])
                           for _, recs in runs
                           if recs[0].get("content_margin") and recs[-1].get("content_margin")]
@@ -784,17 +697,14 @@ def prior_layers(groups: dict) -> str:
                                for k in ("mask_drift", "qk_drift")),
                              f"{avg([a for a, _ in margin]):.2f} → "
                              f"{avg([b for _, b in margin]):.2f}" if margin else ""])
-    return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass "
-                                                                                           "end", "half-way step",
+    return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass end", "half-way step",
                                "M drift", "Wq Wk^T drift", "content margin start → end"], rows)) + "\n"
 
 
 def data_efficiency(folders: list, out_dir: str) -> list[str]:
-    """Addition's final sequence accuracy against the number of training pairs, per init (mean ±
-    std over seeds; inits run at one size only are left out), from the runs under folders whose
-    configurations differ in --data-frac alone: data_efficiency.md (with, for each size, the fewest
-    pairs at which the mask's mean is at least default's mean at that size), data_efficiency.csv
-    always and .png when matplotlib is installed."""
+    """Addition's final sequence accuracy against the number of training pairs, per init (inits run at one size only
+    are left out), from the runs under folders whose configurations differ in --data-frac alone:
+    data_efficiency.md (its text says what is in it), data_efficiency.csv always and .png with matplotlib."""
     runs, problems = collect_runs(folders)
     runs = [r for r in runs if r["task"] == "addition" and "n_train" in r["metrics"]]
     problems += [f"{r['run_dir']}: {what}" for r in runs for what in [efficiency_problem(r)] if what]
@@ -810,8 +720,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
                          float(m["digit_acc"])))
         sizes = sorted({n for d in by.values() for n in d})
         if len(sizes) < 2:
-            md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a "
-                      "series")
+            md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
             continue
         inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
         # the task's own universe: 10^(2d) pairs
@@ -819,8 +728,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         md += ["\n**addition**" + (f" ({label})" if label else "") + "\n",
                *_efficiency_table(by, inits, sizes, digits)]
         panels.append(label)
-    csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows,
-                          quoted=0)
+    csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows, quoted=0)
     text = ("# Data efficiency: addition's sequence accuracy against the training set "
             "size\n\nFinal sequence accuracy on the 10,000 test pairs, mean ± std over seeds "
             "(their number in brackets). The last column: the fewest training pairs (of the "
@@ -829,10 +737,8 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + "; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
-    md_path = os.path.join(out_dir, "data_efficiency.md")
-    runfiles.atomic_write(md_path, text)
-    return [md_path, csv_path] + draw_efficiency(rows,
-                                                 os.path.join(out_dir, "data_efficiency.png"))
+    return ([emit(out_dir, "data_efficiency.md", text), csv_path]
+            + draw_efficiency(rows, os.path.join(out_dir, "data_efficiency.png")))
 
 
 # what a run of the data-efficiency series holds: its metrics (key -> (check, what it must be)) and
@@ -863,25 +769,21 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
             hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
             enough = (f"{hit[0]:,} ({n / hit[0]:.2g}x less)" if hit[0] < n else f"{hit[0]:,}") if hit else "none"
         rows.append([f"{n:,}", f"{100 * n / 10 ** (2 * digits):g}", *cells, enough])
-    return md_table(["training pairs", "% of all pairs",
-                     *(f"{i} seq acc % (seeds)" for i in inits), "fewest pairs with mask >= "
-                                                                 "default here"], rows)
+    return md_table(["training pairs", "% of all pairs", *(f"{i} seq acc % (seeds)" for i in inits),
+                     "fewest pairs with mask >= default here"], rows)
 
 
 def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or
-    more training set sizes, sequence accuracy against the size, a line per init run at more than
-    one (mean over seeds, band = min to max). Returns [path], or [] without matplotlib or such a
-    configuration."""
-    # {label: {init: {n_train: [seq_acc]}}}
-    by_config = {}
+    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more training set
+    sizes, sequence accuracy against the size, a band per init run at more than one (`plot_band`). Returns [path], or
+    [] without matplotlib or such a configuration."""
+    by_config = {}                                          # {label: {init: {n_train: [seq_acc]}}}
     for label, init, seed, n, seq_acc, digit_acc in rows:
         by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
     panels = [(label, {i: s for i, s in by.items() if len(s) > 1})
               for label, by in by_config.items()
               if len({n for s in by.values() for n in s}) > 1]
-    made = panel_grid(len(panels), width=4.8, height=3.6)
-    if made is None:
+    if (made := panel_grid(len(panels), width=4.8, height=3.6)) is None:
         return []
     _, fig, at = made
     for b, (label, by) in enumerate(panels):
@@ -920,11 +822,10 @@ ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100),
 
 
 def oracle_free_cell(run: dict) -> tuple[str, str]:
-    """(row, column tag) of an oracle-free run from its folder name: the row is the task, or the
-    data set it read where that must be named (`data_title`), and the corpus or the step count the
-    tag names (corpusB-teacher, 250steps-teacher); the tag what
-    follows -sSEED- and them (samebudget, the default at a teacher's steps + its student's, is the
-    budget2x column)."""
+    """(row, column tag) of an oracle-free run from its folder name: the row is the task, or the data set it read
+    where that must be named (`data_title`), and the corpus or the step count the tag names (corpusB-teacher,
+    250steps-teacher); the tag what follows -sSEED- and them (samebudget, the default at a teacher's steps + its
+    student's, is the budget2x column)."""
     name = os.path.basename(os.path.normpath(run["run_dir"]))
     tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
     row = data_title(run["task"], {run["task"]: data_set(run)})
@@ -957,20 +858,15 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
         src = r.get("prior_source") or {}
         # qk-svd reads the same teacher's pattern
         if "precision" in src and r["init"] == "mask":
-            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"],
-                                                                      src["recall"]))
+            agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
     cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS
             if any((i, t) in table[row] for row in rows)]
     results = []
     for row in rows:
         kind = next(iter(table[row].values()))[0].get("kind", "boolean")
         key, label, scale = ORACLE_FREE_METRIC.get(kind, ORACLE_FREE_METRIC["boolean"])
-        cells = []
-        for _, init, tag in cols:
-            rs = table[row].get((init, tag), [])
-            vals = [scale * r["metrics"][key] for r in rs if r["metrics"].get(key) is not None]
-            cells.append(mean_std(vals, count=True))
-        results.append([row, label, *cells])
+        results.append([row, label, *(_num(key, scale, count=True)([r["metrics"] for r in table[row].get((i, t), [])])
+                                      for _, i, t in cols)])
     found = [[row, "the data" if tag == "discovered" else tag, mean_std([p for p, _ in pr]),
               mean_std([r for _, r in pr]), len(pr)] for row in rows
              for tag, pr in agreement.get(row, {}).items()]
@@ -978,15 +874,13 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
            + md_table(["task", "found in", "precision of its pairs", "recall", "seeds"], found))
     if problems:
         out.append("\nNot included:\n" + "\n".join(f"- {p}" for p in problems))
-    path = os.path.join(out_dir, "oraclefree.md")
-    runfiles.atomic_write(path, "\n".join(out) + "\n")
-    return [path] + oracle_free_figure(table, rows, out_dir) + oracle_free_mass(table, rows,
-                                                                                out_dir)
+    return ([emit(out_dir, "oraclefree.md", "\n".join(out) + "\n")] + oracle_free_figure(table, rows, out_dir)
+            + oracle_free_mass(table, rows, out_dir))
 
 
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
-    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the
-    step, one line per variant with a prior (mean over seeds, band = min to max)."""
+    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, a band per
+    variant with a prior (`plot_band`)."""
     curves = []
     for row in rows:
         lines = {}
@@ -1000,8 +894,7 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
                 lines[head] = by_step
         if lines:
             curves.append((row, lines))
-    made = panel_grid(len(curves), width=4.0, height=3.0)
-    if made is None:
+    if (made := panel_grid(len(curves), width=4.0, height=3.0)) is None:
         return []
     _, fig, at = made
     heads = [h for h, _, _ in ORACLE_FREE_COLUMNS]
@@ -1025,10 +918,9 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
     discovered and teacher runs started from (prior.pt), all layers' first head."""
     panels = []
     for row in rows:
-        for init, tag, title in (("mask", "", "hand"), ("mask", "discovered", "found in the data"),
-                                 ("mask", "teacher", "from the teacher"),
-                                 ("mask", "teacher-impulse", "impulse teacher")):
-            first = sorted(table[row].get((init, tag), []), key=lambda r: r["seed"])[:1]
+        for tag, title in (("", "hand"), ("discovered", "found in the data"), ("teacher", "from the teacher"),
+                           ("teacher-impulse", "impulse teacher")):
+            first = sorted(table[row].get(("mask", tag), []), key=lambda r: r["seed"])[:1]
             if not first:
                 continue
             try:
@@ -1036,9 +928,8 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
             except runfiles.ReadError:
                 continue
             panels.append((f"{row}: {title} (seed {first[0]['seed']})", pattern[0]
-                           if pattern.dim() == 3 else pattern, token_names(first[0])))
-    made = panel_grid(len(panels), width=3.0, height=3.2)
-    if made is None:
+                           if pattern.dim() == 3 else pattern, first[0].get("token_labels")))
+    if (made := panel_grid(len(panels), width=3.0, height=3.2)) is None:
         return []
     _, fig, at = made
     for b, (title, p, names) in enumerate(panels):
@@ -1087,9 +978,8 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     for table in TABLES:
         folder = os.path.join(runs_dir, table)
         if os.path.isdir(folder):
-            written.append(emit(out_dir, f"{table}.md",
-                                f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std over "
-                                                        f"seeds; {made_by}.\n\n{summarize([folder])}"))
+            written.append(emit(out_dir, f"{table}.md", f"# {TABLE_TITLES[table]}\n\nRuns: `{folder}`; mean ± std "
+                                                        f"over seeds; {made_by}.\n\n{summarize([folder])}"))
     grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
     if os.path.isdir(grid):
         folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
@@ -1100,16 +990,13 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
                             "whole cube (exact match for cyclic3); "
                             f"{made_by}.\n\n{ablation(folders)}"))
     if os.path.isdir(boolean):
-        written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean,
-                                                                                     out_dir)
+        written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean, out_dir)
     if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
         written += oracle_free(os.path.join(runs_dir, "oraclefree"), out_dir)
     data, arithmetic = os.path.join(runs_dir, "data"), os.path.join(runs_dir, "arithmetic")
     if os.path.isdir(data):
-        written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []),
-                                   out_dir)
-    folders = [os.path.join(runs_dir, t) for t in TABLES
-               if os.path.isdir(os.path.join(runs_dir, t))]
+        written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
+    folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
     return written + (report_curves(runs_dir, folders, out_dir, made_by) if folders else [])
 
 
@@ -1135,13 +1022,16 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
     groups, notes = config_groups(runs)
     data = data_rows(runs)
     written = [write_rows(os.path.join(out_dir, "data.csv"), DATA_HEADER, data, quoted=1)]
-    written += write_curves(groups, out_dir, dict(data))
-    for folder, title in STUDY_FIGURES.items():         # a study's runs side by side: FOLDER.png
+    rows = curve_rows(groups)
+    written += [write_rows(os.path.join(out_dir, "curves.csv"), CURVES_HEADER, rows, quoted=1)]
+    written += draw_curves(rows, os.path.join(out_dir, "curves.png"), dict(data))
+    for folder, title in STUDY_FIGURES.items():         # a study's runs side by side: FOLDER.csv and .png
         where = os.path.normpath(os.path.join(runs_dir, folder))
         study = [r for r in runs if os.path.dirname(os.path.normpath(r["run_dir"])) == where]
         if study:
-            written += write_comparison(config_groups(study)[0],
-                                        os.path.join(out_dir, f"{folder}.png"), title, dict(data))
+            rows = curve_rows(config_groups(study)[0])
+            written += [write_rows(os.path.join(out_dir, f"{folder}.csv"), CURVES_HEADER, rows, quoted=1)]
+            written += draw_comparison(rows, os.path.join(out_dir, f"{folder}.png"), title, dict(data))
     for r in runs:
         log_records(r)                          # read every log once: a damaged one is named below
     notes += [f"{r['run_dir']}: its log is left out of the curves and these tables "
@@ -1176,8 +1066,7 @@ def _digits(text: str) -> int | None:
 def _number(text: str) -> float | None:
     """A number cell as a report writes one (ASCII, 'nan' where nothing was measured); None for
     anything else."""
-    return (float(text) if re.fullmatch(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan", text)
-            else None)
+    return float(text) if re.fullmatch(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan", text) else None
 
 
 # a report CSV's cells: kind -> (the parser of its text (None: not of the kind), the check of the
@@ -1216,14 +1105,11 @@ def _cut(text: str, most: int = 40) -> str:
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
 
 
-PERSISTENCE_CELLS = ("name", "name", "seed", "step", "mass", "drift")
-
-
 def _persistence_row(cells: list) -> dict:
     """A persistence.csv row (a drift of nan: a run that logged none), a mass a layer after it."""
-    task, init, seed, step, mass, drift, *layers = _cells(PERSISTENCE_CELLS, cells, "mass")
-    return {"task": task, "init": init, "seed": seed, "step": step, "mass": mass, "drift": drift,
-            "layers": layers}
+    task, init, seed, step, mass, drift, *layers = _cells(("name", "name", "seed", "step", "mass", "drift"),
+                                                          cells, "mass")
+    return {"task": task, "init": init, "seed": seed, "step": step, "mass": mass, "drift": drift, "layers": layers}
 
 
 def _curve_row(cells: list) -> tuple:
@@ -1232,8 +1118,7 @@ def _curve_row(cells: list) -> tuple:
 
 
 def _efficiency_row(cells: list) -> tuple:
-    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit
-    acc)."""
+    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit acc)."""
     return tuple(_cells(("label", "name", "seed", "count", "value", "value"), cells))
 
 
@@ -1242,17 +1127,12 @@ def _data_row(cells: list) -> tuple:
     return tuple(_cells(("name", "data"), cells))
 
 
-def _curves_size(rows: list) -> tuple[int, int]:
-    """curves.png's (panels: task, configuration and metric; series: inits) of curve rows."""
-    return len({(r[0], r[1], r[5]) for r in rows}), len({r[2] for r in rows})
-
-
 # name -> (the CSV's header, at least; the cells after it (a mass a layer); a row's parser; the
 # drawer of NAME.png from the rows and data.csv's {task: data set}; the figure's (panels, series in
 # its legend) from the rows)
-REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves, _curves_size),
-           "persistence": (PERSISTENCE_HEADER, runfiles.MAX_LAYERS, _persistence_row,
-                           draw_persistence,
+REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves,
+                      lambda rows: (len({(r[0], r[1], r[5]) for r in rows}), len({r[2] for r in rows}))),
+           "persistence": (PERSISTENCE_HEADER, runfiles.MAX_LAYERS, _persistence_row, draw_persistence,
                            lambda rows: (2 * len({r["task"] for r in rows}),
                                          len({r["init"] for r in rows} & set(PERSISTENCE_INITS)))),
            "data_efficiency": (EFFICIENCY_HEADER, 0, _efficiency_row, draw_efficiency,
@@ -1289,10 +1169,10 @@ def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
 def redraw(results: str) -> tuple[list[str], list[str]]:
     """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from
     that CSV, each task titled by the data set data.csv names for it (`data_title`; none there:
-    the task); the CSVs and tables are left as they are. Every CSV is read and checked, and each
-    figure's size bounded (`figure_sizes`), before any figure is drawn; a figure of many panels
-    says so before it is drawn. Returns (written, the figures there that are drawn from the runs
-    alone: report again to redraw them)."""
+    the task); the CSVs and tables are left as they are. Every CSV is read and checked, and each figure's panels and
+    series bounded (ReportError where one would draw more than any report does: REDRAW_MAX_PANELS, _SERIES), before
+    any figure is drawn; a figure of many panels says so before it is drawn. Returns (written, the figures there that
+    are drawn from the runs alone: report again to redraw them)."""
     if pyplot() is None:
         raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
     if not os.path.isdir(results):
@@ -1307,20 +1187,6 @@ def redraw(results: str) -> tuple[list[str], list[str]]:
                           "redraw and nothing was written")
     named = os.path.join(results, "data.csv")
     data = dict(read_rows(named, DATA_HEADER, _data_row)) if os.path.isfile(named) else {}
-    written = []
-    for name, panels in figure_sizes(results, tables).items():
-        if panels > REDRAW_SLOW_PANELS:
-            print(f"redraw: {name}.png: {panels} panels, about {panels // 20 + 1} s to draw",
-                  flush=True)
-        written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"), data)
-    left = sorted(f for f in os.listdir(results) if f.endswith(".png")
-                  and os.path.join(results, f) not in written)
-    return written, left
-
-
-def figure_sizes(results: str, tables: dict) -> dict:
-    """{name: panels} of the figures drawn from `tables` ({name: rows}); ReportError where one
-    would draw more panels or series than any report does (REDRAW_MAX_PANELS, _SERIES)."""
     sizes = {name: REDRAWN[name][4](rows) for name, rows in tables.items()}
     big = [(name, p, s) for name, (p, s) in sizes.items()
            if p > REDRAW_MAX_PANELS or s > REDRAW_MAX_SERIES][:1]
@@ -1330,7 +1196,14 @@ def figure_sizes(results: str, tables: dict) -> dict:
                           f"panels and {s:,} series in one figure, more than any report draws "
                           f"({REDRAW_MAX_PANELS} panels, {REDRAW_MAX_SERIES} series); it is not "
                           "a table a report wrote: nothing was redrawn")
-    return {name: p for name, (p, _) in sizes.items()}
+    written = []
+    for name, (panels, _) in sizes.items():
+        if panels > REDRAW_SLOW_PANELS:
+            print(f"redraw: {name}.png: {panels} panels, about {panels // 20 + 1} s to draw", flush=True)
+        written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"), data)
+    left = sorted(f for f in os.listdir(results) if f.endswith(".png")
+                  and os.path.join(results, f) not in written)
+    return written, left
 
 
 def redraw_command(results: str) -> int:
@@ -1354,8 +1227,7 @@ class ReportError(runfiles.UsageError):
 def summarize_command(paths: list) -> int:
     """`summarize PATH...`, refused in one line where a path holds no run (RUN_PATH_PROBLEMS) or
     none holds a finished one (there is nothing to tabulate)."""
-    bad = [f"{p} {no_runs_in(p)}; give run folders, or folders of them" for p in paths
-           if no_runs_in(p)]
+    bad = [f"{p} {why}; give run folders, or folders of them" for p in paths if (why := no_runs_in(p))]
     collected = ([], bad) if bad else collect_runs(paths)
     if not collected[0]:
         raise ReportError("summarize: " + (bad[0] if bad else

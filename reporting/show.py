@@ -72,20 +72,18 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
     if all(s is None for s in start):
         start, title = None, f"{title}; M at the end (its start was not saved)"
     if grid is not None:
-        start = None if start is None else [None if s is None else offset_map(s, *grid)
-                                            for s in start]
+        start = None if start is None else [None if s is None else offset_map(s, *grid) for s in start]
         end = [offset_map(e, *grid) for e in end]
         names = [str(o) for o in range(1 - grid[0], grid[0])]
         title += f"; M averaged over the patch pairs of each offset (dx, dy from -{grid[0] - 1} to {grid[0] - 1})"
         if grid[1]:
             title += ", the CLS token's row and column left out"
-    full = end[0].dim() == 3
     values = torch.cat([m.flatten() for m in end + [s for s in start or [] if s is not None]])
     lim = float(values.abs().max().clamp_min(1e-6))
     change = [None if s is None else e - s for s, e in zip(start or [None] * len(end), end)]
     dlim = max((float(c.abs().max()) for c in change if c is not None), default=0.0) or 1e-6
     moved = f"; the last row of each layer: end - start, on its own scale (largest change {dlim:.3g})"
-    if not full:
+    if end[0].dim() != 3:                           # relative tables, not full M
         return _draw_profiles(start, end, path, title + "; M over the distance (the bias is log sigmoid M)"
                               + ("" if start is None else moved), causal, lim, dlim)
     axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
@@ -112,11 +110,9 @@ def _draw_profiles(start, end, path: str, title: str, causal: bool, lim: float, 
             if start is not None:
                 ax = at(layer, 1, h)
                 if s is None:
-                    ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7,
-                            transform=ax.transAxes)
+                    ax.text(0.5, 0.5, "no start kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
                 else:
-                    ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2,
-                            label="end - start")
+                    ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2, label="end - start")
                     ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
                 ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
             ax.tick_params(labelsize=6)
