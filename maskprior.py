@@ -258,11 +258,12 @@ class MaskPrior(nn.Module):
         if param is None:
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if (n_keys is not None and (causal or param != "full") or (param == "grid") != (grid is not None)
-                or grid and (causal or grid[0] * grid[1] > n)):
+                or grid and (causal or prefix or grid[0] * grid[1] > n)):
             raise ValueError("MaskPrior: a cross-attention prior (n_keys) is non-causal with param='full'; "
                              "param='grid' (a 2-D relative M) goes with grid=(grid_h, grid_w), an image's patch grid "
-                             f"of at most n = {n} positions, non-causal; got n_keys={n_keys!r}, causal={causal}, "
-                             f"param={param!r}, grid={grid!r}")
+                             f"of at most n = {n} positions, non-causal, without prefix (another size is another "
+                             f"grid); got n_keys={n_keys!r}, causal={causal}, prefix={prefix}, param={param!r}, "
+                             f"grid={grid!r}")
         self.n, self.heads, self.causal, self.param, self.grid = n, heads, causal, param, grid
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
         # the layer it serves, for error messages (maskprior_retrofit names it)
@@ -316,6 +317,8 @@ class MaskPrior(nn.Module):
             raise ValueError(f"{prefix}bias ({self.where}): the saved M holds non-finite values "
                              f"({int((~torch.isfinite(saved)).sum())} of {saved.numel()}); it is no prior")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.bias.dtype in (torch.float16, torch.bfloat16):   # assign=True: M keeps float32 all the same
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=self.bias.requires_grad)
         self.unset = self.unset and prefix + "bias" not in state_dict
 
     def __prepare_scriptable__(self):
@@ -374,20 +377,22 @@ class MaskPrior(nn.Module):
         self.reset_parameters()
 
     def _table(self, full: torch.Tensor) -> torch.Tensor:
-        """The relative table (heads, n or 2n - 1) of full logits (heads, n, n) that depend on i - j alone; a
-        grid's table, the mean of each slot's logits."""
+        """The table (heads, slots) of a relative or grid prior from full logits (heads, n, n) that hold one logit a
+        slot (a distance, a patch displacement, a class token's row or column); refused, naming a slot, elsewhere."""
         idx = self._pairs(full.device).expand(self.heads, -1, -1)
-        if self.param == "grid":
-            flat, sums = idx.reshape(self.heads, -1), torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device)
-            counts = sums.scatter_add(1, flat, torch.ones_like(full).view(self.heads, -1))
-            return sums.scatter_add_(1, flat, full.reshape(self.heads, -1)) / counts
         seen = torch.ones(self.n, self.n, dtype=torch.bool, device=full.device)
         seen = seen.tril() if self.causal else seen
-        table = torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device).scatter_(
-            1, idx[:, seen].view(self.heads, -1), full[:, seen].view(self.heads, -1))
-        if not torch.equal(table.gather(1, idx[:, seen].view(self.heads, -1)), full[:, seen].view(self.heads, -1)):
-            raise ValueError("a relative MaskPrior holds one logit per head and distance i - j, "
-                             "but these logits differ along a diagonal; use param='full' for them")
+        slots, values = idx[:, seen].view(self.heads, -1), full[:, seen].view(self.heads, -1)
+        table = torch.zeros(self.bias.shape, dtype=full.dtype, device=full.device).scatter_(1, slots, values)
+        differ = table.gather(1, slots) != values
+        if bool(differ.any()):
+            slot, wide = int(slots[differ][0]), 2 * self.grid[1] - 1 if self.grid else 0
+            where = (f"distance {slot if self.causal else slot - self.n + 1}, these logits differ along a diagonal"
+                     if self.param == "relative" else f"patch displacement ({slot // wide - self.grid[0] + 1}, "
+                     f"{slot % wide - self.grid[1] + 1}), its pairs differ" if slot < (2 * self.grid[0] - 1) * wide
+                     else "class-token row or column, its pairs differ")
+            raise ValueError(f"{self.where}: a {self.param} MaskPrior holds one logit a head and slot, but at "
+                             f"{where}; use param='full' for them")
         return table
 
     @torch.no_grad()
@@ -1108,21 +1113,17 @@ def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix
         if abs(dr) >= grid_h or abs(dc) >= grid_w:
             raise ValueError(f"impulse_pattern: the offset ({dr}, {dc}) leaves a {grid_h} x {grid_w} grid from "
                              "every patch (each would fall back to itself): give offsets inside the grid")
-    pats = []
-    for dr, dc in offsets:
-        p = torch.zeros(n, n, dtype=torch.bool)
-        for r in range(grid_h):
-            for c in range(grid_w):
-                rr, cc = r + dr, c + dc
-                if not (0 <= rr < grid_h and 0 <= cc < grid_w):
-                    rr, cc = r, c
-                p[n_prefix + r * grid_w + c, n_prefix + rr * grid_w + cc] = True
-        if n_prefix:
-            p[:n_prefix, :] = prefix_all
-            p[:, :n_prefix] = prefix_all
-            p[:n_prefix, :n_prefix] |= torch.eye(n_prefix, dtype=torch.bool)
-        pats.append(p)
-    return torch.stack(pats)
+    rc = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
+    pats = torch.zeros(len(offsets), n, n, dtype=torch.bool)
+    for h, offset in enumerate(offsets):
+        to = rc + torch.tensor(offset)
+        to = torch.where(((to >= 0) & (to < torch.tensor([grid_h, grid_w]))).all(-1, keepdim=True), to, rc)
+        pats[h, n_prefix + torch.arange(len(rc)), n_prefix + to[:, 0] * grid_w + to[:, 1]] = True
+    if n_prefix:
+        pats[:, :n_prefix, :] = prefix_all
+        pats[:, :, :n_prefix] = prefix_all
+        pats[:, :n_prefix, :n_prefix] |= torch.eye(n_prefix, dtype=torch.bool)
+    return pats
 
 
 def _grid_displacements(grid_h: int, grid_w: int) -> torch.Tensor:

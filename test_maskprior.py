@@ -67,7 +67,11 @@ def test_the_wheel_installs_the_library_alone_under_names_of_its_own(tmp_path):
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("maskprior-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n for n in names if ".dist-info/" not in n} == {"maskprior.py", "maskprior_fast.py", "maskprior_retrofit.py"}
+    assert {n for n in names if ".dist-info/" not in n} == {
+        "maskprior.py",
+        "maskprior_fast.py",
+        "maskprior_retrofit.py",
+    }
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     version = re.search(r'^version = "([^"]+)"', open(os.path.join(HERE, "pyproject.toml")).read(), re.M).group(1)
     assert wheel.name.startswith(f"maskprior-{version}-") and mp.__version__ == version
@@ -195,6 +199,7 @@ def _span() -> str:
     return src[:src.index("# ====", src.index(SPAN_END) - 100)]
 
 
+@pytest.mark.slow
 def test_the_method_span_copied_alone_behaves_as_the_module(tmp_path):
     """maskprior.py's span (its start to the banner "Beyond the comparison"), copied alone into an empty folder
     beside no speed file, needs torch alone and behaves as the module: M stays float32 through .half() and
@@ -244,10 +249,11 @@ def test_nothing_at_top_level_changes_a_name_defined_above_it(name):
     assert not broken, broken
 
 
+@pytest.mark.slow
 def test_importing_the_library_and_train_installs_nothing():
     """`import maskprior`, `import maskprior_retrofit` and `import train` leave sys.meta_path and torch's global
-    optimiser hooks as they were; the optimiser check goes in with the process's first MaskPrior, the adapter
-    loaders' check with its first attached prior."""
+    optimiser hooks as they were; the decay check goes in with the process's first MaskPrior, the adapter loaders'
+    check and the retrofit's check of an optimiser that holds a layer but not its M with its first attached prior."""
     script = ("import sys, torch, torch.optim.optimizer as o\n"
               "before = (list(sys.meta_path), len(o._global_optimizer_pre_hooks))\n"
               "import maskprior, maskprior_retrofit, train\n"
@@ -256,7 +262,7 @@ def test_importing_the_library_and_train_installs_nothing():
               "assert len(o._global_optimizer_pre_hooks) == before[1] + 1 and list(sys.meta_path) == before[0]\n"
               "maskprior_retrofit.add_mask_prior(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(\n"
               "    8, 2, 16, batch_first=True), 1, enable_nested_tensor=False), maskprior.banded_pattern(4, 1))\n"
-              "assert len(o._global_optimizer_pre_hooks) == before[1] + 1\n"
+              "assert len(o._global_optimizer_pre_hooks) == before[1] + 2  # and the retrofit's, of M left out\n"
               "assert 'peft' in sys.modules or len(sys.meta_path) > len(before[0])\n"
               "print('ok')\n")
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=HERE, capture_output=True, text=True,
@@ -856,7 +862,9 @@ def test_every_list_of_inits_is_derived_from_the_one_record(monkeypatch):
     assert runconfig.PRIOR_INITS == tuple(n for n, i in inits.INITS.items() if i.reads_prior)
     assert report.ABLATION_INITS[:4] == ("default", "mask", "qk-svd", "qk-opt")
     assert report.PERSISTENCE_INITS[:3] == ("mask", "qk-svd", "qk-opt")
-    assert tasks.TASKS["parity2"].inits() == report.ABLATION_INITS and len(tasks.TASKS["cifar10"].inits()) == len(inits.INITS)
+    assert tasks.TASKS["parity2"].inits() == report.ABLATION_INITS and len(tasks.TASKS["cifar10"].inits()) == len(
+        inits.INITS
+    )
     assert tasks.LeeMultiplication.inits() == tuple(n for n, i in inits.INITS.items()   # its layout moves: no QK init
                                                     if "arithmetic" in i.families and not i.fixed_layout)
     assert tasks.LeeMultiplication.inits()[:2] == ("default", "mask")
@@ -933,7 +941,9 @@ def test_drop_path_schedule_and_identity_in_eval():
     assert torch.equal(model(x), model(x))
     h = torch.ones(1000, 4, 8)
     kept = mp.drop_path(h, 0.25, True)[:, 0, 0]
-    assert torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
+    assert (
+        torch.allclose(kept[kept > 0], torch.tensor(1 / 0.75)) and abs(float((kept > 0).float().mean()) - 0.75) < 0.05
+    )
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: generate
@@ -1003,18 +1013,24 @@ def test_a_grid_prior_holds_a_logit_per_displacement_and_the_class_tokens_row_an
     assert counts["grid"][0] / counts["grid"][1] <= 0.01 < 0.25 <= counts["full"][0] / counts["full"][1]
 
 
-def test_a_grid_prior_takes_displacement_logits_exactly_and_the_mean_of_each_slot_otherwise():
-    """Logits that depend on the displacement alone (the soft bump, its class token at +m_on) are held exactly;
-    (to rounding: the slot's mean); the impulse pattern, whose edge patches fall back to themselves, becomes each
-    slot's mean: a head's own
-    offset stays +m_on, self-attention (the fall-back of a few patches) its mean."""
+def test_a_grid_prior_takes_displacement_logits_exactly_and_refuses_a_slot_whose_pairs_differ():
+    """Logits that depend on the displacement alone (the soft bump, its class token at +m_on) are held exactly, even
+    near float32's largest; the impulse pattern, whose edge patches fall back to themselves, is refused in one line
+    naming the displacement whose pairs differ (a mean of them would be no pair's logit), as a relative prior refuses
+    logits that differ along a diagonal; a grid prior takes no prefix (another size is another grid)."""
     soft = mp.soft_offset_logits(4, 4, mp.IMPULSE_OFFSETS[:3], 1.0, 5.0, 10.0, n_prefix=1)
     prior = mp.MaskPrior(17, 3, logits=soft, param="grid", grid=(4, 4))
-    torch.testing.assert_close(prior.full_logits().detach(), soft, atol=1e-5, rtol=0)
+    assert torch.equal(prior.full_logits().detach(), soft)
+    big = mp.MaskPrior(17, 1, logits=torch.full((17, 17), 3.3e38), param="grid", grid=(4, 4))
+    assert torch.isfinite(big.bias).all() and torch.isfinite(big(17)).all()
     pat = mp.impulse_pattern(4, 4, [(0, 1)], n_prefix=1)
-    held = mp.MaskPrior(17, 1, pat, param="grid", grid=(4, 4)).full_logits().detach()[0]
-    assert held[1, 2] == 5.0 and held[0].eq(5.0).all() and held[1:, 0].eq(5.0).all()
-    assert float(held[1, 1]) == pytest.approx((4 * 5.0 - 12 * 5.0) / 16)          # 4 of 16 patches at the right edge
+    with pytest.raises(ValueError, match=r"^MaskPrior: a grid MaskPrior .* at patch displacement \(0, 0\), its pairs "
+                                         r"differ; use param='full'") as err:
+        mp.MaskPrior(17, 1, pat, param="grid", grid=(4, 4))
+    _one_line(err)
+    with pytest.raises(ValueError, match=r"without prefix .* prefix=True") as err:
+        mp.MaskPrior(17, 1, param="grid", grid=(4, 4), prefix=True)
+    _one_line(err)
 
 
 @pytest.mark.parametrize("pool", ["mean", "cls"])
@@ -1133,6 +1149,72 @@ def test_an_optimiser_that_would_decay_m_is_refused_on_its_first_step(make):
     for block in model.blocks:
         block.attn.prior.bias.requires_grad_(False)
     step(make([p for p in model.parameters() if p.requires_grad], 0.1))
+
+
+DECAY_LATER = ["the first refusal caught, then step again", "a schedule that sets decay on M's group after step 1",
+               "add_param_group(M, weight_decay > 0)", "load_state_dict of a decayed state",
+               "M frozen at the first step, unfrozen later"]
+
+
+def _decay_later(model, way: str) -> torch.optim.Optimizer:
+    """An AdamW over `model` that takes its first step without decaying M (M in a group of its own, weight decay
+    0), then decays M `way` (DECAY_LATER); the first way is a plain AdamW whose first refusal was caught."""
+    ms = [b.attn.prior.bias for b in model.blocks]
+    if way == DECAY_LATER[0]:
+        opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+        with pytest.raises(ValueError):
+            opt.step()
+        return opt
+    rest = [p for p in model.parameters() if all(p is not m for m in ms)]
+    groups = [{"params": rest, "weight_decay": 0.1}] + (
+        [{"params": ms, "weight_decay": 0.0}] if "add" not in way else []
+    )
+    if "frozen" in way:
+        groups[1]["weight_decay"] = 0.1
+        for m in ms:
+            m.requires_grad_(False)
+    opt = torch.optim.AdamW(groups)
+    opt.step()
+    if "schedule" in way:
+        opt.param_groups[1]["weight_decay"] = 0.1
+    elif "add" in way:
+        opt.add_param_group({"params": ms, "weight_decay": 0.1})
+    elif "load" in way:
+        state = opt.state_dict()
+        state["param_groups"][1]["weight_decay"] = 0.1
+        opt.load_state_dict(state)
+    else:
+        for m in ms:
+            m.requires_grad_(True)
+    return opt
+
+
+@pytest.mark.parametrize("way", DECAY_LATER)
+def test_m_is_refused_decay_on_every_step_it_would_happen(way):
+    """Issue 73: the decay check runs before every step, not the first only: whichever way decay reaches M after the
+    first step (the refusal caught and the step taken again, a schedule, add_param_group, load_state_dict, M unfrozen
+    later), that step is one ValueError line and M is as it was."""
+    task, model = gotu_model(learnable_mask=True)
+    mp.init_mask_(model, task.pattern())
+    model(task.setup().probe_inputs(4)).float().square().mean().backward()
+    opt = _decay_later(model, way)
+    start = [b.attn.prior.bias.detach().clone() for b in model.blocks]
+    with pytest.raises(ValueError, match=r"decays M of 2 prior\(s\) .* erases the prior") as err:
+        opt.step()
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(b.attn.prior.bias, s) for b, s in zip(model.blocks, start))
+
+
+def test_assign_true_and_every_cast_keep_m_float32():
+    """Issue 73: load_state_dict(assign=True) of a half-precision M, .half(), .bfloat16(), .to(dtype) and .type()
+    leave M float32 (its values rounded as the saved ones were); float64 passes."""
+    prior = mp.MaskPrior(8, 2, mp.banded_pattern(8, 1))
+    prior.load_state_dict({k: v.half() for k, v in prior.state_dict().items()}, assign=True)
+    assert prior.bias.dtype == torch.float32 and prior.bias.requires_grad and float(prior.bias.max()) == 5.0
+    for cast in (lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16),
+                 lambda m: m.type(torch.bfloat16), lambda m: m.to(dtype=torch.half)):
+        assert cast(mp.MaskPrior(8, 2, mp.banded_pattern(8, 1))).bias.dtype == torch.float32
+    assert mp.MaskPrior(8, 2).double().bias.dtype == torch.float64
 
 
 # ---------------------------------------------------------------------------------------- maskprior.py: probes
@@ -1393,11 +1475,29 @@ ARG_KINDS = {
 }
 # the model configs' fields: as the arguments of those names, and the config's own
 FIELD_KINDS = {
-    "readout": Want("choice", choices=("cls", "mean", "tokens")), "positions": Want("choice", choices=("learned", "none")),
-    "pool": Want("choice", choices=("mean", "cls")), "mask_param": ARG_KINDS["mask_param"],
+    "readout": Want("choice", choices=("cls", "mean", "tokens")),
+    "positions": Want("choice", choices=("learned", "none")),
+    "pool": Want("choice", choices=("mean", "cls")),
+    "mask_param": ARG_KINDS["mask_param"],
     **{k: Want("bool") for k in ("learnable_mask", "fused", "flex", "qkv_bias", "causal", "tie_embeddings")},
-    **{k: Want("int", 1) for k in ("dim", "n_layers", "head_dim", "mlp_dim", "vocab_size", "n_outputs", "image_size",
-                                   "patch_size", "in_chans", "n_classes", "n_heads", "seq_len", "mask_window")},
+    **{
+        k: Want("int", 1)
+        for k in (
+            "dim",
+            "n_layers",
+            "head_dim",
+            "mlp_dim",
+            "vocab_size",
+            "n_outputs",
+            "image_size",
+            "patch_size",
+            "in_chans",
+            "n_classes",
+            "n_heads",
+            "seq_len",
+            "mask_window",
+        )
+    },
     **{k: Want("real", 0) for k in ("dropout", "drop_path", "pos_init_std", "emb_init_std")},
 }
 
