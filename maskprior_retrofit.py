@@ -20,6 +20,7 @@ import inspect
 import math
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -890,6 +891,9 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
     _watch_adapter_loaders()
+    _watch_optimisers()
+    for s in sites:
+        _LAYERS[priors[s.name]] = [weakref.ref(p) for p in s.module.parameters() if p is not priors[s.name].bias]
     if any(s.kind == "torch" for s in sites):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder):
@@ -1203,6 +1207,36 @@ def _when_imported(name: str, then: Callable) -> None:
         then(sys.modules[name])
     else:
         sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+# each prior add_mask_prior gave, and the other weights of its layer; the optimisers that have stepped (held weakly)
+_LAYERS: "weakref.WeakKeyDictionary[mp.MaskPrior, list]" = weakref.WeakKeyDictionary()
+_STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _watch_optimisers() -> None:
+    """Register, once, when the process first attaches a prior, the optimiser step pre-hook `_warn_unheld_m`."""
+    if not _WATCHING_OPTIMISERS:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _WATCHING_OPTIMISERS.append(register_optimizer_step_pre_hook(_warn_unheld_m))
+
+
+def _warn_unheld_m(optimizer, args, kwargs) -> None:
+    """On an optimiser's first step, a warning where it holds a retrofitted layer's weights but not its trainable M:
+    an optimiser made before add_mask_prior, which would never train M."""
+    if optimizer in _STEPPED:
+        return
+    _STEPPED.add(optimizer)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [p.where for p, layer in list(_LAYERS.items()) if p.bias.requires_grad and id(p.bias) not in held
+            and any(id(r()) in held for r in layer)]
+    if left:
+        warnings.warn(f"{type(optimizer).__name__} holds the weights of {len(left)} layer(s) but not their trainable "
+                      f"M ({left[0]}, ...), which will not train: make the optimiser after add_mask_prior, or give it "
+                      "M (maskprior.param_groups)", stacklevel=3)
+
+
+_WATCHING_OPTIMISERS: list = []
 
 
 def _watch_adapter_loaders() -> None:

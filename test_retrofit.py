@@ -133,6 +133,36 @@ def test_a_plain_adamw_over_a_retrofitted_model_is_refused_before_it_decays_m():
         assert all(torch.equal(p.bias, s) for p, s in zip(mp.mask_priors(model), start))
 
 
+@pytest.mark.parametrize("name", ["encoder", "gpt2"])
+def test_an_optimiser_made_before_add_mask_prior_is_told_m_will_not_train(name):
+    """Issue 73: an optimiser made before add_mask_prior holds the layers' weights but never M; its first step says so
+    in one warning (M as it was), and says it once; one made after (or holding M) says nothing, nor does one over
+    another model's weights only."""
+    if name == "gpt2":
+        model, x, n = _hf("gpt2")
+        attach = lambda m: retrofit.add_mask_prior(m, logits=mp.causal_distance_logits(n, 4))  # noqa: E731
+    else:
+        model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                           enable_nested_tensor=False)
+        x = torch.randn(3, 5, 8)
+        attach = lambda m: retrofit.add_mask_prior(m, mp.banded_pattern(5, 1))  # noqa: E731
+    other = copy.deepcopy(model)
+    before, elsewhere = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(other.parameters(), lr=1e-2)
+    attach(model)
+    _out(model, x).float().sum().backward()
+    start = [p.bias.detach().clone() for p in mp.mask_priors(model)]
+    with pytest.warns(UserWarning, match=r"^Adam holds the weights of 2 layer\(s\) but not their trainable M .* will "
+                                         r"not train: make the optimiser after add_mask_prior"):
+        before.step()
+    assert all(torch.equal(p.bias, s) for p, s in zip(mp.mask_priors(model), start))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before.step()                                         # said once
+        torch.optim.Adam(model.parameters(), lr=1e-2).step()
+        _out(other, x).float().sum().backward()
+        elsewhere.step()
+
+
 @cuda
 def test_flex_attention_serves_a_retrofitted_gpt2_on_cuda_as_sdpa_does():
     """add_mask_prior(..., flex=True): a Hugging Face layer's plain self-attention calls run M inside flex_attention on
@@ -282,11 +312,27 @@ TIMM_MODELS = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"]
 UNREACHABLE = ["**kwargs", "deberta-v2", "pit", "crossvit", "swin"]
 
 
-SHOWN = {"gpt2": "GPT-2", "bert": "BERT", "vit": "ViT", "llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2",
-         "clip-text": "CLIP text", "clip-vision": "CLIP vision", "swin": "Swin", "bart": "BART", "t5": "T5",
-         "whisper": "Whisper", "marian": "Marian", "vit_tiny_patch16_224": "ViT", "deit_tiny_distilled_patch16_224":
-         "DeiT (distilled)", "**kwargs": "a forward that takes the mask only as `**kwargs`",
-         "deberta-v2": "DeBERTa-v2 (its own softmax)", "pit": "timm PiT", "crossvit": "CrossViT (pooled stages, branches)"}
+SHOWN = {
+    "gpt2": "GPT-2",
+    "bert": "BERT",
+    "vit": "ViT",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "gemma2": "Gemma2",
+    "clip-text": "CLIP text",
+    "clip-vision": "CLIP vision",
+    "swin": "Swin",
+    "bart": "BART",
+    "t5": "T5",
+    "whisper": "Whisper",
+    "marian": "Marian",
+    "vit_tiny_patch16_224": "ViT",
+    "deit_tiny_distilled_patch16_224": "DeiT (distilled)",
+    "**kwargs": "a forward that takes the mask only as `**kwargs`",
+    "deberta-v2": "DeBERTa-v2 (its own softmax)",
+    "pit": "timm PiT",
+    "crossvit": "CrossViT (pooled stages, branches)",
+}
 
 
 def _hf(name: str):
@@ -416,8 +462,8 @@ def test_a_vit_of_timm_or_hugging_face_takes_a_grid_prior_that_serves_as_the_ful
     else:
         big = _extra("timm").create_model("vit_tiny_patch16_224", pretrained=False)
         own = sum(p.numel() for p in big.parameters())
-        grid = retrofit.add_mask_prior(big, mp.impulse_pattern(14, 14, mp.IMPULSE_OFFSETS[:3], n_prefix=1),
-                                       param="grid")
+        grid = retrofit.add_mask_prior(big, logits=mp.soft_offset_logits(14, 14, mp.IMPULSE_OFFSETS[:3], 0.5, 5.0,
+                                                                         5.0, n_prefix=1), param="grid")
         assert sum(p.bias.numel() for p in grid.values()) / own < 0.01 < 0.24 < 12 * 3 * 197 ** 2 / own
     plain = _out(full if name == "timm" else _hf(name)[0], x).detach()
     retrofit.remove_mask_prior(full) if name == "timm" else None
@@ -476,7 +522,9 @@ def test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword():
 
     model, x, _ = _nanogpt()
     plain = model(x).detach()                                 # is_causal=True without a mask
-    priors = retrofit.add_mask_prior(model, mp.causal_pattern(12), causal=True, modules=CausalSelfAttention, param="full")
+    priors = retrofit.add_mask_prior(
+        model, mp.causal_pattern(12), causal=True, modules=CausalSelfAttention, param="full"
+    )
     assert list(priors) == ["0", "2"] and all(p.causal and p.heads == 4 for p in priors.values())
     _prior_works(model, x, 12, plain, priors)
     picked = retrofit.add_mask_prior(nn.Sequential(CausalSelfAttention()), mp.causal_pattern(12), causal=True,
@@ -907,8 +955,11 @@ def test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals
     logits they have alone; packed sequences (position ids, no mask) the logits each has alone; a mask that lets a
     restarted sequence see the one before is refused in one line."""
     model, _, n = _hf(name)
-    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=torch.Generator()
-                                                                                   .manual_seed(0)), param="full")
+    retrofit.add_mask_prior(
+        model,
+        logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=torch.Generator().manual_seed(0)),
+        param="full",
+    )
     gen = torch.Generator().manual_seed(1)
     a, b = torch.randint(1, 50, (1, 7), generator=gen), torch.randint(1, 50, (1, 4), generator=gen)
     pad = torch.zeros(1, 3, dtype=torch.long)
@@ -953,21 +1004,44 @@ def _refused(name: str):
             def forward(self, x, **kwargs):
                 return x * 2
 
-        return nn.Sequential(Swallow()), mp.banded_pattern(4, 1), (r"^add_mask_prior: 0 \(Swallow, 2 heads\) names no "
-                                                                   r"`attn_mask` parameter in its forward \(a \*\*kwargs "
-                                                                   r"catch-all is not trusted"), {"modules": Swallow}
+        return (
+            nn.Sequential(Swallow()),
+            mp.banded_pattern(4, 1),
+            (
+                r"^add_mask_prior: 0 \(Swallow, 2 heads\) names no "
+                r"`attn_mask` parameter in its forward \(a \*\*kwargs "
+                r"catch-all is not trusted"
+            ),
+            {"modules": Swallow},
+        )
     if name == "deberta-v2":
         torch.manual_seed(0)
         model = tf.DebertaV2Model(tf.DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1,
                                                      num_attention_heads=4, intermediate_size=64))
-        return model, mp.banded_pattern(8, 1), (r"DebertaV2Model holds no attention layer it can reach: "
-                                                r"encoder.layer.0.attention.self \(DisentangledSelfAttention\) computes "
-                                                r"its own softmax .* modules=DisentangledSelfAttention"), {}
+        return (
+            model,
+            mp.banded_pattern(8, 1),
+            (
+                r"DebertaV2Model holds no attention layer it can reach: "
+                r"encoder.layer.0.attention.self \(DisentangledSelfAttention\) computes "
+                r"its own softmax .* modules=DisentangledSelfAttention"
+            ),
+            {},
+        )
     if name == "swin":
-        return _hf("swin")[0], mp.banded_pattern(64, 1), (r"encoder.layers.0.blocks.0.attention \(SwinAttention, 4 "
-                                                          r"heads\) sees 16 tokens, but the pattern has shape \(64, "
-                                                          r"64\): build it for 16 positions \(its attention window\)"), {}
-    arch, kw = {"pit": ("pit_ti_224", dict(img_size=64)), "crossvit": ("crossvit_tiny_240", dict(img_size=[48, 48]))}[name]
+        return (
+            _hf("swin")[0],
+            mp.banded_pattern(64, 1),
+            (
+                r"encoder.layers.0.blocks.0.attention \(SwinAttention, 4 "
+                r"heads\) sees 16 tokens, but the pattern has shape \(64, "
+                r"64\): build it for 16 positions \(its attention window\)"
+            ),
+            {},
+        )
+    arch, kw = {"pit": ("pit_ti_224", dict(img_size=64)), "crossvit": ("crossvit_tiny_240", dict(img_size=[48, 48]))}[
+        name
+    ]
     torch.manual_seed(0)
     model = timm.create_model(arch, pretrained=False, num_classes=4, **kw)
     return model, mp.banded_pattern(8, 1), (rf"is in a timm model \({type(model).__name__}\) without one patch grid .* "
@@ -1325,7 +1399,9 @@ def _encoder(n: int = 8) -> tuple[nn.TransformerEncoder, dict]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=True)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
-    return enc, retrofit.add_mask_prior(enc, logits=torch.randn(4, n, n, generator=torch.Generator().manual_seed(1)) * 3)
+    return enc, retrofit.add_mask_prior(
+        enc, logits=torch.randn(4, n, n, generator=torch.Generator().manual_seed(1)) * 3
+    )
 
 
 def _gpt2(n: int = 24):
@@ -1335,8 +1411,9 @@ def _gpt2(n: int = 24):
                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     model = tf.GPT2LMHeadModel(cfg).eval()
     gen = torch.Generator().manual_seed(1)
-    return model, retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=gen),
-                                    param="full")
+    return model, retrofit.add_mask_prior(
+        model, logits=mp.causal_distance_logits(n, 4) + torch.randn(4, n, n, generator=gen), param="full"
+    )
 
 
 def test_add_mask_prior_refuses_a_pattern_given_with_logits_and_changes_nothing():
@@ -1554,7 +1631,11 @@ def _torch_encoder():
 
 def _nanogpt():
     torch.manual_seed(0)
-    return nn.Sequential(CausalSelfAttention(), nn.LayerNorm(32), CausalSelfAttention()).eval(), torch.randn(2, 12, 32), 12
+    return (
+        nn.Sequential(CausalSelfAttention(), nn.LayerNorm(32), CausalSelfAttention()).eval(),
+        torch.randn(2, 12, 32),
+        12,
+    )
 
 
 @dataclasses.dataclass
@@ -1907,31 +1988,64 @@ def _shown(names) -> str:
 
 
 MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs it)
-    ("`nn.MultiheadAttention`, `nn.Transformer`", "works; cross-attention when asked",
-     "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked"),
-    (f"HF {_shown(HF_MODELS)}", "works per layer: M = +30 is the plain model, M moves the output and trains",
-     "test_hugging_face_models_take_a_prior_per_layer"),
-    (f"HF {_shown(SEQ2SEQ)}", "works: encoder and decoder self-attention; cross-attention when asked; generate with "
-     "the cache = without", "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked"),
-    ("HF layers sharing one config", "works for any subset (a part, `modules=`), saved and loaded",
-     "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load"),
-    (f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})", "works: each row's positions",
-     "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt"),
+    (
+        "`nn.MultiheadAttention`, `nn.Transformer`",
+        "works; cross-attention when asked",
+        "test_nn_transformer_self_attention_gets_the_prior_and_cross_attention_only_when_asked",
+    ),
+    (
+        f"HF {_shown(HF_MODELS)}",
+        "works per layer: M = +30 is the plain model, M moves the output and trains",
+        "test_hugging_face_models_take_a_prior_per_layer",
+    ),
+    (
+        f"HF {_shown(SEQ2SEQ)}",
+        "works: encoder and decoder self-attention; cross-attention when asked; generate with the cache = without",
+        "test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_when_asked",
+    ),
+    (
+        "HF layers sharing one config",
+        "works for any subset (a part, `modules=`), saved and loaded",
+        "test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load",
+    ),
+    (
+        f"HF batched generate, left padding, sliding window ({_shown(LEFT_PADDED)})",
+        "works: each row's positions",
+        "test_left_padded_batches_read_each_rows_positions_so_batched_generate_equals_each_prompt",
+    ),
     (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
-    ("your attention with an `attn_mask` keyword", "works (`modules=`)",
-     "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword"),
-    ("PEFT: the prior first, `modules_to_save=[\"mask_prior\"]`", "works: M trains, is saved with the adapter, merged "
-     "and reloaded; without it, or PEFT first: refused in one line naming it",
-     "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line"),
-    (f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window", "refused in one line, the model unchanged",
-     "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes"),
-    ("`retrofit.remove_mask_prior(model)`", "the plain model back, exactly",
-     "test_remove_mask_prior_gives_the_plain_model_back_exactly"),
-    ("`retrofit.from_pretrained(Model or Auto*, path)`", "the priors back, exactly; a record or checkpoint without every M: "
-     "refused", "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m"),
-    ("each family above x " + ", ".join(BEHAVIOURS), "neutral M: the plain model; real M: cache = no cache, padded = "
-     "alone, saved = loaded; `torch.jit.script`: refused in one line",
-     "test_each_family_behaves_as_its_plain_model_with_a_prior"),
+    (
+        "your attention with an `attn_mask` keyword",
+        "works (`modules=`)",
+        "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword",
+    ),
+    (
+        'PEFT: the prior first, `modules_to_save=["mask_prior"]`',
+        "works: M trains, is saved with the adapter, merged "
+        "and reloaded; without it, or PEFT first: refused in one line naming it",
+        "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line",
+    ),
+    (
+        f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window",
+        "refused in one line, the model unchanged",
+        "test_a_layer_the_prior_cannot_reach_or_a_pattern_it_would_cut_is_refused_and_nothing_changes",
+    ),
+    (
+        "`retrofit.remove_mask_prior(model)`",
+        "the plain model back, exactly",
+        "test_remove_mask_prior_gives_the_plain_model_back_exactly",
+    ),
+    (
+        "`retrofit.from_pretrained(Model or Auto*, path)`",
+        "the priors back, exactly; a record or checkpoint without every M: refused",
+        "test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every_m",
+    ),
+    (
+        "each family above x " + ", ".join(BEHAVIOURS),
+        "neutral M: the plain model; real M: cache = no cache, padded = "
+        "alone, saved = loaded; `torch.jit.script`: refused in one line",
+        "test_each_family_behaves_as_its_plain_model_with_a_prior",
+    ),
 ]
 
 
@@ -1940,6 +2054,8 @@ def test_readme_table_of_models_is_what_the_tests_run():
     and every row names a test that exists."""
     readme = open(os.path.join(HERE, "README.md")).read()
     table = readme.split("<!-- models -->\n", 1)[1].split("<!-- /models -->", 1)[0]
-    rows = ["| model or use | the prior | test |", "|---|---|---|"] + [f"| {a} | {b} | `{c}` |" for a, b, c in MODEL_TABLE]
+    rows = ["| model or use | the prior | test |", "|---|---|---|"] + [
+        f"| {a} | {b} | `{c}` |" for a, b, c in MODEL_TABLE
+    ]
     assert table.strip().splitlines() == rows
     assert all(callable(globals().get(c)) for _, _, c in MODEL_TABLE)

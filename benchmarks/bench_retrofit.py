@@ -42,17 +42,17 @@ from bench_attention import round_ratios, timed_rounds  # noqa: E402
 
 
 def vit(args):
-    """timm's ViT-Tiny/16 (12 x 192, 3 heads; 197 tokens at 224), prior: the impulse pattern (self,
-    up, right), m_off 10, the class token free."""
+    """timm's ViT-Tiny/16 (12 x 192, 3 heads; 197 tokens at 224), prior: the soft impulse (self, up, right: one bump
+    a head, `soft_offset_logits`), m_off 10, the class token free; the same logits full or grid."""
     import timm
     kw = dict(img_size=32, patch_size=8, depth=2) if args.tiny else dict(img_size=args.img_size)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kw)
     grid = model.patch_embed.grid_size
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), 3, *model.patch_embed.img_size)
-    pattern = mp.impulse_pattern(*grid, mp.IMPULSE_OFFSETS[:3], n_prefix=model.num_prefix_tokens)
+    logits = mp.soft_offset_logits(*grid, mp.IMPULSE_OFFSETS[:3], 1.0, 5.0, 10.0, n_prefix=model.num_prefix_tokens)
     param = "grid" if args.grid else "full"
-    return (model, x, lambda m: retrofit.add_mask_prior(m, pattern, m_off=10.0, param=param),
-            f"timm ViT-Tiny ({pattern.shape[-1]} tokens, {param} M)")
+    return (model, x, lambda m: retrofit.add_mask_prior(m, logits=logits, param=param),
+            f"timm ViT-Tiny ({logits.shape[-1]} tokens, {param} M)")
 
 
 def gpt2(args):
