@@ -177,10 +177,22 @@ def _fake_run(folder, task, init, seed, acc, kind="boolean", masses=(0.9, 0.8), 
                                                               pos_init_std=pos, **flags), "kind": kind,
                                                "config": {"readout": readout, "pos_init_std": pos}}))
     drift = "mask_drift" if init == "mask" else "qk_drift"
-    (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * i, "metrics": {}, "prior_mass": [m, m], "prior_mass_mean": m, drift: [0.1 * i, 0.1 * i],
-                    "content_margin": [i, 2 * i]}) + "\n"
-        for i, m in enumerate(masses)))
+    (d / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": 10 * i,
+                    "metrics": {},
+                    "prior_mass": [m, m],
+                    "prior_mass_mean": m,
+                    drift: [0.1 * i, 0.1 * i],
+                    "content_margin": [i, 2 * i],
+                }
+            )
+            + "\n"
+            for i, m in enumerate(masses)
+        )
+    )
     return d
 
 
@@ -397,28 +409,76 @@ BAD_INPUT = [
     (["--init", "mimetic"], "does not apply"),
     (["--init", "mask-impulse"], "init 'mask-impulse' does not apply to task parity2 (boolean)"),
     (["--task", "multiplication", "--lee-samples", "3000"], "give --digits 2 (got --digits 3)"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--data-frac", "0.3"],
-     "leave --data-frac out"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "99"],
-     "--lee-samples must be an integer in 100 .."),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "0"], "--lee-samples must be an integer in 100 .. 10,000"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--init", "qk-svd"],
-     "which a QK prior fitted on fixed positions cannot follow"),
-    (["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
-     "with --lee-samples has no pattern 'partial'"),
+    (
+        ["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--data-frac", "0.3"],
+        "leave --data-frac out",
+    ),
+    (
+        ["--task", "multiplication", "--digits", "2", "--lee-samples", "99"],
+        "--lee-samples must be an integer in 100 ..",
+    ),
+    (
+        ["--task", "multiplication", "--digits", "2", "--lee-samples", "0"],
+        "--lee-samples must be an integer in 100 .. 10,000",
+    ),
+    (
+        ["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--init", "qk-svd"],
+        "which a QK prior fitted on fixed positions cannot follow",
+    ),
+    (
+        ["--task", "multiplication", "--digits", "2", "--lee-samples", "3000", "--pattern", "partial"],
+        "with --lee-samples has no pattern 'partial'",
+    ),
     (["--task", "addition", "--lee-samples", "3000"], "--lee-samples does not apply to task addition"),
     (["--task", "kparity", "--bits", "0,40"], "--bits: '40' is not an integer in 0..14"),
-    (["--task", "kparity", "--bits", "random:15", "--unseen", "bits:2"], "is a least-squares problem in 32,768 monomials"),
+    (
+        ["--task", "kparity", "--bits", "random:15", "--unseen", "bits:2"],
+        "is a least-squares problem in 32,768 monomials",
+    ),
     (["--task", "kmajority", "--bits", "random:11", "--n-bits", "15"], "at most 1,024 are solved"),
     (["--task", "kmajority", "--train-size", "-1"], "--train-size must be a positive number"),
     (["--task", "kmajority", "--train-size", "0"], "--train-size must be a positive number"),
-    (["--task", "kmajority", "--bits", "1,4,8,10,13", "--unseen", "1,4", "--train-size", "12", "--init", "mask",
-      "--pattern", "discovered"], "too few points to find a pattern in"),
-    (["--task", "ksum", "--terms", "0,1:m2,3,4", "--readout", "mean", "--train-size", "60", "--init", "mask",
-      "--pattern", "discovered", "--discover-degree", "1"], "names no pair of tokens beyond each token itself"),
+    (
+        [
+            "--task",
+            "kmajority",
+            "--bits",
+            "1,4,8,10,13",
+            "--unseen",
+            "1,4",
+            "--train-size",
+            "12",
+            "--init",
+            "mask",
+            "--pattern",
+            "discovered",
+        ],
+        "too few points to find a pattern in",
+    ),
+    (
+        [
+            "--task",
+            "ksum",
+            "--terms",
+            "0,1:m2,3,4",
+            "--readout",
+            "mean",
+            "--train-size",
+            "60",
+            "--init",
+            "mask",
+            "--pattern",
+            "discovered",
+            "--discover-degree",
+            "1",
+        ],
+        "names no pair of tokens beyond each token itself",
+    ),
     (["--task", "ksum", "--terms", "0,1:0,1"], "the term '0,1' is given twice"),
-    (["--init", "mask", "--prior-from", "nowhere", "--teacher-min-fit", "1.5"],
-     "--teacher-min-fit must be a finite number in [0, 1]"),
+    (
+        ["--init", "mask", "--prior-from", "nowhere", "--teacher-min-fit", "1.5"],
+        "--teacher-min-fit must be a finite number in [0, 1]",
+    ),
     (["--pattern", "nosuch"], "has no pattern"),
     (["--pattern", ""], "--pattern needs a name; parity2's patterns are clique, cls"),
     (["--readout", "mean", "--pattern", "cls"], "pattern 'cls' needs --readout cls"),
@@ -449,12 +509,31 @@ BAD_INPUT = [
     (["--device", "nonsense"], "is not a device to train on"),
     (["--device", "mps"], "torch sees no Apple GPU"),
     (["--task", "wikitext2", "--data-dir", ".", "--context", "0"], "--context must be at least 2"),
-    (["--task", "wikitext2", "--data-dir", ".", "--positions", "none", "--init", "qk-svd"],
-     "--init qk-svd fits its pattern on the positional embedding, which --positions none leaves out"),
-    (["--task", "wikitext2", "--data-dir", ".", "--positions", "none", "--eval-context", "128", "--init", "mask",
-      "--mask-param", "full"], "which a full M (N x N) cannot serve: give --mask-param relative"),
-    (["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-off", "3"],
-     "--mask-off applies only to the boolean and arithmetic and vision tasks (this task is lm)"),
+    (
+        ["--task", "wikitext2", "--data-dir", ".", "--positions", "none", "--init", "qk-svd"],
+        "--init qk-svd fits its pattern on the positional embedding, which --positions none leaves out",
+    ),
+    (
+        [
+            "--task",
+            "wikitext2",
+            "--data-dir",
+            ".",
+            "--positions",
+            "none",
+            "--eval-context",
+            "128",
+            "--init",
+            "mask",
+            "--mask-param",
+            "full",
+        ],
+        "which a full M (N x N) cannot serve: give --mask-param relative",
+    ),
+    (
+        ["--task", "wikitext2", "--data-dir", ".", "--init", "mask", "--mask-off", "3"],
+        "--mask-off applies only to the boolean and arithmetic and vision tasks (this task is lm)",
+    ),
     (["--task", "parity2", "--train-size", "100"], "--train-size does not apply to task parity2"),
     (["--task", "parity2", "--data-frac", "0.1"], "--data-frac does not apply"),
     (["--task", "addition", "--data-frac", "2"], "--data-frac must be in (0, 1]"),

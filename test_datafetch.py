@@ -913,9 +913,12 @@ def fixture_sets(tmp_path):
     _write_layout(src, "cifar10 python")
     make_wikitext(src)
     stories = make_tinystories(src / "ts")
-    blobs = {"cifar-10-python.tar.gz": _tar_gz(src, "cifar-10-batches-py"), "wikitext-2-v1.zip": _zip(src, "wikitext-2"),
-             "TinyStoriesV2-GPT4-train.txt": (stories / "TinyStoriesV2-GPT4-train.txt").read_bytes(),
-             "TinyStoriesV2-GPT4-valid.txt": (stories / "TinyStoriesV2-GPT4-valid.txt").read_bytes()}
+    blobs = {
+        "cifar-10-python.tar.gz": _tar_gz(src, "cifar-10-batches-py"),
+        "wikitext-2-v1.zip": _zip(src, "wikitext-2"),
+        "TinyStoriesV2-GPT4-train.txt": (stories / "TinyStoriesV2-GPT4-train.txt").read_bytes(),
+        "TinyStoriesV2-GPT4-valid.txt": (stories / "TinyStoriesV2-GPT4-valid.txt").read_bytes(),
+    }
     table = {"cifar10": (_entry("cifar-10-python.tar.gz", blobs["cifar-10-python.tar.gz"], "cifar-10-batches-py",
                                 1 << 20),),
              "wikitext2": (_entry("wikitext-2-v1.zip", blobs["wikitext-2-v1.zip"], "wikitext-2", 1 << 20),),
@@ -933,7 +936,7 @@ def test_download_fetches_checks_and_unpacks_a_set_whole(name, tmp_path, loop_se
     assert sorted(os.listdir(data)) == sorted(f.target for f in table[name])    # no .part, no staging folder left
     out = capsys.readouterr().out
     assert "100%" in out and out.count("%  ") <= 10 * len(table[name]) and "is in place" in out
-    assert datafetch.download.download([name], str(data), server.base + "/e404", table) == 0          # there: no request made
+    assert datafetch.download.download([name], str(data), server.base + "/e404", table) == 0  # there: no request made
     assert "already there; left as it is" in capsys.readouterr().out and len(server.ranges) == len(table[name])
 
 
@@ -1055,7 +1058,9 @@ def test_pinned_sources_name_their_sums_and_the_readers_folders():
         for f in files:
             assert len(f.sha256) == 64 and f.size > 0 and f.url.endswith("/" + f.name)
             assert (f.md5 is not None) == name.startswith("cifar") or name == "wikitext2"
-    assert [f.target for f in datafetch.download.SOURCES["wikitext2"]] == [tasks.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")]
+    assert [f.target for f in datafetch.download.SOURCES["wikitext2"]] == [
+        tasks.WIKITEXT_RELEASES[r][0] for r in ("tokens", "raw")
+    ]
 
 
 # ---- imagenet100: the 100 classes from an ImageNet-1k folder
@@ -1075,7 +1080,9 @@ def test_imagenet100_builds_the_tree_with_hard_links(tmp_path):
     assert tasks.imagenet100_layout(str(data / "imagenet100")) == "folder"
     assert sorted(os.listdir(data / "imagenet100" / "val")) == sorted(tasks.IMAGENET100_WNIDS)
     w = tasks.IMAGENET100_WNIDS[5]
-    assert os.path.samefile(data / "imagenet100" / "train" / w / f"{w}_train.JPEG", src / "train" / w / f"{w}_train.JPEG")
+    assert os.path.samefile(
+        data / "imagenet100" / "train" / w / f"{w}_train.JPEG", src / "train" / w / f"{w}_train.JPEG"
+    )
     assert "already there; left as it is" in datafetch.imagenet100.build(str(src), str(data))
 
 

@@ -25,7 +25,11 @@ def test_ci_runs_the_readme_test_command():
     readme = open(os.path.join(HERE, "README.md")).read()
     ci = open(os.path.join(HERE, ".ci", "run")).read().strip().splitlines()[-1]
     first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert first_block[0] == ci and len(first_block) == 3 and first_block[2] == "python train.py --task cyclic3 --init mask"
+    assert (
+        first_block[0] == ci
+        and len(first_block) == 3
+        and first_block[2] == "python train.py --task cyclic3 --init mask"
+    )
     assert first_block[1].startswith("python train.py --task")
 
 
@@ -102,8 +106,13 @@ def test_every_test_that_starts_a_process_is_marked_slow():
     functions = [n for path in (*TEST_FILES, "conftest.py")        # conftest.py: the helpers they share
                  for n in ast.parse(open(os.path.join(HERE, path)).read()).body if isinstance(n, ast.FunctionDef)]
     calls = {f.name: {c.func for c in ast.walk(f) if isinstance(c, ast.Call)} for f in functions}
-    starts = {name for name, funcs in calls.items() if any(isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name)
-                                                        and c.value.id == "subprocess" for c in funcs)}
+    starts = {
+        name
+        for name, funcs in calls.items()
+        if any(
+            isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name) and c.value.id == "subprocess" for c in funcs
+        )
+    }
     while grown := {name for name, funcs in calls.items() if name not in starts and any(
             isinstance(c, ast.Name) and c.id in starts and not c.id.startswith("test_") for c in funcs)}:
         starts |= grown

@@ -72,11 +72,15 @@ def test_the_plan_lists_each_table_s_runs():
     # the two studies of the missing claims: two-digit multiplication and the vision priors
     starts, _ = _planned("mult2")
     assert len(starts) == 10 and all("--digits 2" in x and "--answer-order lsb" in x for x in starts)
-    assert sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
+    assert (
+        sum("/mult2/multiplication-mask-s0-d2-frac0.03-partial " in x and "--pattern partial" in x for x in starts) == 1
+    )
     assert sum("/mult2/multiplication-qk-opt-s0-d2-frac0.3 " in x and "--data-frac 0.3 " in x for x in starts) == 1
     starts, _ = _planned("lee", quick=True)
     assert len(starts) == 12 and all("--digits 2 --lee-samples 3000" in x for x in starts)
-    assert sum("/lee/multiplication-mask-s0-lsb-ep500 " in x and "--epochs 500 --log-every 600" in x for x in starts) == 1
+    assert (
+        sum("/lee/multiplication-mask-s0-lsb-ep500 " in x and "--epochs 500 --log-every 600" in x for x in starts) == 1
+    )
     starts, _ = _planned("lee")                                   # Lee et al.'s, on a GPU
     assert len(starts) == 2 and all("--preset paper" in x and "--batch-size 6400" in x and "--answer-order msb" in x
                                     for x in starts)
@@ -112,9 +116,13 @@ def test_the_plan_lists_each_table_s_runs():
     assert all("--steps 250 " in x for x in add if "-250steps" in x and "samebudget" not in x)
     assert sum(x.rstrip().endswith("--prior-from RUNS/oraclefree/addition-default-s0") for x in add) == 2
     assert sum("-250steps-samebudget " in x and "--steps 1750 " in x for x in add) == 1 and len(add) == 7
-    assert sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
+    assert (
+        sum("/wikitext2-mask-s0-corpusB-teacher " in x and "vimtext-b" in x and "s0-corpusA" in x for x in starts) == 1
+    )
     order = [x.split("/oraclefree/")[1].split()[0] for x in starts]
-    assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith("cyclic3")
+    assert order.index("parity2-mask-s0-teacher") > order.index("parity2-default-s0") and order[-1].startswith(
+        "cyclic3"
+    )
 
 
 DAMAGED = {   # a layout -> (a file or folder of it, what to do to it, what the skip says)
@@ -300,8 +308,14 @@ def test_reproduce_passes_sigterm_and_sigint_on_to_its_runs_and_resumes(tmp_path
         assert _processes_naming(str(runs)) == []                      # no run left behind
         for i in ("default", "mask"):
             folder = runs / "boolean" / f"parity2-{i}-s0"
-            assert train.read_checkpoint(str(folder / "ckpt.pt"), "test")["step"] > 0 and not (folder / "result.json").exists()
-        assert sorted(p.name for p in (runs / "boolean").iterdir() if p.is_dir()) == ["parity2-default-s0", "parity2-mask-s0"]
+            assert (
+                train.read_checkpoint(str(folder / "ckpt.pt"), "test")["step"] > 0
+                and not (folder / "result.json").exists()
+            )
+        assert sorted(p.name for p in (runs / "boolean").iterdir() if p.is_dir()) == [
+            "parity2-default-s0",
+            "parity2-mask-s0",
+        ]
     text = logs[1].read_text()
     assert "in use" not in text and text.count("resuming ") == 1 and "saving a checkpoint" in text
 
@@ -315,9 +329,27 @@ def test_reproduce_takes_folders_from_where_it_is_started_and_data_paths_with_sp
     datafetch.write.write_cifar10_python(str(data), _images(10), np.arange(10), _images(4), np.arange(4))
     work = tmp_path / "elsewhere"
     work.mkdir()
-    r = subprocess.run(["bash", os.path.join(HERE, "reproduce.sh"), "--only", "vision", "--seeds", "0", "--data",
-                        "../my data &1", "--runs", "relruns", "--results", "relres"], cwd=work, capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "PYTHON": str(fake), "ARGS_LOG": str(tmp_path / "args")})
+    r = subprocess.run(
+        [
+            "bash",
+            os.path.join(HERE, "reproduce.sh"),
+            "--only",
+            "vision",
+            "--seeds",
+            "0",
+            "--data",
+            "../my data &1",
+            "--runs",
+            "relruns",
+            "--results",
+            "relres",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHON": str(fake), "ARGS_LOG": str(tmp_path / "args")},
+    )
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "args").read_text().splitlines()
     dirs = [args[i + 1] for i, a in enumerate(args) if a == "--data-dir"]
@@ -461,7 +493,11 @@ def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
     assert len(names) == 24 and not plan.quick and plan.items[-1] == reporting.plan.REPLAN and len(plan.later) == 12
     assert {r.flags for r in plan.runs if r.name == "multiplication-mask-s1-lsb-partial"} == {
         "--answer-order lsb --steps 5000 --pattern partial"}
-    assert sorted({r.init for r in plan.runs}) == ["default", "mask", "qk-opt"] and "then   12 runs" in reporting.plan.describe(plan, {})
+    assert sorted({r.init for r in plan.runs}) == [
+        "default",
+        "mask",
+        "qk-opt",
+    ] and "then   12 runs" in reporting.plan.describe(plan, {})
     for r in plan.runs:                          # lsb learns better: its runs average the higher sequence accuracy
         d = tmp_path / r.table / r.name
         d.mkdir(parents=True)

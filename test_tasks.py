@@ -31,8 +31,21 @@ from conftest import (LM_SMALL, SMALL, STORIES, WIKI_TEST, WIKI_TRAIN, WIKI_VALI
 # ---------------------------------------------------------------------------------------- tasks.py: base and registry
 
 def test_registry_and_task_constants():
-    assert set(tasks.TASKS) == {"parity2", "majority3", "cyclic3", "kparity", "kmajority", "ksum", "addition", "multiplication",
-                            "cifar10", "cifar100", "imagenet100", "wikitext2", "tinystories"}
+    assert set(tasks.TASKS) == {
+        "parity2",
+        "majority3",
+        "cyclic3",
+        "kparity",
+        "kmajority",
+        "ksum",
+        "addition",
+        "multiplication",
+        "cifar10",
+        "cifar100",
+        "imagenet100",
+        "wikitext2",
+        "tinystories",
+    }
     for name, cls in tasks.TASKS.items():
         assert cls.NAME == name and cls.KIND in ("boolean", "arithmetic", "vision", "lm")
         assert cls.DEFAULT_PATTERN in cls.PATTERNS and cls.HEADLINE and set(cls.inits()) <= set(runconfig.INITS)
@@ -374,7 +387,9 @@ def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac,
     assert len(train) == n_train and len(test) == n_test and not train & test
     assert len({task.decode(r)[:2] for r in train | test}) == n_train + n_test
     assert all(x * y == c for x, y, c in map(task.decode, task.test_seq[:200]))
-    assert "".join(tasks.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"  # 693 reversed
+    assert (
+        "".join(tasks.ARITH_VOCAB[i] for i in task.encode(np.array([99]), np.array([7]))[0]) == "99*07=3960"
+    )  # 693 reversed
     p = task.pattern()
     assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
     assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
@@ -404,7 +419,7 @@ def test_digit_selection_sees_the_aligned_pair_then_the_carry_from_the_pair_belo
     assert runfiles.prior_evidence(t.prior("discovered", 5.0, 5.0).source) == "found in the training data: 7 (answer " \
         "digit, operand digit pair) dependences pass the permutation test (9 pairs tried per answer digit, alpha " \
         "0.05): 14 pairs"
-    assert runfiles.prior_evidence(t.prior(None, 5.0, 5.0).source) is None                # a hand pattern rests on no data
+    assert runfiles.prior_evidence(t.prior(None, 5.0, 5.0).source) is None  # a hand pattern rests on no data
     x, y = np.arange(1000) % 10, np.arange(1000) % 7
     assert tasks.conditional_mi(y, x, np.zeros(1000, dtype=np.int64)) < 0.05 < tasks.conditional_mi(x, x, 0 * x)
     assert tasks.conditional_mi(x, x, x) == pytest.approx(0.0, abs=1e-12)          # nothing left once x is known
@@ -548,12 +563,16 @@ def test_lee_samples_are_lee_et_al_s_construction():
         assert len(set(tr)) == task.n_pairs_trained < 3000 and len(te) == len(set(te)) == task.test_size
         assert not set(tr) & set(te) and set(tr) | set(te) == every              # every pair not trained on
         assert all(x == tasks.lee_text(a, b, order) for x, (a, b) in zip(train_text + test_text, tr + te))
-        assert task.train_seq.shape == (3000, tasks.LEE_ROW[order]) and task.arch()["seq_len"] == tasks.LEE_ROW[order] - 1
+        assert (
+            task.train_seq.shape == (3000, tasks.LEE_ROW[order]) and task.arch()["seq_len"] == tasks.LEE_ROW[order] - 1
+        )
         made[order] = tr
     assert made["msb"] == made["lsb"]                                      # one draw for both formats
     assert tasks.lee_text(7, 12, "msb") == "7*12=84\n" and tasks.lee_text(7, 12, "lsb") == "$7*12=48$"
     assert tasks.lee_text(0, 0, "msb") == "0*0=0\n" and tasks.lee_text(99, 99, "lsb") == "$99*99=1089$"
-    again, other, twin = (tasks.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5))
+    again, other, twin = (
+        tasks.make_task("multiplication", digits=2, lee_samples=3000, seed=s).setup() for s in (5, 6, 5)
+    )
     assert torch.equal(again.train_seq, twin.train_seq) and not torch.equal(again.train_seq, other.train_seq)
     small = tasks.make_task("multiplication", digits=2, lee_samples=100).setup()      # the one-digit pairs alone
     assert small.n_pairs_trained == 100 and small.test_size == 9_900
@@ -692,7 +711,9 @@ def test_cifar10_python_pickles_with_bytes_keys(tmp_path):
     assert np.array_equal(d["train"][0], np.concatenate(xs)) and d["train"][1].tolist() == ys
     assert d["test"][1].tolist() == [3, 1] and np.array_equal(d["test"][0], _images(2, 9))
     # the python-3 style (str keys) reads the same
-    (root / "test_batch").write_bytes(pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4))
+    (root / "test_batch").write_bytes(
+        pickle.dumps({"labels": [3, 1], "data": _images(2, 9).reshape(2, -1)}, protocol=4)
+    )
     assert tasks.read_cifar(str(tmp_path), "cifar10")["test"][1].tolist() == [3, 1]
 
 
@@ -1073,7 +1094,11 @@ def test_random_resized_crop_erasing_and_eval_view():
     x = _aug_images(8, 32, 32)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     out = augment.random_resized_crop(x, 224, g())
-    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.uint8 and torch.equal(out, augment.random_resized_crop(x, 224, g()))
+    assert (
+        out.shape == (8, 3, 224, 224)
+        and out.dtype == torch.uint8
+        and torch.equal(out, augment.random_resized_crop(x, 224, g()))
+    )
     whole = augment.random_resized_crop(x, 64, g(), scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
     up = tasks.F.interpolate(x.float(), size=64, mode="bilinear", align_corners=False)
     assert (whole.float() - up).abs().max() <= 1                                    # the whole image, upsampled
@@ -1096,8 +1121,9 @@ def test_mixup_and_cutmix_mix_images_and_targets_by_what_each_keeps():
     assert torch.allclose(mx, 0.7 * x + 0.3 * x[perm]) and torch.allclose(my[0], torch.tensor([0.7, 0.3, 0, 0]))
     cx, cy = augment.cutmix(x, y, perm, 0.75, g)
     pasted = (cx != x).any(1)                                  # (B, S, S): where the partner's pixels went
-    assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(cx[~pasted.unsqueeze(1).expand_as(x)],
-                                                                                   x[~pasted.unsqueeze(1).expand_as(x)])
+    assert torch.equal(cx[:, :, pasted[0]], x[perm][:, :, pasted[0]]) and torch.equal(
+        cx[~pasted.unsqueeze(1).expand_as(x)], x[~pasted.unsqueeze(1).expand_as(x)]
+    )
     kept = 1 - pasted[0].float().mean()
     assert 0 < kept < 1 and torch.allclose(cy[0], torch.tensor([kept, 1 - kept, 0, 0]))
     assert torch.equal(augment.cutmix(x, y, perm, 1.0, g)[0], x)     # lam 1: nothing pasted
@@ -1132,7 +1158,9 @@ def test_vision_patterns_and_their_probe_patterns(image_dir):
     cls = tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, pool="cls")
     assert cls.pattern("soft").equal(cls.pattern("impulse"))
     assert tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=3.0).pattern("soft").equal(imp)
-    assert tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
+    assert (
+        tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, soft_alpha=0.5).pattern("soft").sum() > imp.sum()
+    )
     graded = task.mask_logits("graded", 5.0, 10.0)
     assert (graded[imp] == 5).all() and (graded[task.pattern("graded") & ~imp] == 0).all()
     assert (graded[~task.pattern("graded")] == -10).all()

@@ -239,20 +239,33 @@ def test_bad_input_exits_2(tmp_path, capsys, argv, needle, held):
 # Every task option the task checks, given out of range (nan and inf where it is a float): one line naming the
 # flag, exit 2, nothing written. The task's constructor is the one check (train.py's Config declares no range or
 # choices for these), so each case here fails if that check goes.
-TASK_CHECKED = [("kparity", "--discover-degree", ("0", "5")), ("kparity", "--discover-threshold", ("nan", "inf", "0", "1.5")),
-                ("kparity", "--discover-alpha", ("nan", "0", "0.0001", "0.9")),
-                ("ksum", "--terms", ("0,1:m2,3", "0,0", "0,1:1,0", "0,99", "", "m")),
-                ("kparity", "--n-bits", ("1", "21")), ("kparity", "--train-size", ("0",)), ("parity2", "--readout", ("tokens",)),
-                ("addition", "--digits", ("0", "5")), ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
-                ("addition", "--answer-order", ("mid",)), ("addition", "--discover-alpha", ("nan", "-1", "1")),
-                ("multiplication --digits 2", "--lee-samples", ("0", "99", "10001")),
-                ("cifar10", "--soft-alpha", ("nan", "inf", "0")), ("cifar10", "--window", ("0", "2")),
-                ("cifar10", "--crop-pct", ("nan", "0", "1.5")), ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
-                ("cifar10", "--randaug-ops", ("0",)), ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
-                ("cifar10", "--impulse", ("diagonal",)), ("cifar10", "--crop", ("centre",)),
-                ("wikitext2", "--val-tokens", ("-1",)), ("wikitext2", "--context", ("1",)),
-                ("wikitext2", "--positions", ("sinusoid",)), ("wikitext2", "--eval-context", ("-1", "1", "65")),
-                ("wikitext2 --init mask", "--mask-window", ("0", "65"))]
+TASK_CHECKED = [
+    ("kparity", "--discover-degree", ("0", "5")),
+    ("kparity", "--discover-threshold", ("nan", "inf", "0", "1.5")),
+    ("kparity", "--discover-alpha", ("nan", "0", "0.0001", "0.9")),
+    ("ksum", "--terms", ("0,1:m2,3", "0,0", "0,1:1,0", "0,99", "", "m")),
+    ("kparity", "--n-bits", ("1", "21")),
+    ("kparity", "--train-size", ("0",)),
+    ("parity2", "--readout", ("tokens",)),
+    ("addition", "--digits", ("0", "5")),
+    ("addition", "--data-frac", ("nan", "inf", "0", "1.5")),
+    ("addition", "--answer-order", ("mid",)),
+    ("addition", "--discover-alpha", ("nan", "-1", "1")),
+    ("multiplication --digits 2", "--lee-samples", ("0", "99", "10001")),
+    ("cifar10", "--soft-alpha", ("nan", "inf", "0")),
+    ("cifar10", "--window", ("0", "2")),
+    ("cifar10", "--crop-pct", ("nan", "0", "1.5")),
+    ("cifar10", "--randaug", ("nan", "inf", "-1", "11")),
+    ("cifar10", "--randaug-ops", ("0",)),
+    ("cifar10", "--reprob", ("nan", "-0.1", "1.5")),
+    ("cifar10", "--impulse", ("diagonal",)),
+    ("cifar10", "--crop", ("centre",)),
+    ("wikitext2", "--val-tokens", ("-1",)),
+    ("wikitext2", "--context", ("1",)),
+    ("wikitext2", "--positions", ("sinusoid",)),
+    ("wikitext2", "--eval-context", ("-1", "1", "65")),
+    ("wikitext2 --init mask", "--mask-window", ("0", "65")),
+]
 CONFIG_CHECKED_TASK_OPTIONS = {"image_size", "input_size", "patch_size", "pool", "label_smoothing", "mixup", "cutmix",
                                "randaug_std"}       # options no task checks: Config's range is their one check
 
@@ -271,7 +284,11 @@ def test_a_task_option_out_of_range_is_one_line_from_its_one_check(tmp_path, cap
 def test_task_options_are_declared_once():
     """A task option's range lives in its task (checked above) or, where no task checks it, in its Config field,
     never both; its Config default is its task's default (a preset may then set it)."""
-    both = {n for n in runconfig.TASK_FLAGS if runconfig.FIELDS[n].metadata["check"] or runconfig.FIELDS[n].metadata["choices"]}
+    both = {
+        n
+        for n in runconfig.TASK_FLAGS
+        if runconfig.FIELDS[n].metadata["check"] or runconfig.FIELDS[n].metadata["choices"]
+    }
     assert both == CONFIG_CHECKED_TASK_OPTIONS
     checked = {f[2:].replace("-", "_") for _, f, _ in TASK_CHECKED}
     unchecked = runconfig.TASK_FLAGS - checked - both - {"bits", "unseen", "data_dir"}
@@ -324,9 +341,34 @@ def test_the_checked_fields_are_the_config_s():
 
 
 # text a fuzzer gives a flag: numbers in and out of range, other scripts' digits, '_' in numbers, huge, empty
-FLAG_TEXT = st.one_of(st.sampled_from(["0", "-1", "1", "3", "0.5", "1e308", "-1e308", "nan", "inf", "1_0", "\u0661\u0660",
-                                       "\uff13", "", " ", "x", "mask", "auto", "cls", "0,4", "9" * 400, "1e-400"]),
-                      st.text(max_size=8))
+FLAG_TEXT = st.one_of(
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1",
+            "3",
+            "0.5",
+            "1e308",
+            "-1e308",
+            "nan",
+            "inf",
+            "1_0",
+            "\u0661\u0660",
+            "\uff13",
+            "",
+            " ",
+            "x",
+            "mask",
+            "auto",
+            "cls",
+            "0,4",
+            "9" * 400,
+            "1e-400",
+        ]
+    ),
+    st.text(max_size=8),
+)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -442,8 +484,9 @@ def test_each_command_refuses_a_flag_twice_and_numbers_in_other_scripts(command,
 
 def test_vit_mlp_width_is_the_flag_given():
     """--dim 88 --mlp-dim 120 once built 119 hidden units (a ratio round-trip)."""
-    args = runconfig.resolve(*train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120",
-                                            "--heads", "4"]))
+    args = runconfig.resolve(
+        *train.parse_args(["--task", "cifar10", "--data-dir", ".", "--dim", "88", "--mlp-dim", "120", "--heads", "4"])
+    )
     task = tasks.make_task("cifar10", data_dir=".", heads=4)
     model = mp.ViT(train.model_config(args, task))
     assert model.cfg.mlp_dim == 120 and model.blocks[0].mlp[0].out_features == 120
@@ -482,8 +525,10 @@ def test_the_vision_presets_take_the_soft_bump_and_leave_the_qk_inits_as_they_we
     argv = ["--task", "cifar10", "--data-dir", image_dir, "--layers", "1", "--dim", "24", "--heads", "3",
             "--mlp-dim", "48", "--patch-size", "8", "--steps", "1"]
     for init in ("impulse", "qk-svd"):
-        preset, hard = (train.build(runconfig.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
-                        for more in ([], ["--pattern", "impulse"]))
+        preset, hard = (
+            train.build(runconfig.resolve(*train.parse_args([*argv, "--init", init, *more])), torch.device("cpu"))
+            for more in ([], ["--pattern", "impulse"])
+        )
         assert preset.config.pattern == "soft" and hard.config.pattern == "impulse"
         assert all(torch.equal(v, hard.model.state_dict()[k]) for k, v in preset.model.state_dict().items())
     mask = train.build(runconfig.resolve(*train.parse_args([*argv, "--init", "mask"])), torch.device("cpu"))
@@ -617,7 +662,9 @@ def _save_checkpoint(path, contents: dict) -> None:
     buf = io.BytesIO()
     torch.save(contents, buf)
     payload = buf.getvalue()
-    torch.save({"format": runfiles.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path)
+    torch.save(
+        {"format": runfiles.CKPT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, path
+    )
 
 
 @pytest.mark.slow
@@ -962,7 +1009,11 @@ def test_augmented_and_ema_run_on_an_image_task(tmp_path, image_dir):
     assert train.main([*common, *aug, "--out", str(tmp_path / "straight")]) == 0
     a, b = (json.load(open(os.path.join(d, "result.json")))["metrics"] for d in (out, str(tmp_path / "straight")))
     assert a == b and {"top1", "ema_top1", "ema_loss"} <= set(a)              # the resumed run is exact
-    xb, yb = runconfig.task_for(runconfig.resolve(*train.parse_args([*common, *aug, "--out", out]))).setup().train_batch(0, 8)
+    xb, yb = (
+        runconfig.task_for(runconfig.resolve(*train.parse_args([*common, *aug, "--out", out])))
+        .setup()
+        .train_batch(0, 8)
+    )
     assert xb.shape == (8, 3, 48, 48) and torch.allclose(yb.sum(-1), torch.ones(8))
 
 
@@ -1225,7 +1276,13 @@ def test_the_paper_vision_recipe_trains_a_step_of_vit_tiny_at_224_on_the_cpu(tmp
     assert res["config"]["n_layers"] == 12 and res["config"]["image_size"] == 224 and res["config"]["patch_size"] == 16
     assert math.isfinite(res["metrics"]["loss"]) and res["init_report"]["pos_scale"] == 18.0
     args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["crop"], args["randaug"], args["reprob"], args["mixup"], args["cutmix"]) == ("rrc", 9.0, 0.25, 0.8, 1.0)
+    assert (args["crop"], args["randaug"], args["reprob"], args["mixup"], args["cutmix"]) == (
+        "rrc",
+        9.0,
+        0.25,
+        0.8,
+        1.0,
+    )
 
 
 def test_a_run_stores_the_one_spelling_and_says_so(tmp_path, capsys):
@@ -1365,8 +1422,10 @@ def test_resume_refuses_what_is_not_this_run(tmp_path, capsys, trained_once, cas
     elif case == "log replaced by a folder":
         os.remove(log)
         os.mkdir(log)
-    files = lambda: {f: open(os.path.join(out, f), "rb").read() if os.path.isfile(os.path.join(out, f)) else "dir"  # noqa
-                     for f in os.listdir(out)}
+    files = lambda: {
+        f: open(os.path.join(out, f), "rb").read() if os.path.isfile(os.path.join(out, f)) else "dir"  # noqa
+        for f in os.listdir(out)
+    }
     before = files()
     capsys.readouterr()
     assert train.main(["--resume", "--out", out]) == 2
@@ -1809,7 +1868,9 @@ def test_make_digits_and_make_wikitext_never_touch_an_existing_dataset(tmp_path,
     cifar = "cifar" in held or "batches" in held
     command = ["make-digits", str(d)] if cifar else ["make-wikitext", str(d), *map(str, texts)]
     if cifar:
-        monkeypatch.setattr(datafetch.write, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2)))
+        monkeypatch.setattr(
+            datafetch.write, "digits_arrays", lambda: (_images(10), np.arange(10), _images(2), np.arange(2))
+        )
     assert train.main(command) == 2
     err = capsys.readouterr().err.strip()
     assert "already holds a data set" in err and "never overwritten" in err and len(err.splitlines()) == 1, err
@@ -2025,7 +2086,9 @@ def test_every_log_line_is_checked_on_resume_and_in_reports(tmp_path, capsys, tr
     err = capsys.readouterr().err.strip()
     assert needle in err and "metrics.jsonl" in err and len(err.splitlines()) == 1, err
     assert _tree(out) == before
-    (Path(out) / "result.json").write_text(json.dumps({**_fake_result("parity2", "mask", 0, {"acc": 1.0}), "steps": 20}))
+    (Path(out) / "result.json").write_text(
+        json.dumps({**_fake_result("parity2", "mask", 0, {"acc": 1.0}), "steps": 20})
+    )
     assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
     assert "| mask | 0 | 100.00 (1 seed) |" in (tmp_path / "res" / "boolean.md").read_text()
     notes = (tmp_path / "res" / "steps_to_target.md").read_text()
