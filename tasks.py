@@ -17,10 +17,10 @@ classes. What train.py uses of a task:
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
 Layout: the base and the registry; caches; one section per family (its task classes, readers and
-`small` / `paper` presets); fixtures (small real data sets written in the real layouts, for tests
-and CPU trials). What a run writes and reads back (the one reader and writer, run folders,
+`small` / `paper` presets). What a run writes and reads back (the one reader and writer, run folders,
 checkpoints, logs, prior.pt) is `runfiles`; the image augmentation the vision tasks train with is
-`augment`.
+`augment`; the small real data sets written in the real layouts (`make-digits`, `make-wikitext`) are
+`datafetch.write`.
 """
 from __future__ import annotations
 
@@ -45,11 +45,6 @@ from typing import Callable, ClassVar, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-try:
-    import fcntl
-except ImportError:             # not on POSIX: run folders are not locked
-    fcntl = None
 
 import augment
 import inits
@@ -1208,9 +1203,6 @@ class KSum(_CustomBoolean):
 
 # an operation whose symbol is not here appends it to its own vocabulary
 ARITH_VOCAB = "0123456789+*="
-
-# ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
-UNIVERSE = 1000 * 1000
 
 # held-out pairs, or every pair not trained on where the universe is smaller
 ARITH_TEST_SIZE = 10_000
