@@ -565,17 +565,6 @@ def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torc
     return {k: float(v) for k, v in out.items()}
 
 
-def gotu_patterns(n_bits: int, bits):
-    """Pattern variants for a task whose target lives on `bits`, as a function of the layout.
-
-    clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
-            (the default);
-    cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
-    Every position keeps its self-loop so no row is empty. One set of `set_patterns`.
-    """
-    return set_patterns(n_bits, [tuple(bits)])
-
-
 def cyclic_patterns(n_bits: int, width: int = 2):
     """band: bits attend within |i - j| <= width (mod n), and with a CLS token CLS -> every bit
     (the default); band-only: the band with the CLS row attending to itself only (CLS layout)."""
@@ -650,8 +639,7 @@ DISCOVER_ALPHA = Must("the chance that a set (pair) of no dependence passes the 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
     """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and
-    with a CLS token in front (position 0) CLS -> every bit of the sets; the form of
-    `gotu_patterns`' clique."""
+    with a CLS token in front (position 0) CLS -> every bit of the sets."""
     off = int(cls)
     edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
     if cls:
@@ -660,9 +648,10 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
 
 
 def set_patterns(n_bits: int, sets):
-    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms): each set a
-    clique (`pattern_from_sets`), the CLS token reading every bit of them ("clique"), or CLS -> the
-    bits alone ("cls", with a CLS token only)."""
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of
+    the layout (a CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token
+    reading every bit of them ("clique", the default), or CLS -> the bits alone and self-loops
+    ("cls", with a CLS token only). Every position keeps its self-loop, so no row is empty."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
         if not cls:
@@ -706,7 +695,6 @@ class BooleanTask(Task):
     top_monomial: tuple
     train_size: int | None = None
     exact: bool = False
-    description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
     # the target's Fourier degree, which bounds the MDI's (its cost)
     degree: int = 0
@@ -971,63 +959,51 @@ _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
 _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
 
 
-@register("parity2")
-class Parity2(BooleanTask):
-    """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
+class _PaperBoolean(BooleanTask):
+    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS`
+    (BooleanTask's fields); its options are the layout and the discovery's."""
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
+    FIELDS: ClassVar[dict] = {}
+
+    def __init__(self, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
+        super().__init__(n_bits=15, readout=readout, discover_degree=discover_degree,
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
+                         seed=seed, **self.FIELDS)
+
+
+@register("parity2")
+class Parity2(_PaperBoolean):
+    """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
     # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md,
     # "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        bits = (0, 1)
-        super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1},
-                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=2,
-                         description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
-                         support=bits, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
-                         seed=seed)
+    FIELDS = dict(target=parity_fn((0, 1)), unseen={0: -1, 1: -1}, patterns=set_patterns(15, [(0, 1)]),
+                  top_monomial=(0, 1), degree=2, support=(0, 1))
 
 
 @register("majority3")
-class Majority3(BooleanTask):
+class Majority3(_PaperBoolean):
     """sign(x0 + x1 + x2) on 15 bits; unseen x0 = x1 = -1; 32,768 uniform draws of seen points."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        bits = (0, 1, 2)
-        super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1},
-                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=3,
-                         train_size=32768, support=bits, readout=readout, seed=seed,
-                         description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold,
-                         discover_alpha=discover_alpha)
+    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1},
+                  patterns=set_patterns(15, [(0, 1, 2)]), top_monomial=(0, 1, 2), degree=3,
+                  train_size=32768, support=(0, 1, 2))
 
 
 @register("cyclic3")
-class Cyclic3(BooleanTask):
+class Cyclic3(_PaperBoolean):
     """sum_i x_i x_{i+1} x_{i+2} (indices mod 15); unseen x0 = x1 = x2 = -1; integer-valued."""
     PATTERNS = ("band", "band-only", "discovered")
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)},
                "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1},
-                         patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3,
-                         exact=True, readout=readout, seed=seed,
-                         description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold,
-                         discover_alpha=discover_alpha)
+    FIELDS = dict(target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
+                  top_monomial=(0, 1, 2), degree=3, exact=True)
 
 
 def cut(text, most: int = 40) -> str:
@@ -1111,14 +1087,14 @@ class _CustomBoolean(BooleanTask):
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
                  discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         self._check_size(n_bits, train_size)
-        b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
+        drawn = str(bits).startswith("random:")
+        b = _random_bits(bits, n_bits, seed) if drawn else _parse_bits(bits, "bits", n_bits)
         if self.NAME == "kmajority" and len(b) % 2 == 0:
             raise TaskError("--bits for kmajority needs an odd number of bits (ties have no "
                             f"sign), got {len(b)}")
-        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)],
-                   ",".join(map(str, b)), unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
+        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)),
+                   unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
         # drawn bits come sorted: 'bits:J' names the same ones
-        drawn = str(bits).startswith("random:")
         self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
                        "unseen": str(unseen) if drawn and str(unseen).startswith("bits:")
                        else self._unseen_text()}
@@ -1149,11 +1125,10 @@ class _CustomBoolean(BooleanTask):
                                                                        for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
-        desc = f"{self.NAME} on {f'bits {b}' if len(terms) == 1 else text}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
                          top_monomial=max((bits for _, bits in terms), key=len),
                          degree=max(len(t) for _, t in terms), train_size=train_size,
-                         description=desc, support=b, readout=readout, exact=len(terms) > 1,
+                         support=b, readout=readout, exact=len(terms) > 1,
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha, seed=seed)
 
