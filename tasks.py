@@ -2724,129 +2724,78 @@ class ImageNet100(ImageTask):
 
 
 # ----------------------------------------------------------------------------------------
-# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder.
+# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from
+# the files their authors publish (no `datasets` library, no network).
 #
+# WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download
+# wikitext2`), either release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words
+# already <unk>), tried first, or wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir
+# may hold those folders or be one. Tokenisation follows PyTorch's word_language_model example:
+# every line, empty ones included, is line.split() then one <eos>; headings (" = Robert Boulter = ")
+# and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the train split
+# only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
+# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens
+# for the raw release).
 #
-# Two corpora are supported, read from the files their authors publish (no
-# ``datasets`` library, no network):
+# TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1
+# (TinyStories-{train,valid}.txt), in data_dir or data_dir/TinyStories: stories are separated by
+# lines that are exactly <|endoftext|> once surrounding whitespace is stripped. Byte level: a
+# story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every story (vocabulary
+# 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
+# vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The
+# cost: sequences about 4x longer than with a BPE tokeniser. Each story is stripped of leading and
+# trailing (ASCII) whitespace, inner newlines are kept, separator lines dropped, empty stories
+# skipped, and a last story with no separator after it still gets its end-of-text id.
 #
-# * **WikiText-2** (https://wikitext.smerity.com, the ``wikitext-2-v1`` /
-#   ``wikitext-2-raw-v1`` zips; ``train.py download wikitext2``), either release:
-#
-#   - ``wikitext-2/wiki.{train,valid,test}.tokens`` (word level, rare words
-#     already replaced by ``<unk>``), tried first;
-#   - ``wikitext-2-raw/wiki.{train,valid,test}.raw`` (raw text).
-#
-#   ``data_dir`` may be the folder holding those sub-folders or a sub-folder
-#   itself.  Tokenisation follows PyTorch's ``word_language_model`` example:
-#   every line, empty ones included, is ``line.split()`` followed by one
-#   ``<eos>``.  Headings (`` = Robert Boulter = ``) and the ``@,@`` / ``@.@`` /
-#   ``@-@`` tokens are ordinary words.  The vocabulary comes from the train
-#   split only: ``<unk>`` (id 0), ``<eos>`` (id 1), then the other words by
-#   descending train frequency, ties in code-point (alphabetical) order.
-#   Words of valid/test missing from it map to ``<unk>`` (only happens for the
-#   raw release).
-#
-# * **TinyStories** (https://huggingface.co/datasets/roneneldan/TinyStories),
-#   V2 (``TinyStoriesV2-GPT4-{train,valid}.txt``) or V1
-#   (``TinyStories-{train,valid}.txt``), in ``data_dir`` or
-#   ``data_dir/TinyStories``.  Stories are separated by lines that are exactly
-#   ``<|endoftext|>`` once surrounding whitespace is stripped.
-#
-#   Tokenisation is **byte level**: the UTF-8 bytes of a story are ids 0..255
-#   and one end-of-text id 256 follows every story (vocabulary 257).  Why:
-#   there is no trained vocabulary to fit, ship or version; nothing is ever
-#   out of vocabulary; and a 2 GB file can be streamed chunk by chunk with no
-#   state beyond the current line.  The cost is sequences about 4x longer than
-#   with a BPE tokeniser for the same text.  Each story is stripped of leading
-#   and trailing (ASCII) whitespace, inner newlines are kept, separator lines
-#   are dropped, empty stories are skipped, and a last story with no
-#   separator after it still gets its end-of-text id.
-#
-# Token cache: every split is tokenised once into a flat little-endian
-# ``uint16`` (vocabulary <= 65536) or ``uint32`` binary file plus a JSON meta
-# (dtype, count, vocabulary size, and the size and mtime of the source
-# file(s), so a changed source is re-tokenised).  The WikiText vocabulary is
-# saved as a JSON list next to them.  The cache lives in
-# ``<data_dir>/maskprior-cache/`` or, when that is not writable,
-# ``~/.cache/maskprior/<folder name>-<hash of the absolute data_dir>/``.
-# Every file is written to a temporary name and moved into place with
-# ``os.replace``; the meta is written last, so an interrupted build leaves no
-# cache that would be taken as valid.  Splits are returned as read-only
-# ``np.memmap`` arrays.
-#
+# Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536)
+# or uint32 binary file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures
+# (`_source_signature`), so a changed source is re-tokenised); the WikiText vocabulary is a JSON list
+# beside them. The cache lives in the first writable of `default_cache_dirs`. Every file is written
+# to a temporary name and moved into place, the meta last, so an interrupted build leaves no cache
+# that would be taken as valid. Splits are returned as read-only np.memmap arrays.
 
 
 WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors released them
-
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-
 # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 CACHE_FORMAT = 2
 
 UNK = "<unk>"
-
 EOS = "<eos>"
-
 EOT_ID = 256
-
 BYTE_VOCAB_SIZE = 257
-
 EOT_TEXT = "\n<|endoftext|>\n"  # how decode() renders the end-of-text id
 
 WIKITEXT_SPLITS = ("train", "valid", "test")
-
-
 # release name -> (sub-folder, file extension), in the order "auto" tries them
-
 WIKITEXT_RELEASES = {"tokens": ("wikitext-2", ".tokens"), "raw": ("wikitext-2-raw", ".raw")}
-
 WIKITEXT_TOKENIZER = "word-split-eos-v1"
 
 TINYSTORIES_SPLITS = ("train", "valid")
-
-
 # version -> file name prefix, in the order "auto" tries them
-
 TINYSTORIES_VERSIONS = {"v2": "TinyStoriesV2-GPT4", "v1": "TinyStories"}
-
 TINYSTORIES_TOKENIZER = "utf8-bytes-eot256-v1"
 
-
-# A separator line inside a block of complete lines (the block starts at a
-# line start and ends with "\n"); whitespace other than "\n" may surround it.
-
+# A separator line inside a block of complete lines (the block starts at a line start and ends
+# with "\n"); whitespace other than "\n" may surround it.
 _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.MULTILINE)
 
 
 # ---- corpora and windows
 
-def load_lm_corpus(
-    name: str,
-    data_dir: str | os.PathLike,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    *,
-    version: str = "auto",
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load a language-modelling corpus as token id arrays, tokenising on first use.
+def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                   version: str = "auto", cache_dir: str | os.PathLike | None = None) -> dict:
+    """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as
+    above) as token id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a
+    release, "tokens" / "raw" for WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read
+    at a time while streaming TinyStories; `cache_dir`: the token cache's folder instead of the
+    default.
 
-    Args:
-        name: ``"wikitext2"`` or ``"tinystories"``.
-        data_dir: folder holding the corpus files (see the module docstring).
-        chunk_size: bytes read at a time while streaming TinyStories.
-        version: ``"auto"`` or a release: ``"tokens"``/``"raw"`` for WikiText-2,
-            ``"v2"``/``"v1"`` for TinyStories.  ``"auto"`` tries them in that order.
-        cache_dir: use this folder for the token cache instead of the default.
-
-    Returns:
-        ``{"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int,
-        "decode": callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}``; WikiText-2 also
-        has ``"test"`` (memmap) and ``"vocab"`` (list[str]).  Arrays are 1-D,
-        read-only, ``uint16`` or ``uint32``.
-    """
+    Returns {"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int, "decode":
+    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also
+    has "test" (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
@@ -2855,45 +2804,26 @@ def load_lm_corpus(
     raise DataError(f"unknown corpus {name!r}: expected 'wikitext2' or 'tinystories'")
 
 
-def random_windows(
-    tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample training windows at uniformly random offsets.
-
-    Args:
-        tokens: 1-D integer array of N token ids (e.g. a split memmap).
-        context: window length T; needs N >= T + 1.
-        batch_size: number of windows B.
-        generator: a CPU ``torch.Generator``; the same seed gives the same batch.
-
-    Returns:
-        ``(x, y)``, both int64 tensors of shape (B, T) with
-        ``x[b] = tokens[s_b : s_b + T]`` and ``y[b] = tokens[s_b + 1 : s_b + T + 1]``,
-        ``s_b`` uniform over ``0 .. N - T - 1``.
-    """
+def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B = batch_size training windows of T = context tokens at uniformly random offsets of `tokens`
+    (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64
+    (B, T): x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1], s_b uniform over
+    0 .. N - T - 1."""
     n = len(tokens)
     _check_context(context, n, "training")
     starts = torch.randint(0, n - context, (batch_size,), generator=generator).numpy()
     return _gather_windows(tokens, starts, context)
 
 
-def eval_windows(
-    tokens: np.ndarray, context: int, batch_size: int = 1
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Cover a split with consecutive, non-overlapping windows.
-
-    Window k starts at ``k * context``; every token of ``tokens[1:]`` is a
-    target exactly once.  Full windows come in batches of shape
-    (<= batch_size, context); the last partial window, when ``N - 1`` is not a
-    multiple of ``context``, is INCLUDED as a final batch of shape (1, r) with
-    ``0 < r < context``.  Weight per-batch mean losses by ``y.numel()`` to get
-    the per-token mean over the split.
-
-    Raises DataError at once (not on first iteration) when N < context + 1.
-
-    Returns:
-        An iterator of ``(x, y)`` int64 tensor pairs, ``y`` = ``x`` shifted by one.
-    """
+def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A split covered by consecutive, non-overlapping windows: window k starts at k * context, so
+    every token of tokens[1:] is a target exactly once. Full windows come in batches (<= batch_size,
+    context); the last partial window, when N - 1 is not a multiple of context, is INCLUDED as a
+    final (1, r) batch, 0 < r < context: weight per-batch mean losses by y.numel() for the per-token
+    mean over the split. An iterator of int64 (x, y) pairs, y = x shifted by one; a DataError at once
+    (not on first iteration) when N < context + 1."""
     _check_context(context, len(tokens), "validation")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -2905,24 +2835,19 @@ def _check_context(context: int, n_tokens: int, split: str, flag: str = "--conte
     if context < 1:
         raise DataError(f"{flag} must be >= 1, got {context}")
     if n_tokens < context + 1:
-        raise DataError(
-            f"{flag} {context} is longer than the {split} split ({n_tokens} tokens); "
-            f"use {flag} {max(n_tokens - 1, 1)} or less"
-        )
+        raise DataError(f"{flag} {context} is longer than the {split} split ({n_tokens} tokens); "
+                        f"use {flag} {max(n_tokens - 1, 1)} or less")
 
 
-def _gather_windows(
-    tokens: np.ndarray, starts: np.ndarray, context: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of T+1 tokens at ``starts`` (B,) -> x, y int64 tensors (B, T)."""
+def _gather_windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of T+1 tokens at `starts` (B,) -> x, y int64 tensors (B, T)."""
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(context + 1)
     windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64))
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def _iter_eval_windows(
-    tokens: np.ndarray, context: int, batch_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _iter_eval_windows(tokens: np.ndarray, context: int, batch_size: int
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     n_targets = len(tokens) - 1
     n_full = n_targets // context
     for first in range(0, n_full, batch_size):
@@ -2935,37 +2860,35 @@ def _iter_eval_windows(
 
 # ---- WikiText-2
 
-def load_wikitext2(
-    data_dir: str | os.PathLike,
-    release: str = "auto",
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load WikiText-2 (``release`` "auto", "tokens" or "raw"); see :func:`load_lm_corpus`."""
+def load_wikitext2(data_dir: str | os.PathLike, release: str = "auto",
+                   cache_dir: str | os.PathLike | None = None) -> dict:
+    """Load WikiText-2 (`release` "auto", "tokens" or "raw"); see `load_lm_corpus`."""
     release, files = find_wikitext_files(data_dir, release)
     stem = f"wikitext2-{release}"
     candidates = _cache_candidates(data_dir, cache_dir)
     known = _known_sources(candidates, stem)
     sources = [_source_signature(files[split], known) for split in WIKITEXT_SPLITS]
-    loaded = None
+    splits, vocab, data_hash = _read_or_build(candidates, lambda f: _read_wikitext_cache(f, stem, sources),
+                                              lambda f: _build_wikitext_cache(f, stem, files, sources))
+    return {**splits, "data_hash": data_hash, "vocab": vocab, "vocab_size": len(vocab),
+            "decode": lambda ids: decode_words(ids, vocab),
+            "source": f"WikiText-2 {release} release in {files['train'].parent}"}
+
+
+def _read_or_build(candidates: list[Path], read: Callable, build: Callable):
+    """`read(folder)` of the first candidate folder whose cache it finds valid (not None); else
+    `build(folder)` in the first writable one (`_cache_folder`) and `read` it back (a DataError where
+    it cannot be)."""
     for folder in candidates:
-        loaded = _read_wikitext_cache(folder, stem, sources)
+        loaded = read(folder)
         if loaded is not None:
-            break
+            return loaded
+    with _cache_folder(candidates) as folder:
+        build(folder)
+    loaded = read(folder)
     if loaded is None:
-        with _cache_folder(candidates) as folder:
-            _build_wikitext_cache(folder, stem, files, sources)
-        loaded = _read_wikitext_cache(folder, stem, sources)
-        if loaded is None:
-            raise DataError(f"token cache written to {folder} could not be read back")
-    splits, vocab, data_hash = loaded
-    return {
-        **splits,
-        "data_hash": data_hash,
-        "vocab": vocab,
-        "vocab_size": len(vocab),
-        "decode": lambda ids: decode_words(ids, vocab),
-        "source": f"WikiText-2 {release} release in {files['train'].parent}",
-    }
+        raise DataError(f"token cache written to {folder} could not be read back")
+    return loaded
 
 
 def _choices(value: str, options: dict, what: str) -> list[str]:
@@ -2980,7 +2903,7 @@ def _choices(value: str, options: dict, what: str) -> list[str]:
 
 def find_wikitext_files(data_dir: str | os.PathLike,
                         release: str = "auto") -> tuple[str, dict[str, Path]]:
-    """Locate ``wiki.{train,valid,test}.{tokens|raw}``; returns (release, {split: path})."""
+    """Locate wiki.{train,valid,test}.{tokens|raw}; returns (release, {split: path})."""
     data_dir = Path(data_dir)
     releases = _choices(release, WIKITEXT_RELEASES, "WikiText-2 release")
     looked = []
@@ -2993,33 +2916,29 @@ def find_wikitext_files(data_dir: str | os.PathLike,
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
     zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip"
                        for r in releases)
-    raise DataError(
-        f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
-        f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
-        "unzipped)"
-    )
+    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
+                    f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
+                    "unzipped)")
 
 
 def wikitext_line_words(line: str) -> list[str]:
-    """Words of one line: whitespace-split, then ``<eos>`` (an empty line gives ``[<eos>]``)."""
+    """Words of one line: whitespace-split, then <eos> (an empty line gives [<eos>])."""
     return line.split() + [EOS]
 
 
 def iter_wikitext_words(path: Path) -> Iterator[str]:
-    """Stream the words of a WikiText file, line by line (see :func:`wikitext_line_words`)."""
+    """Stream the words of a WikiText file, line by line (`wikitext_line_words`)."""
     try:
         with io.TextIOWrapper(open_back(path), encoding="utf-8") as f:
             for line in f:
                 yield from wikitext_line_words(line)
     except UnicodeDecodeError as exc:
-        raise DataError(
-            f"WikiText-2 file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-            f"re-download it from {WIKITEXT_URL}"
-        ) from None
+        raise DataError(f"WikiText-2 file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"re-download it from {WIKITEXT_URL}") from None
 
 
 def build_vocab(words: Iterable[str]) -> list[str]:
-    """``[<unk>, <eos>]`` then the other words by descending count, ties alphabetical."""
+    """[<unk>, <eos>] then the other words by descending count, ties alphabetical."""
     counts = collections.Counter(words)
     for special in (UNK, EOS):
         counts.pop(special, None)
@@ -3027,13 +2946,13 @@ def build_vocab(words: Iterable[str]) -> list[str]:
 
 
 def encode_words(words: Iterable[str], vocab: Sequence[str]) -> np.ndarray:
-    """Word ids (N,) in the cache dtype; words missing from ``vocab`` become ``<unk>`` (0)."""
+    """Word ids (N,) in the cache dtype; words missing from `vocab` become <unk> (0)."""
     index = {word: i for i, word in enumerate(vocab)}
     return np.fromiter((index.get(word, 0) for word in words), dtype=token_dtype(len(vocab)))
 
 
 def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
-    """Words joined by spaces, each ``<eos>`` rendered as a newline."""
+    """Words joined by spaces, each <eos> rendered as a newline."""
     eos = vocab.index(EOS)
     out: list[str] = []
     line_start = True
@@ -3059,18 +2978,18 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path],
         if len(tokens) == 0:
             raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
                             f"from {WIKITEXT_URL}")
-    atomic_write(folder / f"{stem}.vocab.json", _vocab_bytes(vocab))
-    vocab_sha1 = hashlib.sha1(_vocab_bytes(vocab)).hexdigest()
+    raw = json.dumps(vocab, ensure_ascii=False).encode("utf-8")
+    atomic_write(folder / f"{stem}.vocab.json", raw)
+    vocab_sha1 = hashlib.sha1(raw).hexdigest()
     for split in WIKITEXT_SPLITS:
         meta = _expected_meta(stem, WIKITEXT_TOKENIZER, split, sources, vocab_sha1=vocab_sha1)
         _write_split(folder, stem, split, meta, [ids[split]], len(vocab), "")
 
 
-def _read_wikitext_cache(
-    folder: Path, stem: str, sources: list[dict]
-) -> tuple[dict[str, np.memmap], list[str], str] | None:
-    """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``,
-    else None."""
+def _read_wikitext_cache(folder: Path, stem: str, sources: list[dict]
+                         ) -> tuple[dict[str, np.memmap], list[str], str] | None:
+    """(the cached splits, the vocab, a sha256 of both) if all are present and match `sources`, else
+    None."""
     try:
         raw = read_back(folder / f"{stem}.vocab.json", "json")
         vocab = json.loads(raw)
@@ -3090,19 +3009,11 @@ def _read_wikitext_cache(
     return splits, vocab, hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
 
-def _vocab_bytes(vocab: list[str]) -> bytes:
-    return json.dumps(vocab, ensure_ascii=False).encode("utf-8")
-
-
 # ---- TinyStories
 
-def load_tinystories(
-    data_dir: str | os.PathLike,
-    version: str = "auto",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load TinyStories (``version`` "auto", "v2" or "v1"); see :func:`load_lm_corpus`."""
+def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     cache_dir: str | os.PathLike | None = None) -> dict:
+    """Load TinyStories (`version` "auto", "v2" or "v1"); see `load_lm_corpus`."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     version, files = find_tinystories_files(data_dir, version)
@@ -3113,32 +3024,17 @@ def load_tinystories(
     for split in TINYSTORIES_SPLITS:
         path = files[split]
         meta = _expected_meta(stem, TINYSTORIES_TOKENIZER, split, [_source_signature(path, known)])
-        tokens = None
-        for folder in candidates:
-            tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
-            if tokens is not None:
-                break
-        if tokens is None:
-            empty = (
-                f"TinyStories file {path} contains no stories (nothing but whitespace and "
-                f"<|endoftext|> lines); re-download it from {TINYSTORIES_URL}"
-            )
-            with _cache_folder(candidates) as folder:
-                stream = iter_tinystories_tokens(path, chunk_size)
-                _write_split(folder, stem, split, meta, stream, BYTE_VOCAB_SIZE, empty)
-            tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
-            if tokens is None:
-                raise DataError(f"token cache written to {folder} could not be read back")
-        out[split], digest = tokens
+        empty = (f"TinyStories file {path} contains no stories (nothing but whitespace and "
+                 f"<|endoftext|> lines); re-download it from {TINYSTORIES_URL}")
+        out[split], digest = _read_or_build(
+            candidates, lambda f: _read_split(f, stem, split, meta, BYTE_VOCAB_SIZE),
+            lambda f: _write_split(f, stem, split, meta, iter_tinystories_tokens(path, chunk_size),
+                                   BYTE_VOCAB_SIZE, empty))
         digests.append(digest)
-    out.update(
-        data_hash=hashlib.sha256(" ".join(digests).encode()).hexdigest(),
-        vocab_size=BYTE_VOCAB_SIZE,
-        decode=decode_bytes,
-        source=f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
-        f"in {files['train'].parent}",
-    )
-    return out
+    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(),
+            "vocab_size": BYTE_VOCAB_SIZE, "decode": decode_bytes,
+            "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
+                      f"in {files['train'].parent}"}
 
 
 def find_tinystories_files(data_dir: str | os.PathLike,
@@ -3154,27 +3050,22 @@ def find_tinystories_files(data_dir: str | os.PathLike,
             if all(path.is_file() for path in files.values()):
                 return name, files
     wanted = " or ".join(f"{TINYSTORIES_VERSIONS[v]}-{{train,valid}}.txt" for v in versions)
-    raise DataError(
-        f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
-        f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
-        f"{TINYSTORIES_URL})"
-    )
+    raise DataError(f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
+                    f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
+                    f"{TINYSTORIES_URL})")
 
 
 @dataclass
 class _StoryStream:
     """Turns blocks of complete lines into byte tokens, carrying story state across blocks.
-
-    ``started``: the current story has non-whitespace content.  ``held``: its
-    trailing whitespace, emitted only if more content follows (so stories end
-    stripped without buffering a whole story).
-    """
+    `started`: the current story has non-whitespace content; `held`: its trailing whitespace, emitted
+    only if more content follows (so stories end stripped without buffering a whole story)."""
 
     started: bool = False
     held: bytes = b""
 
     def feed(self, block: bytes) -> np.ndarray:
-        """Tokens (uint16, (n,)) for a block that starts at a line start and ends with ``\\n``."""
+        """Tokens (uint16, (n,)) for a block that starts at a line start and ends with "\\n"."""
         content = bytearray()
         eot_positions: list[int] = []
         for piece in _split_separator_lines(block):
@@ -3203,7 +3094,7 @@ class _StoryStream:
 
 
 def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
-    """Text between separator lines of ``block``, with None for each separator line."""
+    """Text between separator lines of `block`, with None for each separator line."""
     start = 0
     for match in _SEPARATOR_LINE.finditer(block):
         if match.start() > start:
@@ -3215,13 +3106,9 @@ def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
 
 
 def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[bytes]:
-    """Read ``path`` in ``chunk_size``-byte chunks; yield blocks of complete lines.
-
-    A line cut by a chunk boundary (a separator or a multi-byte UTF-8
-    character included) is carried to the next block.  Every block but
-    possibly the last ends with ``\\n``; a final line without one gets one.
-    Memory: about ``chunk_size`` plus the longest line.
-    """
+    """Read `path` in `chunk_size`-byte chunks; yield blocks of complete lines. A line cut by a
+    chunk boundary (a separator or a multi-byte UTF-8 character included) is carried to the next
+    block; a final line without "\\n" gets one. Memory: about `chunk_size` plus the longest line."""
     pending = b""
     with open_back(path) as f:
         while chunk := f.read(chunk_size):
@@ -3235,11 +3122,8 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
 
 
 def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[np.ndarray]:
-    """Stream the byte-level tokens of a TinyStories file as uint16 arrays.
-
-    Concatenated, the arrays are: for each non-empty story, its stripped UTF-8
-    bytes then ``EOT_ID``.  Each array holds the tokens of about one chunk.
-    """
+    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each;
+    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`."""
     stream = _StoryStream()
     for block in iter_line_blocks(path, chunk_size):
         tokens = stream.feed(block)
@@ -3251,7 +3135,7 @@ def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) ->
 
 
 def decode_bytes(ids: Iterable[int]) -> str:
-    """Byte ids to text (invalid UTF-8 replaced by U+FFFD); ``EOT_ID`` renders as ``EOT_TEXT``."""
+    """Byte ids to text (invalid UTF-8 replaced by U+FFFD); `EOT_ID` renders as `EOT_TEXT`."""
     parts: list[str] = []
     buffer = bytearray()
     for i in ids:
@@ -3324,17 +3208,10 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
         return None
 
 
-def _write_split(
-    folder: Path,
-    stem: str,
-    split: str,
-    meta: dict,
-    arrays: Iterable[np.ndarray],
-    vocab_size: int,
-    empty_message: str,
-) -> int:
-    """Stream ``arrays`` into the split's binary file, then write its meta (with the sha256 of the
-    tokens); returns the count."""
+def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterable[np.ndarray],
+                 vocab_size: int, empty_message: str) -> None:
+    """Stream `arrays` into the split's binary file (none: a DataError, `empty_message`), then write
+    its meta (with the count and the sha256 of the tokens)."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
     count, digest = 0, hashlib.sha256()
@@ -3349,7 +3226,6 @@ def _write_split(
     full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count,
                  "vocab_size": vocab_size, "sha256": digest.hexdigest()}
     atomic_write(meta_path, json.dumps(full_meta, indent=1).encode("utf-8"))
-    return count
 
 
 def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
