@@ -158,9 +158,7 @@ class Task:
     @classmethod
     def preset_parts(cls, name: str) -> tuple[dict, dict]:
         """(model size, training recipe) of the named preset: the family's entries, then the task's
-        own. A preset holds exactly these two parts ("model": architecture flags, "recipe":
-        everything else: optimiser, schedule, init strengths, augmentation, logging); anything else
-        is an error."""
+        own ("model": architecture flags, "recipe": everything else; any other part is an error)."""
         model, recipe = {}, {}
         for klass in reversed(cls.__mro__):
             entry = vars(klass).get("PRESETS", {}).get(name, {})
@@ -174,15 +172,14 @@ class Task:
 
     @classmethod
     def inits(cls) -> tuple:
-        """The inits this task offers: those of inits.INITS its family takes (and, where its layout moves from
-        example to example, not those fitted on the positions)."""
+        """The inits this task offers: those of inits.INITS its family takes (less those fitted on the
+        positions, where its layout moves from example to example)."""
         return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options: the keyword arguments its constructor takes and those `build` takes
-        where it picks the variant class (less `seed`); train.py passes the flags of these names,
-        the signatures are the one list."""
+        """The task's options, less `seed`: the keyword arguments of its constructor and of `build`
+        (where it picks the variant class); train.py passes the flags of these names."""
         params = [*inspect.signature(cls).parameters.values(),
                   *inspect.signature(cls.build).parameters.values()]
         return tuple(dict.fromkeys(p.name for p in params if p.name != "seed"
@@ -196,8 +193,7 @@ class Task:
 
     def final_eval_size(self) -> int | None:
         """How many points the final evaluation scores where log steps score a sample of them
-        (`--eval-points`), or None where every evaluation scores the whole test set; needs
-        setup."""
+        (`--eval-points`), or None where every evaluation scores the whole test set; needs setup."""
         return None
 
     def normal_options(self) -> dict:
@@ -229,8 +225,8 @@ class Task:
         return self.build_pattern(self.pattern_name(variant))
 
     def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
-        """The prior of pattern `variant` (None: the default): a hand pattern, or `discovered` in
-        the training set, its M from `mask_logits`."""
+        """The prior of pattern `variant` (None: the default), hand-made or `discovered` in the
+        training set, its M from `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
@@ -243,10 +239,9 @@ class Task:
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
-        """A Prior; one not written by hand (found in the data or a teacher) carries the precision
-        and recall of its pairs against the task's default hand pattern (`mp.pattern_agreement`),
-        and one that names no pair beyond self-loops in the rows it was found for (`found_rows`) is
-        a TaskError: it would hold nothing."""
+        """A Prior; one found (in the data or a teacher) carries the precision and recall of its pairs
+        against the default hand pattern (`mp.pattern_agreement`), and is a TaskError where it names
+        no pair beyond self-loops in the rows it was found for (`found_rows`): it would hold nothing."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
             raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each "
@@ -270,22 +265,19 @@ class Task:
 
     def final_cost(self, points: int) -> float:
         """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
-        test items (the ETA counts it): 1 for a task that evaluates every item at every log
-        step."""
+        test items (the ETA counts it): 1 where every log step evaluates every item."""
         return 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
-        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), read
-        from the names the readers look for and nothing else; DataError naming what was looked for
-        and where to get it. None: the task has no data files (reproduce.sh's plan asks this before
-        its first run)."""
+        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), from the
+        names the readers look for alone (reproduce.sh's plan asks before its first run); DataError
+        naming what was looked for and where to get it. None: the task has no data files."""
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so
-        that a resume on other data (another --data-dir) is refused. None: the task has no data of
-        its own to check."""
+        """A sha256 of the data the task (set up) trains and tests on, which a checkpoint records so
+        that a resume on other data is refused; None: no data of its own to check."""
         return None
 
     def found_rows(self) -> list[int] | None:
@@ -300,13 +292,10 @@ class Task:
         rows = self.found_rows()
         return bool((off if rows is None else off[..., rows, :]).any())
 
-    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and
-    # how
-    # --prior-kind values; the first is the default
-    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")
-    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`), below
-    # which its attention is refused as a prior (--teacher-min-fit overrides): each family's own
-    # measure and level.
+    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
+    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")      # --prior-kind values; the first is the default
+    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`; each
+    # family's own measure and level), below which its attention is refused (--teacher-min-fit)
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
@@ -322,11 +311,11 @@ class Task:
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N,
-        N): `pattern`: query-key pairs above `ratio` times the uniform share
-        (`mp.pattern_from_attention`), M +m_on on them and -m_off elsewhere; `logits`: M whose bias
-        alone gives the teacher's mean attention, per head (`mp.logits_from_attention`), the
-        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean tasks:
-        keys; arithmetic: the answer rows; vision: offsets; language: distances)."""
+        N): `pattern`: the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`),
+        M +m_on on them, -m_off elsewhere; `logits`: the M whose bias alone gives that attention, per
+        head (`mp.logits_from_attention`), its pattern where log sigmoid(M) > -1. A family reads its
+        own rows and forms (Boolean: keys; arithmetic: the answer rows; vision: offsets; language:
+        distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, causal)
@@ -335,14 +324,12 @@ class Task:
 
     def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
                            kind: str, ratio: float, m_on: float, m_off: float, source: dict,
-                           min_fit: float | None = None
-                           ) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, its
-        `weights`), its mean attention on its own training inputs (`teacher_task`, set up: a
-        teacher of another corpus reads its own), turned into this task's prior (`teacher_prior`).
-        A teacher that fits less than `min_fit` of those inputs (None: the family's
-        TEACHER_MIN_FIT) did not learn its task, and a map that names nothing or is not finite is
-        no prior: each a TaskError, never used."""
+                           min_fit: float | None = None) -> Prior:
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its
+        mean attention on its own training inputs (`teacher_task`, set up), made this task's prior
+        (`teacher_prior`). A teacher that fits less than `min_fit` of them (None: TEACHER_MIN_FIT)
+        did not learn its task, and a map that names nothing or is not finite is no prior: each a
+        TaskError, never used."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -388,7 +375,7 @@ CACHE_DIRNAME = "maskprior-cache"
 
 
 def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
-    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
+    """[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]."""
     absolute = Path(data_dir).resolve()
     digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
@@ -423,14 +410,6 @@ def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
         raise
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    with open_back(path) as f:
-        digest = hashlib.sha256()
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
     """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a
     file replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave
@@ -442,7 +421,11 @@ def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None =
     for k in known:
         if isinstance(k, dict) and k.get("name") == name and k.get("stat") == stat and isinstance(k.get("sha256"), str):
             return {"name": name, "size": st.st_size, "sha256": k["sha256"], "stat": stat}
-    return {"name": name, "size": st.st_size, "sha256": file_sha256(path), "stat": stat}
+    with open_back(path) as f:
+        digest = hashlib.sha256()
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return {"name": name, "size": st.st_size, "sha256": digest.hexdigest(), "stat": stat}
 
 
 def _same_sources(a, b) -> bool:
@@ -477,7 +460,6 @@ READOUTS = ("cls", "mean")
 # The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core
 # CPU, 2,048 (11 bits) two minutes, 4,096 more than five; a task whose MDI needs more is refused
 # when it is made.
-
 MDI_MAX_MONOMIALS = 1024
 
 
@@ -519,14 +501,11 @@ def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
 
 def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray,
                             max_degree: int | None = None):
-    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval.
-
-    The interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0),
-    lexicographically, where W_k is its Fourier weight on degree-k monomials: the smallest
-    degree d that fits the data exactly, then least squares on the coefficients degree by
-    degree (highest first) over the remaining freedom. x_* are (B, n) arrays in {-1, +1}.
-    Returns (predictions on x_eval, degree, {monomial: coefficient}).
-    """
+    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval: the
+    interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k
+    its Fourier weight on degree-k monomials: the smallest degree d that fits the data exactly, then
+    least squares on the coefficients degree by degree (highest first) over the remaining freedom.
+    x_* are (B, n) arrays in {-1, +1}. Returns (predictions on x_eval, degree, {monomial: coef})."""
     n = x_seen.shape[1]
     max_degree = n if max_degree is None else max_degree
     ys = y_seen.astype(np.float64)
@@ -581,9 +560,7 @@ def cyclic_patterns(n_bits: int, width: int = 2):
     return build
 
 
-# ---- finding the pattern from the training data (never from the target function): `--pattern
-# discovered`
-
+# ---- `--pattern discovered`: the pattern found in the training data (never from the target function)
 # (set, point) terms a second of walsh_coefficients on the 2-core CPU (4.7e8 measured idle)
 WALSH_RATE = 3e8
 
@@ -616,8 +593,7 @@ def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
 
 
 def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25,
-               alpha: float = 0.05
-               ) -> tuple[list[tuple], dict]:
+               alpha: float = 0.05) -> tuple[list[tuple], dict]:
     """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the
     largest one and above the sampling noise of this many points (`walsh_noise` at `alpha`),
     largest first: the interactions the seen data shows (it hides how the target extrapolates, not
@@ -665,15 +641,15 @@ def set_patterns(n_bits: int, sets):
 class BooleanTask(Task):
     """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
 
-    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of
-    them hold, the seen domain its complement. `train_size=None` trains on every seen point
-    (each once per epoch); an integer draws that many seen points uniformly with replacement.
-    `exact=True` marks an integer-valued target: accuracy is the rounded exact match (sign
-    accuracy is reported too); otherwise accuracy is sign accuracy. `readout` picks the token
-    layout ("cls": a CLS token first; "mean": none, mean pooling), and every pattern is built
-    for it by `patterns(cls)`, which returns {variant name: bool (N, N)}.
-    """
+    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them
+    hold, the seen domain its complement. `train_size=None` trains on every seen point (each once
+    per epoch); an integer draws that many seen points uniformly with replacement. `exact=True`
+    marks an integer-valued target: accuracy is the rounded exact match (sign accuracy is reported
+    too), else sign accuracy. `readout` picks the token layout ("cls": a CLS token first; "mean":
+    none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
     KIND = "boolean"
+    PATTERNS = ("clique", "cls", "discovered")
+    DEFAULT_PATTERN = "clique"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     PRESETS = {
         # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and
@@ -696,14 +672,11 @@ class BooleanTask(Task):
     train_size: int | None = None
     exact: bool = False
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
-    # the target's Fourier degree, which bounds the MDI's (its cost)
-    degree: int = 0
+    degree: int = 0                     # the target's Fourier degree, which bounds the MDI's (its cost)
     readout: str = "cls"
     discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
-    # ... kept when at least this fraction of the largest coefficient
-    discover_threshold: float = 0.25
-    # ... and above the sampling noise at this false-positive rate
-    discover_alpha: float = 0.05
+    discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
+    discover_alpha: float = 0.05        # ... and above the sampling noise at this false-positive rate
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -733,8 +706,7 @@ class BooleanTask(Task):
         return sorted(set(range(self.n_bits) if self.support is None else self.support) | set(self.unseen))
 
     def mdi_size(self) -> int:
-        """Monomials of up to the target's degree on `mdi_bits`: what the MDI's least squares solve
-        in."""
+        """Monomials of up to the target's degree on `mdi_bits`: the MDI's least squares' size."""
         return sum(math.comb(len(self.mdi_bits()), d) for d in range(self.degree + 1))
 
     def arch(self) -> dict:
@@ -766,12 +738,11 @@ class BooleanTask(Task):
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data: those whose Walsh coefficient (of
-        the training points and their targets, y centred) is at least `discover_threshold` times
-        the largest and above the sampling noise of the training set (`discover_alpha`), over every
-        set of up to `discover_degree` bits (`walsh_sets`). Needs setup (the training set). None
-        passing is a TaskError: the training set is too small to show any interaction, and no
-        pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data (set up): those whose Walsh coefficient
+        (of the training points and their centred targets) is at least `discover_threshold` times the
+        largest and above the training set's sampling noise (`discover_alpha`), over every set of up
+        to `discover_degree` bits (`walsh_sets`). None passing is a TaskError: the training set is
+        too small to show any interaction, and no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
                             "set the task up first")
@@ -817,10 +788,9 @@ class BooleanTask(Task):
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Boolean tasks read the keys a teacher attends to
-        (`mp.pattern_from_attention(keys=True)`): averaged over the readout rows (the CLS row with
-        a CLS token, else every bit), the keys above `ratio` times the uniform share made a clique,
-        the CLS row reading them: the form of the hand patterns."""
+        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`):
+        averaged over the readout rows (the CLS row with a CLS token, else every bit), the keys above
+        `ratio` times the uniform share made a clique, the CLS row reading them: the hand patterns' form."""
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0]
                                                 if self.readout == "cls" else None)
@@ -914,21 +884,19 @@ class BooleanTask(Task):
         metrics = self.metrics(self.predict(model, idx), idx)
         metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
-        metrics["mdi_acc"] = mdi["acc"]
-        metrics["mdi_acc_unseen"] = mdi["acc_unseen"]
-        if self.exact:
-            metrics["mdi_sign_acc"] = mdi["sign_acc"]
+        for key in ("acc", "acc_unseen") + ("sign_acc",) * self.exact:
+            metrics[f"mdi_{key}"] = mdi[key]
         return metrics
 
     def mdi(self) -> dict:
-        """The MDI's metrics on this task (cached): what a min-degree learner would predict.
-        Needs no setup: it is computed on the CPU from the target alone."""
+        """The MDI's metrics on this task (cached): what a min-degree learner would predict. Needs
+        no setup: it is computed on the CPU from the target alone."""
         if "mdi" not in self._cache:
             x_all = cube(self.n_bits)
             seen = ~self.in_unseen(x_all)
-            # The MDI only involves the bits the target and the unseen domain depend on
-            # (it is unique, and flipping any other bit maps the problem to itself), so it
-            # is solved on that sub-cube and read back on the whole cube.
+            # The MDI only involves the bits the target and the unseen domain depend on (it is
+            # unique, and flipping any other bit maps the problem to itself): it is solved on that
+            # sub-cube and read back on the whole cube.
             rel = self.mdi_bits()
             if self.mdi_size() > 256:
                 self.say(f"computing the exact min-degree interpolator of {self.name} "
@@ -952,9 +920,7 @@ class BooleanTask(Task):
 # embeddings: parity2 generalises only without a CLS token and with near-zero positions (README:
 # the grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a
 # 0.02-std embedding.
-
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
-
 # recipe: the QK inits scale the positions
 _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
 
@@ -962,8 +928,6 @@ _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
 class _PaperBoolean(BooleanTask):
     """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS`
     (BooleanTask's fields); its options are the layout and the discovery's."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
     FIELDS: ClassVar[dict] = {}
 
     def __init__(self, readout: str = "cls", discover_degree: int = 3,
@@ -1080,8 +1044,6 @@ class _CustomBoolean(BooleanTask):
     """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen
     domain sets the `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order
     given)."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -1168,17 +1130,16 @@ class KSum(_CustomBoolean):
 
 
 # ----------------------------------------------------------------------------------------
-# Arithmetic: 3-digit addition and multiplication, generated by a causal decoder.
-# A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
-# most significant digit first, or reversed with answer_order="lsb"). The model reads the
-# sequence without its last token and predicts the next one; the loss and the metrics
-# count only the A answer digits. An operation is a subclass of ArithmeticTask: its symbol,
-# its answer, its answer's length and which operand digits its carry pattern holds strong.
+# Arithmetic: addition and multiplication of d-digit operands (3 by default), generated by a causal
+# decoder. A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
+# most significant digit first, or reversed with answer_order="lsb"). The model reads the sequence
+# without its last token and predicts the next one; the loss and the metrics count only the A
+# answer digits. An operation is a subclass of ArithmeticTask: its symbol, its answer, its answer's
+# length and which operand digits its carry pattern holds strong.
 
 
 # an operation whose symbol is not here appends it to its own vocabulary
 ARITH_VOCAB = "0123456789+*="
-
 # held-out pairs, or every pair not trained on where the universe is smaller
 ARITH_TEST_SIZE = 10_000
 
@@ -1186,11 +1147,8 @@ ARITH_TEST_SIZE = 10_000
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
     """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands
-    (`n_digits`, default 3).
-
-    `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint:
-    10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
-    """
+    (`n_digits`, default 3). `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test
+    set is disjoint: 10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 in all)."""
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
@@ -1215,8 +1173,7 @@ class ArithmeticTask(Task):
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
-    # --pattern discovered: the test level of each digit pair's selection
-    discover_alpha: float = 0.05
+    discover_alpha: float = 0.05        # --pattern discovered: the test level of each pair's selection
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -1630,31 +1587,21 @@ class Multiplication(ArithmeticTask):
         return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        if variant in ("partial", "columns"):
-            return self._partial_products() if variant == "partial" else self._columns()
+        """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`).
+        partial: one partial product per head, the row that predicts c_k seeing in head i < d a_i,
+        b_(k-i) (itself alone where k - i is not a digit of b), in head d the carries' trace.
+        columns, long multiplication's: in head 0 every a_i, b_j of c_k's column (i + j = k), in head
+        1 the column below (k - 1, where the carry into k mostly comes from), in head 2 the one below
+        that (k - 2), in head 3 the answer digits already written (answers lsb first: the lower
+        digits, the trace of the running sum)."""
+        d = self.n_digits
+        if variant == "partial":
+            return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
+                                        lambda k: [[(i, k - i)] for i in range(d)])
+        if variant == "columns":
+            return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
+                                        lambda k: [[(i, k - c - i) for i in range(d)] for c in range(3)])
         return super().build_pattern(variant)
-
-    def _partial_products(self) -> torch.Tensor:
-        """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit
-        of significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is
-        not a digit of b); in head d the answer digits already written (the carries' trace); in any
-        further head the `carry` pattern. Prompt rows keep the plain causal pattern in every
-        head."""
-        d = self.n_digits
-        return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
-                                    lambda k: [[(i, k - i)] for i in range(d)])
-
-    def _columns(self) -> torch.Tensor:
-        """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit
-        c_k sees, in head 0, itself and every a_i, b_j of its column (i + j = k); in head 1 the
-        column below (k - 1, where the carry into k mostly comes from), in head 2 the column below
-        that (k - 2); in head 3 the answer digits already written (answers lsb first: the lower
-        digits, the trace of the running sum); in any further head the `carry` pattern. Prompt rows
-        keep the plain causal pattern in every head."""
-        d = self.n_digits
-        return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
-                                    lambda k: [[(i, k - c - i) for i in range(d)]
-                                               for c in range(3)])
 
     def _heads_of_pairs(self, name: str, gives: str, groups) -> torch.Tensor:
         """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the
@@ -1680,21 +1627,18 @@ class Multiplication(ArithmeticTask):
             pat[g, q, self.eq_pos + 1:q + 1] = True
         return pat
 
-    # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest
-    # ("frame"): [$] a1 a0 * b1 b0 = and four answer digits, which is also where a 2 x 2-digit
-    # example puts them. An example with a one-digit operand has its characters moved to the roles
-    # of the same significance, digits aligned from the right; a query row's role is the role of
-    # the character it predicts, less one. Reversed answers are aligned by significance exactly; a
-    # plain (msb) answer's length is not known while it is written, so its digits take the
-    # significance of the longest answer the operands allow (len(a) + len(b) digits; a shorter
-    # answer shifts every digit up by one there).
-
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: unpadded, so
-    an example's positions move with its operands' lengths; M lives on the roles of the longest
-    layout and each example's digits are aligned to it by significance from the right (`lee_roles`,
-    `mp.prior_roles`). `--task multiplication --lee-samples N` (`Multiplication.build`)."""
+    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task
+    multiplication --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move
+    with its operands' lengths: M lives on the roles of one layout, the longest ("frame": [$] a1 a0 *
+    b1 b0 = and four answer digits, where a 2 x 2-digit example puts them), and an example with a
+    one-digit operand has its characters moved to the roles of the same significance, digits aligned
+    from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the role of the character
+    it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
+    answer's length is not known while it is written, so its digits take the significance of the
+    longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit
+    up by one there)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
@@ -1702,8 +1646,7 @@ class LeeMultiplication(ArithmeticTask):
                  "fitted on fixed positions cannot follow)")
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
     SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
-                                             for k in ("SYMBOL", "answer", "answer_digits",
-                                                                               "strong"))
+                                             for k in ("SYMBOL", "answer", "answer_digits", "strong"))
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3,
                  heads: int = 4, discover_alpha: float = 0.05, data_frac: float | None = None,
@@ -1998,15 +1941,20 @@ class ReleaseUnpickler(pickle._Unpickler):
         return found
 
 
-def _load_pickle(path: str) -> dict:
-    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
-    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+def _release_bytes(path: str) -> bytes:
+    """The bytes of a release file; a DataError where it cannot be read."""
     try:
         with open_back(path) as f:
-            raw = f.read()
+            return f.read()
     except (OSError, ReadError) as e:
         raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
                         "be a file of the release") from None
+
+
+def _load_pickle(path: str) -> dict:
+    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
+    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+    raw = _release_bytes(path)
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
@@ -2108,12 +2056,7 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
     CIFAR-10: 1 label byte; CIFAR-100: coarse then fine label (label_bytes=2, label_index=1
     for the fine label).
     """
-    try:
-        with open_back(path) as f:
-            raw = np.frombuffer(f.read(), dtype=np.uint8)
-    except (OSError, ReadError) as e:
-        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
-                        "be a file of the release") from None
+    raw = np.frombuffer(_release_bytes(path), dtype=np.uint8)
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records "
@@ -2170,13 +2113,12 @@ def read_cifar(data_dir: str, name: str) -> dict:
 
     Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
     """
-    kind, files = cifar_files(data_dir, name)
+    kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
               ("python", "cifar100"): lambda f: read_cifar_pickle(f, "fine_labels", 100),
               ("binary", "cifar100"): lambda f: read_cifar_binary(f, 2, 1, 100)}[kind, name]
-    checked = [release_file(f, name, **CIFAR_FILE[kind, name]) for f in files]   # all, then decode
-    parts = [decode(f) for f in checked]
+    parts = [decode(f) for f in files]
     if name == "cifar10":
         return {"train": _concatenated(parts[:5]), "test": parts[5], "sources": files}
     return {"train": parts[0], "test": parts[1], "sources": files}
@@ -2658,14 +2600,6 @@ class ImageTask(Task):
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
         n = len(self.y_test)
         return {"top1": correct / n, "loss": loss / n}
-
-
-def _release(layout: str, files: dict, name: str) -> str:
-    """`layout`, once each of its files (a text corpus's splits) is a non-empty regular file
-    (`release_file`)."""
-    for path in files.values():
-        release_file(str(path), name)
-    return layout
 
 
 def _in_data_dir(read, data_dir: str | None, name: str) -> str:
@@ -3284,6 +3218,7 @@ class LMTask(Task):
     eval_context: int = 0
     mask_window: int | None = None  # the relative M's distances (default: the context)
     seed: int = 0
+    find_files: ClassVar[Callable]      # data_dir -> (its release, {split: path}) (`locate`)
 
     def __post_init__(self):
         if self.data_dir is None:
@@ -3315,6 +3250,15 @@ class LMTask(Task):
 
     def data_hash(self) -> str:
         return self._data_hash
+
+    @classmethod
+    def locate(cls, data_dir):
+        """The release `find_files` finds, once each of its splits is a non-empty regular file
+        (`release_file`)."""
+        release, files = _in_data_dir(cls.find_files, data_dir, cls.NAME)
+        for path in files.values():
+            release_file(str(path), cls.NAME)
+        return release
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> token ids (words of the corpus vocabulary, or UTF-8 bytes)."""
@@ -3417,11 +3361,7 @@ class LMTask(Task):
 @register("wikitext2")
 class WikiText2(LMTask):
     """WikiText-2 (word level; the .tokens or the raw release) in --data-dir."""
-
-    @classmethod
-    def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir,
-                            cls.NAME)
+    find_files = staticmethod(find_wikitext_files)
 
 
 @register("tinystories")
@@ -3429,8 +3369,4 @@ class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
     PRESETS = {"paper": {"model": dict(dropout=0.0),
                          "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
-
-    @classmethod
-    def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir,
-                            cls.NAME)
+    find_files = staticmethod(find_tinystories_files)
