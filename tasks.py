@@ -266,7 +266,8 @@ class Task:
     def final_cost(self, points: int) -> float:
         """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
         test items (the ETA counts it): 1 where every log step evaluates every item."""
-        return 1.0
+        size = self.final_eval_size()
+        return size / points if size and 0 < points < size else 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
@@ -845,9 +846,6 @@ class BooleanTask(Task):
         g = torch.Generator().manual_seed(0)
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
 
-    def final_cost(self, points: int) -> float:
-        return len(self.x_test) / points if 0 < points < len(self.x_test) else 1.0
-
     def eval_points(self, n: int) -> torch.Tensor:
         """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
         without replacement from U and from the seen domain in proportion to their sizes, so
@@ -1276,9 +1274,7 @@ class ArithmeticTask(Task):
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
             lv[q, :q + 1] = 1
-        sig_a = {i: d - 1 - i for i in range(d)}                    # position -> significance
-        sig_b = {d + 1 + i: d - 1 - i for i in range(d)}
-        operand = {**sig_a, **sig_b}
+        operand = {p: d - 1 - i for i in range(d) for p in (i, d + 1 + i)}     # position -> significance
         for q in range(self.eq_pos, n):
             k = self.answer_significance(q - self.eq_pos)           # digit predicted at row q
             lv[q, q] = 1
@@ -1412,9 +1408,6 @@ class ArithmeticTask(Task):
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         return self.test_seq[:n, :-1]
 
-    def final_cost(self, points: int) -> float:
-        return len(self.test_seq) / points if 0 < points < len(self.test_seq) else 1.0
-
     @torch.no_grad()
     def generate(self, model, prompts: torch.Tensor) -> torch.Tensor:
         """Greedy decoding of the answer digits. prompts: (B, eq_pos + 1) -> (B, n_answer)."""
@@ -1501,17 +1494,9 @@ class Addition(ArithmeticTask):
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
     SYMBOL = "+"
 
-    @staticmethod
-    def answer(a, b):
-        return a + b
-
-    @staticmethod
-    def answer_digits(d):
-        return d + 1
-
-    @staticmethod
-    def strong(j, k):
-        return j >= k - 1               # the aligned digits and the pair below, the carry's source
+    answer = staticmethod(lambda a, b: a + b)
+    answer_digits = staticmethod(lambda d: d + 1)
+    strong = staticmethod(lambda j, k: j >= k - 1)      # the aligned digits and the pair below, the carry's source
 
     def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
                  discover_alpha: float = 0.05, seed: int = 0):
@@ -1560,18 +1545,9 @@ class Multiplication(ArithmeticTask):
     PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
     SYMBOL = "*"
 
-    @staticmethod
-    def answer(a, b):
-        return a * b
-
-    @staticmethod
-    def answer_digits(d):
-        return 2 * d
-
-    @staticmethod
-    def strong(j, k):
-        # every digit of significance <= k enters a partial product of c_k
-        return True
+    answer = staticmethod(lambda a, b: a * b)
+    answer_digits = staticmethod(lambda d: 2 * d)
+    strong = staticmethod(lambda j, k: True)    # every digit of significance <= k enters a partial product of c_k
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3,
                  heads: int = 4, discover_alpha: float = 0.05, seed: int = 0):
@@ -1676,8 +1652,7 @@ class LeeMultiplication(ArithmeticTask):
                 "n_outputs": len(LEE_VOCAB), "readout": "tokens", "causal": True}
 
     def token_labels(self) -> None:
-        # the operands' lengths move the digits: a position is no fixed digit
-        return None
+        return None             # the operands' lengths move the digits: a position is no fixed digit
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded
@@ -2080,16 +2055,13 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
     "binary", its files: the training batches, then the test batch); DataError naming what was
     looked for and where to get it."""
     if name == "cifar10":
-        py = find_first(data_dir, [os.path.join(d, "data_batch_1")
-                              for d in ("cifar-10-batches-py", ".")])
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        py = find_first(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
         if py:
-            py = os.path.dirname(py)
-            return "python", [os.path.join(py, f)
-                              for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
+            return "python", [os.path.join(os.path.dirname(py), f) for f in names]
         binary = find_first(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
-            return "binary", [os.path.join(binary, f)
-                              for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
+            return "binary", [os.path.join(binary, f + ".bin") for f in names]
         raise DataError("CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 "
                         "(python) and cifar-10-batches-bin/data_batch_1.bin (binary) in "
                         f"{os.path.abspath(data_dir)}; fetch it with `python train.py download "
@@ -2109,10 +2081,8 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 def read_cifar(data_dir: str, name: str) -> dict:
     """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file
-    checked (`release_file`) before one is decoded.
-
-    Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
-    """
+    checked (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources':
+    its files} with x uint8 (N, 3, 32, 32), y int64."""
     kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
@@ -2120,7 +2090,8 @@ def read_cifar(data_dir: str, name: str) -> dict:
               ("binary", "cifar100"): lambda f: read_cifar_binary(f, 2, 1, 100)}[kind, name]
     parts = [decode(f) for f in files]
     if name == "cifar10":
-        return {"train": _concatenated(parts[:5]), "test": parts[5], "sources": files}
+        train = np.concatenate([p[0] for p in parts[:5]]), np.concatenate([p[1] for p in parts[:5]])
+        return {"train": train, "test": parts[5], "sources": files}
     return {"train": parts[0], "test": parts[1], "sources": files}
 
 
@@ -2151,18 +2122,14 @@ def release_file(path: str, name: str, header: bytes = b"", record: int = 0) -> 
                         "release")
     size = os.path.getsize(path)
     if size == 0 or (record and size % record):
-        raise DataError(f"{name}: {path} is {'empty' if size == 0 else f'{size:,} bytes, not whole {record}-byte records'}"
-                        f" (a download cut short?); re-download it")
+        what = "empty" if size == 0 else f"{size:,} bytes, not whole {record}-byte records"
+        raise DataError(f"{name}: {path} is {what} (a download cut short?); re-download it")
     if header:
         with open_back(path) as f:
             if f.read(len(header)) != header:
                 raise DataError(f"{name}: {path} does not open as the release's files do (not a "
                                 "pickle); re-download it")
     return path
-
-
-def _concatenated(parts):
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def read_wnid_map(path: str) -> dict:
@@ -2415,24 +2382,19 @@ class ImageTask(Task):
 
     data_dir: str | None = None
     image_size: int = 32                # the images' side as stored
-    # the model's input side (None: image_size); larger = upsampled
-    input_size: int | None = None
+    input_size: int | None = None       # the model's input side (None: image_size); larger = upsampled
     patch_size: int = 4
     pool: str = "mean"
     heads: int = 3
-    # 'fixed' (self, up, right, ...) or 'random' offsets per head
-    impulse: str = "fixed"
-    # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
-    soft_alpha: float = 1.0
+    impulse: str = "fixed"              # 'fixed' (self, up, right, ...) or 'random' offsets per head
+    soft_alpha: float = 1.0             # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
     window: int = 3                     # the `local` prior's side in patches (odd)
     pad: int = 4
     label_smoothing: float = 0.1
     mixup: float = 0.0
     cutmix: float = 0.0
-    # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
-    crop: str = "pad"
-    # evaluation at another input size: resize to input / crop_pct, centre crop
-    crop_pct: float = 0.875
+    crop: str = "pad"                   # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
+    crop_pct: float = 0.875             # evaluation at another input size: resize to input / crop_pct, centre crop
     randaug: float = 0.0                # RandAugment magnitude in [0, 10]; 0 = off
     randaug_std: float = 0.5
     randaug_ops: int = 2
@@ -2568,7 +2530,6 @@ class ImageTask(Task):
         return self.test_view(self.x_test[:n])
 
     TEACHER_KINDS = ("offsets", "pattern", "logits")
-
     TEACHER_MIN_FIT = 0.5
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
@@ -3210,13 +3171,10 @@ class LMTask(Task):
     data_dir: str | None = None
     context: int = 128
     heads: int = 4
-    # 0: the whole validation split; else its first val_tokens tokens
-    val_tokens: int = 0
-    # the model's positional embedding: a learned table, or none (any length)
-    positions: str = "learned"
-    # also evaluate on windows of this many tokens (0: only the training context)
-    eval_context: int = 0
-    mask_window: int | None = None  # the relative M's distances (default: the context)
+    val_tokens: int = 0                 # 0: the whole validation split; else its first val_tokens tokens
+    positions: str = "learned"          # the positional embedding: a learned table, or none (any length)
+    eval_context: int = 0               # also evaluate on windows of this many tokens (0: only the context)
+    mask_window: int | None = None      # the relative M's distances (default: the context)
     seed: int = 0
     find_files: ClassVar[Callable]      # data_dir -> (its release, {split: path}) (`locate`)
 
@@ -3316,7 +3274,6 @@ class LMTask(Task):
         return x.to(self.device)
 
     TEACHER_KINDS = ("relative", "pattern", "logits")
-
     TEACHER_MIN_FIT = 0.2
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
