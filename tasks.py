@@ -105,20 +105,16 @@ def make_task(name: str, **options) -> Task:
 class Task:
     """What every task shares. Subclasses set the class constants and write the data methods.
 
-    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: each
-    preset says its model size and its training recipe apart; a subclass's entries are added on
-    top of its parents' (`preset`), so a family sets its model and schedule and a task only what
-    differs. The constructor's keyword arguments are the task's options (`options()`: train.py
-    passes the flags of those names); every constructor also takes `seed`.
-    """
+    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a
+    subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model
+    and schedule and a task only what differs. Every constructor takes `seed` beside its options."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
     # one token layout for every example (the inits fitted on positions need it; inits.Init.fixed_layout)
     FIXED_LAYOUT: ClassVar[bool] = True
-    # metrics of the log line; the first heads the tables
-    HEADLINE: ClassVar[tuple] = ()
+    HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
     PRESETS: ClassVar[dict] = {}
 
     seed: int = 0
@@ -126,10 +122,8 @@ class Task:
     n_train: int = 0
     _perm_epoch: int | None = None
 
-    # where a task says what slow work it does (train.py: its log)
-    say: ClassVar[Callable[[str], None]] = print
-    # option -> Must(what it must be, its test[, flag]): refused in one line by `check_options`
-    MUST: ClassVar[dict] = {}
+    say: ClassVar[Callable[[str], None]] = print    # where a task says what slow work it does (train.py: its log)
+    MUST: ClassVar[dict] = {}       # option -> Must(what it must be, its test[, flag]), refused by `check_options`
 
     def check_options(self) -> None:
         """Refuse the first option that fails its declared test (MUST of the class and its bases):
@@ -533,7 +527,8 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
 def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor,
                  exact: bool) -> dict:
     """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
-    unseen points, `top` is the top monomial at each point."""
+    unseen points (U), `top` is the top monomial at each point: accuracy and MSE over all and on U,
+    the top monomial's Fourier coefficient, the mean prediction on U."""
     sign_ok = (torch.sign(pred) == torch.sign(y)).float()
     ok = (torch.round(pred) == y).float() if exact else sign_ok
     err = (pred - y) ** 2
@@ -868,18 +863,13 @@ class BooleanTask(Task):
         return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float()
                           for i in range(0, len(x), batch_size)])
 
-    def metrics(self, pred: torch.Tensor, idx: torch.Tensor | None = None) -> dict:
-        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the
-        mean prediction on U. `pred` covers the whole cube, or the points `idx` only."""
-        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
-                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
-        return cube_metrics(pred, y, u, top, self.exact)
-
     def evaluate(self, model, points: int | None = None) -> dict:
         """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
         `eval_points` in the result says which (0 = the whole cube)."""
         idx = self.eval_points(points) if points and points < len(self.x_test) else None
-        metrics = self.metrics(self.predict(model, idx), idx)
+        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
+                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
+        metrics = cube_metrics(self.predict(model, idx), y, u, top, self.exact)
         metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
         for key in ("acc", "acc_unseen") + ("sign_acc",) * self.exact:
@@ -1263,13 +1253,11 @@ class ArithmeticTask(Task):
 
     def _levels(self, variant: str) -> torch.Tensor:
         """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions.
-
-        Rows of prompt positions (before '=') keep the plain causal pattern. The row that
-        predicts the answer digit of significance k (the '=' row and the answer rows) may see
-        operand digits of significance <= k (addition), strongest at k and k - 1 (the carry),
-        plus itself; for multiplication a_i and b_j with i + j <= k, i.e. each operand digit of
-        significance <= k (all strong).
-        """
+        Rows of prompt positions (before '=') keep the plain causal pattern. The row that predicts
+        the answer digit of significance k (the '=' row and the answer rows) may see itself and the
+        operand digits of significance <= k (addition), strongest at k and k - 1 (the carry); for
+        multiplication a_i and b_j with i + j <= k, i.e. each operand digit of significance <= k
+        (all strong)."""
         n, d = self.length - 1, self.n_digits
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
@@ -1305,17 +1293,6 @@ class ArithmeticTask(Task):
         """The input rows that predict answer digits: '=' and the answer tokens before the last."""
         return list(range(self.eq_pos, self.length - 1))
 
-    def _row_pattern(self, sees) -> torch.Tensor:
-        """bool (N, N): prompt rows causal; each answer row itself and the operand positions
-        `sees(k)` names for the significance k it predicts."""
-        n = self.length - 1
-        pattern = mp.causal_pattern(n).clone()
-        for q in self.answer_rows():
-            pattern[q] = False
-            pattern[q, q] = True
-            pattern[q, sees(self.answer_significance(q - self.eq_pos))] = True
-        return pattern
-
     def digit_selection(self) -> dict:
         """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it
         depends on in the training pairs, chosen by greedy forward selection (`forward_selection`):
@@ -1337,18 +1314,21 @@ class ArithmeticTask(Task):
         return self._cache["selection"]
 
     def discovered_pattern(self) -> torch.Tensor:
-        """`--pattern discovered`, found in the training pairs: the row that predicts the answer
-        digit of significance k sees the operand digits of the pairs `digit_selection` chose for
-        it; prompt rows causal."""
+        """`--pattern discovered`, found in the training pairs, bool (N, N): the row that predicts the
+        answer digit of significance k sees itself and the operand digits of the pairs
+        `digit_selection` kept for it; prompt rows causal."""
         if not hasattr(self, "train_idx"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training "
                             "pairs: set the task up first")
         chosen, d = self.digit_selection(), self.n_digits
-        # significance -> sequence position
-        pos_a = {i: d - 1 - i for i in range(d)}
-        pos_b = {i: 2 * d - i for i in range(d)}
-        return self._row_pattern(lambda k: sorted({p for i, j, _, _, kept in chosen[k] if kept
-                                                   for p in (pos_a[i], pos_b[j])}))
+        pattern = mp.causal_pattern(self.length - 1).clone()
+        for q in self.answer_rows():
+            k = self.answer_significance(q - self.eq_pos)
+            pattern[q] = False
+            pattern[q, q] = True
+            # a_i stands at position d - 1 - i, b_j at 2d - j
+            pattern[q, sorted({p for i, j, _, _, kept in chosen[k] if kept for p in (d - 1 - i, 2 * d - j)})] = True
+        return pattern
 
     def discovery(self) -> dict:
         chosen = self.digit_selection()
@@ -2026,11 +2006,8 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
 def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
                       n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes.
-
-    CIFAR-10: 1 label byte; CIFAR-100: coarse then fine label (label_bytes=2, label_index=1
-    for the fine label).
-    """
+    """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes (CIFAR-10:
+    1 label byte; CIFAR-100: coarse then fine label, label_bytes=2, label_index=1 for the fine)."""
     raw = np.frombuffer(_release_bytes(path), dtype=np.uint8)
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
@@ -2491,11 +2468,9 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: crop + flip
-        (pad and crop at the stored size, then upsampled to the input size; or a random resized
-        crop to it), RandAugment on the uint8 images, normalisation, random erasing, mixup /
-        cutmix. Returns (images float (B, 3, S, S), soft targets (B, n_classes)), S = the input
-        size."""
+        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float
+        (B, 3, S, S), soft targets (B, n_classes)), S = the input size. A pad crop is taken at the
+        stored size and the whole image upsampled; RandAugment works on the uint8 images."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
@@ -2849,16 +2824,10 @@ def encode_words(words: Iterable[str], vocab: Sequence[str]) -> np.ndarray:
 def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
     """Words joined by spaces, each <eos> rendered as a newline."""
     eos = vocab.index(EOS)
-    out: list[str] = []
-    line_start = True
-    for i in ids:
-        i = int(i)
-        if i == eos:
-            out.append("\n")
-            line_start = True
-        else:
-            out.append(vocab[i] if line_start else " " + vocab[i])
-            line_start = False
+    out, line_start = [], True
+    for i in map(int, ids):
+        out.append("\n" if i == eos else vocab[i] if line_start else " " + vocab[i])
+        line_start = i == eos
     return "".join(out)
 
 
@@ -2950,44 +2919,6 @@ def find_tinystories_files(data_dir: str | os.PathLike,
                     f"{TINYSTORIES_URL})")
 
 
-@dataclass
-class _StoryStream:
-    """Turns blocks of complete lines into byte tokens, carrying story state across blocks.
-    `started`: the current story has non-whitespace content; `held`: its trailing whitespace, emitted
-    only if more content follows (so stories end stripped without buffering a whole story)."""
-
-    started: bool = False
-    held: bytes = b""
-
-    def feed(self, block: bytes) -> np.ndarray:
-        """Tokens (uint16, (n,)) for a block that starts at a line start and ends with "\\n"."""
-        content = bytearray()
-        eot_positions: list[int] = []
-        for piece in _split_separator_lines(block):
-            if piece is None:  # separator line: close the story, if any
-                if self.started:
-                    eot_positions.append(len(content))
-                self.started, self.held = False, b""
-                continue
-            if not self.started:
-                piece = piece.lstrip()
-                if not piece:
-                    continue
-                self.started = True
-            text = self.held + piece
-            body = text.rstrip()
-            self.held = text[len(body):]
-            content += body
-        tokens = np.frombuffer(content, dtype=np.uint8).astype(np.uint16)
-        return np.insert(tokens, eot_positions, EOT_ID)
-
-    def finish(self) -> np.ndarray:
-        """Tokens at end of file: the end-of-text id of an unterminated last story."""
-        ids = [EOT_ID] if self.started else []
-        self.started, self.held = False, b""
-        return np.array(ids, dtype=np.uint16)
-
-
 def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
     """Text between separator lines of `block`, with None for each separator line."""
     start = 0
@@ -3018,15 +2949,33 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
 
 def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[np.ndarray]:
     """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each;
-    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`."""
-    stream = _StoryStream()
+    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across
+    blocks: `started`, the current story has non-whitespace content; `held`, its trailing
+    whitespace, emitted only if more content follows (stories end stripped without buffering one)."""
+    started, held = False, b""
     for block in iter_line_blocks(path, chunk_size):
-        tokens = stream.feed(block)
+        content = bytearray()
+        eot_positions: list[int] = []
+        for piece in _split_separator_lines(block):
+            if piece is None:  # separator line: close the story, if any
+                if started:
+                    eot_positions.append(len(content))
+                started, held = False, b""
+                continue
+            if not started:
+                piece = piece.lstrip()
+                if not piece:
+                    continue
+                started = True
+            text = held + piece
+            body = text.rstrip()
+            held = text[len(body):]
+            content += body
+        tokens = np.insert(np.frombuffer(content, dtype=np.uint8).astype(np.uint16), eot_positions, EOT_ID)
         if tokens.size:
             yield tokens
-    tokens = stream.finish()
-    if tokens.size:
-        yield tokens
+    if started:                 # an unterminated last story still gets its end-of-text id
+        yield np.array([EOT_ID], dtype=np.uint16)
 
 
 def decode_bytes(ids: Iterable[int]) -> str:
