@@ -1090,8 +1090,7 @@ class _CustomBoolean(BooleanTask):
 @register("kparity")
 class KParity(_CustomBoolean):
     """The parity of `--bits` on `--n-bits` bits, unseen where the `--unseen` bits are -1."""
-    PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
-                         "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
+    PRESETS = {"small": Parity2.PRESETS["small"],                         # parity2's demo preset
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": _QK_POSITIONS}}
 
 
@@ -1815,7 +1814,6 @@ IMAGENET100_WNIDS = (
 
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
-
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
 
 
@@ -1873,13 +1871,11 @@ def _latin1(text, encoding):
 # The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core,
 # numpy 2 writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a
 # checked stand-in.
-
 RELEASE_GLOBALS = {
     **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
     **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
     **{(f"numpy.{core}.numeric", "_frombuffer"): _frombuffer for core in ("core", "_core")},
-    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype,
-                   ("_codecs", "encode"): _latin1,
+    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype, ("_codecs", "encode"): _latin1,
 }
 
 
@@ -2393,9 +2389,7 @@ class ImageTask(Task):
     def __post_init__(self):
         self.n_classes = self.N_CLASSES
         self.input_size = self.input_size or self.image_size
-        if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
-                            "dataset files")
+        _required_dir(self.data_dir, self.name)
         if self.input_size % self.patch_size:
             raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a "
                             f"multiple of --patch-size {self.patch_size}")
@@ -2538,11 +2532,11 @@ class ImageTask(Task):
         return {"top1": correct / n, "loss": loss / n}
 
 
-def _in_data_dir(read, data_dir: str | None, name: str) -> str:
-    """`read(data_dir)` for a task's `locate` (it names what it looked for and where to get it)."""
+def _required_dir(data_dir: str | None, name: str) -> str:
+    """`data_dir`, which task `name` needs (its files); a DataError where it is not given."""
     if data_dir is None:
         raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
-    return read(data_dir)
+    return data_dir
 
 
 @register("cifar10")
@@ -2555,7 +2549,7 @@ class Cifar10(ImageTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _in_data_dir(lambda d: cifar_release(d, cls.NAME)[0], data_dir, cls.NAME)
+        return cifar_release(_required_dir(data_dir, cls.NAME), cls.NAME)[0]
 
 
 @register("cifar100")
@@ -2575,7 +2569,7 @@ class ImageNet100(ImageTask):
     def locate(cls, data_dir):
         """The layout, with what its reader needs first: every class folder, and an image in each
         split (the tree, and Pillow), or every batch and the label map (downsampled)."""
-        layout = _in_data_dir(imagenet100_layout, data_dir, cls.NAME)
+        layout = imagenet100_layout(_required_dir(data_dir, cls.NAME))
         if layout == "folder":
             _pillow()
             for split in ("train", "val"):
@@ -3128,9 +3122,7 @@ class LMTask(Task):
     find_files: ClassVar[Callable]      # data_dir -> (its release, {split: path}) (`locate`)
 
     def __post_init__(self):
-        if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
-                            "corpus files")
+        _required_dir(self.data_dir, self.name)
         self.check_options()
         if self.positions == "learned" and self.eval_context > self.context:
             raise TaskError(f"--eval-context {self.eval_context} is past --context "
@@ -3162,7 +3154,7 @@ class LMTask(Task):
     def locate(cls, data_dir):
         """The release `find_files` finds, once each of its splits is a non-empty regular file
         (`release_file`)."""
-        release, files = _in_data_dir(cls.find_files, data_dir, cls.NAME)
+        release, files = cls.find_files(_required_dir(data_dir, cls.NAME))
         for path in files.values():
             release_file(str(path), cls.NAME)
         return release
