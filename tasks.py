@@ -1484,11 +1484,10 @@ class Addition(ArithmeticTask):
 
 
 # Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
-# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only; the 100
-# pairs of 0..9 x 0..9 plus N - 100 pairs drawn with replacement from 0..99 x 0..99; unpadded, one
-# character a token: `a*b=c\n` (plain: the answer most significant digit first) or `$a*b=rev(c)$`
-# (reversed); the test set is every pair not trained on. A row holds one example, padded after its
-# end with '_' (never a target, and causal attention keeps every real row from seeing it).
+# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only (`lee_pairs`,
+# `lee_text`), unpadded, one character a token; the test set is every pair not trained on. A row
+# holds one example, padded after its end with '_' (never a target, and causal attention keeps
+# every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
 
@@ -1508,8 +1507,8 @@ def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
 
 
 def lee_text(a: int, b: int, answer_order: str) -> str:
-    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$`
-    (lsb)."""
+    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format: the answer most
+    significant digit first) or `$a*b=rev(c)$` (lsb, reversed)."""
     c = str(a * b)
     return f"{a}*{b}={c}\n" if answer_order == "msb" else f"${a}*{b}={c[::-1]}$"
 
@@ -1817,13 +1816,15 @@ CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
 
 
-def _key(d: dict, name: str):
-    """d[name] for pickles written by Python 2 (bytes keys) or Python 3 (str keys)."""
-    if name in d:
-        return d[name]
-    if name.encode() in d:
-        return d[name.encode()]
-    raise KeyError(name)
+def _entries(d: dict, path: str, what: str, *names) -> list:
+    """The entries `names` of a batch dict, under str keys (Python 3 pickles) or bytes keys (Python
+    2); a DataError naming the first one missing and `what` the file should be."""
+    out = []
+    for name in names:
+        if name not in d and name.encode() not in d:
+            raise DataError(f"{path} has no {name!r} entry; is it {what}?")
+        out.append(d[name] if name in d else d[name.encode()])
+    return out
 
 
 def _reconstruct(subtype, shape, typecode):
@@ -1990,11 +1991,7 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
                       ) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels
     int64), labels checked against `n_classes` when given."""
-    d = _load_pickle(path)
-    try:
-        data, labels = _key(d, "data"), _key(d, label_key)
-    except KeyError as e:
-        raise DataError(f"{path} has no {e.args[0]!r} entry; is it a CIFAR python batch?") from None
+    data, labels = _entries(_load_pickle(path), path, "a CIFAR python batch", "data", label_key)
     x = _images_from_rows(data, path, 32)
     return x, _labels(labels, path, len(x), n_classes)
 
@@ -2128,11 +2125,7 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"{path} is truncated or not an Imagenet32/64 .npz ({e})") from None
     else:
-        d = _load_pickle(path)
-        try:
-            data, labels = _key(d, "data"), _key(d, "labels")
-        except KeyError as e:
-            raise DataError(f"{path} has no {e.args[0]!r} entry; is it an Imagenet32/64 batch?") from None
+        data, labels = _entries(_load_pickle(path), path, "an Imagenet32/64 batch", "data", "labels")
     x = _images_from_rows(data, path)
     return x, _labels(labels, path, len(x))
 
