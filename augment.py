@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator,
                      flip: bool = True) -> torch.Tensor:
-    """Batched augmentation on the device: zero-pad by `pad`, crop back at a random offset per
-    image, flip half the images left-right. x: (B, C, H, W) -> same shape and dtype."""
+    """Zero-pad by `pad`, crop back at a random offset per image, flip half the images left-right.
+    x: (B, C, H, W) -> same shape and dtype."""
     b, c, h, w = x.shape
     if pad:
         xp = F.pad(x, (pad, pad, pad, pad))
@@ -20,8 +20,7 @@ def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator,
         ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
         rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None].expand(b, c, h, w + 2 * pad)
         x = xp.gather(2, rows)
-        cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :].expand(b, c, h,
-                                                                                         w)
+        cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :].expand(b, c, h, w)
         x = x.gather(3, cols)
     if flip:
         f = torch.rand(b, generator=generator, device=x.device) < 0.5
@@ -29,18 +28,12 @@ def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator,
     return x
 
 
-# ---- RandAugment, random resized crop and random erasing, batched on the device. Images stay
-# uint8 (B, 3, H, W) through the photometric and geometric ops (values computed in float,
-# truncated to 0..255 as Pillow does); each op takes per-image arguments, so one call serves a
-# batch whose images drew different magnitudes.
+# ---- RandAugment, random resized crop and random erasing. Images stay uint8 (B, 3, H, W) through
+# the photometric and geometric ops (values computed in float, truncated to 0..255 as Pillow does);
+# each op takes per-image arguments, so one call serves a batch whose images drew other magnitudes.
 
 # fill of the geometric ops: the ImageNet mean in 0..255, as timm uses
 AUG_FILL = (124, 116, 104)
-
-
-def _truncate(x: torch.Tensor) -> torch.Tensor:
-    # float -> uint8 by truncation toward zero, as Pillow's blend
-    return x.clamp(0, 255).to(torch.uint8)
 
 
 def _per_image(v, x: torch.Tensor) -> torch.Tensor:
@@ -48,16 +41,16 @@ def _per_image(v, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> (B, 1, H, W) float, Pillow's "L": (19595 R + 38470 G + 7471 B + 2^15)
-    >> 16."""
+    """uint8 (B, 3, H, W) -> (B, 1, H, W) float, Pillow's "L": (19595 R + 38470 G + 7471 B + 2^15) >> 16."""
     r, g, b = x.long().unbind(1)
     return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).unsqueeze(1).float()
 
 
 def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor) -> torch.Tensor:
-    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate), per image factor."""
+    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate), per image factor, truncated
+    toward zero to uint8 as Pillow's blend."""
     f = _per_image(factor, x)
-    return _truncate(degenerate + f * (x.float() - degenerate))
+    return (degenerate + f * (x.float() - degenerate)).clamp(0, 255).to(torch.uint8)
 
 
 def aug_brightness(x, factor):
@@ -69,8 +62,7 @@ def aug_color(x, factor):
 
 
 def aug_contrast(x, factor):
-    # Pillow: int(mean + 0.5)
-    mean = (_gray(x).mean(dim=(1, 2, 3), keepdim=True) + 0.5).floor()
+    mean = (_gray(x).mean(dim=(1, 2, 3), keepdim=True) + 0.5).floor()      # Pillow: int(mean + 0.5)
     return _blend(x, mean.expand_as(x), factor)
 
 
@@ -79,9 +71,8 @@ def aug_sharpness(x, factor):
     border pixels keep their values)."""
     k = torch.tensor([[1.0, 1, 1], [1, 5, 1], [1, 1, 1]], device=x.device) / 13
     xf = x.float()
-    smooth = F.conv2d(xf.flatten(0, 1).unsqueeze(1), k.view(1, 1, 3, 3)).view(*x.shape[:2],
-                                                                              x.shape[2] - 2,
-                                                                              x.shape[3] - 2)
+    smooth = F.conv2d(xf.flatten(0, 1).unsqueeze(1), k.view(1, 1, 3, 3))
+    smooth = smooth.view(*x.shape[:2], x.shape[2] - 2, x.shape[3] - 2)
     degenerate = xf.clone()
     degenerate[..., 1:-1, 1:-1] = (smooth + 0.5).floor()
     return _blend(x, degenerate, factor)
@@ -104,16 +95,14 @@ def aug_autocontrast(x, *_):
     """Stretch each channel of each image to 0..255 (Pillow's autocontrast, no cutoff)."""
     xf = x.double()
     lo, hi = xf.amin(dim=(2, 3), keepdim=True), xf.amax(dim=(2, 3), keepdim=True)
-    # a true division, as Pillow's
-    scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)
+    scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)             # a true division, as Pillow's
     out = (xf * scale - lo * scale).clamp(0, 255).floor()
     return torch.where(hi > lo, out, xf).to(torch.uint8)
 
 
 def aug_equalize(x, *_):
     """Pillow's equalize per image and channel: lut[i] = (step // 2 + #values below i) // step with
-    step = (#values - #values of the last used level) // 255; an image with one level, or a step of
-    0, is left as it is."""
+    step = (#values - #values of the last used level) // 255; where step is 0 (e.g. one level) it is kept."""
     b, c = x.shape[:2]
     flat = x.flatten(2).long()                                              # (B, C, HW)
     hist = torch.zeros(b, c, 256, dtype=torch.long, device=x.device).scatter_add_(2, flat, torch.ones_like(flat))
@@ -132,8 +121,7 @@ def _affine(x: torch.Tensor, m: torch.Tensor, fill=AUG_FILL) -> torch.Tensor:
     ii, jj = torch.meshgrid(torch.arange(h, device=x.device, dtype=torch.float32),
                             torch.arange(w, device=x.device, dtype=torch.float32), indexing="ij")
     pts = torch.stack([jj, ii, torch.ones_like(ii)], -1).view(1, h * w, 3)
-    # (B, HW, 2): input x, y
-    src = pts @ m.float().transpose(1, 2)
+    src = pts @ m.float().transpose(1, 2)                                   # (B, HW, 2): input x, y
     grid = torch.stack([(src[..., 0] + 0.5) / w * 2 - 1, (src[..., 1] + 0.5) / h * 2 - 1], -1).view(b, h, w, 2)
     f = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
     out = F.grid_sample(x.float() - f, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + f
@@ -142,8 +130,7 @@ def _affine(x: torch.Tensor, m: torch.Tensor, fill=AUG_FILL) -> torch.Tensor:
 
 def _matrices(x, a, b, e, d, f_, g):
     n = x.shape[0]
-    rows = [torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(n)
-            for v in (a, b, e, d, f_, g)]
+    rows = [torch.as_tensor(v, dtype=torch.float32, device=x.device).expand(n) for v in (a, b, e, d, f_, g)]
     return torch.stack(rows, -1).view(n, 2, 3)
 
 
@@ -158,13 +145,11 @@ def aug_shear_y(x, s):
 
 def aug_translate_x(x, fraction):
     """Shift left by fraction * width (negative: right)."""
-    return _affine(x, _matrices(x, 1, 0,
-                                torch.as_tensor(fraction, device=x.device) * x.shape[3], 0, 1, 0))
+    return _affine(x, _matrices(x, 1, 0, torch.as_tensor(fraction, device=x.device) * x.shape[3], 0, 1, 0))
 
 
 def aug_translate_y(x, fraction):
-    return _affine(x, _matrices(x, 1, 0, 0, 0, 1,
-                                torch.as_tensor(fraction, device=x.device) * x.shape[2]))
+    return _affine(x, _matrices(x, 1, 0, 0, 0, 1, torch.as_tensor(fraction, device=x.device) * x.shape[2]))
 
 
 def aug_rotate(x, degrees):
@@ -172,8 +157,7 @@ def aug_rotate(x, degrees):
     t = torch.deg2rad(torch.as_tensor(degrees, dtype=torch.float32, device=x.device)).expand(x.shape[0])
     cx, cy = (x.shape[3] - 1) / 2, (x.shape[2] - 1) / 2
     cos, sin = t.cos(), t.sin()
-    return _affine(x, _matrices(x, cos, -sin, cx - cos * cx + sin * cy, sin, cos,
-                                cy - sin * cx - cos * cy))
+    return _affine(x, _matrices(x, cos, -sin, cx - cos * cx + sin * cy, sin, cos, cy - sin * cx - cos * cy))
 
 
 def aug_identity(x, *_):
@@ -182,7 +166,6 @@ def aug_identity(x, *_):
 
 # RandAugment's ops and how a magnitude m in [0, 10] maps to each op's argument (a random sign
 # where the op has a direction); every op with an argument is the identity at m = 0.
-
 RANDAUG_OPS = {
     "identity": (aug_identity, None),
     "autocontrast": (aug_autocontrast, None),
@@ -205,21 +188,18 @@ def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float =
                  std: float = 0.5, n_ops: int = 2, prob: float = 0.5) -> torch.Tensor:
     """RandAugment on a uint8 batch (B, 3, H, W): `n_ops` times, every image draws an op of
     RANDAUG_OPS uniformly and applies it with probability `prob`, at magnitude m ~ N(magnitude,
-    std^2) clipped to [0, 10] (drawn per image and op). Same shape and dtype; deterministic in the
-    generator's state."""
-    names = list(RANDAUG_OPS)
+    std^2) clipped to [0, 10] (drawn per image and op). Same shape and dtype."""
     b = x.shape[0]
     x = x.clone()
     for _ in range(n_ops):
-        op = torch.randint(0, len(names), (b,), generator=generator, device=x.device)
+        op = torch.randint(0, len(RANDAUG_OPS), (b,), generator=generator, device=x.device)
         use = torch.rand(b, generator=generator, device=x.device) < prob
         m = (magnitude + std * torch.randn(b, generator=generator, device=x.device)).clamp(0, 10)
         sign = torch.where(torch.rand(b, generator=generator, device=x.device) < 0.5, -1.0, 1.0)
-        for k, name in enumerate(names):
+        for k, (fn, arg) in enumerate(RANDAUG_OPS.values()):
             pick = (op == k) & use
             if not bool(pick.any()):
                 continue
-            fn, arg = RANDAUG_OPS[name]
             sel = pick.nonzero().squeeze(1)
             x[sel] = fn(x[sel], None if arg is None else arg(m[sel], sign[sel]))
     return x
@@ -230,29 +210,26 @@ def _sample(x: torch.Tensor, x0, y0, w, h, out: int, flip=None) -> torch.Tensor:
     out x out, mirrored where `flip`; uint8 in and out."""
     b = x.shape[0]
     size = x.shape[-1]
-    # (out,) in (0, 1)
-    t = (torch.arange(out, device=x.device, dtype=torch.float32) + 0.5) / out
-    if flip is not None:
-        tx = torch.where(flip[:, None], 1 - t[None], t[None])
-    else:
-        tx = t[None].expand(b, -1)
+    t = (torch.arange(out, device=x.device, dtype=torch.float32) + 0.5) / out     # (out,) in (0, 1)
+    tx = t[None].expand(b, -1) if flip is None else torch.where(flip[:, None], 1 - t[None], t[None])
     gx = ((x0[:, None] + tx * w[:, None]) / size * 2 - 1)                              # (B, out)
     gy = ((y0[:, None] + t[None] * h[:, None]) / size * 2 - 1)
-    grid = torch.stack([gx[:, None, :].expand(b, out, out), gy[:, :, None].expand(b, out, out)],
-                       -1)
+    grid = torch.stack([gx[:, None, :].expand(b, out, out), gy[:, :, None].expand(b, out, out)], -1)
     y = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
     return (y + 0.5).clamp(0, 255).to(torch.uint8)
 
 
-def _box_draws(b: int, pixels: float, fraction, ratio, generator: torch.Generator,
-               device) -> tuple:
-    """10 candidate boxes per image (timm's attempts): area pixels * U(fraction), aspect ratio
-    log-uniform in `ratio`. Returns the rounded sides (sqrt(area * r), sqrt(area / r)), each (b,
-    10)."""
+def _first_box(b: int, pixels: float, fraction, ratio, generator: torch.Generator, device, fits) -> tuple:
+    """timm's 10 attempts per image at a box of area pixels * U(fraction) and aspect ratio r
+    log-uniform in `ratio`, its sides rounded (sqrt(area * r), sqrt(area / r)), and the first whose
+    sides `fits(p, q)` keeps: (whether any does, its two sides), each (b,)."""
     area = pixels * (fraction[0] + (fraction[1] - fraction[0]) * torch.rand(b, 10, generator=generator, device=device))
     r = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0]))
                   * torch.rand(b, 10, generator=generator, device=device))
-    return (area * r).sqrt().round(), (area / r).sqrt().round()
+    p, q = (area * r).sqrt().round(), (area / r).sqrt().round()
+    ok = fits(p, q)
+    first = ok.float().argmax(1, keepdim=True)
+    return ok.any(1), p.gather(1, first).squeeze(1), q.gather(1, first).squeeze(1)
 
 
 def resize(x: torch.Tensor, out: int) -> torch.Tensor:
@@ -270,13 +247,10 @@ def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, s
     32 CIFAR to a 224 x 224 model input), then mirrored with probability 1/2."""
     b, s = x.shape[0], x.shape[-1]
     kw = dict(generator=generator, device=x.device)
-    w, h = _box_draws(b, s * s, scale, ratio, generator, x.device)
-    ok = (w <= s) & (h <= s) & (w > 0) & (h > 0)
-    first = ok.float().argmax(1, keepdim=True)
-    w = torch.where(ok.any(1), w.gather(1, first).squeeze(1),
-                    torch.full((b,), float(s), device=x.device))
-    h = torch.where(ok.any(1), h.gather(1, first).squeeze(1),
-                    torch.full((b,), float(s), device=x.device))
+    fits, w, h = _first_box(b, s * s, scale, ratio, generator, x.device,
+                            lambda w, h: (w <= s) & (h <= s) & (w > 0) & (h > 0))
+    whole = torch.full((b,), float(s), device=x.device)
+    w, h = torch.where(fits, w, whole), torch.where(fits, h, whole)
     x0 = (torch.rand(b, **kw) * (s - w + 1)).floor()
     y0 = (torch.rand(b, **kw) * (s - h + 1)).floor()
     mirror = torch.rand(b, **kw) < 0.5 if flip else None
@@ -284,8 +258,7 @@ def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, s
 
 
 def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tensor:
-    """The evaluation view: resize to out / crop_pct (bicubic), keep the centre out x out. uint8 in
-    and out."""
+    """The evaluation view: resize to out / crop_pct (bicubic), keep the centre out x out; uint8."""
     size = int(math.floor(out / crop_pct))
     y = F.interpolate(x.float(), size=(size, size), mode="bicubic", align_corners=False)
     top = (size - out) // 2
@@ -293,9 +266,8 @@ def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tens
 
 
 def mixup(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor, lam: float):
-    """Mixup (Zhang et al. 2018): each image and its target blended with those of the batch
-    permuted by `perm`, `lam` of it its own. x (B, C, H, W), y (B, n_classes), perm (B,) -> (x, y)
-    of the same shapes."""
+    """Mixup (Zhang et al. 2018): each image and its target blended with those of the batch permuted
+    by `perm`, `lam` of it its own. x (B, C, H, W), y (B, n_classes), perm (B,) -> (x, y) alike."""
     return lam * x + (1 - lam) * x[perm], lam * y + (1 - lam) * y[perm]
 
 
@@ -317,13 +289,11 @@ def mix_batch(x: torch.Tensor, y: torch.Tensor, mixup_alpha: float, cutmix_alpha
               g: torch.Generator, rng: np.random.Generator):
     """timm's switch: cutmix or mixup (each with probability 1/2 when both are on, drawn from `g`),
     lam ~ Beta(alpha, alpha) from `rng`, the partner images a permutation of the batch drawn from
-    `g`; both alphas 0: the batch as it is. x (B, C, S, S), y (B, n_classes) -> (x, y) of the same
-    shapes."""
+    `g`; both alphas 0: the batch as it is. x (B, C, S, S), y (B, n_classes) -> (x, y) alike."""
     if mixup_alpha <= 0 and cutmix_alpha <= 0:
         return x, y
     perm = torch.randperm(len(x), generator=g, device=x.device)
-    cut = cutmix_alpha > 0 and (mixup_alpha == 0
-                                or torch.rand(1, generator=g, device=x.device) < 0.5)
+    cut = cutmix_alpha > 0 and (mixup_alpha == 0 or torch.rand(1, generator=g, device=x.device) < 0.5)
     alpha = cutmix_alpha if cut else mixup_alpha
     lam = float(rng.beta(alpha, alpha))
     return cutmix(x, y, perm, lam, g) if cut else mixup(x, y, perm, lam)
@@ -337,11 +307,8 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
     b, c, hh, ww = x.shape
     kw = dict(generator=generator, device=x.device)
     use = torch.rand(b, **kw) < prob
-    h, w = _box_draws(b, hh * ww, area, ratio, generator, x.device)
-    ok = (h < hh) & (w < ww)
-    first = ok.float().argmax(1, keepdim=True)
-    use = use & ok.any(1)
-    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+    fits, h, w = _first_box(b, hh * ww, area, ratio, generator, x.device, lambda h, w: (h < hh) & (w < ww))
+    use = use & fits
     top = (torch.rand(b, **kw) * (hh - h + 1)).floor()
     left = (torch.rand(b, **kw) * (ww - w + 1)).floor()
     rows = torch.arange(hh, device=x.device)[None, :, None]

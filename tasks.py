@@ -17,10 +17,10 @@ classes. What train.py uses of a task:
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
 Layout: the base and the registry; caches; one section per family (its task classes, readers and
-`small` / `paper` presets); fixtures (small real data sets written in the real layouts, for tests
-and CPU trials). What a run writes and reads back (the one reader and writer, run folders,
+`small` / `paper` presets). What a run writes and reads back (the one reader and writer, run folders,
 checkpoints, logs, prior.pt) is `runfiles`; the image augmentation the vision tasks train with is
-`augment`.
+`augment`; the small real data sets written in the real layouts (`make-digits`, `make-wikitext`) are
+`datafetch.write`.
 """
 from __future__ import annotations
 
@@ -45,11 +45,6 @@ from typing import Callable, ClassVar, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-try:
-    import fcntl
-except ImportError:             # not on POSIX: run folders are not locked
-    fcntl = None
 
 import augment
 import inits
@@ -110,20 +105,16 @@ def make_task(name: str, **options) -> Task:
 class Task:
     """What every task shares. Subclasses set the class constants and write the data methods.
 
-    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: each
-    preset says its model size and its training recipe apart; a subclass's entries are added on
-    top of its parents' (`preset`), so a family sets its model and schedule and a task only what
-    differs. The constructor's keyword arguments are the task's options (`options()`: train.py
-    passes the flags of those names); every constructor also takes `seed`.
-    """
+    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a
+    subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model
+    and schedule and a task only what differs. Every constructor takes `seed` beside its options."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
     # one token layout for every example (the inits fitted on positions need it; inits.Init.fixed_layout)
     FIXED_LAYOUT: ClassVar[bool] = True
-    # metrics of the log line; the first heads the tables
-    HEADLINE: ClassVar[tuple] = ()
+    HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
     PRESETS: ClassVar[dict] = {}
 
     seed: int = 0
@@ -131,10 +122,8 @@ class Task:
     n_train: int = 0
     _perm_epoch: int | None = None
 
-    # where a task says what slow work it does (train.py: its log)
-    say: ClassVar[Callable[[str], None]] = print
-    # option -> Must(what it must be, its test[, flag]): refused in one line by `check_options`
-    MUST: ClassVar[dict] = {}
+    say: ClassVar[Callable[[str], None]] = print    # where a task says what slow work it does (train.py: its log)
+    MUST: ClassVar[dict] = {}       # option -> Must(what it must be, its test[, flag]), refused by `check_options`
 
     def check_options(self) -> None:
         """Refuse the first option that fails its declared test (MUST of the class and its bases):
@@ -163,9 +152,7 @@ class Task:
     @classmethod
     def preset_parts(cls, name: str) -> tuple[dict, dict]:
         """(model size, training recipe) of the named preset: the family's entries, then the task's
-        own. A preset holds exactly these two parts ("model": architecture flags, "recipe":
-        everything else: optimiser, schedule, init strengths, augmentation, logging); anything else
-        is an error."""
+        own ("model": architecture flags, "recipe": everything else; any other part is an error)."""
         model, recipe = {}, {}
         for klass in reversed(cls.__mro__):
             entry = vars(klass).get("PRESETS", {}).get(name, {})
@@ -179,15 +166,14 @@ class Task:
 
     @classmethod
     def inits(cls) -> tuple:
-        """The inits this task offers: those of inits.INITS its family takes (and, where its layout moves from
-        example to example, not those fitted on the positions)."""
+        """The inits this task offers: those of inits.INITS its family takes (less those fitted on the
+        positions, where its layout moves from example to example)."""
         return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options: the keyword arguments its constructor takes and those `build` takes
-        where it picks the variant class (less `seed`); train.py passes the flags of these names,
-        the signatures are the one list."""
+        """The task's options, less `seed`: the keyword arguments of its constructor and of `build`
+        (where it picks the variant class); train.py passes the flags of these names."""
         params = [*inspect.signature(cls).parameters.values(),
                   *inspect.signature(cls.build).parameters.values()]
         return tuple(dict.fromkeys(p.name for p in params if p.name != "seed"
@@ -201,8 +187,7 @@ class Task:
 
     def final_eval_size(self) -> int | None:
         """How many points the final evaluation scores where log steps score a sample of them
-        (`--eval-points`), or None where every evaluation scores the whole test set; needs
-        setup."""
+        (`--eval-points`), or None where every evaluation scores the whole test set; needs setup."""
         return None
 
     def normal_options(self) -> dict:
@@ -234,8 +219,8 @@ class Task:
         return self.build_pattern(self.pattern_name(variant))
 
     def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
-        """The prior of pattern `variant` (None: the default): a hand pattern, or `discovered` in
-        the training set, its M from `mask_logits`."""
+        """The prior of pattern `variant` (None: the default), hand-made or `discovered` in the
+        training set, its M from `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
@@ -248,10 +233,9 @@ class Task:
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
-        """A Prior; one not written by hand (found in the data or a teacher) carries the precision
-        and recall of its pairs against the task's default hand pattern (`mp.pattern_agreement`),
-        and one that names no pair beyond self-loops in the rows it was found for (`found_rows`) is
-        a TaskError: it would hold nothing."""
+        """A Prior; one found (in the data or a teacher) carries the precision and recall of its pairs
+        against the default hand pattern (`mp.pattern_agreement`), and is a TaskError where it names
+        no pair beyond self-loops in the rows it was found for (`found_rows`): it would hold nothing."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
             raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each "
@@ -275,22 +259,20 @@ class Task:
 
     def final_cost(self, points: int) -> float:
         """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
-        test items (the ETA counts it): 1 for a task that evaluates every item at every log
-        step."""
-        return 1.0
+        test items (the ETA counts it): 1 where every log step evaluates every item."""
+        size = self.final_eval_size()
+        return size / points if size and 0 < points < size else 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
-        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), read
-        from the names the readers look for and nothing else; DataError naming what was looked for
-        and where to get it. None: the task has no data files (reproduce.sh's plan asks this before
-        its first run)."""
+        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), from the
+        names the readers look for alone (reproduce.sh's plan asks before its first run); DataError
+        naming what was looked for and where to get it. None: the task has no data files."""
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the data the task (set up) trains and tests on: a checkpoint records it, so
-        that a resume on other data (another --data-dir) is refused. None: the task has no data of
-        its own to check."""
+        """A sha256 of the data the task (set up) trains and tests on, which a checkpoint records so
+        that a resume on other data is refused; None: no data of its own to check."""
         return None
 
     def found_rows(self) -> list[int] | None:
@@ -305,13 +287,10 @@ class Task:
         rows = self.found_rows()
         return bool((off if rows is None else off[..., rows, :]).any())
 
-    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and
-    # how
-    # --prior-kind values; the first is the default
-    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")
-    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`), below
-    # which its attention is refused as a prior (--teacher-min-fit overrides): each family's own
-    # measure and level.
+    # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
+    TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")      # --prior-kind values; the first is the default
+    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`; each
+    # family's own measure and level), below which its attention is refused (--teacher-min-fit)
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
@@ -327,11 +306,11 @@ class Task:
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N,
-        N): `pattern`: query-key pairs above `ratio` times the uniform share
-        (`mp.pattern_from_attention`), M +m_on on them and -m_off elsewhere; `logits`: M whose bias
-        alone gives the teacher's mean attention, per head (`mp.logits_from_attention`), the
-        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean tasks:
-        keys; arithmetic: the answer rows; vision: offsets; language: distances)."""
+        N): `pattern`: the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`),
+        M +m_on on them, -m_off elsewhere; `logits`: the M whose bias alone gives that attention, per
+        head (`mp.logits_from_attention`), its pattern where log sigmoid(M) > -1. A family reads its
+        own rows and forms (Boolean: keys; arithmetic: the answer rows; vision: offsets; language:
+        distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, causal)
@@ -340,14 +319,12 @@ class Task:
 
     def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
                            kind: str, ratio: float, m_on: float, m_off: float, source: dict,
-                           min_fit: float | None = None
-                           ) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, its
-        `weights`), its mean attention on its own training inputs (`teacher_task`, set up: a
-        teacher of another corpus reads its own), turned into this task's prior (`teacher_prior`).
-        A teacher that fits less than `min_fit` of those inputs (None: the family's
-        TEACHER_MIN_FIT) did not learn its task, and a map that names nothing or is not finite is
-        no prior: each a TaskError, never used."""
+                           min_fit: float | None = None) -> Prior:
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its
+        mean attention on its own training inputs (`teacher_task`, set up), made this task's prior
+        (`teacher_prior`). A teacher that fits less than `min_fit` of them (None: TEACHER_MIN_FIT)
+        did not learn its task, and a map that names nothing or is not finite is no prior: each a
+        TaskError, never used."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -393,7 +370,7 @@ CACHE_DIRNAME = "maskprior-cache"
 
 
 def default_cache_dirs(data_dir: str | os.PathLike) -> list[Path]:
-    """``[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]``."""
+    """[<data_dir>/maskprior-cache, ~/.cache/maskprior/<name>-<hash of abs data_dir>]."""
     absolute = Path(data_dir).resolve()
     digest = hashlib.sha256(str(absolute).encode("utf-8")).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", absolute.name) or "root"
@@ -428,14 +405,6 @@ def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
         raise
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    with open_back(path) as f:
-        digest = hashlib.sha256()
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
     """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a
     file replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave
@@ -447,7 +416,11 @@ def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None =
     for k in known:
         if isinstance(k, dict) and k.get("name") == name and k.get("stat") == stat and isinstance(k.get("sha256"), str):
             return {"name": name, "size": st.st_size, "sha256": k["sha256"], "stat": stat}
-    return {"name": name, "size": st.st_size, "sha256": file_sha256(path), "stat": stat}
+    with open_back(path) as f:
+        digest = hashlib.sha256()
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return {"name": name, "size": st.st_size, "sha256": digest.hexdigest(), "stat": stat}
 
 
 def _same_sources(a, b) -> bool:
@@ -482,7 +455,6 @@ READOUTS = ("cls", "mean")
 # The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core
 # CPU, 2,048 (11 bits) two minutes, 4,096 more than five; a task whose MDI needs more is refused
 # when it is made.
-
 MDI_MAX_MONOMIALS = 1024
 
 
@@ -524,14 +496,11 @@ def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
 
 def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray,
                             max_degree: int | None = None):
-    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval.
-
-    The interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0),
-    lexicographically, where W_k is its Fourier weight on degree-k monomials: the smallest
-    degree d that fits the data exactly, then least squares on the coefficients degree by
-    degree (highest first) over the remaining freedom. x_* are (B, n) arrays in {-1, +1}.
-    Returns (predictions on x_eval, degree, {monomial: coefficient}).
-    """
+    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval: the
+    interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k
+    its Fourier weight on degree-k monomials: the smallest degree d that fits the data exactly, then
+    least squares on the coefficients degree by degree (highest first) over the remaining freedom.
+    x_* are (B, n) arrays in {-1, +1}. Returns (predictions on x_eval, degree, {monomial: coef})."""
     n = x_seen.shape[1]
     max_degree = n if max_degree is None else max_degree
     ys = y_seen.astype(np.float64)
@@ -558,7 +527,8 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
 def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor,
                  exact: bool) -> dict:
     """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
-    unseen points, `top` is the top monomial at each point."""
+    unseen points (U), `top` is the top monomial at each point: accuracy and MSE over all and on U,
+    the top monomial's Fourier coefficient, the mean prediction on U."""
     sign_ok = (torch.sign(pred) == torch.sign(y)).float()
     ok = (torch.round(pred) == y).float() if exact else sign_ok
     err = (pred - y) ** 2
@@ -568,17 +538,6 @@ def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torc
     if exact:
         out["sign_acc"], out["sign_acc_unseen"] = sign_ok.mean(), sign_ok[u].mean()
     return {k: float(v) for k, v in out.items()}
-
-
-def gotu_patterns(n_bits: int, bits):
-    """Pattern variants for a task whose target lives on `bits`, as a function of the layout.
-
-    clique: every pair of `bits` both ways, self-loops, and with a CLS token CLS -> bits
-            (the default);
-    cls:    CLS -> bits and self-loops only (no pairwise edge; exists only with a CLS token).
-    Every position keeps its self-loop so no row is empty. One set of `set_patterns`.
-    """
-    return set_patterns(n_bits, [tuple(bits)])
 
 
 def cyclic_patterns(n_bits: int, width: int = 2):
@@ -597,9 +556,7 @@ def cyclic_patterns(n_bits: int, width: int = 2):
     return build
 
 
-# ---- finding the pattern from the training data (never from the target function): `--pattern
-# discovered`
-
+# ---- `--pattern discovered`: the pattern found in the training data (never from the target function)
 # (set, point) terms a second of walsh_coefficients on the 2-core CPU (4.7e8 measured idle)
 WALSH_RATE = 3e8
 
@@ -632,8 +589,7 @@ def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
 
 
 def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25,
-               alpha: float = 0.05
-               ) -> tuple[list[tuple], dict]:
+               alpha: float = 0.05) -> tuple[list[tuple], dict]:
     """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the
     largest one and above the sampling noise of this many points (`walsh_noise` at `alpha`),
     largest first: the interactions the seen data shows (it hides how the target extrapolates, not
@@ -655,8 +611,7 @@ DISCOVER_ALPHA = Must("the chance that a set (pair) of no dependence passes the 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
     """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and
-    with a CLS token in front (position 0) CLS -> every bit of the sets; the form of
-    `gotu_patterns`' clique."""
+    with a CLS token in front (position 0) CLS -> every bit of the sets."""
     off = int(cls)
     edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
     if cls:
@@ -665,9 +620,10 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
 
 
 def set_patterns(n_bits: int, sets):
-    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms): each set a
-    clique (`pattern_from_sets`), the CLS token reading every bit of them ("clique"), or CLS -> the
-    bits alone ("cls", with a CLS token only)."""
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of
+    the layout (a CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token
+    reading every bit of them ("clique", the default), or CLS -> the bits alone and self-loops
+    ("cls", with a CLS token only). Every position keeps its self-loop, so no row is empty."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
         if not cls:
@@ -681,15 +637,15 @@ def set_patterns(n_bits: int, sets):
 class BooleanTask(Task):
     """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
 
-    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of
-    them hold, the seen domain its complement. `train_size=None` trains on every seen point
-    (each once per epoch); an integer draws that many seen points uniformly with replacement.
-    `exact=True` marks an integer-valued target: accuracy is the rounded exact match (sign
-    accuracy is reported too); otherwise accuracy is sign accuracy. `readout` picks the token
-    layout ("cls": a CLS token first; "mean": none, mean pooling), and every pattern is built
-    for it by `patterns(cls)`, which returns {variant name: bool (N, N)}.
-    """
+    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them
+    hold, the seen domain its complement. `train_size=None` trains on every seen point (each once
+    per epoch); an integer draws that many seen points uniformly with replacement. `exact=True`
+    marks an integer-valued target: accuracy is the rounded exact match (sign accuracy is reported
+    too), else sign accuracy. `readout` picks the token layout ("cls": a CLS token first; "mean":
+    none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
     KIND = "boolean"
+    PATTERNS = ("clique", "cls", "discovered")
+    DEFAULT_PATTERN = "clique"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     PRESETS = {
         # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and
@@ -711,16 +667,12 @@ class BooleanTask(Task):
     top_monomial: tuple
     train_size: int | None = None
     exact: bool = False
-    description: str = ""
     support: tuple | None = None        # bits the target depends on (None: all); speeds up the MDI
-    # the target's Fourier degree, which bounds the MDI's (its cost)
-    degree: int = 0
+    degree: int = 0                     # the target's Fourier degree, which bounds the MDI's (its cost)
     readout: str = "cls"
     discover_degree: int = 3            # --pattern discovered: Walsh sets of up to this many bits
-    # ... kept when at least this fraction of the largest coefficient
-    discover_threshold: float = 0.25
-    # ... and above the sampling noise at this false-positive rate
-    discover_alpha: float = 0.05
+    discover_threshold: float = 0.25    # ... kept when at least this fraction of the largest coefficient
+    discover_alpha: float = 0.05        # ... and above the sampling noise at this false-positive rate
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -750,8 +702,7 @@ class BooleanTask(Task):
         return sorted(set(range(self.n_bits) if self.support is None else self.support) | set(self.unseen))
 
     def mdi_size(self) -> int:
-        """Monomials of up to the target's degree on `mdi_bits`: what the MDI's least squares solve
-        in."""
+        """Monomials of up to the target's degree on `mdi_bits`: the MDI's least squares' size."""
         return sum(math.comb(len(self.mdi_bits()), d) for d in range(self.degree + 1))
 
     def arch(self) -> dict:
@@ -783,12 +734,11 @@ class BooleanTask(Task):
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data: those whose Walsh coefficient (of
-        the training points and their targets, y centred) is at least `discover_threshold` times
-        the largest and above the sampling noise of the training set (`discover_alpha`), over every
-        set of up to `discover_degree` bits (`walsh_sets`). Needs setup (the training set). None
-        passing is a TaskError: the training set is too small to show any interaction, and no
-        pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data (set up): those whose Walsh coefficient
+        (of the training points and their centred targets) is at least `discover_threshold` times the
+        largest and above the training set's sampling noise (`discover_alpha`), over every set of up
+        to `discover_degree` bits (`walsh_sets`). None passing is a TaskError: the training set is
+        too small to show any interaction, and no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
                             "set the task up first")
@@ -834,10 +784,9 @@ class BooleanTask(Task):
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Boolean tasks read the keys a teacher attends to
-        (`mp.pattern_from_attention(keys=True)`): averaged over the readout rows (the CLS row with
-        a CLS token, else every bit), the keys above `ratio` times the uniform share made a clique,
-        the CLS row reading them: the form of the hand patterns."""
+        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`):
+        averaged over the readout rows (the CLS row with a CLS token, else every bit), the keys above
+        `ratio` times the uniform share made a clique, the CLS row reading them: the hand patterns' form."""
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0]
                                                 if self.readout == "cls" else None)
@@ -892,9 +841,6 @@ class BooleanTask(Task):
         g = torch.Generator().manual_seed(0)
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
 
-    def final_cost(self, points: int) -> float:
-        return len(self.x_test) / points if 0 < points < len(self.x_test) else 1.0
-
     def eval_points(self, n: int) -> torch.Tensor:
         """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
         without replacement from U and from the seen domain in proportion to their sizes, so
@@ -917,35 +863,28 @@ class BooleanTask(Task):
         return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float()
                           for i in range(0, len(x), batch_size)])
 
-    def metrics(self, pred: torch.Tensor, idx: torch.Tensor | None = None) -> dict:
-        """Accuracy and MSE over the cube and on U, the top monomial's Fourier coefficient, the
-        mean prediction on U. `pred` covers the whole cube, or the points `idx` only."""
-        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
-                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
-        return cube_metrics(pred, y, u, top, self.exact)
-
     def evaluate(self, model, points: int | None = None) -> dict:
         """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
         `eval_points` in the result says which (0 = the whole cube)."""
         idx = self.eval_points(points) if points and points < len(self.x_test) else None
-        metrics = self.metrics(self.predict(model, idx), idx)
+        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
+                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
+        metrics = cube_metrics(self.predict(model, idx), y, u, top, self.exact)
         metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
-        metrics["mdi_acc"] = mdi["acc"]
-        metrics["mdi_acc_unseen"] = mdi["acc_unseen"]
-        if self.exact:
-            metrics["mdi_sign_acc"] = mdi["sign_acc"]
+        for key in ("acc", "acc_unseen") + ("sign_acc",) * self.exact:
+            metrics[f"mdi_{key}"] = mdi[key]
         return metrics
 
     def mdi(self) -> dict:
-        """The MDI's metrics on this task (cached): what a min-degree learner would predict.
-        Needs no setup: it is computed on the CPU from the target alone."""
+        """The MDI's metrics on this task (cached): what a min-degree learner would predict. Needs
+        no setup: it is computed on the CPU from the target alone."""
         if "mdi" not in self._cache:
             x_all = cube(self.n_bits)
             seen = ~self.in_unseen(x_all)
-            # The MDI only involves the bits the target and the unseen domain depend on
-            # (it is unique, and flipping any other bit maps the problem to itself), so it
-            # is solved on that sub-cube and read back on the whole cube.
+            # The MDI only involves the bits the target and the unseen domain depend on (it is
+            # unique, and flipping any other bit maps the problem to itself): it is solved on that
+            # sub-cube and read back on the whole cube.
             rel = self.mdi_bits()
             if self.mdi_size() > 256:
                 self.say(f"computing the exact min-degree interpolator of {self.name} "
@@ -969,70 +908,54 @@ class BooleanTask(Task):
 # embeddings: parity2 generalises only without a CLS token and with near-zero positions (README:
 # the grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a
 # 0.02-std embedding.
-
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
-
 # recipe: the QK inits scale the positions
 _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
 
 
+class _PaperBoolean(BooleanTask):
+    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS`
+    (BooleanTask's fields); its options are the layout and the discovery's."""
+    FIELDS: ClassVar[dict] = {}
+
+    def __init__(self, readout: str = "cls", discover_degree: int = 3,
+                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
+        super().__init__(n_bits=15, readout=readout, discover_degree=discover_degree,
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
+                         seed=seed, **self.FIELDS)
+
+
 @register("parity2")
-class Parity2(BooleanTask):
+class Parity2(_PaperBoolean):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
     # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md,
     # "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        bits = (0, 1)
-        super().__init__(n_bits=15, target=parity_fn(bits), unseen={0: -1, 1: -1},
-                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=2,
-                         description="x0*x1; unseen x0=x1=-1; all 24,576 seen points",
-                         support=bits, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
-                         seed=seed)
+    FIELDS = dict(target=parity_fn((0, 1)), unseen={0: -1, 1: -1}, patterns=set_patterns(15, [(0, 1)]),
+                  top_monomial=(0, 1), degree=2, support=(0, 1))
 
 
 @register("majority3")
-class Majority3(BooleanTask):
+class Majority3(_PaperBoolean):
     """sign(x0 + x1 + x2) on 15 bits; unseen x0 = x1 = -1; 32,768 uniform draws of seen points."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        bits = (0, 1, 2)
-        super().__init__(n_bits=15, target=majority_fn(bits), unseen={0: -1, 1: -1},
-                         patterns=gotu_patterns(15, bits), top_monomial=bits, degree=3,
-                         train_size=32768, support=bits, readout=readout, seed=seed,
-                         description="sign(x0+x1+x2); unseen x0=x1=-1; 32,768 uniform seen draws",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold,
-                         discover_alpha=discover_alpha)
+    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1},
+                  patterns=set_patterns(15, [(0, 1, 2)]), top_monomial=(0, 1, 2), degree=3,
+                  train_size=32768, support=(0, 1, 2))
 
 
 @register("cyclic3")
-class Cyclic3(BooleanTask):
+class Cyclic3(_PaperBoolean):
     """sum_i x_i x_{i+1} x_{i+2} (indices mod 15); unseen x0 = x1 = x2 = -1; integer-valued."""
     PATTERNS = ("band", "band-only", "discovered")
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)},
                "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
-
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(n_bits=15, target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1},
-                         patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3,
-                         exact=True, readout=readout, seed=seed,
-                         description="sum_i x_i x_{i+1} x_{i+2} (mod 15); unseen x0=x1=x2=-1",
-                         discover_degree=discover_degree, discover_threshold=discover_threshold,
-                         discover_alpha=discover_alpha)
+    FIELDS = dict(target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
+                  top_monomial=(0, 1, 2), degree=3, exact=True)
 
 
 def cut(text, most: int = 40) -> str:
@@ -1109,21 +1032,19 @@ class _CustomBoolean(BooleanTask):
     """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen
     domain sets the `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order
     given)."""
-    PATTERNS = ("clique", "cls", "discovered")
-    DEFAULT_PATTERN = "clique"
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
                  discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
         self._check_size(n_bits, train_size)
-        b = _random_bits(bits, n_bits, seed) if str(bits).startswith("random:") else _parse_bits(bits, "bits", n_bits)
+        drawn = str(bits).startswith("random:")
+        b = _random_bits(bits, n_bits, seed) if drawn else _parse_bits(bits, "bits", n_bits)
         if self.NAME == "kmajority" and len(b) % 2 == 0:
             raise TaskError("--bits for kmajority needs an odd number of bits (ties have no "
                             f"sign), got {len(b)}")
-        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)],
-                   ",".join(map(str, b)), unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
+        self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)),
+                   unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
         # drawn bits come sorted: 'bits:J' names the same ones
-        drawn = str(bits).startswith("random:")
         self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
                        "unseen": str(unseen) if drawn and str(unseen).startswith("bits:")
                        else self._unseen_text()}
@@ -1154,11 +1075,10 @@ class _CustomBoolean(BooleanTask):
                                                                        for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
-        desc = f"{self.NAME} on {f'bits {b}' if len(terms) == 1 else text}; unseen {' and '.join(f'x{i}=-1' for i in u)}"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
                          top_monomial=max((bits for _, bits in terms), key=len),
                          degree=max(len(t) for _, t in terms), train_size=train_size,
-                         description=desc, support=b, readout=readout, exact=len(terms) > 1,
+                         support=b, readout=readout, exact=len(terms) > 1,
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha, seed=seed)
 
@@ -1170,8 +1090,7 @@ class _CustomBoolean(BooleanTask):
 @register("kparity")
 class KParity(_CustomBoolean):
     """The parity of `--bits` on `--n-bits` bits, unseen where the `--unseen` bits are -1."""
-    PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
-                         "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
+    PRESETS = {"small": Parity2.PRESETS["small"],                         # parity2's demo preset
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": _QK_POSITIONS}}
 
 
@@ -1198,20 +1117,16 @@ class KSum(_CustomBoolean):
 
 
 # ----------------------------------------------------------------------------------------
-# Arithmetic: 3-digit addition and multiplication, generated by a causal decoder.
-# A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
-# most significant digit first, or reversed with answer_order="lsb"). The model reads the
-# sequence without its last token and predicts the next one; the loss and the metrics
-# count only the A answer digits. An operation is a subclass of ArithmeticTask: its symbol,
-# its answer, its answer's length and which operand digits its carry pattern holds strong.
+# Arithmetic: addition and multiplication of d-digit operands (3 by default), generated by a causal
+# decoder. A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
+# most significant digit first, or reversed with answer_order="lsb"). The model reads the sequence
+# without its last token and predicts the next one; the loss and the metrics count only the A
+# answer digits. An operation is a subclass of ArithmeticTask: its symbol, its answer, its answer's
+# length and which operand digits its carry pattern holds strong.
 
 
 # an operation whose symbol is not here appends it to its own vocabulary
 ARITH_VOCAB = "0123456789+*="
-
-# ordered pairs (a, b), 0 <= a, b <= 999: 3-digit operands (the default)
-UNIVERSE = 1000 * 1000
-
 # held-out pairs, or every pair not trained on where the universe is smaller
 ARITH_TEST_SIZE = 10_000
 
@@ -1219,11 +1134,8 @@ ARITH_TEST_SIZE = 10_000
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
     """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands
-    (`n_digits`, default 3).
-
-    `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint:
-    10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 pairs in all).
-    """
+    (`n_digits`, default 3). `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test
+    set is disjoint: 10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 in all)."""
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
@@ -1248,8 +1160,7 @@ class ArithmeticTask(Task):
     data_frac: float
     answer_order: str = "msb"
     n_digits: int = 3
-    # --pattern discovered: the test level of each digit pair's selection
-    discover_alpha: float = 0.05
+    discover_alpha: float = 0.05        # --pattern discovered: the test level of each pair's selection
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -1341,20 +1252,16 @@ class ArithmeticTask(Task):
 
     def _levels(self, variant: str) -> torch.Tensor:
         """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions.
-
-        Rows of prompt positions (before '=') keep the plain causal pattern. The row that
-        predicts the answer digit of significance k (the '=' row and the answer rows) may see
-        operand digits of significance <= k (addition), strongest at k and k - 1 (the carry),
-        plus itself; for multiplication a_i and b_j with i + j <= k, i.e. each operand digit of
-        significance <= k (all strong).
-        """
+        Rows of prompt positions (before '=') keep the plain causal pattern. The row that predicts
+        the answer digit of significance k (the '=' row and the answer rows) may see itself and the
+        operand digits of significance <= k (addition), strongest at k and k - 1 (the carry); for
+        multiplication a_i and b_j with i + j <= k, i.e. each operand digit of significance <= k
+        (all strong)."""
         n, d = self.length - 1, self.n_digits
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
             lv[q, :q + 1] = 1
-        sig_a = {i: d - 1 - i for i in range(d)}                    # position -> significance
-        sig_b = {d + 1 + i: d - 1 - i for i in range(d)}
-        operand = {**sig_a, **sig_b}
+        operand = {p: d - 1 - i for i in range(d) for p in (i, d + 1 + i)}     # position -> significance
         for q in range(self.eq_pos, n):
             k = self.answer_significance(q - self.eq_pos)           # digit predicted at row q
             lv[q, q] = 1
@@ -1385,17 +1292,6 @@ class ArithmeticTask(Task):
         """The input rows that predict answer digits: '=' and the answer tokens before the last."""
         return list(range(self.eq_pos, self.length - 1))
 
-    def _row_pattern(self, sees) -> torch.Tensor:
-        """bool (N, N): prompt rows causal; each answer row itself and the operand positions
-        `sees(k)` names for the significance k it predicts."""
-        n = self.length - 1
-        pattern = mp.causal_pattern(n).clone()
-        for q in self.answer_rows():
-            pattern[q] = False
-            pattern[q, q] = True
-            pattern[q, sees(self.answer_significance(q - self.eq_pos))] = True
-        return pattern
-
     def digit_selection(self) -> dict:
         """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it
         depends on in the training pairs, chosen by greedy forward selection (`forward_selection`):
@@ -1417,18 +1313,21 @@ class ArithmeticTask(Task):
         return self._cache["selection"]
 
     def discovered_pattern(self) -> torch.Tensor:
-        """`--pattern discovered`, found in the training pairs: the row that predicts the answer
-        digit of significance k sees the operand digits of the pairs `digit_selection` chose for
-        it; prompt rows causal."""
+        """`--pattern discovered`, found in the training pairs, bool (N, N): the row that predicts the
+        answer digit of significance k sees itself and the operand digits of the pairs
+        `digit_selection` kept for it; prompt rows causal."""
         if not hasattr(self, "train_idx"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training "
                             "pairs: set the task up first")
         chosen, d = self.digit_selection(), self.n_digits
-        # significance -> sequence position
-        pos_a = {i: d - 1 - i for i in range(d)}
-        pos_b = {i: 2 * d - i for i in range(d)}
-        return self._row_pattern(lambda k: sorted({p for i, j, _, _, kept in chosen[k] if kept
-                                                   for p in (pos_a[i], pos_b[j])}))
+        pattern = mp.causal_pattern(self.length - 1).clone()
+        for q in self.answer_rows():
+            k = self.answer_significance(q - self.eq_pos)
+            pattern[q] = False
+            pattern[q, q] = True
+            # a_i stands at position d - 1 - i, b_j at 2d - j
+            pattern[q, sorted({p for i, j, _, _, kept in chosen[k] if kept for p in (d - 1 - i, 2 * d - j)})] = True
+        return pattern
 
     def discovery(self) -> dict:
         chosen = self.digit_selection()
@@ -1487,9 +1386,6 @@ class ArithmeticTask(Task):
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         return self.test_seq[:n, :-1]
-
-    def final_cost(self, points: int) -> float:
-        return len(self.test_seq) / points if 0 < points < len(self.test_seq) else 1.0
 
     @torch.no_grad()
     def generate(self, model, prompts: torch.Tensor) -> torch.Tensor:
@@ -1577,17 +1473,9 @@ class Addition(ArithmeticTask):
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
     SYMBOL = "+"
 
-    @staticmethod
-    def answer(a, b):
-        return a + b
-
-    @staticmethod
-    def answer_digits(d):
-        return d + 1
-
-    @staticmethod
-    def strong(j, k):
-        return j >= k - 1               # the aligned digits and the pair below, the carry's source
+    answer = staticmethod(lambda a, b: a + b)
+    answer_digits = staticmethod(lambda d: d + 1)
+    strong = staticmethod(lambda j, k: j >= k - 1)      # the aligned digits and the pair below, the carry's source
 
     def __init__(self, data_frac: float = 0.004, answer_order: str = "msb", digits: int = 3,
                  discover_alpha: float = 0.05, seed: int = 0):
@@ -1596,11 +1484,10 @@ class Addition(ArithmeticTask):
 
 
 # Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
-# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only; the 100
-# pairs of 0..9 x 0..9 plus N - 100 pairs drawn with replacement from 0..99 x 0..99; unpadded, one
-# character a token: `a*b=c\n` (plain: the answer most significant digit first) or `$a*b=rev(c)$`
-# (reversed); the test set is every pair not trained on. A row holds one example, padded after its
-# end with '_' (never a target, and causal attention keeps every real row from seeing it).
+# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only (`lee_pairs`,
+# `lee_text`), unpadded, one character a token; the test set is every pair not trained on. A row
+# holds one example, padded after its end with '_' (never a target, and causal attention keeps
+# every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
 
@@ -1620,8 +1507,8 @@ def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
 
 
 def lee_text(a: int, b: int, answer_order: str) -> str:
-    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$`
-    (lsb)."""
+    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format: the answer most
+    significant digit first) or `$a*b=rev(c)$` (lsb, reversed)."""
     c = str(a * b)
     return f"{a}*{b}={c}\n" if answer_order == "msb" else f"${a}*{b}={c[::-1]}$"
 
@@ -1636,18 +1523,9 @@ class Multiplication(ArithmeticTask):
     PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
     SYMBOL = "*"
 
-    @staticmethod
-    def answer(a, b):
-        return a * b
-
-    @staticmethod
-    def answer_digits(d):
-        return 2 * d
-
-    @staticmethod
-    def strong(j, k):
-        # every digit of significance <= k enters a partial product of c_k
-        return True
+    answer = staticmethod(lambda a, b: a * b)
+    answer_digits = staticmethod(lambda d: 2 * d)
+    strong = staticmethod(lambda j, k: True)    # every digit of significance <= k enters a partial product of c_k
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3,
                  heads: int = 4, discover_alpha: float = 0.05, seed: int = 0):
@@ -1663,31 +1541,21 @@ class Multiplication(ArithmeticTask):
         return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        if variant in ("partial", "columns"):
-            return self._partial_products() if variant == "partial" else self._columns()
+        """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`).
+        partial: one partial product per head, the row that predicts c_k seeing in head i < d a_i,
+        b_(k-i) (itself alone where k - i is not a digit of b), in head d the carries' trace.
+        columns, long multiplication's: in head 0 every a_i, b_j of c_k's column (i + j = k), in head
+        1 the column below (k - 1, where the carry into k mostly comes from), in head 2 the one below
+        that (k - 2), in head 3 the answer digits already written (answers lsb first: the lower
+        digits, the trace of the running sum)."""
+        d = self.n_digits
+        if variant == "partial":
+            return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
+                                        lambda k: [[(i, k - i)] for i in range(d)])
+        if variant == "columns":
+            return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
+                                        lambda k: [[(i, k - c - i) for i in range(d)] for c in range(3)])
         return super().build_pattern(variant)
-
-    def _partial_products(self) -> torch.Tensor:
-        """(heads, N, N) bool, one partial product per head: the row that predicts the answer digit
-        of significance k sees, in head i < d, itself and a_i, b_(k-i) (itself alone where k - i is
-        not a digit of b); in head d the answer digits already written (the carries' trace); in any
-        further head the `carry` pattern. Prompt rows keep the plain causal pattern in every
-        head."""
-        d = self.n_digits
-        return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
-                                    lambda k: [[(i, k - i)] for i in range(d)])
-
-    def _columns(self) -> torch.Tensor:
-        """(heads, N, N) bool, the long-multiplication columns: the row that predicts answer digit
-        c_k sees, in head 0, itself and every a_i, b_j of its column (i + j = k); in head 1 the
-        column below (k - 1, where the carry into k mostly comes from), in head 2 the column below
-        that (k - 2); in head 3 the answer digits already written (answers lsb first: the lower
-        digits, the trace of the running sum); in any further head the `carry` pattern. Prompt rows
-        keep the plain causal pattern in every head."""
-        d = self.n_digits
-        return self._heads_of_pairs("columns", "columns k, k - 1, k - 2 a head each",
-                                    lambda k: [[(i, k - c - i) for i in range(d)]
-                                               for c in range(3)])
 
     def _heads_of_pairs(self, name: str, gives: str, groups) -> torch.Tensor:
         """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the
@@ -1713,21 +1581,18 @@ class Multiplication(ArithmeticTask):
             pat[g, q, self.eq_pos + 1:q + 1] = True
         return pat
 
-    # ---- Lee et al.'s data (--lee-samples). M lives on the roles of one layout, the longest
-    # ("frame"): [$] a1 a0 * b1 b0 = and four answer digits, which is also where a 2 x 2-digit
-    # example puts them. An example with a one-digit operand has its characters moved to the roles
-    # of the same significance, digits aligned from the right; a query row's role is the role of
-    # the character it predicts, less one. Reversed answers are aligned by significance exactly; a
-    # plain (msb) answer's length is not known while it is written, so its digits take the
-    # significance of the longest answer the operands allow (len(a) + len(b) digits; a shorter
-    # answer shifts every digit up by one there).
-
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: unpadded, so
-    an example's positions move with its operands' lengths; M lives on the roles of the longest
-    layout and each example's digits are aligned to it by significance from the right (`lee_roles`,
-    `mp.prior_roles`). `--task multiplication --lee-samples N` (`Multiplication.build`)."""
+    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task
+    multiplication --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move
+    with its operands' lengths: M lives on the roles of one layout, the longest ("frame": [$] a1 a0 *
+    b1 b0 = and four answer digits, where a 2 x 2-digit example puts them), and an example with a
+    one-digit operand has its characters moved to the roles of the same significance, digits aligned
+    from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the role of the character
+    it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
+    answer's length is not known while it is written, so its digits take the significance of the
+    longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit
+    up by one there)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
@@ -1735,8 +1600,7 @@ class LeeMultiplication(ArithmeticTask):
                  "fitted on fixed positions cannot follow)")
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
     SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
-                                             for k in ("SYMBOL", "answer", "answer_digits",
-                                                                               "strong"))
+                                             for k in ("SYMBOL", "answer", "answer_digits", "strong"))
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3,
                  heads: int = 4, discover_alpha: float = 0.05, data_frac: float | None = None,
@@ -1766,8 +1630,7 @@ class LeeMultiplication(ArithmeticTask):
                 "n_outputs": len(LEE_VOCAB), "readout": "tokens", "causal": True}
 
     def token_labels(self) -> None:
-        # the operands' lengths move the digits: a position is no fixed digit
-        return None
+        return None             # the operands' lengths move the digits: a position is no fixed digit
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded
@@ -1950,17 +1813,18 @@ IMAGENET100_WNIDS = (
 
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
-
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
 
 
-def _key(d: dict, name: str):
-    """d[name] for pickles written by Python 2 (bytes keys) or Python 3 (str keys)."""
-    if name in d:
-        return d[name]
-    if name.encode() in d:
-        return d[name.encode()]
-    raise KeyError(name)
+def _entries(d: dict, path: str, what: str, *names) -> list:
+    """The entries `names` of a batch dict, under str keys (Python 3 pickles) or bytes keys (Python
+    2); a DataError naming the first one missing and `what` the file should be."""
+    out = []
+    for name in names:
+        if name not in d and name.encode() not in d:
+            raise DataError(f"{path} has no {name!r} entry; is it {what}?")
+        out.append(d[name] if name in d else d[name.encode()])
+    return out
 
 
 def _reconstruct(subtype, shape, typecode):
@@ -2008,13 +1872,11 @@ def _latin1(text, encoding):
 # The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core,
 # numpy 2 writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a
 # checked stand-in.
-
 RELEASE_GLOBALS = {
     **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
     **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
     **{(f"numpy.{core}.numeric", "_frombuffer"): _frombuffer for core in ("core", "_core")},
-    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype,
-                   ("_codecs", "encode"): _latin1,
+    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype, ("_codecs", "encode"): _latin1,
 }
 
 
@@ -2031,15 +1893,20 @@ class ReleaseUnpickler(pickle._Unpickler):
         return found
 
 
-def _load_pickle(path: str) -> dict:
-    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
-    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+def _release_bytes(path: str) -> bytes:
+    """The bytes of a release file; a DataError where it cannot be read."""
     try:
         with open_back(path) as f:
-            raw = f.read()
+            return f.read()
     except (OSError, ReadError) as e:
         raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
                         "be a file of the release") from None
+
+
+def _load_pickle(path: str) -> dict:
+    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
+    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+    raw = _release_bytes(path)
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
@@ -2124,11 +1991,7 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
                       ) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels
     int64), labels checked against `n_classes` when given."""
-    d = _load_pickle(path)
-    try:
-        data, labels = _key(d, "data"), _key(d, label_key)
-    except KeyError as e:
-        raise DataError(f"{path} has no {e.args[0]!r} entry; is it a CIFAR python batch?") from None
+    data, labels = _entries(_load_pickle(path), path, "a CIFAR python batch", "data", label_key)
     x = _images_from_rows(data, path, 32)
     return x, _labels(labels, path, len(x), n_classes)
 
@@ -2136,17 +1999,9 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
 def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
                       n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes.
-
-    CIFAR-10: 1 label byte; CIFAR-100: coarse then fine label (label_bytes=2, label_index=1
-    for the fine label).
-    """
-    try:
-        with open_back(path) as f:
-            raw = np.frombuffer(f.read(), dtype=np.uint8)
-    except (OSError, ReadError) as e:
-        raise DataError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); it should "
-                        "be a file of the release") from None
+    """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes (CIFAR-10:
+    1 label byte; CIFAR-100: coarse then fine label, label_bytes=2, label_index=1 for the fine)."""
+    raw = np.frombuffer(_release_bytes(path), dtype=np.uint8)
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records "
@@ -2170,16 +2025,13 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
     "binary", its files: the training batches, then the test batch); DataError naming what was
     looked for and where to get it."""
     if name == "cifar10":
-        py = find_first(data_dir, [os.path.join(d, "data_batch_1")
-                              for d in ("cifar-10-batches-py", ".")])
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        py = find_first(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
         if py:
-            py = os.path.dirname(py)
-            return "python", [os.path.join(py, f)
-                              for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]]
+            return "python", [os.path.join(os.path.dirname(py), f) for f in names]
         binary = find_first(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
-            return "binary", [os.path.join(binary, f)
-                              for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
+            return "binary", [os.path.join(binary, f + ".bin") for f in names]
         raise DataError("CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 "
                         "(python) and cifar-10-batches-bin/data_batch_1.bin (binary) in "
                         f"{os.path.abspath(data_dir)}; fetch it with `python train.py download "
@@ -2199,19 +2051,17 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 def read_cifar(data_dir: str, name: str) -> dict:
     """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file
-    checked (`release_file`) before one is decoded.
-
-    Returns {'train': (x, y), 'test': (x, y)} with x uint8 (N, 3, 32, 32), y int64.
-    """
-    kind, files = cifar_files(data_dir, name)
+    checked (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources':
+    its files} with x uint8 (N, 3, 32, 32), y int64."""
+    kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
               ("python", "cifar100"): lambda f: read_cifar_pickle(f, "fine_labels", 100),
               ("binary", "cifar100"): lambda f: read_cifar_binary(f, 2, 1, 100)}[kind, name]
-    checked = [release_file(f, name, **CIFAR_FILE[kind, name]) for f in files]   # all, then decode
-    parts = [decode(f) for f in checked]
+    parts = [decode(f) for f in files]
     if name == "cifar10":
-        return {"train": _concatenated(parts[:5]), "test": parts[5], "sources": files}
+        train = np.concatenate([p[0] for p in parts[:5]]), np.concatenate([p[1] for p in parts[:5]])
+        return {"train": train, "test": parts[5], "sources": files}
     return {"train": parts[0], "test": parts[1], "sources": files}
 
 
@@ -2242,18 +2092,14 @@ def release_file(path: str, name: str, header: bytes = b"", record: int = 0) -> 
                         "release")
     size = os.path.getsize(path)
     if size == 0 or (record and size % record):
-        raise DataError(f"{name}: {path} is {'empty' if size == 0 else f'{size:,} bytes, not whole {record}-byte records'}"
-                        f" (a download cut short?); re-download it")
+        what = "empty" if size == 0 else f"{size:,} bytes, not whole {record}-byte records"
+        raise DataError(f"{name}: {path} is {what} (a download cut short?); re-download it")
     if header:
         with open_back(path) as f:
             if f.read(len(header)) != header:
                 raise DataError(f"{name}: {path} does not open as the release's files do (not a "
                                 "pickle); re-download it")
     return path
-
-
-def _concatenated(parts):
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def read_wnid_map(path: str) -> dict:
@@ -2279,11 +2125,7 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"{path} is truncated or not an Imagenet32/64 .npz ({e})") from None
     else:
-        d = _load_pickle(path)
-        try:
-            data, labels = _key(d, "data"), _key(d, "labels")
-        except KeyError as e:
-            raise DataError(f"{path} has no {e.args[0]!r} entry; is it an Imagenet32/64 batch?") from None
+        data, labels = _entries(_load_pickle(path), path, "an Imagenet32/64 batch", "data", "labels")
     x = _images_from_rows(data, path)
     return x, _labels(labels, path, len(x))
 
@@ -2506,24 +2348,19 @@ class ImageTask(Task):
 
     data_dir: str | None = None
     image_size: int = 32                # the images' side as stored
-    # the model's input side (None: image_size); larger = upsampled
-    input_size: int | None = None
+    input_size: int | None = None       # the model's input side (None: image_size); larger = upsampled
     patch_size: int = 4
     pool: str = "mean"
     heads: int = 3
-    # 'fixed' (self, up, right, ...) or 'random' offsets per head
-    impulse: str = "fixed"
-    # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
-    soft_alpha: float = 1.0
+    impulse: str = "fixed"              # 'fixed' (self, up, right, ...) or 'random' offsets per head
+    soft_alpha: float = 1.0             # the `soft` prior: log sigmoid(M) = -alpha * squared distance to the offset
     window: int = 3                     # the `local` prior's side in patches (odd)
     pad: int = 4
     label_smoothing: float = 0.1
     mixup: float = 0.0
     cutmix: float = 0.0
-    # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
-    crop: str = "pad"
-    # evaluation at another input size: resize to input / crop_pct, centre crop
-    crop_pct: float = 0.875
+    crop: str = "pad"                   # 'pad': pad 4, random crop, flip; 'rrc': random resized crop, flip
+    crop_pct: float = 0.875             # evaluation at another input size: resize to input / crop_pct, centre crop
     randaug: float = 0.0                # RandAugment magnitude in [0, 10]; 0 = off
     randaug_std: float = 0.5
     randaug_ops: int = 2
@@ -2545,9 +2382,7 @@ class ImageTask(Task):
     def __post_init__(self):
         self.n_classes = self.N_CLASSES
         self.input_size = self.input_size or self.image_size
-        if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
-                            "dataset files")
+        _required_dir(self.data_dir, self.name)
         if self.input_size % self.patch_size:
             raise TaskError(f"--input-size {self.input_size} (the model's image side) is not a "
                             f"multiple of --patch-size {self.patch_size}")
@@ -2620,11 +2455,9 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: crop + flip
-        (pad and crop at the stored size, then upsampled to the input size; or a random resized
-        crop to it), RandAugment on the uint8 images, normalisation, random erasing, mixup /
-        cutmix. Returns (images float (B, 3, S, S), soft targets (B, n_classes)), S = the input
-        size."""
+        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float
+        (B, 3, S, S), soft targets (B, n_classes)), S = the input size. A pad crop is taken at the
+        stored size and the whole image upsampled; RandAugment works on the uint8 images."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
@@ -2659,7 +2492,6 @@ class ImageTask(Task):
         return self.test_view(self.x_test[:n])
 
     TEACHER_KINDS = ("offsets", "pattern", "logits")
-
     TEACHER_MIN_FIT = 0.5
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
@@ -2693,19 +2525,11 @@ class ImageTask(Task):
         return {"top1": correct / n, "loss": loss / n}
 
 
-def _release(layout: str, files: dict, name: str) -> str:
-    """`layout`, once each of its files (a text corpus's splits) is a non-empty regular file
-    (`release_file`)."""
-    for path in files.values():
-        release_file(str(path), name)
-    return layout
-
-
-def _in_data_dir(read, data_dir: str | None, name: str) -> str:
-    """`read(data_dir)` for a task's `locate` (it names what it looked for and where to get it)."""
+def _required_dir(data_dir: str | None, name: str) -> str:
+    """`data_dir`, which task `name` needs (its files); a DataError where it is not given."""
     if data_dir is None:
         raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
-    return read(data_dir)
+    return data_dir
 
 
 @register("cifar10")
@@ -2718,7 +2542,7 @@ class Cifar10(ImageTask):
 
     @classmethod
     def locate(cls, data_dir):
-        return _in_data_dir(lambda d: cifar_release(d, cls.NAME)[0], data_dir, cls.NAME)
+        return cifar_release(_required_dir(data_dir, cls.NAME), cls.NAME)[0]
 
 
 @register("cifar100")
@@ -2738,7 +2562,7 @@ class ImageNet100(ImageTask):
     def locate(cls, data_dir):
         """The layout, with what its reader needs first: every class folder, and an image in each
         split (the tree, and Pillow), or every batch and the label map (downsampled)."""
-        layout = _in_data_dir(imagenet100_layout, data_dir, cls.NAME)
+        layout = imagenet100_layout(_required_dir(data_dir, cls.NAME))
         if layout == "folder":
             _pillow()
             for split in ("train", "val"):
@@ -2757,129 +2581,78 @@ class ImageNet100(ImageTask):
 
 
 # ----------------------------------------------------------------------------------------
-# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder.
+# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from
+# the files their authors publish (no `datasets` library, no network).
 #
+# WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download
+# wikitext2`), either release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words
+# already <unk>), tried first, or wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir
+# may hold those folders or be one. Tokenisation follows PyTorch's word_language_model example:
+# every line, empty ones included, is line.split() then one <eos>; headings (" = Robert Boulter = ")
+# and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the train split
+# only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
+# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens
+# for the raw release).
 #
-# Two corpora are supported, read from the files their authors publish (no
-# ``datasets`` library, no network):
+# TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1
+# (TinyStories-{train,valid}.txt), in data_dir or data_dir/TinyStories: stories are separated by
+# lines that are exactly <|endoftext|> once surrounding whitespace is stripped. Byte level: a
+# story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every story (vocabulary
+# 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
+# vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The
+# cost: sequences about 4x longer than with a BPE tokeniser. Each story is stripped of leading and
+# trailing (ASCII) whitespace, inner newlines are kept, separator lines dropped, empty stories
+# skipped, and a last story with no separator after it still gets its end-of-text id.
 #
-# * **WikiText-2** (https://wikitext.smerity.com, the ``wikitext-2-v1`` /
-#   ``wikitext-2-raw-v1`` zips; ``train.py download wikitext2``), either release:
-#
-#   - ``wikitext-2/wiki.{train,valid,test}.tokens`` (word level, rare words
-#     already replaced by ``<unk>``), tried first;
-#   - ``wikitext-2-raw/wiki.{train,valid,test}.raw`` (raw text).
-#
-#   ``data_dir`` may be the folder holding those sub-folders or a sub-folder
-#   itself.  Tokenisation follows PyTorch's ``word_language_model`` example:
-#   every line, empty ones included, is ``line.split()`` followed by one
-#   ``<eos>``.  Headings (`` = Robert Boulter = ``) and the ``@,@`` / ``@.@`` /
-#   ``@-@`` tokens are ordinary words.  The vocabulary comes from the train
-#   split only: ``<unk>`` (id 0), ``<eos>`` (id 1), then the other words by
-#   descending train frequency, ties in code-point (alphabetical) order.
-#   Words of valid/test missing from it map to ``<unk>`` (only happens for the
-#   raw release).
-#
-# * **TinyStories** (https://huggingface.co/datasets/roneneldan/TinyStories),
-#   V2 (``TinyStoriesV2-GPT4-{train,valid}.txt``) or V1
-#   (``TinyStories-{train,valid}.txt``), in ``data_dir`` or
-#   ``data_dir/TinyStories``.  Stories are separated by lines that are exactly
-#   ``<|endoftext|>`` once surrounding whitespace is stripped.
-#
-#   Tokenisation is **byte level**: the UTF-8 bytes of a story are ids 0..255
-#   and one end-of-text id 256 follows every story (vocabulary 257).  Why:
-#   there is no trained vocabulary to fit, ship or version; nothing is ever
-#   out of vocabulary; and a 2 GB file can be streamed chunk by chunk with no
-#   state beyond the current line.  The cost is sequences about 4x longer than
-#   with a BPE tokeniser for the same text.  Each story is stripped of leading
-#   and trailing (ASCII) whitespace, inner newlines are kept, separator lines
-#   are dropped, empty stories are skipped, and a last story with no
-#   separator after it still gets its end-of-text id.
-#
-# Token cache: every split is tokenised once into a flat little-endian
-# ``uint16`` (vocabulary <= 65536) or ``uint32`` binary file plus a JSON meta
-# (dtype, count, vocabulary size, and the size and mtime of the source
-# file(s), so a changed source is re-tokenised).  The WikiText vocabulary is
-# saved as a JSON list next to them.  The cache lives in
-# ``<data_dir>/maskprior-cache/`` or, when that is not writable,
-# ``~/.cache/maskprior/<folder name>-<hash of the absolute data_dir>/``.
-# Every file is written to a temporary name and moved into place with
-# ``os.replace``; the meta is written last, so an interrupted build leaves no
-# cache that would be taken as valid.  Splits are returned as read-only
-# ``np.memmap`` arrays.
-#
+# Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536)
+# or uint32 binary file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures
+# (`_source_signature`), so a changed source is re-tokenised); the WikiText vocabulary is a JSON list
+# beside them. The cache lives in the first writable of `default_cache_dirs`. Every file is written
+# to a temporary name and moved into place, the meta last, so an interrupted build leaves no cache
+# that would be taken as valid. Splits are returned as read-only np.memmap arrays.
 
 
 WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors released them
-
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-
 # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 CACHE_FORMAT = 2
 
 UNK = "<unk>"
-
 EOS = "<eos>"
-
 EOT_ID = 256
-
 BYTE_VOCAB_SIZE = 257
-
 EOT_TEXT = "\n<|endoftext|>\n"  # how decode() renders the end-of-text id
 
 WIKITEXT_SPLITS = ("train", "valid", "test")
-
-
 # release name -> (sub-folder, file extension), in the order "auto" tries them
-
 WIKITEXT_RELEASES = {"tokens": ("wikitext-2", ".tokens"), "raw": ("wikitext-2-raw", ".raw")}
-
 WIKITEXT_TOKENIZER = "word-split-eos-v1"
 
 TINYSTORIES_SPLITS = ("train", "valid")
-
-
 # version -> file name prefix, in the order "auto" tries them
-
 TINYSTORIES_VERSIONS = {"v2": "TinyStoriesV2-GPT4", "v1": "TinyStories"}
-
 TINYSTORIES_TOKENIZER = "utf8-bytes-eot256-v1"
 
-
-# A separator line inside a block of complete lines (the block starts at a
-# line start and ends with "\n"); whitespace other than "\n" may surround it.
-
+# A separator line inside a block of complete lines (the block starts at a line start and ends
+# with "\n"); whitespace other than "\n" may surround it.
 _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.MULTILINE)
 
 
 # ---- corpora and windows
 
-def load_lm_corpus(
-    name: str,
-    data_dir: str | os.PathLike,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    *,
-    version: str = "auto",
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load a language-modelling corpus as token id arrays, tokenising on first use.
+def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                   version: str = "auto", cache_dir: str | os.PathLike | None = None) -> dict:
+    """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as
+    above) as token id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a
+    release, "tokens" / "raw" for WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read
+    at a time while streaming TinyStories; `cache_dir`: the token cache's folder instead of the
+    default.
 
-    Args:
-        name: ``"wikitext2"`` or ``"tinystories"``.
-        data_dir: folder holding the corpus files (see the module docstring).
-        chunk_size: bytes read at a time while streaming TinyStories.
-        version: ``"auto"`` or a release: ``"tokens"``/``"raw"`` for WikiText-2,
-            ``"v2"``/``"v1"`` for TinyStories.  ``"auto"`` tries them in that order.
-        cache_dir: use this folder for the token cache instead of the default.
-
-    Returns:
-        ``{"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int,
-        "decode": callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}``; WikiText-2 also
-        has ``"test"`` (memmap) and ``"vocab"`` (list[str]).  Arrays are 1-D,
-        read-only, ``uint16`` or ``uint32``.
-    """
+    Returns {"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int, "decode":
+    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also
+    has "test" (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
@@ -2888,45 +2661,26 @@ def load_lm_corpus(
     raise DataError(f"unknown corpus {name!r}: expected 'wikitext2' or 'tinystories'")
 
 
-def random_windows(
-    tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample training windows at uniformly random offsets.
-
-    Args:
-        tokens: 1-D integer array of N token ids (e.g. a split memmap).
-        context: window length T; needs N >= T + 1.
-        batch_size: number of windows B.
-        generator: a CPU ``torch.Generator``; the same seed gives the same batch.
-
-    Returns:
-        ``(x, y)``, both int64 tensors of shape (B, T) with
-        ``x[b] = tokens[s_b : s_b + T]`` and ``y[b] = tokens[s_b + 1 : s_b + T + 1]``,
-        ``s_b`` uniform over ``0 .. N - T - 1``.
-    """
+def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B = batch_size training windows of T = context tokens at uniformly random offsets of `tokens`
+    (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64
+    (B, T): x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1], s_b uniform over
+    0 .. N - T - 1."""
     n = len(tokens)
     _check_context(context, n, "training")
     starts = torch.randint(0, n - context, (batch_size,), generator=generator).numpy()
     return _gather_windows(tokens, starts, context)
 
 
-def eval_windows(
-    tokens: np.ndarray, context: int, batch_size: int = 1
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Cover a split with consecutive, non-overlapping windows.
-
-    Window k starts at ``k * context``; every token of ``tokens[1:]`` is a
-    target exactly once.  Full windows come in batches of shape
-    (<= batch_size, context); the last partial window, when ``N - 1`` is not a
-    multiple of ``context``, is INCLUDED as a final batch of shape (1, r) with
-    ``0 < r < context``.  Weight per-batch mean losses by ``y.numel()`` to get
-    the per-token mean over the split.
-
-    Raises DataError at once (not on first iteration) when N < context + 1.
-
-    Returns:
-        An iterator of ``(x, y)`` int64 tensor pairs, ``y`` = ``x`` shifted by one.
-    """
+def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A split covered by consecutive, non-overlapping windows: window k starts at k * context, so
+    every token of tokens[1:] is a target exactly once. Full windows come in batches (<= batch_size,
+    context); the last partial window, when N - 1 is not a multiple of context, is INCLUDED as a
+    final (1, r) batch, 0 < r < context: weight per-batch mean losses by y.numel() for the per-token
+    mean over the split. An iterator of int64 (x, y) pairs, y = x shifted by one; a DataError at once
+    (not on first iteration) when N < context + 1."""
     _check_context(context, len(tokens), "validation")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -2938,24 +2692,19 @@ def _check_context(context: int, n_tokens: int, split: str, flag: str = "--conte
     if context < 1:
         raise DataError(f"{flag} must be >= 1, got {context}")
     if n_tokens < context + 1:
-        raise DataError(
-            f"{flag} {context} is longer than the {split} split ({n_tokens} tokens); "
-            f"use {flag} {max(n_tokens - 1, 1)} or less"
-        )
+        raise DataError(f"{flag} {context} is longer than the {split} split ({n_tokens} tokens); "
+                        f"use {flag} {max(n_tokens - 1, 1)} or less")
 
 
-def _gather_windows(
-    tokens: np.ndarray, starts: np.ndarray, context: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of T+1 tokens at ``starts`` (B,) -> x, y int64 tensors (B, T)."""
+def _gather_windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of T+1 tokens at `starts` (B,) -> x, y int64 tensors (B, T)."""
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(context + 1)
     windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64))
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def _iter_eval_windows(
-    tokens: np.ndarray, context: int, batch_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _iter_eval_windows(tokens: np.ndarray, context: int, batch_size: int
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     n_targets = len(tokens) - 1
     n_full = n_targets // context
     for first in range(0, n_full, batch_size):
@@ -2968,37 +2717,35 @@ def _iter_eval_windows(
 
 # ---- WikiText-2
 
-def load_wikitext2(
-    data_dir: str | os.PathLike,
-    release: str = "auto",
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load WikiText-2 (``release`` "auto", "tokens" or "raw"); see :func:`load_lm_corpus`."""
+def load_wikitext2(data_dir: str | os.PathLike, release: str = "auto",
+                   cache_dir: str | os.PathLike | None = None) -> dict:
+    """Load WikiText-2 (`release` "auto", "tokens" or "raw"); see `load_lm_corpus`."""
     release, files = find_wikitext_files(data_dir, release)
     stem = f"wikitext2-{release}"
     candidates = _cache_candidates(data_dir, cache_dir)
     known = _known_sources(candidates, stem)
     sources = [_source_signature(files[split], known) for split in WIKITEXT_SPLITS]
-    loaded = None
+    splits, vocab, data_hash = _read_or_build(candidates, lambda f: _read_wikitext_cache(f, stem, sources),
+                                              lambda f: _build_wikitext_cache(f, stem, files, sources))
+    return {**splits, "data_hash": data_hash, "vocab": vocab, "vocab_size": len(vocab),
+            "decode": lambda ids: decode_words(ids, vocab),
+            "source": f"WikiText-2 {release} release in {files['train'].parent}"}
+
+
+def _read_or_build(candidates: list[Path], read: Callable, build: Callable):
+    """`read(folder)` of the first candidate folder whose cache it finds valid (not None); else
+    `build(folder)` in the first writable one (`_cache_folder`) and `read` it back (a DataError where
+    it cannot be)."""
     for folder in candidates:
-        loaded = _read_wikitext_cache(folder, stem, sources)
+        loaded = read(folder)
         if loaded is not None:
-            break
+            return loaded
+    with _cache_folder(candidates) as folder:
+        build(folder)
+    loaded = read(folder)
     if loaded is None:
-        with _cache_folder(candidates) as folder:
-            _build_wikitext_cache(folder, stem, files, sources)
-        loaded = _read_wikitext_cache(folder, stem, sources)
-        if loaded is None:
-            raise DataError(f"token cache written to {folder} could not be read back")
-    splits, vocab, data_hash = loaded
-    return {
-        **splits,
-        "data_hash": data_hash,
-        "vocab": vocab,
-        "vocab_size": len(vocab),
-        "decode": lambda ids: decode_words(ids, vocab),
-        "source": f"WikiText-2 {release} release in {files['train'].parent}",
-    }
+        raise DataError(f"token cache written to {folder} could not be read back")
+    return loaded
 
 
 def _choices(value: str, options: dict, what: str) -> list[str]:
@@ -3013,7 +2760,7 @@ def _choices(value: str, options: dict, what: str) -> list[str]:
 
 def find_wikitext_files(data_dir: str | os.PathLike,
                         release: str = "auto") -> tuple[str, dict[str, Path]]:
-    """Locate ``wiki.{train,valid,test}.{tokens|raw}``; returns (release, {split: path})."""
+    """Locate wiki.{train,valid,test}.{tokens|raw}; returns (release, {split: path})."""
     data_dir = Path(data_dir)
     releases = _choices(release, WIKITEXT_RELEASES, "WikiText-2 release")
     looked = []
@@ -3026,33 +2773,29 @@ def find_wikitext_files(data_dir: str | os.PathLike,
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
     zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip"
                        for r in releases)
-    raise DataError(
-        f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
-        f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
-        "unzipped)"
-    )
+    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
+                    f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
+                    "unzipped)")
 
 
 def wikitext_line_words(line: str) -> list[str]:
-    """Words of one line: whitespace-split, then ``<eos>`` (an empty line gives ``[<eos>]``)."""
+    """Words of one line: whitespace-split, then <eos> (an empty line gives [<eos>])."""
     return line.split() + [EOS]
 
 
 def iter_wikitext_words(path: Path) -> Iterator[str]:
-    """Stream the words of a WikiText file, line by line (see :func:`wikitext_line_words`)."""
+    """Stream the words of a WikiText file, line by line (`wikitext_line_words`)."""
     try:
         with io.TextIOWrapper(open_back(path), encoding="utf-8") as f:
             for line in f:
                 yield from wikitext_line_words(line)
     except UnicodeDecodeError as exc:
-        raise DataError(
-            f"WikiText-2 file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-            f"re-download it from {WIKITEXT_URL}"
-        ) from None
+        raise DataError(f"WikiText-2 file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"re-download it from {WIKITEXT_URL}") from None
 
 
 def build_vocab(words: Iterable[str]) -> list[str]:
-    """``[<unk>, <eos>]`` then the other words by descending count, ties alphabetical."""
+    """[<unk>, <eos>] then the other words by descending count, ties alphabetical."""
     counts = collections.Counter(words)
     for special in (UNK, EOS):
         counts.pop(special, None)
@@ -3060,24 +2803,18 @@ def build_vocab(words: Iterable[str]) -> list[str]:
 
 
 def encode_words(words: Iterable[str], vocab: Sequence[str]) -> np.ndarray:
-    """Word ids (N,) in the cache dtype; words missing from ``vocab`` become ``<unk>`` (0)."""
+    """Word ids (N,) in the cache dtype; words missing from `vocab` become <unk> (0)."""
     index = {word: i for i, word in enumerate(vocab)}
     return np.fromiter((index.get(word, 0) for word in words), dtype=token_dtype(len(vocab)))
 
 
 def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
-    """Words joined by spaces, each ``<eos>`` rendered as a newline."""
+    """Words joined by spaces, each <eos> rendered as a newline."""
     eos = vocab.index(EOS)
-    out: list[str] = []
-    line_start = True
-    for i in ids:
-        i = int(i)
-        if i == eos:
-            out.append("\n")
-            line_start = True
-        else:
-            out.append(vocab[i] if line_start else " " + vocab[i])
-            line_start = False
+    out, line_start = [], True
+    for i in map(int, ids):
+        out.append("\n" if i == eos else vocab[i] if line_start else " " + vocab[i])
+        line_start = i == eos
     return "".join(out)
 
 
@@ -3092,18 +2829,18 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path],
         if len(tokens) == 0:
             raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
                             f"from {WIKITEXT_URL}")
-    atomic_write(folder / f"{stem}.vocab.json", _vocab_bytes(vocab))
-    vocab_sha1 = hashlib.sha1(_vocab_bytes(vocab)).hexdigest()
+    raw = json.dumps(vocab, ensure_ascii=False).encode("utf-8")
+    atomic_write(folder / f"{stem}.vocab.json", raw)
+    vocab_sha1 = hashlib.sha1(raw).hexdigest()
     for split in WIKITEXT_SPLITS:
         meta = _expected_meta(stem, WIKITEXT_TOKENIZER, split, sources, vocab_sha1=vocab_sha1)
         _write_split(folder, stem, split, meta, [ids[split]], len(vocab), "")
 
 
-def _read_wikitext_cache(
-    folder: Path, stem: str, sources: list[dict]
-) -> tuple[dict[str, np.memmap], list[str], str] | None:
-    """(the cached splits, the vocab, a sha256 of both) if all are present and match ``sources``,
-    else None."""
+def _read_wikitext_cache(folder: Path, stem: str, sources: list[dict]
+                         ) -> tuple[dict[str, np.memmap], list[str], str] | None:
+    """(the cached splits, the vocab, a sha256 of both) if all are present and match `sources`, else
+    None."""
     try:
         raw = read_back(folder / f"{stem}.vocab.json", "json")
         vocab = json.loads(raw)
@@ -3123,19 +2860,11 @@ def _read_wikitext_cache(
     return splits, vocab, hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
 
-def _vocab_bytes(vocab: list[str]) -> bytes:
-    return json.dumps(vocab, ensure_ascii=False).encode("utf-8")
-
-
 # ---- TinyStories
 
-def load_tinystories(
-    data_dir: str | os.PathLike,
-    version: str = "auto",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    cache_dir: str | os.PathLike | None = None,
-) -> dict:
-    """Load TinyStories (``version`` "auto", "v2" or "v1"); see :func:`load_lm_corpus`."""
+def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     cache_dir: str | os.PathLike | None = None) -> dict:
+    """Load TinyStories (`version` "auto", "v2" or "v1"); see `load_lm_corpus`."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     version, files = find_tinystories_files(data_dir, version)
@@ -3146,32 +2875,17 @@ def load_tinystories(
     for split in TINYSTORIES_SPLITS:
         path = files[split]
         meta = _expected_meta(stem, TINYSTORIES_TOKENIZER, split, [_source_signature(path, known)])
-        tokens = None
-        for folder in candidates:
-            tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
-            if tokens is not None:
-                break
-        if tokens is None:
-            empty = (
-                f"TinyStories file {path} contains no stories (nothing but whitespace and "
-                f"<|endoftext|> lines); re-download it from {TINYSTORIES_URL}"
-            )
-            with _cache_folder(candidates) as folder:
-                stream = iter_tinystories_tokens(path, chunk_size)
-                _write_split(folder, stem, split, meta, stream, BYTE_VOCAB_SIZE, empty)
-            tokens = _read_split(folder, stem, split, meta, BYTE_VOCAB_SIZE)
-            if tokens is None:
-                raise DataError(f"token cache written to {folder} could not be read back")
-        out[split], digest = tokens
+        empty = (f"TinyStories file {path} contains no stories (nothing but whitespace and "
+                 f"<|endoftext|> lines); re-download it from {TINYSTORIES_URL}")
+        out[split], digest = _read_or_build(
+            candidates, lambda f: _read_split(f, stem, split, meta, BYTE_VOCAB_SIZE),
+            lambda f: _write_split(f, stem, split, meta, iter_tinystories_tokens(path, chunk_size),
+                                   BYTE_VOCAB_SIZE, empty))
         digests.append(digest)
-    out.update(
-        data_hash=hashlib.sha256(" ".join(digests).encode()).hexdigest(),
-        vocab_size=BYTE_VOCAB_SIZE,
-        decode=decode_bytes,
-        source=f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
-        f"in {files['train'].parent}",
-    )
-    return out
+    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(),
+            "vocab_size": BYTE_VOCAB_SIZE, "decode": decode_bytes,
+            "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
+                      f"in {files['train'].parent}"}
 
 
 def find_tinystories_files(data_dir: str | os.PathLike,
@@ -3187,56 +2901,13 @@ def find_tinystories_files(data_dir: str | os.PathLike,
             if all(path.is_file() for path in files.values()):
                 return name, files
     wanted = " or ".join(f"{TINYSTORIES_VERSIONS[v]}-{{train,valid}}.txt" for v in versions)
-    raise DataError(
-        f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
-        f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
-        f"{TINYSTORIES_URL})"
-    )
-
-
-@dataclass
-class _StoryStream:
-    """Turns blocks of complete lines into byte tokens, carrying story state across blocks.
-
-    ``started``: the current story has non-whitespace content.  ``held``: its
-    trailing whitespace, emitted only if more content follows (so stories end
-    stripped without buffering a whole story).
-    """
-
-    started: bool = False
-    held: bytes = b""
-
-    def feed(self, block: bytes) -> np.ndarray:
-        """Tokens (uint16, (n,)) for a block that starts at a line start and ends with ``\\n``."""
-        content = bytearray()
-        eot_positions: list[int] = []
-        for piece in _split_separator_lines(block):
-            if piece is None:  # separator line: close the story, if any
-                if self.started:
-                    eot_positions.append(len(content))
-                self.started, self.held = False, b""
-                continue
-            if not self.started:
-                piece = piece.lstrip()
-                if not piece:
-                    continue
-                self.started = True
-            text = self.held + piece
-            body = text.rstrip()
-            self.held = text[len(body):]
-            content += body
-        tokens = np.frombuffer(content, dtype=np.uint8).astype(np.uint16)
-        return np.insert(tokens, eot_positions, EOT_ID)
-
-    def finish(self) -> np.ndarray:
-        """Tokens at end of file: the end-of-text id of an unterminated last story."""
-        ids = [EOT_ID] if self.started else []
-        self.started, self.held = False, b""
-        return np.array(ids, dtype=np.uint16)
+    raise DataError(f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
+                    f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
+                    f"{TINYSTORIES_URL})")
 
 
 def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
-    """Text between separator lines of ``block``, with None for each separator line."""
+    """Text between separator lines of `block`, with None for each separator line."""
     start = 0
     for match in _SEPARATOR_LINE.finditer(block):
         if match.start() > start:
@@ -3248,13 +2919,9 @@ def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
 
 
 def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[bytes]:
-    """Read ``path`` in ``chunk_size``-byte chunks; yield blocks of complete lines.
-
-    A line cut by a chunk boundary (a separator or a multi-byte UTF-8
-    character included) is carried to the next block.  Every block but
-    possibly the last ends with ``\\n``; a final line without one gets one.
-    Memory: about ``chunk_size`` plus the longest line.
-    """
+    """Read `path` in `chunk_size`-byte chunks; yield blocks of complete lines. A line cut by a
+    chunk boundary (a separator or a multi-byte UTF-8 character included) is carried to the next
+    block; a final line without "\\n" gets one. Memory: about `chunk_size` plus the longest line."""
     pending = b""
     with open_back(path) as f:
         while chunk := f.read(chunk_size):
@@ -3268,23 +2935,38 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
 
 
 def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[np.ndarray]:
-    """Stream the byte-level tokens of a TinyStories file as uint16 arrays.
-
-    Concatenated, the arrays are: for each non-empty story, its stripped UTF-8
-    bytes then ``EOT_ID``.  Each array holds the tokens of about one chunk.
-    """
-    stream = _StoryStream()
+    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each;
+    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across
+    blocks: `started`, the current story has non-whitespace content; `held`, its trailing
+    whitespace, emitted only if more content follows (stories end stripped without buffering one)."""
+    started, held = False, b""
     for block in iter_line_blocks(path, chunk_size):
-        tokens = stream.feed(block)
+        content = bytearray()
+        eot_positions: list[int] = []
+        for piece in _split_separator_lines(block):
+            if piece is None:  # separator line: close the story, if any
+                if started:
+                    eot_positions.append(len(content))
+                started, held = False, b""
+                continue
+            if not started:
+                piece = piece.lstrip()
+                if not piece:
+                    continue
+                started = True
+            text = held + piece
+            body = text.rstrip()
+            held = text[len(body):]
+            content += body
+        tokens = np.insert(np.frombuffer(content, dtype=np.uint8).astype(np.uint16), eot_positions, EOT_ID)
         if tokens.size:
             yield tokens
-    tokens = stream.finish()
-    if tokens.size:
-        yield tokens
+    if started:                 # an unterminated last story still gets its end-of-text id
+        yield np.array([EOT_ID], dtype=np.uint16)
 
 
 def decode_bytes(ids: Iterable[int]) -> str:
-    """Byte ids to text (invalid UTF-8 replaced by U+FFFD); ``EOT_ID`` renders as ``EOT_TEXT``."""
+    """Byte ids to text (invalid UTF-8 replaced by U+FFFD); `EOT_ID` renders as `EOT_TEXT`."""
     parts: list[str] = []
     buffer = bytearray()
     for i in ids:
@@ -3357,17 +3039,10 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
         return None
 
 
-def _write_split(
-    folder: Path,
-    stem: str,
-    split: str,
-    meta: dict,
-    arrays: Iterable[np.ndarray],
-    vocab_size: int,
-    empty_message: str,
-) -> int:
-    """Stream ``arrays`` into the split's binary file, then write its meta (with the sha256 of the
-    tokens); returns the count."""
+def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterable[np.ndarray],
+                 vocab_size: int, empty_message: str) -> None:
+    """Stream `arrays` into the split's binary file (none: a DataError, `empty_message`), then write
+    its meta (with the count and the sha256 of the tokens)."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
     count, digest = 0, hashlib.sha256()
@@ -3382,7 +3057,6 @@ def _write_split(
     full_meta = {**meta, "dtype": dtype.name, "byteorder": "little", "count": count,
                  "vocab_size": vocab_size, "sha256": digest.hexdigest()}
     atomic_write(meta_path, json.dumps(full_meta, indent=1).encode("utf-8"))
-    return count
 
 
 def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
@@ -3433,19 +3107,15 @@ class LMTask(Task):
     data_dir: str | None = None
     context: int = 128
     heads: int = 4
-    # 0: the whole validation split; else its first val_tokens tokens
-    val_tokens: int = 0
-    # the model's positional embedding: a learned table, or none (any length)
-    positions: str = "learned"
-    # also evaluate on windows of this many tokens (0: only the training context)
-    eval_context: int = 0
-    mask_window: int | None = None  # the relative M's distances (default: the context)
+    val_tokens: int = 0                 # 0: the whole validation split; else its first val_tokens tokens
+    positions: str = "learned"          # the positional embedding: a learned table, or none (any length)
+    eval_context: int = 0               # also evaluate on windows of this many tokens (0: only the context)
+    mask_window: int | None = None      # the relative M's distances (default: the context)
     seed: int = 0
+    find_files: ClassVar[Callable]      # data_dir -> (its release, {split: path}) (`locate`)
 
     def __post_init__(self):
-        if self.data_dir is None:
-            raise DataError(f"--data-dir is required for {self.name}: the folder that holds the "
-                            "corpus files")
+        _required_dir(self.data_dir, self.name)
         self.check_options()
         if self.positions == "learned" and self.eval_context > self.context:
             raise TaskError(f"--eval-context {self.eval_context} is past --context "
@@ -3472,6 +3142,15 @@ class LMTask(Task):
 
     def data_hash(self) -> str:
         return self._data_hash
+
+    @classmethod
+    def locate(cls, data_dir):
+        """The release `find_files` finds, once each of its splits is a non-empty regular file
+        (`release_file`)."""
+        release, files = cls.find_files(_required_dir(data_dir, cls.NAME))
+        for path in files.values():
+            release_file(str(path), cls.NAME)
+        return release
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> token ids (words of the corpus vocabulary, or UTF-8 bytes)."""
@@ -3529,7 +3208,6 @@ class LMTask(Task):
         return x.to(self.device)
 
     TEACHER_KINDS = ("relative", "pattern", "logits")
-
     TEACHER_MIN_FIT = 0.2
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
@@ -3574,11 +3252,7 @@ class LMTask(Task):
 @register("wikitext2")
 class WikiText2(LMTask):
     """WikiText-2 (word level; the .tokens or the raw release) in --data-dir."""
-
-    @classmethod
-    def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_wikitext_files(d), cls.NAME), data_dir,
-                            cls.NAME)
+    find_files = staticmethod(find_wikitext_files)
 
 
 @register("tinystories")
@@ -3586,8 +3260,4 @@ class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
     PRESETS = {"paper": {"model": dict(dropout=0.0),
                          "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
-
-    @classmethod
-    def locate(cls, data_dir):
-        return _in_data_dir(lambda d: _release(*find_tinystories_files(d), cls.NAME), data_dir,
-                            cls.NAME)
+    find_files = staticmethod(find_tinystories_files)
