@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 
-def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator,
-                     flip: bool = True) -> torch.Tensor:
+def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator, flip: bool = True) -> torch.Tensor:
     """Zero-pad by `pad`, crop back at a random offset per image, flip half the images left-right.
     x: (B, C, H, W) -> same shape and dtype."""
     b, c, h, w = x.shape

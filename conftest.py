@@ -258,7 +258,8 @@ def _extra(name: str):
 
 
 def _past(m: torch.Tensor) -> torch.Tensor:
-    """Logits `m` (..., n, n) for a causal prior: -5 on the future (a causal prior refuses an M > 0 there that varies)."""
+    """Logits `m` (..., n, n) for a causal prior: -5 on the future (a causal prior refuses an M > 0 there that
+    varies)."""
     return m.masked_fill(mp.future_keys(m.shape[-1]), -5.0)
 
 

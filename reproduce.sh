@@ -139,13 +139,15 @@ esac
 if [ "$ONLY" = mult-ladder ] && [ "$QUICK" = 1 ]; then
     echo "reproduce.sh: --only mult-ladder is the paper preset's (a GPU's); leave out --quick" >&2; exit 2
 fi
-[[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && { echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
+[[ -z "${SEEDS// /}" || ! "$SEEDS" =~ ^[0-9\ ]+$ ]] && {
+    echo "reproduce.sh: --seeds needs numbers, e.g. \"0 1 2\"" >&2; exit 2; }
 for s in $SEEDS; do     # torch's CPU generator keeps 32 bits: a seed is 0 .. 2^32 - 1, as train.py checks it
     [ ${#s} -le 10 ] && [ "$((10#$s))" -le 4294967295 ] || {
         echo "reproduce.sh: --seeds: ${s:0:40} is not a seed in 0 .. 4294967295" >&2; exit 2; }
 done
 for f in "$RUNS" "$RESULTS"; do
-    [ -n "$f" ] && [ -e "$f" ] && [ ! -d "$f" ] && { echo "reproduce.sh: $f is a file; --runs and --results take a folder" >&2; exit 2; }
+    [ -n "$f" ] && [ -e "$f" ] && [ ! -d "$f" ] && {
+        echo "reproduce.sh: $f is a file; --runs and --results take a folder" >&2; exit 2; }
 done
 DUP=$(printf '%s\n' $SEEDS | sed 's/^0*\([0-9]\)/\1/' | sort | uniq -d | head -n 1)
 [ -n "$DUP" ] && { echo "reproduce.sh: --seeds lists seed $DUP twice (two runs would share one folder)" >&2; exit 2; }
@@ -154,7 +156,8 @@ absolute() { if [ -z "$1" ] || [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/
 # folders given are read from where the script is started; the defaults live beside it
 RUNS=$(absolute "$RUNS"); RESULTS=$(absolute "$RESULTS"); DATA=$(absolute "$DATA"); DATA="${DATA:-data}"
 cd "$(dirname "$0")"
-if [[ " ablation data mult2 visionprior oraclefree parity3 " == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
+STUDIES=" ablation data mult2 visionprior oraclefree parity3 "     # run at the small preset only
+if [[ "$STUDIES" == *" $ONLY "* ]] && [ -n "$ONLY" ] && [ "$QUICK" = 0 ]; then
     echo "reproduce.sh: --only $ONLY runs at the small preset (as with --quick)"
     QUICK=1
 fi
@@ -198,7 +201,8 @@ read_plan() {
 read_plan
 if [ "$DOWNLOAD" = 1 ] && [ -n "$FETCH" ]; then
     if [ "$DRY" = 1 ]; then
-        echo "reproduce.sh: --download would fetch $FETCH into $DATA first (python train.py download $FETCH --data $DATA)"
+        echo "reproduce.sh: --download would fetch $FETCH into $DATA first" \
+             "(python train.py download $FETCH --data $DATA)"
     else
         echo "reproduce.sh: --download: fetching $FETCH into $DATA"
         # shellcheck disable=SC2086  # FETCH is a list of set names
@@ -214,7 +218,11 @@ run_one() {
     [ "$tag" = - ] || name="$name-$tag"
     local out="$RUNS/$table/$name" log="$RUNS/$table/$name.log" extra=() a
     for a in "$@"; do
-        case "$a" in @DATA*) extra+=("$DATA${a#@DATA}") ;; @RUNS*) extra+=("$RUNS${a#@RUNS}") ;; *) extra+=("$a") ;; esac
+        case "$a" in
+            @DATA*) extra+=("$DATA${a#@DATA}") ;;
+            @RUNS*) extra+=("$RUNS${a#@RUNS}") ;;
+            *) extra+=("$a") ;;
+        esac
     done
     if [ -f "$out/result.json" ]; then echo "skip    $out (finished)"; return 0; fi
     if [ "$DRY" = 0 ] && [ -d "$out" ] && command -v flock >/dev/null && ! flock -n "$out" true 2>/dev/null; then
@@ -266,7 +274,8 @@ printf '%s\n' "${PLAN_TEXT[@]}"          # the plan first: runs per table, what 
 echo "reproduce.sh: preset $PRESET, $JOBS at a time, into $RUNS"
 [ "$DRY" = 0 ] && mkdir -p "$RUNS"
 # this invocation's own failed / busy / interrupted lists: another reproduce.sh on the same --runs keeps its own
-STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || { echo "reproduce.sh: cannot make a temporary folder" >&2; exit 1; }
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/reproduce.XXXXXX") || {
+    echo "reproduce.sh: cannot make a temporary folder" >&2; exit 1; }
 trap 'rm -rf "$STATE"' EXIT
 STATUS=0
 set -m

@@ -1,8 +1,7 @@
 """Every dataset of the paper: data, interaction patterns, metrics and presets.
 
-A task is a class on the small `Task` base below, registered under its command-line name
-with `@register("name")`; `make_task(name, **options)` builds one and `TASKS` maps names to
-classes. What train.py uses of a task:
+A task is a class on the small `Task` base below, registered under its command-line name with `@register("name")`;
+`make_task(name, **options)` builds one and `TASKS` maps names to classes. What train.py uses of a task:
 
     class constants   KIND, PATTERNS, DEFAULT_PATTERN, FIXED_LAYOUT, HEADLINE, PRESETS, ...
     inits()                     -> the inits it offers (from inits.INITS: its family's, fitted or not)
@@ -16,11 +15,10 @@ classes. What train.py uses of a task:
     evaluate(model, points)     -> dict of metrics on the test split
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
-Layout: the base and the registry; caches; one section per family (its task classes, readers and
-`small` / `paper` presets). What a run writes and reads back (the one reader and writer, run folders,
-checkpoints, logs, prior.pt) is `runfiles`; the image augmentation the vision tasks train with is
-`augment`; the small real data sets written in the real layouts (`make-digits`, `make-wikitext`) are
-`datafetch.write`.
+Layout: the base and the registry; caches; one section per family (its task classes, readers and `small` / `paper`
+presets). What a run writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is
+`runfiles`; the image augmentation the vision tasks train with is `augment`; the small real data sets written in the
+real layouts (`make-digits`, `make-wikitext`) are `datafetch.write`.
 """
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ import torch.nn.functional as F
 import augment
 import inits
 import maskprior as mp
-from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back,
-                      read_json)
+from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)
 
 
 class Must(NamedTuple):
@@ -80,8 +77,7 @@ def register(name: str):
     """Class decorator: make a Task subclass available as `--task name`."""
     def add(cls):
         if name in TASKS:
-            raise ValueError(f"task {name!r} is registered twice ({TASKS[name].__name__}, "
-                             f"{cls.__name__})")
+            raise ValueError(f"task {name!r} is registered twice ({TASKS[name].__name__}, {cls.__name__})")
         cls.NAME = name
         TASKS[name] = cls
         return cls
@@ -157,9 +153,8 @@ class Task:
         for klass in reversed(cls.__mro__):
             entry = vars(klass).get("PRESETS", {}).get(name, {})
             if set(entry) - {"model", "recipe"}:
-                raise ValueError(f"{klass.__name__}.PRESETS[{name!r}] holds {sorted(entry)}; a "
-                                 "preset has a 'model' part (the size) and a 'recipe' part (the "
-                                 "training), nothing else")
+                raise ValueError(f"{klass.__name__}.PRESETS[{name!r}] holds {sorted(entry)}; a preset has a "
+                                 "'model' part (the size) and a 'recipe' part (the training), nothing else")
             model.update(entry.get("model", {}))
             recipe.update(entry.get("recipe", {}))
         return model, recipe
@@ -174,10 +169,8 @@ class Task:
     def options(cls) -> tuple:
         """The task's options, less `seed`: the keyword arguments of its constructor and of `build`
         (where it picks the variant class); train.py passes the flags of these names."""
-        params = [*inspect.signature(cls).parameters.values(),
-                  *inspect.signature(cls.build).parameters.values()]
-        return tuple(dict.fromkeys(p.name for p in params if p.name != "seed"
-                                   and p.kind != p.VAR_KEYWORD))
+        params = [*inspect.signature(cls).parameters.values(), *inspect.signature(cls.build).parameters.values()]
+        return tuple(dict.fromkeys(p.name for p in params if p.name != "seed" and p.kind != p.VAR_KEYWORD))
 
     @classmethod
     def build(cls, **options) -> Task:
@@ -196,23 +189,19 @@ class Task:
         return {}
 
     def token_labels(self) -> list | None:
-        """The names of the model's input positions (a Boolean task's bits, an arithmetic format's
-        digits), for the ticks of M and attention maps; None where positions have no fixed meaning
-        (images, text)."""
+        """The names of the model's input positions (a Boolean task's bits, an arithmetic format's digits), for the
+        ticks of M and attention maps; None where positions have no fixed meaning (images, text)."""
         return None
 
     @classmethod
     def presets(cls) -> tuple:
-        return tuple(dict.fromkeys(p for klass in cls.__mro__
-                                   for p in vars(klass).get("PRESETS", {})))
+        return tuple(dict.fromkeys(p for klass in cls.__mro__ for p in vars(klass).get("PRESETS", {})))
 
     def pattern_name(self, variant: str | None) -> str:
-        """The pattern variant to use (None: the default); TaskError for a name it does not
-        have."""
+        """The pattern variant to use (None: the default); TaskError for a name it does not have."""
         variant = variant or self.DEFAULT_PATTERN
         if variant not in self.PATTERNS:
-            raise TaskError(f"task {self.name} has no pattern {variant!r}; choose from "
-                            f"{list(self.PATTERNS)}")
+            raise TaskError(f"task {self.name} has no pattern {variant!r}; choose from {list(self.PATTERNS)}")
         return variant
 
     def pattern(self, variant: str | None = None) -> torch.Tensor:
@@ -224,8 +213,7 @@ class Task:
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
-        return self.found_prior(pattern, logits, {**source, **self.discovery()}
-                                if name == "discovered" else source)
+        return self.found_prior(pattern, logits, {**source, **self.discovery()} if name == "discovered" else source)
 
     def discovery(self) -> dict:
         """What `--pattern discovered` found and how (recorded in result.json's prior_source): the
@@ -243,8 +231,7 @@ class Task:
                             "(use a hand pattern or another teacher)")
         if source["from"] != "hand":
             oracle = self.pattern(self.DEFAULT_PATTERN)
-            source = {**source, **mp.pattern_agreement(pattern, oracle,
-                                                       self.arch().get("causal", False))}
+            source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
         return Prior(pattern, logits, source)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -281,8 +268,7 @@ class Task:
         return None
 
     def names_pairs(self, pattern: torch.Tensor) -> bool:
-        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in
-        `found_rows`."""
+        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in `found_rows`."""
         off = pattern & ~torch.eye(pattern.shape[-1], dtype=torch.bool, device=pattern.device)
         rows = self.found_rows()
         return bool((off if rows is None else off[..., rows, :]).any())
@@ -294,8 +280,7 @@ class Task:
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
-        """The teacher's accuracy on the training examples its attention is read on
-        (`teacher_inputs(n)`)."""
+        """The teacher's accuracy on the training examples its attention is read on (`teacher_inputs(n)`)."""
         raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
@@ -305,12 +290,11 @@ class Task:
 
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N,
-        N): `pattern`: the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`),
-        M +m_on on them, -m_off elsewhere; `logits`: the M whose bias alone gives that attention, per
-        head (`mp.logits_from_attention`), its pattern where log sigmoid(M) > -1. A family reads its
-        own rows and forms (Boolean: keys; arithmetic: the answer rows; vision: offsets; language:
-        distances)."""
+        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`:
+        the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on on them, -m_off
+        elsewhere; `logits`: the M whose bias alone gives that attention, per head (`mp.logits_from_attention`), its
+        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean: keys; arithmetic: the
+        answer rows; vision: offsets; language: distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, causal)
@@ -320,11 +304,10 @@ class Task:
     def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
                            kind: str, ratio: float, m_on: float, m_off: float, source: dict,
                            min_fit: float | None = None) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its
-        mean attention on its own training inputs (`teacher_task`, set up), made this task's prior
-        (`teacher_prior`). A teacher that fits less than `min_fit` of them (None: TEACHER_MIN_FIT)
-        did not learn its task, and a map that names nothing or is not finite is no prior: each a
-        TaskError, never used."""
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention
+        on its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher
+        that fits less than `min_fit` of them (None: TEACHER_MIN_FIT) did not learn its task, and a map that names
+        nothing or is not finite is no prior: each a TaskError, never used."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -333,10 +316,9 @@ class Task:
         least = self.TEACHER_MIN_FIT if min_fit is None else min_fit
         source = {**source, "teacher_fit": round(fit, 4), "teacher_min_fit": least}
         if fit < least:
-            raise TaskError(f"the teacher fits {fit:.1%} of its own training inputs, under the "
-                            f"{least:.0%} a teacher that learned its task reaches "
-                            "(--teacher-min-fit): its attention is no prior; train it longer, or "
-                            "choose another teacher")
+            raise TaskError(f"the teacher fits {fit:.1%} of its own training inputs, under the {least:.0%} a "
+                            "teacher that learned its task reaches (--teacher-min-fit): its attention is no "
+                            "prior; train it longer, or choose another teacher")
         inputs = teacher_task.teacher_inputs(n)
         try:
             pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
@@ -406,11 +388,10 @@ def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
 
 
 def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None = None) -> dict:
-    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a
-    file replaced by other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave
-    it) is seen; and its stat (size, mtime, ctime, inode): while the stat of a `known` signature
-    (one a cache recorded) still holds, its hash is reused without reading the file (every write
-    moves ctime, and no tool sets it)."""
+    """What a cache records of a source file: its name, size and the sha256 of its bytes, so that a file replaced by
+    other contents of the same size and mtime (as tar -x, cp -p or rsync -t leave it) is seen; and its stat (size,
+    mtime, ctime, inode): while the stat of a `known` signature (one a cache recorded) still holds, its hash is
+    reused without reading the file (every write moves ctime, and no tool sets it)."""
     st, name = path.stat(), name or path.name
     stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     for k in known:
@@ -424,11 +405,9 @@ def _source_signature(path: Path, known: Iterable[dict] = (), name: str | None =
 
 
 def _same_sources(a, b) -> bool:
-    """Whether two lists of source signatures name the same files with the same contents (stat
-    aside)."""
+    """Whether two lists of source signatures name the same files with the same contents (stat aside)."""
     def content(sigs):
-        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s
-                for s in sigs]
+        return [{k: v for k, v in s.items() if k != "stat"} if isinstance(s, dict) else s for s in sigs]
     return isinstance(a, list) and isinstance(b, list) and content(a) == content(b)
 
 
@@ -452,15 +431,13 @@ def array_hash(*arrays) -> str:
 READOUTS = ("cls", "mean")
 
 
-# The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core
-# CPU, 2,048 (11 bits) two minutes, 4,096 more than five; a task whose MDI needs more is refused
-# when it is made.
+# The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
+# two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
 MDI_MAX_MONOMIALS = 1024
 
 
 def cube(n: int) -> np.ndarray:
-    """(2^n, n) int8 array of every point of {-1, +1}^n; row r has bit i = +1 iff bit i of r is
-    0."""
+    """(2^n, n) int8 array of every point of {-1, +1}^n; row r has bit i = +1 iff bit i of r is 0."""
     r = np.arange(2 ** n, dtype=np.int64)[:, None]
     bits = (r >> np.arange(n)[None, :]) & 1
     return (1 - 2 * bits).astype(np.int8)
@@ -524,8 +501,7 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
     raise ValueError(f"no interpolator of degree <= {max_degree}")
 
 
-def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor,
-                 exact: bool) -> dict:
+def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
     """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
     unseen points (U), `top` is the top monomial at each point: accuracy and MSE over all and on U,
     the top monomial's Fourier coefficient, the mean prediction on U."""
@@ -562,10 +538,9 @@ WALSH_RATE = 3e8
 
 
 def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dict[tuple, float]:
-    """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of
-    (y - mean y) * prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S:
-    coefficient}. The product of +-1 bits is the sign of an XOR of their -1 flags, so each term is
-    +-(y - mean y) exactly."""
+    """The Walsh-Fourier coefficients of data: for every set S of 1..max_degree bits, the mean of (y - mean y) *
+    prod_{i in S} x_i over the points. x: (P, n) in {-1, +1}; y: (P,) -> {S: coefficient}. The product of +-1 bits
+    is the sign of an XOR of their -1 flags, so each term is +-(y - mean y) exactly."""
     negative = np.asfortranarray(np.asarray(x) < 0)             # (P, n): a bit's flags contiguous
     yc = np.asarray(y, dtype=np.float64) - float(np.mean(y))
     out = {}
@@ -579,22 +554,20 @@ def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dic
 
 
 def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
-    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets
-    independent of the bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard
-    error std(y) / sqrt(P) (chi_S^2 = 1), so over `n_sets` sets all stay below z * std(y) /
-    sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability at least 1 - alpha
-    (Bonferroni)."""
+    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets independent of the
+    bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so
+    over `n_sets` sets all stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability at
+    least 1 - alpha (Bonferroni)."""
     z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
     return z * float(np.std(y)) / math.sqrt(len(y))
 
 
 def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25,
                alpha: float = 0.05) -> tuple[list[tuple], dict]:
-    """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the
-    largest one and above the sampling noise of this many points (`walsh_noise` at `alpha`),
-    largest first: the interactions the seen data shows (it hides how the target extrapolates, not
-    which bits interact). A small training set gives fewer sets, or none; the report says how many
-    of how many passed, the noise level and the largest."""
+    """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one and
+    above the sampling noise of this many points (`walsh_noise` at `alpha`), largest first: the interactions the
+    seen data shows (it hides how the target extrapolates, not which bits interact). A small training set gives
+    fewer sets, or none; the report says how many of how many passed, the noise level and the largest."""
     coefs = walsh_coefficients(x, y, max_degree)
     top = max(abs(v) for v in coefs.values())
     noise = walsh_noise(y, len(coefs), alpha)
@@ -685,17 +658,14 @@ class BooleanTask(Task):
 
     def __post_init__(self):
         if self.readout not in READOUTS:
-            raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got "
-                            f"{self.readout!r}")
+            raise TaskError(f"--readout for {self.name} must be one of {', '.join(READOUTS)}, got {self.readout!r}")
         self.check_options()
         size = self.mdi_size()
         if size > MDI_MAX_MONOMIALS:
-            raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is "
-                            f"a least-squares problem in {size:,} monomials of the "
-                            f"{len(self.mdi_bits())} bits the target and the unseen domain read, "
-                            f"which takes minutes to hours; at most {MDI_MAX_MONOMIALS:,} are "
-                            "solved (a parity or majority of at most 10 bits, the unseen ones "
-                            "among them)")
+            raise TaskError(f"{self.name}: its exact min-degree interpolator (the MDI column) is a least-squares "
+                            f"problem in {size:,} monomials of the {len(self.mdi_bits())} bits the target and the "
+                            f"unseen domain read, which takes minutes to hours; at most {MDI_MAX_MONOMIALS:,} are "
+                            "solved (a parity or majority of at most 10 bits, the unseen ones among them)")
 
     def mdi_bits(self) -> list[int]:
         """The bits the MDI is solved on: those the target and the unseen domain depend on."""
@@ -726,9 +696,8 @@ class BooleanTask(Task):
         return variant
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else
-        n_bits. `discovered` is found in the training set (`discovered_sets`), never from the
-        target function."""
+        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits.
+        `discovered` is found in the training set (`discovered_sets`), never from the target function."""
         if variant == "discovered":
             return pattern_from_sets(self.n_bits, self.discovered_sets(), self.readout == "cls")
         return self.patterns(self.readout == "cls")[variant]
@@ -752,13 +721,11 @@ class BooleanTask(Task):
             sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree,
                                       self.discover_threshold, self.discover_alpha)
             if not sets:
-                raise TaskError("--pattern discovered: no Walsh set of up to "
-                                f"{self.discover_degree} bits stands above the sampling noise of "
-                                f"the {report['points']:,} training points (noise level "
-                                f"{report['noise_level']:.3f} at --discover-alpha "
-                                f"{self.discover_alpha}; the largest coefficient is "
-                                f"{report['largest']:.3f}): too few points to find a pattern in; "
-                                "give more (--train-size) or a hand pattern")
+                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands "
+                                f"above the sampling noise of the {report['points']:,} training points (noise "
+                                f"level {report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the "
+                                f"largest coefficient is {report['largest']:.3f}): too few points to find a "
+                                "pattern in; give more (--train-size) or a hand pattern")
             self._cache["discovery"] = sets, report
         return self._cache["discovery"][0]
 
@@ -772,13 +739,11 @@ class BooleanTask(Task):
         return torch.randperm(len(self.x_train), generator=torch.Generator().manual_seed(0))[:n].to(self.device)
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """A fixed sample of training points (seen domain only: no unseen input reaches the
-        teacher's reading)."""
+        """A fixed sample of training points (seen domain only: no unseen input reaches the teacher's reading)."""
         return self.x_train[self._teacher_sample(n)]
 
     def teacher_fit(self, model, n: int) -> float:
-        """Sign accuracy (exact match for an integer target) on the training points of
-        `teacher_inputs`."""
+        """Sign accuracy (exact match for an integer target) on the training points of `teacher_inputs`."""
         idx = self._teacher_sample(n)
         pred, y = model(self.x_train[idx]).squeeze(-1).float(), self.y_train[idx]
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
@@ -851,17 +816,14 @@ class BooleanTask(Task):
             u = self.unseen_mask.cpu()
             n_u = round(n * float(u.float().mean()))
             parts = [torch.nonzero(part).squeeze(1) for part in (u, ~u)]
-            idx = [p[torch.randperm(len(p), generator=g)[:k]]
-                   for p, k in zip(parts, (n_u, n - n_u))]
+            idx = [p[torch.randperm(len(p), generator=g)[:k]] for p, k in zip(parts, (n_u, n - n_u))]
             self._cache[key] = torch.cat(idx).sort().values.to(self.device)
         return self._cache[key]
 
     @torch.no_grad()
-    def predict(self, model, idx: torch.Tensor | None = None,
-                batch_size: int = 8192) -> torch.Tensor:
+    def predict(self, model, idx: torch.Tensor | None = None, batch_size: int = 8192) -> torch.Tensor:
         x = self.x_test if idx is None else self.x_test[idx]
-        return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float()
-                          for i in range(0, len(x), batch_size)])
+        return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float() for i in range(0, len(x), batch_size)])
 
     def evaluate(self, model, points: int | None = None) -> dict:
         """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
@@ -895,19 +857,16 @@ class BooleanTask(Task):
             _, degree, coefs = min_degree_interpolator(x_sub, self.target(full), x_sub)
             pred = sum(v * chi(x_all, [rel[i] for i in m]) for m, v in coefs.items())
             coefs = {tuple(rel[i] for i in m): v for m, v in coefs.items()}
-            m = cube_metrics(torch.as_tensor(pred, dtype=torch.float32), *self._cube_targets(),
-                             self.exact)
+            m = cube_metrics(torch.as_tensor(pred, dtype=torch.float32), *self._cube_targets(), self.exact)
             m["degree"] = degree
-            m["coefficients"] = {"x" + "x".join(map(str, k)) if k else "1": v
-                                 for k, v in coefs.items()}
+            m["coefficients"] = {"x" + "x".join(map(str, k)) if k else "1": v for k, v in coefs.items()}
             self._cache["mdi"] = m
         return self._cache["mdi"]
 
 
-# The QK inits fit the pattern on the positional embedding, which must not be drowned by the token
-# embeddings: parity2 generalises only without a CLS token and with near-zero positions (README:
-# the grid), and the QK inits then scale the positions x18 first, as the 2025 source does for a
-# 0.02-std embedding.
+# The QK inits fit the pattern on the positional embedding, which must not be drowned by the token embeddings:
+# parity2 generalises only without a CLS token and with near-zero positions (README: the grid), and the QK inits
+# then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding.
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
 # recipe: the QK inits scale the positions
 _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
@@ -952,15 +911,13 @@ class Cyclic3(_PaperBoolean):
     PATTERNS = ("band", "band-only", "discovered")
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
-    PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)},
-               "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
+    PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
     FIELDS = dict(target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
                   top_monomial=(0, 1, 2), degree=3, exact=True)
 
 
 def cut(text, most: int = 40) -> str:
-    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not
-    echoed whole)."""
+    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not echoed whole)."""
     text = str(text)
     return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"
 
@@ -971,14 +928,12 @@ def parse_count(token, what: str, least: int, most: int) -> int:
     least..most; anything else is a TaskError naming the token, cut to 40 characters."""
     token = str(token).strip()
     if not (token.isascii() and token.isdigit()) or len(token) > len(str(most)) or not least <= int(token) <= most:
-        raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII "
-                        "digits)")
+        raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII digits)")
     return int(token)
 
 
 def _parse_bits(text, what: str, n_bits: int) -> tuple:
-    bits = tuple(parse_count(b, what, 0, n_bits - 1) for b in str(text).split(",")
-                 if b.strip() != "")
+    bits = tuple(parse_count(b, what, 0, n_bits - 1) for b in str(text).split(",") if b.strip() != "")
     if not bits or len(set(bits)) != len(bits):
         raise TaskError(f"--{what} must list distinct bits in 0..{n_bits - 1}, got {cut(text)}")
     return bits
@@ -990,11 +945,9 @@ def _count(text: str, prefix: str, what: str, most: int) -> int:
 
 
 def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
-    """'random:K': K distinct bits of 0..n_bits-1 drawn by the seed (a task nobody wrote the
-    pattern of)."""
+    """'random:K': K distinct bits of 0..n_bits-1 drawn by the seed (a task nobody wrote the pattern of)."""
     k = _count(text, "random:", "bits", n_bits)
-    return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k,
-                                                                                replace=False)))
+    return tuple(sorted(int(b) for b in np.random.default_rng([seed, 7]).choice(n_bits, size=k, replace=False)))
 
 
 def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
@@ -1019,8 +972,7 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
 def terms_text(terms: list) -> str:
     """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of
     more than one bit."""
-    spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "")
-                   for kind, bits in terms)
+    spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "") for kind, bits in terms)
     return ":".join(m + ",".join(map(str, bits)) for bits, m in spelt)
 
 
@@ -1029,9 +981,8 @@ def term_fn(kind: str, bits: tuple):
 
 
 class _CustomBoolean(BooleanTask):
-    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen
-    domain sets the `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order
-    given)."""
+    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
+    `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -1040,8 +991,7 @@ class _CustomBoolean(BooleanTask):
         drawn = str(bits).startswith("random:")
         b = _random_bits(bits, n_bits, seed) if drawn else _parse_bits(bits, "bits", n_bits)
         if self.NAME == "kmajority" and len(b) % 2 == 0:
-            raise TaskError("--bits for kmajority needs an odd number of bits (ties have no "
-                            f"sign), got {len(b)}")
+            raise TaskError(f"--bits for kmajority needs an odd number of bits (ties have no sign), got {len(b)}")
         self._make(n_bits, [("parity" if self.NAME == "kparity" else "majority", b)], ",".join(map(str, b)),
                    unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
         # drawn bits come sorted: 'bits:J' names the same ones
@@ -1053,15 +1003,13 @@ class _CustomBoolean(BooleanTask):
         return ",".join(map(str, sorted(self.unseen)))
 
     def normal_options(self) -> dict:
-        """Bits and unseen bits sorted ('bits:J' as the bits it names, unless the bits are
-        drawn)."""
+        """Bits and unseen bits sorted ('bits:J' as the bits it names, unless the bits are drawn)."""
         return dict(self.normal)
 
     @staticmethod
     def _check_size(n_bits, train_size):
         if not 2 <= n_bits <= 20:
-            raise TaskError("--n-bits must be in 2..20 (the whole cube is enumerated), got "
-                            f"{n_bits}")
+            raise TaskError(f"--n-bits must be in 2..20 (the whole cube is enumerated), got {n_bits}")
         if train_size is not None and train_size < 1:
             raise TaskError(f"--train-size must be a positive number of draws, got {train_size}")
 
@@ -1071,8 +1019,7 @@ class _CustomBoolean(BooleanTask):
         b = tuple(dict.fromkeys(bit for _, bits in terms for bit in bits))
         u = (b[:_count(unseen, "bits:", "unseen", len(b))] if str(unseen).startswith("bits:")
              else _parse_bits(unseen, "unseen", n_bits))
-        fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x)
-                                                                       for t in terms))
+        fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x) for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
@@ -1096,8 +1043,7 @@ class KParity(_CustomBoolean):
 
 @register("kmajority")
 class KMajority(_CustomBoolean):
-    """The majority of `--bits` (an odd number) on `--n-bits` bits, unseen where the `--unseen`
-    bits are -1."""
+    """The majority of `--bits` (an odd number) on `--n-bits` bits, unseen where the `--unseen` bits are -1."""
 
 
 @register("ksum")
@@ -1183,9 +1129,8 @@ class ArithmeticTask(Task):
         self.test_size = min(ARITH_TEST_SIZE, self.universe - self.n_train)
         if self.test_size < min(ARITH_TEST_SIZE, self.universe // 10):
             most = (self.universe - min(ARITH_TEST_SIZE, self.universe // 10)) / self.universe
-            raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the "
-                            f"{self.universe:,} pairs for the disjoint test set; use at most "
-                            f"{most:g}")
+            raise TaskError(f"--data-frac {self.data_frac} leaves {self.test_size:,} of the {self.universe:,} "
+                            f"pairs for the disjoint test set; use at most {most:g}")
         self.n_answer = self.answer_digits(self.n_digits)
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
@@ -1203,8 +1148,7 @@ class ArithmeticTask(Task):
 
     @staticmethod
     def strong(j: int, k: int) -> bool:
-        """The carry pattern: whether an operand digit of significance j <= k is strong for answer
-        digit c_k."""
+        """The carry pattern: whether an operand digit of significance j <= k is strong for answer digit c_k."""
         raise NotImplementedError
 
     @property
@@ -1244,19 +1188,17 @@ class ArithmeticTask(Task):
         return len(self.test_seq)
 
     def token_labels(self) -> list:
-        """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the
-        decoder's inputs."""
+        """a2 a1 a0 + b2 b1 b0 = c3 ... (the answer's digits in its order), less the last: the decoder's inputs."""
         places = range(self.n_digits - 1, -1, -1)
         answer = [f"c{self.answer_significance(i)}" for i in range(self.n_answer)]
         return ([f"a{p}" for p in places] + [self.SYMBOL] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
 
     def _levels(self, variant: str) -> torch.Tensor:
-        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions.
-        Rows of prompt positions (before '=') keep the plain causal pattern. The row that predicts
-        the answer digit of significance k (the '=' row and the answer rows) may see itself and the
-        operand digits of significance <= k (addition), strongest at k and k - 1 (the carry); for
-        multiplication a_i and b_j with i + j <= k, i.e. each operand digit of significance <= k
-        (all strong)."""
+        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions. Rows of prompt
+        positions (before '=') keep the plain causal pattern. The row that predicts the answer digit of significance
+        k (the '=' row and the answer rows) may see itself and the operand digits of significance <= k (addition),
+        strongest at k and k - 1 (the carry); for multiplication a_i and b_j with i + j <= k, i.e. each operand
+        digit of significance <= k (all strong)."""
         n, d = self.length - 1, self.n_digits
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
@@ -1293,13 +1235,12 @@ class ArithmeticTask(Task):
         return list(range(self.eq_pos, self.length - 1))
 
     def digit_selection(self) -> dict:
-        """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it
-        depends on in the training pairs, chosen by greedy forward selection (`forward_selection`):
-        the pair with the largest conditional mutual information given the pairs chosen so far,
-        while it stands above what a permutation within their strata gives (`discover_alpha`).
-        Pairs, not single digits: a digit of a sum is independent of either operand digit alone
-        (like parity), not of the two; conditioning on the aligned pair first is what lets the
-        carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
+        """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it depends on in the
+        training pairs, chosen by greedy forward selection (`forward_selection`): the pair with the largest
+        conditional mutual information given the pairs chosen so far, while it stands above what a permutation
+        within their strata gives (`discover_alpha`). Pairs, not single digits: a digit of a sum is independent of
+        either operand digit alone (like parity), not of the two; conditioning on the aligned pair first is what
+        lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
         if "selection" not in self._cache:
             d, base = self.n_digits, 10 ** self.n_digits
             a, b = self.train_idx // base, self.train_idx % base
@@ -1338,13 +1279,11 @@ class ArithmeticTask(Task):
                           "alpha": self.discover_alpha, "steps": steps}}
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The first n training sequences, without their last token (no test pair reaches the
-        teacher)."""
+        """The first n training sequences, without their last token (no test pair reaches the teacher)."""
         return self.train_seq[:n, :-1]
 
     def teacher_fit(self, model, n: int) -> float:
-        """Answer-digit accuracy, each digit predicted from the true ones before it, on
-        `teacher_inputs`."""
+        """Answer-digit accuracy, each digit predicted from the true ones before it, on `teacher_inputs`."""
         seq = self.train_seq[:n]
         return float((model(seq[:, :-1])[:, self.eq_pos:].argmax(-1) == seq[:, self.eq_pos + 1:]).float().mean())
 
@@ -1355,8 +1294,7 @@ class ArithmeticTask(Task):
         """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows
         keep the causal pattern, as in the hand patterns)."""
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal=True,
-                                                readout=self.answer_rows())
+            pattern = mp.pattern_from_attention(attn, ratio, causal=True, readout=self.answer_rows())
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
@@ -1368,8 +1306,7 @@ class ArithmeticTask(Task):
         self.device = torch.device(device)
         base = 10 ** self.n_digits                                 # pair index = a * base + b
         self.train_seq = torch.as_tensor(self.encode(self.train_idx // base, self.train_idx % base), device=device)
-        self.test_seq = torch.as_tensor(self.encode(self.test_idx // base, self.test_idx % base),
-                                        device=device)
+        self.test_seq = torch.as_tensor(self.encode(self.test_idx // base, self.test_idx % base), device=device)
         return self
 
     def train_batch(self, step: int, batch_size: int) -> torch.Tensor:
@@ -1381,8 +1318,7 @@ class ArithmeticTask(Task):
     def loss(self, model, batch) -> torch.Tensor:
         # rows that predict answer digits
         logits = model(batch[:, :-1])[:, self.eq_pos:]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               batch[:, self.eq_pos + 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, self.eq_pos + 1:].reshape(-1))
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         return self.test_seq[:n, :-1]
@@ -1397,9 +1333,8 @@ class ArithmeticTask(Task):
         return seq[:, self.eq_pos + 1:]
 
     def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
-        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0)
-        on the first n of them (a random draw, like the whole test set); `eval_points` says
-        which."""
+        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0) on the first n of
+        them (a random draw, like the whole test set); `eval_points` says which."""
         test = self.test_seq[:points] if points and points < len(self.test_seq) else self.test_seq
         preds = torch.cat([self.generate(model, test[i:i + batch_size, :self.eq_pos + 1])
                            for i in range(0, len(test), batch_size)])
@@ -1429,14 +1364,12 @@ def conditional_mi(y: np.ndarray, x: np.ndarray, z: np.ndarray) -> float:
     return _entropy(_joint(y, z)) - _entropy(z) - _entropy(_joint(y, zx)) + _entropy(zx)
 
 
-def forward_selection(y: np.ndarray, candidates: dict, alpha: float,
-                      rng: np.random.Generator) -> list[tuple]:
-    """Greedy forward selection of the candidates (key -> integer codes per example) that y depends
-    on: at each step the candidate of largest I(y; candidate | the chosen ones) is kept when it
-    exceeds every one of round(1 / alpha) - 1 permutations (each candidate's codes shuffled within
-    the strata of the chosen ones, the largest over candidates taken: a test at level alpha that
-    counts how many were tried); the first that does not ends the selection. [(*key, cmi, noise,
-    kept)], the last entry the one that stopped it (if any)."""
+def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.random.Generator) -> list[tuple]:
+    """Greedy forward selection of the candidates (key -> integer codes per example) that y depends on: at each step
+    the candidate of largest I(y; candidate | the chosen ones) is kept when it exceeds every one of round(1 / alpha)
+    - 1 permutations (each candidate's codes shuffled within the strata of the chosen ones, the largest over
+    candidates taken: a test at level alpha that counts how many were tried); the first that does not ends the
+    selection. [(*key, cmi, noise, kept)], the last entry the one that stopped it (if any)."""
     chosen, steps, z = [], [], np.zeros(len(y), dtype=np.int64)
     while len(chosen) < len(candidates):
         rest = [k for k in candidates if k not in chosen]
@@ -1446,8 +1379,7 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float,
             # a permutation within each stratum of z
             order = np.lexsort((rng.random(len(z)), z))
             by_z = np.argsort(z, kind="stable")
-            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z)
-                                   for k in rest))
+            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
         best = max(values, key=values.get)
         kept = values[best] > noise + 1e-12
         steps.append((*best, values[best], noise, kept))
@@ -1466,8 +1398,7 @@ def _shuffled(x: np.ndarray, order: np.ndarray, by_z: np.ndarray) -> np.ndarray:
 
 @register("addition")
 class Addition(ArithmeticTask):
-    """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the
-    pairs by default."""
+    """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
     # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps
     # 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
@@ -1484,10 +1415,9 @@ class Addition(ArithmeticTask):
 
 
 # Lee et al.'s multiplication data ("Teaching Arithmetic to Small Transformers", ICLR 2024; lee-ny/
-# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only (`lee_pairs`,
-# `lee_text`), unpadded, one character a token; the test set is every pair not trained on. A row
-# holds one example, padded after its end with '_' (never a target, and causal attention keeps
-# every real row from seeing it).
+# teaching_arithmetic, data/bal/train_multiplication_3000.txt): 2-digit x 2-digit only (`lee_pairs`, `lee_text`),
+# unpadded, one character a token; the test set is every pair not trained on. A row holds one example, padded after
+# its end with '_' (never a target, and causal attention keeps every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
 
@@ -1515,9 +1445,8 @@ def lee_text(a: int, b: int, answer_order: str) -> str:
 
 @register("multiplication")
 class Multiplication(ArithmeticTask):
-    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by
-    default. With --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`:
-    `LeeMultiplication`)."""
+    """a * b for d-digit a, b (--digits, default 3): 2d answer digits; trains on 3% of the pairs by default. With
+    --lee-samples N (and --digits 2): Lee et al.'s unpadded data instead (`build`: `LeeMultiplication`)."""
     # 6,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=6000, log_every=250)}}
     PATTERNS = ArithmeticTask.PATTERNS + ("partial", "columns")
@@ -1536,18 +1465,16 @@ class Multiplication(ArithmeticTask):
 
     @classmethod
     def build(cls, lee_samples: int | None = None, **options) -> Task:
-        """Lee et al.'s data where --lee-samples N is given (`LeeMultiplication`), else the
-        zero-padded pairs."""
+        """Lee et al.'s data where --lee-samples N is given (`LeeMultiplication`), else the zero-padded pairs."""
         return cls(**options) if lee_samples is None else LeeMultiplication(lee_samples=lee_samples, **options)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`).
-        partial: one partial product per head, the row that predicts c_k seeing in head i < d a_i,
-        b_(k-i) (itself alone where k - i is not a digit of b), in head d the carries' trace.
-        columns, long multiplication's: in head 0 every a_i, b_j of c_k's column (i + j = k), in head
-        1 the column below (k - 1, where the carry into k mostly comes from), in head 2 the one below
-        that (k - 2), in head 3 the answer digits already written (answers lsb first: the lower
-        digits, the trace of the running sum)."""
+        """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`). partial: one
+        partial product per head, the row that predicts c_k seeing in head i < d a_i, b_(k-i) (itself alone where k
+        - i is not a digit of b), in head d the carries' trace. columns, long multiplication's: in head 0 every a_i,
+        b_j of c_k's column (i + j = k), in head 1 the column below (k - 1, where the carry into k mostly comes
+        from), in head 2 the one below that (k - 2), in head 3 the answer digits already written (answers lsb first:
+        the lower digits, the trace of the running sum)."""
         d = self.n_digits
         if variant == "partial":
             return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
@@ -1558,10 +1485,9 @@ class Multiplication(ArithmeticTask):
         return super().build_pattern(variant)
 
     def _heads_of_pairs(self, name: str, gives: str, groups) -> torch.Tensor:
-        """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the
-        digits of the pairs (i, j) (significances of a and b; pairs off the operands dropped) that
-        `groups(k)[h]` names; in head G the answer digits already written; in any further head the
-        `carry` pattern. Prompt rows stay causal."""
+        """(heads, N, N) bool: the answer row of significance k sees, in head h < G, itself and the digits of the
+        pairs (i, j) (significances of a and b; pairs off the operands dropped) that `groups(k)[h]` names; in head G
+        the answer digits already written; in any further head the `carry` pattern. Prompt rows stay causal."""
         d, n, g = self.n_digits, self.length - 1, len(groups(0))
         if self.heads < g + 1:
             raise TaskError(f"--pattern {name} gives {gives} and one head to the answer so far: "
@@ -1583,16 +1509,14 @@ class Multiplication(ArithmeticTask):
 
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task
-    multiplication --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move
-    with its operands' lengths: M lives on the roles of one layout, the longest ("frame": [$] a1 a0 *
-    b1 b0 = and four answer digits, where a 2 x 2-digit example puts them), and an example with a
-    one-digit operand has its characters moved to the roles of the same significance, digits aligned
-    from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the role of the character
-    it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
-    answer's length is not known while it is written, so its digits take the significance of the
-    longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit
-    up by one there)."""
+    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task multiplication
+    --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move with its operands' lengths:
+    M lives on the roles of one layout, the longest ("frame": [$] a1 a0 * b1 b0 = and four answer digits, where a 2
+    x 2-digit example puts them), and an example with a one-digit operand has its characters moved to the roles of
+    the same significance, digits aligned from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the
+    role of the character it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
+    answer's length is not known while it is written, so its digits take the significance of the longest answer the
+    operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
@@ -1602,20 +1526,17 @@ class LeeMultiplication(ArithmeticTask):
     SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
                                              for k in ("SYMBOL", "answer", "answer_digits", "strong"))
 
-    def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3,
-                 heads: int = 4, discover_alpha: float = 0.05, data_frac: float | None = None,
-                 seed: int = 0):
+    def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
+                 discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
         if digits != 2:
             raise TaskError("--lee-samples builds Lee et al.'s 2-digit x 2-digit data: give "
                             f"--digits 2 (got --digits {digits})")
         if data_frac is not None:
-            raise TaskError("--lee-samples draws its own training set (N samples with "
-                            "replacement, every pair not trained on as the test set); leave "
-                            "--data-frac out")
+            raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair not "
+                            "trained on as the test set); leave --data-frac out")
         if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
-            raise TaskError("--lee-samples must be an integer in 100 .. 10,000 (the 100 "
-                            "one-digit pairs, then draws from the 10^4 pairs), got "
-                            f"{lee_samples!r}")
+            raise TaskError("--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
+                            f"draws from the 10^4 pairs), got {lee_samples!r}")
         super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
         self.heads, self.lee_samples = heads, lee_samples
@@ -1633,16 +1554,14 @@ class LeeMultiplication(ArithmeticTask):
         return None             # the operands' lengths move the digits: a position is no fixed digit
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded
-        layout's grades."""
+        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded layout's grades."""
         return Task.mask_logits(self, variant, m_on, m_off)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt
-        rows: the plain causal pattern. The row that predicts the answer digit of significance k
-        sees the operand digits a_i, b_j that a product a_i b_j with i + j <= k reads (significance
-        <= k), the '=' and the answer written so far (itself included); the row that predicts the
-        end of a full answer sees every digit."""
+        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the plain
+        causal pattern. The row that predicts the answer digit of significance k sees the operand digits a_i, b_j
+        that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the answer written so far
+        (itself included); the row that predicts the end of a full answer sees every digit."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len, eq = self.length - 1, pre + 5
         # a1 a0 * b1 b0: role -> significance
@@ -1659,9 +1578,8 @@ class LeeMultiplication(ArithmeticTask):
         return pat
 
     def lee_roles(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, cols): (B, R) long, the frame roles of each position of x (B, T >= its '=') as a
-        query and as a key (`mp.prior_roles`). Positions past an example's end take the last role
-        (only padding rows see them)."""
+        """(rows, cols): (B, R) long, the frame roles of each position of x (B, T >= its '=') as a query and as a
+        key (`mp.prior_roles`). Positions past an example's end take the last role (only padding rows see them)."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len = self.length - 1
         star = (x == LEE_TOKENS["*"]).long().argmax(1, keepdim=True)
@@ -1672,16 +1590,14 @@ class LeeMultiplication(ArithmeticTask):
         p = torch.arange(r_len + 1, device=x.device)[None]
         # msb: the answer also shifts to the longest
         after = gap if self.answer_order == "lsb" else 2 * gap
-        shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la,
-                                                    torch.where(p <= eq, gap, after)))
+        shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la, torch.where(p <= eq, gap, after)))
         cols = (p + shift).clamp(0, r_len - 1)[:, :r_len]
         rows = (p[:, :r_len] + shift[:, 1:]).clamp(0, r_len - 1)
         return rows, cols
 
     def lee_encode(self, pairs: np.ndarray) -> torch.Tensor:
         """(n, 2) pairs -> (n, row length) token ids, '_' after each example's end."""
-        rows = [lee_text(int(a), int(b), self.answer_order).ljust(self.length, "_")
-                for a, b in pairs]
+        rows = [lee_text(int(a), int(b), self.answer_order).ljust(self.length, "_") for a, b in pairs]
         return torch.tensor([[LEE_TOKENS[ch] for ch in row] for row in rows], dtype=torch.long)
 
     def lee_decode(self, row) -> str:
@@ -1702,13 +1618,11 @@ class LeeMultiplication(ArithmeticTask):
         return self
 
     def loss(self, model, batch) -> torch.Tensor:
-        """Cross-entropy on the answer characters and the end (every character after '=' but the
-        padding)."""
+        """Cross-entropy on the answer characters and the end (every character after '=' but the padding)."""
         x = batch[:, :-1]
         with mp.prior_roles(model, *self.lee_roles(x)):
             logits = model(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(),
-                               ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(), ignore_index=-100)
 
     def lee_targets(self, batch: torch.Tensor) -> torch.Tensor:
         """(B, L - 1): the next character where a row predicts an answer character or the end, else
@@ -1720,9 +1634,8 @@ class LeeMultiplication(ArithmeticTask):
     @torch.no_grad()
     def lee_generate(self, model, prompts: torch.Tensor, temperature: float = 0.0,
                      generator: torch.Generator | None = None) -> torch.Tensor:
-        """Decoding among the digits and the end character, greedy or (`temperature` > 0) sampled
-        from softmax(logits / temperature). prompts: (B, P) ending in '=' (one length) -> (B,
-        LEE_NEW)."""
+        """Decoding among the digits and the end character, greedy or (`temperature` > 0) sampled from
+        softmax(logits / temperature). prompts: (B, P) ending in '=' (one length) -> (B, LEE_NEW)."""
         end = LEE_TOKENS["\n" if self.answer_order == "msb" else "$"]
         banned = torch.ones(len(LEE_VOCAB), dtype=torch.bool, device=prompts.device)
         banned[:10] = banned[end] = False
@@ -1740,9 +1653,8 @@ class LeeMultiplication(ArithmeticTask):
 
     def _score(self, model, seq: torch.Tensor, batch_size: int = 2500, temperature: float = 0.0,
                    generator: torch.Generator | None = None) -> tuple[float, float]:
-        """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`:
-        right iff every answer digit and the end are; characters after the end are not read (Lee et
-        al. cut the answer there)."""
+        """(sequence accuracy, character accuracy) of decoding (`lee_generate`) on rows `seq`: right iff every
+        answer digit and the end are; characters after the end are not read (Lee et al. cut the answer there)."""
         eq = (seq == LEE_TOKENS["="]).long().argmax(1)
         right, chars, chars_right = 0, 0, 0
         for e in eq.unique().tolist():
@@ -1779,16 +1691,14 @@ class LeeMultiplication(ArithmeticTask):
         return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        raise TaskError("--prior-from reads a teacher's attention by position; with "
-                        "--lee-samples the layout moves with the operands' lengths, so a "
-                        "teacher's map has no one place to live")
+        raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout moves "
+                        "with the operands' lengths, so a teacher's map has no one place to live")
 
 
 # ----------------------------------------------------------------------------------------
-# Vision: CIFAR-10, CIFAR-100 (python pickles or binary records) and ImageNet-100 (the
-# downsampled ImageNet pickles / .npz with map_clsloc.txt, or an ImageFolder tree with
-# Pillow). Images are kept as uint8 (N, 3, H, W) tensors on the device and augmented in
-# batches there.
+# Vision: CIFAR-10, CIFAR-100 (python pickles or binary records) and ImageNet-100 (the downsampled ImageNet pickles
+# / .npz with map_clsloc.txt, or an ImageFolder tree with Pillow). Images are kept as uint8 (N, 3, H, W) tensors on
+# the device and augmented in batches there.
 #
 # The 100 classes of ImageNet-100 (the CMC list, Tian et al. 2019), sorted: label = index.
 
@@ -1828,18 +1738,15 @@ def _entries(d: dict, path: str, what: str, *names) -> list:
 
 
 def _reconstruct(subtype, shape, typecode):
-    """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes
-    after)."""
+    """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes after)."""
     if subtype is not np.ndarray:
-        raise pickle.UnpicklingError("an array of class "
-                                     f"{getattr(subtype, '__name__', subtype)!r}, not "
+        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not "
                                      "numpy.ndarray")
     return np.ndarray.__new__(np.ndarray, shape, typecode)
 
 
 def _numeric_dtype(spec, *args):
-    """numpy.dtype for numbers and strings only: an object dtype would let a file place Python
-    objects in an array."""
+    """numpy.dtype for numbers and strings only: an object dtype would let a file place Python objects in an array."""
     dt = np.dtype(spec.decode("ascii") if isinstance(spec, bytes) else spec, *args)
     if dt.hasobject:
         raise pickle.UnpicklingError("an array of Python objects (the releases hold numbers)")
@@ -1850,8 +1757,7 @@ def _scalar(dtype, data):
     """numpy's `scalar`: one number of a numeric dtype from its bytes."""
     dt = _numeric_dtype(dtype)
     if dt.hasobject or not isinstance(data, bytes) or len(data) != dt.itemsize:
-        raise pickle.UnpicklingError("a numpy scalar of "
-                                     f"{len(data) if isinstance(data, bytes) else '?'} bytes for "
+        raise pickle.UnpicklingError(f"a numpy scalar of {len(data) if isinstance(data, bytes) else '?'} bytes for "
                                      f"dtype {dt}")
     return np.frombuffer(data, dt, count=1)[0]
 
@@ -1862,16 +1768,14 @@ def _frombuffer(buffer, dtype, shape, order):
 
 
 def _latin1(text, encoding):
-    """`_codecs.encode(text, 'latin1')`: how Python 3 writes bytes in a protocol 2 pickle; no other
-    codec."""
+    """`_codecs.encode(text, 'latin1')`: how Python 3 writes bytes in a protocol 2 pickle; no other codec."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
         raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} (only latin1 writes bytes)")
     return text.encode("latin1")
 
 
-# The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core,
-# numpy 2 writes numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a
-# checked stand-in.
+# The only globals a CIFAR or downsampled-ImageNet python batch names (Python 2 wrote numpy.core, numpy 2 writes
+# numpy._core, Python 3 writes bytes through _codecs.encode), each mapped to a checked stand-in.
 RELEASE_GLOBALS = {
     **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
     **{(f"numpy.{core}.multiarray", "scalar"): _scalar for core in ("core", "_core")},
@@ -1933,9 +1837,8 @@ def _pixels(data, path: str) -> np.ndarray:
         raise DataError(f"{path}: pixels must be integers 0..255 (uint8, as in the release), "
                         f"found {what}; re-download the release or write the images as uint8")
     if data.size and (data.min() < 0 or data.max() > 255):
-        raise DataError(f"{path}: pixels must be integers 0..255, found "
-                        f"{data.min()}..{data.max()}; re-download the release or write the images "
-                        "as uint8")
+        raise DataError(f"{path}: pixels must be integers 0..255, found {data.min()}..{data.max()}; re-download "
+                        "the release or write the images as uint8")
     return data
 
 
@@ -1943,8 +1846,7 @@ def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
     """(N, 3*S*S) uint8 rows, R then G then B planes -> (N, 3, S, S); S is `size` when given."""
     data = _pixels(data, path)
     if data.ndim != 2 or data.shape[1] % 3:
-        raise DataError(f"{path}: expected image rows of 3*S*S bytes, got an array of shape "
-                        f"{data.shape}")
+        raise DataError(f"{path}: expected image rows of 3*S*S bytes, got an array of shape {data.shape}")
     if len(data) == 0:
         raise DataError(f"{path} holds no images (an empty batch); re-download the release")
     side = int(round((data.shape[1] // 3) ** 0.5))
@@ -1957,15 +1859,12 @@ def _images_from_rows(data, path: str, size: int | None = None) -> np.ndarray:
 
 
 def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> np.ndarray:
-    """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when
-    given)."""
+    """A batch's labels as int64 (N,), refused unless they are N integers (in 0..n_classes-1 when given)."""
     if isinstance(values, (list, tuple)):
         if any(isinstance(v, (list, tuple, dict)) for v in values):
-            raise DataError(f"{path}: labels must be a flat list of integers, found a list of "
-                            "lists")
+            raise DataError(f"{path}: labels must be a flat list of integers, found a list of lists")
         if any(isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63 for v in values):
-            raise DataError(f"{path}: labels must be 64-bit integers, found one outside -2^63 .. "
-                            "2^63 - 1")
+            raise DataError(f"{path}: labels must be 64-bit integers, found one outside -2^63 .. 2^63 - 1")
     elif not isinstance(values, np.ndarray):
         raise DataError(f"{path}: labels must be a list of integers, found {type(values).__name__}")
     try:
@@ -1973,8 +1872,7 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> n
     except (ValueError, TypeError, OverflowError) as e:
         raise DataError(f"{path}: labels must be a flat list of integers ({type(e).__name__})") from None
     if y.ndim != 1:
-        raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape "
-                        f"{y.shape}")
+        raise DataError(f"{path}: labels must be a flat list of integers, found an array of shape {y.shape}")
     if y.size and y.dtype.kind not in "iu":
         raise DataError(f"{path}: labels must be integers, found {y.dtype} values (e.g. "
                         f"{repr(y[:1].tolist()[0])[:40]})")
@@ -1982,8 +1880,7 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> n
         raise DataError(f"{path}: {n_images} images but {len(y)} labels (truncated?)")
     y = y.astype(np.int64)
     if n_classes is not None and (y.min() < 0 or y.max() >= n_classes):
-        raise DataError(f"{path}: labels must lie in 0..{n_classes - 1}, found "
-                        f"{y.min()}..{y.max()}")
+        raise DataError(f"{path}: labels must lie in 0..{n_classes - 1}, found {y.min()}..{y.max()}")
     return y
 
 
@@ -1997,15 +1894,13 @@ def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | Non
 
 
 def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
-                      n_classes: int | None = None
-                      ) -> tuple[np.ndarray, np.ndarray]:
+                      n_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR binary file: records of `label_bytes` label bytes then 3072 pixel bytes (CIFAR-10:
     1 label byte; CIFAR-100: coarse then fine label, label_bytes=2, label_index=1 for the fine)."""
     raw = np.frombuffer(_release_bytes(path), dtype=np.uint8)
     rec = label_bytes + 3072
     if raw.size == 0 or raw.size % rec:
-        raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records "
-                        "(truncated?)")
+        raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
     raw = raw.reshape(-1, rec)
     return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path,
                                                                        len(raw), n_classes)
@@ -2021,9 +1916,8 @@ def find_first(data_dir: str, candidates) -> str | None:
 
 
 def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
-    """Where CIFAR-10 or CIFAR-100 lies in `data_dir` (or a sub-folder it holds): ("python" or
-    "binary", its files: the training batches, then the test batch); DataError naming what was
-    looked for and where to get it."""
+    """Where CIFAR-10 or CIFAR-100 lies in `data_dir` (or a sub-folder it holds): ("python" or "binary", its files:
+    the training batches, then the test batch); DataError naming what was looked for and where to get it."""
     if name == "cifar10":
         names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
         py = find_first(data_dir, [os.path.join(d, "data_batch_1") for d in ("cifar-10-batches-py", ".")])
@@ -2032,11 +1926,10 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
         binary = find_first(data_dir, ["cifar-10-batches-bin", "."])
         if binary and os.path.exists(os.path.join(binary, "data_batch_1.bin")):
             return "binary", [os.path.join(binary, f + ".bin") for f in names]
-        raise DataError("CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 "
-                        "(python) and cifar-10-batches-bin/data_batch_1.bin (binary) in "
-                        f"{os.path.abspath(data_dir)}; fetch it with `python train.py download "
-                        f"cifar10 --data {data_dir}` (from {CIFAR_URL}, checked and unpacked), or "
-                        "point --data-dir at it")
+        raise DataError("CIFAR-10 not found: looked for cifar-10-batches-py/data_batch_1 (python) and "
+                        f"cifar-10-batches-bin/data_batch_1.bin (binary) in {os.path.abspath(data_dir)}; fetch it "
+                        f"with `python train.py download cifar10 --data {data_dir}` (from {CIFAR_URL}, checked and "
+                        "unpacked), or point --data-dir at it")
     py = find_first(data_dir, ["cifar-100-python", "."])
     if py and os.path.exists(os.path.join(py, "train")) and not os.path.isdir(os.path.join(py, "train")):
         return "python", [os.path.join(py, s) for s in ("train", "test")]
@@ -2073,8 +1966,7 @@ CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"},
 
 
 def cifar_release(data_dir: str, name: str) -> tuple[str, list[str]]:
-    """`cifar_files`, each file checked (`release_file`): a pickle (python), whole records
-    (binary)."""
+    """`cifar_files`, each file checked (`release_file`): a pickle (python), whole records (binary)."""
     kind, files = cifar_files(data_dir, name)
     for f in files:
         release_file(f, name, **CIFAR_FILE[kind, name])
@@ -2082,14 +1974,12 @@ def cifar_release(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 
 def release_file(path: str, name: str, header: bytes = b"", record: int = 0) -> str:
-    """`path`, a file of a release, checked before a byte of it is decoded: there, a regular file,
-    not empty, opening with `header` and (where `record`) whole records of that many bytes; else a
-    DataError naming it."""
+    """`path`, a file of a release, checked before a byte of it is decoded: there, a regular file, not empty,
+    opening with `header` and (where `record`) whole records of that many bytes; else a DataError naming it."""
     if not os.path.exists(path):
         raise DataError(f"{name}: {path} is missing (the release is incomplete?); re-download it")
     if not os.path.isfile(path):
-        raise DataError(f"{name}: {path} is not a file (a folder?); it should be the file of the "
-                        "release")
+        raise DataError(f"{name}: {path} is not a file (a folder?); it should be the file of the release")
     size = os.path.getsize(path)
     if size == 0 or (record and size % record):
         what = "empty" if size == 0 else f"{size:,} bytes, not whole {record}-byte records"
@@ -2131,19 +2021,16 @@ def _read_downsampled(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def imagenet100_layout(data_dir: str) -> str:
-    """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/,
-    read with Pillow) or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError
-    naming both where it holds neither."""
-    if os.path.isdir(os.path.join(data_dir, "train")) and not find_first(data_dir,
-                                                                    ["val_data", "val_data.npz"]):
+    """Which ImageNet-100 layout `data_dir` holds: "folder" (train/<wnid>/*.JPEG and val/<wnid>/, read with Pillow)
+    or "downsampled" (the Imagenet32/64 batches with map_clsloc.txt); DataError naming both where it holds neither."""
+    if os.path.isdir(os.path.join(data_dir, "train")) and not find_first(data_dir, ["val_data", "val_data.npz"]):
         return "folder"
     if find_first(data_dir, ["train_data_batch_1", "train_data_batch_1.npz"]):
         return "downsampled"
-    raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for "
-                    "train/<wnid>/*.JPEG with val/<wnid>/ (an ImageFolder tree; needs Pillow), "
-                    "and for train_data_batch_1..10 and val_data with map_clsloc.txt (the "
-                    f"downsampled ImageNet, {IMAGENET32_URL}); `python train.py imagenet100 "
-                    "--from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
+    raise DataError(f"ImageNet-100 not found in {os.path.abspath(data_dir)}: looked for train/<wnid>/*.JPEG with "
+                    "val/<wnid>/ (an ImageFolder tree; needs Pillow), and for train_data_batch_1..10 and val_data "
+                    f"with map_clsloc.txt (the downsampled ImageNet, {IMAGENET32_URL}); `python train.py "
+                    "imagenet100 --from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
 # then .npz or not
@@ -2153,23 +2040,20 @@ DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("v
 def _wnid_map_path(data_dir: str) -> str:
     map_path = os.path.join(data_dir, "map_clsloc.txt")
     if not os.path.exists(map_path):
-        raise DataError(f"ImageNet-100: {map_path} is missing; it maps labels 1..1000 to wnids "
-                        "and comes with the ImageNet devkit (ILSVRC2012 devkit, "
-                        "data/map_clsloc.txt)")
+        raise DataError(f"ImageNet-100: {map_path} is missing; it maps labels 1..1000 to wnids and comes with the "
+                        "ImageNet devkit (ILSVRC2012 devkit, data/map_clsloc.txt)")
     return map_path
 
 
 def read_imagenet100_downsampled(data_dir: str) -> dict:
-    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data;
-    pickles or .npz) and the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted
-    wnid order."""
+    """ImageNet-100 from the downsampled ImageNet release (train_data_batch_1..10, val_data; pickles or .npz) and
+    the devkit's map_clsloc.txt, all in `data_dir`. Labels 0..99 in sorted wnid order."""
     map_path = _wnid_map_path(data_dir)
     label_to_wnid = read_wnid_map(map_path)
     index = {w: i for i, w in enumerate(IMAGENET100_WNIDS)}
     missing = [w for w in IMAGENET100_WNIDS if w not in set(label_to_wnid.values())]
     if missing:
-        raise DataError(f"{map_path} lacks {len(missing)} of the ImageNet-100 wnids (e.g. "
-                        f"{missing[0]})")
+        raise DataError(f"{map_path} lacks {len(missing)} of the ImageNet-100 wnids (e.g. {missing[0]})")
     lut = np.full(max(label_to_wnid) + 1, -1, dtype=np.int64)
     for lab, w in label_to_wnid.items():
         lut[lab] = index.get(w, -1)
@@ -2186,15 +2070,13 @@ def read_imagenet100_downsampled(data_dir: str) -> dict:
             sources.append(release_file(path, "ImageNet-100"))
             x, y = _read_downsampled(path)
             if y.min() < 1 or y.max() >= len(lut):
-                raise DataError(f"{path}: labels must be 1..{len(lut) - 1} (1-based), found "
-                                f"{y.min()}..{y.max()}")
+                raise DataError(f"{path}: labels must be 1..{len(lut) - 1} (1-based), found {y.min()}..{y.max()}")
             keep = lut[y] >= 0
             xs.append(x[keep])
             ys.append(lut[y[keep]])
         return np.concatenate(xs), np.concatenate(ys)
 
-    return {"train": load(DOWNSAMPLED_BATCHES[:-1]), "test": load(DOWNSAMPLED_BATCHES[-1:]),
-            "sources": sources}
+    return {"train": load(DOWNSAMPLED_BATCHES[:-1]), "test": load(DOWNSAMPLED_BATCHES[-1:]), "sources": sources}
 
 
 def _pillow():
@@ -2208,8 +2090,7 @@ def _pillow():
 
 
 def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size
-    (Pillow)."""
+    """An ImageFolder tree root/<wnid>/*.JPEG of the ImageNet-100 classes, resized to size x size (Pillow)."""
     Image = _pillow()
     xs, ys = [], []
     for label, wnid in enumerate(IMAGENET100_WNIDS):
@@ -2230,8 +2111,7 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
 def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
     """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a
     change in any file's contents, or another set of files, invalidates the image cache."""
-    return [_source_signature(Path(path), known, os.path.relpath(path, data_dir))
-            for path in sorted(sources)]
+    return [_source_signature(Path(path), known, os.path.relpath(path, data_dir)) for path in sorted(sources)]
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
@@ -2248,13 +2128,11 @@ def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
-    """The cached arrays, or None when the cache is broken, has no signature, or its sources
-    changed."""
+    """The cached arrays, or None when the cache is broken, has no signature, or its sources changed."""
     try:
         with open_back(cache) as f, np.load(f) as z:
             saved = json.loads(str(z["sources"]))
-            now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved],
-                                   known=saved)
+            now = _image_signature(data_dir, [os.path.join(data_dir, e["name"]) for e in saved], known=saved)
             if not _same_sources(now, saved):
                 return None
             return {"train": (z["x_train"], z["y_train"]), "test": (z["x_test"], z["y_test"]),
@@ -2264,10 +2142,9 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
-    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read
-    the cache while every source file keeps its contents (`_source_signature`), and rebuild it when
-    one changes. Returns {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four
-    arrays}."""
+    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the cache while
+    every source file keeps its contents (`_source_signature`), and rebuild it when one changes. Returns {"train":
+    (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that "
                         f"holds the {name} files")
@@ -2291,8 +2168,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
         data = read_imagenet100_downsampled(data_dir)
     size = data["train"][0].shape[-1]
     if size != image_size:
-        raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is "
-                        f"{image_size}")
+        raise DataError(f"{name} in {data_dir} holds {size}x{size} images but --image-size is {image_size}")
     data["data_hash"] = array_hash(*data["train"], *data["test"])
     _save_image_cache(data_dir, key, data, _image_signature(data_dir, data.pop("sources")))
     return data
@@ -2300,18 +2176,16 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
 
 @dataclass(kw_only=True)
 class ImageTask(Task):
-    """Image classification with a ViT; the prior lives on the grid of patches: `impulse` (the
-    default) gives each head one convolution-like offset (with `--impulse random`, drawn by the
-    seed), `soft` a 2-D bump around that offset (`--soft-alpha`, ConViT-like), `local` every head
-    the `--window` x `--window` neighbourhood, `graded` the head's offset at +m_on and the rest of
-    the 3 x 3 neighbourhood at 0 (log sigmoid 0 = -0.69)."""
+    """Image classification with a ViT; the prior lives on the grid of patches: `impulse` (the default) gives each
+    head one convolution-like offset (with `--impulse random`, drawn by the seed), `soft` a 2-D bump around that
+    offset (`--soft-alpha`, ConViT-like), `local` every head the `--window` x `--window` neighbourhood, `graded` the
+    head's offset at +m_on and the rest of the 3 x 3 neighbourhood at 0 (log sigmoid 0 = -0.69)."""
     KIND = "vision"
     PATTERNS = ("impulse", "soft", "local", "graded")
     DEFAULT_PATTERN = "impulse"
-    # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and
-    # mimetic V-proj (`--init mask-impulse`) it beats `impulse` on every seed of the digits
-    # stand-in (results/README.md); the QK inits read it as its centre, the impulse pattern
-    # (`build_pattern`), so they are as before.
+    # The presets' prior is the soft bump (`pattern="soft"`): with impulse's positions x18 and mimetic V-proj
+    # (`--init mask-impulse`) it beats `impulse` on every seed of the digits stand-in (results/README.md); the QK
+    # inits read it as its centre, the impulse pattern (`build_pattern`), so they are as before.
     HEADLINE = ("top1", "loss")
     MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
@@ -2320,12 +2194,11 @@ class ImageTask(Task):
                   "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05,
                                  batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30,
                                  label_smoothing=0.1, qk_opt_steps=2000, log_every=100)},
-        # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization
-        # README, timm 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by
-        # a random resized crop (evaluation: resize to 256, centre 224), 300 epochs, global batch
-        # 512, AdamW 2e-3 (eps 1e-8), decay 0.05, 50 warm-up epochs then cosine, RandAugment m9
-        # mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5), random erasing 0.25 (pixel),
-        # label smoothing 0.1, drop path 0.1; no EMA, no clipping
+        # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
+        # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
+        # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay 0.05,
+        # 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5),
+        # random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
         "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16,
                                 input_size=224, pool="cls", qkv_bias=True, pos_init_std=0.02,
                                 pattern="soft"),
@@ -2335,8 +2208,7 @@ class ImageTask(Task):
                                  cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0,
                                  randaug_std=0.5, randaug_ops=2, reprob=0.25, drop_path=0.1,
                                  log_every=1000)},
-        # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling
-        # (Zheng et al. 2024)
+        # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
         "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2,
                                   pool="mean", qkv_bias=True, pos_init_std=0.02, pattern="soft"),
                     "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3,
@@ -2395,8 +2267,7 @@ class ImageTask(Task):
     def offsets(self):
         """One (dy, dx) offset per head: the fixed order, or drawn by the task's seed."""
         if self.impulse == "random":
-            return mp.random_impulse_offsets(self.heads, 3,
-                                             torch.Generator().manual_seed(self.seed))
+            return mp.random_impulse_offsets(self.heads, 3, torch.Generator().manual_seed(self.seed))
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
@@ -2406,8 +2277,7 @@ class ImageTask(Task):
         reads the same prior with either; `graded`: the 3 x 3 neighbourhood it allows)."""
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "local" or variant == "graded":
-            return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads,
-                                     prefix)
+            return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
         if variant == "soft":
             bias = torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0))
             # a CLS key is +m_on for every row
@@ -2421,12 +2291,10 @@ class ImageTask(Task):
         variant = self.pattern_name(variant)
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "soft":
-            return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off,
-                                         prefix)
+            return mp.soft_offset_logits(g, g, self.offsets(), self.soft_alpha, m_on, m_off, prefix)
         if variant == "graded":
             strong = mp.impulse_pattern(g, g, self.offsets(), prefix)
-            return torch.where(strong, float(m_on),
-                               torch.where(self.pattern("graded"), 0.0, -float(m_off)))
+            return torch.where(strong, float(m_on), torch.where(self.pattern("graded"), 0.0, -float(m_off)))
         return super().mask_logits(variant, m_on, m_off)
 
     def setup(self, device="cpu"):
@@ -2435,8 +2303,7 @@ class ImageTask(Task):
         self._data_hash = data["data_hash"]
         for split, y in (("train", ytr), ("test", yte)):
             if len(y) == 0 or y.min() < 0 or y.max() >= self.n_classes:
-                raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} "
-                                "and be non-empty")
+                raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} and be non-empty")
         self.device = torch.device(device)
         self.x_train = torch.as_tensor(xtr, device=device)
         self.y_train = torch.as_tensor(ytr, device=device)
@@ -2474,8 +2341,7 @@ class ImageTask(Task):
             x = augment.random_erasing(x, self.reprob, g)
         y = F.one_hot(self.y_train[idx], self.n_classes).float()
         y = y * (1 - self.label_smoothing) + self.label_smoothing / self.n_classes
-        return augment.mix_batch(x, y, self.mixup, self.cutmix, g,
-                           np.random.default_rng([self.seed, step]))
+        return augment.mix_batch(x, y, self.mixup, self.cutmix, g, np.random.default_rng([self.seed, step]))
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch
@@ -2495,8 +2361,7 @@ class ImageTask(Task):
     TEACHER_MIN_FIT = 0.5
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
-        """The first n training images, as evaluation sees them (no augmentation; no test
-        image)."""
+        """The first n training images, as evaluation sees them (no augmentation; no test image)."""
         return self.test_view(self.x_train[:n])
 
     def teacher_fit(self, model, n: int) -> float:
@@ -2504,13 +2369,11 @@ class ImageTask(Task):
         return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Vision reads a teacher's attention per 2-D offset by default
-        (`mp.offsets_from_attention`: a soft prior per head, translation-invariant like the impulse
-        and soft patterns)."""
+        """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft prior
+        per head, translation-invariant like the impulse and soft patterns)."""
         if kind == "offsets":
             g = self.input_size // self.patch_size
-            return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls"
-                                                        else 0, m_on, m_off))
+            return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls" else 0, m_on, m_off))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     @torch.no_grad()
@@ -2534,8 +2397,7 @@ def _required_dir(data_dir: str | None, name: str) -> str:
 
 @register("cifar10")
 class Cifar10(ImageTask):
-    """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10
-    classes."""
+    """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10 classes."""
     N_CLASSES = 10
     # training images as released (reproduce.sh's plan sizes epochs with it)
     TRAIN_SIZE = 50_000
@@ -2553,8 +2415,7 @@ class Cifar100(Cifar10):
 
 @register("imagenet100")
 class ImageNet100(ImageTask):
-    """ImageNet-100 (the CMC class list) from the downsampled ImageNet pickles or an ImageFolder
-    tree."""
+    """ImageNet-100 (the CMC class list) from the downsampled ImageNet pickles or an ImageFolder tree."""
     N_CLASSES = 100
     TRAIN_SIZE = 126_689
 
@@ -2584,32 +2445,29 @@ class ImageNet100(ImageTask):
 # Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from
 # the files their authors publish (no `datasets` library, no network).
 #
-# WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download
-# wikitext2`), either release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words
-# already <unk>), tried first, or wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir
-# may hold those folders or be one. Tokenisation follows PyTorch's word_language_model example:
-# every line, empty ones included, is line.split() then one <eos>; headings (" = Robert Boulter = ")
-# and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the train split
-# only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
-# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens
-# for the raw release).
+# WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download wikitext2`), either
+# release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words already <unk>), tried first, or
+# wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir may hold those folders or be one. Tokenisation
+# follows PyTorch's word_language_model example: every line, empty ones included, is line.split() then one <eos>;
+# headings (" = Robert Boulter = ") and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the
+# train split only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
+# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens for the raw
+# release).
 #
-# TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1
-# (TinyStories-{train,valid}.txt), in data_dir or data_dir/TinyStories: stories are separated by
-# lines that are exactly <|endoftext|> once surrounding whitespace is stripped. Byte level: a
-# story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every story (vocabulary
-# 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
-# vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The
-# cost: sequences about 4x longer than with a BPE tokeniser. Each story is stripped of leading and
-# trailing (ASCII) whitespace, inner newlines are kept, separator lines dropped, empty stories
-# skipped, and a last story with no separator after it still gets its end-of-text id.
+# TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1 (TinyStories-{train,valid}.txt), in
+# data_dir or data_dir/TinyStories: stories are separated by lines that are exactly <|endoftext|> once surrounding
+# whitespace is stripped. Byte level: a story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every
+# story (vocabulary 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
+# vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The cost: sequences
+# about 4x longer than with a BPE tokeniser. Each story is stripped of leading and trailing (ASCII) whitespace,
+# inner newlines are kept, separator lines dropped, empty stories skipped, and a last story with no separator after
+# it still gets its end-of-text id.
 #
-# Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536)
-# or uint32 binary file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures
-# (`_source_signature`), so a changed source is re-tokenised); the WikiText vocabulary is a JSON list
-# beside them. The cache lives in the first writable of `default_cache_dirs`. Every file is written
-# to a temporary name and moved into place, the meta last, so an interrupted build leaves no cache
-# that would be taken as valid. Splits are returned as read-only np.memmap arrays.
+# Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536) or uint32 binary
+# file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures (`_source_signature`), so a changed
+# source is re-tokenised); the WikiText vocabulary is a JSON list beside them. The cache lives in the first writable
+# of `default_cache_dirs`. Every file is written to a temporary name and moved into place, the meta last, so an
+# interrupted build leaves no cache that would be taken as valid. Splits are returned as read-only np.memmap arrays.
 
 
 WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors released them
@@ -2644,20 +2502,18 @@ _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.
 
 def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                    version: str = "auto", cache_dir: str | os.PathLike | None = None) -> dict:
-    """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as
-    above) as token id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a
-    release, "tokens" / "raw" for WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read
-    at a time while streaming TinyStories; `cache_dir`: the token cache's folder instead of the
-    default.
+    """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as above) as token
+    id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a release, "tokens" / "raw" for
+    WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read at a time while streaming TinyStories;
+    `cache_dir`: the token cache's folder instead of the default.
 
     Returns {"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int, "decode":
-    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also
-    has "test" (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
+    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also has "test"
+    (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
-        return load_tinystories(data_dir, version=version, chunk_size=chunk_size,
-                                cache_dir=cache_dir)
+        return load_tinystories(data_dir, version=version, chunk_size=chunk_size, cache_dir=cache_dir)
     raise DataError(f"unknown corpus {name!r}: expected 'wikitext2' or 'tinystories'")
 
 
@@ -2675,12 +2531,11 @@ def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator:
 
 def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """A split covered by consecutive, non-overlapping windows: window k starts at k * context, so
-    every token of tokens[1:] is a target exactly once. Full windows come in batches (<= batch_size,
-    context); the last partial window, when N - 1 is not a multiple of context, is INCLUDED as a
-    final (1, r) batch, 0 < r < context: weight per-batch mean losses by y.numel() for the per-token
-    mean over the split. An iterator of int64 (x, y) pairs, y = x shifted by one; a DataError at once
-    (not on first iteration) when N < context + 1."""
+    """A split covered by consecutive, non-overlapping windows: window k starts at k * context, so every token of
+    tokens[1:] is a target exactly once. Full windows come in batches (<= batch_size, context); the last partial
+    window, when N - 1 is not a multiple of context, is INCLUDED as a final (1, r) batch, 0 < r < context: weight
+    per-batch mean losses by y.numel() for the per-token mean over the split. An iterator of int64 (x, y) pairs, y =
+    x shifted by one; a DataError at once (not on first iteration) when N < context + 1."""
     _check_context(context, len(tokens), "validation")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -2733,9 +2588,8 @@ def load_wikitext2(data_dir: str | os.PathLike, release: str = "auto",
 
 
 def _read_or_build(candidates: list[Path], read: Callable, build: Callable):
-    """`read(folder)` of the first candidate folder whose cache it finds valid (not None); else
-    `build(folder)` in the first writable one (`_cache_folder`) and `read` it back (a DataError where
-    it cannot be)."""
+    """`read(folder)` of the first candidate folder whose cache it finds valid (not None); else `build(folder)` in
+    the first writable one (`_cache_folder`) and `read` it back (a DataError where it cannot be)."""
     for folder in candidates:
         loaded = read(folder)
         if loaded is not None:
@@ -2754,12 +2608,10 @@ def _choices(value: str, options: dict, what: str) -> list[str]:
         return list(options)
     if value in options:
         return [value]
-    raise DataError(f"unknown {what} {value!r}: expected 'auto' or one of "
-                    f"{', '.join(map(repr, options))}")
+    raise DataError(f"unknown {what} {value!r}: expected 'auto' or one of {', '.join(map(repr, options))}")
 
 
-def find_wikitext_files(data_dir: str | os.PathLike,
-                        release: str = "auto") -> tuple[str, dict[str, Path]]:
+def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> tuple[str, dict[str, Path]]:
     """Locate wiki.{train,valid,test}.{tokens|raw}; returns (release, {split: path})."""
     data_dir = Path(data_dir)
     releases = _choices(release, WIKITEXT_RELEASES, "WikiText-2 release")
@@ -2771,8 +2623,7 @@ def find_wikitext_files(data_dir: str | os.PathLike,
             if all(path.is_file() for path in files.values()):
                 return name, files
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
-    zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip"
-                       for r in releases)
+    zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip" for r in releases)
     raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
                     f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
                     "unzipped)")
@@ -2818,13 +2669,11 @@ def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
     return "".join(out)
 
 
-def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path],
-                          sources: list[dict]) -> None:
+def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sources: list[dict]) -> None:
     """Tokenise the three splits, refuse an empty one, then write the vocab and each split's
     tokens and meta (nothing is written for a corpus that is refused)."""
     vocab = build_vocab(iter_wikitext_words(files["train"]))
-    ids = {split: encode_words(iter_wikitext_words(files[split]), vocab)
-           for split in WIKITEXT_SPLITS}
+    ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
     for split, tokens in ids.items():
         if len(tokens) == 0:
             raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
@@ -2839,8 +2688,7 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path],
 
 def _read_wikitext_cache(folder: Path, stem: str, sources: list[dict]
                          ) -> tuple[dict[str, np.memmap], list[str], str] | None:
-    """(the cached splits, the vocab, a sha256 of both) if all are present and match `sources`, else
-    None."""
+    """(the cached splits, the vocab, a sha256 of both) if all are present and match `sources`, else None."""
     try:
         raw = read_back(folder / f"{stem}.vocab.json", "json")
         vocab = json.loads(raw)
@@ -2888,8 +2736,7 @@ def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_s
                       f"in {files['train'].parent}"}
 
 
-def find_tinystories_files(data_dir: str | os.PathLike,
-                           version: str = "auto") -> tuple[str, dict[str, Path]]:
+def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -> tuple[str, dict[str, Path]]:
     """Locate the train/valid text files; returns (version, {split: path})."""
     data_dir = Path(data_dir)
     versions = _choices(version, TINYSTORIES_VERSIONS, "TinyStories version")
@@ -2901,9 +2748,8 @@ def find_tinystories_files(data_dir: str | os.PathLike,
             if all(path.is_file() for path in files.values()):
                 return name, files
     wanted = " or ".join(f"{TINYSTORIES_VERSIONS[v]}-{{train,valid}}.txt" for v in versions)
-    raise DataError(f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the "
-                    f"V2 files with `python train.py download tinystories --data {data_dir}` (from "
-                    f"{TINYSTORIES_URL})")
+    raise DataError(f"TinyStories not found: looked for {wanted} in {folders[0]} and {folders[1]}; fetch the V2 "
+                    f"files with `python train.py download tinystories --data {data_dir}` (from {TINYSTORIES_URL})")
 
 
 def _split_separator_lines(block: bytes) -> Iterator[bytes | None]:
@@ -2989,14 +2835,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def _cache_candidates(data_dir: str | os.PathLike,
-                      cache_dir: str | os.PathLike | None) -> list[Path]:
+def _cache_candidates(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> list[Path]:
     return [Path(cache_dir)] if cache_dir is not None else default_cache_dirs(data_dir)
 
 
 def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
-    """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse
-    their hashes)."""
+    """The source signatures that the token caches of `stem` in `candidates` recorded (to reuse their hashes)."""
     known = []
     for folder in candidates:
         for meta_path in sorted(folder.glob(f"{glob.escape(stem)}.*.json")):
@@ -3019,8 +2863,7 @@ def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
 
 def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int
                 ) -> tuple[np.memmap, str] | None:
-    """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent,
-    stale or damaged."""
+    """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent, stale or damaged."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     try:
         meta = read_json(meta_path)
@@ -3060,10 +2903,9 @@ def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterab
 
 
 def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
-    """(H, N, N) bool: the causal relative-distance prior as a hard pattern for the QK inits and
-    the probe. Head h keeps the keys within 1 / slope_h tokens behind the query (ALiBi slopes
-    2^(-8h/H): windows of 4, 16, 64, 256 for 4 heads), where its initial log sigmoid(M) is
-    above -1."""
+    """(H, N, N) bool: the causal relative-distance prior as a hard pattern for the QK inits and the probe. Head h
+    keeps the keys within 1 / slope_h tokens behind the query (ALiBi slopes 2^(-8h/H): windows of 4, 16, 64, 256 for
+    4 heads), where its initial log sigmoid(M) is above -1."""
     i = torch.arange(context)
     d = i[:, None] - i[None, :]
     width = (1.0 / mp.alibi_slopes(n_heads)).ceil().long()
@@ -3079,10 +2921,9 @@ class LMTask(Task):
     DEFAULT_PATTERN = "distance"
     HEADLINE = ("val_loss", "val_ppl")
     PRESETS = {
-        # the prior is a relative-distance M (one logit per head and distance; --mask-param full
-        # for the paper's N x N M): on the stand-in corpus it is not worse (results/README.md) and
-        # it scales with the context. small: a 4 x 128 causal decoder, context 64, 400 steps of 16
-        # windows: about 3 minutes on one core
+        # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's N x
+        # N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context. small: a
+        # 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
         "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512,
                                 emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=64,
                                 dropout=0.1),
@@ -3118,13 +2959,11 @@ class LMTask(Task):
         _required_dir(self.data_dir, self.name)
         self.check_options()
         if self.positions == "learned" and self.eval_context > self.context:
-            raise TaskError(f"--eval-context {self.eval_context} is past --context "
-                            f"{self.context}, which a learned positional table cannot serve: give "
-                            "--positions none (the order from the causal mask and the prior, as "
-                            f"ALiBi), or an --eval-context up to {self.context}")
+            raise TaskError(f"--eval-context {self.eval_context} is past --context {self.context}, which a learned "
+                            "positional table cannot serve: give --positions none (the order from the causal mask "
+                            f"and the prior, as ALiBi), or an --eval-context up to {self.context}")
         if self.mask_window is not None and not 1 <= self.mask_window <= self.context:
-            raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got "
-                            f"{self.mask_window}")
+            raise TaskError(f"--mask-window must be in 1 .. --context ({self.context}), got {self.mask_window}")
         self.vocab_size = None
 
     def setup(self, device="cpu"):
@@ -3145,8 +2984,7 @@ class LMTask(Task):
 
     @classmethod
     def locate(cls, data_dir):
-        """The release `find_files` finds, once each of its splits is a non-empty regular file
-        (`release_file`)."""
+        """The release `find_files` finds, once each of its splits is a non-empty regular file (`release_file`)."""
         release, files = cls.find_files(_required_dir(data_dir, cls.NAME))
         for path in files.values():
             release_file(str(path), cls.NAME)
@@ -3159,10 +2997,8 @@ class LMTask(Task):
         return encode_words(text.split(), self.vocab).tolist()
 
     @torch.no_grad()
-    def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int,
-                      generator) -> str:
-        """`prompt` and `n` tokens `model` writes after it (`mp.generate`: temperature 0 greedy;
-        top_k 0 all)."""
+    def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int, generator) -> str:
+        """`prompt` and `n` tokens `model` writes after it (`mp.generate`: temperature 0 greedy; top_k 0 all)."""
         ids = self.encode(prompt)
         if not ids:
             raise TaskError(f"--sample: the prompt {prompt!r} gives no tokens")
@@ -3222,27 +3058,23 @@ class LMTask(Task):
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Language models read a teacher's attention per head and distance by default
-        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param
-        relative`)."""
+        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param relative`)."""
         if kind == "relative":
             return self._soft(mp.relative_from_attention(attn, m_on, m_off, causal=True))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
     @torch.no_grad()
     def evaluate(self, model, points: int | None = None, batch_size: int = 32) -> dict:
-        """Mean next-token loss over every token of the validation split (or --val-tokens), in
-        windows of the training context; with --eval-context N also in windows of N tokens
-        (long_val_loss, long_val_ppl)."""
+        """Mean next-token loss over every token of the validation split (or --val-tokens), in windows of the
+        training context; with --eval-context N also in windows of N tokens (long_val_loss, long_val_ppl)."""
         out = {}
         for name, context in (("val", self.context), ("long_val", self.eval_context)):
             if not context:
                 continue
             total, count = 0.0, 0
-            for x, y in eval_windows(self.valid, context,
-                                     max(1, batch_size * self.context // context)):
+            for x, y in eval_windows(self.valid, context, max(1, batch_size * self.context // context)):
                 logits = model(x.to(self.device)).float()
-                total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(),
-                                               reduction="sum"))
+                total += float(F.cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), reduction="sum"))
                 count += y.numel()
             out[f"{name}_loss"] = total / count
             out[f"{name}_ppl"] = math.exp(min(total / count, 50.0))

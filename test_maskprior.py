@@ -2,11 +2,11 @@
 its span, patterns, mask helpers, MaskPrior, attention, models, generate, inits, param groups, probes, priors from
 attention, and the refusals of bad arguments (generated from ARG_KINDS). Run: python -m pytest -q test_*.py
 
-The other files test the other rooms: test_retrofit.py (maskprior_retrofit.py), test_library.py (maskprior.py's public arguments, fuzzed), test_tasks.py (tasks.py, augment.py),
-test_train.py (train.py, runconfig.py, runfiles.py), test_datafetch.py (datafetch/), test_reporting.py (reporting/),
-test_reproduce.py (reproduce.sh, benchmarks/), test_docs.py (the README, GUARANTEES.md, CI); the helpers several
-of them share are in conftest.py. In the source's order, a test under the part of the code it tests; a helper or
-fixture sits before its first user.
+The other files test the other rooms: test_retrofit.py (maskprior_retrofit.py), test_library.py (maskprior.py's
+public arguments, fuzzed), test_tasks.py (tasks.py, augment.py), test_train.py (train.py, runconfig.py,
+runfiles.py), test_datafetch.py (datafetch/), test_reporting.py (reporting/), test_reproduce.py (reproduce.sh,
+benchmarks/), test_docs.py (the README, GUARANTEES.md, CI); the helpers several of them share are in conftest.py. In
+the source's order, a test under the part of the code it tests; a helper or fixture sits before its first user.
 """
 import ast
 import dataclasses

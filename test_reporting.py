@@ -1,9 +1,8 @@
 """The reports' promises, fuzzed: what `report`, `redraw`, `summarize`, `show` and `python -m reporting.plan` read
-back (a metrics.jsonl line, a report's CSV, a checkpoint's probe snapshot, plan's flags) gives either a valid
-result or exactly one line on stderr with exit status 2: never a traceback, nothing touched outside the output
-folder, in bounded time. Property tests (Hypothesis) over each format, the cases of issue 64 as their @examples,
-and a plain regression test for each; after them, the reports' plain tests (summaries, tables and curves,
-broken runs).
+back (a metrics.jsonl line, a report's CSV, a checkpoint's probe snapshot, plan's flags) gives either a valid result
+or exactly one line on stderr with exit status 2: never a traceback, nothing touched outside the output folder, in
+bounded time. Property tests (Hypothesis) over each format, the cases of issue 64 as their @examples, and a plain
+regression test for each; after them, the reports' plain tests (summaries, tables and curves, broken runs).
 
     python -m pytest -q test_pending_reporting.py          # about 40 s on two cores
 """
@@ -229,7 +228,7 @@ def test_report_skips_each_crafted_log_with_a_line_saying_why(tmp_path, capsys):
         tmp_path / "wide" / "out" / "steps_to_target.md").read_text()
 
 
-# ---------------------------------------------------------------------------------------- result.json (found by the fuzzer)
+# ---------------------------------------------------------------------------------- result.json (found by the fuzzer)
 
 RESULT_METRICS = st.dictionaries(st.sampled_from(["acc", "acc_unseen", "mdi_acc", "mdi_sign_acc", "mse_unseen",
                                                   "prior_mass_start", "prior_mass_end", "n_train", "seq_acc"]),
@@ -459,7 +458,7 @@ def test_summarize_of_paths_that_hold_no_run_is_one_line(tmp_path, capsys):
                                                      str(tmp_path / "empty")], capsys)[:3])
 
 
-# ---------------------------------------------------------------------------------------- the checkpoint's probe snapshot
+# ------------------------------------------------------------------------------------ the checkpoint's probe snapshot
 
 def _contents(snapshot) -> dict:
     """A checkpoint's contents that pass CKPT_SCHEMA but for `snapshot`: a 1-layer model with M of (2, 5, 5)."""
@@ -526,7 +525,7 @@ def test_show_refuses_a_snapshot_that_is_not_m_at_the_start_in_one_line(trained,
     assert rc == 0 and "m.png" in out
 
 
-# ---------------------------------------------------------------------------------------- figures: readable, titled with their data (issue 65)
+# --------------------------------------------------------------- figures: readable, titled with their data (issue 65)
 
 RESULTS = Path(HERE, "results")
 DIGITS = next(sha for sha, name in reporting.report.KNOWN_DATA.items() if name == "digits stand-in")
@@ -821,7 +820,8 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
 @pytest.fixture
 def readable_figures(monkeypatch):
     """Every figure saved while the test runs (by report, show or anything else) is checked by
-    `reporting.figures.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if any has one."""
+    `reporting.figures.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if
+    any has one."""
     matplotlib = _extra("matplotlib")
     import matplotlib.figure
     seen, save = {}, matplotlib.figure.Figure.savefig
@@ -829,7 +829,9 @@ def readable_figures(monkeypatch):
     def checked(fig, *args, **kw):                  # the figure as saved: drawn once, at the save's dpi
         out, dpi = save(fig, *args, **kw), fig.dpi
         fig.set_dpi(kw.get("dpi", dpi))
-        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = reporting.figures.figure_problems(fig, drawn=True)
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = reporting.figures.figure_problems(
+            fig, drawn=True
+        )
         fig.set_dpi(dpi)
         return out
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
@@ -892,8 +894,10 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
                    kind="vision", tag=f"-p{i}", pattern=f"p{i}", qk_svd_pos_scale=None)
     pattern = tasks.make_task("parity2", readout="mean").pattern()
     for task in ("parity2", "majority3"):
-        for init, tag, flags in (("default", "", {}), ("mask", "", {}), ("mask", "-discovered", {"pattern": "discovered"}),
-                                 ("mask", "-teacher", {"prior_from": "T"}), ("qk-svd", "-teacher", {"prior_from": "T"})):
+        for init, tag, flags in (("default", "", {}), ("mask", "", {}),
+                                 ("mask", "-discovered", {"pattern": "discovered"}),
+                                 ("mask", "-teacher", {"prior_from": "T"}),
+                                 ("qk-svd", "-teacher", {"prior_from": "T"})):
             d = _fake_run(runs / "oraclefree", task, init, 0, 0.75, tag=tag, readout="mean", masses=(0.9, 0.5, 0.4),
                           **flags)
             torch.save({"pattern": pattern, "logits": pattern.float(), "source": {}}, d / "prior.pt")
@@ -909,10 +913,15 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
                                                       "visionprior.png"}
     assert left == ["m_parity2.png", "oraclefree_mass.png", "oraclefree_patterns.png"]
     assert before == {f: (tmp_path / "res" / f).read_bytes() for f in before}          # tables and CSVs untouched
-    curves = reporting.report.read_rows(str(tmp_path / "res" / "curves.csv"), reporting.report.CURVES_HEADER, reporting.report._curve_row)
+    curves = reporting.report.read_rows(
+        str(tmp_path / "res" / "curves.csv"), reporting.report.CURVES_HEADER, reporting.report._curve_row
+    )
     assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
     assert reporting.report.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
-    assert len({reporting.figures.line_style(i) for i in range(40)}) == 40 and reporting.figures.line_style(3, "mask") == reporting.figures.INIT_STYLES["mask"]
+    assert (
+        len({reporting.figures.line_style(i) for i in range(40)}) == 40
+        and reporting.figures.line_style(3, "mask") == reporting.figures.INIT_STYLES["mask"]
+    )
 
 
 @pytest.mark.slow
@@ -928,8 +937,14 @@ def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, 
     are not text) is one line naming it, exit 2, and no figure is drawn, not even from the other, whole CSVs."""
     _extra("matplotlib")
     runs = tmp_path / "runs"
-    _curve_run(runs / "boolean", "parity2", "mask", 0, [{"acc_unseen": 0.5, "mse": 1.0}, {"acc_unseen": 1.0, "mse": 0.1}],
-               kind="boolean")
+    _curve_run(
+        runs / "boolean",
+        "parity2",
+        "mask",
+        0,
+        [{"acc_unseen": 0.5, "mse": 1.0}, {"acc_unseen": 1.0, "mse": 0.1}],
+        kind="boolean",
+    )
     _fake_run(runs / "boolean", "parity2", "qk-svd", 0, 0.75)
     assert train.main(["report", str(runs), str(tmp_path / "res")]) == 0
     damage(tmp_path / "res" / "curves.csv")
@@ -966,7 +981,8 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
             assert max(w, h) <= 4 * min(w, h) and min(w, h) > 200
     start = [torch.linspace(-5, 5, 9).expand(3, 9)] * 2             # a relative M: 2 layers, 3 heads, 9 distances
     deep = [torch.randn(3, 5, 5)] * 12                               # ViT-Tiny's 12 layers x 3 heads: blocks wrap
-    for path in (reporting.show.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative", causal=True),
+    for path in (reporting.show.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative",
+                                       causal=True),
                  reporting.show.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
                  reporting.show.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
         w, h = Image.open(path).size
@@ -1060,11 +1076,21 @@ def test_show_of_a_crafted_saved_folder_is_one_line(tmp_path, capsys):
 def test_one_seed_says_so_instead_of_a_spread_of_zero():
     """A table's spread: "mean ± std" over two or more runs (a real 0 shown as 0), "value (1 seed)" for one, in
     every form a report writes (a metric, the mass start → end, a cell with its count)."""
-    assert reporting.report.mean_std([]) == "" and reporting.report.mean_std([0.5]) == "0.50 (1 seed)" and reporting.report.mean_std([3.0], digits=0) == "3 (1 seed)"
-    assert reporting.report.mean_std([1.0, 1.0]) == "1.00 ± 0.00" and reporting.report.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
+    assert (
+        reporting.report.mean_std([]) == ""
+        and reporting.report.mean_std([0.5]) == "0.50 (1 seed)"
+        and reporting.report.mean_std([3.0], digits=0) == "3 (1 seed)"
+    )
+    assert (
+        reporting.report.mean_std([1.0, 1.0]) == "1.00 ± 0.00"
+        and reporting.report.mean_std([1.0, 3.0], count=True) == "2.00 ± 1.41 (2)"
+    )
     assert reporting.report.mean_std([7.0], count=True) == "7.00 (1 seed)"
     one = [{"prior_mass_start": 0.9, "prior_mass_end": 0.8}]
-    assert reporting.report._mass(one) == "0.90 → 0.80 (1 seed)" and reporting.report._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
+    assert (
+        reporting.report._mass(one) == "0.90 → 0.80 (1 seed)"
+        and reporting.report._mass(one * 2) == "0.90 ± 0.00 → 0.80 ± 0.00"
+    )
     assert reporting.report._mass([{}]) == ""
 
 
@@ -1142,7 +1168,12 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
     acc = {("default", ""): 0.0, ("mask", ""): 1.0, ("mask", "discovered"): 1.0, ("mask", "teacher"): 0.5,
            ("qk-svd", "teacher"): 0.1, ("default", "budget2x"): 0.02}
     found = tasks.make_task("parity2", readout="mean").pattern()
-    flags = {"": {}, "discovered": {"pattern": "discovered"}, "teacher": {"prior_from": "T"}, "budget2x": {"steps": 1200}}
+    flags = {
+        "": {},
+        "discovered": {"pattern": "discovered"},
+        "teacher": {"prior_from": "T"},
+        "budget2x": {"steps": 1200},
+    }
     for (init, tag), a in acc.items():
         for seed in (0, 1):
             d = _fake_run(folder, "parity2", init, seed, 0.75, tag=f"-{tag}" if tag else "", readout="mean",
@@ -1150,15 +1181,20 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
             res = json.load(open(d / "result.json"))
             res["metrics"]["acc_unseen"] = a + 0.01 * seed
             if tag:
-                res["prior_source"] = {"from": "data" if tag == "discovered" else "teacher", "precision": 0.5 + 0.5 * seed,
-                                       "recall": 1.0}
+                res["prior_source"] = {
+                    "from": "data" if tag == "discovered" else "teacher",
+                    "precision": 0.5 + 0.5 * seed,
+                    "recall": 1.0,
+                }
             torch.save({"pattern": found, "logits": found.float(), "source": res.get("prior_source") or {}},
                        d / "prior.pt")
             (d / "result.json").write_text(json.dumps(res))
     written = reporting.report.report(str(tmp_path / "runs"), str(tmp_path / "res"))
     table = (tmp_path / "res" / "oraclefree.md").read_text().splitlines()
-    assert table[0] == ("| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
-                        "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |")
+    assert table[0] == (
+        "| task | metric | default | hand pattern, mask | found in the data, mask | from the teacher, mask "
+        "| the teacher's pattern, qk-svd | default, the teacher's + the student's steps |"
+    )
     assert table[2] == ("| parity2 | accuracy on U % | 0.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | 100.50 ± 0.71 (2) | "
                         "50.50 ± 0.71 (2) | 10.50 ± 0.71 (2) | 2.50 ± 0.71 (2) |")
     assert "| parity2 | the data | 0.75 ± 0.35 | 1.00 ± 0.00 | 2 |" in table
@@ -1170,8 +1206,13 @@ def test_report_writes_the_oracle_free_table_and_the_found_patterns(tmp_path):
 def test_oracle_free_rows_and_columns_come_from_the_folder_names():
     """The row is the task plus the corpus or the step count a tag names; the default at a teacher's steps plus
     its student's (samebudget) is the budget2x column; a seed's digits inside a tag do not split it."""
-    cell = lambda name, task, seed: reporting.report.oracle_free_cell({"run_dir": f"/r/oraclefree/{name}", "task": task,   # noqa: E731
-                                                        "seed": seed})
+    cell = lambda name, task, seed: reporting.report.oracle_free_cell(
+        {
+            "run_dir": f"/r/oraclefree/{name}",
+            "task": task,  # noqa: E731
+            "seed": seed,
+        }
+    )
     assert cell("parity2-mask-s0", "parity2", 0) == ("parity2", "")
     assert cell("parity2-mask-s1-teacher", "parity2", 1) == ("parity2", "teacher")
     assert cell("parity2-default-s1-budget2x", "parity2", 1) == ("parity2", "budget2x")
@@ -1278,7 +1319,9 @@ def test_no_broken_run_breaks_a_report(tmp_path, capsys, trained_once, case, lis
     assert (tmp_path / "res" / "mult2.md").read_text() == "an earlier report's table\n"
     table = (tmp_path / "res" / "boolean.md").read_text()
     assert "| default | 0 | 75.00 (1 seed) |" in table
-    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(os.listdir(tmp_path / "res"))
+    assert {"curves.csv", "steps_to_target.md", "prior_layers.md", "persistence.csv"} <= set(
+        os.listdir(tmp_path / "res")
+    )
     if listed:
         assert listed in table and "| mask |" not in table and "nan" not in table.replace(listed, "")
     else:

@@ -246,7 +246,8 @@ def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds(tmp_path, ca
     r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
     assert r.returncode == 2 and "--only needs a value" in r.stderr
     (tmp_path / "file").write_text("x")
-    for argv, words in ((["--seeds", "0 0"], "seed 0 twice"), (["--seeds", "0", "--seeds", "1"], "--seeds is given twice"),
+    for argv, words in ((["--seeds", "0 0"], "seed 0 twice"),
+                        (["--seeds", "0", "--seeds", "1"], "--seeds is given twice"),
                         (["--seeds", "99999999999"], "99999999999 is not a seed in 0 .. 4294967295"),
                         (["--runs", str(tmp_path / "file")], "is a file; --runs and --results take a folder")):
         r = _reproduce("--quick", "--dry-run", *argv)
@@ -529,10 +530,12 @@ def test_reproduce_sh_takes_every_table_of_the_plan():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("[]", "holds list, not the step times bench_paper.py writes"), ('{"small parity2 mask": {"ms_eval": 1}}', "has no ms_step"),
+    ("[]", "holds list, not the step times bench_paper.py writes"),
+    ('{"small parity2 mask": {"ms_eval": 1}}', "has no ms_step"),
     ('{"small parity2 mask": {"ms_step": -1, "ms_eval": 1}}', "ms_step is -1, not milliseconds"),
     ('{"small parity2 mask": 3}', "holds a int, not the dict"), ("{", "is not JSON"),
-    ('{"small parity2 mask": {"ms_step": 1, "ms_eval": 1, "device": {"a": 1}}}', "device is {'a': 1}, not the device's"),
+    ('{"small parity2 mask": {"ms_step": 1, "ms_eval": 1, "device": {"a": 1}}}',
+     "device is {'a': 1}, not the device's"),
 ])
 def test_a_step_times_file_that_is_not_one_is_one_line(tmp_path, text, words):
     """results/step_times.json read by the plan: a list, an entry without a time or with a negative one, or bytes

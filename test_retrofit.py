@@ -926,8 +926,9 @@ def test_encoder_decoders_give_self_attention_a_prior_and_cross_attention_one_wh
 def test_layers_that_share_a_config_take_a_prior_in_any_subset_and_save_and_load(tmp_path):
     """BART's layers share one config: a prior on the encoder alone (a part of the model) leaves the decoder's layers
     running their own implementation; cross-attention alone, then the decoder's self-attention picked with modules=;
-    the part's record is found again in the whole model (save_pretrained, retrofit.from_pretrained: exact). (A second part
-    whose layers have the same names: test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exactly.)"""
+    the part's record is found again in the whole model (save_pretrained, retrofit.from_pretrained: exact). (A second
+    part whose layers have the same names:
+    test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exactly.)"""
     tf = _extra("transformers")
     model, inputs, _ = _seq2seq("bart")
     gen = torch.Generator().manual_seed(0)
@@ -1141,8 +1142,9 @@ def test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_li
     wrapped = peft.get_peft_model(model, peft.LoraConfig(**lora))
     for target in (wrapped, model):
         before = _untouched(model)
-        with pytest.raises(ValueError, match=r"is already wrapped by PEFT, whose adapter would not save M: add the "
-                                             r"priors first, then get_peft_model with modules_to_save=\['mask_prior'\]"):
+        with pytest.raises(ValueError, match=r"is already wrapped by PEFT, whose adapter would not save M: add "
+                                             r"the priors first, then get_peft_model with "
+                                             r"modules_to_save=\['mask_prior'\]"):
             retrofit.add_mask_prior(target, mp.causal_pattern(n))
         assert _untouched(model) == before
 
@@ -1361,7 +1363,8 @@ def test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every
         return c
 
     cases = [  # (the config.json, extra kwargs, the message)
-        (record(lambda r, g: r.update(layers={})), {}, r"the mask_prior record's layers are \{\}: expected a non-empty"),
+        (record(lambda r, g: r.update(layers={})), {},
+         r"the mask_prior record's layers are \{\}: expected a non-empty"),
         (record(lambda r, g: r["layers"].pop("transformer.h.1.attn")), {},
          r"holds transformer.h.1.attn.mask_prior.bias \(1 in all\) on a layer its config records no prior for"),
         (record(lambda r, g: g.update(n=20)), {"ignore_mismatched_sizes": True},
@@ -1375,8 +1378,10 @@ def test_from_pretrained_refuses_a_record_or_checkpoint_that_does_not_hold_every
         (record(lambda r, g: g.update(causal="yes")), {}, rf"layer {layer} has causal 'yes': expected true or false"),
         (record(lambda r, g: g.update(param="rel")), {},
          rf"layer {layer} has param 'rel': expected 'full', 'relative' or 'grid'"),
-        (record(lambda r, g: g.update(grid=[0, 4])), {}, rf"layer {layer} has grid \[0, 4\]: expected null or \[grid_h"),
-        (record(lambda r, g: g.update(grid=[2, 2])), {}, rf"{layer} .*param='grid' \(a 2-D relative M\) goes with grid"),
+        (record(lambda r, g: g.update(grid=[0, 4])), {},
+         rf"layer {layer} has grid \[0, 4\]: expected null or \[grid_h"),
+        (record(lambda r, g: g.update(grid=[2, 2])), {},
+         rf"{layer} .*param='grid' \(a 2-D relative M\) goes with grid"),
         (record(lambda r, g: r.pop("base")), {}, r"the mask_prior record has no base: expected 'sdpa' or 'eager'"),
         (record(lambda r, g: r.update(base="maskprior")), {}, r"the mask_prior record has base 'maskprior': expected"),
         ({**config, "mask_prior": "transformer.h.0.attn"}, {}, r"holds a mask_prior record that is a str"),
@@ -1545,9 +1550,9 @@ def test_mean_attention_refuses_maps_of_a_model_whose_attention_is_nan():
 @pytest.mark.parametrize("order", ["encoder first", "decoder first"])
 @pytest.mark.parametrize("name", ["marian", "bart"])
 def test_an_encoder_decoders_parts_take_priors_in_either_order_and_load_back_exactly(name, order, tmp_path):
-    """Priors on model.encoder and model.decoder, one call each in either order: both recorded, saved and loaded with
-    retrofit.from_pretrained, the outputs equal bit for bit; a second prior on a layer that has one is refused; taking the
-    decoder's prior out leaves the encoder's record, which loads back alone."""
+    """Priors on model.encoder and model.decoder, one call each in either order: both recorded, saved and loaded
+    with retrofit.from_pretrained, the outputs equal bit for bit; a second prior on a layer that has one is refused;
+    taking the decoder's prior out leaves the encoder's record, which loads back alone."""
     tf = _extra("transformers")
     model, inputs, _ = _seq2seq(name)
     gen = torch.Generator().manual_seed(0)
@@ -1835,11 +1840,11 @@ def _behaves_traced(name):
 
 
 def _behaves_on_the_meta_device(name):
-    """Built on the meta device (as large models and the peers' suites build), the prior added there with logits
-    on the CPU, then to_empty: M has memory but no values (a prior that refuses to serve:
-    test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line) until the model's initialiser sets it (a
-    transformers model's init_weights, else reset_parameters), to the logits it started from; under a neutral prior
-    the outputs are the plain model's with the same weights."""
+    """Built on the meta device (as large models and the peers' suites build), the prior added there with logits on
+    the CPU, then to_empty: M has memory but no values (a prior that refuses to serve:
+    test_an_m_that_to_empty_left_without_values_is_refused_until_set_or_loaded_and_torchscript_is_one_line) until
+    the model's initialiser sets it (a transformers model's init_weights, else reset_parameters), to the logits it
+    started from; under a neutral prior the outputs are the plain model's with the same weights."""
     for prior in PRIORS:
         fam = FAMILIES[name]
         model, x, n = fam.build()

@@ -179,7 +179,8 @@ def test_the_walsh_cut_stands_above_sampling_noise_so_a_small_training_set_gives
         noise.append(report["noise_level"])
     assert kept[:3] == sorted(kept[:3]) and kept[0] < kept[-1] and noise == sorted(noise, reverse=True)
     assert torch.equal(t.pattern("discovered"), t.pattern())
-    with pytest.raises(tasks.TaskError, match="no Walsh set of up to 3 bits stands above the sampling noise of the 12 "):
+    with pytest.raises(tasks.TaskError,
+                       match="no Walsh set of up to 3 bits stands above the sampling noise of the 12 "):
         tasks.make_task("kmajority", bits="1,4,8,10,13", unseen="1,4", train_size=12).setup().pattern("discovered")
 
 
@@ -332,11 +333,13 @@ def test_every_index_list_goes_through_one_parser(text, words):
 @pytest.mark.parametrize("task, options, stored", [
     ("ksum", [{"terms": t} for t in ("0,1:2,3,4", " 0,1:2,3,4", "0,1:2,3,4,", "2,3,4:0,1", "4,3,2:1,0")],
      {"terms": "0,1:2,3,4", "unseen": "0,1"}),
-    ("ksum", [{"terms": "m4,2,3:1,0"}, {"terms": "0,1:m2,3,4", "unseen": "1,0"}], {"terms": "0,1:m2,3,4", "unseen": "0,1"}),
+    ("ksum", [{"terms": "m4,2,3:1,0"}, {"terms": "0,1:m2,3,4", "unseen": "1,0"}],
+     {"terms": "0,1:m2,3,4", "unseen": "0,1"}),
     ("ksum", [{"terms": "1:m2"}, {"terms": "m2:1"}], {"terms": "1:2", "unseen": "0,1"}),
     ("ksum", [{"terms": "2,3:0,1", "unseen": "bits:2"}, {"terms": "0,1:2,3", "unseen": "3,2"}],
      {"terms": "0,1:2,3", "unseen": "2,3"}),
-    ("kparity", [{"bits": "7,4,0", "unseen": "bits:2"}, {"bits": "0,4,7", "unseen": "7,4"}], {"bits": "0,4,7", "unseen": "4,7"}),
+    ("kparity", [{"bits": "7,4,0", "unseen": "bits:2"}, {"bits": "0,4,7", "unseen": "7,4"}],
+     {"bits": "0,4,7", "unseen": "4,7"}),
     ("kparity", [{"bits": "random:3", "unseen": "bits:2"}], {"bits": "random:3", "unseen": "bits:2"}),
 ])
 def test_one_target_is_one_spelling(task, options, stored):
@@ -393,7 +396,8 @@ def test_two_digit_multiplication_tests_on_every_pair_it_does_not_train_on(frac,
     p = task.pattern()
     assert p.shape == (9, 9) and torch.nonzero(p[8]).flatten().tolist() == [0, 1, 3, 4, 8]   # c3 (lsb: last): all
     assert torch.nonzero(p[5]).flatten().tolist() == [1, 4, 5]                               # '=' predicts c0: a0, b0
-    with pytest.raises(tasks.TaskError, match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
+    with pytest.raises(tasks.TaskError,
+                       match="leaves 500 of the 10,000 pairs for the disjoint test set; use at most 0.9"):
         tasks.make_task("multiplication", digits=2, data_frac=0.95)
     with pytest.raises(tasks.TaskError, match="--digits must be an integer in 1..4"):
         tasks.make_task("multiplication", digits=5)
@@ -1166,7 +1170,8 @@ def test_vision_patterns_and_their_probe_patterns(image_dir):
     assert (graded[~task.pattern("graded")] == -10).all()
     local = tasks.make_task("cifar10", data_dir=image_dir, patch_size=8, window=5).pattern("local")
     assert local[0, 0].sum() == 9 and local[0, 5].sum() == 16           # a corner sees 3 x 3, an inner patch all
-    for bad, needle in (({"window": 4}, "--window must be the local prior's side"), ({"soft_alpha": 0.0}, "--soft-alpha")):
+    for bad, needle in (({"window": 4}, "--window must be the local prior's side"),
+                        ({"soft_alpha": 0.0}, "--soft-alpha")):
         with pytest.raises(tasks.TaskError, match=needle):
             tasks.make_task("cifar10", data_dir=image_dir, **bad)
 

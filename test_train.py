@@ -64,9 +64,9 @@ def test_epochs_flag_sets_steps(tmp_path):
     assert json.load(open(os.path.join(out, "result.json")))["steps"] == 2 * 3     # 48 seen points / 16
 
 
-# Where each flag applies, generated from the Config table (runconfig.NEEDS, runconfig.EXCLUDES, the task options): every
-# (flag, condition) pair gets a context that meets the flag's other conditions and breaks this one, so a flag added
-# to the table is tested here without a new test.
+# Where each flag applies, generated from the Config table (runconfig.NEEDS, runconfig.EXCLUDES, the task options):
+# every (flag, condition) pair gets a context that meets the flag's other conditions and breaks this one, so a flag
+# added to the table is tested here without a new test.
 APPLY_TASKS = ("parity2", "kparity", "addition", "multiplication", "cifar10", "wikitext2")
 
 
@@ -103,7 +103,9 @@ def _context(name: str, broken: str | None, data: str) -> list:
         argv.extend(["--" + key.replace("_", "-"), *([str(value)] if value is not None else _flag_value(key))])
     def meet(flag, skip=None):
         for key, allowed in runconfig.NEEDS.get(flag, {}).items():
-            if key in (skip, "kind") or not runconfig.unmet(key, allowed, runconfig.applied_value(_resolved(argv), key)):
+            if key in (skip, "kind"):
+                continue
+            if not runconfig.unmet(key, allowed, runconfig.applied_value(_resolved(argv), key)):
                 continue
             choices = cls.inits() if key == "init" else cls.PATTERNS if key == "pattern" else allowed
             give(key, "9" if allowed == runconfig.ON else None if allowed == runconfig.GIVEN else
@@ -1611,7 +1613,8 @@ def test_ctrl_c_or_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, sig, code)
 
 
 @pytest.mark.slow
-def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):
+def test_a_write_that_fails_midway_keeps_the_last_checkpoint_whole_and_it_resumes_exactly(tmp_path, monkeypatch,
+                                                                                           capsys):
     """A disk that fails in the middle of writing a checkpoint (half the bytes written, then ENOSPC; no root
     needed: the file object's write is made to fail): the run stops in one line, ckpt.pt is still the previous
     checkpoint, whole, and resuming from it ends at the parameters of an uninterrupted run."""

@@ -13,8 +13,7 @@ import runfiles
 
 
 def pyplot():
-    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not
-    installed."""
+    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -43,11 +42,10 @@ def line_style(i: int, init: str | None = None) -> tuple:
 
 
 def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, height: float = 3.0):
-    """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each),
-    the blocks wrapped into columns: of the counts that keep the figure within 3:1 either way, the
-    one that leaves fewest blocks of its last row empty, then the nearest square; so no figure is a
-    strip. Constrained layout. at(block, row=0, col=0) -> its axes. Panels never asked for are
-    dropped when the figure is saved. None when matplotlib is not installed."""
+    """(plt, fig, at) of `blocks` blocks of rows x cols panels (`width` x `height` inches each), the blocks wrapped
+    into columns: of the counts that keep the figure within 3:1 either way, the one that leaves fewest blocks of its
+    last row empty, then the nearest square; so no figure is a strip. Constrained layout. at(block, row=0, col=0) ->
+    its axes. Panels never asked for are dropped when the figure is saved. None when matplotlib is not installed."""
     plt = pyplot()
     if plt is None or blocks < 1:
         return None
@@ -69,9 +67,8 @@ def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, he
 
 
 def wrapped(text: str, inches: float, size: float, lines: int | None = None) -> str:
-    """text broken into lines (at its own line breaks too) that fit `inches` at font size
-    `size`; at most `lines` of them where given (a label read from a file), the last saying how
-    many characters are left out."""
+    """text broken into lines (at its own line breaks too) that fit `inches` at font size `size`; at most `lines` of
+    them where given (a label read from a file), the last saying how many characters are left out."""
     chars = max(20, int(inches * 72 / (0.6 * size)))
     out = [part for line in text.split("\n") for part in textwrap.wrap(line, chars) or [""]]
     if lines is None or len(out) <= lines:
@@ -89,8 +86,7 @@ def caption(fig, text: str, size: float = 9) -> None:
 
 
 def legend_below(fig, size: float = 8) -> None:
-    """One legend for the whole figure, under its panels (each label once, in the order first
-    drawn)."""
+    """One legend for the whole figure, under its panels (each label once, in the order first drawn)."""
     seen = {}
     for ax in fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -100,8 +96,7 @@ def legend_below(fig, size: float = 8) -> None:
         labels = [wrapped(label, fig.get_figwidth() - 0.6, size, LABEL_LINES) for label in seen]
         longest = max(len(line) for label in labels for line in label.split("\n"))
         ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * longest + 40))))
-        fig.legend(list(seen.values()), labels, loc="outside lower center", ncols=ncols,
-                   fontsize=size)
+        fig.legend(list(seen.values()), labels, loc="outside lower center", ncols=ncols, fontsize=size)
 
 
 def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
@@ -120,21 +115,20 @@ def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
 
 
 def figure_problems(fig, drawn: bool = False) -> list[str]:
-    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller
-    than 1:4, a panel with nothing drawn in it, two panels (colour bars too) over each other, or
-    two pieces of text (titles, labels, tick labels, legend entries) whose boxes overlap (the
-    renderer's extents, one pixel of slack). `drawn`: the figure was just drawn at its current
-    dpi (a save), so its layout is the one checked and it is not drawn again."""
+    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a panel
+    with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles, labels,
+    tick labels, legend entries) whose boxes overlap (the renderer's extents, one pixel of slack). `drawn`: the
+    figure was just drawn at its current dpi (a save), so its layout is the one checked and it is not drawn again."""
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
-    problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if max(w / h, h / w) > MAX_ASPECT else []
+    strip = max(w / h, h / w) > MAX_ASPECT
+    problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if strip else []
     if not drawn:
         fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     hidden = set()
     for ax in fig.axes:
-        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches
-                                     or ax.texts):
+        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches or ax.texts):
             problems.append(f"panel {ax.get_title()!r}: nothing drawn")
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
@@ -153,20 +147,17 @@ def figure_problems(fig, drawn: bool = False) -> list[str]:
              and id(t) not in hidden
              and all(a.get_visible() for a in [t.axes] if a is not None)]
     boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
-    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0],
-                                                                      boxes[None, :, 0])
-    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1],
-                                                                      boxes[None, :, 1])
+    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
+    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
     for i, j in zip(*np.nonzero(np.triu((x > 1) & (y > 1), 1))):
         problems.append(f"text {texts[i].get_text()!r} overlaps {texts[j].get_text()!r}")
     return problems
 
 
 def as_text(fig) -> None:
-    """Every text of `fig` drawn as the characters it holds: no math ($...$) and no LaTeX, since
-    titles, labels and legends hold names read from files ('$\\frac{$' is a task's name, not a
-    formula). The axes' tick labels, which matplotlib's formatters write (10^2 on a log scale),
-    keep theirs; `token_ticks` escapes the names it puts there."""
+    """Every text of `fig` drawn as the characters it holds: no math ($...$) and no LaTeX, since titles, labels and
+    legends hold names read from files ('$\\frac{$' is a task's name, not a formula). The axes' tick labels, which
+    matplotlib's formatters write (10^2 on a log scale), keep theirs; `token_ticks` escapes the names it puts there."""
     from matplotlib.text import Text
     ticks = {id(t) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
              for t in [axis.offsetText] + [label for tick in axis.get_major_ticks()
@@ -196,7 +187,6 @@ def plot_band(ax, by_step: dict, label: str, style: tuple, scale: float = 1.0) -
     steps = sorted(by_step)
     vals = [by_step[st] for st in steps]
     colour, dashes = style
-    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, ls=dashes, lw=1.6,
-            label=label)
+    ax.plot(steps, [scale * sum(v) / len(v) for v in vals], color=colour, ls=dashes, lw=1.6, label=label)
     ax.fill_between(steps, [scale * min(v) for v in vals], [scale * max(v) for v in vals],
                     color=colour, alpha=0.15, lw=0)

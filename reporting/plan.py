@@ -1,19 +1,17 @@
-"""The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`),
-the datasets they read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh`
-prints before its first run (runs per table, the ones skipped and why, device-hours or --quick
-minutes where a step time was measured). reproduce.sh reads the list from `python -m reporting.plan
-... --list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets (tasks.py) and the
-datasets' names, nothing of train.py.
+"""The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`), the datasets
+they read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh` prints before its first run (runs
+per table, the ones skipped and why, device-hours or --quick minutes where a step time was measured). reproduce.sh
+reads the list from `python -m reporting.plan ... --list`; benchmarks/bench_paper.py imports it. It reads the tasks'
+presets (tasks.py) and the datasets' names, nothing of train.py.
 
     python -m reporting.plan                      # the paper on one GPU: the plan
     python -m reporting.plan --quick --list       # the CPU version's runs, one a line, as reproduce.sh reads them
 
-A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for
-the --data and --runs folders, which reproduce.sh passes as one argument whatever they hold); `WAIT`
-lets every run before it finish (teachers before their students); `REPLAN` does too, then
-reproduce.sh reads the plan again (once): its next runs are chosen from those results
-(mult-ladder's better order); `DOWNLOAD NAME...` (before the runs) names the absent data sets
-`train.py download` fetches (--download). The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
+A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for the --data and
+--runs folders, which reproduce.sh passes as one argument whatever they hold); `WAIT` lets every run before it
+finish (teachers before their students); `REPLAN` does too, then reproduce.sh reads the plan again (once): its next
+runs are chosen from those results (mult-ladder's better order); `DOWNLOAD NAME...` (before the runs) names the
+absent data sets `train.py download` fetches (--download). The run's folder is RUNS/TABLE/TASK-INIT-sSEED[-TAG].
 """
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ import datafetch.download  # noqa: E402
 import runfiles  # noqa: E402
 import tasks  # noqa: E402
 
-# reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small
-# preset)
+# reproduce.sh --only TABLE: the tables, and the studies that run only when asked (at the small preset)
 TABLES = ("boolean", "arithmetic", "vision", "lm", "persistence", "ablation", "data", "mult2", "visionprior",
           "oraclefree", "parity3", "lee", "mult-ladder")
 STUDIES = ("ablation", "data", "mult2", "visionprior", "oraclefree", "parity3")
@@ -52,8 +49,7 @@ class Run:
         return f"{self.task}-{self.init}-s{self.seed}" + (f"-{self.tag}" if self.tag else "")
 
     def line(self) -> str:
-        return " ".join([self.table, self.task, self.init, str(self.seed), self.tag or "-",
-                         *self.flags.split()])
+        return " ".join([self.table, self.task, self.init, str(self.seed), self.tag or "-", *self.flags.split()])
 
 
 WAIT = "WAIT"
@@ -63,10 +59,9 @@ REPLAN = "REPLAN"
 
 @dataclass
 class Plan:
-    """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what,
-    why)]}: the runs left out for want of their data, with where to get it) and `absent` (the data
-    sets missing from their own place in DATA, which `train.py download` or `train.py imagenet100`
-    puts there)."""
+    """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what, why)]}: the runs
+    left out for want of their data, with where to get it) and `absent` (the data sets missing from their own place
+    in DATA, which `train.py download` or `train.py imagenet100` puts there)."""
     quick: bool
     only: str | None
     seeds: tuple
@@ -84,11 +79,10 @@ class Plan:
 
 def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
              data: str | None = "data", runs: str | None = None) -> Plan:
-    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs
-    RUNS`: every table's (the paper presets; --quick: the CPU version), or one table's or study's.
-    A run whose dataset is not in DATA is skipped and named in `skipped` (nothing else is looked
-    at); data None: every run, as if every dataset were there. RUNS: the results a later stage
-    chooses from (mult-ladder); None: that stage waits (`later`)."""
+    """The runs of `bash reproduce.sh [--quick] [--only TABLE] --seeds ... --data DATA --runs RUNS`: every table's
+    (the paper presets; --quick: the CPU version), or one table's or study's. A run whose dataset is not in DATA is
+    skipped and named in `skipped` (nothing else is looked at); data None: every run, as if every dataset were
+    there. RUNS: the results a later stage chooses from (mult-ladder); None: that stage waits (`later`)."""
     plan = Plan(quick or only in STUDIES, only, tuple(seeds), data, [], {})
 
     def want(table):
@@ -132,9 +126,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
 
 
 def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None) -> bool:
-    """Whether DATA + `where` holds `task`'s data (`tasks.Task.locate`); if not, the reason is kept in
-    plan.skipped (with the number of `runs` skipped, where one table's runs of the task are
-    meant)."""
+    """Whether DATA + `where` holds `task`'s data (`tasks.Task.locate`); if not, the reason is kept in plan.skipped
+    (with the number of `runs` skipped, where one table's runs of the task are meant)."""
     if plan.data is None:
         return True
     try:
@@ -152,9 +145,8 @@ HOME = {"imagenet100": "/imagenet100"}
 
 
 def fetch_lines(plan: Plan) -> list[str]:
-    """The commands that put the plan's absent data sets in DATA: one `train.py download` for those
-    published (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an
-    ImageNet-1k copy)."""
+    """The commands that put the plan's absent data sets in DATA: one `train.py download` for those published
+    (datafetch.download.SOURCES), `train.py imagenet100` for ImageNet-100 (built from an ImageNet-1k copy)."""
     names = [t for t in plan.absent if t in datafetch.download.SOURCES]
     lines = [f"python train.py download {' '.join(names)} --data {plan.data}   (or bash reproduce.sh --download)"
              ] if names else []
@@ -165,9 +157,8 @@ def fetch_lines(plan: Plan) -> list[str]:
 
 
 def _arithmetic(plan, add):
-    """The paper presets: every init at the preset's budget. --quick: addition at convergence
-    (default and mask; every init with --only arithmetic) and every init at 250 steps (tag
-    250steps), where the paper's numbers show."""
+    """The paper presets: every init at the preset's budget. --quick: addition at convergence (default and mask;
+    every init with --only arithmetic) and every init at 250 steps (tag 250steps), where the paper's numbers show."""
     if not plan.quick:
         add("arithmetic", "addition", QK)
         add("arithmetic", "multiplication", QK)
@@ -181,9 +172,8 @@ def _arithmetic(plan, add):
 
 
 def _lee(plan, add):
-    """Lee et al.'s multiplication data: their NanoGPT budget on a GPU (256 windows of 256
-    characters / 10.25 characters an example); --quick: the CPU ladder at 40, 150 and 500 epochs,
-    plain and reversed."""
+    """Lee et al.'s multiplication data: their NanoGPT budget on a GPU (256 windows of 256 characters / 10.25
+    characters an example); --quick: the CPU ladder at 40, 150 and 500 epochs, plain and reversed."""
     lee = "--digits 2 --lee-samples 3000"
     if not plan.quick:
         add("lee", "multiplication", ("default", "mask"), f"{lee} --answer-order msb --batch-size 6400 --log-every 250",
@@ -200,10 +190,9 @@ LADDER = (("default", "", ""), ("mask", "", ""), ("mask", " --pattern partial", 
 
 
 def _mult_ladder(plan, add, runs):
-    """Multiplication at the paper preset (a GPU's): answers msb and lsb, 5,000 steps, default, the
-    mask (`carry`), the mask with --pattern partial and qk-opt; then the better order (the higher
-    mean sequence accuracy of its runs in RUNS) at 20,000 steps, planned after a REPLAN once the
-    first stage's results are in."""
+    """Multiplication at the paper preset (a GPU's): answers msb and lsb, 5,000 steps, default, the mask (`carry`),
+    the mask with --pattern partial and qk-opt; then the better order (the higher mean sequence accuracy of its runs
+    in RUNS) at 20,000 steps, planned after a REPLAN once the first stage's results are in."""
     def stage(order, steps, tag):
         for init, pattern, suffix in LADDER:
             add("mult-ladder", "multiplication", (init,), f"--answer-order {order} --steps {steps}{pattern}",
@@ -261,9 +250,8 @@ def _vision_prior(plan, add):
 
 
 def _ablation(plan, add):
-    """The robustness grid: each Boolean task's readout x positional std x {default, mask}; the
-    cells at the task's own small preset are its Boolean-table runs (all four inits), the others go
-    to ablation/."""
+    """The robustness grid: each Boolean task's readout x positional std x {default, mask}; the cells at the task's
+    own small preset are its Boolean-table runs (all four inits), the others go to ablation/."""
     for t in ("parity2", "majority3", "cyclic3"):
         add("boolean", t, QK)
         preset = tasks.TASKS[t].preset("small")
@@ -275,15 +263,13 @@ def _ablation(plan, add):
                         f"{readout}-pos{pos}")
 
 
-ORACLE_FREE_BITS = {"kparity": "--bits random:2 --unseen bits:2",
-                    "kmajority": "--bits random:3 --unseen bits:2"}
+ORACLE_FREE_BITS = {"kparity": "--bits random:2 --unseen bits:2", "kmajority": "--bits random:3 --unseen bits:2"}
 
 
 def _oracle_free(plan, add):
-    """Priors without an oracle, a group of tasks at a time: its teachers (default runs), a WAIT,
-    then the students (the hand mask, the pattern found in the data, the teacher's prior in mask
-    and qk-svd, and default for the teacher's and the student's steps together); the cheap tasks
-    first, cyclic3 (8,000 steps a run) last."""
+    """Priors without an oracle, a group of tasks at a time: its teachers (default runs), a WAIT, then the students
+    (the hand mask, the pattern found in the data, the teacher's prior in mask and qk-svd, and default for the
+    teacher's and the student's steps together); the cheap tasks first, cyclic3 (8,000 steps a run) last."""
     of, teacher = "oraclefree", "--prior-from @RUNS/oraclefree"
     twice = {t: 2 * int(tasks.TASKS[t].preset("small").get("steps")
                         or tasks.TASKS[t].preset("small")["epochs"])
@@ -312,17 +298,15 @@ def _oracle_free(plan, add):
     _oracle_free_group(plan, add, ("cyclic3",), twice, teacher)
 
 
-SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4",
-              "kparity": "--bits 2,7,11 --unseen 2,7"}
+SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4", "kparity": "--bits 2,7,11 --unseen 2,7"}
 # x0 x1 + x2 x3 x4; x0 x1 + maj(x2..x4)
 MIXED = {"sum23": "--terms 0,1:2,3,4", "summaj": "--terms 0,1:m2,3,4"}
 
 
 def _small_data_and_mixed(plan, add, teacher):
-    """Round two of the priors without an oracle: the data route on small training sets (default,
-    the hand mask and the found one at 100 .. 2,000 draws and every seen point), 2-digit
-    multiplication's found digit pairs, and two targets that mix structures (ksum: teachers, a
-    WAIT, then the hand mask, the found one, the teacher's)."""
+    """Round two of the priors without an oracle: the data route on small training sets (default, the hand mask and
+    the found one at 100 .. 2,000 draws and every seen point), 2-digit multiplication's found digit pairs, and two
+    targets that mix structures (ksum: teachers, a WAIT, then the hand mask, the found one, the teacher's)."""
     of = "oraclefree"
     for task, f in SMALL_DATA.items():
         for n in (100, 250, 500, 2000, None):
@@ -354,8 +338,7 @@ def _parity3(plan, add):
                          f"{pos} --layers {layers} --steps 600 --log-every 30")
                     tag = f"U{unseen.replace(',', '')}-{readout}-pos{pos}-L{layers}"
                     add("parity3", "kparity", ("mask",), f, tag)
-                    plan.items += [Run("parity3", "kparity", "default", s, tag, f)
-                                   for s in plan.seeds[:2]]
+                    plan.items += [Run("parity3", "kparity", "default", s, tag, f) for s in plan.seeds[:2]]
 
 
 def _oracle_free_group(plan, add, group, twice, teacher):
@@ -419,9 +402,8 @@ LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-fro
 
 
 def time_key(run: Run, preset: str = "paper") -> str:
-    """The step time a run shares with every run of its preset, task, init and flags, but those
-    that only set how long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask",
-    "small addition default"."""
+    """The step time a run shares with every run of its preset, task, init and flags, but those that only set how
+    long it trains or where its data is (LENGTH_FLAGS): "paper cifar10 mask", "small addition default"."""
     words = run.flags.split()
     kept = [w for i, w in enumerate(words) if w not in LENGTH_FLAGS and (i == 0 or words[i - 1] not in LENGTH_FLAGS)]
     return " ".join([preset, run.task, run.init, *kept])
@@ -463,10 +445,9 @@ def train_size(task: str) -> int:
 
 
 def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
-    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step
-    times (the paper presets: device-hours; --quick: minutes of wall time at `jobs` runs at a
-    time), or "not measured"; then every table or task skipped and why, and the commands that fetch
-    the missing data."""
+    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step times (the paper
+    presets: device-hours; --quick: minutes of wall time at `jobs` runs at a time), or "not measured"; then every
+    table or task skipped and why, and the commands that fetch the missing data."""
     times = step_times() if times is None else times
     preset = "small" if plan.quick else "paper"
     lines, total, by_table = [], 0.0, {}
@@ -495,8 +476,7 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
         for what, why in skips:
             lines.append(f"  skipped: {table} {what}: {why}")
     lines += [f"  fetch: {line}" for line in fetch_lines(plan)]
-    measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ")
-                and isinstance(t, dict)}
+    measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ") and isinstance(t, dict)}
     how = f"python benchmarks/bench_paper.py {'--quick --device cpu' if plan.quick else '--device cuda'} --write"
     lines.append(f"  step times: {os.path.relpath(STEP_TIMES)} "
                  f"({', '.join(sorted(map(str, measured)))}; {how} measures them again)"
@@ -544,7 +524,8 @@ def _folder(flag: str, what: str):
 JOBS = (1, 1024)            # runs at a time
 # every flag past argparse, in one table: flag -> its parser (text -> value; a refusal is one line)
 FLAGS = {"seeds": parse_seeds, "jobs": lambda text: tasks.parse_count(text, "jobs", *JOBS),
-         "data": _folder("data", "the data sets' folder"), "runs": _folder("runs", "the run folders a later stage reads")}
+         "data": _folder("data", "the data sets' folder"),
+         "runs": _folder("runs", "the run folders a later stage reads")}
 
 
 def main(argv=None) -> int:

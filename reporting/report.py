@@ -50,8 +50,7 @@ def collect_runs(paths) -> tuple[list, list]:
         if os.path.exists(os.path.join(path, "args.json")) or os.path.exists(os.path.join(path, "result.json")):
             dirs.append(path)
         elif os.path.isdir(path):
-            dirs += sorted(os.path.join(path, d) for d in os.listdir(path)
-                           if os.path.isdir(os.path.join(path, d)))
+            dirs += sorted(os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
         else:
             problems.append(f"{path}: no such run directory")
     for d in dirs:
@@ -67,17 +66,14 @@ def collect_runs(paths) -> tuple[list, list]:
 
 
 def once_each(runs: list, problems: list) -> tuple[list, list]:
-    """Each run once: a folder with the run id of one already read (a copy) or with its task, init,
-    seed, flags and data (the same run again) is left out and named in problems; on other data it
-    is another run."""
+    """Each run once: a folder with the run id of one already read (a copy) or with its task, init, seed, flags and
+    data (the same run again) is left out and named in problems; on other data it is another run."""
     kept, ids, configs = [], {}, {}
     for r in runs:
-        key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), r["data"]],
-                         sort_keys=True, default=repr)
+        key = json.dumps([r["task"], r["init"], r["seed"], run_config(r), r["data"]], sort_keys=True, default=repr)
         rid = r["run_id"]
         if rid in ids:
-            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): "
-                            "counted once")
+            problems.append(f"{r['run_dir']}: a copy of {ids[rid]} (the same run, id {rid}): counted once")
         elif key in configs:
             problems.append(f"{r['run_dir']}: the same task, init, seed, flags and data as "
                             f"{configs[key]}: counted once")
@@ -102,8 +98,7 @@ def mean_std(values, digits: int = 2, count: bool = False) -> str:
 
 
 def init_order(runs: list):
-    """The sort key of the inits of `runs`: each init's place in inits.INITS, as its
-    runs record it."""
+    """The sort key of the inits of `runs`: each init's place in inits.INITS, as its runs record it."""
     order = {r["init"]: r["init_order"] for r in runs}
     return order.__getitem__
 
@@ -131,8 +126,7 @@ def _num(key, scale=1, count=False):
 
 
 def _mass(ms):
-    start, end = ([m[k] for m in ms if m.get(k) is not None]
-                  for k in ("prior_mass_start", "prior_mass_end"))
+    start, end = ([m[k] for m in ms if m.get(k) is not None] for k in ("prior_mass_start", "prior_mass_end"))
     if len(start) == len(end) == 1:                        # one run: said once
         return f"{start[0]:.2f} → {end[0]:.2f} (1 seed)"
     return f"{mean_std(start)} → {mean_std(end)}" if start or end else ""
@@ -159,9 +153,8 @@ COLUMNS = {
 
 
 def summarize(paths, collected: tuple | None = None) -> str:
-    """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's
-    attention mass at start and end, and the paper's number beside ours (of the runs under
-    `paths`, or `collected` from them already)."""
+    """A markdown table per task: the kind's metrics (mean ± std over seeds), the prior's attention mass at start
+    and end, and the paper's number beside ours (of the runs under `paths`, or `collected` from them already)."""
     runs, problems = collected or collect_runs(paths)
     groups, notes = config_groups(runs)
     out = [f"- {n}" for n in notes]
@@ -207,8 +200,7 @@ def flag_label(label: str) -> str:
     parts = []
     for part in filter(None, label.split(", ")):
         key, eq, value = part.partition("=")
-        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq
-                     else part)
+        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq else part)
     return ", ".join(parts)
 
 
@@ -233,10 +225,9 @@ def flag_words(key: str, value: str) -> str:
 
 
 def config_words(label: str, said: frozenset = frozenset()) -> str:
-    """A configuration's label ("mask_off=10.0, pattern=soft") as a legend or a title reads it:
-    its flags in words ("M off -10, soft bump"), leaving out a flag not given (None: the preset's)
-    and the parts in `said` (a figure's caption says them once); a part that is not flag=value is
-    kept as it is."""
+    """A configuration's label ("mask_off=10.0, pattern=soft") as a legend or a title reads it: its flags in words
+    ("M off -10, soft bump"), leaving out a flag not given (None: the preset's) and the parts in `said` (a figure's
+    caption says them once); a part that is not flag=value is kept as it is."""
     words = []
     for part in filter(None, label.split(", ")):
         key, eq, value = part.partition("=")
@@ -246,17 +237,14 @@ def config_words(label: str, said: frozenset = frozenset()) -> str:
 
 
 def series_labels(series: list) -> tuple[dict, str]:
-    """({(init, configuration label): its legend entry}, what the caption says for them) of a
-    figure's series: the init, then the configuration in words less the flag=value parts (given)
-    that more than half of the series hold ("mask (soft bump, α 0.3)"), and those shared parts in
-    words ("" for none). No two entries read alike: where leaving the shared parts out would make
-    them so, every part is spelled out."""
+    """({(init, configuration label): its legend entry}, what the caption says for them) of a figure's series: the
+    init, then the configuration in words less the flag=value parts (given) that more than half of the series hold
+    ("mask (soft bump, α 0.3)"), and those shared parts in words ("" for none). No two entries read alike: where
+    leaving the shared parts out would make them so, every part is spelled out."""
     counts = collections.Counter(p for _, c in series for p in set(filter(None, c.split(", "))))
-    said = frozenset(p for p, n in counts.items()
-                     if 2 * n > len(series) and "=" in p and not p.endswith("=None"))
+    said = frozenset(p for p, n in counts.items() if 2 * n > len(series) and "=" in p and not p.endswith("=None"))
     for known in (said, frozenset()):
-        labels = {(i, c): i + (f" ({words})" if (words := config_words(c, known)) else "")
-                  for i, c in series}
+        labels = {(i, c): i + (f" ({words})" if (words := config_words(c, known)) else "") for i, c in series}
         if len(set(labels.values())) == len(labels):
             break
     return labels, config_words(", ".join(sorted(known)))
@@ -287,8 +275,7 @@ def data_rows(runs: list) -> list[tuple]:
     sets = {}
     for r in runs:
         sets.setdefault(r["task"], set()).add(data_set(r))
-    return sorted((task, *named) for task, named in sets.items()
-                  if len(named) == 1 and None not in named)
+    return sorted((task, *named) for task, named in sets.items() if len(named) == 1 and None not in named)
 
 
 def data_title(task: str, data: dict | None = None) -> str:
@@ -378,9 +365,8 @@ def draw_persistence(rows: list[dict], path: str, data: dict | None = None) -> l
 
 
 def m_figures(boolean_dir: str, out_dir: str) -> list[str]:
-    """m_TASK.png beside persistence.png, per Boolean task with a `mask` run: M at the start and at
-    the end of its lowest seed's run whose checkpoint reads, per layer and head
-    (`reporting.show.draw_m`). Needs matplotlib."""
+    """m_TASK.png beside persistence.png, per Boolean task with a `mask` run: M at the start and at the end of its
+    lowest seed's run whose checkpoint reads, per layer and head (`reporting.show.draw_m`). Needs matplotlib."""
     if pyplot() is None:
         return []
     written, runs = [], sorted(collect_runs([boolean_dir])[0], key=lambda r: r["seed"])
@@ -488,9 +474,8 @@ def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
 
 
 def curve_points(run: dict) -> dict:
-    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics
-    (read from the record's metrics, or from the record itself where its schema has the key: the
-    prior's mass, prior_mass_mean)."""
+    """{metric: [(step, value), ...]} from a run's metrics.jsonl, for its kind's headline metrics (read from the
+    record's metrics, or from the record itself where its schema has the key: the prior's mass, prior_mass_mean)."""
     keys = [k for k, _, _ in CURVE_METRICS.get(run.get("kind", "boolean"), ())]
     points = {k: [] for k in keys}
     for rec in log_records(run):
@@ -507,9 +492,8 @@ METRIC_NAMES = {k: name for metrics in CURVE_METRICS.values() for k, name, _ in 
 
 
 def curve_rows(groups: dict) -> list[tuple]:
-    """(task, configuration label, init, seed, step, metric, value) for every logged headline
-    metric of every run of `groups` (`config_groups`), by init then seed: the rows of curves.csv,
-    from which its figures are drawn."""
+    """(task, configuration label, init, seed, step, metric, value) for every logged headline metric of every run of
+    `groups` (`config_groups`), by init then seed: the rows of curves.csv, from which its figures are drawn."""
     rows = []
     for (task, label), rs in groups.items():
         for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"])):
@@ -528,11 +512,11 @@ def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) 
 
 
 def _by_metric(rows: list, key) -> dict:
-    """{key(row): {metric: {init or legend: {step: [values over seeds]}}}} of curve rows, in the
-    order first met."""
+    """{key(row): {metric: {init or legend: {step: [values over seeds]}}}} of curve rows, in the order first met."""
     out = {}
     for task, label, init, seed, step, metric, value in rows:
-        out.setdefault(key(task, label, init), {}).setdefault(metric, {}).setdefault(init, {}).setdefault(step, []).append(value)
+        by_init = out.setdefault(key(task, label, init), {}).setdefault(metric, {}).setdefault(init, {})
+        by_init.setdefault(step, []).append(value)
     return out
 
 
@@ -558,14 +542,12 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
     for b, (title, key, by_init) in enumerate(panels):
         ax = at(b)
         for i, (init, by_step) in enumerate(by_init.items()):
-            plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS
-                      else 1.0)
+            plot_band(ax, by_step, init, line_style(i, init), scale=100.0 if key in PERCENT_METRICS else 1.0)
         if key in ("mse", "val_ppl"):
             ax.set_yscale("log")
         ax.set_title(wrapped(title, 3.8, 8, LABEL_LINES), fontsize=8)
         ax.set_xlabel("training step")
-        ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""),
-                      fontsize=8)
+        ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
     caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the "
@@ -604,26 +586,21 @@ def first_step(records: list, target: list):
     is better) of target holds, or None."""
     for rec in records:
         m = rec.get("metrics") or {}
-        if all(m.get(k) is not None and ((m[k] >= t) if higher else (m[k] <= t))
-               for k, t, higher in target):
+        if all(m.get(k) is not None and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
             return rec["step"]
     return None
 
 
 def targets_for(kind: str, runs: list) -> list:
-    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind:
-    arithmetic 50% and 90% sequence accuracy; Boolean 99% on U together with 99% on the seen domain
-    (an untrained model can score 100% on U by its constant sign); vision (LM) the default init's
-    final top-1 (perplexity), mean over its seeds."""
+    """[(description, [(metric key, threshold, higher is better), ...])] for a task kind: arithmetic 50% and 90%
+    sequence accuracy; Boolean 99% on U together with 99% on the seen domain (an untrained model can score 100% on U
+    by its constant sign); vision (LM) the default init's final top-1 (perplexity), mean over its seeds."""
     if kind == "arithmetic":
-        return [("seq acc 50%", [("seq_acc", 0.5, True)]),
-                ("seq acc 90%", [("seq_acc", 0.9, True)])]
+        return [("seq acc 50%", [("seq_acc", 0.5, True)]), ("seq acc 90%", [("seq_acc", 0.9, True)])]
     if kind == "boolean":
-        return [("99% on U and on the seen domain",
-                 [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
+        return [("99% on U and on the seen domain", [("acc_unseen", 0.99, True), ("acc_seen", 0.99, True)])]
     key, higher = ("top1", True) if kind == "vision" else ("val_ppl", False)
-    finals = [r["metrics"][key] for r in runs
-              if r["init"] == "default" and r["metrics"].get(key) is not None]
+    finals = [r["metrics"][key] for r in runs if r["init"] == "default" and r["metrics"].get(key) is not None]
     if not finals:
         return []
     t = sum(finals) / len(finals)
@@ -716,8 +693,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
         for r in sorted(rs, key=lambda r: (r["init_order"], r["metrics"]["n_train"], r["seed"])):
             m = r["metrics"]
             by.setdefault(r["init"], {}).setdefault(m["n_train"], []).append(m["seq_acc"])
-            rows.append((label, r["init"], r["seed"], m["n_train"], float(m["seq_acc"]),
-                         float(m["digit_acc"])))
+            rows.append((label, r["init"], r["seed"], m["n_train"], float(m["seq_acc"]), float(m["digit_acc"])))
         sizes = sorted({n for d in by.values() for n in d})
         if len(sizes) < 2:
             md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
@@ -729,11 +705,10 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
                *_efficiency_table(by, inits, sizes, digits)]
         panels.append(label)
     csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows, quoted=0)
-    text = ("# Data efficiency: addition's sequence accuracy against the training set "
-            "size\n\nFinal sequence accuracy on the 10,000 test pairs, mean ± std over seeds "
-            "(their number in brackets). The last column: the fewest training pairs (of the "
-            "sizes run) at which the mask's mean accuracy is at least default's mean at this "
-            "size. Runs: " + ", ".join(f"`{f}`" for f in folders)
+    text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\nFinal sequence "
+            "accuracy on the 10,000 test pairs, mean ± std over seeds (their number in brackets). The last column: "
+            "the fewest training pairs (of the sizes run) at which the mask's mean accuracy is at least default's "
+            "mean at this size. Runs: " + ", ".join(f"`{f}`" for f in folders)
             + "; the curves: `data_efficiency.csv`" + (", `data_efficiency.png`" if panels else "") + ".\n\n"
             + "".join(f"- {n}\n" for n in notes) + "\n".join(md)
             + ("\n\nNot included:\n" + "\n".join(f"- {p}" for p in problems) if problems else "") + "\n")
@@ -762,8 +737,7 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
     mean = {i: {n: sum(v) / len(v) for n, v in by[i].items()} for i in inits}
     rows = []
     for n in sizes:
-        cells = [mean_std([100 * v for v in by[i][n]], count=True) if n in by[i] else ""
-                 for i in inits]
+        cells = [mean_std([100 * v for v in by[i][n]], count=True) if n in by[i] else "" for i in inits]
         enough = ""
         if "default" in mean and "mask" in mean and n in mean["default"]:
             hit = [k for k in sorted(mean["mask"]) if mean["mask"][k] >= mean["default"][n]]
@@ -800,8 +774,7 @@ def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str
         ax.set_title(wrapped(title, 4.6, 9, LABEL_LINES), fontsize=9)
         ax.grid(alpha=0.3)
     legend_below(fig)
-    caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = "
-                 "min to max")
+    caption(fig, "Final sequence accuracy against the training set size; mean over seeds, band = min to max")
     return [save_figure(fig, path)]
 
 
@@ -844,10 +817,9 @@ def oracle_free_cell(run: dict) -> tuple[str, str]:
 
 
 def oracle_free(folder: str, out_dir: str) -> list[str]:
-    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their
-    number), and the found patterns' precision and recall of pairs against the hand pattern;
-    oraclefree_patterns.png (with matplotlib): for seed 0, the hand pattern beside the one found in
-    the data and the teacher's."""
+    """oraclefree.md: per task (row), each variant's headline metric (mean ± std over seeds, their number), and the
+    found patterns' precision and recall of pairs against the hand pattern; oraclefree_patterns.png (with
+    matplotlib): for seed 0, the hand pattern beside the one found in the data and the teacher's."""
     runs, problems = collect_runs([folder])
     table, agreement, rows = {}, {}, []
     for r in runs:
@@ -859,8 +831,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
         # qk-svd reads the same teacher's pattern
         if "precision" in src and r["init"] == "mask":
             agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
-    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS
-            if any((i, t) in table[row] for row in rows)]
+    cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
     results = []
     for row in rows:
         kind = next(iter(table[row].values()))[0].get("kind", "boolean")
@@ -937,36 +908,32 @@ def oracle_free_figure(table: dict, rows: list, out_dir: str) -> list[str]:
         ax.imshow(p.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(wrapped(title, 2.9, 7, LABEL_LINES), fontsize=7)
         token_ticks(ax, names, p.shape[-1])
-    caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed "
-                 "(first head)")
+    caption(fig, "Patterns the priors started from: row = query, column = key, black = allowed (first head)")
     return [save_figure(fig, os.path.join(out_dir, "oraclefree_patterns.png"))]
 
 
 STEPS_TO_TARGET_HEAD = (
-    "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the "
-    "target (mean ± std over the seeds that reach it; the resolution is the log interval; log "
-    "steps of Boolean and arithmetic runs are measured on `--eval-points` points, the last on "
-    "the whole test set). default / mask is the ratio of the mean steps: how many times faster "
-    "the mask gets there; '> x' where default never does within its steps. The curves are "
-    "`curves.csv` and `curves.png`. ")
+    "# Steps to target\n\nThe first logged step at which each run's headline metric reaches the target (mean ± std "
+    "over the seeds that reach it; the resolution is the log interval; log steps of Boolean and arithmetic runs "
+    "are measured on `--eval-points` points, the last on the whole test set). default / mask is the ratio of the "
+    "mean steps: how many times faster the mask gets there; '> x' where default never does within its steps. The "
+    "curves are `curves.csv` and `curves.png`. ")
 PRIOR_LAYERS_HEAD = (
-    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over "
-    "seeds, from each run's metrics.jsonl (the mass is measured on the probe batch). 'half-way "
-    "step': the first logged step at which the layer's mass has made half of its change from "
-    "start to end. M drift: relative Frobenius change of M (`mask`); Wq Wk^T drift: of the "
-    "content logits' weights. Content margin: by how many nats the content logits q.k/sqrt(d) "
-    "alone favour the keys off the pattern over those on it (log-sum-exp off minus on, mean over "
-    "rows, heads and the probe batch; runs made before it was logged have none); a row keeps "
-    "most of its mass on the pattern while this stays below the prior's own gap (for `mask`, log "
-    "sigmoid(m_on) - log sigmoid(-m_off), about m_off). ")
+    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from each "
+    "run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step at "
+    "which the layer's mass has made half of its change from start to end. M drift: relative Frobenius change of M "
+    "(`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats the content logits "
+    "q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off minus on, mean over rows, "
+    "heads and the probe batch; runs made before it was logged have none); a row keeps most of its mass on the "
+    "pattern while this stays below the prior's own gap (for `mask`, log sigmoid(m_on) - log sigmoid(-m_off), "
+    "about m_off). ")
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
-    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the
-    paper's number beside ours), the robustness grid, the persistence curves of the Boolean runs,
-    the data-efficiency table, the oracle-free study, and over every table's runs the learning
-    curves, steps to target and the prior per layer (`report_curves`). Unfinished or unreadable
-    runs are listed under their table. Returns the files written."""
+    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the paper's number
+    beside ours), the robustness grid, the persistence curves of the Boolean runs, the data-efficiency table, the
+    oracle-free study, and over every table's runs the learning curves, steps to target and the prior per layer
+    (`report_curves`). Unfinished or unreadable runs are listed under their table. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
     # the temporary file of a report that was killed mid-write
     for tmp, name in runfiles.partial_writes(out_dir):
@@ -984,10 +951,9 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     if os.path.isdir(grid):
         folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
         written.append(emit(out_dir, "ablation.md",
-                            "# Robustness grid: readout x positional-embedding std x init, "
-                            f"Boolean tasks, `small` preset\n\nRuns: `{grid}` and, at each task's "
-                            f"own preset, `{boolean}`; mean ± std over seeds; accuracy over the "
-                            "whole cube (exact match for cyclic3); "
+                            "# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
+                            f"preset\n\nRuns: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std "
+                            "over seeds; accuracy over the whole cube (exact match for cyclic3); "
                             f"{made_by}.\n\n{ablation(folders)}"))
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean, out_dir)
@@ -1046,8 +1012,7 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
 
 
 # ----------------------------------------------------------------------------------------
-# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw
-# RESULTS`), no runs needed
+# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw RESULTS`), no runs needed
 
 # characters of a configuration's label: more than all of train.py's flags written out (a figure
 # draws LABEL_LINES lines of one, saying how much it cut)
@@ -1058,14 +1023,12 @@ REDRAW_MAX_PANELS, REDRAW_MAX_SERIES, REDRAW_SLOW_PANELS = 400, 40, 40
 
 
 def _digits(text: str) -> int | None:
-    """An integer cell: ASCII digits alone (no sign, '_', space or other script's digits); None
-    for anything else."""
+    """An integer cell: ASCII digits alone (no sign, '_', space or other script's digits); None for anything else."""
     return int(text) if re.fullmatch(r"[0-9]{1,20}", text) else None
 
 
 def _number(text: str) -> float | None:
-    """A number cell as a report writes one (ASCII, 'nan' where nothing was measured); None for
-    anything else."""
+    """A number cell as a report writes one (ASCII, 'nan' where nothing was measured); None for anything else."""
     return float(text) if re.fullmatch(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan", text) else None
 
 
@@ -1093,8 +1056,7 @@ def _cells(kinds: tuple, cells: list, rest: str | None = None) -> list:
     cell after `kinds`); ValueError naming the first that is not."""
     specs = [CELLS[kinds[i] if i < len(kinds) else rest] for i in range(len(cells))]
     values = [parse(text) for (parse, _, _), text in zip(specs, cells)]
-    bad = [(text, what) for (_, ok, what), text, v in zip(specs, cells, values)
-           if v is None or not ok(v)][:1]
+    bad = [(text, what) for (_, ok, what), text, v in zip(specs, cells, values) if v is None or not ok(v)][:1]
     if bad:
         raise ValueError(f"{_cut(bad[0][0])} is not {bad[0][1]}")
     return values
@@ -1144,9 +1106,8 @@ REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves,
 
 
 def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
-    """The rows of a CSV a report wrote, read through the one reader (at most READ_LIMITS'
-    "table" bytes; rows of `header` and up to `extra` cells more) and parsed; anything else is a
-    ReportError naming the file and the line."""
+    """The rows of a CSV a report wrote, read through the one reader (at most READ_LIMITS' "table" bytes; rows of
+    `header` and up to `extra` cells more) and parsed; anything else is a ReportError naming the file and the line."""
     try:
         lines = list(csv.reader(io.StringIO(runfiles.read_back(path, "table").decode("utf-8"))))
     except (runfiles.ReadError, UnicodeDecodeError, csv.Error) as e:
@@ -1182,27 +1143,23 @@ def redraw(results: str) -> tuple[list[str], list[str]]:
               for name, (header, extra, parse, _, _) in REDRAWN.items()
               if os.path.isfile(os.path.join(results, name + ".csv"))}
     if not tables:
-        raise ReportError(f"redraw: {results} holds none of "
-                          f"{', '.join(n + '.csv' for n in REDRAWN)}, so there is nothing to "
-                          "redraw and nothing was written")
+        raise ReportError(f"redraw: {results} holds none of {', '.join(n + '.csv' for n in REDRAWN)}, so there is "
+                          "nothing to redraw and nothing was written")
     named = os.path.join(results, "data.csv")
     data = dict(read_rows(named, DATA_HEADER, _data_row)) if os.path.isfile(named) else {}
     sizes = {name: REDRAWN[name][4](rows) for name, rows in tables.items()}
-    big = [(name, p, s) for name, (p, s) in sizes.items()
-           if p > REDRAW_MAX_PANELS or s > REDRAW_MAX_SERIES][:1]
+    big = [(name, p, s) for name, (p, s) in sizes.items() if p > REDRAW_MAX_PANELS or s > REDRAW_MAX_SERIES][:1]
     if big:
         name, p, s = big[0]
-        raise ReportError(f"redraw: {os.path.join(results, name + '.csv')} would draw {p:,} "
-                          f"panels and {s:,} series in one figure, more than any report draws "
-                          f"({REDRAW_MAX_PANELS} panels, {REDRAW_MAX_SERIES} series); it is not "
-                          "a table a report wrote: nothing was redrawn")
+        raise ReportError(f"redraw: {os.path.join(results, name + '.csv')} would draw {p:,} panels and {s:,} "
+                          f"series in one figure, more than any report draws ({REDRAW_MAX_PANELS} panels, "
+                          f"{REDRAW_MAX_SERIES} series); it is not a table a report wrote: nothing was redrawn")
     written = []
     for name, (panels, _) in sizes.items():
         if panels > REDRAW_SLOW_PANELS:
             print(f"redraw: {name}.png: {panels} panels, about {panels // 20 + 1} s to draw", flush=True)
         written += REDRAWN[name][3](tables[name], os.path.join(results, name + ".png"), data)
-    left = sorted(f for f in os.listdir(results) if f.endswith(".png")
-                  and os.path.join(results, f) not in written)
+    left = sorted(f for f in os.listdir(results) if f.endswith(".png") and os.path.join(results, f) not in written)
     return written, left
 
 
@@ -1220,8 +1177,7 @@ def redraw_command(results: str) -> int:
 # The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
 
 class ReportError(runfiles.UsageError):
-    """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints
-    it)."""
+    """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints it)."""
 
 
 def summarize_command(paths: list) -> int:
@@ -1231,9 +1187,8 @@ def summarize_command(paths: list) -> int:
     collected = ([], bad) if bad else collect_runs(paths)
     if not collected[0]:
         raise ReportError("summarize: " + (bad[0] if bad else
-                                           f"no finished run (result.json) in {', '.join(paths)}, "
-                                           "so there is nothing to tabulate "
-                                           f"({'; '.join(collected[1][:3])})"))
+                                           f"no finished run (result.json) in {', '.join(paths)}, so there is "
+                                           f"nothing to tabulate ({'; '.join(collected[1][:3])})"))
     print(summarize(paths, collected), end="")
     return 0
 
@@ -1279,9 +1234,8 @@ def report_command(runs: str, out: str) -> int:
                     if runs_inside else "give the folder above it")
         else:
             hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
-        raise ReportError(f"report: {runs} holds none of the table folders "
-                          f"({', '.join(REPORT_FOLDERS)}), so there is nothing to report and "
-                          f"nothing was written; {hint}")
+        raise ReportError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there "
+                          f"is nothing to report and nothing was written; {hint}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"report: {out} is a file; give a folder for the tables and figures")
     try:
@@ -1289,14 +1243,12 @@ def report_command(runs: str, out: str) -> int:
     except OSError as e:
         if e.errno not in runfiles.STORAGE_ERRORS | {errno.ENOTDIR, errno.ENOENT}:
             raise
-        raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file "
-                          "written before is whole: give another folder, or free space, and "
-                          "report again") from None
+        raise ReportError(f"report: cannot write {e.filename or out} ({e.strerror}); every file written before is "
+                          "whole: give another folder, or free space, and report again") from None
     for path in written:
         print(f"wrote {path}")
     stale = sorted(name for name in os.listdir(out) if name.endswith((".md", ".csv", ".png"))
                    and os.path.join(out, name) not in written)
     if stale:
-        print("not made by these runs, left as they were (an earlier report's, or yours): "
-              f"{', '.join(stale)}")
+        print(f"not made by these runs, left as they were (an earlier report's, or yours): {', '.join(stale)}")
     return 0

@@ -1,16 +1,16 @@
-"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and
-draws with these.
+"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
 
     m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row, and
-                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a full M as its N x N (query x key) matrix with the pairs M
-                   started above 0 on (the pattern's allowed pairs) outlined, a relative M as a profile per head
+                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a
+                   full M as its N x N (query x key) matrix with the pairs M started above 0 on (the pattern's
+                   allowed pairs) outlined, a relative M as a profile per head
                    over the distance i - j, start dashed, end solid, an image's M as a 2-D map of patch offsets
     attention.png  the mean attention on the task's probe inputs at the end, per layer and head,
                    its colour capped at the 99th percentile (said in the title: a causal first row's 1 would
                    wash out the rest)
 
-The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG
-out (matplotlib, Agg, written atomically); nothing here reads a run folder.
+The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib,
+Agg, written atomically); nothing here reads a run folder.
 """
 from __future__ import annotations
 
@@ -32,11 +32,9 @@ def _grid(layers: int, rows: int, heads: int):
 
 
 def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
-    """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept
-    none) and its weights' `attn.prior.bias` in layer order (a grid's table as its (H, N, N) M); ([], []) for a
-    run without M."""
-    keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")),
-                  key=lambda k: int(k.split(".")[1]))
+    """(start, end) of a checkpoint's M, per layer: its probe snapshot's M (None where it kept none) and its
+    weights' `attn.prior.bias` in layer order (a grid's table as its (H, N, N) M); ([], []) for a run without M."""
+    keys = sorted((k for k in ckpt["model"] if k.endswith("attn.prior.bias")), key=lambda k: int(k.split(".")[1]))
     if not keys:
         return [], []
     start = [s["mask"].float() if s.get("mask") is not None else None for s in ckpt["snapshot"]]
@@ -50,9 +48,8 @@ def m_of_checkpoint(ckpt: dict) -> tuple[list, list]:
 
 
 def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) M of an image's patches (row-major after `prefix` tokens, N = prefix + grid^2) ->
-    (H, 2g-1, 2g-1): the mean of M over the patch pairs of each offset (dy, dx) = key - query,
-    index (dy + g - 1, dx + g - 1)."""
+    """(H, N, N) M of an image's patches (row-major after `prefix` tokens, N = prefix + grid^2) -> (H, 2g-1, 2g-1):
+    the mean of M over the patch pairs of each offset (dy, dx) = key - query, index (dy + g - 1, dx + g - 1)."""
     heads, g = m.shape[0], grid
     patches = m[:, prefix:, prefix:].reshape(heads, -1)
     cell = mp.grid_index(g, g).flatten()             # a 2-D relative M's slots: one per offset, numbered as here
@@ -139,16 +136,14 @@ def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dli
                 token_ticks(ax, names, e.shape[-1])
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
                 if m is None:
-                    ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7,
-                            transform=ax.transAxes)
+                    ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
                     continue
                 shown_now = ax.imshow(m[h].numpy(), cmap="PuOr_r" if delta else "RdBu_r",
                                       vmin=-(dlim if delta else lim), vmax=dlim if delta else lim,
                                       interpolation="nearest")
                 moved_image, image = (shown_now, image) if delta else (moved_image, shown_now)
                 if s is not None and bool((s[h] > 0).any()) and bool((s[h] <= 0).any()):
-                    ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k",
-                               linewidths=0.4)
+                    ax.contour((s[h] > 0).float().numpy(), levels=[0.5], colors="k", linewidths=0.4)
     fig.colorbar(image, ax=shown, shrink=0.6, label="M")
     if moved_image is not None:
         fig.colorbar(moved_image, ax=moved_axes, shrink=0.6, location="bottom",
@@ -195,11 +190,9 @@ def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None
         for h in range(heads):
             ax = at(layer, 0, h)
             shown.append(ax)
-            image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top,
-                              interpolation="nearest")
+            image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
             token_ticks(ax, names, maps.shape[-1])
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
     fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
-    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile "
-                 f"({top:.2f})")
+    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})")
     return save_figure(fig, path)
