@@ -9,6 +9,7 @@ all of them alike; the table gives the median step time and its ratio to `defaul
 """
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -23,34 +24,20 @@ import runconfig  # noqa: E402
 import train  # noqa: E402
 
 
-def train_config(args, device):
-    """train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's data is
-    never read: the batch is random), so that each variant takes train.py's own step."""
-    targs = runconfig.resolve(*train.parse_args(["--task", "parity2", "--device",
-                                             str(device), "--steps", "1000000"]))
-    return targs, runconfig.task_for(targs)
-
-
-def build(args, masked: bool, fused: bool, device, targs):
+def build(args, masked: bool, fused: bool, device, targs, task, batch):
+    """train.py's step (its schedule, the task's loss, backward, the update) of a fresh model of this size."""
     small = tasks.BooleanTask.preset("small")
-    cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers
-                               or small["layers"], n_heads=args.heads or small["heads"],
-                               dim=args.dim or small["dim"], head_dim=args.head_dim,
-                               mlp_dim=args.mlp_dim or small["mlp_dim"], learnable_mask=masked,
-                               fused=fused)
+    cfg = mp.TransformerConfig(vocab_size=2, seq_len=args.seq_len, n_layers=args.layers or small["layers"],
+                               n_heads=args.heads or small["heads"], dim=args.dim or small["dim"],
+                               head_dim=args.head_dim, mlp_dim=args.mlp_dim or small["mlp_dim"],
+                               learnable_mask=masked, fused=fused)
     torch.manual_seed(0)
     model = mp.Transformer(cfg)
     if masked:
         mp.init_mask_(model, mp.banded_pattern(cfg.n_positions, 2), 5.0, 5.0)
     model.to(device)
-    return model, train.make_optimizer(model, targs)
-
-
-def step_fn(model, opt, x, y, device, targs, task):
-    # train.py's step: its schedule, the task's loss, backward, the update
-    def step():
-        train.train_step(model, model, opt, task, (x, y), targs, device, 0)
-    return step
+    opt = train.make_optimizer(model, targs)
+    return functools.partial(train.train_step, model, model, opt, task, batch, targs, device, 0)
 
 
 def sync(device):
@@ -82,20 +69,31 @@ def round_ratios(times: dict, base: str) -> dict:
     """{name: (median, min, max)} of each name's per-round time over `base`'s in the same round
     (`timed_rounds`' rounds): paired by round, so that load a round shares cancels, and the
     min-max shows how far the rest of the noise moves a ratio."""
-    def spread(rs):
-        return statistics.median(rs), min(rs), max(rs)
-    return {name: spread([t / b for t, b in zip(ts, times[base])]) for name, ts in times.items()}
+    ratios = {name: [t / b for t, b in zip(ts, times[base])] for name, ts in times.items()}
+    return {name: (statistics.median(rs), min(rs), max(rs)) for name, rs in ratios.items()}
+
+
+def synthetic_images(task, device, n_test: int = 0, n: int = 4096):
+    """Give an image task `n` random uint8 training images of its stored size (timing only), so that its whole
+    augmentation pipeline (train_batch) runs as in training, and, `n_test` > 0, a test set of that size."""
+    g, s = torch.Generator().manual_seed(0), task.image_size
+    task.device = torch.device(device)
+    task.x_train = torch.randint(0, 256, (n, 3, s, s), generator=g, dtype=torch.uint8).to(device)
+    task.y_train = torch.randint(0, task.n_classes, (n,), generator=g).to(device)
+    if n_test:
+        task.x_test = torch.randint(0, 256, (n_test, 3, s, s), generator=g, dtype=torch.uint8).to(device)
+        task.y_test = torch.randint(0, task.n_classes, (n_test,), generator=g).to(device)
+    task.mean, task.std = torch.full((1, 3, 1, 1), 0.5, device=device), torch.full((1, 3, 1, 1), 0.25, device=device)
+    task.n_train = n
+    return task
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--dim", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--mlp-dim", type=int)
+    for flag in ("--layers", "--heads", "--dim", "--head-dim", "--mlp-dim"):
+        p.add_argument(flag, type=int)
     p.add_argument("--seq-len", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=tasks.BooleanTask.preset("small")["batch_size"])
     p.add_argument("--steps", type=int, default=20, help="steps per round")
@@ -111,12 +109,14 @@ def main():
     variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
     if args.explicit:
         variants["default explicit"] = (False, False)
-    targs, task = train_config(args, device)
+    # train.py's config and task of the Boolean model timed here (parity2, the small preset; the task's data is never
+    # read: the batch is random), so that each variant takes train.py's own step
+    targs = runconfig.resolve(*train.parse_args(["--task", "parity2", "--device", str(device), "--steps", "1000000"]))
+    task = runconfig.task_for(targs)
     targs = dataclasses.replace(targs, amp="bf16" if args.amp else "off")
     steps = {}
     for name, (masked, fused) in variants.items():
-        model, opt = build(args, masked, fused, device, targs)
-        steps[name] = step_fn(model, opt, x, y, device, targs, task)
+        steps[name] = build(args, masked, fused, device, targs, task, (x, y))
         for _ in range(5):          # warm-up: allocator, kernels, autotuning
             steps[name]()
     times = interleaved(steps, device, args.rounds, args.steps)

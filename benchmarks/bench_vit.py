@@ -15,6 +15,7 @@ images of the stored size) against a training step.
 """
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -24,31 +25,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks  # noqa: E402
 import runconfig  # noqa: E402
 import train  # noqa: E402
-from bench_attention import interleaved  # noqa: E402
+from bench_attention import interleaved, synthetic_images  # noqa: E402
 
 
-def build(init: str, extra: list, device: torch.device):
-    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), *extra]
-    args = runconfig.resolve(*train.parse_args(argv))
+def build(init: str, args, device: torch.device):
+    argv = ["--task", "cifar10", "--init", init, "--data-dir", ".", "--device", str(device), "--preset", args.preset,
+            *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+            *(["--qk-opt-steps", str(args.qk_opt_steps)] if init == "qk-opt" else [])]
+    targs = runconfig.resolve(*train.parse_args(argv))
     # a schedule length for train_step's lr
-    args = dataclasses.replace(args, steps=args.steps or 10 ** 6)
-    task = runconfig.task_for(args)
-    model, cfg = train.build_model(args, task, device)
-    train.apply_init(model, task.prior(args.pattern, args.mask_on, args.mask_off), args)
-    return model, train.make_optimizer(model, args), cfg, args, task
-
-
-def synthetic_data(task, device, n: int = 4096):
-    """Give an image task random uint8 training images of its stored size (timing only), so that
-    its whole augmentation pipeline (train_batch) runs as in training."""
-    g = torch.Generator().manual_seed(0)
-    task.device = device
-    task.x_train = torch.randint(0, 256, (n, 3, task.image_size, task.image_size), generator=g,
-                                 dtype=torch.uint8).to(device)
-    task.y_train = torch.randint(0, task.n_classes, (n,), generator=g).to(device)
-    task.mean, task.std = torch.full((1, 3, 1, 1), 0.5, device=device), torch.full((1, 3, 1, 1), 0.25, device=device)
-    task.n_train = n
-    return task
+    targs = dataclasses.replace(targs, steps=targs.steps or 10 ** 6)
+    task = runconfig.task_for(targs)
+    model, cfg = train.build_model(targs, task, device)
+    train.apply_init(model, task.prior(targs.pattern, targs.mask_on, targs.mask_off), targs)
+    return model, train.make_optimizer(model, targs), cfg, targs, task
 
 
 def main():
@@ -62,35 +52,22 @@ def main():
     p.add_argument("--qk-opt-steps", type=int, default=50, help="qk-opt fitting steps (its cost is not timed)")
     args = p.parse_args()
     device = torch.device(args.device)
-    extra = ["--preset", args.preset]
-    if args.batch_size:
-        extra += ["--batch-size", str(args.batch_size)]
-    inits = args.inits.split(",")
-    steps, shape = {}, None
+    inits, steps = args.inits.split(","), {}
     for init in inits:
-        model, opt, cfg, targs, task = build(init,
-                                             [*extra, *(["--qk-opt-steps", str(args.qk_opt_steps)]
-                                                             if init == "qk-opt" else [])], device)
+        model, opt, cfg, targs, task = build(init, args, device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(targs.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
         y = torch.randint(0, cfg.n_classes, (targs.batch_size,), generator=g)
-        # the task's soft targets
-        y = torch.nn.functional.one_hot(y, cfg.n_classes).float().to(device)
-        shape = (targs.batch_size, cfg, targs)
-
+        y = torch.nn.functional.one_hot(y, cfg.n_classes).float().to(device)     # the task's soft targets
         # train.py's own step
-        def step(model=model, opt=opt, x=x, y=y, targs=targs, task=task):
-            train.train_step(model, model, opt, task, (x, y), targs, device, 0)
+        steps[init] = functools.partial(train.train_step, model, model, opt, task, (x, y), targs, device, 0)
         for _ in range(2):          # warm-up
-            step()
-        steps[init] = step
+            steps[init]()
     counter = iter(range(10 ** 9))
-    steps["augmentation"] = lambda task=synthetic_data(task, device), b=targs.batch_size: task.train_batch(
+    steps["augmentation"] = lambda task=synthetic_images(task, device), b=targs.batch_size: task.train_batch(
         next(counter), b)                 # the preset's augmentation of one batch, on the device
     times = interleaved(steps, device, args.rounds, args.steps)
-    augment = times.pop("augmentation")
-    batch, cfg, targs = shape
-    base = times[inits[0]]
+    augment, base, batch = times.pop("augmentation"), times[inits[0]], targs.batch_size
     print(f"device {device} | preset {args.preset} | ViT {cfg.n_layers}x{cfg.dim}, {cfg.n_heads} "
           f"heads, {cfg.n_positions} tokens | batch {batch} | amp {targs.amp} | torch "
           f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
