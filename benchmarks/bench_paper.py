@@ -32,14 +32,15 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import maskprior as mp  # noqa: E402
 import reporting.plan  # noqa: E402
 import runfiles  # noqa: E402
 import tasks  # noqa: E402
 import runconfig  # noqa: E402
 import train  # noqa: E402
-from bench_attention import sync  # noqa: E402
+from bench_attention import sync, synthetic_images  # noqa: E402
 
 # WikiText-2's word vocabulary; bytes + end of text
 VOCAB = {"wikitext2": 33_278, "tinystories": 257}
@@ -49,67 +50,42 @@ TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}
 VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}
 
 
-def paper_runs(only: str | None = None, quick: bool = False) -> tuple[list, int]:
-    """reproduce.sh's run list (the paper presets, or --quick's; every dataset taken as present): [(table, task,
-    inits, flags)] in its order (one entry per task and extra flags), and the seeds a (task, init) runs."""
-    plan = reporting.plan.run_list(quick=quick, only=only, data=None)
-    groups = {}
-    for r in plan.runs:
-        inits = groups.setdefault((r.table, r.task, r.flags), [])
-        if r.init not in inits:
-            inits.append(r.init)
-    return [(table, task, tuple(inits), flags) for (table, task, flags), inits in groups.items()], len(plan.seeds)
-
-
 def flags_of(text: str) -> list:
     """The plan's flags as train.py argv (its data folders and teachers dropped: nothing is read)."""
-    words = text.split()
-    out, skip = [], False
-    for i, w in enumerate(words):
-        if skip:
-            skip = False
-        elif w in ("--data-dir", "--prior-from"):
-            skip = True
+    out, words = [], iter(text.split())
+    for w in words:
+        if w in ("--data-dir", "--prior-from"):
+            next(words, None)
         else:
             out.append(w)
     return out
 
 
 def synthetic_data(task, device, args):
-    """The data a vision or language task would read, drawn (timing only): uint8 images of the
-    stored size (the augmentation runs on them as in training) and a test set of the real size;
-    token streams of the corpus' vocabulary for the training windows and the validation split."""
+    """The data a vision or language task would read, drawn (timing only): `synthetic_images` with a test set of the
+    real size; token streams of the corpus' vocabulary for the training windows and the validation split."""
+    if task.KIND == "vision":
+        return synthetic_images(task, device, TEST_SIZE[task.NAME])
     g = torch.Generator().manual_seed(0)
     task.device = torch.device(device)
-    if task.KIND == "vision":
-        s = task.image_size
-        task.x_train = torch.randint(0, 256, (4096, 3, s, s), generator=g, dtype=torch.uint8).to(device)
-        task.y_train = torch.randint(0, task.n_classes, (4096,), generator=g).to(device)
-        task.x_test = torch.randint(0, 256, (TEST_SIZE[task.NAME], 3, s, s), generator=g, dtype=torch.uint8).to(device)
-        task.y_test = torch.randint(0, task.n_classes, (TEST_SIZE[task.NAME],), generator=g).to(device)
-        task.mean = torch.full((1, 3, 1, 1), 0.5, device=device)
-        task.std = torch.full((1, 3, 1, 1), 0.25, device=device)
-        task.n_train = 4096
-    else:
-        v = task.vocab_size = VOCAB[task.NAME]
-        task.train = torch.randint(0, v, (1_000_000,), generator=g).numpy()
-        task.valid = torch.randint(0, v, (args.val_tokens or VALID_TOKENS[task.NAME],), generator=g).numpy()
-        task.vocab, task.decode = None, None
+    v = task.vocab_size = VOCAB[task.NAME]
+    task.train = torch.randint(0, v, (1_000_000,), generator=g).numpy()
+    task.valid = torch.randint(0, v, (args.val_tokens or VALID_TOKENS[task.NAME],), generator=g).numpy()
+    task.vocab, task.decode = None, None
     return task
 
 
 def build(task_name: str, init: str, device: torch.device, extra: list, preset: str = "paper"):
     """train.build of one run of a preset, its data drawn where the real files would be read (the
     paper preset's qk-opt at 20 optimisation steps: its start is not what is timed there)."""
-    argv = ["--task", task_name, "--init", init, "--preset", preset, "--device", str(device),
-            *(["--qk-opt-steps", "20"] if init == "qk-opt" and preset == "paper" else []), *extra]
-    kind = tasks.TASKS[task_name].KIND
-    if kind in ("vision", "lm"):
-        argv += ["--data-dir", "."]
-    flags, explicit = train.parse_args(argv)
+    drawn = tasks.TASKS[task_name].KIND in ("vision", "lm")
+    flags, explicit = train.parse_args([
+        "--task", task_name, "--init", init, "--preset", preset, "--device", str(device),
+        *(["--qk-opt-steps", "20"] if init == "qk-opt" and preset == "paper" else []), *extra,
+        *(["--data-dir", "."] if drawn else [])])
     args = runconfig.resolve(flags, explicit)
     task = runconfig.task_for(args)
-    if kind in ("vision", "lm"):
+    if drawn:
         synthetic_data(task, device, args)
     else:
         task.setup(device)
@@ -122,37 +98,30 @@ def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple
     config, task, model = built.config, built.task, built.model
     trained = torch.compile(model) if config.compile else model
     probe = train.Probe(task, built.prior.pattern.to(device), task.probe_inputs(config.probe_size),
-                        mp.prior_snapshot(model),
-                    eval_cap or config.eval_points, lambda: train.autocast(device, config))
+                        mp.prior_snapshot(model), eval_cap or config.eval_points,
+                        lambda: train.autocast(device, config))
 
     def step(i):
         train.train_step(model, trained, built.optimizer, task,
                          task.train_batch(i, config.batch_size), config, device, i)
 
-    def timed(fn, n):
-        times = []
-        for i in range(n):
-            sync(device)
-            t0 = time.perf_counter()
-            fn(i)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
     for i in range(warmup):
         step(i)
-    ms_step = timed(step, steps)
-    ms_eval = timed(lambda i: probe.measure(model), 1)
-    ms_final = ms_eval if eval_cap or not config.eval_points else timed(lambda i: probe.measure(model, final=True), 1)
+    ms_step = median_ms(step, steps, device)
+    ms_eval = median_ms(lambda i: probe.measure(model), 1, device)
+    ms_final = (ms_eval if eval_cap or not config.eval_points
+                else median_ms(lambda i: probe.measure(model, final=True), 1, device))
     return ms_step, ms_eval, ms_final
 
 
-def start_ms(starts: int = 3) -> float:
-    """ms a run's process takes to start and import train.py (torch included), the median of `starts` starts."""
+def median_ms(fn, n: int, device: torch.device) -> float:
+    """The median ms of fn(0), ..., fn(n - 1), the device synchronised around each call."""
     times = []
-    for _ in range(starts):
+    for i in range(n):
+        sync(device)
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import train"], cwd=os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), check=True)
+        fn(i)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
 
@@ -160,8 +129,7 @@ def start_ms(starts: int = 3) -> float:
 def parse_flags():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true",
-                   help="the --quick plan (the small presets, reproduce.sh --quick) "
+    p.add_argument("--quick", action="store_true", help="the --quick plan (the small presets, reproduce.sh --quick) "
                    "instead of the paper's; on the CPU at --threads 1, as reproduce.sh --quick runs each run")
     p.add_argument("--only", choices=reporting.plan.TABLES, help="one table or study")
     p.add_argument("--task", help="one task of the table(s)")
@@ -169,13 +137,10 @@ def parse_flags():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--starts", type=int, default=3, choices=range(1, 11), metavar="1..10",
                    help="processes started to time a run's start (their median; default 3)")
-    p.add_argument("--threads", type=int,
-                   help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
     p.add_argument("--batch-size", type=int,
-                   help="override the presets' batch (a CPU smoke test); the hours "
-                   "then do not describe the paper")
-    p.add_argument("--eval-points", type=int, default=0,
-                   help="evaluate on this many points, log and final alike "
+                   help="override the presets' batch (a CPU smoke test); the hours then do not describe the paper")
+    p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points, log and final alike "
                    "(a CPU smoke test); the hours then do not describe the paper")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (train.py --compile)")
     p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
@@ -187,23 +152,23 @@ def parse_flags():
     return p, a
 
 
-def print_plan(a, preset: str) -> None:
-    """--plan: the runs and steps per table, nothing timed."""
-    groups, seeds = paper_runs(a.only, preset == "small")
-    print("| table | task | inits | runs | steps per run | evaluations per run | steps "
-          "|\n|---|---|---|---|---|---|---|")
-    for table, task_name, inits, flags in groups:
-        if a.task and task_name != a.task:
-            continue
-        n, evals = reporting.plan.steps_of(reporting.plan.Run(table, task_name, inits[0], 0, "", flags), preset)
-        print(f"| {table} | {task_name} | {', '.join(inits)} | {len(inits) * seeds} | {n:,} | "
-              f"{evals:,} | {len(inits) * seeds * n:,} |")
+def print_plan(runs: list, seeds: int, preset: str) -> None:
+    """--plan: reproduce.sh's runs (every dataset taken as present) and steps per table, nothing timed: a row per task
+    and extra flags, in the run list's order, with the inits it runs, each `seeds` times."""
+    inits = {}
+    for r in runs:
+        inits.setdefault((r.table, r.task, r.flags), {})[r.init] = None
+    print("| table | task | inits | runs | steps per run | evaluations per run | steps |\n"
+          "|---|---|---|---|---|---|---|")
+    for (table, task_name, flags), names in inits.items():
+        n, evals = reporting.plan.steps_of(reporting.plan.Run(table, task_name, [*names][0], 0, "", flags), preset)
+        print(f"| {table} | {task_name} | {', '.join(names)} | {len(names) * seeds} | {n:,} | "
+              f"{evals:,} | {len(names) * seeds * n:,} |")
 
 
 def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float) -> tuple[dict, dict]:
     """Each time key's first run built and timed, a line each: ({time key: times}, {task: {init: ms per step}})."""
     extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
-    # each time_key once: the first run that has it
     first = {}
     for r in runs:
         first.setdefault(reporting.plan.time_key(r, preset), r)
@@ -213,12 +178,10 @@ def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float)
         built = build(run.task, run.init, device, [*flags_of(run.flags), *extra], preset)
         ms_setup = ms_start + 1000 * (time.perf_counter() - t0)
         ms_step, ms_eval, ms_final = time_run(built, device, a.warmup, a.steps, a.eval_points)
-        times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3),
-                      "ms_final": round(ms_final, 3), "ms_setup": round(ms_setup, 1),
-                      "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-                      "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "batch_size": built.config.batch_size}
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+        times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3), "ms_final": round(ms_final, 3),
+                      "ms_setup": round(ms_setup, 1), "device": where, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "batch_size": built.config.batch_size}
         sharing = [r for r in runs if reporting.plan.time_key(r, preset) == key]
         h = sum(reporting.plan.hours(r, times, preset) for r in sharing)
         print(f"{run.table:<13}{run.task:<15}{run.init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}"
@@ -249,19 +212,19 @@ def main():
     if not runs:
         p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
     if a.plan:
-        return print_plan(a, preset)
+        return print_plan(runs, len(plan.seeds), preset)
     device = torch.device(a.device)
     threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
-    ms_start = start_ms(a.starts)
+    # a run's process started and train.py imported (torch included), the median of --starts starts
+    ms_start = median_ms(lambda i: subprocess.run([sys.executable, "-c", "import train"], cwd=ROOT, check=True),
+                         a.starts, torch.device("cpu"))
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | preset "
           f"{preset} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | compile {a.compile} | "
           f"{a.warmup} warm-up + {a.steps} timed steps per run | a run's process starts in {ms_start / 1000:.1f} s "
-          "| evaluations on " + (f"{a.eval_points} points (not "
-                                                                    "the paper's cost)"
-                                                                    if a.eval_points
-                               else "a test set of the real size"))
+          "| evaluations on " + (f"{a.eval_points} points (not the paper's cost)" if a.eval_points
+                                 else "a test set of the real size"))
     print(f"{'table':<13}{'task':<15}{'init':<13}{'ms/step':>9}{'ms/eval':>10}{'ms/final':>10}{'start s':>9}"
           f"{'runs':>6}{'hours':>8}  flags", flush=True)
     times, ratio = time_runs(a, runs, preset, device, ms_start)
