@@ -4,6 +4,7 @@ readers, the tests and a CPU trial run on real files (`python train.py make-digi
 train.py make-wikitext DIR FILE...`). Nothing on the run path calls them."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import io
@@ -115,30 +116,12 @@ def write_new_dataset(folder: str, name: str, write: Callable[[str], None], held
     tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         write(tmp)
-        # mkdtemp's 0700 would hide the set from the group
-        os.chmod(tmp, 0o777 & ~umask())
-        # refused if a non-empty folder/name appeared meanwhile
-        os.rename(tmp, target)
+        os.chmod(tmp, 0o777 & ~umask())            # mkdtemp's 0700 would hide the set from the group
+        os.rename(tmp, target)                     # refused if a non-empty folder/name appeared meanwhile
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
-
-
-def _held_cifar10(folder: str) -> str | None:
-    """The CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)."""
-    return find_first(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
-                          "cifar-10-batches-py",
-                          os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
-                          "data_batch_1.bin"])
-
-
-def _held_wikitext(folder: str) -> str | None:
-    """The WikiText-2 release `find_wikitext_files` would read from `folder`, if any."""
-    try:
-        return str(find_wikitext_files(folder)[1]["train"].parent)
-    except DataError:
-        return find_first(folder, ["wikitext-2"])
 
 
 def digits_arrays() -> tuple:
@@ -151,8 +134,7 @@ def digits_arrays() -> tuple:
         raise DataError("make-digits needs scikit-learn for its bundled digits: pip install scikit-learn") from None
     d = load_digits()
     x = np.clip(d.images * (255 / 16), 0, 255).astype(np.uint8)          # (N, 8, 8), values 0..16
-    # nearest upscaling to 32x32
-    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)
+    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                        # nearest upscaling to 32x32
     x = np.repeat(x[:, None], 3, axis=1)                                     # grey -> RGB
     order = np.random.default_rng(0).permutation(len(x))
     tr, te = order[:1500], order[1500:]
@@ -161,12 +143,10 @@ def digits_arrays() -> tuple:
 
 def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
                          y_test: np.ndarray, label_names=None) -> str:
-    """Write images in the CIFAR-10 python release layout: folder/cifar-10-batches-py/ with
-    data_batch_1..5, test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3,
-    32,
-    32) uint8, y: (N,) ints. Returns the batches folder. A folder that already holds a CIFAR-10 set
-        in any layout `read_cifar` reads is refused (`write_new_dataset`): a set is never
-        overwritten or shadowed."""
+    """Write images in the CIFAR-10 python release layout: folder/cifar-10-batches-py/ with data_batch_1..5,
+    test_batch and batches.meta, pickled with protocol 2 and bytes keys. x: (N, 3, 32, 32) uint8, y: (N,) ints.
+    Returns the batches folder. A folder that already holds a CIFAR-10 set in any layout `read_cifar` reads is
+    refused (`write_new_dataset`): a set is never overwritten or shadowed."""
     def write(out):
         def dump(name, x, y, label):
             d = {b"batch_label": label.encode(), b"labels": [int(v) for v in y],
@@ -178,12 +158,15 @@ def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, 
             dump(f"data_batch_{i}", x_train[part], y_train[part], f"training batch {i} of 5")
         dump("test_batch", x_test, y_test, "testing batch 1 of 1")
         names = label_names or [str(i) for i in range(10)]
-        atomic_write(os.path.join(out, "batches.meta"),
-                     pickle.dumps({b"label_names": [n.encode() for n in names],
-                                   b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072},
-                                  protocol=2))
+        atomic_write(os.path.join(out, "batches.meta"), pickle.dumps(
+            {b"label_names": [n.encode() for n in names], b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072},
+            protocol=2))
 
-    return write_new_dataset(folder, "cifar-10-batches-py", write, _held_cifar10(folder))
+    # the CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)
+    held = find_first(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
+                               "cifar-10-batches-py", os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
+                               "data_batch_1.bin"])
+    return write_new_dataset(folder, "cifar-10-batches-py", write, held)
 
 
 _WORD = re.compile(r"\w+(?:[-,.]\w+)*|[^\w\s]")
@@ -192,10 +175,7 @@ _WORD = re.compile(r"\w+(?:[-,.]\w+)*|[^\w\s]")
 def wikitext_tokenize(text: str) -> list[str]:
     """Plain English -> WikiText-style tokens: punctuation split off, and the in-word joiners of
     WikiText: 'well-known' -> well @-@ known, '1,000' -> 1 @,@ 000, '3.5' -> 3 @.@ 5."""
-    out = []
-    for tok in _WORD.findall(text):
-        out.extend(re.sub(r"(?<=\w)([-,.])(?=\w)", r" @\1@ ", tok).split())
-    return out
+    return [w for tok in _WORD.findall(text) for w in re.sub(r"(?<=\w)([-,.])(?=\w)", r" @\1@ ", tok).split()]
 
 
 def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int = 12) -> str:
@@ -214,10 +194,7 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
     toks = {s: [] for s in ("train", "valid", "test")}
     for i, (title, paragraphs) in enumerate(articles):
         toks[split_of[i % every]].append((wikitext_tokenize(title), [wikitext_tokenize(p) for p in paragraphs]))
-    counts = {}
-    for title, paras in toks["train"]:
-        for w in itertools.chain(title, *paras):
-            counts[w] = counts.get(w, 0) + 1
+    counts = collections.Counter(itertools.chain.from_iterable(itertools.chain(t, *ps) for t, ps in toks["train"]))
 
     def line(words):
         return " " + " ".join(w if counts.get(w, 0) >= min_count else "<unk>" for w in words) + " \n"
@@ -229,7 +206,11 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
                 text += [line(p) + " \n" for p in paras if p]
             atomic_write(os.path.join(out, f"wiki.{split}.tokens"), "".join(text))
 
-    return write_new_dataset(folder, "wikitext-2", write, _held_wikitext(folder))
+    try:                 # the WikiText-2 release `find_wikitext_files` would read from `folder`, if any
+        held = str(find_wikitext_files(folder)[1]["train"].parent)
+    except DataError:
+        held = find_first(folder, ["wikitext-2"])
+    return write_new_dataset(folder, "wikitext-2", write, held)
 
 
 def make_digits(folder: str) -> str:
@@ -253,8 +234,7 @@ def make_wikitext(folder: str, files: list) -> str:
                 text = f.read()
         except (OSError, ReadError) as e:
             raise DataError(f"make-wikitext: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
-        paras = [" ".join(p.split()) for p in text.split("\n\n")]
-        paras = [p for p in paras if p]
+        paras = [p for p in (" ".join(q.split()) for q in text.split("\n\n")) if p]
         if paras:
             articles.append((paras[0][:80], paras[1:]))
     out = write_wikitext_layout(articles, folder)
