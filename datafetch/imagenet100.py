@@ -35,8 +35,7 @@ def _sources(source: str) -> dict:
                 path = os.path.join(folder, name)
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
-                    raise tasks.DataError(f"{path!r} is not a regular file (a link, a folder?): "
-                                      "refused, nothing built")
+                    raise tasks.DataError(f"{path!r} is not a regular file (a link, a folder?): refused, nothing built")
                 files.append((path, st.st_size))
             if not files:
                 missing.append(f"{split}/{wnid} (empty)")
@@ -65,8 +64,7 @@ def build(source: str, data_dir: str) -> str:
                   f"{target} (hard links where the filesystem allows, else copies)", flush=True)
             linked = _on_disk(lambda: _build_tree(files, source, data_dir, total), f"cannot build {target}")
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted: nothing built, {data_dir} as it was; run the same "
-                              "command again") from None
+            raise Interrupted(f"interrupted: nothing built, {data_dir} as it was; run the same command again") from None
     how = "hard links" if linked == count else f"{linked:,} hard links, {count - linked:,} copies"
     return f"imagenet100: {target} built ({count:,} images, {how})"
 
