@@ -27,6 +27,7 @@ no mask). So a floor above the prior is noise, which the per-round min-max shows
 happens.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -67,7 +68,7 @@ def gpt2(args):
                       generator=torch.Generator().manual_seed(0))
     logits = mp.causal_distance_logits(t, cfg.n_head)
     param = "full" if args.full else "relative"
-    name = (f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M{', flex' if args.flex else ''})")
+    name = f"GPT-2 {'toy' if args.tiny else 'small'} ({t} tokens, {param} M{', flex' if args.flex else ''})"
     return (model, x, lambda m: retrofit.add_mask_prior(m, logits=logits, param=param, flex=args.flex), name)
 
 
@@ -77,23 +78,20 @@ def encoder(args):
     layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
     model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
     x = torch.randn(args.batch_size or (4 if args.tiny else 32), t, dim, generator=torch.Generator().manual_seed(0))
-    def attach(m):
-        return retrofit.add_mask_prior(m, mp.banded_pattern(t, 4))
-    return model, x, attach, f"nn.TransformerEncoder ({t} tokens)"
+    return (model, x, lambda m: retrofit.add_mask_prior(m, mp.banded_pattern(t, 4)),
+            f"nn.TransformerEncoder ({t} tokens)")
 
 
 MODELS = {"vit": vit, "gpt2": gpt2, "encoder": encoder}
 
 
-def step_fn(model, x, args):
-    def step():
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
-            y = model(x)
-            y = y if isinstance(y, torch.Tensor) else y[0]
-            loss = y.float().square().mean()
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-    return step
+def step(model, x, amp: bool) -> None:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+        y = model(x)
+        y = y if isinstance(y, torch.Tensor) else y[0]
+        loss = y.float().square().mean()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
 
 
 # what runs each model's attention on the CPU, with the prior and in its floor (M frozen)
@@ -135,7 +133,7 @@ def twins(key: str, args, device):
     x, steps = x.to(device), {}
     for name, model in ((label, plain), ("  floor (M constant)", floor), ("  + prior", with_prior)):
         model.to(device).train()
-        steps[name] = step_fn(model, x, args)
+        steps[name] = functools.partial(step, model, x, args.amp)
         for _ in range(2):
             steps[name]()
     return label, steps
@@ -164,9 +162,8 @@ def main():
     p.add_argument("--img-size", type=int, default=224, help="ViT-Tiny input size")
     p.add_argument("--tokens", type=int, default=256, help="GPT-2 sequence length")
     p.add_argument("--full", action="store_true", help="GPT-2's prior as a full N x N M (the default: by distance)")
-    p.add_argument("--grid", action="store_true",
-                   help="the ViT's prior as a 2-D relative M, one logit per head and patch displacement (default: "
-                        "a full N x N M)")
+    p.add_argument("--grid", action="store_true", help="the ViT's prior as a 2-D relative M, one logit per head and "
+                   "patch displacement (default: a full N x N M)")
     p.add_argument("--flex", action="store_true", help="GPT-2's prior inside torch's flex_attention (CUDA)")
     p.add_argument("--batch-size", type=int, help="default: 32 (ViT, encoder), 4 (GPT-2)")
     p.add_argument("--tiny", action="store_true", help="two-layer toy models (a smoke run)")
@@ -185,8 +182,7 @@ def main():
     for key in keys:
         t0 = time.perf_counter()
         say(f"{key}: building the plain model, its floor and its prior")
-        made = twins(key, args, device)
-        if made is None:
+        if (made := twins(key, args, device)) is None:
             continue
         label, steps = made
         say(f"{label}: timing 3 x {args.rounds * args.steps} steps")
