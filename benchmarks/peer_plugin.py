@@ -55,8 +55,7 @@ def attach(model) -> None:
         logits = torch.full((n, n), 30.0) if MODE == "neutral" else mp.causal_distance_logits(n, heads)
     # the library's default for a causal layer; a text encoder's M by distance (a full one, 2M parameters on BERT's
     # 512 positions, fails the suite's own size check), an image model's in full (a prior on its grid)
-    image = _positions(model) is not None and hasattr(model, "patch_embed")
-    param = None if any(s.causal for s in sites) else "full" if image else "relative"
+    param = None if any(s.causal for s in sites) else "full" if hasattr(model, "patch_embed") else "relative"
     try:
         priors = retrofit.add_mask_prior(model, logits=logits, param=param)
     except ValueError as e:
