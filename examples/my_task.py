@@ -1,5 +1,4 @@
-"""my_task.py: a new task in one class. Run: python examples/my_task.py --task xor-neighbours
---init mask"""
+"""my_task.py: a new task in one class. Run: python examples/my_task.py --task xor-neighbours --init mask"""
 import os
 import sys
 
@@ -20,8 +19,7 @@ class XorNeighbours(tasks.Task):
     DEFAULT_PATTERN = "neighbours"
     HEADLINE = ("acc",)
     PRESETS = {p: {"model": dict(layers=2, heads=2, dim=32, mlp_dim=64),
-                   "recipe": dict(lr=1e-3, batch_size=64, schedule="cosine", steps=600,
-                                  log_every=50)}
+                   "recipe": dict(lr=1e-3, batch_size=64, schedule="cosine", steps=600, log_every=50)}
                for p in ("small", "paper")}
 
     # its options: train.py's flags of these names
