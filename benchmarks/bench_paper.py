@@ -169,11 +169,11 @@ def print_plan(runs: list, seeds: int, preset: str) -> None:
 def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float) -> tuple[dict, dict]:
     """Each time key's first run built and timed, a line each: ({time key: times}, {task: {init: ms per step}})."""
     extra = (["--batch-size", str(a.batch_size)] if a.batch_size else []) + (["--compile"] if a.compile else [])
-    first = {}
+    sharing = {}                    # the runs of each time key, in order: the first is timed
     for r in runs:
-        first.setdefault(reporting.plan.time_key(r, preset), r)
+        sharing.setdefault(reporting.plan.time_key(r, preset), []).append(r)
     times, ratio = reporting.plan.step_times() if a.write else {}, {}
-    for key, run in first.items():
+    for key, (run, *_) in sharing.items():
         t0 = time.perf_counter()
         built = build(run.task, run.init, device, [*flags_of(run.flags), *extra], preset)
         ms_setup = ms_start + 1000 * (time.perf_counter() - t0)
@@ -182,10 +182,9 @@ def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float)
         times[key] = {"ms_step": round(ms_step, 3), "ms_eval": round(ms_eval, 3), "ms_final": round(ms_final, 3),
                       "ms_setup": round(ms_setup, 1), "device": where, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "batch_size": built.config.batch_size}
-        sharing = [r for r in runs if reporting.plan.time_key(r, preset) == key]
-        h = sum(reporting.plan.hours(r, times, preset) for r in sharing)
+        h = sum(reporting.plan.hours(r, times, preset) for r in sharing[key])
         print(f"{run.table:<13}{run.task:<15}{run.init:<13}{ms_step:>9.2f}{ms_eval:>10.1f}{ms_final:>10.1f}"
-              f"{ms_setup / 1000:>9.1f}{len(sharing):>6}{h:>8.3f}  {' '.join(flags_of(run.flags))}", flush=True)
+              f"{ms_setup / 1000:>9.1f}{len(sharing[key]):>6}{h:>8.3f}  {' '.join(flags_of(run.flags))}", flush=True)
         if not run.flags:
             ratio.setdefault(run.task, {})[run.init] = ms_step
     return times, ratio
