@@ -104,7 +104,6 @@ def _install_transformers() -> None:
 
 def _install_timm() -> None:
     import timm
-    import timm.models
     import timm.models._factory as factory
     create = factory.create_model
 
