@@ -33,8 +33,7 @@ def build(init: str, args, device: torch.device):
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
             *(["--qk-opt-steps", str(args.qk_opt_steps)] if init == "qk-opt" else [])]
     targs = runconfig.resolve(*train.parse_args(argv))
-    # a schedule length for train_step's lr
-    targs = dataclasses.replace(targs, steps=targs.steps or 10 ** 6)
+    targs = dataclasses.replace(targs, steps=targs.steps or 10 ** 6)         # a schedule length for train_step's lr
     task = runconfig.task_for(targs)
     model, cfg = train.build_model(targs, task, device)
     train.apply_init(model, task.prior(targs.pattern, targs.mask_on, targs.mask_off), targs)

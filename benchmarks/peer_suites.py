@@ -64,8 +64,7 @@ def run(scratch: str, name: str, mode: str, deps: str | None) -> tuple[dict, int
     with open(os.path.join(scratch, f"{name}-{mode}.log"), "w") as log:
         subprocess.run(cmd, cwd=os.path.join(scratch, suite), env=env, stdout=log, stderr=subprocess.STDOUT)
     got = outcomes(xml) if os.path.exists(xml) else {}
-    attached = (sum(json.loads(line)["event"] == "attached" for line in open(events))
-                if os.path.exists(events) else 0)
+    attached = sum(json.loads(line)["event"] == "attached" for line in open(events)) if os.path.exists(events) else 0
     return got, attached
 
 
