@@ -276,24 +276,23 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
                who: str = "add_mask_prior", grid: tuple[int, int] | None = None) -> mp.MaskPrior:
     """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
     shape = tuple(src.shape)
-    if hasattr(site.module, "mask_prior"):
-        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
-    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
-    if src.dim() == 3 and shape[0] != heads:
-        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
-    # a layer that does not say: not causal
-    is_causal = bool(site.causal) if causal is None else causal
-    if site.causal is not None and is_causal != site.causal:
-        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
     n, n_keys = shape[-2], shape[-1]
-    if not site.cross and n != n_keys:
-        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys "
-                          "must be square)", who)
-    if site.tokens is not None and not site.cross and n != site.tokens:
-        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build "
-                          f"it for {site.tokens} positions ({site.layout})", who)
-    if site.max_tokens is not None and n > site.max_tokens:
-        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
+    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
+    is_causal = bool(site.causal) if causal is None else causal           # a layer that does not say: not causal
+    for misfit, what in (  # in this order, the first that holds
+            (hasattr(site.module, "mask_prior"), "already has a MaskPrior (add_mask_prior ran on this model before)"),
+            (src.dim() == 3 and shape[0] != heads,
+             f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)"),
+            (site.causal is not None and is_causal != site.causal,
+             f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked"),
+            (not site.cross and n != n_keys,
+             f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)"),
+            (site.tokens is not None and not site.cross and n != site.tokens, f"sees {site.tokens} tokens, but the "
+             f"pattern has shape {shape}: build it for {site.tokens} positions ({site.layout})"),
+            (site.max_tokens is not None and n > site.max_tokens,
+             f"has at most {site.max_tokens} positions, but the pattern has shape {shape}")):
+        if misfit:
+            raise _fail(site, what, who)
     try:
         prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
                           n_keys=n_keys if site.cross else None, prefix=site.prefix
