@@ -30,17 +30,13 @@ import torch.nn as nn
 import maskprior as mp
 
 # ----------------------------------------------------------------------------------------
-# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
-# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
+# Four kinds of layer, four small adapters (`add_mask_prior` checks every layer before it changes any):
 #   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
-#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that
-#            names an attention function registered with transformers (HF_ATTENTION); it adds the
-#            bias, then calls the model's own 'sdpa' or 'eager'. Layers that share the config and
-#            have no prior keep theirs.
+#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that names an attention
+#            function registered with transformers (HF_ATTENTION); it adds the bias, then calls the model's own
+#            'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs.
 #   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
 #   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
-# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
-# `remove_mask_prior` takes every prior out again.
 
 # the attn_implementation a prior's layer runs under (registered with HF)
 HF_ATTENTION = "maskprior_attention"
@@ -60,12 +56,9 @@ class Site:
     kind: str                          # "torch", "hf", "timm" or "keyword"
     heads: int
     cross: bool = False                # keys from another sequence
-    # what the layer is, where it says so (HF); None: the caller says
-    causal: bool | None = None
-    # exactly this many tokens (an image model's grid, a window), where known
-    tokens: int | None = None
-    # at most this many positions (a text model's table), where known
-    max_tokens: int | None = None
+    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
+    tokens: int | None = None          # exactly this many tokens (an image model's grid, a window), where known
+    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
     prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
     layout: str = GRID                 # what `tokens` counts, for error messages
 
@@ -180,21 +173,17 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
     return None, None
 
 
-def _picked(modules, name: str, module: nn.Module) -> bool:
-    if callable(modules) and not isinstance(modules, (type, tuple)):
-        return bool(modules(name, module))
-    return isinstance(module, modules)
-
-
 def find_attention(model: nn.Module, modules=None) -> list[Site]:
     """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face and
     timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate `(name, module) ->
     bool`), exactly the modules it names (served as what they are, else by their mask keyword)."""
     named = dict(model.named_modules())
     tokens, max_tokens = _positions(model)
+    picked = (modules if callable(modules) and not isinstance(modules, (type, tuple))
+              else lambda name, m: isinstance(m, modules))
     sites = []
     for name, m in named.items():
-        if modules is not None and not _picked(modules, name, m):
+        if modules is not None and not picked(name, m):
             continue
         parent = named.get(name.rpartition(".")[0]) if name else None
         where = name or type(model).__name__
@@ -377,10 +366,7 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
               for s in sites}
     if param is None:
         _check_size(model, priors, src)
-    for s in sites:                                   # every layer fits: now change them
-        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
-        s.module.mask_prior_flex = flex
-    _after_attach(model, sites, priors)
+    _after_attach(model, sites, priors, mask_kwarg, flex)
     return priors
 
 
@@ -446,42 +432,21 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     elif batched:
         bias = bias.repeat(batch, 1, 1)
     given = kwargs.get("attn_mask")
-    if given is not None:
-        # True = not allowed, for nn.MultiheadAttention
-        if given.dtype == torch.bool:
-            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
-        bias = bias + given
-    bias = _fold_causal(bias, kwargs, t)
+    given = ~given if given is not None and given.dtype == torch.bool else given    # True = not allowed, for MHA
+    bias = _with_callers_mask(bias, given, bool(kwargs.pop("is_causal", False)), t)   # MHA would drop the mask
     padding = kwargs.get("key_padding_mask")
     if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
-        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
-                                                 device=bias.device).masked_fill(padding,
-                                                                                 float("-inf"))
+        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype, device=bias.device).masked_fill(
+            padding, float("-inf"))
     if prior.record is not None:
         kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
     kwargs["attn_mask"] = bias
     return (), kwargs
 
 
-def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
-    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set False in `kwargs`:
-    attention takes a mask or is_causal, not both (nn.MultiheadAttention would drop the mask)."""
-    if not kwargs.get("is_causal"):
-        return bias
-    kwargs["is_causal"] = False
-    return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf"))
-
-
 def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
     if mha.mask_prior.record is not None:
         mha.mask_prior.record.append(output[1])
-
-
-def _attach_torch(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
-                          m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
 
 
 # timm and keyword: a module whose forward names an additive mask keyword
@@ -540,18 +505,6 @@ def _timm_restore_hook(module: nn.Module, args: tuple, output):
     """Forward hook: a timm layer that recorded its probabilities goes back to its fused path."""
     if module.__dict__.pop("mask_prior_fused", False):
         module.fused_attn = True
-
-
-def _attach_keyword(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
-    hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
-    drop = getattr(m, "attn_drop", None)
-    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
-        # a plain reference, not a submodule (no cycle)
-        object.__setattr__(drop, "mask_prior_owner", m)
-        hooks += [drop.register_forward_hook(_timm_record_hook), m.register_forward_hook(_timm_restore_hook)]
-    m.mask_prior_hooks = hooks
 
 
 def _timm_after(model: nn.Module, names: list[str]) -> None:
@@ -618,9 +571,12 @@ def _register_hf() -> None:
         PreTrainedModel.save_pretrained = _save_pretrained_with_priors(PreTrainedModel.save_pretrained)
 
 
-def _relative_at(prior: mp.MaskPrior, dist: torch.Tensor) -> torch.Tensor:
-    """(B, heads, ...) bias of a relative M at distances `dist` (B, ...) = query position - key position."""
-    return prior.at_distance(dist).movedim(0, 1)
+def _at_positions(prior: mp.MaskPrior, rows: torch.Tensor, dist: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(B, heads, q, k) bias at the queries' rows (B or 1, q) and distances `dist` (B or 1, q, k) = query position -
+    key position: a relative M reads the distance, a full one (or one read by role) `_full_at` row and row - dist."""
+    if prior.param == "relative" and prior.roles is None:
+        return prior.at_distance(dist).movedim(0, 1)
+    return _full_at(prior, rows, rows[..., None] - dist, seen)
 
 
 def _full_at(prior: mp.MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -673,11 +629,7 @@ def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: t
         allowed = (torch.arange(k_len, device=own.device) <= own[:, None])[None]
     after = allowed.flip(-1).cumsum(-1).flip(-1)                  # (B, q, k): the keys seen at or after each key
     dist = (after - 1).clamp(min=0)
-    if prior.param == "relative" and prior.roles is None:
-        bias = _relative_at(prior, dist)
-    else:
-        rows = after[..., 0] - 1 if positions is None else positions.to(dist.device)
-        bias = _full_at(prior, rows, rows[..., None] - dist, allowed)
+    bias = _at_positions(prior, after[..., 0] - 1 if positions is None else positions.to(dist.device), dist, allowed)
     return bias.masked_fill(~allowed[:, None], float("-inf")) if left_out else bias
 
 
@@ -706,9 +658,7 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
         bias = _causal_bias(prior, None if allowed is None else allowed[:, 0], positions, q_len, k_len)
     elif positions is not None and q_len == k_len:             # the keys are the queries, at their position ids
         seen = torch.ones(1, q_len, k_len, dtype=torch.bool, device=query.device) if allowed is None else allowed[:, 0]
-        bias = (_relative_at(prior, positions[:, :, None] - positions[:, None, :])
-                if prior.param == "relative" and prior.roles is None
-                else _full_at(prior, positions, positions[:, None, :].expand(-1, q_len, -1), seen))
+        bias = _at_positions(prior, positions, positions[:, :, None] - positions[:, None, :], seen)
     else:
         bias = prior(q_len, query.dtype, k_len=k_len)
         bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
@@ -809,15 +759,6 @@ def _hf_reached(module: nn.Module, args: tuple, output) -> None:
                            "it an attn_mask keyword and attach it with modules=")
 
 
-def _attach_hf(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.config = _PriorConfig(m.config)
-    m.mask_prior_args = list(inspect.signature(m.forward).parameters)
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
-                          m.register_forward_hook(_hf_reached)]
-
-
 def prior_record(model: nn.Module) -> dict | None:
     """What a save of `model` writes into config.json for its Hugging Face layers that hold a prior:
     {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix, grid}}, 'base': 'sdpa' or 'eager'}, or None
@@ -888,11 +829,37 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
                            "the PEFT config, so that M trains and is saved with the adapter")
 
 
-def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
-    _watch_adapter_loaders()
-    _watch_optimisers()
-    for s in sites:
+def _attach(site: Site, prior: mp.MaskPrior, mask_kwarg: str, flex: bool) -> None:
+    """Give one checked layer its prior and the hooks of its kind: torch's, Hugging Face's (and its config's
+    view), or the mask keyword's (timm's and yours)."""
+    m = site.module
+    m.mask_prior, m.mask_prior_flex = prior, flex
+    if site.kind == "torch":
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
+                              m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
+    elif site.kind == "hf":
+        m.config = _PriorConfig(m.config)
+        m.mask_prior_args = list(inspect.signature(m.forward).parameters)
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
+                              m.register_forward_hook(_hf_reached)]
+    else:
+        m.mask_prior_kwarg = mask_kwarg
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
+        drop = getattr(m, "attn_drop", None)
+        if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
+            object.__setattr__(drop, "mask_prior_owner", m)      # a plain reference, not a submodule (no cycle)
+            m.mask_prior_hooks += [drop.register_forward_hook(_timm_record_hook),
+                                   m.register_forward_hook(_timm_restore_hook)]
+
+
+def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior], mask_kwarg: str = "attn_mask",
+                  flex: bool = False) -> None:
+    """Attach the checked priors (`_attach`), then what a model with priors needs: the process's watchers, the
+    TransformerEncoder's slow path, Hugging Face's registration and init, timm's no_weight_decay, the PEFT guard."""
+    for s in sites:                                   # every layer fits: now change them
+        _attach(s, priors[s.name], mask_kwarg, flex)
         _LAYERS[priors[s.name]] = [weakref.ref(p) for p in s.module.parameters() if p is not priors[s.name].bias]
+    _watch()
     if any(s.kind == "torch" for s in sites):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder):
@@ -910,9 +877,6 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
     _timm_after(model, mp.prior_parameter_names(model))
     if "mask_prior_guard" not in model.__dict__:
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
-
-
-_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
 
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
@@ -1102,8 +1066,6 @@ def _reattach(model: nn.Module, record: dict) -> None:
                                   geo["param"], geo["prefix"], "from_pretrained",
                                   tuple(geo["grid"]) if geo.get("grid") else None)
         sites.append(site)
-    for s in sites:
-        _attach_hf(s, priors[s.name], "attn_mask")
     _after_attach(model, sites, priors)
 
 
@@ -1213,11 +1175,18 @@ _LAYERS: "weakref.WeakKeyDictionary[mp.MaskPrior, list]" = weakref.WeakKeyDictio
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
-def _watch_optimisers() -> None:
-    """Register, once, when the process first attaches a prior, the optimiser step pre-hook `_warn_unheld_m`."""
-    if not _WATCHING_OPTIMISERS:
+def _watch() -> None:
+    """Once, when this process first attaches a prior (`_after_attach`), never at import: register the optimiser
+    step pre-hook `_warn_unheld_m`, and wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when
+    their module is imported."""
+    if not _WATCHING:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _WATCHING_OPTIMISERS.append(register_optimizer_step_pre_hook(_warn_unheld_m))
+        _WATCHING.append(register_optimizer_step_pre_hook(_warn_unheld_m))
+        for name in ADAPTER_LOADERS:
+            _when_imported(name, _guard_loaders)
+
+
+_WATCHING: list = []
 
 
 def _warn_unheld_m(optimizer, args, kwargs) -> None:
@@ -1233,21 +1202,6 @@ def _warn_unheld_m(optimizer, args, kwargs) -> None:
         warnings.warn(f"{type(optimizer).__name__} holds the weights of {len(left)} layer(s) but not their trainable "
                       f"M ({left[0]}, ...), which will not train: make the optimiser after add_mask_prior, or give it "
                       "M (maskprior.param_groups)", stacklevel=3)
-
-
-_WATCHING_OPTIMISERS: list = []
-
-
-def _watch_adapter_loaders() -> None:
-    """Wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when their module is imported: once,
-    when this process first attaches a prior (`_after_attach`), never at import."""
-    if not _WATCHING_LOADERS:
-        _WATCHING_LOADERS.append(True)
-        for name in ADAPTER_LOADERS:
-            _when_imported(name, _guard_loaders)
-
-
-_WATCHING_LOADERS: list = []
 
 
 # ----------------------------------------------------------------------------------------
