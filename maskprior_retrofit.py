@@ -1,15 +1,14 @@
-"""The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that
-is not ours its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2,
-BERT, ViT, Llama, Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves
-it the lengths, padding, caches and saving those libraries use, and takes it out again (`remove_mask_prior`);
-`from_pretrained` loads a Hugging Face model saved with priors.
+"""The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that is not ours
+its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2, BERT, ViT, Llama,
+Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves it the lengths, padding,
+caches and saving those libraries use, and takes it out again (`remove_mask_prior`); `from_pretrained` loads a Hugging
+Face model saved with priors.
 
-maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
-retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
-imported only inside the calls that need them. Importing this file changes nothing; once a process attaches its
-first prior, PEFT's and transformers' adapter loaders (now or whenever they are imported) refuse an adapter that
-carries M onto a model without priors (`ADAPTER_LOADERS`).
-"""
+maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to retrofit
+another codebase's models. Frameworks are recognised by duck typing; transformers and peft are imported only inside the
+calls that need them. Importing this file changes nothing; once a process attaches its first prior, PEFT's and
+transformers' adapter loaders (now or whenever they are imported) refuse an adapter that carries M onto a model without
+priors (`ADAPTER_LOADERS`)."""
 from __future__ import annotations
 
 import copy
@@ -38,8 +37,7 @@ import maskprior as mp
 #   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
 #   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
 
-# the attn_implementation a prior's layer runs under (registered with HF)
-HF_ATTENTION = "maskprior_attention"
+HF_ATTENTION = "maskprior_attention"        # the attn_implementation a prior's layer runs under (registered with HF)
 # what config.json names as its weights file (`transformers_weights`) and attention implementation: neither a
 # file nor registered, so transformers' from_pretrained refuses the folder whatever attn_implementation it is given
 # ("...neither a safetensors file ...: <this>"; from_config: `attn_implementation="<this>" is not supported`), with
@@ -78,8 +76,7 @@ def _heads_of(module: nn.Module) -> int | None:
     for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
         if isinstance(getattr(module, attr, None), int):
             return getattr(module, attr)
-    cfg = getattr(module, "config", None)
-    return getattr(cfg, "num_attention_heads", None)
+    return getattr(getattr(module, "config", None), "num_attention_heads", None)
 
 
 def _hf_config(module: nn.Module):
@@ -96,12 +93,6 @@ def _is_hf_attention(module: nn.Module) -> bool:
     return (_hf_config(module) is not None and hasattr(module, "is_causal")
             and (hasattr(module, "scaling") or hasattr(module, "scale"))
             and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
-
-
-def _is_timm_attention(module: nn.Module) -> bool:
-    return (type(module).__module__.startswith("timm.")
-            and isinstance(getattr(module, "num_heads", None), int)
-            and _takes_keyword(module, "attn_mask"))
 
 
 def _window_tokens(module: nn.Module) -> int | None:
@@ -141,16 +132,6 @@ def _grid_of(model: nn.Module) -> tuple[int, int] | None:
     if cfg is not None and getattr(cfg, "image_size", None) and getattr(cfg, "patch_size", None):
         return tuple(i // p for i, p in zip(_pair(cfg.image_size), _pair(cfg.patch_size)))
     return None
-
-
-def _grid_for(model: nn.Module) -> tuple[int, int]:
-    """The model's patch grid for param='grid' (`_grid_of`), or one line asking for grid=."""
-    grid = _grid_of(model)
-    if grid is None:
-        raise ValueError(f"add_mask_prior: param='grid' is a 2-D relative M over an image's patch grid, and "
-                         f"{type(model).__name__} names none (timm's patch_embed.grid_size, a Hugging Face config's "
-                         "image_size and patch_size): give grid=(grid_h, grid_w); no layer was changed")
-    return grid
 
 
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
@@ -196,7 +177,8 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
                               cross=_named_cross(name, m, parent), causal=bool(m.is_causal),
                               tokens=seen, max_tokens=max_tokens, prefix=seen is None,
                               layout="its attention window" if window else GRID))
-        elif _is_timm_attention(m):
+        elif (type(m).__module__.startswith("timm.") and isinstance(getattr(m, "num_heads", None), int)
+              and _takes_keyword(m, "attn_mask")):
             sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
         elif modules is not None:
             sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
@@ -205,8 +187,7 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
 
 def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
     done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
-    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} "
-                      f"heads) {what}; {done}")
+    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; {done}")
 
 
 def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
@@ -229,11 +210,6 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
                       f"timm attention; for an attention of your own, {hand}YourAttention")
 
 
-def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
-    return _hf_config(module)._attn_implementation
-
-
 def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
     """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
     add_mask_prior's own search, not named with `modules`)."""
@@ -247,10 +223,9 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: st
         raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid "
                        "(patch_embed.num_patches): its pooled stages or branches see other token counts, which "
                        "one prior cannot serve; give a stage its own prior with modules=lambda name, m: "
-                       "name.startswith('<stage>.') and name.endswith('.attn')",
-                       who)
+                       "name.startswith('<stage>.') and name.endswith('.attn')", who)
     if s.kind == "hf":
-        impl = _hf_impl(s.module)
+        impl = _hf_config(s.module)._attn_implementation
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
             raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors "
                            "and loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
@@ -292,8 +267,7 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
     return prior.to(next(site.module.parameters(), prior.bias).device)
 
 
-# a full M (param=None) adding more than this share of a model's parameters is refused
-FULL_SHARE = 0.1
+FULL_SHARE = 0.1        # a full M (param=None) adding more than this share of a model's parameters is refused
 
 
 def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Tensor) -> None:
@@ -324,31 +298,30 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                    param: str | None = None, prefix: bool | None = None, cross_attention: bool = False,
                    modules=None, mask_kwarg: str = "attn_mask", flex: bool = False,
                    grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads,
-    N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads, N,
+    N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
-    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
-    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
-    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
-    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an
-    encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention
-    gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's
-    encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is
-    where it says (HF), else False. `prefix` (default: True for HF text models, else False) lets a non-causal prior
-    read shorter inputs as positions 0..t-1. Every layer is checked before any is changed: one the prior cannot
-    serve raises ValueError naming it, its class, heads and what to do, and the model is left as it was. `param`: by
-    default relative for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
-    length), else full, refused in one line where the full M's would add more than 10% of the model's parameters
-    (pass param='full' to take them, or 'relative' for a non-causal band); param='grid': an image's 2-D relative M,
-    one logit per head and patch displacement plus each class token's row and column (about 0.7% of ViT-Tiny's
-    parameters at 224 px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default the model's own patch
-    grid (timm's patch_embed, a Hugging Face config's image and patch size). `flex`: on CUDA a Hugging Face layer's
-    prior runs inside torch's flex_attention (compiled on its first call) wherever the call is plain self-attention
-    (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the optimiser after this call; M is named
-    `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An
-    nn.TransformerEncoder runs without its nested-tensor fast path while it holds a prior (its padded batches would
-    skip the mask), with a warning where the path was on; `remove_mask_prior` turns it back on.
-    """
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5, Whisper,
+    CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or 'eager'; the
+    config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with `modules` (a class, tuple
+    of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
+    forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the prior; with
+    `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's encoder_attn, T5's
+    EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is where it says (HF), else
+    False. `prefix` (default: True for HF text models, else False) lets a non-causal prior read shorter inputs as
+    positions 0..t-1. Every layer is checked before any is changed: one the prior cannot serve raises ValueError naming
+    it, its class, heads and what to do, and the model is left as it was. `param`: by default relative for a causal
+    prior that depends on i - j alone (a distance prior: heads x N a layer, any length), else full, refused in one line
+    where the full M's would add more than 10% of the model's parameters (pass param='full' to take them, or 'relative'
+    for a non-causal band); param='grid': an image's 2-D relative M, one logit per head and patch displacement plus each
+    class token's row and column (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid`
+    (grid_h, grid_w), by default the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch
+    size). `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call)
+    wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the
+    optimiser after this call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and
+    `param_groups` leave it undecayed. An nn.TransformerEncoder runs without its nested-tensor fast path while it holds
+    a prior (its padded batches would skip the mask), with a warning where the path was on; `remove_mask_prior` turns it
+    back on."""
     who = "add_mask_prior"
     pattern, logits = mp._source(who, pattern, logits)
     m_on, m_off = mp._real(who, "m_on", m_on), mp._real(who, "m_off", m_off)
@@ -361,7 +334,10 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
     sites = _sites_for(model, cross_attention, modules, mask_kwarg)
-    grid = _grid_for(model) if param == "grid" and grid is None else grid
+    if param == "grid" and grid is None and (grid := _grid_of(model)) is None:        # by default the model's own
+        raise ValueError(f"add_mask_prior: param='grid' is a 2-D relative M over an image's patch grid, and "
+                         f"{type(model).__name__} names none (timm's patch_embed.grid_size, a Hugging Face config's "
+                         "image_size and patch_size): give grid=(grid_h, grid_w); no layer was changed")
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix, grid=grid)
               for s in sites}
     if param is None:
@@ -378,10 +354,9 @@ def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str
                          "layers take no hooks and no new parameters: add the prior to the "
                          "nn.Module, then trace it (torch.jit.trace), compile it or export it")
     if _under_peft(model):
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
-                         "whose adapter would not save M: add the priors first, then "
-                         "get_peft_model with modules_to_save=['mask_prior'] in its config (M "
-                         "then trains and is saved with the adapter); no layer was changed")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
+                         "save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
+                         "its config (M then trains and is saved with the adapter); no layer was changed")
     sites = find_attention(model, modules)
     if not sites:
         raise _unreachable(model, modules, mask_kwarg)
@@ -390,9 +365,8 @@ def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str
     if not sites:
         way = ("leave out cross_attention=True" if cross_attention else
                "pass cross_attention=True and an (N_query, N_key) pattern")
-        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
-                         f"{'self' if cross_attention else 'cross'}-attention "
-                         f"({', '.join(other)}); {way} to give it a prior")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only {'self' if cross_attention else 'cross'}"
+                         f"-attention ({', '.join(other)}); {way} to give it a prior")
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
     return sites
@@ -417,14 +391,14 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     kwargs = {**dict(zip(names, args)), **kwargs}
     query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
     batched = query.dim() == 3
-    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
-    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
+    seq = int(batched and mha.batch_first)                               # the dimension of the positions
+    t, s = query.shape[seq], key.shape[seq]
     if not prior.cross and key is not query:
         raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
                          f"queries, {s} keys): give cross-attention its own prior with add_mask_prior(..., "
                          "cross_attention=True) and an (N_query, N_key) pattern")
     bias = prior(t, query.dtype, k_len=s)
-    batch = query.shape[0 if mha.batch_first else 1] if batched else 1
+    batch = query.shape[1 - seq] if batched else 1
     _check_roles_batch(prior, batch)
     # per example (prior_roles): (B, heads) batch-major for MHA
     if bias.dim() == 4:
@@ -464,9 +438,8 @@ def _amp_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added
-    to a mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a
-    call with is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword, a mask the caller gave
+    and an is_causal call's future folded in (`_with_callers_mask`: SDPA takes a mask or is_causal, not both)."""
     prior, key = module.mask_prior, module.mask_prior_kwarg
     if prior.record is not None and getattr(module, "fused_attn", False):
         module.mask_prior_fused, module.fused_attn = True, False   # timm's explicit path: attn_drop sees p
@@ -478,12 +451,11 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
         _check_roles_batch(prior, x.shape[0] if x.dim() >= 3 else 1)
     bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
     given, causal = kwargs.get(key), kwargs.get("is_causal", False)
-    if "is_causal" in kwargs:                            # folded into the mask: SDPA takes one or the other
+    if "is_causal" in kwargs:
         kwargs["is_causal"] = False
-    if symbolic:                                         # the caller's mask is known only when the graph runs
-        kwargs[key] = x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
-    else:
-        kwargs[key] = _with_callers_mask(bias, given, causal, t)
+    # traced: the caller's mask is known only when the graph runs
+    kwargs[key] = (x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
+                   if symbolic else _with_callers_mask(bias, given, causal, t))
     return args, kwargs
 
 
@@ -505,13 +477,6 @@ def _timm_restore_hook(module: nn.Module, args: tuple, output):
     """Forward hook: a timm layer that recorded its probabilities goes back to its fused path."""
     if module.__dict__.pop("mask_prior_fused", False):
         module.fused_attn = True
-
-
-def _timm_after(model: nn.Module, names: list[str]) -> None:
-    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
-    base = getattr(model, "no_weight_decay", None)
-    if callable(base):
-        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
 
 
 class _NoWeightDecay:
@@ -610,17 +575,16 @@ def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: t
     """(1 or B, heads, q_len, k_len) float32 bias of a causal prior in a Hugging Face call.
 
     allowed: (B or 1, q_len, k_len) bool, what the model's mask lets each query see (padding, the causal future, a
-    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's
-    is_causal, upper-left for several queries, every key for one), whose future the bias then holds as -inf.
-    positions: the queries' position ids (B or 1, q_len), or None.
+    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's is_causal,
+    upper-left for several queries, every key for one), whose future the bias then holds as -inf. positions: the
+    queries' position ids (B or 1, q_len), or None.
 
-    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as
-    the model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a
-    KV cache count as the same keys without one, and packed sequences within their own block; so cache = no cache
-    and padded = unpadded hold by construction, with no state and no value read back. A relative M reads the
-    distance; a full M the row of the query's position (its position id, else the keys it sees, less one) and the
-    column of that row less the distance. A key the query does not see gets a finite value, which the model's mask
-    removes."""
+    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as the
+    model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a KV cache
+    count as the same keys without one, and packed sequences within their own block; so cache = no cache and padded =
+    unpadded hold by construction, with no state and no value read back. A relative M reads the distance; a full M the
+    row of the query's position (its position id, else the keys it sees, less one) and the column of that row less the
+    distance. A key the query does not see gets a finite value, which the model's mask removes."""
     if allowed is None and prior.param == "relative" and prior.roles is None:
         return prior(q_len, torch.float32, k_len=k_len, start=0 if q_len > 1 else None).unsqueeze(0)
     left_out = allowed is None
@@ -679,9 +643,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
     prior = getattr(module, "mask_prior", None)
     if prior is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
-                           "but holds no MaskPrior: a model saved with mask priors loads with "
-                           "mp.from_pretrained(ModelClass, path)")
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no MaskPrior: "
+                           "a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
     if not mp.tracing():
         module.mask_prior_pending = False
     if (prior.record is None and not torch.jit.is_tracing()
@@ -707,11 +670,10 @@ def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, ke
     from the fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
     extras = ("softcap", "sliding_window", "s_aux", "sinks")
     return (mask is None and prior.roles is None and not prior.cross
-            and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
+            and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
             and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
-            and not float(kwargs.get("dropout") or 0.0)
-            and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
+            and not float(kwargs.get("dropout") or 0.0) and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
             and all(kwargs.get(name) is None for name in extras))
 
 
@@ -719,7 +681,7 @@ def _hf_base(module: nn.Module):
     """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
     between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    impl = _hf_impl(module)
+    impl = _hf_config(module)._attn_implementation
     if impl == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     if impl == "sdpa":
@@ -737,8 +699,7 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
     prior = module.mask_prior
     crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
     if crossed != prior.cross:
-        what = ("a self-attention prior, but this call's keys come from another sequence"
-                if crossed else
+        what = ("a self-attention prior, but this call's keys come from another sequence" if crossed else
                 "a cross-attention prior, but this call attends to its own sequence")
         raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
                          "cross_attention=True) and an (N_query, N_key) pattern")
@@ -754,9 +715,9 @@ def _hf_reached(module: nn.Module, args: tuple, output) -> None:
     """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
     if getattr(module, "mask_prior_pending", False):
         module.mask_prior_pending = False
-        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling "
-                           "transformers' attention function, so its prior changed nothing; give "
-                           "it an attn_mask keyword and attach it with modules=")
+        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling transformers' attention "
+                           "function, so its prior changed nothing; give it an attn_mask keyword and attach it with "
+                           "modules=")
 
 
 def prior_record(model: nn.Module) -> dict | None:
@@ -767,11 +728,10 @@ def prior_record(model: nn.Module) -> dict | None:
     layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
     if not layers:
         return None
-    geometry = {name: {"n": m.mask_prior.n, "n_keys": m.mask_prior.n_keys if m.mask_prior.cross else None,
-                       "heads": m.mask_prior.heads, "causal": m.mask_prior.causal, "param": m.mask_prior.param,
-                       "prefix": m.mask_prior.prefix, "grid": m.mask_prior.grid and list(m.mask_prior.grid)}
-                for name, m in layers.items()}
-    return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
+    geometry = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
+                       "param": p.param, "prefix": p.prefix, "grid": p.grid and list(p.grid)}
+                for name, p in ((name, m.mask_prior) for name, m in layers.items())}
+    return {"layers": geometry, "base": _hf_config(next(iter(layers.values())))._attn_implementation}
 
 
 class _SavedWithPriors:
@@ -788,11 +748,9 @@ def _saved_with_priors(config_class: type) -> type:
 
 
 def _save_pretrained_with_priors(save: Callable) -> Callable:
-    """transformers' save_pretrained, writing the record of the priors of the model being saved (`prior_record`)
-    into its config.json: through a copy of its config, held by that model for the save alone, so the config
-    object it shares with other models never holds it. config.json then names HF_SAVED as the attention
-    implementation and the weights file, which no one registers or writes: a plain from_pretrained fails loudly,
-    with any attn_implementation; from_pretrained here loads it."""
+    """transformers' save_pretrained, writing the record of the saved model's priors (`prior_record`) into its
+    config.json through a copy of its config, held by the model for the save alone (the config it shares with other
+    models never holds it), which names HF_SAVED: a plain from_pretrained fails loudly, ours loads it."""
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         record = prior_record(self)
@@ -821,8 +779,7 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
     if not torch.is_grad_enabled():
         return
     frozen = next((p for m in model.modules()
-                   if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior)
-                   and not p.bias.requires_grad), None)
+                   if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior) and not p.bias.requires_grad), None)
     if frozen is not None and _under_peft(model):
         raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its "
                            "adapter would not save it); pass modules_to_save=['mask_prior'] to "
@@ -874,7 +831,9 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
         for m in model.modules():            # each transformers model in it: its init_weights re-sets M
             if _hf_config(m) is not None and callable(getattr(type(m), "_init_weights", None)):
                 m.__dict__.setdefault("_init_weights", _InitPriors(m))
-    _timm_after(model, mp.prior_parameter_names(model))
+    base = getattr(model, "no_weight_decay", None)      # what timm's optimiser factory leaves undecayed: add every M
+    if callable(base):
+        model.no_weight_decay = _NoWeightDecay(set(base()) | set(mp.prior_parameter_names(model)))
     if "mask_prior_guard" not in model.__dict__:
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
 
@@ -891,18 +850,15 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
             hook.remove()
         if isinstance(m.__dict__.get("config"), _PriorConfig):
             m.config = m.config.model_config
-        drop = getattr(m, "attn_drop", None)
-        if isinstance(drop, nn.Module):
+        if isinstance(drop := getattr(m, "attn_drop", None), nn.Module):
             drop.__dict__.pop("mask_prior_owner", None)
         for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
                      "mask_prior_pending", "mask_prior_flex", "mask_prior_fused"):
             m.__dict__.pop(attr, None)
         del m.mask_prior
-    for m in model.modules():
+    for m in model.modules():                   # add_mask_prior was given the model, or parts of it
         if "mask_prior_nested" in m.__dict__:
             m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
-    # add_mask_prior was given the model, or parts of it
-    for m in model.modules():
         if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
             del m.__dict__["no_weight_decay"]
         if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
@@ -956,26 +912,6 @@ def _check_record(record, path: str) -> None:
                                  f"expected {want}; nothing was loaded")
 
 
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str) -> str | None:
-    """The name in `model` of a layer recorded as `recorded` (its name in the model that was saved): the same,
-    or, saved from the model with a head and loaded as its base model, without the base's prefix, or the other
-    way round."""
-    base = getattr(model, "base_model_prefix", "") + "."
-    return next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
-
-
-def _model_class_for(model_class, config):
-    """A model class for `config`: `model_class` itself, or the one an Auto class
-    (AutoModelForCausalLM...) maps it to."""
-    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
-        return model_class
-    try:
-        return model_class._model_mapping[type(config)]
-    except (AttributeError, KeyError, TypeError):
-        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model "
-                         f"class nor an Auto class with a model for {type(config).__name__}") from None
-
-
 def _unmarked(config, kwargs: dict) -> dict:
     """`kwargs` for transformers' from_pretrained with the weights file config.json names (HF_SAVED, which refuses
     plain loads) the default one again: a keyword where transformers reads config.json, a copy of the caller's
@@ -1007,7 +943,12 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
         raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load "
                          f"it with {getattr(model_class, '__name__', model_class)}.from_pretrained")
     _check_record(record, path)
-    model_class = _model_class_for(model_class, config)
+    if not (isinstance(model_class, type) and issubclass(model_class, nn.Module)):
+        try:                                           # an Auto class (AutoModelForCausalLM...): its model for config
+            model_class = model_class._model_mapping[type(config)]
+        except (AttributeError, KeyError, TypeError):
+            raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model "
+                             f"class nor an Auto class with a model for {type(config).__name__}") from None
     _register_hf()
 
     class WithPriors(model_class):
@@ -1019,24 +960,20 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     for attr in ("__name__", "__qualname__", "__module__"):
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
-    model, info = WithPriors.from_pretrained(path, **_unmarked(config, {"attn_implementation": record["base"],
-                                                                        **kwargs}),
-                                             output_loading_info=True)
+    model, info = WithPriors.from_pretrained(
+        path, **_unmarked(config, {"attn_implementation": record["base"], **kwargs}), output_loading_info=True)
     # the plain class again: save_pretrained names it
     model.__class__ = model_class
     for name in ("mask_prior", "transformers_weights"):
         model.config.__dict__.pop(name, None)
-    ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
-                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
-            for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
     for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
-                      ("mismatched_keys",
-                       "holds {} ({} in all) in another shape than its config records (M is "
+                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
                                           "never re-initialised, ignore_mismatched_sizes or not)"),
-                      ("unexpected_keys",
-                       "holds {} ({} in all) on a layer its config records no prior for")):
-        if ours[key]:
-            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
+                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
+        ours = sorted(k for k in (x[0] if isinstance(x, (tuple, list)) else x for x in info.get(key, ()))
+                      if k.endswith("mask_prior.bias"))
+        if ours:
+            raise ValueError(f"from_pretrained: {path} " + what.format(ours[0], len(ours)))
     bad = [p.where for p in mp.mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
     if bad:
         raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
@@ -1046,11 +983,12 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 def _reattach(model: nn.Module, record: dict) -> None:
     """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
     attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
-    named = dict(model.named_modules())
+    named, base = dict(model.named_modules()), getattr(model, "base_model_prefix", "") + "."
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
     for recorded, geo in record["layers"].items():
-        name = _resolve_recorded(model, named, recorded)
+        # as saved, or with the base model's prefix added or taken off (saved with a head and loaded without, or back)
+        name = next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
         if name is None:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
                              f"{type(model).__name__} does not have")
@@ -1074,12 +1012,10 @@ def _reattach(model: nn.Module, record: dict) -> None:
 # asks only that one of its target modules exists), so this file wraps each loader of adapters (ADAPTER_LOADERS) as
 # soon as its module is imported, before or after this one.
 
-_HUB = ("subfolder", "revision", "cache_dir", "token", "local_files_only")
-
-
 def _hub(*kwargs: dict | None) -> dict:
     """The keywords of a loader's call that say where an adapter's config is (a revision, a subfolder, ...)."""
-    return {k: v for kw in kwargs for k, v in (kw or {}).items() if k in _HUB}
+    return {k: v for kw in kwargs for k, v in (kw or {}).items()
+            if k in ("subfolder", "revision", "cache_dir", "token", "local_files_only")}
 
 
 def _carried(model_id, config, hub: dict, state: dict | None = None) -> list:
