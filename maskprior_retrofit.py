@@ -38,10 +38,10 @@ import maskprior as mp
 #   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
 
 HF_ATTENTION = "maskprior_attention"        # the attn_implementation a prior's layer runs under (registered with HF)
-# what config.json names as its weights file (`transformers_weights`) and attention implementation: neither a
-# file nor registered, so transformers' from_pretrained refuses the folder whatever attn_implementation it is given
-# ("...neither a safetensors file ...: <this>"; from_config: `attn_implementation="<this>" is not supported`), with
-# or without this module imported, naming the loader that keeps M
+# what a saved config.json names as its weights file (`transformers_weights`) and attention implementation: neither
+# a file nor registered, so transformers' from_pretrained refuses the folder under any attn_implementation, with or
+# without this module imported, naming the loader that keeps M ("...neither a safetensors file ...: <this>";
+# from_config: `attn_implementation="<this>" is not supported`)
 HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
 GRID = "the patch grid and any class/prefix tokens"
 
@@ -89,10 +89,9 @@ def _hf_config(module: nn.Module):
 def _is_hf_attention(module: nn.Module) -> bool:
     """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
     T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
-    source = sys.modules.get(type(module).__module__)
     return (_hf_config(module) is not None and hasattr(module, "is_causal")
             and (hasattr(module, "scaling") or hasattr(module, "scale"))
-            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
+            and hasattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS"))
 
 
 def _window_tokens(module: nn.Module) -> int | None:
@@ -110,10 +109,8 @@ def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool
     leaf = name.rpartition(".")[2].lower()
     return (bool(getattr(module, "is_cross_attention", False))
             or "cross" in type(module).__name__.lower()
-            # BART, Whisper
-            or "cross" in leaf or leaf == "encoder_attn"
-            # T5's EncDecAttention
-            or (parent is not None and "cross" in type(parent).__name__.lower())
+            or "cross" in leaf or leaf == "encoder_attn"                            # BART, Whisper
+            or (parent is not None and "cross" in type(parent).__name__.lower())    # T5's EncDecAttention
             or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
 
 
@@ -173,9 +170,8 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
         elif _is_hf_attention(m):
             window = _window_tokens(m)
             seen = window or tokens
-            sites.append(Site(where, m, "hf", _heads_of(m) or 0,
-                              cross=_named_cross(name, m, parent), causal=bool(m.is_causal),
-                              tokens=seen, max_tokens=max_tokens, prefix=seen is None,
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
+                              causal=bool(m.is_causal), tokens=seen, max_tokens=max_tokens, prefix=seen is None,
                               layout="its attention window" if window else GRID))
         elif (type(m).__module__.startswith("timm.") and isinstance(getattr(m, "num_heads", None), int)
               and _takes_keyword(m, "attn_mask")):
@@ -258,9 +254,8 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
         if misfit:
             raise _fail(site, what, who)
     try:
-        prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
-                          n_keys=n_keys if site.cross else None, prefix=site.prefix
-                          if prefix is None else prefix, grid=grid)
+        prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param, n_keys=n_keys if site.cross
+                             else None, prefix=site.prefix if prefix is None else prefix, grid=grid)
     except ValueError as e:
         raise _fail(site, str(e), who) from None
     prior.where = site.name
@@ -275,8 +270,7 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
     of the model's parameters: a full M grows as layers x heads x N^2 (151M for GPT-2 small at N = 1,024)."""
     full = [p for p in priors.values() if p.param == "full"]
     size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
-    # (a module with no weights of its own: nothing to weigh)
-    if full and own and size > FULL_SHARE * own:
+    if full and own and size > FULL_SHARE * own:          # (a module with no weights of its own: nothing to weigh)
         relative = not full[0].cross and mp.depends_on_distance(src)
         way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
                if relative else "param='grid' holds an image's at one logit per head and patch offset; param='full' "
@@ -298,8 +292,8 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                    param: str | None = None, prefix: bool | None = None, cross_attention: bool = False,
                    modules=None, mask_kwarg: str = "attn_mask", flex: bool = False,
                    grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads, N,
-    N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
+    (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
     Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5, Whisper,
     CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or 'eager'; the
@@ -400,8 +394,7 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     bias = prior(t, query.dtype, k_len=s)
     batch = query.shape[1 - seq] if batched else 1
     _check_roles_batch(prior, batch)
-    # per example (prior_roles): (B, heads) batch-major for MHA
-    if bias.dim() == 4:
+    if bias.dim() == 4:                             # per example (prior_roles): (B, heads) batch-major for MHA
         bias = bias.flatten(0, 1) if batched else bias[0]
     elif batched:
         bias = bias.repeat(batch, 1, 1)
@@ -431,8 +424,7 @@ def _amp_dtype(x: torch.Tensor) -> torch.dtype:
     try:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-    # torch < 2.4: device-type autocast queries missing
-    except (TypeError, AttributeError):
+    except (TypeError, AttributeError):             # torch < 2.4: device-type autocast queries missing
         pass
     return x.dtype
 
@@ -446,8 +438,7 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
     x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, (torch.Tensor, torch.fx.Proxy)))
     symbolic = isinstance(x, torch.fx.Proxy)             # traced by fx: a fixed grid's length, x's own dtype
     t = prior.n if symbolic else x.shape[-2]
-    # (B, heads, T, T) per example: B must be x's batch
-    if prior.roles is not None:
+    if prior.roles is not None:                          # (B, heads, T, T) per example: B must be x's batch
         _check_roles_batch(prior, x.shape[0] if x.dim() >= 3 else 1)
     bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
     given, causal = kwargs.get(key), kwargs.get("is_causal", False)
@@ -490,9 +481,8 @@ class _NoWeightDecay:
 
 class _InitPriors:
     """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
-    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it
-    started (`MaskPrior.reset_parameters`), and leaves every other module to the model's own; held by the
-    model itself, a plain picklable callable."""
+    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started,
+    and leaves every other module to the model's own; held by the model itself, a plain picklable callable."""
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -518,8 +508,7 @@ class _PriorConfig:
 
     def __getattr__(self, name: str):
         config = self.__dict__.get("model_config")
-        # while being copied or unpickled: no read-through
-        if config is None or name.startswith("__"):
+        if config is None or name.startswith("__"):     # while being copied or unpickled: no read-through
             raise AttributeError(name)
         return getattr(config, name)
 
@@ -576,8 +565,8 @@ def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: t
 
     allowed: (B or 1, q_len, k_len) bool, what the model's mask lets each query see (padding, the causal future, a
     sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's is_causal,
-    upper-left for several queries, every key for one), whose future the bias then holds as -inf. positions: the
-    queries' position ids (B or 1, q_len), or None.
+    upper-left for several queries, every key for one), whose future the bias then holds as -inf.
+    positions: the queries' position ids (B or 1, q_len), or None.
 
     A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as the
     model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a KV cache
@@ -614,9 +603,8 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
     allowed = (None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool
                else mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
     positions = _query_positions(kwargs, q_len)
-    # rows from the decoder's position (its KV cache)
     if prior.cross:
-        start = getattr(module, "mask_prior_start", 0)
+        start = getattr(module, "mask_prior_start", 0)          # rows from the decoder's position (its KV cache)
         bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
     elif prior.causal:
         bias = _causal_bias(prior, None if allowed is None else allowed[:, 0], positions, q_len, k_len)
@@ -626,8 +614,7 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
     else:
         bias = prior(q_len, query.dtype, k_len=k_len)
         bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
-    # CLIP's text tower
-    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
+    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:          # CLIP's text tower
         bias = bias.masked_fill(mp.future_keys(q_len, bias.device), float("-inf"))
     bias = bias.to(query.dtype)
     if mask is None:
@@ -650,8 +637,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if (prior.record is None and not torch.jit.is_tracing()
             and _prior_alone(module, prior, query, key, attention_mask, kwargs)
             and (query.device.type == "cpu" or getattr(module, "mask_prior_flex", False))):
-        # grouped keys
-        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
+        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))   # grouped keys
         out = mp.prior_attention(query, k, v, prior, use_flex=query.device.type != "cpu")
         return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
@@ -665,16 +651,15 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids):
-    then maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart
-    from the fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
-    extras = ("softcap", "sliding_window", "s_aux", "sinks")
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids): then
+    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart from the
+    fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
             and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
             and not float(kwargs.get("dropout") or 0.0) and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
-            and all(kwargs.get(name) is None for name in extras))
+            and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "s_aux", "sinks")))
 
 
 def _hf_base(module: nn.Module):
@@ -735,9 +720,8 @@ def prior_record(model: nn.Module) -> dict | None:
 
 
 class _SavedWithPriors:
-    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as
-    its `transformers_weights` (the weights file transformers loads; its own save never writes the field), which
-    transformers' from_pretrained refuses before it builds a model, under any attn_implementation."""
+    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as its
+    `transformers_weights` (the weights file transformers loads; its own save never writes the field)."""
     def to_dict(self) -> dict:
         return {**super().to_dict(), "transformers_weights": HF_SAVED}
 
@@ -787,8 +771,7 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
 
 
 def _attach(site: Site, prior: mp.MaskPrior, mask_kwarg: str, flex: bool) -> None:
-    """Give one checked layer its prior and the hooks of its kind: torch's, Hugging Face's (and its config's
-    view), or the mask keyword's (timm's and yours)."""
+    """Give one checked layer its prior and the hooks of its kind (torch, Hugging Face and its config view, keyword)."""
     m = site.module
     m.mask_prior, m.mask_prior_flex = prior, flex
     if site.kind == "torch":
@@ -877,15 +860,14 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
     "causal": (lambda v: type(v) is bool, "true or false"),
     "param": (lambda v: v in ("full", "relative", "grid"), "'full', 'relative' or 'grid'"),
     "prefix": (lambda v: type(v) is bool, "true or false"),
-    # a 2-D relative M's patch grid (records saved before it: none)
     "grid": (lambda v: v is None or (type(v) is list and len(v) == 2 and all(type(i) is int and i > 0 for i in v)),
              "null or [grid_h, grid_w]"),
 }
 
 
 def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is
-    malformed (before any model is built)."""
+    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
+    model is built)."""
     where = f"from_pretrained: {path}'s config.json"
     if not isinstance(record, dict):
         raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
@@ -896,20 +878,18 @@ def _check_record(record, path: str) -> None:
                          "(the implementation the priors wrap); nothing was loaded")
     layers = record.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a "
-                         "non-empty {layer name: {n, heads, ...}}, one entry per prior; "
-                         "nothing was loaded")
+        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
+                         "{layer name: {n, heads, ...}}, one entry per prior; nothing was loaded")
     for name, geo in layers.items():
         if not isinstance(geo, dict):
-            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a "
-                             "dict; nothing was loaded")
+            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a dict; "
+                             "nothing was loaded")
         for field, (ok, want) in _RECORD_FIELDS.items():
-            if field not in geo and field == "grid":
-                continue
-            if field not in geo or not ok(geo[field]):
+            # a 2-D relative M's patch grid: records saved before it have none
+            if not ok(geo.get(field)) or (field not in geo and field != "grid"):
                 has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
-                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: "
-                                 f"expected {want}; nothing was loaded")
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
+                                 "nothing was loaded")
 
 
 def _unmarked(config, kwargs: dict) -> dict:
@@ -956,14 +936,12 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
             super().__init__(*args, **kw)
             _reattach(self, record)
 
-    # transformers finds key renamings by these
-    for attr in ("__name__", "__qualname__", "__module__"):
+    for attr in ("__name__", "__qualname__", "__module__"):          # transformers finds key renamings by these
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
     model, info = WithPriors.from_pretrained(
         path, **_unmarked(config, {"attn_implementation": record["base"], **kwargs}), output_loading_info=True)
-    # the plain class again: save_pretrained names it
-    model.__class__ = model_class
+    model.__class__ = model_class                                     # the plain class again: save_pretrained names it
     for name in ("mask_prior", "transformers_weights"):
         model.config.__dict__.pop(name, None)
     for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
@@ -994,15 +972,13 @@ def _reattach(model: nn.Module, record: dict) -> None:
                              f"{type(model).__name__} does not have")
         if name not in found:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
-                             f"{type(named[name]).__name__}, which is not an attention layer "
-                             "add_mask_prior reaches; nothing was loaded")
+                             f"{type(named[name]).__name__}, which is not an attention layer add_mask_prior reaches; "
+                             "nothing was loaded")
         site = found[name]
         _check_site(model, site, False, "attn_mask", "from_pretrained")
-        # M starts at 0
         shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")
-        priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None,
-                                  geo["param"], geo["prefix"], "from_pretrained",
-                                  tuple(geo["grid"]) if geo.get("grid") else None)
+        priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None, geo["param"],
+                                  geo["prefix"], "from_pretrained", tuple(geo["grid"]) if geo.get("grid") else None)
         sites.append(site)
     _after_attach(model, sites, priors)
 
@@ -1112,9 +1088,8 @@ _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def _watch() -> None:
-    """Once, when this process first attaches a prior (`_after_attach`), never at import: register the optimiser
-    step pre-hook `_warn_unheld_m`, and wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when
-    their module is imported."""
+    """Once, when this process first attaches a prior, never at import: register the optimiser step pre-hook
+    `_warn_unheld_m`, and wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when imported."""
     if not _WATCHING:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _WATCHING.append(register_optimizer_step_pre_hook(_warn_unheld_m))
@@ -1151,9 +1126,8 @@ def _projections(module: nn.Module) -> tuple | None:
     qkv, proj = getattr(module, "qkv", None), getattr(module, "proj", None)
     if isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear):
         parts = [slice(i * qkv.out_features // 3, (i + 1) * qkv.out_features // 3) for i in range(3)]
-        bias = None if qkv.bias is None else qkv.bias.detach()
         return (*(qkv.weight.detach()[p] for p in parts), proj.weight.detach(),
-                tuple(None if bias is None else bias[p] for p in parts))
+                tuple(None if qkv.bias is None else qkv.bias.detach()[p] for p in parts))
     linears = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if all(isinstance(x, nn.Linear) for x in linears):
         return (*(x.weight.detach() for x in linears), tuple(None if x.bias is None else x.bias.detach()
@@ -1190,6 +1164,5 @@ def qk_view(model: nn.Module) -> mp.QKView:
     return mp.QKView(sites, pos[0])
 
 
-# the public names (`from maskprior_retrofit import *`)
 __all__ = ["add_mask_prior", "remove_mask_prior", "from_pretrained", "find_attention", "hf_attention", "prior_record",
            "Site", "qk_view"]
