@@ -1,15 +1,14 @@
-"""The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that
-is not ours its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2,
-BERT, ViT, Llama, Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves
-it the lengths, padding, caches and saving those libraries use, and takes it out again (`remove_mask_prior`);
-`from_pretrained` loads a Hugging Face model saved with priors.
+"""The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that is not ours
+its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2, BERT, ViT, Llama,
+Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves it the lengths, padding,
+caches and saving those libraries use, and takes it out again (`remove_mask_prior`); `from_pretrained` loads a Hugging
+Face model saved with priors.
 
-maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to
-retrofit another codebase's models. Frameworks are recognised by duck typing; transformers and peft are
-imported only inside the calls that need them. Importing this file changes nothing; once a process attaches its
-first prior, PEFT's and transformers' adapter loaders (now or whenever they are imported) refuse an adapter that
-carries M onto a model without priors (`ADAPTER_LOADERS`).
-"""
+maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to retrofit
+another codebase's models. Frameworks are recognised by duck typing; transformers and peft are imported only inside the
+calls that need them. Importing this file changes nothing; once a process attaches its first prior, PEFT's and
+transformers' adapter loaders (now or whenever they are imported) refuse an adapter that carries M onto a model without
+priors (`ADAPTER_LOADERS`)."""
 from __future__ import annotations
 
 import copy
@@ -30,24 +29,19 @@ import torch.nn as nn
 import maskprior as mp
 
 # ----------------------------------------------------------------------------------------
-# The prior in someone else's model. `add_mask_prior` finds the attention layers it can reach,
-# checks every one, then gives each its own MaskPrior. Four kinds of layer, four small adapters:
+# Four kinds of layer, four small adapters (`add_mask_prior` checks every layer before it changes any):
 #   torch    nn.MultiheadAttention: a forward pre-hook passes the bias as its attn_mask
-#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that
-#            names an attention function registered with transformers (HF_ATTENTION); it adds the
-#            bias, then calls the model's own 'sdpa' or 'eager'. Layers that share the config and
-#            have no prior keep theirs.
+#   hf       Hugging Face attention modules: the layer's config is swapped for a view of it that names an attention
+#            function registered with transformers (HF_ATTENTION); it adds the bias, then calls the model's own
+#            'sdpa' or 'eager'. Layers that share the config and have no prior keep theirs.
 #   timm     timm's attention modules (ViT / DeiT family): a pre-hook passes the attn_mask keyword
 #   keyword  any module you name (class or predicate) whose forward names an additive mask keyword
-# Frameworks are recognised by duck typing; transformers is imported only inside the HF calls.
-# `remove_mask_prior` takes every prior out again.
 
-# the attn_implementation a prior's layer runs under (registered with HF)
-HF_ATTENTION = "maskprior_attention"
-# what config.json names as its weights file (`transformers_weights`) and attention implementation: neither a
-# file nor registered, so transformers' from_pretrained refuses the folder whatever attn_implementation it is given
-# ("...neither a safetensors file ...: <this>"; from_config: `attn_implementation="<this>" is not supported`), with
-# or without this module imported, naming the loader that keeps M
+HF_ATTENTION = "maskprior_attention"        # the attn_implementation a prior's layer runs under (registered with HF)
+# what a saved config.json names as its weights file (`transformers_weights`) and attention implementation: neither
+# a file nor registered, so transformers' from_pretrained refuses the folder under any attn_implementation, with or
+# without this module imported, naming the loader that keeps M ("...neither a safetensors file ...: <this>";
+# from_config: `attn_implementation="<this>" is not supported`)
 HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
 GRID = "the patch grid and any class/prefix tokens"
 
@@ -60,12 +54,9 @@ class Site:
     kind: str                          # "torch", "hf", "timm" or "keyword"
     heads: int
     cross: bool = False                # keys from another sequence
-    # what the layer is, where it says so (HF); None: the caller says
-    causal: bool | None = None
-    # exactly this many tokens (an image model's grid, a window), where known
-    tokens: int | None = None
-    # at most this many positions (a text model's table), where known
-    max_tokens: int | None = None
+    causal: bool | None = None         # what the layer is, where it says so (HF); None: the caller says
+    tokens: int | None = None          # exactly this many tokens (an image model's grid, a window), where known
+    max_tokens: int | None = None      # at most this many positions (a text model's table), where known
     prefix: bool = False               # a shorter input is positions 0..t-1 (text models)
     layout: str = GRID                 # what `tokens` counts, for error messages
 
@@ -85,8 +76,7 @@ def _heads_of(module: nn.Module) -> int | None:
     for attr in ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead"):
         if isinstance(getattr(module, attr, None), int):
             return getattr(module, attr)
-    cfg = getattr(module, "config", None)
-    return getattr(cfg, "num_attention_heads", None)
+    return getattr(getattr(module, "config", None), "num_attention_heads", None)
 
 
 def _hf_config(module: nn.Module):
@@ -99,16 +89,9 @@ def _hf_config(module: nn.Module):
 def _is_hf_attention(module: nn.Module) -> bool:
     """A module of a transformers model that calls the attention-function interface (GPT-2, BERT, ViT, Llama, BART,
     T5, CLIP...): a config, is_causal, a logit scale (`scaling`, or CLIP's `scale`), from a file that imports it."""
-    source = sys.modules.get(type(module).__module__)
     return (_hf_config(module) is not None and hasattr(module, "is_causal")
             and (hasattr(module, "scaling") or hasattr(module, "scale"))
-            and source is not None and hasattr(source, "ALL_ATTENTION_FUNCTIONS"))
-
-
-def _is_timm_attention(module: nn.Module) -> bool:
-    return (type(module).__module__.startswith("timm.")
-            and isinstance(getattr(module, "num_heads", None), int)
-            and _takes_keyword(module, "attn_mask"))
+            and hasattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS"))
 
 
 def _window_tokens(module: nn.Module) -> int | None:
@@ -126,10 +109,8 @@ def _named_cross(name: str, module: nn.Module, parent: nn.Module | None) -> bool
     leaf = name.rpartition(".")[2].lower()
     return (bool(getattr(module, "is_cross_attention", False))
             or "cross" in type(module).__name__.lower()
-            # BART, Whisper
-            or "cross" in leaf or leaf == "encoder_attn"
-            # T5's EncDecAttention
-            or (parent is not None and "cross" in type(parent).__name__.lower())
+            or "cross" in leaf or leaf == "encoder_attn"                            # BART, Whisper
+            or (parent is not None and "cross" in type(parent).__name__.lower())    # T5's EncDecAttention
             or (isinstance(parent, nn.TransformerDecoderLayer) and leaf == "multihead_attn"))
 
 
@@ -148,16 +129,6 @@ def _grid_of(model: nn.Module) -> tuple[int, int] | None:
     if cfg is not None and getattr(cfg, "image_size", None) and getattr(cfg, "patch_size", None):
         return tuple(i // p for i, p in zip(_pair(cfg.image_size), _pair(cfg.patch_size)))
     return None
-
-
-def _grid_for(model: nn.Module) -> tuple[int, int]:
-    """The model's patch grid for param='grid' (`_grid_of`), or one line asking for grid=."""
-    grid = _grid_of(model)
-    if grid is None:
-        raise ValueError(f"add_mask_prior: param='grid' is a 2-D relative M over an image's patch grid, and "
-                         f"{type(model).__name__} names none (timm's patch_embed.grid_size, a Hugging Face config's "
-                         "image_size and patch_size): give grid=(grid_h, grid_w); no layer was changed")
-    return grid
 
 
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
@@ -180,21 +151,17 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
     return None, None
 
 
-def _picked(modules, name: str, module: nn.Module) -> bool:
-    if callable(modules) and not isinstance(modules, (type, tuple)):
-        return bool(modules(name, module))
-    return isinstance(module, modules)
-
-
 def find_attention(model: nn.Module, modules=None) -> list[Site]:
     """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face and
     timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate `(name, module) ->
     bool`), exactly the modules it names (served as what they are, else by their mask keyword)."""
     named = dict(model.named_modules())
     tokens, max_tokens = _positions(model)
+    picked = (modules if callable(modules) and not isinstance(modules, (type, tuple))
+              else lambda name, m: isinstance(m, modules))
     sites = []
     for name, m in named.items():
-        if modules is not None and not _picked(modules, name, m):
+        if modules is not None and not picked(name, m):
             continue
         parent = named.get(name.rpartition(".")[0]) if name else None
         where = name or type(model).__name__
@@ -203,11 +170,11 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
         elif _is_hf_attention(m):
             window = _window_tokens(m)
             seen = window or tokens
-            sites.append(Site(where, m, "hf", _heads_of(m) or 0,
-                              cross=_named_cross(name, m, parent), causal=bool(m.is_causal),
-                              tokens=seen, max_tokens=max_tokens, prefix=seen is None,
+            sites.append(Site(where, m, "hf", _heads_of(m) or 0, cross=_named_cross(name, m, parent),
+                              causal=bool(m.is_causal), tokens=seen, max_tokens=max_tokens, prefix=seen is None,
                               layout="its attention window" if window else GRID))
-        elif _is_timm_attention(m):
+        elif (type(m).__module__.startswith("timm.") and isinstance(getattr(m, "num_heads", None), int)
+              and _takes_keyword(m, "attn_mask")):
             sites.append(Site(where, m, "timm", m.num_heads, tokens=tokens))
         elif modules is not None:
             sites.append(Site(where, m, "keyword", _heads_of(m) or 0))
@@ -216,8 +183,7 @@ def find_attention(model: nn.Module, modules=None) -> list[Site]:
 
 def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
     done = "no layer was changed" if who == "add_mask_prior" else "nothing was loaded"
-    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} "
-                      f"heads) {what}; {done}")
+    return ValueError(f"{who}: {site.name} ({type(site.module).__name__}, {site.heads or '?'} heads) {what}; {done}")
 
 
 def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
@@ -240,11 +206,6 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
                       f"timm attention; for an attention of your own, {hand}YourAttention")
 
 
-def _hf_impl(module: nn.Module) -> str:
-    """The attention implementation the model of an HF layer runs (its config's, not a prior's view)."""
-    return _hf_config(module)._attn_implementation
-
-
 def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
     """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
     add_mask_prior's own search, not named with `modules`)."""
@@ -258,10 +219,9 @@ def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: st
         raise _fail(s, f"is in a timm model ({type(model).__name__}) without one patch grid "
                        "(patch_embed.num_patches): its pooled stages or branches see other token counts, which "
                        "one prior cannot serve; give a stage its own prior with modules=lambda name, m: "
-                       "name.startswith('<stage>.') and name.endswith('.attn')",
-                       who)
+                       "name.startswith('<stage>.') and name.endswith('.attn')", who)
     if s.kind == "hf":
-        impl = _hf_impl(s.module)
+        impl = _hf_config(s.module)._attn_implementation
         if impl == HF_ATTENTION and not hasattr(s.module, "mask_prior"):
             raise _fail(s, f"runs attn_implementation {HF_ATTENTION!r} without a prior (a model saved with priors "
                            "and loaded plainly): load it with mp.from_pretrained(ModelClass, path)", who)
@@ -276,36 +236,33 @@ def _prior_for(site: Site, src: torch.Tensor, pattern, m_on, m_off, causal, logi
                who: str = "add_mask_prior", grid: tuple[int, int] | None = None) -> mp.MaskPrior:
     """The MaskPrior of one site, or one line saying why the pattern does not fit it (nothing changed yet)."""
     shape = tuple(src.shape)
-    if hasattr(site.module, "mask_prior"):
-        raise _fail(site, "already has a MaskPrior (add_mask_prior ran on this model before)", who)
-    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
-    if src.dim() == 3 and shape[0] != heads:
-        raise _fail(site, f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)", who)
-    # a layer that does not say: not causal
-    is_causal = bool(site.causal) if causal is None else causal
-    if site.causal is not None and is_causal != site.causal:
-        raise _fail(site, f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked", who)
     n, n_keys = shape[-2], shape[-1]
-    if not site.cross and n != n_keys:
-        raise _fail(site, f"is self-attention, but the pattern has shape {shape} (queries x keys "
-                          "must be square)", who)
-    if site.tokens is not None and not site.cross and n != site.tokens:
-        raise _fail(site, f"sees {site.tokens} tokens, but the pattern has shape {shape}: build "
-                          f"it for {site.tokens} positions ({site.layout})", who)
-    if site.max_tokens is not None and n > site.max_tokens:
-        raise _fail(site, f"has at most {site.max_tokens} positions, but the pattern has shape {shape}", who)
+    heads = site.heads or (shape[0] if src.dim() == 3 else 1)
+    is_causal = bool(site.causal) if causal is None else causal           # a layer that does not say: not causal
+    for misfit, what in (  # in this order, the first that holds
+            (hasattr(site.module, "mask_prior"), "already has a MaskPrior (add_mask_prior ran on this model before)"),
+            (src.dim() == 3 and shape[0] != heads,
+             f"does not fit a pattern of shape {shape}: give (N, N) or ({heads}, N, N)"),
+            (site.causal is not None and is_causal != site.causal,
+             f"is {'' if site.causal else 'not '}causal, but causal={causal} was asked"),
+            (not site.cross and n != n_keys,
+             f"is self-attention, but the pattern has shape {shape} (queries x keys must be square)"),
+            (site.tokens is not None and not site.cross and n != site.tokens, f"sees {site.tokens} tokens, but the "
+             f"pattern has shape {shape}: build it for {site.tokens} positions ({site.layout})"),
+            (site.max_tokens is not None and n > site.max_tokens,
+             f"has at most {site.max_tokens} positions, but the pattern has shape {shape}")):
+        if misfit:
+            raise _fail(site, what, who)
     try:
-        prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param,
-                          n_keys=n_keys if site.cross else None, prefix=site.prefix
-                          if prefix is None else prefix, grid=grid)
+        prior = mp.MaskPrior(n, heads, pattern, m_on, m_off, is_causal, logits, param, n_keys=n_keys if site.cross
+                             else None, prefix=site.prefix if prefix is None else prefix, grid=grid)
     except ValueError as e:
         raise _fail(site, str(e), who) from None
     prior.where = site.name
     return prior.to(next(site.module.parameters(), prior.bias).device)
 
 
-# a full M (param=None) adding more than this share of a model's parameters is refused
-FULL_SHARE = 0.1
+FULL_SHARE = 0.1        # a full M (param=None) adding more than this share of a model's parameters is refused
 
 
 def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Tensor) -> None:
@@ -313,8 +270,7 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
     of the model's parameters: a full M grows as layers x heads x N^2 (151M for GPT-2 small at N = 1,024)."""
     full = [p for p in priors.values() if p.param == "full"]
     size, own = sum(p.bias.numel() for p in full), sum(p.numel() for p in model.parameters())
-    # (a module with no weights of its own: nothing to weigh)
-    if full and own and size > FULL_SHARE * own:
+    if full and own and size > FULL_SHARE * own:          # (a module with no weights of its own: nothing to weigh)
         relative = not full[0].cross and mp.depends_on_distance(src)
         way = ("it depends on i - j alone: param='relative' holds it at heads x (2N - 1) a layer"
                if relative else "param='grid' holds an image's at one logit per head and patch offset; param='full' "
@@ -336,31 +292,30 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
                    param: str | None = None, prefix: bool | None = None, cross_attention: bool = False,
                    modules=None, mask_kwarg: str = "attn_mask", flex: bool = False,
                    grid: tuple[int, int] | None = None) -> dict[str, mp.MaskPrior]:
-    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or (heads,
-    N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
+    """Give every attention layer of `model` its own learnable prior, started from `pattern` (bool (N, N) or
+    (heads, N, N)) or `logits` (not both); returns {layer name: MaskPrior}, the layers that got one.
 
-    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5,
-    Whisper, CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or
-    'eager'; the config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with
-    `modules` (a class, tuple of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an
-    encoder's), any module whose forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention
-    gets the prior; with `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's
-    encoder_attn, T5's EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is
-    where it says (HF), else False. `prefix` (default: True for HF text models, else False) lets a non-causal prior
-    read shorter inputs as positions 0..t-1. Every layer is checked before any is changed: one the prior cannot
-    serve raises ValueError naming it, its class, heads and what to do, and the model is left as it was. `param`: by
-    default relative for a causal prior that depends on i - j alone (a distance prior: heads x N a layer, any
-    length), else full, refused in one line where the full M's would add more than 10% of the model's parameters
-    (pass param='full' to take them, or 'relative' for a non-causal band); param='grid': an image's 2-D relative M,
-    one logit per head and patch displacement plus each class token's row and column (about 0.7% of ViT-Tiny's
-    parameters at 224 px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default the model's own patch
-    grid (timm's patch_embed, a Hugging Face config's image and patch size). `flex`: on CUDA a Hugging Face layer's
-    prior runs inside torch's flex_attention (compiled on its first call) wherever the call is plain self-attention
-    (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the optimiser after this call; M is named
-    `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An
-    nn.TransformerEncoder runs without its nested-tensor fast path while it holds a prior (its padded batches would
-    skip the mask), with a warning where the path was on; `remove_mask_prior` turns it back on.
-    """
+    Reaches nn.MultiheadAttention, Hugging Face attention modules (GPT-2, BERT, ViT, Llama, Mistral, BART, T5, Whisper,
+    CLIP, Swin...: through transformers' attention-function interface, wrapping the model's 'sdpa' or 'eager'; the
+    config records the priors for `from_pretrained`), timm's attention (ViT / DeiT), and, with `modules` (a class, tuple
+    of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
+    forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the prior; with
+    `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's encoder_attn, T5's
+    EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is where it says (HF), else
+    False. `prefix` (default: True for HF text models, else False) lets a non-causal prior read shorter inputs as
+    positions 0..t-1. Every layer is checked before any is changed: one the prior cannot serve raises ValueError naming
+    it, its class, heads and what to do, and the model is left as it was. `param`: by default relative for a causal
+    prior that depends on i - j alone (a distance prior: heads x N a layer, any length), else full, refused in one line
+    where the full M's would add more than 10% of the model's parameters (pass param='full' to take them, or 'relative'
+    for a non-causal band); param='grid': an image's 2-D relative M, one logit per head and patch displacement plus each
+    class token's row and column (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid`
+    (grid_h, grid_w), by default the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch
+    size). `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call)
+    wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the
+    optimiser after this call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and
+    `param_groups` leave it undecayed. An nn.TransformerEncoder runs without its nested-tensor fast path while it holds
+    a prior (its padded batches would skip the mask), with a warning where the path was on; `remove_mask_prior` turns it
+    back on."""
     who = "add_mask_prior"
     pattern, logits = mp._source(who, pattern, logits)
     m_on, m_off = mp._real(who, "m_on", m_on), mp._real(who, "m_off", m_off)
@@ -373,15 +328,15 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise ValueError("add_mask_prior needs a pattern or logits of shape (N, N) or (heads, N, N)")
     sites = _sites_for(model, cross_attention, modules, mask_kwarg)
-    grid = _grid_for(model) if param == "grid" and grid is None else grid
+    if param == "grid" and grid is None and (grid := _grid_of(model)) is None:        # by default the model's own
+        raise ValueError(f"add_mask_prior: param='grid' is a 2-D relative M over an image's patch grid, and "
+                         f"{type(model).__name__} names none (timm's patch_embed.grid_size, a Hugging Face config's "
+                         "image_size and patch_size): give grid=(grid_h, grid_w); no layer was changed")
     priors = {s.name: _prior_for(s, src, pattern, m_on, m_off, causal, logits, param, prefix, grid=grid)
               for s in sites}
     if param is None:
         _check_size(model, priors, src)
-    for s in sites:                                   # every layer fits: now change them
-        _ATTACH[s.kind](s, priors[s.name], mask_kwarg)
-        s.module.mask_prior_flex = flex
-    _after_attach(model, sites, priors)
+    _after_attach(model, sites, priors, mask_kwarg, flex)
     return priors
 
 
@@ -393,10 +348,9 @@ def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str
                          "layers take no hooks and no new parameters: add the prior to the "
                          "nn.Module, then trace it (torch.jit.trace), compile it or export it")
     if _under_peft(model):
-        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, "
-                         "whose adapter would not save M: add the priors first, then "
-                         "get_peft_model with modules_to_save=['mask_prior'] in its config (M "
-                         "then trains and is saved with the adapter); no layer was changed")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} is already wrapped by PEFT, whose adapter would not "
+                         "save M: add the priors first, then get_peft_model with modules_to_save=['mask_prior'] in "
+                         "its config (M then trains and is saved with the adapter); no layer was changed")
     sites = find_attention(model, modules)
     if not sites:
         raise _unreachable(model, modules, mask_kwarg)
@@ -405,9 +359,8 @@ def _sites_for(model: nn.Module, cross_attention: bool, modules, mask_kwarg: str
     if not sites:
         way = ("leave out cross_attention=True" if cross_attention else
                "pass cross_attention=True and an (N_query, N_key) pattern")
-        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only "
-                         f"{'self' if cross_attention else 'cross'}-attention "
-                         f"({', '.join(other)}); {way} to give it a prior")
+        raise ValueError(f"add_mask_prior: {type(model).__name__} holds only {'self' if cross_attention else 'cross'}"
+                         f"-attention ({', '.join(other)}); {way} to give it a prior")
     for s in sites:
         _check_site(model, s, modules is None, mask_kwarg)
     return sites
@@ -432,57 +385,35 @@ def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     kwargs = {**dict(zip(names, args)), **kwargs}
     query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
     batched = query.dim() == 3
-    t = query.shape[1 if mha.batch_first else 0] if batched else query.shape[0]
-    s = key.shape[1 if mha.batch_first else 0] if batched else key.shape[0]
+    seq = int(batched and mha.batch_first)                               # the dimension of the positions
+    t, s = query.shape[seq], key.shape[seq]
     if not prior.cross and key is not query:
         raise ValueError(f"{prior.where}: a self-attention prior, but this call's keys are not its queries ({t} "
                          f"queries, {s} keys): give cross-attention its own prior with add_mask_prior(..., "
                          "cross_attention=True) and an (N_query, N_key) pattern")
     bias = prior(t, query.dtype, k_len=s)
-    batch = query.shape[0 if mha.batch_first else 1] if batched else 1
+    batch = query.shape[1 - seq] if batched else 1
     _check_roles_batch(prior, batch)
-    # per example (prior_roles): (B, heads) batch-major for MHA
-    if bias.dim() == 4:
+    if bias.dim() == 4:                             # per example (prior_roles): (B, heads) batch-major for MHA
         bias = bias.flatten(0, 1) if batched else bias[0]
     elif batched:
         bias = bias.repeat(batch, 1, 1)
     given = kwargs.get("attn_mask")
-    if given is not None:
-        # True = not allowed, for nn.MultiheadAttention
-        if given.dtype == torch.bool:
-            given = torch.zeros(given.shape, dtype=bias.dtype, device=bias.device).masked_fill(given, float("-inf"))
-        bias = bias + given
-    bias = _fold_causal(bias, kwargs, t)
+    given = ~given if given is not None and given.dtype == torch.bool else given    # True = not allowed, for MHA
+    bias = _with_callers_mask(bias, given, bool(kwargs.pop("is_causal", False)), t)   # MHA would drop the mask
     padding = kwargs.get("key_padding_mask")
     if padding is not None and padding.dtype == torch.bool:  # one mask type for both, as MHA wants
-        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype,
-                                                 device=bias.device).masked_fill(padding,
-                                                                                 float("-inf"))
+        kwargs["key_padding_mask"] = torch.zeros(padding.shape, dtype=bias.dtype, device=bias.device).masked_fill(
+            padding, float("-inf"))
     if prior.record is not None:
         kwargs["need_weights"], kwargs["average_attn_weights"] = True, False
     kwargs["attn_mask"] = bias
     return (), kwargs
 
 
-def _fold_causal(bias: torch.Tensor, kwargs: dict, t: int) -> torch.Tensor:
-    """A call with is_causal=True gets the future's -inf folded into the bias, and is_causal set False in `kwargs`:
-    attention takes a mask or is_causal, not both (nn.MultiheadAttention would drop the mask)."""
-    if not kwargs.get("is_causal"):
-        return bias
-    kwargs["is_causal"] = False
-    return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf"))
-
-
 def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
     if mha.mask_prior.record is not None:
         mha.mask_prior.record.append(output[1])
-
-
-def _attach_torch(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
-                          m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
 
 
 # timm and keyword: a module whose forward names an additive mask keyword
@@ -493,33 +424,29 @@ def _amp_dtype(x: torch.Tensor) -> torch.dtype:
     try:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-    # torch < 2.4: device-type autocast queries missing
-    except (TypeError, AttributeError):
+    except (TypeError, AttributeError):             # torch < 2.4: device-type autocast queries missing
         pass
     return x.dtype
 
 
 def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword (added
-    to a mask the caller gave: bool True = take part, as scaled_dot_product_attention reads it); a
-    call with is_causal=True gets the -inf folded in instead (SDPA refuses both)."""
+    """Forward pre-hook: the prior's (heads, T, T) bias goes into the module's mask keyword, a mask the caller gave
+    and an is_causal call's future folded in (`_with_callers_mask`: SDPA takes a mask or is_causal, not both)."""
     prior, key = module.mask_prior, module.mask_prior_kwarg
     if prior.record is not None and getattr(module, "fused_attn", False):
         module.mask_prior_fused, module.fused_attn = True, False   # timm's explicit path: attn_drop sees p
     x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, (torch.Tensor, torch.fx.Proxy)))
     symbolic = isinstance(x, torch.fx.Proxy)             # traced by fx: a fixed grid's length, x's own dtype
     t = prior.n if symbolic else x.shape[-2]
-    # (B, heads, T, T) per example: B must be x's batch
-    if prior.roles is not None:
+    if prior.roles is not None:                          # (B, heads, T, T) per example: B must be x's batch
         _check_roles_batch(prior, x.shape[0] if x.dim() >= 3 else 1)
     bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
     given, causal = kwargs.get(key), kwargs.get("is_causal", False)
-    if "is_causal" in kwargs:                            # folded into the mask: SDPA takes one or the other
+    if "is_causal" in kwargs:
         kwargs["is_causal"] = False
-    if symbolic:                                         # the caller's mask is known only when the graph runs
-        kwargs[key] = x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
-    else:
-        kwargs[key] = _with_callers_mask(bias, given, causal, t)
+    # traced: the caller's mask is known only when the graph runs
+    kwargs[key] = (x.tracer.create_proxy("call_function", _with_callers_mask, (bias, given, causal, t), {})
+                   if symbolic else _with_callers_mask(bias, given, causal, t))
     return args, kwargs
 
 
@@ -543,25 +470,6 @@ def _timm_restore_hook(module: nn.Module, args: tuple, output):
         module.fused_attn = True
 
 
-def _attach_keyword(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior, m.mask_prior_kwarg = prior, mask_kwarg
-    hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
-    drop = getattr(m, "attn_drop", None)
-    if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
-        # a plain reference, not a submodule (no cycle)
-        object.__setattr__(drop, "mask_prior_owner", m)
-        hooks += [drop.register_forward_hook(_timm_record_hook), m.register_forward_hook(_timm_restore_hook)]
-    m.mask_prior_hooks = hooks
-
-
-def _timm_after(model: nn.Module, names: list[str]) -> None:
-    """timm's optimiser factory asks model.no_weight_decay() for names to leave undecayed: add every M."""
-    base = getattr(model, "no_weight_decay", None)
-    if callable(base):
-        model.no_weight_decay = _NoWeightDecay(set(base()) | set(names))
-
-
 class _NoWeightDecay:
     """A model's no_weight_decay() (timm's convention) with the priors' M added; a plain picklable callable."""
     def __init__(self, names: set[str]):
@@ -573,9 +481,8 @@ class _NoWeightDecay:
 
 class _InitPriors:
     """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
-    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it
-    started (`MaskPrior.reset_parameters`), and leaves every other module to the model's own; held by the
-    model itself, a plain picklable callable."""
+    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started,
+    and leaves every other module to the model's own; held by the model itself, a plain picklable callable."""
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -601,8 +508,7 @@ class _PriorConfig:
 
     def __getattr__(self, name: str):
         config = self.__dict__.get("model_config")
-        # while being copied or unpickled: no read-through
-        if config is None or name.startswith("__"):
+        if config is None or name.startswith("__"):     # while being copied or unpickled: no read-through
             raise AttributeError(name)
         return getattr(config, name)
 
@@ -619,9 +525,12 @@ def _register_hf() -> None:
         PreTrainedModel.save_pretrained = _save_pretrained_with_priors(PreTrainedModel.save_pretrained)
 
 
-def _relative_at(prior: mp.MaskPrior, dist: torch.Tensor) -> torch.Tensor:
-    """(B, heads, ...) bias of a relative M at distances `dist` (B, ...) = query position - key position."""
-    return prior.at_distance(dist).movedim(0, 1)
+def _at_positions(prior: mp.MaskPrior, rows: torch.Tensor, dist: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(B, heads, q, k) bias at the queries' rows (B or 1, q) and distances `dist` (B or 1, q, k) = query position -
+    key position: a relative M reads the distance, a full one (or one read by role) `_full_at` row and row - dist."""
+    if prior.param == "relative" and prior.roles is None:
+        return prior.at_distance(dist).movedim(0, 1)
+    return _full_at(prior, rows, rows[..., None] - dist, seen)
 
 
 def _full_at(prior: mp.MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -655,17 +564,16 @@ def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: t
     """(1 or B, heads, q_len, k_len) float32 bias of a causal prior in a Hugging Face call.
 
     allowed: (B or 1, q_len, k_len) bool, what the model's mask lets each query see (padding, the causal future, a
-    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's
-    is_causal, upper-left for several queries, every key for one), whose future the bias then holds as -inf.
+    sliding window, a static cache's empty slots); None where the model left the mask out (no padding: SDPA's is_causal,
+    upper-left for several queries, every key for one), whose future the bias then holds as -inf.
     positions: the queries' position ids (B or 1, q_len), or None.
 
-    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as
-    the model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a
-    KV cache count as the same keys without one, and packed sequences within their own block; so cache = no cache
-    and padded = unpadded hold by construction, with no state and no value read back. A relative M reads the
-    distance; a full M the row of the query's position (its position id, else the keys it sees, less one) and the
-    column of that row less the distance. A key the query does not see gets a finite value, which the model's mask
-    removes."""
+    A key's distance from a query is the number of keys the query sees after it: padding and holes are skipped as the
+    model's own positions skip them (generate's position_ids are attention_mask.cumsum(-1) - 1), the keys of a KV cache
+    count as the same keys without one, and packed sequences within their own block; so cache = no cache and padded =
+    unpadded hold by construction, with no state and no value read back. A relative M reads the distance; a full M the
+    row of the query's position (its position id, else the keys it sees, less one) and the column of that row less the
+    distance. A key the query does not see gets a finite value, which the model's mask removes."""
     if allowed is None and prior.param == "relative" and prior.roles is None:
         return prior(q_len, torch.float32, k_len=k_len, start=0 if q_len > 1 else None).unsqueeze(0)
     left_out = allowed is None
@@ -674,11 +582,7 @@ def _causal_bias(prior: mp.MaskPrior, allowed: torch.Tensor | None, positions: t
         allowed = (torch.arange(k_len, device=own.device) <= own[:, None])[None]
     after = allowed.flip(-1).cumsum(-1).flip(-1)                  # (B, q, k): the keys seen at or after each key
     dist = (after - 1).clamp(min=0)
-    if prior.param == "relative" and prior.roles is None:
-        bias = _relative_at(prior, dist)
-    else:
-        rows = after[..., 0] - 1 if positions is None else positions.to(dist.device)
-        bias = _full_at(prior, rows, rows[..., None] - dist, allowed)
+    bias = _at_positions(prior, after[..., 0] - 1 if positions is None else positions.to(dist.device), dist, allowed)
     return bias.masked_fill(~allowed[:, None], float("-inf")) if left_out else bias
 
 
@@ -699,22 +603,18 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
     allowed = (None if mask is None else mask[..., :k_len] if mask.dtype == torch.bool
                else mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
     positions = _query_positions(kwargs, q_len)
-    # rows from the decoder's position (its KV cache)
     if prior.cross:
-        start = getattr(module, "mask_prior_start", 0)
+        start = getattr(module, "mask_prior_start", 0)          # rows from the decoder's position (its KV cache)
         bias = prior(start + q_len, query.dtype, k_len=k_len)[:, start:].unsqueeze(0)
     elif prior.causal:
         bias = _causal_bias(prior, None if allowed is None else allowed[:, 0], positions, q_len, k_len)
     elif positions is not None and q_len == k_len:             # the keys are the queries, at their position ids
         seen = torch.ones(1, q_len, k_len, dtype=torch.bool, device=query.device) if allowed is None else allowed[:, 0]
-        bias = (_relative_at(prior, positions[:, :, None] - positions[:, None, :])
-                if prior.param == "relative" and prior.roles is None
-                else _full_at(prior, positions, positions[:, None, :].expand(-1, q_len, -1), seen))
+        bias = _at_positions(prior, positions, positions[:, :, None] - positions[:, None, :], seen)
     else:
         bias = prior(q_len, query.dtype, k_len=k_len)
         bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
-    # CLIP's text tower
-    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:
+    if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:          # CLIP's text tower
         bias = bias.masked_fill(mp.future_keys(q_len, bias.device), float("-inf"))
     bias = bias.to(query.dtype)
     if mask is None:
@@ -730,16 +630,14 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     the logits and runs the model's own implementation (`sdpa` or its `eager`)."""
     prior = getattr(module, "mask_prior", None)
     if prior is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} "
-                           "but holds no MaskPrior: a model saved with mask priors loads with "
-                           "mp.from_pretrained(ModelClass, path)")
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation {HF_ATTENTION!r} but holds no MaskPrior: "
+                           "a model saved with mask priors loads with mp.from_pretrained(ModelClass, path)")
     if not mp.tracing():
         module.mask_prior_pending = False
     if (prior.record is None and not torch.jit.is_tracing()
             and _prior_alone(module, prior, query, key, attention_mask, kwargs)
             and (query.device.type == "cpu" or getattr(module, "mask_prior_flex", False))):
-        # grouped keys
-        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
+        k, v = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))   # grouped keys
         out = mp.prior_attention(query, k, v, prior, use_flex=query.device.type != "cpu")
         return out.transpose(1, 2).contiguous(), None
     bias = _hf_bias(module, prior, query, key, attention_mask, kwargs)
@@ -753,24 +651,22 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids):
-    then maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart
-    from the fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
-    extras = ("softcap", "sliding_window", "s_aux", "sinks")
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids): then
+    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart from the
+    fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
     return (mask is None and prior.roles is None and not prior.cross
-            and _hf_impl(module) == "sdpa" and query.shape[-2] == key.shape[-2]
+            and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
             and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
-            and not float(kwargs.get("dropout") or 0.0)
-            and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
-            and all(kwargs.get(name) is None for name in extras))
+            and not float(kwargs.get("dropout") or 0.0) and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
+            and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "s_aux", "sinks")))
 
 
 def _hf_base(module: nn.Module):
     """The model's own attention function that a layer's prior wraps, read at every call (so set_attn_implementation
     between 'sdpa' and 'eager' is followed); one line for an implementation that cannot add a bias."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    impl = _hf_impl(module)
+    impl = _hf_config(module)._attn_implementation
     if impl == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     if impl == "sdpa":
@@ -788,8 +684,7 @@ def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
     prior = module.mask_prior
     crossed = any(call.get(k) is not None for k in ("key_value_states", "encoder_hidden_states"))
     if crossed != prior.cross:
-        what = ("a self-attention prior, but this call's keys come from another sequence"
-                if crossed else
+        what = ("a self-attention prior, but this call's keys come from another sequence" if crossed else
                 "a cross-attention prior, but this call attends to its own sequence")
         raise ValueError(f"{prior.where}: {what}: give cross-attention its own prior with add_mask_prior(..., "
                          "cross_attention=True) and an (N_query, N_key) pattern")
@@ -805,18 +700,9 @@ def _hf_reached(module: nn.Module, args: tuple, output) -> None:
     """Forward hook: a layer that ran without calling the attention function would leave its prior unused; refuse."""
     if getattr(module, "mask_prior_pending", False):
         module.mask_prior_pending = False
-        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling "
-                           "transformers' attention function, so its prior changed nothing; give "
-                           "it an attn_mask keyword and attach it with modules=")
-
-
-def _attach_hf(site: Site, prior: mp.MaskPrior, mask_kwarg: str) -> None:
-    m = site.module
-    m.mask_prior = prior
-    m.config = _PriorConfig(m.config)
-    m.mask_prior_args = list(inspect.signature(m.forward).parameters)
-    m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
-                          m.register_forward_hook(_hf_reached)]
+        raise RuntimeError(f"{module.mask_prior.where}: the layer ran without calling transformers' attention "
+                           "function, so its prior changed nothing; give it an attn_mask keyword and attach it with "
+                           "modules=")
 
 
 def prior_record(model: nn.Module) -> dict | None:
@@ -827,17 +713,15 @@ def prior_record(model: nn.Module) -> dict | None:
     layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
     if not layers:
         return None
-    geometry = {name: {"n": m.mask_prior.n, "n_keys": m.mask_prior.n_keys if m.mask_prior.cross else None,
-                       "heads": m.mask_prior.heads, "causal": m.mask_prior.causal, "param": m.mask_prior.param,
-                       "prefix": m.mask_prior.prefix, "grid": m.mask_prior.grid and list(m.mask_prior.grid)}
-                for name, m in layers.items()}
-    return {"layers": geometry, "base": _hf_impl(next(iter(layers.values())))}
+    geometry = {name: {"n": p.n, "n_keys": p.n_keys if p.cross else None, "heads": p.heads, "causal": p.causal,
+                       "param": p.param, "prefix": p.prefix, "grid": p.grid and list(p.grid)}
+                for name, p in ((name, m.mask_prior) for name, m in layers.items())}
+    return {"layers": geometry, "base": _hf_config(next(iter(layers.values())))._attn_implementation}
 
 
 class _SavedWithPriors:
-    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as
-    its `transformers_weights` (the weights file transformers loads; its own save never writes the field), which
-    transformers' from_pretrained refuses before it builds a model, under any attn_implementation."""
+    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as its
+    `transformers_weights` (the weights file transformers loads; its own save never writes the field)."""
     def to_dict(self) -> dict:
         return {**super().to_dict(), "transformers_weights": HF_SAVED}
 
@@ -848,11 +732,9 @@ def _saved_with_priors(config_class: type) -> type:
 
 
 def _save_pretrained_with_priors(save: Callable) -> Callable:
-    """transformers' save_pretrained, writing the record of the priors of the model being saved (`prior_record`)
-    into its config.json: through a copy of its config, held by that model for the save alone, so the config
-    object it shares with other models never holds it. config.json then names HF_SAVED as the attention
-    implementation and the weights file, which no one registers or writes: a plain from_pretrained fails loudly,
-    with any attn_implementation; from_pretrained here loads it."""
+    """transformers' save_pretrained, writing the record of the saved model's priors (`prior_record`) into its
+    config.json through a copy of its config, held by the model for the save alone (the config it shares with other
+    models never holds it), which names HF_SAVED: a plain from_pretrained fails loudly, ours loads it."""
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         record = prior_record(self)
@@ -881,19 +763,43 @@ def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
     if not torch.is_grad_enabled():
         return
     frozen = next((p for m in model.modules()
-                   if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior)
-                   and not p.bias.requires_grad), None)
+                   if isinstance(p := m._modules.get("mask_prior"), mp.MaskPrior) and not p.bias.requires_grad), None)
     if frozen is not None and _under_peft(model):
         raise RuntimeError(f"{frozen.where}: M is frozen: PEFT's get_peft_model froze it (and its "
                            "adapter would not save it); pass modules_to_save=['mask_prior'] to "
                            "the PEFT config, so that M trains and is saved with the adapter")
 
 
-def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior]) -> None:
-    _watch_adapter_loaders()
-    _watch_optimisers()
-    for s in sites:
+def _attach(site: Site, prior: mp.MaskPrior, mask_kwarg: str, flex: bool) -> None:
+    """Give one checked layer its prior and the hooks of its kind (torch, Hugging Face and its config view, keyword)."""
+    m = site.module
+    m.mask_prior, m.mask_prior_flex = prior, flex
+    if site.kind == "torch":
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_mha_prior_hook, with_kwargs=True),
+                              m.register_forward_hook(_mha_record_hook, with_kwargs=True)]
+    elif site.kind == "hf":
+        m.config = _PriorConfig(m.config)
+        m.mask_prior_args = list(inspect.signature(m.forward).parameters)
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_hf_guard, with_kwargs=True),
+                              m.register_forward_hook(_hf_reached)]
+    else:
+        m.mask_prior_kwarg = mask_kwarg
+        m.mask_prior_hooks = [m.register_forward_pre_hook(_keyword_hook, with_kwargs=True)]
+        drop = getattr(m, "attn_drop", None)
+        if site.kind == "timm" and isinstance(drop, nn.Module) and hasattr(m, "fused_attn"):
+            object.__setattr__(drop, "mask_prior_owner", m)      # a plain reference, not a submodule (no cycle)
+            m.mask_prior_hooks += [drop.register_forward_hook(_timm_record_hook),
+                                   m.register_forward_hook(_timm_restore_hook)]
+
+
+def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior], mask_kwarg: str = "attn_mask",
+                  flex: bool = False) -> None:
+    """Attach the checked priors (`_attach`), then what a model with priors needs: the process's watchers, the
+    TransformerEncoder's slow path, Hugging Face's registration and init, timm's no_weight_decay, the PEFT guard."""
+    for s in sites:                                   # every layer fits: now change them
+        _attach(s, priors[s.name], mask_kwarg, flex)
         _LAYERS[priors[s.name]] = [weakref.ref(p) for p in s.module.parameters() if p is not priors[s.name].bias]
+    _watch()
     if any(s.kind == "torch" for s in sites):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder):
@@ -908,12 +814,11 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
         for m in model.modules():            # each transformers model in it: its init_weights re-sets M
             if _hf_config(m) is not None and callable(getattr(type(m), "_init_weights", None)):
                 m.__dict__.setdefault("_init_weights", _InitPriors(m))
-    _timm_after(model, mp.prior_parameter_names(model))
+    base = getattr(model, "no_weight_decay", None)      # what timm's optimiser factory leaves undecayed: add every M
+    if callable(base):
+        model.no_weight_decay = _NoWeightDecay(set(base()) | set(mp.prior_parameter_names(model)))
     if "mask_prior_guard" not in model.__dict__:
         model.mask_prior_guard = model.register_forward_pre_hook(_frozen_prior_guard)
-
-
-_ATTACH = {"torch": _attach_torch, "hf": _attach_hf, "timm": _attach_keyword, "keyword": _attach_keyword}
 
 
 def remove_mask_prior(model: nn.Module) -> list[str]:
@@ -928,18 +833,15 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
             hook.remove()
         if isinstance(m.__dict__.get("config"), _PriorConfig):
             m.config = m.config.model_config
-        drop = getattr(m, "attn_drop", None)
-        if isinstance(drop, nn.Module):
+        if isinstance(drop := getattr(m, "attn_drop", None), nn.Module):
             drop.__dict__.pop("mask_prior_owner", None)
         for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
                      "mask_prior_pending", "mask_prior_flex", "mask_prior_fused"):
             m.__dict__.pop(attr, None)
         del m.mask_prior
-    for m in model.modules():
+    for m in model.modules():                   # add_mask_prior was given the model, or parts of it
         if "mask_prior_nested" in m.__dict__:
             m.use_nested_tensor = m.__dict__.pop("mask_prior_nested")
-    # add_mask_prior was given the model, or parts of it
-    for m in model.modules():
         if isinstance(m.__dict__.get("no_weight_decay"), _NoWeightDecay):
             del m.__dict__["no_weight_decay"]
         if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
@@ -958,15 +860,14 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
     "causal": (lambda v: type(v) is bool, "true or false"),
     "param": (lambda v: v in ("full", "relative", "grid"), "'full', 'relative' or 'grid'"),
     "prefix": (lambda v: type(v) is bool, "true or false"),
-    # a 2-D relative M's patch grid (records saved before it: none)
     "grid": (lambda v: v is None or (type(v) is list and len(v) == 2 and all(type(i) is int and i > 0 for i in v)),
              "null or [grid_h, grid_w]"),
 }
 
 
 def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is
-    malformed (before any model is built)."""
+    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
+    model is built)."""
     where = f"from_pretrained: {path}'s config.json"
     if not isinstance(record, dict):
         raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
@@ -977,40 +878,18 @@ def _check_record(record, path: str) -> None:
                          "(the implementation the priors wrap); nothing was loaded")
     layers = record.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a "
-                         "non-empty {layer name: {n, heads, ...}}, one entry per prior; "
-                         "nothing was loaded")
+        raise ValueError(f"{where}: the mask_prior record's layers are {layers!r}: expected a non-empty "
+                         "{layer name: {n, heads, ...}}, one entry per prior; nothing was loaded")
     for name, geo in layers.items():
         if not isinstance(geo, dict):
-            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a "
-                             "dict; nothing was loaded")
+            raise ValueError(f"{where}: the mask_prior record of layer {name} is {geo!r}, not a dict; "
+                             "nothing was loaded")
         for field, (ok, want) in _RECORD_FIELDS.items():
-            if field not in geo and field == "grid":
-                continue
-            if field not in geo or not ok(geo[field]):
+            # a 2-D relative M's patch grid: records saved before it have none
+            if not ok(geo.get(field)) or (field not in geo and field != "grid"):
                 has = f"{field} {geo[field]!r}" if field in geo else f"no {field}"
-                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: "
-                                 f"expected {want}; nothing was loaded")
-
-
-def _resolve_recorded(model: nn.Module, named: dict, recorded: str) -> str | None:
-    """The name in `model` of a layer recorded as `recorded` (its name in the model that was saved): the same,
-    or, saved from the model with a head and loaded as its base model, without the base's prefix, or the other
-    way round."""
-    base = getattr(model, "base_model_prefix", "") + "."
-    return next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
-
-
-def _model_class_for(model_class, config):
-    """A model class for `config`: `model_class` itself, or the one an Auto class
-    (AutoModelForCausalLM...) maps it to."""
-    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
-        return model_class
-    try:
-        return model_class._model_mapping[type(config)]
-    except (AttributeError, KeyError, TypeError):
-        raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model "
-                         f"class nor an Auto class with a model for {type(config).__name__}") from None
+                raise ValueError(f"{where}: the mask_prior record of layer {name} has {has}: expected {want}; "
+                                 "nothing was loaded")
 
 
 def _unmarked(config, kwargs: dict) -> dict:
@@ -1044,7 +923,12 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
         raise ValueError(f"from_pretrained: {path} records no mask prior in its config.json; load "
                          f"it with {getattr(model_class, '__name__', model_class)}.from_pretrained")
     _check_record(record, path)
-    model_class = _model_class_for(model_class, config)
+    if not (isinstance(model_class, type) and issubclass(model_class, nn.Module)):
+        try:                                           # an Auto class (AutoModelForCausalLM...): its model for config
+            model_class = model_class._model_mapping[type(config)]
+        except (AttributeError, KeyError, TypeError):
+            raise ValueError(f"from_pretrained: {getattr(model_class, '__name__', model_class)} is neither a model "
+                             f"class nor an Auto class with a model for {type(config).__name__}") from None
     _register_hf()
 
     class WithPriors(model_class):
@@ -1052,28 +936,22 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
             super().__init__(*args, **kw)
             _reattach(self, record)
 
-    # transformers finds key renamings by these
-    for attr in ("__name__", "__qualname__", "__module__"):
+    for attr in ("__name__", "__qualname__", "__module__"):          # transformers finds key renamings by these
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
-    model, info = WithPriors.from_pretrained(path, **_unmarked(config, {"attn_implementation": record["base"],
-                                                                        **kwargs}),
-                                             output_loading_info=True)
-    # the plain class again: save_pretrained names it
-    model.__class__ = model_class
+    model, info = WithPriors.from_pretrained(
+        path, **_unmarked(config, {"attn_implementation": record["base"], **kwargs}), output_loading_info=True)
+    model.__class__ = model_class                                     # the plain class again: save_pretrained names it
     for name in ("mask_prior", "transformers_weights"):
         model.config.__dict__.pop(name, None)
-    ours = {k: [x[0] if isinstance(x, (tuple, list)) else x for x in info.get(k, ())
-                if (x[0] if isinstance(x, (tuple, list)) else x).endswith("mask_prior.bias")]
-            for k in ("missing_keys", "mismatched_keys", "unexpected_keys")}
     for key, what in (("missing_keys", "holds no {} ({} in all): it was not saved from the model with its priors"),
-                      ("mismatched_keys",
-                       "holds {} ({} in all) in another shape than its config records (M is "
+                      ("mismatched_keys", "holds {} ({} in all) in another shape than its config records (M is "
                                           "never re-initialised, ignore_mismatched_sizes or not)"),
-                      ("unexpected_keys",
-                       "holds {} ({} in all) on a layer its config records no prior for")):
-        if ours[key]:
-            raise ValueError(f"from_pretrained: {path} " + what.format(sorted(ours[key])[0], len(ours[key])))
+                      ("unexpected_keys", "holds {} ({} in all) on a layer its config records no prior for")):
+        ours = sorted(k for k in (x[0] if isinstance(x, (tuple, list)) else x for x in info.get(key, ()))
+                      if k.endswith("mask_prior.bias"))
+        if ours:
+            raise ValueError(f"from_pretrained: {path} " + what.format(ours[0], len(ours)))
     bad = [p.where for p in mp.mask_priors(model) if not bool(torch.isfinite(p.bias).all())]
     if bad:
         raise ValueError(f"from_pretrained: {path} gave {bad[0]} a non-finite M ({len(bad)} in all)")
@@ -1083,28 +961,25 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 def _reattach(model: nn.Module, record: dict) -> None:
     """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
     attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
-    named = dict(model.named_modules())
+    named, base = dict(model.named_modules()), getattr(model, "base_model_prefix", "") + "."
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
     for recorded, geo in record["layers"].items():
-        name = _resolve_recorded(model, named, recorded)
+        # as saved, or with the base model's prefix added or taken off (saved with a head and loaded without, or back)
+        name = next((n for n in (recorded, base + recorded, recorded.removeprefix(base)) if n in named), None)
         if name is None:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, which "
                              f"{type(model).__name__} does not have")
         if name not in found:
             raise ValueError(f"from_pretrained: the config records a prior on {recorded}, a "
-                             f"{type(named[name]).__name__}, which is not an attention layer "
-                             "add_mask_prior reaches; nothing was loaded")
+                             f"{type(named[name]).__name__}, which is not an attention layer add_mask_prior reaches; "
+                             "nothing was loaded")
         site = found[name]
         _check_site(model, site, False, "attn_mask", "from_pretrained")
-        # M starts at 0
         shape = torch.empty(geo["heads"], geo["n"], geo["n_keys"] or geo["n"], device="meta")
-        priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None,
-                                  geo["param"], geo["prefix"], "from_pretrained",
-                                  tuple(geo["grid"]) if geo.get("grid") else None)
+        priors[name] = _prior_for(site, shape, None, mp.M_ON, mp.M_OFF, geo["causal"], None, geo["param"],
+                                  geo["prefix"], "from_pretrained", tuple(geo["grid"]) if geo.get("grid") else None)
         sites.append(site)
-    for s in sites:
-        _attach_hf(s, priors[s.name], "attn_mask")
     _after_attach(model, sites, priors)
 
 
@@ -1113,12 +988,10 @@ def _reattach(model: nn.Module, record: dict) -> None:
 # asks only that one of its target modules exists), so this file wraps each loader of adapters (ADAPTER_LOADERS) as
 # soon as its module is imported, before or after this one.
 
-_HUB = ("subfolder", "revision", "cache_dir", "token", "local_files_only")
-
-
 def _hub(*kwargs: dict | None) -> dict:
     """The keywords of a loader's call that say where an adapter's config is (a revision, a subfolder, ...)."""
-    return {k: v for kw in kwargs for k, v in (kw or {}).items() if k in _HUB}
+    return {k: v for kw in kwargs for k, v in (kw or {}).items()
+            if k in ("subfolder", "revision", "cache_dir", "token", "local_files_only")}
 
 
 def _carried(model_id, config, hub: dict, state: dict | None = None) -> list:
@@ -1214,11 +1087,17 @@ _LAYERS: "weakref.WeakKeyDictionary[mp.MaskPrior, list]" = weakref.WeakKeyDictio
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
-def _watch_optimisers() -> None:
-    """Register, once, when the process first attaches a prior, the optimiser step pre-hook `_warn_unheld_m`."""
-    if not _WATCHING_OPTIMISERS:
+def _watch() -> None:
+    """Once, when this process first attaches a prior, never at import: register the optimiser step pre-hook
+    `_warn_unheld_m`, and wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when imported."""
+    if not _WATCHING:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _WATCHING_OPTIMISERS.append(register_optimizer_step_pre_hook(_warn_unheld_m))
+        _WATCHING.append(register_optimizer_step_pre_hook(_warn_unheld_m))
+        for name in ADAPTER_LOADERS:
+            _when_imported(name, _guard_loaders)
+
+
+_WATCHING: list = []
 
 
 def _warn_unheld_m(optimizer, args, kwargs) -> None:
@@ -1236,21 +1115,6 @@ def _warn_unheld_m(optimizer, args, kwargs) -> None:
                       "M (maskprior.param_groups)", stacklevel=3)
 
 
-_WATCHING_OPTIMISERS: list = []
-
-
-def _watch_adapter_loaders() -> None:
-    """Wrap PEFT's and transformers' adapter loaders (ADAPTER_LOADERS), now or when their module is imported: once,
-    when this process first attaches a prior (`_after_attach`), never at import."""
-    if not _WATCHING_LOADERS:
-        _WATCHING_LOADERS.append(True)
-        for name in ADAPTER_LOADERS:
-            _when_imported(name, _guard_loaders)
-
-
-_WATCHING_LOADERS: list = []
-
-
 # ----------------------------------------------------------------------------------------
 # The QK inits (maskprior's init_qk_svd_, init_qk_opt_, init_mimetic_: `impulse` is the first with pos_scale=18 and
 # the last with qk=None, vo=(0.4, 0.4)) on timm's and Hugging Face's ViTs, through a QKView of their weights.
@@ -1262,9 +1126,8 @@ def _projections(module: nn.Module) -> tuple | None:
     qkv, proj = getattr(module, "qkv", None), getattr(module, "proj", None)
     if isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear):
         parts = [slice(i * qkv.out_features // 3, (i + 1) * qkv.out_features // 3) for i in range(3)]
-        bias = None if qkv.bias is None else qkv.bias.detach()
         return (*(qkv.weight.detach()[p] for p in parts), proj.weight.detach(),
-                tuple(None if bias is None else bias[p] for p in parts))
+                tuple(None if qkv.bias is None else qkv.bias.detach()[p] for p in parts))
     linears = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if all(isinstance(x, nn.Linear) for x in linears):
         return (*(x.weight.detach() for x in linears), tuple(None if x.bias is None else x.bias.detach()
@@ -1301,6 +1164,5 @@ def qk_view(model: nn.Module) -> mp.QKView:
     return mp.QKView(sites, pos[0])
 
 
-# the public names (`from maskprior_retrofit import *`)
 __all__ = ["add_mask_prior", "remove_mask_prior", "from_pretrained", "find_attention", "hf_attention", "prior_record",
            "Site", "qk_view"]
