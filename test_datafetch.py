@@ -46,7 +46,7 @@ import datafetch.imagenet100
 import runfiles
 import tasks
 import train
-from conftest import _tree as _bytes_tree, _write_layout, make_tinystories, make_wikitext, write
+from conftest import _deadline, _tree as _bytes_tree, _write_layout, make_tinystories, make_wikitext, write
 
 FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -967,11 +967,13 @@ def test_download_cut_short_resumes_from_its_part_with_a_range_request(tmp_path,
     assert tasks.read_cifar(str(data), "cifar10")["train"][0].shape[0] == 10
 
 
-@pytest.mark.parametrize("kind", ["link to a user's file", "link to nowhere", "folder"])
+@pytest.mark.parametrize("kind", ["link to a user's file", "link to nowhere", "folder", "hard link to a user's file",
+                                  "FIFO"])
 def test_download_never_writes_through_a_part_that_is_not_its_own(kind, tmp_path, loop_server, fixture_sets):
-    """Issue 64's data loss: a .part that is a link (to a user's file, or dangling) or a folder is not a download
-    of ours: refused in one line before any byte is fetched, the user's file and the link as they were (it
-    used to be appended to, and the message said the part was deleted)."""
+    """Issues 64 and 73's data loss: a .part that is a link (symbolic, to a user's file or dangling; hard, to a
+    user's file: a regular file with two links), a folder or a FIFO is not a download of ours: refused in one line
+    before any byte is fetched, without blocking, the user's file and the .part as they were (the hard link used to
+    take the whole transfer, and the message said the part was deleted)."""
     table, blobs = fixture_sets
     server, data, user = loop_server(blobs), tmp_path / "data", tmp_path / "user.txt"
     data.mkdir()
@@ -979,15 +981,35 @@ def test_download_never_writes_through_a_part_that_is_not_its_own(kind, tmp_path
     part = data / "wikitext-2-v1.zip.part"
     if kind == "folder":
         part.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(part)
+    elif kind.startswith("hard"):
+        os.link(user, part)
     else:
         part.symlink_to(user if kind.endswith("user's file") else tmp_path / "absent")
     before, words = _bytes_tree(data), user.read_bytes()
-    with pytest.raises(tasks.DataError, match=r"wikitext-2-v1.zip.part is a link or not a regular file, so not a "
-                                              r"download of ours; nothing was written or removed") as err:
-        datafetch.download.download(["wikitext2"], str(data), server.base + "/cut", table)
+    with pytest.raises(tasks.DataError, match=r"wikitext-2-v1.zip.part is a link or not a regular file \(.*\), so "
+                                              r"not a download of ours; nothing was written or removed") as err:
+        with _deadline(30):
+            datafetch.download.download(["wikitext2"], str(data), server.base + "/cut", table)
     assert "\n" not in str(err.value) and server.ranges == []                # refused before a request
     assert _bytes_tree(data) == before and user.read_bytes() == words and not (tmp_path / "absent").exists()
-    assert os.path.islink(part) == (kind != "folder")
+    assert os.path.islink(part) == ("link to" in kind and not kind.startswith("hard"))
+
+
+def test_a_fifo_in_a_from_folder_is_one_line_and_never_blocks(tmp_path, fixture_sets):
+    """Issue 73: --from FOLDER holding a FIFO where a file should be: the read checks the opened descriptor (opened
+    without blocking), so one line, nothing fetched, never a hang."""
+    table, _ = fixture_sets
+    mirror, data = tmp_path / "mirror", tmp_path / "data"
+    mirror.mkdir()
+    for f in table["wikitext2"]:
+        os.mkfifo(mirror / f.name)
+    with pytest.raises(tasks.DataError, match=r"is a FIFO \(named pipe\), not a regular file; nothing fetched") as err:
+        with _deadline(30):
+            datafetch.download.download(["wikitext2"], str(data), dl.local_mirror(str(mirror)), table)
+    assert "\n" not in str(err.value) and (not data.exists() or not [n for n in os.listdir(data)
+                                                                   if not n.startswith(".")])
 
 
 @pytest.mark.parametrize("member", [("cifar-10-batches-py/../../evil", tarfile.REGTYPE, b"x"),

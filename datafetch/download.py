@@ -310,14 +310,15 @@ def _unpack_part(set_name: str, part: str, f: File, data_dir: str) -> None:
     except WriteError as e:
         raise WriteError(f"{e}; {part} is kept: run the same command again once that is fixed") from None
     except tasks.DataError as e:
-        os.remove(part)
+        _remove_part(part)
         raise tasks.DataError(f"{e}; deleted {part}") from None
-    os.remove(part)
+    _remove_part(part)
 
 
 def _place(part: str, target: str, f: File) -> None:
-    """A checked plain file moved into place by a hard link (never over a file that appeared
+    """A checked plain file, still ours, moved into place by a hard link (never over a file that appeared
     meanwhile), then its .part deleted."""
+    _own_part(part)
     try:
         os.link(part, target)
     except FileExistsError:
@@ -328,29 +329,55 @@ def _place(part: str, target: str, f: File) -> None:
 
 
 def _own_part(part: str) -> int:
-    """The bytes of a cut download of ours at `part` (0 where none is there). Anything but a regular file there (a
-    link, a folder, a device) is not ours: one line, and nothing is written through it or removed."""
+    """The bytes of a cut download of ours at `part` (0 where none is there): opened without following a link or
+    blocking on a FIFO and checked on the opened descriptor (`runfiles.own_problem`: a regular file of this user with
+    one link). Anything else (a link, a hard link to someone's file, a folder, a FIFO) is not ours: one line, and
+    nothing is written through it or removed."""
     try:
-        info = os.lstat(part)
+        fd = os.open(part, os.O_RDONLY | runfiles.NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return 0
-    if not stat.S_ISREG(info.st_mode):
-        raise tasks.DataError(f"{part} is a link or not a regular file, so not a download of ours; "
+    except OSError as e:
+        problem = e.strerror
+    else:
+        info = os.fstat(fd)
+        os.close(fd)
+        problem = runfiles.own_problem(info)
+    if problem:
+        raise tasks.DataError(f"{part} is a link or not a regular file ({problem}), so not a download of ours; "
                               "nothing was written or removed: move it away and run again")
     return info.st_size
 
 
+def _remove_part(part: str) -> None:
+    """Delete the .part where it is still ours (`_own_part`: a DataError, nothing removed, where it is not)."""
+    _own_part(part)
+    os.remove(part)
+
+
 def _open_part(part: str, have: int):
-    """`part` opened for writing, never through a link (O_NOFOLLOW): appended to from byte `have`,
-    or made afresh (empty) from 0."""
-    flags = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if have else os.O_CREAT | os.O_TRUNC)
+    """`part` opened for writing where it is provably ours: appended to from byte `have` (opened without following a
+    link or blocking, and checked on the descriptor: `runfiles.own_problem`, `have` bytes long), or made new (O_EXCL)
+    from 0, an earlier .part of ours removed first (a server that ignored the range starts over)."""
+    if not have:
+        with contextlib.suppress(FileNotFoundError):
+            _remove_part(part)
+    flags = os.O_WRONLY | runfiles.NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if have else os.O_CREAT | os.O_EXCL)
     try:
-        return os.fdopen(os.open(part, flags, 0o666), "ab" if have else "wb")
+        fd = os.open(part, flags, 0o666)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise tasks.DataError(f"{part} became a link while it downloaded, so not a download of ours; nothing "
-                                  "was written through it: move it away and run again") from None
-        raise tasks.DataError(f"cannot write {part} ({e.strerror}); nothing fetched") from None
+        what = "became a link or a FIFO" if e.errno in (errno.ELOOP, errno.ENXIO, errno.EEXIST) else "cannot be written"
+        raise tasks.DataError(f"{part} {what} while it downloaded ({e.strerror}), so not a download of ours; nothing "
+                              "was written through it: move it away and run again") from None
+    info = os.fstat(fd)
+    problem = runfiles.own_problem(info) or (f"holds {info.st_size:,} bytes, not the {have:,} checked"
+                                            if info.st_size != have else None)
+    if problem:
+        os.close(fd)
+        raise tasks.DataError(f"{part} {problem}, so not a download of ours; nothing was written through it: move it "
+                              "away and run again")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
 
 
 def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None:
@@ -369,9 +396,32 @@ def _transfer(url: str, part: str, have: int, size: int, timeout: float) -> None
                               f"same command again to resume from {part}")
 
 
+class _LocalReply:
+    """A file of a --from folder on this machine as a reply: opened through `runfiles.open_back` (a regular file,
+    checked on its descriptor: a FIFO never blocks), from byte `have` (206) or the start (200)."""
+    def __init__(self, path: str, have: int):
+        try:
+            self.file = runfiles.open_back(path)
+        except runfiles.ReadError as e:
+            raise tasks.DataError(f"--from: {e}; nothing fetched") from None
+        size = os.fstat(self.file.fileno()).st_size
+        self.status = 206 if have and have <= size else 200
+        self.file.seek(have if self.status == 206 else 0)
+        self.headers = {"Content-Length": str(size - self.file.tell())}
+        self.read1 = self.file.read1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
 def _open_url(url: str, have: int, timeout: float):
-    """The reply to a GET of `url` from byte `have`; an HTTP error status, or anything the
-    network stack raises on the way, is one line."""
+    """The reply to a GET of `url` from byte `have` (a file:// URL, a --from folder's file: `_LocalReply`); an HTTP
+    error status, or anything the network stack raises on the way, is one line."""
+    if url.startswith("file://"):
+        return _LocalReply(urllib.request.url2pathname(urllib.parse.urlparse(url).path), have)
     headers = {"User-Agent": "maskprior-download", **({"Range": f"bytes={have}-"} if have else {})}
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
@@ -409,7 +459,7 @@ def _copy(response, out, url: str, part: str, got: int, size: int, progress) -> 
             return got
         if got + len(chunk) > size:
             out.close()
-            os.remove(part)
+            _remove_part(part)
             raise tasks.DataError(f"{url} sent more than the {size:,} bytes of the pinned file; deleted {part}")
         try:
             out.write(chunk)
@@ -475,13 +525,13 @@ def _clock(seconds: float) -> str:
 def _check_sums(part: str, f: File) -> None:
     """The whole file's sha256 (and md5) against the pinned ones; a mismatch deletes the .part."""
     sha, md5 = hashlib.sha256(), hashlib.md5()
-    with open(part, "rb") as src:
+    with runfiles.open_back(part) as src:
         for block in iter(lambda: src.read(CHUNK), b""):
             sha.update(block)
             md5.update(block)
     for kind, got, want in (("sha256", sha.hexdigest(), f.sha256), ("md5", md5.hexdigest(), f.md5)):
         if want and got != want:
-            os.remove(part)
+            _remove_part(part)
             raise tasks.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
                               "transfer or another file; deleted, nothing unpacked (run again to "
                               "fetch it afresh)")
@@ -545,14 +595,14 @@ def _members(archive: str, f: File):
 
 
 def _zip_entries(archive: str):
-    with zipfile.ZipFile(archive) as z:
+    with runfiles.open_back(archive) as raw, zipfile.ZipFile(raw) as z:
         for info in z.infolist():
             kind = ZIP_KINDS.get(stat.S_IFMT(info.external_attr >> 16), "other")
             yield (info.filename, kind or ("dir" if info.is_dir() else "file"), lambda i=info: z.open(i))
 
 
 def _tar_entries(archive: str):
-    with tarfile.open(archive, "r:*") as t:
+    with runfiles.open_back(archive) as raw, tarfile.open(fileobj=raw, mode="r:*") as t:
         for m in t:
             kind = "file" if m.isfile() else "dir" if m.isdir() else TAR_KINDS.get(m.type, "other")
             yield m.name, kind, lambda m=m: t.extractfile(m)
