@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import stat
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,38 +49,54 @@ class BusyError(UsageError):
 
 
 
+# ---- the one writer: a file this program writes is made new by this process (O_CREAT | O_EXCL, never through a
+# link) and renamed into place, or appended to only where it is provably this process's own (`append_own`)
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """A binary file that appears at ``path`` only if the ``with`` body completes (a temporary
-    file in the same folder, flushed to disk, then renamed over ``path``)."""
+def atomic_output(path: str | os.PathLike, dir_fd: int | None = None) -> Iterator[BinaryIO]:
+    """A binary file that appears at `path` only if the `with` body completes: a temporary file made new in the same
+    folder (O_CREAT | O_EXCL | O_NOFOLLOW), flushed to disk, then renamed over `path`; a name that was there (a
+    file, a link to a user's file) is replaced, never written through. `dir_fd`: `path` is a name in that open
+    folder (a run folder held by its handle)."""
     path = Path(path)
+    folder = None if dir_fd is not None else path.parent
+    tmp, fd = None, -1
+    for _ in range(100):
+        tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"
+        try:
+            fd = os.open(tmp if dir_fd is not None else folder / tmp,
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666 & ~umask(), dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:
+            e.filename = e.filename or str(path)
+            raise
+    where = (lambda name: name) if dir_fd is not None else (lambda name: folder / name)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        e.filename = e.filename or str(path)
-        raise
-    try:
-        os.fchmod(fd, 0o666 & ~umask())         # mkstemp's 0600 would hide results from the group
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(where(tmp), where(path.name), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException as e:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(where(tmp), dir_fd=dir_fd)
         if isinstance(e, OSError) and not e.filename:
             e.filename = str(path)                # a full disk names the file it could not write
         raise
 
 
-def partial_writes(folder: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """(temporary file, the file it was writing) for each temporary file an `atomic_output` killed
-    mid-write left in `folder` (named ``.<name>.<random characters>.tmp``)."""
-    for entry in os.listdir(folder):
+def partial_writes(folder: str | os.PathLike, dir_fd: int | None = None) -> Iterator[tuple[str, str]]:
+    """(temporary file, the file it was writing) for each temporary file an `atomic_output` killed mid-write left
+    in `folder` (named ``.<name>.<random characters>.tmp``; names in the open folder `dir_fd` where given)."""
+    for entry in os.listdir(folder if dir_fd is None else dir_fd):
         m = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", entry)
         if m:
-            yield os.path.join(folder, entry), m.group(1)
+            yield entry if dir_fd is not None else os.path.join(folder, entry), m.group(1)
 
 
 def umask() -> int:
@@ -91,11 +106,75 @@ def umask() -> int:
     return mask
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write bytes, or text as UTF-8, to ``path`` atomically."""
-    with atomic_output(path) as f:
+def atomic_write(path: str | os.PathLike, data: bytes | str, dir_fd: int | None = None) -> None:
+    """Write bytes, or text as UTF-8, to `path` atomically (`atomic_output`)."""
+    with atomic_output(path, dir_fd) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
+
+def own_problem(info: os.stat_result, inode: int | None = None) -> str | None:
+    """Why an opened file is not provably this process's own to append to: not a regular file, more than one link
+    (a hard link to someone's file), another user's, or another inode than the one recorded; None where it is."""
+    return ("is not a regular file" if not stat.S_ISREG(info.st_mode)
+            else f"has {info.st_nlink} links (one may be a user's file)" if info.st_nlink != 1
+            else "belongs to another user" if hasattr(os, "getuid") and info.st_uid != os.getuid()
+            else "is another file than the one this run made" if inode is not None and info.st_ino != inode
+            else None)
+
+
+def append_own(path: str | os.PathLike, data: bytes, inode: int | None = None, dir_fd: int | None = None) -> int:
+    """Append `data` to `path` by single write() calls, where it is provably this process's own (`own_problem`:
+    opened without following a link or blocking on a FIFO, checked on the opened descriptor); an OSError (EPERM)
+    naming it otherwise, nothing written. Returns the file's inode."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        problem = own_problem(info, inode)
+        if problem:
+            raise OSError(errno.EPERM, f"{path} {problem}: not written", str(path))
+        os.set_blocking(fd, True)
+        while data:
+            data = data[os.write(fd, data):]
+        return info.st_ino
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def output_folder(path: str, who: str, suffixes: tuple = (".md", ".csv", ".png")) -> str:
+    """The folder a command writes its tables and figures into, checked before any work: made where missing (with
+    the folders above it), one this user can write (a file made there new, then removed), and no entry named as an
+    output (`suffixes`) that is not a regular file (a folder, a link: a write would replace it); the temporary
+    files a killed write of an output left there, removed. Otherwise one line (UsageError), and the folders it
+    made removed: nothing written."""
+    made, fd = missing_folders(os.path.abspath(path)), None
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        probe = f".write-check.{os.urandom(6).hex()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600, dir_fd=fd))
+        os.unlink(probe, dir_fd=fd)
+        taken = sorted(e.name for e in os.scandir(fd) if e.name.endswith(suffixes)
+                       and not e.is_file(follow_symlinks=False))
+        if not taken:
+            for tmp, name in partial_writes(path, fd):
+                if name.endswith(suffixes):
+                    os.remove(tmp, dir_fd=fd)
+            return path
+        problem = (f"{who}: {os.path.join(path, taken[0])} is not a regular file, and the output written there "
+                   "would replace it: move it away, or give another folder; nothing was written")
+    except OSError as e:
+        problem = (f"{who}: cannot write into {path} ({e.strerror or e}): give a folder you can write; nothing was "
+                   "written")
+    finally:
+        if fd is not None:
+            os.close(fd)
+    for folder in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    raise UsageError(problem)
 
 
 # ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a
@@ -116,21 +195,20 @@ READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB,
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
-    """`path` opened for reading in binary, a regular file: a symlink is followed and what it names checked; a FIFO,
-    device or folder is refused without being opened for reading, so nothing blocks. Every file read goes through
-    here (`read_back` for a whole file within a size limit; the data readers stream)."""
+    """`path` opened for reading in binary, a regular file: opened without blocking (a FIFO or device never blocks
+    the open), then what was opened checked on its descriptor (a symlink is followed and what it names checked),
+    never by a look at the path before the open. Every file read goes through here (`read_back` for a whole file
+    within a size limit; the data readers stream)."""
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ReadError(f"{path} is missing") from None
     except OSError as e:
         raise ReadError(f"cannot read {path} ({e.strerror or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):                 # replaced between the two looks
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise ReadError(f"{path} is not a regular file")
+        raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -248,11 +326,16 @@ def is_list_of(check):
     return lambda v: isinstance(v, list) and all(map(check, v))
 
 
+def is_plain_tensor(t) -> bool:
+    """A tensor as this program saves one: strided (not sparse), on the CPU (not meta: it holds its values), not
+    recording a gradient, and finite where floating (no non-finite state is ever saved)."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and not t.is_meta
+            and not t.requires_grad and (not t.is_floating_point() or bool(torch.isfinite(t).all())))
+
+
 def is_named_tensors(v) -> bool:
-    """A state dict as saved: names to tensors, every floating one finite (no non-finite state is ever saved)."""
-    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) and
-                                       (not t.is_floating_point() or bool(torch.isfinite(t).all()))
-                                       for k, t in v.items())
+    """A state dict as saved: names to plain tensors (`is_plain_tensor`)."""
+    return isinstance(v, dict) and all(isinstance(k, str) and is_plain_tensor(t) for k, t in v.items())
 
 
 def schema_problem(obj, schema: dict, required) -> str | None:
@@ -395,9 +478,8 @@ def _short(v) -> str:
 # is seen, never used)
 
 def is_tensor(ranks: tuple):
-    """A finite floating tensor of one of `ranks` dimensions."""
-    return lambda v: (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in ranks
-                      and bool(torch.isfinite(v).all()))
+    """A plain (`is_plain_tensor`) floating tensor of one of `ranks` dimensions."""
+    return lambda v: is_plain_tensor(v) and v.is_floating_point() and v.dim() in ranks
 
 
 # A layer's record of the prior at the start (mp.prior_snapshot, the probe's `snapshot`): M
@@ -421,10 +503,30 @@ def snapshot_fits(contents: dict) -> bool:
     return not ends or [tuple(r["mask"].shape) for r in contents["snapshot"] if r["mask"] is not None] == ends
 
 
+def is_record(schema: dict):
+    """A dict with every key of `schema`, each value passing its check: a record nested in a file read back."""
+    return lambda v: schema_problem(v, schema, schema) is None
+
+
+def is_rng_state(v) -> bool:
+    return is_plain_tensor(v) and v.dtype == torch.uint8 and v.dim() == 1
+
+
+NAMED_TENSORS = "finite tensors by name (strided, on the CPU, recording no gradient)"
+# the records nested in a checkpoint, as save_checkpoint writes them
+IDENTITY_SCHEMA = {"run_id": (is_of(str), "a run id"), "seed": (is_count, "a seed"),
+                   "config_hash": (is_of(str), "a sha256")}
+MACHINE_SCHEMA = {"device": (lambda v: v in ("cpu", "cuda", "mps"), "a device type"),
+                  "threads": (is_optional(is_count), "null or a thread count")}
+RNG_SCHEMA = {"torch": (is_rng_state, "a generator state (uint8)"),
+              "cuda": (is_optional(is_list_of(is_rng_state)), "null or a state per CUDA device")}
+OPTIMIZER_SCHEMA = {"state": (is_of(dict), "the parameters' states"),
+                    "param_groups": (is_list_of(is_of(dict)), "the groups' settings")}
+
 # A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
 CKPT_SCHEMA = {
-    "model": (is_named_tensors, "finite tensors by name"),
-               "optimizer": (is_of(dict), "an optimiser state"),
+    "model": (is_named_tensors, NAMED_TENSORS),
+               "optimizer": (is_record(OPTIMIZER_SCHEMA), "an optimiser state (OPTIMIZER_SCHEMA)"),
     "step": (is_count, "a step"), "seconds": (lambda v: is_finite(v) and v >= 0,
                                               "a training time"),
     "config": (is_of(dict), "the run's flags"), "model_config": (is_of(dict), "a model config"),
@@ -433,14 +535,12 @@ CKPT_SCHEMA = {
                                                 "(SNAPSHOT_SCHEMA: each null or a finite float "
                                                 "tensor, M of 2 or 3 dimensions, Wq Wk^T of 3)"),
     "prior_mass_start": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
-    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
-            and v["torch"].dtype == torch.uint8, "the generators' states"),
-    "identity": (lambda v: isinstance(v, dict) and isinstance(v.get("run_id"), str),
-                 "the run's id and config hash"),
+    "rng": (is_record(RNG_SCHEMA), "the generators' states (RNG_SCHEMA)"),
+    "identity": (is_record(IDENTITY_SCHEMA), "the run's id, seed and config hash (IDENTITY_SCHEMA)"),
     "log_step": (is_count, "a step"), "data": (is_optional(is_of(str)), "a data hash"),
-    "machine": (is_of(dict), "a machine"),
+    "machine": (is_record(MACHINE_SCHEMA), "the device and threads its floats were summed on (MACHINE_SCHEMA)"),
                "prior_source": (is_optional(is_of(dict)), "a prior's source"),
-    "prior_sha256": (is_of(str), "a sha256"), "ema": (is_named_tensors, "finite tensors by name")}
+    "prior_sha256": (is_of(str), "a sha256"), "ema": (is_named_tensors, NAMED_TENSORS)}
 
 
 CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
@@ -524,21 +624,30 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
-    """A run directory, locked by its process from before the first check to the run's end (flock
-    on the folder itself, released when the process exits), so that two processes never share one.
-    A folder holds a run once it has ckpt.pt (the first save writes it last) or result.json; a new
-    run may take over a folder without them (a start that died before its first checkpoint)."""
+    """A run directory, locked by its process from before the first check to the run's end (flock on the folder
+    itself, released when the process exits), so that two processes never share one. A folder holds a run once it
+    has ckpt.pt (the first save writes it last) or result.json; a new run may take over a folder without them (a
+    start that died before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and
+    locked): every write goes into that folder, wherever it is now (`write`, `append`); a folder moved away
+    while the run trains stops the run in one line at its next write (`check_here`), never a write into another
+    run's folder at the old path."""
     OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
 
     def __init__(self, path: str):
         if not path:
             raise UsageError("--out must name a folder, got an empty path")
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"--out {ascii(path)} holds bytes that are not UTF-8 text, which the run could not print "
+                             "or record: give a path in UTF-8") from None
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
-        self.path, self.created, self.fd = path, False, None
+        self.path, self.created, self.new, self.fd, self.held = path, False, False, None, None
         self.parents: list[str] = []            # the folders above it this run made, deepest first
-        # the files this process wrote here (`write`), in order
+        # the files this process wrote here (`write`), in order; the inode of each it appends to (`append`)
         self.written: list[str] = []
+        self.inodes: dict[str, int] = {}
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -558,11 +667,35 @@ class RunFolder:
             why = "Not a directory" if not os.path.isdir(above) else "Permission denied"
             raise UsageError(f"--out {self.path}: cannot create the run folder ({why}) at {above}")
 
+    def here(self) -> bool:
+        """Whether the folder at `path` is still the one this run held (the device and inode it locked)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == self.held
+
+    def check_here(self) -> None:
+        """An OSError (ENOENT) where the run folder moved or was deleted while the run trained (`here`): train.py
+        says so in one line; nothing is written at the path, which may now name another run's folder."""
+        if not self.here():
+            raise OSError(errno.ENOENT, "the run folder was moved or deleted", self.path)
+
     def write(self, name: str, data: bytes | str) -> None:
-        """Write a file of the run whole (`atomic_write`), remembering that this process wrote it."""
-        atomic_write(self.file(name), data)
+        """Write a file of the run whole (`atomic_write`) into the folder this run holds (by its handle), remembering
+        that this process wrote it and dropping any inode recorded for its name (the file is a new one)."""
+        self.check_here()
+        atomic_write(name, data, dir_fd=self.fd)
+        self.inodes.pop(name, None)
         if name not in self.written:
             self.written.append(name)
+
+    def append(self, name: str, data: bytes) -> None:
+        """Append to a file this run wrote (`write`, then the inode it recorded at its first append): `append_own`,
+        in the folder this run holds."""
+        self.check_here()
+        self.inodes[name] = append_own(self.file(name) if self.fd is None else name, data, self.inodes.get(name),
+                                       dir_fd=self.fd)
 
     @contextlib.contextmanager
     def reading(self, flag: str):
@@ -606,12 +739,15 @@ class RunFolder:
         if self.holds_run():
             self.release()
             raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
+        self.new = True
 
     def _lock(self) -> None:
         try:
-            self.fd = os.open(self.path, os.O_RDONLY)
-            with tempfile.TemporaryFile(dir=self.path):
-                pass
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
+            self.held = (os.fstat(self.fd).st_dev, os.fstat(self.fd).st_ino)
+            probe = f".write-check.{os.urandom(6).hex()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600, dir_fd=self.fd))
+            os.unlink(probe, dir_fd=self.fd)
         except OSError as e:
             self.release()
             raise UsageError(f"--out {self.path}: the run folder is not writable ({e.strerror or e})") from None
@@ -622,10 +758,10 @@ class RunFolder:
                 self.release()
                 raise BusyError(f"{self.path} is in use by another process (a run is training "
                                 "there); wait for it to end, or use another --out") from None
-        for tmp, name in partial_writes(self.path):    # temporary files of a write that was killed
+        for tmp, name in partial_writes(self.path, self.fd):    # temporary files of a write that was killed
             if name in self.OURS:
                 with contextlib.suppress(OSError):
-                    os.remove(tmp)
+                    os.remove(tmp, dir_fd=self.fd)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -635,14 +771,14 @@ class RunFolder:
     def abandon(self) -> None:
         """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote, and
         the folder and the folders above it where this process made them and nothing else is there; then unlock.
-        Nothing this process did not write is touched, and a resumed run (it wrote nothing new) keeps all."""
-        if "ckpt.pt" not in self.written:
+        Nothing this process did not write is touched, and a resumed run (`open_existing`) keeps all."""
+        if self.new and self.fd is not None and "ckpt.pt" not in self.written:
             for name in self.written:
                 with contextlib.suppress(OSError):
-                    os.remove(self.file(name))
+                    os.remove(name, dir_fd=self.fd)
             # the folder it made, only while it holds its lock: a run that lost the lock to another started at the
             # same moment leaves that run its folder (removing it, empty, broke the other's first write)
-            if self.created and self.fd is not None:
+            if self.created and self.fd is not None and self.here():
                 with contextlib.suppress(OSError):
                     os.rmdir(self.path)
                 self._remove_parents()
@@ -652,7 +788,12 @@ class RunFolder:
         """The one line for a write of a run that failed (`e`): the folder moved or deleted while the run trained,
         or a disk full, over quota or read-only; what failed where, and what is kept (every file is written whole,
         so the last checkpoint resumes exactly). None for another error (a bug: its traceback is shown)."""
-        if e.errno == errno.ENOENT and step is not None and not os.path.isdir(self.path):
+        if e.errno in (errno.ENOENT, errno.EPERM) and step is not None and self.here():
+            return (f"a file of the run, {e.filename}, was deleted, moved or replaced while it trained ({e.strerror}); "
+                    "nothing was written through it: " + (f"the checkpoint of step {saved_step} in "
+                    f"{self.file('ckpt.pt')} is whole: put the file back and --resume, or start a new run"
+                    if saved_step is not None else "start the run again"))
+        if e.errno == errno.ENOENT and step is not None and not self.here():
             kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes "
                     "exactly with --resume --out NEW_PLACE" if saved_step is not None
                     else "it had no checkpoint yet")
@@ -791,25 +932,16 @@ def check_log(records: list[dict], path: str, layers: int | None = None) -> None
                            f"before it is step {before['step']}: a line of the log is missing")
 
 
-def append_log(path: str, record: dict) -> None:
-    """One metrics.jsonl line, written by a single write() so that it is never half there."""
-    data = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-    except OSError as e:
-        # a full disk names the log (a cut line is dropped on resume)
-        e.filename = path
-        raise
-    finally:
-        os.close(fd)
+def log_bytes(record: dict) -> bytes:
+    """One metrics.jsonl line, written by a single write() so that it is never half there (`RunFolder.append`)."""
+    return (json.dumps(record) + "\n").encode()
 
 
-def truncate_log(path: str, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again) and a last
-    line cut short (`read_log`: anything else damaged is refused before this)."""
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
+def truncate_log(folder: RunFolder, step: int) -> None:
+    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut short
+    (`read_log`: anything else damaged is refused before this): the log written anew, whole."""
+    name = "metrics.jsonl"
+    folder.write(name, "".join(json.dumps(r) + "\n" for r in read_log(folder.file(name)) if r["step"] <= step))
 
 
 def _first_line(e: BaseException) -> str:

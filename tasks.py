@@ -2153,9 +2153,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
         if cache.exists():
             data = _cached_images(cache, data_dir)
             if data is not None:
-                return data
-            with contextlib.suppress(OSError):
-                os.remove(cache)                 # a broken or stale cache is rebuilt
+                return data              # a broken or stale cache is rebuilt, written new over it
     if name in ("cifar10", "cifar100"):
         data = read_cifar(data_dir, name)
     elif imagenet100_layout(data_dir) == "folder":

@@ -1348,6 +1348,35 @@ def test_report_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
         assert not [n for n in os.listdir(full) if n.endswith(".tmp")]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["report", "redraw", "show"])
+def test_an_output_folder_that_cannot_take_the_outputs_is_one_line_before_any_work(tmp_path, capsys, command):
+    """Issue 73: report, redraw and show check their OUT before any work (`runfiles.output_folder`): one that is
+    read-only, or holds a folder where a table or figure goes, is one line and exit 2, and OUT is as it was (a
+    folder made on the way to it removed again; before, a traceback after the work)."""
+    runs, run = _report_case(tmp_path, "")
+    results = tmp_path / "results"
+    assert train.main(["report", str(runs), str(results)]) == 0
+    argv = {"report": ["report", str(runs)], "redraw": ["redraw"], "show": ["show", str(run), "--out"]}[command]
+    target = {"report": "boolean.md", "redraw": "curves.png", "show": "m.png"}[command]
+    out = results if command == "redraw" else tmp_path / "out"
+    if command != "redraw":
+        out.mkdir()
+    (out / target).unlink(missing_ok=True)
+    (out / target).mkdir()
+    before = _tree(out)
+    capsys.readouterr()
+    assert train.main([*argv, str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{target} is not a regular file" in err and len(err.splitlines()) == 1, err
+    assert _tree(out) == before
+    if command != "redraw":
+        with _small_disk(tmp_path / "ro", read_only=True) as ro:
+            assert train.main([*argv, str(ro / "deeper")]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "Read-only file system" in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("where", ["a table's folder", "an empty folder", "a folder of other things"])
 def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing(tmp_path, capsys, where):
     runs = tmp_path / "runs"

@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -191,34 +191,8 @@ def parse_args(argv=None):
 
 
 
-# --attention auto on the CPU: a masked model of at most this many positions runs the explicit softmax, faster
-# there than the fused kernel with M's gradient (bench_context.py --paths all)
-EXPLICIT_UP_TO = 128
-
-
-def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
-    `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
-    the CPU."""
-    if attention == "auto":
-        return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
-    return attention == "fused"
-
-
-def model_config(config, task, device=torch.device("cpu")):
-    """The model config of a run: the family MODELS holds for the task's arch() (mp.family_of),
-    its trunk and the family's own fields from the flags."""
-    arch = task.arch()
-    family = mp.family_of(arch)
-    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
-                 head_dim=config.head_dim, mlp_dim=config.mlp_dim,
-                 learnable_mask=config.init in runconfig.MASK_INITS, flex=config.attention == "flex",
-                 qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
-                 pos_init_std=config.pos_init_std, drop_path=config.drop_path,
-                 mask_param=config.mask_param, mask_window=config.mask_window)
-    own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items() if k in {f.name for f in fields(family)}}
-    cfg = family(**arch, **trunk, **own)
-    return replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
+# the model config of a run, sized for this machine (one line where it is not): runconfig's, named here too
+model_config, use_fused = runconfig.model_config, runconfig.use_fused
 
 
 def build_model(config, task, device):
@@ -544,8 +518,8 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
                 state.folder.release()
             state.trained = None                # DDP's reducer must go before its process group
     except OSError as e:
-        line = runfiles.RunFolder(config.out).failure(e, config.resume, state and state.step, state
-                                                and state.saved_step)
+        folder = state.folder if state is not None and state.folder is not None else runfiles.RunFolder(config.out)
+        line = folder.failure(e, config.resume, state and state.step, state and state.saved_step)
         if line is None:
             raise
         raise UsageError(line) from None
@@ -780,7 +754,7 @@ def train_loop(state: Run) -> int | None:
                 state.last = {"step": step, "prev": state.log_step, "loss": loss_value,
                               "lr": optimizer.param_groups[0]["lr"],
                               "seconds": round(state.seconds + now - t_start, 2), **rec}
-                runfiles.append_log(state.path("metrics.jsonl"), state.last)
+                state.folder.append("metrics.jsonl", runfiles.log_bytes(state.last))
                 state.log_step = step
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {state.probe.line(rec)} | "
                       f"{rate:.1f} steps/s | ETA {fmt_time(eta(state, step, rate))}", flush=True)
@@ -891,7 +865,7 @@ def finish(state: Run) -> int:
               "config": asdict(state.model_cfg), "device": str(state.device),
               "torch": torch.__version__,
               "params": sum(p.numel() for p in state.model.parameters())}
-    runfiles.atomic_write(state.path("result.json"), json_text(result))
+    state.folder.write("result.json", json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, {time.time() - STARTED:.1f} s "
           f"wall since the command started | {state.path('result.json')}", flush=True)
     return 0
@@ -902,9 +876,7 @@ def sample(config, explicit: set) -> int:
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
     folder = runfiles.RunFolder(config.out)
-    if not os.path.exists(folder.file("ckpt.pt")):
-        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
-    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
+    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")          # one line where it is missing
     config = restore_config(config, explicit, folder, ckpt)
     task = runconfig.check(config, explicit)
     if task.KIND != "lm":
@@ -939,8 +911,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     its log back to the checkpoint's step and rewrites args.json. Each then says what it runs."""
     config, folder = state.config, state.folder
     if ckpt is not None:
-        runfiles.truncate_log(state.path("metrics.jsonl"), state.step)
-        runfiles.atomic_write(state.path("args.json"), json_text(asdict(config)))
+        runfiles.truncate_log(folder, state.step)
+        folder.write("args.json", json_text(asdict(config)))
         note = rounding_note(ckpt, state.device, config)
         return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
                                                                                    if note
@@ -1025,7 +997,7 @@ def show(run_dir: str, out: str) -> int:
         model, model_cfg = build_model(config, task, torch.device("cpu"))
         check_architecture(ckpt, model_cfg, "show", run_dir)
         model.load_state_dict(ckpt["model"])
-    os.makedirs(out, exist_ok=True)
+    runfiles.output_folder(out, "show", (".png",))
     start, end = reporting.show.m_of_checkpoint(ckpt)
     if end:
         mc = ckpt["model_config"]
@@ -1088,7 +1060,7 @@ def show_saved(folder: str, out: str) -> int:
         transformers.logging.set_verbosity(log)
         if bars:
             transformers.logging.enable_progress_bar()
-    os.makedirs(out, exist_ok=True)
+    runfiles.output_folder(out, "show", (".png",))
     print(reporting.show.draw_model(model, os.path.join(out, "m.png"),
                        f"{os.path.basename(os.path.abspath(folder))} ({type(model).__name__}, saved)"))
     print("show: attention.png not drawn: a saved model holds no inputs to probe")

@@ -10,7 +10,6 @@ efficiency, the oracle-free study) -> `report`, which writes them all.
 from __future__ import annotations
 
 import collections
-import contextlib
 import csv
 import errno
 import io
@@ -934,12 +933,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     beside ours), the robustness grid, the persistence curves of the Boolean runs, the data-efficiency table, the
     oracle-free study, and over every table's runs the learning curves, steps to target and the prior per layer
     (`report_curves`). Unfinished or unreadable runs are listed under their table. Returns the files written."""
-    os.makedirs(out_dir, exist_ok=True)
-    # the temporary file of a report that was killed mid-write
-    for tmp, name in runfiles.partial_writes(out_dir):
-        if name.endswith((".md", ".csv", ".png")):
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+    runfiles.output_folder(out_dir, "report")
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
     for table in TABLES:
@@ -1139,6 +1133,7 @@ def redraw(results: str) -> tuple[list[str], list[str]]:
     if not os.path.isdir(results):
         raise ReportError(f"redraw: {results} is not a folder of tables and figures (train.py "
                           "report RUNS OUT writes one)")
+    runfiles.output_folder(results, "redraw", (".png",))
     tables = {name: read_rows(os.path.join(results, name + ".csv"), header, parse, extra)
               for name, (header, extra, parse, _, _) in REDRAWN.items()
               if os.path.isfile(os.path.join(results, name + ".csv"))}
