@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -480,6 +480,56 @@ def task_for(config) -> tasks.Task:
     # the task's word on its slow work (the exact MDI), from one process
     task.say = say
     return task
+
+
+# --attention auto on the CPU: a masked model of at most this many positions runs the explicit softmax, faster
+# there than the fused kernel with M's gradient (bench_context.py --paths all)
+EXPLICIT_UP_TO = 128
+
+
+def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
+    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
+    `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
+    the CPU."""
+    if attention == "auto":
+        return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
+    return attention == "fused"
+
+
+def model_config(config, task, device=torch.device("cpu")):
+    """The model config of a run: the family MODELS holds for the task's arch() (mp.family_of),
+    its trunk and the family's own fields from the flags."""
+    arch = task.arch()
+    family = mp.family_of(arch)
+    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
+                 head_dim=config.head_dim, mlp_dim=config.mlp_dim,
+                 learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
+                 qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
+                 pos_init_std=config.pos_init_std, drop_path=config.drop_path,
+                 mask_param=config.mask_param, mask_window=config.mask_window)
+    own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items() if k in {f.name for f in fields(family)}}
+    cfg = family(**arch, **trunk, **own)
+    cfg = replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
+    return sized(cfg, device)
+
+
+def sized(cfg, device: torch.device):
+    """`cfg` where its model fits this machine: its parameters (counted on the meta device, no memory) at 16 bytes
+    each (the weights, their gradients and Adam's two moments) within the device's memory; else one line naming
+    the bound (a --dim or --layers past any machine was a traceback from the allocator)."""
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in mp.build_model(cfg).parameters())
+    except (RuntimeError, OverflowError, ValueError):
+        params = None
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if params is not None and 16 * params <= memory:
+        return cfg
+    size = "more parameters than torch can count" if params is None else f"{params:,} parameters"
+    raise runfiles.UsageError(f"the model of these flags has {size}, and training it takes 16 bytes each (weights, "
+                              f"gradients, Adam's moments): more than this {device.type}'s {memory / 2 ** 30:.0f} GiB; "
+                              "give a smaller --dim, --mlp-dim, --layers or --heads")
 
 
 def pick_device(name: str) -> torch.device:

@@ -1065,7 +1065,7 @@ def test_mask_param_grid_is_refused_in_one_line_where_there_is_no_patch_grid(ima
         mp.TransformerConfig(learnable_mask=True, mask_param="grid")
     config = _resolved(["--task", "cifar10", "--data-dir", image_dir, "--init", "mask-impulse", "--mask-param", "grid",
                         "--preset", "small"])
-    model_cfg = train.model_config(config, runconfig.check(config))
+    model_cfg = runconfig.model_config(config, runconfig.check(config))
     assert model_cfg.mask_grid == (8, 8) and mp.build_model(model_cfg).blocks[0].attn.prior.param == "grid"
 
 

@@ -104,7 +104,7 @@ def main():
     x = torch.randint(0, 2, (args.batch_size, args.seq_len), device=device)
     y = torch.randn(args.batch_size, device=device)
     # "mask" uses what train.py's --attention auto picks on this device; the other path is shown beside it
-    auto_fused = train.use_fused("auto", True, device, args.seq_len + 1)
+    auto_fused = runconfig.use_fused("auto", True, device, args.seq_len + 1)
     other = "mask explicit" if auto_fused else "mask fused"
     variants = {"default": (False, True), "mask": (True, auto_fused), other: (True, not auto_fused)}
     if args.explicit:

@@ -72,7 +72,7 @@ def main():
           f"{torch.__version__} | {args.rounds} rounds x {args.steps} steps, median")
     print(f"{'init':<10}{'attention':>11}{'images/s':>10}{'ratio':>8}")
     for init, med in times.items():
-        fused = train.use_fused(targs.attention, init in runconfig.MASK_INITS, device, cfg.n_positions)
+        fused = runconfig.use_fused(targs.attention, init in runconfig.MASK_INITS, device, cfg.n_positions)
         path = "fused" if fused else "explicit"
         print(f"{init:<10}{path:>11}{batch / med:>10.0f}{med / base:>8.3f}")
     print(f"augmentation of a batch on {device}: {1e3 * augment:.1f} ms, {augment / (augment + base):.1%} of a "
