@@ -151,18 +151,32 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _tower_positions(named: dict, name: str, found: dict) -> tuple[int | None, int | None]:
+    """(tokens, max_tokens) of the tower that holds the layer `name`: of the nearest module at or above it that fixes
+    them (`_positions`; `found` caches them by module name), so a model of several towers (CLIP's text and vision)
+    gives each its own."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), -1, -1):
+        above = ".".join(parts[:i])
+        if above not in found:
+            found[above] = _positions(named[above])
+        if found[above] != (None, None):
+            return found[above]
+    return None, None
+
+
 def find_attention(model: nn.Module, modules=None) -> list[Site]:
     """Every attention layer of `model` that `add_mask_prior` can reach: nn.MultiheadAttention, Hugging Face and
     timm attention modules; or, with `modules` (a class, a tuple of classes, or a predicate `(name, module) ->
     bool`), exactly the modules it names (served as what they are, else by their mask keyword)."""
-    named = dict(model.named_modules())
-    tokens, max_tokens = _positions(model)
+    named, found = dict(model.named_modules()), {}
     picked = (modules if callable(modules) and not isinstance(modules, (type, tuple))
               else lambda name, m: isinstance(m, modules))
     sites = []
     for name, m in named.items():
         if modules is not None and not picked(name, m):
             continue
+        tokens, max_tokens = _tower_positions(named, name, found)
         parent = named.get(name.rpartition(".")[0]) if name else None
         where = name or type(model).__name__
         if isinstance(m, nn.MultiheadAttention):
@@ -707,7 +721,8 @@ def _hf_reached(module: nn.Module, args: tuple, output) -> None:
 
 def prior_record(model: nn.Module) -> dict | None:
     """What a save of `model` writes into config.json for its Hugging Face layers that hold a prior:
-    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix, grid}}, 'base': 'sdpa' or 'eager'}, or None
+    {'layers': {name in `model`: {n, n_keys, heads, causal, param, prefix, grid}}, 'base': the dispatch the priors
+    wrapped, 'sdpa' or 'eager' (a reload takes transformers' default, or the attn_implementation asked)}, or None
     where none does. Read from the model itself at each save (a part given priors and the whole saved included):
     the record is the model's state, never written into its config, which other models built from it share."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m.__dict__.get("config"), _PriorConfig)}
@@ -939,8 +954,10 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     for attr in ("__name__", "__qualname__", "__module__"):          # transformers finds key renamings by these
         setattr(WithPriors, attr, getattr(model_class, attr))
     with_info = kwargs.pop("output_loading_info", False)
-    model, info = WithPriors.from_pretrained(
-        path, **_unmarked(config, {"attn_implementation": record["base"], **kwargs}), output_loading_info=True)
+    # the dispatch transformers' own reload gives (its default), or the caller's attn_implementation: never pinned to
+    # the one that ran when it was saved (`record["base"]`), which transformers does not keep either
+    model, info = WithPriors.from_pretrained(path, **_unmarked(config, {"attn_implementation": None, **kwargs}),
+                                             output_loading_info=True)
     model.__class__ = model_class                                     # the plain class again: save_pretrained names it
     for name in ("mask_prior", "transformers_weights"):
         model.config.__dict__.pop(name, None)

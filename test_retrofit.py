@@ -163,6 +163,45 @@ def test_an_optimiser_made_before_add_mask_prior_is_told_m_will_not_train(name):
         elsewhere.step()
 
 
+def test_a_whole_clip_gives_each_tower_its_own_token_count_and_both_take_a_prior():
+    """Issue 75: in a whole CLIPModel the text tower's layers are read at the text model's positions and the vision
+    tower's at its grid (the vision count reached the text tower, which then could take no prior); each tower takes
+    its own prior, and both change their tower's outputs."""
+    tf = _extra("transformers")
+    cfg = tf.CLIPConfig(text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=32, patch_size=8, attention_dropout=0.0))
+    clip = tf.CLIPModel(cfg).eval()
+    x = dict(input_ids=torch.randint(1, 50, (2, 20)), pixel_values=torch.randn(2, 3, 32, 32))
+    sites = {s.name.split(".")[0]: (s.tokens, s.max_tokens) for s in retrofit.find_attention(clip)}
+    assert sites == {"text_model": (None, 24), "vision_model": (17, None)}
+    plain = clip(**x)
+    for tower, n in (("text_model", 24), ("vision_model", 17)):
+        retrofit.add_mask_prior(clip, logits=_diagonal(n), param="full",
+                                modules=lambda name, m, t=tower: name.startswith(t) and name.endswith("self_attn"))
+    out = clip(**x)
+    for tower in ("text_model_output", "vision_model_output"):
+        assert (out[tower].last_hidden_state - plain[tower].last_hidden_state).abs().max() > 1e-3
+
+
+def test_a_model_built_eager_reloads_with_the_dispatch_transformers_gives(tmp_path):
+    """Issue 75: a model built with attn_implementation='eager' and saved with its prior reloads (retrofit's
+    from_pretrained) with transformers' default dispatch, as transformers' own reload does (it was pinned to the
+    saved one), the same outputs to rounding; asked for 'eager', it is eager again, bit for bit."""
+    tf = _extra("transformers")
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
+                                             attn_implementation="eager")).eval()
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(16, 4))
+    x = torch.randint(0, 64, (2, 12))
+    model.save_pretrained(tmp_path)
+    back = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path)).eval()
+    eager = retrofit.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), attn_implementation="eager").eval()
+    assert back.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    torch.testing.assert_close(_out(back, x), _out(model, x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(_out(eager, x), _out(model, x))
+
+
 @cuda
 def test_flex_attention_serves_a_retrofitted_gpt2_on_cuda_as_sdpa_does():
     """add_mask_prior(..., flex=True): a Hugging Face layer's plain self-attention calls run M inside flex_attention on

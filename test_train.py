@@ -1782,7 +1782,7 @@ def test_a_run_whose_folder_moved_never_writes_into_the_run_that_took_its_place(
     A holds its folder by a handle, so it writes nothing at X (B's files byte for byte as B left them, B's log not
     refused), stops in one line at its next write, and resumes from X.moved to the parameters of an uninterrupted
     run."""
-    args = [*TINY, "--init", "mask", "--steps", "300", "--log-every", "10"]
+    args = [*TINY, "--init", "mask", "--steps", "120", "--log-every", "10"]
     ref, x, moved = (str(tmp_path / n) for n in ("ref", "x", "x.moved"))
     assert train.main([*args, "--out", ref]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
