@@ -1050,10 +1050,10 @@ def _grid(who: str, value) -> tuple:
     _refuse(who, "grid", f"a (grid_h, grid_w) pair of integers in 1 .. {MAX_POSITIONS:,}", value)
 
 
-def check_size(who: str, builds: str, entries: int, way: str = "build it for fewer positions or heads", scale=1):
-    """Refuse, before it is made, a tensor past MAX_ENTRIES float32s (`scale` of them an entry while it is made)."""
-    if entries * scale > MAX_ENTRIES:
-        made = f" ({scale} x that many float32s while it is made)" if scale > 1 else ""
+def check_size(who: str, builds: str, entries: int, way: str = "build it for fewer positions or heads", each=1):
+    """Refuse, before it is made, a tensor past MAX_ENTRIES float32s (`each` of them an entry while it is made)."""
+    if entries * each > MAX_ENTRIES:
+        made = f" ({each} x that many float32s while it is made)" if each > 1 else ""
         raise ValueError(f"{who}: {builds} would hold {entries:,} entries{made}, more than the {MAX_ENTRIES:,} "
                          f"(MAX_ENTRIES) of one tensor here: {way}")
 
@@ -1200,7 +1200,7 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
     who = "causal_distance_logits"
     n, n_heads = _int(who, "n", n), _int(who, "n_heads", n_heads, 1, MAX_HEADS)
     self_logit = _real(who, "self_logit", self_logit, None)
-    check_size(who, "its (n_heads, n, n) logits", n_heads * n * n, scale=10)      # four float64 steps
+    check_size(who, "its (n_heads, n, n) logits", n_heads * n * n, each=10)      # four float64 steps
     i = torch.arange(n)
     d = (i[:, None] - i[None, :]).float()
     p = torch.exp(-alibi_slopes(n_heads)[:, None, None].double() * d.clamp(min=1).double())
