@@ -317,10 +317,10 @@ def _band_block(t: int, w: int) -> int:
     return max(1, min(t, 64 if w >= 256 else 32 if w >= 32 else 16))
 
 
-def _band_chunk(bh: int, r: int, m: int, budget: int = 1 << 18) -> int:
+def _band_chunk(bh: int, r: int, m: int, device, budget: int = 1 << 18) -> int:
     """Blocks of queries a step of the band's loop takes: its logits (B H, blocks, R, (m + 1) R) float32 near
-    `budget` values (1 MiB), so that each pass over them stays in the cache."""
-    return max(1, budget // (bh * r * (m + 1) * r))
+    `budget` values (1 MiB) on the CPU, so that each pass over them stays in the cache; 64 times that on a GPU."""
+    return max(1, budget * (1 if device.type == "cpu" else 64) // (bh * r * (m + 1) * r))
 
 
 def _padded(x: torch.Tensor, first: int, r: int, m: int, nb: int) -> torch.Tensor:
@@ -390,7 +390,7 @@ def _band_forward(q, k, v, line, first: int, r: int):
     qb = _blocks(q * (d ** -0.5 * LOG2E), r, nb)
     kp, vp, bias = _padded(k, first, r, m, nb), _padded(v, first, r, m, nb), _band_bias(line * LOG2E, r, m)
     out, lse = q.new_empty(b, h, nb, r, d), q.new_empty(b, h, nb, r, 1)
-    step = _band_chunk(b * h, r, m)
+    step = _band_chunk(b * h, r, m, q.device)
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
         s = torch.matmul(qb[:, :, b0:b1], _window(kp, b0, b1, r, m).transpose(-2, -1)).add_(bias)
@@ -413,9 +413,38 @@ def _far_call(q, k, v, first: int, w: int):
     qf, kf, vf = q[:, :, i0:], k[:, :, :s - w], v[:, :, :s - w]
     if first <= w:
         return i0, qf, kf, vf, True, None
-    late = torch.ones(t, s - w, dtype=torch.bool, device=q.device).triu(first - w + 1)
-    mask = torch.zeros(t, s - w, dtype=q.dtype, device=q.device).masked_fill_(late, float("-inf"))
-    return i0, qf, kf, vf, False, mask[None, None]
+    # CUDA's kernel reads a mask whose rows start 16-aligned (as SDPA pads it)
+    wide = s - w if q.device.type == "cpu" else -(-(s - w) // 16) * 16
+    late = torch.ones(t, wide, dtype=torch.bool, device=q.device).triu(first - w + 1)
+    mask = torch.zeros(t, wide, dtype=q.dtype, device=q.device).masked_fill_(late, float("-inf"))
+    return i0, qf, kf, vf, False, mask[None, None, :, :s - w]
+
+
+def _far_forward(far) -> tuple:
+    """The far part's kernel call (`_far_call`'s arguments): (out (B, H, Tf, d), lse (B, H, Tf) float32, what its
+    backward needs). The CPU's fused kernel; on CUDA the memory-efficient kernel (it takes float32 too, and a mask),
+    whose lse is padded to a multiple of 32 rows."""
+    _, qf, kf, vf, causal, mask = far
+    if qf.device.type == "cpu":
+        out, lse = _cpu_kernel()(qf, kf, vf, 0.0, causal, attn_mask=mask)
+        return out, lse, None
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(qf, kf, vf, mask, True, 0.0, causal)
+    return out, lse[..., :qf.shape[-2]], (lse.shape[-1], seed, offset)
+
+
+def _far_backward(far, dout, out, lse, aux) -> tuple:
+    """The far part's kernel backward: (dq (B, H, Tf, d), dk, dv (B, H, S - W, d)) from the merged output, its
+    gradient dout (B, H, Tf, d) and the log-sum-exp lse (B, H, Tf) the far part's probabilities are exp(S - lse) by;
+    aux: `_far_forward`'s."""
+    _, qf, kf, vf, causal, mask = far
+    if aux is None:
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return kernel(dout, qf, kf, vf, out, lse, 0.0, causal, attn_mask=mask)
+    rows, seed, offset = aux
+    lse = F.pad(lse, (0, rows - lse.shape[-1])).contiguous()
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, qf, kf, vf, mask, out, lse, seed, offset, 0.0, [True, True, True, False], causal)
+    return grads[:3]
 
 
 def _band_merge(out, lse, far, far_out, far_lse, c):
@@ -448,7 +477,7 @@ def _band_backward(q, k, v, dout, lse, d_rows, line, first: int, r: int):
     kp, vp = _padded(k, first, r, m, nb), _padded(v, first, r, m, nb)
     bias, dq, dsum = _band_bias(line * LOG2E, r, m), q.new_empty(b, h, nb, r, d), q.new_zeros(h, r, (m + 1) * r)
     dkp, dvp = q.new_zeros(b, h, nb + m, r, d), q.new_zeros(b, h, nb + m, r, d)
-    step = _band_chunk(b * h, r, m)
+    step = _band_chunk(b * h, r, m, q.device)
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
         kw = _window(kp, b0, b1, r, m).contiguous()
@@ -478,10 +507,12 @@ class _BandPrior(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, line, w):
         t, s = q.shape[-2], k.shape[-2]
-        lf, far = line.detach().float(), _far_call(q, k, v, s - t, w)
-        out, lse = _band_forward(q.float(), k.float(), v.float(), lf, s - t, _band_block(t, w))
-        far_out, far_lse = (None, None) if far is None else _cpu_kernel()(*far[1:4], 0.0, far[4], attn_mask=far[5])
-        out, lse, far_lse = _band_merge(out, lse, far, far_out, far_lse, lf[:, w])
+        # the band in float32 under autocast too (the far part's kernel takes q's dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            lf, far = line.detach().float(), _far_call(q, k, v, s - t, w)
+            out, lse = _band_forward(q.float(), k.float(), v.float(), lf, s - t, _band_block(t, w))
+            far_out, far_lse, ctx.aux = (None, None, None) if far is None else _far_forward(far)
+            out, lse, far_lse = _band_merge(out, lse, far, far_out, far_lse, lf[:, w])
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, far_out, far_lse, line)
         ctx.w = w
@@ -497,9 +528,8 @@ class _BandPrior(torch.autograd.Function):
                                            _band_block(t, w))
         far, dfar = _far_call(q, k, v, s - t, w), torch.zeros(line.shape[0], 1, device=q.device)
         if far is not None:
-            i0, kernel = far[0], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-            gq, gk, gv = kernel(dout[:, :, i0:], *far[1:4], out[:, :, i0:], lse[..., i0:] - lf[:, w, None], 0.0,
-                                far[4], attn_mask=far[5])
+            i0 = far[0]
+            gq, gk, gv = _far_backward(far, dout[:, :, i0:], out[:, :, i0:], lse[..., i0:] - lf[:, w, None], ctx.aux)
             dq[:, :, i0:] += gq
             dk[:, :, :s - w] += gk
             dv[:, :, :s - w] += gv
@@ -511,10 +541,10 @@ class _BandPrior(torch.autograd.Function):
 
 
 def _prior_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior on the CPU by the band and the far part
-    (`_BandPrior`): O(T x W) by hand for its table of W = prior.n distances, the rest the fused kernel's causal
-    attention. q (B, H, T, d), k, v (B, H, S, d) float32 or bfloat16, queries after a cache of S - T keys ->
-    (B, H, T, d)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior by the band and the far part
+    (`_BandPrior`): O(T x W) by hand for its table of W = prior.n distances, the rest a fused kernel's causal
+    attention (the CPU's; on CUDA the memory-efficient one). q (B, H, T, d), k, v (B, H, S, d) float32 or bfloat16,
+    queries after a cache of S - T keys -> (B, H, T, d)."""
     t, s = q.shape[-2], k.shape[-2]
     prior._first_row(t, s)
     prior.check_set()
