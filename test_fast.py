@@ -177,3 +177,20 @@ def test_a_full_m_s_bias_equals_the_prior_s_own(layout):
         got, want = fast._bias(prior, t, s, dtype), prior(t, dtype, k_len=s)
         assert got.dtype == want.dtype and torch.equal(got.isinf(), want.isinf())
         torch.testing.assert_close(got[~got.isinf()].float(), want[~want.isinf()].float(), atol=1e-6, rtol=4e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["T >> W", "T not a multiple of any block", "after a cache of more than W keys"])
+def test_cuda_band_route_equals_the_explicit_softmax(layout, dtype):
+    """On CUDA the band route's far part is the memory-efficient kernel (its log-sum-exp padded to 32 rows, a mask
+    after a long cache): outputs and every gradient are the explicit softmax's, as on the CPU."""
+    w, b, t, s = BAND_LAYOUTS[layout]
+    prior = mp.MaskPrior(w, 3, causal=True, param="relative")
+    q, k, v, r = _inputs(prior, b, t, s, 8, dtype)
+    prior.cuda()
+    q, k, v = (x.detach().cuda().requires_grad_() for x in (q, k, v))
+    got = fast._prior_band(q, k, v, prior)
+    grads = torch.autograd.grad((got.float() * r.cuda()).sum(), (q, k, v, prior.bias))
+    want = _reference(q, k, v, prior, r.cuda())
+    _close((got, *grads), want, dtype, layout)

@@ -28,8 +28,10 @@ The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 
 (forward, backward, AdamW update). Step times: every variant of one N in one process, timed in interleaved rounds
 (warm-up excluded) so that drifts in machine load hit all alike; the table gives the median, and of the per-round
 ratios (a variant's step over default's in the same round) the median and the min-max, which tells noise from
-signal. Peak memory: each variant alone in a fresh process (peak resident memory on the CPU, peak allocated on
-CUDA). The table is on stdout, with a legend under it; what runs, N by N, on stderr.
+signal. Peak memory: on the CPU each variant alone in a fresh process (peak resident memory); on CUDA in the timing
+process (a step's peak allocation over what was resident, plus the variant's parameters, gradients and AdamW state),
+so that no variant compiles its kernels twice. The table is on stdout, with a legend under it; what runs, N by N, on
+stderr.
 
 Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in results/README.md): it was
 not the prior's kernel call. It gave the bias to F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes
@@ -78,8 +80,9 @@ params: trainable parameters; ms/step: the median over the rounds.
 ratio: the median over the rounds of the variant's step time over default's in the same round (the rounds are
   interleaved, so a round's machine load cancels); min-max: the lowest and highest of those per-round ratios:
   two ratios whose ranges overlap differ by noise. /floor: the same per-round ratio to the floor: what M itself
-  costs (its gradient, with the backward that gives it, its bias, its optimiser state). peak MiB: each variant
-  alone in a fresh process (resident memory on the CPU, allocated on CUDA), and its ratio to default's.
+  costs (its gradient, with the backward that gives it, its bias, its optimiser state). peak MiB: on the CPU each
+  variant alone in a fresh process (resident memory); on CUDA in the timing process, a step's peak allocation over
+  what was resident plus the variant's parameters, gradients and AdamW state; and its ratio to default's.
 default: no M (SDPA, is_causal). floor: default's model reading the relative prior's bias as a constant, through
   the kernel call of the prior's fused path (on the CPU the fused kernel with the bias and is_causal), with the
   kernel's own backward: what reading a bias costs the kernel.
@@ -181,9 +184,27 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
     for _, step in built.values():
         step(), step()                                             # warm-up
     times = timed_rounds({v: step for v, (_, step) in built.items()}, device, rounds, 1)
+    mib = cuda_peaks(built, device) if device.type == "cuda" else {}
     return {v: {"params": sum(p.numel() for p in built[v][0].parameters() if p.requires_grad),
-                "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]]}
+                "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]],
+                **({"mib": mib[v]} if v in mib else {})}
             for v in variants}
+
+
+def cuda_peaks(built: dict, device: torch.device) -> dict:
+    """{variant: peak MiB} on CUDA, in this process (no process a variant, each compiling its kernels again): one
+    step's peak allocation over what was resident before it, plus its model's parameters, gradients and AdamW's two
+    moments (4 x its trainable parameters' bytes, the rest once)."""
+    peaks = {}
+    for v, (model, step) in built.items():
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        sync(device)
+        own = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
+        peaks[v] = (torch.cuda.max_memory_allocated(device) - base + own) / 2 ** 20
+    return peaks
 
 
 def peak(n: int, variant: str, device: str, amp: str) -> float:
@@ -308,8 +329,11 @@ def main():
         t0 = time.perf_counter()
         say(f"N = {n}: timing {k} variants x {2 + a.rounds} steps in one process")
         times, failed = timings(n, variants, common)
-        say(f"N = {n}: peak memory, {k} processes x 2 steps")
-        mib = {v: run(["--peak", str(n), v, *common])[0] for v in variants}
+        if a.device.startswith("cuda"):
+            mib = {v: times[v].get("mib") if v in times else None for v in variants}
+        else:
+            say(f"N = {n}: peak memory, {k} processes x 2 steps")
+            mib = {v: run(["--peak", str(n), v, *common])[0] for v in variants}
         if "default" not in times or mib["default"] is None:
             print(f"{n:>6}  default failed: {failed}", flush=True)
             continue
