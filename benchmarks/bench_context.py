@@ -25,10 +25,10 @@ forced (:band), SDPA with a learnt mask (:sdpa; on CUDA its memory-efficient ker
 torch's flex_attention (CUDA only, as its backward is).
 
 The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step
-(forward, backward, AdamW update). Step times: every variant of one N in one process, timed in interleaved rounds
-(warm-up excluded) so that drifts in machine load hit all alike; the table gives the median, and of the per-round
-ratios (a variant's step over default's in the same round) the median and the min-max, which tells noise from
-signal. Peak memory: on the CPU each variant alone in a fresh process (peak resident memory); on CUDA in the timing
+(forward, backward, AdamW update). Step times (on the CPU the thread's CPU time, one thread computing; on CUDA the
+wall clock): every variant of one N in one process, timed in interleaved rounds (warm-up excluded) so that drifts in
+machine load hit all alike; the table gives the median, and of the per-round ratios (a variant's step over default's
+in the same round) the median and the min-max, which tells noise from signal. Peak memory: on the CPU each variant alone in a fresh process (peak resident memory); on CUDA in the timing
 process (a step's peak allocation over what was resident, plus the variant's parameters, gradients and AdamW state),
 so that no variant compiles its kernels twice. The table is on stdout, with a legend under it; what runs, N by N, on
 stderr.
@@ -76,7 +76,8 @@ PATHS = {"auto": (), "all": ("auto", "band", "sdpa", "explicit", "flex")}
 COLUMNS = (f"{'N':>6}  {'variant':<22}{'params':>9}{'ms/step':>10}{'ratio':>8}{'min-max':>13}{'/floor':>8}"
            f"{'peak MiB':>10}{'ratio':>7}")
 LEGEND = """\
-params: trainable parameters; ms/step: the median over the rounds.
+params: trainable parameters; ms/step: the median over the rounds (on the CPU this thread's CPU time, which other
+  work on a shared machine stretches less than the wall clock; on CUDA the wall clock).
 ratio: the median over the rounds of the variant's step time over default's in the same round (the rounds are
   interleaved, so a round's machine load cancels); min-max: the lowest and highest of those per-round ratios:
   two ratios whose ranges overlap differ by noise. /floor: the same per-round ratio to the floor: what M itself
@@ -183,12 +184,26 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
     built = {v: build(n, v, device, amp) for v in variants}
     for _, step in built.values():
         step(), step()                                             # warm-up
-    times = timed_rounds({v: step for v, (_, step) in built.items()}, device, rounds, 1)
+    steps = {v: step for v, (_, step) in built.items()}
+    times = timed_rounds(steps, device, rounds, 1) if device.type == "cuda" else cpu_rounds(steps, rounds)
     mib = cuda_peaks(built, device) if device.type == "cuda" else {}
     return {v: {"params": sum(p.numel() for p in built[v][0].parameters() if p.requires_grad),
                 "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]],
                 **({"mib": mib[v]} if v in mib else {})}
             for v in variants}
+
+
+def cpu_rounds(steps: dict, rounds: int) -> dict:
+    """{name: [seconds per step, one a round]} as bench_attention.timed_rounds gives them, in this thread's CPU time
+    (one thread computes each step): on a machine shared with other work, time-slicing stretches the wall clock of
+    one round and not another; the CPU time a step takes, it leaves (memory and cache contention stay)."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.thread_time()
+            step()
+            times[name].append(time.thread_time() - t0)
+    return times
 
 
 def cuda_peaks(built: dict, device: torch.device) -> dict:
