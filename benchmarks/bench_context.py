@@ -24,14 +24,14 @@ compute the same function).
 forced (:band), SDPA with a learnt mask (:sdpa; on CUDA its memory-efficient kernel), the explicit softmax and
 torch's flex_attention (CUDA only, as its backward is).
 
-The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step
-(forward, backward, AdamW update). Step times (on the CPU the thread's CPU time, one thread computing; on CUDA the
-wall clock): every variant of one N in one process, timed in interleaved rounds (warm-up excluded) so that drifts in
-machine load hit all alike; the table gives the median, and of the per-round ratios (a variant's step over default's
-in the same round) the median and the min-max, which tells noise from signal. Peak memory: on the CPU each variant alone in a fresh process (peak resident memory); on CUDA in the timing
-process (a step's peak allocation over what was resident, plus the variant's parameters, gradients and AdamW state),
-so that no variant compiles its kernels twice. The table is on stdout, with a legend under it; what runs, N by N, on
-stderr.
+The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step (forward,
+backward, AdamW update). Step times (on the CPU the thread's CPU time, one thread computing; on CUDA the wall clock):
+every variant of one N in one process, timed in interleaved rounds (warm-up excluded) so that drifts in machine load hit
+all alike; the table gives the median, and of the per-round ratios (a variant's step over default's in the same round)
+the median and the min-max, which tells noise from signal. Peak memory: on the CPU each variant alone in a fresh process
+(peak resident memory); on CUDA in the timing process (a step's peak allocation over what was resident, plus the
+variant's parameters, gradients and AdamW state), so that no variant compiles its kernels twice. The table is on stdout,
+with a legend under it; what runs, N by N, on stderr.
 
 Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in results/README.md): it was
 not the prior's kernel call. It gave the bias to F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes
@@ -287,8 +287,13 @@ def notes(n: int, times: dict, device: str, paired: bool) -> list:
     for v, (_, lo, hi) in floor.items():
         if v in ("default", "floor") or shown[v][0] >= shown["floor"][0]:
             continue
-        path = v.partition(":")[2] or "auto"
-        if path == "band" or path == "auto" and train.use_fused(path, True, torch.device(device), n):
+        kind, _, path = v.partition(":")
+        path, window = path or "auto", kind[len("relative"):]
+        if window and (path == "band" or path == "auto" and device == "cpu"
+                       and n >= max(maskprior_fast.BAND_FROM, 8 * int(window))):
+            why = ("it takes the band and far part, which reads no N x N bias: less work than the floor's kernel "
+                   "call with the whole bias" + (" (or noise: the range reaches 1)" if hi >= 1 else ""))
+        elif path == "auto" and train.use_fused(path, True, torch.device(device), n):
             why = ("the floor is the kernel call of its path without M's gradient, less work, " +
                    ("so noise: the range reaches 1" if hi >= 1 else "yet above it in every round: rerun with more "
                     "--rounds"))
