@@ -54,11 +54,6 @@ def mask_bias_grad(mask_logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(-mask_logits)
 
 
-def _future_keys(t: int, device) -> torch.Tensor:
-    """(T, T) bool, True where key j > query i."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-
-
 # ----------------------------------------------------------------------------------------
 # flex_attention, compiled for CUDA, and causal block masks, made on first use (not at import)
 
@@ -189,9 +184,9 @@ def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: 
         c = first + r1 if prior.causal else s
         p = torch.bmm(qa[:, r0:r1], ka[:, :c].transpose(1, 2)).view(b, h, r1 - r0, c)
         p = p.add_(bias[:, r0:r1, :c], alpha=LOG2E).clamp_(min=-LOG2_FLOOR).exp2_().view(b * h, r1 - r0, c)
-        # the future, only in the block's last keys: exactly 0
+        # the future, only in the block's last keys (above their diagonal): exactly 0
         if prior.causal:
-            p[..., c - (r1 - r0):].masked_fill_(_future_keys(r1 - r0, p.device), 0.0)
+            p[..., c - (r1 - r0):].tril_()
         dv[:, :c] += torch.bmm(p.transpose(1, 2), da[:, r0:r1, :d])
         ds = p.mul_(torch.bmm(da[:, r0:r1], va[:, :c].transpose(1, 2)))
         dq[:, r0:r1] = torch.bmm(ds, ka[:, :c, :d])
