@@ -7,7 +7,8 @@ table of the prior's call (op, self CPU time, share of the call).
 
 Variants: default (SDPA, is_causal, no mask), floor (torch's fused CPU kernel with the relative prior's bias as a
 constant and is_causal, its own backward), full (M per query and key), relative (M per distance, all T),
-relativeW (a table of W distances) - the last three through mp.prior_attention, what a layer with M runs. Times are
+relativeW (a table of W distances) - the last three through mp.prior_attention, what a layer with M runs;
+`--backward` times the backward alone, ours (which gives M's gradient) against the kernel's own. Times are
 this thread's CPU time (a shared machine's other work stretches them less than the wall clock); the profile's is
 torch.profiler's own.
 """
@@ -65,6 +66,32 @@ def ratios(t: int, variants: list, rounds: int) -> dict:
             for v, ts in times.items()}
 
 
+def backwards(t: int, rounds: int) -> str:
+    """The backward alone at T = t, this thread's CPU time (the least of `rounds`): the kernel's own (the floor's,
+    which gives no gradient for the bias) beside our hand backward (maskprior_fast._backward) of a full and a relative
+    M, which gives M's too."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, t, D, generator=gen) for _ in range(4))
+    best = {}
+    for param in ("full", "relative"):
+        prior = mp.MaskPrior(t, H, causal=True, param=param, logits=mp.causal_distance_logits(t, H).clamp(min=-100.0))
+        bias = prior(t).detach()
+        out, lse = maskprior_fast._cpu_kernel()(q, k, v, 0.0, True, attn_mask=bias[None])
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        for name, run in (("kernel", lambda: kernel(dout, q, k, v, out, lse, 0.0, True, attn_mask=bias[None])),
+                          (param, lambda: maskprior_fast._backward(prior, q, k, v, out, lse, dout, bias))):
+            run()
+            ts = []
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                run()
+                ts.append(time.thread_time() - t0)
+            best[name] = min(best.get(name, float("inf")), 1000 * min(ts))
+    return (f"backward alone, T = {t}: the kernel's {best['kernel']:.1f} ms; ours, full M {best['full']:.1f} ms "
+            f"({best['full'] / best['kernel']:.2f}x), relative M {best['relative']:.1f} ms "
+            f"({best['relative'] / best['kernel']:.2f}x)")
+
+
 def table(t: int, variant: str, top: int) -> str:
     """torch.profiler's self-CPU table of one call of `variant` at T = t: op, self CPU ms, share, calls."""
     run = make(variant, t)
@@ -88,6 +115,7 @@ def main():
     p.add_argument("--variants", default="full,relative,relative128", help="the profiled ones")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=10, help="rows of each profile")
+    p.add_argument("--backward", action="store_true", help="also time the backward alone: ours against the kernel's")
     a = p.parse_args()
     torch.set_num_threads(1)
     profiled = a.variants.split(",")
@@ -96,6 +124,8 @@ def main():
         print(f"T = {t}, one attention call (batch {B}, {H} heads, head dim {D}, forward + backward), one thread, "
               f"{a.rounds} interleaved rounds:")
         print("  ".join(f"{v} {ms:.1f} ms {r:.2f}x" for v, (ms, r) in got.items()))
+        if a.backward:
+            print(backwards(t, a.rounds))
         for v in profiled:
             print(table(t, v, a.top))
         print()
