@@ -1,28 +1,37 @@
 """How the language-model prior scales with the context, side by side as ratios to default (no M) at each context
 length N: parameters, training-step time and peak memory of
 
-    floor        default's model reading the relative prior's bias as a constant: the kernel call of the prior's
-                 fused path (on the CPU torch's fused kernel with the bias and is_causal), the kernel's own
-                 backward, no M: what reading a bias costs the kernel
-    full         M per query and key, heads x N x N
-    relative     M per distance, heads x N
-    relative128  a table of 128 distances serving all N (distances past it read its last logit)
+    floor              default's model reading the relative prior's bias as a constant: the kernel call of the
+                       prior's fused path (on the CPU torch's fused kernel with the bias and is_causal), the kernel's
+                       own backward, no M: what reading a bias costs the kernel
+    full               M per query and key, heads x N x N
+    relative           M per distance, heads x N
+    relative64 .. 256  a table of W = 64, 128, 256 distances serving all N (distances past it read its last logit);
+                       from max(2,048, 8 W) tokens on the CPU takes its band and far part (maskprior_fast)
+    full:sdpa, relative:sdpa          the peers' way: SDPA with the bias as a mask that needs a gradient
+    full:explicit, relative:explicit  the explicit softmax
 
-so that what M itself costs is a variant's ratio over the floor's (the /floor column).
+so that what M itself costs is a variant's ratio over the floor's (the /floor column), and what our path saves over
+a plain implementation of the same M is its ratio beside the :sdpa and :explicit rows (the legend says which rows
+compute the same function).
 
     python benchmarks/bench_context.py                              # N = 256 ... 2048, one CPU thread
-    python benchmarks/bench_context.py --sizes 256,1024,2048,4096 --device cuda
+    python benchmarks/bench_context.py --sizes 256,1024,2048,4096 --rounds 5
     python benchmarks/bench_context.py --device cuda --amp bf16 --paths all   # every attention path, side by side
+    python benchmarks/bench_context.py --only relative128,relative128:explicit   # these rows (and default, floor)
 
-`--paths all` runs each M through every attention path: fused (SDPA's kernel; on the CPU M's gradient computed apart
-from it, `mp.prior_attention`), the explicit softmax, and torch's flex_attention (CUDA only, as its backward is).
+`--paths all` runs each M through every attention path: ours (mp.prior_attention), the windows' band and far part
+forced (:band), SDPA with a learnt mask (:sdpa; on CUDA its memory-efficient kernel), the explicit softmax and
+torch's flex_attention (CUDA only, as its backward is).
 
-The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step
-(forward, backward, AdamW update). Step times: every variant of one N in one process, timed in interleaved rounds
-(warm-up excluded) so that drifts in machine load hit all alike; the table gives the median, and of the per-round
-ratios (a variant's step over default's in the same round) the median and the min-max, which tells noise from
-signal. Peak memory: each variant alone in a fresh process (peak resident memory on the CPU, peak allocated on
-CUDA). The table is on stdout, with a legend under it; what runs, N by N, on stderr.
+The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step (forward,
+backward, AdamW update). Step times (on the CPU the thread's CPU time, one thread computing; on CUDA the wall clock):
+every variant of one N in one process, timed in interleaved rounds (warm-up excluded) so that drifts in machine load hit
+all alike; the table gives the median, and of the per-round ratios (a variant's step over default's in the same round)
+the median and the min-max, which tells noise from signal. Peak memory: on the CPU each variant alone in a fresh process
+(peak resident memory); on CUDA in the timing process (a step's peak allocation over what was resident, plus the
+variant's parameters, gradients and AdamW state), so that no variant compiles its kernels twice. The table is on stdout,
+with a legend under it; what runs, N by N, on stderr.
 
 Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in results/README.md): it was
 not the prior's kernel call. It gave the bias to F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes
@@ -48,6 +57,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
@@ -56,22 +66,52 @@ import runconfig  # noqa: E402
 import train  # noqa: E402
 from bench_attention import round_ratios, sync, timed_rounds  # noqa: E402
 
-VARIANTS = ("default", "floor", "full", "relative", "relative128")
-PATHS = {"auto": ("auto",), "all": ("fused", "explicit", "flex")}
+# the rows: each M through our path (mp.prior_attention), beside what a plain implementation of a learnable bias pays
+# (SDPA with the bias as attn_mask, the explicit softmax) for the full and the relative M; windows of W distances
+VARIANTS = ("default", "floor", "full", "full:sdpa", "full:explicit", "relative", "relative:sdpa", "relative:explicit",
+            "relative64", "relative128", "relative256")
+PRIORS = ("full", "relative", "relative64", "relative128", "relative256")
+# --paths all: every M through each path this device has (band: the windowed prior's band and far part, forced)
+PATHS = {"auto": (), "all": ("auto", "band", "sdpa", "explicit", "flex")}
 COLUMNS = (f"{'N':>6}  {'variant':<22}{'params':>9}{'ms/step':>10}{'ratio':>8}{'min-max':>13}{'/floor':>8}"
            f"{'peak MiB':>10}{'ratio':>7}")
 LEGEND = """\
-params: trainable parameters; ms/step: the median over the rounds.
+params: trainable parameters; ms/step: the median over the rounds (on the CPU this thread's CPU time, which other
+  work on a shared machine stretches less than the wall clock; on CUDA the wall clock).
 ratio: the median over the rounds of the variant's step time over default's in the same round (the rounds are
   interleaved, so a round's machine load cancels); min-max: the lowest and highest of those per-round ratios:
   two ratios whose ranges overlap differ by noise. /floor: the same per-round ratio to the floor: what M itself
-  costs (its gradient, with the backward that gives it, its bias, its optimiser state). peak MiB: each variant
-  alone in a fresh process (resident memory on the CPU, allocated on CUDA), and its ratio to default's.
+  costs (its gradient, with the backward that gives it, its bias, its optimiser state). peak MiB: on the CPU each
+  variant alone in a fresh process (resident memory); on CUDA in the timing process, a step's peak allocation over
+  what was resident plus the variant's parameters, gradients and AdamW state; and its ratio to default's.
 default: no M (SDPA, is_causal). floor: default's model reading the relative prior's bias as a constant, through
   the kernel call of the prior's fused path (on the CPU the fused kernel with the bias and is_causal), with the
-  kernel's own backward: what reading a bias costs the kernel. full: M per query and key (heads x N x N);
-  relative: M per distance (heads x N); relative128: a table of 128 distances for every N. :PATH (--paths all):
-  M through that path (fused, explicit, flex). A CPU run of N <= 128 takes the explicit path for M (train.py)."""
+  kernel's own backward: what reading a bias costs the kernel.
+full: M per query and key (heads x N x N); relative: M per distance (heads x N); relativeW: a table of W distances
+  (W = 64, 128, 256; past W the table's last logit), for every N. A row without a path is ours, mp.prior_attention:
+  on the CPU the fused kernel with the bias and our backward, and a relativeW over at least max(2,048, 8 W) tokens
+  its band (distances < W, by hand, O(N x W)) and far part (the kernel's causal attention, no bias), merged by
+  log-sum-exp (maskprior_fast.BAND_FROM); on CUDA SDPA with the bias. A CPU run of N <= 128 takes the explicit path
+  for M (train.py).
+The peers, what a plain implementation of a learnable bias pays: :sdpa: F.scaled_dot_product_attention with log
+  sigmoid(M) as attn_mask, M learnt (maskprior.py without maskprior_fast.py does the same): a mask that needs a
+  gradient takes SDPA's math path on the CPU, its memory-efficient kernel on CUDA; :explicit: the explicit softmax
+  (fused=False). --paths all adds :band (the band and far part, forced) and :flex (flex_attention reading M in its
+  kernel, CUDA only) for every M.
+Exact equivalents (the same function of the same M: outputs and every gradient equal to rounding, test_maskprior.py
+  and test_fast.py hold them so): full = full:sdpa = full:explicit = full:flex; relative = relative:sdpa =
+  relative:explicit = relative:flex; relativeW = relativeW:band = the explicit softmax (or SDPA) with that
+  relative-W M, whose cost is relative:explicit's (relative:sdpa's): a plain implementation builds the whole
+  heads x N x N bias whatever W."""
+
+
+def replaced(attn: mp.Attention, attend):
+    """`attn`'s forward with its attention call swapped for attend(q, k, v) (B, heads, N, head dim) -> the same."""
+    def forward(x, return_attn=False, cache=None):
+        b, t, _ = x.shape
+        q, k, v = attn.qkv(x).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        return attn.proj(attend(q, k, v).transpose(1, 2).reshape(b, t, -1)), None
+    return forward
 
 
 def floor_attention(attn: mp.Attention, bias: torch.Tensor):
@@ -79,37 +119,51 @@ def floor_attention(attn: mp.Attention, bias: torch.Tensor):
     prior's fused path makes: on the CPU torch's fused kernel with the bias and is_causal, so that it skips the
     future's blocks as the prior's does (maskprior_fast), elsewhere SDPA with the bias as its mask; the kernel's
     own backward, no M: the floor."""
-    def forward(x, return_attn=False, cache=None):
-        b, t, _ = x.shape
-        q, k, v = attn.qkv(x).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    def attend(q, k, v):
         mask, kernel = bias.unsqueeze(0).to(q.dtype), maskprior_fast._cpu_kernel()
-        out = (kernel(q, k, v, 0.0, True, attn_mask=mask)[0] if kernel and q.device.type == "cpu"
-               else torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        return attn.proj(out.transpose(1, 2).reshape(b, t, -1)), None
-    return forward
+        return (kernel(q, k, v, 0.0, True, attn_mask=mask)[0] if kernel and q.device.type == "cpu"
+                else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    return replaced(attn, attend)
+
+
+def sdpa_attention(attn: mp.Attention):
+    """`attn`'s forward through F.scaled_dot_product_attention with its prior's bias (log sigmoid(M), -inf on the
+    future) as attn_mask, M learnt: a plain implementation of a learnable bias (a mask that needs a gradient takes
+    SDPA's math path on the CPU, its memory-efficient kernel on CUDA)."""
+    return replaced(attn, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn.prior(q.shape[-2], q.dtype).unsqueeze(0)))
+
+
+def band_attention(attn: mp.Attention):
+    """`attn`'s forward through the windowed prior's band and far part (maskprior_fast._prior_band), whatever N."""
+    return replaced(attn, lambda q, k, v: maskprior_fast._prior_band(q, k, v, attn.prior))
 
 
 def build(n: int, variant: str, device: torch.device, amp: str):
-    """The model, optimiser and train.py step of one variant ("default", "floor", or one of
-    VARIANTS[2:] with ":PATH" for another attention path)."""
+    """The model, optimiser and train.py step of one variant ("default", "floor", or one of PRIORS with ":PATH" for
+    another attention path: sdpa, explicit, band, flex)."""
     kind, _, path = variant.partition(":")
     masked, path = kind != "default", path or "auto"
-    table = min(128, n) if kind == "relative128" else n            # the relative M's distances
+    window = int(kind[len("relative"):]) if kind[len("relative"):].isdigit() else None
+    table = min(window, n) if window else n                      # the relative M's distances
     cfg = mp.TransformerConfig(vocab_size=257, seq_len=n, n_outputs=257, readout="tokens",
                                causal=True, tie_embeddings=True, n_layers=2, n_heads=4, dim=128,
                                mlp_dim=512, qkv_bias=True, emb_init_std=0.02, pos_init_std=0.02,
                                learnable_mask=masked,
-                               fused=train.use_fused(path, masked, device, n), flex=path == "flex",
-                               mask_param="full" if kind == "full" else "relative",
-                               mask_window=table if kind == "relative128" else None)
+                               fused=path in ("sdpa", "band") or path == "auto" and train.use_fused(path, masked,
+                                                                                                  device, n),
+                               flex=path == "flex", mask_param="full" if kind == "full" else "relative",
+                               mask_window=table if window else None)
     torch.manual_seed(0)
     model = mp.Transformer(cfg)
-    if masked:
-        mp.init_mask_(model, logits=mp.causal_distance_logits(table, 4))
-    if kind == "floor":                      # the relative prior's bias, a constant: no M
-        for block in model.blocks:
+    if masked:              # ALiBi-like; past float32's range (N = 4,096) a logit of -100 is as good as -inf
+        mp.init_mask_(model, logits=mp.causal_distance_logits(table, 4).clamp(min=-100.0))
+    for block in model.blocks:
+        if kind == "floor":                      # the relative prior's bias, a constant: no M
             block.attn.forward = floor_attention(block.attn, block.attn.prior(n).detach().to(device))
             block.attn.prior = None
+        elif path in ("sdpa", "band"):
+            block.attn.forward = (sdpa_attention if path == "sdpa" else band_attention)(block.attn)
     model.to(device)
     # train.py's config and task of the language model (the small preset's AdamW; the corpus is never read)
     targs = runconfig.resolve(*train.parse_args(["--task", "wikitext2", "--data-dir", ".", "--device",
@@ -130,10 +184,42 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
     built = {v: build(n, v, device, amp) for v in variants}
     for _, step in built.values():
         step(), step()                                             # warm-up
-    times = timed_rounds({v: step for v, (_, step) in built.items()}, device, rounds, 1)
+    steps = {v: step for v, (_, step) in built.items()}
+    times = timed_rounds(steps, device, rounds, 1) if device.type == "cuda" else cpu_rounds(steps, rounds)
+    mib = cuda_peaks(built, device) if device.type == "cuda" else {}
     return {v: {"params": sum(p.numel() for p in built[v][0].parameters() if p.requires_grad),
-                "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]]}
+                "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]],
+                **({"mib": mib[v]} if v in mib else {})}
             for v in variants}
+
+
+def cpu_rounds(steps: dict, rounds: int) -> dict:
+    """{name: [seconds per step, one a round]} as bench_attention.timed_rounds gives them, in this thread's CPU time
+    (one thread computes each step): on a machine shared with other work, time-slicing stretches the wall clock of
+    one round and not another; the CPU time a step takes, it leaves (memory and cache contention stay)."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.thread_time()
+            step()
+            times[name].append(time.thread_time() - t0)
+    return times
+
+
+def cuda_peaks(built: dict, device: torch.device) -> dict:
+    """{variant: peak MiB} on CUDA, in this process (no process a variant, each compiling its kernels again): one
+    step's peak allocation over what was resident before it, plus its model's parameters, gradients and AdamW's two
+    moments (4 x its trainable parameters' bytes, the rest once)."""
+    peaks = {}
+    for v, (model, step) in built.items():
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        sync(device)
+        own = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
+        peaks[v] = (torch.cuda.max_memory_allocated(device) - base + own) / 2 ** 20
+    return peaks
 
 
 def peak(n: int, variant: str, device: str, amp: str) -> float:
@@ -201,13 +287,20 @@ def notes(n: int, times: dict, device: str, paired: bool) -> list:
     for v, (_, lo, hi) in floor.items():
         if v in ("default", "floor") or shown[v][0] >= shown["floor"][0]:
             continue
-        path = v.partition(":")[2] or "auto"
-        if path != "flex" and train.use_fused(path, True, torch.device(device), n):
+        kind, _, path = v.partition(":")
+        path, window = path or "auto", kind[len("relative"):]
+        if window and (path == "band" or path == "auto" and device == "cpu"
+                       and n >= max(maskprior_fast.BAND_FROM, 8 * int(window))):
+            why = ("it takes the band and far part, which reads no N x N bias: less work than the floor's kernel "
+                   "call with the whole bias" + (" (or noise: the range reaches 1)" if hi >= 1 else ""))
+        elif path == "auto" and train.use_fused(path, True, torch.device(device), n):
             why = ("the floor is the kernel call of its path without M's gradient, less work, " +
                    ("so noise: the range reaches 1" if hi >= 1 else "yet above it in every round: rerun with more "
                     "--rounds"))
         else:
-            why = (f"{v} runs the {'flex' if path == 'flex' else 'explicit'} path, not the floor's kernel call: " +
+            way = {"auto": "the explicit path", "explicit": "the explicit path", "flex": "the flex path",
+                   "sdpa": "SDPA with a learnt mask"}[path]
+            why = (f"{v} runs {way}, not the floor's kernel call: " +
                    ("noise or a faster path (the range reaches 1)" if hi >= 1 else "faster here in every round"))
         lines.append(f"{'':>6}  floor above {v} ({shown['floor'][0]:.3f} against {shown[v][0]:.3f}): {v} / floor "
                      f"per round {lo:.3f}-{hi:.3f}; {why}")
@@ -220,7 +313,9 @@ def parse_args():
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", default="off", choices=("off", "bf16"), help="train.py's --amp (bf16 on a GPU)")
     p.add_argument("--paths", default="auto", choices=tuple(PATHS),
-                   help="auto: train.py's path for M; all: each path")
+                   help="auto: each M through our path, the full and relative M beside SDPA with a learnt mask and "
+                        "the explicit softmax; all: each M through each path")
+    p.add_argument("--only", help="the rows to time (comma-separated variants; default and floor always)")
     p.add_argument("--rounds", type=int, default=7,
                    help="interleaved timed steps per variant, after 2 warm-up steps")
     p.add_argument("--time", metavar="N", help=argparse.SUPPRESS)
@@ -238,7 +333,10 @@ def main():
         print(json.dumps(peak(int(a.peak[0]), a.peak[1], a.device, a.amp)))
         return
     paths = [q for q in PATHS[a.paths] if q != "flex" or a.device.startswith("cuda")]
-    variants = ["default", "floor"] + [f"{v}:{q}" if a.paths == "all" else v for v in VARIANTS[2:] for q in paths]
+    variants = list(VARIANTS) if a.paths == "auto" else ["default", "floor"] + [
+        v if q == "auto" else f"{v}:{q}" for v in PRIORS for q in paths if q != "band" or v[len("relative"):]]
+    if a.only:
+        variants = [v for v in variants if v in ("default", "floor") or v in a.only.split(",")]
     sizes, k = [int(s) for s in a.sizes.split(",")], len(variants)
     common = ["--device", a.device, "--amp", a.amp, "--rounds", str(a.rounds)]
     say(f"N = {a.sizes}, {k} variants; at each N one process runs each variant 2 warm-up steps and "
@@ -251,8 +349,11 @@ def main():
         t0 = time.perf_counter()
         say(f"N = {n}: timing {k} variants x {2 + a.rounds} steps in one process")
         times, failed = timings(n, variants, common)
-        say(f"N = {n}: peak memory, {k} processes x 2 steps")
-        mib = {v: run(["--peak", str(n), v, *common])[0] for v in variants}
+        if a.device.startswith("cuda"):
+            mib = {v: times[v].get("mib") if v in times else None for v in variants}
+        else:
+            say(f"N = {n}: peak memory, {k} processes x 2 steps")
+            mib = {v: run(["--peak", str(n), v, *common])[0] for v in variants}
         if "default" not in times or mib["default"] is None:
             print(f"{n:>6}  default failed: {failed}", flush=True)
             continue
