@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 
 import torch
 
@@ -19,19 +20,15 @@ import maskprior as mp
 import runfiles
 import tasks
 
-# bad input: one line, exit status 2 (a busy folder: 75)
 UsageError = runfiles.UsageError
 
-# the argparse groups of the flags (a field's `group`)
+# the argparse groups of the flags (a field's `group`); a family's (runfiles.KINDS) holds its task options
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
           "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
           "arithmetic": "arithmetic (addition, multiplication)",
           "vision": "vision (cifar10, cifar100, imagenet100)",
           "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
           "sampling": "sampling from a trained language model"}
-
-
-FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
 
 
 def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None, check=None,
@@ -62,15 +59,8 @@ QK_SVD_INITS = inits.named(closed_form=True)
 # families whose M has on / off levels (--mask-on, --mask-off)
 LEVELS = ("boolean", "arithmetic", "vision")
 
-
-def _group(name: str):
-    """`setting` for the fields of one argparse group (see GROUPS)."""
-    return lambda *args, **kw: setting(*args, group=name, **kw)
-
-
-run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
-    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm",
-             "sampling"))
+# `setting` for the fields of each argparse group, in GROUPS' order
+run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = (partial(setting, group=g) for g in GROUPS)
 
 
 QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
@@ -300,7 +290,7 @@ RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
 ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
 NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
 ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
-TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
+TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in runfiles.KINDS}
 NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
 EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
 
@@ -527,9 +517,9 @@ def sized(cfg, device: torch.device):
     if params is not None and 16 * params <= memory:
         return cfg
     size = "more parameters than torch can count" if params is None else f"{params:,} parameters"
-    raise runfiles.UsageError(f"the model of these flags has {size}, and training it takes 16 bytes each (weights, "
-                              f"gradients, Adam's moments): more than this {device.type}'s {memory / 2 ** 30:.0f} GiB; "
-                              "give a smaller --dim, --mlp-dim, --layers or --heads")
+    raise UsageError(f"the model of these flags has {size}, and training it takes 16 bytes each (weights, gradients, "
+                     f"Adam's moments): more than this {device.type}'s {memory / 2 ** 30:.0f} GiB; give a smaller "
+                     "--dim, --mlp-dim, --layers or --heads")
 
 
 def pick_device(name: str) -> torch.device:
@@ -565,7 +555,7 @@ def saved_config(saved: dict, where: str) -> Config:
                          "continue the run with the version that wrote it, or start a new run")
     for name, value in saved.items():
         if not value_fits(name, value):
-            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} cannot take")
+            raise UsageError(f"{where} has {name}={value!r}, which {flag(name)} cannot take")
     config = Config(**saved)
     try:
         check(config, rules=False)
