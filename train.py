@@ -51,7 +51,6 @@ import tasks
 
 # the command's start (after its imports), for the wall time the final line prints
 STARTED = time.time()
-# bad input: one line, exit status 2 (a busy folder: 75)
 UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 
 
@@ -105,16 +104,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     groups = {key: p.add_argument_group(title) for key, title in runconfig.GROUPS.items()}
     for name, f in runconfig.FIELDS.items():
         m = f.metadata
-        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS),
-                                                     inits=", ".join(runconfig.INITS)),
-              "action": Once}
-        if m["switch"]:
-            kw["nargs"] = 0
-        else:
-            kw.update({k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"])) if v is not None})
-            if m["choices"]:
-                kw["choices"] = list(m["choices"])
-        groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
+        kw = {k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"]),
+                                ("choices", m["choices"] and list(m["choices"])), ("nargs", 0 if m["switch"] else None))
+              if v is not None}
+        groups[m["group"]].add_argument(runconfig.flag(name), action=Once, **kw, help=m["help"] and m["help"].format(
+            tasks=", ".join(tasks.TASKS), inits=", ".join(runconfig.INITS)))
 
 
 # the commands beside train: name -> (help, description or None, its arguments: (names, keywords))
@@ -185,11 +179,8 @@ def parse_args(argv=None):
     return flags, explicit
 
 
-
 # ----------------------------------------------------------------------------------------
 # Build: the task, the model, the prior and the init, the optimiser
-
-
 
 # the model config of a run, sized for this machine (one line where it is not): runconfig's, named here too
 model_config, use_fused = runconfig.model_config, runconfig.use_fused
@@ -200,7 +191,6 @@ def build_model(config, task, device):
     torch.manual_seed(config.seed)
     model = mp.build_model(model_cfg)
     return model.to(device), model_cfg
-
 
 
 def apply_init(model, prior: runfiles.Prior, config) -> dict:
@@ -214,6 +204,7 @@ LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")
 
 # a --prior-from run, read and checked
 Teacher = collections.namedtuple("Teacher", "folder ckpt config")
+
 
 def read_teacher(config, task) -> Teacher:
     """--prior-from RUN, read as someone else's files before anything is built or written: a folder
@@ -387,6 +378,15 @@ class Dist:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def failed(self, e: BaseException, folder: runfiles.RunFolder | None) -> str | None:
+        """A start that raised `e`: the run folder left as it was (`RunFolder.abandon`), then `e` raised again where it
+        is no refusal or the run is one process; else the line to share with the other ranks (`agree`: rank 0's)."""
+        if folder is not None:
+            folder.abandon()
+        if self.world == 1 or not isinstance(e, UsageError):
+            raise e
+        return str(e) if self.main else None
+
     def agree(self, error: str | None) -> None:
         """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit quietly."""
         error = self.share(error)
@@ -476,25 +476,18 @@ class Run:
     folder: runfiles.RunFolder | None        # rank 0's (the others never touch the run folder)
     dist: Dist
     step: int = 0
-    seconds: float = 0.0            # training time before this invocation
-    # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
-    run_id: str | None = None
-    data: str | None = None         # the task's data hash (tasks.Task.data_hash), saved in ckpt.pt
-    # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
-    prior_source: dict | None = None
-    # a new run's prior.pt (`runfiles.Prior.to_bytes`), written by `begin`
-    prior_file: bytes | None = None
-    # its sha256, saved in ckpt.pt: a resume reads back the same file
-    prior_sha256: str | None = None
-    log_step: int = 0               # the step of the last line in metrics.jsonl
-    saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
-    last: dict | None = None        # the latest logged record
-    # how long the last log step's evaluation took (the ETA counts them)
-    eval_seconds: float | None = None
-    # what the steps run: the model, compiled and/or in DDP
-    trained: torch.nn.Module | None = None
-    # the moving average of the weights (--ema): updated each step, saved
-    ema: torch.nn.Module | None = None
+    seconds: float = 0.0                # training time before this invocation
+    run_id: str | None = None           # written into ckpt.pt and the log's step-0 line (None: an old run)
+    data: str | None = None             # the task's data hash (tasks.Task.data_hash), saved in ckpt.pt
+    prior_source: dict | None = None    # where the prior came from (`Prior.source`): ckpt.pt, result.json
+    prior_file: bytes | None = None     # a new run's prior.pt (`runfiles.Prior.to_bytes`), written by `begin`
+    prior_sha256: str | None = None     # its sha256, saved in ckpt.pt: a resume reads back the same file
+    log_step: int = 0                   # the step of the last line in metrics.jsonl
+    saved_step: int | None = None       # the step of the checkpoint on disk (None: none yet)
+    last: dict | None = None            # the latest logged record
+    eval_seconds: float | None = None   # how long the last log step's evaluation took (the ETA counts them)
+    trained: torch.nn.Module | None = None      # what the steps run: the model, compiled and/or in DDP
+    ema: torch.nn.Module | None = None          # the moving average of the weights (--ema): updated each step, saved
 
     def path(self, name: str) -> str:
         return os.path.join(self.config.out, name)
@@ -553,16 +546,8 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
                 state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
         if dist.main:
             begin(state, ckpt)
-    except UsageError as e:
-        if folder is not None:
-            folder.abandon()
-        if dist.world == 1:
-            raise
-        error = str(e) if dist.main else None
-    except BaseException:
-        if folder is not None:
-            folder.abandon()
-        raise
+    except BaseException as e:
+        error = dist.failed(e, folder)
     dist.agree(error)
     return state
 
@@ -586,18 +571,13 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
             # one target, one spelling: what the run stores
             if respelt and ckpt is None:
-                runconfig.say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}"
-                                             for k, v in respelt.items()) +
-                    " (the one spelling of this target)")
+                runconfig.say("stored as " + ", ".join(f"{runconfig.flag(k)} {v}" for k, v in respelt.items())
+                              + " (the one spelling of this target)")
                 config, task = replace(config, **respelt), runconfig.task_for(replace(config, **respelt))
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
             device = runconfig.pick_device(config.device)
-    except UsageError as e:
-        if folder is not None:
-            folder.release()
-        if dist.world == 1:
-            raise
-        error = str(e)
+    except BaseException as e:
+        error = dist.failed(e, folder)
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
     return (config if dist.main else runconfig.Config(**shared)), folder, ckpt, task, device, teacher
@@ -655,16 +635,12 @@ def new_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist:
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
-    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points,
-                  lambda: autocast(device, config))
-    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device,
-                built.init_report, None, folder, dist, run_id=uuid.uuid4().hex,
-                data=task.data_hash(), prior_source=prior.source)
-    if config.ema:
-        state.ema = copy.deepcopy(model).requires_grad_(False)
-    # kept beside the run, read back on resume and by reports
-    state.prior_file = prior.to_bytes()
-    state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
+    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, lambda: autocast(device, config))
+    prior_file = prior.to_bytes()          # kept beside the run, read back on resume and by reports
+    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None, folder,
+                dist, run_id=uuid.uuid4().hex, data=task.data_hash(), prior_source=prior.source, prior_file=prior_file,
+                prior_sha256=hashlib.sha256(prior_file).hexdigest(),
+                ema=copy.deepcopy(model).requires_grad_(False) if config.ema else None)
     if dist.main:
         began = time.time()
         state.last = {"step": 0, "loss": None, "run_id": state.run_id, **probe.measure(model)}
@@ -691,14 +667,12 @@ def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, 
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit "
                          f"this run's parameters ({type(e).__name__}: {str(e)[:120]})") from None
-    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"],
-                  config.eval_points,
-                    lambda: autocast(device, config))
-    state = Run(config, task, model, model_cfg, built.optimizer, probe, device,
-                ckpt["init_report"], ckpt["prior_mass_start"], folder, dist, step=ckpt["step"],
-                seconds=ckpt["seconds"], run_id=ckpt["identity"]["run_id"],
-                log_step=ckpt["log_step"], saved_step=ckpt["step"], data=ckpt["data"],
-                prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
+    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points,
+                  lambda: autocast(device, config))
+    state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
+                ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
+                run_id=ckpt["identity"]["run_id"], log_step=ckpt["log_step"], saved_step=ckpt["step"],
+                data=ckpt["data"], prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
         state.ema.load_state_dict(ckpt["ema"])     # read_checkpoint checked that it fits
@@ -887,8 +861,7 @@ def sample(config, explicit: set) -> int:
     model, model_cfg = build_model(config, task, device)
     check_architecture(ckpt, model_cfg, "--sample", config.out)
     model.load_state_dict(ckpt["model"])     # read_checkpoint checked that it fits
-    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature,
-                             config.top_k,
+    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature, config.top_k,
                              torch.Generator(device=device).manual_seed(config.seed)))
     return 0
 
@@ -913,10 +886,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     if ckpt is not None:
         runfiles.truncate_log(folder, state.step)
         folder.write("args.json", json_text(asdict(config)))
-        note = rounding_note(ckpt, state.device, config)
-        return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
-                                                                                   if note
-                                                                                   else ""))
+        note = rounding_note(ckpt, state.device, config) or ""
+        return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (note and f"\n{note}"))
     folder.create()
     folder.write("args.json", json_text(asdict(config)))
     folder.write("prior.pt", state.prior_file)
