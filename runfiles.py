@@ -772,8 +772,7 @@ class RunFolder:
         what = (f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}"
                 + (f" writing {e.filename}" if e.filename else f" under {self.path}"))
         if saved_step is None:
-            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume "
-                    f"--out {self.path} again"
+            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume --out {self.path} again"
                     if resume else f"{what}; the new run had no checkpoint yet and left nothing "
                                    "behind: free space and start it again")
         return (f"{what} at step {step}; the checkpoint of step {saved_step} in {self.file('ckpt.pt')} is whole: "

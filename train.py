@@ -237,9 +237,8 @@ def read_teacher(config, task) -> Teacher:
                          "must cover this run's positions")
     kind = config.prior_kind or task.TEACHER_KINDS[0]
     if kind != "pattern" and theirs["n_heads"] != config.heads:
-        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: "
-                         f"--prior-kind {kind} gives each head its own M (the teacher's head); "
-                         "use --prior-kind pattern or as many heads")
+        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} gives "
+                         "each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
     return Teacher(folder, ckpt, saved)
 
 
@@ -437,23 +436,19 @@ def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
     device = runconfig.pick_device(config.device)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
-            raise UsageError(f"torchrun started {world} processes per node but torch sees "
-                             f"{torch.cuda.device_count()} CUDA GPU(s); use --nproc_per_node "
-                             f"{torch.cuda.device_count()} or fewer")
+            raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
+                             f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local)
         config = replace(config, device=f"cuda:{local}")
     elif device.type != "cpu":
-        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or "
-                         "on the CPU (gloo)")
+        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
     try:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             rank=rank, world_size=world,
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=config.dist_timeout))
     except Exception as e:  # noqa: BLE001 - an unreachable rendezvous is one line, not a traceback
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise UsageError(f"torchrun: cannot join the process group at {where} within "
-                         f"--dist-timeout {config.dist_timeout} s ({type(e).__name__}); are all "
-                         f"{world} processes started?") from None
+        raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
+                         f"{config.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
     return Dist(rank, world, local), config
 
 
@@ -737,8 +732,7 @@ def train_loop(state: Run) -> int | None:
                 rate = steps_done / (time.time() - t_start - t_eval)
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
                       f"{fmt_time(eta(state, step, rate))} (an early estimate; the first evaluation is at step "
-                      f"{min(total, (step // config.log_every + 1) * config.log_every)})",
-                      flush=True)
+                      f"{min(total, (step // config.log_every + 1) * config.log_every)})", flush=True)
                 estimated = True
             halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
             if step % config.ckpt_every == 0 or step == total or halt:
@@ -854,8 +848,7 @@ def sample(config, explicit: set) -> int:
     config = restore_config(config, explicit, folder, ckpt)
     task = runconfig.check(config, explicit)
     if task.KIND != "lm":
-        raise UsageError("--sample needs a language-model run (wikitext2, tinystories); "
-                         f"{config.out} is {config.task}")
+        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
     device = runconfig.pick_device(config.device)
     task.setup(device)
     model, model_cfg = build_model(config, task, device)
@@ -1138,8 +1131,7 @@ def saved_prior(config, task, sha256: str) -> runfiles.Prior:
                              "not the one in the checkpoint); restore the run's own prior.pt")
         return runfiles.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
     except runfiles.ReadError as e:
-        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore "
-                         "the file") from None
+        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 
 # resumable flags that change how a step's floats round, not what the run is
