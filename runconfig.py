@@ -34,13 +34,12 @@ GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior
 def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None, check=None,
             resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
     """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag without a
-    value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or the data (named
-    so when a resume disagrees); tells_apart: runs that differ in it are different configurations in reports;
-    alternative: the field this one replaces when given (--steps drops the preset's --epochs and the other way
-    round). Where the flag applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field
-    (its resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not
-    zero); excludes, the fields that may not be given with it. A task option (a family's group) applies to the tasks
-    whose constructor takes it."""
+    value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or the data (named so
+    when a resume disagrees); tells_apart: runs that differ in it are different configurations in reports; alternative:
+    the field this one replaces when given (--steps drops the preset's --epochs and the other way round). Where the flag
+    applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field (its resolved value) or
+    "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not zero); excludes, the fields that
+    may not be given with it. A task option (a family's group) applies to the tasks whose constructor takes it."""
     return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
                                                 choices=choices, metavar=metavar, check=check,
                                                 resumable=resumable, arch=arch,
@@ -447,9 +446,8 @@ EXPLICIT_UP_TO = 128
 
 
 def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
-    `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
-    the CPU."""
+    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
+    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
     if attention == "auto":
         return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"

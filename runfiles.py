@@ -362,8 +362,7 @@ def is_value(v) -> bool:
 
 
 def is_measure(v) -> bool:
-    """A number a log step measured: a value (`is_value`), or NaN (nothing there to measure: an
-    empty set of points)."""
+    """A number a log step measured: a value (`is_value`), or NaN (nothing there to measure: an empty set of points)."""
     return is_value(v) or isinstance(v, float) and math.isnan(v)
 
 
@@ -593,13 +592,12 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
-    """A run directory, locked by its process from before the first check to the run's end (flock on the folder
-    itself, released when the process exits), so that two processes never share one. A folder holds a run once it
-    has ckpt.pt (the first save writes it last) or result.json; a new run may take over a folder without them (a
-    start that died before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and
-    locked): every write goes into that folder, wherever it is now (`write`, `append`); a folder moved away
-    while the run trains stops the run in one line at its next write (`check_here`), never a write into another
-    run's folder at the old path."""
+    """A run directory, locked by its process from before the first check to the run's end (flock on the folder itself,
+    released when the process exits), so that two processes never share one. A folder holds a run once it has ckpt.pt
+    (the first save writes it last) or result.json; a new run may take over a folder without them (a start that died
+    before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and locked): every write goes
+    into that folder, wherever it is now (`write`, `append`); a folder moved away while the run trains stops the run in
+    one line at its next write (`check_here`), never a write into another run's folder at the old path."""
     OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
 
     def __init__(self, path: str):

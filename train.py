@@ -598,10 +598,9 @@ Built = collections.namedtuple("Built", "config task model model_cfg optimizer i
 
 def build(config: runconfig.Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task (`task`: set up already, its data read; None: made and
-    set up here), the schedule sized, the model built and, with `init`, initialised (`teacher`:
-    --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and
-    benchmarks."""
+    """Everything a run trains: the task (`task`: set up already, its data read; None: made and set up here), the
+    schedule sized, the model built and, with `init`, initialised (`teacher`: --prior-from's files, read already), and
+    the optimiser (M undecayed). Runs, tests and benchmarks."""
     device = device or runconfig.pick_device(config.device)
     if task is None:
         task = runconfig.task_for(config)
@@ -1109,8 +1108,7 @@ def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
 
 
 def check_same_data(ckpt: dict, task, config) -> None:
-    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no
-    data files)."""
+    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no data files)."""
     saved, now = ckpt["data"], task.data_hash()
     if saved is not None and now != saved:
         was = ckpt["config"].get("data_dir")
