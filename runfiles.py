@@ -186,8 +186,7 @@ class ReadError(UsageError):
 
 MiB = 1 << 20
 
-READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB,
-               "table": 64 * MiB}
+READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB, "table": 64 * MiB}
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:

@@ -200,8 +200,6 @@ def apply_init(model, prior: runfiles.Prior, config) -> dict:
 
 # what a teacher's maps must share
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")
-
-
 # a --prior-from run, read and checked
 Teacher = collections.namedtuple("Teacher", "folder ckpt config")
 
@@ -398,8 +396,7 @@ class Dist:
         the global mean (the last batch of an epoch may not split evenly)."""
         if self.world == 1:
             return batch, None
-        first = batch[0] if isinstance(batch, (tuple, list)) else batch
-        n = len(first)
+        n = len(batch[0] if isinstance(batch, (tuple, list)) else batch)
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         weight = (hi - lo) * self.world / n
         # fewer examples than ranks: a stand-in with no weight
@@ -422,12 +419,11 @@ class Dist:
 def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
     """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo on the CPU) and
     pin this rank's device (the config it returns names it); bad settings are one line from rank 0."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Dist(), config
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    world = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
     if world == 1:
         return Dist(), config
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
     if config.sample is not None:
         raise UsageError("--sample runs in one process; start it without torchrun")
     if config.batch_size % world:
@@ -591,8 +587,7 @@ def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Co
     return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
-# What a config builds (`build`): its config with the schedule sized, the task set up, the model and its model
-# config, the optimiser, and the init's report and prior (None where the init was not applied: a resume).
+# What `build` returns; the init's report and prior are None where the init was not applied (a resume).
 Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
@@ -815,22 +810,18 @@ def finish(state: Run) -> int:
     metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
                "prior_mass_end": start and last["prior_mass_mean"]}
     preset = runconfig.resolve(*parse_args(["--task", config.task, "--preset", config.preset]))
-    result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
-              "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
-              "data": state.data, "init_order": list(runconfig.INITS).index(config.init),
-              "token_labels": state.task.token_labels(),
-              "tells_apart": {k: v for k, v in asdict(config).items()
-                              if k not in runconfig.NOT_TELLING_APART},
+    result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed,
+              "preset": config.preset, "run_id": state.run_id, "data": state.data,
+              "init_order": list(runconfig.INITS).index(config.init), "token_labels": state.task.token_labels(),
+              "tells_apart": {k: v for k, v in asdict(config).items() if k not in runconfig.NOT_TELLING_APART},
               # model and data as the preset's (reports mark it)
               "at_preset": all(getattr(config, k) == getattr(preset, k) for k in runconfig.ARCH - {"init"}),
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
-              "prior_mass_start_layers": state.mass_start,
-              "prior_mass_end_layers": last["prior_mass"],
+              "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
               **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
-              "init_report": state.init_report, "prior_source": state.prior_source,
-              "config": asdict(state.model_cfg), "device": str(state.device),
-              "torch": torch.__version__,
+              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
+              "device": str(state.device), "torch": torch.__version__,
               "params": sum(p.numel() for p in state.model.parameters())}
     state.folder.write("result.json", json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, {time.time() - STARTED:.1f} s "
@@ -905,16 +896,13 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
     """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the
     prior's snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are serialised
     first and stored with their sha256, which `read_checkpoint` verifies."""
-    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
-            "step": state.step, "seconds": state.seconds if seconds is None else seconds,
-            "config": asdict(state.config), "model_config": asdict(state.model_cfg),
-            "init_report": state.init_report, "snapshot": state.probe.snapshot,
-            "prior_mass_start": state.mass_start,
-            **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
+    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
+            "seconds": state.seconds if seconds is None else seconds, "config": asdict(state.config),
+            "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
+            "prior_mass_start": state.mass_start, **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
             "identity": {"run_id": state.run_id, "seed": state.config.seed,
                          "config_hash": config_hash(asdict(state.config))},
-            "log_step": state.log_step,
-            "data": state.data, "machine": float_order(state.device),
+            "log_step": state.log_step, "data": state.data, "machine": float_order(state.device),
             "prior_source": state.prior_source, "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
