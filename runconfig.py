@@ -40,11 +40,10 @@ def setting(default=None, help=None, *, group: str, type=None, switch=False, cho
     applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field (its resolved value) or
     "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not zero); excludes, the fields that
     may not be given with it. A task option (a family's group) applies to the tasks whose constructor takes it."""
-    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
-                                                choices=choices, metavar=metavar, check=check,
-                                                resumable=resumable, arch=arch,
-                                                tells_apart=tells_apart, alternative=alternative,
-                                                needs=needs or {}, excludes=tuple(excludes)))
+    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch, choices=choices,
+                                                metavar=metavar, check=check, resumable=resumable, arch=arch,
+                                                tells_apart=tells_apart, alternative=alternative, needs=needs or {},
+                                                excludes=tuple(excludes)))
 
 
 # a `needs` condition other than a tuple of values: the field is set, or not zero
@@ -281,12 +280,12 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
     task_cls = tasks.TASKS[task]
     if preset not in task_cls.presets():
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
-    for flag, other in ALTERNATIVES.items():
-        if flag in explicit and other in explicit:
-            raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
+    for name, other in ALTERNATIVES.items():
+        if name in explicit and other in explicit:
+            raise UsageError(f"give either {flag(name)} or {flag(other)}, not both")
     from_preset = task_cls.preset(preset)
-    for flag in explicit & set(ALTERNATIVES):
-        from_preset.pop(ALTERNATIVES[flag], None)
+    for name in explicit & set(ALTERNATIVES):
+        from_preset.pop(ALTERNATIVES[name], None)
     values = {**DEFAULTS, **from_preset, **given}
     if values["out"] is None:
         values["out"] = os.path.join("runs", f"{task}-{init}-s{values['seed']}")
@@ -307,8 +306,7 @@ def betas_pair(text: str) -> bool:
 
 # a field's `check`: (holds(value), what the value must be)
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
-          "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
           "seed": (lambda v: 0 <= v <= SEED_MAX, f"in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
                                                  "larger seed would train the same weights as a smaller one)"),
           "betas": (betas_pair, "two numbers in [0, 1) like 0.9,0.999"),

@@ -432,8 +432,9 @@ RESULT_SCHEMA = {
 RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id", "data")
 
 
-def check_result(result, path: str | os.PathLike) -> dict:
-    """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
+def read_result(path: str | os.PathLike) -> dict:
+    """A run's result.json through the one reader, checked against RESULT_SCHEMA, a bad metric named."""
+    result = read_json(path)
     metrics = result.get("metrics") if isinstance(result, dict) else None
     bad = ([k for k, v in metrics.items() if not is_optional(is_value)(v)] if isinstance(metrics, dict) else [])
     if bad:
@@ -441,11 +442,6 @@ def check_result(result, path: str | os.PathLike) -> dict:
         raise ReadError(f"{path}: metric {bad[0]} is {_short(v)}, not a finite number"
                         + (f" within +-{MAX_VALUE:g}" if is_finite(v) else ""))
     return check_schema(result, RESULT_SCHEMA, RESULT_REQUIRED, path)
-
-
-def read_result(path: str | os.PathLike) -> dict:
-    """A run's result.json through the one reader, its schema checked (`check_result`)."""
-    return check_result(read_json(path), path)
 
 
 def _short(v) -> str:

@@ -737,7 +737,7 @@ def train_loop(state: Run) -> int | None:
             if halt:
                 why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
                 runconfig.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with "
-                    f"--resume --out {config.out}")
+                              f"--resume --out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
@@ -1120,26 +1120,25 @@ def saved_prior(config, task, sha256: str) -> runfiles.Prior:
         raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 
-# resumable flags that change how a step's floats round, not what the run is
-NUMERICS = ("amp", "compile")
+# resumable flags that change how a step's floats round, not what the run is: what each value does on a device type
+NUMERICS = {"amp": amp_on, "compile": lambda value, device_type: value}
 
 
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
-    """A note that a resume on another device type or CPU thread count, or with another --amp or
-    --compile (NUMERICS), is exact only to rounding, or None."""
-    saved, now = ckpt["machine"], float_order(device)
-    effective = {"amp": lambda v, kind: amp_on(v, kind), "compile": lambda v, kind: v}
-    changed = [f"--{k} {ckpt['config'].get(k)}, now {getattr(config, k)}" for k in NUMERICS
-               if effective[k](ckpt["config"].get(k), saved["device"]) != effective[k](getattr(config, k), device.type)]
+    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
+    (NUMERICS), is exact only to rounding, or None."""
+    saved, now, was = ckpt["machine"], float_order(device), ckpt["config"]
+    changed = [f"--{k} {was.get(k)}, now {getattr(config, k)}" for k, acts in NUMERICS.items()
+               if acts(was.get(k), saved["device"]) != acts(getattr(config, k), device.type)]
     if saved == now and not changed:
         return None
     same = saved["device"] == now["device"]
-    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}"
-                                    if same else f"on {saved['device']}, now on {now['device']}"]
-    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another "
-            "order, so the resumed run matches an uninterrupted one to about 1e-6, not bitwise"
-            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same
-               and not changed else ""))
+    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same
+                                    else f"on {saved['device']}, now on {now['device']}"]
+    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another order, so the resumed "
+            "run matches an uninterrupted one to about 1e-6, not bitwise"
+            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same and not changed
+               else ""))
 
 
 def float_order(device: torch.device) -> dict:
