@@ -560,10 +560,9 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader, both levels with weights_only=True, once they match their
-    sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an earlier version's, or none: before
-    checksums), a damaged one or one whose contents break the schema or whose keys disagree (`checkpoint_problem`:
-    the model they rebuild too) is a ReadError. What the flags mean is train.py's to check."""
+    """A checkpoint's contents through the one reader (both levels weights_only=True) once they are of this format,
+    match their sha256, pass CKPT_SCHEMA and agree with each other and the model they rebuild (`checkpoint_problem`);
+    else a ReadError. What the flags mean is train.py's to check."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or outer.get("format") != CKPT_FORMAT:
         what = (f"a checkpoint of an earlier version of train.py ({outer['format']}); this version reads {CKPT_FORMAT}:"

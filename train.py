@@ -516,10 +516,9 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run
-    folder and write (`begin`): a refusal writes and deletes nothing; a new run that fails after
-    `begin` removes only what it wrote (`RunFolder.abandon`). A new run is initialised
-    (`new_run`), a resumed one gets its checkpoint's state (`restored_run`)."""
+    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run folder and write
+    (`begin`): a refusal writes and deletes nothing; a new run that fails after `begin` removes only what it wrote
+    (`RunFolder.abandon`)."""
     config, folder, ckpt, task, device, teacher = prepare_run(config, explicit, dist)
     error = None
     try:
@@ -619,8 +618,7 @@ def build(config: runconfig.Config, device: torch.device | None = None, explicit
 
 
 def new_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist) -> Run:
-    """A new run from its build, in memory: the start checked and measured (rank 0), the prior
-    serialised for prior.pt."""
+    """A new run from its build, in memory: the start checked and measured (rank 0), the prior serialised."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
@@ -893,9 +891,8 @@ def json_text(obj) -> str:
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
-    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the
-    prior's snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are serialised
-    first and stored with their sha256, which `read_checkpoint` verifies."""
+    """ckpt.pt: all `--resume` needs to continue exactly (the RNG states too), serialised and stored with their sha256
+    (`runfiles.checkpoint_bytes`), which `read_checkpoint` verifies."""
     ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
             "seconds": state.seconds if seconds is None else seconds, "config": asdict(state.config),
             "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
@@ -1043,13 +1040,10 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
             what = "architecture" if key in runconfig.ARCH else "setting"
             raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
-    values = asdict(config)
-    for key, value in saved.items():
-        if key != "out" and key in runconfig.DEFAULTS and (key not in explicit or key not in runconfig.RESUMABLE):
-            values[key] = value
-    if "halt_after" not in explicit:
-        values["halt_after"] = None     # a halt belongs to one invocation
-    return runconfig.Config(**{**values, "resume": True})
+    kept = {k: v for k, v in saved.items() if k != "out" and (k not in explicit or k not in runconfig.RESUMABLE)}
+    # a halt belongs to one invocation
+    return runconfig.Config(**{**asdict(config), **kept, "resume": True,
+                               "halt_after": config.halt_after if "halt_after" in explicit else None})
 
 
 def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
@@ -1107,8 +1101,7 @@ def check_same_data(ckpt: dict, task, config) -> None:
 
 
 def saved_prior(config, task, sha256: str) -> runfiles.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`runfiles.read_prior`), the bytes its
-    checkpoint names."""
+    """A resumed run's prior: its prior.pt through the one reader (`runfiles.read_prior`), the bytes ckpt.pt names."""
     path = os.path.join(config.out, "prior.pt")
     try:
         data = runfiles.read_back(path, "prior")
