@@ -107,8 +107,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         kw = {k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"]),
                                 ("choices", m["choices"] and list(m["choices"])), ("nargs", 0 if m["switch"] else None))
               if v is not None}
-        groups[m["group"]].add_argument(runconfig.flag(name), action=Once, **kw, help=m["help"] and m["help"].format(
-            tasks=", ".join(tasks.TASKS), inits=", ".join(runconfig.INITS)))
+        help_ = m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS), inits=", ".join(runconfig.INITS))
+        groups[m["group"]].add_argument(runconfig.flag(name), action=Once, help=help_, **kw)
 
 
 # the commands beside train: name -> (help, description or None, its arguments: (names, keywords))
