@@ -832,7 +832,9 @@ def sample(config, explicit: set) -> int:
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
     folder = runfiles.RunFolder(config.out)
-    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")          # one line where it is missing
+    if not os.path.exists(folder.file("ckpt.pt")):
+        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
+    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     task = runconfig.check(config, explicit)
     if task.KIND != "lm":
@@ -926,9 +928,9 @@ def show(run_dir: str, out: str) -> int:
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"show: --out {out} is a file, not a folder")
     path = os.path.join(run_dir, "ckpt.pt")
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
-        return show_saved(run_dir, out)
     if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(run_dir, "config.json")):
+            return show_saved(run_dir, out)
         raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained, or a "
                          "model saved with save_pretrained after retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
@@ -1091,9 +1093,8 @@ def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
 
 def check_same_data(ckpt: dict, task, config) -> None:
     """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no data files)."""
-    saved, now = ckpt["data"], task.data_hash()
+    saved, now, was = ckpt["data"], task.data_hash(), ckpt["config"].get("data_dir")
     if saved is not None and now != saved:
-        was = ckpt["config"].get("data_dir")
         raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is "
                          f"not the data the run in {config.out} trained on (data hash {now[:12]}, the checkpoint's "
                          f"{saved[:12]}); point --data-dir at the run's own data"
