@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 
 import torch
 
@@ -19,10 +20,9 @@ import maskprior as mp
 import runfiles
 import tasks
 
-# bad input: one line, exit status 2 (a busy folder: 75)
 UsageError = runfiles.UsageError
 
-# the argparse groups of the flags (a field's `group`)
+# the argparse groups of the flags (a field's `group`); a family's (runfiles.KINDS) holds its task options
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
           "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
           "arithmetic": "arithmetic (addition, multiplication)",
@@ -31,24 +31,19 @@ GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior
           "sampling": "sampling from a trained language model"}
 
 
-FAMILIES = ("boolean", "arithmetic", "vision", "lm")       # the groups of task options
-
-
 def setting(default=None, help=None, *, group: str, type=None, switch=False, choices=None, metavar=None, check=None,
             resumable=False, arch=False, tells_apart=True, alternative=None, needs=None, excludes=()):
     """A Config field and its flag --NAME-WITH-DASHES. type: int or float (None: a string); switch: a flag without a
-    value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or the data (named
-    so when a resume disagrees); tells_apart: runs that differ in it are different configurations in reports;
-    alternative: the field this one replaces when given (--steps drops the preset's --epochs and the other way
-    round). Where the flag applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field
-    (its resolved value) or "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not
-    zero); excludes, the fields that may not be given with it. A task option (a family's group) applies to the tasks
-    whose constructor takes it."""
-    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch,
-                                                choices=choices, metavar=metavar, check=check,
-                                                resumable=resumable, arch=arch,
-                                                tells_apart=tells_apart, alternative=alternative,
-                                                needs=needs or {}, excludes=tuple(excludes)))
+    value; check: a key of CHECKS; resumable: --resume may change it; arch: it shapes the model or the data (named so
+    when a resume disagrees); tells_apart: runs that differ in it are different configurations in reports; alternative:
+    the field this one replaces when given (--steps drops the preset's --epochs and the other way round). Where the flag
+    applies (`check` refuses it given anywhere else): needs, {key: allowed}, each key a field (its resolved value) or
+    "kind" (the task's family), allowed a tuple of values, GIVEN (not None) or ON (not zero); excludes, the fields that
+    may not be given with it. A task option (a family's group) applies to the tasks whose constructor takes it."""
+    return field(default=default, metadata=dict(help=help, group=group, type=type, switch=switch, choices=choices,
+                                                metavar=metavar, check=check, resumable=resumable, arch=arch,
+                                                tells_apart=tells_apart, alternative=alternative, needs=needs or {},
+                                                excludes=tuple(excludes)))
 
 
 # a `needs` condition other than a tuple of values: the field is set, or not zero
@@ -62,15 +57,8 @@ QK_SVD_INITS = inits.named(closed_form=True)
 # families whose M has on / off levels (--mask-on, --mask-off)
 LEVELS = ("boolean", "arithmetic", "vision")
 
-
-def _group(name: str):
-    """`setting` for the fields of one argparse group (see GROUPS)."""
-    return lambda *args, **kw: setting(*args, group=name, **kw)
-
-
-run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = map(
-    _group, ("run", "optimisation", "model", "prior", "boolean", "arithmetic", "vision", "lm",
-             "sampling"))
+# `setting` for the fields of each argparse group, in GROUPS' order
+run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = (partial(setting, group=g) for g in GROUPS)
 
 
 QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
@@ -86,8 +74,7 @@ class Config:
     init: str = run_("default", "initialisation: {inits} (default default)", arch=True, tells_apart=False)
     preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or "
                                 "paper (the paper's setting, for a GPU)")
-    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator "
-                        "keeps 32 bits; default 0)",
+    seed: int = run_(0, "seed for data, init and order, 0 .. 2^32 - 1 (torch's CPU generator keeps 32 bits; default 0)",
                      type=int, check="seed", tells_apart=False)
     out: str | None = run_(None, "run directory (default runs/TASK-INIT-sSEED)", tells_apart=False)
     resume: bool = run_(False, "continue the run in --out from its checkpoint", switch=True, **WHERE)
@@ -101,26 +88,22 @@ class Config:
                                   type=int, check="positive", **WHERE)
     compile: bool = run_(False, "torch.compile the model for training (the probes run it uncompiled)", switch=True,
                          **WHERE)
-    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes "
-                                       "(joining, and at each collective; default 1800)",
-                               type=float, check="positive", **WHERE)
+    dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at each "
+                                       "collective; default 1800)", type=float, check="positive", **WHERE)
     # optimisation
-    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True,
-                             alternative="epochs")
+    steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True, alternative="epochs")
     epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float,
                                 check="positive", resumable=True, alternative="steps")
     lr: float = opt_(0.0001, "peak learning rate", type=float, check="positive", resumable=True)
     batch_size: int = opt_(64, None, type=int, check="positive")
-    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float,
-                               check="non_negative")
+    weight_decay: float = opt_(0.0, "never applied to M, biases, norms, embeddings", type=float, check="non_negative")
     optimizer: str = opt_("adam", "adam = coupled L2 (GOTU), adamw = decoupled", choices=("adam", "adamw"))
     betas: str = opt_("0.9,0.999", "Adam betas, e.g. 0.9,0.999", check="betas")
     schedule: str = opt_("constant", None, choices=("constant", "cosine"))
     warmup: int = opt_(0, "linear warm-up steps", type=int, check="non_negative", alternative="warmup_epochs")
     warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)",
                                        type=float, check="non_negative", alternative="warmup")
-    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float,
-                            check="non_negative", resumable=True)
+    grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float, check="non_negative", resumable=True)
     # model
     layers: int = model_(2, None, type=int, check="positive", arch=True)
     heads: int = model_(4, None, type=int, check="positive", arch=True)
@@ -129,17 +112,14 @@ class Config:
     mlp_dim: int = model_(256, "hidden units of each MLP", type=int, check="positive", arch=True)
     emb_init_std: float = model_(1.0, "std of the token and CLS embeddings (GOTU: 1)", type=float,
                                  check="gain0", arch=True)
-    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float,
-                                 check="gain0", arch=True)
+    pos_init_std: float = model_(1.0, "std of the positional embedding (GOTU: 1)", type=float, check="gain0", arch=True)
     qkv_bias: bool | int = model_(False, "bias on the q, k, v projections", type=int, choices=(0, 1), arch=True)
     dropout: float = model_(0.0, "dropout on embeddings, attention output and MLP", type=float,
                             check="fraction", arch=True)
-    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with "
-                                   "this probability, linearly less before it (timm's schedule; "
-                                   "0 = off)", type=float, check="fraction")
-    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. "
-                             "0.9999), evaluated beside them (ema_* metrics); 0 = off", type=float,
-                        check="fraction")
+    drop_path: float = model_(0.0, "stochastic depth: the last block skips its branches with this probability, "
+                                   "linearly less before it (timm's schedule; 0 = off)", type=float, check="fraction")
+    ema: float = model_(0.0, "also keep a moving average of the weights with this decay (e.g. 0.9999), evaluated "
+                             "beside them (ema_* metrics); 0 = off", type=float, check="fraction")
     attention: str = model_("auto", "scaled_dot_product_attention (fused), the explicit softmax, "
                                     "or for M torch's flex_attention (CUDA); auto = fused, but "
                                     "explicit for a masked model of <= 128 positions on the CPU",
@@ -150,11 +130,10 @@ class Config:
                             check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
     mask_off: float = prior_(mp.M_OFF, "initial -M elsewhere", type=float, check="non_negative",
                              needs={"init": MASK_INITS, "kind": LEVELS})
-    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), relative: one logit "
-                                     "per head and distance i - j (heads x N; language models), or grid: per head "
-                                     "and patch displacement plus the class token's row and column (vision)",
-                             choices=("full", "relative", "grid"),
-                             arch=True, needs={"init": MASK_INITS})
+    mask_param: str = prior_("full", "M per (query, key) pair (heads x N x N; the paper's), relative: one logit per "
+                                     "head and distance i - j (heads x N; language models), or grid: per head and "
+                                     "patch displacement plus the class token's row and column (vision)",
+                             choices=("full", "relative", "grid"), arch=True, needs={"init": MASK_INITS})
     qk_svd_scale: float = prior_(1000.0, "qk-svd target logit on the pattern", type=float,
                                  check="gain", needs={"init": QK_SVD_INITS})
     qk_svd_noise: float = prior_(3.0, "qk-svd off-pattern noise scale", type=float,
@@ -170,9 +149,8 @@ class Config:
                                type=float, check="non_negative", needs=QK_OPT)
     qk_opt_pos_scale: float | None = prior_(None, "qk-opt: multiply the positional embedding first", type=float,
                                             check="positive", needs=QK_OPT)
-    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a "
-                                          "teacher): the prior is read from its attention "
-                                          "instead of the task's hand pattern", metavar="RUN",
+    prior_from: str | None = prior_(None, "a finished run of the same task and token layout (a teacher): the prior is "
+                                          "read from its attention instead of the task's hand pattern", metavar="RUN",
                                     arch=True, needs={"init": PRIOR_INITS}, excludes=("pattern",))
     prior_kind: str | None = prior_(None, "what --prior-from reads: pattern (keys or query-key pairs above "
                                           "--prior-ratio x the uniform share), logits (M whose bias gives the "
@@ -180,53 +158,42 @@ class Config:
                                           "(per head and 2-D offset); default: the task's first",
                                     choices=("pattern", "logits", "relative", "offsets"), arch=True,
                                     needs={"prior_from": GIVEN})
-    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this "
-                                     "multiple of the uniform attention share (default 1.5)",
-                                type=float, check="positive", arch=True,
+    prior_ratio: float = prior_(1.5, "--prior-kind pattern: keep what gets at least this multiple of the uniform "
+                                     "attention share (default 1.5)", type=float, check="positive", arch=True,
                                 needs={"prior_from": GIVEN, "prior_kind": ("pattern",)})
-    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training "
-                                                 "inputs (default: Boolean 0.95, arithmetic 0.9, "
-                                                 "vision 0.5, language 0.2)", type=float,
+    teacher_min_fit: float | None = prior_(None, "refuse a teacher fitting less of its training inputs (default: "
+                                                 "Boolean 0.95, arithmetic 0.9, vision 0.5, language 0.2)", type=float,
                                            check="unit", arch=True, needs={"prior_from": GIVEN})
     probe_size: int = prior_(512, "batch size of the prior-mass probe", type=int, check="positive")
     eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs "
                                  "(0 = all); the final evaluation uses all of them", type=int, check="non_negative",
                               resumable=True, needs={"kind": ("boolean", "arithmetic")})
     # boolean
-    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token "
-                                      "and mean pooling over the bit tokens; the pattern follows "
-                                      "the layout", metavar="{" + ",".join(tasks.READOUTS) + "}",
-                                arch=True)
+    readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over "
+                                      "the bit tokens; the pattern follows the layout",
+                                metavar="{" + ",".join(tasks.READOUTS) + "}", arch=True)
     n_bits: int = bool_(15, "kparity/kmajority/ksum: input bits (default 15)", type=int, arch=True)
-    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; "
-                               "random:K: K drawn by the seed)",
-                      arch=True)
-    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, "
-                                    "or majority led by m (default 0,1:2,3,4 = x0 x1 + x2 x3 x4)",
-                       arch=True)
+    bits: str = bool_("0,1,2", "kparity/kmajority: bits the target reads (default 0,1,2; random:K: K drawn by the "
+                               "seed)", arch=True)
+    terms: str = bool_("0,1:2,3,4", "ksum: a sum of terms split by ':', each its bits' parity, or majority led by m "
+                                    "(default 0,1:2,3,4 = x0 x1 + x2 x3 x4)", arch=True)
     unseen: str = bool_("0,1", "kparity/kmajority/ksum: bits at -1 in the unseen domain (default "
                                "0,1; bits:J: the first J of --bits)", arch=True)
-    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain "
-                                         "(default: all)", type=int)
-    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data "
-                                    "of up to this many bits (default 3)", type=int, arch=True,
-                                 needs=DISCOVERED)
-    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh "
-                                            "coefficient is at least this fraction of the "
-                                            "largest (default 0.25)", type=float, arch=True,
+    train_size: int | None = bool_(None, "kparity/kmajority/ksum: draws from the seen domain (default: all)", type=int)
+    discover_degree: int = bool_(3, "--pattern discovered: the Walsh sets of the training data of up to this many bits "
+                                    "(default 3)", type=int, arch=True, needs=DISCOVERED)
+    discover_threshold: float = bool_(0.25, "--pattern discovered: keep the sets whose Walsh coefficient is at least "
+                                            "this fraction of the largest (default 0.25)", type=float, arch=True,
                                       needs=DISCOVERED)
-    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of "
-                                        "no dependence passes the noise cut (default 0.05)",
-                                  type=float, arch=True, needs=DISCOVERED)
+    discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of no dependence passes "
+                                        "the noise cut (default 0.05)", type=float, arch=True, needs=DISCOVERED)
     # arithmetic
     data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 "
                                            "for addition, 0.03 for multiplication)", type=float, arch=True)
-    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain "
-                                      "format; the default) or reversed", metavar="{msb,lsb}",
-                               arch=True)
-    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee "
-                            "et al.'s multiplication), 1 or 4", type=int, metavar="{1,2,3,4}",
-                         arch=True)
+    answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain format; the default) or "
+                                      "reversed", metavar="{msb,lsb}", arch=True)
+    digits: int = arith_(3, "digits per operand: 3 (the default; 10^6 pairs), 2 (10^4 pairs, Lee et al.'s "
+                            "multiplication), 1 or 4", type=int, metavar="{1,2,3,4}", arch=True)
     lee_samples: int | None = arith_(None, "multiplication, --digits 2: Lee et al.'s data instead, N samples (the "
                                            "100 one-digit pairs, then N - 100 drawn with replacement; theirs: "
                                            "3000), unpadded a*b=c, tested on every pair not trained on",
@@ -236,32 +203,26 @@ class Config:
                                          "cifar-10-batches-py/; for language models the corpus folder)", **WHERE)
     image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
                                      type=int, check="positive", arch=True)
-    input_size: int | None = vision_(None, "the model's image side (default: the image size); "
-                                           "larger upsamples, e.g. 224 for CIFAR as the paper "
-                                           "preset's recipe does", type=int, check="positive",
-                                     arch=True)
+    input_size: int | None = vision_(None, "the model's image side (default: the image size); larger upsamples, e.g. "
+                                           "224 for CIFAR as the paper preset's recipe does", type=int,
+                                     check="positive", arch=True)
     patch_size: int | None = vision_(None, "ViT patch side in pixels", type=int, check="positive", arch=True)
     pool: str | None = vision_(None, "ViT readout: global average pooling or a CLS token",
                                choices=("mean", "cls"), arch=True)
-    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, "
-                                    "...; the default) or random (drawn by the seed)",
-                           metavar="{fixed,random}", arch=True,
+    impulse: str = vision_("fixed", "impulse offsets per head: fixed order (self, up, right, ...; the default) or "
+                                    "random (drawn by the seed)", metavar="{fixed,random}", arch=True,
                            needs={"pattern": ("impulse", "soft", "graded")})
-    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance "
-                                     "(in patches) to the head's offset (default 1.0)", type=float,
-                                arch=True, needs={"pattern": ("soft",)})
-    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; "
-                             "default 3)", type=int,
+    soft_alpha: float = vision_(1.0, "--pattern soft: log sigmoid(M) = -alpha x squared distance (in patches) to the "
+                                     "head's offset (default 1.0)", type=float, arch=True, needs={"pattern": ("soft",)})
+    window: int = vision_(3, "--pattern local: the side of every head's window, in patches (odd; default 3)", type=int,
                           arch=True, needs={"pattern": ("local",)})
     label_smoothing: float | None = vision_(None, None, type=float, check="fraction")
     mixup: float = vision_(0.0, "mixup Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
     cutmix: float = vision_(0.0, "cutmix Beta(alpha, alpha); 0 = off", type=float, check="non_negative")
-    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to "
-                               "the input size (scale 0.08-1); a flip either way",
-                        metavar="{pad,rrc}")
-    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / "
-                                     "crop-pct, keep the centre (default 0.875)", type=float,
-                              needs={"input_size": GIVEN})
+    crop: str = vision_("pad", "training crop: pad 4 and crop back, or a random resized crop to the input size (scale "
+                               "0.08-1); a flip either way", metavar="{pad,rrc}")
+    crop_pct: float = vision_(0.875, "evaluation at another input size: resize to input / crop-pct, keep the centre "
+                                     "(default 0.875)", type=float, needs={"input_size": GIVEN})
     randaug: float = vision_(0.0, "RandAugment magnitude in [0, 10] (0 = off; the recipe: 9)", type=float)
     randaug_std: float = vision_(0.5, "RandAugment: std of the per-image magnitude noise (default 0.5)", type=float,
                                  check="non_negative", needs={"randaug": ON})
@@ -270,19 +231,15 @@ class Config:
     # lm
     context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
     val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
-    positions: str = lm_("learned", "the positional embedding: a learned table of --context "
-                                    "positions (the default), or none (the order from the causal "
-                                    "mask and the prior, as ALiBi: the model serves any length)",
-                         metavar="{learned,none}", arch=True)
-    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context "
-                               "(long_val_loss, long_val_ppl; past --context it needs "
-                               "--positions none; 0 = off)", type=int, metavar="N",
-                            resumable=True)
-    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them "
-                                        "(default: --context); its gradient costs O(T N)",
-                                  type=int, metavar="N", arch=True,
-                                  needs={"init": MASK_INITS, "mask_param": ("relative",)},
-                                  excludes=("prior_from",))
+    positions: str = lm_("learned", "the positional embedding: a learned table of --context positions (the default), "
+                                    "or none (the order from the causal mask and the prior, as ALiBi: the model serves "
+                                    "any length)", metavar="{learned,none}", arch=True)
+    eval_context: int = lm_(0, "also evaluate in windows of N tokens, e.g. twice --context (long_val_loss, "
+                               "long_val_ppl; past --context it needs --positions none; 0 = off)", type=int,
+                            metavar="N", resumable=True)
+    mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them (default: --context); "
+                                        "its gradient costs O(T N)", type=int, metavar="N", arch=True,
+                                  needs={"init": MASK_INITS, "mask_param": ("relative",)}, excludes=("prior_from",))
     # sampling
     sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in "
                                        "--out and exit (no training)", metavar="PROMPT", **WHERE)
@@ -300,7 +257,7 @@ RESUMABLE = {name for name, f in FIELDS.items() if f.metadata["resumable"]}
 ARCH = {name for name, f in FIELDS.items() if f.metadata["arch"]}
 NOT_TELLING_APART = {name for name, f in FIELDS.items() if not f.metadata["tells_apart"]}
 ALTERNATIVES = {name: f.metadata["alternative"] for name, f in FIELDS.items() if f.metadata["alternative"]}
-TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in FAMILIES}
+TASK_FLAGS = {name for name, f in FIELDS.items() if f.metadata["group"] in runfiles.KINDS}
 NEEDS = {name: f.metadata["needs"] for name, f in FIELDS.items() if f.metadata["needs"]}
 EXCLUDES = {name: f.metadata["excludes"] for name, f in FIELDS.items() if f.metadata["excludes"]}
 
@@ -323,12 +280,12 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
     task_cls = tasks.TASKS[task]
     if preset not in task_cls.presets():
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
-    for flag, other in ALTERNATIVES.items():
-        if flag in explicit and other in explicit:
-            raise UsageError(f"give either --{flag.replace('_', '-')} or --{other.replace('_', '-')}, not both")
+    for name, other in ALTERNATIVES.items():
+        if name in explicit and other in explicit:
+            raise UsageError(f"give either {flag(name)} or {flag(other)}, not both")
     from_preset = task_cls.preset(preset)
-    for flag in explicit & set(ALTERNATIVES):
-        from_preset.pop(ALTERNATIVES[flag], None)
+    for name in explicit & set(ALTERNATIVES):
+        from_preset.pop(ALTERNATIVES[name], None)
     values = {**DEFAULTS, **from_preset, **given}
     if values["out"] is None:
         values["out"] = os.path.join("runs", f"{task}-{init}-s{values['seed']}")
@@ -349,8 +306,7 @@ def betas_pair(text: str) -> bool:
 
 # a field's `check`: (holds(value), what the value must be)
 CHECKS = {"positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
-          "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+          "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"), "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
           "seed": (lambda v: 0 <= v <= SEED_MAX, f"in 0 .. {SEED_MAX} (torch's CPU generator keeps 32 bits, so a "
                                                  "larger seed would train the same weights as a smaller one)"),
           "betas": (betas_pair, "two numbers in [0, 1) like 0.9,0.999"),
@@ -488,9 +444,8 @@ EXPLICIT_UP_TO = 128
 
 
 def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's:
-    `mp.prior_attention`), but explicit for a masked model of at most EXPLICIT_UP_TO positions on
-    the CPU."""
+    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
+    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
     if attention == "auto":
         return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"
@@ -501,12 +456,10 @@ def model_config(config, task, device=torch.device("cpu")):
     its trunk and the family's own fields from the flags."""
     arch = task.arch()
     family = mp.family_of(arch)
-    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads,
-                 head_dim=config.head_dim, mlp_dim=config.mlp_dim,
-                 learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
-                 qkv_bias=bool(config.qkv_bias), dropout=config.dropout,
-                 pos_init_std=config.pos_init_std, drop_path=config.drop_path,
-                 mask_param=config.mask_param, mask_window=config.mask_window)
+    trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
+                 mlp_dim=config.mlp_dim, learnable_mask=config.init in MASK_INITS, flex=config.attention == "flex",
+                 qkv_bias=bool(config.qkv_bias), dropout=config.dropout, pos_init_std=config.pos_init_std,
+                 drop_path=config.drop_path, mask_param=config.mask_param, mask_window=config.mask_window)
     own = {k: v for k, v in dict(emb_init_std=config.emb_init_std).items() if k in {f.name for f in fields(family)}}
     cfg = family(**arch, **trunk, **own)
     cfg = replace(cfg, fused=use_fused(config.attention, cfg.learnable_mask, device, cfg.n_positions))
@@ -527,9 +480,9 @@ def sized(cfg, device: torch.device):
     if params is not None and 16 * params <= memory:
         return cfg
     size = "more parameters than torch can count" if params is None else f"{params:,} parameters"
-    raise runfiles.UsageError(f"the model of these flags has {size}, and training it takes 16 bytes each (weights, "
-                              f"gradients, Adam's moments): more than this {device.type}'s {memory / 2 ** 30:.0f} GiB; "
-                              "give a smaller --dim, --mlp-dim, --layers or --heads")
+    raise UsageError(f"the model of these flags has {size}, and training it takes 16 bytes each (weights, gradients, "
+                     f"Adam's moments): more than this {device.type}'s {memory / 2 ** 30:.0f} GiB; give a smaller "
+                     "--dim, --mlp-dim, --layers or --heads")
 
 
 def pick_device(name: str) -> torch.device:
@@ -565,7 +518,7 @@ def saved_config(saved: dict, where: str) -> Config:
                          "continue the run with the version that wrote it, or start a new run")
     for name, value in saved.items():
         if not value_fits(name, value):
-            raise UsageError(f"{where} has {name}={value!r}, which --{name.replace('_', '-')} cannot take")
+            raise UsageError(f"{where} has {name}={value!r}, which {flag(name)} cannot take")
     config = Config(**saved)
     try:
         check(config, rules=False)

@@ -2,7 +2,6 @@
 one writer (a file appears whole or not at all), the one reader (a regular file within a size
 limit; torch files with weights_only=True, JSON as JSON) and the schemas checked before any value
 is used: the run folder and its lock, ckpt.pt's container, result.json, metrics.jsonl and prior.pt.
-Imports torch alone; tasks.py (the datasets), train.py and the reports build on it.
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ class BusyError(UsageError):
     status = 75
 
 
-
 # ---- the one writer: a file this program writes is made new by this process (O_CREAT | O_EXCL, never through a
 # link) and renamed into place, or appended to only where it is provably this process's own (`append_own`)
 
@@ -62,20 +60,18 @@ def atomic_output(path: str | os.PathLike, dir_fd: int | None = None) -> Iterato
     file, a link to a user's file) is replaced, never written through. `dir_fd`: `path` is a name in that open
     folder (a run folder held by its handle)."""
     path = Path(path)
-    folder = None if dir_fd is not None else path.parent
+    where = (lambda name: name) if dir_fd is not None else (lambda name: path.parent / name)
     tmp, fd = None, -1
     for _ in range(100):
         tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"
         try:
-            fd = os.open(tmp if dir_fd is not None else folder / tmp,
-                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666 & ~umask(), dir_fd=dir_fd)
+            fd = os.open(where(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666 & ~umask(), dir_fd=dir_fd)
             break
         except FileExistsError:
             continue
         except OSError as e:
             e.filename = e.filename or str(path)
             raise
-    where = (lambda name: name) if dir_fd is not None else (lambda name: folder / name)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -190,8 +186,7 @@ class ReadError(UsageError):
 
 MiB = 1 << 20
 
-READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB,
-               "table": 64 * MiB}
+READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB, "table": 64 * MiB}
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
@@ -208,7 +203,9 @@ def open_back(path: str | os.PathLike) -> BinaryIO:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise ReadError(f"{path} is {_file_kind(mode)}, not a regular file")
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ReadError(f"{path} is {kind}, not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -226,11 +223,6 @@ def read_back(path: str | os.PathLike, kind: str) -> bytes:
     return data
 
 
-def _file_kind(mode: int) -> str:
-    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device")
-
-
 def load_torch(data: bytes, path: str | os.PathLike):
     """torch.load of bytes read back, weights_only=True (tensors, numbers, strings and containers; a pickle that
     names anything else is refused before it is called), torch's own warnings kept out of the one line."""
@@ -241,8 +233,7 @@ def load_torch(data: bytes, path: str | os.PathLike):
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"it names {named.group(1)}" if named else next(
-            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()),
-                                                               "an unsupported pickle")
+            (line.strip()[:160] for line in str(e).splitlines()[1:] if line.strip()), "an unsupported pickle")
         raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
                         "holds and which would run code if unpickled; it was not run") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line
@@ -295,15 +286,10 @@ def read_json(path: str | os.PathLike):
     return load_json(read_back(path, "json"), path)
 
 
-# ---- schemas: key -> (check, what it must be), checked on what is read back before any value is
-# used
-
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
+# ---- schemas: key -> (check, what it must be), checked on what is read back before any value is used
 
 def is_finite(v) -> bool:
-    return is_number(v) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def is_share(v) -> bool:
@@ -375,8 +361,7 @@ def is_value(v) -> bool:
 
 
 def is_measure(v) -> bool:
-    """A number a log step measured: a value (`is_value`), or NaN (nothing there to measure: an
-    empty set of points)."""
+    """A number a log step measured: a value (`is_value`), or NaN (nothing there to measure: an empty set of points)."""
     return is_value(v) or isinstance(v, float) and math.isnan(v)
 
 
@@ -404,13 +389,8 @@ def is_metrics(v, check=is_optional(is_measure)) -> bool:
         isinstance(k, str) and len(k) <= 64 and check(x) for k, x in v.items())
 
 
-# result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are
-# in every one (a run of an earlier version lacks some: reports list it).
-
-def is_label(v) -> bool:
-    """A short printable name of a token position (x0, CLS, +)."""
-    return isinstance(v, str) and 0 < len(v) <= 16 and v.isprintable()
-
+# result.json as train.py writes it: key -> (check, what it must be); the RESULT_REQUIRED keys are in every one (a
+# run of an earlier version lacks some: reports list it).
 
 def is_name(v) -> bool:
     """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_'
@@ -428,22 +408,22 @@ RESULT_SCHEMA = {
     "seed": (lambda v: is_count(v) and v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
     "metrics": (lambda v: is_metrics(v, is_optional(is_value)),
                 f"a dict of at most {MAX_METRICS} finite numbers within +-{MAX_VALUE:g} (or null)"),
-    "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"),
-                 "preset": (is_name, "a preset name"),
+    "kind": (lambda v: v in KINDS, f"one of {', '.join(KINDS)}"), "preset": (is_name, "a preset name"),
     "run_id": (is_optional(is_of(str)), "an id"), "data": (is_optional(is_of(str)), "a data hash"),
     "steps": (is_step, "a step count in 0 .. 2^53"),
     "seconds": (lambda v: is_finite(v) and v >= 0, "a time"),
     "prior_mass_start_layers": (is_optional(is_layers(is_value, 0)), "finite numbers per layer"),
     "prior_mass_end_layers": (is_optional(is_layers(is_value, 0)), "finite numbers per layer"),
     "init_report": (is_optional(is_of(dict)), "a dict"),
-                 "config": (lambda v: v is None or isinstance(v, dict) and (
-                     "n_layers" not in v or is_count(v["n_layers"])
-                     and 0 < v["n_layers"] <= MAX_LAYERS),
-                            f"null or a model config (n_layers in 1 .. {MAX_LAYERS})"),
+    "config": (lambda v: v is None or isinstance(v, dict) and (
+        "n_layers" not in v or is_count(v["n_layers"]) and 0 < v["n_layers"] <= MAX_LAYERS),
+               f"null or a model config (n_layers in 1 .. {MAX_LAYERS})"),
     "tells_apart": (is_of(dict), "the flags that tell runs apart"),
     "init_order": (is_count, "the init's place in inits.INITS"),
-    "token_labels": (is_optional(is_list_of(is_label)), "null or the names of its positions"),
-                 "at_preset": (is_of(bool), "true or false"),
+    # a short printable name of each token position (x0, CLS, +)
+    "token_labels": (is_optional(is_list_of(lambda v: isinstance(v, str) and 0 < len(v) <= 16 and v.isprintable())),
+                     "null or the names of its positions"),
+    "at_preset": (is_of(bool), "true or false"),
     "prior_source": (lambda v: v is None or isinstance(v, dict) and all(
         is_share(v[k]) for k in ("precision", "recall") if k in v) and all(
         is_count(v[k]) for k in ("found_pairs", "oracle_pairs") if k in v),
@@ -452,8 +432,9 @@ RESULT_SCHEMA = {
 RESULT_REQUIRED = ("task", "init", "seed", "metrics", "tells_apart", "init_order", "run_id", "data")
 
 
-def check_result(result, path: str | os.PathLike) -> dict:
-    """A result.json's contents against RESULT_SCHEMA (`check_schema`), a bad metric named."""
+def read_result(path: str | os.PathLike) -> dict:
+    """A run's result.json through the one reader, checked against RESULT_SCHEMA, a bad metric named."""
+    result = read_json(path)
     metrics = result.get("metrics") if isinstance(result, dict) else None
     bad = ([k for k, v in metrics.items() if not is_optional(is_value)(v)] if isinstance(metrics, dict) else [])
     if bad:
@@ -463,37 +444,30 @@ def check_result(result, path: str | os.PathLike) -> dict:
     return check_schema(result, RESULT_SCHEMA, RESULT_REQUIRED, path)
 
 
-def read_result(path: str | os.PathLike) -> dict:
-    """A run's result.json through the one reader, its schema checked (`check_result`)."""
-    return check_result(read_json(path), path)
-
-
 def _short(v) -> str:
     """`v` as a one-line message quotes it: its repr on one line (a tensor's spans many), cut to 80 characters."""
     text = re.sub(r"\s+", " ", repr(v))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file
-# is seen, never used)
+# ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file is seen, never used)
 
 def is_tensor(ranks: tuple):
     """A plain (`is_plain_tensor`) floating tensor of one of `ranks` dimensions."""
     return lambda v: is_plain_tensor(v) and v.is_floating_point() and v.dim() in ranks
 
 
-# A layer's record of the prior at the start (mp.prior_snapshot, the probe's `snapshot`): M
-# (null for a layer without one), (heads, N, N) or relative (heads, distances); Wq Wk^T per head.
+def is_record(schema: dict):
+    """A dict with every key of `schema`, each value passing its check: a record nested in a file read back."""
+    return lambda v: schema_problem(v, schema, schema) is None
+
+
+# A layer's record of the prior at the start (mp.prior_snapshot, the probe's `snapshot`): M (null for a layer without
+# one), (heads, N, N) or relative (heads, distances); Wq Wk^T per head.
 SNAPSHOT_SCHEMA = {
-    "mask": (is_optional(is_tensor((2, 3))), "null or M at the start, a finite float tensor of "
-                                             "(heads, N, N) or (heads, distances)"),
-    "qk": (is_optional(is_tensor((3,))), "null or Wq Wk^T per head, a finite float tensor of "
-                                          "(heads, dim, dim)")}
-
-
-def is_snapshot_record(v) -> bool:
-    """One layer's record of a probe snapshot (SNAPSHOT_SCHEMA: both keys there)."""
-    return schema_problem(v, SNAPSHOT_SCHEMA, SNAPSHOT_SCHEMA) is None
+    "mask": (is_optional(is_tensor((2, 3))), "null or M at the start, a finite float tensor of (heads, N, N) or "
+                                             "(heads, distances)"),
+    "qk": (is_optional(is_tensor((3,))), "null or Wq Wk^T per head, a finite float tensor of (heads, dim, dim)")}
 
 
 def snapshot_fits(contents: dict) -> bool:
@@ -501,11 +475,6 @@ def snapshot_fits(contents: dict) -> bool:
     M: `show` draws end - start. (Weights that are not this version's model are train.py's to name.)"""
     ends = [tuple(t.shape) for k, t in contents["model"].items() if k.endswith("attn.prior.bias")]
     return not ends or [tuple(r["mask"].shape) for r in contents["snapshot"] if r["mask"] is not None] == ends
-
-
-def is_record(schema: dict):
-    """A dict with every key of `schema`, each value passing its check: a record nested in a file read back."""
-    return lambda v: schema_problem(v, schema, schema) is None
 
 
 def is_rng_state(v) -> bool:
@@ -526,24 +495,23 @@ OPTIMIZER_SCHEMA = {"state": (is_of(dict), "the parameters' states"),
 # A checkpoint's contents: key -> (check, what it must be); every key but "ema" (--ema) is in each one.
 CKPT_SCHEMA = {
     "model": (is_named_tensors, NAMED_TENSORS),
-               "optimizer": (is_record(OPTIMIZER_SCHEMA), "an optimiser state (OPTIMIZER_SCHEMA)"),
-    "step": (is_count, "a step"), "seconds": (lambda v: is_finite(v) and v >= 0,
-                                              "a training time"),
+    "optimizer": (is_record(OPTIMIZER_SCHEMA), "an optimiser state (OPTIMIZER_SCHEMA)"),
+    "step": (is_count, "a step"), "seconds": (lambda v: is_finite(v) and v >= 0, "a training time"),
     "config": (is_of(dict), "the run's flags"), "model_config": (is_of(dict), "a model config"),
     "init_report": (is_optional(is_of(dict)), "a report"),
-    "snapshot": (is_layers(is_snapshot_record), "a record a layer of M and Wq Wk^T at the start "
-                                                "(SNAPSHOT_SCHEMA: each null or a finite float "
-                                                "tensor, M of 2 or 3 dimensions, Wq Wk^T of 3)"),
+    "snapshot": (is_layers(is_record(SNAPSHOT_SCHEMA)), "a record a layer of M and Wq Wk^T at the start "
+                 "(SNAPSHOT_SCHEMA: each null or a finite float tensor, M of 2 or 3 dimensions, Wq Wk^T of 3)"),
     "prior_mass_start": (is_optional(is_list_of(is_finite)), "finite numbers per layer"),
     "rng": (is_record(RNG_SCHEMA), "the generators' states (RNG_SCHEMA)"),
     "identity": (is_record(IDENTITY_SCHEMA), "the run's id, seed and config hash (IDENTITY_SCHEMA)"),
     "log_step": (is_count, "a step"), "data": (is_optional(is_of(str)), "a data hash"),
     "machine": (is_record(MACHINE_SCHEMA), "the device and threads its floats were summed on (MACHINE_SCHEMA)"),
-               "prior_source": (is_optional(is_of(dict)), "a prior's source"),
+    "prior_source": (is_optional(is_of(dict)), "a prior's source"),
     "prior_sha256": (is_of(str), "a sha256"), "ema": (is_named_tensors, NAMED_TENSORS)}
 
 
 CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
+
 
 def weights_mismatch(config: dict, state: dict) -> str | None:
     """What keeps saved weights `state` from fitting the model a saved `config` describes (`mp.model_from_config`,
@@ -556,8 +524,7 @@ def weights_mismatch(config: dict, state: dict) -> str | None:
         with torch.device("meta"):
             model = {k: (tuple(t.shape), t.dtype) for k, t in mp.model_from_config(config).state_dict().items()}
     except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
-        first = str(e).splitlines()[0][:160] if str(e) else ""
-        return f"its config does not build a model ({type(e).__name__}: {first})"
+        return f"its config does not build a model ({type(e).__name__}: {_first_line(e)[:160]})"
     saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
     missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
     other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
@@ -593,19 +560,15 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader, both levels with weights_only=True, once they match their
-    sha256, and checked against CKPT_SCHEMA; a checkpoint of another format (an earlier version's, or none: before
-    checksums), a damaged one or one whose contents break the schema or whose keys disagree (`checkpoint_problem`:
-    the model they rebuild too) is a ReadError. What the flags mean is train.py's to check."""
+    """A checkpoint's contents through the one reader (both levels weights_only=True) once they are of this format,
+    match their sha256, pass CKPT_SCHEMA and agree with each other and the model they rebuild (`checkpoint_problem`);
+    else a ReadError. What the flags mean is train.py's to check."""
     outer = load_torch(read_back(path, "checkpoint"), path)
-    if not isinstance(outer, dict) or "format" not in outer:
-        raise ReadError(f"{path} is not a checkpoint of this version of train.py (no format: one "
-                        "written before checksums, or another program's file); continue the run "
-                        "with the version that wrote it, or start a new run")
-    if outer["format"] != CKPT_FORMAT:
-        raise ReadError(f"{path} is a checkpoint of an earlier version of train.py "
-                        f"({outer['format']}); this version reads {CKPT_FORMAT}: continue the run "
-                        "with the version that wrote it, or start a new run")
+    if not isinstance(outer, dict) or outer.get("format") != CKPT_FORMAT:
+        what = (f"a checkpoint of an earlier version of train.py ({outer['format']}); this version reads {CKPT_FORMAT}:"
+                if isinstance(outer, dict) and "format" in outer else "not a checkpoint of this version of train.py "
+                "(no format: one written before checksums, or another program's file);")
+        raise ReadError(f"{path} is {what} continue the run with the version that wrote it, or start a new run")
     payload = outer.get("payload")
     if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
         raise ReadError(f"{path} is damaged (its contents do not match the checksum saved with them); restore the "
@@ -617,20 +580,18 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     return contents
 
 
-# ---- the run folder: locked by the process that runs in it, its files written whole, a refusal
-# leaving it as it was
+# ---- the run folder: locked by the process that runs in it, its files written whole, a refusal leaving it as it was
 
 # A write that fails for want of room or permission: one line naming it, every file written before whole.
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
-    """A run directory, locked by its process from before the first check to the run's end (flock on the folder
-    itself, released when the process exits), so that two processes never share one. A folder holds a run once it
-    has ckpt.pt (the first save writes it last) or result.json; a new run may take over a folder without them (a
-    start that died before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and
-    locked): every write goes into that folder, wherever it is now (`write`, `append`); a folder moved away
-    while the run trains stops the run in one line at its next write (`check_here`), never a write into another
-    run's folder at the old path."""
+    """A run directory, locked by its process from before the first check to the run's end (flock on the folder itself,
+    released when the process exits), so that two processes never share one. A folder holds a run once it has ckpt.pt
+    (the first save writes it last) or result.json; a new run may take over a folder without them (a start that died
+    before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and locked): every write goes
+    into that folder, wherever it is now (`write`, `append`); a folder moved away while the run trains stops the run in
+    one line at its next write (`check_here`), never a write into another run's folder at the old path."""
     OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
 
     def __init__(self, path: str):
@@ -803,8 +764,7 @@ class RunFolder:
         what = (f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}"
                 + (f" writing {e.filename}" if e.filename else f" under {self.path}"))
         if saved_step is None:
-            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume "
-                    f"--out {self.path} again"
+            return (f"{what}; the run in {self.path} is unchanged: free space, then --resume --out {self.path} again"
                     if resume else f"{what}; the new run had no checkpoint yet and left nothing "
                                    "behind: free space and start it again")
         return (f"{what} at step {step}; the checkpoint of step {saved_step} in {self.file('ckpt.pt')} is whole: "
@@ -830,31 +790,27 @@ def missing_folders(path: str) -> list[str]:
     return out
 
 
-# ---- metrics.jsonl, a run's log: one JSON record per log step (train.py appends them; reports
-# read them back)
-
+# ---- metrics.jsonl, a run's log: one JSON record per log step (train.py appends them; reports read them back)
 
 class LogError(ValueError):
     """A metrics.jsonl that is not one run's whole log: a line damaged, lost, repeated or out of order."""
 
 
-# A metrics.jsonl line as `train_loop` writes it: key -> (check, what it must be); the LOG_REQUIRED
-# keys are in every one. The lists hold a value a layer (LOG_LAYER_KEYS; qk_drift is empty for a
-# model whose attention is not ours); NaN is a metric or margin with nothing to measure.
+# A metrics.jsonl line as `train_loop` writes it: key -> (check, what it must be); the LOG_REQUIRED keys are in every
+# one. The lists hold a value a layer (LOG_LAYER_KEYS; qk_drift is empty for a model whose attention is not ours);
+# NaN is a metric or margin with nothing to measure.
 LOG_SCHEMA = {
     "step": (is_step, "a step in 0 .. 2^53"),
     "prev": (is_optional(is_step), "null or the step logged before it"),
-    "metrics": (is_metrics, f"a dict of at most {MAX_METRICS} metrics, each a finite number "
-                            f"within +-{MAX_VALUE:g}, NaN or null"),
-    "prior_mass": (is_optional(is_layers(is_mass)), "null or the attention mass on the pattern "
-                                                    f"a layer (1 .. {MAX_LAYERS} shares)"),
+    "metrics": (is_metrics, f"a dict of at most {MAX_METRICS} metrics, each a finite number within +-{MAX_VALUE:g}, "
+                            "NaN or null"),
+    "prior_mass": (is_optional(is_layers(is_mass)), "null or the attention mass on the pattern a layer "
+                                                    f"(1 .. {MAX_LAYERS} shares)"),
     "prior_mass_mean": (is_optional(is_mass), "null or a share in [0, 1]"),
-    "content_margin": (is_optional(is_layers(is_measure)), "null or a margin a layer (finite "
-                                                           f"within +-{MAX_VALUE:g}, or NaN)"),
-    "mask_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0)),
-                   "null or a relative change >= 0 a layer"),
-    "qk_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0, 0)),
-                 "null or a relative change >= 0 a layer"),
+    "content_margin": (is_optional(is_layers(is_measure)), f"null or a margin a layer (finite within +-{MAX_VALUE:g}, "
+                                                           "or NaN)"),
+    "mask_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0)), "null or a relative change >= 0 a layer"),
+    "qk_drift": (is_optional(is_layers(lambda v: is_value(v) and v >= 0, 0)), "null or a relative change >= 0 a layer"),
     "loss": (is_optional(is_value), f"null or a loss within +-{MAX_VALUE:g}"),
     "lr": (lambda v: is_value(v) and v >= 0, "a learning rate >= 0"),
     "seconds": (lambda v: is_value(v) and v >= 0, "a time >= 0"),
@@ -862,22 +818,15 @@ LOG_SCHEMA = {
 }
 LOG_REQUIRED = ("step", "metrics")
 LOG_LAYER_KEYS = ("prior_mass", "content_margin", "mask_drift", "qk_drift")
-# what the keys of a line that passes LOG_SCHEMA must say of each other: (check, what breaks)
-LOG_RELATIONS = ((lambda r: (r.get("prior_mass") is None) == (r.get("prior_mass_mean") is None),
-                  "prior_mass and prior_mass_mean are not both given or both null"),)
 
 
 def log_problem(rec) -> str | None:
-    """What makes a parsed metrics.jsonl line other than a record as `train_loop` writes it
-    (LOG_SCHEMA, LOG_RELATIONS), or None."""
+    """What makes a parsed metrics.jsonl line other than a record as `train_loop` writes it (LOG_SCHEMA, and
+    prior_mass and prior_mass_mean given together), or None."""
     problem = schema_problem(rec, LOG_SCHEMA, LOG_REQUIRED)
-    broken = [] if problem else [what for fits, what in LOG_RELATIONS if not fits(rec)]
-    return problem or (f": {broken[0]}" if broken else None)
-
-
-def log_line(rec) -> bool:
-    """Whether a parsed metrics.jsonl line is a record as `train_loop` writes it (`log_problem`)."""
-    return log_problem(rec) is None
+    if problem is None and (rec.get("prior_mass") is None) != (rec.get("prior_mass_mean") is None):
+        return ": prior_mass and prior_mass_mean are not both given or both null"
+    return problem
 
 
 def read_log(path: str, layers: int | None = None) -> list[dict]:
@@ -940,8 +889,8 @@ def log_bytes(record: dict) -> bytes:
 def truncate_log(folder: RunFolder, step: int) -> None:
     """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut short
     (`read_log`: anything else damaged is refused before this): the log written anew, whole."""
-    name = "metrics.jsonl"
-    folder.write(name, "".join(json.dumps(r) + "\n" for r in read_log(folder.file(name)) if r["step"] <= step))
+    folder.write("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_log(folder.file("metrics.jsonl"))
+                                          if r["step"] <= step))
 
 
 def _first_line(e: BaseException) -> str:
@@ -991,12 +940,9 @@ def read_prior(path: str | os.PathLike, n: int | None = None, data: bytes | None
     pattern, logits, source = (saved.get(k) if isinstance(saved, dict) else None
                                for k in ("pattern", "logits", "source"))
     n = n or (pattern.shape[-1] if isinstance(pattern, torch.Tensor) and pattern.dim() else 0)
-    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool
-            and pattern.dim() in (2, 3)
-            and tuple(pattern.shape[-2:]) == (n, n) and isinstance(logits, torch.Tensor)
-            and logits.is_floating_point()
-            and bool(torch.isfinite(logits).all()) and logits.dim() in (2, 3)
-            and isinstance(source, dict)):
+    if not (isinstance(pattern, torch.Tensor) and pattern.dtype == torch.bool and pattern.dim() in (2, 3)
+            and tuple(pattern.shape[-2:]) == (n, n) and isinstance(logits, torch.Tensor) and logits.is_floating_point()
+            and bool(torch.isfinite(logits).all()) and logits.dim() in (2, 3) and isinstance(source, dict)):
         raise ReadError(f"{path} does not hold a run's prior (a bool pattern of ({n}, {n}) or "
                         f"(heads, {n}, {n}), finite logits and a source)")
     return Prior(pattern, logits, source)

@@ -51,7 +51,6 @@ import tasks
 
 # the command's start (after its imports), for the wall time the final line prints
 STARTED = time.time()
-# bad input: one line, exit status 2 (a busy folder: 75)
 UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 
 
@@ -105,16 +104,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     groups = {key: p.add_argument_group(title) for key, title in runconfig.GROUPS.items()}
     for name, f in runconfig.FIELDS.items():
         m = f.metadata
-        kw = {"help": m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS),
-                                                     inits=", ".join(runconfig.INITS)),
-              "action": Once}
-        if m["switch"]:
-            kw["nargs"] = 0
-        else:
-            kw.update({k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"])) if v is not None})
-            if m["choices"]:
-                kw["choices"] = list(m["choices"])
-        groups[m["group"]].add_argument("--" + name.replace("_", "-"), **kw)
+        kw = {k: v for k, v in (("type", number(m["type"])), ("metavar", m["metavar"]),
+                                ("choices", m["choices"] and list(m["choices"])), ("nargs", 0 if m["switch"] else None))
+              if v is not None}
+        help_ = m["help"] and m["help"].format(tasks=", ".join(tasks.TASKS), inits=", ".join(runconfig.INITS))
+        groups[m["group"]].add_argument(runconfig.flag(name), action=Once, help=help_, **kw)
 
 
 # the commands beside train: name -> (help, description or None, its arguments: (names, keywords))
@@ -185,11 +179,8 @@ def parse_args(argv=None):
     return flags, explicit
 
 
-
 # ----------------------------------------------------------------------------------------
 # Build: the task, the model, the prior and the init, the optimiser
-
-
 
 # the model config of a run, sized for this machine (one line where it is not): runconfig's, named here too
 model_config, use_fused = runconfig.model_config, runconfig.use_fused
@@ -202,7 +193,6 @@ def build_model(config, task, device):
     return model.to(device), model_cfg
 
 
-
 def apply_init(model, prior: runfiles.Prior, config) -> dict:
     """Write the prior into the model as config.init says; returns the init's report."""
     return runconfig.INITS[config.init].apply(model, prior, config, torch.Generator().manual_seed(config.seed + 1))
@@ -210,10 +200,9 @@ def apply_init(model, prior: runfiles.Prior, config) -> dict:
 
 # what a teacher's maps must share
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")
-
-
 # a --prior-from run, read and checked
 Teacher = collections.namedtuple("Teacher", "folder ckpt config")
+
 
 def read_teacher(config, task) -> Teacher:
     """--prior-from RUN, read as someone else's files before anything is built or written: a folder
@@ -246,9 +235,8 @@ def read_teacher(config, task) -> Teacher:
                          "must cover this run's positions")
     kind = config.prior_kind or task.TEACHER_KINDS[0]
     if kind != "pattern" and theirs["n_heads"] != config.heads:
-        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: "
-                         f"--prior-kind {kind} gives each head its own M (the teacher's head); "
-                         "use --prior-kind pattern or as many heads")
+        raise UsageError(f"{flag} has {theirs['n_heads']} heads, this run {config.heads}: --prior-kind {kind} gives "
+                         "each head its own M (the teacher's head); use --prior-kind pattern or as many heads")
     return Teacher(folder, ckpt, saved)
 
 
@@ -387,6 +375,15 @@ class Dist:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def failed(self, e: BaseException, folder: runfiles.RunFolder | None) -> str | None:
+        """A start that raised `e`: the run folder left as it was (`RunFolder.abandon`), then `e` raised again where it
+        is no refusal or the run is one process; else the line to share with the other ranks (`agree`: rank 0's)."""
+        if folder is not None:
+            folder.abandon()
+        if self.world == 1 or not isinstance(e, UsageError):
+            raise e
+        return str(e) if self.main else None
+
     def agree(self, error: str | None) -> None:
         """Every rank learns rank 0's error (None: none): rank 0 raises it, the others exit quietly."""
         error = self.share(error)
@@ -399,8 +396,7 @@ class Dist:
         the global mean (the last batch of an epoch may not split evenly)."""
         if self.world == 1:
             return batch, None
-        first = batch[0] if isinstance(batch, (tuple, list)) else batch
-        n = len(first)
+        n = len(batch[0] if isinstance(batch, (tuple, list)) else batch)
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         weight = (hi - lo) * self.world / n
         # fewer examples than ranks: a stand-in with no weight
@@ -423,12 +419,11 @@ class Dist:
 def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
     """One process (no torchrun): Dist(). Under torchrun: join the process group (NCCL on GPUs, gloo on the CPU) and
     pin this rank's device (the config it returns names it); bad settings are one line from rank 0."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Dist(), config
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    world = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
     if world == 1:
         return Dist(), config
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
     if config.sample is not None:
         raise UsageError("--sample runs in one process; start it without torchrun")
     if config.batch_size % world:
@@ -437,23 +432,19 @@ def init_distributed(config: runconfig.Config) -> tuple[Dist, runconfig.Config]:
     device = runconfig.pick_device(config.device)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
-            raise UsageError(f"torchrun started {world} processes per node but torch sees "
-                             f"{torch.cuda.device_count()} CUDA GPU(s); use --nproc_per_node "
-                             f"{torch.cuda.device_count()} or fewer")
+            raise UsageError(f"torchrun started {world} processes per node but torch sees {torch.cuda.device_count()} "
+                             f"CUDA GPU(s); use --nproc_per_node {torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local)
         config = replace(config, device=f"cuda:{local}")
     elif device.type != "cpu":
-        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or "
-                         "on the CPU (gloo)")
+        raise UsageError(f"--device {config.device}: data parallelism runs on CUDA GPUs (NCCL) or on the CPU (gloo)")
     try:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             rank=rank, world_size=world,
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=config.dist_timeout))
     except Exception as e:  # noqa: BLE001 - an unreachable rendezvous is one line, not a traceback
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise UsageError(f"torchrun: cannot join the process group at {where} within "
-                         f"--dist-timeout {config.dist_timeout} s ({type(e).__name__}); are all "
-                         f"{world} processes started?") from None
+        raise UsageError(f"torchrun: cannot join the process group at {where} within --dist-timeout "
+                         f"{config.dist_timeout} s ({type(e).__name__}); are all {world} processes started?") from None
     return Dist(rank, world, local), config
 
 
@@ -476,25 +467,18 @@ class Run:
     folder: runfiles.RunFolder | None        # rank 0's (the others never touch the run folder)
     dist: Dist
     step: int = 0
-    seconds: float = 0.0            # training time before this invocation
-    # written at the start into ckpt.pt and the log's step-0 line (None: an old run)
-    run_id: str | None = None
-    data: str | None = None         # the task's data hash (tasks.Task.data_hash), saved in ckpt.pt
-    # where the prior came from (`Prior.source`), saved in ckpt.pt and result.json
-    prior_source: dict | None = None
-    # a new run's prior.pt (`runfiles.Prior.to_bytes`), written by `begin`
-    prior_file: bytes | None = None
-    # its sha256, saved in ckpt.pt: a resume reads back the same file
-    prior_sha256: str | None = None
-    log_step: int = 0               # the step of the last line in metrics.jsonl
-    saved_step: int | None = None   # the step of the checkpoint on disk (None: none yet)
-    last: dict | None = None        # the latest logged record
-    # how long the last log step's evaluation took (the ETA counts them)
-    eval_seconds: float | None = None
-    # what the steps run: the model, compiled and/or in DDP
-    trained: torch.nn.Module | None = None
-    # the moving average of the weights (--ema): updated each step, saved
-    ema: torch.nn.Module | None = None
+    seconds: float = 0.0                # training time before this invocation
+    run_id: str | None = None           # written into ckpt.pt and the log's step-0 line (None: an old run)
+    data: str | None = None             # the task's data hash (tasks.Task.data_hash), saved in ckpt.pt
+    prior_source: dict | None = None    # where the prior came from (`Prior.source`): ckpt.pt, result.json
+    prior_file: bytes | None = None     # a new run's prior.pt (`runfiles.Prior.to_bytes`), written by `begin`
+    prior_sha256: str | None = None     # its sha256, saved in ckpt.pt: a resume reads back the same file
+    log_step: int = 0                   # the step of the last line in metrics.jsonl
+    saved_step: int | None = None       # the step of the checkpoint on disk (None: none yet)
+    last: dict | None = None            # the latest logged record
+    eval_seconds: float | None = None   # how long the last log step's evaluation took (the ETA counts them)
+    trained: torch.nn.Module | None = None      # what the steps run: the model, compiled and/or in DDP
+    ema: torch.nn.Module | None = None          # the moving average of the weights (--ema): updated each step, saved
 
     def path(self, name: str) -> str:
         return os.path.join(self.config.out, name)
@@ -532,10 +516,9 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run
-    folder and write (`begin`): a refusal writes and deletes nothing; a new run that fails after
-    `begin` removes only what it wrote (`RunFolder.abandon`). A new run is initialised
-    (`new_run`), a resumed one gets its checkpoint's state (`restored_run`)."""
+    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run folder and write
+    (`begin`): a refusal writes and deletes nothing; a new run that fails after `begin` removes only what it wrote
+    (`RunFolder.abandon`)."""
     config, folder, ckpt, task, device, teacher = prepare_run(config, explicit, dist)
     error = None
     try:
@@ -553,16 +536,8 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
                 state.trained, device_ids=[dist.local_rank] if device.type == "cuda" else None)
         if dist.main:
             begin(state, ckpt)
-    except UsageError as e:
-        if folder is not None:
-            folder.abandon()
-        if dist.world == 1:
-            raise
-        error = str(e) if dist.main else None
-    except BaseException:
-        if folder is not None:
-            folder.abandon()
-        raise
+    except BaseException as e:
+        error = dist.failed(e, folder)
     dist.agree(error)
     return state
 
@@ -586,18 +561,13 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
             # one target, one spelling: what the run stores
             if respelt and ckpt is None:
-                runconfig.say("stored as " + ", ".join(f"--{k.replace('_', '-')} {v}"
-                                             for k, v in respelt.items()) +
-                    " (the one spelling of this target)")
+                runconfig.say("stored as " + ", ".join(f"{runconfig.flag(k)} {v}" for k, v in respelt.items())
+                              + " (the one spelling of this target)")
                 config, task = replace(config, **respelt), runconfig.task_for(replace(config, **respelt))
             teacher = read_teacher(config, task) if config.prior_from is not None and ckpt is None else None
             device = runconfig.pick_device(config.device)
-    except UsageError as e:
-        if folder is not None:
-            folder.release()
-        if dist.world == 1:
-            raise
-        error = str(e)
+    except BaseException as e:
+        error = dist.failed(e, folder)
     dist.agree(error)
     shared = dist.share(asdict(config) if dist.main else None)
     return (config if dist.main else runconfig.Config(**shared)), folder, ckpt, task, device, teacher
@@ -616,17 +586,15 @@ def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Co
     return replace(config, **sized, log_every=log_every, ckpt_every=config.ckpt_every or log_every)
 
 
-# What a config builds (`build`): its config with the schedule sized, the task set up, the model and its model
-# config, the optimiser, and the init's report and prior (None where the init was not applied: a resume).
+# What `build` returns; the init's report and prior are None where the init was not applied (a resume).
 Built = collections.namedtuple("Built", "config task model model_cfg optimizer init_report prior")
 
 
 def build(config: runconfig.Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task (`task`: set up already, its data read; None: made and
-    set up here), the schedule sized, the model built and, with `init`, initialised (`teacher`:
-    --prior-from's files, read already), and the optimiser (M undecayed). Runs, tests and
-    benchmarks."""
+    """Everything a run trains: the task (`task`: set up already, its data read; None: made and set up here), the
+    schedule sized, the model built and, with `init`, initialised (`teacher`: --prior-from's files, read already), and
+    the optimiser (M undecayed). Runs, tests and benchmarks."""
     device = device or runconfig.pick_device(config.device)
     if task is None:
         task = runconfig.task_for(config)
@@ -650,21 +618,16 @@ def build(config: runconfig.Config, device: torch.device | None = None, explicit
 
 
 def new_run(built: Built, task, device, folder: runfiles.RunFolder | None, dist: Dist) -> Run:
-    """A new run from its build, in memory: the start checked and measured (rank 0), the prior
-    serialised for prior.pt."""
+    """A new run from its build, in memory: the start checked and measured (rank 0), the prior serialised."""
     config, model, prior = built.config, built.model, built.prior
     pattern, inputs = prior.pattern.to(device), task.probe_inputs(config.probe_size)
     check_start(model, task, config, device)
-    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points,
-                  lambda: autocast(device, config))
-    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device,
-                built.init_report, None, folder, dist, run_id=uuid.uuid4().hex,
-                data=task.data_hash(), prior_source=prior.source)
-    if config.ema:
-        state.ema = copy.deepcopy(model).requires_grad_(False)
-    # kept beside the run, read back on resume and by reports
-    state.prior_file = prior.to_bytes()
-    state.prior_sha256 = hashlib.sha256(state.prior_file).hexdigest()
+    probe = Probe(task, pattern, inputs, mp.prior_snapshot(model), config.eval_points, lambda: autocast(device, config))
+    prior_file = prior.to_bytes()          # kept beside the run, read back on resume and by reports
+    state = Run(config, task, model, built.model_cfg, built.optimizer, probe, device, built.init_report, None, folder,
+                dist, run_id=uuid.uuid4().hex, data=task.data_hash(), prior_source=prior.source, prior_file=prior_file,
+                prior_sha256=hashlib.sha256(prior_file).hexdigest(),
+                ema=copy.deepcopy(model).requires_grad_(False) if config.ema else None)
     if dist.main:
         began = time.time()
         state.last = {"step": 0, "loss": None, "run_id": state.run_id, **probe.measure(model)}
@@ -691,14 +654,12 @@ def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, 
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise UsageError(f"--resume: the optimiser state in {config.out}/ckpt.pt does not fit "
                          f"this run's parameters ({type(e).__name__}: {str(e)[:120]})") from None
-    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"],
-                  config.eval_points,
-                    lambda: autocast(device, config))
-    state = Run(config, task, model, model_cfg, built.optimizer, probe, device,
-                ckpt["init_report"], ckpt["prior_mass_start"], folder, dist, step=ckpt["step"],
-                seconds=ckpt["seconds"], run_id=ckpt["identity"]["run_id"],
-                log_step=ckpt["log_step"], saved_step=ckpt["step"], data=ckpt["data"],
-                prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
+    probe = Probe(task, pattern, task.probe_inputs(config.probe_size), ckpt["snapshot"], config.eval_points,
+                  lambda: autocast(device, config))
+    state = Run(config, task, model, model_cfg, built.optimizer, probe, device, ckpt["init_report"],
+                ckpt["prior_mass_start"], folder, dist, step=ckpt["step"], seconds=ckpt["seconds"],
+                run_id=ckpt["identity"]["run_id"], log_step=ckpt["log_step"], saved_step=ckpt["step"],
+                data=ckpt["data"], prior_source=prior_source, prior_sha256=ckpt["prior_sha256"])
     if config.ema:
         state.ema = copy.deepcopy(model).requires_grad_(False)
         state.ema.load_state_dict(ckpt["ema"])     # read_checkpoint checked that it fits
@@ -763,8 +724,7 @@ def train_loop(state: Run) -> int | None:
                 rate = steps_done / (time.time() - t_start - t_eval)
                 print(f"step {step:>6}/{total} | train_loss {loss_value:.4f} | {rate:.2f} steps/s | ETA "
                       f"{fmt_time(eta(state, step, rate))} (an early estimate; the first evaluation is at step "
-                      f"{min(total, (step // config.log_every + 1) * config.log_every)})",
-                      flush=True)
+                      f"{min(total, (step // config.log_every + 1) * config.log_every)})", flush=True)
                 estimated = True
             halt = interrupted or (config.halt_after is not None and step >= config.halt_after and step < total)
             if step % config.ckpt_every == 0 or step == total or halt:
@@ -775,7 +735,7 @@ def train_loop(state: Run) -> int | None:
             if halt:
                 why = "interrupted" if interrupted else f"halted at --halt-after {config.halt_after}"
                 runconfig.say(f"{why}: checkpoint at step {step} in {state.path('ckpt.pt')}; continue with "
-                    f"--resume --out {config.out}")
+                              f"--resume --out {config.out}")
                 return stop.code if interrupted else 0
     state.seconds += time.time() - t_start
     return None
@@ -848,22 +808,18 @@ def finish(state: Run) -> int:
     metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
                "prior_mass_end": start and last["prior_mass_mean"]}
     preset = runconfig.resolve(*parse_args(["--task", config.task, "--preset", config.preset]))
-    result = {"task": config.task, "kind": state.task.KIND, "init": config.init,
-              "seed": config.seed, "preset": config.preset, "run_id": state.run_id,
-              "data": state.data, "init_order": list(runconfig.INITS).index(config.init),
-              "token_labels": state.task.token_labels(),
-              "tells_apart": {k: v for k, v in asdict(config).items()
-                              if k not in runconfig.NOT_TELLING_APART},
+    result = {"task": config.task, "kind": state.task.KIND, "init": config.init, "seed": config.seed,
+              "preset": config.preset, "run_id": state.run_id, "data": state.data,
+              "init_order": list(runconfig.INITS).index(config.init), "token_labels": state.task.token_labels(),
+              "tells_apart": {k: v for k, v in asdict(config).items() if k not in runconfig.NOT_TELLING_APART},
               # model and data as the preset's (reports mark it)
               "at_preset": all(getattr(config, k) == getattr(preset, k) for k in runconfig.ARCH - {"init"}),
               "steps": state.step, "seconds": round(state.seconds, 2), "metrics": metrics,
-              "prior_mass_start_layers": state.mass_start,
-              "prior_mass_end_layers": last["prior_mass"],
+              "prior_mass_start_layers": state.mass_start, "prior_mass_end_layers": last["prior_mass"],
               **{k: last[k] for k in ("qk_drift", "mask_drift") if k in last},
               **({"prior_mass_note": state.probe.no_mass} if state.probe.no_mass else {}),
-              "init_report": state.init_report, "prior_source": state.prior_source,
-              "config": asdict(state.model_cfg), "device": str(state.device),
-              "torch": torch.__version__,
+              "init_report": state.init_report, "prior_source": state.prior_source, "config": asdict(state.model_cfg),
+              "device": str(state.device), "torch": torch.__version__,
               "params": sum(p.numel() for p in state.model.parameters())}
     state.folder.write("result.json", json_text(result))
     print(f"done: {state.probe.line(last)} | training {fmt_time(state.seconds)}, {time.time() - STARTED:.1f} s "
@@ -876,19 +832,19 @@ def sample(config, explicit: set) -> int:
     if "out" not in explicit:
         raise UsageError("--sample needs --out RUN_DIR, the run whose checkpoint to sample from")
     folder = runfiles.RunFolder(config.out)
-    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")          # one line where it is missing
+    if not os.path.exists(folder.file("ckpt.pt")):
+        raise UsageError(f"--sample: no checkpoint {folder.file('ckpt.pt')}; train the run first (or check --out)")
+    ckpt = read_checkpoint(folder.file("ckpt.pt"), "--sample")
     config = restore_config(config, explicit, folder, ckpt)
     task = runconfig.check(config, explicit)
     if task.KIND != "lm":
-        raise UsageError("--sample needs a language-model run (wikitext2, tinystories); "
-                         f"{config.out} is {config.task}")
+        raise UsageError(f"--sample needs a language-model run (wikitext2, tinystories); {config.out} is {config.task}")
     device = runconfig.pick_device(config.device)
     task.setup(device)
     model, model_cfg = build_model(config, task, device)
     check_architecture(ckpt, model_cfg, "--sample", config.out)
     model.load_state_dict(ckpt["model"])     # read_checkpoint checked that it fits
-    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature,
-                             config.top_k,
+    print(task.continue_text(model.eval(), config.sample, config.sample_tokens, config.temperature, config.top_k,
                              torch.Generator(device=device).manual_seed(config.seed)))
     return 0
 
@@ -913,10 +869,8 @@ def begin(state: Run, ckpt: dict | None) -> None:
     if ckpt is not None:
         runfiles.truncate_log(folder, state.step)
         folder.write("args.json", json_text(asdict(config)))
-        note = rounding_note(ckpt, state.device, config)
-        return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (f"\n{note}"
-                                                                                   if note
-                                                                                   else ""))
+        note = rounding_note(ckpt, state.device, config) or ""
+        return runconfig.say(f"resuming {config.out} at step {state.step}/{config.steps}" + (note and f"\n{note}"))
     folder.create()
     folder.write("args.json", json_text(asdict(config)))
     folder.write("prior.pt", state.prior_file)
@@ -939,19 +893,15 @@ def json_text(obj) -> str:
 
 
 def save_checkpoint(state: Run, seconds: float | None = None) -> None:
-    """ckpt.pt: model, optimiser, step, training time, the run's config and the model's, the init's report, the
-    prior's snapshot and starting mass, RNG states: all `--resume` needs to continue exactly. They are serialised
-    first and stored with their sha256, which `read_checkpoint` verifies."""
-    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
-            "step": state.step, "seconds": state.seconds if seconds is None else seconds,
-            "config": asdict(state.config), "model_config": asdict(state.model_cfg),
-            "init_report": state.init_report, "snapshot": state.probe.snapshot,
-            "prior_mass_start": state.mass_start,
-            **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
+    """ckpt.pt: all `--resume` needs to continue exactly (the RNG states too), serialised and stored with their sha256
+    (`runfiles.checkpoint_bytes`), which `read_checkpoint` verifies."""
+    ckpt = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step,
+            "seconds": state.seconds if seconds is None else seconds, "config": asdict(state.config),
+            "model_config": asdict(state.model_cfg), "init_report": state.init_report, "snapshot": state.probe.snapshot,
+            "prior_mass_start": state.mass_start, **({"ema": state.ema.state_dict()} if state.ema is not None else {}),
             "identity": {"run_id": state.run_id, "seed": state.config.seed,
                          "config_hash": config_hash(asdict(state.config))},
-            "log_step": state.log_step,
-            "data": state.data, "machine": float_order(state.device),
+            "log_step": state.log_step, "data": state.data, "machine": float_order(state.device),
             "prior_source": state.prior_source, "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -978,9 +928,9 @@ def show(run_dir: str, out: str) -> int:
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"show: --out {out} is a file, not a folder")
     path = os.path.join(run_dir, "ckpt.pt")
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
-        return show_saved(run_dir, out)
     if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(run_dir, "config.json")):
+            return show_saved(run_dir, out)
         raise UsageError(f"show: no checkpoint {path}; give a run folder (train.py --out) that has trained, or a "
                          "model saved with save_pretrained after retrofit.add_mask_prior")
     ckpt = read_checkpoint(path, "show")
@@ -1092,13 +1042,10 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
             what = "architecture" if key in runconfig.ARCH else "setting"
             raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
-    values = asdict(config)
-    for key, value in saved.items():
-        if key != "out" and key in runconfig.DEFAULTS and (key not in explicit or key not in runconfig.RESUMABLE):
-            values[key] = value
-    if "halt_after" not in explicit:
-        values["halt_after"] = None     # a halt belongs to one invocation
-    return runconfig.Config(**{**values, "resume": True})
+    kept = {k: v for k, v in saved.items() if k != "out" and (k not in explicit or k not in runconfig.RESUMABLE)}
+    # a halt belongs to one invocation
+    return runconfig.Config(**{**asdict(config), **kept, "resume": True,
+                               "halt_after": config.halt_after if "halt_after" in explicit else None})
 
 
 def resumed_flags(folder: runfiles.RunFolder, ckpt: dict) -> dict:
@@ -1145,11 +1092,9 @@ def check_architecture(ckpt: dict, model_cfg, flag: str, out: str) -> None:
 
 
 def check_same_data(ckpt: dict, task, config) -> None:
-    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no
-    data files)."""
-    saved, now = ckpt["data"], task.data_hash()
+    """--resume on the data the run trained on: the task's data hash is the checkpoint's (None: no data files)."""
+    saved, now, was = ckpt["data"], task.data_hash(), ckpt["config"].get("data_dir")
     if saved is not None and now != saved:
-        was = ckpt["config"].get("data_dir")
         raise UsageError(f"--resume: the data{f' in --data-dir {config.data_dir}' if config.data_dir else ''} is "
                          f"not the data the run in {config.out} trained on (data hash {now[:12]}, the checkpoint's "
                          f"{saved[:12]}); point --data-dir at the run's own data"
@@ -1157,8 +1102,7 @@ def check_same_data(ckpt: dict, task, config) -> None:
 
 
 def saved_prior(config, task, sha256: str) -> runfiles.Prior:
-    """A resumed run's prior: its prior.pt through the one reader (`runfiles.read_prior`), the bytes its
-    checkpoint names."""
+    """A resumed run's prior: its prior.pt through the one reader (`runfiles.read_prior`), the bytes ckpt.pt names."""
     path = os.path.join(config.out, "prior.pt")
     try:
         data = runfiles.read_back(path, "prior")
@@ -1167,30 +1111,28 @@ def saved_prior(config, task, sha256: str) -> runfiles.Prior:
                              "not the one in the checkpoint); restore the run's own prior.pt")
         return runfiles.read_prior(path, task.pattern(task.DEFAULT_PATTERN).shape[-1], data)
     except runfiles.ReadError as e:
-        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore "
-                         "the file") from None
+        raise UsageError(f"--resume: {e}: the run keeps the prior it started from there; restore the file") from None
 
 
-# resumable flags that change how a step's floats round, not what the run is
-NUMERICS = ("amp", "compile")
+# resumable flags that change how a step's floats round, not what the run is: what each value does on a device type
+NUMERICS = {"amp": amp_on, "compile": lambda value, device_type: value}
 
 
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
-    """A note that a resume on another device type or CPU thread count, or with another --amp or
-    --compile (NUMERICS), is exact only to rounding, or None."""
-    saved, now = ckpt["machine"], float_order(device)
-    effective = {"amp": lambda v, kind: amp_on(v, kind), "compile": lambda v, kind: v}
-    changed = [f"--{k} {ckpt['config'].get(k)}, now {getattr(config, k)}" for k in NUMERICS
-               if effective[k](ckpt["config"].get(k), saved["device"]) != effective[k](getattr(config, k), device.type)]
+    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
+    (NUMERICS), is exact only to rounding, or None."""
+    saved, now, was = ckpt["machine"], float_order(device), ckpt["config"]
+    changed = [f"--{k} {was.get(k)}, now {getattr(config, k)}" for k, acts in NUMERICS.items()
+               if acts(was.get(k), saved["device"]) != acts(getattr(config, k), device.type)]
     if saved == now and not changed:
         return None
     same = saved["device"] == now["device"]
-    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}"
-                                    if same else f"on {saved['device']}, now on {now['device']}"]
-    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another "
-            "order, so the resumed run matches an uninterrupted one to about 1e-6, not bitwise"
-            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same
-               and not changed else ""))
+    what = [] if saved == now else [f"{saved['threads']} CPU threads, now {now['threads']}" if same
+                                    else f"on {saved['device']}, now on {now['device']}"]
+    return (f"note: the run trained with {'; '.join(what + changed)}: its sums round in another order, so the resumed "
+            "run matches an uninterrupted one to about 1e-6, not bitwise"
+            + (f"; with OMP_NUM_THREADS={saved['threads']} it resumes bitwise" if what and same and not changed
+               else ""))
 
 
 def float_order(device: torch.device) -> dict:
