@@ -1,19 +1,9 @@
 """How the language-model prior scales with the context, side by side as ratios to default (no M) at each context
-length N: parameters, training-step time and peak memory of
-
-    floor              default's model reading the relative prior's bias as a constant: the kernel call of the
-                       prior's fused path (on the CPU torch's fused kernel with the bias and is_causal), the kernel's
-                       own backward, no M: what reading a bias costs the kernel
-    full               M per query and key, heads x N x N
-    relative           M per distance, heads x N
-    relative64 .. 256  a table of W = 64, 128, 256 distances serving all N (distances past it read its last logit);
-                       from max(2,048, 8 W) tokens on the CPU takes its band and far part (maskprior_fast)
-    full:sdpa, relative:sdpa          the peers' way: SDPA with the bias as a mask that needs a gradient
-    full:explicit, relative:explicit  the explicit softmax
-
-so that what M itself costs is a variant's ratio over the floor's (the /floor column), and what our path saves over
-a plain implementation of the same M is its ratio beside the :sdpa and :explicit rows (the legend says which rows
-compute the same function).
+length N: parameters, training-step time and peak memory of the floor (default's model reading the relative prior's
+bias as a constant through the prior's kernel call), the full M, the relative M, windows of W = 64, 128, 256
+distances, and beside each M what a plain implementation pays (:sdpa, SDPA with a learnt mask; :explicit, the
+explicit softmax). The legend printed under the table says what each row and column is and which rows compute the
+same function; what M itself costs is a row's /floor column.
 
     python benchmarks/bench_context.py                              # N = 256 ... 2048, one CPU thread
     python benchmarks/bench_context.py --sizes 256,1024,2048,4096 --rounds 5
@@ -25,27 +15,10 @@ forced (:band), SDPA with a learnt mask (:sdpa; on CUDA its memory-efficient ker
 torch's flex_attention (CUDA only, as its backward is).
 
 The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 257), batch 4, train.py's step (forward,
-backward, AdamW update). Step times (on the CPU the thread's CPU time, one thread computing; on CUDA the wall clock):
-every variant of one N in one process, timed in interleaved rounds (warm-up excluded) so that drifts in machine load hit
-all alike; the table gives the median, and of the per-round ratios (a variant's step over default's in the same round)
-the median and the min-max, which tells noise from signal. Peak memory: on the CPU each variant alone in a fresh process
-(peak resident memory); on CUDA in the timing process (a step's peak allocation over what was resident, plus the
-variant's parameters, gradients and AdamW state), so that no variant compiles its kernels twice. The table is on stdout,
-with a legend under it; what runs, N by N, on stderr.
-
-Why the floor used to come out slower than the prior (1.30x against 1.23x at N = 1,024 in results/README.md): it was
-not the prior's kernel call. It gave the bias to F.scaled_dot_product_attention as a 4-D float mask, and SDPA takes
-no is_causal beside a mask, so the kernel computed every block of the future that the mask's -inf then hid, forward
-and backward; the prior's CPU path (maskprior_fast.prior_attention -> `_FusedPrior`) calls the same aten kernel with
-the bias and is_causal, which skips those blocks. Measured here (one thread, a 2-core machine shared with other
-work), one attention call (batch 4, 4 heads, head dim 32, forward + backward) as a ratio to SDPA with is_causal and
-no mask: mask without is_causal 1.35-1.46x at N = 1,024 and 1.75x at 2,048, the kernel with the mask and is_causal
-1.09-1.10x and 1.11x, the prior 1.12-1.13x and 1.57x; the whole step at N = 1,024 (11 rounds): old floor 1.27x, this
-floor 1.03x, relative 1.09x. The floor is now that kernel call with the kernel's own backward, so it does less than
-any prior on the fused path; one that comes out above a prior is noise (or the prior runs the explicit or flex
-path), and the table says which under the N's rows. The prior's backward is our own (`maskprior_fast._backward`, the
-kernel gives no dS), so /floor counts it with M's gradient: at N = 2,048 a frozen M on the prior's path costs 1.40x,
-a learnt one 1.42x, the floor 1.13x.
+backward, AdamW update). Every variant of one N runs in one process, timed in interleaved rounds (warm-up excluded) so
+that drifts in machine load hit all alike; peak memory on the CPU is measured with each variant alone in a fresh
+process. The table is on stdout, with the legend under it; what runs, N by N, on stderr. Why the floor was once slower
+than the prior (it was not the prior's kernel call): results/speed/README.md.
 """
 import argparse
 import json

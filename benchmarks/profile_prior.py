@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import maskprior as mp  # noqa: E402
 import maskprior_fast  # noqa: E402
+from bench_context import cpu_rounds  # noqa: E402
 
 B, H, D = 4, 4, 32
 
@@ -51,17 +51,11 @@ def make(variant: str, t: int):
 
 
 def ratios(t: int, variants: list, rounds: int) -> dict:
-    """{variant: (median ms, median ratio to default over interleaved rounds)}: this thread's CPU time, so that other
-    work on a shared machine stretches it less than the wall clock."""
+    """{variant: (median ms, median ratio to default over interleaved rounds)} in this thread's CPU time."""
     runs = {v: make(v, t) for v in variants}
     for run in runs.values():
         run()
-    times = {v: [] for v in variants}
-    for _ in range(rounds):
-        for v, run in runs.items():
-            t0 = time.thread_time()
-            run()
-            times[v].append(time.thread_time() - t0)
+    times = cpu_rounds(runs, rounds)
     return {v: (1000 * statistics.median(ts), statistics.median(a / b for a, b in zip(ts, times["default"])))
             for v, ts in times.items()}
 
@@ -81,12 +75,7 @@ def backwards(t: int, rounds: int) -> str:
         for name, run in (("kernel", lambda: kernel(dout, q, k, v, out, lse, 0.0, True, attn_mask=bias[None])),
                           (param, lambda: maskprior_fast._backward(prior, q, k, v, out, lse, dout, bias))):
             run()
-            ts = []
-            for _ in range(rounds):
-                t0 = time.thread_time()
-                run()
-                ts.append(time.thread_time() - t0)
-            best[name] = min(best.get(name, float("inf")), 1000 * min(ts))
+            best[name] = min(best.get(name, float("inf")), 1000 * min(cpu_rounds({name: run}, rounds)[name]))
     return (f"backward alone, T = {t}: the kernel's {best['kernel']:.1f} ms; ours, full M {best['full']:.1f} ms "
             f"({best['full'] / best['kernel']:.2f}x), relative M {best['relative']:.1f} ms "
             f"({best['relative'] / best['kernel']:.2f}x)")
