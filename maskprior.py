@@ -254,8 +254,7 @@ class MaskPrior(nn.Module):
         check_size(who, "its M", _prior_entries(n, heads, n_keys, causal, param, src, grid),
                    "param='relative' holds a prior that depends on i - j alone at heads x (2n - 1); else build it for "
                    "fewer positions or heads")
-        # a causal distance prior is stored by distance; anything else (a layout) by pair
-        if param is None:
+        if param is None:  # a causal distance prior is stored by distance; anything else (a layout) by pair
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if (n_keys is not None and (causal or param != "full") or (param == "grid") != (grid is not None)
                 or grid and (causal or prefix or grid[0] * grid[1] > n)):
@@ -266,11 +265,9 @@ class MaskPrior(nn.Module):
                              f"grid={grid!r}")
         self.n, self.heads, self.causal, self.param, self.grid = n, heads, causal, param, grid
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
-        # the layer it serves, for error messages (maskprior_retrofit names it)
-        self.where = "MaskPrior"
+        self.where = "MaskPrior"            # the layer it serves, for error messages (maskprior_retrofit names it)
         self.record = None                    # a list while `attention_maps` records probabilities
-        # (rows, cols) (B, L) long while `prior_roles` is in effect
-        self.roles = None
+        self.roles = None                   # (rows, cols) (B, L) long while `prior_roles` is in effect
         size = {"full": (heads, n, self.n_keys), "relative": (heads, n if causal else 2 * n - 1),
                 "grid": (heads, grid_slots(*grid, n - grid[0] * grid[1]) if grid else 0)}[param]
         # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging
@@ -278,10 +275,8 @@ class MaskPrior(nn.Module):
         # and erase the prior. float32 whatever the default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
         watch_decay(self)
-        # to_empty gave M memory but no values: set or load it first
-        self.unset = False
-        # what M starts from (a CPU copy), for reset_parameters
-        self.start = None
+        self.unset = False                  # to_empty gave M memory but no values: set or load it first
+        self.start = None                   # what M starts from (a CPU copy), for reset_parameters
         if pattern is not None and causal:
             _check_past_only(pattern, f"{self.where}: the pattern allows", "give pattern & mp.causal_pattern(n)")
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
@@ -327,7 +322,6 @@ class MaskPrior(nn.Module):
         raise ValueError(f"{self.where}: torch.jit.script cannot compile a model that holds a MaskPrior (the "
                          "prior's hooks and bias are Python); trace it (torch.jit.trace), compile it "
                          "(torch.compile) or export it (torch.export) instead")
-
 
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a
@@ -463,8 +457,7 @@ class MaskPrior(nn.Module):
         r = self._first_row(t, s, start)
         # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
         c = s if self.param == "relative" else min(s, self.n_keys)
-        # per example: M's row of each query's role, column of each key's
-        if self.roles is not None:
+        if self.roles is not None:          # per example: M's row of each query's role, column of each key's
             rows, cols = self.roles
             if rows.shape[1] < r + t or cols.shape[1] < c:
                 raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} "
@@ -475,13 +468,11 @@ class MaskPrior(nn.Module):
             bias = mask_bias(self._logits(self.bias[:, r:r + t, :c]))
         elif self.param == "grid":                 # log sigmoid on the table, then gathered (t = c = n)
             bias = mask_bias(self._logits(self.bias))[:, self._pairs()]
-        # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
-        else:
+        else:  # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
             dist = torch.arange(r + t - 1, r - c, -1, device=self.bias.device)
             line = mask_bias(self._logits(self.bias))[:, self._index(dist)]
             line = line.masked_fill(dist < 0, float("-inf")) if self.causal else line
-            # row i, key j: line[t - 1 - i + j], distance r + i - j
-            bias = line.unfold(1, c, 1).flip(1)
+            bias = line.unfold(1, c, 1).flip(1)  # row i, key j: line[t - 1 - i + j], distance r + i - j
         if self.causal and self.param == "full":
             bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
@@ -580,8 +571,7 @@ class Attention(nn.Module):
         if (self.fused or flex) and not return_attn and self.prior is not None:
             out = prior_attention(q, k, v, self.prior, flex)
         elif self.fused and not return_attn:
-            # queries after a cache: is_causal would align them to key 0
-            late = self.causal and s > t
+            late = self.causal and s > t    # queries after a cache: is_causal would align them to key 0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~future_keys(s, x.device)[s - t:] if late else None,
                                                  is_causal=self.causal and not late)
         else:
@@ -638,8 +628,7 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True (or "
                          "Attention(..., mask_size=N)), or give your own attention a MaskPrior")
-    # refused before any M changes, as a prior would
-    if any(prior.causal for prior in mask_priors(model)):
+    if any(prior.causal for prior in mask_priors(model)):  # refused before any M changes, as a prior would
         _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
                          "build it for a causal model (pattern & mp.causal_pattern(n); logits at most 0 there)")
     for prior in mask_priors(model):
@@ -835,8 +824,6 @@ def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor |
         rows = rows.to(attn.device)
         mass = mass[:, rows] if rows.dim() == 2 else mass[..., rows]
     return mass.mean()
-
-
 
 
 @torch.no_grad()
@@ -1273,17 +1260,14 @@ class TrunkConfig:
     mlp_dim: int = 256              # hidden units of the MLP
     learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
     fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
-    # a layer with M: torch's flex_attention, M read inside the kernel
-    flex: bool = False
+    flex: bool = False                      # a layer with M: torch's flex_attention, M read inside the kernel
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
-    # stochastic depth: the last block skips its branches with this probability
-    drop_path: float = 0.0
+    drop_path: float = 0.0                  # stochastic depth: the last block skips its branches with this probability
     # M per (query, key), "relative": per distance i - j, or "grid": per patch displacement (MaskPrior)
     mask_param: str = "full"
-    # a relative M's distances 0 .. W - 1, the last read past them (default: N)
-    mask_window: int | None = None
+    mask_window: int | None = None          # a relative M's distances 0 .. W - 1, the last read past them (default: N)
 
     @property
     def mask_grid(self) -> tuple[int, int] | None:
@@ -1369,8 +1353,7 @@ class Trunk(nn.Module):
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
-        # timm's: 0 to drop_path
-        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]
+        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]  # timm's: 0 to drop_path
         self.blocks = nn.ModuleList([Block(cfg, mask_size, causal, rate) for rate in rates])
         self.ln_f = nn.LayerNorm(cfg.dim)
 
@@ -1398,8 +1381,7 @@ class TransformerConfig(TrunkConfig):
     vocab_size: int = 2
     seq_len: int = 15
     n_outputs: int = 1
-    # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
-    readout: str = "cls"
+    readout: str = "cls"                    # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
@@ -1517,8 +1499,7 @@ class ViT(Trunk):
         return self.drop(x + self.pos_emb)
 
 
-# a model family: its config class -> its model
-MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}
+MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}  # a model family: its config class -> its model
 
 
 def build_model(cfg: TrunkConfig) -> Trunk:
@@ -1574,8 +1555,7 @@ def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: flo
         if kv is not None and (limit is None or idx.shape[1] <= limit):
             done = kv[0]["k"].shape[2] if kv[0] else 0
             logits = model(idx[:, done:], cache=kv)[:, -1].float()
-        # past the context: a window that slides, recomputed
-        else:
+        else:                               # past the context: a window that slides, recomputed
             kv = None
             logits = model(idx if limit is None else idx[:, -limit:])[:, -1].float()
         if temperature == 0:
@@ -1662,8 +1642,7 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor,
     off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
     c = a.float().clamp_min(1e-30).log()
     if bias is not None:
-        # future keys (causal) are left out below
-        c = c - bias.to(a.device).nan_to_num(neginf=0.0)
+        c = c - bias.to(a.device).nan_to_num(neginf=0.0)  # future keys (causal) are left out below
     margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
     rows = rows.to(a.device)
     margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
@@ -1862,20 +1841,15 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     if not keys:
         found = (r >= ratio) & vis
         free = vis.expand_as(found) & ~rows[:, None]
-        # a constrained row's other keys
-        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())
+        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())  # a constrained row's other keys
         return _names_pairs(found | free | eye, free | eye, ratio, largest, largest)
-    # the readout rows, over the keys each sees
-    seen = vis & rows[:, None]
-    # (..., N): a key's mean share over those rows
-    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)
+    seen = vis & rows[:, None]              # the readout rows, over the keys each sees
+    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)  # (..., N): a key's mean share over those rows
     key = relevance >= ratio
     clique = key[..., :, None] & key[..., None, :]
     reads = (rows[:, None] & key[..., None, :]) if readout is not None else torch.zeros_like(clique)
-    # a clique needs two keys
-    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())
-    # or one key that a readout row other than itself sees
-    if readout is not None:
+    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())  # a clique needs two keys
+    if readout is not None:                 # or one key that a readout row other than itself sees
         read = (vis & rows[:, None] & ~eye).any(-2)
         reach = torch.maximum(reach, relevance.masked_fill(~read, 0).amax(-1))
     return _names_pairs((clique | reads | eye) & vis, eye, ratio, float(relevance.max()), float(reach.max()))
@@ -1947,8 +1921,7 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     vis = visible_keys(n, causal).to(a.device)
     total = torch.zeros(h, 2 * n - 1, device=a.device).index_add_(1, d[vis], a[:, vis])
     count = torch.zeros(2 * n - 1, device=a.device).index_add_(0, d[vis], torch.ones(int(vis.sum()), device=a.device))
-    # (H, 2N - 1): the mean share per distance
-    table = total / count.clamp_min(1)
+    table = total / count.clamp_min(1)      # (H, 2N - 1): the mean share per distance
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, d]
     return m.masked_fill(~vis, -float(m_off))
 
@@ -1968,16 +1941,14 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     if n != n_prefix + g:
         raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} "
                          f"prefix tokens has {n_prefix + g}")
-    # (G, G, 2): key position - query position
-    disp = _grid_displacements(grid_h, grid_w).long()
+    disp = _grid_displacements(grid_h, grid_w).long()  # (G, G, 2): key position - query position
     idx = (disp[..., 0] + grid_h - 1) * (2 * grid_w - 1) + disp[..., 1] + grid_w - 1
     idx = idx.reshape(-1).to(a.device)
     grid = a[:, n_prefix:, n_prefix:].reshape(h, -1)
     slots = (2 * grid_h - 1) * (2 * grid_w - 1)
     total = torch.zeros(h, slots, device=a.device).index_add_(1, idx, grid)
     count = torch.zeros(slots, device=a.device).index_add_(0, idx, torch.ones(idx.numel(), device=a.device))
-    # (H, (2 gh - 1)(2 gw - 1)): share per offset
-    table = total / count.clamp_min(1)
+    table = total / count.clamp_min(1)      # (H, (2 gh - 1)(2 gw - 1)): share per offset
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
     return _with_prefix(m, n_prefix, float(m_on))
 

@@ -135,9 +135,8 @@ def _skewed_sums(ds: torch.Tensor) -> torch.Tensor:
     """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i = e - R (a padded
     copy, skewed: for small pieces)."""
     h, r, c = ds.shape
-    # R zeros before each row, a zero row after the last: the
+    # R zeros before each row, a zero row after the last: the skewed rows read only zeros past
     pad = F.pad(ds, (r, 0, 0, 1))
-    # skewed rows read only zeros past
     return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)
 
 
@@ -180,12 +179,10 @@ def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: 
     grads = _MGrad(prior, t, s, q.device) if need_m else None
     for r0 in range(0, t, block):
         r1 = min(t, r0 + block)
-        # keys after the block's last query are future keys
-        c = first + r1 if prior.causal else s
+        c = first + r1 if prior.causal else s  # keys after the block's last query are future keys
         p = torch.bmm(qa[:, r0:r1], ka[:, :c].transpose(1, 2)).view(b, h, r1 - r0, c)
         p = p.add_(bias[:, r0:r1, :c], alpha=LOG2E).clamp_(min=-LOG2_FLOOR).exp2_().view(b * h, r1 - r0, c)
-        # the future, only in the block's last keys (above their diagonal): exactly 0
-        if prior.causal:
+        if prior.causal:  # the future, only in the block's last keys (above their diagonal): exactly 0
             p[..., c - (r1 - r0):].tril_()
         dv[:, :c] += torch.bmm(p.transpose(1, 2), da[:, r0:r1, :d])
         ds = p.mul_(torch.bmm(da[:, r0:r1], va[:, :c].transpose(1, 2)))
@@ -296,7 +293,6 @@ class _FusedPrior(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
 
 
-
 # ----------------------------------------------------------------------------------------
 # The CPU: a windowed relative prior (a causal table of W distances, the last read past them) as the kernel serves no
 # prior. Query position p reads keys p - W + 1 .. p through the table (the band, W wide: by hand, O(T x W)) and keys
@@ -381,8 +377,7 @@ def _band_forward(q, k, v, line, first: int, r: int):
     band, lse (B, H, T) its log-sum-exp."""
     b, h, t, d = q.shape
     m, nb = -(-(line.shape[1] - 2) // r), -(-t // r)
-    # in base 2 (exp2 is 3x faster than exp): logits times log2(e)
-    qb = _blocks(q * (d ** -0.5 * LOG2E), r, nb)
+    qb = _blocks(q * (d ** -0.5 * LOG2E), r, nb)  # in base 2 (exp2 is 3x faster than exp): logits times log2(e)
     kp, vp, bias = _padded(k, first, r, m, nb), _padded(v, first, r, m, nb), _band_bias(line * LOG2E, r, m)
     out, lse = q.new_empty(b, h, nb, r, d), q.new_empty(b, h, nb, r, 1)
     step = _band_chunk(b * h, r, m, q.device)
@@ -547,6 +542,4 @@ def _prior_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> tor
     return _BandPrior.apply(q, k, v, line, prior.n)
 
 
-
-# the public names (`from maskprior_fast import *`)
-__all__ = ["prior_attention", "prior_flex", "mask_bias_grad"]
+__all__ = ["prior_attention", "prior_flex", "mask_bias_grad"]  # the public names (`from maskprior_fast import *`)
