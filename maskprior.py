@@ -227,16 +227,14 @@ class MaskPrior(nn.Module):
         prior(t).repeat(b, 1, 1) (b * heads, t, t)        nn.MultiheadAttention(attn_mask=...)
         prior(t)[None]          -> (1, heads, t, t)       a 4-D additive mask (Hugging Face style)
 
-    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit (the far
-    bucket, as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024 tokens and
-    generation past n, and costs O(heads x n) whatever the length. A full M serves at most n tokens: by default
-    exactly n; a causal one reads a prefix (a prompt) and, with a KV cache, the rows of the last q_len of its k_len
-    positions. `prefix=True` lets a non-causal prior read t < n tokens as positions 0..t-1 (right-padded text); an
-    image grid of another size is another layout, so it is refused, not sliced. `n_keys` makes a cross-attention
-    prior of (heads, n, n_keys). M stays float32 when the module is cast to half precision (an Adam step of 1e-3 on
-    |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`, `prior_parameter_names`), or
-    the decay erases the prior.
-    """
+    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit (the far bucket,
+    as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024 tokens and generation past n,
+    and costs O(heads x n) whatever the length. A full M serves at most n tokens: by default exactly n; a causal one
+    reads a prefix (a prompt) and, with a KV cache, the rows of the last q_len of its k_len positions. `prefix=True`
+    lets a non-causal prior read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size is
+    another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of (heads, n, n_keys). M stays
+    float32 when the module is cast to half precision (an Adam step of 1e-3 on |M| ~ 5-10 would round away in bf16).
+    Keep M out of weight decay (`param_groups`, `prior_parameter_names`), or the decay erases the prior."""
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None,
                  m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                  logits: torch.Tensor | None = None, param: str | None = None,
@@ -521,16 +519,15 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
 class Attention(nn.Module):
     """Multi-head self-attention with an optional learnable log-sigmoid mask.
 
-    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal
-    N; the bias log sigmoid(M) is added to the logits. M starts at 0, which adds the same constant to every logit,
-    i.e. no prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only then may T be
-    shorter than N (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
-    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`:
-    M per head and patch displacement of the `mask_grid` (grid_h, grid_w). `fused=True` uses
-    F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
-    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs a layer with M
-    through torch's flex_attention instead (maskprior_fast's `prior_flex`: M read inside the kernel).
-    """
+    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal N;
+    the bias log sigmoid(M) is added to the logits. M starts at 0, which adds the same constant to every logit, i.e. no
+    prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
+    (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block. `mask_param="relative"`: M per
+    head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`: M per head and patch displacement
+    of the `mask_grid` (grid_h, grid_w). `fused=True` uses F.scaled_dot_product_attention (`prior_attention` with M);
+    the explicit path (`fused=False`, or `return_attn=True`) also returns the (B, heads, T, T) attention probabilities.
+    `flex=True` runs a layer with M through torch's flex_attention instead (maskprior_fast's `prior_flex`: M read inside
+    the kernel)."""
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
                  causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
@@ -615,12 +612,11 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
                m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
 
-    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's own N positions
-    (e.g. with or without a CLS token in front): every attention layer must already own an M (build the model with
-    `learnable_mask=True`, `Attention(mask_size=N)`, or `add_mask_prior`) of that size, or this raises; it never
-    creates or resizes M, since an optimiser made earlier would not see a new parameter. Give M to the optimiser
-    without weight decay (`param_groups`), or the decay pulls it to 0 and erases the prior.
-    """
+    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's own N positions (e.g.
+    with or without a CLS token in front): every attention layer must already own an M (build the model with
+    `learnable_mask=True`, `Attention(mask_size=N)`, or `add_mask_prior`) of that size, or this raises; it never creates
+    or resizes M, since an optimiser made earlier would not see a new parameter. Give M to the optimiser without weight
+    decay (`param_groups`), or the decay pulls it to 0 and erases the prior."""
     who = "init_mask_"
     pattern, logits = _source(who, pattern, logits)
     m_on, m_off = _real(who, "m_on", m_on), _real(who, "m_off", m_off)
@@ -809,10 +805,9 @@ def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
 def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Mean attention probability mass on the pattern.
 
-    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or
-    (H, N) bool, the query rows (per head) to average over (default all). Sums each row's mass
-    on allowed keys, averages over batch, heads and rows -> scalar in [0, 1].
-    """
+    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or (H, N) bool, the query
+    rows (per head) to average over (default all). Sums each row's mass on allowed keys, averages over batch, heads and
+    rows -> scalar in [0, 1]."""
     n = attn.shape[-1]
     if pattern.shape[-1] != n or (rows is not None and rows.shape[-1] != n):
         rows_shape = "" if rows is None else f" and rows of shape {tuple(rows.shape)}"
@@ -833,15 +828,13 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer.
 
     Per layer and head: target logits L = scale * pattern + noise * trunc_normal(0.6) off the pattern; A = pinv(P) L
-    pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r
-    S_r^1/2, each scaled to Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding)
-    multiplies the model's positional embedding first. Returns the pseudo input's attention mass on the pattern, per
-    layer.
+    pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2,
+    each scaled to Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies
+    the model's positional embedding first. Returns the pseudo input's attention mass on the pattern, per layer.
 
     `model`: one of ours (`Transformer`, `ViT`: `blocks`, each with `ln1` and `attn`, and `pos_emb` (1, N, dim), the
     positional embedding the pseudo input is made from) or a QKView (timm's and Hugging Face's ViTs:
-    maskprior_retrofit.qk_view).
-    """
+    maskprior_retrofit.qk_view)."""
     who = "init_qk_svd_"
     pattern = _pattern(who, pattern)
     scale, noise = _real(who, "scale", scale, above=True, most=MAX_GAIN), _real(who, "noise", noise, most=MAX_GAIN)
@@ -913,14 +906,12 @@ def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr
     """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
 
     Adam on per-head Q (H, dim, r), K (H, dim, r) minimising MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P =
-    LayerNorm(pos_emb); every `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled
-    to their initial mean norm. Stops early when the loss improves by less than `tol` over `norm_every` steps.
-    `pos_scale` multiplies the positional embedding first (as in `init_qk_svd_`: a prior fitted on positions reaches
-    real inputs only if the positions are not drowned by the token embeddings). `log` (e.g. print), when given,
-    hears what the fit does every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps
-    taken and pseudo-input masses. `model`: as `init_qk_svd_` takes it (its layers all of the same heads and
-    head_dim).
-    """
+    LayerNorm(pos_emb); every `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled to
+    their initial mean norm. Stops early when the loss improves by less than `tol` over `norm_every` steps. `pos_scale`
+    multiplies the positional embedding first (as in `init_qk_svd_`: a prior fitted on positions reaches real inputs
+    only if the positions are not drowned by the token embeddings). `log` (e.g. print), when given, hears what the fit
+    does every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps taken and pseudo-input
+    masses. `model`: as `init_qk_svd_` takes it (its layers all of the same heads and head_dim)."""
     who = "init_qk_opt_"
     pattern = _pattern(who, pattern)
     steps, norm_every = _int(who, "steps", steps, 1, None), _int(who, "norm_every", norm_every, 1, None)
@@ -1087,10 +1078,9 @@ def _offsets(who: str, offsets) -> list:
 def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
     """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
 
-    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
-    falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
-    `prefix_all` they attend to, and are attended by, every token.
-    """
+    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid falls back to itself.
+    `n_prefix` tokens (e.g. CLS) come first in the sequence; with `prefix_all` they attend to, and are attended by,
+    every token."""
     who = "impulse_pattern"
     n, offsets = _grid_sizes(who, grid_h, grid_w, n_prefix), _offsets(who, offsets)
     prefix_all = _flag(who, "prefix_all", prefix_all)
@@ -1180,10 +1170,9 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
     """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
 
-    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite
-    and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
-    -self_logit; the hard causal mask removes them anyway.
-    """
+    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite and is clamped to
+    `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get -self_logit; the hard causal mask removes them
+    anyway."""
     who = "causal_distance_logits"
     n, n_heads = _int(who, "n", n), _int(who, "n_heads", n_heads, 1, MAX_HEADS)
     self_logit = _real(who, "self_logit", self_logit, None)
@@ -1214,15 +1203,14 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: to
 
 @contextlib.contextmanager
 def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
-    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to example
-    (operands of varying length, say): M is indexed by role, not by position. rows, cols: (B, L) long, the role (a
-    row, a column of M, in 0..n-1) of each example's positions as a query and as a key; the bias of query i and key
-    j of example b is log sigmoid(M[rows[b, i], cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as
-    always). Roles that rise with the position keep a causal prior causal. Outside the block (the probes, a layout
-    with rows = cols = 0..n-1) M is read by position as usual. A model without a prior is left alone. Served in
-    maskprior's own models and in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm,
-    keyword), with one row of roles per example of each call (another batch size is refused); a cross-attention
-    prior is refused."""
+    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to example (operands
+    of varying length, say): M is indexed by role, not by position. rows, cols: (B, L) long, the role (a row, a column
+    of M, in 0..n-1) of each example's positions as a query and as a key; the bias of query i and key j of example b is
+    log sigmoid(M[rows[b, i], cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that
+    rise with the position keep a causal prior causal. Outside the block (the probes, a layout with rows = cols =
+    0..n-1) M is read by position as usual. A model without a prior is left alone. Served in maskprior's own models and
+    in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm, keyword), with one row of roles per
+    example of each call (another batch size is refused); a cross-attention prior is refused."""
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
@@ -1275,8 +1263,7 @@ class TrunkConfig:
         return None
 
     def __post_init__(self):
-        """Each field read (`_field`: one ValueError line naming the config and the field), then the fields
-        together."""
+        """Each field read (`_field`: one ValueError line naming the config and the field), then the fields together."""
         for f in fields(self):
             value = getattr(self, f.name)
             if not (value is None and f.default is None):
@@ -1346,10 +1333,9 @@ class Block(nn.Module):
 class Trunk(nn.Module):
     """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head.
 
-    A subclass sets `blocks` (via `_build_trunk`), `head`, `readout` ('cls': the first
-    token, 'mean': average over tokens, 'tokens': every token) and defines `embed(inputs)
-    -> (B, N, dim)`. The QK initialisers and probes rely on `blocks` and `pos_emb` (1, N, dim).
-    """
+    A subclass sets `blocks` (via `_build_trunk`), `head`, `readout` ('cls': the first token, 'mean': average over
+    tokens, 'tokens': every token) and defines `embed(inputs) -> (B, N, dim)`. The QK initialisers and probes rely on
+    `blocks` and `pos_emb` (1, N, dim)."""
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
@@ -1399,8 +1385,7 @@ class Transformer(Trunk):
 
     With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et al. 2023; with
     `causal=True, readout='tokens'` it is a decoder / language model. With `positions='none'` it has no positional
-    embedding and serves any T, as far as its priors do (a relative M serves any length, a full one its N).
-    """
+    embedding and serves any T, as far as its priors do (a relative M serves any length, a full one its N)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -1590,10 +1575,9 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
     """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
 
     Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that product alone. Returns the
-    relative error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates
-    them). Works on any model whose attention layers are maskprior `Attention` modules (no positional embedding
-    needed), and on a QKView (maskprior_retrofit.qk_view: timm's and Hugging Face's ViTs).
-    """
+    relative error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates them).
+    Works on any model whose attention layers are maskprior `Attention` modules (no positional embedding needed), and on
+    a QKView (maskprior_retrofit.qk_view: timm's and Hugging Face's ViTs)."""
     errs = []
     for attn in qk_view(model).sites:
         h, r = attn.n_heads, attn.head_dim
@@ -1815,14 +1799,13 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged over
     its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
 
-    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's uniform
-    share; with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are constrained, the
-    others keep every key they see. Keys (keys=True): the keys whose share, averaged over the `readout` rows (every
-    row when None), is at least `ratio` times uniform form a clique (each sees the others), the `readout` rows given
-    attend to them, every other row to itself: the form of the Boolean tasks' oracle patterns (a CLS readout:
-    readout=[0]; mean pooling: None). Self-loops are always allowed (no row is empty), future keys never (causal). A
-    pattern that names no pair beyond the self-loops (no share reaches `ratio`) is refused, naming the largest ratio
-    present."""
+    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's uniform share;
+    with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are constrained, the others keep
+    every key they see. Keys (keys=True): the keys whose share, averaged over the `readout` rows (every row when None),
+    is at least `ratio` times uniform form a clique (each sees the others), the `readout` rows given attend to them,
+    every other row to itself: the form of the Boolean tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling:
+    None). Self-loops are always allowed (no row is empty), future keys never (causal). A pattern that names no pair
+    beyond the self-loops (no share reaches `ratio`) is refused, naming the largest ratio present."""
     who = "pattern_from_attention"
     attn, ratio, causal = _maps(who, attn), _real(who, "ratio", ratio, above=True), _flag(who, "causal", causal)
     keys, per_head = _flag(who, "keys", keys), _flag(who, "per_head", per_head)

@@ -159,12 +159,11 @@ def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
 def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int | None = None):
     """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and row
     log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O), dQ = dS K /
-    sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32
-    and base 2 (exp2 is 3x faster than exp). dM: dS summed over the batch, by (query, key) for a full M (times
-    sigmoid(-M), block by block, into M's shape; a grid's into its slots), by distance for a relative one (float64),
-    then back through the bias (`mask_bias_grad`). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T); bias
-    (H, T, S), float32 or q's dtype. -> dq (B, H, T, d), dk, dv (B, H, S, d) float32, dM (M's shape; None unless
-    `need_m`)."""
+    sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32 and
+    base 2 (exp2 is 3x faster than exp). dM: dS summed over the batch, by (query, key) for a full M (times sigmoid(-M),
+    block by block, into M's shape; a grid's into its slots), by distance for a relative one (float64), then back
+    through the bias (`mask_bias_grad`). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T); bias (H, T, S),
+    float32 or q's dtype. -> dq (B, H, T, d), dk, dv (B, H, S, d) float32, dM (M's shape; None unless `need_m`)."""
     h, t, s = bias.shape
     b, d = q.shape[0], q.shape[-1]
     # query i is at position first + i (after a KV cache); blocks of 64 rows (fastest of 16 .. 128 at T = 1,024, 2,048)
@@ -270,10 +269,9 @@ def _bias(prior, t: int, s: int, dtype: torch.dtype, future: bool = True) -> tor
 
 
 class _FusedPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which
-    reads the bias as a constant (and skips the future's blocks when causal) and saves the row
-    log-sum-exp; backward by `_backward`, which gives M its gradient beside q's, k's and v's.
-    Exact: the explicit path's outputs and gradients (to rounding)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which reads the bias as a
+    constant (and skips the future's blocks when causal) and saves the row log-sum-exp; backward by `_backward`, which
+    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to rounding)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, prior):
