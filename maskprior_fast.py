@@ -1,13 +1,11 @@
 """maskprior_fast: the prior at the kernel's speed, beside the method (maskprior.py).
 
 maskprior.prior_attention, the fused path of a layer with a prior, hands each call to `prior_attention` here when
-this file is importable, and computes the same itself (scaled_dot_product_attention with the bias) where this
-returns None or is absent. Every path here is exact: its outputs and the gradients of q, k, v and M equal the
-explicit softmax's to rounding (the tests hold them equal).
+this file is importable, and runs scaled_dot_product_attention with the bias itself where this returns None. Every
+path here is exact: outputs and gradients of q, k, v and M equal the explicit softmax's to rounding (tested).
 
 - On the CPU: torch's fused attention kernel reads the prior's bias as a constant (and skips the future's blocks
-  when causal) and saves the row log-sum-exp; the backward is our own (`_backward`), which gives M its gradient
-  beside q's, k's and v's (the kernel's own backward gives no gradient for a mask).
+  when causal); our own backward (`_backward`) gives M its gradient beside q's, k's and v's (the kernel's gives none).
 - A causal relative prior of W distances (`mask_window`) over many more keys (`_prior_band`): its band, distances
   0 .. W - 1, by hand in O(T x W); the keys further back share the table's last logit, so that part is the fused
   kernel's causal attention with no bias, forward and backward, the two merged by their log-sum-exps.
@@ -26,11 +24,9 @@ import torch.nn.functional as F
 
 
 def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior, flex: bool = False):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v by a speed path: flex_attention where asked (`flex`) for plain
-    self-attention, else on the CPU a causal relative prior of W distances over at least max(BAND_FROM, 8 W) keys by
-    its band and far part (`_prior_band`), any other prior by the fused kernel with our backward (`_FusedPrior`); None
-    where none applies (the caller then runs scaled_dot_product_attention with the bias). q (B, H, T, d), k, v
-    (B, H, S, d) -> (B, H, T, d)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v by a speed path: `prior_flex` where asked (`flex`) for plain
+    self-attention; on the CPU `_prior_band` for a causal relative prior of W distances over at least max(BAND_FROM,
+    8 W) keys, else `_FusedPrior`; None where none applies. q (B, H, T, d), k, v (B, H, S, d) -> (B, H, T, d)."""
     if flex and prior.roles is None and q.shape[-2] == k.shape[-2]:
         return prior_flex(q, k, v, prior)
     if (q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None
@@ -41,10 +37,9 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior, fl
     return None
 
 
-# a causal relative prior of W distances takes the band and the far part (`_prior_band`) from max(BAND_FROM, 8 W) keys
-# on: below, the fused kernel with the whole bias and our backward is as fast or faster (measured on a CPU of one
-# thread at W = 64, 128, 256 and T = 256 .. 4,096: the band costs about 1.3x the kernel's time a logit, the whole
-# bias's backward grows past the kernel's from T = 2,048 on)
+# the band and far part (`_prior_band`) from max(BAND_FROM, 8 W) keys on: below, the fused kernel with the whole bias
+# and our backward is as fast or faster (one CPU thread, W = 64 .. 256, T = 256 .. 4,096: the band costs about 1.3x the
+# kernel's time a logit; the whole bias's backward grows past the kernel's from T = 2,048 on)
 BAND_FROM = 2048
 
 
@@ -89,8 +84,7 @@ def prior_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torc
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read inside the kernel (a
     score_mod indexing the (heads, N, N) bias, or the relative table by distance), never a (B, heads, T, T) bias in
     memory, and stays learnable; a causal prior's future is a block mask. Self-attention of T <= N tokens
-    (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused
-    kernel, forward and backward), torch's reference implementation elsewhere."""
+    (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA."""
     t = q.shape[-2]
     prior._first_row(t, t)
     prior.check_set()
@@ -160,10 +154,8 @@ def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: 
     """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and row
     log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O), dQ = dS K /
     sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32 and
-    base 2 (exp2 is 3x faster than exp). dM: dS summed over the batch, by (query, key) for a full M (times sigmoid(-M),
-    block by block, into M's shape; a grid's into its slots), by distance for a relative one (float64), then back
-    through the bias (`mask_bias_grad`). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T); bias (H, T, S),
-    float32 or q's dtype. -> dq (B, H, T, d), dk, dv (B, H, S, d) float32, dM (M's shape; None unless `need_m`)."""
+    base 2 (exp2 is 3x faster than exp); dM from dS by `_MGrad`. q, out, dout (B, H, T, d); k, v (B, H, S, d); lse
+    (B, H, T); bias (H, T, S), float32 or q's dtype -> dq, dk, dv float32 as q, k, v; dM as M (None unless `need_m`)."""
     h, t, s = bias.shape
     b, d = q.shape[0], q.shape[-1]
     # query i is at position first + i (after a KV cache); blocks of 64 rows (fastest of 16 .. 128 at T = 1,024, 2,048)
@@ -172,9 +164,8 @@ def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: 
     # S - lse and dP - D (base 2) as one product each: q and dO gain a column (-lse, -D), k and v a column of ones
     qa, da = _augmented(q, lse, scale * LOG2E, LOG2E), _augmented(dout, (dout.float() * out.float()).sum(-1), 1.0)
     ka, va = _augmented(k, None, 1.0), _augmented(v, None, 1.0)
-    dq, dk, dv = (x.new_empty(b * h, x.shape[-2], d, dtype=torch.float32) for x in (q, k, v))
-    dk.zero_()
-    dv.zero_()
+    dq = q.new_empty(b * h, q.shape[-2], d, dtype=torch.float32)
+    dk, dv = (x.new_zeros(b * h, x.shape[-2], d, dtype=torch.float32) for x in (k, v))
     grads = _MGrad(prior, t, s, q.device) if need_m else None
     for r0 in range(0, t, block):
         r1 = min(t, r0 + block)
@@ -253,9 +244,8 @@ def _log_sigmoid(m: torch.Tensor) -> torch.Tensor:
 
 
 def _bias(prior, t: int, s: int, dtype: torch.dtype, future: bool = True) -> torch.Tensor:
-    """prior(t, dtype, k_len=s): the (H, T, S) bias of t queries and s keys; a full M's computed here (`_log_sigmoid`
-    on its rows and keys, the future -inf in place), the same to rounding, in one fresh (H, T, S) tensor, a constant
-    (`_FusedPrior` gives M its gradient). `future=False`: a causal full M's future keys are left as they come (the
+    """prior(t, dtype, k_len=s), a constant: the (H, T, S) bias of t queries and s keys; a full M's computed here, the
+    same to rounding, in one fresh tensor. `future=False`: a causal full M's future keys are left as they come (the
     kernel with is_causal never reads them, nor does `_backward`)."""
     if prior.param != "full" or prior.roles is not None or torch.jit.is_tracing():
         return prior(t, dtype, k_len=s)
@@ -269,9 +259,8 @@ def _bias(prior, t: int, s: int, dtype: torch.dtype, future: bool = True) -> tor
 
 
 class _FusedPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which reads the bias as a
-    constant (and skips the future's blocks when causal) and saves the row log-sum-exp; backward by `_backward`, which
-    gives M its gradient beside q's, k's and v's. Exact: the explicit path's outputs and gradients (to rounding)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward by torch's fused CPU kernel (the bias a constant, the row
+    log-sum-exp saved), backward by `_backward` (M's gradient beside q's, k's and v's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, prior):
@@ -451,11 +440,9 @@ def _band_merge(out, lse, far, far_out, far_lse, c):
 
 
 def _band_backward(q, k, v, dout, lse, d_rows, line, first: int, r: int):
-    """The band's part of the gradients, from the merged output's log-sum-exp lse (B, H, T) and D = rowsum(dO O)
-    (B, H, T): P = exp(S - lse) on the band, dV = P^T dO, dS = P (dP - D), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d),
-    and the bias's gradient by distance, dS summed over the batch and each diagonal; a few blocks a step. q, dout
-    (B, H, T, d), k, v (B, H, S, d), all float32; line (H, W + 1). -> dq (B, H, T, d), dk, dv (B, H, S, d), dline
-    (H, W)."""
+    """The band's part of the gradients (as `_backward`'s), from D = rowsum(dO O) and the merged output's log-sum-exp
+    lse, both (B, H, T); the bias's by distance, dS summed over the batch and each diagonal; a few blocks a step.
+    q, dout (B, H, T, d), k, v (B, H, S, d), all float32; line (H, W + 1) -> dq, dk, dv as q, k, v; dline (H, W)."""
     b, h, t, d = q.shape
     s, w = k.shape[-2], line.shape[1] - 1
     m, nb = -(-(w - 1) // r), -(-t // r)
@@ -484,13 +471,10 @@ def _band_backward(q, k, v, dout, lse, d_rows, line, first: int, r: int):
 
 
 class _BandPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + bias) v of a causal relative prior of W distances, the last read past them: the band
-    (distances 0 .. W - 1) by hand, the far part (distances >= W, one logit c a head) by torch's fused kernel with
-    is_causal on the queries shifted by W, merged by their log-sum-exps. Backward: the kernel's own backward for the
-    far part, given the merged output and log-sum-exp (minus c); the band's by hand (`_band_backward`); c's gradient
-    sum_ij P_ij (dP_ij - D_i) = sum_i w_i (dO_i . O_far,i - D_i), w_i the far part's share of row i, O_far its output.
-    q (B, H, T, d), k, v (B, H, S, d), line (H, W + 1) the bias at distances 0 .. W -> (B, H, T, d). Exact: the
-    explicit path's outputs and gradients (to rounding)."""
+    """The band and the far part (above) as one function. Backward: the far part's by the kernel's own, given the
+    merged output and log-sum-exp (minus c); the band's by hand (`_band_backward`); c's gradient, sum_ij P_ij
+    (dP_ij - D_i) = sum_i w_i (dO_i . O_far,i - D_i), w_i the far part's share of row i, O_far its output.
+    q (B, H, T, d), k, v (B, H, S, d), line (H, W + 1) the bias at distances 0 .. W -> (B, H, T, d)."""
 
     @staticmethod
     def forward(ctx, q, k, v, line, w):
@@ -529,10 +513,9 @@ class _BandPrior(torch.autograd.Function):
 
 
 def _prior_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior by the band and the far part
-    (`_BandPrior`): O(T x W) by hand for its table of W = prior.n distances, the rest a fused kernel's causal
-    attention (the CPU's; on CUDA the memory-efficient one). q (B, H, T, d), k, v (B, H, S, d) float32 or bfloat16,
-    queries after a cache of S - T keys -> (B, H, T, d)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior of W = prior.n distances by the band and
+    the far part (`_BandPrior`; on CUDA the far part is the memory-efficient kernel's). q (B, H, T, d), k, v
+    (B, H, S, d) float32 or bfloat16, queries after a cache of S - T keys -> (B, H, T, d)."""
     t, s = q.shape[-2], k.shape[-2]
     prior._first_row(t, s)
     prior.check_set()
