@@ -1076,11 +1076,9 @@ def _offsets(who: str, offsets) -> list:
 
 
 def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
-    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
-
-    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid falls back to itself.
-    `n_prefix` tokens (e.g. CLS) come first in the sequence; with `prefix_all` they attend to, and are attended by,
-    every token."""
+    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head: patch (r, c) attends to
+    patch (r + dr, c + dc), or to itself where that leaves the grid. `n_prefix` tokens (e.g. CLS) come first; with
+    `prefix_all` they attend to, and are attended by, every token."""
     who = "impulse_pattern"
     n, offsets = _grid_sizes(who, grid_h, grid_w, n_prefix), _offsets(who, offsets)
     prefix_all = _flag(who, "prefix_all", prefix_all)
@@ -1171,8 +1169,7 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
     """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
 
     M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite and is clamped to
-    `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get -self_logit; the hard causal mask removes them
-    anyway."""
+    `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get -self_logit (the causal mask hides them)."""
     who = "causal_distance_logits"
     n, n_heads = _int(who, "n", n), _int(who, "n_heads", n_heads, 1, MAX_HEADS)
     self_logit = _real(who, "self_logit", self_logit, None)
@@ -1194,8 +1191,7 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: to
     and the bracket lies within max_k g_bik - min_k g_bik, so
         |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
     The mask's gradient is thus at most the attention probability (times sigma(-M) <= 1)
-    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do.
-    """
+    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do."""
     attn = _maps("mask_grad_bound", attn)
     spread = attn_grad.amax(-1, keepdim=True) - attn_grad.amin(-1, keepdim=True)
     return torch.sigmoid(-mask_logits) * (attn * spread).sum(0)
@@ -1248,14 +1244,13 @@ class TrunkConfig:
     mlp_dim: int = 256              # hidden units of the MLP
     learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
     fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
-    flex: bool = False                      # a layer with M: torch's flex_attention, M read inside the kernel
+    flex: bool = False              # a layer with M: torch's flex_attention, M read inside the kernel
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
-    drop_path: float = 0.0                  # stochastic depth: the last block skips its branches with this probability
-    # M per (query, key), "relative": per distance i - j, or "grid": per patch displacement (MaskPrior)
-    mask_param: str = "full"
-    mask_window: int | None = None          # a relative M's distances 0 .. W - 1, the last read past them (default: N)
+    drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
+    mask_param: str = "full"        # M per (query, key); "relative": per distance i - j; "grid": per patch offset
+    mask_window: int | None = None  # a relative M's distances 0 .. W - 1, the last read past them (default: N)
 
     @property
     def mask_grid(self) -> tuple[int, int] | None:
@@ -1307,13 +1302,11 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same.
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same. `mask_size`: the
+    positions N of the layer's M (None: no M); `causal`: hide future keys; `drop_path`: this block's stochastic-depth
+    probability."""
 
-    `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys;
-    `drop_path`: this block's stochastic-depth probability."""
-
-    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False,
-                 drop_path: float = 0.0):
+    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False, drop_path: float = 0.0):
         super().__init__()
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
@@ -1331,11 +1324,9 @@ class Block(nn.Module):
 
 
 class Trunk(nn.Module):
-    """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head.
-
-    A subclass sets `blocks` (via `_build_trunk`), `head`, `readout` ('cls': the first token, 'mean': average over
-    tokens, 'tokens': every token) and defines `embed(inputs) -> (B, N, dim)`. The QK initialisers and probes rely on
-    `blocks` and `pos_emb` (1, N, dim)."""
+    """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head. A subclass sets `blocks` (via
+    `_build_trunk`), `head`, `readout` ('cls': the first token, 'mean': average over tokens, 'tokens': every token) and
+    defines `embed(inputs) -> (B, N, dim)`; the QK inits and probes rely on `blocks` and `pos_emb` (1, N, dim)."""
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
@@ -1344,9 +1335,8 @@ class Trunk(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.dim)
 
     def forward(self, inputs: torch.Tensor, return_attn: bool = False, cache: list[dict] | None = None):
-        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`.
-        `cache`: one dict per block, where a causal model keeps its keys and values between calls
-        (`generate`); the inputs are then the tokens after those already cached."""
+        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`. `cache`: one dict per
+        block, a causal model's keys and values between calls (`generate`); the inputs then follow the cached tokens."""
         x = self.embed(inputs) if cache is None else self.embed(inputs, start=cache[0]["k"].shape[2] if cache[0] else 0)
         maps = []
         for i, block in enumerate(self.blocks):
@@ -1367,12 +1357,11 @@ class TransformerConfig(TrunkConfig):
     vocab_size: int = 2
     seq_len: int = 15
     n_outputs: int = 1
-    readout: str = "cls"                    # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
+    readout: str = "cls"            # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
-    # 'learned' (a table of N positions) or 'none' (order from the causal mask and a relative prior, as ALiBi: any
-    # length)
+    # 'learned' (a table of N positions) or 'none' (order from a causal mask and relative prior, as ALiBi: any length)
     positions: str = "learned"
 
     @property
@@ -1606,9 +1595,8 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
 
 
 def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an
-    (H, N, N) one. A row is free when it allows every key the query can see (all keys, or keys
-    j <= i when causal); free rows carry no prior and are left out of the mass."""
+    """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an (H, N, N) one. A row is
+    free when it allows every key it can see (`visible_keys`); free rows carry no prior and are left out of the mass."""
     pattern, causal = _pattern("prior_rows", pattern), _flag("prior_rows", "causal", causal)
     n = pattern.shape[-1]
     visible = causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
@@ -1687,8 +1675,7 @@ def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[f
 
 
 def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
-    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
-    averaged over the rows the pattern constrains (`prior_rows`)."""
+    """Per layer: the attention mass on `pattern` of a batch `inputs`, averaged over the constrained `prior_rows`."""
     return prior_probe(model, inputs, pattern)[0]
 
 
@@ -1729,12 +1716,10 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# Priors without an oracle: a trained model's attention turned into a prior. The probes above read where a model
-# attends; these read it as a prior for another model. `mean_attention` averages a batch's attention maps; against
-# each row's uniform share (1 / the keys the row sees) it gives a bool pattern (`pattern_from_attention`: query-key
-# pairs, or keys made a clique), soft logits whose bias alone reproduces the mean attention
-# (`logits_from_attention`), or a translation-invariant form (`relative_from_attention`: a profile per head and
-# distance i - j; `offsets_from_attention`: a profile per head and 2-D offset on an image grid). All end in
+# Priors without an oracle: a trained model's attention (`mean_attention`) read as a prior for another model, against
+# each row's uniform share: a bool pattern (`pattern_from_attention`: query-key pairs, or keys made a clique), soft
+# logits whose bias alone gives the mean attention back (`logits_from_attention`), or a translation-invariant form
+# (`relative_from_attention` per distance i - j, `offsets_from_attention` per 2-D offset). All end in
 # `init_mask_(model, pattern)` or `init_mask_(model, logits=...)` / `add_mask_prior(model, logits=...)`.
 
 
@@ -1889,11 +1874,10 @@ def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
 
 def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                             causal: bool = False) -> torch.Tensor:
-    """The translation-invariant form in 1-D: per head, the mean attention averaged along each
-    diagonal (each distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) =
-    log of that share, clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N,
-    N) -> (H, N, N) logits that depend on i - j alone, as a relative MaskPrior (`param="relative"`)
-    holds them; a causal prior's future entries get -m_off (the causal mask hides them)."""
+    """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each distance
+    d = i - j the rows see), over its largest value, as M (log sigmoid(M) = log of that share, clamped to [-m_off,
+    m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that depend on i - j alone, as a
+    relative MaskPrior (`param="relative"`) holds them; a causal prior's future entries get -m_off (masked anyway)."""
     who = "relative_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     causal = _flag(who, "causal", causal)
@@ -1936,19 +1920,17 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     return _with_prefix(m, n_prefix, float(m_on))
 
 
-# the public names (`from maskprior import *`); the argument tables' machinery (ARGS, checked, ...) is not among them
+# the public names (`from maskprior import *`)
 __all__ = [
-    "M_ON", "M_OFF", "IMPULSE_OFFSETS", "MODELS", "MAX_POSITIONS", "MAX_HEADS", "MAX_ENTRIES", "MAX_GAIN",
-    "Attention", "Block", "MLP", "MaskPrior", "Transformer", "TransformerConfig", "Trunk", "TrunkConfig",
-    "ViT", "ViTConfig", "alibi_slopes", "attention_layers", "attention_maps", "attention_ratio",
-    "banded_pattern", "build_model", "causal_distance_logits", "causal_pattern", "content_margin",
-    "depends_on_distance", "embed_pattern", "family_of", "future_keys", "generate", "impulse_pattern",
-    "init_mask_", "init_mimetic_", "init_qk_opt_", "init_qk_svd_", "layer_margin", "logits_from_attention",
-    "mask_bias", "mask_grad_bound", "mask_logits_from_pattern", "mask_priors",
+    "M_ON", "M_OFF", "IMPULSE_OFFSETS", "MODELS", "MAX_POSITIONS", "MAX_HEADS", "MAX_ENTRIES", "MAX_GAIN", "Attention",
+    "Block", "MLP", "MaskPrior", "Transformer", "TransformerConfig", "Trunk", "TrunkConfig", "ViT", "ViTConfig",
+    "alibi_slopes", "attention_layers", "attention_maps", "attention_ratio", "banded_pattern", "build_model",
+    "causal_distance_logits", "causal_pattern", "content_margin", "depends_on_distance", "embed_pattern", "family_of",
+    "future_keys", "generate", "impulse_pattern", "init_mask_", "init_mimetic_", "init_qk_opt_", "init_qk_svd_",
+    "layer_margin", "logits_from_attention", "mask_bias", "mask_grad_bound", "mask_logits_from_pattern", "mask_priors",
     "mean_attention", "model_from_config", "offsets_from_attention", "param_groups", "pattern_agreement",
-    "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift",
-    "prior_mass", "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows",
-    "prior_snapshot", "pseudo_attention", "pseudo_input", "qk_weights", "random_impulse_offsets", "QKSite", "QKView",
-    "qk_site", "qk_view", "grid_index", "grid_slots",
-    "relative_from_attention", "soft_offset_logits", "visible_keys", "window_pattern",
+    "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift", "prior_mass",
+    "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows", "prior_snapshot", "pseudo_attention",
+    "pseudo_input", "qk_weights", "random_impulse_offsets", "QKSite", "QKView", "qk_site", "qk_view", "grid_index",
+    "grid_slots", "relative_from_attention", "soft_offset_logits", "visible_keys", "window_pattern",
 ]
