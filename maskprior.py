@@ -40,9 +40,8 @@ __version__ = "0.1.0"
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# The initial M and the patterns it reads: bool tensors, (N, N) for all heads or (H, N, N) per head; row i lists
-# the keys that query i is allowed to attend to. The initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007
-# and -5.007).
+# The initial M and the patterns it reads: bool tensors, (N, N) for all heads or (H, N, N) per head; row i lists the
+# keys that query i may attend to. The initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007).
 
 M_ON, M_OFF = 5.0, 5.0
 
@@ -107,8 +106,7 @@ def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: f
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
     who = "mask_logits_from_pattern"
     pattern, m_on, m_off = _pattern(who, pattern), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
-    return torch.where(pattern, torch.tensor(m_on, device=pattern.device),
-                       torch.tensor(-m_off, device=pattern.device))
+    return torch.where(pattern, torch.tensor(m_on, device=pattern.device), torch.tensor(-m_off, device=pattern.device))
 
 
 def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
@@ -187,8 +185,7 @@ def grid_slots(grid_h: int, grid_w: int, n_prefix: int = 0) -> int:
 
 
 # ----------------------------------------------------------------------------------------
-# The prior: one small module that owns M and gives the additive bias, for our Attention or for any attention that
-# adds a mask to its logits.
+# The prior: a small module that owns M and gives the additive bias, for our Attention or any attention with a mask.
 
 
 def tracing(x=None) -> bool:
@@ -205,8 +202,7 @@ def _prior_entries(n: int, heads: int, n_keys, causal: bool, param, src, grid) -
     slots."""
     if param == "grid" and grid:
         return heads * grid_slots(*grid, max(0, n - grid[0] * grid[1]))
-    relative = param == "relative" or (param is None and causal and src is not None
-                                       and depends_on_distance(src, True))
+    relative = param == "relative" or (param is None and causal and src is not None and depends_on_distance(src, True))
     return heads * (2 * n - 1 if relative else n * (n_keys or n))
 
 
@@ -478,14 +474,12 @@ class MaskPrior(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# Attention: the fused path (scaled_dot_product_attention with the prior's bias) and the explicit softmax, which
-# can return the maps.
+# Attention: the fused path (SDPA with the prior's bias) and the explicit softmax, which can return the maps.
 
 
 def _speedups():
-    """maskprior_fast, the speed paths that compute what `prior_attention` does (torch's fused CPU kernel with M's
-    gradient computed apart, flex_attention), where it is importable beside this file; else None. Imported on the
-    first call with a prior, never at import."""
+    """maskprior_fast (the speed paths of `prior_attention`: torch's fused CPU kernel, flex_attention) where it is
+    importable beside this file, else None; imported on the first call with a prior, never at import."""
     global _FAST
     if _FAST is None:
         try:
@@ -503,8 +497,7 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
                     use_flex: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
     (B, H, T, d), a causal prior's future hidden. F.scaled_dot_product_attention with the prior's bias as its mask,
-    unless a speed path of maskprior_fast takes the call (`_speedups`; `use_flex`: torch's flex_attention where it
-    applies, asked for)."""
+    unless maskprior_fast takes the call (`_speedups`; `use_flex` asks for torch's flex_attention where it applies)."""
     fast = _speedups()
     if fast is None and use_flex:
         raise ValueError(f"{prior.where}: flex_attention is served by maskprior_fast.py, which is not importable "
@@ -539,13 +532,11 @@ class Attention(nn.Module):
         self.fused, self.flex = fused, flex
         inner = n_heads * self.head_dim
         # the prior first: M is the layer's first parameter (and first in the optimiser's state)
-        if mask_window is not None and not (mask_param == "relative" and mask_size
-                                            and 1 <= mask_window <= mask_size):
+        if mask_window is not None and not (mask_param == "relative" and mask_size and 1 <= mask_window <= mask_size):
             raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its "
                              f"{mask_size} positions (mask_param='relative')")
         self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param, grid=mask_grid)
-                      if mask_size
-                      else None)
+                      if mask_size else None)
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
@@ -831,9 +822,7 @@ def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
     pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2,
     each scaled to Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies
     the model's positional embedding first. Returns the pseudo input's attention mass on the pattern, per layer.
-
-    `model`: one of ours (`Transformer`, `ViT`: `blocks`, each with `ln1` and `attn`, and `pos_emb` (1, N, dim), the
-    positional embedding the pseudo input is made from) or a QKView (timm's and Hugging Face's ViTs:
+    `model`: one of ours (`Transformer`, `ViT`: see `qk_view`) or a QKView (timm's and Hugging Face's ViTs:
     maskprior_retrofit.qk_view)."""
     who = "init_qk_svd_"
     pattern = _pattern(who, pattern)
@@ -1068,8 +1057,7 @@ def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 
 def _offsets(who: str, offsets) -> list:
     """A non-empty list of (dr, dc) pairs of integers."""
-    if isinstance(offsets, (list, tuple)) and len(offsets) > 0 and all(
-            isinstance(p, (list, tuple)) and len(p) == 2
+    if isinstance(offsets, (list, tuple)) and len(offsets) > 0 and all(isinstance(p, (list, tuple)) and len(p) == 2
             and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in p) for p in offsets):
         return offsets
     _refuse(who, "offsets", "a non-empty list of (dr, dc) pairs of integers", offsets)
@@ -1210,8 +1198,7 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
-                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n)
-                          for x in (rows, cols)):
+                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n) for x in (rows, cols)):
             raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, long, in "
                              f"0..{p.n - 1} (self-attention); got {tuple(rows.shape)} and {tuple(cols.shape)}")
     for p in priors:
@@ -1224,8 +1211,7 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------
-# Models: one trunk, two front ends. `Transformer` embeds tokens, `ViT` embeds patches; both then run the same
-# blocks, final LayerNorm, readout and linear head.
+# Models: one trunk (blocks, final LayerNorm, readout, head), two front ends: `Transformer` (tokens), `ViT` (patches).
 
 
 class MLP(nn.Sequential):
@@ -1652,10 +1638,9 @@ def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`: maskprior's
-    own models, or any model with `add_mask_prior`). The pattern must cover the model's positions exactly; only a
-    causal model may read a prefix of it (shorter inputs). Raises ValueError when the pattern constrains no row
-    (`prior_rows` all False: e.g. a causal window wider than the context), where the mass would be an empty mean."""
+    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`). The pattern
+    must cover the model's positions exactly; only a causal model may read a prefix of it (shorter inputs). Raises
+    ValueError when it constrains no row (e.g. a causal window wider than the context): the mass would be empty."""
     maps = attention_maps(model, inputs)
     n = maps[0].shape[-1]
     layers = attention_layers(model)
@@ -1781,16 +1766,14 @@ def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
 
 def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False, keys: bool = False,
                            readout=None, per_head: bool = False) -> torch.Tensor:
-    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged over
-    its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
-
-    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's uniform share;
-    with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are constrained, the others keep
-    every key they see. Keys (keys=True): the keys whose share, averaged over the `readout` rows (every row when None),
-    is at least `ratio` times uniform form a clique (each sees the others), the `readout` rows given attend to them,
-    every other row to itself: the form of the Boolean tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling:
-    None). Self-loops are always allowed (no row is empty), future keys never (causal). A pattern that names no pair
-    beyond the self-loops (no share reaches `ratio`) is refused, naming the largest ratio present."""
+    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged over its
+    leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)). Pairs (keys=False): query i may attend to
+    key j when the attention is at least `ratio` times row i's uniform share; with `readout` (query rows, e.g. the
+    answer rows of a decoder) only those rows are constrained, the others keep every key they see. Keys (keys=True): the
+    keys whose share, averaged over the `readout` rows (every row when None), is at least `ratio` times uniform form a
+    clique (each sees the others), the `readout` rows given attend to them, every other row to itself: the form of the
+    Boolean tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed
+    (no row is empty), future keys never (causal); `_names_pairs` refuses a pattern of nothing else."""
     who = "pattern_from_attention"
     attn, ratio, causal = _maps(who, attn), _real(who, "ratio", ratio, above=True), _flag(who, "causal", causal)
     keys, per_head = _flag(who, "keys", keys), _flag(who, "per_head", per_head)
@@ -1853,11 +1836,10 @@ def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -
 
 def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                           causal: bool = False, per_head: bool = True) -> torch.Tensor:
-    """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over the
-    leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that log sigmoid(M) = log(a_ij /
-    max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each row's favourite key at
-    about 0 and the others suppressed by their log ratio to it; keys a causal row cannot see get -m_off (the causal
-    mask hides them). Returns (H, N, N) or (N, N)."""
+    """Soft initial M (H, N, N) from mean attention `attn` (..., H, N, N) averaged over the leading dimensions ((N, N)
+    from (..., N, N) with per_head=False): M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that the bias
+    alone (content logits equal) gives the mean attention back, each row's favourite key at about 0 and the others
+    suppressed by their log ratio to it; keys a causal row cannot see get -m_off (the causal mask hides them)."""
     who = "logits_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     causal, per_head = _flag(who, "causal", causal), _flag(who, "per_head", per_head)
@@ -1895,11 +1877,10 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
 
 def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0,
                            m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
-    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to patch (r +
-    dr, c + dc) averaged over every patch pair at offset (dr, dc), over its largest value, as M (log sigmoid(M) =
-    log of that share, clamped to [-m_off, m_on]) spread back over the grid; prefix tokens (CLS) attend and are
-    attended at m_on. attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset
-    prior (compare `soft_offset_logits`, whose bump is set by hand)."""
+    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to patch
+    (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), as `relative_from_attention` reads a distance,
+    spread back over the grid; prefix tokens (CLS) attend and are attended at m_on. attn (..., H, N, N) with N =
+    n_prefix + grid_h * grid_w -> (H, N, N) logits (a soft per-offset prior, as `soft_offset_logits` sets by hand)."""
     who = "offsets_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     _grid_sizes(who, grid_h, grid_w, n_prefix)

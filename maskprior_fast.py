@@ -89,9 +89,8 @@ def prior_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torc
     prior._first_row(t, t)
     prior.check_set()
     if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or prior.bias.requires_grad):
-        raise ValueError(f"{prior.where}: torch's flex_attention has no backward on the CPU: "
-                         "train with it on CUDA, or use the fused or explicit path here (its "
-                         "forward runs on the CPU under torch.no_grad)")
+        raise ValueError(f"{prior.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
+                         "or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
     table = F.logsigmoid(prior._logits(prior.bias)).to(q.dtype)
     if prior.param == "full":
         def score_mod(score, b, h, i, j):
@@ -281,12 +280,11 @@ class _FusedPrior(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------
-# The CPU: a windowed relative prior (a causal table of W distances, the last read past them) as the kernel serves no
-# prior. Query position p reads keys p - W + 1 .. p through the table (the band, W wide: by hand, O(T x W)) and keys
-# 0 .. p - W through its last logit c (the far part: one logit a head, so the fused kernel's causal attention of the
-# queries shifted by W, no bias, c added to its log-sum-exp). The two merge by their log-sum-exps; the backward gives
-# the far part to the kernel's own backward (with the merged output and log-sum-exp, as blockwise attention combines
-# blocks) and the band's by hand.
+# The CPU: a windowed relative prior (a causal table of W distances, the last read past them). Query position p reads
+# keys p - W + 1 .. p through the table (the band: by hand, O(T x W)) and keys 0 .. p - W through its last logit c
+# (the far part: one logit a head, so the fused kernel's causal attention of the queries shifted by W, no bias, c added
+# to its log-sum-exp). The two merge by their log-sum-exps; the backward gives the far part to the kernel's own
+# backward (with the merged output and log-sum-exp, as blockwise attention combines blocks), the band's by hand.
 
 
 def _band_block(t: int, w: int) -> int:
