@@ -128,8 +128,7 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = 
 def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
     """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose future half holds
     structure (allowed pairs, M > 0, that vary from pair to pair: a band, another model's non-causal attention), which
-    the causal mask would drop in silence. A future that is the same everywhere (all allowed, a neutral M = +30, or
-    all -inf-like) says nothing and passes."""
+    the causal mask would drop in silence; a future the same everywhere (all allowed, M = +30, all -inf-like) passes."""
     later = torch.ones(values.shape[-2:], dtype=torch.bool, device=values.device).triu(1)    # key j > query i
     future = values[..., later]                                  # (..., pairs above the diagonal)
     allowed = future if future.dtype == torch.bool else future > 0
@@ -189,9 +188,8 @@ def grid_slots(grid_h: int, grid_w: int, n_prefix: int = 0) -> int:
 
 
 def tracing(x=None) -> bool:
-    """Whether this call is being compiled (torch.compile), scripted or traced (TorchScript), or traced by fx
-    (`x`, a value of the call, is an fx Proxy): there host-side checks (a value read back to Python) are left out,
-    so the graph stays whole."""
+    """Whether this call is compiled (torch.compile), scripted or traced (TorchScript), or traced by fx (`x`, a value
+    of the call, is an fx Proxy): there host-side checks (values read back to Python) are left out (one whole graph)."""
     compiling = getattr(torch.compiler, "is_compiling", None)            # torch >= 2.3
     return (bool(compiling and compiling()) or torch.jit.is_scripting() or torch.jit.is_tracing()
             or isinstance(x, torch.fx.Proxy))
@@ -260,13 +258,12 @@ class MaskPrior(nn.Module):
         self.n, self.heads, self.causal, self.param, self.grid = n, heads, causal, param, grid
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
         self.where = "MaskPrior"            # the layer it serves, for error messages (maskprior_retrofit names it)
-        self.record = None                    # a list while `attention_maps` records probabilities
+        self.record = None                  # a list while `attention_maps` records probabilities
         self.roles = None                   # (rows, cols) (B, L) long while `prior_roles` is in effect
         size = {"full": (heads, n, self.n_keys), "relative": (heads, n if causal else 2 * n - 1),
                 "grid": (heads, grid_slots(*grid, n - grid[0] * grid[1]) if grid else 0)}[param]
-        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging
-        # Face Trainer's names holding "bias", timm's ".bias", minGPT's): decay would pull M to 0
-        # and erase the prior. float32 whatever the default dtype.
+        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging Face Trainer's names
+        # holding "bias", timm's ".bias", minGPT's): decay would erase the prior. float32 whatever the default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
         watch_decay(self)
         self.unset = False                  # to_empty gave M memory but no values: set or load it first
@@ -348,10 +345,10 @@ class MaskPrior(nn.Module):
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they depend on
-        i - j alone (on and below the diagonal when causal). A causal prior refuses logits that allow a future key (M
-        > 0 there: log sigmoid(M) would keep most of its weight), which it would drop in silence. Checked where the
-        logits are, and kept (a CPU copy) as M's start for `reset_parameters`: a prior on the meta device takes them
-        too, and is set from them once M has memory (`to_empty`, then `reset_parameters` or HF's init_weights)."""
+        i - j alone (on and below the diagonal when causal); a causal prior refuses logits that allow a future key
+        (`_check_past_only`). Checked where the logits are, and kept (a CPU copy) as M's start for `reset_parameters`: a
+        prior on the meta device takes them too, and is set from them once M has memory (`to_empty`, then
+        `reset_parameters` or HF's init_weights)."""
         full = _per_head(_logits("MaskPrior.set_logits", logits), self.heads, self.n, self.n_keys)
         full = full.to(dtype=self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
@@ -510,17 +507,15 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with an optional learnable log-sigmoid mask.
-
-    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal N;
-    the bias log sigmoid(M) is added to the logits. M starts at 0, which adds the same constant to every logit, i.e. no
-    prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only then may T be shorter than N
-    (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block. `mask_param="relative"`: M per
-    head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`: M per head and patch displacement
-    of the `mask_grid` (grid_h, grid_w). `fused=True` uses F.scaled_dot_product_attention (`prior_attention` with M);
-    the explicit path (`fused=False`, or `return_attn=True`) also returns the (B, heads, T, T) attention probabilities.
-    `flex=True` runs a layer with M through torch's flex_attention instead (maskprior_fast's `prior_flex`: M read inside
-    the kernel)."""
+    """Multi-head self-attention with an optional learnable log-sigmoid mask. x: (B, T, dim) -> (B, T, dim). With
+    `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal N; the bias log sigmoid(M) is added to
+    the logits. M starts at 0: no prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only
+    then may T be shorter than N (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
+    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`: M
+    per head and patch displacement of the `mask_grid` (grid_h, grid_w). `fused=True` uses SDPA (`prior_attention` with
+    M); the explicit path (`fused=False`, or `return_attn=True`) also returns the (B, heads, T, T) attention
+    probabilities. `flex=True` runs a layer with M through torch's flex_attention instead (maskprior_fast's
+    `prior_flex`: M read inside the kernel)."""
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
                  causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
@@ -602,7 +597,6 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
                m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
-
     `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's own N positions (e.g.
     with or without a CLS token in front): every attention layer must already own an M (build the model with
     `learnable_mask=True`, `Attention(mask_size=N)`, or `add_mask_prior`) of that size, or this raises; it never creates
@@ -656,10 +650,9 @@ _WATCHING: list = []
 
 
 def watch_decay(prior: MaskPrior) -> None:
-    """Watch `prior` for weight decay on M. The process-wide optimiser check is registered here, once, when the
-    process builds its first MaskPrior (never at import: a process without a prior has none): torch's
-    `register_optimizer_step_pre_hook` runs `_refuse_decayed_m` before every step of every optimiser. A plain
-    `AdamW(model.parameters(), weight_decay=0.1)` would pull M to 0 and erase the prior in silence (param_groups,
+    """Watch `prior` for weight decay on M; the process-wide check goes in once, with the process's first MaskPrior
+    (never at import): torch's `register_optimizer_step_pre_hook` runs `_refuse_decayed_m` before each optimiser step. A
+    plain `AdamW(model.parameters(), weight_decay=0.1)` would pull M to 0 and erase the prior in silence (param_groups,
     HF's Trainer and timm's factory leave M out); a decay set after the first step (a schedule, add_param_group,
     load_state_dict, an M unfrozen later) is refused on the step it would first apply."""
     if not _WATCHING:
@@ -794,11 +787,9 @@ def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean attention probability mass on the pattern.
-
-    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or (H, N) bool, the query
-    rows (per head) to average over (default all). Sums each row's mass on allowed keys, averages over batch, heads and
-    rows -> scalar in [0, 1]."""
+    """Mean attention probability mass on the pattern. attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N)
+    bool; rows: optional (N,) or (H, N) bool, the query rows (per head) to average over (default all). Sums each row's
+    mass on allowed keys, averages over batch, heads and rows -> scalar in [0, 1]."""
     n = attn.shape[-1]
     if pattern.shape[-1] != n or (rows is not None and rows.shape[-1] != n):
         rows_shape = "" if rows is None else f" and rows of shape {tuple(rows.shape)}"
@@ -816,14 +807,12 @@ def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor |
 def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
                  noise: float = 3.0, factor_norm: float = 7.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None) -> dict:
-    """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer.
-
-    Per layer and head: target logits L = scale * pattern + noise * trunc_normal(0.6) off the pattern; A = pinv(P) L
-    pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2,
-    each scaled to Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies
-    the model's positional embedding first. Returns the pseudo input's attention mass on the pattern, per layer.
-    `model`: one of ours (`Transformer`, `ViT`: see `qk_view`) or a QKView (timm's and Hugging Face's ViTs:
-    maskprior_retrofit.qk_view)."""
+    """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer. Per layer and head: target
+    logits L = scale * pattern + noise * trunc_normal(0.6) off the pattern; A = pinv(P) L pinv(P)^T with P =
+    LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2, each scaled to
+    Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies the model's
+    positional embedding first. Returns the pseudo input's attention mass on the pattern, per layer. `model`: one of
+    ours (`Transformer`, `ViT`: see `qk_view`) or a QKView (maskprior_retrofit.qk_view: timm's, Hugging Face's ViTs)."""
     who = "init_qk_svd_"
     pattern = _pattern(who, pattern)
     scale, noise = _real(who, "scale", scale, above=True, most=MAX_GAIN), _real(who, "noise", noise, most=MAX_GAIN)
@@ -892,15 +881,14 @@ def _fit_qk(p: torch.Tensor, target: torch.Tensor, h: int, r: int, steps: int, l
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
                  norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None, log=None, log_seconds: float = 10.0) -> dict:
-    """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
-
-    Adam on per-head Q (H, dim, r), K (H, dim, r) minimising MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P =
-    LayerNorm(pos_emb); every `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled to
-    their initial mean norm. Stops early when the loss improves by less than `tol` over `norm_every` steps. `pos_scale`
-    multiplies the positional embedding first (as in `init_qk_svd_`: a prior fitted on positions reaches real inputs
-    only if the positions are not drowned by the token embeddings). `log` (e.g. print), when given, hears what the fit
-    does every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps taken and pseudo-input
-    masses. `model`: as `init_qk_svd_` takes it (its layers all of the same heads and head_dim)."""
+    """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer. Adam on per-head Q (H, dim, r), K
+    (H, dim, r) minimising MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P = LayerNorm(pos_emb); every `norm_every`
+    steps the columns of Q and the rows of K (per input feature) are rescaled to their initial mean norm. Stops early
+    when the loss improves by less than `tol` over `norm_every` steps. `pos_scale` multiplies the positional embedding
+    first (as in `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are not drowned
+    by the token embeddings). `log` (e.g. print), when given, hears what the fit does every `log_seconds` of it (a long
+    fit is never silent). Returns the final loss, steps taken and pseudo-input masses. `model`: as `init_qk_svd_` takes
+    it (its layers all of the same heads and head_dim)."""
     who = "init_qk_opt_"
     pattern = _pattern(who, pattern)
     steps, norm_every = _int(who, "steps", steps, 1, None), _int(who, "norm_every", norm_every, 1, None)
@@ -1119,10 +1107,9 @@ def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix
 
 def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
                        n_prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
-    initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
-    -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
-    [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
+    """(H, N, N) mask logits of a soft 2-D prior (ConViT's positional init, d'Ascoli et al. 2021), one bump per head
+    around its (dr, dc) offset: log sigmoid(M) = -alpha * ||delta - offset_h||^2 for the key's displacement delta from
+    the query, M in [-m_off, m_on] (the top: log sigmoid(m_on) ~ 0); prefix tokens get +m_on both ways."""
     who = "soft_offset_logits"
     n, offsets = _grid_sizes(who, grid_h, grid_w, n_prefix), _offsets(who, offsets)
     alpha, m_on, m_off = _real(who, "alpha", alpha), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
@@ -1154,8 +1141,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
-    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
-
+    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like):
     M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite and is clamped to
     `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get -self_logit (the causal mask hides them)."""
     who = "causal_distance_logits"
@@ -1171,10 +1157,9 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 
 
 def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: torch.Tensor) -> torch.Tensor:
-    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
-
-    attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
-    layer; mask_logits: (H, N, N). Through the softmax and d logsigmoid(m)/dm = sigma(-m),
+    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities. attn, attn_grad: (B, H, N, N)
+    probabilities p and upstream gradients g = dL/dp of one layer; mask_logits: (H, N, N). Through the softmax and
+    d logsigmoid(m)/dm = sigma(-m),
         dL/dM_ij = sigma(-M_ij) * sum_b p_bij * (g_bij - sum_k p_bik g_bik),
     and the bracket lies within max_k g_bik - min_k g_bik, so
         |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
@@ -1191,10 +1176,10 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
     of varying length, say): M is indexed by role, not by position. rows, cols: (B, L) long, the role (a row, a column
     of M, in 0..n-1) of each example's positions as a query and as a key; the bias of query i and key j of example b is
     log sigmoid(M[rows[b, i], cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that
-    rise with the position keep a causal prior causal. Outside the block (the probes, a layout with rows = cols =
-    0..n-1) M is read by position as usual. A model without a prior is left alone. Served in maskprior's own models and
-    in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm, keyword), with one row of roles per
-    example of each call (another batch size is refused); a cross-attention prior is refused."""
+    rise with the position keep a causal prior causal. Outside the block M is read by position; a model without a
+    prior is left alone. Served in maskprior's own models and in every self-attention layer add_mask_prior serves
+    (torch, Hugging Face, timm, keyword), one row of roles per example of each call (another batch size and a
+    cross-attention prior are refused)."""
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
@@ -1356,9 +1341,8 @@ class TransformerConfig(TrunkConfig):
 
 
 class Transformer(Trunk):
-    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
-
-    With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et al. 2023; with
+    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'. With the
+    GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et al. 2023; with
     `causal=True, readout='tokens'` it is a decoder / language model. With `positions='none'` it has no positional
     embedding and serves any T, as far as its priors do (a relative M serves any length, a full one its N)."""
 
@@ -1547,12 +1531,10 @@ def _ortho_like(dim: int, alpha: float, beta: float, sign: float, generator=None
 @torch.no_grad()
 def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
                   vo: tuple[float, float] | None = (0.4, 0.4), generator: torch.Generator | None = None) -> dict:
-    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
-
-    Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that product alone. Returns the
-    relative error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates them).
-    Works on any model whose attention layers are maskprior `Attention` modules (no positional embedding needed), and on
-    a QKView (maskprior_retrofit.qk_view: timm's and Hugging Face's ViTs)."""
+    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I. Z has
+    entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that product alone. Returns the relative
+    error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates them). Works on
+    any model with maskprior `Attention` layers (no positional embedding needed) and on a QKView (`qk_view`)."""
     errs = []
     for attn in qk_view(model).sites:
         h, r = attn.n_heads, attn.head_dim
@@ -1609,11 +1591,10 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor,
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
-    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's own
-    models through their explicit path; any other model through its priors (each attention that serves a MaskPrior
-    appends its probabilities to `prior.record` while it is a list: maskprior_retrofit's torch, Hugging Face and
-    timm layers do). Raises for a layer whose softmax the library cannot see (a `modules=` attention of your own:
-    return its maps yourself and use `pattern_mass`)."""
+    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's own models
+    through their explicit path; any other model through its priors (each attention that serves a MaskPrior appends
+    its probabilities to `prior.record` while it is a list, as maskprior_retrofit's layers do). Raises for a layer whose
+    softmax the library cannot see (a `modules=` attention of your own: return its maps, use `pattern_mass`)."""
     if attention_layers(model):
         return list(model(inputs, return_attn=True)[1])
     priors = mask_priors(model)
@@ -1666,11 +1647,10 @@ def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) ->
 
 def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
     """Per layer: by how many nats the content logits (q.k / sqrt(d), the layer's bias taken out) favour the visible
-    keys off `pattern` over those on it, log sum_off exp(c) - log sum_on exp(c), averaged over the constrained rows
-    (`prior_rows`), heads and batch. Read from the attention map a = softmax(c + bias): c = log a - bias up to a
-    per-row constant. With a bias of b_on on the pattern and b_off off it, a row's off/on mass ratio is exp(margin -
-    (b_on - b_off)): the prior holds the majority while the margin stays below its gap (about m_off for a `mask` at
-    m_on = 5)."""
+    keys off `pattern` over those on it, log sum_off exp(c) - log sum_on exp(c), averaged over `prior_rows`, heads and
+    batch. Read from the attention map a = softmax(c + bias): c = log a - bias up to a per-row constant. With a bias of
+    b_on on the pattern and b_off off it, a row's off/on mass ratio is exp(margin - (b_on - b_off)): the prior holds the
+    majority while the margin stays below its gap (about m_off for a `mask` at m_on = 5)."""
     return prior_probe(model, inputs, pattern)[1]
 
 

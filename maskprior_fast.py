@@ -11,9 +11,8 @@ path here is exact: outputs and gradients of q, k, v and M equal the explicit so
   kernel's causal attention with no bias, forward and backward, the two merged by their log-sum-exps.
 - flex_attention (`prior_flex`), where asked: M read inside the kernel, compiled on CUDA.
 
-It imports torch alone and reads a prior through the attributes MaskPrior has (bias, param, causal, n, n_keys, heads,
-roles and the helpers _logits, _index, _pairs, _first_row, at_distance, check_set, and the call prior(t, dtype,
-k_len)).
+It imports torch alone and reads a prior through MaskPrior's attributes (bias, param, causal, n, n_keys, heads, roles),
+helpers (_logits, _index, _pairs, _first_row, at_distance, check_set) and call prior(t, dtype, k_len).
 """
 from __future__ import annotations
 
@@ -408,9 +407,8 @@ def _far_forward(far) -> tuple:
 
 
 def _far_backward(far, dout, out, lse, aux) -> tuple:
-    """The far part's kernel backward: (dq (B, H, Tf, d), dk, dv (B, H, S - W, d)) from the merged output, its
-    gradient dout (B, H, Tf, d) and the log-sum-exp lse (B, H, Tf) the far part's probabilities are exp(S - lse) by;
-    aux: `_far_forward`'s."""
+    """The far part's kernel backward -> (dq (B, H, Tf, d), dk, dv (B, H, S - W, d)), from the merged output, its
+    gradient dout (B, H, Tf, d), lse (B, H, Tf) (its probabilities are exp(S - lse)) and `_far_forward`'s aux."""
     _, qf, kf, vf, causal, mask = far
     if aux is None:
         kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
