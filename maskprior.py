@@ -40,9 +40,8 @@ __version__ = "0.1.0"
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# The initial M and the patterns it reads: bool tensors, (N, N) for all heads or (H, N, N) per head; row i lists
-# the keys that query i is allowed to attend to. The initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007
-# and -5.007).
+# The initial M and the patterns it reads: bool tensors, (N, N) for all heads or (H, N, N) per head; row i lists the
+# keys that query i may attend to. The initial M: +5 on the pattern, -5 off it (log sigmoid: -0.007 and -5.007).
 
 M_ON, M_OFF = 5.0, 5.0
 
@@ -107,8 +106,7 @@ def mask_logits_from_pattern(pattern: torch.Tensor, m_on: float = M_ON, m_off: f
     """Initial M: +m_on on allowed pairs, -m_off elsewhere (same shape as `pattern`); both finite."""
     who = "mask_logits_from_pattern"
     pattern, m_on, m_off = _pattern(who, pattern), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
-    return torch.where(pattern, torch.tensor(m_on, device=pattern.device),
-                       torch.tensor(-m_off, device=pattern.device))
+    return torch.where(pattern, torch.tensor(m_on, device=pattern.device), torch.tensor(-m_off, device=pattern.device))
 
 
 def mask_bias(mask_logits: torch.Tensor) -> torch.Tensor:
@@ -130,8 +128,7 @@ def _per_head(pattern: torch.Tensor, n_heads: int, n: int, n_keys: int | None = 
 def _check_past_only(values: torch.Tensor, what: str, way: str) -> None:
     """Refuse, in one line, a pattern or logits `values` (..., n, n) for a causal prior whose future half holds
     structure (allowed pairs, M > 0, that vary from pair to pair: a band, another model's non-causal attention), which
-    the causal mask would drop in silence. A future that is the same everywhere (all allowed, a neutral M = +30, or
-    all -inf-like) says nothing and passes."""
+    the causal mask would drop in silence; a future the same everywhere (all allowed, M = +30, all -inf-like) passes."""
     later = torch.ones(values.shape[-2:], dtype=torch.bool, device=values.device).triu(1)    # key j > query i
     future = values[..., later]                                  # (..., pairs above the diagonal)
     allowed = future if future.dtype == torch.bool else future > 0
@@ -187,14 +184,12 @@ def grid_slots(grid_h: int, grid_w: int, n_prefix: int = 0) -> int:
 
 
 # ----------------------------------------------------------------------------------------
-# The prior: one small module that owns M and gives the additive bias, for our Attention or for any attention that
-# adds a mask to its logits.
+# The prior: a small module that owns M and gives the additive bias, for our Attention or any attention with a mask.
 
 
 def tracing(x=None) -> bool:
-    """Whether this call is being compiled (torch.compile), scripted or traced (TorchScript), or traced by fx
-    (`x`, a value of the call, is an fx Proxy): there host-side checks (a value read back to Python) are left out,
-    so the graph stays whole."""
+    """Whether this call is compiled (torch.compile), scripted or traced (TorchScript), or traced by fx (`x`, a value
+    of the call, is an fx Proxy): there host-side checks (values read back to Python) are left out (one whole graph)."""
     compiling = getattr(torch.compiler, "is_compiling", None)            # torch >= 2.3
     return (bool(compiling and compiling()) or torch.jit.is_scripting() or torch.jit.is_tracing()
             or isinstance(x, torch.fx.Proxy))
@@ -205,8 +200,7 @@ def _prior_entries(n: int, heads: int, n_keys, causal: bool, param, src, grid) -
     slots."""
     if param == "grid" and grid:
         return heads * grid_slots(*grid, max(0, n - grid[0] * grid[1]))
-    relative = param == "relative" or (param is None and causal and src is not None
-                                       and depends_on_distance(src, True))
+    relative = param == "relative" or (param is None and causal and src is not None and depends_on_distance(src, True))
     return heads * (2 * n - 1 if relative else n * (n_keys or n))
 
 
@@ -227,16 +221,14 @@ class MaskPrior(nn.Module):
         prior(t).repeat(b, 1, 1) (b * heads, t, t)        nn.MultiheadAttention(attn_mask=...)
         prior(t)[None]          -> (1, heads, t, t)       a 4-D additive mask (Hugging Face style)
 
-    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit (the far
-    bucket, as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024 tokens and
-    generation past n, and costs O(heads x n) whatever the length. A full M serves at most n tokens: by default
-    exactly n; a causal one reads a prefix (a prompt) and, with a KV cache, the rows of the last q_len of its k_len
-    positions. `prefix=True` lets a non-causal prior read t < n tokens as positions 0..t-1 (right-padded text); an
-    image grid of another size is another layout, so it is refused, not sliced. `n_keys` makes a cross-attention
-    prior of (heads, n, n_keys). M stays float32 when the module is cast to half precision (an Adam step of 1e-3 on
-    |M| ~ 5-10 would round away in bf16). Keep M out of weight decay (`param_groups`, `prior_parameter_names`), or
-    the decay erases the prior.
-    """
+    Lengths: a relative prior serves any length: a distance past its table reads the table's last logit (the far bucket,
+    as T5's relative bias does past its max_distance), so a prior of n = 128 serves 1,024 tokens and generation past n,
+    and costs O(heads x n) whatever the length. A full M serves at most n tokens: by default exactly n; a causal one
+    reads a prefix (a prompt) and, with a KV cache, the rows of the last q_len of its k_len positions. `prefix=True`
+    lets a non-causal prior read t < n tokens as positions 0..t-1 (right-padded text); an image grid of another size is
+    another layout, so it is refused, not sliced. `n_keys` makes a cross-attention prior of (heads, n, n_keys). M stays
+    float32 when the module is cast to half precision (an Adam step of 1e-3 on |M| ~ 5-10 would round away in bf16).
+    Keep M out of weight decay (`param_groups`, `prior_parameter_names`), or the decay erases the prior."""
     def __init__(self, n: int, heads: int = 1, pattern: torch.Tensor | None = None,
                  m_on: float = M_ON, m_off: float = M_OFF, causal: bool = False,
                  logits: torch.Tensor | None = None, param: str | None = None,
@@ -254,8 +246,7 @@ class MaskPrior(nn.Module):
         check_size(who, "its M", _prior_entries(n, heads, n_keys, causal, param, src, grid),
                    "param='relative' holds a prior that depends on i - j alone at heads x (2n - 1); else build it for "
                    "fewer positions or heads")
-        # a causal distance prior is stored by distance; anything else (a layout) by pair
-        if param is None:
+        if param is None:  # a causal distance prior is stored by distance; anything else (a layout) by pair
             param = "relative" if causal and src is not None and depends_on_distance(src, causal) else "full"
         if (n_keys is not None and (causal or param != "full") or (param == "grid") != (grid is not None)
                 or grid and (causal or prefix or grid[0] * grid[1] > n)):
@@ -266,22 +257,17 @@ class MaskPrior(nn.Module):
                              f"grid={grid!r}")
         self.n, self.heads, self.causal, self.param, self.grid = n, heads, causal, param, grid
         self.n_keys, self.cross, self.prefix = n if n_keys is None else n_keys, n_keys is not None, prefix or causal
-        # the layer it serves, for error messages (maskprior_retrofit names it)
-        self.where = "MaskPrior"
-        self.record = None                    # a list while `attention_maps` records probabilities
-        # (rows, cols) (B, L) long while `prior_roles` is in effect
-        self.roles = None
+        self.where = "MaskPrior"            # the layer it serves, for error messages (maskprior_retrofit names it)
+        self.record = None                  # a list while `attention_maps` records probabilities
+        self.roles = None                   # (rows, cols) (B, L) long while `prior_roles` is in effect
         size = {"full": (heads, n, self.n_keys), "relative": (heads, n if causal else 2 * n - 1),
                 "grid": (heads, grid_slots(*grid, n - grid[0] * grid[1]) if grid else 0)}[param]
-        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging
-        # Face Trainer's names holding "bias", timm's ".bias", minGPT's): decay would pull M to 0
-        # and erase the prior. float32 whatever the default dtype.
+        # M, named `bias` so that optimiser builders leave it undecayed by their own rule (Hugging Face Trainer's names
+        # holding "bias", timm's ".bias", minGPT's): decay would erase the prior. float32 whatever the default dtype.
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))
         watch_decay(self)
-        # to_empty gave M memory but no values: set or load it first
-        self.unset = False
-        # what M starts from (a CPU copy), for reset_parameters
-        self.start = None
+        self.unset = False                  # to_empty gave M memory but no values: set or load it first
+        self.start = None                   # what M starts from (a CPU copy), for reset_parameters
         if pattern is not None and causal:
             _check_past_only(pattern, f"{self.where}: the pattern allows", "give pattern & mp.causal_pattern(n)")
         src = logits if logits is not None else None if pattern is None else mask_logits_from_pattern(pattern, m_on,
@@ -328,7 +314,6 @@ class MaskPrior(nn.Module):
                          "prior's hooks and bias are Python); trace it (torch.jit.trace), compile it "
                          "(torch.compile) or export it (torch.export) instead")
 
-
     def _logits(self, m: torch.Tensor) -> torch.Tensor:
         """M (or a slice of it) in the precision the bias is computed in: float32, or float64 for a
         float64 M (read off the parameter itself, so an fx trace records no branch)."""
@@ -360,10 +345,10 @@ class MaskPrior(nn.Module):
     @torch.no_grad()
     def set_logits(self, logits: torch.Tensor) -> None:
         """M from full logits (n, n_keys) or (heads, n, n_keys); a relative prior takes them only if they depend on
-        i - j alone (on and below the diagonal when causal). A causal prior refuses logits that allow a future key (M
-        > 0 there: log sigmoid(M) would keep most of its weight), which it would drop in silence. Checked where the
-        logits are, and kept (a CPU copy) as M's start for `reset_parameters`: a prior on the meta device takes them
-        too, and is set from them once M has memory (`to_empty`, then `reset_parameters` or HF's init_weights)."""
+        i - j alone (on and below the diagonal when causal); a causal prior refuses logits that allow a future key
+        (`_check_past_only`). Checked where the logits are, and kept (a CPU copy) as M's start for `reset_parameters`: a
+        prior on the meta device takes them too, and is set from them once M has memory (`to_empty`, then
+        `reset_parameters` or HF's init_weights)."""
         full = _per_head(_logits("MaskPrior.set_logits", logits), self.heads, self.n, self.n_keys)
         full = full.to(dtype=self.bias.dtype)
         if not bool(torch.isfinite(full).all()):
@@ -463,8 +448,7 @@ class MaskPrior(nn.Module):
         r = self._first_row(t, s, start)
         # keys past a full M (empty slots of a static cache) are future keys; a relative M reads every key
         c = s if self.param == "relative" else min(s, self.n_keys)
-        # per example: M's row of each query's role, column of each key's
-        if self.roles is not None:
+        if self.roles is not None:          # per example: M's row of each query's role, column of each key's
             rows, cols = self.roles
             if rows.shape[1] < r + t or cols.shape[1] < c:
                 raise ValueError(f"{self.where}: roles for {rows.shape[1]} positions, but {r + t} "
@@ -475,13 +459,11 @@ class MaskPrior(nn.Module):
             bias = mask_bias(self._logits(self.bias[:, r:r + t, :c]))
         elif self.param == "grid":                 # log sigmoid on the table, then gathered (t = c = n)
             bias = mask_bias(self._logits(self.bias))[:, self._pairs()]
-        # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
-        else:
+        else:  # log sigmoid on the small table, laid along the t + c - 1 distances, then one Toeplitz copy
             dist = torch.arange(r + t - 1, r - c, -1, device=self.bias.device)
             line = mask_bias(self._logits(self.bias))[:, self._index(dist)]
             line = line.masked_fill(dist < 0, float("-inf")) if self.causal else line
-            # row i, key j: line[t - 1 - i + j], distance r + i - j
-            bias = line.unfold(1, c, 1).flip(1)
+            bias = line.unfold(1, c, 1).flip(1)  # row i, key j: line[t - 1 - i + j], distance r + i - j
         if self.causal and self.param == "full":
             bias = bias.masked_fill(future_keys(c, bias.device)[r:r + t], float("-inf"))
             bias = F.pad(bias, (0, s - c), value=float("-inf"))
@@ -489,14 +471,12 @@ class MaskPrior(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# Attention: the fused path (scaled_dot_product_attention with the prior's bias) and the explicit softmax, which
-# can return the maps.
+# Attention: the fused path (SDPA with the prior's bias) and the explicit softmax, which can return the maps.
 
 
 def _speedups():
-    """maskprior_fast, the speed paths that compute what `prior_attention` does (torch's fused CPU kernel with M's
-    gradient computed apart, flex_attention), where it is importable beside this file; else None. Imported on the
-    first call with a prior, never at import."""
+    """maskprior_fast (the speed paths of `prior_attention`: torch's fused CPU kernel, flex_attention) where it is
+    importable beside this file, else None; imported on the first call with a prior, never at import."""
     global _FAST
     if _FAST is None:
         try:
@@ -514,8 +494,7 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
                     use_flex: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, the fused path with a prior: q (B, H, T, d), k, v (B, H, S, d) ->
     (B, H, T, d), a causal prior's future hidden. F.scaled_dot_product_attention with the prior's bias as its mask,
-    unless a speed path of maskprior_fast takes the call (`_speedups`; `use_flex`: torch's flex_attention where it
-    applies, asked for)."""
+    unless maskprior_fast takes the call (`_speedups`; `use_flex` asks for torch's flex_attention where it applies)."""
     fast = _speedups()
     if fast is None and use_flex:
         raise ValueError(f"{prior.where}: flex_attention is served by maskprior_fast.py, which is not importable "
@@ -528,18 +507,15 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior: Ma
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with an optional learnable log-sigmoid mask.
-
-    x: (B, T, dim) -> (B, T, dim). With `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal
-    N; the bias log sigmoid(M) is added to the logits. M starts at 0, which adds the same constant to every logit,
-    i.e. no prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only then may T be
-    shorter than N (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
-    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`:
-    M per head and patch displacement of the `mask_grid` (grid_h, grid_w). `fused=True` uses
-    F.scaled_dot_product_attention (`prior_attention` with M); the explicit path (`fused=False`, or
-    `return_attn=True`) also returns the (B, heads, T, T) attention probabilities. `flex=True` runs a layer with M
-    through torch's flex_attention instead (maskprior_fast's `prior_flex`: M read inside the kernel).
-    """
+    """Multi-head self-attention with an optional learnable log-sigmoid mask. x: (B, T, dim) -> (B, T, dim). With
+    `mask_size=N` the module owns M, a (heads, N, N) parameter, and T must equal N; the bias log sigmoid(M) is added to
+    the logits. M starts at 0: no prior until `init_mask_` sets it. `causal=True` adds a hard -inf on future keys; only
+    then may T be shorter than N (a prefix, e.g. a prompt while generating), and the bias is M's top-left T x T block.
+    `mask_param="relative"`: M per head and distance (`mask_window` of them, default N), any T; `mask_param="grid"`: M
+    per head and patch displacement of the `mask_grid` (grid_h, grid_w). `fused=True` uses SDPA (`prior_attention` with
+    M); the explicit path (`fused=False`, or `return_attn=True`) also returns the (B, heads, T, T) attention
+    probabilities. `flex=True` runs a layer with M through torch's flex_attention instead (maskprior_fast's
+    `prior_flex`: M read inside the kernel)."""
 
     def __init__(self, dim: int, n_heads: int, head_dim: int | None = None, mask_size: int | None = None,
                  causal: bool = False, qkv_bias: bool = False, fused: bool = True, mask_param: str = "full",
@@ -551,13 +527,11 @@ class Attention(nn.Module):
         self.fused, self.flex = fused, flex
         inner = n_heads * self.head_dim
         # the prior first: M is the layer's first parameter (and first in the optimiser's state)
-        if mask_window is not None and not (mask_param == "relative" and mask_size
-                                            and 1 <= mask_window <= mask_size):
+        if mask_window is not None and not (mask_param == "relative" and mask_size and 1 <= mask_window <= mask_size):
             raise ValueError(f"mask_window {mask_window!r}: a relative M's distances, 1 .. its "
                              f"{mask_size} positions (mask_param='relative')")
         self.prior = (MaskPrior(mask_window or mask_size, n_heads, causal=causal, param=mask_param, grid=mask_grid)
-                      if mask_size
-                      else None)
+                      if mask_size else None)
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = nn.Linear(inner, dim)
 
@@ -580,8 +554,7 @@ class Attention(nn.Module):
         if (self.fused or flex) and not return_attn and self.prior is not None:
             out = prior_attention(q, k, v, self.prior, flex)
         elif self.fused and not return_attn:
-            # queries after a cache: is_causal would align them to key 0
-            late = self.causal and s > t
+            late = self.causal and s > t    # queries after a cache: is_causal would align them to key 0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~future_keys(s, x.device)[s - t:] if late else None,
                                                  is_causal=self.causal and not late)
         else:
@@ -624,13 +597,11 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: float = M_ON,
                m_off: float = M_OFF, logits: torch.Tensor | None = None) -> dict:
     """Set the M of every MaskPrior in the model to +m_on on `pattern`, -m_off elsewhere (or to given `logits`).
-
-    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's own N positions
-    (e.g. with or without a CLS token in front): every attention layer must already own an M (build the model with
-    `learnable_mask=True`, `Attention(mask_size=N)`, or `add_mask_prior`) of that size, or this raises; it never
-    creates or resizes M, since an optimiser made earlier would not see a new parameter. Give M to the optimiser
-    without weight decay (`param_groups`), or the decay pulls it to 0 and erases the prior.
-    """
+    `pattern` (N, N) or (H, N, N) bool, or `logits` of those shapes, must be built for the model's own N positions (e.g.
+    with or without a CLS token in front): every attention layer must already own an M (build the model with
+    `learnable_mask=True`, `Attention(mask_size=N)`, or `add_mask_prior`) of that size, or this raises; it never creates
+    or resizes M, since an optimiser made earlier would not see a new parameter. Give M to the optimiser without weight
+    decay (`param_groups`), or the decay pulls it to 0 and erases the prior."""
     who = "init_mask_"
     pattern, logits = _source(who, pattern, logits)
     m_on, m_off = _real(who, "m_on", m_on), _real(who, "m_off", m_off)
@@ -638,8 +609,7 @@ def init_mask_(model: nn.Module, pattern: torch.Tensor | None = None, m_on: floa
     if any(attn.prior is None for attn in attention_layers(model)) or not mask_priors(model):
         raise ValueError("init_mask_: an attention layer has no M; build the model with learnable_mask=True (or "
                          "Attention(..., mask_size=N)), or give your own attention a MaskPrior")
-    # refused before any M changes, as a prior would
-    if any(prior.causal for prior in mask_priors(model)):
+    if any(prior.causal for prior in mask_priors(model)):  # refused before any M changes, as a prior would
         _check_past_only(src if pattern is None else pattern, "init_mask_: the prior allows",
                          "build it for a causal model (pattern & mp.causal_pattern(n); logits at most 0 there)")
     for prior in mask_priors(model):
@@ -680,10 +650,9 @@ _WATCHING: list = []
 
 
 def watch_decay(prior: MaskPrior) -> None:
-    """Watch `prior` for weight decay on M. The process-wide optimiser check is registered here, once, when the
-    process builds its first MaskPrior (never at import: a process without a prior has none): torch's
-    `register_optimizer_step_pre_hook` runs `_refuse_decayed_m` before every step of every optimiser. A plain
-    `AdamW(model.parameters(), weight_decay=0.1)` would pull M to 0 and erase the prior in silence (param_groups,
+    """Watch `prior` for weight decay on M; the process-wide check goes in once, with the process's first MaskPrior
+    (never at import): torch's `register_optimizer_step_pre_hook` runs `_refuse_decayed_m` before each optimiser step. A
+    plain `AdamW(model.parameters(), weight_decay=0.1)` would pull M to 0 and erase the prior in silence (param_groups,
     HF's Trainer and timm's factory leave M out); a decay set after the first step (a schedule, add_param_group,
     load_state_dict, an M unfrozen later) is refused on the step it would first apply."""
     if not _WATCHING:
@@ -818,12 +787,9 @@ def _pinv_rank(p: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean attention probability mass on the pattern.
-
-    attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N) bool; rows: optional (N,) or
-    (H, N) bool, the query rows (per head) to average over (default all). Sums each row's mass
-    on allowed keys, averages over batch, heads and rows -> scalar in [0, 1].
-    """
+    """Mean attention probability mass on the pattern. attn: (B, H, N, N) probabilities; pattern: (N, N) or (H, N, N)
+    bool; rows: optional (N,) or (H, N) bool, the query rows (per head) to average over (default all). Sums each row's
+    mass on allowed keys, averages over batch, heads and rows -> scalar in [0, 1]."""
     n = attn.shape[-1]
     if pattern.shape[-1] != n or (rows is not None and rows.shape[-1] != n):
         rows_shape = "" if rows is None else f" and rows of shape {tuple(rows.shape)}"
@@ -837,24 +803,16 @@ def pattern_mass(attn: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor |
     return mass.mean()
 
 
-
-
 @torch.no_grad()
 def init_qk_svd_(model: nn.Module, pattern: torch.Tensor, scale: float = 1000.0,
                  noise: float = 3.0, factor_norm: float = 7.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None) -> dict:
-    """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer.
-
-    Per layer and head: target logits L = scale * pattern + noise * trunc_normal(0.6) off the pattern; A = pinv(P) L
-    pinv(P)^T with P = LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r
-    S_r^1/2, each scaled to Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding)
-    multiplies the model's positional embedding first. Returns the pseudo input's attention mass on the pattern, per
-    layer.
-
-    `model`: one of ours (`Transformer`, `ViT`: `blocks`, each with `ln1` and `attn`, and `pos_emb` (1, N, dim), the
-    positional embedding the pseudo input is made from) or a QKView (timm's and Hugging Face's ViTs:
-    maskprior_retrofit.qk_view).
-    """
+    """Closed-form QK init (Zheng, Li, Saratchandran, Lucey 2025), solved for every layer. Per layer and head: target
+    logits L = scale * pattern + noise * trunc_normal(0.6) off the pattern; A = pinv(P) L pinv(P)^T with P =
+    LayerNorm(pos_emb) (rank-truncated at head_dim); A ~ U S V^T; Wq = U_r S_r^1/2, Wk = V_r S_r^1/2, each scaled to
+    Frobenius norm `factor_norm`. `pos_scale` (the source uses 18 with a 0.02-std embedding) multiplies the model's
+    positional embedding first. Returns the pseudo input's attention mass on the pattern, per layer. `model`: one of
+    ours (`Transformer`, `ViT`: see `qk_view`) or a QKView (maskprior_retrofit.qk_view: timm's, Hugging Face's ViTs)."""
     who = "init_qk_svd_"
     pattern = _pattern(who, pattern)
     scale, noise = _real(who, "scale", scale, above=True, most=MAX_GAIN), _real(who, "noise", noise, most=MAX_GAIN)
@@ -923,17 +881,14 @@ def _fit_qk(p: torch.Tensor, target: torch.Tensor, h: int, r: int, steps: int, l
 def init_qk_opt_(model: nn.Module, pattern: torch.Tensor, steps: int = 10000, lr: float = 1e-4,
                  norm_every: int = 100, tol: float = 0.0, pos_scale: float | None = None,
                  generator: torch.Generator | None = None, log=None, log_seconds: float = 10.0) -> dict:
-    """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer.
-
-    Adam on per-head Q (H, dim, r), K (H, dim, r) minimising MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P =
-    LayerNorm(pos_emb); every `norm_every` steps the columns of Q and the rows of K (per input feature) are rescaled
-    to their initial mean norm. Stops early when the loss improves by less than `tol` over `norm_every` steps.
-    `pos_scale` multiplies the positional embedding first (as in `init_qk_svd_`: a prior fitted on positions reaches
-    real inputs only if the positions are not drowned by the token embeddings). `log` (e.g. print), when given,
-    hears what the fit does every `log_seconds` of it (a long fit is never silent). Returns the final loss, steps
-    taken and pseudo-input masses. `model`: as `init_qk_svd_` takes it (its layers all of the same heads and
-    head_dim).
-    """
+    """Optimised QK init (Zheng, Li, Lucey 2024): fit layer 0, copy it to every layer. Adam on per-head Q (H, dim, r), K
+    (H, dim, r) minimising MSE(softmax(P Q K^T P^T / sqrt(r)), pattern) with P = LayerNorm(pos_emb); every `norm_every`
+    steps the columns of Q and the rows of K (per input feature) are rescaled to their initial mean norm. Stops early
+    when the loss improves by less than `tol` over `norm_every` steps. `pos_scale` multiplies the positional embedding
+    first (as in `init_qk_svd_`: a prior fitted on positions reaches real inputs only if the positions are not drowned
+    by the token embeddings). `log` (e.g. print), when given, hears what the fit does every `log_seconds` of it (a long
+    fit is never silent). Returns the final loss, steps taken and pseudo-input masses. `model`: as `init_qk_svd_` takes
+    it (its layers all of the same heads and head_dim)."""
     who = "init_qk_opt_"
     pattern = _pattern(who, pattern)
     steps, norm_every = _int(who, "steps", steps, 1, None), _int(who, "norm_every", norm_every, 1, None)
@@ -1090,20 +1045,16 @@ def embed_pattern(pattern: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 
 def _offsets(who: str, offsets) -> list:
     """A non-empty list of (dr, dc) pairs of integers."""
-    if isinstance(offsets, (list, tuple)) and len(offsets) > 0 and all(
-            isinstance(p, (list, tuple)) and len(p) == 2
+    if isinstance(offsets, (list, tuple)) and len(offsets) > 0 and all(isinstance(p, (list, tuple)) and len(p) == 2
             and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in p) for p in offsets):
         return offsets
     _refuse(who, "offsets", "a non-empty list of (dr, dc) pairs of integers", offsets)
 
 
 def impulse_pattern(grid_h: int, grid_w: int, offsets, n_prefix: int = 0, prefix_all: bool = True) -> torch.Tensor:
-    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head.
-
-    Patch (r, c) attends to patch (r + dr, c + dc); a patch whose neighbour leaves the grid
-    falls back to itself. `n_prefix` tokens (e.g. CLS) come first in the sequence; with
-    `prefix_all` they attend to, and are attended by, every token.
-    """
+    """(H, N, N) convolution-like patterns on a patch grid, one (dr, dc) offset per head: patch (r, c) attends to
+    patch (r + dr, c + dc), or to itself where that leaves the grid. `n_prefix` tokens (e.g. CLS) come first; with
+    `prefix_all` they attend to, and are attended by, every token."""
     who = "impulse_pattern"
     n, offsets = _grid_sizes(who, grid_h, grid_w, n_prefix), _offsets(who, offsets)
     prefix_all = _flag(who, "prefix_all", prefix_all)
@@ -1156,10 +1107,9 @@ def window_pattern(grid_h: int, grid_w: int, kernel: int, n_heads: int, n_prefix
 
 def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: float, m_off: float,
                        n_prefix: int = 0) -> torch.Tensor:
-    """(H, N, N) mask logits of a soft 2-D prior, one bump per head around its (dr, dc) offset (the
-    initialisation of ConViT's positional attention, d'Ascoli et al. 2021): log sigmoid(M) =
-    -alpha * ||delta - offset_h||^2 for the key's displacement delta from the query, with M kept in
-    [-m_off, m_on] (the bump's top is log sigmoid(m_on) ~ 0). Prefix tokens get +m_on both ways."""
+    """(H, N, N) mask logits of a soft 2-D prior (ConViT's positional init, d'Ascoli et al. 2021), one bump per head
+    around its (dr, dc) offset: log sigmoid(M) = -alpha * ||delta - offset_h||^2 for the key's displacement delta from
+    the query, M in [-m_off, m_on] (the top: log sigmoid(m_on) ~ 0); prefix tokens get +m_on both ways."""
     who = "soft_offset_logits"
     n, offsets = _grid_sizes(who, grid_h, grid_w, n_prefix), _offsets(who, offsets)
     alpha, m_on, m_off = _real(who, "alpha", alpha), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
@@ -1191,12 +1141,9 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> torch.Tensor:
-    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like).
-
-    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite
-    and is clamped to `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get
-    -self_logit; the hard causal mask removes them anyway.
-    """
+    """(H, N, N) mask logits M with log sigmoid(M) = -slope_h * (i - j) on the past (ALiBi-like):
+    M = logit(exp(-slope * d)) for distance d = i - j >= 1; at d = 0 the logit is infinite and is clamped to
+    `self_logit` (log sigmoid(10) = -4.5e-5). Future entries get -self_logit (the causal mask hides them)."""
     who = "causal_distance_logits"
     n, n_heads = _int(who, "n", n), _int(who, "n_heads", n_heads, 1, MAX_HEADS)
     self_logit = _real(who, "self_logit", self_logit, None)
@@ -1210,16 +1157,14 @@ def causal_distance_logits(n: int, n_heads: int, self_logit: float = 10.0) -> to
 
 
 def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: torch.Tensor) -> torch.Tensor:
-    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities.
-
-    attn, attn_grad: (B, H, N, N) probabilities p and upstream gradients g = dL/dp of one
-    layer; mask_logits: (H, N, N). Through the softmax and d logsigmoid(m)/dm = sigma(-m),
+    """Theorem 1's bound on |dL/dM| (H, N, N), from the attention probabilities. attn, attn_grad: (B, H, N, N)
+    probabilities p and upstream gradients g = dL/dp of one layer; mask_logits: (H, N, N). Through the softmax and
+    d logsigmoid(m)/dm = sigma(-m),
         dL/dM_ij = sigma(-M_ij) * sum_b p_bij * (g_bij - sum_k p_bik g_bik),
     and the bracket lies within max_k g_bik - min_k g_bik, so
         |dL/dM_ij| <= sigma(-M_ij) * sum_b p_bij * (max_k g_bik - min_k g_bik).
     The mask's gradient is thus at most the attention probability (times sigma(-M) <= 1)
-    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do.
-    """
+    times the gradient's spread; it does not grow with ||q|| or ||k|| as the QK gradients do."""
     attn = _maps("mask_grad_bound", attn)
     spread = attn_grad.amax(-1, keepdim=True) - attn_grad.amin(-1, keepdim=True)
     return torch.sigmoid(-mask_logits) * (attn * spread).sum(0)
@@ -1227,20 +1172,18 @@ def mask_grad_bound(attn: torch.Tensor, attn_grad: torch.Tensor, mask_logits: to
 
 @contextlib.contextmanager
 def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
-    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to example
-    (operands of varying length, say): M is indexed by role, not by position. rows, cols: (B, L) long, the role (a
-    row, a column of M, in 0..n-1) of each example's positions as a query and as a key; the bias of query i and key
-    j of example b is log sigmoid(M[rows[b, i], cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as
-    always). Roles that rise with the position keep a causal prior causal. Outside the block (the probes, a layout
-    with rows = cols = 0..n-1) M is read by position as usual. A model without a prior is left alone. Served in
-    maskprior's own models and in every self-attention layer add_mask_prior serves (torch, Hugging Face, timm,
-    keyword), with one row of roles per example of each call (another batch size is refused); a cross-attention
-    prior is refused."""
+    """Within this block every MaskPrior of `model` serves a batch whose layout moves from example to example (operands
+    of varying length, say): M is indexed by role, not by position. rows, cols: (B, L) long, the role (a row, a column
+    of M, in 0..n-1) of each example's positions as a query and as a key; the bias of query i and key j of example b is
+    log sigmoid(M[rows[b, i], cols[b, j]]), a (B, heads, T, T) bias (causal: -inf on the future as always). Roles that
+    rise with the position keep a causal prior causal. Outside the block M is read by position; a model without a
+    prior is left alone. Served in maskprior's own models and in every self-attention layer add_mask_prior serves
+    (torch, Hugging Face, timm, keyword), one row of roles per example of each call (another batch size and a
+    cross-attention prior are refused)."""
     priors = mask_priors(model)
     for p in priors:
         if p.cross or any(x.dim() != 2 or x.dtype != torch.long or x.shape != rows.shape
-                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n)
-                          for x in (rows, cols)):
+                          or (x.numel() and not 0 <= int(x.min()) <= int(x.max()) < p.n) for x in (rows, cols)):
             raise ValueError(f"{p.where}: prior_roles needs rows and cols of one (B, L) shape, long, in "
                              f"0..{p.n - 1} (self-attention); got {tuple(rows.shape)} and {tuple(cols.shape)}")
     for p in priors:
@@ -1253,8 +1196,7 @@ def prior_roles(model: nn.Module, rows: torch.Tensor, cols: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------
-# Models: one trunk, two front ends. `Transformer` embeds tokens, `ViT` embeds patches; both then run the same
-# blocks, final LayerNorm, readout and linear head.
+# Models: one trunk (blocks, final LayerNorm, readout, head), two front ends: `Transformer` (tokens), `ViT` (patches).
 
 
 class MLP(nn.Sequential):
@@ -1273,17 +1215,13 @@ class TrunkConfig:
     mlp_dim: int = 256              # hidden units of the MLP
     learnable_mask: bool = False    # own an M per layer (set it with init_mask_)
     fused: bool = True              # F.scaled_dot_product_attention, or the explicit softmax
-    # a layer with M: torch's flex_attention, M read inside the kernel
-    flex: bool = False
+    flex: bool = False              # a layer with M: torch's flex_attention, M read inside the kernel
     qkv_bias: bool = False
     dropout: float = 0.0
     pos_init_std: float = 1.0       # positional embedding ~ N(0, std^2)
-    # stochastic depth: the last block skips its branches with this probability
-    drop_path: float = 0.0
-    # M per (query, key), "relative": per distance i - j, or "grid": per patch displacement (MaskPrior)
-    mask_param: str = "full"
-    # a relative M's distances 0 .. W - 1, the last read past them (default: N)
-    mask_window: int | None = None
+    drop_path: float = 0.0          # stochastic depth: the last block skips its branches with this probability
+    mask_param: str = "full"        # M per (query, key); "relative": per distance i - j; "grid": per patch offset
+    mask_window: int | None = None  # a relative M's distances 0 .. W - 1, the last read past them (default: N)
 
     @property
     def mask_grid(self) -> tuple[int, int] | None:
@@ -1291,8 +1229,7 @@ class TrunkConfig:
         return None
 
     def __post_init__(self):
-        """Each field read (`_field`: one ValueError line naming the config and the field), then the fields
-        together."""
+        """Each field read (`_field`: one ValueError line naming the config and the field), then the fields together."""
         for f in fields(self):
             value = getattr(self, f.name)
             if not (value is None and f.default is None):
@@ -1336,13 +1273,11 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same.
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). (B, T, dim) -> same. `mask_size`: the
+    positions N of the layer's M (None: no M); `causal`: hide future keys; `drop_path`: this block's stochastic-depth
+    probability."""
 
-    `mask_size`: the positions N of the layer's M (None: no M); `causal`: hide future keys;
-    `drop_path`: this block's stochastic-depth probability."""
-
-    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False,
-                 drop_path: float = 0.0):
+    def __init__(self, cfg: TrunkConfig, mask_size: int | None = None, causal: bool = False, drop_path: float = 0.0):
         super().__init__()
         self.drop_path = drop_path
         self.ln1 = nn.LayerNorm(cfg.dim)
@@ -1360,24 +1295,19 @@ class Block(nn.Module):
 
 
 class Trunk(nn.Module):
-    """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head.
-
-    A subclass sets `blocks` (via `_build_trunk`), `head`, `readout` ('cls': the first
-    token, 'mean': average over tokens, 'tokens': every token) and defines `embed(inputs)
-    -> (B, N, dim)`. The QK initialisers and probes rely on `blocks` and `pos_emb` (1, N, dim).
-    """
+    """The shared part of every model: embed -> blocks -> LayerNorm -> readout -> head. A subclass sets `blocks` (via
+    `_build_trunk`), `head`, `readout` ('cls': the first token, 'mean': average over tokens, 'tokens': every token) and
+    defines `embed(inputs) -> (B, N, dim)`; the QK inits and probes rely on `blocks` and `pos_emb` (1, N, dim)."""
 
     def _build_trunk(self, cfg: TrunkConfig, n_positions: int, causal: bool = False) -> None:
         mask_size = n_positions if cfg.learnable_mask else None
-        # timm's: 0 to drop_path
-        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]
+        rates = [cfg.drop_path * i / max(1, cfg.n_layers - 1) for i in range(cfg.n_layers)]  # timm's: 0 to drop_path
         self.blocks = nn.ModuleList([Block(cfg, mask_size, causal, rate) for rate in rates])
         self.ln_f = nn.LayerNorm(cfg.dim)
 
     def forward(self, inputs: torch.Tensor, return_attn: bool = False, cache: list[dict] | None = None):
-        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`.
-        `cache`: one dict per block, where a causal model keeps its keys and values between calls
-        (`generate`); the inputs are then the tokens after those already cached."""
+        """-> outputs, or (outputs, [per-layer (B, heads, N, N) attention]) with `return_attn`. `cache`: one dict per
+        block, a causal model's keys and values between calls (`generate`); the inputs then follow the cached tokens."""
         x = self.embed(inputs) if cache is None else self.embed(inputs, start=cache[0]["k"].shape[2] if cache[0] else 0)
         maps = []
         for i, block in enumerate(self.blocks):
@@ -1398,13 +1328,11 @@ class TransformerConfig(TrunkConfig):
     vocab_size: int = 2
     seq_len: int = 15
     n_outputs: int = 1
-    # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
-    readout: str = "cls"
+    readout: str = "cls"            # 'cls' (prepend a CLS token), 'mean' (average pool), 'tokens' (per token)
     causal: bool = False
     emb_init_std: float = 1.0       # token and CLS embeddings ~ N(0, std^2) (GOTU: 1)
     tie_embeddings: bool = False    # output head shares the token embedding (language models)
-    # 'learned' (a table of N positions) or 'none' (order from the causal mask and a relative prior, as ALiBi: any
-    # length)
+    # 'learned' (a table of N positions) or 'none' (order from a causal mask and relative prior, as ALiBi: any length)
     positions: str = "learned"
 
     @property
@@ -1413,12 +1341,10 @@ class TransformerConfig(TrunkConfig):
 
 
 class Transformer(Trunk):
-    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'.
-
-    With the GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et al. 2023; with
+    """Token ids (B, T) with T <= seq_len -> (B, n_outputs) for 'cls'/'mean', (B, T, n_outputs) for 'tokens'. With the
+    GOTU settings (vocab 2, CLS readout, one output) this is the Boolean model of Abbe et al. 2023; with
     `causal=True, readout='tokens'` it is a decoder / language model. With `positions='none'` it has no positional
-    embedding and serves any T, as far as its priors do (a relative M serves any length, a full one its N).
-    """
+    embedding and serves any T, as far as its priors do (a relative M serves any length, a full one its N)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -1517,8 +1443,7 @@ class ViT(Trunk):
         return self.drop(x + self.pos_emb)
 
 
-# a model family: its config class -> its model
-MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}
+MODELS = {TransformerConfig: Transformer, ViTConfig: ViT}  # a model family: its config class -> its model
 
 
 def build_model(cfg: TrunkConfig) -> Trunk:
@@ -1574,8 +1499,7 @@ def generate(model: Transformer, idx: torch.Tensor, n_new: int, temperature: flo
         if kv is not None and (limit is None or idx.shape[1] <= limit):
             done = kv[0]["k"].shape[2] if kv[0] else 0
             logits = model(idx[:, done:], cache=kv)[:, -1].float()
-        # past the context: a window that slides, recomputed
-        else:
+        else:                               # past the context: a window that slides, recomputed
             kv = None
             logits = model(idx if limit is None else idx[:, -limit:])[:, -1].float()
         if temperature == 0:
@@ -1607,13 +1531,10 @@ def _ortho_like(dim: int, alpha: float, beta: float, sign: float, generator=None
 @torch.no_grad()
 def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
                   vo: tuple[float, float] | None = (0.4, 0.4), generator: torch.Generator | None = None) -> dict:
-    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I.
-
-    Z has entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that product alone. Returns the
-    relative error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates
-    them). Works on any model whose attention layers are maskprior `Attention` modules (no positional embedding
-    needed), and on a QKView (maskprior_retrofit.qk_view: timm's and Hugging Face's ViTs).
-    """
+    """Mimetic init (Trockman and Kolter 2023): per head Wq Wk^T ~ a Z + b I; per layer Wv Wproj ~ a Z - b I. Z has
+    entries of variance 1/D; `qk` and `vo` are the (a, b) pairs, None to leave that product alone. Returns the relative
+    error of the V-proj products to their targets (non-zero only when heads x head_dim < dim truncates them). Works on
+    any model with maskprior `Attention` layers (no positional embedding needed) and on a QKView (`qk_view`)."""
     errs = []
     for attn in qk_view(model).sites:
         h, r = attn.n_heads, attn.head_dim
@@ -1642,9 +1563,8 @@ def init_mimetic_(model: nn.Module, qk: tuple[float, float] | None = (0.7, 0.7),
 
 
 def prior_rows(pattern: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an
-    (H, N, N) one. A row is free when it allows every key the query can see (all keys, or keys
-    j <= i when causal); free rows carry no prior and are left out of the mass."""
+    """The query rows the pattern constrains: (N,) bool for an (N, N) pattern, (H, N) for an (H, N, N) one. A row is
+    free when it allows every key it can see (`visible_keys`); free rows carry no prior and are left out of the mass."""
     pattern, causal = _pattern("prior_rows", pattern), _flag("prior_rows", "causal", causal)
     n = pattern.shape[-1]
     visible = causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)
@@ -1662,8 +1582,7 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor,
     off = ~on & (causal_pattern(n) if causal else torch.ones(n, n, dtype=torch.bool)).to(a.device)
     c = a.float().clamp_min(1e-30).log()
     if bias is not None:
-        # future keys (causal) are left out below
-        c = c - bias.to(a.device).nan_to_num(neginf=0.0)
+        c = c - bias.to(a.device).nan_to_num(neginf=0.0)  # future keys (causal) are left out below
     margin = c.masked_fill(~off, float("-inf")).logsumexp(-1) - c.masked_fill(~on, float("-inf")).logsumexp(-1)
     rows = rows.to(a.device)
     margin = margin[:, rows] if rows.dim() == 2 else margin[..., rows]
@@ -1672,11 +1591,10 @@ def layer_margin(a: torch.Tensor, pattern: torch.Tensor, rows: torch.Tensor,
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
-    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's own
-    models through their explicit path; any other model through its priors (each attention that serves a MaskPrior
-    appends its probabilities to `prior.record` while it is a list: maskprior_retrofit's torch, Hugging Face and
-    timm layers do). Raises for a layer whose softmax the library cannot see (a `modules=` attention of your own:
-    return its maps yourself and use `pattern_mass`)."""
+    """Per layer, the (B, H, T, T) attention probabilities of one forward pass `model(inputs)`: maskprior's own models
+    through their explicit path; any other model through its priors (each attention that serves a MaskPrior appends
+    its probabilities to `prior.record` while it is a list, as maskprior_retrofit's layers do). Raises for a layer whose
+    softmax the library cannot see (a `modules=` attention of your own: return its maps, use `pattern_mass`)."""
     if attention_layers(model):
         return list(model(inputs, return_attn=True)[1])
     priors = mask_priors(model)
@@ -1701,10 +1619,9 @@ def attention_maps(model: nn.Module, inputs) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`: maskprior's
-    own models, or any model with `add_mask_prior`). The pattern must cover the model's positions exactly; only a
-    causal model may read a prefix of it (shorter inputs). Raises ValueError when the pattern constrains no row
-    (`prior_rows` all False: e.g. a causal window wider than the context), where the mass would be an empty mean."""
+    """(`prior_mass`, `content_margin`) per layer from one forward pass of `inputs` (`attention_maps`). The pattern
+    must cover the model's positions exactly; only a causal model may read a prefix of it (shorter inputs). Raises
+    ValueError when it constrains no row (e.g. a causal window wider than the context): the mass would be empty."""
     maps = attention_maps(model, inputs)
     n = maps[0].shape[-1]
     layers = attention_layers(model)
@@ -1724,18 +1641,16 @@ def prior_probe(model: nn.Module, inputs, pattern: torch.Tensor) -> tuple[list[f
 
 
 def prior_mass(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
-    """Per-layer attention mass on `pattern` for a real batch `inputs` (explicit path),
-    averaged over the rows the pattern constrains (`prior_rows`)."""
+    """Per layer: the attention mass on `pattern` of a batch `inputs`, averaged over the constrained `prior_rows`."""
     return prior_probe(model, inputs, pattern)[0]
 
 
 def content_margin(model: nn.Module, inputs: torch.Tensor, pattern: torch.Tensor) -> list[float]:
     """Per layer: by how many nats the content logits (q.k / sqrt(d), the layer's bias taken out) favour the visible
-    keys off `pattern` over those on it, log sum_off exp(c) - log sum_on exp(c), averaged over the constrained rows
-    (`prior_rows`), heads and batch. Read from the attention map a = softmax(c + bias): c = log a - bias up to a
-    per-row constant. With a bias of b_on on the pattern and b_off off it, a row's off/on mass ratio is exp(margin -
-    (b_on - b_off)): the prior holds the majority while the margin stays below its gap (about m_off for a `mask` at
-    m_on = 5)."""
+    keys off `pattern` over those on it, log sum_off exp(c) - log sum_on exp(c), averaged over `prior_rows`, heads and
+    batch. Read from the attention map a = softmax(c + bias): c = log a - bias up to a per-row constant. With a bias of
+    b_on on the pattern and b_off off it, a row's off/on mass ratio is exp(margin - (b_on - b_off)): the prior holds the
+    majority while the margin stays below its gap (about m_off for a `mask` at m_on = 5)."""
     return prior_probe(model, inputs, pattern)[1]
 
 
@@ -1766,12 +1681,10 @@ def prior_drift(model: nn.Module, start: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# Priors without an oracle: a trained model's attention turned into a prior. The probes above read where a model
-# attends; these read it as a prior for another model. `mean_attention` averages a batch's attention maps; against
-# each row's uniform share (1 / the keys the row sees) it gives a bool pattern (`pattern_from_attention`: query-key
-# pairs, or keys made a clique), soft logits whose bias alone reproduces the mean attention
-# (`logits_from_attention`), or a translation-invariant form (`relative_from_attention`: a profile per head and
-# distance i - j; `offsets_from_attention`: a profile per head and 2-D offset on an image grid). All end in
+# Priors without an oracle: a trained model's attention (`mean_attention`) read as a prior for another model, against
+# each row's uniform share: a bool pattern (`pattern_from_attention`: query-key pairs, or keys made a clique), soft
+# logits whose bias alone gives the mean attention back (`logits_from_attention`), or a translation-invariant form
+# (`relative_from_attention` per distance i - j, `offsets_from_attention` per 2-D offset). All end in
 # `init_mask_(model, pattern)` or `init_mask_(model, logits=...)` / `add_mask_prior(model, logits=...)`.
 
 
@@ -1833,17 +1746,14 @@ def _over_layers(attn: torch.Tensor, per_head: bool, who: str) -> torch.Tensor:
 
 def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool = False, keys: bool = False,
                            readout=None, per_head: bool = False) -> torch.Tensor:
-    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged over
-    its leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)).
-
-    Pairs (keys=False): query i may attend to key j when the attention is at least `ratio` times row i's uniform
-    share; with `readout` (query rows, e.g. the answer rows of a decoder) only those rows are constrained, the
-    others keep every key they see. Keys (keys=True): the keys whose share, averaged over the `readout` rows (every
-    row when None), is at least `ratio` times uniform form a clique (each sees the others), the `readout` rows given
-    attend to them, every other row to itself: the form of the Boolean tasks' oracle patterns (a CLS readout:
-    readout=[0]; mean pooling: None). Self-loops are always allowed (no row is empty), future keys never (causal). A
-    pattern that names no pair beyond the self-loops (no share reaches `ratio`) is refused, naming the largest ratio
-    present."""
+    """A bool pattern from mean attention `attn` (..., N, N), e.g. `mean_attention`'s (L, H, N, N), averaged over its
+    leading dimensions (heads kept with `per_head`: (H, N, N); else (N, N)). Pairs (keys=False): query i may attend to
+    key j when the attention is at least `ratio` times row i's uniform share; with `readout` (query rows, e.g. the
+    answer rows of a decoder) only those rows are constrained, the others keep every key they see. Keys (keys=True): the
+    keys whose share, averaged over the `readout` rows (every row when None), is at least `ratio` times uniform form a
+    clique (each sees the others), the `readout` rows given attend to them, every other row to itself: the form of the
+    Boolean tasks' oracle patterns (a CLS readout: readout=[0]; mean pooling: None). Self-loops are always allowed
+    (no row is empty), future keys never (causal); `_names_pairs` refuses a pattern of nothing else."""
     who = "pattern_from_attention"
     attn, ratio, causal = _maps(who, attn), _real(who, "ratio", ratio, above=True), _flag(who, "causal", causal)
     keys, per_head = _flag(who, "keys", keys), _flag(who, "per_head", per_head)
@@ -1862,20 +1772,15 @@ def pattern_from_attention(attn: torch.Tensor, ratio: float = 1.5, causal: bool 
     if not keys:
         found = (r >= ratio) & vis
         free = vis.expand_as(found) & ~rows[:, None]
-        # a constrained row's other keys
-        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())
+        largest = float(r.masked_fill(~(vis & rows[:, None]) | eye, 0).max())  # a constrained row's other keys
         return _names_pairs(found | free | eye, free | eye, ratio, largest, largest)
-    # the readout rows, over the keys each sees
-    seen = vis & rows[:, None]
-    # (..., N): a key's mean share over those rows
-    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)
+    seen = vis & rows[:, None]              # the readout rows, over the keys each sees
+    relevance = (r * seen).sum(-2) / seen.sum(-2).clamp_min(1)  # (..., N): a key's mean share over those rows
     key = relevance >= ratio
     clique = key[..., :, None] & key[..., None, :]
     reads = (rows[:, None] & key[..., None, :]) if readout is not None else torch.zeros_like(clique)
-    # a clique needs two keys
-    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())
-    # or one key that a readout row other than itself sees
-    if readout is not None:
+    reach = relevance.topk(2, -1).values[..., 1] if n > 1 else torch.zeros(())  # a clique needs two keys
+    if readout is not None:                 # or one key that a readout row other than itself sees
         read = (vis & rows[:, None] & ~eye).any(-2)
         reach = torch.maximum(reach, relevance.masked_fill(~read, 0).amax(-1))
     return _names_pairs((clique | reads | eye) & vis, eye, ratio, float(relevance.max()), float(reach.max()))
@@ -1911,11 +1816,10 @@ def pattern_agreement(found: torch.Tensor, oracle: torch.Tensor, causal: bool) -
 
 def logits_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                           causal: bool = False, per_head: bool = True) -> torch.Tensor:
-    """Soft initial M from mean attention `attn` (..., H, N, N) (or (N, N) with per_head=False), averaged over the
-    leading dimensions: M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that log sigmoid(M) = log(a_ij /
-    max_j a_ij) and the bias alone (content logits equal) gives the mean attention back, each row's favourite key at
-    about 0 and the others suppressed by their log ratio to it; keys a causal row cannot see get -m_off (the causal
-    mask hides them). Returns (H, N, N) or (N, N)."""
+    """Soft initial M (H, N, N) from mean attention `attn` (..., H, N, N) averaged over the leading dimensions ((N, N)
+    from (..., N, N) with per_head=False): M = logit(a_ij / max_j a_ij), clamped to [-m_off, m_on], so that the bias
+    alone (content logits equal) gives the mean attention back, each row's favourite key at about 0 and the others
+    suppressed by their log ratio to it; keys a causal row cannot see get -m_off (the causal mask hides them)."""
     who = "logits_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     causal, per_head = _flag(who, "causal", causal), _flag(who, "per_head", per_head)
@@ -1932,11 +1836,10 @@ def _logit_of_share(q: torch.Tensor, m_on: float, m_off: float) -> torch.Tensor:
 
 def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float = M_OFF,
                             causal: bool = False) -> torch.Tensor:
-    """The translation-invariant form in 1-D: per head, the mean attention averaged along each
-    diagonal (each distance d = i - j the rows see), over its largest value, as M (log sigmoid(M) =
-    log of that share, clamped to [-m_off, m_on]) spread back over the diagonals. attn (..., H, N,
-    N) -> (H, N, N) logits that depend on i - j alone, as a relative MaskPrior (`param="relative"`)
-    holds them; a causal prior's future entries get -m_off (the causal mask hides them)."""
+    """The translation-invariant form in 1-D: per head, the mean attention averaged along each diagonal (each distance
+    d = i - j the rows see), over its largest value, as M (log sigmoid(M) = log of that share, clamped to [-m_off,
+    m_on]) spread back over the diagonals. attn (..., H, N, N) -> (H, N, N) logits that depend on i - j alone, as a
+    relative MaskPrior (`param="relative"`) holds them; a causal prior's future entries get -m_off (masked anyway)."""
     who = "relative_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     causal = _flag(who, "causal", causal)
@@ -1947,19 +1850,17 @@ def relative_from_attention(attn: torch.Tensor, m_on: float = M_ON, m_off: float
     vis = visible_keys(n, causal).to(a.device)
     total = torch.zeros(h, 2 * n - 1, device=a.device).index_add_(1, d[vis], a[:, vis])
     count = torch.zeros(2 * n - 1, device=a.device).index_add_(0, d[vis], torch.ones(int(vis.sum()), device=a.device))
-    # (H, 2N - 1): the mean share per distance
-    table = total / count.clamp_min(1)
+    table = total / count.clamp_min(1)      # (H, 2N - 1): the mean share per distance
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, d]
     return m.masked_fill(~vis, -float(m_off))
 
 
 def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefix: int = 0,
                            m_on: float = M_ON, m_off: float = M_OFF) -> torch.Tensor:
-    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to patch (r +
-    dr, c + dc) averaged over every patch pair at offset (dr, dc), over its largest value, as M (log sigmoid(M) =
-    log of that share, clamped to [-m_off, m_on]) spread back over the grid; prefix tokens (CLS) attend and are
-    attended at m_on. attn (..., H, N, N) with N = n_prefix + grid_h * grid_w -> (H, N, N) logits: a soft per-offset
-    prior (compare `soft_offset_logits`, whose bump is set by hand)."""
+    """The translation-invariant form on an image grid: per head, the mean attention of patch (r, c) to patch
+    (r + dr, c + dc) averaged over every patch pair at offset (dr, dc), as `relative_from_attention` reads a distance,
+    spread back over the grid; prefix tokens (CLS) attend and are attended at m_on. attn (..., H, N, N) with N =
+    n_prefix + grid_h * grid_w -> (H, N, N) logits (a soft per-offset prior, as `soft_offset_logits` sets by hand)."""
     who = "offsets_from_attention"
     attn, m_on, m_off = _maps(who, attn), _real(who, "m_on", m_on), _real(who, "m_off", m_off)
     _grid_sizes(who, grid_h, grid_w, n_prefix)
@@ -1968,33 +1869,29 @@ def offsets_from_attention(attn: torch.Tensor, grid_h: int, grid_w: int, n_prefi
     if n != n_prefix + g:
         raise ValueError(f"maps over {n} tokens, but a {grid_h} x {grid_w} grid with {n_prefix} "
                          f"prefix tokens has {n_prefix + g}")
-    # (G, G, 2): key position - query position
-    disp = _grid_displacements(grid_h, grid_w).long()
+    disp = _grid_displacements(grid_h, grid_w).long()  # (G, G, 2): key position - query position
     idx = (disp[..., 0] + grid_h - 1) * (2 * grid_w - 1) + disp[..., 1] + grid_w - 1
     idx = idx.reshape(-1).to(a.device)
     grid = a[:, n_prefix:, n_prefix:].reshape(h, -1)
     slots = (2 * grid_h - 1) * (2 * grid_w - 1)
     total = torch.zeros(h, slots, device=a.device).index_add_(1, idx, grid)
     count = torch.zeros(slots, device=a.device).index_add_(0, idx, torch.ones(idx.numel(), device=a.device))
-    # (H, (2 gh - 1)(2 gw - 1)): share per offset
-    table = total / count.clamp_min(1)
+    table = total / count.clamp_min(1)      # (H, (2 gh - 1)(2 gw - 1)): share per offset
     m = _logit_of_share(table / table.amax(-1, keepdim=True).clamp_min(1e-30), m_on, m_off)[:, idx].reshape(h, g, g)
     return _with_prefix(m, n_prefix, float(m_on))
 
 
-# the public names (`from maskprior import *`); the argument tables' machinery (ARGS, checked, ...) is not among them
+# the public names (`from maskprior import *`)
 __all__ = [
-    "M_ON", "M_OFF", "IMPULSE_OFFSETS", "MODELS", "MAX_POSITIONS", "MAX_HEADS", "MAX_ENTRIES", "MAX_GAIN",
-    "Attention", "Block", "MLP", "MaskPrior", "Transformer", "TransformerConfig", "Trunk", "TrunkConfig",
-    "ViT", "ViTConfig", "alibi_slopes", "attention_layers", "attention_maps", "attention_ratio",
-    "banded_pattern", "build_model", "causal_distance_logits", "causal_pattern", "content_margin",
-    "depends_on_distance", "embed_pattern", "family_of", "future_keys", "generate", "impulse_pattern",
-    "init_mask_", "init_mimetic_", "init_qk_opt_", "init_qk_svd_", "layer_margin", "logits_from_attention",
-    "mask_bias", "mask_grad_bound", "mask_logits_from_pattern", "mask_priors",
+    "M_ON", "M_OFF", "IMPULSE_OFFSETS", "MODELS", "MAX_POSITIONS", "MAX_HEADS", "MAX_ENTRIES", "MAX_GAIN", "Attention",
+    "Block", "MLP", "MaskPrior", "Transformer", "TransformerConfig", "Trunk", "TrunkConfig", "ViT", "ViTConfig",
+    "alibi_slopes", "attention_layers", "attention_maps", "attention_ratio", "banded_pattern", "build_model",
+    "causal_distance_logits", "causal_pattern", "content_margin", "depends_on_distance", "embed_pattern", "family_of",
+    "future_keys", "generate", "impulse_pattern", "init_mask_", "init_mimetic_", "init_qk_opt_", "init_qk_svd_",
+    "layer_margin", "logits_from_attention", "mask_bias", "mask_grad_bound", "mask_logits_from_pattern", "mask_priors",
     "mean_attention", "model_from_config", "offsets_from_attention", "param_groups", "pattern_agreement",
-    "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift",
-    "prior_mass", "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows",
-    "prior_snapshot", "pseudo_attention", "pseudo_input", "qk_weights", "random_impulse_offsets", "QKSite", "QKView",
-    "qk_site", "qk_view", "grid_index", "grid_slots",
-    "relative_from_attention", "soft_offset_logits", "visible_keys", "window_pattern",
+    "pattern_from_attention", "pattern_from_pairs", "pattern_mass", "prior_attention", "prior_drift", "prior_mass",
+    "prior_parameter_names", "prior_probe", "prior_roles", "prior_rows", "prior_snapshot", "pseudo_attention",
+    "pseudo_input", "qk_weights", "random_impulse_offsets", "QKSite", "QKView", "qk_site", "qk_view", "grid_index",
+    "grid_slots", "relative_from_attention", "soft_offset_logits", "visible_keys", "window_pattern",
 ]

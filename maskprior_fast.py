@@ -1,21 +1,18 @@
 """maskprior_fast: the prior at the kernel's speed, beside the method (maskprior.py).
 
 maskprior.prior_attention, the fused path of a layer with a prior, hands each call to `prior_attention` here when
-this file is importable, and computes the same itself (scaled_dot_product_attention with the bias) where this
-returns None or is absent. Every path here is exact: its outputs and the gradients of q, k, v and M equal the
-explicit softmax's to rounding (the tests hold them equal).
+this file is importable, and runs scaled_dot_product_attention with the bias itself where this returns None. Every
+path here is exact: outputs and gradients of q, k, v and M equal the explicit softmax's to rounding (tested).
 
 - On the CPU: torch's fused attention kernel reads the prior's bias as a constant (and skips the future's blocks
-  when causal) and saves the row log-sum-exp; the backward is our own (`_backward`), which gives M its gradient
-  beside q's, k's and v's (the kernel's own backward gives no gradient for a mask).
+  when causal); our own backward (`_backward`) gives M its gradient beside q's, k's and v's (the kernel's gives none).
 - A causal relative prior of W distances (`mask_window`) over many more keys (`_prior_band`): its band, distances
   0 .. W - 1, by hand in O(T x W); the keys further back share the table's last logit, so that part is the fused
   kernel's causal attention with no bias, forward and backward, the two merged by their log-sum-exps.
 - flex_attention (`prior_flex`), where asked: M read inside the kernel, compiled on CUDA.
 
-It imports torch alone and reads a prior through the attributes MaskPrior has (bias, param, causal, n, n_keys, heads,
-roles and the helpers _logits, _index, _pairs, _first_row, at_distance, check_set, and the call prior(t, dtype,
-k_len)).
+It imports torch alone and reads a prior through MaskPrior's attributes (bias, param, causal, n, n_keys, heads, roles),
+helpers (_logits, _index, _pairs, _first_row, at_distance, check_set) and call prior(t, dtype, k_len).
 """
 from __future__ import annotations
 
@@ -26,11 +23,9 @@ import torch.nn.functional as F
 
 
 def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior, flex: bool = False):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v by a speed path: flex_attention where asked (`flex`) for plain
-    self-attention, else on the CPU a causal relative prior of W distances over at least max(BAND_FROM, 8 W) keys by
-    its band and far part (`_prior_band`), any other prior by the fused kernel with our backward (`_FusedPrior`); None
-    where none applies (the caller then runs scaled_dot_product_attention with the bias). q (B, H, T, d), k, v
-    (B, H, S, d) -> (B, H, T, d)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v by a speed path: `prior_flex` where asked (`flex`) for plain
+    self-attention; on the CPU `_prior_band` for a causal relative prior of W distances over at least max(BAND_FROM,
+    8 W) keys, else `_FusedPrior`; None where none applies. q (B, H, T, d), k, v (B, H, S, d) -> (B, H, T, d)."""
     if flex and prior.roles is None and q.shape[-2] == k.shape[-2]:
         return prior_flex(q, k, v, prior)
     if (q.device.type == "cpu" and prior.roles is None and _cpu_kernel() is not None
@@ -41,10 +36,9 @@ def prior_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior, fl
     return None
 
 
-# a causal relative prior of W distances takes the band and the far part (`_prior_band`) from max(BAND_FROM, 8 W) keys
-# on: below, the fused kernel with the whole bias and our backward is as fast or faster (measured on a CPU of one
-# thread at W = 64, 128, 256 and T = 256 .. 4,096: the band costs about 1.3x the kernel's time a logit, the whole
-# bias's backward grows past the kernel's from T = 2,048 on)
+# the band and far part (`_prior_band`) from max(BAND_FROM, 8 W) keys on: below, the fused kernel with the whole bias
+# and our backward is as fast or faster (one CPU thread, W = 64 .. 256, T = 256 .. 4,096: the band costs about 1.3x the
+# kernel's time a logit; the whole bias's backward grows past the kernel's from T = 2,048 on)
 BAND_FROM = 2048
 
 
@@ -89,15 +83,13 @@ def prior_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torc
     """softmax(q k^T / sqrt(d) + log sigmoid(M)) v through torch's flex_attention: M is read inside the kernel (a
     score_mod indexing the (heads, N, N) bias, or the relative table by distance), never a (B, heads, T, T) bias in
     memory, and stays learnable; a causal prior's future is a block mask. Self-attention of T <= N tokens
-    (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA (a fused
-    kernel, forward and backward), torch's reference implementation elsewhere."""
+    (`prior_roles` takes the bias path). q, k, v: (B, heads, T, d) -> (B, heads, T, d). Compiled on CUDA."""
     t = q.shape[-2]
     prior._first_row(t, t)
     prior.check_set()
     if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or prior.bias.requires_grad):
-        raise ValueError(f"{prior.where}: torch's flex_attention has no backward on the CPU: "
-                         "train with it on CUDA, or use the fused or explicit path here (its "
-                         "forward runs on the CPU under torch.no_grad)")
+        raise ValueError(f"{prior.where}: torch's flex_attention has no backward on the CPU: train with it on CUDA, "
+                         "or use the fused or explicit path here (its forward runs on the CPU under torch.no_grad)")
     table = F.logsigmoid(prior._logits(prior.bias)).to(q.dtype)
     if prior.param == "full":
         def score_mod(score, b, h, i, j):
@@ -135,9 +127,8 @@ def _skewed_sums(ds: torch.Tensor) -> torch.Tensor:
     """(H, R, C) -> (H, R + C) sums of ds along its diagonals: entry e holds the (i, j) with j - i = e - R (a padded
     copy, skewed: for small pieces)."""
     h, r, c = ds.shape
-    # R zeros before each row, a zero row after the last: the
+    # R zeros before each row, a zero row after the last: the skewed rows read only zeros past
     pad = F.pad(ds, (r, 0, 0, 1))
-    # skewed rows read only zeros past
     return pad.as_strided((h, r, r + c), ((r + 1) * (r + c), r + c + 1, 1)).sum(1)
 
 
@@ -160,12 +151,9 @@ def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
 def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: int | None = None):
     """The gradients (dq, dk, dv, dM) of softmax(q k^T / sqrt(d) + bias) v, from the forward kernel's output and row
     log-sum-exp: P = exp(S - lse), dV = P^T dO, dS = P (dP - D) with dP = dO V^T and D = rowsum(dO O), dQ = dS K /
-    sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32
-    and base 2 (exp2 is 3x faster than exp). dM: dS summed over the batch, by (query, key) for a full M (times
-    sigmoid(-M), block by block, into M's shape; a grid's into its slots), by distance for a relative one (float64),
-    then back through the bias (`mask_bias_grad`). q, out, dout (B, H, T, d); k, v (B, H, S, d); lse (B, H, T); bias
-    (H, T, S), float32 or q's dtype. -> dq (B, H, T, d), dk, dv (B, H, S, d) float32, dM (M's shape; None unless
-    `need_m`)."""
+    sqrt(d), dK = dS^T Q / sqrt(d), a block of query rows at a time (only the keys a causal block sees), in float32 and
+    base 2 (exp2 is 3x faster than exp); dM from dS by `_MGrad`. q, out, dout (B, H, T, d); k, v (B, H, S, d); lse
+    (B, H, T); bias (H, T, S), float32 or q's dtype -> dq, dk, dv float32 as q, k, v; dM as M (None unless `need_m`)."""
     h, t, s = bias.shape
     b, d = q.shape[0], q.shape[-1]
     # query i is at position first + i (after a KV cache); blocks of 64 rows (fastest of 16 .. 128 at T = 1,024, 2,048)
@@ -174,18 +162,15 @@ def _backward(prior, q, k, v, out, lse, dout, bias, need_m: bool = True, block: 
     # S - lse and dP - D (base 2) as one product each: q and dO gain a column (-lse, -D), k and v a column of ones
     qa, da = _augmented(q, lse, scale * LOG2E, LOG2E), _augmented(dout, (dout.float() * out.float()).sum(-1), 1.0)
     ka, va = _augmented(k, None, 1.0), _augmented(v, None, 1.0)
-    dq, dk, dv = (x.new_empty(b * h, x.shape[-2], d, dtype=torch.float32) for x in (q, k, v))
-    dk.zero_()
-    dv.zero_()
+    dq = q.new_empty(b * h, q.shape[-2], d, dtype=torch.float32)
+    dk, dv = (x.new_zeros(b * h, x.shape[-2], d, dtype=torch.float32) for x in (k, v))
     grads = _MGrad(prior, t, s, q.device) if need_m else None
     for r0 in range(0, t, block):
         r1 = min(t, r0 + block)
-        # keys after the block's last query are future keys
-        c = first + r1 if prior.causal else s
+        c = first + r1 if prior.causal else s  # keys after the block's last query are future keys
         p = torch.bmm(qa[:, r0:r1], ka[:, :c].transpose(1, 2)).view(b, h, r1 - r0, c)
         p = p.add_(bias[:, r0:r1, :c], alpha=LOG2E).clamp_(min=-LOG2_FLOOR).exp2_().view(b * h, r1 - r0, c)
-        # the future, only in the block's last keys (above their diagonal): exactly 0
-        if prior.causal:
+        if prior.causal:  # the future, only in the block's last keys (above their diagonal): exactly 0
             p[..., c - (r1 - r0):].tril_()
         dv[:, :c] += torch.bmm(p.transpose(1, 2), da[:, r0:r1, :d])
         ds = p.mul_(torch.bmm(da[:, r0:r1], va[:, :c].transpose(1, 2)))
@@ -257,9 +242,8 @@ def _log_sigmoid(m: torch.Tensor) -> torch.Tensor:
 
 
 def _bias(prior, t: int, s: int, dtype: torch.dtype, future: bool = True) -> torch.Tensor:
-    """prior(t, dtype, k_len=s): the (H, T, S) bias of t queries and s keys; a full M's computed here (`_log_sigmoid`
-    on its rows and keys, the future -inf in place), the same to rounding, in one fresh (H, T, S) tensor, a constant
-    (`_FusedPrior` gives M its gradient). `future=False`: a causal full M's future keys are left as they come (the
+    """prior(t, dtype, k_len=s), a constant: the (H, T, S) bias of t queries and s keys; a full M's computed here, the
+    same to rounding, in one fresh tensor. `future=False`: a causal full M's future keys are left as they come (the
     kernel with is_causal never reads them, nor does `_backward`)."""
     if prior.param != "full" or prior.roles is not None or torch.jit.is_tracing():
         return prior(t, dtype, k_len=s)
@@ -273,10 +257,8 @@ def _bias(prior, t: int, s: int, dtype: torch.dtype, future: bool = True) -> tor
 
 
 class _FusedPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward through torch's fused CPU kernel, which
-    reads the bias as a constant (and skips the future's blocks when causal) and saves the row
-    log-sum-exp; backward by `_backward`, which gives M its gradient beside q's, k's and v's.
-    Exact: the explicit path's outputs and gradients (to rounding)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v: forward by torch's fused CPU kernel (the bias a constant, the row
+    log-sum-exp saved), backward by `_backward` (M's gradient beside q's, k's and v's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, prior):
@@ -296,14 +278,12 @@ class _FusedPrior(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm, None
 
 
-
 # ----------------------------------------------------------------------------------------
-# The CPU: a windowed relative prior (a causal table of W distances, the last read past them) as the kernel serves no
-# prior. Query position p reads keys p - W + 1 .. p through the table (the band, W wide: by hand, O(T x W)) and keys
-# 0 .. p - W through its last logit c (the far part: one logit a head, so the fused kernel's causal attention of the
-# queries shifted by W, no bias, c added to its log-sum-exp). The two merge by their log-sum-exps; the backward gives
-# the far part to the kernel's own backward (with the merged output and log-sum-exp, as blockwise attention combines
-# blocks) and the band's by hand.
+# The CPU: a windowed relative prior (a causal table of W distances, the last read past them). Query position p reads
+# keys p - W + 1 .. p through the table (the band: by hand, O(T x W)) and keys 0 .. p - W through its last logit c
+# (the far part: one logit a head, so the fused kernel's causal attention of the queries shifted by W, no bias, c added
+# to its log-sum-exp). The two merge by their log-sum-exps; the backward gives the far part to the kernel's own
+# backward (with the merged output and log-sum-exp, as blockwise attention combines blocks), the band's by hand.
 
 
 def _band_block(t: int, w: int) -> int:
@@ -381,8 +361,7 @@ def _band_forward(q, k, v, line, first: int, r: int):
     band, lse (B, H, T) its log-sum-exp."""
     b, h, t, d = q.shape
     m, nb = -(-(line.shape[1] - 2) // r), -(-t // r)
-    # in base 2 (exp2 is 3x faster than exp): logits times log2(e)
-    qb = _blocks(q * (d ** -0.5 * LOG2E), r, nb)
+    qb = _blocks(q * (d ** -0.5 * LOG2E), r, nb)  # in base 2 (exp2 is 3x faster than exp): logits times log2(e)
     kp, vp, bias = _padded(k, first, r, m, nb), _padded(v, first, r, m, nb), _band_bias(line * LOG2E, r, m)
     out, lse = q.new_empty(b, h, nb, r, d), q.new_empty(b, h, nb, r, 1)
     step = _band_chunk(b * h, r, m, q.device)
@@ -428,9 +407,8 @@ def _far_forward(far) -> tuple:
 
 
 def _far_backward(far, dout, out, lse, aux) -> tuple:
-    """The far part's kernel backward: (dq (B, H, Tf, d), dk, dv (B, H, S - W, d)) from the merged output, its
-    gradient dout (B, H, Tf, d) and the log-sum-exp lse (B, H, Tf) the far part's probabilities are exp(S - lse) by;
-    aux: `_far_forward`'s."""
+    """The far part's kernel backward -> (dq (B, H, Tf, d), dk, dv (B, H, S - W, d)), from the merged output, its
+    gradient dout (B, H, Tf, d), lse (B, H, Tf) (its probabilities are exp(S - lse)) and `_far_forward`'s aux."""
     _, qf, kf, vf, causal, mask = far
     if aux is None:
         kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -458,11 +436,9 @@ def _band_merge(out, lse, far, far_out, far_lse, c):
 
 
 def _band_backward(q, k, v, dout, lse, d_rows, line, first: int, r: int):
-    """The band's part of the gradients, from the merged output's log-sum-exp lse (B, H, T) and D = rowsum(dO O)
-    (B, H, T): P = exp(S - lse) on the band, dV = P^T dO, dS = P (dP - D), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d),
-    and the bias's gradient by distance, dS summed over the batch and each diagonal; a few blocks a step. q, dout
-    (B, H, T, d), k, v (B, H, S, d), all float32; line (H, W + 1). -> dq (B, H, T, d), dk, dv (B, H, S, d), dline
-    (H, W)."""
+    """The band's part of the gradients (as `_backward`'s), from D = rowsum(dO O) and the merged output's log-sum-exp
+    lse, both (B, H, T); the bias's by distance, dS summed over the batch and each diagonal; a few blocks a step.
+    q, dout (B, H, T, d), k, v (B, H, S, d), all float32; line (H, W + 1) -> dq, dk, dv as q, k, v; dline (H, W)."""
     b, h, t, d = q.shape
     s, w = k.shape[-2], line.shape[1] - 1
     m, nb = -(-(w - 1) // r), -(-t // r)
@@ -491,13 +467,10 @@ def _band_backward(q, k, v, dout, lse, d_rows, line, first: int, r: int):
 
 
 class _BandPrior(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + bias) v of a causal relative prior of W distances, the last read past them: the band
-    (distances 0 .. W - 1) by hand, the far part (distances >= W, one logit c a head) by torch's fused kernel with
-    is_causal on the queries shifted by W, merged by their log-sum-exps. Backward: the kernel's own backward for the
-    far part, given the merged output and log-sum-exp (minus c); the band's by hand (`_band_backward`); c's gradient
-    sum_ij P_ij (dP_ij - D_i) = sum_i w_i (dO_i . O_far,i - D_i), w_i the far part's share of row i, O_far its output.
-    q (B, H, T, d), k, v (B, H, S, d), line (H, W + 1) the bias at distances 0 .. W -> (B, H, T, d). Exact: the
-    explicit path's outputs and gradients (to rounding)."""
+    """The band and the far part (above) as one function. Backward: the far part's by the kernel's own, given the
+    merged output and log-sum-exp (minus c); the band's by hand (`_band_backward`); c's gradient, sum_ij P_ij
+    (dP_ij - D_i) = sum_i w_i (dO_i . O_far,i - D_i), w_i the far part's share of row i, O_far its output.
+    q (B, H, T, d), k, v (B, H, S, d), line (H, W + 1) the bias at distances 0 .. W -> (B, H, T, d)."""
 
     @staticmethod
     def forward(ctx, q, k, v, line, w):
@@ -536,10 +509,9 @@ class _BandPrior(torch.autograd.Function):
 
 
 def _prior_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior by the band and the far part
-    (`_BandPrior`): O(T x W) by hand for its table of W = prior.n distances, the rest a fused kernel's causal
-    attention (the CPU's; on CUDA the memory-efficient one). q (B, H, T, d), k, v (B, H, S, d) float32 or bfloat16,
-    queries after a cache of S - T keys -> (B, H, T, d)."""
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v of a causal relative prior of W = prior.n distances by the band and
+    the far part (`_BandPrior`; on CUDA the far part is the memory-efficient kernel's). q (B, H, T, d), k, v
+    (B, H, S, d) float32 or bfloat16, queries after a cache of S - T keys -> (B, H, T, d)."""
     t, s = q.shape[-2], k.shape[-2]
     prior._first_row(t, s)
     prior.check_set()
@@ -547,6 +519,4 @@ def _prior_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior) -> tor
     return _BandPrior.apply(q, k, v, line, prior.n)
 
 
-
-# the public names (`from maskprior_fast import *`)
-__all__ = ["prior_attention", "prior_flex", "mask_bias_grad"]
+__all__ = ["prior_attention", "prior_flex", "mask_bias_grad"]  # the public names (`from maskprior_fast import *`)
