@@ -51,8 +51,7 @@ from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write,
 
 
 class Must(NamedTuple):
-    """A task option's refusal, declared: `test(value)` holds, or the option is refused (`flag`:
-    its command-line name where it is not --the-option-name)."""
+    """A task option's declared refusal: `test(value)` holds, or it is refused (`flag`: its flag if not --name)."""
     what: str
     test: Callable
     flag: str | None = None
@@ -85,8 +84,7 @@ def register(name: str):
 
 
 def make_task(name: str, **options) -> Task:
-    """Build a registered task; `options` must be among its `options()` (plus `seed`); None means
-    the task's own default."""
+    """Build a registered task; `options` must be among its `options()` (plus `seed`); None: the task's default."""
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
     cls = TASKS[name]
@@ -101,9 +99,9 @@ def make_task(name: str, **options) -> Task:
 class Task:
     """What every task shares. Subclasses set the class constants and write the data methods.
 
-    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a
-    subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model
-    and schedule and a task only what differs. Every constructor takes `seed` beside its options."""
+    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a subclass's entries are
+    added on top of its parents' (`preset_parts`), so a family sets its model and schedule and a task only what
+    differs. Every constructor takes `seed` beside its options."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
@@ -161,8 +159,7 @@ class Task:
 
     @classmethod
     def inits(cls) -> tuple:
-        """The inits this task offers: those of inits.INITS its family takes (less those fitted on the
-        positions, where its layout moves from example to example)."""
+        """The inits of inits.INITS its family takes (less those fitted on positions where its layout moves)."""
         return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
@@ -174,18 +171,15 @@ class Task:
 
     @classmethod
     def build(cls, **options) -> Task:
-        """The task these options make (a family whose variant is a class of its own, e.g.
-        multiplication on Lee et al.'s data, picks it here)."""
+        """The task these options make (where a variant is a class of its own, e.g. Lee et al.'s multiplication)."""
         return cls(**options)
 
     def final_eval_size(self) -> int | None:
-        """How many points the final evaluation scores where log steps score a sample of them
-        (`--eval-points`), or None where every evaluation scores the whole test set; needs setup."""
+        """Points the final evaluation scores where log steps score a sample (`--eval-points`); None: all; set up."""
         return None
 
     def normal_options(self) -> dict:
-        """The options whose target has several spellings, in the one a run stores ({} here): the
-        same target is one configuration, so one row of a report."""
+        """The options whose target has several spellings, in the one a run stores (one target: one report row)."""
         return {}
 
     def token_labels(self) -> list | None:
@@ -208,16 +202,14 @@ class Task:
         return self.build_pattern(self.pattern_name(variant))
 
     def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
-        """The prior of pattern `variant` (None: the default), hand-made or `discovered` in the
-        training set, its M from `mask_logits`."""
+        """The prior of pattern `variant` (None: the default), by hand or `discovered` in the data, M `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
         return self.found_prior(pattern, logits, {**source, **self.discovery()} if name == "discovered" else source)
 
     def discovery(self) -> dict:
-        """What `--pattern discovered` found and how (recorded in result.json's prior_source): the
-        sets or pairs tested and kept, the noise level they had to pass."""
+        """What `--pattern discovered` found, and how (result.json's prior_source): tested, kept, the noise level."""
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
@@ -245,26 +237,22 @@ class Task:
         return math.ceil(self.n_train / batch_size)
 
     def final_cost(self, points: int) -> float:
-        """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
-        test items (the ETA counts it): 1 where every log step evaluates every item."""
+        """What the final evaluation (the whole test set) costs in log-step evaluations of `points` items (ETA)."""
         size = self.final_eval_size()
         return size / points if size and 0 < points < size else 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
-        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), from the
-        names the readers look for alone (reproduce.sh's plan asks before its first run); DataError
-        naming what was looked for and where to get it. None: the task has no data files."""
+        """Which layout of its data files `data_dir` holds (a word, e.g. "python"), from the file names alone (asked
+        by reproduce.sh's plan); DataError naming what was looked for and where to get it; None: no data files."""
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the data the task (set up) trains and tests on, which a checkpoint records so
-        that a resume on other data is refused; None: no data of its own to check."""
+        """A sha256 of the set-up data, which a checkpoint records to refuse a resume on other data; None: none."""
         return None
 
     def found_rows(self) -> list[int] | None:
-        """The rows (queries) a found prior is found for (None: every row); the others are the
-        task's by construction (arithmetic's prompt rows: causal)."""
+        """The rows a found prior is found for (None: all); the others are the task's own (arithmetic's: causal)."""
         return None
 
     def names_pairs(self, pattern: torch.Tensor) -> bool:
@@ -284,8 +272,8 @@ class Task:
         raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe
-        batch; a task with held-out test inputs reads its training inputs instead."""
+        """The batch a teacher's attention is read on: the probe batch, or a task's training inputs where it has
+        held-out test inputs."""
         return self.probe_inputs(n)
 
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
@@ -301,9 +289,8 @@ class Task:
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
-    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
-                           kind: str, ratio: float, m_on: float, m_off: float, source: dict,
-                           min_fit: float | None = None) -> Prior:
+    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str, ratio: float,
+                           m_on: float, m_off: float, source: dict, min_fit: float | None = None) -> Prior:
         """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention
         on its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher
         that fits less than `min_fit` of them (None: TEACHER_MIN_FIT) did not learn its task, and a map that names
@@ -321,8 +308,7 @@ class Task:
                             "prior; train it longer, or choose another teacher")
         inputs = teacher_task.teacher_inputs(n)
         try:
-            pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
-                                                 m_on, m_off)
+            pattern, logits = self.teacher_prior(mp.mean_attention(model, inputs), kind, ratio, m_on, m_off)
         except ValueError as e:
             raise TaskError(f"its attention gives no prior ({e})") from None
         return self.found_prior(pattern, logits, source)
@@ -333,8 +319,7 @@ class Task:
         return F.logsigmoid(logits) > -1, logits
 
     def epoch_indices(self, step: int, batch_size: int) -> torch.Tensor:
-        """Indices (on the task's device) of batch `step` of an epoch-wise shuffle of the
-        n_train examples; epoch e's order is fixed by (seed, e)."""
+        """Indices (on the device) of batch `step` of an epoch-wise shuffle of the examples, epoch e's by (seed, e)."""
         epoch, i = divmod(step, self.steps_per_epoch(batch_size))
         if self._perm_epoch != epoch:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -422,14 +407,12 @@ def array_hash(*arrays) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token
-# per bit, MSE regression. Two token layouts: readout "cls" puts a CLS token first (bit i
-# at sequence position i + 1, N = n + 1); readout "mean" has no CLS token and averages the
-# bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
+# Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token per bit, MSE regression. Two
+# token layouts: readout "cls" puts a CLS token first (bit i at sequence position i + 1, N = n + 1); readout "mean"
+# has no CLS token and averages the bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
 
 
 READOUTS = ("cls", "mean")
-
 
 # The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
 # two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
@@ -502,9 +485,8 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
 
 
 def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
-    """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
-    unseen points (U), `top` is the top monomial at each point: accuracy and MSE over all and on U,
-    the top monomial's Fourier coefficient, the mean prediction on U."""
+    """Metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the unseen points (U), `top` is the top
+    monomial at each point: accuracy and MSE over all and on U, its Fourier coefficient, the mean prediction on U."""
     sign_ok = (torch.sign(pred) == torch.sign(y)).float()
     ok = (torch.round(pred) == y).float() if exact else sign_ok
     err = (pred - y) ** 2
@@ -583,8 +565,7 @@ DISCOVER_ALPHA = Must("the chance that a set (pair) of no dependence passes the 
 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
-    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and
-    with a CLS token in front (position 0) CLS -> every bit of the sets."""
+    """bool (N, N): each set a clique, every bit its own self-loop, and with a CLS token in front CLS -> their bits."""
     off = int(cls)
     edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
     if cls:
@@ -593,10 +574,9 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
 
 
 def set_patterns(n_bits: int, sets):
-    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of
-    the layout (a CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token
-    reading every bit of them ("clique", the default), or CLS -> the bits alone and self-loops
-    ("cls", with a CLS token only). Every position keeps its self-loop, so no row is empty."""
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of the layout (a
+    CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token reading every bit of them ("clique",
+    the default), or CLS -> the bits alone and self-loops ("cls", with a CLS token only)."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
         if not cls:
@@ -610,23 +590,21 @@ def set_patterns(n_bits: int, sets):
 class BooleanTask(Task):
     """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
 
-    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them
-    hold, the seen domain its complement. `train_size=None` trains on every seen point (each once
-    per epoch); an integer draws that many seen points uniformly with replacement. `exact=True`
-    marks an integer-valued target: accuracy is the rounded exact match (sign accuracy is reported
-    too), else sign accuracy. `readout` picks the token layout ("cls": a CLS token first; "mean":
-    none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
+    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them hold, the seen
+    domain its complement. `train_size=None` trains on every seen point (each once per epoch); an integer draws that
+    many seen points uniformly with replacement. `exact=True` marks an integer-valued target: accuracy is the rounded
+    exact match (sign accuracy is reported too), else sign accuracy. `readout` picks the token layout ("cls": a CLS
+    token first; "mean": none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
     KIND = "boolean"
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     PRESETS = {
-        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and
-        # these budgets: results/README.md, "Choices where the paper is silent")
-        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256,
-                                pos_init_std=0.5),
-                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100,
-                                 steps=1500, log_every=75, eval_points=4096)},
+        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and these budgets:
+        # results/README.md, "Choices where the paper is silent")
+        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5),
+                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75,
+                                 eval_points=4096)},
         # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "paper": {"model": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256),
                   "recipe": dict(lr=1e-5, batch_size=256, weight_decay=1e-3, optimizer="adam",
@@ -651,8 +629,7 @@ class BooleanTask(Task):
 
     MUST: ClassVar[dict] = {
         "discover_degree": Must("in 1..4 (sets of up to 4 bits)", lambda v: 1 <= v <= 4),
-        "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]",
-                                   lambda v: 0 < v <= 1),
+        "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]", lambda v: 0 < v <= 1),
         "discover_alpha": DISCOVER_ALPHA,
     }
 
@@ -689,8 +666,7 @@ class BooleanTask(Task):
         mine = self.patterns(self.readout == "cls")
         if variant not in mine and variant != "discovered":
             other = "mean" if self.readout == "cls" else "cls"
-            hint = (f" (pattern {variant!r} needs --readout {other})"
-                    if variant in self.patterns(other == "cls") else "")
+            hint = f" (pattern {variant!r} needs --readout {other})" if variant in self.patterns(other == "cls") else ""
             raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout "
                             f"{self.readout}; choose from {sorted(mine) + ['discovered']}{hint}")
         return variant
@@ -703,11 +679,10 @@ class BooleanTask(Task):
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data (set up): those whose Walsh coefficient
-        (of the training points and their centred targets) is at least `discover_threshold` times the
-        largest and above the training set's sampling noise (`discover_alpha`), over every set of up
-        to `discover_degree` bits (`walsh_sets`). None passing is a TaskError: the training set is
-        too small to show any interaction, and no pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data (set up): every set of up to `discover_degree` bits
+        whose Walsh coefficient is at least `discover_threshold` times the largest and above the sampling noise
+        (`discover_alpha`; `walsh_sets`). None passing is a TaskError: the training set is too small to show any
+        interaction, and no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
                             "set the task up first")
@@ -749,12 +724,10 @@ class BooleanTask(Task):
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`):
-        averaged over the readout rows (the CLS row with a CLS token, else every bit), the keys above
-        `ratio` times the uniform share made a clique, the CLS row reading them: the hand patterns' form."""
+        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`), averaged over the
+        readout rows (the CLS row, else every bit), made a clique the CLS row reads: the hand patterns' form."""
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0]
-                                                if self.readout == "cls" else None)
+            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0] if self.readout == "cls" else None)
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
 
@@ -807,9 +780,8 @@ class BooleanTask(Task):
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
 
     def eval_points(self, n: int) -> torch.Tensor:
-        """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
-        without replacement from U and from the seen domain in proportion to their sizes, so
-        that plain means over the sample estimate the whole-cube metrics."""
+        """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn without replacement
+        from U and the seen domain in proportion to their sizes: plain means over it estimate the whole cube's."""
         key = ("eval_points", n)
         if key not in self._cache:
             g = torch.Generator().manual_seed(0)
@@ -826,8 +798,7 @@ class BooleanTask(Task):
         return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float() for i in range(0, len(x), batch_size)])
 
     def evaluate(self, model, points: int | None = None) -> dict:
-        """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
-        `eval_points` in the result says which (0 = the whole cube)."""
+        """Metrics on the whole cube, or (`points` = n > 0) on the sample `eval_points(n)`; `eval_points` says which."""
         idx = self.eval_points(points) if points and points < len(self.x_test) else None
         y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
                      else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
@@ -839,14 +810,12 @@ class BooleanTask(Task):
         return metrics
 
     def mdi(self) -> dict:
-        """The MDI's metrics on this task (cached): what a min-degree learner would predict. Needs
-        no setup: it is computed on the CPU from the target alone."""
+        """The MDI's metrics (cached): what a min-degree learner would predict; from the target alone (no setup)."""
         if "mdi" not in self._cache:
             x_all = cube(self.n_bits)
             seen = ~self.in_unseen(x_all)
-            # The MDI only involves the bits the target and the unseen domain depend on (it is
-            # unique, and flipping any other bit maps the problem to itself): it is solved on that
-            # sub-cube and read back on the whole cube.
+            # The MDI only involves the bits the target and the unseen domain depend on (it is unique, and flipping any
+            # other bit maps the problem to itself): it is solved on that sub-cube and read back on the whole cube.
             rel = self.mdi_bits()
             if self.mdi_size() > 256:
                 self.say(f"computing the exact min-degree interpolator of {self.name} "
@@ -868,20 +837,18 @@ class BooleanTask(Task):
 # parity2 generalises only without a CLS token and with near-zero positions (README: the grid), and the QK inits
 # then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding.
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
-# recipe: the QK inits scale the positions
-_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
+_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)     # recipe: the QK inits scale the positions
 
 
 class _PaperBoolean(BooleanTask):
-    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS`
-    (BooleanTask's fields); its options are the layout and the discovery's."""
+    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS` (BooleanTask's
+    fields); its options are the layout and the discovery's."""
     FIELDS: ClassVar[dict] = {}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
         super().__init__(n_bits=15, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
-                         seed=seed, **self.FIELDS)
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha, seed=seed, **self.FIELDS)
 
 
 @register("parity2")
@@ -900,9 +867,8 @@ class Parity2(_PaperBoolean):
 class Majority3(_PaperBoolean):
     """sign(x0 + x1 + x2) on 15 bits; unseen x0 = x1 = -1; 32,768 uniform draws of seen points."""
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
-    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1},
-                  patterns=set_patterns(15, [(0, 1, 2)]), top_monomial=(0, 1, 2), degree=3,
-                  train_size=32768, support=(0, 1, 2))
+    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1}, patterns=set_patterns(15, [(0, 1, 2)]),
+                  top_monomial=(0, 1, 2), degree=3, train_size=32768, support=(0, 1, 2))
 
 
 @register("cyclic3")
@@ -923,9 +889,8 @@ def cut(text, most: int = 40) -> str:
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:
-    """The one parser of every integer a list or count on the command line holds (--bits, --unseen,
-    --terms, 'random:K'): ASCII digits alone (no sign, no '_', no other script's digits), in
-    least..most; anything else is a TaskError naming the token, cut to 40 characters."""
+    """The one parser of every integer a list or count on the command line holds (--bits, --unseen, --terms,
+    'random:K'): ASCII digits alone (no sign, '_' or other script's digits) in least..most, else a TaskError (cut)."""
     token = str(token).strip()
     if not (token.isascii() and token.isdigit()) or len(token) > len(str(most)) or not least <= int(token) <= most:
         raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII digits)")
@@ -951,10 +916,9 @@ def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
 
 
 def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
-    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their
-    majority, an odd number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3,
-    4))]. A bit twice in a term, the same term twice, a bit outside 0..n_bits-1 or an even majority
-    is a TaskError."""
+    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their majority, an odd
+    number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3, 4))]. A bit twice in a term, the same
+    term twice, a bit outside 0..n_bits-1 or an even majority is a TaskError."""
     terms = []
     for part in str(text).split(":"):
         kind = "majority" if part.startswith("m") else "parity"
@@ -970,8 +934,7 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
 
 
 def terms_text(terms: list) -> str:
-    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of
-    more than one bit."""
+    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of several bits."""
     spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "") for kind, bits in terms)
     return ":".join(m + ",".join(map(str, bits)) for bits, m in spelt)
 
@@ -996,8 +959,7 @@ class _CustomBoolean(BooleanTask):
                    unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
         # drawn bits come sorted: 'bits:J' names the same ones
         self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
-                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:")
-                       else self._unseen_text()}
+                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:") else self._unseen_text()}
 
     def _unseen_text(self) -> str:
         return ",".join(map(str, sorted(self.unseen)))
@@ -1023,9 +985,8 @@ class _CustomBoolean(BooleanTask):
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
-                         top_monomial=max((bits for _, bits in terms), key=len),
-                         degree=max(len(t) for _, t in terms), train_size=train_size,
-                         support=b, readout=readout, exact=len(terms) > 1,
+                         top_monomial=max((bits for _, bits in terms), key=len), degree=max(len(t) for _, t in terms),
+                         train_size=train_size, support=b, readout=readout, exact=len(terms) > 1,
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha, seed=seed)
 
