@@ -1632,24 +1632,18 @@ class LeeMultiplication(ArithmeticTask):
 # The 100 classes of ImageNet-100 (the CMC list, Tian et al. 2019), sorted: label = index.
 
 
-IMAGENET100_WNIDS = (
-    "n01558993", "n01692333", "n01729322", "n01735189", "n01749939", "n01773797", "n01820546",
-    "n01855672", "n01978455", "n01980166", "n01983481", "n02009229", "n02018207", "n02085620",
-    "n02086240", "n02086910", "n02087046", "n02089867", "n02089973", "n02090622", "n02091831",
-    "n02093428", "n02099849", "n02100583", "n02104029", "n02105505", "n02106550", "n02107142",
-    "n02108089", "n02109047", "n02113799", "n02113978", "n02114855", "n02116738", "n02119022",
-    "n02123045", "n02138441", "n02172182", "n02231487", "n02259212", "n02326432", "n02396427",
-    "n02483362", "n02488291", "n02701002", "n02788148", "n02804414", "n02859443", "n02869837",
-    "n02877765", "n02974003", "n03017168", "n03032252", "n03062245", "n03085013", "n03259280",
-    "n03379051", "n03424325", "n03492542", "n03494278", "n03530642", "n03584829", "n03594734",
-    "n03637318", "n03642806", "n03764736", "n03775546", "n03777754", "n03785016", "n03787032",
-    "n03794056", "n03837869", "n03891251", "n03903868", "n03930630", "n03947888", "n04026417",
-    "n04067472", "n04099969", "n04111531", "n04127249", "n04136333", "n04229816", "n04238763",
-    "n04336792", "n04418357", "n04429376", "n04435653", "n04485082", "n04493381", "n04517823",
-    "n04589890", "n04592741", "n07714571", "n07715103", "n07753275", "n07831146", "n07836838",
-    "n13037406", "n13040303",
-)
-
+IMAGENET100_WNIDS = tuple("""
+    n01558993 n01692333 n01729322 n01735189 n01749939 n01773797 n01820546 n01855672 n01978455 n01980166
+    n01983481 n02009229 n02018207 n02085620 n02086240 n02086910 n02087046 n02089867 n02089973 n02090622
+    n02091831 n02093428 n02099849 n02100583 n02104029 n02105505 n02106550 n02107142 n02108089 n02109047
+    n02113799 n02113978 n02114855 n02116738 n02119022 n02123045 n02138441 n02172182 n02231487 n02259212
+    n02326432 n02396427 n02483362 n02488291 n02701002 n02788148 n02804414 n02859443 n02869837 n02877765
+    n02974003 n03017168 n03032252 n03062245 n03085013 n03259280 n03379051 n03424325 n03492542 n03494278
+    n03530642 n03584829 n03594734 n03637318 n03642806 n03764736 n03775546 n03777754 n03785016 n03787032
+    n03794056 n03837869 n03891251 n03903868 n03930630 n03947888 n04026417 n04067472 n04099969 n04111531
+    n04127249 n04136333 n04229816 n04238763 n04336792 n04418357 n04429376 n04435653 n04485082 n04493381
+    n04517823 n04589890 n04592741 n07714571 n07715103 n07753275 n07831146 n07836838 n13037406 n13040303
+""".split())
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
@@ -1714,9 +1708,8 @@ RELEASE_GLOBALS = {
 
 
 class ReleaseUnpickler(pickle._Unpickler):
-    """An unpickler that admits only what the dataset releases hold: dicts, lists, strings, bytes,
-    numbers and numpy arrays of numbers. Any other global, the way a crafted pickle runs code
-    (os.system, eval, ...), is refused before it is called."""
+    """An unpickler that admits only what the releases hold: dicts, lists, strings, bytes, numbers and numpy arrays
+    of numbers. Any other global, the way a crafted pickle runs code (os.system, eval, ...), is refused uncalled."""
 
     def find_class(self, module: str, name: str):
         found = RELEASE_GLOBALS.get((module, name))
@@ -1815,8 +1808,7 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> n
 
 def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels
-    int64), labels checked against `n_classes` when given."""
+    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels int64 < n_classes)."""
     data, labels = _entries(_load_pickle(path), path, "a CIFAR python batch", "data", label_key)
     x = _images_from_rows(data, path, 32)
     return x, _labels(labels, path, len(x), n_classes)
@@ -1872,9 +1864,9 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file
-    checked (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources':
-    its files} with x uint8 (N, 3, 32, 32), y int64."""
+    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file checked
+    (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources': its files}, x uint8 (N, 3,
+    32, 32), y int64."""
     kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
@@ -1887,10 +1879,8 @@ def read_cifar(data_dir: str, name: str) -> dict:
     return {"train": parts[0], "test": parts[1], "sources": files}
 
 
-# what a release's file opens with (python: a pickle) or is made of (binary: whole records of
-# the label(s) and 3072 pixels)
-CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"},
-              ("python", "cifar100"): {"header": b"\x80"},
+# what a release's file opens with (python: a pickle) or is made of (binary: records of the label(s), 3072 pixels)
+CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"}, ("python", "cifar100"): {"header": b"\x80"},
               ("binary", "cifar10"): {"record": 3073}, ("binary", "cifar100"): {"record": 3074}}
 
 
@@ -1962,8 +1952,7 @@ def imagenet100_layout(data_dir: str) -> str:
                     "imagenet100 --from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
-# then .npz or not
-DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)
+DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)      # then .npz or not
 
 
 def _wnid_map_path(data_dir: str) -> str:
@@ -2089,8 +2078,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
         data = {"train": read_image_folder(os.path.join(data_dir, "train"), image_size),
                 "test": read_image_folder(os.path.join(data_dir, "val"), image_size),
                 "sources": [os.path.join(root, f) for split in ("train", "val")
-                            for root, _, files in os.walk(os.path.join(data_dir, split))
-                            for f in files]}
+                            for root, _, files in os.walk(os.path.join(data_dir, split)) for f in files]}
     else:
         data = read_imagenet100_downsampled(data_dir)
     size = data["train"][0].shape[-1]
@@ -2116,31 +2104,27 @@ class ImageTask(Task):
     HEADLINE = ("top1", "loss")
     MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
-        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean",
-                                qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05,
-                                 batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30,
-                                 label_smoothing=0.1, qk_opt_steps=2000, log_every=100)},
+        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
+                                pos_init_std=0.02, pattern="soft"),
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
+                                 schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
+                                 qk_opt_steps=2000, log_every=100)},
         # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
         # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
         # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay 0.05,
         # 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5),
         # random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
-        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16,
-                                input_size=224, pool="cls", qkv_bias=True, pos_init_std=0.02,
-                                pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05,
-                                 betas="0.9,0.999", batch_size=512, schedule="cosine",
-                                 warmup_epochs=50, epochs=300, label_smoothing=0.1, mixup=0.8,
-                                 cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0,
-                                 randaug_std=0.5, randaug_ops=2, reprob=0.25, drop_path=0.1,
-                                 log_every=1000)},
+        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
+                                qkv_bias=True, pos_init_std=0.02, pattern="soft"),
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
+                                 batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300, label_smoothing=0.1,
+                                 mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0, randaug_std=0.5,
+                                 randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000)},
         # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
-        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2,
-                                  pool="mean", qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3,
-                                   weight_decay=0.05, batch_size=512, schedule="cosine",
-                                   warmup_epochs=10, epochs=200, label_smoothing=0.1,
+        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
+                                  pos_init_std=0.02, pattern="soft"),
+                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
+                                   schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
                                    log_every=1000)},
     }
     N_CLASSES: ClassVar[int] = 0
@@ -2174,8 +2158,7 @@ class ImageTask(Task):
         "randaug_ops": Must("at least 1", lambda v: v >= 1),
         "impulse": Must("fixed or random", lambda v: v in ("fixed", "random")),
         "soft_alpha": Must("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
-        "window": Must("the local prior's side in patches, an odd number >= 1",
-                       lambda v: v >= 1 and v % 2 == 1),
+        "window": Must("the local prior's side in patches, an odd number >= 1", lambda v: v >= 1 and v % 2 == 1),
     }
 
     def __post_init__(self):
@@ -2198,10 +2181,9 @@ class ImageTask(Task):
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the
-        keys whose initial log sigmoid(M) is above -1, and in a row with none (its offset leaves
-        the grid) the row's likeliest key, itself: at alpha 1 the impulse pattern, so a QK init
-        reads the same prior with either; `graded`: the 3 x 3 neighbourhood it allows)."""
+        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the keys whose initial
+        log sigmoid(M) is above -1, and in a row with none (its offset leaves the grid) the row's likeliest key, itself:
+        at alpha 1 the impulse pattern, so a QK init reads the same prior with either; `graded`: the 3 x 3 around)."""
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "local" or variant == "graded":
             return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
@@ -2249,16 +2231,15 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float
-        (B, 3, S, S), soft targets (B, n_classes)), S = the input size. A pad crop is taken at the
-        stored size and the whole image upsampled; RandAugment works on the uint8 images."""
+        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float (B, 3, S, S), soft
+        targets (B, n_classes)), S = the input size. A pad crop is taken at the stored size and the whole image
+        upsampled (bilinear); RandAugment works on the uint8 images."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
             x = augment.random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
             x = augment.random_crop_flip(self.x_train[idx], self.pad, g)
-            # the whole image, upsampled bilinearly
             if self.input_size != self.image_size:
                 x = augment.resize(x, self.input_size)
         if self.randaug > 0:
@@ -2275,8 +2256,8 @@ class ImageTask(Task):
         return torch.sum(-y * F.log_softmax(model(x).float(), dim=-1), dim=-1).mean()
 
     def test_view(self, x_uint8: torch.Tensor) -> torch.Tensor:
-        """Test images as the model sees them: normalised, and at another input size resized to
-        input / crop_pct and centre-cropped (timm's evaluation view)."""
+        """Test images as the model sees them: normalised, and at another input size resized to input / crop_pct and
+        centre-cropped (timm's evaluation view)."""
         if self.input_size != self.image_size:
             x_uint8 = augment.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
         return self.normalize(x_uint8)
@@ -2326,8 +2307,7 @@ def _required_dir(data_dir: str | None, name: str) -> str:
 class Cifar10(ImageTask):
     """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10 classes."""
     N_CLASSES = 10
-    # training images as released (reproduce.sh's plan sizes epochs with it)
-    TRAIN_SIZE = 50_000
+    TRAIN_SIZE = 50_000             # training images as released (reproduce.sh's plan sizes epochs with it)
 
     @classmethod
     def locate(cls, data_dir):
@@ -2348,8 +2328,8 @@ class ImageNet100(ImageTask):
 
     @classmethod
     def locate(cls, data_dir):
-        """The layout, with what its reader needs first: every class folder, and an image in each
-        split (the tree, and Pillow), or every batch and the label map (downsampled)."""
+        """The layout, with what its reader needs first: every class folder and an image in each split (the tree, and
+        Pillow), or every batch and the label map (downsampled)."""
         layout = imagenet100_layout(_required_dir(data_dir, cls.NAME))
         if layout == "folder":
             _pillow()
