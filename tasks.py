@@ -218,9 +218,8 @@ class Task:
         no pair beyond self-loops in the rows it was found for (`found_rows`): it would hold nothing."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
-            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each "
-                            "token itself, so it would hold nothing; it is refused, not used "
-                            "(use a hand pattern or another teacher)")
+            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
+                            "would hold nothing; it is refused, not used (use a hand pattern or another teacher)")
         if source["from"] != "hand":
             oracle = self.pattern(self.DEFAULT_PATTERN)
             source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
@@ -696,11 +695,11 @@ class BooleanTask(Task):
             sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree,
                                       self.discover_threshold, self.discover_alpha)
             if not sets:
-                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands "
-                                f"above the sampling noise of the {report['points']:,} training points (noise "
-                                f"level {report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the "
-                                f"largest coefficient is {report['largest']:.3f}): too few points to find a "
-                                "pattern in; give more (--train-size) or a hand pattern")
+                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands above "
+                                f"the sampling noise of the {report['points']:,} training points (noise level "
+                                f"{report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the largest "
+                                f"coefficient is {report['largest']:.3f}): too few points to find a pattern in; give "
+                                "more (--train-size) or a hand pattern")
             self._cache["discovery"] = sets, report
         return self._cache["discovery"][0]
 
@@ -754,8 +753,7 @@ class BooleanTask(Task):
     def _cube_targets(self) -> tuple:
         """(targets, unseen mask, top monomial) over the whole cube, as CPU tensors."""
         x_all = cube(self.n_bits)
-        return (torch.as_tensor(self.target(x_all), dtype=torch.float32),
-                torch.as_tensor(self.in_unseen(x_all)),
+        return (torch.as_tensor(self.target(x_all), dtype=torch.float32), torch.as_tensor(self.in_unseen(x_all)),
                 torch.as_tensor(chi(x_all, self.top_monomial), dtype=torch.float32))
 
     @property
@@ -1823,8 +1821,7 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
     raw = raw.reshape(-1, rec)
-    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path,
-                                                                       len(raw), n_classes)
+    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path, len(raw), n_classes)
 
 
 def find_first(data_dir: str, candidates) -> str | None:
@@ -1857,10 +1854,9 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
     binary = find_first(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
         return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
-    raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and "
-                    f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; fetch "
-                    f"it with `python train.py download cifar100 --data {data_dir}` (from "
-                    f"{CIFAR_URL}, checked and unpacked), or point --data-dir at it")
+    raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and cifar-100-binary/train.bin "
+                    f"(binary) in {os.path.abspath(data_dir)}; fetch it with `python train.py download cifar100 --data "
+                    f"{data_dir}` (from {CIFAR_URL}, checked and unpacked), or point --data-dir at it")
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
@@ -2040,9 +2036,8 @@ def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]
     except DataError:
         return
     with atomic_output(folder / f"{key}.npz") as f:
-        np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
-                 y_test=data["test"][1], sources=np.array(json.dumps(signature)),
-                 data_hash=np.array(data["data_hash"]))
+        np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0], y_test=data["test"][1],
+                 sources=np.array(json.dumps(signature)), data_hash=np.array(data["data_hash"]))
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
@@ -2349,26 +2344,23 @@ class ImageNet100(ImageTask):
 
 
 # ----------------------------------------------------------------------------------------
-# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from
-# the files their authors publish (no `datasets` library, no network).
+# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from the files their
+# authors publish (no `datasets` library, no network).
 #
 # WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download wikitext2`), either
 # release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words already <unk>), tried first, or
 # wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir may hold those folders or be one. Tokenisation
-# follows PyTorch's word_language_model example: every line, empty ones included, is line.split() then one <eos>;
-# headings (" = Robert Boulter = ") and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the
-# train split only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
-# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens for the raw
-# release).
+# follows PyTorch's word_language_model example (`wikitext_line_words`): headings (" = Robert Boulter = ") and the
+# @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the train split only (`build_vocab`); words of
+# valid/test missing from it map to <unk> (only in the raw release).
 #
 # TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1 (TinyStories-{train,valid}.txt), in
 # data_dir or data_dir/TinyStories: stories are separated by lines that are exactly <|endoftext|> once surrounding
 # whitespace is stripped. Byte level: a story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every
 # story (vocabulary 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
 # vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The cost: sequences
-# about 4x longer than with a BPE tokeniser. Each story is stripped of leading and trailing (ASCII) whitespace,
-# inner newlines are kept, separator lines dropped, empty stories skipped, and a last story with no separator after
-# it still gets its end-of-text id.
+# about 4x longer than with a BPE tokeniser. Stories are stripped of leading and trailing (ASCII) whitespace, inner
+# newlines kept, empty ones skipped (`iter_tinystories_tokens`).
 #
 # Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536) or uint32 binary
 # file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures (`_source_signature`), so a changed
@@ -2381,8 +2373,7 @@ WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors r
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-# bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
-CACHE_FORMAT = 2
+CACHE_FORMAT = 2        # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 
 UNK = "<unk>"
 EOS = "<eos>"
@@ -2426,10 +2417,9 @@ def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEF
 
 def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B = batch_size training windows of T = context tokens at uniformly random offsets of `tokens`
-    (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64
-    (B, T): x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1], s_b uniform over
-    0 .. N - T - 1."""
+    """B = batch_size training windows of T = context tokens at uniformly random offsets s_b in 0 .. N - T - 1 of
+    `tokens` (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64 (B, T):
+    x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1]."""
     n = len(tokens)
     _check_context(context, n, "training")
     starts = torch.randint(0, n - context, (batch_size,), generator=generator).numpy()
@@ -2531,9 +2521,8 @@ def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> t
                 return name, files
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
     zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip" for r in releases)
-    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
-                    f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
-                    "unzipped)")
+    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python train.py "
+                    f"download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and unzipped)")
 
 
 def wikitext_line_words(line: str) -> list[str]:
@@ -2583,8 +2572,7 @@ def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sourc
     ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
     for split, tokens in ids.items():
         if len(tokens) == 0:
-            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
-                            f"from {WIKITEXT_URL}")
+            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it from {WIKITEXT_URL}")
     raw = json.dumps(vocab, ensure_ascii=False).encode("utf-8")
     atomic_write(folder / f"{stem}.vocab.json", raw)
     vocab_sha1 = hashlib.sha1(raw).hexdigest()
@@ -2637,10 +2625,9 @@ def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_s
             lambda f: _write_split(f, stem, split, meta, iter_tinystories_tokens(path, chunk_size),
                                    BYTE_VOCAB_SIZE, empty))
         digests.append(digest)
-    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(),
-            "vocab_size": BYTE_VOCAB_SIZE, "decode": decode_bytes,
-            "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
-                      f"in {files['train'].parent}"}
+    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(), "vocab_size": BYTE_VOCAB_SIZE,
+            "decode": decode_bytes, "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
+                                              f"in {files['train'].parent}"}
 
 
 def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -> tuple[str, dict[str, Path]]:
@@ -2760,8 +2747,7 @@ def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
 
 def _expected_meta(stem: str, tokenizer: str, split: str, sources: list[dict], **extra) -> dict:
     """The meta fields a valid cache must match exactly."""
-    return {"format": CACHE_FORMAT, "corpus": stem, "tokenizer": tokenizer, "split": split,
-            "sources": sources, **extra}
+    return {"format": CACHE_FORMAT, "corpus": stem, "tokenizer": tokenizer, "split": split, "sources": sources, **extra}
 
 
 def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
@@ -2791,8 +2777,7 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
 
 def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterable[np.ndarray],
                  vocab_size: int, empty_message: str) -> None:
-    """Stream `arrays` into the split's binary file (none: a DataError, `empty_message`), then write
-    its meta (with the count and the sha256 of the tokens)."""
+    """Stream `arrays` into the split's .bin (none: a DataError, `empty_message`), then its meta (+ count, sha256)."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
     count, digest = 0, hashlib.sha256()
@@ -2821,8 +2806,7 @@ def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
 
 @dataclass(kw_only=True)
 class LMTask(Task):
-    """Next-token prediction on random context windows; evaluation on the whole validation split.
-    The prior is the causal relative-distance init of M (ALiBi-like slopes per head)."""
+    """Next-token prediction on random context windows, evaluated on the whole validation split; prior: ALiBi-like M."""
     KIND = "lm"
     PATTERNS = ("distance",)
     DEFAULT_PATTERN = "distance"
@@ -2831,19 +2815,15 @@ class LMTask(Task):
         # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's N x
         # N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context. small: a
         # 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
-        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512,
-                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=64,
-                                dropout=0.1),
-                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1,
-                                 betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40,
-                                 steps=400, grad_clip=1.0, log_every=20)},
+        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02,
+                                pos_init_std=0.02, qkv_bias=True, context=64, dropout=0.1),
+                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.95",
+                                 batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0, log_every=20)},
         # nanoGPT-like: 6 layers, 6 heads, width 384, context 256, AdamW 6e-4, cosine, dropout 0.2
-        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536,
-                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=256,
-                                dropout=0.2),
-                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95",
-                                 batch_size=64, schedule="cosine", warmup=200, steps=10000,
-                                 grad_clip=1.0, log_every=500)},
+        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02,
+                                pos_init_std=0.02, qkv_bias=True, context=256, dropout=0.2),
+                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95", batch_size=64,
+                                 schedule="cosine", warmup=200, steps=10000, grad_clip=1.0, log_every=500)},
     }
     MUST: ClassVar[dict] = {
         "context": Must("at least 2", lambda v: v >= 2),
@@ -2911,24 +2891,21 @@ class LMTask(Task):
             raise TaskError(f"--sample: the prompt {prompt!r} gives no tokens")
         out = mp.generate(model, torch.tensor([ids], device=self.device), n, temperature, top_k
                           or None, generator=generator)
-        # words are joined by spaces, bytes are not
-        sep = " " if self.vocab is not None else ""
+        sep = " " if self.vocab is not None else ""                 # words are joined by spaces, bytes are not
         return self.decode(ids) + sep + self.decode(out[0, len(ids):].tolist())
 
     def arch(self) -> dict:
         if self.vocab_size is None:
             raise TaskError("LMTask.arch() needs setup() first: the vocabulary comes from the data")
-        return {"vocab_size": self.vocab_size, "seq_len": self.context,
-                "n_outputs": self.vocab_size, "readout": "tokens", "causal": True,
-                "tie_embeddings": True, "positions": self.positions}
+        return {"vocab_size": self.vocab_size, "seq_len": self.context, "n_outputs": self.vocab_size,
+                "readout": "tokens", "causal": True, "tie_embeddings": True, "positions": self.positions}
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         return lm_patterns(self.context, self.heads)
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the future
-        is removed by the hard causal mask. It has no on / off levels: train.py's table keeps
-        --mask-on and --mask-off to the other families, so m_on and m_off are the defaults here."""
+        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like; the causal mask removes the
+        future). No on / off levels: train.py keeps --mask-on / --mask-off to the other families (here: defaults)."""
         self.pattern_name(variant)
         return mp.causal_distance_logits(self.mask_window or self.context, self.heads)
 
@@ -2964,8 +2941,7 @@ class LMTask(Task):
         return float((model(x.to(self.device)).argmax(-1) == y.to(self.device)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Language models read a teacher's attention per head and distance by default
-        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param relative`)."""
+        """Per head and distance by default (`mp.relative_from_attention`): the form of `--mask-param relative`'s M."""
         if kind == "relative":
             return self._soft(mp.relative_from_attention(attn, m_on, m_off, causal=True))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
@@ -2997,6 +2973,5 @@ class WikiText2(LMTask):
 @register("tinystories")
 class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
-    PRESETS = {"paper": {"model": dict(dropout=0.0),
-                         "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
+    PRESETS = {"paper": {"model": dict(dropout=0.0), "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
     find_files = staticmethod(find_tinystories_files)
