@@ -97,17 +97,14 @@ def make_task(name: str, **options) -> Task:
 
 
 class Task:
-    """What every task shares. Subclasses set the class constants and write the data methods.
-
-    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a subclass's entries are
-    added on top of its parents' (`preset_parts`), so a family sets its model and schedule and a task only what
-    differs. Every constructor takes `seed` beside its options."""
+    """What every task shares. PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}:
+    a subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model and schedule
+    and a task only what differs. Every constructor takes `seed` beside its options."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
-    # one token layout for every example (the inits fitted on positions need it; inits.Init.fixed_layout)
-    FIXED_LAYOUT: ClassVar[bool] = True
+    FIXED_LAYOUT: ClassVar[bool] = True         # one layout for every example (the inits fitted on positions need it)
     HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
     PRESETS: ClassVar[dict] = {}
 
@@ -120,8 +117,7 @@ class Task:
     MUST: ClassVar[dict] = {}       # option -> Must(what it must be, its test[, flag]), refused by `check_options`
 
     def check_options(self) -> None:
-        """Refuse the first option that fails its declared test (MUST of the class and its bases):
-        TaskError "--flag must be <what>, got <value>"."""
+        """Refuse the first option failing its MUST test (class, bases): TaskError "--flag must be <what>, got <v>"."""
         for klass in type(self).__mro__:
             for name, must in vars(klass).get("MUST", {}).items():
                 value = getattr(self, name)
@@ -262,8 +258,7 @@ class Task:
 
     # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
     TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")      # --prior-kind values; the first is the default
-    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`; each
-    # family's own measure and level), below which its attention is refused (--teacher-min-fit)
+    # a teacher under this `teacher_fit` (each family's measure) did not learn its task: refused (--teacher-min-fit)
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
@@ -271,17 +266,15 @@ class Task:
         raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The batch a teacher's attention is read on: the probe batch, or a task's training inputs where it has
-        held-out test inputs."""
+        """The batch a teacher's attention is read on: the probe batch (where tests are held out: training inputs)."""
         return self.probe_inputs(n)
 
     def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`:
-        the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on on them, -m_off
-        elsewhere; `logits`: the M whose bias alone gives that attention, per head (`mp.logits_from_attention`), its
-        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean: keys; arithmetic: the
-        answer rows; vision: offsets; language: distances)."""
+        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`: the
+        pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on on them, -m_off elsewhere;
+        `logits`: the M whose bias alone gives that attention, per head (`mp.logits_from_attention`), its pattern where
+        log sigmoid(M) > -1. Families read their own rows and forms (keys, answer rows, offsets, distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
             pattern = mp.pattern_from_attention(attn, ratio, causal)
@@ -290,10 +283,9 @@ class Task:
 
     def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str, ratio: float,
                            m_on: float, m_off: float, source: dict, min_fit: float | None = None) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention
-        on its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher
-        that fits less than `min_fit` of them (None: TEACHER_MIN_FIT) did not learn its task, and a map that names
-        nothing or is not finite is no prior: each a TaskError, never used."""
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention on
+        its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher fitting
+        under `min_fit` of them (None: TEACHER_MIN_FIT), or a map naming nothing or not finite: a TaskError, unused."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -358,8 +350,7 @@ def _writable_cache_dir(candidates: list[Path]) -> Path:
 
 @contextlib.contextmanager
 def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
-    """The first writable cache folder (see `_writable_cache_dir`); a folder this call created is
-    removed again when the body fails and left nothing in it."""
+    """The first writable cache folder; one this call created goes again when the body fails and left it empty."""
     created = [c for c in candidates if not c.exists()]
     folder = _writable_cache_dir(candidates)
     try:
@@ -547,8 +538,7 @@ def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: flo
                alpha: float = 0.05) -> tuple[list[tuple], dict]:
     """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one and
     above the sampling noise of this many points (`walsh_noise` at `alpha`), largest first: the interactions the
-    seen data shows (it hides how the target extrapolates, not which bits interact). A small training set gives
-    fewer sets, or none; the report says how many of how many passed, the noise level and the largest."""
+    seen data shows (it hides how the target extrapolates, not which bits interact); few points give fewer or none."""
     coefs = walsh_coefficients(x, y, max_degree)
     top = max(abs(v) for v in coefs.values())
     noise = walsh_noise(y, len(coefs), alpha)
@@ -592,8 +582,7 @@ class BooleanTask(Task):
     `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them hold, the seen
     domain its complement. `train_size=None` trains on every seen point (each once per epoch); an integer draws that
     many seen points uniformly with replacement. `exact=True` marks an integer-valued target: accuracy is the rounded
-    exact match (sign accuracy is reported too), else sign accuracy. `readout` picks the token layout ("cls": a CLS
-    token first; "mean": none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
+    exact match (sign accuracy is reported too), else sign accuracy. `readout` picks the token layout (see above)."""
     KIND = "boolean"
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
@@ -680,8 +669,7 @@ class BooleanTask(Task):
     def discovered_sets(self) -> list[tuple]:
         """The sets of bits that interact in the training data (set up): every set of up to `discover_degree` bits
         whose Walsh coefficient is at least `discover_threshold` times the largest and above the sampling noise
-        (`discover_alpha`; `walsh_sets`). None passing is a TaskError: the training set is too small to show any
-        interaction, and no pattern is better than a wrong one."""
+        (`discover_alpha`; `walsh_sets`). None passing is a TaskError: no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
                             "set the task up first")
@@ -764,7 +752,6 @@ class BooleanTask(Task):
         return array_hash(self.x_train, self.y_train, self.x_test, self.y_test)
 
     def train_batch(self, step: int, batch_size: int):
-        """Batch `step` of an epoch-wise shuffle; epoch e's order is fixed by (seed, e)."""
         idx = self.epoch_indices(step, batch_size)
         return self.x_train[idx], self.y_train[idx]
 
@@ -798,8 +785,7 @@ class BooleanTask(Task):
     def evaluate(self, model, points: int | None = None) -> dict:
         """Metrics on the whole cube, or (`points` = n > 0) on the sample `eval_points(n)`; `eval_points` says which."""
         idx = self.eval_points(points) if points and points < len(self.x_test) else None
-        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
-                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
+        y, u, top = (t if idx is None else t[idx] for t in (self.y_test, self.unseen_mask, self.chi_top))
         metrics = cube_metrics(self.predict(model, idx), y, u, top, self.exact)
         metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
@@ -839,8 +825,7 @@ _QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)     # recipe:
 
 
 class _PaperBoolean(BooleanTask):
-    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS` (BooleanTask's
-    fields); its options are the layout and the discovery's."""
+    """A Boolean task of the paper on 15 bits: target and domain in `FIELDS`; its options: the layout, the discovery."""
     FIELDS: ClassVar[dict] = {}
 
     def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
@@ -903,7 +888,6 @@ def _parse_bits(text, what: str, n_bits: int) -> tuple:
 
 
 def _count(text: str, prefix: str, what: str, most: int) -> int:
-    """K of 'PREFIX:K', an integer in 1..most."""
     return parse_count(str(text)[len(prefix):], what, 1, most)
 
 
@@ -1007,9 +991,8 @@ class KMajority(_CustomBoolean):
 
 @register("ksum")
 class KSum(_CustomBoolean):
-    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 +
-    maj(x2, x3, x4)): a target that mixes structures, integer-valued (accuracy is the exact match);
-    the hand pattern makes each term a clique. Unseen where the `--unseen` bits are -1."""
+    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 + maj(x2, x3, x4)),
+    integer-valued (accuracy: exact match); each term a clique of the hand pattern; unseen where `--unseen` are -1."""
 
     def __init__(self, n_bits: int = 15, terms: str = "0,1:2,3,4", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -1029,10 +1012,8 @@ class KSum(_CustomBoolean):
 # symbol, its answer, its answer's length and which operand digits its carry pattern holds strong.
 
 
-# an operation whose symbol is not here appends it to its own vocabulary
-ARITH_VOCAB = "0123456789+*="
-# held-out pairs, or every pair not trained on where the universe is smaller
-ARITH_TEST_SIZE = 10_000
+ARITH_VOCAB = "0123456789+*="       # an operation whose symbol is not here appends it to its own vocabulary
+ARITH_TEST_SIZE = 10_000            # held-out pairs, or every pair not trained on where the universe is smaller
 
 
 @dataclass(kw_only=True)
@@ -1075,8 +1056,7 @@ class ArithmeticTask(Task):
 
     def __post_init__(self):
         self.check_options()
-        # ordered pairs of d-digit operands
-        self.universe = 10 ** (2 * self.n_digits)
+        self.universe = 10 ** (2 * self.n_digits)                  # ordered pairs of d-digit operands
         self.n_train = int(round(self.data_frac * self.universe))
         if self.n_train < 1:
             raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of "
@@ -1319,8 +1299,7 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
         values = {k: conditional_mi(y, candidates[k], z) for k in rest}
         noise = 0.0
         for _ in range(round(1 / alpha) - 1):
-            # a permutation within each stratum of z
-            order = np.lexsort((rng.random(len(z)), z))
+            order = np.lexsort((rng.random(len(z)), z))                # a permutation within each stratum of z
             by_z = np.argsort(z, kind="stable")
             noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
         best = max(values, key=values.get)
@@ -1407,11 +1386,10 @@ class Multiplication(ArithmeticTask):
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`). partial: one
-        partial product per head, the row that predicts c_k seeing in head i < d a_i, b_(k-i) (itself alone where k
-        - i is not a digit of b), in head d the carries' trace. columns, long multiplication's: in head 0 every a_i,
-        b_j of c_k's column (i + j = k), in head 1 the column below (k - 1, where the carry into k mostly comes
-        from), in head 2 the one below that (k - 2), in head 3 the answer digits already written (answers lsb first:
-        the lower digits, the trace of the running sum)."""
+        partial product per head, the row that predicts c_k seeing in head i < d a_i, b_(k-i) (itself alone where
+        k - i is not a digit of b), in head d the carries' trace. columns, long multiplication's: in head 0 every a_i,
+        b_j of c_k's column (i + j = k), in head 1 the column below (k - 1, the carry's main source), in head 2 k - 2,
+        in head 3 the answer digits already written (lsb first: the lower digits, the running sum's trace)."""
         d = self.n_digits
         if variant == "partial":
             return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
@@ -1494,10 +1472,9 @@ class LeeMultiplication(ArithmeticTask):
         return Task.mask_logits(self, variant, m_on, m_off)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the plain
-        causal pattern. The row that predicts the answer digit of significance k sees the operand digits a_i, b_j
-        that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the answer written so far
-        (itself included); the row that predicts the end of a full answer sees every digit."""
+        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: causal. The
+        row that predicts the answer digit of significance k sees the operand digits of significance <= k, the '=' and
+        the answer written so far (itself included); the row that predicts the end of a full answer sees every digit."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len, eq = self.length - 1, pre + 5
         sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}              # a1 a0 * b1 b0: role -> significance
@@ -1612,8 +1589,7 @@ class LeeMultiplication(ArithmeticTask):
                 "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
-        """Test prompts of two 2-digit operands only, the layout whose roles are their positions
-        (the probes read M by position)."""
+        """Test prompts of two 2-digit operands only: their roles are their positions (probes read M by position)."""
         two = self.test_pairs.min(1) >= 10
         return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
 
@@ -1661,8 +1637,7 @@ def _entries(d: dict, path: str, what: str, *names) -> list:
 def _reconstruct(subtype, shape, typecode):
     """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes after)."""
     if subtype is not np.ndarray:
-        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not "
-                                     "numpy.ndarray")
+        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not numpy.ndarray")
     return np.ndarray.__new__(np.ndarray, shape, typecode)
 
 
@@ -1743,8 +1718,7 @@ def _load_pickle(path: str) -> dict:
 
 
 def _pixels(data, path: str) -> np.ndarray:
-    """Pixel rows as stored, refused unless they are integers in 0..255 (a cast would turn 0-1
-    floats into black images, NaN into 0 and 300 into 44)."""
+    """Pixel rows as stored, refused unless ints in 0..255 (a cast turns 0-1 floats black, NaN into 0, 300 into 44)."""
     if not isinstance(data, np.ndarray):
         raise DataError(f"{path}: pixels must be a numpy array of uint8 rows (as in the release), "
                         f"found {type(data).__name__}; re-download the release")
@@ -1825,7 +1799,6 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
 
 
 def find_first(data_dir: str, candidates) -> str | None:
-    """The first of `candidates` (paths below data_dir) that exists, or None."""
     for c in candidates:
         p = os.path.join(data_dir, c)
         if os.path.exists(p):
@@ -2029,8 +2002,7 @@ def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
-    """Write the decoded arrays, their hash and their sources' signature to the first writable
-    cache folder; without one, run uncached."""
+    """Write the decoded arrays, their hash and sources' signature to the first writable cache folder (none: skip)."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
     except DataError:
@@ -2566,8 +2538,7 @@ def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
 
 
 def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sources: list[dict]) -> None:
-    """Tokenise the three splits, refuse an empty one, then write the vocab and each split's
-    tokens and meta (nothing is written for a corpus that is refused)."""
+    """Tokenise the three splits, refuse an empty one (writing nothing), then write the vocab, each split and meta."""
     vocab = build_vocab(iter_wikitext_words(files["train"]))
     ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
     for split, tokens in ids.items():
@@ -2725,7 +2696,6 @@ def decode_bytes(ids: Iterable[int]) -> str:
 # ---- the token cache
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Little-endian uint16 when every id fits (vocab_size <= 65536), else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
