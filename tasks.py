@@ -243,8 +243,9 @@ class Task:
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the set-up data, which a checkpoint records to refuse a resume on other data; None: none."""
-        return None
+        """A sha256 of the set-up data (setup's `_data_hash`, if any), which a checkpoint records to refuse a resume on
+        other data; None: no data of its own."""
+        return getattr(self, "_data_hash", None)
 
     def found_rows(self) -> list[int] | None:
         """The rows a found prior is found for (None: all); the others are the task's own (arithmetic's: causal)."""
@@ -269,15 +270,15 @@ class Task:
         """The batch a teacher's attention is read on: the probe batch (where tests are held out: training inputs)."""
         return self.probe_inputs(n)
 
-    def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
+    def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float, **reading
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`: the
-        pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on on them, -m_off elsewhere;
-        `logits`: the M whose bias alone gives that attention, per head (`mp.logits_from_attention`), its pattern where
-        log sigmoid(M) > -1. Families read their own rows and forms (keys, answer rows, offsets, distances)."""
+        pairs above `ratio` times the uniform share (`mp.pattern_from_attention`, given a family's `reading`: its keys
+        or rows), M +m_on on them, -m_off elsewhere; `logits`: the M whose bias alone gives that attention, per head
+        (`mp.logits_from_attention`), its pattern where log sigmoid(M) > -1. Families add forms (offsets, distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal)
+            pattern = mp.pattern_from_attention(attn, ratio, causal, **reading)
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
@@ -713,10 +714,8 @@ class BooleanTask(Task):
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`), averaged over the
         readout rows (the CLS row, else every bit), made a clique the CLS row reads: the hand patterns' form."""
-        if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0] if self.readout == "cls" else None)
-            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
-        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off, keys=True,
+                                     readout=[0] if self.readout == "cls" else None)
 
     def in_unseen(self, x: np.ndarray) -> np.ndarray:
         return np.all([x[:, b] == v for b, v in self.unseen.items()], axis=0)
@@ -1218,10 +1217,7 @@ class ArithmeticTask(Task):
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
         """Query-key pairs of the rows that predict answer digits (prompt rows causal, as in the hand patterns)."""
-        if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal=True, readout=self.answer_rows())
-            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
-        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off, readout=self.answer_rows())
 
     # ---- data
     def setup(self, device="cpu"):
@@ -1439,6 +1435,8 @@ class LeeMultiplication(ArithmeticTask):
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
     SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
                                              for k in ("SYMBOL", "answer", "answer_digits", "strong"))
+    MUST: ClassVar[dict] = {"lee_samples": Must("an integer in 100 .. 10,000 (the 100 one-digit pairs, then draws from "
+                                                "the 10^4 pairs)", lambda v: isinstance(v, int) and 100 <= v <= 10_000)}
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
                  discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
@@ -1448,12 +1446,9 @@ class LeeMultiplication(ArithmeticTask):
         if data_frac is not None:
             raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair not "
                             "trained on as the test set); leave --data-frac out")
-        if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
-            raise TaskError("--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
-                            f"draws from the 10^4 pairs), got {lee_samples!r}")
+        self.heads, self.lee_samples = heads, lee_samples           # lee_samples: checked first (MUST, above)
         super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
-        self.heads, self.lee_samples = heads, lee_samples
         self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
 
     @property
@@ -2191,9 +2186,6 @@ class ImageTask(Task):
         self.n_train = len(self.y_train)
         return self
 
-    def data_hash(self) -> str:
-        return self._data_hash
-
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
         return (x_uint8.float() / 255 - self.mean) / self.std
 
@@ -2835,9 +2827,6 @@ class LMTask(Task):
             _check_context(n, len(self.valid), "validation", flag)
         self.device = torch.device(device)
         return self
-
-    def data_hash(self) -> str:
-        return self._data_hash
 
     @classmethod
     def locate(cls, data_dir):
