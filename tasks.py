@@ -661,8 +661,7 @@ class BooleanTask(Task):
         return variant
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits.
-        `discovered` is found in the training set (`discovered_sets`), never from the target function."""
+        """bool (N, N) for the layout (N = n_bits + 1 with a CLS token); `discovered`: from the training set, not f."""
         if variant == "discovered":
             return pattern_from_sets(self.n_bits, self.discovered_sets(), self.readout == "cls")
         return self.patterns(self.readout == "cls")[variant]
@@ -1029,8 +1028,7 @@ class ArithmeticTask(Task):
                                 qkv_bias=True),
                   "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128, schedule="cosine",
                                  warmup=100, steps=600, log_every=100, eval_points=2000)},
-        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3, batch 256, 5,000
-        # iterations, 100 warm-up, cosine
+        # minGPT's adder / Lee et al. 2023 (NanoGPT)
         "paper": {"model": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02,
                                 qkv_bias=True, dropout=0.2),
                   "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99", batch_size=256,
@@ -1253,8 +1251,7 @@ class ArithmeticTask(Task):
         return seq[:, self.eq_pos + 1:]
 
     def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
-        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0) on the first n of
-        them (a random draw, like the whole test set); `eval_points` says which."""
+        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0) their first n."""
         test = self.test_seq[:points] if points and points < len(self.test_seq) else self.test_seq
         preds = torch.cat([self.generate(model, test[i:i + batch_size, :self.eq_pos + 1])
                            for i in range(0, len(test), batch_size)])
@@ -1296,8 +1293,8 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
         noise = 0.0
         for _ in range(round(1 / alpha) - 1):
             order = np.lexsort((rng.random(len(z)), z))                # a permutation within each stratum of z
-            by_z = np.argsort(z, kind="stable")
-            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
+            perm = order[np.argsort(np.argsort(z, kind="stable"))]     # example i takes the codes of perm[i]
+            noise = max(noise, max(conditional_mi(y, candidates[k][perm], z) for k in rest))
         best = max(values, key=values.get)
         kept = values[best] > noise + 1e-12
         steps.append((*best, values[best], noise, kept))
@@ -1306,12 +1303,6 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
         chosen.append(best)
         z = _joint(z, candidates[best])
     return steps
-
-
-def _shuffled(x: np.ndarray, order: np.ndarray, by_z: np.ndarray) -> np.ndarray:
-    out = np.empty_like(x)
-    out[by_z] = x[order]
-    return out
 
 
 @register("addition")
@@ -1419,14 +1410,13 @@ class Multiplication(ArithmeticTask):
 
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task multiplication
-    --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move with its operands' lengths:
-    M lives on the roles of one layout, the longest ("frame": [$] a1 a0 * b1 b0 = and four answer digits, where a 2
-    x 2-digit example puts them), and an example with a one-digit operand has its characters moved to the roles of
-    the same significance, digits aligned from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the
-    role of the character it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
-    answer's length is not known while it is written, so its digits take the significance of the longest answer the
-    operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there)."""
+    """Lee et al.'s data, N samples: `--task multiplication --lee-samples N` (`Multiplication.build`). Unpadded, so an
+    example's positions move with its operands' lengths: M lives on the roles of one layout, the longest ("frame": [$]
+    a1 a0 * b1 b0 = and four answer digits, where a 2 x 2-digit example puts them), and an example with a one-digit
+    operand has its characters moved to the roles of the same significance, digits aligned from the right (`lee_roles`,
+    `mp.prior_roles`); a query row's role is that of the character it predicts, less one. Reversed answers are aligned
+    by significance; a plain (msb) answer's length is unknown while written, so its digits take the significance of the
+    longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
@@ -1619,8 +1609,7 @@ IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNe
 
 
 def _entries(d: dict, path: str, what: str, *names) -> list:
-    """The entries `names` of a batch dict, under str keys (Python 3 pickles) or bytes keys (Python
-    2); a DataError naming the first one missing and `what` the file should be."""
+    """The entries `names` of a batch dict, under str (Python 3) or bytes (Python 2) keys; one missing: a DataError."""
     out = []
     for name in names:
         if name not in d and name.encode() not in d:
@@ -1698,8 +1687,7 @@ def _release_bytes(path: str) -> bytes:
 
 
 def _load_pickle(path: str) -> dict:
-    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
-    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+    """A release batch (a Python 2 or 3 pickle) read as a dict by `ReleaseUnpickler`; any failure is one DataError."""
     raw = _release_bytes(path)
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
@@ -1828,9 +1816,8 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file checked
-    (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources': its files}, x uint8 (N, 3,
-    32, 32), y int64."""
+    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), every file checked before one is decoded: {'train':
+    (x, y), 'test': (x, y), 'sources': its files}, x uint8 (N, 3, 32, 32), y int64."""
     kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
@@ -1991,8 +1978,7 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
-    """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a
-    change in any file's contents, or another set of files, invalidates the image cache."""
+    """Every source's `_source_signature`, named by its path relative to data_dir (sorted): the image cache's key."""
     return [_source_signature(Path(path), known, os.path.relpath(path, data_dir)) for path in sorted(sources)]
 
 
@@ -2022,9 +2008,8 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
-    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the cache while
-    every source file keeps its contents (`_source_signature`), and rebuild it when one changes. Returns {"train":
-    (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
+    """Decode a dataset once, cached as uint8 arrays (.npz) by the data and read back while every source keeps its
+    contents (`_source_signature`): {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
         raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that "
                         f"holds the {name} files")
@@ -2073,9 +2058,8 @@ class ImageTask(Task):
                                  qk_opt_steps=2000, log_every=100)},
         # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
         # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
-        # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay 0.05,
-        # 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5),
-        # random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
+        # (evaluation: resize to 256, centre 224), the values below with AdamW eps 1e-8, RandAugment p 0.5, cutmix
+        # switch 0.5, pixel erasing; no EMA, no clipping
         "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
                                 qkv_bias=True, pos_init_std=0.02, pattern="soft"),
                   "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
@@ -2236,8 +2220,7 @@ class ImageTask(Task):
         return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft prior
-        per head, translation-invariant like the impulse and soft patterns)."""
+        """Per 2-D offset by default (`mp.offsets_from_attention`: a soft prior per head, translation-invariant)."""
         if kind == "offsets":
             g = self.input_size // self.patch_size
             return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls" else 0, m_on, m_off))
@@ -2355,8 +2338,7 @@ TINYSTORIES_SPLITS = ("train", "valid")
 TINYSTORIES_VERSIONS = {"v2": "TinyStoriesV2-GPT4", "v1": "TinyStories"}
 TINYSTORIES_TOKENIZER = "utf8-bytes-eot256-v1"
 
-# A separator line inside a block of complete lines (the block starts at a line start and ends
-# with "\n"); whitespace other than "\n" may surround it.
+# a separator line in a block of complete lines (from a line start to a "\n"); other whitespace may surround it
 _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.MULTILINE)
 
 
@@ -2367,11 +2349,9 @@ def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEF
     """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as above) as token
     id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a release, "tokens" / "raw" for
     WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read at a time while streaming TinyStories;
-    `cache_dir`: the token cache's folder instead of the default.
-
-    Returns {"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int, "decode":
-    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also has "test"
-    (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
+    `cache_dir`: the token cache's folder instead of the default. Returns {"train": memmap (N_train,), "valid": memmap
+    (N_valid,), "vocab_size": int, "decode": callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the
+    tokens}; WikiText-2 also has "test" (memmap) and "vocab" (list[str]). Arrays: 1-D, read-only, uint16 or uint32."""
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
@@ -2757,9 +2737,8 @@ def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterab
 
 
 def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
-    """(H, N, N) bool: the causal relative-distance prior as a hard pattern for the QK inits and the probe. Head h
-    keeps the keys within 1 / slope_h tokens behind the query (ALiBi slopes 2^(-8h/H): windows of 4, 16, 64, 256 for
-    4 heads), where its initial log sigmoid(M) is above -1."""
+    """(H, N, N) bool: the causal distance prior, hard, for the QK inits and the probe: head h keeps the keys within
+    1 / slope_h tokens behind (ALiBi slopes 2^(-8h/H): 4, 16, 64, 256 for 4 heads), where log sigmoid(M) > -1."""
     i = torch.arange(context)
     d = i[:, None] - i[None, :]
     width = (1.0 / mp.alibi_slopes(n_heads)).ceil().long()
@@ -2774,9 +2753,8 @@ class LMTask(Task):
     DEFAULT_PATTERN = "distance"
     HEADLINE = ("val_loss", "val_ppl")
     PRESETS = {
-        # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's N x
-        # N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context. small: a
-        # 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
+        # the prior is a relative-distance M (a logit per head and distance; --mask-param full: the paper's N x N M):
+        # not worse on the stand-in corpus (results/README.md), and it scales with the context; small: ~3 min on a core
         "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02,
                                 pos_init_std=0.02, qkv_bias=True, context=64, dropout=0.1),
                   "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.95",
