@@ -98,8 +98,7 @@ def make_task(name: str, **options) -> Task:
 
 class Task:
     """What every task shares. PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}:
-    a subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model and schedule
-    and a task only what differs. Every constructor takes `seed` beside its options."""
+    a subclass's entries go on top of its parents' (`preset_parts`); every constructor also takes `seed`."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
@@ -209,9 +208,8 @@ class Task:
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
-        """A Prior; one found (in the data or a teacher) carries the precision and recall of its pairs
-        against the default hand pattern (`mp.pattern_agreement`), and is a TaskError where it names
-        no pair beyond self-loops in the rows it was found for (`found_rows`): it would hold nothing."""
+        """A Prior; one found (in the data or a teacher) carries its pairs' precision and recall against the default
+        hand pattern (`mp.pattern_agreement`); a TaskError where it names no pair beyond self-loops (`found_rows`)."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
             raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
@@ -321,8 +319,7 @@ class Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Caches: where decoded data lives and the signature of its sources, fingerprints of data. The one
-# writer and the one reader they use, and everything a run writes and reads back, are runfiles'.
+# Caches: where decoded data lives and the signature of its sources, fingerprints of data (their files: runfiles').
 
 
 CACHE_DIRNAME = "maskprior-cache"
@@ -447,11 +444,10 @@ def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
 
 def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray,
                             max_degree: int | None = None):
-    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval: the
-    interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k
-    its Fourier weight on degree-k monomials: the smallest degree d that fits the data exactly, then
-    least squares on the coefficients degree by degree (highest first) over the remaining freedom.
-    x_* are (B, n) arrays in {-1, +1}. Returns (predictions on x_eval, degree, {monomial: coef})."""
+    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval (x_*: (B, n), in {-1, +1}):
+    the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k its Fourier weight on degree-k
+    monomials: the smallest degree d that fits the data exactly, then least squares on the coefficients degree by degree
+    (highest first) over the remaining freedom. -> (predictions on x_eval, degree, {monomial: coef})."""
     n = x_seen.shape[1]
     max_degree = n if max_degree is None else max_degree
     ys = y_seen.astype(np.float64)
@@ -527,10 +523,9 @@ def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dic
 
 
 def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
-    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets independent of the
-    bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so
-    over `n_sets` sets all stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability at
-    least 1 - alpha (Bonferroni)."""
+    """The level a Walsh coefficient of P points reaches by sampling noise: for targets independent of the bits each
+    coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so all `n_sets`
+    stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability >= 1 - alpha (Bonferroni)."""
     z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
     return z * float(np.std(y)) / math.sqrt(len(y))
 
@@ -578,12 +573,11 @@ def set_patterns(n_bits: int, sets):
 
 @dataclass(kw_only=True)
 class BooleanTask(Task):
-    """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
-
-    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them hold, the seen
-    domain its complement. `train_size=None` trains on every seen point (each once per epoch); an integer draws that
-    many seen points uniformly with replacement. `exact=True` marks an integer-valued target: accuracy is the rounded
-    exact match (sign accuracy is reported too), else sign accuracy. `readout` picks the token layout (see above)."""
+    """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube. `unseen` fixes some bits
+    (bit -> value); the unseen domain U is the subcube where all of them hold, the seen domain its complement.
+    `train_size=None` trains on every seen point (each once per epoch); an integer draws that many seen points uniformly
+    with replacement. `exact=True` marks an integer-valued target: accuracy is the rounded exact match (sign accuracy
+    is reported too), else sign accuracy. `readout` picks the token layout (see above)."""
     KIND = "boolean"
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
@@ -1122,10 +1116,9 @@ class ArithmeticTask(Task):
         return ([f"a{p}" for p in places] + [self.SYMBOL] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
 
     def _levels(self, variant: str) -> torch.Tensor:
-        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions. Rows of prompt positions
-        (before '=') keep the plain causal pattern. The row that predicts the answer digit of significance k (the '='
-        row and the answer rows) may see itself and the operand digits of significance <= k (addition), strongest at k
-        and k - 1 (the carry); for multiplication a_i and b_j with i + j <= k: every digit of significance <= k."""
+        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions. Prompt rows (before '=')
+        keep the plain causal pattern; the row that predicts the answer digit of significance k (the '=' row and the
+        answer rows) may see itself and the operand digits of significance <= k, strong as the operation's `strong`."""
         n, d = self.length - 1, self.n_digits
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
@@ -1162,11 +1155,9 @@ class ArithmeticTask(Task):
 
     def digit_selection(self) -> dict:
         """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it depends on in the
-        training pairs, chosen by greedy forward selection (`forward_selection`): the pair with the largest
-        conditional mutual information given the pairs chosen so far, while it stands above what a permutation
-        within their strata gives (`discover_alpha`). Pairs, not single digits: a digit of a sum is independent of
-        either operand digit alone (like parity), not of the two; conditioning on the aligned pair first is what
-        lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
+        training pairs (`forward_selection` at `discover_alpha`). Pairs, not single digits: a digit of a sum is
+        independent of either operand digit alone (like parity), not of the two; conditioning on the aligned pair first
+        is what lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
         if "selection" not in self._cache:
             d, base = self.n_digits, 10 ** self.n_digits
             a, b = self.train_idx // base, self.train_idx % base
@@ -2174,9 +2165,8 @@ class ImageTask(Task):
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float (B, 3, S, S), soft
-        targets (B, n_classes)), S = the input size. A pad crop is taken at the stored size and the whole image
-        upsampled (bilinear); RandAugment works on the uint8 images."""
+        """Augmented batch of a step, deterministic in (seed, step), on the device: (images float (B, 3, S, S), soft
+        targets (B, n_classes)), S the input size; pad crops at the stored size, upsampled; RandAugment on uint8."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
@@ -2618,10 +2608,9 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
 
 
 def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[np.ndarray]:
-    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each;
-    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across
-    blocks: `started`, the current story has non-whitespace content; `held`, its trailing
-    whitespace, emitted only if more content follows (stories end stripped without buffering one)."""
+    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each; concatenated, each
+    non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across blocks: `started`, the current story has
+    non-whitespace content; `held`, its trailing whitespace, emitted only if content follows (no story is buffered)."""
     started, held = False, b""
     for block in iter_line_blocks(path, chunk_size):
         content = bytearray()
