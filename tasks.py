@@ -16,9 +16,8 @@ A task is a class on the small `Task` base below, registered under its command-l
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
 Layout: the base and the registry; caches; one section per family (its task classes, readers and `small` / `paper`
-presets). What a run writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is
-`runfiles`; the image augmentation the vision tasks train with is `augment`; the small real data sets written in the
-real layouts (`make-digits`, `make-wikitext`) are `datafetch.write`.
+presets). What a run writes and reads back (run folders, checkpoints, logs, prior.pt) is `runfiles`; the image
+augmentation is `augment`; small real data sets in real layouts (`make-digits`, `make-wikitext`) are `datafetch.write`.
 """
 from __future__ import annotations
 
@@ -159,8 +158,7 @@ class Task:
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options, less `seed`: the keyword arguments of its constructor and of `build`
-        (where it picks the variant class); train.py passes the flags of these names."""
+        """The keyword arguments of the constructor and of `build`, less `seed` (train.py passes the flags so named)."""
         params = [*inspect.signature(cls).parameters.values(), *inspect.signature(cls.build).parameters.values()]
         return tuple(dict.fromkeys(p.name for p in params if p.name != "seed" and p.kind != p.VAR_KEYWORD))
 
@@ -241,8 +239,7 @@ class Task:
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the set-up data (setup's `_data_hash`, if any), which a checkpoint records to refuse a resume on
-        other data; None: no data of its own."""
+        """A sha256 of the set-up data (setup's `_data_hash`): checkpoints keep it to refuse a resume on other data."""
         return getattr(self, "_data_hash", None)
 
     def found_rows(self) -> list[int] | None:
@@ -665,8 +662,7 @@ class BooleanTask(Task):
         whose Walsh coefficient is at least `discover_threshold` times the largest and above the sampling noise
         (`discover_alpha`; `walsh_sets`). None passing is a TaskError: no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
-            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
-                            "set the task up first")
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up first")
         if "discovery" not in self._cache:
             x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
             sets = sum(math.comb(self.n_bits, d) for d in range(1, self.discover_degree + 1))
@@ -829,8 +825,7 @@ class _PaperBoolean(BooleanTask):
 @register("parity2")
 class Parity2(_PaperBoolean):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
-    # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md,
-    # "Choices where the paper is silent")
+    # the demo's preset (why these: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
@@ -918,8 +913,7 @@ def term_fn(kind: str, bits: tuple):
 
 
 class _CustomBoolean(BooleanTask):
-    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
-    `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
+    """A target on chosen bits (a k-parity, k-majority or a sum of such terms); --unseen 'bits:J': its first J bits."""
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -1010,9 +1004,8 @@ ARITH_TEST_SIZE = 10_000            # held-out pairs, or every pair not trained 
 
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
-    """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands (`n_digits`,
-    default 3). `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test set is disjoint: 10,000
-    pairs, or every pair not trained on where fewer remain (d = 2: 10^4 in all)."""
+    """An operation (a subclass, as above) on d-digit operands (`n_digits`, default 3). `data_frac` of the 10^(2d)
+    ordered pairs train (drawn by seed); the disjoint test set: 10,000 pairs, or all the rest where fewer remain."""
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
@@ -1299,8 +1292,7 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
 @register("addition")
 class Addition(ArithmeticTask):
     """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
-    # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps
-    # 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
+    # why this budget, and `--steps 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
     SYMBOL = "+"
 
@@ -1326,8 +1318,7 @@ LEE_NEW = 5                          # characters generated for an answer: up to
 
 
 def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
-    """(n_samples, 2) training pairs as Lee et al. build them: the 100 pairs of 0..9 x 0..9, then
-    n_samples - 100 drawn with replacement from 0..99 x 0..99 (by seed)."""
+    """(n_samples, 2) training pairs: 0..9 x 0..9, then n_samples - 100 drawn with replacement from 0..99 x 0..99."""
     single = np.stack(np.meshgrid(np.arange(10), np.arange(10), indexing="ij"), -1).reshape(-1, 2)
     return np.concatenate([single, np.random.default_rng(seed).integers(0, 100, size=(n_samples - 100, 2))])
 
@@ -1807,8 +1798,7 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), every file checked before one is decoded: {'train':
-    (x, y), 'test': (x, y), 'sources': its files}, x uint8 (N, 3, 32, 32), y int64."""
+    """CIFAR-10 or CIFAR-100: {'train': (x, y), 'test': (x, y), 'sources': files}, x uint8 (N, 3, 32, 32), y int64."""
     kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
@@ -2002,8 +1992,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
     """Decode a dataset once, cached as uint8 arrays (.npz) by the data and read back while every source keeps its
     contents (`_source_signature`): {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that "
-                        f"holds the {name} files")
+        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
     key = f"{name}-{image_size}"
     for cache in (folder / f"{key}.npz" for folder in default_cache_dirs(data_dir)):
         if cache.exists():
@@ -2229,7 +2218,6 @@ class ImageTask(Task):
 
 
 def _required_dir(data_dir: str | None, name: str) -> str:
-    """`data_dir`, which task `name` needs (its files); a DataError where it is not given."""
     if data_dir is None:
         raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
     return data_dir
@@ -2434,7 +2422,6 @@ def _read_or_build(candidates: list[Path], read: Callable, build: Callable):
 
 
 def _choices(value: str, options: dict, what: str) -> list[str]:
-    """'auto' -> every option in order of preference; a named option -> just it."""
     if value == "auto":
         return list(options)
     if value in options:
