@@ -16,9 +16,8 @@ A task is a class on the small `Task` base below, registered under its command-l
     probe_inputs(n)             -> a fixed real batch for the prior-mass probe
 
 Layout: the base and the registry; caches; one section per family (its task classes, readers and `small` / `paper`
-presets). What a run writes and reads back (the one reader and writer, run folders, checkpoints, logs, prior.pt) is
-`runfiles`; the image augmentation the vision tasks train with is `augment`; the small real data sets written in the
-real layouts (`make-digits`, `make-wikitext`) are `datafetch.write`.
+presets). What a run writes and reads back (run folders, checkpoints, logs, prior.pt) is `runfiles`; the image
+augmentation is `augment`; small real data sets in real layouts (`make-digits`, `make-wikitext`) are `datafetch.write`.
 """
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write,
 
 
 class Must(NamedTuple):
-    """A task option's refusal, declared: `test(value)` holds, or the option is refused (`flag`:
-    its command-line name where it is not --the-option-name)."""
+    """A task option's declared refusal: `test(value)` holds, or it is refused (`flag`: its flag if not --name)."""
     what: str
     test: Callable
     flag: str | None = None
@@ -85,8 +83,7 @@ def register(name: str):
 
 
 def make_task(name: str, **options) -> Task:
-    """Build a registered task; `options` must be among its `options()` (plus `seed`); None means
-    the task's own default."""
+    """Build a registered task; `options` must be among its `options()` (plus `seed`); None: the task's default."""
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
     cls = TASKS[name]
@@ -99,17 +96,13 @@ def make_task(name: str, **options) -> Task:
 
 
 class Task:
-    """What every task shares. Subclasses set the class constants and write the data methods.
-
-    PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}: a
-    subclass's entries are added on top of its parents' (`preset_parts`), so a family sets its model
-    and schedule and a task only what differs. Every constructor takes `seed` beside its options."""
+    """What every task shares. PRESETS: {"small": {"model": {flag: value}, "recipe": {flag: value}}, "paper": {...}}:
+    a subclass's entries go on top of its parents' (`preset_parts`); every constructor also takes `seed`."""
     NAME: ClassVar[str] = ""                    # the --task name (set by @register)
     KIND: ClassVar[str] = ""                    # family: boolean, arithmetic, vision or lm
     PATTERNS: ClassVar[tuple] = ()              # --pattern variants
     DEFAULT_PATTERN: ClassVar[str | None] = None
-    # one token layout for every example (the inits fitted on positions need it; inits.Init.fixed_layout)
-    FIXED_LAYOUT: ClassVar[bool] = True
+    FIXED_LAYOUT: ClassVar[bool] = True         # one layout for every example (the inits fitted on positions need it)
     HEADLINE: ClassVar[tuple] = ()              # metrics of the log line; the first heads the tables
     PRESETS: ClassVar[dict] = {}
 
@@ -122,8 +115,7 @@ class Task:
     MUST: ClassVar[dict] = {}       # option -> Must(what it must be, its test[, flag]), refused by `check_options`
 
     def check_options(self) -> None:
-        """Refuse the first option that fails its declared test (MUST of the class and its bases):
-        TaskError "--flag must be <what>, got <value>"."""
+        """Refuse the first option failing its MUST test (class, bases): TaskError "--flag must be <what>, got <v>"."""
         for klass in type(self).__mro__:
             for name, must in vars(klass).get("MUST", {}).items():
                 value = getattr(self, name)
@@ -161,31 +153,26 @@ class Task:
 
     @classmethod
     def inits(cls) -> tuple:
-        """The inits this task offers: those of inits.INITS its family takes (less those fitted on the
-        positions, where its layout moves from example to example)."""
+        """The inits of inits.INITS its family takes (less those fitted on positions where its layout moves)."""
         return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
     def options(cls) -> tuple:
-        """The task's options, less `seed`: the keyword arguments of its constructor and of `build`
-        (where it picks the variant class); train.py passes the flags of these names."""
+        """The keyword arguments of the constructor and of `build`, less `seed` (train.py passes the flags so named)."""
         params = [*inspect.signature(cls).parameters.values(), *inspect.signature(cls.build).parameters.values()]
         return tuple(dict.fromkeys(p.name for p in params if p.name != "seed" and p.kind != p.VAR_KEYWORD))
 
     @classmethod
     def build(cls, **options) -> Task:
-        """The task these options make (a family whose variant is a class of its own, e.g.
-        multiplication on Lee et al.'s data, picks it here)."""
+        """The task these options make (where a variant is a class of its own, e.g. Lee et al.'s multiplication)."""
         return cls(**options)
 
     def final_eval_size(self) -> int | None:
-        """How many points the final evaluation scores where log steps score a sample of them
-        (`--eval-points`), or None where every evaluation scores the whole test set; needs setup."""
+        """Points the final evaluation scores where log steps score a sample (`--eval-points`); None: all; set up."""
         return None
 
     def normal_options(self) -> dict:
-        """The options whose target has several spellings, in the one a run stores ({} here): the
-        same target is one configuration, so one row of a report."""
+        """The options whose target has several spellings, in the one a run stores (one target: one report row)."""
         return {}
 
     def token_labels(self) -> list | None:
@@ -208,27 +195,23 @@ class Task:
         return self.build_pattern(self.pattern_name(variant))
 
     def prior(self, variant: str | None, m_on: float, m_off: float) -> Prior:
-        """The prior of pattern `variant` (None: the default), hand-made or `discovered` in the
-        training set, its M from `mask_logits`."""
+        """The prior of pattern `variant` (None: the default), by hand or `discovered` in the data, M `mask_logits`."""
         name = self.pattern_name(variant)
         source = {"from": "data" if name == "discovered" else "hand", "pattern": name}
         pattern, logits = self.pattern(name), self.mask_logits(name, m_on, m_off)
         return self.found_prior(pattern, logits, {**source, **self.discovery()} if name == "discovered" else source)
 
     def discovery(self) -> dict:
-        """What `--pattern discovered` found and how (recorded in result.json's prior_source): the
-        sets or pairs tested and kept, the noise level they had to pass."""
+        """What `--pattern discovered` found, and how (result.json's prior_source): tested, kept, the noise level."""
         return {}
 
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
-        """A Prior; one found (in the data or a teacher) carries the precision and recall of its pairs
-        against the default hand pattern (`mp.pattern_agreement`), and is a TaskError where it names
-        no pair beyond self-loops in the rows it was found for (`found_rows`): it would hold nothing."""
+        """A Prior; one found (in the data or a teacher) carries its pairs' precision and recall against the default
+        hand pattern (`mp.pattern_agreement`); a TaskError where it names no pair beyond self-loops (`found_rows`)."""
         if source["from"] != "hand" and not self.names_pairs(pattern):
             where = "training data" if source["from"] == "data" else "teacher's attention"
-            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each "
-                            "token itself, so it would hold nothing; it is refused, not used "
-                            "(use a hand pattern or another teacher)")
+            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
+                            "would hold nothing; it is refused, not used (use a hand pattern or another teacher)")
         if source["from"] != "hand":
             oracle = self.pattern(self.DEFAULT_PATTERN)
             source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
@@ -245,26 +228,22 @@ class Task:
         return math.ceil(self.n_train / batch_size)
 
     def final_cost(self, points: int) -> float:
-        """What the final evaluation (the whole test set) costs in log-step evaluations of `points`
-        test items (the ETA counts it): 1 where every log step evaluates every item."""
+        """What the final evaluation (the whole test set) costs in log-step evaluations of `points` items (ETA)."""
         size = self.final_eval_size()
         return size / points if size and 0 < points < size else 1.0
 
     @classmethod
     def locate(cls, data_dir: str | None) -> str | None:
-        """Which layout of the task's data files `data_dir` holds (a word, e.g. "python"), from the
-        names the readers look for alone (reproduce.sh's plan asks before its first run); DataError
-        naming what was looked for and where to get it. None: the task has no data files."""
+        """Which layout of its data files `data_dir` holds (a word, e.g. "python"), from the file names alone (asked
+        by reproduce.sh's plan); DataError naming what was looked for and where to get it; None: no data files."""
         return None
 
     def data_hash(self) -> str | None:
-        """A sha256 of the data the task (set up) trains and tests on, which a checkpoint records so
-        that a resume on other data is refused; None: no data of its own to check."""
-        return None
+        """A sha256 of the set-up data (setup's `_data_hash`): checkpoints keep it to refuse a resume on other data."""
+        return getattr(self, "_data_hash", None)
 
     def found_rows(self) -> list[int] | None:
-        """The rows (queries) a found prior is found for (None: every row); the others are the
-        task's by construction (arithmetic's prompt rows: causal)."""
+        """The rows a found prior is found for (None: all); the others are the task's own (arithmetic's: causal)."""
         return None
 
     def names_pairs(self, pattern: torch.Tensor) -> bool:
@@ -275,8 +254,7 @@ class Task:
 
     # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
     TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")      # --prior-kind values; the first is the default
-    # What a teacher that learned its task fits of its own training inputs (`teacher_fit`; each
-    # family's own measure and level), below which its attention is refused (--teacher-min-fit)
+    # a teacher under this `teacher_fit` (each family's measure) did not learn its task: refused (--teacher-min-fit)
     TEACHER_MIN_FIT: ClassVar[float] = 0.9
 
     def teacher_fit(self, model: torch.nn.Module, n: int) -> float:
@@ -284,30 +262,26 @@ class Task:
         raise NotImplementedError
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
-        """The batch a teacher's attention is read on (`mp.mean_attention`): by default the probe
-        batch; a task with held-out test inputs reads its training inputs instead."""
+        """The batch a teacher's attention is read on: the probe batch (where tests are held out: training inputs)."""
         return self.probe_inputs(n)
 
-    def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float
+    def teacher_prior(self, attn: torch.Tensor, kind: str, ratio: float, m_on: float, m_off: float, **reading
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`:
-        the pairs above `ratio` times the uniform share (`mp.pattern_from_attention`), M +m_on on them, -m_off
-        elsewhere; `logits`: the M whose bias alone gives that attention, per head (`mp.logits_from_attention`), its
-        pattern where log sigmoid(M) > -1. A family reads its own rows and forms (Boolean: keys; arithmetic: the
-        answer rows; vision: offsets; language: distances)."""
+        """(pattern, logits) for this task's model from a teacher's mean attention `attn` (L, H, N, N): `pattern`: the
+        pairs above `ratio` times the uniform share (`mp.pattern_from_attention`, given a family's `reading`: its keys
+        or rows), M +m_on on them, -m_off elsewhere; `logits`: the M whose bias alone gives that attention, per head
+        (`mp.logits_from_attention`), its pattern where log sigmoid(M) > -1. Families add forms (offsets, distances)."""
         causal = self.arch().get("causal", False)
         if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal)
+            pattern = mp.pattern_from_attention(attn, ratio, causal, **reading)
             return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
         return self._soft(mp.logits_from_attention(attn, m_on, m_off, causal))
 
-    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int,
-                           kind: str, ratio: float, m_on: float, m_off: float, source: dict,
-                           min_fit: float | None = None) -> Prior:
-        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention
-        on its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher
-        that fits less than `min_fit` of them (None: TEACHER_MIN_FIT) did not learn its task, and a map that names
-        nothing or is not finite is no prior: each a TaskError, never used."""
+    def prior_from_teacher(self, teacher_task: Task, model_config: dict, weights: dict, n: int, kind: str, ratio: float,
+                           m_on: float, m_off: float, source: dict, min_fit: float | None = None) -> Prior:
+        """The prior a teacher's attention gives: its model (`mp.model_from_config`, `weights`), its mean attention on
+        its own training inputs (`teacher_task`, set up), made this task's prior (`teacher_prior`). A teacher fitting
+        under `min_fit` of them (None: TEACHER_MIN_FIT), or a map naming nothing or not finite: a TaskError, unused."""
         model = mp.model_from_config(model_config)
         model.load_state_dict(weights)
         model.to(self.device).eval()
@@ -321,8 +295,7 @@ class Task:
                             "prior; train it longer, or choose another teacher")
         inputs = teacher_task.teacher_inputs(n)
         try:
-            pattern, logits = self.teacher_prior(mp.mean_attention(model.to(self.device).eval(), inputs), kind, ratio,
-                                                 m_on, m_off)
+            pattern, logits = self.teacher_prior(mp.mean_attention(model, inputs), kind, ratio, m_on, m_off)
         except ValueError as e:
             raise TaskError(f"its attention gives no prior ({e})") from None
         return self.found_prior(pattern, logits, source)
@@ -333,8 +306,7 @@ class Task:
         return F.logsigmoid(logits) > -1, logits
 
     def epoch_indices(self, step: int, batch_size: int) -> torch.Tensor:
-        """Indices (on the task's device) of batch `step` of an epoch-wise shuffle of the
-        n_train examples; epoch e's order is fixed by (seed, e)."""
+        """Indices (on the device) of batch `step` of an epoch-wise shuffle of the examples, epoch e's by (seed, e)."""
         epoch, i = divmod(step, self.steps_per_epoch(batch_size))
         if self._perm_epoch != epoch:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -344,8 +316,7 @@ class Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Caches: where decoded data lives and the signature of its sources, fingerprints of data. The one
-# writer and the one reader they use, and everything a run writes and reads back, are runfiles'.
+# Caches: where decoded data lives and the signature of its sources, fingerprints of data (their files: runfiles').
 
 
 CACHE_DIRNAME = "maskprior-cache"
@@ -374,8 +345,7 @@ def _writable_cache_dir(candidates: list[Path]) -> Path:
 
 @contextlib.contextmanager
 def _cache_folder(candidates: list[Path]) -> Iterator[Path]:
-    """The first writable cache folder (see `_writable_cache_dir`); a folder this call created is
-    removed again when the body fails and left nothing in it."""
+    """The first writable cache folder; one this call created goes again when the body fails and left it empty."""
     created = [c for c in candidates if not c.exists()]
     folder = _writable_cache_dir(candidates)
     try:
@@ -422,14 +392,12 @@ def array_hash(*arrays) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token
-# per bit, MSE regression. Two token layouts: readout "cls" puts a CLS token first (bit i
-# at sequence position i + 1, N = n + 1); readout "mean" has no CLS token and averages the
-# bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
+# Boolean GOTU tasks (Abbe, Bengio, Lotfi, Rizk 2023): inputs in {-1, +1}^n, one token per bit, MSE regression. Two
+# token layouts: readout "cls" puts a CLS token first (bit i at sequence position i + 1, N = n + 1); readout "mean"
+# has no CLS token and averages the bit tokens (bit i at position i, N = n). Patterns are built for the layout in use.
 
 
 READOUTS = ("cls", "mean")
-
 
 # The exact MDI's least squares: 1,024 monomials (a parity of 10 bits) take seconds on a 2-core CPU, 2,048 (11 bits)
 # two minutes, 4,096 more than five; a task whose MDI needs more is refused when it is made.
@@ -473,11 +441,10 @@ def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
 
 def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray,
                             max_degree: int | None = None):
-    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval: the
-    interpolator with the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k
-    its Fourier weight on degree-k monomials: the smallest degree d that fits the data exactly, then
-    least squares on the coefficients degree by degree (highest first) over the remaining freedom.
-    x_* are (B, n) arrays in {-1, +1}. Returns (predictions on x_eval, degree, {monomial: coef})."""
+    """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval (x_*: (B, n), in {-1, +1}):
+    the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k its Fourier weight on degree-k
+    monomials: the smallest degree d that fits the data exactly, then least squares on the coefficients degree by degree
+    (highest first) over the remaining freedom. -> (predictions on x_eval, degree, {monomial: coef})."""
     n = x_seen.shape[1]
     max_degree = n if max_degree is None else max_degree
     ys = y_seen.astype(np.float64)
@@ -502,9 +469,8 @@ def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.n
 
 
 def cube_metrics(pred: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: torch.Tensor, exact: bool) -> dict:
-    """Boolean-task metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the
-    unseen points (U), `top` is the top monomial at each point: accuracy and MSE over all and on U,
-    the top monomial's Fourier coefficient, the mean prediction on U."""
+    """Metrics of predictions `pred` against targets `y` (all (P,)); `u` marks the unseen points (U), `top` is the top
+    monomial at each point: accuracy and MSE over all and on U, its Fourier coefficient, the mean prediction on U."""
     sign_ok = (torch.sign(pred) == torch.sign(y)).float()
     ok = (torch.round(pred) == y).float() if exact else sign_ok
     err = (pred - y) ** 2
@@ -554,10 +520,9 @@ def walsh_coefficients(x: np.ndarray, y: np.ndarray, max_degree: int = 3) -> dic
 
 
 def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
-    """The level a Walsh coefficient of P points reaches by sampling noise alone: with targets independent of the
-    bits, each coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so
-    over `n_sets` sets all stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability at
-    least 1 - alpha (Bonferroni)."""
+    """The level a Walsh coefficient of P points reaches by sampling noise: for targets independent of the bits each
+    coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so all `n_sets`
+    stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability >= 1 - alpha (Bonferroni)."""
     z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
     return z * float(np.std(y)) / math.sqrt(len(y))
 
@@ -566,8 +531,7 @@ def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: flo
                alpha: float = 0.05) -> tuple[list[tuple], dict]:
     """(sets, report): the sets of bits whose |Walsh coefficient| is at least `threshold` times the largest one and
     above the sampling noise of this many points (`walsh_noise` at `alpha`), largest first: the interactions the
-    seen data shows (it hides how the target extrapolates, not which bits interact). A small training set gives
-    fewer sets, or none; the report says how many of how many passed, the noise level and the largest."""
+    seen data shows (it hides how the target extrapolates, not which bits interact); few points give fewer or none."""
     coefs = walsh_coefficients(x, y, max_degree)
     top = max(abs(v) for v in coefs.values())
     noise = walsh_noise(y, len(coefs), alpha)
@@ -583,8 +547,7 @@ DISCOVER_ALPHA = Must("the chance that a set (pair) of no dependence passes the 
 
 
 def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
-    """bool (N, N): each set a clique (its bits see each other), every bit its own self-loop, and
-    with a CLS token in front (position 0) CLS -> every bit of the sets."""
+    """bool (N, N): each set a clique, every bit its own self-loop, and with a CLS token in front CLS -> their bits."""
     off = int(cls)
     edges = [(a + off, b + off) for s in sets for a in s for b in s if a != b]
     if cls:
@@ -593,10 +556,9 @@ def pattern_from_sets(n_bits: int, sets, cls: bool) -> torch.Tensor:
 
 
 def set_patterns(n_bits: int, sets):
-    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of
-    the layout (a CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token
-    reading every bit of them ("clique", the default), or CLS -> the bits alone and self-loops
-    ("cls", with a CLS token only). Every position keeps its self-loop, so no row is empty."""
+    """The hand patterns of a target on `sets` of bits (one set, or a sum's terms), as a function of the layout (a
+    CLS token in front?): each set a clique (`pattern_from_sets`), the CLS token reading every bit of them ("clique",
+    the default), or CLS -> the bits alone and self-loops ("cls", with a CLS token only)."""
     def build(cls: bool) -> dict:
         clique = pattern_from_sets(n_bits, sets, cls)
         if not cls:
@@ -608,25 +570,21 @@ def set_patterns(n_bits: int, sets):
 
 @dataclass(kw_only=True)
 class BooleanTask(Task):
-    """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube.
-
-    `unseen` fixes some bits (bit -> value); the unseen domain U is the subcube where all of them
-    hold, the seen domain its complement. `train_size=None` trains on every seen point (each once
-    per epoch); an integer draws that many seen points uniformly with replacement. `exact=True`
-    marks an integer-valued target: accuracy is the rounded exact match (sign accuracy is reported
-    too), else sign accuracy. `readout` picks the token layout ("cls": a CLS token first; "mean":
-    none, mean pooling), for which `patterns(cls)` builds {variant name: bool (N, N)}."""
+    """A GOTU task: f on {-1,+1}^n, trained on the seen domain, tested on the whole cube. `unseen` fixes some bits
+    (bit -> value); the unseen domain U is the subcube where all of them hold, the seen domain its complement.
+    `train_size=None` trains on every seen point (each once per epoch); an integer draws that many seen points uniformly
+    with replacement. `exact=True` marks an integer-valued target: accuracy is the rounded exact match (sign accuracy
+    is reported too), else sign accuracy. `readout` picks the token layout (see above)."""
     KIND = "boolean"
     PATTERNS = ("clique", "cls", "discovered")
     DEFAULT_PATTERN = "clique"
     HEADLINE = ("acc", "acc_unseen", "mse_unseen")
     PRESETS = {
-        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and
-        # these budgets: results/README.md, "Choices where the paper is silent")
-        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256,
-                                pos_init_std=0.5),
-                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100,
-                                 steps=1500, log_every=75, eval_points=4096)},
+        # majority3, cyclic3, kmajority: GOTU's CLS layout, positional std 0.5 (why this layout and these budgets:
+        # results/README.md, "Choices where the paper is silent")
+        "small": {"model": dict(readout="cls", layers=3, heads=4, dim=64, mlp_dim=256, pos_init_std=0.5),
+                  "recipe": dict(lr=1e-3, batch_size=128, schedule="cosine", warmup=100, steps=1500, log_every=75,
+                                 eval_points=4096)},
         # GOTU (aryol/GOTU main.py and script.sh): 12 layers, 6 heads, dim 256, Adam + coupled L2
         "paper": {"model": dict(layers=12, heads=6, dim=256, head_dim=64, mlp_dim=256),
                   "recipe": dict(lr=1e-5, batch_size=256, weight_decay=1e-3, optimizer="adam",
@@ -651,8 +609,7 @@ class BooleanTask(Task):
 
     MUST: ClassVar[dict] = {
         "discover_degree": Must("in 1..4 (sets of up to 4 bits)", lambda v: 1 <= v <= 4),
-        "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]",
-                                   lambda v: 0 < v <= 1),
+        "discover_threshold": Must("a fraction of the largest coefficient in (0, 1]", lambda v: 0 < v <= 1),
         "discover_alpha": DISCOVER_ALPHA,
     }
 
@@ -689,28 +646,23 @@ class BooleanTask(Task):
         mine = self.patterns(self.readout == "cls")
         if variant not in mine and variant != "discovered":
             other = "mean" if self.readout == "cls" else "cls"
-            hint = (f" (pattern {variant!r} needs --readout {other})"
-                    if variant in self.patterns(other == "cls") else "")
+            hint = f" (pattern {variant!r} needs --readout {other})" if variant in self.patterns(other == "cls") else ""
             raise TaskError(f"task {self.name} has no pattern {variant!r} with --readout "
                             f"{self.readout}; choose from {sorted(mine) + ['discovered']}{hint}")
         return variant
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """bool (N, N) pattern for this task's token layout: N = n_bits + 1 with a CLS token, else n_bits.
-        `discovered` is found in the training set (`discovered_sets`), never from the target function."""
+        """bool (N, N) for the layout (N = n_bits + 1 with a CLS token); `discovered`: from the training set, not f."""
         if variant == "discovered":
             return pattern_from_sets(self.n_bits, self.discovered_sets(), self.readout == "cls")
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data (set up): those whose Walsh coefficient
-        (of the training points and their centred targets) is at least `discover_threshold` times the
-        largest and above the training set's sampling noise (`discover_alpha`), over every set of up
-        to `discover_degree` bits (`walsh_sets`). None passing is a TaskError: the training set is
-        too small to show any interaction, and no pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data (set up): every set of up to `discover_degree` bits
+        whose Walsh coefficient is at least `discover_threshold` times the largest and above the sampling noise
+        (`discover_alpha`; `walsh_sets`). None passing is a TaskError: no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
-            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: "
-                            "set the task up first")
+            raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up first")
         if "discovery" not in self._cache:
             x = 2 * self.x_train.cpu().numpy() - 1                  # tokens 0/1 -> bits -1/+1
             sets = sum(math.comb(self.n_bits, d) for d in range(1, self.discover_degree + 1))
@@ -721,11 +673,11 @@ class BooleanTask(Task):
             sets, report = walsh_sets(x, self.y_train.cpu().numpy(), self.discover_degree,
                                       self.discover_threshold, self.discover_alpha)
             if not sets:
-                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands "
-                                f"above the sampling noise of the {report['points']:,} training points (noise "
-                                f"level {report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the "
-                                f"largest coefficient is {report['largest']:.3f}): too few points to find a "
-                                "pattern in; give more (--train-size) or a hand pattern")
+                raise TaskError(f"--pattern discovered: no Walsh set of up to {self.discover_degree} bits stands above "
+                                f"the sampling noise of the {report['points']:,} training points (noise level "
+                                f"{report['noise_level']:.3f} at --discover-alpha {self.discover_alpha}; the largest "
+                                f"coefficient is {report['largest']:.3f}): too few points to find a pattern in; give "
+                                "more (--train-size) or a hand pattern")
             self._cache["discovery"] = sets, report
         return self._cache["discovery"][0]
 
@@ -749,14 +701,10 @@ class BooleanTask(Task):
         return float((pred.round() == y if self.exact else torch.sign(pred) == torch.sign(y)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`):
-        averaged over the readout rows (the CLS row with a CLS token, else every bit), the keys above
-        `ratio` times the uniform share made a clique, the CLS row reading them: the hand patterns' form."""
-        if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, keys=True, readout=[0]
-                                                if self.readout == "cls" else None)
-            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
-        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
+        """Boolean tasks read the keys a teacher attends to (`mp.pattern_from_attention(keys=True)`), averaged over the
+        readout rows (the CLS row, else every bit), made a clique the CLS row reads: the hand patterns' form."""
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off, keys=True,
+                                     readout=[0] if self.readout == "cls" else None)
 
     def in_unseen(self, x: np.ndarray) -> np.ndarray:
         return np.all([x[:, b] == v for b, v in self.unseen.items()], axis=0)
@@ -781,8 +729,7 @@ class BooleanTask(Task):
     def _cube_targets(self) -> tuple:
         """(targets, unseen mask, top monomial) over the whole cube, as CPU tensors."""
         x_all = cube(self.n_bits)
-        return (torch.as_tensor(self.target(x_all), dtype=torch.float32),
-                torch.as_tensor(self.in_unseen(x_all)),
+        return (torch.as_tensor(self.target(x_all), dtype=torch.float32), torch.as_tensor(self.in_unseen(x_all)),
                 torch.as_tensor(chi(x_all, self.top_monomial), dtype=torch.float32))
 
     @property
@@ -793,7 +740,6 @@ class BooleanTask(Task):
         return array_hash(self.x_train, self.y_train, self.x_test, self.y_test)
 
     def train_batch(self, step: int, batch_size: int):
-        """Batch `step` of an epoch-wise shuffle; epoch e's order is fixed by (seed, e)."""
         idx = self.epoch_indices(step, batch_size)
         return self.x_train[idx], self.y_train[idx]
 
@@ -807,9 +753,8 @@ class BooleanTask(Task):
         return self.x_test[torch.randperm(len(self.x_test), generator=g)[:n].to(self.device)]
 
     def eval_points(self, n: int) -> torch.Tensor:
-        """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn
-        without replacement from U and from the seen domain in proportion to their sizes, so
-        that plain means over the sample estimate the whole-cube metrics."""
+        """Indices of a fixed sample of `n` cube points (the same for every run and step), drawn without replacement
+        from U and the seen domain in proportion to their sizes: plain means over it estimate the whole cube's."""
         key = ("eval_points", n)
         if key not in self._cache:
             g = torch.Generator().manual_seed(0)
@@ -826,11 +771,9 @@ class BooleanTask(Task):
         return torch.cat([model(x[i:i + batch_size]).squeeze(-1).float() for i in range(0, len(x), batch_size)])
 
     def evaluate(self, model, points: int | None = None) -> dict:
-        """Metrics on the whole cube, or (`points` = n > 0) on the fixed sample `eval_points(n)`;
-        `eval_points` in the result says which (0 = the whole cube)."""
+        """Metrics on the whole cube, or (`points` = n > 0) on the sample `eval_points(n)`; `eval_points` says which."""
         idx = self.eval_points(points) if points and points < len(self.x_test) else None
-        y, u, top = ((self.y_test, self.unseen_mask, self.chi_top) if idx is None
-                     else (self.y_test[idx], self.unseen_mask[idx], self.chi_top[idx]))
+        y, u, top = (t if idx is None else t[idx] for t in (self.y_test, self.unseen_mask, self.chi_top))
         metrics = cube_metrics(self.predict(model, idx), y, u, top, self.exact)
         metrics["eval_points"] = 0 if idx is None else len(idx)
         mdi = self.mdi()
@@ -839,14 +782,12 @@ class BooleanTask(Task):
         return metrics
 
     def mdi(self) -> dict:
-        """The MDI's metrics on this task (cached): what a min-degree learner would predict. Needs
-        no setup: it is computed on the CPU from the target alone."""
+        """The MDI's metrics (cached): what a min-degree learner would predict; from the target alone (no setup)."""
         if "mdi" not in self._cache:
             x_all = cube(self.n_bits)
             seen = ~self.in_unseen(x_all)
-            # The MDI only involves the bits the target and the unseen domain depend on (it is
-            # unique, and flipping any other bit maps the problem to itself): it is solved on that
-            # sub-cube and read back on the whole cube.
+            # The MDI only involves the bits the target and the unseen domain depend on (it is unique, and flipping any
+            # other bit maps the problem to itself): it is solved on that sub-cube and read back on the whole cube.
             rel = self.mdi_bits()
             if self.mdi_size() > 256:
                 self.say(f"computing the exact min-degree interpolator of {self.name} "
@@ -868,27 +809,23 @@ class BooleanTask(Task):
 # parity2 generalises only without a CLS token and with near-zero positions (README: the grid), and the QK inits
 # then scale the positions x18 first, as the 2025 source does for a 0.02-std embedding.
 _NEAR_ZERO_POSITIONS = dict(readout="mean", pos_init_std=0.02)          # model
-# recipe: the QK inits scale the positions
-_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)
+_QK_POSITIONS = dict(qk_svd_pos_scale=18.0, qk_opt_pos_scale=18.0)     # recipe: the QK inits scale the positions
 
 
 class _PaperBoolean(BooleanTask):
-    """A Boolean task of the paper, on 15 bits: its target and domain are the class's `FIELDS`
-    (BooleanTask's fields); its options are the layout and the discovery's."""
+    """A Boolean task of the paper on 15 bits: target and domain in `FIELDS`; its options: the layout, the discovery."""
     FIELDS: ClassVar[dict] = {}
 
-    def __init__(self, readout: str = "cls", discover_degree: int = 3,
-                 discover_threshold: float = 0.25, discover_alpha: float = 0.05, seed: int = 0):
+    def __init__(self, readout: str = "cls", discover_degree: int = 3, discover_threshold: float = 0.25,
+                 discover_alpha: float = 0.05, seed: int = 0):
         super().__init__(n_bits=15, readout=readout, discover_degree=discover_degree,
-                         discover_threshold=discover_threshold, discover_alpha=discover_alpha,
-                         seed=seed, **self.FIELDS)
+                         discover_threshold=discover_threshold, discover_alpha=discover_alpha, seed=seed, **self.FIELDS)
 
 
 @register("parity2")
 class Parity2(_PaperBoolean):
     """x0 * x1 on 15 bits; unseen x0 = x1 = -1; trained on all 24,576 seen points."""
-    # the demo's preset: near-zero positions, mean readout, 600 steps (why: results/README.md,
-    # "Choices where the paper is silent")
+    # the demo's preset (why these: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"model": dict(_NEAR_ZERO_POSITIONS, layers=2),
                          "recipe": dict(_QK_POSITIONS, steps=600, log_every=30, eval_points=2048)},
                "paper": {"model": _NEAR_ZERO_POSITIONS, "recipe": dict(_QK_POSITIONS, epochs=20)}}
@@ -900,9 +837,8 @@ class Parity2(_PaperBoolean):
 class Majority3(_PaperBoolean):
     """sign(x0 + x1 + x2) on 15 bits; unseen x0 = x1 = -1; 32,768 uniform draws of seen points."""
     PRESETS = {"paper": {"recipe": dict(epochs=30)}}
-    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1},
-                  patterns=set_patterns(15, [(0, 1, 2)]), top_monomial=(0, 1, 2), degree=3,
-                  train_size=32768, support=(0, 1, 2))
+    FIELDS = dict(target=majority_fn((0, 1, 2)), unseen={0: -1, 1: -1}, patterns=set_patterns(15, [(0, 1, 2)]),
+                  top_monomial=(0, 1, 2), degree=3, train_size=32768, support=(0, 1, 2))
 
 
 @register("cyclic3")
@@ -923,9 +859,8 @@ def cut(text, most: int = 40) -> str:
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:
-    """The one parser of every integer a list or count on the command line holds (--bits, --unseen,
-    --terms, 'random:K'): ASCII digits alone (no sign, no '_', no other script's digits), in
-    least..most; anything else is a TaskError naming the token, cut to 40 characters."""
+    """The one parser of every integer a list or count on the command line holds (--bits, --unseen, --terms,
+    'random:K'): ASCII digits alone (no sign, '_' or other script's digits) in least..most, else a TaskError (cut)."""
     token = str(token).strip()
     if not (token.isascii() and token.isdigit()) or len(token) > len(str(most)) or not least <= int(token) <= most:
         raise TaskError(f"--{what}: {cut(token)} is not an integer in {least}..{most} (ASCII digits)")
@@ -940,7 +875,6 @@ def _parse_bits(text, what: str, n_bits: int) -> tuple:
 
 
 def _count(text: str, prefix: str, what: str, most: int) -> int:
-    """K of 'PREFIX:K', an integer in 1..most."""
     return parse_count(str(text)[len(prefix):], what, 1, most)
 
 
@@ -951,10 +885,9 @@ def _random_bits(text: str, n_bits: int, seed: int) -> tuple:
 
 
 def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
-    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their
-    majority, an odd number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3,
-    4))]. A bit twice in a term, the same term twice, a bit outside 0..n_bits-1 or an even majority
-    is a TaskError."""
+    """--terms 'T1:T2:...', each term its bits split by ',' (their parity), or led by 'm' (their majority, an odd
+    number of bits): '0,1:m2,3,4' -> [("parity", (0, 1)), ("majority", (2, 3, 4))]. A bit twice in a term, the same
+    term twice, a bit outside 0..n_bits-1 or an even majority is a TaskError."""
     terms = []
     for part in str(text).split(":"):
         kind = "majority" if part.startswith("m") else "parity"
@@ -970,8 +903,7 @@ def parse_terms(text: str, n_bits: int) -> list[tuple[str, tuple]]:
 
 
 def terms_text(terms: list) -> str:
-    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of
-    more than one bit."""
+    """--terms in its one spelling: each term's bits sorted, the terms sorted, 'm' on majorities of several bits."""
     spelt = sorted((sorted(bits), "m" if kind == "majority" and len(bits) > 1 else "") for kind, bits in terms)
     return ":".join(m + ",".join(map(str, bits)) for bits, m in spelt)
 
@@ -981,8 +913,7 @@ def term_fn(kind: str, bits: tuple):
 
 
 class _CustomBoolean(BooleanTask):
-    """A target on chosen bits (a k-parity, a k-majority, or a sum of such terms); the unseen domain sets the
-    `unseen` bits to -1 ('bits:J': the first J of the target's bits, in the order given)."""
+    """A target on chosen bits (a k-parity, k-majority or a sum of such terms); --unseen 'bits:J': its first J bits."""
 
     def __init__(self, n_bits: int = 15, bits: str = "0,1,2", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -996,8 +927,7 @@ class _CustomBoolean(BooleanTask):
                    unseen, train_size, readout, discover_degree, discover_threshold, discover_alpha, seed)
         # drawn bits come sorted: 'bits:J' names the same ones
         self.normal = {"bits": str(bits) if drawn else ",".join(map(str, sorted(b))),
-                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:")
-                       else self._unseen_text()}
+                       "unseen": str(unseen) if drawn and str(unseen).startswith("bits:") else self._unseen_text()}
 
     def _unseen_text(self) -> str:
         return ",".join(map(str, sorted(self.unseen)))
@@ -1023,9 +953,8 @@ class _CustomBoolean(BooleanTask):
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
         super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
-                         top_monomial=max((bits for _, bits in terms), key=len),
-                         degree=max(len(t) for _, t in terms), train_size=train_size,
-                         support=b, readout=readout, exact=len(terms) > 1,
+                         top_monomial=max((bits for _, bits in terms), key=len), degree=max(len(t) for _, t in terms),
+                         train_size=train_size, support=b, readout=readout, exact=len(terms) > 1,
                          discover_degree=discover_degree, discover_threshold=discover_threshold,
                          discover_alpha=discover_alpha, seed=seed)
 
@@ -1048,9 +977,8 @@ class KMajority(_CustomBoolean):
 
 @register("ksum")
 class KSum(_CustomBoolean):
-    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 +
-    maj(x2, x3, x4)): a target that mixes structures, integer-valued (accuracy is the exact match);
-    the hand pattern makes each term a clique. Unseen where the `--unseen` bits are -1."""
+    """A sum of parities and majorities of chosen bits (`--terms`, e.g. 0,1:m2,3,4 = x0 x1 + maj(x2, x3, x4)),
+    integer-valued (accuracy: exact match); each term a clique of the hand pattern; unseen where `--unseen` are -1."""
 
     def __init__(self, n_bits: int = 15, terms: str = "0,1:2,3,4", unseen: str = "0,1",
                  train_size: int | None = None, readout: str = "cls", discover_degree: int = 3,
@@ -1063,42 +991,35 @@ class KSum(_CustomBoolean):
 
 
 # ----------------------------------------------------------------------------------------
-# Arithmetic: addition and multiplication of d-digit operands (3 by default), generated by a causal
-# decoder. A sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer
-# most significant digit first, or reversed with answer_order="lsb"). The model reads the sequence
-# without its last token and predicts the next one; the loss and the metrics count only the A
-# answer digits. An operation is a subclass of ArithmeticTask: its symbol, its answer, its answer's
-# length and which operand digits its carry pattern holds strong.
+# Arithmetic: addition and multiplication of d-digit operands (3 by default), generated by a causal decoder. A
+# sequence is  a2 a1 a0 op b2 b1 b0 = c_{A-1} ... c_0  (zero-padded digits; the answer most significant digit first,
+# or reversed with answer_order="lsb"). The model reads the sequence without its last token and predicts the next
+# one; the loss and the metrics count only the A answer digits. An operation is a subclass of ArithmeticTask: its
+# symbol, its answer, its answer's length and which operand digits its carry pattern holds strong.
 
 
-# an operation whose symbol is not here appends it to its own vocabulary
-ARITH_VOCAB = "0123456789+*="
-# held-out pairs, or every pair not trained on where the universe is smaller
-ARITH_TEST_SIZE = 10_000
+ARITH_VOCAB = "0123456789+*="       # an operation whose symbol is not here appends it to its own vocabulary
+ARITH_TEST_SIZE = 10_000            # held-out pairs, or every pair not trained on where the universe is smaller
 
 
 @dataclass(kw_only=True)
 class ArithmeticTask(Task):
-    """An operation (a subclass: `SYMBOL`, `answer`, `answer_digits`, `strong`) on d-digit operands
-    (`n_digits`, default 3). `data_frac` of the 10^(2d) ordered pairs train (drawn by seed); the test
-    set is disjoint: 10,000 pairs, or every pair not trained on where fewer remain (d = 2: 10^4 in all)."""
+    """An operation (a subclass, as above) on d-digit operands (`n_digits`, default 3). `data_frac` of the 10^(2d)
+    ordered pairs train (drawn by seed); the disjoint test set: 10,000 pairs, or all the rest where fewer remain."""
     KIND = "arithmetic"
     PATTERNS = ("carry", "aligned", "lower", "discovered")
     DEFAULT_PATTERN = "carry"
     HEADLINE = ("seq_acc", "digit_acc")
     PRESETS = {
-        "small": {"model": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0,
-                                pos_init_std=1.0, qkv_bias=True),
-                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128,
-                                 schedule="cosine", warmup=100, steps=600, log_every=100,
-                                 eval_points=2000)},
-        # minGPT's adder / Lee et al. 2023 (NanoGPT): 6 layers, 6 heads, width 384, AdamW 1e-3,
-        # batch 256, 5,000 iterations, 100 warm-up, cosine
-        "paper": {"model": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02,
-                                pos_init_std=0.02, qkv_bias=True, dropout=0.2),
-                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99",
-                                 batch_size=256, schedule="cosine", warmup=100, steps=5000,
-                                 log_every=500)},
+        "small": {"model": dict(layers=3, heads=4, dim=128, mlp_dim=512, emb_init_std=1.0, pos_init_std=1.0,
+                                qkv_bias=True),
+                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, batch_size=128, schedule="cosine",
+                                 warmup=100, steps=600, log_every=100, eval_points=2000)},
+        # minGPT's adder / Lee et al. 2023 (NanoGPT)
+        "paper": {"model": dict(layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02, pos_init_std=0.02,
+                                qkv_bias=True, dropout=0.2),
+                  "recipe": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.99", batch_size=256,
+                                 schedule="cosine", warmup=100, steps=5000, log_every=500)},
     }
 
     SYMBOL: ClassVar[str]               # the operation's token between the operands
@@ -1111,8 +1032,7 @@ class ArithmeticTask(Task):
     _cache: dict = field(default_factory=dict, repr=False)
 
     MUST: ClassVar[dict] = {
-        "n_digits": Must("an integer in 1..4", lambda v: isinstance(v, int) and 1 <= v <= 4,
-                         "--digits"),
+        "n_digits": Must("an integer in 1..4", lambda v: isinstance(v, int) and 1 <= v <= 4, "--digits"),
         "data_frac": Must("in (0, 1]", lambda v: 0 < v <= 1),
         "answer_order": Must("msb or lsb", lambda v: v in ("msb", "lsb")),
         "discover_alpha": DISCOVER_ALPHA,
@@ -1120,8 +1040,7 @@ class ArithmeticTask(Task):
 
     def __post_init__(self):
         self.check_options()
-        # ordered pairs of d-digit operands
-        self.universe = 10 ** (2 * self.n_digits)
+        self.universe = 10 ** (2 * self.n_digits)                  # ordered pairs of d-digit operands
         self.n_train = int(round(self.data_frac * self.universe))
         if self.n_train < 1:
             raise TaskError(f"--data-frac {self.data_frac} gives no training pair out of "
@@ -1167,13 +1086,9 @@ class ArithmeticTask(Task):
 
     def decode(self, seq) -> tuple[int, int, int]:
         """One token sequence (list or 1-D array) -> (a, b, answer)."""
-        seq = [int(t) for t in seq]
-        d = self.n_digits
-        a = int("".join(map(str, seq[:d])))
-        b = int("".join(map(str, seq[d + 1:2 * d + 1])))
-        ans = seq[2 * d + 2:]
-        ans = ans if self.answer_order == "msb" else ans[::-1]
-        return a, b, int("".join(map(str, ans)))
+        s, d = [str(int(t)) for t in seq], self.n_digits
+        ans = s[2 * d + 2:] if self.answer_order == "msb" else s[2 * d + 2:][::-1]
+        return int("".join(s[:d])), int("".join(s[d + 1:2 * d + 1])), int("".join(ans))
 
     def answer_significance(self, i: int) -> int:
         """Significance (power of ten) of answer digit number i in the sequence."""
@@ -1194,11 +1109,9 @@ class ArithmeticTask(Task):
         return ([f"a{p}" for p in places] + [self.SYMBOL] + [f"b{p}" for p in places] + ["="] + answer)[:-1]
 
     def _levels(self, variant: str) -> torch.Tensor:
-        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions. Rows of prompt
-        positions (before '=') keep the plain causal pattern. The row that predicts the answer digit of significance
-        k (the '=' row and the answer rows) may see itself and the operand digits of significance <= k (addition),
-        strongest at k and k - 1 (the carry); for multiplication a_i and b_j with i + j <= k, i.e. each operand
-        digit of significance <= k (all strong)."""
+        """(N, N) int: 2 = strong, 1 = allowed, 0 = suppressed; N = length - 1 input positions. Prompt rows (before '=')
+        keep the plain causal pattern; the row that predicts the answer digit of significance k (the '=' row and the
+        answer rows) may see itself and the operand digits of significance <= k, strong as the operation's `strong`."""
         n, d = self.length - 1, self.n_digits
         lv = torch.zeros(n, n, dtype=torch.long)
         for q in range(self.eq_pos):
@@ -1222,8 +1135,7 @@ class ArithmeticTask(Task):
         return self._levels(variant) > 0
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Graded initial M: +m_on on strong pairs, 0 on weaker allowed ones (log sigmoid 0 =
-        -0.69), -m_off elsewhere."""
+        """Graded initial M: +m_on on strong pairs, 0 on the other allowed (log sigmoid 0 = -0.69), -m_off elsewhere."""
         variant = self.pattern_name(variant)
         if variant not in ("carry", "aligned", "lower"):           # found, or per head: two levels
             return super().mask_logits(variant, m_on, m_off)
@@ -1236,11 +1148,9 @@ class ArithmeticTask(Task):
 
     def digit_selection(self) -> dict:
         """For each answer digit c_k (by significance k), the operand digit pairs (a_i, b_j) it depends on in the
-        training pairs, chosen by greedy forward selection (`forward_selection`): the pair with the largest
-        conditional mutual information given the pairs chosen so far, while it stands above what a permutation
-        within their strata gives (`discover_alpha`). Pairs, not single digits: a digit of a sum is independent of
-        either operand digit alone (like parity), not of the two; conditioning on the aligned pair first is what
-        lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
+        training pairs (`forward_selection` at `discover_alpha`). Pairs, not single digits: a digit of a sum is
+        independent of either operand digit alone (like parity), not of the two; conditioning on the aligned pair first
+        is what lets the carry from the pair below show. {k: [(i, j, cmi, noise, kept)]}, cached."""
         if "selection" not in self._cache:
             d, base = self.n_digits, 10 ** self.n_digits
             a, b = self.train_idx // base, self.train_idx % base
@@ -1248,15 +1158,13 @@ class ArithmeticTask(Task):
             digit = lambda v, i: (v // 10 ** i) % 10                   # noqa: E731
             pairs = {(i, j): digit(a, i) * 10 + digit(b, j) for i in range(d) for j in range(d)}
             rng = np.random.default_rng([self.seed, 44])
-            self._cache["selection"] = {k: forward_selection(digit(c, k), pairs,
-                                                             self.discover_alpha, rng)
+            self._cache["selection"] = {k: forward_selection(digit(c, k), pairs, self.discover_alpha, rng)
                                         for k in range(self.n_answer)}
         return self._cache["selection"]
 
     def discovered_pattern(self) -> torch.Tensor:
-        """`--pattern discovered`, found in the training pairs, bool (N, N): the row that predicts the
-        answer digit of significance k sees itself and the operand digits of the pairs
-        `digit_selection` kept for it; prompt rows causal."""
+        """`--pattern discovered`, found in the training pairs, bool (N, N): the row that predicts the answer digit of
+        significance k sees itself and the operand digits of the pairs `digit_selection` kept for it; prompts causal."""
         if not hasattr(self, "train_idx"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training "
                             "pairs: set the task up first")
@@ -1274,8 +1182,7 @@ class ArithmeticTask(Task):
         chosen = self.digit_selection()
         steps = {f"c{k}": [[f"a{i}b{j}", round(v, 4), round(n, 4), kept] for i, j, v, n, kept in s]
                  for k, s in chosen.items()}
-        return {"pairs": {"tested": self.n_digits ** 2,
-                          "kept": sum(kept for s in chosen.values() for *_, kept in s),
+        return {"pairs": {"tested": self.n_digits ** 2, "kept": sum(kept for s in chosen.values() for *_, kept in s),
                           "alpha": self.discover_alpha, "steps": steps}}
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
@@ -1291,12 +1198,8 @@ class ArithmeticTask(Task):
         return self.answer_rows()
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Arithmetic reads query-key pairs of the rows that predict answer digits (the prompt rows
-        keep the causal pattern, as in the hand patterns)."""
-        if kind == "pattern":
-            pattern = mp.pattern_from_attention(attn, ratio, causal=True, readout=self.answer_rows())
-            return pattern, mp.mask_logits_from_pattern(pattern, m_on, m_off)
-        return super().teacher_prior(attn, kind, ratio, m_on, m_off)
+        """Query-key pairs of the rows that predict answer digits (prompt rows causal, as in the hand patterns)."""
+        return super().teacher_prior(attn, kind, ratio, m_on, m_off, readout=self.answer_rows())
 
     # ---- data
     def setup(self, device="cpu"):
@@ -1316,8 +1219,7 @@ class ArithmeticTask(Task):
         return array_hash(self.train_seq, self.test_seq)
 
     def loss(self, model, batch) -> torch.Tensor:
-        # rows that predict answer digits
-        logits = model(batch[:, :-1])[:, self.eq_pos:]
+        logits = model(batch[:, :-1])[:, self.eq_pos:]                  # the rows that predict answer digits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, self.eq_pos + 1:].reshape(-1))
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
@@ -1333,15 +1235,13 @@ class ArithmeticTask(Task):
         return seq[:, self.eq_pos + 1:]
 
     def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
-        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0) on the first n of
-        them (a random draw, like the whole test set); `eval_points` says which."""
+        """Sequence and digit accuracy of greedy decoding on the test pairs, or (`points` = n > 0) their first n."""
         test = self.test_seq[:points] if points and points < len(self.test_seq) else self.test_seq
         preds = torch.cat([self.generate(model, test[i:i + batch_size, :self.eq_pos + 1])
                            for i in range(0, len(test), batch_size)])
         ok = preds == test[:, self.eq_pos + 1:]
         return {"seq_acc": float(ok.all(1).float().mean()), "digit_acc": float(ok.float().mean()),
-                "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq)
-                else len(test)}
+                "n_train": self.n_train, "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
 
 def _entropy(codes: np.ndarray) -> float:
@@ -1376,10 +1276,9 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
         values = {k: conditional_mi(y, candidates[k], z) for k in rest}
         noise = 0.0
         for _ in range(round(1 / alpha) - 1):
-            # a permutation within each stratum of z
-            order = np.lexsort((rng.random(len(z)), z))
-            by_z = np.argsort(z, kind="stable")
-            noise = max(noise, max(conditional_mi(y, _shuffled(candidates[k], order, by_z), z) for k in rest))
+            order = np.lexsort((rng.random(len(z)), z))                # a permutation within each stratum of z
+            perm = order[np.argsort(np.argsort(z, kind="stable"))]     # example i takes the codes of perm[i]
+            noise = max(noise, max(conditional_mi(y, candidates[k][perm], z) for k in rest))
         best = max(values, key=values.get)
         kept = values[best] > noise + 1e-12
         steps.append((*best, values[best], noise, kept))
@@ -1390,17 +1289,10 @@ def forward_selection(y: np.ndarray, candidates: dict, alpha: float, rng: np.ran
     return steps
 
 
-def _shuffled(x: np.ndarray, order: np.ndarray, by_z: np.ndarray) -> np.ndarray:
-    out = np.empty_like(x)
-    out[by_z] = x[order]
-    return out
-
-
 @register("addition")
 class Addition(ArithmeticTask):
     """a + b for d-digit a, b (--digits, default 3): d + 1 answer digits; trains on 0.4% of the pairs by default."""
-    # 1,500 steps logged 20 times (logging never changes training); why this budget, and `--steps
-    # 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
+    # why this budget, and `--steps 250` as the paper's regime: results/README.md, "Choices where the paper is silent"
     PRESETS = {"small": {"recipe": dict(steps=1500, log_every=75)}}
     SYMBOL = "+"
 
@@ -1420,25 +1312,19 @@ class Addition(ArithmeticTask):
 # its end with '_' (never a target, and causal attention keeps every real row from seeing it).
 
 LEE_VOCAB = "0123456789*=$\n_"
-
 LEE_TOKENS = {ch: i for i, ch in enumerate(LEE_VOCAB)}
-
 LEE_ROW = {"msb": 11, "lsb": 12}     # tokens in the longest row: 12*34=1234\n, $12*34=4321$
-
-# characters generated for an answer: up to 4 digits and the end
-LEE_NEW = 5
+LEE_NEW = 5                          # characters generated for an answer: up to 4 digits and the end
 
 
 def lee_pairs(n_samples: int, seed: int) -> np.ndarray:
-    """(n_samples, 2) training pairs as Lee et al. build them: the 100 pairs of 0..9 x 0..9, then
-    n_samples - 100 drawn with replacement from 0..99 x 0..99 (by seed)."""
+    """(n_samples, 2) training pairs: 0..9 x 0..9, then n_samples - 100 drawn with replacement from 0..99 x 0..99."""
     single = np.stack(np.meshgrid(np.arange(10), np.arange(10), indexing="ij"), -1).reshape(-1, 2)
     return np.concatenate([single, np.random.default_rng(seed).integers(0, 100, size=(n_samples - 100, 2))])
 
 
 def lee_text(a: int, b: int, answer_order: str) -> str:
-    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format: the answer most
-    significant digit first) or `$a*b=rev(c)$` (lsb, reversed)."""
+    """One example as Lee et al. write it: `a*b=c\n` (msb, their plain format) or `$a*b=rev(c)$` (lsb, reversed)."""
     c = str(a * b)
     return f"{a}*{b}={c}\n" if answer_order == "msb" else f"${a}*{b}={c[::-1]}$"
 
@@ -1458,9 +1344,8 @@ class Multiplication(ArithmeticTask):
 
     def __init__(self, data_frac: float | None = None, answer_order: str = "msb", digits: int = 3,
                  heads: int = 4, discover_alpha: float = 0.05, seed: int = 0):
-        super().__init__(data_frac=0.03 if data_frac is None else data_frac,
-                         answer_order=answer_order, n_digits=digits, discover_alpha=discover_alpha,
-                         seed=seed)
+        super().__init__(data_frac=0.03 if data_frac is None else data_frac, answer_order=answer_order,
+                         n_digits=digits, discover_alpha=discover_alpha, seed=seed)
         self.heads = heads
 
     @classmethod
@@ -1470,11 +1355,10 @@ class Multiplication(ArithmeticTask):
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         """`partial` and `columns`: (heads, N, N) bool, operand digit pairs a head (`_heads_of_pairs`). partial: one
-        partial product per head, the row that predicts c_k seeing in head i < d a_i, b_(k-i) (itself alone where k
-        - i is not a digit of b), in head d the carries' trace. columns, long multiplication's: in head 0 every a_i,
-        b_j of c_k's column (i + j = k), in head 1 the column below (k - 1, where the carry into k mostly comes
-        from), in head 2 the one below that (k - 2), in head 3 the answer digits already written (answers lsb first:
-        the lower digits, the trace of the running sum)."""
+        partial product per head, the row that predicts c_k seeing in head i < d a_i, b_(k-i) (itself alone where
+        k - i is not a digit of b), in head d the carries' trace. columns, long multiplication's: in head 0 every a_i,
+        b_j of c_k's column (i + j = k), in head 1 the column below (k - 1, the carry's main source), in head 2 k - 2,
+        in head 3 the answer digits already written (lsb first: the lower digits, the running sum's trace)."""
         d = self.n_digits
         if variant == "partial":
             return self._heads_of_pairs("partial", f"each of the {d} digits of a its own head",
@@ -1503,20 +1387,18 @@ class Multiplication(ArithmeticTask):
                 for i, j in pairs:
                     if 0 <= j < d:
                         pat[head, q, pos_a[i]] = pat[head, q, pos_b[j]] = True
-            # the answer digits written so far
             pat[g, q, self.eq_pos + 1:q + 1] = True
         return pat
 
 
 class LeeMultiplication(ArithmeticTask):
-    """Lee et al.'s 2-digit multiplication data (`lee_pairs`, `lee_text`), N samples: `--task multiplication
-    --lee-samples N` (`Multiplication.build`). Unpadded, so an example's positions move with its operands' lengths:
-    M lives on the roles of one layout, the longest ("frame": [$] a1 a0 * b1 b0 = and four answer digits, where a 2
-    x 2-digit example puts them), and an example with a one-digit operand has its characters moved to the roles of
-    the same significance, digits aligned from the right (`lee_roles`, `mp.prior_roles`); a query row's role is the
-    role of the character it predicts, less one. Reversed answers are aligned by significance exactly; a plain (msb)
-    answer's length is not known while it is written, so its digits take the significance of the longest answer the
-    operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one there)."""
+    """Lee et al.'s data, N samples: `--task multiplication --lee-samples N` (`Multiplication.build`). Unpadded, so an
+    example's positions move with its operands' lengths: M lives on the roles of one layout, the longest ("frame": [$]
+    a1 a0 * b1 b0 = and four answer digits, where a 2 x 2-digit example puts them), and an example with a one-digit
+    operand has its characters moved to the roles of the same significance, digits aligned from the right (`lee_roles`,
+    `mp.prior_roles`); a query row's role is that of the character it predicts, less one. Reversed answers are aligned
+    by significance; a plain (msb) answer's length is unknown while written, so its digits take the significance of the
+    longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one)."""
     NAME = "multiplication"
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
@@ -1525,6 +1407,8 @@ class LeeMultiplication(ArithmeticTask):
     HEADLINE = ("seq_acc", "train_seq_acc", "digit_acc")
     SYMBOL, answer, answer_digits, strong = (vars(Multiplication)[k]
                                              for k in ("SYMBOL", "answer", "answer_digits", "strong"))
+    MUST: ClassVar[dict] = {"lee_samples": Must("an integer in 100 .. 10,000 (the 100 one-digit pairs, then draws from "
+                                                "the 10^4 pairs)", lambda v: isinstance(v, int) and 100 <= v <= 10_000)}
 
     def __init__(self, lee_samples: int, answer_order: str = "msb", digits: int = 3, heads: int = 4,
                  discover_alpha: float = 0.05, data_frac: float | None = None, seed: int = 0):
@@ -1534,12 +1418,9 @@ class LeeMultiplication(ArithmeticTask):
         if data_frac is not None:
             raise TaskError("--lee-samples draws its own training set (N samples with replacement, every pair not "
                             "trained on as the test set); leave --data-frac out")
-        if not (isinstance(lee_samples, int) and 100 <= lee_samples <= 10_000):
-            raise TaskError("--lee-samples must be an integer in 100 .. 10,000 (the 100 one-digit pairs, then "
-                            f"draws from the 10^4 pairs), got {lee_samples!r}")
+        self.heads, self.lee_samples = heads, lee_samples           # lee_samples: checked first (MUST, above)
         super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
-        self.heads, self.lee_samples = heads, lee_samples
         self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
 
     @property
@@ -1558,18 +1439,15 @@ class LeeMultiplication(ArithmeticTask):
         return Task.mask_logits(self, variant, m_on, m_off)
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: the plain
-        causal pattern. The row that predicts the answer digit of significance k sees the operand digits a_i, b_j
-        that a product a_i b_j with i + j <= k reads (significance <= k), the '=' and the answer written so far
-        (itself included); the row that predicts the end of a full answer sees every digit."""
+        """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: causal. The
+        row that predicts the answer digit of significance k sees the operand digits of significance <= k, the '=' and
+        the answer written so far (itself included); the row that predicts the end of a full answer sees every digit."""
         pre = 1 if self.answer_order == "lsb" else 0
         r_len, eq = self.length - 1, pre + 5
-        # a1 a0 * b1 b0: role -> significance
-        sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}
+        sig = {pre: 1, pre + 1: 0, pre + 3: 1, pre + 4: 0}              # a1 a0 * b1 b0: role -> significance
         pat = mp.causal_pattern(r_len).clone()
         for r in range(eq, r_len):
-            # the answer character this row predicts
-            t = r - eq
+            t = r - eq                                                  # the answer character this row predicts
             k = 4 if t == LEE_NEW - 1 else (t if self.answer_order == "lsb" else 3 - t)
             pat[r] = False
             pat[r, eq:r + 1] = True
@@ -1585,11 +1463,9 @@ class LeeMultiplication(ArithmeticTask):
         star = (x == LEE_TOKENS["*"]).long().argmax(1, keepdim=True)
         eq = (x == LEE_TOKENS["="]).long().argmax(1, keepdim=True)
         la, lb = star - pre, eq - star - 1
-        # digits missing from the prompt
-        gap = 4 - la - lb
+        gap = 4 - la - lb                                               # digits missing from the prompt
         p = torch.arange(r_len + 1, device=x.device)[None]
-        # msb: the answer also shifts to the longest
-        after = gap if self.answer_order == "lsb" else 2 * gap
+        after = gap if self.answer_order == "lsb" else 2 * gap          # msb: the answer also shifts to the longest
         shift = torch.where(p < pre, 0, torch.where(p <= star, 2 - la, torch.where(p <= eq, gap, after)))
         cols = (p + shift).clamp(0, r_len - 1)[:, :r_len]
         rows = (p[:, :r_len] + shift[:, 1:]).clamp(0, r_len - 1)
@@ -1606,8 +1482,7 @@ class LeeMultiplication(ArithmeticTask):
     def setup(self, device="cpu"):
         rng = np.random.default_rng([self.seed, 34])
         pairs = lee_pairs(self.lee_samples, self.seed)
-        # shuffled: a prefix is a random sample
-        self.train_pairs = pairs[rng.permutation(len(pairs))]
+        self.train_pairs = pairs[rng.permutation(len(pairs))]           # shuffled: a prefix is a random sample
         seen = set(map(tuple, pairs.tolist()))
         test = np.array([(a, b) for a in range(100) for b in range(100) if (a, b) not in seen])
         self.test_pairs = test[rng.permutation(len(test))]
@@ -1625,8 +1500,7 @@ class LeeMultiplication(ArithmeticTask):
         return F.cross_entropy(logits.flatten(0, 1).float(), self.lee_targets(batch).flatten(), ignore_index=-100)
 
     def lee_targets(self, batch: torch.Tensor) -> torch.Tensor:
-        """(B, L - 1): the next character where a row predicts an answer character or the end, else
-        -100."""
+        """(B, L - 1): the next character where a row predicts an answer character or the end, else -100."""
         y = batch[:, 1:]
         answer = ((batch == LEE_TOKENS["="]).long().cumsum(1)[:, :-1] > 0) & (y != LEE_TOKENS["_"])
         return torch.where(answer, y, -100)
@@ -1662,31 +1536,27 @@ class LeeMultiplication(ArithmeticTask):
             for i in range(0, len(rows), batch_size):
                 part = rows[i:i + batch_size]
                 target = part[:, e + 1:e + 1 + LEE_NEW]
-                # up to and with the end
-                read = ((target == LEE_TOKENS["_"]).long().cumsum(1) == 0)
+                read = ((target == LEE_TOKENS["_"]).long().cumsum(1) == 0)      # up to and with the end
                 ok = self.lee_generate(model, part[:, :e + 1], temperature, generator) == target
                 right += int((ok | ~read).all(1).sum())
                 chars, chars_right = chars + int(read.sum()), chars_right + int((ok & read).sum())
         return right / len(seq), chars_right / chars
 
     def evaluate(self, model, points: int | None = None, temperature: float = 0.0) -> dict:
-        """Sequence and character accuracy on the test pairs and, as `train_*`, on the N training
-        samples (Lee et al.'s train accuracy); `points` n > 0: the first n of each (random draws).
-        Training runs decode greedily; `temperature` 0.8 samples as Lee et al.'s evaluation does
-        (their top-k 200 keeps every character), by the task's seed."""
+        """Sequence and character accuracy on the test pairs and, as `train_*`, on the N training samples (Lee et al.'s
+        train accuracy); `points` n > 0: the first n of each (random draws). Training runs decode greedily;
+        `temperature` 0.8 samples as Lee et al.'s evaluation does (their top-k 200 keeps every character), by seed."""
         n = points if points else None
         test, train = self.test_seq[:n], self.train_seq[:n]
         g = torch.Generator().manual_seed(self.seed) if temperature > 0 else None
         seq_acc, digit_acc = self._score(model, test, temperature=temperature, generator=g)
         train_seq, train_digit = self._score(model, train, temperature=temperature, generator=g)
-        return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq,
-                "train_digit_acc": train_digit, "n_train": self.n_train,
-                "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size, "eval_points": 0
-                if len(test) == len(self.test_seq) else len(test)}
+        return {"seq_acc": seq_acc, "digit_acc": digit_acc, "train_seq_acc": train_seq, "train_digit_acc": train_digit,
+                "n_train": self.n_train, "n_pairs_trained": self.n_pairs_trained, "n_test": self.test_size,
+                "eval_points": 0 if len(test) == len(self.test_seq) else len(test)}
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
-        """Test prompts of two 2-digit operands only, the layout whose roles are their positions
-        (the probes read M by position)."""
+        """Test prompts of two 2-digit operands only: their roles are their positions (probes read M by position)."""
         two = self.test_pairs.min(1) >= 10
         return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
 
@@ -1703,32 +1573,25 @@ class LeeMultiplication(ArithmeticTask):
 # The 100 classes of ImageNet-100 (the CMC list, Tian et al. 2019), sorted: label = index.
 
 
-IMAGENET100_WNIDS = (
-    "n01558993", "n01692333", "n01729322", "n01735189", "n01749939", "n01773797", "n01820546",
-    "n01855672", "n01978455", "n01980166", "n01983481", "n02009229", "n02018207", "n02085620",
-    "n02086240", "n02086910", "n02087046", "n02089867", "n02089973", "n02090622", "n02091831",
-    "n02093428", "n02099849", "n02100583", "n02104029", "n02105505", "n02106550", "n02107142",
-    "n02108089", "n02109047", "n02113799", "n02113978", "n02114855", "n02116738", "n02119022",
-    "n02123045", "n02138441", "n02172182", "n02231487", "n02259212", "n02326432", "n02396427",
-    "n02483362", "n02488291", "n02701002", "n02788148", "n02804414", "n02859443", "n02869837",
-    "n02877765", "n02974003", "n03017168", "n03032252", "n03062245", "n03085013", "n03259280",
-    "n03379051", "n03424325", "n03492542", "n03494278", "n03530642", "n03584829", "n03594734",
-    "n03637318", "n03642806", "n03764736", "n03775546", "n03777754", "n03785016", "n03787032",
-    "n03794056", "n03837869", "n03891251", "n03903868", "n03930630", "n03947888", "n04026417",
-    "n04067472", "n04099969", "n04111531", "n04127249", "n04136333", "n04229816", "n04238763",
-    "n04336792", "n04418357", "n04429376", "n04435653", "n04485082", "n04493381", "n04517823",
-    "n04589890", "n04592741", "n07714571", "n07715103", "n07753275", "n07831146", "n07836838",
-    "n13037406", "n13040303",
-)
-
+IMAGENET100_WNIDS = tuple("""
+    n01558993 n01692333 n01729322 n01735189 n01749939 n01773797 n01820546 n01855672 n01978455 n01980166
+    n01983481 n02009229 n02018207 n02085620 n02086240 n02086910 n02087046 n02089867 n02089973 n02090622
+    n02091831 n02093428 n02099849 n02100583 n02104029 n02105505 n02106550 n02107142 n02108089 n02109047
+    n02113799 n02113978 n02114855 n02116738 n02119022 n02123045 n02138441 n02172182 n02231487 n02259212
+    n02326432 n02396427 n02483362 n02488291 n02701002 n02788148 n02804414 n02859443 n02869837 n02877765
+    n02974003 n03017168 n03032252 n03062245 n03085013 n03259280 n03379051 n03424325 n03492542 n03494278
+    n03530642 n03584829 n03594734 n03637318 n03642806 n03764736 n03775546 n03777754 n03785016 n03787032
+    n03794056 n03837869 n03891251 n03903868 n03930630 n03947888 n04026417 n04067472 n04099969 n04111531
+    n04127249 n04136333 n04229816 n04238763 n04336792 n04418357 n04429376 n04435653 n04485082 n04493381
+    n04517823 n04589890 n04592741 n07714571 n07715103 n07753275 n07831146 n07836838 n13037406 n13040303
+""".split())
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGENET32_URL = "https://image-net.org/download-images.php (Downsampled ImageNet 32x32 / 64x64)"
 
 
 def _entries(d: dict, path: str, what: str, *names) -> list:
-    """The entries `names` of a batch dict, under str keys (Python 3 pickles) or bytes keys (Python
-    2); a DataError naming the first one missing and `what` the file should be."""
+    """The entries `names` of a batch dict, under str (Python 3) or bytes (Python 2) keys; one missing: a DataError."""
     out = []
     for name in names:
         if name not in d and name.encode() not in d:
@@ -1740,8 +1603,7 @@ def _entries(d: dict, path: str, what: str, *names) -> list:
 def _reconstruct(subtype, shape, typecode):
     """numpy's `_reconstruct` for a plain ndarray (its state, a numeric dtype and the bytes, comes after)."""
     if subtype is not np.ndarray:
-        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not "
-                                     "numpy.ndarray")
+        raise pickle.UnpicklingError(f"an array of class {getattr(subtype, '__name__', subtype)!r}, not numpy.ndarray")
     return np.ndarray.__new__(np.ndarray, shape, typecode)
 
 
@@ -1785,9 +1647,8 @@ RELEASE_GLOBALS = {
 
 
 class ReleaseUnpickler(pickle._Unpickler):
-    """An unpickler that admits only what the dataset releases hold: dicts, lists, strings, bytes,
-    numbers and numpy arrays of numbers. Any other global, the way a crafted pickle runs code
-    (os.system, eval, ...), is refused before it is called."""
+    """An unpickler that admits only what the releases hold: dicts, lists, strings, bytes, numbers and numpy arrays
+    of numbers. Any other global, the way a crafted pickle runs code (os.system, eval, ...), is refused uncalled."""
 
     def find_class(self, module: str, name: str):
         found = RELEASE_GLOBALS.get((module, name))
@@ -1808,8 +1669,7 @@ def _release_bytes(path: str) -> bytes:
 
 
 def _load_pickle(path: str) -> dict:
-    """A release batch (a pickle written by Python 2 or 3) as a dict, read by `ReleaseUnpickler`: a
-    file that is damaged, or names anything but numbers and arrays, is one DataError."""
+    """A release batch (a Python 2 or 3 pickle) read as a dict by `ReleaseUnpickler`; any failure is one DataError."""
     raw = _release_bytes(path)
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
@@ -1823,8 +1683,7 @@ def _load_pickle(path: str) -> dict:
 
 
 def _pixels(data, path: str) -> np.ndarray:
-    """Pixel rows as stored, refused unless they are integers in 0..255 (a cast would turn 0-1
-    floats into black images, NaN into 0 and 300 into 44)."""
+    """Pixel rows as stored, refused unless ints in 0..255 (a cast turns 0-1 floats black, NaN into 0, 300 into 44)."""
     if not isinstance(data, np.ndarray):
         raise DataError(f"{path}: pixels must be a numpy array of uint8 rows (as in the release), "
                         f"found {type(data).__name__}; re-download the release")
@@ -1886,8 +1745,7 @@ def _labels(values, path: str, n_images: int, n_classes: int | None = None) -> n
 
 def read_cifar_pickle(path: str, label_key: str = "labels", n_classes: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels
-    int64), labels checked against `n_classes` when given."""
+    """One CIFAR python batch (data_batch_1, test_batch, train, test) -> (images uint8, labels int64 < n_classes)."""
     data, labels = _entries(_load_pickle(path), path, "a CIFAR python batch", "data", label_key)
     x = _images_from_rows(data, path, 32)
     return x, _labels(labels, path, len(x), n_classes)
@@ -1902,12 +1760,10 @@ def read_cifar_binary(path: str, label_bytes: int = 1, label_index: int = 0,
     if raw.size == 0 or raw.size % rec:
         raise DataError(f"{path}: {raw.size} bytes is not a whole number of {rec}-byte records (truncated?)")
     raw = raw.reshape(-1, rec)
-    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path,
-                                                                       len(raw), n_classes)
+    return raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), _labels(raw[:, label_index], path, len(raw), n_classes)
 
 
 def find_first(data_dir: str, candidates) -> str | None:
-    """The first of `candidates` (paths below data_dir) that exists, or None."""
     for c in candidates:
         p = os.path.join(data_dir, c)
         if os.path.exists(p):
@@ -1936,16 +1792,13 @@ def cifar_files(data_dir: str, name: str) -> tuple[str, list[str]]:
     binary = find_first(data_dir, ["cifar-100-binary", "."])
     if binary and os.path.exists(os.path.join(binary, "train.bin")):
         return "binary", [os.path.join(binary, f"{s}.bin") for s in ("train", "test")]
-    raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and "
-                    f"cifar-100-binary/train.bin (binary) in {os.path.abspath(data_dir)}; fetch "
-                    f"it with `python train.py download cifar100 --data {data_dir}` (from "
-                    f"{CIFAR_URL}, checked and unpacked), or point --data-dir at it")
+    raise DataError("CIFAR-100 not found: looked for cifar-100-python/train (python) and cifar-100-binary/train.bin "
+                    f"(binary) in {os.path.abspath(data_dir)}; fetch it with `python train.py download cifar100 --data "
+                    f"{data_dir}` (from {CIFAR_URL}, checked and unpacked), or point --data-dir at it")
 
 
 def read_cifar(data_dir: str, name: str) -> dict:
-    """CIFAR-10 or CIFAR-100 from `data_dir` (`cifar_files`), python or binary release, every file
-    checked (`release_file`) before one is decoded: {'train': (x, y), 'test': (x, y), 'sources':
-    its files} with x uint8 (N, 3, 32, 32), y int64."""
+    """CIFAR-10 or CIFAR-100: {'train': (x, y), 'test': (x, y), 'sources': files}, x uint8 (N, 3, 32, 32), y int64."""
     kind, files = cifar_release(data_dir, name)                     # all checked, then decoded
     decode = {("python", "cifar10"): lambda f: read_cifar_pickle(f, n_classes=10),
               ("binary", "cifar10"): lambda f: read_cifar_binary(f, n_classes=10),
@@ -1958,10 +1811,8 @@ def read_cifar(data_dir: str, name: str) -> dict:
     return {"train": parts[0], "test": parts[1], "sources": files}
 
 
-# what a release's file opens with (python: a pickle) or is made of (binary: whole records of
-# the label(s) and 3072 pixels)
-CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"},
-              ("python", "cifar100"): {"header": b"\x80"},
+# what a release's file opens with (python: a pickle) or is made of (binary: records of the label(s), 3072 pixels)
+CIFAR_FILE = {("python", "cifar10"): {"header": b"\x80"}, ("python", "cifar100"): {"header": b"\x80"},
               ("binary", "cifar10"): {"record": 3073}, ("binary", "cifar100"): {"record": 3074}}
 
 
@@ -2033,8 +1884,7 @@ def imagenet100_layout(data_dir: str) -> str:
                     "imagenet100 --from IMAGENET_1K_DIR --data DIR` builds the tree from an ImageNet-1k copy")
 
 
-# then .npz or not
-DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)
+DOWNSAMPLED_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11)) + ("val_data",)      # then .npz or not
 
 
 def _wnid_map_path(data_dir: str) -> str:
@@ -2109,22 +1959,19 @@ def read_image_folder(root: str, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _image_signature(data_dir: str, sources, known=()) -> list[dict]:
-    """Every source file's `_source_signature`, named by its path relative to data_dir (sorted): a
-    change in any file's contents, or another set of files, invalidates the image cache."""
+    """Every source's `_source_signature`, named by its path relative to data_dir (sorted): the image cache's key."""
     return [_source_signature(Path(path), known, os.path.relpath(path, data_dir)) for path in sorted(sources)]
 
 
 def _save_image_cache(data_dir: str, key: str, data: dict, signature: list[dict]):
-    """Write the decoded arrays, their hash and their sources' signature to the first writable
-    cache folder; without one, run uncached."""
+    """Write the decoded arrays, their hash and sources' signature to the first writable cache folder (none: skip)."""
     try:
         folder = _writable_cache_dir(default_cache_dirs(data_dir))
     except DataError:
         return
     with atomic_output(folder / f"{key}.npz") as f:
-        np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0],
-                 y_test=data["test"][1], sources=np.array(json.dumps(signature)),
-                 data_hash=np.array(data["data_hash"]))
+        np.savez(f, x_train=data["train"][0], y_train=data["train"][1], x_test=data["test"][0], y_test=data["test"][1],
+                 sources=np.array(json.dumps(signature)), data_hash=np.array(data["data_hash"]))
 
 
 def _cached_images(cache: Path, data_dir: str) -> dict | None:
@@ -2142,12 +1989,10 @@ def _cached_images(cache: Path, data_dir: str) -> dict | None:
 
 
 def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
-    """Decode a dataset once and cache it as uint8 arrays (.npz) next to the data; later calls read the cache while
-    every source file keeps its contents (`_source_signature`), and rebuild it when one changes. Returns {"train":
-    (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
+    """Decode a dataset once, cached as uint8 arrays (.npz) by the data and read back while every source keeps its
+    contents (`_source_signature`): {"train": (x, y), "test": (x, y), "data_hash": sha256 of the four arrays}."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that "
-                        f"holds the {name} files")
+        raise DataError(f"--data-dir {data_dir} is not a folder; point it at the folder that holds the {name} files")
     key = f"{name}-{image_size}"
     for cache in (folder / f"{key}.npz" for folder in default_cache_dirs(data_dir)):
         if cache.exists():
@@ -2160,8 +2005,7 @@ def load_image_dataset(name: str, data_dir: str, image_size: int = 32) -> dict:
         data = {"train": read_image_folder(os.path.join(data_dir, "train"), image_size),
                 "test": read_image_folder(os.path.join(data_dir, "val"), image_size),
                 "sources": [os.path.join(root, f) for split in ("train", "val")
-                            for root, _, files in os.walk(os.path.join(data_dir, split))
-                            for f in files]}
+                            for root, _, files in os.walk(os.path.join(data_dir, split)) for f in files]}
     else:
         data = read_imagenet100_downsampled(data_dir)
     size = data["train"][0].shape[-1]
@@ -2187,31 +2031,26 @@ class ImageTask(Task):
     HEADLINE = ("top1", "loss")
     MASK_OFF: ClassVar[float] = 10.0       # every preset's -M off the pattern (m_on stays 5)
     PRESETS = {
-        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean",
-                                qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05,
-                                 batch_size=128, schedule="cosine", warmup_epochs=2, epochs=30,
-                                 label_smoothing=0.1, qk_opt_steps=2000, log_every=100)},
+        "small": {"model": dict(layers=4, heads=3, dim=96, mlp_dim=192, patch_size=4, pool="mean", qkv_bias=True,
+                                pos_init_std=0.02, pattern="soft"),
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=128,
+                                 schedule="cosine", warmup_epochs=2, epochs=30, label_smoothing=0.1,
+                                 qk_opt_steps=2000, log_every=100)},
         # the structured-initialization small-dataset recipe (osiriszjq/structured_initialization README, timm
         # 1.0.22): vit_tiny_patch16_224 with a class token, CIFAR upsampled to 224 by a random resized crop
-        # (evaluation: resize to 256, centre 224), 300 epochs, global batch 512, AdamW 2e-3 (eps 1e-8), decay 0.05,
-        # 50 warm-up epochs then cosine, RandAugment m9 mstd0.5 (2 ops, p 0.5), mixup 0.8, cutmix 1.0 (switch 0.5),
-        # random erasing 0.25 (pixel), label smoothing 0.1, drop path 0.1; no EMA, no clipping
-        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16,
-                                input_size=224, pool="cls", qkv_bias=True, pos_init_std=0.02,
-                                pattern="soft"),
-                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05,
-                                 betas="0.9,0.999", batch_size=512, schedule="cosine",
-                                 warmup_epochs=50, epochs=300, label_smoothing=0.1, mixup=0.8,
-                                 cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0,
-                                 randaug_std=0.5, randaug_ops=2, reprob=0.25, drop_path=0.1,
-                                 log_every=1000)},
+        # (evaluation: resize to 256, centre 224), the values below with AdamW eps 1e-8, RandAugment p 0.5, cutmix
+        # switch 0.5, pixel erasing; no EMA, no clipping
+        "paper": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=16, input_size=224, pool="cls",
+                                qkv_bias=True, pos_init_std=0.02, pattern="soft"),
+                  "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=2e-3, weight_decay=0.05, betas="0.9,0.999",
+                                 batch_size=512, schedule="cosine", warmup_epochs=50, epochs=300, label_smoothing=0.1,
+                                 mixup=0.8, cutmix=1.0, crop="rrc", crop_pct=0.875, randaug=9.0, randaug_std=0.5,
+                                 randaug_ops=2, reprob=0.25, drop_path=0.1, log_every=1000)},
         # the earlier setting: ViT-Tiny on 32x32 images, patch 2 (256 tokens), average pooling (Zheng et al. 2024)
-        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2,
-                                  pool="mean", qkv_bias=True, pos_init_std=0.02, pattern="soft"),
-                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3,
-                                   weight_decay=0.05, batch_size=512, schedule="cosine",
-                                   warmup_epochs=10, epochs=200, label_smoothing=0.1,
+        "paper32": {"model": dict(layers=12, heads=3, dim=192, mlp_dim=768, patch_size=2, pool="mean", qkv_bias=True,
+                                  pos_init_std=0.02, pattern="soft"),
+                    "recipe": dict(mask_off=MASK_OFF, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=512,
+                                   schedule="cosine", warmup_epochs=10, epochs=200, label_smoothing=0.1,
                                    log_every=1000)},
     }
     N_CLASSES: ClassVar[int] = 0
@@ -2245,8 +2084,7 @@ class ImageTask(Task):
         "randaug_ops": Must("at least 1", lambda v: v >= 1),
         "impulse": Must("fixed or random", lambda v: v in ("fixed", "random")),
         "soft_alpha": Must("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
-        "window": Must("the local prior's side in patches, an odd number >= 1",
-                       lambda v: v >= 1 and v % 2 == 1),
+        "window": Must("the local prior's side in patches, an odd number >= 1", lambda v: v >= 1 and v % 2 == 1),
     }
 
     def __post_init__(self):
@@ -2269,10 +2107,9 @@ class ImageTask(Task):
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the
-        keys whose initial log sigmoid(M) is above -1, and in a row with none (its offset leaves
-        the grid) the row's likeliest key, itself: at alpha 1 the impulse pattern, so a QK init
-        reads the same prior with either; `graded`: the 3 x 3 neighbourhood it allows)."""
+        """(heads, N, N) bool: what the prior favours, for the QK inits and the probe (`soft`: the keys whose initial
+        log sigmoid(M) is above -1, and in a row with none (its offset leaves the grid) the row's likeliest key, itself:
+        at alpha 1 the impulse pattern, so a QK init reads the same prior with either; `graded`: the 3 x 3 around)."""
         g, prefix = self.input_size // self.patch_size, 1 if self.pool == "cls" else 0
         if variant == "local" or variant == "graded":
             return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
@@ -2313,23 +2150,18 @@ class ImageTask(Task):
         self.n_train = len(self.y_train)
         return self
 
-    def data_hash(self) -> str:
-        return self._data_hash
-
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
         return (x_uint8.float() / 255 - self.mean) / self.std
 
     def train_batch(self, step: int, batch_size: int):
-        """Augmented batch of a step, deterministic in (seed, step), all on the device: (images float
-        (B, 3, S, S), soft targets (B, n_classes)), S = the input size. A pad crop is taken at the
-        stored size and the whole image upsampled; RandAugment works on the uint8 images."""
+        """Augmented batch of a step, deterministic in (seed, step), on the device: (images float (B, 3, S, S), soft
+        targets (B, n_classes)), S the input size; pad crops at the stored size, upsampled; RandAugment on uint8."""
         idx = self.epoch_indices(step, batch_size)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
         if self.crop == "rrc":
             x = augment.random_resized_crop(self.x_train[idx], self.input_size, g)
         else:
             x = augment.random_crop_flip(self.x_train[idx], self.pad, g)
-            # the whole image, upsampled bilinearly
             if self.input_size != self.image_size:
                 x = augment.resize(x, self.input_size)
         if self.randaug > 0:
@@ -2346,8 +2178,8 @@ class ImageTask(Task):
         return torch.sum(-y * F.log_softmax(model(x).float(), dim=-1), dim=-1).mean()
 
     def test_view(self, x_uint8: torch.Tensor) -> torch.Tensor:
-        """Test images as the model sees them: normalised, and at another input size resized to
-        input / crop_pct and centre-cropped (timm's evaluation view)."""
+        """Test images as the model sees them: normalised, and at another input size resized to input / crop_pct and
+        centre-cropped (timm's evaluation view)."""
         if self.input_size != self.image_size:
             x_uint8 = augment.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
         return self.normalize(x_uint8)
@@ -2367,8 +2199,7 @@ class ImageTask(Task):
         return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Vision reads a teacher's attention per 2-D offset by default (`mp.offsets_from_attention`: a soft prior
-        per head, translation-invariant like the impulse and soft patterns)."""
+        """Per 2-D offset by default (`mp.offsets_from_attention`: a soft prior per head, translation-invariant)."""
         if kind == "offsets":
             g = self.input_size // self.patch_size
             return self._soft(mp.offsets_from_attention(attn, g, g, 1 if self.pool == "cls" else 0, m_on, m_off))
@@ -2387,7 +2218,6 @@ class ImageTask(Task):
 
 
 def _required_dir(data_dir: str | None, name: str) -> str:
-    """`data_dir`, which task `name` needs (its files); a DataError where it is not given."""
     if data_dir is None:
         raise DataError(f"--data-dir is required for {name}: the folder that holds its files")
     return data_dir
@@ -2397,8 +2227,7 @@ def _required_dir(data_dir: str | None, name: str) -> str:
 class Cifar10(ImageTask):
     """CIFAR-10 (python or binary release) in --data-dir: 50,000 train / 10,000 test images, 10 classes."""
     N_CLASSES = 10
-    # training images as released (reproduce.sh's plan sizes epochs with it)
-    TRAIN_SIZE = 50_000
+    TRAIN_SIZE = 50_000             # training images as released (reproduce.sh's plan sizes epochs with it)
 
     @classmethod
     def locate(cls, data_dir):
@@ -2419,8 +2248,8 @@ class ImageNet100(ImageTask):
 
     @classmethod
     def locate(cls, data_dir):
-        """The layout, with what its reader needs first: every class folder, and an image in each
-        split (the tree, and Pillow), or every batch and the label map (downsampled)."""
+        """The layout, with what its reader needs first: every class folder and an image in each split (the tree, and
+        Pillow), or every batch and the label map (downsampled)."""
         layout = imagenet100_layout(_required_dir(data_dir, cls.NAME))
         if layout == "folder":
             _pillow()
@@ -2440,26 +2269,23 @@ class ImageNet100(ImageTask):
 
 
 # ----------------------------------------------------------------------------------------
-# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from
-# the files their authors publish (no `datasets` library, no network).
+# Language modelling: WikiText-2 (word level) and TinyStories (byte level), causal decoder; read from the files their
+# authors publish (no `datasets` library, no network).
 #
 # WikiText-2 (WIKITEXT_URL, the wikitext-2-v1 / wikitext-2-raw-v1 zips; `train.py download wikitext2`), either
 # release: wikitext-2/wiki.{train,valid,test}.tokens (word level, rare words already <unk>), tried first, or
 # wikitext-2-raw/wiki.{train,valid,test}.raw (raw text); data_dir may hold those folders or be one. Tokenisation
-# follows PyTorch's word_language_model example: every line, empty ones included, is line.split() then one <eos>;
-# headings (" = Robert Boulter = ") and the @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the
-# train split only: <unk> (id 0), <eos> (id 1), then the other words by descending train frequency, ties in
-# code-point (alphabetical) order; words of valid/test missing from it map to <unk> (only happens for the raw
-# release).
+# follows PyTorch's word_language_model example (`wikitext_line_words`): headings (" = Robert Boulter = ") and the
+# @,@ / @.@ / @-@ tokens are ordinary words. The vocabulary comes from the train split only (`build_vocab`); words of
+# valid/test missing from it map to <unk> (only in the raw release).
 #
 # TinyStories (TINYSTORIES_URL), V2 (TinyStoriesV2-GPT4-{train,valid}.txt) or V1 (TinyStories-{train,valid}.txt), in
 # data_dir or data_dir/TinyStories: stories are separated by lines that are exactly <|endoftext|> once surrounding
 # whitespace is stripped. Byte level: a story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every
 # story (vocabulary 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
 # vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The cost: sequences
-# about 4x longer than with a BPE tokeniser. Each story is stripped of leading and trailing (ASCII) whitespace,
-# inner newlines are kept, separator lines dropped, empty stories skipped, and a last story with no separator after
-# it still gets its end-of-text id.
+# about 4x longer than with a BPE tokeniser. Stories are stripped of leading and trailing (ASCII) whitespace, inner
+# newlines kept, empty ones skipped (`iter_tinystories_tokens`).
 #
 # Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536) or uint32 binary
 # file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures (`_source_signature`), so a changed
@@ -2472,8 +2298,7 @@ WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors r
 TINYSTORIES_URL = "https://huggingface.co/datasets/roneneldan/TinyStories"
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-# bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
-CACHE_FORMAT = 2
+CACHE_FORMAT = 2        # bump when the cache layout or a tokeniser changes (2: sources by content, tokens' sha256)
 
 UNK = "<unk>"
 EOS = "<eos>"
@@ -2491,8 +2316,7 @@ TINYSTORIES_SPLITS = ("train", "valid")
 TINYSTORIES_VERSIONS = {"v2": "TinyStoriesV2-GPT4", "v1": "TinyStories"}
 TINYSTORIES_TOKENIZER = "utf8-bytes-eot256-v1"
 
-# A separator line inside a block of complete lines (the block starts at a line start and ends
-# with "\n"); whitespace other than "\n" may surround it.
+# a separator line in a block of complete lines (from a line start to a "\n"); other whitespace may surround it
 _SEPARATOR_LINE = re.compile(rb"^[ \t\r\f\v]*<\|endoftext\|>[ \t\r\f\v]*\n", re.MULTILINE)
 
 
@@ -2503,11 +2327,9 @@ def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEF
     """A language-modelling corpus (`name` "wikitext2" or "tinystories", its files in `data_dir` as above) as token
     id arrays, tokenised on first use. `version`: "auto" (tries them in order) or a release, "tokens" / "raw" for
     WikiText-2, "v2" / "v1" for TinyStories; `chunk_size`: bytes read at a time while streaming TinyStories;
-    `cache_dir`: the token cache's folder instead of the default.
-
-    Returns {"train": memmap (N_train,), "valid": memmap (N_valid,), "vocab_size": int, "decode":
-    callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the tokens}; WikiText-2 also has "test"
-    (memmap) and "vocab" (list[str]). Arrays are 1-D, read-only, uint16 or uint32."""
+    `cache_dir`: the token cache's folder instead of the default. Returns {"train": memmap (N_train,), "valid": memmap
+    (N_valid,), "vocab_size": int, "decode": callable(list[int]) -> str, "source": str, "data_hash": a sha256 of the
+    tokens}; WikiText-2 also has "test" (memmap) and "vocab" (list[str]). Arrays: 1-D, read-only, uint16 or uint32."""
     if name == "wikitext2":
         return load_wikitext2(data_dir, release=version, cache_dir=cache_dir)
     if name == "tinystories":
@@ -2517,10 +2339,9 @@ def load_lm_corpus(name: str, data_dir: str | os.PathLike, chunk_size: int = DEF
 
 def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator: torch.Generator
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B = batch_size training windows of T = context tokens at uniformly random offsets of `tokens`
-    (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64
-    (B, T): x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1], s_b uniform over
-    0 .. N - T - 1."""
+    """B = batch_size training windows of T = context tokens at uniformly random offsets s_b in 0 .. N - T - 1 of
+    `tokens` (1-D, N >= T + 1 ids), drawn from `generator` (CPU: the same seed, the same batch). (x, y), int64 (B, T):
+    x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1]."""
     n = len(tokens)
     _check_context(context, n, "training")
     starts = torch.randint(0, n - context, (batch_size,), generator=generator).numpy()
@@ -2601,7 +2422,6 @@ def _read_or_build(candidates: list[Path], read: Callable, build: Callable):
 
 
 def _choices(value: str, options: dict, what: str) -> list[str]:
-    """'auto' -> every option in order of preference; a named option -> just it."""
     if value == "auto":
         return list(options)
     if value in options:
@@ -2622,9 +2442,8 @@ def find_wikitext_files(data_dir: str | os.PathLike, release: str = "auto") -> t
                 return name, files
             looked.append(str(folder / f"wiki.{{train,valid,test}}{ext}"))
     zips = " or ".join(f"{'wikitext-2-raw-v1' if r == 'raw' else 'wikitext-2-v1'}.zip" for r in releases)
-    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python "
-                    f"train.py download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and "
-                    "unzipped)")
+    raise DataError(f"WikiText-2 not found: looked for {', '.join(looked)}; fetch both releases with `python train.py "
+                    f"download wikitext2 --data {data_dir}` ({zips} from {WIKITEXT_URL}, checked and unzipped)")
 
 
 def wikitext_line_words(line: str) -> list[str]:
@@ -2668,14 +2487,12 @@ def decode_words(ids: Iterable[int], vocab: Sequence[str]) -> str:
 
 
 def _build_wikitext_cache(folder: Path, stem: str, files: dict[str, Path], sources: list[dict]) -> None:
-    """Tokenise the three splits, refuse an empty one, then write the vocab and each split's
-    tokens and meta (nothing is written for a corpus that is refused)."""
+    """Tokenise the three splits, refuse an empty one (writing nothing), then write the vocab, each split and meta."""
     vocab = build_vocab(iter_wikitext_words(files["train"]))
     ids = {split: encode_words(iter_wikitext_words(files[split]), vocab) for split in WIKITEXT_SPLITS}
     for split, tokens in ids.items():
         if len(tokens) == 0:
-            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it "
-                            f"from {WIKITEXT_URL}")
+            raise DataError(f"WikiText-2 file {files[split]} is empty (no tokens); re-download it from {WIKITEXT_URL}")
     raw = json.dumps(vocab, ensure_ascii=False).encode("utf-8")
     atomic_write(folder / f"{stem}.vocab.json", raw)
     vocab_sha1 = hashlib.sha1(raw).hexdigest()
@@ -2728,10 +2545,9 @@ def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_s
             lambda f: _write_split(f, stem, split, meta, iter_tinystories_tokens(path, chunk_size),
                                    BYTE_VOCAB_SIZE, empty))
         digests.append(digest)
-    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(),
-            "vocab_size": BYTE_VOCAB_SIZE, "decode": decode_bytes,
-            "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
-                      f"in {files['train'].parent}"}
+    return {**out, "data_hash": hashlib.sha256(" ".join(digests).encode()).hexdigest(), "vocab_size": BYTE_VOCAB_SIZE,
+            "decode": decode_bytes, "source": f"TinyStories {version} ({files['train'].name}, {files['valid'].name}) "
+                                              f"in {files['train'].parent}"}
 
 
 def find_tinystories_files(data_dir: str | os.PathLike, version: str = "auto") -> tuple[str, dict[str, Path]]:
@@ -2779,10 +2595,9 @@ def iter_line_blocks(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
 
 
 def iter_tinystories_tokens(path: Path, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[np.ndarray]:
-    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each;
-    concatenated, each non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across
-    blocks: `started`, the current story has non-whitespace content; `held`, its trailing
-    whitespace, emitted only if more content follows (stories end stripped without buffering one)."""
+    """Stream the byte-level tokens of a TinyStories file as uint16 arrays of about one chunk each; concatenated, each
+    non-empty story's stripped UTF-8 bytes then `EOT_ID`. State carried across blocks: `started`, the current story has
+    non-whitespace content; `held`, its trailing whitespace, emitted only if content follows (no story is buffered)."""
     started, held = False, b""
     for block in iter_line_blocks(path, chunk_size):
         content = bytearray()
@@ -2829,7 +2644,6 @@ def decode_bytes(ids: Iterable[int]) -> str:
 # ---- the token cache
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Little-endian uint16 when every id fits (vocab_size <= 65536), else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -2851,8 +2665,7 @@ def _known_sources(candidates: list[Path], stem: str) -> list[dict]:
 
 def _expected_meta(stem: str, tokenizer: str, split: str, sources: list[dict], **extra) -> dict:
     """The meta fields a valid cache must match exactly."""
-    return {"format": CACHE_FORMAT, "corpus": stem, "tokenizer": tokenizer, "split": split,
-            "sources": sources, **extra}
+    return {"format": CACHE_FORMAT, "corpus": stem, "tokenizer": tokenizer, "split": split, "sources": sources, **extra}
 
 
 def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
@@ -2882,8 +2695,7 @@ def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size:
 
 def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterable[np.ndarray],
                  vocab_size: int, empty_message: str) -> None:
-    """Stream `arrays` into the split's binary file (none: a DataError, `empty_message`), then write
-    its meta (with the count and the sha256 of the tokens)."""
+    """Stream `arrays` into the split's .bin (none: a DataError, `empty_message`), then its meta (+ count, sha256)."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     dtype = token_dtype(vocab_size)
     count, digest = 0, hashlib.sha256()
@@ -2901,9 +2713,8 @@ def _write_split(folder: Path, stem: str, split: str, meta: dict, arrays: Iterab
 
 
 def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
-    """(H, N, N) bool: the causal relative-distance prior as a hard pattern for the QK inits and the probe. Head h
-    keeps the keys within 1 / slope_h tokens behind the query (ALiBi slopes 2^(-8h/H): windows of 4, 16, 64, 256 for
-    4 heads), where its initial log sigmoid(M) is above -1."""
+    """(H, N, N) bool: the causal distance prior, hard, for the QK inits and the probe: head h keeps the keys within
+    1 / slope_h tokens behind (ALiBi slopes 2^(-8h/H): 4, 16, 64, 256 for 4 heads), where log sigmoid(M) > -1."""
     i = torch.arange(context)
     d = i[:, None] - i[None, :]
     width = (1.0 / mp.alibi_slopes(n_heads)).ceil().long()
@@ -2912,29 +2723,23 @@ def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
 
 @dataclass(kw_only=True)
 class LMTask(Task):
-    """Next-token prediction on random context windows; evaluation on the whole validation split.
-    The prior is the causal relative-distance init of M (ALiBi-like slopes per head)."""
+    """Next-token prediction on random context windows, evaluated on the whole validation split; prior: ALiBi-like M."""
     KIND = "lm"
     PATTERNS = ("distance",)
     DEFAULT_PATTERN = "distance"
     HEADLINE = ("val_loss", "val_ppl")
     PRESETS = {
-        # the prior is a relative-distance M (one logit per head and distance; --mask-param full for the paper's N x
-        # N M): on the stand-in corpus it is not worse (results/README.md) and it scales with the context. small: a
-        # 4 x 128 causal decoder, context 64, 400 steps of 16 windows: about 3 minutes on one core
-        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512,
-                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=64,
-                                dropout=0.1),
-                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1,
-                                 betas="0.9,0.95", batch_size=16, schedule="cosine", warmup=40,
-                                 steps=400, grad_clip=1.0, log_every=20)},
+        # the prior is a relative-distance M (a logit per head and distance; --mask-param full: the paper's N x N M):
+        # not worse on the stand-in corpus (results/README.md), and it scales with the context; small: ~3 min on a core
+        "small": {"model": dict(mask_param="relative", layers=4, heads=4, dim=128, mlp_dim=512, emb_init_std=0.02,
+                                pos_init_std=0.02, qkv_bias=True, context=64, dropout=0.1),
+                  "recipe": dict(val_tokens=10_000, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas="0.9,0.95",
+                                 batch_size=16, schedule="cosine", warmup=40, steps=400, grad_clip=1.0, log_every=20)},
         # nanoGPT-like: 6 layers, 6 heads, width 384, context 256, AdamW 6e-4, cosine, dropout 0.2
-        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536,
-                                emb_init_std=0.02, pos_init_std=0.02, qkv_bias=True, context=256,
-                                dropout=0.2),
-                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95",
-                                 batch_size=64, schedule="cosine", warmup=200, steps=10000,
-                                 grad_clip=1.0, log_every=500)},
+        "paper": {"model": dict(mask_param="relative", layers=6, heads=6, dim=384, mlp_dim=1536, emb_init_std=0.02,
+                                pos_init_std=0.02, qkv_bias=True, context=256, dropout=0.2),
+                  "recipe": dict(optimizer="adamw", lr=6e-4, weight_decay=0.1, betas="0.9,0.95", batch_size=64,
+                                 schedule="cosine", warmup=200, steps=10000, grad_clip=1.0, log_every=500)},
     }
     MUST: ClassVar[dict] = {
         "context": Must("at least 2", lambda v: v >= 2),
@@ -2977,9 +2782,6 @@ class LMTask(Task):
         self.device = torch.device(device)
         return self
 
-    def data_hash(self) -> str:
-        return self._data_hash
-
     @classmethod
     def locate(cls, data_dir):
         """The release `find_files` finds, once each of its splits is a non-empty regular file (`release_file`)."""
@@ -3002,24 +2804,21 @@ class LMTask(Task):
             raise TaskError(f"--sample: the prompt {prompt!r} gives no tokens")
         out = mp.generate(model, torch.tensor([ids], device=self.device), n, temperature, top_k
                           or None, generator=generator)
-        # words are joined by spaces, bytes are not
-        sep = " " if self.vocab is not None else ""
+        sep = " " if self.vocab is not None else ""                 # words are joined by spaces, bytes are not
         return self.decode(ids) + sep + self.decode(out[0, len(ids):].tolist())
 
     def arch(self) -> dict:
         if self.vocab_size is None:
             raise TaskError("LMTask.arch() needs setup() first: the vocabulary comes from the data")
-        return {"vocab_size": self.vocab_size, "seq_len": self.context,
-                "n_outputs": self.vocab_size, "readout": "tokens", "causal": True,
-                "tie_embeddings": True, "positions": self.positions}
+        return {"vocab_size": self.vocab_size, "seq_len": self.context, "n_outputs": self.vocab_size,
+                "readout": "tokens", "causal": True, "tie_embeddings": True, "positions": self.positions}
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         return lm_patterns(self.context, self.heads)
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like); the future
-        is removed by the hard causal mask. It has no on / off levels: train.py's table keeps
-        --mask-on and --mask-off to the other families, so m_on and m_off are the defaults here."""
+        """Initial M with log sigmoid(M) = -slope_h * distance on the past (ALiBi-like; the causal mask removes the
+        future). No on / off levels: train.py keeps --mask-on / --mask-off to the other families (here: defaults)."""
         self.pattern_name(variant)
         return mp.causal_distance_logits(self.mask_window or self.context, self.heads)
 
@@ -3055,8 +2854,7 @@ class LMTask(Task):
         return float((model(x.to(self.device)).argmax(-1) == y.to(self.device)).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
-        """Language models read a teacher's attention per head and distance by default
-        (`mp.relative_from_attention`), the form of the relative-distance M (`--mask-param relative`)."""
+        """Per head and distance by default (`mp.relative_from_attention`): the form of `--mask-param relative`'s M."""
         if kind == "relative":
             return self._soft(mp.relative_from_attention(attn, m_on, m_off, causal=True))
         return super().teacher_prior(attn, kind, ratio, m_on, m_off)
@@ -3088,6 +2886,5 @@ class WikiText2(LMTask):
 @register("tinystories")
 class TinyStories(LMTask):
     """TinyStories (V2 or V1 text files, byte level) in --data-dir."""
-    PRESETS = {"paper": {"model": dict(dropout=0.0),
-                         "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
+    PRESETS = {"paper": {"model": dict(dropout=0.0), "recipe": dict(steps=20000, log_every=1000, val_tokens=2_000_000)}}
     find_files = staticmethod(find_tinystories_files)
