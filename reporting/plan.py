@@ -114,9 +114,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
             d2 = f"--digits 2 --data-frac {f} --answer-order lsb --steps 1000 --log-every 50"
             add("mult2", "multiplication", QK, d2, f"d2-frac{f}")
             add("mult2", "multiplication", ("mask",), d2 + " --pattern partial", f"d2-frac{f}-partial")
-    study = {"lee": _lee, "visionprior": _vision_prior, "ablation": _ablation, "oraclefree": _oracle_free,
-             "parity3": _parity3, "mult-ladder": lambda plan, add: _mult_ladder(plan, add, runs)}.get(only)
-    if study:
+    if study := {"lee": _lee, "visionprior": _vision_prior, "ablation": _ablation, "oraclefree": _oracle_free,
+                 "parity3": _parity3, "mult-ladder": lambda plan, add: _mult_ladder(plan, add, runs)}.get(only):
         study(plan, add)
     return plan
 

@@ -195,9 +195,8 @@ def flag_label(label: str) -> str:
     return ", ".join(parts)
 
 
-# How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its
-# words, "{}" standing for the value; any other flag reads as its name and value ("steps 250").
-# A pattern with a name of its own reads as that name.
+# How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its words, "{}" standing for
+# the value; any other flag reads as its name and value ("steps 250"). A named pattern reads as its name.
 FLAG_WORDS = {"pattern": "{} pattern", "mask_off": "M off -{}", "mask_on": "M on +{}", "soft_alpha": "α {}",
               "qk_svd_pos_scale": "positions x{}", "answer_order": "{} first", "pos_init_std": "positional std {}"}
 PATTERN_WORDS = {"soft": "soft bump", "local": "local window"}
@@ -240,11 +239,10 @@ def series_labels(series: list) -> tuple[dict, str]:
     return labels, config_words(", ".join(sorted(known)))
 
 
-# The data a run read, by the sha256 its result.json records (`data`: `Task.data_hash`), where it
-# is not what the task's name says: the stand-ins train.py writes (`make-digits`) are the same
-# bytes on every machine. A task whose family makes its data (GENERATED) is its own data set; a
-# task that reads files names its data here or says it is not recognised, so that no figure
-# titles a stand-in with the real set's name ("cifar10" reads the digits in CIFAR-10's layout).
+# The data a run read, by the sha256 its result.json records (`data`: `Task.data_hash`), where it is not what the task's
+# name says: train.py's stand-ins (`make-digits`) are the same bytes on every machine. A task whose family makes its
+# data (GENERATED) is its own data set; a task that reads files names its data here or says it is not recognised, so
+# that no figure titles a stand-in with the real set's name ("cifar10" reads the digits in CIFAR-10's layout).
 KNOWN_DATA = {"286666e57db38e96d7105699a9009b0e1911902e38f7bbfd2825f993cc4b7037": "digits stand-in"}
 GENERATED = ("boolean", "arithmetic")
 DATA_HEADER = ("task", "data")
@@ -747,9 +745,8 @@ def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str
     return [save_figure(fig, path)]
 
 
-# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the
-# column of a run is its init and its tag (less a corpus prefix, which names the row instead: the
-# language stand-in's teacher reads corpus A, its students corpus B).
+# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; a run's column is its init
+# and tag (less a corpus prefix, naming the row: the language stand-in's teacher reads corpus A, its students B).
 ORACLE_FREE_COLUMNS = (("default", "default", ""), ("hand pattern, mask", "mask", ""),
                        ("found in the data, mask", "mask", "discovered"), ("from the teacher, mask", "mask", "teacher"),
                        ("from an impulse teacher, mask", "mask", "teacher-impulse"),
@@ -813,8 +810,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
 
 
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
-    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, a band per
-    variant with a prior (`plot_band`)."""
+    """oraclefree_mass.png: per task, the mass on each prior's own pattern by step, a band per variant with a prior."""
     curves = []
     for row in rows:
         lines = {}
