@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 
 def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator, flip: bool = True) -> torch.Tensor:
-    """Zero-pad by `pad`, crop back at a random offset per image, flip half the images left-right.
-    x: (B, C, H, W) -> same shape and dtype."""
+    """Zero-pad by `pad`, crop back at a random offset per image, flip half left-right; (B, C, H, W) -> the same."""
     b, c, h, w = x.shape
     if pad:
         xp = F.pad(x, (pad, pad, pad, pad))
@@ -27,12 +26,10 @@ def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator, flip
     return x
 
 
-# ---- RandAugment, random resized crop and random erasing. Images stay uint8 (B, 3, H, W) through
-# the photometric and geometric ops (values computed in float, truncated to 0..255 as Pillow does);
-# each op takes per-image arguments, so one call serves a batch whose images drew other magnitudes.
+# ---- RandAugment, random resized crop and random erasing. Images stay uint8 (B, 3, H, W) through the photometric and
+# geometric ops (computed in float, truncated to 0..255 as Pillow does); per-image arguments: one call serves a batch.
 
-# fill of the geometric ops: the ImageNet mean in 0..255, as timm uses
-AUG_FILL = (124, 116, 104)
+AUG_FILL = (124, 116, 104)          # fill of the geometric ops: the ImageNet mean in 0..255, as timm uses
 
 
 def _per_image(v, x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +43,7 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 
 def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor) -> torch.Tensor:
-    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate), per image factor, truncated
-    toward zero to uint8 as Pillow's blend."""
+    """Pillow's ImageEnhance: degenerate + factor * (x - degenerate) per image, truncated toward zero to uint8."""
     f = _per_image(factor, x)
     return (degenerate + f * (x.float() - degenerate)).clamp(0, 255).to(torch.uint8)
 
@@ -66,8 +62,7 @@ def aug_contrast(x, factor):
 
 
 def aug_sharpness(x, factor):
-    """Blend with Pillow's SMOOTH filter ([[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded; the
-    border pixels keep their values)."""
+    """Blend with Pillow's SMOOTH filter ([[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded; border pixels kept)."""
     k = torch.tensor([[1.0, 1, 1], [1, 5, 1], [1, 1, 1]], device=x.device) / 13
     xf = x.float()
     smooth = F.conv2d(xf.flatten(0, 1).unsqueeze(1), k.view(1, 1, 3, 3))
@@ -185,9 +180,8 @@ RANDAUG_OPS = {
 
 def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float = 9.0,
                  std: float = 0.5, n_ops: int = 2, prob: float = 0.5) -> torch.Tensor:
-    """RandAugment on a uint8 batch (B, 3, H, W): `n_ops` times, every image draws an op of
-    RANDAUG_OPS uniformly and applies it with probability `prob`, at magnitude m ~ N(magnitude,
-    std^2) clipped to [0, 10] (drawn per image and op). Same shape and dtype."""
+    """RandAugment on a uint8 batch (B, 3, H, W): `n_ops` times, each image draws an op of RANDAUG_OPS uniformly and
+    applies it with probability `prob`, at magnitude m ~ N(magnitude, std^2) clipped to [0, 10] (per image and op)."""
     b = x.shape[0]
     x = x.clone()
     for _ in range(n_ops):
@@ -205,10 +199,8 @@ def rand_augment(x: torch.Tensor, generator: torch.Generator, magnitude: float =
 
 
 def _sample(x: torch.Tensor, x0, y0, w, h, out: int, flip=None) -> torch.Tensor:
-    """Bilinear resampling of the box (x0, y0, w, h) of each image (pixel units, per image) to
-    out x out, mirrored where `flip`; uint8 in and out."""
-    b = x.shape[0]
-    size = x.shape[-1]
+    """Each image's box (x0, y0, w, h; pixels) resampled bilinearly to out x out, mirrored where `flip`; uint8."""
+    b, size = x.shape[0], x.shape[-1]
     t = (torch.arange(out, device=x.device, dtype=torch.float32) + 0.5) / out     # (out,) in (0, 1)
     tx = t[None].expand(b, -1) if flip is None else torch.where(flip[:, None], 1 - t[None], t[None])
     gx = ((x0[:, None] + tx * w[:, None]) / size * 2 - 1)                              # (B, out)
@@ -240,10 +232,9 @@ def resize(x: torch.Tensor, out: int) -> torch.Tensor:
 
 def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, scale=(0.08, 1.0),
                         ratio=(3 / 4, 4 / 3), flip: bool = True) -> torch.Tensor:
-    """timm's RandomResizedCrop + horizontal flip on a uint8 batch (B, C, S, S) -> (B, C, out,
-    out): per image a box of area fraction U(scale) and log-uniform aspect ratio (first of 10 draws
-    that fits, else the whole image) at a random place, resampled bilinearly (this upsamples 32 x
-    32 CIFAR to a 224 x 224 model input), then mirrored with probability 1/2."""
+    """timm's RandomResizedCrop + horizontal flip on a uint8 batch (B, C, S, S) -> (B, C, out, out): per image a box of
+    area fraction U(scale) and log-uniform aspect ratio (first of 10 draws that fits, else the whole image) at a random
+    place, resampled bilinearly (32 x 32 CIFAR up to a 224 x 224 input), then mirrored with probability 1/2."""
     b, s = x.shape[0], x.shape[-1]
     kw = dict(generator=generator, device=x.device)
     fits, w, h = _first_box(b, s * s, scale, ratio, generator, x.device,
@@ -307,13 +298,11 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
     kw = dict(generator=generator, device=x.device)
     use = torch.rand(b, **kw) < prob
     fits, h, w = _first_box(b, hh * ww, area, ratio, generator, x.device, lambda h, w: (h < hh) & (w < ww))
-    use = use & fits
     top = (torch.rand(b, **kw) * (hh - h + 1)).floor()
     left = (torch.rand(b, **kw) * (ww - w + 1)).floor()
     rows = torch.arange(hh, device=x.device)[None, :, None]
     cols = torch.arange(ww, device=x.device)[None, None, :]
     box = ((rows >= top[:, None, None]) & (rows < (top + h)[:, None, None])
-           & (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None])
-           & use[:, None, None])
+           & (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None]) & (use & fits)[:, None, None])
     noise = torch.randn(x.shape, **kw, dtype=x.dtype)
     return torch.where(box[:, None], noise, x)

@@ -6,20 +6,16 @@
 
 Each file of a set (SOURCES) goes the same way:
 
-1. its target in DIR (the folder its archive unpacks to, or the text file) already there: one line,
-   left as it is;
-2. fetched to DIR/FILE.part, resumed from where a cut transfer stopped (an HTTP Range request),
-   with a progress bar
-   on a terminal (bytes, rate, ETA) and a line per 10% otherwise; then the whole file's sha256 (and md5, where its
-   authors publish one) is checked against the pinned sum: a mismatch is one line naming both sums, and the .part
-   is deleted (a wrong whole file cannot be resumed into a right one);
-3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under
-   the archive's one top folder, no absolute path or `..`, no links or devices, each path given
-   once (a folder may be given again), no member under a file member, at most DEPTH_MAX folders
-   deep and names a file system holds (MEMBER_MUST), at most `max_unpacked` bytes in all; the set's
-   reader must then find it there (`Task.locate`) before the folder is renamed into place
-   (datafetch.write.write_new_dataset), so DIR holds the set whole or not at all; the .part is deleted once the set
-   is in.
+1. its target in DIR (the folder its archive unpacks to, or the text file) already there: one line, left as it is;
+2. fetched to DIR/FILE.part, resumed from where a cut transfer stopped (an HTTP Range request), with a progress bar on a
+   terminal (bytes, rate, ETA) and a line per 10% otherwise; then the whole file's sha256 (and md5, where its authors
+   publish one) is checked against the pinned sum: a mismatch is one line naming both sums, and the .part is deleted (a
+   wrong whole file cannot be resumed into a right one);
+3. an archive is unpacked into a hidden staging folder in DIR, member by member: every member under the archive's one
+   top folder, no absolute path or `..`, no links or devices, each path given once (a folder may be given again), no
+   member under a file member, at most DEPTH_MAX folders deep and names a file system holds (MEMBER_MUST), at most
+   `max_unpacked` bytes in all; the set's reader must then find it there (`Task.locate`) before the folder is renamed
+   into place (datafetch.write.write_new_dataset), so DIR holds the set whole or not at all; then the .part is deleted.
 
 The arguments are checked before anything is written (`refusal`, and `datafetch.write.make_folder` for DIR): bad
 input is one line, exit status 2. Every failure after is a DataError (train.py: one line, exit status 2) that leaves
@@ -73,8 +69,7 @@ class File:
     sha256: str
     target: str
     md5: str | None = None          # where the authors publish one (CIFAR): checked too
-    # an archive: the most bytes its members may hold (0: a plain file)
-    max_unpacked: int = 0
+    max_unpacked: int = 0           # an archive: the most bytes its members may hold (0: a plain file)
 
     @property
     def name(self) -> str:
@@ -170,10 +165,6 @@ class WriteError(tasks.DataError):
     """Unpacking failed on this side (the disk, the folder), not the archive's: the download is kept."""
 
 
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
 def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES,
              timeout: float = 30.0) -> int:
     """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's docstring); `mirror`: a
@@ -237,8 +228,8 @@ class _locked:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(self.fd)
-                raise runfiles.BusyError(f"another download into {self.folder} is running; wait for it, "
-                                   "or give another --data") from None
+                raise runfiles.BusyError(f"another download into {self.folder} is running; wait for it, or give "
+                                         "another --data") from None
         return self
 
     def __exit__(self, *exc):
@@ -254,10 +245,9 @@ def _resumable(f: File, data_dir: str):
     except KeyboardInterrupt:
         part = os.path.join(data_dir, f.name + ".part")
         kept = _part_bytes(part)
-        raise Interrupted(f"interrupted: {part} is kept, {kept:,} of the {f.size:,} bytes of "
-                          f"{f.name}; run the same command again to resume from it"
-                          if kept is not None else f"interrupted before {f.name} was fetched; "
-                          "nothing written for it: run the same command again") from None
+        raise Interrupted(f"interrupted: {part} is kept, {kept:,} of the {f.size:,} bytes of {f.name}; run the same "
+                          "command again to resume from it" if kept is not None else f"interrupted before {f.name} "
+                          "was fetched; nothing written for it: run the same command again") from None
 
 
 def _part_bytes(part: str) -> int | None:
@@ -272,21 +262,22 @@ def _part_bytes(part: str) -> int | None:
 def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeout: float) -> None:
     target = os.path.join(data_dir, f.target)
     if os.path.lexists(target):
-        say(f"{set_name}: {target} is already there; left as it is")
+        print(f"{set_name}: {target} is already there; left as it is", flush=True)
         return
     url = f"{mirror.rstrip('/')}/{f.name}" if mirror is not None else f.url
     part = os.path.join(data_dir, f.name + ".part")
     have = _own_part(part)
     _check_room(set_name, f, part, have, data_dir)
     if have < f.size:
-        say(f"{set_name}: {url} ({f.size / MB:,.1f} MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})")
+        print(f"{set_name}: {url} ({f.size / MB:,.1f} MiB{f', resuming at {have / MB:,.1f} MiB' if have else ''})",
+              flush=True)
         _transfer(url, part, have, f.size, timeout)
     _check_sums(part, f)
     if f.max_unpacked:
         _unpack_part(set_name, part, f, data_dir)
     else:
         _place(part, target, f)
-    say(f"{set_name}: {target} is in place")
+    print(f"{set_name}: {target} is in place", flush=True)
 
 
 def _check_room(set_name: str, f: File, part: str, have: int, data_dir: str) -> None:
@@ -302,9 +293,8 @@ def _check_room(set_name: str, f: File, part: str, have: int, data_dir: str) -> 
 
 
 def _unpack_part(set_name: str, part: str, f: File, data_dir: str) -> None:
-    """The checked archive unpacked, then deleted. An archive refused is deleted too (a checked
-    file that is unsafe stays unsafe), and the line says so; a failed write on this side
-    (WriteError) or Ctrl-C keeps it, for the same command to unpack again."""
+    """The checked archive unpacked, then deleted. A refused one is deleted too (a checked file that is unsafe stays
+    unsafe), and the line says so; a failed write on this side (WriteError) or Ctrl-C keeps it, to unpack again."""
     try:
         _unpack(set_name, part, f, data_dir)
     except WriteError as e:
@@ -316,8 +306,7 @@ def _unpack_part(set_name: str, part: str, f: File, data_dir: str) -> None:
 
 
 def _place(part: str, target: str, f: File) -> None:
-    """A checked plain file, still ours, moved into place by a hard link (never over a file that appeared
-    meanwhile), then its .part deleted."""
+    """A checked file, still ours, hard-linked into place (never over one that appeared), then its .part deleted."""
     _own_part(part)
     try:
         os.link(part, target)
@@ -329,10 +318,9 @@ def _place(part: str, target: str, f: File) -> None:
 
 
 def _own_part(part: str) -> int:
-    """The bytes of a cut download of ours at `part` (0 where none is there): opened without following a link or
-    blocking on a FIFO and checked on the opened descriptor (`runfiles.own_problem`: a regular file of this user with
-    one link). Anything else (a link, a hard link to someone's file, a folder, a FIFO) is not ours: one line, and
-    nothing is written through it or removed."""
+    """The bytes of a cut download of ours at `part` (0: none): opened without following a link or blocking on a FIFO
+    and checked on its descriptor (`runfiles.own_problem`: a regular file of this user with one link). Else (a link, a
+    hard link to someone's file, a folder, a FIFO) it is not ours: one line, nothing written through it or removed."""
     try:
         fd = os.open(part, os.O_RDONLY | runfiles.NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -445,13 +433,11 @@ def _start_of(response, url: str, have: int, size: int) -> int:
 
 
 def _copy(response, out, url: str, part: str, got: int, size: int, progress) -> int:
-    """The reply's bytes appended to `out` (the .part, holding `got`) up to the pinned `size`;
-    returns the bytes it holds then. A stall, a cut or a broken reply is one line and keeps the
-    part, to resume; more bytes than the file has deletes it."""
+    """The reply's bytes appended to `out` (the .part, holding `got`) up to the pinned `size`; returns its bytes then.
+    A stall, a cut or a broken reply is one line and keeps the part, to resume; more bytes than the file deletes it."""
     while True:
         try:
-            # what has come, not a full chunk: a stall keeps it
-            chunk = response.read1(CHUNK)
+            chunk = response.read1(CHUNK)           # what has come, not a full chunk: a stall keeps it
         except NET_ERRORS as e:
             raise tasks.DataError(f"{url}: the transfer stopped at {got:,} of {size:,} bytes ({_failure(e)}); run "
                                   f"the same command again to resume from {part}") from None
@@ -525,23 +511,20 @@ def _clock(seconds: float) -> str:
 def _check_sums(part: str, f: File) -> None:
     """The whole file's sha256 (and md5) against the pinned ones; a mismatch deletes the .part."""
     sha, md5 = hashlib.sha256(), hashlib.md5()
-    with runfiles.open_back(part) as src:
-        for block in iter(lambda: src.read(CHUNK), b""):
-            sha.update(block)
-            md5.update(block)
+    for block in _chunks(lambda: runfiles.open_back(part)):
+        sha.update(block)
+        md5.update(block)
     for kind, got, want in (("sha256", sha.hexdigest(), f.sha256), ("md5", md5.hexdigest(), f.md5)):
         if want and got != want:
             _remove_part(part)
-            raise tasks.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt "
-                              "transfer or another file; deleted, nothing unpacked (run again to "
-                              "fetch it afresh)")
+            raise tasks.DataError(f"{f.name}: {kind} {got}, the pinned one is {want}: a corrupt transfer or another "
+                                  "file; deleted, nothing unpacked (run again to fetch it afresh)")
 
 
 def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
-    """The archive's members under f.target/ into DIR/f.target, whole (a staging folder renamed
-    into place), after every member is checked (`_members`, `_member_path`, `_claim`) and the set's
-    reader finds it. A damaged or unsafe archive is one line (DataError); a write that fails on
-    this side a WriteError; either way nothing is left in DIR."""
+    """The archive's members under f.target/ into DIR/f.target, whole (a staging folder renamed into place), after
+    every member is checked (`_members`, `_member_path`, `_claim`) and the set's reader finds it. A damaged or unsafe
+    archive is one line (DataError); a write that fails on this side a WriteError; either way nothing is left in DIR."""
     def write(tmp):
         seen, total = {"": "dir"}, 0
         for name, kind, read in _members(archive, f):
@@ -551,14 +534,12 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
             total = _write_member(dest, kind, read, total, f, name)
         task = tasks.TASKS.get(set_name)
         if task is not None:
-            # the reader finds the set where it will lie (DataError if not)
-            task.locate(tmp)
+            task.locate(tmp)            # the reader finds the set where it will lie (DataError if not)
     write_new_dataset(data_dir, f.target, write)
 
 
 def _write_member(dest: str, kind: str, read, total: int, f: File, name: str) -> int:
-    """One checked member at `dest`: a folder made, or a file's bytes written and counted against
-    f.max_unpacked; returns the bytes unpacked so far."""
+    """One checked member at `dest` (a folder, or a file's bytes counted to f.max_unpacked); returns bytes so far."""
     try:
         if kind == "dir":
             os.makedirs(dest, exist_ok=True)

@@ -49,9 +49,8 @@ def _sources(source: str) -> dict:
 
 
 def build(source: str, data_dir: str) -> str:
-    """DIR/imagenet100/{train,val}/<wnid>/ from `source` (see the module's docstring); returns the
-    line to print. DATA is made if missing (and removed again on a refusal); every failure, and
-    Ctrl-C (Interrupted, exit status 130), is one line that leaves DATA as it was."""
+    """DIR/imagenet100/{train,val}/<wnid>/ from `source`; returns the line to print. DATA is made if missing (and
+    removed on a refusal); every failure, and Ctrl-C (Interrupted, exit 130), is one line leaving DATA as it was."""
     target = os.path.join(data_dir, "imagenet100")
     with data_folder(data_dir, "--data"):
         if os.path.lexists(target):
@@ -79,8 +78,7 @@ def _on_disk(work, what: str):
 
 
 def _build_tree(files: dict, source: str, data_dir: str, total: int) -> int:
-    """The tree written through write_new_dataset (whole or not at all); returns how many images
-    were hard-linked (the rest copied)."""
+    """The tree via write_new_dataset (whole or not at all); returns how many images were hard-linked, not copied."""
     state = {"linked": 0, "space_checked": False}
 
     def write(tmp):

@@ -1,7 +1,6 @@
-"""Writing a data set into a folder, whole (`write_new_dataset`: `download` and `imagenet100` write
-through it), and the stand-ins: small real data sets in the real release layouts, so that the
-readers, the tests and a CPU trial run on real files (`python train.py make-digits DIR`, `python
-train.py make-wikitext DIR FILE...`). Nothing on the run path calls them."""
+"""Writing a data set into a folder, whole (`write_new_dataset`: `download` and `imagenet100` write through it), and
+the stand-ins: small real data sets in the real release layouts, so that the readers, the tests and a CPU trial run on
+real files (`train.py make-digits DIR`, `train.py make-wikitext DIR FILE...`). Nothing on the run path calls them."""
 from __future__ import annotations
 
 import collections
@@ -23,8 +22,7 @@ from tasks import DataError, find_first, find_wikitext_files
 
 
 class Interrupted(UsageError):
-    """Ctrl-C (SIGINT) during a download or a build: one line saying what was kept, and exit
-    status 130 (the shell's for SIGINT) from train.py's main."""
+    """Ctrl-C (SIGINT) in a download or a build: one line saying what was kept, exit status 130 (the shell's)."""
     status = 130
 
 
@@ -179,11 +177,10 @@ def wikitext_tokenize(text: str) -> list[str]:
 
 
 def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int = 12) -> str:
-    """Write (title, [paragraph, ...]) articles as WikiText-2's word-level release:
-    folder/wikitext-2/wiki.{train,valid,test}.tokens with ' = Title = ' headings, blank lines
-    between paragraphs, and words seen fewer than `min_count` times in train replaced by <unk>.
-    Articles go to valid / test when their index mod `every` is every - 7 / every - 1, else train.
-    A folder that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
+    """Write (title, [paragraph, ...]) articles as WikiText-2's word-level release, wiki.{train,valid,test}.tokens in
+    folder/wikitext-2/, with ' = Title = ' headings, blank lines between paragraphs, and words seen fewer than
+    `min_count` times in train replaced by <unk>. Articles go to valid / test when their index mod `every` is every - 7
+    / every - 1, else train. A folder that already holds a WikiText-2 release is refused (`write_new_dataset`)."""
     articles = list(articles)
     if len(articles) < every:
         raise DataError(f"make-wikitext needs at least {every} articles (text files) so that "
@@ -214,9 +211,8 @@ def write_wikitext_layout(articles, folder: str, min_count: int = 3, every: int 
 
 
 def make_digits(folder: str) -> str:
-    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32 RGB and written
-    in the CIFAR-10 python format (`digits_arrays`): a small, real, learnable image set for trying the vision path
-    on a CPU. Returns what it says."""
+    """python train.py make-digits DIR: scikit-learn's bundled handwritten digits upscaled to 32x32 RGB and written in
+    the CIFAR-10 python format (`digits_arrays`): a small, real, learnable image set to try the vision path on a CPU."""
     x_train, y_train, x_test, y_test = digits_arrays()
     out = write_cifar10_python(folder, x_train, y_train, x_test, y_test)
     return (f"wrote {len(y_train)} train / {len(y_test)} test digits in CIFAR-10 python format to {out}\ntrain on "

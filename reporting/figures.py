@@ -1,7 +1,6 @@
-"""The figure layer every report and `show` draws with: matplotlib without a display (`pyplot`),
-panels in a grid (`panel_grid`), one line style per init or series (`line_style`), the legend and
-the caption outside the panels, M's token ticks, atomic saving (`save_figure`) and what makes a
-saved figure hard to read (`figure_problems`, asserted of every figure the tests save)."""
+"""The figure layer every report and `show` draws with: matplotlib without a display (`pyplot`), panels in a grid
+(`panel_grid`), one line style per init or series (`line_style`), the legend and the caption outside the panels, M's
+token ticks, atomic saving (`save_figure`) and what makes a saved figure hard to read (`figure_problems`)."""
 from __future__ import annotations
 
 import math
@@ -24,9 +23,8 @@ def pyplot():
 
 
 MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
-INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"),
-               "qk-svd": ("tab:blue", "--"), "qk-opt": ("tab:green", "-."),
-               "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
+INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"), "qk-svd": ("tab:blue", "--"),
+               "qk-opt": ("tab:green", "-."), "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
                "mask-impulse": ("tab:brown", "-")}
 SERIES_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
                   "tab:gray", "tab:olive", "tab:cyan")
@@ -53,9 +51,8 @@ def panel_grid(blocks: int, rows: int = 1, cols: int = 1, width: float = 4.0, he
     fits = [c for c in range(1, blocks + 1) if 1 / 3 <= aspect(c) <= 3] or range(1, blocks + 1)
     # no empty blocks, then nearest square
     c = min(fits, key=lambda c: (-blocks % c, abs(math.log(aspect(c)))))
-    fig, axes = plt.subplots(-(-blocks // c) * rows, c * cols,
-                             figsize=(c * cols * width, -(-blocks // c) * rows * height),
-                             squeeze=False, layout="constrained")
+    r = -(-blocks // c) * rows
+    fig, axes = plt.subplots(r, c * cols, figsize=(c * cols * width, r * height), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.set_visible(False)
 
@@ -133,8 +130,7 @@ def figure_problems(fig, drawn: bool = False) -> list[str]:
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                # located, not drawn
-                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):
+                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):  # located, not drawn
                     hidden.update((id(tick.label1), id(tick.label2)))
     panels = [ax for ax in fig.axes if ax.get_visible()]
     for i, a in enumerate(panels):
@@ -143,8 +139,7 @@ def figure_problems(fig, drawn: bool = False) -> list[str]:
             if min(one.x1, two.x1) - max(one.x0, two.x0) > 1 and min(one.y1, two.y1) - max(one.y0, two.y0) > 1:
                 problems.append(f"panels {a.get_title() or a.get_label()!r} and "
                                 f"{b.get_title() or b.get_label()!r} overlap")
-    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
-             and id(t) not in hidden
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
              and all(a.get_visible() for a in [t.axes] if a is not None)]
     boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
     x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
@@ -160,8 +155,7 @@ def as_text(fig) -> None:
     matplotlib's formatters write (10^2 on a log scale), keep theirs; `token_ticks` escapes the names it puts there."""
     from matplotlib.text import Text
     ticks = {id(t) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
-             for t in [axis.offsetText] + [label for tick in axis.get_major_ticks()
-                                           + axis.get_minor_ticks()
+             for t in [axis.offsetText] + [label for tick in axis.get_major_ticks() + axis.get_minor_ticks()
                                            for label in (tick.label1, tick.label2)]}
     for text in fig.findobj(Text):
         if id(text) not in ticks:
@@ -170,8 +164,7 @@ def as_text(fig) -> None:
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> str:
-    """Drop the panels never drawn in, save the figure as a PNG atomically (its texts as text:
-    `as_text`) and close it; returns path."""
+    """Drop the panels never drawn in, save the figure as a PNG atomically (texts as text: `as_text`), close it."""
     for ax in [ax for ax in fig.axes if not ax.get_visible()]:
         fig.delaxes(ax)
     as_text(fig)
@@ -182,8 +175,7 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
 
 
 def plot_band(ax, by_step: dict, label: str, style: tuple, scale: float = 1.0) -> None:
-    """Draw {step: [values over seeds]} as the mean line with a min-to-max band in `style` (colour,
-    line style, `line_style`), labelled `label` for the legend."""
+    """Draw {step: [values over seeds]} as the mean line and a min-to-max band in `style` (`line_style`), as `label`."""
     steps = sorted(by_step)
     vals = [by_step[st] for st in steps]
     colour, dashes = style

@@ -31,8 +31,7 @@ TABLES = ("boolean", "arithmetic", "vision", "lm", "persistence", "ablation", "d
           "oraclefree", "parity3", "lee", "mult-ladder")
 STUDIES = ("ablation", "data", "mult2", "visionprior", "oraclefree", "parity3")
 QK = ("default", "mask", "qk-svd", "qk-opt")
-# addition at the paper's regime (its budget is unknown)
-SHORT = "--steps 250 --log-every 10 --eval-points 500"
+SHORT = "--steps 250 --log-every 10 --eval-points 500"  # addition at the paper's regime (its budget is unknown)
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,7 @@ class Run:
 
 
 WAIT = "WAIT"
-# the runs before it finish, then reproduce.sh reads the plan again (it chooses from them)
-REPLAN = "REPLAN"
+REPLAN = "REPLAN"  # the runs before it finish, then reproduce.sh reads the plan again (it chooses from them)
 
 
 @dataclass
@@ -69,8 +67,7 @@ class Plan:
     items: list
     skipped: dict
     absent: list = field(default_factory=list)
-    # [(Run, why)]: runs planned once the runs before REPLAN are in
-    later: list = field(default_factory=list)
+    later: list = field(default_factory=list)  # [(Run, why)]: runs planned once the runs before REPLAN are in
 
     @property
     def runs(self) -> list[Run]:
@@ -103,8 +100,7 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
     if want("arithmetic"):
         _arithmetic(plan, add)
     if only == "data":
-        # 0.4%: the arithmetic table's own runs
-        add("arithmetic", "addition", ("default", "mask"))
+        add("arithmetic", "addition", ("default", "mask"))  # 0.4%: the arithmetic table's own runs
         for f in ("0.0005", "0.001", "0.002", "0.008"):
             add("data", "addition", ("default", "mask"), f"--data-frac {f}", f"frac{f}")
     if not plan.quick and want("vision"):
@@ -118,9 +114,8 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
             d2 = f"--digits 2 --data-frac {f} --answer-order lsb --steps 1000 --log-every 50"
             add("mult2", "multiplication", QK, d2, f"d2-frac{f}")
             add("mult2", "multiplication", ("mask",), d2 + " --pattern partial", f"d2-frac{f}-partial")
-    study = {"lee": _lee, "visionprior": _vision_prior, "ablation": _ablation, "oraclefree": _oracle_free,
-             "parity3": _parity3, "mult-ladder": lambda plan, add: _mult_ladder(plan, add, runs)}.get(only)
-    if study:
+    if study := {"lee": _lee, "visionprior": _vision_prior, "ablation": _ablation, "oraclefree": _oracle_free,
+                 "parity3": _parity3, "mult-ladder": lambda plan, add: _mult_ladder(plan, add, runs)}.get(only):
         study(plan, add)
     return plan
 
@@ -140,8 +135,7 @@ def _have(plan: Plan, table: str, task: str, where: str, runs: int | None = None
         return False
 
 
-# where in DATA a set's fetched copy lies, if not in DATA itself
-HOME = {"imagenet100": "/imagenet100"}
+HOME = {"imagenet100": "/imagenet100"}  # where in DATA a set's fetched copy lies, if not in DATA itself
 
 
 def fetch_lines(plan: Plan) -> list[str]:
@@ -180,8 +174,7 @@ def _lee(plan, add):
             "msb-nanogpt")
         return
     for order in ("msb", "lsb"):
-        # a log step every 1/20 of a run
-        for epochs, log in ((40, 48), (150, 180), (500, 600)):
+        for epochs, log in ((40, 48), (150, 180), (500, 600)):  # a log step every 1/20 of a run
             add("lee", "multiplication", ("default", "mask"),
                 f"{lee} --answer-order {order} --epochs {epochs} --log-every {log}", f"{order}-ep{epochs}")
 
@@ -200,13 +193,11 @@ def _mult_ladder(plan, add, runs):
     for order in ("msb", "lsb"):
         stage(order, 5000, "")
     first = list(plan.runs)
-    better = _better_order(first, runs)
-    if better:
+    if better := _better_order(first, runs):
         stage(better, 20000, "-20k")
         return
     plan.items.append(REPLAN)
-    # its cost (either order's): kept in `later`, not run
-    stage("msb", 20000, "-20k")
+    stage("msb", 20000, "-20k")  # its cost (either order's): kept in `later`, not run
     plan.later = [(r, "the better order of the 5,000-step runs (the higher mean sequence "
                       "accuracy), once they are in") for r in plan.runs[len(first):]]
     plan.items = [i for i in plan.items if not isinstance(i, Run) or i in first]
@@ -240,12 +231,9 @@ def _vision_prior(plan, add):
         add("visionprior", "cifar10", ("mask",), f"{d} --pattern impulse --mask-off {m}", f"impulse-off{m}")
     for a in ("0.3", "3"):                                       # the soft bump's width
         add("visionprior", "cifar10", ("mask",), f"{d} --pattern soft --soft-alpha {a}", f"soft-alpha{a}")
-    # impulse taken apart: its QK part alone,
-    add("visionprior", "cifar10", ("qk-svd",), d)
-    # then with the positions x18
-    add("visionprior", "cifar10", ("qk-svd",), f"{d} --qk-svd-pos-scale 18", "pos18")
-    # the mask with impulse's positions x18 and mimetic V
-    for p in ("impulse", "soft"):
+    add("visionprior", "cifar10", ("qk-svd",), d)                # impulse taken apart: its QK part alone,
+    add("visionprior", "cifar10", ("qk-svd",), f"{d} --qk-svd-pos-scale 18", "pos18")   # then with the positions x18
+    for p in ("impulse", "soft"):                                # the mask with impulse's positions x18 and mimetic V
         add("visionprior", "cifar10", ("mask-impulse",), f"{d} --pattern {p}", p)
 
 
@@ -271,8 +259,7 @@ def _oracle_free(plan, add):
     (the hand mask, the pattern found in the data, the teacher's prior in mask and qk-svd, and default for the
     teacher's and the student's steps together); the cheap tasks first, cyclic3 (8,000 steps a run) last."""
     of, teacher = "oraclefree", "--prior-from @RUNS/oraclefree"
-    twice = {t: 2 * int(tasks.TASKS[t].preset("small").get("steps")
-                        or tasks.TASKS[t].preset("small")["epochs"])
+    twice = {t: 2 * int(tasks.TASKS[t].preset("small").get("steps") or tasks.TASKS[t].preset("small")["epochs"])
              for t in ("parity2", "kparity", "majority3", "kmajority", "addition", "wikitext2", "cyclic3", "cifar10")}
     vision = _have(plan, of, "cifar10", "")
     lm = _have(plan, of, "wikitext2", "/vimtext-a") and _have(plan, of, "wikitext2", "/vimtext-b")
@@ -299,8 +286,7 @@ def _oracle_free(plan, add):
 
 
 SMALL_DATA = {"kmajority": "--bits 1,4,8,10,13 --unseen 1,4", "kparity": "--bits 2,7,11 --unseen 2,7"}
-# x0 x1 + x2 x3 x4; x0 x1 + maj(x2..x4)
-MIXED = {"sum23": "--terms 0,1:2,3,4", "summaj": "--terms 0,1:m2,3,4"}
+MIXED = {"sum23": "--terms 0,1:2,3,4", "summaj": "--terms 0,1:m2,3,4"}  # x0 x1 + x2 x3 x4; x0 x1 + maj(x2..x4)
 
 
 def _small_data_and_mixed(plan, add, teacher):
@@ -326,10 +312,9 @@ def _small_data_and_mixed(plan, add, teacher):
 
 
 def _parity3(plan, add):
-    """Does any layout let the mask generalise on a 3-parity (kparity on bits 2, 7, 11)? The
-    robustness grid's axes: the readout, the positional std, the depth, and which bits are frozen
-    on U (two of the three, or one); the mask on every seed, default on the first two (the MDI's
-    place). 600 steps: on the preset's 1,500 the mask sits at 50% on U from step 90."""
+    """Does any layout let the mask generalise on a 3-parity (kparity on bits 2, 7, 11)? The robustness grid's axes:
+    readout, positional std, depth, and the bits frozen on U (two of the three, or one); the mask on every seed,
+    default on the first two (the MDI's place). 600 steps: on the preset's 1,500 the mask sits at 50% on U from 90."""
     for unseen in ("2,7", "2"):
         for readout in ("cls", "mean"):
             for pos in ("0.02", "0.5"):
@@ -348,8 +333,7 @@ def _oracle_free_group(plan, add, group, twice, teacher):
         add(of, t, ("default",), ORACLE_FREE_BITS.get(t, ""))
     plan.items.append(WAIT)
     for t in group:
-        # addition's default is at 98% by its preset's 1,500 steps: no room
-        if t == "addition":
+        if t == "addition":  # addition's default is at 98% by its preset's 1,500 steps: no room
             continue
         f = ORACLE_FREE_BITS.get(t, "")
         add(of, t, ("mask",), f)
@@ -365,16 +349,14 @@ def _oracle_free_group(plan, add, group, twice, teacher):
             "250steps-samebudget")
 
 
-# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours
-# where known
+# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours where known
 
 STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "step_times.json")
 
 
 def step_times(path: str = STEP_TIMES) -> dict:
-    """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that
-    benchmarks/bench_paper.py measured (the paper presets on a GPU, the --quick ones on a CPU; real
-    data path, evaluation included) and wrote to results/step_times.json; {} without it."""
+    """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that benchmarks/bench_paper.py
+    measured (paper presets on a GPU, --quick ones on a CPU; real data path, evaluation included); {} without it."""
     if not os.path.exists(path):
         return {}
     times = runfiles.read_json(path)
@@ -391,14 +373,12 @@ def step_times(path: str = STEP_TIMES) -> dict:
 
 
 _ms = (lambda v: runfiles.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
-# what hours() reads
-STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms,
+STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms,  # what hours() reads
                     "device": (lambda v: isinstance(v, str) and len(v) <= 200 and v.isprintable(),
                                "the device's name, printable text of at most 200 characters")}
 
 
-# how long, where: not a step's cost
-LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")
+LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")  # not a step's cost (time_key)
 
 
 def time_key(run: Run, preset: str = "paper") -> str:
@@ -410,9 +390,8 @@ def time_key(run: Run, preset: str = "paper") -> str:
 
 
 def hours(run: Run, times: dict, preset: str = "paper") -> float | None:
-    """A run's device-hours from the measured times of its time_key: its steps, its log steps'
-    evaluations, the final one over the whole test set (`steps_of`) and its start (process, data,
-    model, init: `ms_setup`); None where its time was not measured."""
+    """A run's device-hours from the measured times of its time_key: its steps, its log steps' evaluations, the final
+    one over the whole test set (`steps_of`), its start (process, data, model, init: `ms_setup`); None: unmeasured."""
     t = times.get(time_key(run, preset))
     if not isinstance(t, dict):
         return None
@@ -440,8 +419,7 @@ def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
 def train_size(task: str) -> int:
     """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`),
     else its own count once set up (the Boolean and arithmetic tasks make their data)."""
-    cls = tasks.TASKS[task]
-    return getattr(cls, "TRAIN_SIZE", None) or tasks.make_task(task).setup().n_train
+    return getattr(tasks.TASKS[task], "TRAIN_SIZE", None) or tasks.make_task(task).setup().n_train
 
 
 def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
@@ -469,12 +447,9 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
         cost = "device-hours not measured" if None in h else f"{sum(h):.2f} device-hours"
         lines.append(f"  then {len(plan.later):>4} runs  {cost}: {plan.later[0][1]}")
     if by_table and not unknown:
-        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time"
-                     if plan.quick else
+        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time" if plan.quick else
                      f"  in all: {total:.2f} device-hours")
-    for table, skips in plan.skipped.items():
-        for what, why in skips:
-            lines.append(f"  skipped: {table} {what}: {why}")
+    lines += [f"  skipped: {table} {what}: {why}" for table, skips in plan.skipped.items() for what, why in skips]
     lines += [f"  fetch: {line}" for line in fetch_lines(plan)]
     measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ") and isinstance(t, dict)}
     how = f"python benchmarks/bench_paper.py {'--quick --device cpu' if plan.quick else '--device cuda'} --write"
@@ -507,8 +482,7 @@ def _refused(error: Exception):
 
 
 def parse_seeds(text: str) -> list[int]:
-    """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts
-    (tasks.parse_count)."""
+    """--seeds "0 1 2": distinct seeds in 0 .. 2^32 - 1, each through the one parser of counts (tasks.parse_count)."""
     seeds = [tasks.parse_count(s, "seeds", 0, 2 ** 32 - 1) for s in text.split()]
     return seeds if seeds and len(set(seeds)) == len(seeds) else _refused(tasks.TaskError(
         f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {tasks.cut(text)}"))
@@ -544,8 +518,7 @@ def main(argv=None) -> int:
         flags = {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
         plan = run_list(a.quick, a.only, flags["seeds"], a.data, a.runs)
         step_times()
-    # one line, exit 2: reproduce.sh passes it on and starts nothing
-    except (runfiles.UsageError, runfiles.ReadError) as e:
+    except (runfiles.UsageError, runfiles.ReadError) as e:  # one line, exit 2: reproduce.sh relays it, starts nothing
         print(runfiles.one_line(f"reporting.plan: {e}"), file=sys.stderr)
         return 2
     if a.list:

@@ -1,11 +1,10 @@
-"""The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence
-curves, the prior per layer, data efficiency and the oracle-free study. Loaded only by `python
-train.py summarize`, `report` and `redraw`; it reads what train.py wrote (result.json, args.json,
-metrics.jsonl, through runfiles) and never trains or changes a run.
+"""The reports of a reproduction: its run folders -> results/*.md tables, learning and persistence curves, the prior
+per layer, data efficiency and the oracle-free study. Loaded only by `python train.py summarize`, `report` and
+`redraw`; it reads what train.py wrote (result.json, args.json, metrics.jsonl, through runfiles) and never trains or
+changes a run.
 
-Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures
-(persistence, the robustness grid, learning curves, steps to target, the prior per layer, data
-efficiency, the oracle-free study) -> `report`, which writes them all.
+Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures, in the order
+above -> `report`, which writes them all.
 """
 from __future__ import annotations
 
@@ -23,11 +22,9 @@ from reporting import show
 from reporting.figures import (LABEL_LINES, caption, legend_below, line_style, panel_grid, plot_band, pyplot,
                                save_figure, token_ticks, wrapped)
 
-# ----------------------------------------------------------------------------------------
-# Summaries: run directories -> a markdown table (mean +- std over seeds)
+# ---- Summaries: run directories -> a markdown table (mean +- std over seeds)
 
-# The paper's numbers (%): whole-cube accuracy (Boolean), sequence accuracy (arithmetic);
-# "~" marks an approximate value.
+# The paper's numbers (%): whole-cube accuracy (Boolean), sequence accuracy (arithmetic); "~": approximate.
 PAPER = {
     ("parity2", "default"): "~75", ("parity2", "qk-svd"): "~75", ("parity2", "qk-opt"): "~75",
     ("parity2", "mask"): "100",
@@ -139,15 +136,13 @@ def _mdi(ms):
 
 # Columns of the summary table by task kind: (header, function of the runs' metrics).
 COLUMNS = {
-    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")),
-                ("sign acc %", _pct("sign_acc")), ("MSE on U", _num("mse_unseen")),
-                ("MSE", _num("mse")), ("prior mass start → end", _mass), ("MDI acc %", _mdi)],
+    "boolean": [("acc %", _pct("acc")), ("acc on U %", _pct("acc_unseen")), ("sign acc %", _pct("sign_acc")),
+                ("MSE on U", _num("mse_unseen")), ("MSE", _num("mse")), ("prior mass start → end", _mass),
+                ("MDI acc %", _mdi)],
     "arithmetic": [("seq acc %", _pct("seq_acc")), ("digit acc %", _pct("digit_acc")),
                    ("train seq acc %", _pct("train_seq_acc")), ("prior mass start → end", _mass)],
-    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")),
-               ("prior mass start → end", _mass)],
-    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")),
-           ("prior mass start → end", _mass)],
+    "vision": [("top-1 %", _pct("top1")), ("test loss", _num("loss")), ("prior mass start → end", _mass)],
+    "lm": [("val loss", _num("val_loss")), ("val ppl", _num("val_ppl")), ("prior mass start → end", _mass)],
 }
 
 
@@ -174,12 +169,10 @@ def summarize(paths, collected: tuple | None = None) -> str:
     return "\n".join(out).strip() + "\n"
 
 
-# ----------------------------------------------------------------------------------------
-# Report: a reproduction's run folders -> results/*.md tables and the persistence curves
+# ---- Report: a reproduction's run folders -> results/*.md tables and the persistence curves
 
 TABLES = ("boolean", "arithmetic", "vision", "lm", "mult2", "visionprior", "lee", "parity3")
-# what `report` reads in a runs folder
-REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")
+REPORT_FOLDERS = (*TABLES, "ablation", "data", "oraclefree")  # what `report` reads in a runs folder
 TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-degree interpolator)",
                 "arithmetic": "Low-data arithmetic (sequence and digit accuracy on 10,000 held-out pairs)",
                 "vision": "ViT image classification (top-1 on the test split)",
@@ -194,8 +187,7 @@ PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in
 
 
 def flag_label(label: str) -> str:
-    """A configuration's label as the flags that make it: "qk_svd_pos_scale=None, steps=250" ->
-    "--qk-svd-pos-scale (unset), --steps 250"."""
+    """A label as flags: "qk_svd_pos_scale=None, steps=250" -> "--qk-svd-pos-scale (unset), --steps 250"."""
     parts = []
     for part in filter(None, label.split(", ")):
         key, eq, value = part.partition("=")
@@ -203,18 +195,16 @@ def flag_label(label: str) -> str:
     return ", ".join(parts)
 
 
-# How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its
-# words, "{}" standing for the value; any other flag reads as its name and value ("steps 250").
-# A pattern with a name of its own reads as that name.
-FLAG_WORDS = {"pattern": "{} pattern", "mask_off": "M off -{}", "mask_on": "M on +{}",
-              "soft_alpha": "α {}", "qk_svd_pos_scale": "positions x{}", "answer_order": "{} first",
-              "pos_init_std": "positional std {}"}
+# How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its words, "{}" standing for
+# the value; any other flag reads as its name and value ("steps 250"). A named pattern reads as its name.
+FLAG_WORDS = {"pattern": "{} pattern", "mask_off": "M off -{}", "mask_on": "M on +{}", "soft_alpha": "α {}",
+              "qk_svd_pos_scale": "positions x{}", "answer_order": "{} first", "pos_init_std": "positional std {}"}
 PATTERN_WORDS = {"soft": "soft bump", "local": "local window"}
 
 
 def flag_words(key: str, value: str) -> str:
-    """One flag of a configuration in words: ("pattern", "soft") -> "soft bump", ("mask_off",
-    "10.0") -> "M off -10", ("log_every", "75") -> "log every 75"."""
+    """One flag in words: ("pattern", "soft") -> "soft bump", ("mask_off", "10.0") -> "M off -10", ("log_every",
+    "75") -> "log every 75"."""
     value = value[:-2] if value.endswith(".0") else value
     if key == "pattern" and value in PATTERN_WORDS:
         return PATTERN_WORDS[value]
@@ -249,11 +239,10 @@ def series_labels(series: list) -> tuple[dict, str]:
     return labels, config_words(", ".join(sorted(known)))
 
 
-# The data a run read, by the sha256 its result.json records (`data`: `Task.data_hash`), where it
-# is not what the task's name says: the stand-ins train.py writes (`make-digits`) are the same
-# bytes on every machine. A task whose family makes its data (GENERATED) is its own data set; a
-# task that reads files names its data here or says it is not recognised, so that no figure
-# titles a stand-in with the real set's name ("cifar10" reads the digits in CIFAR-10's layout).
+# The data a run read, by the sha256 its result.json records (`data`: `Task.data_hash`), where it is not what the task's
+# name says: train.py's stand-ins (`make-digits`) are the same bytes on every machine. A task whose family makes its
+# data (GENERATED) is its own data set; a task that reads files names its data here or says it is not recognised, so
+# that no figure titles a stand-in with the real set's name ("cifar10" reads the digits in CIFAR-10's layout).
 KNOWN_DATA = {"286666e57db38e96d7105699a9009b0e1911902e38f7bbfd2825f993cc4b7037": "digits stand-in"}
 GENERATED = ("boolean", "arithmetic")
 DATA_HEADER = ("task", "data")
@@ -269,8 +258,7 @@ def data_set(run: dict) -> str | None:
 
 
 def data_rows(runs: list) -> list[tuple]:
-    """data.csv's rows: (task, the data set its runs read) for each task whose runs all read one
-    set that a figure must name (`data_set`)."""
+    """data.csv's rows: (task, its runs' data set) of each task whose runs all read one named set (`data_set`)."""
     sets = {}
     for r in runs:
         sets.setdefault(r["task"], set()).add(data_set(r))
@@ -292,8 +280,7 @@ def log_records(run: dict) -> list[dict]:
         layers = (run.get("config") or {}).get("n_layers")
         try:
             run["_records"] = runfiles.read_log(path, layers) if os.path.isfile(path) else []
-        # the run has no curves; its result.json still counts in the tables
-        except runfiles.LogError as e:
+        except runfiles.LogError as e:  # the run has no curves; its result.json still counts in the tables
             run["_records"] = []
             run["_log_problem"] = str(e)
     return run["_records"]
@@ -304,8 +291,7 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
     on the pattern (mean over layers, and per layer) and the drift of the prior itself, mean over layers: relative
     Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
     rows = []
-    runs, _ = collect_runs([boolean_dir])
-    for r in runs:
+    for r in collect_runs([boolean_dir])[0]:
         if r["init"] not in PERSISTENCE_INITS:
             continue
         drift_key = "mask_drift" if r["init"] == "mask" else "qk_drift"
@@ -313,10 +299,9 @@ def persistence_rows(boolean_dir: str) -> list[dict]:
             if rec.get("prior_mass") is None:
                 continue
             drift = rec.get(drift_key)
-            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"],
-                         "step": rec["step"], "mass": rec["prior_mass_mean"],
-                         "layers": rec["prior_mass"], "drift": sum(drift) / len(drift) if drift
-                         else float("nan")})
+            rows.append({"task": r["task"], "init": r["init"], "seed": r["seed"], "step": rec["step"],
+                         "mass": rec["prior_mass_mean"], "layers": rec["prior_mass"],
+                         "drift": sum(drift) / len(drift) if drift else float("nan")})
     rows.sort(key=lambda x: (x["task"], PERSISTENCE_INITS.index(x["init"]), x["seed"], x["step"]))
     return rows
 
@@ -325,8 +310,7 @@ PERSISTENCE_HEADER = ("task", "init", "seed", "step", "mass_mean", "drift_mean")
 
 
 def write_persistence(rows: list[dict], out_dir: str) -> list[str]:
-    """persistence.csv always; persistence.png (`draw_persistence`) when matplotlib is installed.
-    Returns the paths written."""
+    """persistence.csv always; persistence.png (`draw_persistence`) with matplotlib. Returns the paths written."""
     n_layers = max((len(r["layers"]) for r in rows), default=0)
     lines = [",".join([*PERSISTENCE_HEADER, *(f"mass_layer{i}" for i in range(n_layers))])]
     for r in rows:
@@ -387,10 +371,8 @@ ABLATION_INITS = inits.EVERYWHERE                        # the inits every famil
 
 
 def ablation(folders) -> str:
-    """The robustness grid: per Boolean task, a markdown table over readout x positional std x init
-    (mean ± std over seeds of whole-cube accuracy, accuracy and MSE on U, the mean prediction on U,
-    the prior's attention mass at the end), read from the result.json files of the `small`-preset
-    runs under `folders`; rows at the task's own preset are marked."""
+    """The robustness grid: per Boolean task, a markdown table over readout x positional std x init (mean ± std over
+    seeds) of the `small`-preset runs under `folders`; rows at the task's own preset are marked."""
     runs, problems = collect_runs(folders)
     groups = {}
     for r in runs:
@@ -409,9 +391,8 @@ def ablation(folders) -> str:
             rs = sorted(groups[task][key], key=lambda r: r["seed"])
             ms = [r["metrics"] for r in rs]
             rows.append([f"{readout}{'*' if all(r.get('at_preset') for r in rs) else ''}", pos, init,
-                         ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms),
-                         _pct("acc_unseen")(ms), _num("mse_unseen")(ms), _num("pred_unseen")(ms),
-                         _num("prior_mass_end")(ms)])
+                         ",".join(str(r["seed"]) for r in rs), _pct("acc")(ms), _pct("acc_unseen")(ms),
+                         _num("mse_unseen")(ms), _num("pred_unseen")(ms), _num("prior_mass_end")(ms)])
         out += md_table(["readout", "pos std", "init", "seeds", "acc %", "acc on U %", "MSE on U",
                          "mean prediction on U", "prior mass end"], rows)
     if problems:
@@ -421,14 +402,12 @@ def ablation(folders) -> str:
 
 # Learning curves and steps to target: each run's headline metric at every logged step
 
-# Metrics that are fractions, drawn in percent.
-PERCENT_METRICS = ("acc_unseen", "seq_acc", "train_seq_acc", "top1")
+PERCENT_METRICS = ("acc_unseen", "seq_acc", "train_seq_acc", "top1")  # fractions, drawn in percent
 # Headline metrics by task kind: (metric key, label, higher is better).
 CURVE_METRICS = {
     "boolean": (("acc_unseen", "accuracy on U", True), ("mse", "MSE on the cube", False)),
     "arithmetic": (("seq_acc", "sequence accuracy", True),
-                   # --lee-samples runs
-                   ("train_seq_acc", "sequence accuracy on the training samples", True),
+                   ("train_seq_acc", "sequence accuracy on the training samples", True),  # --lee-samples runs
                    ("prior_mass_mean", "attention mass on the pattern", True)),
     "vision": (("top1", "top-1", True), ("prior_mass_mean", "attention mass on the pattern", True)),
     "lm": (("val_ppl", "validation perplexity", False),),
@@ -447,8 +426,7 @@ def config_groups(runs: list, ignore=frozenset()) -> tuple[dict, list]:
     the flags that tell its configurations apart ("steps=250"), and a note names each such mix in one line."""
     by_task, notes, groups = {}, [], {}
     for r in runs:
-        # runs on other data are another configuration ("data=digits stand-in" where it differs)
-        named = {"data": data_set(r)} if data_set(r) else {}
+        named = {"data": data_set(r)} if data_set(r) else {}  # other data: another configuration
         by_task.setdefault(r["task"], []).append((r, {**run_config(r, ignore), **named}))
     for task in sorted(by_task):
         configs = []
@@ -529,9 +507,8 @@ def _metric_order(metrics) -> list:
 
 
 def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """curves.png from curve rows: a panel per task, configuration and headline metric against the step, titled by
-    the data set (`data_title`) and the configuration in words, a band per init (`plot_band`). Returns [path], or []
-    without matplotlib or rows."""
+    """curves.png from curve rows: a panel per task, configuration and headline metric, titled by the data set
+    (`data_title`) and the configuration in words, a band per init. Returns [path], or [] without matplotlib or rows."""
     panels = [("\n".join(filter(None, (data_title(task, data), config_words(label)))), k, by_init)
               for (task, label), by in _by_metric(rows, lambda t, c, i: (t, c)).items()
               for k in _metric_order(by) for by_init in [by[k]]]
@@ -581,8 +558,7 @@ def draw_comparison(rows: list, path: str, title: str, data: dict | None = None)
 
 
 def first_step(records: list, target: list):
-    """The first logged step (of a run's `log_records`) at which every (metric, threshold, higher
-    is better) of target holds, or None."""
+    """The first logged step of `records` where every (metric, threshold, higher is better) of target holds, or None."""
     for rec in records:
         m = rec.get("metrics") or {}
         if all(m.get(k) is not None and ((m[k] >= t) if higher else (m[k] <= t)) for k, t, higher in target):
@@ -638,11 +614,9 @@ def steps_to_target(groups: dict) -> str:
 
 
 def prior_layers(groups: dict) -> str:
-    """Markdown: per task (and configuration), prior init and layer, from the runs' metrics.jsonl (mean over
-    seeds): the attention mass on the pattern at the start, its lowest and the end, the half-way step, the final
-    drift of M and of Wq Wk^T, and the content margin (`mp.content_margin`) at the start and the end, where logged
-    (PRIOR_LAYERS_HEAD says what each is). Shows where and when a prior's mass goes, and whether the content
-    outbids the bias."""
+    """Markdown: per task (and configuration), prior init and layer, from the runs' metrics.jsonl (mean over seeds):
+    the mass on the pattern, the drift of M and of Wq Wk^T and the content margin, where logged (PRIOR_LAYERS_HEAD
+    says what each column is): where and when a prior's mass goes, and whether the content outbids the bias."""
     rows = []
     avg = lambda v: sum(v) / len(v)                                           # noqa: E731
     for (task, label), rs in groups.items():
@@ -665,14 +639,11 @@ def prior_layers(groups: dict) -> str:
                 drift = {k: [recs[-1][k][layer] for _, recs in runs if recs[-1].get(k)]
                          for k in ("mask_drift", "qk_drift")}
                 margin = [(recs[0]["content_margin"][layer], recs[-1]["content_margin"][layer])
-                          for _, recs in runs
-                          if recs[0].get("content_margin") and recs[-1].get("content_margin")]
+                          for _, recs in runs if recs[0].get("content_margin") and recs[-1].get("content_margin")]
                 rows.append([name, init, seeds, layer, f"{avg(start):.2f}", f"{avg(low):.2f}", f"{avg(end):.2f}",
-                             f"{avg(half):.0f}",
-                             *(f"{avg(drift[k]):.3g}" if drift[k] else ""
-                               for k in ("mask_drift", "qk_drift")),
-                             f"{avg([a for a, _ in margin]):.2f} → "
-                             f"{avg([b for _, b in margin]):.2f}" if margin else ""])
+                             f"{avg(half):.0f}", *(f"{avg(drift[k]):.3g}" if drift[k] else "" for k in drift),
+                             f"{avg([a for a, _ in margin]):.2f} → {avg([b for _, b in margin]):.2f}"
+                             if margin else ""])
     return "\n".join(md_table(["task", "init", "seeds", "layer", "mass start", "mass min", "mass end", "half-way step",
                                "M drift", "Wq Wk^T drift", "content margin start → end"], rows)) + "\n"
 
@@ -698,8 +669,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             md.append(f"\n- addition ({label or 'all runs'}): one training set size only, not a series")
             continue
         inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
-        # the task's own universe: 10^(2d) pairs
-        digits = run_config(rs[0]).get("digits") or 3
+        digits = run_config(rs[0]).get("digits") or 3  # the task's own universe: 10^(2d) pairs
         md += ["\n**addition**" + (f" ({label})" if label else "") + "\n",
                *_efficiency_table(by, inits, sizes, digits)]
         panels.append(label)
@@ -715,8 +685,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             + draw_efficiency(rows, os.path.join(out_dir, "data_efficiency.png")))
 
 
-# what a run of the data-efficiency series holds: its metrics (key -> (check, what it must be)) and
-# its digits (tells_apart)
+# what a run of the data-efficiency series holds: its metrics (key -> (check, what it must be)), digits (tells_apart)
 EFFICIENCY_METRICS = {"n_train": (lambda v: runfiles.is_count(v) and v > 0, "a count of pairs > 0"),
                       "seq_acc": (runfiles.is_share, "a share in [0, 1]"),
                       "digit_acc": (runfiles.is_share, "a share in [0, 1]")}
@@ -753,8 +722,7 @@ def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str
     by_config = {}                                          # {label: {init: {n_train: [seq_acc]}}}
     for label, init, seed, n, seq_acc, digit_acc in rows:
         by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
-    panels = [(label, {i: s for i, s in by.items() if len(s) > 1})
-              for label, by in by_config.items()
+    panels = [(label, {i: s for i, s in by.items() if len(s) > 1}) for label, by in by_config.items()
               if len({n for s in by.values() for n in s}) > 1]
     if (made := panel_grid(len(panels), width=4.8, height=3.6)) is None:
         return []
@@ -777,27 +745,22 @@ def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str
     return [save_figure(fig, path)]
 
 
-# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; the
-# column of a run is its init and its tag (less a corpus prefix, which names the row instead: the
-# language stand-in's teacher reads corpus A, its students corpus B).
+# The oracle-free study (reproduce.sh --only oraclefree): runs named TASK-INIT-sSEED[-TAG]; a run's column is its init
+# and tag (less a corpus prefix, naming the row: the language stand-in's teacher reads corpus A, its students B).
 ORACLE_FREE_COLUMNS = (("default", "default", ""), ("hand pattern, mask", "mask", ""),
-                       ("found in the data, mask", "mask", "discovered"),
-                       ("from the teacher, mask", "mask", "teacher"),
+                       ("found in the data, mask", "mask", "discovered"), ("from the teacher, mask", "mask", "teacher"),
                        ("from an impulse teacher, mask", "mask", "teacher-impulse"),
-                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"),
-                       ("impulse", "impulse", ""),
+                       ("the teacher's pattern, qk-svd", "qk-svd", "teacher"), ("impulse", "impulse", ""),
                        ("default, the teacher's + the student's steps", "default", "budget2x"))
-ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100),
+ORACLE_FREE_METRIC = {"boolean": ("acc_unseen", "accuracy on U %", 100), "vision": ("top1", "top-1 %", 100),
                       "arithmetic": ("seq_acc", "sequence accuracy %", 100),
-                      "vision": ("top1", "top-1 %", 100),
                       "lm": ("val_ppl", "validation perplexity", 1)}
 
 
 def oracle_free_cell(run: dict) -> tuple[str, str]:
     """(row, column tag) of an oracle-free run from its folder name: the row is the task, or the data set it read
-    where that must be named (`data_title`), and the corpus or the step count the tag names (corpusB-teacher,
-    250steps-teacher); the tag what follows -sSEED- and them (samebudget, the default at a teacher's steps + its
-    student's, is the budget2x column)."""
+    (`data_title`), and the corpus or the step count the tag names (corpusB-teacher, 250steps-teacher); the tag what
+    follows -sSEED- and them (samebudget, the default at a teacher's steps + its student's, is budget2x)."""
     name = os.path.basename(os.path.normpath(run["run_dir"]))
     tag = name.split(f"-s{run['seed']}", 1)[1].lstrip("-") if f"-s{run['seed']}" in name else ""
     row = data_title(run["task"], {run["task"]: data_set(run)})
@@ -807,8 +770,7 @@ def oracle_free_cell(run: dict) -> tuple[str, str]:
     elif re.match(r"\d+steps(-|$)", tag):
         steps, _, tag = tag.partition("-")
         row += f", {steps[:-5]} steps"
-    # round two: a training-set size, 2 digits, a sum
-    elif re.match(r"(n\d+|all|d2|sum23|summaj)(-|$)", tag):
+    elif re.match(r"(n\d+|all|d2|sum23|summaj)(-|$)", tag):  # round two: a training-set size, 2 digits, a sum
         what, _, tag = tag.partition("-")
         row += {"all": ", every seen point", "d2": ", 2 digits", "sum23": " x0x1 + x2x3x4",
                 "summaj": " x0x1 + maj(x2,x3,x4)"}.get(what, f", {what[1:]} points")
@@ -827,8 +789,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
             rows.append(row)
         table.setdefault(row, {}).setdefault((r["init"], tag), []).append(r)
         src = r.get("prior_source") or {}
-        # qk-svd reads the same teacher's pattern
-        if "precision" in src and r["init"] == "mask":
+        if "precision" in src and r["init"] == "mask":  # qk-svd reads the same teacher's pattern
             agreement.setdefault(row, {}).setdefault(tag, []).append((src["precision"], src["recall"]))
     cols = [(h, i, t) for h, i, t in ORACLE_FREE_COLUMNS if any((i, t) in table[row] for row in rows)]
     results = []
@@ -849,8 +810,7 @@ def oracle_free(folder: str, out_dir: str) -> list[str]:
 
 
 def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
-    """oraclefree_mass.png: per task, the attention mass on each prior's own pattern against the step, a band per
-    variant with a prior (`plot_band`)."""
+    """oraclefree_mass.png: per task, the mass on each prior's own pattern by step, a band per variant with a prior."""
     curves = []
     for row in rows:
         lines = {}
@@ -943,12 +903,11 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
                                                         f"over seeds; {made_by}.\n\n{summarize([folder])}"))
     grid, boolean = os.path.join(runs_dir, "ablation"), os.path.join(runs_dir, "boolean")
     if os.path.isdir(grid):
-        folders = [grid] + ([boolean] if os.path.isdir(boolean) else [])
         written.append(emit(out_dir, "ablation.md",
                             "# Robustness grid: readout x positional-embedding std x init, Boolean tasks, `small` "
                             f"preset\n\nRuns: `{grid}` and, at each task's own preset, `{boolean}`; mean ± std "
                             "over seeds; accuracy over the whole cube (exact match for cyclic3); "
-                            f"{made_by}.\n\n{ablation(folders)}"))
+                            f"{made_by}.\n\n{ablation([grid] + ([boolean] if os.path.isdir(boolean) else []))}"))
     if os.path.isdir(boolean):
         written += write_persistence(persistence_rows(boolean), out_dir) + m_figures(boolean, out_dir)
     if os.path.isdir(os.path.join(runs_dir, "oraclefree")):
@@ -968,16 +927,15 @@ def emit(out_dir: str, name: str, text: str) -> str:
 
 
 STUDY_FIGURES = {
-    "visionprior": "The vision priors side by side: top-1 and the attention mass on each prior's "
-                   "own pattern against the training step",
-    "lee": "Lee et al.'s multiplication data: sequence accuracy on the held-out pairs and on the "
-           "training samples, and the attention mass on the pattern, against the step"}
+    "visionprior": "The vision priors side by side: top-1 and the attention mass on each prior's own pattern against "
+                   "the training step",
+    "lee": "Lee et al.'s multiplication data: sequence accuracy on the held-out pairs and on the training samples, "
+           "and the attention mass on the pattern, against the step"}
 
 
 def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> list[str]:
-    """Over the runs of every table folder: data.csv (the data set of each task a figure must name
-    it for: `data_rows`), curves.csv / .png, the studies' figures (STUDY_FIGURES), steps to target
-    and the prior per layer (a damaged log is named in the notes of both tables)."""
+    """Over the runs of every table folder: data.csv (`data_rows`), curves.csv / .png, the studies' figures
+    (STUDY_FIGURES), steps to target and the prior per layer (a damaged log is named in the notes of both tables)."""
     runs = collect_runs(folders)[0]
     groups, notes = config_groups(runs)
     data = data_rows(runs)
@@ -994,25 +952,18 @@ def report_curves(runs_dir: str, folders: list, out_dir: str, made_by: str) -> l
             written += draw_comparison(rows, os.path.join(out_dir, f"{folder}.png"), title, dict(data))
     for r in runs:
         log_records(r)                          # read every log once: a damaged one is named below
-    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables "
-              f"({r['_log_problem']}); its result.json counts in the results tables" for r in runs
-              if "_log_problem" in r]
-    runs_and_notes = (f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n"
-                      + "".join(f"- {n}\n" for n in notes) + "\n")
-    return written + [emit(out_dir, "steps_to_target.md",
-                           STEPS_TO_TARGET_HEAD + runs_and_notes + steps_to_target(groups)),
-                      emit(out_dir, "prior_layers.md",
-                           PRIOR_LAYERS_HEAD + runs_and_notes + prior_layers(groups))]
+    notes += [f"{r['run_dir']}: its log is left out of the curves and these tables ({r['_log_problem']}); its "
+              "result.json counts in the results tables" for r in runs if "_log_problem" in r]
+    intro = f"Runs: {', '.join(f'`{f}`' for f in folders)}; {made_by}.\n\n" + "".join(f"- {n}\n" for n in notes) + "\n"
+    return written + [emit(out_dir, "steps_to_target.md", STEPS_TO_TARGET_HEAD + intro + steps_to_target(groups)),
+                      emit(out_dir, "prior_layers.md", PRIOR_LAYERS_HEAD + intro + prior_layers(groups))]
 
 
-# ----------------------------------------------------------------------------------------
-# Redrawing: a results folder's figures from the CSVs beside them (`python train.py redraw RESULTS`), no runs needed
+# ---- Redrawing: a results folder's figures from the CSVs beside them, no runs needed (`train.py redraw RESULTS`)
 
-# characters of a configuration's label: more than all of train.py's flags written out (a figure
-# draws LABEL_LINES lines of one, saying how much it cut)
-LABEL_MAX = 4000
-# a figure redrawn: at most this many panels (about 0.05 s each) and series in its legend (those
-# `line_style` tells apart); one of more than REDRAW_SLOW_PANELS says so before it is drawn
+LABEL_MAX = 4000  # a label's characters: more than all of train.py's flags (a figure draws LABEL_LINES lines, cut)
+# a figure redrawn: at most this many panels (about 0.05 s each) and series in its legend (those `line_style` tells
+# apart); one of more than REDRAW_SLOW_PANELS says so before it is drawn
 REDRAW_MAX_PANELS, REDRAW_MAX_SERIES, REDRAW_SLOW_PANELS = 400, 40, 40
 
 
@@ -1026,11 +977,9 @@ def _number(text: str) -> float | None:
     return float(text) if re.fullmatch(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan", text) else None
 
 
-# a report CSV's cells: kind -> (the parser of its text (None: not of the kind), the check of the
-# value, what it must be)
+# a report CSV's cells: kind -> (its text's parser (None: not of the kind), the check of the value, what it must be)
 CELLS = {
-    "name": (str, runfiles.is_name, "a name as train.py writes one (lower-case letters, digits, "
-                                    "- and _, at most 40)"),
+    "name": (str, runfiles.is_name, "a name as train.py writes one (lower-case letters, digits, - and _, at most 40)"),
     "label": (str, lambda v: len(v) <= LABEL_MAX and v.isprintable(),
               f"a configuration's flags (printable, at most {LABEL_MAX} characters)"),
     "seed": (_digits, lambda v: v < 2 ** 32, "a seed in 0 .. 2^32 - 1"),
@@ -1038,8 +987,7 @@ CELLS = {
     "count": (_digits, lambda v: 0 < v <= runfiles.MAX_STEP, "a count in 1 .. 2^53"),
     "value": (_number, runfiles.is_value, f"a finite number within +-{runfiles.MAX_VALUE:g}"),
     "mass": (_number, runfiles.is_mass, f"an attention mass in [0, 1] (+-{runfiles.MASS_SLACK:g})"),
-    "drift": (_number, lambda v: v != v or runfiles.is_value(v) and v >= 0,
-              "nan or a relative change >= 0"),
+    "drift": (_number, lambda v: v != v or runfiles.is_value(v) and v >= 0, "nan or a relative change >= 0"),
     "data": (str, lambda v: 0 < len(v) <= 80 and v.isprintable() and ", " not in v,
              "a data set's name (printable, at most 80 characters, no ', ')"),
 }
@@ -1068,24 +1016,18 @@ def _persistence_row(cells: list) -> dict:
     return {"task": task, "init": init, "seed": seed, "step": step, "mass": mass, "drift": drift, "layers": layers}
 
 
-def _curve_row(cells: list) -> tuple:
-    """A curves.csv row: (task, configuration, init, seed, step, metric, value)."""
-    return tuple(_cells(("name", "label", "name", "seed", "step", "name", "value"), cells))
+def _row(*kinds: str):
+    """The parser of a CSV row whose cells are of `kinds` (`_cells`): cells -> a tuple of their values."""
+    return lambda cells: tuple(_cells(kinds, cells))
 
 
-def _efficiency_row(cells: list) -> tuple:
-    """A data_efficiency.csv row: (configuration, init, seed, training pairs, seq acc, digit acc)."""
-    return tuple(_cells(("label", "name", "seed", "count", "value", "value"), cells))
+_curve_row = _row("name", "label", "name", "seed", "step", "name", "value")    # a curves.csv row (CURVES_HEADER)
+_efficiency_row = _row("label", "name", "seed", "count", "value", "value")     # a data_efficiency.csv row
+_data_row = _row("name", "data")                                  # a data.csv row: (task, the data set its runs read)
 
 
-def _data_row(cells: list) -> tuple:
-    """A data.csv row: (task, the data set its runs read)."""
-    return tuple(_cells(("name", "data"), cells))
-
-
-# name -> (the CSV's header, at least; the cells after it (a mass a layer); a row's parser; the
-# drawer of NAME.png from the rows and data.csv's {task: data set}; the figure's (panels, series in
-# its legend) from the rows)
+# name -> (the CSV's header, at least; the cells after it (a mass a layer); a row's parser; the drawer of NAME.png
+# from the rows and data.csv's {task: data set}; the figure's (panels, series in its legend) from the rows)
 REDRAWN = {"curves": (CURVES_HEADER, 0, _curve_row, draw_curves,
                       lambda rows: (len({(r[0], r[1], r[5]) for r in rows}), len({r[2] for r in rows}))),
            "persistence": (PERSISTENCE_HEADER, runfiles.MAX_LAYERS, _persistence_row, draw_persistence,
@@ -1112,8 +1054,7 @@ def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
     rows = []
     for n, cells in enumerate(lines[1:], 2):
         try:
-            # persistence: a task's layers, up to the most
-            if not len(header) <= len(cells) <= len(lines[0]):
+            if not len(header) <= len(cells) <= len(lines[0]):  # persistence: a task's layers, up to the most
                 raise ValueError(f"{len(cells)} cells, the header has {len(lines[0])}")
             rows.append(parse(cells))
         except ValueError as e:
@@ -1122,12 +1063,11 @@ def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
 
 
 def redraw(results: str) -> tuple[list[str], list[str]]:
-    """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from
-    that CSV, each task titled by the data set data.csv names for it (`data_title`; none there:
-    the task); the CSVs and tables are left as they are. Every CSV is read and checked, and each figure's panels and
-    series bounded (ReportError where one would draw more than any report does: REDRAW_MAX_PANELS, _SERIES), before
-    any figure is drawn; a figure of many panels says so before it is drawn. Returns (written, the figures there that
-    are drawn from the runs alone: report again to redraw them)."""
+    """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from that CSV, each
+    task titled by the data set data.csv names for it (`data_title`); the CSVs and tables are left as they are. Every
+    CSV is read and checked, and each figure's panels and series bounded (ReportError beyond REDRAW_MAX_PANELS,
+    _SERIES: more than any report draws), before any figure is drawn; a figure of many panels says so first. Returns
+    (written, the figures there drawn from the runs alone: report again to redraw them)."""
     if pyplot() is None:
         raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
     if not os.path.isdir(results):
@@ -1168,22 +1108,19 @@ def redraw_command(results: str) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------------------
-# The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
+# ---- The commands: `python train.py summarize PATH...` and `python train.py report RUNS OUT`
 
 class ReportError(runfiles.UsageError):
     """A summary or report that cannot be made: one line on stderr, exit status 2 (train.py prints it)."""
 
 
 def summarize_command(paths: list) -> int:
-    """`summarize PATH...`, refused in one line where a path holds no run (RUN_PATH_PROBLEMS) or
-    none holds a finished one (there is nothing to tabulate)."""
+    """`summarize PATH...`; one line where a path holds no run (RUN_PATH_PROBLEMS) or none holds a finished one."""
     bad = [f"{p} {why}; give run folders, or folders of them" for p in paths if (why := no_runs_in(p))]
     collected = ([], bad) if bad else collect_runs(paths)
     if not collected[0]:
-        raise ReportError("summarize: " + (bad[0] if bad else
-                                           f"no finished run (result.json) in {', '.join(paths)}, so there is "
-                                           f"nothing to tabulate ({'; '.join(collected[1][:3])})"))
+        raise ReportError("summarize: " + (bad[0] if bad else f"no finished run (result.json) in {', '.join(paths)}, "
+                                           f"so there is nothing to tabulate ({'; '.join(collected[1][:3])})"))
     print(summarize(paths, collected), end="")
     return 0
 
@@ -1213,9 +1150,8 @@ RUN_PATH_PROBLEMS = (
 
 
 def report_command(runs: str, out: str) -> int:
-    """`report` with its refusals: a runs folder without table folders (a hint where it is one
-    table's folder), an OUT that is a file, and a write that fails (a full or read-only disk) are
-    each one line; what was written before is whole."""
+    """`report` with its refusals: a runs folder without table folders (a hint where it is one table's folder), an OUT
+    that is a file, and a failed write (a full or read-only disk) are one line; what was written before is whole."""
     if not os.path.isdir(runs):
         raise ReportError(f"report: {runs} is not a folder of runs")
     if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
@@ -1223,9 +1159,8 @@ def report_command(runs: str, out: str) -> int:
         runs_inside = [d for d in held if any(os.path.exists(os.path.join(runs, d, f))
                                               for f in ("ckpt.pt", "result.json"))]
         if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
-            hint = ("it looks like one table's folder (it holds run folders such as "
-                    f"{runs_inside[0]}); give the folder above it: python train.py report "
-                    f"{os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
+            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
+                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
                     if runs_inside else "give the folder above it")
         else:
             hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"

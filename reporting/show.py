@@ -1,13 +1,12 @@
 """M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
 
     m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row, and
-                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a
-                   full M as its N x N (query x key) matrix with the pairs M started above 0 on (the pattern's
-                   allowed pairs) outlined, a relative M as a profile per head
-                   over the distance i - j, start dashed, end solid, an image's M as a 2-D map of patch offsets
-    attention.png  the mean attention on the task's probe inputs at the end, per layer and head,
-                   its colour capped at the 99th percentile (said in the title: a causal first row's 1 would
-                   wash out the rest)
+                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a full M as
+                   its N x N (query x key) matrix with the pairs M started above 0 on (the pattern's allowed pairs)
+                   outlined, a relative M as a profile per head over the distance i - j, start dashed, end solid, an
+                   image's M as a 2-D map of patch offsets
+    attention.png  the mean attention on the task's probe inputs at the end, per layer and head, its colour capped at
+                   the 99th percentile (said in the title: a causal first row's 1 would wash out the rest)
 
 The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib,
 Agg, written atomically); nothing here reads a run folder.
@@ -23,8 +22,7 @@ PANEL = 2.2          # inches a panel
 
 
 def _grid(layers: int, rows: int, heads: int):
-    """(plt, fig, at): one block of `rows` x `heads` panels a layer, wrapped so the figure is never
-    a strip (`panel_grid`); at(layer, row, head) -> its axes."""
+    """(plt, fig, at) of a block of `rows` x `heads` panels a layer (`panel_grid`); at(layer, row, head) -> its axes."""
     got = panel_grid(layers, rows, heads, PANEL, PANEL)
     if got is None:
         raise ImportError("drawing needs matplotlib: pip install matplotlib")
@@ -60,11 +58,10 @@ def offset_map(m: torch.Tensor, grid: int, prefix: int = 0) -> torch.Tensor:
 
 def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
            grid: tuple | None = None, names: list | None = None) -> str:
-    """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None
-    where the run kept no snapshot of M): a causal relative table holds distances 0..D-1, another
-    -(n-1)..n-1 (D = 2n - 1). `grid` (g, prefix): an image's M, drawn as its 2-D offset map per
-    head (`offset_map`). `names`: the N tokens' names for the ticks (`Task.token_labels`). Writes
-    `path` (m.png) and returns it."""
+    """`start`, `end`: per layer M, (H, N, K) full or (H, D) relative (float tensors; start None where the run kept no
+    snapshot of M): a causal relative table holds distances 0..D-1, another -(n-1)..n-1 (D = 2n - 1). `grid` (g,
+    prefix): an image's M, drawn as its 2-D offset map per head (`offset_map`). `names`: the N tokens' names for the
+    ticks (`Task.token_labels`). Writes `path` (m.png) and returns it."""
     # M at the end alone (a saved model): one row a layer
     if all(s is None for s in start):
         start, title = None, f"{title}; M at the end (its start was not saved)"
@@ -90,8 +87,7 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
 
 
 def _draw_profiles(start, end, path: str, title: str, causal: bool, lim: float, dlim: float) -> str:
-    """draw_m for relative tables: a profile per head over the distance, M (start dashed, end solid), then a row
-    of end - start."""
+    """draw_m for relative tables: per head M over the distance (start dashed, end solid), then a row of end - start."""
     heads = end[0].shape[0]
     plt, fig, at = _grid(len(end), 1 if start is None else 2, heads)
     for layer, (s, e) in enumerate(zip(start or [None] * len(end), end)):
@@ -154,9 +150,8 @@ def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dli
 
 
 def draw_model(model, path: str, title: str, start: list | None = None) -> str:
-    """Any model with priors (`retrofit.add_mask_prior`, a saved one loaded with `retrofit.from_pretrained`) ->
-    m.png: its M per prior, beside `start` (`mp.prior_snapshot(model)` taken before training) when
-    given. The call for a retrofit:
+    """Any model with priors (`retrofit.add_mask_prior`, or one loaded by `retrofit.from_pretrained`) -> m.png: its M
+    per prior, beside `start` (`mp.prior_snapshot(model)` before training) when given. The call for a retrofit:
 
         snap = mp.prior_snapshot(model)            # after add_mask_prior, before training
         ...                                        # train
@@ -164,22 +159,19 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     """
     priors = mp.mask_priors(model)
     if not priors:
-        raise ValueError(f"draw_model: {type(model).__name__} has no mask prior "
-                         "(retrofit.add_mask_prior gives it one)")
+        raise ValueError(f"draw_model: {type(model).__name__} has no mask prior (retrofit.add_mask_prior gives it one)")
     end = [(p.bias if p.param != "grid" else p.full_logits()).detach().float().cpu() for p in priors]
     if start is not None and len(start) != len(end):
         raise ValueError(f"draw_model: start holds {len(start)} snapshots, the model {len(end)} "
                          "priors: take it with mp.prior_snapshot(model) after add_mask_prior")
-    first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start
-             or [{}] * len(end)]
+    first = [None if start is None or s["mask"] is None else s["mask"].float().cpu() for s in start or [{}] * len(end)]
     first = [m if m is None or p.param != "grid" else m[:, mp.grid_index(*p.grid, p.n - p.grid[0] * p.grid[1])]
              for m, p in zip(first, priors)]
     return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
 def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None = None) -> str:
-    """`maps`: (L, H, N, N) mean attention probabilities; `names`: the N tokens' names for the
-    ticks. Writes `path` (attention.png) and returns it."""
+    """(L, H, N, N) mean attention `maps` -> `path` (attention.png), returned; `names`: the N tokens' tick names."""
     layers, heads = maps.shape[:2]
     flat = maps.flatten().float()
     # not a causal row 0's 1
