@@ -1377,24 +1377,37 @@ def test_an_output_folder_that_cannot_take_the_outputs_is_one_line_before_any_wo
             assert "Read-only file system" in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("where", ["a table's folder", "an empty folder", "a folder of other things"])
+@pytest.mark.parametrize("where", ["a folder above a folder of runs", "an empty folder", "a folder of other things"])
 def test_report_on_a_folder_without_table_folders_is_one_line_and_writes_nothing(tmp_path, capsys, where):
+    """Neither table folders nor run folders: one line, nothing written; where a folder in it holds runs, the line
+    gives the command that reports them, and that command works."""
     runs = tmp_path / "runs"
-    if where == "a table's folder":
-        _fake_run(runs / "boolean", "parity2", "mask", 0, 1.0)
-        given = runs / "boolean"
+    if where == "a folder above a folder of runs":
+        _fake_run(runs / "mine", "parity2", "mask", 0, 1.0)
     elif where == "an empty folder":
         runs.mkdir()
-        given = runs
     else:
         (runs / "notes").mkdir(parents=True)
-        given = runs
-    assert train.main(["report", str(given), str(tmp_path / "res")]) == 2
+    assert train.main(["report", str(runs), str(tmp_path / "res")]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds none of the table folders" in err and "nothing was written" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "res").exists()
-    if where == "a table's folder":
-        assert f"give the folder above it: python train.py report {runs}" in err
+    if where == "a folder above a folder of runs":
+        suggested = err.split("python train.py ")[1].split()
+        assert suggested == ["report", str(runs / "mine"), str(tmp_path / "res")]
+        assert train.main(suggested) == 0 and (tmp_path / "res" / "runs.md").exists()
+
+
+@pytest.mark.parametrize("name,table", [("mine", "runs"), ("boolean", "boolean")])
+def test_report_takes_a_folder_of_single_runs_as_one_table(tmp_path, capsys, name, table):
+    """The README's single runs (runs/parity2-mask-s0, ...) report as they are: one table, named for the folder where
+    it is a table's (a table's folder given alone), runs.md otherwise, with the curves and the per-run tables."""
+    for init, acc in (("mask", 1.0), ("default", 0.75)):
+        _fake_run(tmp_path / name, "parity2", init, 0, acc)
+    assert train.main(["report", str(tmp_path / name), str(tmp_path / "res")]) == 0
+    text = (tmp_path / "res" / f"{table}.md").read_text()
+    assert "**parity2**" in text and "| mask | 0 | 100.00" in text and "| default | 0 | 75.00" in text
+    assert {"curves.csv", "steps_to_target.md", "prior_layers.md"} <= set(os.listdir(tmp_path / "res"))
 
 
 @pytest.mark.slow

@@ -526,8 +526,8 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
         ax.set_ylabel(METRIC_NAMES.get(key, key) + (" %" if key in PERCENT_METRICS else ""), fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
-    caption(fig, "Headline metric (and, for arithmetic and vision, the attention mass on the "
-                 "prior pattern) against the training step; mean over seeds, band = min to max")
+    mass = " and the attention mass on the prior pattern" if any(k == "prior_mass_mean" for _, k, _ in panels) else ""
+    caption(fig, f"Headline metric{mass} against the training step; mean over seeds, band = min to max")
     return [save_figure(fig, path)]
 
 
@@ -890,9 +890,10 @@ PRIOR_LAYERS_HEAD = (
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
     """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the paper's number
-    beside ours), the robustness grid, the persistence curves of the Boolean runs, the data-efficiency table, the
-    oracle-free study, and over every table's runs the learning curves, steps to target and the prior per layer
-    (`report_curves`). Unfinished or unreadable runs are listed under their table. Returns the files written."""
+    beside ours; a runs_dir of run folders alone is one table, runs.md or its table's name), the robustness grid,
+    the persistence curves of the Boolean runs, the data-efficiency table, the oracle-free study, and over every
+    table's runs the learning curves, steps to target and the prior per layer (`report_curves`). Unfinished or
+    unreadable runs are listed under their table. Returns the files written."""
     runfiles.output_folder(out_dir, "report")
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
@@ -916,6 +917,11 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     if os.path.isdir(data):
         written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
     folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
+    if not folders and not any(os.path.isdir(os.path.join(runs_dir, t)) for t in REPORT_FOLDERS):
+        name = os.path.basename(os.path.normpath(runs_dir))          # a folder of single runs: one table of them
+        table, folders = name if name in TABLES else "runs", [runs_dir]
+        written.append(emit(out_dir, f"{table}.md", f"# {TABLE_TITLES.get(table, 'Runs')}\n\nRuns: `{runs_dir}`; "
+                                                    f"mean ± std over seeds; {made_by}.\n\n{summarize(folders)}"))
     return written + (report_curves(runs_dir, folders, out_dir, made_by) if folders else [])
 
 
@@ -1149,23 +1155,24 @@ RUN_PATH_PROBLEMS = (
      "holds no run folder (neither a run's files nor folders)"))
 
 
+def _holds_runs(folder: str) -> bool:
+    """Whether `folder` holds a run folder (one with a ckpt.pt or result.json) directly."""
+    held = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(os.path.exists(os.path.join(folder, d, f)) for d in held for f in ("ckpt.pt", "result.json"))
+
+
 def report_command(runs: str, out: str) -> int:
-    """`report` with its refusals: a runs folder without table folders (a hint where it is one table's folder), an OUT
-    that is a file, and a failed write (a full or read-only disk) are one line; what was written before is whole."""
+    """`report` with its refusals: a folder with neither table folders nor run folders (a hint naming a folder in it
+    that holds runs), an OUT that is a file, and a failed write (a full or read-only disk) are one line; what was
+    written before is whole."""
     if not os.path.isdir(runs):
         raise ReportError(f"report: {runs} is not a folder of runs")
-    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS):
-        held = [d for d in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, d))]
-        runs_inside = [d for d in held if any(os.path.exists(os.path.join(runs, d, f))
-                                              for f in ("ckpt.pt", "result.json"))]
-        if runs_inside or os.path.basename(os.path.normpath(runs)) in REPORT_FOLDERS:
-            hint = (f"it looks like one table's folder (it holds run folders such as {runs_inside[0]}); give the "
-                    f"folder above it: python train.py report {os.path.dirname(os.path.normpath(runs)) or '.'} {out}"
-                    if runs_inside else "give the folder above it")
-        else:
-            hint = "give the folder reproduce.sh --runs wrote (e.g. runs/quick)"
-        raise ReportError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}), so there "
-                          f"is nothing to report and nothing was written; {hint}")
+    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS) and not _holds_runs(runs):
+        inside = [d for d in sorted(os.listdir(runs)) if _holds_runs(os.path.join(runs, d))]
+        hint = (f"{inside[0]} in it holds run folders: python train.py report {os.path.join(runs, inside[0])} {out}"
+                if inside else "give the folder reproduce.sh --runs wrote (e.g. runs/quick) or a folder of run folders")
+        raise ReportError(f"report: {runs} holds none of the table folders ({', '.join(REPORT_FOLDERS)}) and no run "
+                          f"folder, so there is nothing to report and nothing was written; {hint}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"report: {out} is a file; give a folder for the tables and figures")
     try:
