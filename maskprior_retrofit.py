@@ -1,14 +1,12 @@
 """The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that is not ours
-its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2, BERT, ViT, Llama,
-Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves it the lengths, padding,
-caches and saving those libraries use, and takes it out again (`remove_mask_prior`); `from_pretrained` loads a Hugging
-Face model saved with priors.
+its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention, any module with an
+additive-mask keyword), serves it the lengths, padding, caches and saving those libraries use, and takes it out again
+(`remove_mask_prior`); `from_pretrained` loads a Hugging Face model saved with priors.
 
-maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to retrofit
-another codebase's models. Frameworks are recognised by duck typing; transformers and peft are imported only inside the
-calls that need them. Importing this file changes nothing; once a process attaches its first prior, PEFT's and
-transformers' adapter loaders (now or whenever they are imported) refuse an adapter that carries M onto a model without
-priors (`ADAPTER_LOADERS`)."""
+maskprior.py is the method and trains our own models alone; this file imports it and torch alone (copy both to retrofit
+another codebase's models): frameworks are recognised by duck typing, transformers and peft imported only in the calls
+that need them. Importing it changes nothing; once a process attaches its first prior, PEFT's and transformers' adapter
+loaders (now or when imported) refuse an adapter that carries M onto a model without priors (`ADAPTER_LOADERS`)."""
 from __future__ import annotations
 
 import copy
@@ -132,9 +130,8 @@ def _grid_of(model: nn.Module) -> tuple[int, int] | None:
 
 
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus
-    prefix tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a
-    text model's most positions (its config)."""
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix tokens,
+    CLIP-style num_positions, or a (1, N, D) position table), else a text model's most positions (its config)."""
     embed = getattr(model, "patch_embed", None)
     if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
         return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
@@ -152,9 +149,8 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
 
 
 def _tower_positions(named: dict, name: str, found: dict) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) of the tower that holds the layer `name`: of the nearest module at or above it that fixes
-    them (`_positions`; `found` caches them by module name), so a model of several towers (CLIP's text and vision)
-    gives each its own."""
+    """(tokens, max_tokens) of the tower holding the layer `name`: the nearest module at or above it that fixes them
+    (`_positions`, cached in `found`), so each tower (CLIP's text, vision) has its own."""
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
         above = ".".join(parts[:i])
@@ -394,8 +390,7 @@ def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
 def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the attn_mask (added to
     one the caller gave; a causal call's -inf folded in, since MHA drops a mask it takes for the causal one)."""
-    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
+    names = "query key value key_padding_mask need_weights attn_mask average_attn_weights is_causal".split()
     kwargs = {**dict(zip(names, args)), **kwargs}
     query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
     batched = query.dim() == 3
@@ -494,9 +489,9 @@ class _NoWeightDecay:
 
 
 class _InitPriors:
-    """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
-    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started,
-    and leaves every other module to the model's own; held by the model itself, a plain picklable callable."""
+    """A transformers model's `_init_weights` (called by its init_weights() on each module it initialises: to_empty's
+    memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started and leaves every other
+    module to the model's own; a plain picklable callable."""
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -509,7 +504,6 @@ class _InitPriors:
 
 
 # Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
-
 
 class _PriorConfig:
     """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach
@@ -665,9 +659,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids): then
-    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart from the
-    fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids), which
+    maskprior's kernels serve: `prior_attention` on the CPU, flex_attention on CUDA where asked."""
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
@@ -771,10 +764,9 @@ def _save_pretrained_with_priors(save: Callable) -> Callable:
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given (the whole or a part): a forward that records
-    gradients after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its
-    adapter would not save M) is refused in one line, in train or eval mode (a hand-written loop may
-    never call .train(); from_pretrained leaves a model in eval mode). Inference (no_grad) runs."""
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a forward that records gradients after PEFT
+    froze M (get_peft_model freezes every parameter outside its adapter, which would not save M) is refused in one line,
+    in train or eval mode (a hand-written loop may never call .train()). Inference (no_grad) runs."""
     if not torch.is_grad_enabled():
         return
     frozen = next((p for m in model.modules()
@@ -881,8 +873,7 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
 
 
 def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
-    model is built)."""
+    """One ValueError naming the layer and field of a malformed `mask_prior` record (before any model is built)."""
     where = f"from_pretrained: {path}'s config.json"
     if not isinstance(record, dict):
         raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
