@@ -4,8 +4,7 @@ of inits elsewhere is derived from INITS: train.py's flag table and checks, a ta
 files' schema (runfiles.INITS) and the report's tables. A new init is one record here and one test
 (test_every_task_trains_with_every_init covers every init a task offers).
 
-    python train.py --task parity2 --init NAME        # NAME: a key of INITS
-"""
+    python train.py --task parity2 --init NAME        # NAME: a key of INITS"""
 from __future__ import annotations
 
 import os
@@ -58,9 +57,8 @@ def init_qk_svd(model, prior, config, g) -> dict:
 
 
 def init_qk_opt(model, prior, config, g) -> dict:
-    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr,
-                           tol=config.qk_opt_tol, pos_scale=config.qk_opt_pos_scale, generator=g,
-                           log=_log)
+    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr, tol=config.qk_opt_tol,
+                           pos_scale=config.qk_opt_pos_scale, generator=g, log=_log)
 
 
 def init_mimetic(model, prior, config, g) -> dict:
@@ -77,11 +75,9 @@ def init_impulse(model, prior, config, g) -> dict:
 
 
 def init_mask_impulse(model, prior, config, g) -> dict:
-    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj
-    as `init_impulse` gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the
-    soft bump); Wq, Wk as drawn."""
-    # impulse's scale, applied as init_qk_svd_ applies it
-    scale = config.qk_svd_pos_scale or 18.0
+    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj as `init_impulse`
+    gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the soft bump); Wq, Wk as drawn."""
+    scale = config.qk_svd_pos_scale or 18.0         # impulse's scale, applied as init_qk_svd_ applies it
     with torch.no_grad():
         model.pos_emb.mul_(scale)
     report = mp.init_mask_(model, logits=prior.logits)
