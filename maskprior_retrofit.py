@@ -311,21 +311,19 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
     forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the prior; with
     `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's encoder_attn, T5's
-    EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is where it says (HF), else
-    False. `prefix` (default: True for HF text models, else False) lets a non-causal prior read shorter inputs as
-    positions 0..t-1. Every layer is checked before any is changed: one the prior cannot serve raises ValueError naming
-    it, its class, heads and what to do, and the model is left as it was. `param`: by default relative for a causal
-    prior that depends on i - j alone (a distance prior: heads x N a layer, any length), else full, refused in one line
-    where the full M's would add more than 10% of the model's parameters (pass param='full' to take them, or 'relative'
-    for a non-causal band); param='grid': an image's 2-D relative M, one logit per head and patch displacement plus each
-    class token's row and column (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid`
-    (grid_h, grid_w), by default the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch
-    size). `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call)
-    wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the
-    optimiser after this call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and
-    `param_groups` leave it undecayed. An nn.TransformerEncoder runs without its nested-tensor fast path while it holds
-    a prior (its padded batches would skip the mask), with a warning where the path was on; `remove_mask_prior` turns it
-    back on."""
+    EncDecAttention), from an (N_query, N_key) pattern. `causal`: by default what the layer says it is (HF), else False.
+    `prefix` (default: True for HF text models) lets a non-causal prior read shorter inputs as positions 0..t-1. Every
+    layer is checked before any is changed: one the prior cannot serve raises ValueError naming it, its class, heads and
+    what to do, and the model is left as it was. `param`: by default relative for a causal prior that depends on i - j
+    alone (heads x N a layer, any length), else full, refused where the full M's would add more than 10% of the model's
+    parameters (param='full' takes them, 'relative' gives a non-causal band); 'grid': an image's 2-D relative M, one
+    logit per head and patch displacement plus each class token's row and column (0.7% of ViT-Tiny's parameters at
+    224px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default the model's own patch grid. `flex`: on CUDA
+    a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call) wherever the call is
+    plain self-attention (`_prior_alone`; `layer.mask_prior_flex` changes it later). Make the optimiser after this call;
+    M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An
+    nn.TransformerEncoder runs without its nested-tensor fast path while it holds a prior (its padded batches would skip
+    the mask), with a warning where the path was on; `remove_mask_prior` turns it back on."""
     who = "add_mask_prior"
     pattern, logits = mp._source(who, pattern, logits)
     m_on, m_off = mp._real(who, "m_on", m_on), mp._real(who, "m_off", m_off)
@@ -386,7 +384,6 @@ def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
 
 # torch: nn.MultiheadAttention
 
-
 def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the attn_mask (added to
     one the caller gave; a causal call's -inf folded in, since MHA drops a mask it takes for the causal one)."""
@@ -426,7 +423,6 @@ def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
 
 
 # timm and keyword: a module whose forward names an additive mask keyword
-
 
 def _amp_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
@@ -1126,7 +1122,6 @@ def _warn_unheld_m(optimizer, args, kwargs) -> None:
 # ----------------------------------------------------------------------------------------
 # The QK inits (maskprior's init_qk_svd_, init_qk_opt_, init_mimetic_: `impulse` is the first with pos_scale=18 and
 # the last with qk=None, vo=(0.4, 0.4)) on timm's and Hugging Face's ViTs, through a QKView of their weights.
-
 
 def _projections(module: nn.Module) -> tuple | None:
     """(q, k, v, o, (q, k, v biases)): views of an attention layer's weights, q/k/v (inner, dim) and o (dim, inner),
