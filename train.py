@@ -13,10 +13,9 @@
 A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
 result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit status 2.
 
-Reading order: the parser (every run flag a field of runconfig.Config, which resolves and checks them) -> build
-(task, model, prior and init, optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability
-(what is written and checked) -> commands.
-"""
+Reading order: the parser (every run flag a field of runconfig.Config) -> build (task, model, prior and init,
+optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability (what is written, checked) ->
+commands."""
 from __future__ import annotations
 
 import argparse
@@ -185,8 +184,7 @@ model_config, use_fused = runconfig.model_config, runconfig.use_fused
 def build_model(config, task, device):
     model_cfg = model_config(config, task, device)
     torch.manual_seed(config.seed)
-    model = mp.build_model(model_cfg)
-    return model.to(device), model_cfg
+    return mp.build_model(model_cfg).to(device), model_cfg
 
 
 def apply_init(model, prior: runfiles.Prior, config) -> dict:
@@ -313,9 +311,8 @@ class Probe:
 
 
 def make_optimizer(model, config):
-    # M is never decayed
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr,
+    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr,           # M is never decayed
                betas=tuple(map(float, config.betas.split(","))))
 
 
@@ -497,8 +494,7 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
-                # leave together: gloo aborts a rank whose peer is gone
-                torch.distributed.barrier()
+                torch.distributed.barrier()         # leave together: gloo aborts a rank whose peer is gone
             torch.distributed.destroy_process_group()
 
 
@@ -508,8 +504,7 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
     config, folder, ckpt, task, device, teacher = prepare_run(config, explicit, dist)
     error = None
     try:
-        # the flags rank 0 restored, then this rank's own copies
-        if not dist.main:
+        if not dist.main:               # the flags rank 0 restored, then this rank's own copies
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
             task, device = runconfig.task_for(config), runconfig.pick_device(config.device)
         task.setup(device)              # its data read (and checked): nothing is written yet
@@ -544,8 +539,7 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
                 folder.check_free()
             task = runconfig.check(config, explicit)
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
-            # one target, one spelling: what the run stores
-            if respelt and ckpt is None:
+            if respelt and ckpt is None:            # one target, one spelling: what the run stores
                 runconfig.say("stored as " + ", ".join(f"{runconfig.flag(k)} {v}" for k, v in respelt.items())
                               + " (the one spelling of this target)")
                 config, task = replace(config, **respelt), runconfig.task_for(replace(config, **respelt))
@@ -1016,8 +1010,7 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
             raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
     kept = {k: v for k, v in saved.items() if k != "out" and (k not in explicit or k not in runconfig.RESUMABLE)}
-    # a halt belongs to one invocation
-    return runconfig.Config(**{**asdict(config), **kept, "resume": True,
+    return runconfig.Config(**{**asdict(config), **kept, "resume": True,         # --halt-after: this invocation's alone
                                "halt_after": config.halt_after if "halt_after" in explicit else None})
 
 
