@@ -1,8 +1,7 @@
-"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the
-one writer (a file appears whole or not at all), the one reader (a regular file within a size
-limit; torch files with weights_only=True, JSON as JSON) and the schemas checked before any value
-is used: the run folder and its lock, ckpt.pt's container, result.json, metrics.jsonl and prior.pt.
-"""
+"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the one writer (a file
+appears whole or not at all), the one reader (a regular file within a size limit; torch files with weights_only=True,
+JSON as JSON) and the schemas checked before any value is used: the run folder and its lock, ckpt.pt's container,
+result.json, metrics.jsonl and prior.pt."""
 from __future__ import annotations
 
 import contextlib
@@ -116,9 +115,8 @@ def own_problem(info: os.stat_result, inode: int | None = None) -> str | None:
 
 
 def append_own(path: str | os.PathLike, data: bytes, inode: int | None = None, dir_fd: int | None = None) -> int:
-    """Append `data` to `path` by single write() calls, where it is provably this process's own (`own_problem`:
-    opened without following a link or blocking on a FIFO, checked on the opened descriptor); an OSError (EPERM)
-    naming it otherwise, nothing written. Returns the file's inode."""
+    """Append `data` to `path` by single write() calls where it is provably this process's own (`own_problem`, on the
+    descriptor opened without following a link or blocking); else an OSError (EPERM). Returns its inode."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
@@ -137,10 +135,9 @@ def append_own(path: str | os.PathLike, data: bytes, inode: int | None = None, d
 
 
 def output_folder(path: str, who: str, suffixes: tuple = (".md", ".csv", ".png")) -> str:
-    """The folder a command writes its tables and figures into, checked before any work: made where missing (with
-    the folders above it), one this user can write (a file made there new, then removed), no entry named as an output
-    (`suffixes`) that is not a regular file (a write would replace it), a killed write's temporary outputs removed.
-    Otherwise one line (UsageError), and the folders it made removed: nothing written."""
+    """The folder a command writes into, checked before any work: made where missing (with the folders above it),
+    writable (a file made there new, then removed), no output name (`suffixes`) taken by other than a regular file, a
+    killed write's temporary outputs removed; else one line, the folders it made removed."""
     made, fd = missing_folders(os.path.abspath(path)), None
     try:
         os.makedirs(path, exist_ok=True)
@@ -174,8 +171,7 @@ def output_folder(path: str, who: str, suffixes: tuple = (".md", ".csv", ".png")
 # torch file loaded with weights_only=True (nothing it names is called), JSON as JSON. Its schema is the caller's.
 
 class ReadError(UsageError):
-    """A file read back that is not what this program writes there: missing, not a regular file, too large, or not a
-    file of its kind. The message is one line naming the file."""
+    """A file read back that is not what this program writes there (missing, not a regular file, too large...)."""
 
 
 MiB = 1 << 20
@@ -492,9 +488,8 @@ CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
 
 def weights_mismatch(config: dict, state: dict) -> str | None:
-    """What keeps saved weights `state` from fitting the model a saved `config` describes (`mp.model_from_config`,
-    built on the meta device: no memory), its sizes bounded first (no more layers than weights, none beyond 2^24): a
-    weight it lacks or has in excess, another shape or dtype; None where they fit."""
+    """What keeps saved weights `state` from fitting the model a saved `config` describes (built on the meta device,
+    sizes bounded first): a weight lacking or in excess, another shape or dtype; or None."""
     sizes = [v for v in config.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (config.get("n_layers") or 0) <= len(state):
         return f"its model config's sizes do not fit its {len(state)} weights: {config}"[:400]
@@ -512,9 +507,8 @@ def weights_mismatch(config: dict, state: dict) -> str | None:
 
 
 def checkpoint_problem(c: dict) -> str | None:
-    """What the keys of a checkpoint that pass CKPT_SCHEMA break together, or None: its log step past its step, a
-    snapshot that is not one record a layer or whose Ms are not the model's shapes, weights (the model's, the
-    EMA's) that do not rebuild the model its config describes (`weights_mismatch`)."""
+    """What the keys of a checkpoint that pass CKPT_SCHEMA break together, or None: a log step past its step, a snapshot
+    not one record a layer or not of the model's M shapes, weights (or the EMA's) that do not rebuild its model."""
     unfit = [w for w in (weights_mismatch(c["model_config"], c[k]) for k in ("model", "ema") if k in c) if w][:1]
     return (f"its log step {c['log_step']} is past its step {c['step']}" if c["log_step"] > c["step"]
             else f"does not fit this version's model ({unfit[0]}); it was written by another version of maskprior or "
@@ -536,9 +530,8 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader (both levels weights_only=True) once they are of this format,
-    match their sha256, pass CKPT_SCHEMA and agree with each other and the model they rebuild (`checkpoint_problem`);
-    else a ReadError. What the flags mean is train.py's to check."""
+    """A checkpoint's contents through the one reader (weights_only=True) once of this format, matching their sha256,
+    passing CKPT_SCHEMA and agreeing with each other and their model (`checkpoint_problem`); else a ReadError."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or outer.get("format") != CKPT_FORMAT:
         what = (f"a checkpoint of an earlier version of train.py ({outer['format']}); this version reads {CKPT_FORMAT}:"
@@ -591,8 +584,7 @@ class RunFolder:
         return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
 
     def check_free(self) -> None:
-        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder
-        can be made at (both checked again by `create`, under the lock)."""
+        """Before a new run reads anything: refuse a folder holding a run, or where no folder can be made."""
         if self.holds_run():
             raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
         above = os.path.dirname(os.path.abspath(self.path))
@@ -626,16 +618,14 @@ class RunFolder:
             self.written.append(name)
 
     def append(self, name: str, data: bytes) -> None:
-        """Append to a file this run wrote (`write`, then the inode it recorded at its first append): `append_own`,
-        in the folder this run holds."""
+        """`append_own` to a file this run wrote (`write`), still the inode recorded at its first append."""
         self.check_here()
         self.inodes[name] = append_own(self.file(name) if self.fd is None else name, data, self.inodes.get(name),
                                        dir_fd=self.fd)
 
     @contextlib.contextmanager
     def reading(self, flag: str):
-        """Read another run's folder (a teacher's) only while no process trains in it: a shared
-        lock, refused at once where a run holds the folder's lock."""
+        """Read another run's folder (a teacher's) under a shared lock, refused at once where a run holds the folder."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
             if fcntl is not None:
@@ -794,8 +784,7 @@ LOG_LAYER_KEYS = ("prior_mass", "content_margin", "mask_drift", "qk_drift")
 
 
 def log_problem(rec) -> str | None:
-    """What makes a parsed metrics.jsonl line other than a record as `train_loop` writes it (LOG_SCHEMA, and
-    prior_mass and prior_mass_mean given together), or None."""
+    """What makes a parsed metrics.jsonl line other than `train_loop` writes it (LOG_SCHEMA), or None."""
     problem = schema_problem(rec, LOG_SCHEMA, LOG_REQUIRED)
     if problem is None and (rec.get("prior_mass") is None) != (rec.get("prior_mass_mean") is None):
         return ": prior_mass and prior_mass_mean are not both given or both null"
@@ -857,8 +846,7 @@ def log_bytes(record: dict) -> bytes:
 
 
 def truncate_log(folder: RunFolder, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut short
-    (`read_log`: anything else damaged is refused before this): the log written anew, whole."""
+    """Drop log lines past the checkpoint's step and a last line cut short: the log written anew, whole."""
     folder.write("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_log(folder.file("metrics.jsonl"))
                                           if r["step"] <= step))
 
@@ -885,8 +873,7 @@ class Prior:
 
 
 def prior_evidence(source: dict) -> str | None:
-    """One log line: what a prior not written by hand rests on (`Prior.source`: the sets or pairs that passed the
-    noise, the teacher's fit); None for a hand pattern."""
+    """One log line: what a prior not written by hand rests on (`Prior.source`); None for a hand pattern."""
     pairs = f"{source.get('found_pairs')} pairs"
     if "walsh" in source:
         w = source["walsh"]
