@@ -60,8 +60,7 @@ class Site:
 
 
 def _takes_keyword(module: nn.Module, keyword: str) -> bool:
-    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not
-    trusted: a mask it swallows and passes nowhere would be a prior that changes nothing."""
+    """Whether module.forward names `keyword` (a `**kwargs` catch-all is not trusted: it may pass it nowhere)."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -117,8 +116,7 @@ def _pair(v) -> tuple[int, int]:
 
 
 def _grid_of(model: nn.Module) -> tuple[int, int] | None:
-    """The patch grid (grid_h, grid_w) of an image model, for param='grid': timm's patch_embed.grid_size, or a
-    Hugging Face vision config's image_size // patch_size; None where it names none."""
+    """The patch grid (grid_h, grid_w) of an image model (timm's patch_embed, an HF vision config), or None."""
     embed = getattr(model, "patch_embed", None)
     if embed is not None and getattr(embed, "grid_size", None) is not None:
         return _pair(embed.grid_size)
@@ -149,8 +147,7 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
 
 
 def _tower_positions(named: dict, name: str, found: dict) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) of the tower holding the layer `name`: the nearest module at or above it that fixes them
-    (`_positions`, cached in `found`), so each tower (CLIP's text, vision) has its own."""
+    """(tokens, max_tokens) of the tower holding layer `name` (CLIP's text, vision): its nearest fixing them."""
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
         above = ".".join(parts[:i])
@@ -197,8 +194,7 @@ def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
 
 
 def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
-    """One line for a model where add_mask_prior finds no layer: the attention-like modules it
-    could not reach (their own softmax: DeBERTa...), or none, and how to attach by hand."""
+    """One line for a model where add_mask_prior finds no layer: what it could not reach, and how to attach."""
     if modules is not None:
         return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
     hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or "
@@ -217,8 +213,7 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
 
 
 def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
-    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
-    add_mask_prior's own search, not named with `modules`)."""
+    """Refuse, in one line, a layer the prior could not reach or change (`found`: by add_mask_prior's search)."""
     if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
         raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all "
                        "is not trusted: a mask it passes nowhere would change nothing): add "
@@ -291,8 +286,7 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
 
 
 def _under_peft(model: nn.Module) -> bool:
-    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on
-    the model get_peft_model was given), or PEFT's adapter layers among its modules."""
+    """Whether PEFT wrapped `model` or a model holding it (its peft_config, or PEFT's layers in its modules)."""
     return (getattr(model, "peft_config", None) is not None
             or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
 
@@ -456,8 +450,7 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _with_callers_mask(bias: torch.Tensor, given: torch.Tensor | None, causal: bool, t: int) -> torch.Tensor:
-    """The prior's bias with a mask the caller gave added (bool: True = take part, as scaled_dot_product_attention
-    reads it; else additive) and, for an is_causal call, the future's -inf."""
+    """The prior's bias plus a mask the caller gave (bool: True = take part, else additive) and is_causal's -inf."""
     if given is not None:
         bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
     return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf")) if causal else bias
@@ -485,9 +478,8 @@ class _NoWeightDecay:
 
 
 class _InitPriors:
-    """A transformers model's `_init_weights` (called by its init_weights() on each module it initialises: to_empty's
-    memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started and leaves every other
-    module to the model's own; a plain picklable callable."""
+    """A transformers model's `_init_weights` (which init_weights() calls on each module it initialises) that re-sets a
+    MaskPrior's M where it started, other modules left to the model's own; a plain picklable callable."""
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -502,9 +494,8 @@ class _InitPriors:
 # Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
 
 class _PriorConfig:
-    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach
-    it), except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention`
-    (layers that share the config keep theirs). `model_config` is the config itself."""
+    """An HF layer's `config` while it holds a prior: its model's config (`model_config`), read through, but naming
+    HF_ATTENTION, so this layer alone runs `hf_attention` (others sharing the config keep theirs)."""
     _attn_implementation = HF_ATTENTION
 
     def __init__(self, model_config):
@@ -518,9 +509,8 @@ class _PriorConfig:
 
 
 def _register_hf() -> None:
-    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces, and teach its
-    save_pretrained to write the priors of the model it saves (`_save_pretrained_with_priors`): once, lazily, on
-    the first prior given to (or loaded into) a transformers model."""
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces and wrap its save_pretrained
+    (`_save_pretrained_with_priors`): once, at the first prior given to a transformers model."""
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(HF_ATTENTION, hf_attention)
@@ -679,9 +669,8 @@ def _hf_base(module: nn.Module):
 
 
 def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation
-    without a bias; keys from another sequence on a self-attention prior, or the other way round);
-    note a cross-attention call's first query row (its decoder position, from the KV cache)."""
+    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (no bias; the other kind of keys than its
+    prior's); note a cross-attention call's first query row (from the KV cache)."""
     _hf_base(module)
     call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
     prior = module.mask_prior
@@ -736,9 +725,8 @@ def _saved_with_priors(config_class: type) -> type:
 
 
 def _save_pretrained_with_priors(save: Callable) -> Callable:
-    """transformers' save_pretrained, writing the record of the saved model's priors (`prior_record`) into its
-    config.json through a copy of its config, held by the model for the save alone (the config it shares with other
-    models never holds it), which names HF_SAVED: a plain from_pretrained fails loudly, ours loads it."""
+    """transformers' save_pretrained, writing the saved model's `prior_record` into config.json through a copy of its
+    config for the save alone (the shared one never holds it), naming HF_SAVED: a plain from_pretrained fails loudly."""
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         record = prior_record(self)
@@ -895,9 +883,8 @@ def _check_record(record, path: str) -> None:
 
 
 def _unmarked(config, kwargs: dict) -> dict:
-    """`kwargs` for transformers' from_pretrained with the weights file config.json names (HF_SAVED, which refuses
-    plain loads) the default one again: a keyword where transformers reads config.json, a copy of the caller's
-    config without it where one is given (an Auto class gives one); the caller's config keeps its mark."""
+    """`kwargs` for transformers' from_pretrained naming the default weights file again, not HF_SAVED: a keyword where
+    it reads config.json, else a copy of the config given (the caller's keeps its mark)."""
     given = kwargs.get("config")
     if getattr(given, "transformers_weights", None) == HF_SAVED:
         given = copy.deepcopy(given)
