@@ -198,9 +198,8 @@ Teacher = collections.namedtuple("Teacher", "folder ckpt config")       # a --pr
 
 
 def read_teacher(config, task) -> Teacher:
-    """--prior-from RUN, read as someone else's files before anything is built or written: a folder
-    no process trains in, holding a finished run (result.json of the checkpoint's run and step) of
-    this task, token layout and, for a per-head prior, head count. Anything else is one line."""
+    """--prior-from RUN, read as someone else's files before anything is built or written: a finished run (result.json
+    matching ckpt.pt) no process trains in, of this task, token layout and (for a per-head prior) head count."""
     folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
@@ -274,9 +273,8 @@ class Probe:
         return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
     def say_final_size(self, model) -> None:
-        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
-        2^20 points), say its size and an estimate when it passes 10 s. The estimate scales the last log step's
-        sample; only where no log step came after the first (whose one-time work inflates its time) is one timed."""
+        """Where the final evaluation scores 10x a log step's sample points (a cube of 2^20), say its size and an
+        estimate past 10 s (the last sample's time, scaled; timed here if only the first, slow one ran)."""
         size = self.task.final_eval_size()
         if not size or not self.eval_points or size < 10 * self.eval_points:
             return
@@ -553,9 +551,8 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
 
 
 def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Config:
-    """The config with what the task sizes filled in: --steps from --epochs (unless --steps was
-    given, or kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs,
-    and the log (a tenth of the run) and checkpoint (each log step) intervals where not given."""
+    """The config with what the task sizes: --steps from --epochs (unless --steps was given, or kept on resume while
+    --epochs is given now), --warmup from --warmup-epochs, unset log and checkpoint intervals (a tenth of the run)."""
     sized = {}
     if config.warmup_epochs is not None:
         sized["warmup"] = round(config.warmup_epochs * task.steps_per_epoch(config.batch_size))
@@ -571,9 +568,8 @@ Built = collections.namedtuple("Built", "config task model model_cfg optimizer i
 
 def build(config: runconfig.Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task (`task`: set up already, its data read; None: made and set up here), the
-    schedule sized, the model built and, with `init`, initialised (`teacher`: --prior-from's files, read already), and
-    the optimiser (M undecayed). Runs, tests and benchmarks."""
+    """Everything a run trains: the task (`task`: set up already, else made here), the schedule sized, the model built
+    and with `init` initialised (`teacher`: --prior-from's files, read), the optimiser; for runs, tests, benchmarks."""
     device = device or runconfig.pick_device(config.device)
     if task is None:
         task = runconfig.task_for(config)
@@ -667,9 +663,8 @@ def first_loss(model, task, config, device) -> torch.Tensor:
 
 
 def train_loop(state: Run) -> int | None:
-    """Train from state.step to config.steps, logging and checkpointing; None when it got to the
-    end, else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank
-    takes the same decisions: the loss and the interrupt flag are agreed on each step."""
+    """Train from state.step to config.steps, logging and checkpointing: None at the end, else the exit status. Every
+    rank decides alike (the loss and the interrupt flag are agreed each step)."""
     config, model, optimizer, task, dist = state.config, state.model, state.optimizer, state.task, state.dist
     total, t_start, steps_done, estimated, t_eval = config.steps, time.time(), 0, False, 0.0
     with Interrupt() as stop:
@@ -887,10 +882,9 @@ def config_hash(flags: dict) -> str:
 
 
 def show(run_dir: str, out: str) -> int:
-    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
-    and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
-    the checkpoint, checked as --resume checks it, before anything is written); each file's path printed. A run
-    without M draws its attention alone; a task whose data is not where the run read it draws M alone, and says so."""
+    """`train.py show RUN`: M at the start and end -> m.png, and the mean attention on the task's probe inputs at the
+    end -> attention.png, each path printed (the model rebuilt on the CPU and checked as --resume checks it first).
+    Without M: its attention alone; without the task's data: M alone, and says so."""
     if reporting.show.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -985,9 +979,8 @@ def show_saved(folder: str, out: str) -> int:
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint read as someone else's file and checked against its schema and itself, the model it rebuilds
-    included (`runfiles.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching their
-    hash. Anything else is one clear line."""
+    """A checkpoint read as someone else's file (`runfiles.read_checkpoint`: its schema, itself, its model), its flags
+    (`saved_config`) matching their hash, before any value is used; else one line."""
     try:
         ckpt = runfiles.read_checkpoint(path)
     except runfiles.ReadError as e:
@@ -1085,8 +1078,7 @@ NUMERICS = {"amp": amp_on, "compile": lambda value, device_type: value}
 
 
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
-    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
-    (NUMERICS), is exact only to rounding, or None."""
+    """A note that a resume on another device, thread count, --amp or --compile (NUMERICS) is exact to rounding."""
     saved, now, was = ckpt["machine"], float_order(device), ckpt["config"]
     changed = [f"--{k} {was.get(k)}, now {getattr(config, k)}" for k, acts in NUMERICS.items()
                if acts(was.get(k), saved["device"]) != acts(getattr(config, k), device.type)]
