@@ -66,8 +66,7 @@ def init_mimetic(model, prior, config, g) -> dict:
 
 
 def init_impulse(model, prior, config, g) -> dict:
-    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed
-    form for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
+    """The 2025 structured init: positions x18, QK in closed form for the impulse, V-proj mimetic (0.4 Z - 0.4 I)."""
     report = mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
                              config.qk_svd_norm, config.qk_svd_pos_scale or 18.0, generator=g)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))

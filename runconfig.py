@@ -255,8 +255,7 @@ def say(text: str) -> None:
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """Each field: the flag given, else the task's preset (less the alternatives of the flags
-    given), else its default."""
+    """Each field: the flag given, else the task's preset (less the given flags' alternatives), else its default."""
     given = {k: getattr(flags, k) for k in explicit}
     task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
     if task not in tasks.TASKS:
@@ -320,8 +319,7 @@ def out_of_range(name: str, value) -> str | None:
 
 
 def applied_value(config: Config, key: str):
-    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a
-    --pattern or --prior-kind not given: the task's default)."""
+    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (task default)."""
     task = tasks.TASKS[config.task]
     if key == "kind":
         return task.KIND
@@ -429,16 +427,14 @@ EXPLICIT_UP_TO = 128
 
 
 def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
-    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
+    """--attention auto: fused, but explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
     if attention == "auto":
         return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"
 
 
 def model_config(config, task, device=torch.device("cpu")):
-    """The model config of a run: the family MODELS holds for the task's arch() (mp.family_of),
-    its trunk and the family's own fields from the flags."""
+    """The model config of a run: the task's arch() family (mp.family_of), its trunk and own fields from flags."""
     arch = task.arch()
     family = mp.family_of(arch)
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
