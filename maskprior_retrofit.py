@@ -528,9 +528,8 @@ def _at_positions(prior: mp.MaskPrior, rows: torch.Tensor, dist: torch.Tensor, s
 
 
 def _full_at(prior: mp.MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """(B, heads, q, k) bias of a full M (or one read by role, `prior_roles`) at each query's row and each key's
-    column: rows (B or 1, q) and cols (B or 1, q, k) positions, seen (B or 1, q, k) the pairs the framework keeps,
-    which must fit M (checked where not compiling or tracing; clamped there)."""
+    """(B, heads, q, k) bias of a full M (or one read by role) at rows (B or 1, q) and cols (B or 1, q, k), with
+    `seen` (B or 1, q, k) the kept pairs, which must fit M (checked unless compiling or tracing; clamped)."""
     n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
     full = prior(n, torch.float32)                                  # (heads, n, n), or (B, heads, n, n) by role
     full = full if full.dim() == 4 else full.unsqueeze(0)
@@ -785,8 +784,7 @@ def _attach(site: Site, prior: mp.MaskPrior, mask_kwarg: str, flex: bool) -> Non
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior], mask_kwarg: str = "attn_mask",
                   flex: bool = False) -> None:
-    """Attach the checked priors (`_attach`), then what a model with priors needs: the process's watchers, the
-    TransformerEncoder's slow path, Hugging Face's registration and init, timm's no_weight_decay, the PEFT guard."""
+    """Attach the checked priors (`_attach`), then what a model with priors needs (watchers, HF, timm, PEFT guard)."""
     for s in sites:                                   # every layer fits: now change them
         _attach(s, priors[s.name], mask_kwarg, flex)
         _LAYERS[priors[s.name]] = [weakref.ref(p) for p in s.module.parameters() if p is not priors[s.name].bias]
@@ -1021,8 +1019,7 @@ ADAPTER_LOADERS = {
 
 
 def _guard_loaders(module) -> None:
-    """Wrap each of `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; a class's
-    subclasses (PEFT's task classes, every transformers model) inherit the check."""
+    """Wrap `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; subclasses inherit it."""
     for owner, name, read in ADAPTER_LOADERS[module.__name__]:
         cls = getattr(module, owner)
         found = cls.__dict__[name]
@@ -1092,8 +1089,7 @@ _WATCHING: list = []
 
 
 def _warn_unheld_m(optimizer, args, kwargs) -> None:
-    """On an optimiser's first step, a warning where it holds a retrofitted layer's weights but not its trainable M:
-    an optimiser made before add_mask_prior, which would never train M."""
+    """On an optimiser's first step, warn where it holds a retrofitted layer's weights but not its trainable M."""
     if optimizer in _STEPPED:
         return
     _STEPPED.add(optimizer)

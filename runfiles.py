@@ -859,9 +859,8 @@ def _first_line(e: BaseException) -> str:
 
 @dataclass
 class Prior:
-    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit and the probe measures
-    the mass on; `logits`, the initial M of a mask init; and `source`, where both came from (the task's hand pattern,
-    its training data, or a teacher's attention), in result.json. Kept as prior.pt (`to_bytes`, `read_prior`)."""
+    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)) the QK inits fit and the probe measures,
+    `logits` (a mask init's M) and `source` (where both came from, in result.json); kept as prior.pt."""
     pattern: torch.Tensor
     logits: torch.Tensor
     source: dict
