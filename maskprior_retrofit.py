@@ -588,8 +588,7 @@ def _query_positions(kwargs: dict, q_len: int) -> torch.Tensor | None:
 
 def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor,
              mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the queries' and keys' positions, with HF's mask
-    (padding, causal, sliding window: bool, or additive) folded in."""
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the call's positions, HF's mask folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if not mp.tracing():
         _check_roles_batch(prior, query.shape[0])
@@ -712,8 +711,7 @@ def prior_record(model: nn.Module) -> dict | None:
 
 
 class _SavedWithPriors:
-    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as its
-    `transformers_weights` (the weights file transformers loads; its own save never writes the field)."""
+    """Mixed into a save's config copy: config.json also names HF_SAVED as its `transformers_weights`."""
     def to_dict(self) -> dict:
         return {**super().to_dict(), "transformers_weights": HF_SAVED}
 
@@ -948,8 +946,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 
 
 def _reattach(model: nn.Module, record: dict) -> None:
-    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
-    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
+    """Give `model` the priors (M = 0) of a checked record, every layer found and checked before any is changed."""
     named, base = dict(model.named_modules()), getattr(model, "base_model_prefix", "") + "."
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}

@@ -694,9 +694,8 @@ class RunFolder:
             self.fd = None
 
     def abandon(self) -> None:
-        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote, and
-        the folder and the folders above it where this process made them and nothing else is there; then unlock.
-        Nothing this process did not write is touched, and a resumed run (`open_existing`) keeps all."""
+        """A run that failed before it was one (no ckpt.pt of its own): remove the files this process wrote, and the
+        folders it made where nothing else is there; then unlock. A resumed run (`open_existing`) keeps all."""
         if self.new and self.fd is not None and "ckpt.pt" not in self.written:
             for name in self.written:
                 with contextlib.suppress(OSError):
