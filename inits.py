@@ -4,8 +4,7 @@ of inits elsewhere is derived from INITS: train.py's flag table and checks, a ta
 files' schema (runfiles.INITS) and the report's tables. A new init is one record here and one test
 (test_every_task_trains_with_every_init covers every init a task offers).
 
-    python train.py --task parity2 --init NAME        # NAME: a key of INITS
-"""
+    python train.py --task parity2 --init NAME        # NAME: a key of INITS"""
 from __future__ import annotations
 
 import os
@@ -58,9 +57,8 @@ def init_qk_svd(model, prior, config, g) -> dict:
 
 
 def init_qk_opt(model, prior, config, g) -> dict:
-    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr,
-                           tol=config.qk_opt_tol, pos_scale=config.qk_opt_pos_scale, generator=g,
-                           log=_log)
+    return mp.init_qk_opt_(model, prior.pattern, config.qk_opt_steps, config.qk_opt_lr, tol=config.qk_opt_tol,
+                           pos_scale=config.qk_opt_pos_scale, generator=g, log=_log)
 
 
 def init_mimetic(model, prior, config, g) -> dict:
@@ -68,8 +66,7 @@ def init_mimetic(model, prior, config, g) -> dict:
 
 
 def init_impulse(model, prior, config, g) -> dict:
-    """The 2025 structured-initialization recipe: positional embedding x18, QK solved in closed
-    form for the impulse pattern, V-proj mimetic (0.4 Z - 0.4 I)."""
+    """The 2025 structured init: positions x18, QK in closed form for the impulse, V-proj mimetic (0.4 Z - 0.4 I)."""
     report = mp.init_qk_svd_(model, prior.pattern, config.qk_svd_scale, config.qk_svd_noise,
                              config.qk_svd_norm, config.qk_svd_pos_scale or 18.0, generator=g)
     report.update(mp.init_mimetic_(model, qk=None, vo=(0.4, 0.4), generator=g))
@@ -77,11 +74,9 @@ def init_impulse(model, prior, config, g) -> dict:
 
 
 def init_mask_impulse(model, prior, config, g) -> dict:
-    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj
-    as `init_impulse` gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the
-    soft bump); Wq, Wk as drawn."""
-    # impulse's scale, applied as init_qk_svd_ applies it
-    scale = config.qk_svd_pos_scale or 18.0
+    """`impulse` with its pattern in M instead of Wq Wk^T: the positions x18 and the mimetic V-proj as `init_impulse`
+    gives them, M as `init_mask` gives it (`--pattern`: the hard impulse or the soft bump); Wq, Wk as drawn."""
+    scale = config.qk_svd_pos_scale or 18.0         # impulse's scale, applied as init_qk_svd_ applies it
     with torch.no_grad():
         model.pos_emb.mul_(scale)
     report = mp.init_mask_(model, logits=prior.logits)

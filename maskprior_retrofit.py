@@ -1,14 +1,12 @@
 """The mask prior in other libraries' models: `add_mask_prior` gives every attention layer of a model that is not ours
-its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention: GPT-2, BERT, ViT, Llama,
-Mistral, BART, T5, Whisper, CLIP, Swin...; any module with an additive-mask keyword), serves it the lengths, padding,
-caches and saving those libraries use, and takes it out again (`remove_mask_prior`); `from_pretrained` loads a Hugging
-Face model saved with priors.
+its own `maskprior.MaskPrior` (nn.MultiheadAttention, timm's and Hugging Face's attention, any module with an
+additive-mask keyword), serves it the lengths, padding, caches and saving those libraries use, and takes it out again
+(`remove_mask_prior`); `from_pretrained` loads a Hugging Face model saved with priors.
 
-maskprior.py is the method and trains our own models alone; this file imports it (and torch): copy both to retrofit
-another codebase's models. Frameworks are recognised by duck typing; transformers and peft are imported only inside the
-calls that need them. Importing this file changes nothing; once a process attaches its first prior, PEFT's and
-transformers' adapter loaders (now or whenever they are imported) refuse an adapter that carries M onto a model without
-priors (`ADAPTER_LOADERS`)."""
+maskprior.py is the method and trains our own models alone; this file imports it and torch alone (copy both to retrofit
+another codebase's models): frameworks are recognised by duck typing, transformers and peft imported only in the calls
+that need them. Importing it changes nothing; once a process attaches its first prior, PEFT's and transformers' adapter
+loaders (now or when imported) refuse an adapter that carries M onto a model without priors (`ADAPTER_LOADERS`)."""
 from __future__ import annotations
 
 import copy
@@ -62,8 +60,7 @@ class Site:
 
 
 def _takes_keyword(module: nn.Module, keyword: str) -> bool:
-    """Whether module.forward names `keyword` as a parameter. A `**kwargs` catch-all is not
-    trusted: a mask it swallows and passes nowhere would be a prior that changes nothing."""
+    """Whether module.forward names `keyword` (a `**kwargs` catch-all is not trusted: it may pass it nowhere)."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -119,8 +116,7 @@ def _pair(v) -> tuple[int, int]:
 
 
 def _grid_of(model: nn.Module) -> tuple[int, int] | None:
-    """The patch grid (grid_h, grid_w) of an image model, for param='grid': timm's patch_embed.grid_size, or a
-    Hugging Face vision config's image_size // patch_size; None where it names none."""
+    """The patch grid (grid_h, grid_w) of an image model (timm's patch_embed, an HF vision config), or None."""
     embed = getattr(model, "patch_embed", None)
     if embed is not None and getattr(embed, "grid_size", None) is not None:
         return _pair(embed.grid_size)
@@ -132,9 +128,8 @@ def _grid_of(model: nn.Module) -> tuple[int, int] | None:
 
 
 def _positions(model: nn.Module) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus
-    prefix tokens, CLIP-style embeddings' num_positions, or a (1, N, D) position table), else a
-    text model's most positions (its config)."""
+    """(tokens, max_tokens) the model fixes: an image model's token count (timm's patch grid plus prefix tokens,
+    CLIP-style num_positions, or a (1, N, D) position table), else a text model's most positions (its config)."""
     embed = getattr(model, "patch_embed", None)
     if embed is not None and isinstance(getattr(embed, "num_patches", None), int):
         return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0)), None
@@ -152,9 +147,7 @@ def _positions(model: nn.Module) -> tuple[int | None, int | None]:
 
 
 def _tower_positions(named: dict, name: str, found: dict) -> tuple[int | None, int | None]:
-    """(tokens, max_tokens) of the tower that holds the layer `name`: of the nearest module at or above it that fixes
-    them (`_positions`; `found` caches them by module name), so a model of several towers (CLIP's text and vision)
-    gives each its own."""
+    """(tokens, max_tokens) of the tower holding layer `name` (CLIP's text, vision): its nearest fixing them."""
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
         above = ".".join(parts[:i])
@@ -201,8 +194,7 @@ def _fail(site: Site, what: str, who: str = "add_mask_prior") -> ValueError:
 
 
 def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
-    """One line for a model where add_mask_prior finds no layer: the attention-like modules it
-    could not reach (their own softmax: DeBERTa...), or none, and how to attach by hand."""
+    """One line for a model where add_mask_prior finds no layer: what it could not reach, and how to attach."""
     if modules is not None:
         return ValueError(f"add_mask_prior: {type(model).__name__} holds no module that `modules` names")
     hand = (f"give its forward an `{mask_kwarg}=None` keyword that is added to its logits (or "
@@ -221,8 +213,7 @@ def _unreachable(model: nn.Module, modules, mask_kwarg: str) -> ValueError:
 
 
 def _check_site(model: nn.Module, s: Site, found: bool, mask_kwarg: str, who: str = "add_mask_prior") -> None:
-    """Refuse, in one line, a layer whose output the prior could not reach or change (`found`: by
-    add_mask_prior's own search, not named with `modules`)."""
+    """Refuse, in one line, a layer the prior could not reach or change (`found`: by add_mask_prior's search)."""
     if s.kind == "keyword" and not _takes_keyword(s.module, mask_kwarg):
         raise _fail(s, f"names no `{mask_kwarg}` parameter in its forward (a **kwargs catch-all "
                        "is not trusted: a mask it passes nowhere would change nothing): add "
@@ -295,8 +286,7 @@ def _check_size(model: nn.Module, priors: dict[str, mp.MaskPrior], src: torch.Te
 
 
 def _under_peft(model: nn.Module) -> bool:
-    """Whether PEFT wrapped `model`, or a model that holds it (a part, e.g. BART's encoder): its peft_config (set on
-    the model get_peft_model was given), or PEFT's adapter layers among its modules."""
+    """Whether PEFT wrapped `model` or a model holding it (its peft_config, or PEFT's layers in its modules)."""
     return (getattr(model, "peft_config", None) is not None
             or any(type(m).__module__.partition(".")[0] == "peft" for m in model.modules()))
 
@@ -315,21 +305,19 @@ def add_mask_prior(model: nn.Module, pattern: torch.Tensor | None = None, m_on: 
     of classes or predicate `(name, module) -> bool`: exactly those modules, e.g. only an encoder's), any module whose
     forward names an additive mask keyword `mask_kwarg` (nanoGPT-style). Self-attention gets the prior; with
     `cross_attention=True` the cross-attention layers instead (nn.Transformer's decoder, BART's encoder_attn, T5's
-    EncDecAttention), from an (N_query, N_key) pattern. `causal` defaults to what the layer is where it says (HF), else
-    False. `prefix` (default: True for HF text models, else False) lets a non-causal prior read shorter inputs as
-    positions 0..t-1. Every layer is checked before any is changed: one the prior cannot serve raises ValueError naming
-    it, its class, heads and what to do, and the model is left as it was. `param`: by default relative for a causal
-    prior that depends on i - j alone (a distance prior: heads x N a layer, any length), else full, refused in one line
-    where the full M's would add more than 10% of the model's parameters (pass param='full' to take them, or 'relative'
-    for a non-causal band); param='grid': an image's 2-D relative M, one logit per head and patch displacement plus each
-    class token's row and column (about 0.7% of ViT-Tiny's parameters at 224 px, where a full M adds 25%), on `grid`
-    (grid_h, grid_w), by default the model's own patch grid (timm's patch_embed, a Hugging Face config's image and patch
-    size). `flex`: on CUDA a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call)
-    wherever the call is plain self-attention (`_prior_alone`; set `layer.mask_prior_flex` later to change it). Make the
-    optimiser after this call; M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and
-    `param_groups` leave it undecayed. An nn.TransformerEncoder runs without its nested-tensor fast path while it holds
-    a prior (its padded batches would skip the mask), with a warning where the path was on; `remove_mask_prior` turns it
-    back on."""
+    EncDecAttention), from an (N_query, N_key) pattern. `causal`: by default what the layer says it is (HF), else False.
+    `prefix` (default: True for HF text models) lets a non-causal prior read shorter inputs as positions 0..t-1. Every
+    layer is checked before any is changed: one the prior cannot serve raises ValueError naming it, its class, heads and
+    what to do, and the model is left as it was. `param`: by default relative for a causal prior that depends on i - j
+    alone (heads x N a layer, any length), else full, refused where the full M's would add more than 10% of the model's
+    parameters (param='full' takes them, 'relative' gives a non-causal band); 'grid': an image's 2-D relative M, one
+    logit per head and patch displacement plus each class token's row and column (0.7% of ViT-Tiny's parameters at
+    224px, where a full M adds 25%), on `grid` (grid_h, grid_w), by default the model's own patch grid. `flex`: on CUDA
+    a Hugging Face layer's prior runs inside torch's flex_attention (compiled on its first call) wherever the call is
+    plain self-attention (`_prior_alone`; `layer.mask_prior_flex` changes it later). Make the optimiser after this call;
+    M is named `bias`, so Hugging Face's Trainer, timm's create_optimizer_v2 and `param_groups` leave it undecayed. An
+    nn.TransformerEncoder runs without its nested-tensor fast path while it holds a prior (its padded batches would skip
+    the mask), with a warning where the path was on; `remove_mask_prior` turns it back on."""
     who = "add_mask_prior"
     pattern, logits = mp._source(who, pattern, logits)
     m_on, m_off = mp._real(who, "m_on", m_on), mp._real(who, "m_off", m_off)
@@ -390,12 +378,10 @@ def _check_roles_batch(prior: mp.MaskPrior, batch: int) -> None:
 
 # torch: nn.MultiheadAttention
 
-
 def _mha_prior_hook(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     """Forward pre-hook of a retrofitted nn.MultiheadAttention: its MaskPrior's bias becomes the attn_mask (added to
     one the caller gave; a causal call's -inf folded in, since MHA drops a mask it takes for the causal one)."""
-    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
+    names = "query key value key_padding_mask need_weights attn_mask average_attn_weights is_causal".split()
     kwargs = {**dict(zip(names, args)), **kwargs}
     query, key, prior = kwargs["query"], kwargs["key"], mha.mask_prior
     batched = query.dim() == 3
@@ -432,7 +418,6 @@ def _mha_record_hook(mha: nn.MultiheadAttention, args, kwargs, output):
 
 # timm and keyword: a module whose forward names an additive mask keyword
 
-
 def _amp_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype attention runs in for input x: autocast's where it is on for x's device, else x's own."""
     try:
@@ -465,8 +450,7 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _with_callers_mask(bias: torch.Tensor, given: torch.Tensor | None, causal: bool, t: int) -> torch.Tensor:
-    """The prior's bias with a mask the caller gave added (bool: True = take part, as scaled_dot_product_attention
-    reads it; else additive) and, for an is_causal call, the future's -inf."""
+    """The prior's bias plus a mask the caller gave (bool: True = take part, else additive) and is_causal's -inf."""
     if given is not None:
         bias = torch.where(given, bias, float("-inf")) if given.dtype == torch.bool else bias + given
     return bias.masked_fill(mp.future_keys(t, bias.device), float("-inf")) if causal else bias
@@ -494,9 +478,8 @@ class _NoWeightDecay:
 
 
 class _InitPriors:
-    """A transformers model's `_init_weights` (what its init_weights() calls on each module whose weights it
-    initialises: to_empty's memory, a checkpoint's missing keys) that re-sets a MaskPrior's M from where it started,
-    and leaves every other module to the model's own; held by the model itself, a plain picklable callable."""
+    """A transformers model's `_init_weights` (which init_weights() calls on each module it initialises) that re-sets a
+    MaskPrior's M where it started, other modules left to the model's own; a plain picklable callable."""
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -510,11 +493,9 @@ class _InitPriors:
 
 # Hugging Face: an attention function registered with transformers, reached through a view of the layer's config
 
-
 class _PriorConfig:
-    """What an HF layer with a prior sees as its `config`: its model's config, read through (later changes reach
-    it), except that it names HF_ATTENTION as the attention function, so this layer alone runs `hf_attention`
-    (layers that share the config keep theirs). `model_config` is the config itself."""
+    """An HF layer's `config` while it holds a prior: its model's config (`model_config`), read through, but naming
+    HF_ATTENTION, so this layer alone runs `hf_attention` (others sharing the config keep theirs)."""
     _attn_implementation = HF_ATTENTION
 
     def __init__(self, model_config):
@@ -528,9 +509,8 @@ class _PriorConfig:
 
 
 def _register_hf() -> None:
-    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces, and teach its
-    save_pretrained to write the priors of the model it saves (`_save_pretrained_with_priors`): once, lazily, on
-    the first prior given to (or loaded into) a transformers model."""
+    """Register HF_ATTENTION with transformers' attention and attention-mask interfaces and wrap its save_pretrained
+    (`_save_pretrained_with_priors`): once, at the first prior given to a transformers model."""
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(HF_ATTENTION, hf_attention)
@@ -548,9 +528,8 @@ def _at_positions(prior: mp.MaskPrior, rows: torch.Tensor, dist: torch.Tensor, s
 
 
 def _full_at(prior: mp.MaskPrior, rows: torch.Tensor, cols: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """(B, heads, q, k) bias of a full M (or one read by role, `prior_roles`) at each query's row and each key's
-    column: rows (B or 1, q) and cols (B or 1, q, k) positions, seen (B or 1, q, k) the pairs the framework keeps,
-    which must fit M (checked where not compiling or tracing; clamped there)."""
+    """(B, heads, q, k) bias of a full M (or one read by role) at rows (B or 1, q) and cols (B or 1, q, k), with
+    `seen` (B or 1, q, k) the kept pairs, which must fit M (checked unless compiling or tracing; clamped)."""
     n = prior.n if prior.roles is None else min(prior.n, prior.roles[0].shape[1])
     full = prior(n, torch.float32)                                  # (heads, n, n), or (B, heads, n, n) by role
     full = full if full.dim() == 4 else full.unsqueeze(0)
@@ -609,8 +588,7 @@ def _query_positions(kwargs: dict, q_len: int) -> torch.Tensor | None:
 
 def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor,
              mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the queries' and keys' positions, with HF's mask
-    (padding, causal, sliding window: bool, or additive) folded in."""
+    """(1 or B, heads, q_len, k_len) bias of one call: the prior at the call's positions, HF's mask folded in."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if not mp.tracing():
         _check_roles_batch(prior, query.shape[0])
@@ -665,9 +643,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids): then
-    maskprior's own kernels serve it, as in its own models: on the CPU `prior_attention` (M's gradient apart from the
-    fused kernel), on CUDA flex_attention where asked (`mask_prior_flex`)."""
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids), which
+    maskprior's kernels serve: `prior_attention` on the CPU, flex_attention on CUDA where asked."""
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
@@ -690,9 +667,8 @@ def _hf_base(module: nn.Module):
 
 
 def _hf_guard(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (an implementation
-    without a bias; keys from another sequence on a self-attention prior, or the other way round);
-    note a cross-attention call's first query row (its decoder position, from the KV cache)."""
+    """Pre-hook of an HF layer with a prior: refuse a call it cannot serve (no bias; the other kind of keys than its
+    prior's); note a cross-attention call's first query row (from the KV cache)."""
     _hf_base(module)
     call = {**dict(zip(module.mask_prior_args, args)), **kwargs}
     prior = module.mask_prior
@@ -735,8 +711,7 @@ def prior_record(model: nn.Module) -> dict | None:
 
 
 class _SavedWithPriors:
-    """Mixed into the class of the config copy that a save with priors writes: config.json also names HF_SAVED as its
-    `transformers_weights` (the weights file transformers loads; its own save never writes the field)."""
+    """Mixed into a save's config copy: config.json also names HF_SAVED as its `transformers_weights`."""
     def to_dict(self) -> dict:
         return {**super().to_dict(), "transformers_weights": HF_SAVED}
 
@@ -747,9 +722,8 @@ def _saved_with_priors(config_class: type) -> type:
 
 
 def _save_pretrained_with_priors(save: Callable) -> Callable:
-    """transformers' save_pretrained, writing the record of the saved model's priors (`prior_record`) into its
-    config.json through a copy of its config, held by the model for the save alone (the config it shares with other
-    models never holds it), which names HF_SAVED: a plain from_pretrained fails loudly, ours loads it."""
+    """transformers' save_pretrained, writing the saved model's `prior_record` into config.json through a copy of its
+    config for the save alone (the shared one never holds it), naming HF_SAVED: a plain from_pretrained fails loudly."""
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         record = prior_record(self)
@@ -771,10 +745,9 @@ def _save_pretrained_with_priors(save: Callable) -> Callable:
 
 
 def _frozen_prior_guard(model: nn.Module, args: tuple) -> None:
-    """Pre-hook on the model add_mask_prior was given (the whole or a part): a forward that records
-    gradients after PEFT froze M (get_peft_model freezes every parameter outside its adapter, and its
-    adapter would not save M) is refused in one line, in train or eval mode (a hand-written loop may
-    never call .train(); from_pretrained leaves a model in eval mode). Inference (no_grad) runs."""
+    """Pre-hook on the model add_mask_prior was given (the whole or a part): a forward that records gradients after PEFT
+    froze M (get_peft_model freezes every parameter outside its adapter, which would not save M) is refused in one line,
+    in train or eval mode (a hand-written loop may never call .train()). Inference (no_grad) runs."""
     if not torch.is_grad_enabled():
         return
     frozen = next((p for m in model.modules()
@@ -809,8 +782,7 @@ def _attach(site: Site, prior: mp.MaskPrior, mask_kwarg: str, flex: bool) -> Non
 
 def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.MaskPrior], mask_kwarg: str = "attn_mask",
                   flex: bool = False) -> None:
-    """Attach the checked priors (`_attach`), then what a model with priors needs: the process's watchers, the
-    TransformerEncoder's slow path, Hugging Face's registration and init, timm's no_weight_decay, the PEFT guard."""
+    """Attach the checked priors (`_attach`), then what a model with priors needs (watchers, HF, timm, PEFT guard)."""
     for s in sites:                                   # every layer fits: now change them
         _attach(s, priors[s.name], mask_kwarg, flex)
         _LAYERS[priors[s.name]] = [weakref.ref(p) for p in s.module.parameters() if p is not priors[s.name].bias]
@@ -881,8 +853,7 @@ _RECORD_FIELDS = {                     # field of a layer's record: (check, what
 
 
 def _check_record(record, path: str) -> None:
-    """One ValueError naming the layer and the field when a config's `mask_prior` record is malformed (before any
-    model is built)."""
+    """One ValueError naming the layer and field of a malformed `mask_prior` record (before any model is built)."""
     where = f"from_pretrained: {path}'s config.json"
     if not isinstance(record, dict):
         raise ValueError(f"{where} holds a mask_prior record that is a {type(record).__name__}, "
@@ -908,9 +879,8 @@ def _check_record(record, path: str) -> None:
 
 
 def _unmarked(config, kwargs: dict) -> dict:
-    """`kwargs` for transformers' from_pretrained with the weights file config.json names (HF_SAVED, which refuses
-    plain loads) the default one again: a keyword where transformers reads config.json, a copy of the caller's
-    config without it where one is given (an Auto class gives one); the caller's config keeps its mark."""
+    """`kwargs` for transformers' from_pretrained naming the default weights file again, not HF_SAVED: a keyword where
+    it reads config.json, else a copy of the config given (the caller's keeps its mark)."""
     given = kwargs.get("config")
     if getattr(given, "transformers_weights", None) == HF_SAVED:
         given = copy.deepcopy(given)
@@ -976,8 +946,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
 
 
 def _reattach(model: nn.Module, record: dict) -> None:
-    """Give `model` the priors (at M = 0) that a checked config record describes: every layer found and checked (an
-    attention layer the prior can serve, of the recorded heads, causality and size) before any is changed."""
+    """Give `model` the priors (M = 0) of a checked record, every layer found and checked before any is changed."""
     named, base = dict(model.named_modules()), getattr(model, "base_model_prefix", "") + "."
     found = {s.name: s for s in find_attention(model)}
     sites, priors = [], {}
@@ -1047,8 +1016,7 @@ ADAPTER_LOADERS = {
 
 
 def _guard_loaders(module) -> None:
-    """Wrap each of `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; a class's
-    subclasses (PEFT's task classes, every transformers model) inherit the check."""
+    """Wrap `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; subclasses inherit it."""
     for owner, name, read in ADAPTER_LOADERS[module.__name__]:
         cls = getattr(module, owner)
         found = cls.__dict__[name]
@@ -1118,8 +1086,7 @@ _WATCHING: list = []
 
 
 def _warn_unheld_m(optimizer, args, kwargs) -> None:
-    """On an optimiser's first step, a warning where it holds a retrofitted layer's weights but not its trainable M:
-    an optimiser made before add_mask_prior, which would never train M."""
+    """On an optimiser's first step, warn where it holds a retrofitted layer's weights but not its trainable M."""
     if optimizer in _STEPPED:
         return
     _STEPPED.add(optimizer)
@@ -1135,7 +1102,6 @@ def _warn_unheld_m(optimizer, args, kwargs) -> None:
 # ----------------------------------------------------------------------------------------
 # The QK inits (maskprior's init_qk_svd_, init_qk_opt_, init_mimetic_: `impulse` is the first with pos_scale=18 and
 # the last with qk=None, vo=(0.4, 0.4)) on timm's and Hugging Face's ViTs, through a QKView of their weights.
-
 
 def _projections(module: nn.Module) -> tuple | None:
     """(q, k, v, o, (q, k, v biases)): views of an attention layer's weights, q/k/v (inner, dim) and o (dim, inner),

@@ -3,8 +3,7 @@ what its flag is (`setting`); `resolve` fills a Config once (the flag given, els
 default), and `check` is the one pass over it (each number in its range, each flag given where it applies, the rules
 between flags) before anything is built or written. A saved Config (a checkpoint's, args.json's) is read back
 through `saved_config`. train.py generates its argparse from this table; nothing changes a Config after `resolve`
-(what a task sizes, train.size_schedule fills into a new one); args.json is `asdict(config)`.
-"""
+(what a task sizes, train.size_schedule fills into a new one); args.json is `asdict(config)`."""
 from __future__ import annotations
 
 import argparse
@@ -25,8 +24,7 @@ UsageError = runfiles.UsageError
 # the argparse groups of the flags (a field's `group`); a family's (runfiles.KINDS) holds its task options
 GROUPS = {"run": "run", "optimisation": "optimisation", "model": "model", "prior": "prior",
           "boolean": "Boolean tasks (parity2, majority3, cyclic3, kparity, kmajority, ksum)",
-          "arithmetic": "arithmetic (addition, multiplication)",
-          "vision": "vision (cifar10, cifar100, imagenet100)",
+          "arithmetic": "arithmetic (addition, multiplication)", "vision": "vision (cifar10, cifar100, imagenet100)",
           "lm": "language modelling (wikitext2, tinystories; --data-dir as above)",
           "sampling": "sampling from a trained language model"}
 
@@ -46,30 +44,26 @@ def setting(default=None, help=None, *, group: str, type=None, switch=False, cho
                                                 excludes=tuple(excludes)))
 
 
-# a `needs` condition other than a tuple of values: the field is set, or not zero
-GIVEN, ON = "given", "on"
+GIVEN, ON = "given", "on"       # a `needs` condition other than a tuple of values: the field is set, or not zero
 
 
 # The inits by what their records say (inits.INITS): the model owns an M; the init writes the task's prior (a
 # pattern or M) into the model; it solves Wq Wk in closed form (init_qk_svd_)
 INITS, MASK_INITS, PRIOR_INITS = inits.INITS, inits.named(owns_m=True), inits.named(reads_prior=True)
 QK_SVD_INITS = inits.named(closed_form=True)
-# families whose M has on / off levels (--mask-on, --mask-off)
-LEVELS = ("boolean", "arithmetic", "vision")
+LEVELS = ("boolean", "arithmetic", "vision")        # families whose M has on / off levels (--mask-on, --mask-off)
 
 # `setting` for the fields of each argparse group, in GROUPS' order
 run_, opt_, model_, prior_, bool_, arith_, vision_, lm_, sample_ = (partial(setting, group=g) for g in GROUPS)
 
 
 QK_OPT, DISCOVERED = {"init": ("qk-opt",)}, {"pattern": ("discovered",)}
-# where and how a run runs: a resume may change it
-WHERE = dict(resumable=True, tells_apart=False)
+WHERE = dict(resumable=True, tells_apart=False)     # where and how a run runs: a resume may change it
 
 
 @dataclass(frozen=True)
 class Config:
     """Every setting of a training run, one field per flag (see `setting` for what a field carries)."""
-    # run
     task: str = run_("parity2", "task name: {tasks} (default parity2)", arch=True)
     init: str = run_("default", "initialisation: {inits} (default default)", arch=True, tells_apart=False)
     preset: str = run_("small", "named hyper-parameters: small (2-core CPU; the default) or "
@@ -90,7 +84,6 @@ class Config:
                          **WHERE)
     dist_timeout: float = run_(1800.0, "under torchrun: seconds to wait for the other processes (joining, and at each "
                                        "collective; default 1800)", type=float, check="positive", **WHERE)
-    # optimisation
     steps: int | None = opt_(None, "training steps", type=int, check="positive", resumable=True, alternative="epochs")
     epochs: float | None = opt_(None, "training epochs (instead of --steps)", type=float,
                                 check="positive", resumable=True, alternative="steps")
@@ -104,7 +97,6 @@ class Config:
     warmup_epochs: float | None = opt_(None, "warm-up length in epochs (instead of --warmup)",
                                        type=float, check="non_negative", alternative="warmup")
     grad_clip: float = opt_(0.0, "clip the gradient norm (0 = off)", type=float, check="non_negative", resumable=True)
-    # model
     layers: int = model_(2, None, type=int, check="positive", arch=True)
     heads: int = model_(4, None, type=int, check="positive", arch=True)
     dim: int = model_(64, None, type=int, check="positive", arch=True)
@@ -124,7 +116,6 @@ class Config:
                                     "or for M torch's flex_attention (CUDA); auto = fused, but "
                                     "explicit for a masked model of <= 128 positions on the CPU",
                             choices=("auto", "fused", "explicit", "flex"), tells_apart=False)
-    # prior
     pattern: str | None = prior_(None, "interaction pattern variant (task-specific; see README)", arch=True)
     mask_on: float = prior_(mp.M_ON, "initial M on allowed pairs", type=float,
                             check="non_negative", needs={"init": MASK_INITS, "kind": LEVELS})
@@ -168,7 +159,6 @@ class Config:
     eval_points: int = prior_(0, "evaluate the log steps on a fixed sample of this many cube points or test pairs "
                                  "(0 = all); the final evaluation uses all of them", type=int, check="non_negative",
                               resumable=True, needs={"kind": ("boolean", "arithmetic")})
-    # boolean
     readout: str | None = bool_(None, "a CLS token in front, read out (GOTU), or no CLS token and mean pooling over "
                                       "the bit tokens; the pattern follows the layout",
                                 metavar="{" + ",".join(tasks.READOUTS) + "}", arch=True)
@@ -187,7 +177,6 @@ class Config:
                                       needs=DISCOVERED)
     discover_alpha: float = bool_(0.05, "--pattern discovered: the chance a set (digit pair) of no dependence passes "
                                         "the noise cut (default 0.05)", type=float, arch=True, needs=DISCOVERED)
-    # arithmetic
     data_frac: float | None = arith_(None, "fraction of the 10^(2 x --digits) pairs to train on (default: 0.004 "
                                            "for addition, 0.03 for multiplication)", type=float, arch=True)
     answer_order: str = arith_("msb", "answer digits most significant first (the paper's plain format; the default) or "
@@ -198,7 +187,6 @@ class Config:
                                            "100 one-digit pairs, then N - 100 drawn with replacement; theirs: "
                                            "3000), unpadded a*b=c, tested on every pair not trained on",
                                      type=int, arch=True, metavar="N")
-    # vision
     data_dir: str | None = vision_(None, "folder holding the dataset files (e.g. the one with "
                                          "cifar-10-batches-py/; for language models the corpus folder)", **WHERE)
     image_size: int | None = vision_(None, "image side in pixels as stored (CIFAR 32; ImageNet-100 32 or 64)",
@@ -228,7 +216,6 @@ class Config:
                                  check="non_negative", needs={"randaug": ON})
     randaug_ops: int = vision_(2, "RandAugment: ops per image (default 2)", type=int, needs={"randaug": ON})
     reprob: float = vision_(0.0, "random erasing probability (0 = off; the recipe: 0.25)", type=float)
-    # lm
     context: int | None = lm_(None, "context length in tokens (also the model's positions)", type=int, arch=True)
     val_tokens: int | None = lm_(None, "evaluate on the first N validation tokens (0 = all)", type=int)
     positions: str = lm_("learned", "the positional embedding: a learned table of --context positions (the default), "
@@ -240,7 +227,6 @@ class Config:
     mask_window: int | None = lm_(None, "a relative M of N distances, the last read past them (default: --context); "
                                         "its gradient costs O(T N)", type=int, metavar="N", arch=True,
                                   needs={"init": MASK_INITS, "mask_param": ("relative",)}, excludes=("prior_from",))
-    # sampling
     sample: str | None = sample_(None, "print a continuation of PROMPT from the checkpoint in "
                                        "--out and exit (no training)", metavar="PROMPT", **WHERE)
     sample_tokens: int = sample_(100, "tokens to generate (default 100)", type=int,
@@ -269,8 +255,7 @@ def say(text: str) -> None:
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """Each field: the flag given, else the task's preset (less the alternatives of the flags
-    given), else its default."""
+    """Each field: the flag given, else the task's preset (less the given flags' alternatives), else its default."""
     given = {k: getattr(flags, k) for k in explicit}
     task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
     if task not in tasks.TASKS:
@@ -334,8 +319,7 @@ def out_of_range(name: str, value) -> str | None:
 
 
 def applied_value(config: Config, key: str):
-    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (a
-    --pattern or --prior-kind not given: the task's default)."""
+    """What a `needs` condition reads: the task's family ("kind"), or a field's resolved value (task default)."""
     task = tasks.TASKS[config.task]
     if key == "kind":
         return task.KIND
@@ -433,8 +417,7 @@ def task_for(config) -> tasks.Task:
     options = {k: getattr(config, k) for k in tasks.TASKS[config.task].options()
                if k in FIELDS and getattr(config, k) is not None}
     task = tasks.make_task(config.task, seed=config.seed, **options)
-    # the task's word on its slow work (the exact MDI), from one process
-    task.say = say
+    task.say = say                  # the task's word on its slow work (the exact MDI), from one process
     return task
 
 
@@ -444,16 +427,14 @@ EXPLICIT_UP_TO = 128
 
 
 def use_fused(attention: str, masked: bool = False, device: torch.device = torch.device("cpu"), n: int = 0) -> bool:
-    """--attention auto: fused (a masked model's M gets its gradient beside the kernel's: `mp.prior_attention`), but
-    explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
+    """--attention auto: fused, but explicit for a masked model of at most EXPLICIT_UP_TO positions on the CPU."""
     if attention == "auto":
         return not (masked and device.type == "cpu" and n <= EXPLICIT_UP_TO)
     return attention == "fused"
 
 
 def model_config(config, task, device=torch.device("cpu")):
-    """The model config of a run: the family MODELS holds for the task's arch() (mp.family_of),
-    its trunk and the family's own fields from the flags."""
+    """The model config of a run: the task's arch() family (mp.family_of), its trunk and own fields from flags."""
     arch = task.arch()
     family = mp.family_of(arch)
     trunk = dict(dim=config.dim, n_layers=config.layers, n_heads=config.heads, head_dim=config.head_dim,
@@ -467,9 +448,8 @@ def model_config(config, task, device=torch.device("cpu")):
 
 
 def sized(cfg, device: torch.device):
-    """`cfg` where its model fits this machine: its parameters (counted on the meta device, no memory) at 16 bytes
-    each (the weights, their gradients and Adam's two moments) within the device's memory; else one line naming
-    the bound (a --dim or --layers past any machine was a traceback from the allocator)."""
+    """`cfg` where its model fits this machine: its parameters (counted on the meta device) at 16 bytes each (weights,
+    gradients, Adam's two moments) within the device's memory; else one line (not the allocator's traceback)."""
     try:
         with torch.device("meta"):
             params = sum(p.numel() for p in mp.build_model(cfg).parameters())

@@ -1,8 +1,7 @@
-"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the
-one writer (a file appears whole or not at all), the one reader (a regular file within a size
-limit; torch files with weights_only=True, JSON as JSON) and the schemas checked before any value
-is used: the run folder and its lock, ckpt.pt's container, result.json, metrics.jsonl and prior.pt.
-"""
+"""What a run writes and what resume, `--prior-from` and the reports read back, in one place: the one writer (a file
+appears whole or not at all), the one reader (a regular file within a size limit; torch files with weights_only=True,
+JSON as JSON) and the schemas checked before any value is used: the run folder and its lock, ckpt.pt's container,
+result.json, metrics.jsonl and prior.pt."""
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +36,7 @@ class UsageError(ValueError):
 
 
 def one_line(text) -> str:
-    """`text` on one line, as every refusal is printed: a character that is not printable (a newline in a path a
-    user gave) as its escape."""
+    """`text` on one line, as every refusal is printed: an unprintable character (a newline in a path) as its escape."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
@@ -57,8 +55,7 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 def atomic_output(path: str | os.PathLike, dir_fd: int | None = None) -> Iterator[BinaryIO]:
     """A binary file that appears at `path` only if the `with` body completes: a temporary file made new in the same
     folder (O_CREAT | O_EXCL | O_NOFOLLOW), flushed to disk, then renamed over `path`; a name that was there (a
-    file, a link to a user's file) is replaced, never written through. `dir_fd`: `path` is a name in that open
-    folder (a run folder held by its handle)."""
+    file, a link to a user's file) is replaced, never written through. `dir_fd`: `path` is a name in that folder."""
     path = Path(path)
     where = (lambda name: name) if dir_fd is not None else (lambda name: path.parent / name)
     tmp, fd = None, -1
@@ -114,14 +111,12 @@ def own_problem(info: os.stat_result, inode: int | None = None) -> str | None:
     return ("is not a regular file" if not stat.S_ISREG(info.st_mode)
             else f"has {info.st_nlink} links (one may be a user's file)" if info.st_nlink != 1
             else "belongs to another user" if hasattr(os, "getuid") and info.st_uid != os.getuid()
-            else "is another file than the one this run made" if inode is not None and info.st_ino != inode
-            else None)
+            else "is another file than the one this run made" if inode is not None and info.st_ino != inode else None)
 
 
 def append_own(path: str | os.PathLike, data: bytes, inode: int | None = None, dir_fd: int | None = None) -> int:
-    """Append `data` to `path` by single write() calls, where it is provably this process's own (`own_problem`:
-    opened without following a link or blocking on a FIFO, checked on the opened descriptor); an OSError (EPERM)
-    naming it otherwise, nothing written. Returns the file's inode."""
+    """Append `data` to `path` by single write() calls where it is provably this process's own (`own_problem`, on the
+    descriptor opened without following a link or blocking); else an OSError (EPERM). Returns its inode."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
@@ -140,11 +135,9 @@ def append_own(path: str | os.PathLike, data: bytes, inode: int | None = None, d
 
 
 def output_folder(path: str, who: str, suffixes: tuple = (".md", ".csv", ".png")) -> str:
-    """The folder a command writes its tables and figures into, checked before any work: made where missing (with
-    the folders above it), one this user can write (a file made there new, then removed), and no entry named as an
-    output (`suffixes`) that is not a regular file (a folder, a link: a write would replace it); the temporary
-    files a killed write of an output left there, removed. Otherwise one line (UsageError), and the folders it
-    made removed: nothing written."""
+    """The folder a command writes into, checked before any work: made where missing (with the folders above it),
+    writable (a file made there new, then removed), no output name (`suffixes`) taken by other than a regular file, a
+    killed write's temporary outputs removed; else one line, the folders it made removed."""
     made, fd = missing_folders(os.path.abspath(path)), None
     try:
         os.makedirs(path, exist_ok=True)
@@ -173,27 +166,22 @@ def output_folder(path: str, who: str, suffixes: tuple = (".md", ".csv", ".png")
     raise UsageError(problem)
 
 
-# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a
-# teacher's checkpoint, result.json and args.json in reports): read as someone else's file, since
-# anyone may have put it there. What is read is bytes of a regular file within a size limit; a
-# torch file is loaded with weights_only=True (tensors and plain values: nothing it names is
-# called), JSON as JSON. Its schema is the reader's caller's to check, before any value is used.
+# ---- the one reader of every file a run reads back (its checkpoint, prior and log on resume, a teacher's checkpoint,
+# result.json and args.json in reports), read as someone else's file: bytes of a regular file within a size limit; a
+# torch file loaded with weights_only=True (nothing it names is called), JSON as JSON. Its schema is the caller's.
 
 class ReadError(UsageError):
-    """A file read back that is not what this program writes there: missing, not a regular file,
-    too large, or not a file of its kind. The message is one line naming the file."""
+    """A file read back that is not what this program writes there (missing, not a regular file, too large...)."""
 
 
 MiB = 1 << 20
-
 READ_LIMITS = {"checkpoint": 8192 * MiB, "prior": 2048 * MiB, "log": 1024 * MiB, "json": 64 * MiB, "table": 64 * MiB}
 
 
 def open_back(path: str | os.PathLike) -> BinaryIO:
     """`path` opened for reading in binary, a regular file: opened without blocking (a FIFO or device never blocks
-    the open), then what was opened checked on its descriptor (a symlink is followed and what it names checked),
-    never by a look at the path before the open. Every file read goes through here (`read_back` for a whole file
-    within a size limit; the data readers stream)."""
+    the open), then checked on its descriptor (a symlink followed, its target checked), never by a look at the path
+    first. Every file read goes through here (`read_back`: a whole file within a size limit; data readers stream)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -240,8 +228,7 @@ def load_torch(data: bytes, path: str | os.PathLike):
         raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
 
 
-# deeper than anything this program writes; an int past any count
-JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40
+JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40        # deeper than anything this program writes; an int past any count
 
 
 def _json_int(text: str) -> int:
@@ -277,8 +264,7 @@ def load_json(data: bytes, path: str | os.PathLike):
         if _json_depth(data) > JSON_MAX_DEPTH:
             raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep")
         return json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
-    # UnicodeDecodeError and JSONDecodeError are ValueErrors
-    except ValueError as e:
+    except ValueError as e:                         # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
 
 
@@ -320,14 +306,12 @@ def is_plain_tensor(t) -> bool:
 
 
 def is_named_tensors(v) -> bool:
-    """A state dict as saved: names to plain tensors (`is_plain_tensor`)."""
     return isinstance(v, dict) and all(isinstance(k, str) and is_plain_tensor(t) for k, t in v.items())
 
 
 def schema_problem(obj, schema: dict, required) -> str | None:
-    """What in `obj` (a dict read back) breaks `schema` (key -> (check, what it must be)): not a
-    dict, a `required` key absent, or the first value failing its check; None where nothing
-    does. The text follows the file's name (" has no step", ": step is ..., not ...")."""
+    """What in `obj` (a dict read back) breaks `schema` (key -> (check, what it must be)): not a dict, a `required` key
+    absent, or the first value failing its check; else None. It follows the file's name (" has no step")."""
     if not isinstance(obj, dict):
         return f" holds a {type(obj).__name__}, not the dict this program writes there"
     missing = [key for key in required if key not in obj]
@@ -337,8 +321,7 @@ def schema_problem(obj, schema: dict, required) -> str | None:
 
 
 def check_schema(obj, schema: dict, required, path) -> dict:
-    """`obj` (a dict read back from `path`) against `schema`: the `required` keys there, every
-    key's value passing its check; ReadError naming the first that does not."""
+    """`obj` (a dict read back from `path`), or a ReadError naming what breaks `schema` (`schema_problem`)."""
     problem = schema_problem(obj, schema, required)
     if problem:
         raise ReadError(f"{path}{problem}")
@@ -349,14 +332,11 @@ def check_schema(obj, schema: dict, required, path) -> dict:
 
 MAX_STEP = 2 ** 53               # past any run's steps: every step a float holds exactly
 MAX_LAYERS = 1024                # more layers than any model this program builds
-# past any metric, loss or drift a run measures; small enough that the sums and squares a report
-# takes of them stay finite
-MAX_VALUE = 1e100
+MAX_VALUE = 1e100                # past any metric, loss or drift; a report's sums and squares of them stay finite
 MAX_METRICS = 256                # metrics in one log step: more than any task measures
 
 
 def is_value(v) -> bool:
-    """A finite number within +-MAX_VALUE."""
     return is_finite(v) and abs(v) <= MAX_VALUE
 
 
@@ -366,7 +346,6 @@ def is_measure(v) -> bool:
 
 
 def is_step(v) -> bool:
-    """A step: an int in 0 .. MAX_STEP."""
     return is_count(v) and v <= MAX_STEP
 
 
@@ -374,17 +353,15 @@ MASS_SLACK = 0.01                # a share measured in low precision (--amp) may
 
 
 def is_mass(v) -> bool:
-    """Attention mass: a share, within MASS_SLACK (probabilities rounded to a low precision)."""
     return is_finite(v) and -MASS_SLACK <= v <= 1 + MASS_SLACK
 
 
 def is_layers(check, least: int = 1):
-    """A list of `least` .. MAX_LAYERS values, one a layer, each passing `check`."""
+    """A list of `least` .. MAX_LAYERS values, one a layer."""
     return lambda v: isinstance(v, list) and least <= len(v) <= MAX_LAYERS and all(map(check, v))
 
 
 def is_metrics(v, check=is_optional(is_measure)) -> bool:
-    """A dict of at most MAX_METRICS metrics: short names to values passing `check`."""
     return isinstance(v, dict) and len(v) <= MAX_METRICS and all(
         isinstance(k, str) and len(k) <= 64 and check(x) for k, x in v.items())
 
@@ -393,15 +370,13 @@ def is_metrics(v, check=is_optional(is_measure)) -> bool:
 # run of an earlier version lacks some: reports list it).
 
 def is_name(v) -> bool:
-    """A task, init or preset name as train.py writes one: lower-case letters, digits, '-' and '_'
-    (nothing a table of a report would read as markdown)."""
+    """A task, init or preset name: lower-case letters, digits, '-' and '_' (nothing a report reads as markdown)."""
     return isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,39}", v) is not None
 
 
 KINDS = ("boolean", "arithmetic", "vision", "lm")      # the task families a result belongs to
 
-# the inits' names, in their records' order (inits.INITS)
-INITS = tuple(inits.INITS)
+INITS = tuple(inits.INITS)      # the inits' names, in their records' order
 
 RESULT_SCHEMA = {
     "task": (is_name, "a task name"), "init": (lambda v: v in INITS, f"one of {', '.join(INITS)}"),
@@ -453,12 +428,11 @@ def _short(v) -> str:
 # ---- the checkpoint: train.py's contents serialised, stored beside their sha256 (a damaged file is seen, never used)
 
 def is_tensor(ranks: tuple):
-    """A plain (`is_plain_tensor`) floating tensor of one of `ranks` dimensions."""
     return lambda v: is_plain_tensor(v) and v.is_floating_point() and v.dim() in ranks
 
 
 def is_record(schema: dict):
-    """A dict with every key of `schema`, each value passing its check: a record nested in a file read back."""
+    """A record nested in a file read back: a dict with every key of `schema`, each value passing its check."""
     return lambda v: schema_problem(v, schema, schema) is None
 
 
@@ -514,9 +488,8 @@ CKPT_KEYS = tuple(k for k in CKPT_SCHEMA if k != "ema")
 
 
 def weights_mismatch(config: dict, state: dict) -> str | None:
-    """What keeps saved weights `state` from fitting the model a saved `config` describes (`mp.model_from_config`,
-    built on the meta device: no memory), its sizes bounded first (no more layers than weights, none beyond 2^24): a
-    weight it lacks or has in excess, another shape or dtype; None where they fit."""
+    """What keeps saved weights `state` from fitting the model a saved `config` describes (built on the meta device,
+    sizes bounded first): a weight lacking or in excess, another shape or dtype; or None."""
     sizes = [v for v in config.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 0 or v > 1 << 24 for v in sizes) or not 0 < (config.get("n_layers") or 0) <= len(state):
         return f"its model config's sizes do not fit its {len(state)} weights: {config}"[:400]
@@ -530,20 +503,17 @@ def weights_mismatch(config: dict, state: dict) -> str | None:
     other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
     return (f"it lacks {missing[0]}" if missing
             else f"it holds {extra[0]}, which the model has not" if extra
-            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model"
-            if other else None)
+            else f"{other[0]} is {saved[other[0]]} in the file, {model[other[0]]} in the model" if other else None)
 
 
 def checkpoint_problem(c: dict) -> str | None:
-    """What the keys of a checkpoint that pass CKPT_SCHEMA break together, or None: its log step past its step, a
-    snapshot that is not one record a layer or whose Ms are not the model's shapes, weights (the model's, the
-    EMA's) that do not rebuild the model its config describes (`weights_mismatch`)."""
+    """What the keys of a checkpoint that pass CKPT_SCHEMA break together, or None: a log step past its step, a snapshot
+    not one record a layer or not of the model's M shapes, weights (or the EMA's) that do not rebuild its model."""
     unfit = [w for w in (weights_mismatch(c["model_config"], c[k]) for k in ("model", "ema") if k in c) if w][:1]
     return (f"its log step {c['log_step']} is past its step {c['step']}" if c["log_step"] > c["step"]
             else f"does not fit this version's model ({unfit[0]}); it was written by another version of maskprior or "
                  "altered: continue it with that version, or start a new run" if unfit
-            else "its prior snapshot is not one record per layer"
-            if len(c["snapshot"]) != c["model_config"]["n_layers"]
+            else "its prior snapshot is not one record per layer" if len(c["snapshot"]) != c["model_config"]["n_layers"]
             else "its snapshot's M (the start) does not have the shape of the model's M, layer by layer"
             if not snapshot_fits(c) else None)
 
@@ -560,9 +530,8 @@ def checkpoint_bytes(contents: dict) -> bytes:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint's contents through the one reader (both levels weights_only=True) once they are of this format,
-    match their sha256, pass CKPT_SCHEMA and agree with each other and the model they rebuild (`checkpoint_problem`);
-    else a ReadError. What the flags mean is train.py's to check."""
+    """A checkpoint's contents through the one reader (weights_only=True) once of this format, matching their sha256,
+    passing CKPT_SCHEMA and agreeing with each other and their model (`checkpoint_problem`); else a ReadError."""
     outer = load_torch(read_back(path, "checkpoint"), path)
     if not isinstance(outer, dict) or outer.get("format") != CKPT_FORMAT:
         what = (f"a checkpoint of an earlier version of train.py ({outer['format']}); this version reads {CKPT_FORMAT}:"
@@ -586,12 +555,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 class RunFolder:
-    """A run directory, locked by its process from before the first check to the run's end (flock on the folder itself,
-    released when the process exits), so that two processes never share one. A folder holds a run once it has ckpt.pt
-    (the first save writes it last) or result.json; a new run may take over a folder without them (a start that died
-    before its first checkpoint). The run holds it by a handle (`fd`, the folder opened and locked): every write goes
-    into that folder, wherever it is now (`write`, `append`); a folder moved away while the run trains stops the run in
-    one line at its next write (`check_here`), never a write into another run's folder at the old path."""
+    """A run directory, locked by its process (flock on the folder, released when the process exits) from before the
+    first check to the run's end: two processes never share one. It holds a run once it has ckpt.pt (the first save
+    writes it last) or result.json; a new run may take over a folder without them (a start that died before its first
+    checkpoint). The run holds it by a handle (`fd`): every write goes into that folder wherever it is now; a folder
+    moved away while the run trains stops the run at its next write (`check_here`), never writing at the old path."""
     OURS = ("args.json", "prior.pt", "metrics.jsonl", "result.json", "ckpt.pt")
 
     def __init__(self, path: str):
@@ -606,9 +574,8 @@ class RunFolder:
             raise UsageError(f"--out {path} is a file, not a folder; give a folder for the run")
         self.path, self.created, self.new, self.fd, self.held = path, False, False, None, None
         self.parents: list[str] = []            # the folders above it this run made, deepest first
-        # the files this process wrote here (`write`), in order; the inode of each it appends to (`append`)
-        self.written: list[str] = []
-        self.inodes: dict[str, int] = {}
+        self.written: list[str] = []            # the files this process wrote here (`write`), in order
+        self.inodes: dict[str, int] = {}        # the inode of each file it appends to (`append`)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -617,8 +584,7 @@ class RunFolder:
         return os.path.exists(self.file("ckpt.pt")) or os.path.exists(self.file("result.json"))
 
     def check_free(self) -> None:
-        """Before a new run reads anything: refuse a folder that holds a run, or a path no folder
-        can be made at (both checked again by `create`, under the lock)."""
+        """Before a new run reads anything: refuse a folder holding a run, or where no folder can be made."""
         if self.holds_run():
             raise UsageError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
         above = os.path.dirname(os.path.abspath(self.path))
@@ -652,16 +618,14 @@ class RunFolder:
             self.written.append(name)
 
     def append(self, name: str, data: bytes) -> None:
-        """Append to a file this run wrote (`write`, then the inode it recorded at its first append): `append_own`,
-        in the folder this run holds."""
+        """`append_own` to a file this run wrote (`write`), still the inode recorded at its first append."""
         self.check_here()
         self.inodes[name] = append_own(self.file(name) if self.fd is None else name, data, self.inodes.get(name),
                                        dir_fd=self.fd)
 
     @contextlib.contextmanager
     def reading(self, flag: str):
-        """Read another run's folder (a teacher's) only while no process trains in it: a shared
-        lock, refused at once where a run holds the folder's lock."""
+        """Read another run's folder (a teacher's) under a shared lock, refused at once where a run holds the folder."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
             if fcntl is not None:
@@ -730,9 +694,8 @@ class RunFolder:
             self.fd = None
 
     def abandon(self) -> None:
-        """A run that failed before it was one (no ckpt.pt of its own yet): remove the files this process wrote, and
-        the folder and the folders above it where this process made them and nothing else is there; then unlock.
-        Nothing this process did not write is touched, and a resumed run (`open_existing`) keeps all."""
+        """A run that failed before it was one (no ckpt.pt of its own): remove the files this process wrote, and the
+        folders it made where nothing else is there; then unlock. A resumed run (`open_existing`) keeps all."""
         if self.new and self.fd is not None and "ckpt.pt" not in self.written:
             for name in self.written:
                 with contextlib.suppress(OSError):
@@ -771,8 +734,7 @@ class RunFolder:
                 f"free space, then continue with --resume --out {self.path}")
 
     def _remove_parents(self) -> None:
-        """Remove the folders above the run that this run made, while they are empty (another run
-        starting under them at the same moment keeps them)."""
+        """Remove the folders above the run that it made, while empty (a run starting under them at once keeps them)."""
         for folder in self.parents:
             try:
                 os.rmdir(folder)
@@ -821,8 +783,7 @@ LOG_LAYER_KEYS = ("prior_mass", "content_margin", "mask_drift", "qk_drift")
 
 
 def log_problem(rec) -> str | None:
-    """What makes a parsed metrics.jsonl line other than a record as `train_loop` writes it (LOG_SCHEMA, and
-    prior_mass and prior_mass_mean given together), or None."""
+    """What makes a parsed metrics.jsonl line other than `train_loop` writes it (LOG_SCHEMA), or None."""
     problem = schema_problem(rec, LOG_SCHEMA, LOG_REQUIRED)
     if problem is None and (rec.get("prior_mass") is None) != (rec.get("prior_mass_mean") is None):
         return ": prior_mass and prior_mass_mean are not both given or both null"
@@ -830,16 +791,14 @@ def log_problem(rec) -> str | None:
 
 
 def read_log(path: str, layers: int | None = None) -> list[dict]:
-    """The records of a metrics.jsonl, each line checked (`log_problem`) and the log whole
-    (`check_log`: of a run of `layers` layers where given): only a last line that a
-    killed write cut short (no newline at its end) is left out; a damaged, lost, repeated or
-    reordered line is a LogError that names it, so nothing is ever dropped or rewritten away."""
+    """The records of a metrics.jsonl, each line checked (`log_problem`) and the log whole (`check_log`, of `layers`
+    layers where given): only a last line a killed write cut short (no newline) is left out; a damaged, lost, repeated
+    or reordered line is a LogError naming it, so nothing is ever dropped or rewritten away."""
     try:
         lines = read_back(path, "log").split(b"\n")
     except ReadError as e:
         raise LogError(str(e)) from None
-    # the bytes after the last newline: b"", or a write cut short (its step is logged again)
-    lines.pop()
+    lines.pop()                 # after the last newline: b"", or a write cut short (its step is logged again)
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -856,10 +815,9 @@ def read_log(path: str, layers: int | None = None) -> list[dict]:
 
 
 def check_log(records: list[dict], path: str, layers: int | None = None) -> None:
-    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before
-    it, written since logs carry it) is the step of the line before: a lost, repeated or reordered
-    line is a LogError. Each line is of one run: every list of LOG_LAYER_KEYS holds a value for
-    each of its `layers` (where not given: as many as the first such list holds)."""
+    """Steps start at 0 and increase line by line, and each line's `prev` (the step logged before it, where logs carry
+    it) is the step of the line before: a lost, repeated or reordered line is a LogError. Each line is of one run:
+    every list of LOG_LAYER_KEYS holds a value for each of its `layers` (else as many as the first such list holds)."""
     for number, (before, rec) in enumerate(zip([None, *records], records), 1):
         step = rec["step"]
         counts = {len(rec[k]) for k in LOG_LAYER_KEYS if rec.get(k)}
@@ -887,8 +845,7 @@ def log_bytes(record: dict) -> bytes:
 
 
 def truncate_log(folder: RunFolder, step: int) -> None:
-    """Drop log lines written after the checkpoint's step (they will be written again) and a last line cut short
-    (`read_log`: anything else damaged is refused before this): the log written anew, whole."""
+    """Drop log lines past the checkpoint's step and a last line cut short: the log written anew, whole."""
     folder.write("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_log(folder.file("metrics.jsonl"))
                                           if r["step"] <= step))
 
@@ -901,10 +858,8 @@ def _first_line(e: BaseException) -> str:
 
 @dataclass
 class Prior:
-    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)), which the QK inits fit
-    and the probe measures the mass on; `logits`, the initial M of a mask init; and `source`, where
-    both came from (the task's hand pattern, its training data, or a teacher's attention), recorded
-    in result.json. A run keeps it as prior.pt (`to_bytes`; read back by `read_prior`)."""
+    """The prior a run starts from: `pattern` (bool (N, N) or (H, N, N)) the QK inits fit and the probe measures,
+    `logits` (a mask init's M) and `source` (where both came from, in result.json); kept as prior.pt."""
     pattern: torch.Tensor
     logits: torch.Tensor
     source: dict
@@ -916,8 +871,7 @@ class Prior:
 
 
 def prior_evidence(source: dict) -> str | None:
-    """One log line: what a prior not written by hand rests on (`Prior.source`: the sets or pairs
-    that passed the noise, the teacher's fit); None for a hand pattern."""
+    """One log line: what a prior not written by hand rests on (`Prior.source`); None for a hand pattern."""
     pairs = f"{source.get('found_pairs')} pairs"
     if "walsh" in source:
         w = source["walsh"]
@@ -934,8 +888,8 @@ def prior_evidence(source: dict) -> str | None:
 
 
 def read_prior(path: str | os.PathLike, n: int | None = None, data: bytes | None = None) -> Prior:
-    """prior.pt through the one reader (its bytes `data` when read already): a bool pattern (N, N)
-    or (H, N, N) (N = `n` where given), finite logits, and a source; ReadError otherwise."""
+    """prior.pt through the one reader (`data`: its bytes, read already): a bool pattern (N, N) or (H, N, N) (N = `n`
+    where given), finite logits, and a source; ReadError otherwise."""
     saved = load_torch(read_back(path, "prior") if data is None else data, path)
     pattern, logits, source = (saved.get(k) if isinstance(saved, dict) else None
                                for k in ("pattern", "logits", "source"))

@@ -13,10 +13,9 @@
 A run directory (default runs/TASK-INIT-sSEED) holds args.json, prior.pt, metrics.jsonl (one line per log step),
 result.json and ckpt.pt: `--resume` continues it exactly. Bad input: one line, exit status 2.
 
-Reading order: the parser (every run flag a field of runconfig.Config, which resolves and checks them) -> build
-(task, model, prior and init, optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability
-(what is written and checked) -> commands.
-"""
+Reading order: the parser (every run flag a field of runconfig.Config) -> build (task, model, prior and init,
+optimiser) -> data parallelism -> loop (start or resume, train, finish) -> durability (what is written, checked) ->
+commands."""
 from __future__ import annotations
 
 import argparse
@@ -49,8 +48,7 @@ import runfiles
 import runconfig
 import tasks
 
-# the command's start (after its imports), for the wall time the final line prints
-STARTED = time.time()
+STARTED = time.time()           # the command's start (after its imports), for the wall time the final line prints
 UsageError, BusyError = runfiles.UsageError, runfiles.BusyError
 
 
@@ -84,9 +82,8 @@ class Once(argparse.Action):
 
 
 def number(kind):
-    """argparse's `type` for a flag: int and float take ASCII text alone (Python's own also read '1_0' and other
-    scripts' digits, '١٠'), an int of at most 20 digits (past 2^64: what no count or seed needs, and less than a
-    float's range); any other kind as it is."""
+    """argparse's `type` for a flag: an int or float of ASCII text alone (Python's own read '1_0' and '١٠' too), an
+    int of at most 20 digits (past 2^64, which no count or seed needs); any other kind as it is."""
     if kind not in (int, float):
         return kind
 
@@ -99,8 +96,7 @@ def number(kind):
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per Config field (runconfig.py), in its group; every flag parses to UNSET when not given (see
-    `resolve`)."""
+    """One flag per Config field (runconfig.py), in its group, parsed to UNSET when not given (see `resolve`)."""
     groups = {key: p.add_argument_group(title) for key, title in runconfig.GROUPS.items()}
     for name, f in runconfig.FIELDS.items():
         m = f.metadata
@@ -169,8 +165,7 @@ def build_parser() -> Parser:
 
 
 def parse_args(argv=None):
-    """-> (namespace, explicit): the command's arguments, and for `train` the flags given on the
-    command line (the others are UNSET until `resolve`)."""
+    """-> (namespace, explicit): the command's arguments, and for `train` the flags given (the others are UNSET)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("train", *SUBCOMMANDS):
         argv = ["train"] + argv                       # training is the default command
@@ -189,8 +184,7 @@ model_config, use_fused = runconfig.model_config, runconfig.use_fused
 def build_model(config, task, device):
     model_cfg = model_config(config, task, device)
     torch.manual_seed(config.seed)
-    model = mp.build_model(model_cfg)
-    return model.to(device), model_cfg
+    return mp.build_model(model_cfg).to(device), model_cfg
 
 
 def apply_init(model, prior: runfiles.Prior, config) -> dict:
@@ -200,14 +194,12 @@ def apply_init(model, prior: runfiles.Prior, config) -> dict:
 
 # what a teacher's maps must share
 LAYOUT = ("seq_len", "readout", "causal", "image_size", "patch_size", "pool")
-# a --prior-from run, read and checked
-Teacher = collections.namedtuple("Teacher", "folder ckpt config")
+Teacher = collections.namedtuple("Teacher", "folder ckpt config")       # a --prior-from run, read and checked
 
 
 def read_teacher(config, task) -> Teacher:
-    """--prior-from RUN, read as someone else's files before anything is built or written: a folder
-    no process trains in, holding a finished run (result.json of the checkpoint's run and step) of
-    this task, token layout and, for a per-head prior, head count. Anything else is one line."""
+    """--prior-from RUN, read as someone else's files before anything is built or written: a finished run (result.json
+    matching ckpt.pt) no process trains in, of this task, token layout and (for a per-head prior) head count."""
     folder, flag = config.prior_from, f"--prior-from {config.prior_from}"
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} is not a folder; give the folder of a finished run (a teacher)")
@@ -257,18 +249,16 @@ def teacher_prior(config, task, device, teacher: Teacher) -> runfiles.Prior:
 
 @dataclass
 class Probe:
-    """What every log step of a run measures: the task's metrics, and the prior per layer (attention mass on the
-    prior's pattern and content margin on a fixed real batch `inputs`, drift of M and Wq Wk^T since `snapshot`, the
-    start). When the pattern constrains no query row there is no mass to measure: `no_mass` says why. `autocast`
-    makes the context the model runs in (train.py's --amp)."""
+    """What each log step measures: the task's metrics and, per layer, the prior's attention mass and content margin on
+    a fixed real batch `inputs` and the drift of M and Wq Wk^T since `snapshot` (the start). `no_mass`: why there is no
+    mass (the pattern constrains no query row). `autocast`: the context the model runs in (--amp)."""
     task: tasks.Task
     pattern: torch.Tensor
     inputs: torch.Tensor
     snapshot: list
     eval_points: int
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    # each log step's sampled evaluation, in order
-    sample_seconds: list = field(default_factory=list)
+    sample_seconds: list = field(default_factory=list)      # each log step's sampled evaluation's time, in order
 
     def __post_init__(self):
         causal = self.task.arch().get("causal", False)
@@ -283,9 +273,8 @@ class Probe:
         return " | ".join(parts + [f"mass {'n/a' if mass is None else f'{mass:.3f}'}"])
 
     def say_final_size(self, model) -> None:
-        """Slow work says so: where the final evaluation scores 10x more points than a log step's sample (a cube of
-        2^20 points), say its size and an estimate when it passes 10 s. The estimate scales the last log step's
-        sample; only where no log step came after the first (whose one-time work inflates its time) is one timed."""
+        """Where the final evaluation scores 10x a log step's sample points (a cube of 2^20), say its size and an
+        estimate past 10 s (the last sample's time, scaled; timed here if only the first, slow one ran)."""
         size = self.task.final_eval_size()
         if not size or not self.eval_points or size < 10 * self.eval_points:
             return
@@ -298,9 +287,8 @@ class Probe:
             self.task.say(f"the final evaluation: the whole test set, {size:,} points (about {seconds:.0f} s)")
 
     def measure(self, model, ema: torch.nn.Module | None = None, final: bool = False) -> dict:
-        """The log record of `model` (and of its moving average `ema`, evaluated beside it as ema_*
-        metrics). Log steps of a Boolean or arithmetic task use `eval_points` cube points or test
-        pairs; the final measurement always uses the whole test set."""
+        """The log record of `model` (and of its moving average `ema`, as ema_* metrics): a Boolean or arithmetic task's
+        log steps on `eval_points` cube points or test pairs, the final measurement on the whole test set."""
         points = None if final else self.eval_points
         model.eval()
         with self.autocast():
@@ -321,9 +309,8 @@ class Probe:
 
 
 def make_optimizer(model, config):
-    # M is never decayed
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr,
+    return cls(mp.param_groups(model, config.weight_decay), lr=config.lr,           # M is never decayed
                betas=tuple(map(float, config.betas.split(","))))
 
 
@@ -347,10 +334,9 @@ def autocast(device, config):
 
 
 # ----------------------------------------------------------------------------------------
-# Data parallelism: `torchrun --nproc_per_node N train.py ...` (nanoGPT's wiring). Every rank
-# draws the same global batch of a step and trains on its own shard of it, so --batch-size and
-# --lr mean what they mean on one device; DistributedDataParallel averages the gradients (M's
-# too: it is an ordinary parameter); rank 0 alone evaluates, logs and writes the run folder.
+# Data parallelism: `torchrun --nproc_per_node N train.py ...` (nanoGPT's wiring). Every rank draws a step's global
+# batch and trains on its own shard, so --batch-size and --lr mean what they mean on one device; DistributedDataParallel
+# averages the gradients (M's too); rank 0 alone evaluates, logs and writes the run folder.
 
 
 class QuietExit(Exception):
@@ -391,23 +377,19 @@ class Dist:
             raise UsageError(error) if self.main else QuietExit()
 
     def shard(self, batch):
-        """This rank's part of a global batch (a tensor or a tuple of tensors, split along dim 0)
-        and its loss weight, n_rank * world / n_global, so that the averaged gradients are those of
-        the global mean (the last batch of an epoch may not split evenly)."""
+        """This rank's part of a global batch (a tensor or tuple of tensors, split along dim 0) and its loss weight
+        n_rank * world / n_global: the averaged gradients are the global mean's (a last batch may not split evenly)."""
         if self.world == 1:
             return batch, None
         n = len(batch[0] if isinstance(batch, (tuple, list)) else batch)
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         weight = (hi - lo) * self.world / n
-        # fewer examples than ranks: a stand-in with no weight
-        if hi == lo:
+        if hi == lo:                    # fewer examples than ranks: a stand-in with no weight
             lo, hi = 0, 1
-        part = (lambda t: t[lo:hi])
-        return (type(batch)(part(t) for t in batch) if isinstance(batch, (tuple, list)) else part(batch)), weight
+        return (type(batch)(t[lo:hi] for t in batch) if isinstance(batch, (tuple, list)) else batch[lo:hi]), weight
 
     def step_state(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """From this rank's weighted shard loss: the global batch's mean loss and whether any rank
-        was interrupted, the same on every rank."""
+        """The global batch's mean loss (from this rank's weighted shard's) and whether any rank was interrupted."""
         if self.world == 1:
             return float(loss), stop
         t = torch.tensor([float(loss) / self.world, float(stop)], dtype=torch.float64,
@@ -510,20 +492,17 @@ def run(flags: argparse.Namespace, explicit: set) -> int:
     finally:
         if dist.world > 1:
             if sys.exc_info()[0] is None:
-                # leave together: gloo aborts a rank whose peer is gone
-                torch.distributed.barrier()
+                torch.distributed.barrier()         # leave together: gloo aborts a rank whose peer is gone
             torch.distributed.destroy_process_group()
 
 
 def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
-    """Check all the run reads (`prepare_run`), build it in memory, and only then take the run folder and write
-    (`begin`): a refusal writes and deletes nothing; a new run that fails after `begin` removes only what it wrote
-    (`RunFolder.abandon`)."""
+    """Check all the run reads (`prepare_run`), build it in memory, only then take the run folder and write (`begin`): a
+    refusal writes and deletes nothing; a new run failing after `begin` removes only what it wrote (`abandon`)."""
     config, folder, ckpt, task, device, teacher = prepare_run(config, explicit, dist)
     error = None
     try:
-        # the flags rank 0 restored, then this rank's own copies
-        if not dist.main:
+        if not dist.main:               # the flags rank 0 restored, then this rank's own copies
             ckpt = read_checkpoint(os.path.join(config.out, "ckpt.pt"), "--resume") if config.resume else None
             task, device = runconfig.task_for(config), runconfig.pick_device(config.device)
         task.setup(device)              # its data read (and checked): nothing is written yet
@@ -543,10 +522,9 @@ def start_or_resume(config, explicit: set, dist: Dist = Dist()) -> Run:
 
 
 def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
-    """Everything a run reads, checked before anything is written: its flags and where they apply,
-    a resumed run's folder and checkpoint, a teacher's files. Under torchrun rank 0 alone reads the
-    folder and shares the (restored) flags, or its error, with the others. Returns (config,
-    folder, ckpt, task, device, teacher), the last five None on the other ranks."""
+    """Everything a run reads, checked before anything is written: its flags and where they apply, a resumed run's
+    folder and checkpoint, a teacher's files. Under torchrun rank 0 alone reads them and shares the (restored) flags, or
+    its error. Returns (config, folder, ckpt, task, device, teacher), the last five None on the other ranks."""
     folder = ckpt = task = device = teacher = error = None
     try:
         if dist.main:
@@ -559,8 +537,7 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
                 folder.check_free()
             task = runconfig.check(config, explicit)
             respelt = {k: v for k, v in task.normal_options().items() if getattr(config, k) != v}
-            # one target, one spelling: what the run stores
-            if respelt and ckpt is None:
+            if respelt and ckpt is None:            # one target, one spelling: what the run stores
                 runconfig.say("stored as " + ", ".join(f"{runconfig.flag(k)} {v}" for k, v in respelt.items())
                               + " (the one spelling of this target)")
                 config, task = replace(config, **respelt), runconfig.task_for(replace(config, **respelt))
@@ -574,9 +551,8 @@ def prepare_run(config, explicit: set, dist: Dist = Dist()) -> tuple:
 
 
 def size_schedule(config: runconfig.Config, explicit: set, task) -> runconfig.Config:
-    """The config with what the task sizes filled in: --steps from --epochs (unless --steps was
-    given, or kept from a resumed run while --epochs was given now), --warmup from --warmup-epochs,
-    and the log (a tenth of the run) and checkpoint (each log step) intervals where not given."""
+    """The config with what the task sizes: --steps from --epochs (unless --steps was given, or kept on resume while
+    --epochs is given now), --warmup from --warmup-epochs, unset log and checkpoint intervals (a tenth of the run)."""
     sized = {}
     if config.warmup_epochs is not None:
         sized["warmup"] = round(config.warmup_epochs * task.steps_per_epoch(config.batch_size))
@@ -592,9 +568,8 @@ Built = collections.namedtuple("Built", "config task model model_cfg optimizer i
 
 def build(config: runconfig.Config, device: torch.device | None = None, explicit: set = frozenset(),
           task: tasks.Task | None = None, init: bool = True, teacher: Teacher | None = None) -> Built:
-    """Everything a run trains: the task (`task`: set up already, its data read; None: made and set up here), the
-    schedule sized, the model built and, with `init`, initialised (`teacher`: --prior-from's files, read already), and
-    the optimiser (M undecayed). Runs, tests and benchmarks."""
+    """Everything a run trains: the task (`task`: set up already, else made here), the schedule sized, the model built
+    and with `init` initialised (`teacher`: --prior-from's files, read), the optimiser; for runs, tests, benchmarks."""
     device = device or runconfig.pick_device(config.device)
     if task is None:
         task = runconfig.task_for(config)
@@ -605,8 +580,7 @@ def build(config: runconfig.Config, device: torch.device | None = None, explicit
     if init:
         t0 = time.time()
         # the prior of the task's --pattern, or --prior-from's (`teacher`: read by `read_teacher`)
-        prior = (task.prior(config.pattern, config.mask_on, config.mask_off)
-                 if config.prior_from is None
+        prior = (task.prior(config.pattern, config.mask_on, config.mask_off) if config.prior_from is None
                  else teacher_prior(config, task, device, teacher or read_teacher(config, task)))
         try:
             report = apply_init(model, prior, config)
@@ -670,8 +644,7 @@ def restored_run(built: Built, task, device, folder: runfiles.RunFolder | None, 
 
 
 def check_start(model, task, config, device) -> None:
-    """A new run's initial state must be finite, in its weights and in its loss on the first batch
-    (`first_loss`), or nothing is written."""
+    """A new run's weights and first-batch loss (`first_loss`) must be finite, or nothing is written."""
     if not finite_weights(model):
         raise UsageError(f"--init {config.init} gave non-finite weights with these flags; nothing was written")
     loss = first_loss(model, task, config, device)
@@ -690,9 +663,8 @@ def first_loss(model, task, config, device) -> torch.Tensor:
 
 
 def train_loop(state: Run) -> int | None:
-    """Train from state.step to config.steps, logging and checkpointing; None when it got to the
-    end, else the exit status (interrupted, halted, or a non-finite loss or weight). Every rank
-    takes the same decisions: the loss and the interrupt flag are agreed on each step."""
+    """Train from state.step to config.steps, logging and checkpointing: None at the end, else the exit status. Every
+    rank decides alike (the loss and the interrupt flag are agreed each step)."""
     config, model, optimizer, task, dist = state.config, state.model, state.optimizer, state.task, state.dist
     total, t_start, steps_done, estimated, t_eval = config.steps, time.time(), 0, False, 0.0
     with Interrupt() as stop:
@@ -741,8 +713,7 @@ def train_loop(state: Run) -> int | None:
     return None
 
 
-# seconds of training after which a run that has not logged yet prints its pace and ETA
-EARLY_ETA = 10.0
+EARLY_ETA = 10.0        # seconds of training after which a run that has not logged yet prints its pace and ETA
 
 
 def eta(state: Run, step: int, rate: float) -> float:
@@ -750,15 +721,13 @@ def eta(state: Run, step: int, rate: float) -> float:
     (`eval_seconds`; a resumed run's is timed at its first log step) and the final one over the whole test set."""
     config, each = state.config, state.eval_seconds or 0.0
     if step >= config.steps:
-        # the final evaluation is the last log step's: done
-        return 0.0
+        return 0.0                      # the final evaluation is the last log step's: done
     logs = max(0, (config.steps - 1) // config.log_every - step // config.log_every)
     return (config.steps - step) / rate + each * (logs + state.task.final_cost(config.eval_points))
 
 
 def step_loss(trained, task, batch, config, device, weight: float | None = None) -> torch.Tensor:
-    """The first half of a step: the task's loss through `trained` (compiled and/or in DDP) under
-    --amp, times `weight` (a DDP shard's share of the global batch)."""
+    """A step's first half: the task's loss through `trained` (compiled, DDP) under --amp, times `weight`."""
     with autocast(device, config):
         loss = task.loss(trained, batch)
         return loss if weight is None else loss * weight
@@ -780,8 +749,7 @@ def step_update(model, optimizer, loss: torch.Tensor, config, step: int,
 
 def train_step(model, trained, optimizer, task, batch, config, device, step: int,
                ema: torch.nn.Module | None = None) -> torch.Tensor:
-    """One training step exactly as `train_loop` takes it (one process): `step_loss`, then
-    `step_update`. Returns the loss. Benchmarks time this function, so they time the real step."""
+    """One training step as `train_loop` takes it (one process; what benchmarks time): returns the loss."""
     loss = step_loss(trained, task, batch, config, device)
     step_update(model, optimizer, loss, config, step, ema)
     return loss
@@ -803,8 +771,7 @@ def finish(state: Run) -> int:
     config, last = state.config, state.last
     if last is None or last["step"] != state.step:
         last = {"step": state.step, **state.probe.measure(state.model, state.ema, final=True)}
-    # None: the pattern constrains no row (no mass to measure)
-    start = state.mass_start
+    start = state.mass_start            # None: the pattern constrains no row (no mass to measure)
     metrics = {**last["metrics"], "prior_mass_start": start and sum(start) / len(start),
                "prior_mass_end": start and last["prior_mass_mean"]}
     preset = runconfig.resolve(*parse_args(["--task", config.task, "--preset", config.preset]))
@@ -855,10 +822,9 @@ def fmt_time(s: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Durability: a run's files are written whole (runfiles.RunFolder, runfiles.atomic_write), everything it reads
-# back is checked before use (runfiles.read_back, a schema), and a run that stops, however it stops,
-# resumes exactly: what a run writes when it begins, what a checkpoint holds and how it is checked,
-# what a resume checks against the run's files, and how a run stops (a signal, a non-finite step).
+# Durability: a run's files are written whole (runfiles.RunFolder), all it reads back is checked before use (a schema),
+# and a run that stops, however it stops, resumes exactly: what a run writes when it begins, what a checkpoint holds,
+# what a resume checks, how a run stops (a signal, a non-finite step).
 
 
 def begin(state: Run, ckpt: dict | None) -> None:
@@ -905,8 +871,7 @@ def save_checkpoint(state: Run, seconds: float | None = None) -> None:
             "prior_source": state.prior_source, "prior_sha256": state.prior_sha256,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    # a plain write: a full disk is an OSError (ENOSPC)
-    state.folder.write("ckpt.pt", runfiles.checkpoint_bytes(ckpt))
+    state.folder.write("ckpt.pt", runfiles.checkpoint_bytes(ckpt))      # a full disk: an OSError (ENOSPC)
     state.saved_step = state.step
 
 
@@ -916,13 +881,10 @@ def config_hash(flags: dict) -> str:
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-
-
 def show(run_dir: str, out: str) -> int:
-    """`train.py show RUN`: M at the start (the checkpoint's probe snapshot) and at the end (its weights) -> m.png,
-    and the mean attention on the task's probe inputs at the end -> attention.png (the model rebuilt on the CPU from
-    the checkpoint, checked as --resume checks it, before anything is written); each file's path printed. A run
-    without M draws its attention alone; a task whose data is not where the run read it draws M alone, and says so."""
+    """`train.py show RUN`: M at the start and end -> m.png, and the mean attention on the task's probe inputs at the
+    end -> attention.png, each path printed (the model rebuilt on the CPU and checked as --resume checks it first).
+    Without M: its attention alone; without the task's data: M alone, and says so."""
     if reporting.show.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -979,11 +941,10 @@ SAVED_CONFIG_MOST = 1 << 24
 
 
 def show_saved(folder: str, out: str) -> int:
-    """`train.py show DIR` of a Hugging Face model saved with save_pretrained after
-    `retrofit.add_mask_prior`: its M at the end (the start is not saved; `reporting.show.draw_model` with
-    a snapshot draws both) -> m.png. Read as someone else's folder: config.json through the one reader (bounded
-    depth and digits), no number in it past SAVED_CONFIG_MOST, weights from safetensors alone (never a pickle),
-    and any error of transformers' loader one line."""
+    """`train.py show DIR` of a Hugging Face model saved with save_pretrained after `retrofit.add_mask_prior`: its M at
+    the end (the start is not saved) -> m.png. Read as someone else's folder: config.json through the one reader
+    (bounded depth and digits), no number in it past SAVED_CONFIG_MOST, weights from safetensors alone (never a pickle),
+    any error of transformers' loader one line."""
     config = runfiles.read_json(os.path.join(folder, "config.json"))
     numbers = list(json_numbers(config))
     if not isinstance(config, dict) or any(not math.isfinite(v) or abs(v) > SAVED_CONFIG_MOST for v in numbers):
@@ -1018,9 +979,8 @@ def show_saved(folder: str, out: str) -> int:
 
 
 def read_checkpoint(path: str, flag: str) -> dict:
-    """A checkpoint read as someone else's file and checked against its schema and itself, the model it rebuilds
-    included (`runfiles.read_checkpoint`), then before any value is used: its flags (`saved_config`) matching their
-    hash. Anything else is one clear line."""
+    """A checkpoint read as someone else's file (`runfiles.read_checkpoint`: its schema, itself, its model), its flags
+    (`saved_config`) matching their hash, before any value is used; else one line."""
     try:
         ckpt = runfiles.read_checkpoint(path)
     except runfiles.ReadError as e:
@@ -1043,8 +1003,7 @@ def restore_config(config: runconfig.Config, explicit: set, folder: runfiles.Run
             raise UsageError(f"--resume: the run in {config.out} has {key}={saved[key]!r} but {key}={new!r} was "
                              f"given; a resumed run cannot change its {what} (start a new run with another --out)")
     kept = {k: v for k, v in saved.items() if k != "out" and (k not in explicit or k not in runconfig.RESUMABLE)}
-    # a halt belongs to one invocation
-    return runconfig.Config(**{**asdict(config), **kept, "resume": True,
+    return runconfig.Config(**{**asdict(config), **kept, "resume": True,         # --halt-after: this invocation's alone
                                "halt_after": config.halt_after if "halt_after" in explicit else None})
 
 
@@ -1119,8 +1078,7 @@ NUMERICS = {"amp": amp_on, "compile": lambda value, device_type: value}
 
 
 def rounding_note(ckpt: dict, device: torch.device, config) -> str | None:
-    """A note that a resume on another device type or CPU thread count, or with another --amp or --compile
-    (NUMERICS), is exact only to rounding, or None."""
+    """A note that a resume on another device, thread count, --amp or --compile (NUMERICS) is exact to rounding."""
     saved, now, was = ckpt["machine"], float_order(device), ckpt["config"]
     changed = [f"--{k} {was.get(k)}, now {getattr(config, k)}" for k, acts in NUMERICS.items()
                if acts(was.get(k), saved["device"]) != acts(getattr(config, k), device.type)]
@@ -1206,9 +1164,8 @@ def main(argv=None) -> int:
 
 
 def _after_rank_0(status: int, wait: float = 10.0) -> int:
-    """`status`, returned by a rank other than 0 only after `wait` seconds: torchrun stops every process when
-    the first one ends, so rank 0, which says the one line, must end first (it does, and torchrun then stops
-    this one while it waits)."""
+    """`status`, returned by a rank other than 0 only after `wait` seconds: torchrun stops every process when the first
+    one ends, so rank 0, which says the one line, must end first."""
     if os.environ.get("RANK", "0") != "0":
         time.sleep(wait)
     return status
