@@ -960,8 +960,8 @@ def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, 
 
 @pytest.mark.slow
 def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):
-    """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1) and
-    attention.png for a mask run; attention.png alone for an init without M; a relative M as profiles; a folder
+    """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1),
+    attention.png and the run's curves.png for a mask run; no m.png for an init without M; a relative M as profiles; a folder
     without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
     _extra("matplotlib")
     from PIL import Image
@@ -974,7 +974,8 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
         assert train.main(["show", out, "--out", str(tmp_path / f"fig-{init}")]) == 0
         printed = capsys.readouterr().out.splitlines()
         files = sorted(os.listdir(tmp_path / f"fig-{init}"))
-        assert files == (["attention.png", "m.png"] if init == "mask" else ["attention.png"]), printed
+        assert files == (["attention.png", "curves.png", "m.png"] if init == "mask"
+                         else ["attention.png", "curves.png"]), printed
         assert init == "mask" or "has no M (--init default)" in printed[0]
         for f in files:
             w, h = Image.open(tmp_path / f"fig-{init}" / f).size

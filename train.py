@@ -133,10 +133,10 @@ SUBCOMMANDS = {
                     "datafetch/imagenet100.py.", [
                         (("--from",), dict(dest="source", required=True, metavar="IMAGENET_1K_DIR")),
                         (("--data",), dict(required=True, metavar="DIR"))]),
-    "show": ("draw a run's M at its start and end (m.png) and its attention (attention.png)",
+    "show": ("draw a run's M at its start and end (m.png), its attention (attention.png) and curves (curves.png)",
              "Draw M at the start and at the end of a run, per layer and head, on one colour scale (m.png; none "
-             "for an init without M), and the mean attention on the task's probe inputs at the end "
-             "(attention.png). Needs matplotlib. See reporting/show.py.", [
+             "for an init without M), the mean attention on the task's probe inputs at the end (attention.png) "
+             "and, for a finished run, its learning curves (curves.png). Needs matplotlib. See reporting/show.py.", [
                  (("run",), dict(metavar="RUN", help="a run folder (with its ckpt.pt)")),
                  (("--out",), dict(metavar="DIR", help="where to write the figures (default: RUN itself)"))]),
     "make-digits": ("scikit-learn's digits written in the CIFAR-10 python layout", None, [(("folder",), {})]),
@@ -882,9 +882,10 @@ def config_hash(flags: dict) -> str:
 
 
 def show(run_dir: str, out: str) -> int:
-    """`train.py show RUN`: M at the start and end -> m.png, and the mean attention on the task's probe inputs at the
-    end -> attention.png, each path printed (the model rebuilt on the CPU and checked as --resume checks it first).
-    Without M: its attention alone; without the task's data: M alone, and says so."""
+    """`train.py show RUN`: M at the start and end -> m.png, the mean attention on the task's probe inputs at the
+    end -> attention.png, a finished run's learning curves -> curves.png, each path printed (the model rebuilt on
+    the CPU and checked as --resume checks it first). Without M: its attention alone; without the task's data: M
+    alone, and says so."""
     if reporting.show.pyplot() is None:
         raise UsageError("show: drawing needs matplotlib: pip install matplotlib")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -918,6 +919,10 @@ def show(run_dir: str, out: str) -> int:
                        mc.get("causal", False), grid, task.token_labels()))
     else:
         print(f"show: {run_dir} has no M (--init {config.init}); its attention alone")
+    finished = reporting.report.collect_runs([run_dir])[0]
+    if finished:                                    # a finished run: its learning curves beside M
+        rows = reporting.report.curve_rows(reporting.report.config_groups(finished)[0])
+        print(*reporting.report.draw_curves(rows, os.path.join(out, "curves.png")), sep="\n")
     if model is None:
         print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
@@ -1135,7 +1140,7 @@ class Interrupt:
 
 # ----------------------------------------------------------------------------------------
 # Commands: train (the default); summarize and report (reporting/report.py); download and
-# imagenet100 (datafetch/); make-digits and make-wikitext (the fixture writers of tasks.py)
+# imagenet100, make-digits and make-wikitext (datafetch/: the data writers)
 
 
 # each command's work, in its room (the flags parse_args gave it -> an exit status)
