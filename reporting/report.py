@@ -186,6 +186,11 @@ TABLE_TITLES = {"boolean": "Boolean GOTU tasks (whole-cube accuracy; MDI = min-d
 PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in Wq Wk
 
 
+def _table_folders(runs: str) -> list[str]:
+    """The folders of REPORT_FOLDERS that `runs` holds."""
+    return [t for t in REPORT_FOLDERS if os.path.isdir(os.path.join(runs, t))]
+
+
 def flag_label(label: str) -> str:
     """A label as flags: "qk_svd_pos_scale=None, steps=250" -> "--qk-svd-pos-scale (unset), --steps 250"."""
     parts = []
@@ -917,7 +922,7 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
     if os.path.isdir(data):
         written += data_efficiency([data] + ([arithmetic] if os.path.isdir(arithmetic) else []), out_dir)
     folders = [os.path.join(runs_dir, t) for t in TABLES if os.path.isdir(os.path.join(runs_dir, t))]
-    if not folders and not any(os.path.isdir(os.path.join(runs_dir, t)) for t in REPORT_FOLDERS):
+    if not _table_folders(runs_dir):
         name = os.path.basename(os.path.normpath(runs_dir))          # a folder of single runs: one table of them
         table, folders = name if name in TABLES else "runs", [runs_dir]
         written.append(emit(out_dir, f"{table}.md", f"# {TABLE_TITLES.get(table, 'Runs')}\n\nRuns: `{runs_dir}`; "
@@ -1167,7 +1172,7 @@ def report_command(runs: str, out: str) -> int:
     written before is whole."""
     if not os.path.isdir(runs):
         raise ReportError(f"report: {runs} is not a folder of runs")
-    if not any(os.path.isdir(os.path.join(runs, t)) for t in REPORT_FOLDERS) and not _holds_runs(runs):
+    if not _table_folders(runs) and not _holds_runs(runs):
         inside = [d for d in sorted(os.listdir(runs)) if _holds_runs(os.path.join(runs, d))]
         hint = (f"{inside[0]} in it holds run folders: python train.py report {os.path.join(runs, inside[0])} {out}"
                 if inside else "give the folder reproduce.sh --runs wrote (e.g. runs/quick) or a folder of run folders")
