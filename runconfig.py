@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 
 import torch
@@ -255,9 +255,14 @@ def say(text: str) -> None:
 
 
 def resolve(flags: argparse.Namespace, explicit: set) -> Config:
-    """Each field: the flag given, else the task's preset (less the given flags' alternatives), else its default."""
+    """Each field: the flag given, else --config's run (`rerun`) or the task's preset, less the given flags'
+    alternatives, else its default."""
     given = {k: getattr(flags, k) for k in explicit}
-    task, init, preset = (given.get(k, DEFAULTS[k]) for k in ("task", "init", "preset"))
+    for name, other in ALTERNATIVES.items():
+        if name in explicit and other in explicit:
+            raise UsageError(f"give either {flag(name)} or {flag(other)}, not both")
+    base = rerun(flags.config, given) if getattr(flags, "config", None) is not None else {}
+    task, init, preset = (given.get(k, base.get(k, DEFAULTS[k])) for k in ("task", "init", "preset"))
     if task not in tasks.TASKS:
         raise UsageError(f"unknown task {task!r}; choose from {', '.join(tasks.TASKS)}")
     if init not in INITS:
@@ -265,16 +270,28 @@ def resolve(flags: argparse.Namespace, explicit: set) -> Config:
     task_cls = tasks.TASKS[task]
     if preset not in task_cls.presets():
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(task_cls.presets())}")
-    for name, other in ALTERNATIVES.items():
-        if name in explicit and other in explicit:
-            raise UsageError(f"give either {flag(name)} or {flag(other)}, not both")
-    from_preset = task_cls.preset(preset)
-    for name in explicit & set(ALTERNATIVES):
-        from_preset.pop(ALTERNATIVES[name], None)
-    values = {**DEFAULTS, **from_preset, **given}
+    values = {**DEFAULTS, **(base or task_cls.preset(preset)), **given,
+              **{ALTERNATIVES[name]: DEFAULTS[ALTERNATIVES[name]] for name in explicit & set(ALTERNATIVES)}}
     if values["out"] is None:
         values["out"] = os.path.join("runs", f"{task}-{init}-s{values['seed']}")
     return Config(**values)
+
+
+def rerun(path: str, given: dict) -> dict:
+    """--config RUN/args.json: the flags that run saved (`saved_config`), as a new run's (not resumed, not halted),
+    each flag given beside them said in a line; refused where --out is not given and the folder the file names is
+    there (the rerun would write into that run)."""
+    try:
+        saved = asdict(saved_config(runfiles.read_json(path), path))
+    except UsageError as e:
+        raise UsageError(f"--config: {e}; it reads the args.json a run wrote in its folder") from None
+    if "out" not in given and os.path.lexists(saved["out"]):
+        raise UsageError(f"--config {path}: its run folder {saved['out']} is there; give the rerun its own --out")
+    for name, value in ((n, given[n]) for n in FIELDS if n in given):
+        alt = ALTERNATIVES.get(name)
+        dropped = f"; {flag(alt)} {saved[alt]} dropped" if alt and saved[alt] != DEFAULTS[alt] else ""
+        say(f"--config: {flag(name)}{'' if value is True else f' {value}'} (was {saved[name]}{dropped})")
+    return {**saved, "resume": False, "halt_after": None}
 
 
 SEED_MAX = 2 ** 32 - 1          # torch's CPU generator keeps the low 32 bits of a seed

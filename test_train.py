@@ -47,10 +47,11 @@ from conftest import (BAD_INPUT, HERE, LM_SMALL, SMALL, TINY, _Touch, _at_once, 
 
 def test_every_flag_has_one_default_and_every_preset_key_is_a_flag():
     """Two layers over DEFAULTS: a preset entry must name a flag (a typo would be silently ignored), and every
-    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it."""
+    flag must parse to UNSET when not given, so that the preset, not a parser default, fills it (--config: a file
+    of them, None)."""
     args, explicit = train.parse_args([])
-    dests = set(vars(args)) - {"command"}
-    assert explicit == set() and dests == set(runconfig.DEFAULTS)
+    dests = set(vars(args)) - {"command", "config"}
+    assert explicit == set() and dests == set(runconfig.DEFAULTS) and args.config is None
     assert all(getattr(args, d) is train.UNSET for d in dests)
     for name, cls in tasks.TASKS.items():
         for preset in cls.presets():
@@ -1162,6 +1163,40 @@ def test_resume_is_exact(tmp_path):
     la = [json.loads(x)["loss"] for x in open(os.path.join(full, "metrics.jsonl"))]
     lb = [json.loads(x)["loss"] for x in open(os.path.join(part, "metrics.jsonl"))]
     assert la == lb
+
+
+@pytest.mark.slow
+def test_config_reruns_a_run_from_its_args_json(tmp_path, capsys):
+    """Issue 75, 7: --config RUN/args.json reruns a (halted, then resumed) run as a new run to the same metrics,
+    bitwise; flags given beside it override, each said in a line; without --out (the run's folder is there) and
+    with a file that is not a run's args.json it is one line, exit 2, and nothing is written."""
+    rc, run = run_train(tmp_path, *TINY, "--init", "mask", "--steps", "6", "--log-every", "3", "--halt-after", "3")
+    assert rc == 0 and train.main(["--resume", "--out", run]) == 0
+    args = os.path.join(run, "args.json")
+    assert train.main(["--config", args, "--out", str(tmp_path / "again")]) == 0
+    first, again = (json.load(open(os.path.join(d, "result.json"))) for d in (run, tmp_path / "again"))
+    assert first["metrics"] == again["metrics"] and first["run_id"] != again["run_id"]
+    capsys.readouterr()
+    assert train.main(["--config", args, "--seed", "1", "--epochs", "0.003", "--out", str(tmp_path / "s1")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "--config: --seed 1 (was 0)" and out[1].startswith("--config: --out "), out
+    assert out[2] == "--config: --epochs 0.003 (was None; --steps 6 dropped)", out
+    rerun = json.load(open(tmp_path / "s1" / "args.json"))
+    assert (rerun["seed"], rerun["steps"], rerun["dim"], rerun["log_every"], rerun["resume"]) == (1, 2, 16, 3, False)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "text").write_text("not json")
+    for name, change in (("unknown", lambda d: d.update(bogus=1)), ("type", lambda d: d.update(steps="6"))):
+        shutil.copy(args, tmp_path / name)
+        _edit_json(tmp_path / name, change)
+    before = _tree(tmp_path)
+    for argv, words in (([args], f"its run folder {run} is there; give the rerun its own --out"),
+                        ([str(tmp_path / "missing")], "missing"), ([str(tmp_path / "fifo")], "a FIFO"),
+                        ([str(tmp_path / "text")], "is not JSON"), ([str(tmp_path / "unknown")], "bogus"),
+                        ([str(tmp_path / "type")], "steps='6', which --steps cannot take")):
+        assert train.main(["--config", *argv] + ([] if argv == [args] else ["--out", str(tmp_path / "new")])) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and words in err and "--config" in err, (argv, err)
+    assert _tree(tmp_path) == before
 
 
 def test_relative_prior_runs_and_resumes_exactly(tmp_path, text_dir):

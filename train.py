@@ -3,6 +3,7 @@
     python train.py --task cyclic3 --init mask
     python train.py --task kparity --bits 0,4,7 --unseen 0,4 --init qk-svd --preset paper --seed 1
     python train.py --task cifar10 --data-dir data/ --init impulse
+    python train.py --config runs/cyclic3-mask-s0/args.json --seed 1 --out runs/again   # a run's flags, rerun
     python train.py summarize runs/          # a markdown table of finished runs
     python train.py report runs/quick results/quick   # results/*.md tables, learning and persistence curves
     python train.py download cifar10 wikitext2 --data data/      # the public data sets, fetched and checked
@@ -156,6 +157,8 @@ def build_parser() -> Parser:
                                    "default shown. Other commands: " + ", ".join(SUBCOMMANDS) +
                                    " (python train.py COMMAND --help).")
     add_train_flags(t)
+    t.add_argument("--config", default=None, action=Once, metavar="RUN/args.json",
+                   help="rerun a run from its args.json: the flags given beside it override (each said in a line)")
     for name, (help_, description, arguments) in SUBCOMMANDS.items():
         command = sub.add_parser(name, help=help_, description=description)
         for names, keywords in arguments:
@@ -170,7 +173,7 @@ def parse_args(argv=None):
     if not argv or argv[0] not in ("train", *SUBCOMMANDS):
         argv = ["train"] + argv                       # training is the default command
     flags = build_parser().parse_args(argv)
-    explicit = {k for k, v in vars(flags).items() if v is not UNSET} - {"command"}
+    explicit = {k for k, v in vars(flags).items() if v is not UNSET} - {"command", "config"}
     return flags, explicit
 
 
