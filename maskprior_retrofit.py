@@ -14,7 +14,9 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
+import json
 import math
+import os
 import sys
 import warnings
 import weakref
@@ -41,6 +43,10 @@ HF_ATTENTION = "maskprior_attention"        # the attn_implementation a prior's 
 # without this module imported, naming the loader that keeps M ("...neither a safetensors file ...: <this>";
 # from_config: `attn_implementation="<this>" is not supported`)
 HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
+# what the adapter_config.json of an adapter saved with M names after its peft_type ("LORA, <this>"): a type PEFT does
+# not know, so a plain load refuses it in any process (KeyError: '<type>, <this>'); a process that attached a prior
+# knows these types (`_guard_loaders`) and loads it onto a model with priors
+ADAPTER_SAVED = "with M: give the model its priors with maskprior_retrofit (add_mask_prior), then load it"
 GRID = "the patch grid and any class/prefix tokens"
 
 
@@ -969,10 +975,9 @@ def _reattach(model: nn.Module, record: dict) -> None:
     _after_attach(model, sites, priors)
 
 
-# PEFT: an adapter that carries M, loaded onto a model without priors, is refused. Nothing PEFT reads from an
-# adapter can refuse it (PEFT drops unexpected keys and modules_to_save names that match nothing in silence, and
-# asks only that one of its target modules exists), so this file wraps each loader of adapters (ADAPTER_LOADERS) as
-# soon as its module is imported, before or after this one.
+# PEFT: an adapter that carries M, loaded onto a model without priors, is refused (PEFT would drop every M in silence).
+# Saved, it names ADAPTER_SAVED in its peft_type, which plain PEFT refuses; a process that attached a prior knows the
+# mark, and this file wraps each loader of adapters (ADAPTER_LOADERS) as soon as its module is imported.
 
 def _hub(*kwargs: dict | None) -> dict:
     """The keywords of a loader's call that say where an adapter's config is (a revision, a subfolder, ...)."""
@@ -1016,7 +1021,8 @@ ADAPTER_LOADERS = {
 
 
 def _guard_loaders(module) -> None:
-    """Wrap `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; subclasses inherit it."""
+    """Wrap `module`'s adapter loaders (ADAPTER_LOADERS) with `_check_adapter_base`, once; subclasses inherit it.
+    PEFT also learns the types ADAPTER_SAVED marks, and its save_pretrained marks an adapter saved with M."""
     for owner, name, read in ADAPTER_LOADERS[module.__name__]:
         cls = getattr(module, owner)
         found = cls.__dict__[name]
@@ -1031,6 +1037,33 @@ def _guard_loaders(module) -> None:
         guarded = functools.wraps(load)(guarded)
         guarded.mask_prior_checked = True
         setattr(cls, name, classmethod(guarded) if isinstance(found, classmethod) else guarded)
+    if module.__name__ == "peft" and not getattr(module.PeftModel.save_pretrained, "mask_prior_marks", False):
+        types = module.PEFT_TYPE_TO_CONFIG_MAPPING
+        types.update({f"{getattr(t, 'value', t)}, {ADAPTER_SAVED}": c for t, c in list(types.items())})
+        module.PeftModel.save_pretrained = _save_adapter_marked(module.PeftModel.save_pretrained)
+
+
+def _save_adapter_marked(save: Callable) -> Callable:
+    """PEFT's save_pretrained, then each adapter it saved whose weights carry M (a modules_to_save copy of a MaskPrior,
+    or of a module holding one) names ADAPTER_SAVED after its peft_type: a plain load fails loudly."""
+    signature = inspect.signature(save)
+
+    @functools.wraps(save)
+    def save_pretrained(self, *args, **kwargs):
+        out = save(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs).arguments
+        for name in call.get("selected_adapters") or list(self.peft_config):
+            path = os.path.join(call["save_directory"], "" if name == "default" else name, "adapter_config.json")
+            if os.path.isfile(path) and any(f"modules_to_save.{name}." in key and "mask_prior" in key
+                                            for key, _ in self.named_parameters()):
+                with open(path) as f:
+                    config = json.load(f)
+                config["peft_type"] = f"{config['peft_type'].partition(',')[0]}, {ADAPTER_SAVED}"
+                with open(path, "w") as f:
+                    f.write(json.dumps(config, indent=2, sort_keys=True))
+        return out
+    save_pretrained.mask_prior_marks = True
+    return save_pretrained
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

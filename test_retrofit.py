@@ -1258,6 +1258,48 @@ def test_an_adapter_that_carries_m_is_refused_onto_a_model_without_priors_and_no
         assert len(loaded) == 2 and all(torch.equal(a, b) for a, b in zip(loaded, saved)), (where, loaded)
 
 
+@pytest.mark.slow
+def test_an_adapter_saved_with_m_refuses_a_plain_load_in_a_process_that_never_imported_maskprior(tmp_path):
+    """Issue 75: an adapter saved with M names retrofit.ADAPTER_SAVED after its peft_type, so PEFT's own loaders
+    (PeftModel.from_pretrained, AutoPeftModelForCausalLM, transformers' load_adapter) refuse it in a process that
+    never imported maskprior, naming maskprior_retrofit (they loaded it with every M dropped, other outputs, without
+    a word); a model given its priors by the retrofit takes it back with the saved outputs."""
+    peft = _extra("peft")
+    model, ids, n = _hf("llama")
+    model.config.save_pretrained(tmp_path / "base")
+    retrofit.add_mask_prior(model, logits=mp.causal_distance_logits(n, 4))
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["mask_prior"]))
+    for m in mp.mask_priors(tuned):
+        torch.nn.init.normal_(m.bias)
+    tuned.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        saved = tuned.eval()(ids).logits
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["peft_type"] == (
+        f"LORA, {retrofit.ADAPTER_SAVED}")
+    folder = str(tmp_path / "adapter")
+    script = f"""import sys, peft, transformers as tf
+model = tf.LlamaForCausalLM(tf.AutoConfig.from_pretrained({str(tmp_path / 'base')!r}))
+for load in (lambda: peft.PeftModel.from_pretrained(model, {folder!r}),
+             lambda: peft.AutoPeftModelForCausalLM.from_pretrained({folder!r}), lambda: model.load_adapter({folder!r})):
+    try:
+        load()
+        print('loaded')
+    except Exception as e:
+        print(type(e).__name__, str(e).replace(chr(10), ' '))
+assert not any(m.startswith('maskprior') for m in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 3, r.stderr[-3000:]
+    assert all("maskprior_retrofit (add_mask_prior)" in line for line in lines), lines
+    base, _, _ = _hf("llama")
+    retrofit.add_mask_prior(base, mp.causal_pattern(n))
+    with torch.no_grad():
+        torch.testing.assert_close(peft.PeftModel.from_pretrained(base, folder).eval()(ids).logits, saved,
+                                   atol=1e-6, rtol=1e-6)
+
+
 def test_a_module_imported_after_the_retrofit_is_handed_to_its_hook_once(tmp_path, monkeypatch):
     """How PEFT learns to refuse an adapter carrying M whichever of the two is imported first (`_when_imported`): a
     module imported later is handed over right after its code ran (not when merely looked up, as transformers'
