@@ -445,7 +445,7 @@ def _keyword_hook(module: nn.Module, args: tuple, kwargs: dict):
     t = prior.n if symbolic else x.shape[-2]
     if prior.roles is not None:                          # (B, heads, T, T) per example: B must be x's batch
         _check_roles_batch(prior, x.shape[0] if x.dim() >= 3 else 1)
-    bias = prior(t, x.dtype if symbolic else _amp_dtype(x))
+    bias = _served(module, prior, t).to(x.dtype if symbolic else _amp_dtype(x))
     given, causal = kwargs.get(key), kwargs.get("is_causal", False)
     if "is_causal" in kwargs:
         kwargs["is_causal"] = False
@@ -466,6 +466,43 @@ def _timm_record_hook(drop: nn.Module, args: tuple, output):
     prior = drop.mask_prior_owner.mask_prior
     if prior.record is not None:
         prior.record.append(args[0])
+
+
+def _grid_hook(conv: nn.Module, args: tuple, output) -> None:
+    """Forward hook of an image model's patch projection: the patch grid of this image, for `_served`."""
+    if isinstance(output, torch.Tensor):
+        conv.mask_prior_grid = tuple(output.shape[-2:])
+
+
+def _served(module: nn.Module, prior: mp.MaskPrior, t: int, **kwargs) -> torch.Tensor:
+    """The prior's bias for t tokens: where they are an image of another size than its own (a timm ViT's
+    dynamic_img_size, a Hugging Face ViT's interpolate_pos_encoding), at that image's patch grid (`_grid_bias`)."""
+    grid = getattr(module.__dict__.get("mask_prior_embed"), "mask_prior_grid", None)
+    if grid and t != prior.n and prior.roles is None and not mp.tracing():
+        return _grid_bias(prior, grid, t)
+    return prior(t, **kwargs)
+
+
+def _grid_bias(prior: mp.MaskPrior, grid: tuple[int, int], t: int) -> torch.Tensor:
+    """(heads, t, t) bias of a grid prior on another patch grid (h, w): each pair of patches reads the logit of its
+    displacement (one past the prior's grid its last, as a relative prior's far distances do), a class token's row
+    and column the nearest patch's. Another prior refuses such an image in one line that says what serves it."""
+    (gh, gw), (h, w), device = prior.grid or (0, 0), grid, prior.bias.device
+    first = prior.n - gh * gw
+    if prior.param != "grid" or first + h * w != t:
+        raise ValueError(f"{prior.where}: this image gives {t} tokens ({h} x {w} patches), but the prior serves "
+                         f"{prior.n} ({GRID}): param='grid' serves an image of any size by patch displacement, e.g. "
+                         "add_mask_prior(model, pattern, param='grid')")
+    prior.check_set()
+    rc = torch.stack(torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"),
+                     -1).reshape(-1, 2)
+    near = ((rc + 0.5) * torch.tensor([gh / h, gw / w], device=device)).long() @ torch.tensor([gw, 1], device=device)
+    near = torch.cat([torch.arange(first, device=device), first + near])
+    idx = mp.grid_index(gh, gw, first, device)[near[:, None], near[None, :]]
+    lim = torch.tensor([gh - 1, gw - 1], device=device)
+    d = torch.minimum(torch.maximum(rc[None] - rc[:, None], -lim), lim) + lim
+    idx[first:, first:] = d[..., 0] * (2 * gw - 1) + d[..., 1]
+    return mp.mask_bias(prior._logits(prior.bias))[:, idx]
 
 
 def _timm_restore_hook(module: nn.Module, args: tuple, output):
@@ -610,7 +647,7 @@ def _hf_bias(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: t
         seen = torch.ones(1, q_len, k_len, dtype=torch.bool, device=query.device) if allowed is None else allowed[:, 0]
         bias = _at_positions(prior, positions, positions[:, :, None] - positions[:, None, :], seen)
     else:
-        bias = prior(q_len, query.dtype, k_len=k_len)
+        bias = _served(module, prior, q_len, dtype=query.dtype, k_len=k_len)
         bias = bias if bias.dim() == 4 else bias.unsqueeze(0)           # (B, ...) per example under prior_roles
     if kwargs.get("is_causal") and not prior.causal and mask is None and q_len > 1:          # CLIP's text tower
         bias = bias.masked_fill(mp.future_keys(q_len, bias.device), float("-inf"))
@@ -649,12 +686,14 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 def _prior_alone(module: nn.Module, prior: mp.MaskPrior, query: torch.Tensor, key: torch.Tensor, mask,
                  kwargs) -> bool:
     """Whether an HF call is plain SDPA with the prior's bias alone (self-attention, no cache or padding mask, no
-    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids), which
-    maskprior's kernels serve: `prior_attention` on the CPU, flex_attention on CUDA where asked."""
+    dropout, soft-capping, sliding window or sinks, the usual scale; a full M's rows not given by position ids; an
+    image of the prior's size), which maskprior's kernels serve: `prior_attention` on the CPU, flex_attention on CUDA
+    where asked."""
     return (mask is None and prior.roles is None and not prior.cross
             and _hf_config(module)._attn_implementation == "sdpa" and query.shape[-2] == key.shape[-2]
             and (prior.causal or not kwargs.get("is_causal"))
             and (prior.param == "relative" or _query_positions(kwargs, query.shape[-2]) is None)
+            and (query.shape[-2] == prior.n or "mask_prior_embed" not in module.__dict__)
             and not float(kwargs.get("dropout") or 0.0) and kwargs.get("scaling") in (None, query.shape[-1] ** -0.5)
             and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "s_aux", "sinks")))
 
@@ -807,6 +846,13 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
         for m in model.modules():            # each transformers model in it: its init_weights re-sets M
             if _hf_config(m) is not None and callable(getattr(type(m), "_init_weights", None)):
                 m.__dict__.setdefault("_init_weights", _InitPriors(m))
+    images = [s.module for s in sites if s.tokens is not None and s.layout == GRID and not s.cross]
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d) and m.stride == m.kernel_size != (1, 1)), None)
+    if images and conv is not None:                   # the patch projection: each image's grid (`_served`)
+        for m in images:
+            object.__setattr__(m, "mask_prior_embed", conv)
+        if "mask_prior_grid_hook" not in conv.__dict__:
+            conv.mask_prior_grid_hook = conv.register_forward_hook(_grid_hook)
     base = getattr(model, "no_weight_decay", None)      # what timm's optimiser factory leaves undecayed: add every M
     if callable(base):
         model.no_weight_decay = _NoWeightDecay(set(base()) | set(mp.prior_parameter_names(model)))
@@ -829,7 +875,7 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
         if isinstance(drop := getattr(m, "attn_drop", None), nn.Module):
             drop.__dict__.pop("mask_prior_owner", None)
         for attr in ("mask_prior_hooks", "mask_prior_kwarg", "mask_prior_args", "mask_prior_start",
-                     "mask_prior_pending", "mask_prior_flex", "mask_prior_fused"):
+                     "mask_prior_pending", "mask_prior_flex", "mask_prior_fused", "mask_prior_embed"):
             m.__dict__.pop(attr, None)
         del m.mask_prior
     for m in model.modules():                   # add_mask_prior was given the model, or parts of it
@@ -839,8 +885,10 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
             del m.__dict__["no_weight_decay"]
         if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
             del m.__dict__["_init_weights"]
-        if "mask_prior_guard" in m.__dict__:
-            m.__dict__.pop("mask_prior_guard").remove()
+        for hook in ("mask_prior_guard", "mask_prior_grid_hook"):
+            if hook in m.__dict__:
+                m.__dict__.pop(hook).remove()
+        m.__dict__.pop("mask_prior_grid", None)
     return [n or type(model).__name__ for n, _ in layers]
 
 

@@ -512,6 +512,39 @@ def test_a_vit_of_timm_or_hugging_face_takes_a_grid_prior_that_serves_as_the_ful
     torch.testing.assert_close(_out(model, x), plain, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["timm", "vit"])
+def test_a_vit_given_an_image_of_another_size_is_served_by_the_grid_prior_its_refusal_names(name):
+    """Issue 75: a timm ViT with dynamic_img_size (or Hugging Face's with interpolate_pos_encoding) given an image of
+    another size was told to use prefix=True (right-padded text). A full prior refuses it in one line naming
+    param='grid'; that call, run here, serves images of any size: each pair of patches reads its displacement's logit
+    (on a smaller grid as on the prior's own, one past the prior's grid its last), a class token's row and column the
+    nearest patch's, and M trains through it."""
+    kw = {} if name == "timm" else {"interpolate_pos_encoding": True}
+    model, x, n = _timm(dynamic_img_size=True) if name == "timm" else _hf(name)
+    retrofit.add_mask_prior(model, mp.banded_pattern(n, 1))
+    for size, tokens in ((24, 10), (48, 37)):
+        with pytest.raises(ValueError, match=rf"^\w+\.0\.att\w*: this image gives {tokens} tokens .* e.g. ") as err:
+            _run(model, torch.randn(1, 3, size, size), **kw)
+    model, x, n = _timm(dynamic_img_size=True) if name == "timm" else _hf(name)
+    plain = _out(model, x).detach()
+    eval(_one_line(err).rpartition("e.g. ")[2], {"add_mask_prior": retrofit.add_mask_prior, "model": model,
+                                                 "pattern": mp.banded_pattern(n, 1)})
+    prior = mp.mask_priors(model)[0]
+    torch.nn.init.normal_(prior.bias, std=3.0)
+    torch.testing.assert_close(retrofit._grid_bias(prior, (4, 4), n), prior(n), atol=0, rtol=0)
+    small, big, own = retrofit._grid_bias(prior, (3, 3), 10), retrofit._grid_bias(prior, (6, 6), 37), prior(n)
+    sub = [1 + 4 * r + c for r in range(3) for c in range(3)]                  # the top-left 3 x 3 of the 4 x 4
+    assert torch.equal(small[:, 1:, 1:], own[:, sub][:, :, sub]) and torch.equal(small[:, 0, 0], own[:, 0, 0])
+    assert torch.equal(big[:, 1, 36], own[:, 1, 16]) and torch.equal(big[:, 36, 1], own[:, 16, 1])   # (5, 5): (3, 3)
+    assert (_out(model, x) - plain).abs().max() > 1e-3
+    for size in (24, 48):
+        out = _run(model, torch.randn(2, 3, size, size), **kw)
+        assert torch.isfinite(out).all()
+        prior.bias.grad = None
+        out.square().mean().backward()
+        assert prior.bias.grad.abs().max() > 0
+
+
 def test_param_grid_on_a_model_that_names_no_patch_grid_asks_for_grid_in_one_line():
     """nn.TransformerEncoder names no patch grid: param='grid' without grid= is one line, the model unchanged;
     with grid=(2, 4) its 8 tokens are a 2 x 4 grid."""
@@ -701,7 +734,7 @@ def test_a_relative_prior_generates_past_its_n_with_the_kv_cache_as_without(name
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_lengths_a_padded_text_batch_is_served_at_its_positions_an_other_image_size_is_refused():
+def test_lengths_a_padded_text_batch_is_served_at_its_positions():
     bert, ids, n = _hf("bert")
     retrofit.add_mask_prior(bert, logits=torch.randn(4, n, n) * 3, param="full")
     short = ids[:1, :12]
@@ -713,14 +746,6 @@ def test_lengths_a_padded_text_batch_is_served_at_its_positions_an_other_image_s
     left, at = padded.roll(4, 1), (mask.flip(1).cumsum(-1) - 1).clamp(min=0)    # left-padded, at the positions
     torch.testing.assert_close(bert(left, attention_mask=mask.flip(1), position_ids=at).last_hidden_state[:, 4:],
                                alone, atol=1e-5, rtol=1e-5)             # the model reads too: the prior follows them
-    vit, pixels, _ = _hf("vit")
-    retrofit.add_mask_prior(vit, mp.banded_pattern(17, 1))
-    with pytest.raises(ValueError, match="sequence length 37 does not fit the mask size 17: .* another grid"):
-        vit(torch.randn(1, 3, 48, 48), interpolate_pos_encoding=True)
-    model, _, n = _timm(dynamic_img_size=True)
-    retrofit.add_mask_prior(model, mp.banded_pattern(n, 1))
-    with pytest.raises(ValueError, match=rf"blocks.0.attn: sequence length 37 does not fit the mask size {n}"):
-        model(torch.randn(1, 3, 48, 48))
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
     retrofit.add_mask_prior(enc, mp.banded_pattern(8, 1), prefix=True)
     assert enc(torch.randn(2, 5, 16)).shape == (2, 5, 16)   # prefix=True: positions 0..4
