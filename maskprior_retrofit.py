@@ -1228,5 +1228,43 @@ def qk_view(model: nn.Module) -> mp.QKView:
     return mp.QKView(sites, pos[0])
 
 
+def __getattr__(name: str):
+    """`MaskPriorCallback`, made on first use: transformers is imported then, never at this module's import."""
+    if name != "MaskPriorCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from transformers import TrainerCallback
+
+    class MaskPriorCallback(TrainerCallback):
+        """A Hugging Face TrainerCallback that adds the prior to the Trainer's logs at each logging step (and a record
+        of its own at the step training starts from), averaged over the layers as train.py's metrics.jsonl holds them
+        per layer: `prior_mass` and `content_margin` of a fixed batch `inputs` (the model's first input, e.g. input_ids
+        or pixel_values) on `pattern` (`mp.prior_probe`), and `mask_drift`, M's relative distance from where training
+        started (`mp.prior_drift`). Trainer(..., callbacks=[MaskPriorCallback(batch, pattern)])."""
+        def __init__(self, inputs: torch.Tensor, pattern: torch.Tensor):
+            self.inputs, self.pattern, self.start = inputs, pattern, None
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.start = mp.prior_snapshot(model)
+            state.log_history.append({**self.measure(model), "step": state.global_step})
+
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            measured = self.measure(model)
+            logs.update(measured)
+            state.log_history[-1].update(measured)        # the Trainer's copy of `logs`, made before callbacks ran
+
+        def measure(self, model: nn.Module) -> dict:
+            training = model.training
+            try:
+                device = next(model.parameters()).device
+                mass, margin = mp.prior_probe(model.eval(), self.inputs.to(device), self.pattern)
+            finally:
+                model.train(training)
+            values = {"prior_mass": mass, "content_margin": margin, **mp.prior_drift(model, self.start)}
+            return {key: sum(v) / len(v) for key, v in values.items() if v}
+
+    globals()[name] = MaskPriorCallback
+    return MaskPriorCallback
+
+
 __all__ = ["add_mask_prior", "remove_mask_prior", "from_pretrained", "find_attention", "hf_attention", "prior_record",
-           "Site", "qk_view"]
+           "Site", "qk_view", "MaskPriorCallback"]

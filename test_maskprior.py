@@ -252,12 +252,14 @@ def test_nothing_at_top_level_changes_a_name_defined_above_it(name):
 @pytest.mark.slow
 def test_importing_the_library_and_train_installs_nothing():
     """`import maskprior`, `import maskprior_retrofit` and `import train` leave sys.meta_path and torch's global
-    optimiser hooks as they were; the decay check goes in with the process's first MaskPrior, the adapter loaders'
-    check and the retrofit's check of an optimiser that holds a layer but not its M with its first attached prior."""
+    optimiser hooks as they were and import no transformers, peft or timm; the decay check goes in with the process's
+    first MaskPrior, the adapter loaders' check and the retrofit's check of an optimiser that holds a layer but not its
+    M with its first attached prior."""
     script = ("import sys, torch, torch.optim.optimizer as o\n"
               "before = (list(sys.meta_path), len(o._global_optimizer_pre_hooks))\n"
               "import maskprior, maskprior_retrofit, train\n"
               "assert (list(sys.meta_path), len(o._global_optimizer_pre_hooks)) == before\n"
+              "assert not {'transformers', 'peft', 'timm'} & set(sys.modules)  # MaskPriorCallback: on first use\n"
               "maskprior.MaskPrior(4)\n"
               "assert len(o._global_optimizer_pre_hooks) == before[1] + 1 and list(sys.meta_path) == before[0]\n"
               "maskprior_retrofit.add_mask_prior(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(\n"

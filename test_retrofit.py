@@ -118,6 +118,28 @@ def test_a_plain_trainer_timm_s_factory_and_param_groups_leave_m_undecayed(tmp_p
         assert not torch.equal(decayed.get_parameter(weights[-1]), plain.get_parameter(weights[-1]))
 
 
+@pytest.mark.slow
+def test_the_trainer_callback_logs_the_priors_mass_and_drift_at_each_logging_step(tmp_path):
+    """Issue 75: MaskPriorCallback puts the prior's mass on its pattern, content margin and M's drift (train.py's
+    measures, averaged over layers) into a plain Trainer's log history: drift 0 at the step training starts from, the
+    same mass as mp.prior_mass there, and every step's values finite, the drift grown after three steps."""
+    tf = _extra("transformers")
+    model, ids, n = _hf("gpt2")
+    pattern = mp.banded_pattern(n, 2) & mp.causal_pattern(n)
+    retrofit.add_mask_prior(model, pattern)
+    mass = mp.prior_mass(model, ids, pattern)
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=3, logging_steps=1, learning_rate=1e-2,
+                                per_device_train_batch_size=2, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = tf.Trainer(model=model.train(), args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids],
+                         callbacks=[retrofit.MaskPriorCallback(ids, pattern)])
+    trainer.train()
+    keys = ("prior_mass", "content_margin", "mask_drift")
+    first, *steps = [rec for rec in trainer.state.log_history if "prior_mass" in rec]
+    assert first["step"] == 0 and first["mask_drift"] == 0 and first["prior_mass"] == pytest.approx(sum(mass) / 2)
+    assert [rec["step"] for rec in steps if "loss" in rec] == [1, 2, 3]
+    assert all(math.isfinite(rec[k]) for rec in [first, *steps] for k in keys) and steps[-1]["mask_drift"] > 0
+
+
 def test_a_plain_adamw_over_a_retrofitted_model_is_refused_before_it_decays_m():
     """Issue 65's case: `AdamW(model.parameters(), weight_decay=0.1)` on a retrofitted nn.TransformerEncoder (and
     on a deepcopy of it, whose priors were never built) is one line on its first step, M as it was."""
