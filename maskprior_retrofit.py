@@ -16,11 +16,11 @@ import importlib.util
 import inspect
 import json
 import math
-import os
 import sys
 import warnings
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -43,9 +43,8 @@ HF_ATTENTION = "maskprior_attention"        # the attn_implementation a prior's 
 # without this module imported, naming the loader that keeps M ("...neither a safetensors file ...: <this>";
 # from_config: `attn_implementation="<this>" is not supported`)
 HF_SAVED = "maskprior: load it with maskprior_retrofit.from_pretrained"
-# what the adapter_config.json of an adapter saved with M names after its peft_type ("LORA, <this>"): a type PEFT does
-# not know, so a plain load refuses it in any process (KeyError: '<type>, <this>'); a process that attached a prior
-# knows these types (`_guard_loaders`) and loads it onto a model with priors
+# what an adapter saved with M names after its peft_type ("LORA, <this>"): a type PEFT does not know, so a plain load
+# refuses it anywhere (KeyError: 'LORA, <this>'); a process that attached a prior knows it (`_guard_loaders`)
 ADAPTER_SAVED = "with M: give the model its priors with maskprior_retrofit (add_mask_prior), then load it"
 GRID = "the patch grid and any class/prefix tokens"
 
@@ -101,10 +100,8 @@ def _window_tokens(module: nn.Module) -> int | None:
     """The tokens of the window a windowed attention (Swin) attends within: `window_size` on it or a child."""
     for m in (module, *module.children()):
         w = getattr(m, "window_size", None)
-        if isinstance(w, int) and not isinstance(w, bool):
-            return w * w
-        if isinstance(w, (tuple, list)) and w and all(isinstance(v, int) for v in w):
-            return math.prod(w)
+        if type(w) is int or isinstance(w, (tuple, list)) and w and all(isinstance(v, int) for v in w):
+            return math.prod(_pair(w))
     return None
 
 
@@ -487,22 +484,20 @@ def _grid_bias(prior: mp.MaskPrior, grid: tuple[int, int], t: int) -> torch.Tens
     """(heads, t, t) bias of a grid prior on another patch grid (h, w): each pair of patches reads the logit of its
     displacement (one past the prior's grid its last, as a relative prior's far distances do), a class token's row
     and column the nearest patch's. Another prior refuses such an image in one line that says what serves it."""
-    (gh, gw), (h, w), device = prior.grid or (0, 0), grid, prior.bias.device
+    (gh, gw), (h, w) = prior.grid or (0, 0), grid
     first = prior.n - gh * gw
     if prior.param != "grid" or first + h * w != t:
         raise ValueError(f"{prior.where}: this image gives {t} tokens ({h} x {w} patches), but the prior serves "
                          f"{prior.n} ({GRID}): param='grid' serves an image of any size by patch displacement, e.g. "
                          "add_mask_prior(model, pattern, param='grid')")
     prior.check_set()
-    rc = torch.stack(torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"),
-                     -1).reshape(-1, 2)
-    near = ((rc + 0.5) * torch.tensor([gh / h, gw / w], device=device)).long() @ torch.tensor([gw, 1], device=device)
-    near = torch.cat([torch.arange(first, device=device), first + near])
-    idx = mp.grid_index(gh, gw, first, device)[near[:, None], near[None, :]]
-    lim = torch.tensor([gh - 1, gw - 1], device=device)
-    d = torch.minimum(torch.maximum(rc[None] - rc[:, None], -lim), lim) + lim
+    rc = torch.cartesian_prod(torch.arange(h), torch.arange(w))
+    near = ((rc + 0.5) * torch.tensor([gh / h, gw / w])).long()
+    near = torch.cat([torch.arange(first), first + near[:, 0] * gw + near[:, 1]])
+    idx, lim = mp.grid_index(gh, gw, first)[near[:, None], near], torch.tensor([gh - 1, gw - 1])
+    d = (rc[None] - rc[:, None]).clamp(-lim, lim) + lim
     idx[first:, first:] = d[..., 0] * (2 * gw - 1) + d[..., 1]
-    return mp.mask_bias(prior._logits(prior.bias))[:, idx]
+    return mp.mask_bias(prior._logits(prior.bias))[:, idx.to(prior.bias.device)]
 
 
 def _timm_restore_hook(module: nn.Module, args: tuple, output):
@@ -851,8 +846,7 @@ def _after_attach(model: nn.Module, sites: list[Site], priors: dict[str, mp.Mask
     if images and conv is not None:                   # the patch projection: each image's grid (`_served`)
         for m in images:
             object.__setattr__(m, "mask_prior_embed", conv)
-        if "mask_prior_grid_hook" not in conv.__dict__:
-            conv.mask_prior_grid_hook = conv.register_forward_hook(_grid_hook)
+        images[0].mask_prior_hooks.append(conv.register_forward_hook(_grid_hook))       # removed with its layer's
     base = getattr(model, "no_weight_decay", None)      # what timm's optimiser factory leaves undecayed: add every M
     if callable(base):
         model.no_weight_decay = _NoWeightDecay(set(base()) | set(mp.prior_parameter_names(model)))
@@ -885,9 +879,8 @@ def remove_mask_prior(model: nn.Module) -> list[str]:
             del m.__dict__["no_weight_decay"]
         if isinstance(m.__dict__.get("_init_weights"), _InitPriors):
             del m.__dict__["_init_weights"]
-        for hook in ("mask_prior_guard", "mask_prior_grid_hook"):
-            if hook in m.__dict__:
-                m.__dict__.pop(hook).remove()
+        if "mask_prior_guard" in m.__dict__:
+            m.__dict__.pop("mask_prior_guard").remove()
         m.__dict__.pop("mask_prior_grid", None)
     return [n or type(model).__name__ for n, _ in layers]
 
@@ -1094,21 +1087,16 @@ def _guard_loaders(module) -> None:
 def _save_adapter_marked(save: Callable) -> Callable:
     """PEFT's save_pretrained, then each adapter it saved whose weights carry M (a modules_to_save copy of a MaskPrior,
     or of a module holding one) names ADAPTER_SAVED after its peft_type: a plain load fails loudly."""
-    signature = inspect.signature(save)
-
     @functools.wraps(save)
-    def save_pretrained(self, *args, **kwargs):
-        out = save(self, *args, **kwargs)
-        call = signature.bind(self, *args, **kwargs).arguments
-        for name in call.get("selected_adapters") or list(self.peft_config):
-            path = os.path.join(call["save_directory"], "" if name == "default" else name, "adapter_config.json")
-            if os.path.isfile(path) and any(f"modules_to_save.{name}." in key and "mask_prior" in key
-                                            for key, _ in self.named_parameters()):
-                with open(path) as f:
-                    config = json.load(f)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        out = save(self, save_directory, *args, **kwargs)
+        for name in self.peft_config:
+            path = Path(save_directory, "" if name == "default" else name, "adapter_config.json")
+            if path.is_file() and any(f"modules_to_save.{name}." in key and "mask_prior" in key
+                                      for key, _ in self.named_parameters()):
+                config = json.loads(path.read_text())
                 config["peft_type"] = f"{config['peft_type'].partition(',')[0]}, {ADAPTER_SAVED}"
-                with open(path, "w") as f:
-                    f.write(json.dumps(config, indent=2, sort_keys=True))
+                path.write_text(json.dumps(config, indent=2, sort_keys=True))
         return out
     save_pretrained.mask_prior_marks = True
     return save_pretrained
@@ -1253,13 +1241,9 @@ def __getattr__(name: str):
             state.log_history[-1].update(measured)        # the Trainer's copy of `logs`, made before callbacks ran
 
         def measure(self, model: nn.Module) -> dict:
-            training = model.training
-            try:
-                device = next(model.parameters()).device
-                mass, margin = mp.prior_probe(model.eval(), self.inputs.to(device), self.pattern)
-            finally:
-                model.train(training)
-            values = {"prior_mass": mass, "content_margin": margin, **mp.prior_drift(model, self.start)}
+            training, device = model.training, next(model.parameters()).device
+            mass, margin = mp.prior_probe(model.eval(), self.inputs.to(device), self.pattern)
+            values = {"prior_mass": mass, "content_margin": margin, **mp.prior_drift(model.train(training), self.start)}
             return {key: sum(v) / len(v) for key, v in values.items() if v}
 
     globals()[name] = MaskPriorCallback
