@@ -475,7 +475,7 @@ def _served(module: nn.Module, prior: mp.MaskPrior, t: int, **kwargs) -> torch.T
     """The prior's bias for t tokens: where they are an image of another size than its own (a timm ViT's
     dynamic_img_size, a Hugging Face ViT's interpolate_pos_encoding), at that image's patch grid (`_grid_bias`)."""
     grid = getattr(module.__dict__.get("mask_prior_embed"), "mask_prior_grid", None)
-    if grid and t != prior.n and prior.roles is None and not mp.tracing():
+    if grid and t != prior.n and prior.roles is None:
         return _grid_bias(prior, grid, t)
     return prior(t, **kwargs)
 
