@@ -334,7 +334,7 @@ def test_a_long_label_is_drawn_cut_saying_so_and_a_figure_of_many_panels_says_it
 
     def checked(fig, path, dpi=110):
         fig.canvas.draw()
-        problems[os.path.basename(path)] = reporting.figures.figure_problems(fig, drawn=True)
+        problems[os.path.basename(path)] = figure_problems(fig, drawn=True)
         texts = [t.get_text() for t in fig.findobj(Text)]
         problems[os.path.basename(path) + " cut"] = any("characters more, cut here" in t for t in texts)
         return save(fig, path, dpi)
@@ -572,7 +572,7 @@ def test_every_committed_figure_is_within_4_to_1():
     """Issue 65, 1: no committed figure is a strip (oraclefree*/oraclefree_mass.png were 9.9:1 and 17.3:1)."""
     for png in RESULTS.rglob("*.png"):
         w, h = _png_size(png)
-        assert max(w / h, h / w) <= reporting.figures.MAX_ASPECT, (png, w, h)
+        assert max(w / h, h / w) <= MAX_ASPECT, (png, w, h)
 
 
 def test_the_oracle_free_figures_wrap_into_a_grid_under_their_caption(tmp_path, drawn):
@@ -581,10 +581,10 @@ def test_the_oracle_free_figures_wrap_into_a_grid_under_their_caption(tmp_path, 
     table, rows = _oracle_free_table(tmp_path, 17)
     reporting.report.oracle_free_mass(table, rows, str(tmp_path))
     w, h = drawn["oraclefree_mass.png"].get_size_inches()
-    assert max(w / h, h / w) <= reporting.figures.MAX_ASPECT, (w, h)
+    assert max(w / h, h / w) <= MAX_ASPECT, (w, h)
     table, rows = _oracle_free_table(tmp_path, 4)
     reporting.report.oracle_free_figure(table, rows, str(tmp_path))
-    assert reporting.figures.figure_problems(drawn["oraclefree_patterns.png"]) == []
+    assert figure_problems(drawn["oraclefree_patterns.png"]) == []
 
 
 def test_a_figure_is_titled_with_the_data_set_its_runs_read(tmp_path, drawn, capsys):
@@ -817,10 +817,58 @@ def test_ablation_table_groups_by_readout_and_positional_std(tmp_path):
     assert any(p.endswith("ablation.md") for p in written)
 
 
+MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
+
+
+def figure_problems(fig, drawn: bool = False) -> list[str]:
+    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a panel
+    with nothing drawn in it or without a label on each axis, a legend of more than LEGEND_MOST (8) entries, two
+    panels (colour bars too) over each other, or two pieces of text (titles, labels, tick labels, legend entries)
+    whose boxes overlap (the renderer's extents, one pixel of slack). `drawn`: the figure was just drawn at its
+    current dpi (a save), so its layout is the one checked and it is not drawn again. Every report and show test
+    checks each figure it saves with it (`readable_figures`)."""
+    from matplotlib.text import Text
+    w, h = fig.get_size_inches()
+    strip = max(w / h, h / w) > MAX_ASPECT
+    problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if strip else []
+    if not drawn:
+        fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    hidden = set()
+    for ax in fig.axes:
+        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches or ax.texts):
+            problems.append(f"panel {ax.get_title()!r}: nothing drawn")
+        if ax.get_visible() and ax.get_label() != "<colorbar>" and not (ax.get_xlabel() and ax.get_ylabel()):
+            problems.append(f"panel {ax.get_title()!r}: an axis without a label")
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):  # located, not drawn
+                    hidden.update((id(tick.label1), id(tick.label2)))
+    most = reporting.figures.LEGEND_MOST
+    problems += [f"a legend of {n} entries (at most {most})" for legend in fig.legends + [ax.get_legend() for ax in
+                 fig.axes] if legend and (n := len(legend.get_texts())) > most]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    for i, a in enumerate(panels):
+        for b in panels[i + 1:]:
+            one, two = a.get_window_extent(renderer), b.get_window_extent(renderer)
+            if min(one.x1, two.x1) - max(one.x0, two.x0) > 1 and min(one.y1, two.y1) - max(one.y0, two.y0) > 1:
+                problems.append(f"panels {a.get_title() or a.get_label()!r} and "
+                                f"{b.get_title() or b.get_label()!r} overlap")
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
+             and all(a.get_visible() for a in [t.axes] if a is not None)]
+    boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
+    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
+    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
+    for i, j in zip(*np.nonzero(np.triu((x > 1) & (y > 1), 1))):
+        problems.append(f"text {texts[i].get_text()!r} overlaps {texts[j].get_text()!r}")
+    return problems
+
+
 @pytest.fixture
 def readable_figures(monkeypatch):
     """Every figure saved while the test runs (by report, show or anything else) is checked by
-    `reporting.figures.figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if
+    `figure_problems` as it is saved: {its caption: its problems}; the test fails at the end if
     any has one."""
     matplotlib = _extra("matplotlib")
     import matplotlib.figure
@@ -829,7 +877,7 @@ def readable_figures(monkeypatch):
     def checked(fig, *args, **kw):                  # the figure as saved: drawn once, at the save's dpi
         out, dpi = save(fig, *args, **kw), fig.dpi
         fig.set_dpi(kw.get("dpi", dpi))
-        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = reporting.figures.figure_problems(
+        seen[fig._suptitle.get_text() if fig._suptitle else repr(args[0])] = figure_problems(
             fig, drawn=True
         )
         fig.set_dpi(dpi)
@@ -841,17 +889,22 @@ def readable_figures(monkeypatch):
 
 @pytest.mark.slow
 def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_path, readable_figures):
-    """The check itself: each fault it names, made on purpose, is found; a plain figure has none."""
+    """The check itself: each fault it names, made on purpose, is found (issue 75, 7: an axis without its label, a
+    legend of more than 8 entries); a plain figure has none."""
     plt = reporting.figures.pyplot()
     fig, axes = plt.subplots(1, 5, figsize=(20, 3))
     for ax in axes[:4]:
         ax.plot([0, 1], [0, 1])
+        ax.set(xlabel="x", ylabel="y" if ax is not axes[2] else "")
+    axes[1].legend([axes[1].lines[0]] * 9, [f"line {i}" for i in range(9)], fontsize=3, ncols=9)
     axes[0].set_title("one title")
     axes[0].text(0.5, 1.0, "one title too", transform=axes[0].transAxes, ha="center", va="bottom")
-    problems = reporting.figures.figure_problems(fig)
+    problems = figure_problems(fig)
     fig.canvas.print_figure(io.BytesIO(), format="png")            # as the fixture checks: drawn by a save
-    assert reporting.figures.figure_problems(fig, drawn=True) == problems
+    assert figure_problems(fig, drawn=True) == problems
     assert any("a strip" in p for p in problems) and any("nothing drawn" in p for p in problems)
+    assert [p for p in problems if "without a label" in p or "legend" in p] == [
+        "panel '': an axis without a label", "panel '': an axis without a label", "a legend of 9 entries (at most 8)"]
     assert any("'one title' overlaps 'one title too'" in p or "'one title too' overlaps 'one title'" in p
                for p in problems), problems
     plt.close(fig)
@@ -859,12 +912,12 @@ def test_figure_problems_finds_a_strip_overlapping_text_and_a_blank_panel(tmp_pa
     image = ax.imshow([[0.0, 1.0]])
     fig.colorbar(image, ax=ax, label="one")
     fig.add_axes([0.8, 0.1, 0.15, 0.8]).plot([0, 1])            # over the colour bar
-    assert any("overlap" in p and "panels" in p for p in reporting.figures.figure_problems(fig))
+    assert any("overlap" in p and "panels" in p for p in figure_problems(fig))
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
     ax.plot([0, 1], [0, 1], label="a")
-    ax.set_title("fine")
-    assert reporting.figures.figure_problems(fig) == []
+    ax.set(title="fine", xlabel="x", ylabel="y")
+    assert figure_problems(fig) == []
     reporting.figures.save_figure(fig, str(tmp_path / "fine.png"))
 
 
@@ -917,7 +970,6 @@ def test_every_figure_a_report_draws_is_readable(tmp_path, readable_figures):
         str(tmp_path / "res" / "curves.csv"), reporting.report.CURVES_HEADER, reporting.report._curve_row
     )
     assert ("addition", "steps=250", "mask", 0, 30, "seq_acc", 0.3) in curves
-    assert reporting.report.flag_label("qk_svd_pos_scale=None, steps=250") == "--qk-svd-pos-scale (unset), --steps 250"
     assert (
         len({reporting.figures.line_style(i) for i in range(40)}) == 40
         and reporting.figures.line_style(3, "mask") == reporting.figures.INIT_STYLES["mask"]
@@ -985,7 +1037,8 @@ def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monke
     for path in (reporting.show.draw_m(start, [s + 1 for s in start], str(tmp_path / "rel.png"), "relative",
                                        causal=True),
                  reporting.show.draw_m(deep, deep, str(tmp_path / "deep.png"), "deep"),
-                 reporting.show.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep")):
+                 reporting.show.draw_attention(torch.rand(12, 3, 5, 5), str(tmp_path / "deep-attention.png"), "deep"),
+                 reporting.show.draw_attention(torch.rand(2, 3, 5, 5), str(tmp_path / "vit.png"), "vit", grid=(2, 1))):
         w, h = Image.open(path).size
         assert max(w, h) <= 4 * min(w, h), path
     # an image's M as offsets: M[i, j] a function of the patch offset (key - query) comes back as that function

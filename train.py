@@ -903,8 +903,9 @@ def show(run_dir: str, out: str) -> int:
     config = replace(runconfig.saved_config(ckpt["config"], f"show: {path}"), device="cpu")
     task, model, absent = runconfig.task_for(config), None, None
     data = reporting.report.data_set({"kind": task.KIND, "data": ckpt["data"]})
-    title = (f"{reporting.report.data_title(config.task, {config.task: data} if data else None)}: init {config.init}, "
-             f"seed {config.seed}, step {ckpt['step']}")
+    named = {config.task: data} if data else None               # the data set a figure must name
+    title = (f"{reporting.report.data_title(config.task, named)}: init {config.init}, seed {config.seed}, "
+             f"step {ckpt['step']}")
     try:
         task.setup(torch.device("cpu"))
     except tasks.DataError as e:
@@ -915,9 +916,9 @@ def show(run_dir: str, out: str) -> int:
         model.load_state_dict(ckpt["model"])
     runfiles.output_folder(out, "show", (".png",))
     start, end = reporting.show.m_of_checkpoint(ckpt)
+    mc = ckpt["model_config"]
+    grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
     if end:
-        mc = ckpt["model_config"]
-        grid = (mc["image_size"] // mc["patch_size"], int(mc["pool"] == "cls")) if "image_size" in mc else None
         print(reporting.show.draw_m(start, end, os.path.join(out, "m.png"), title,
                        mc.get("causal", False), grid, task.token_labels()))
     else:
@@ -925,13 +926,13 @@ def show(run_dir: str, out: str) -> int:
     finished = reporting.report.collect_runs([run_dir])[0]
     if finished:                                    # a finished run: its learning curves beside M
         rows = reporting.report.curve_rows(reporting.report.config_groups(finished)[0])
-        print(*reporting.report.draw_curves(rows, os.path.join(out, "curves.png")), sep="\n")
+        print(*reporting.report.draw_curves(rows, os.path.join(out, "curves.png"), named), sep="\n")
     if model is None:
         print(f"show: attention.png not drawn: the run's data is not there ({absent})")
         return 0
     inputs = task.probe_inputs(config.probe_size)
     print(reporting.show.draw_attention(mp.mean_attention(model.eval(), inputs),
-                           os.path.join(out, "attention.png"), title, task.token_labels()))
+                           os.path.join(out, "attention.png"), title, task.token_labels(), grid))
     return 0
 
 

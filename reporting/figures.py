@@ -1,12 +1,10 @@
 """The figure layer every report and `show` draws with: matplotlib without a display (`pyplot`), panels in a grid
 (`panel_grid`), one line style per init or series (`line_style`), the legend and the caption outside the panels, M's
-token ticks, atomic saving (`save_figure`) and what makes a saved figure hard to read (`figure_problems`)."""
+token ticks and atomic saving (`save_figure`)."""
 from __future__ import annotations
 
 import math
 import textwrap
-
-import numpy as np
 
 import runfiles
 
@@ -22,7 +20,6 @@ def pyplot():
     return plt
 
 
-MAX_ASPECT = 4.0          # no figure wider than 4:1 or taller than 1:4
 INIT_STYLES = {"default": ("tab:gray", "-"), "mask": ("tab:red", "-"), "qk-svd": ("tab:blue", "--"),
                "qk-opt": ("tab:green", "-."), "mimetic": ("tab:purple", ":"), "impulse": ("tab:orange", "--"),
                "mask-impulse": ("tab:brown", "-")}
@@ -75,6 +72,7 @@ def wrapped(text: str, inches: float, size: float, lines: int | None = None) -> 
 
 
 LABEL_LINES = 8         # lines of a title or legend label drawn from a file's names (`wrapped`)
+LEGEND_MOST = 8         # entries of a legend at most: a figure of more series draws them in groups (`in_groups`)
 
 
 def caption(fig, text: str, size: float = 9) -> None:
@@ -82,71 +80,51 @@ def caption(fig, text: str, size: float = 9) -> None:
     fig.suptitle(wrapped(text, fig.get_figwidth(), size), fontsize=size)
 
 
-def legend_below(fig, size: float = 8) -> None:
-    """One legend for the whole figure, under its panels (each label once, in the order first drawn)."""
+def in_groups(items: list, key, most: int = LEGEND_MOST) -> list[list]:
+    """`items` in columns of at most `most`: those of one key(item) together, in the order first met (a key of more
+    split as evenly as can be: 12 into 6 and 6), a key's items packed into the column before where they fit."""
+    by, columns = {}, []
+    for item in items:
+        by.setdefault(key(item), []).append(item)
+    for same in by.values():
+        size = -(-len(same) // -(-len(same) // most))
+        for part in (same[i:i + size] for i in range(0, len(same), size)):
+            if columns and len(columns[-1]) + len(part) <= most:
+                columns[-1] += part
+            else:
+                columns.append(part)
+    return columns or [[]]
+
+
+def legend_below(fig, size: float = 8, axes: list | None = None) -> None:
+    """One legend (each label once, in the order first drawn) of the whole figure under its panels, or of `axes`
+    alone (a group of panels in a column) under the last of them."""
     seen = {}
-    for ax in fig.axes:
+    for ax in axes or fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     if seen:
+        width = fig.get_figwidth() / (1 if axes is None else axes[-1].get_gridspec().ncols)
         # a long label (a study's flags) broken into lines that fit the figure
-        labels = [wrapped(label, fig.get_figwidth() - 0.6, size, LABEL_LINES) for label in seen]
+        labels = [wrapped(label, width - 0.6, size, LABEL_LINES) for label in seen]
         longest = max(len(line) for label in labels for line in label.split("\n"))
-        ncols = max(1, min(len(seen), int(fig.get_figwidth() * 72 / (size * 0.6 * longest + 40))))
-        fig.legend(list(seen.values()), labels, loc="outside lower center", ncols=ncols, fontsize=size)
+        ncols = max(1, min(len(seen), int(width * 72 / (size * 0.6 * longest + 40))))
+        where = (dict(loc="outside lower center") if axes is None
+                 else dict(loc="upper center", bbox_to_anchor=(0.5, -0.16)))
+        (fig if axes is None else axes[-1]).legend(list(seen.values()), labels, ncols=ncols, fontsize=size, **where)
 
 
-def token_ticks(ax, names: list | None, n: int, size: float = 5.5) -> None:
-    """Name the rows (queries) and columns (keys) of an n x n map by their tokens (every k-th where
-    n is over 24), or leave it without ticks where `names` does not name n tokens."""
-    if not names or len(names) != n:
-        ax.set_xticks([])
-        ax.set_yticks([])
-        return
-    at = list(range(0, n, -(-n // 24)))
+def token_ticks(ax, names: list | None, n: int, size: float = 5.5, axes: tuple = ("key", "query")) -> None:
+    """Name the columns and rows of an n x n map (every k-th where n is over 24) by their tokens where `names` names
+    n of them, else by position, and label its axes (`axes`: the columns', the rows')."""
+    at, named = list(range(0, n, -(-n // 24))), bool(names) and len(names) == n
     # a name with '$' is text, not math (tick labels keep math parsing for the axes' numbers)
-    shown = [names[i].replace("$", r"\$") for i in at]
+    shown = [names[i].replace("$", r"\$") if named else str(i) for i in at]
     ax.set_xticks(at, shown, fontsize=size, rotation=90)
     ax.set_yticks(at, shown, fontsize=size)
     ax.tick_params(length=1, pad=1)
-
-
-def figure_problems(fig, drawn: bool = False) -> list[str]:
-    """What makes a drawn figure hard to read, as lines (none: readable): wider than 4:1 or taller than 1:4, a panel
-    with nothing drawn in it, two panels (colour bars too) over each other, or two pieces of text (titles, labels,
-    tick labels, legend entries) whose boxes overlap (the renderer's extents, one pixel of slack). `drawn`: the
-    figure was just drawn at its current dpi (a save), so its layout is the one checked and it is not drawn again."""
-    from matplotlib.text import Text
-    w, h = fig.get_size_inches()
-    strip = max(w / h, h / w) > MAX_ASPECT
-    problems = [f"{w:.1f} x {h:.1f} inches: a strip (more than {MAX_ASPECT:g}:1)"] if strip else []
-    if not drawn:
-        fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    hidden = set()
-    for ax in fig.axes:
-        if ax.get_visible() and not (ax.lines or ax.images or ax.collections or ax.patches or ax.texts):
-            problems.append(f"panel {ax.get_title()!r}: nothing drawn")
-        for axis in (ax.xaxis, ax.yaxis):
-            lo, hi = sorted(axis.get_view_interval())
-            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):  # located, not drawn
-                    hidden.update((id(tick.label1), id(tick.label2)))
-    panels = [ax for ax in fig.axes if ax.get_visible()]
-    for i, a in enumerate(panels):
-        for b in panels[i + 1:]:
-            one, two = a.get_window_extent(renderer), b.get_window_extent(renderer)
-            if min(one.x1, two.x1) - max(one.x0, two.x0) > 1 and min(one.y1, two.y1) - max(one.y0, two.y0) > 1:
-                problems.append(f"panels {a.get_title() or a.get_label()!r} and "
-                                f"{b.get_title() or b.get_label()!r} overlap")
-    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
-             and all(a.get_visible() for a in [t.axes] if a is not None)]
-    boxes = np.array([t.get_window_extent(renderer).extents for t in texts]).reshape(-1, 4)
-    x = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
-    y = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
-    for i, j in zip(*np.nonzero(np.triu((x > 1) & (y > 1), 1))):
-        problems.append(f"text {texts[i].get_text()!r} overlaps {texts[j].get_text()!r}")
-    return problems
+    ax.set_xlabel(axes[0] if named else f"{axes[0]} position", fontsize=size + 1)
+    ax.set_ylabel(axes[1] if named else f"{axes[1]} position", fontsize=size + 1)
 
 
 def as_text(fig) -> None:

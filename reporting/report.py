@@ -19,8 +19,8 @@ import re
 import inits
 import runfiles
 from reporting import show
-from reporting.figures import (LABEL_LINES, caption, legend_below, line_style, panel_grid, plot_band, pyplot,
-                               save_figure, token_ticks, wrapped)
+from reporting.figures import (LABEL_LINES, caption, in_groups, legend_below, line_style, panel_grid, plot_band,
+                               pyplot, save_figure, token_ticks, wrapped)
 
 # ---- Summaries: run directories -> a markdown table (mean +- std over seeds)
 
@@ -191,15 +191,6 @@ def _table_folders(runs: str) -> list[str]:
     return [t for t in REPORT_FOLDERS if os.path.isdir(os.path.join(runs, t))]
 
 
-def flag_label(label: str) -> str:
-    """A label as flags: "qk_svd_pos_scale=None, steps=250" -> "--qk-svd-pos-scale (unset), --steps 250"."""
-    parts = []
-    for part in filter(None, label.split(", ")):
-        key, eq, value = part.partition("=")
-        parts.append(f"--{key.replace('_', '-')} {'(unset)' if value == 'None' else value}" if eq else part)
-    return ", ".join(parts)
-
-
 # How a configuration's flag reads in a legend or a panel's title (`config_words`): flag -> its words, "{}" standing for
 # the value; any other flag reads as its name and value ("steps 250"). A named pattern reads as its name.
 FLAG_WORDS = {"pattern": "{} pattern", "mask_off": "M off -{}", "mask_on": "M on +{}", "soft_alpha": "α {}",
@@ -343,9 +334,9 @@ def draw_persistence(rows: list[dict], path: str, data: dict | None = None) -> l
                 if by_step:
                     plot_band(at(b, row), by_step, init, line_style(i, init))
             at(b, row).set_title(f"{data_title(task, data)}: {what}", fontsize=9)
+            at(b, row).set(xlabel="training step", ylabel=what)
             at(b, row).grid(alpha=0.3)
         at(b, 0).set_ylim(0, 1.02)
-        at(b, 1).set_xlabel("training step")
     legend_below(fig)
     caption(fig, "Attention mass on the prior pattern (top) and relative change of the prior itself (bottom: M for "
                  "mask, Wq Wk^T for qk-svd and qk-opt) over training; mean over seeds, band = min to max")
@@ -538,25 +529,36 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
 
 def draw_comparison(rows: list, path: str, title: str, data: dict | None = None) -> list[str]:
     """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a band per
-    (init, configuration) in words (`series_labels`, `plot_band`); the caption names the data (`data_title`) and the
-    parts of the configuration most lines share. Returns [path], or [] without matplotlib."""
+    (init, configuration) in words (`series_labels`, `plot_band`), the series in columns of at most LEGEND_MOST by
+    init (`in_groups`), each column its legend, a metric on one scale in every column, a configuration in one colour
+    where its column allows; the caption names the data (`data_title`) and the parts of the configuration most lines
+    share. Returns [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: (i, c))
     labels, said = series_labels(list(series))
     tasks = " and ".join(data_title(t, data) for t in dict.fromkeys(r[0] for r in rows))
     metrics = _metric_order({k for by in series.values() for k in by})
-    if (made := panel_grid(len(metrics), width=5.0, height=3.8)) is None:
+    columns, configs = in_groups(list(series), key=lambda s: s[0]), list(dict.fromkeys(c for _, c in series))
+    if (made := panel_grid(len(columns), rows=len(metrics), width=5.0, height=3.8)) is None:
         return []
     _, fig, at = made
-    for b, k in enumerate(metrics):
-        ax = at(b)
-        scale = 100.0 if k in PERCENT_METRICS else 1.0
-        for i, (key, by) in enumerate(series.items()):
-            for by_step in by.get(k, {}).values():
-                plot_band(ax, by_step, labels[key], line_style(i), scale=scale)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
-        ax.grid(alpha=0.3)
-    legend_below(fig, size=7)
+    for b, keys in enumerate(columns):
+        styles = [configs.index(c) for _, c in keys]
+        styles = styles if len(set(styles)) == len(styles) else range(len(keys))
+        for row, k in enumerate(metrics):
+            ax, scale = at(b, row), 100.0 if k in PERCENT_METRICS else 1.0
+            for i, key in zip(styles, keys):
+                for by_step in series[key].get(k, {}).values():
+                    plot_band(ax, by_step, labels[key], line_style(i), scale=scale)
+            if not ax.lines:
+                ax.text(0.5, 0.5, "not logged by these runs", ha="center", transform=ax.transAxes)
+            ax.set_xlabel("training step")
+            ax.set_ylabel(METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
+            ax.grid(alpha=0.3)
+        legend_below(fig, 7, [at(b, row) for row in range(len(metrics))] if len(columns) > 1 else None)
+    for row in range(len(metrics)):                     # each metric on one scale
+        lows, highs = zip(*(at(b, row).get_ylim() for b in range(len(columns)) if at(b, row).lines))
+        for b in range(len(columns)):
+            at(b, row).set_ylim(min(lows), max(highs))
     caption(fig, f"{title}; data: {tasks}; mean over seeds, band = min to max"
                  + (f"; where a line's label does not say otherwise: {said}" if said else ""))
     return [save_figure(fig, path)]

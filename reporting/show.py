@@ -1,15 +1,7 @@
-"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these.
-
-    m.png          M at the start and at the end of the run, per layer (a block: its start row, its end row, and
-                   end - start on its own scale, where M moved) and head (columns), M on one colour scale; a full M as
-                   its N x N (query x key) matrix with the pairs M started above 0 on (the pattern's allowed pairs)
-                   outlined, a relative M as a profile per head over the distance i - j, start dashed, end solid, an
-                   image's M as a 2-D map of patch offsets
-    attention.png  the mean attention on the task's probe inputs at the end, per layer and head, its colour capped at
-                   the 99th percentile (said in the title: a causal first row's 1 would wash out the rest)
-
-The layers' blocks wrap into columns so that no figure is a strip. Pure drawing: tensors in, a PNG out (matplotlib,
-Agg, written atomically); nothing here reads a run folder.
+"""M itself, drawn: `python train.py show RUN` reads a run's checkpoint (train.py checks it) and draws with these
+m.png (M at the start and the end per layer and head: `draw_m`) and attention.png (the mean attention on the task's
+probe inputs at the end: `draw_attention`), the layers' blocks wrapped into columns so that no figure is a strip.
+Pure drawing: tensors in, a PNG out (matplotlib, Agg, written atomically); nothing here reads a run folder.
 """
 from __future__ import annotations
 
@@ -80,10 +72,10 @@ def draw_m(start: list, end: list, path: str, title: str, causal: bool = False,
     if end[0].dim() != 3:                           # relative tables, not full M
         return _draw_profiles(start, end, path, title + "; M over the distance (the bias is log sigmoid M)"
                               + ("" if start is None else moved), causal, lim, dlim)
-    axes_of = "x: key - query column, y: row" if grid is not None else "rows: query, columns: key"
+    axes = ("column offset dx (key - query)", "row offset dy") if grid is not None else ("key", "query")
     outline = "" if start is None else "; outlined: where M started above 0" + moved
-    return _draw_maps(start, end, change, path, f"{title}; M (the bias is log sigmoid M), {axes_of}{outline}",
-                      names, lim, dlim)
+    return _draw_maps(start, end, change, path, f"{title}; M (the bias is log sigmoid M){outline}", names, lim, dlim,
+                      axes)
 
 
 def _draw_profiles(start, end, path: str, title: str, causal: bool, lim: float, dlim: float) -> str:
@@ -108,16 +100,19 @@ def _draw_profiles(start, end, path: str, title: str, causal: bool, lim: float, 
                     ax.plot(dist, (e[h] - s[h]).numpy(), color="tab:purple", lw=1.2, label="end - start")
                     ax.set_ylim(-1.05 * dlim, 1.05 * dlim)
                 ax.set_title(f"layer {layer} head {h}, end - start", fontsize=7)
-            ax.tick_params(labelsize=6)
-            ax.set_xlabel("distance i - j", fontsize=7)
+            for row, what in enumerate(("M", "end - start")[:1 if start is None else 2]):
+                ax = at(layer, row, h)
+                ax.tick_params(labelsize=6)
+                ax.set_xlabel("distance i - j", fontsize=7)
+                ax.set_ylabel(what, fontsize=7)
     legend_below(fig, size=7)
     caption(fig, title)
     return save_figure(fig, path)
 
 
-def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dlim: float) -> str:
+def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dlim: float, axes: tuple) -> str:
     """draw_m for full M: per layer a row of maps per head at the start, at the end and of end - start (outlined
-    where M started above 0), with their colour bars."""
+    where M started above 0), with their colour bars; `axes`: the labels of the columns and rows."""
     heads = end[0].shape[0]
     plt, fig, at = _grid(len(end), 1 if start is None else 3, heads)
     image, shown, moved_image, moved_axes = None, [], None, []
@@ -129,7 +124,7 @@ def _draw_maps(start, end, change, path: str, title: str, names, lim: float, dli
             for h in range(heads):
                 ax = at(layer, row, h)
                 (moved_axes if delta else shown).append(ax)
-                token_ticks(ax, names, e.shape[-1])
+                token_ticks(ax, names, e.shape[-1], axes=axes)
                 ax.set_title(f"layer {layer} head {h}, {when}", fontsize=7)
                 if m is None:
                     ax.text(0.5, 0.5, "no M kept", ha="center", va="center", fontsize=7, transform=ax.transAxes)
@@ -170,21 +165,26 @@ def draw_model(model, path: str, title: str, start: list | None = None) -> str:
     return draw_m(first, end, path, title, causal=priors[0].causal)
 
 
-def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None = None) -> str:
-    """(L, H, N, N) mean attention `maps` -> `path` (attention.png), returned; `names`: the N tokens' tick names."""
+def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None = None,
+                   grid: tuple | None = None) -> str:
+    """(L, H, N, N) mean attention `maps` -> `path` (attention.png), returned; `names`: the N tokens' tick names, or
+    `grid` (g, prefix): an image's, its CLS token then its patches by row and column."""
     layers, heads = maps.shape[:2]
     flat = maps.flatten().float()
     # not a causal row 0's 1
     top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())
     plt, fig, at = _grid(layers, 1, heads)
+    if names is None and grid is not None:
+        names = ["CLS"] * grid[1] + [f"{r},{c}" for r in range(grid[0]) for c in range(grid[0])]
+    axes = ("key patch (row,column)", "query patch") if grid is not None else ("key", "query")
     image, shown = None, []
     for layer in range(layers):
         for h in range(heads):
             ax = at(layer, 0, h)
             shown.append(ax)
             image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
-            token_ticks(ax, names, maps.shape[-1])
+            token_ticks(ax, names, maps.shape[-1], axes=axes)
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
     fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
-    caption(fig, f"{title}; rows: query, columns: key; colour capped at the 99th percentile ({top:.2f})")
+    caption(fig, f"{title}; colour capped at the 99th percentile ({top:.2f})")
     return save_figure(fig, path)
