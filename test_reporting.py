@@ -388,7 +388,7 @@ def test_a_persistence_csv_reads_as_rows_within_bounds_or_as_one_report_error(ro
 TOKENS = st.one_of(st.sampled_from(["0", "1", "2", "-1", "1_0", "١٠", "99999", "abc", "", " 2", "1025", "0 1 2",
                                     "0 0", "4294967296"]), st.text(max_size=6))
 FLAG_ARGS = st.one_of(
-    st.tuples(st.sampled_from(["--jobs", "--seeds"]), TOKENS),
+    st.tuples(st.sampled_from(["--jobs", "--seeds", "--budget"]), TOKENS),
     st.tuples(st.sampled_from(["--data", "--runs"]), st.sampled_from(["@FILE", "@FOLDER", "@MISSING"])),
     st.tuples(st.just("--only"), st.one_of(st.sampled_from(reporting.plan.TABLES), TOKENS)),
     st.tuples(st.sampled_from(["--quick", "--list"])), st.tuples(TOKENS))

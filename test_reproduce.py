@@ -234,7 +234,9 @@ def test_reproduce_help_and_dry_run(tmp_path):
     assert sum(f"--data-dir {tmp_path / 'digits'}/vimtext-b" in x for x in starts) == 4      # its teacher, 3 students
     # missing datasets are named, not fatal
     assert nodata.returncode == 0 and "skipped: vision cifar10 (15 runs)" in nodata.stdout
-    assert "cifar-10-batches-py" in nodata.stdout and tables.returncode == 2
+    assert "cifar-10-batches-py" in nodata.stdout and tables.returncode == 2 and tables.stdout == ""
+    assert "invalid choice: 'tables'" in tables.stderr and len(tables.stderr.splitlines()) == 1   # the plan's line
+    assert all(t in tables.stderr for t in reporting.plan.TABLES)               # every table reachable from the script
     # a failing run makes the script exit 1 and names the run
     assert failed.returncode == 1 and "FAILED" in failed.stderr and "parity2-mask-s0" in failed.stderr
 
@@ -246,9 +248,9 @@ def test_reproduce_refuses_a_flag_without_value_and_duplicate_seeds(tmp_path, ca
     r = _reproduce("--quick", "--dry-run", "--runs", "/nonexistent/runs", "--only")
     assert r.returncode == 2 and "--only needs a value" in r.stderr
     (tmp_path / "file").write_text("x")
-    for argv, words in ((["--seeds", "0 0"], "seed 0 twice"),
+    for argv, words in ((["--seeds", "0 00"], 'distinct seeds, e.g. "0 1 2", got \'0 00\''),
                         (["--seeds", "0", "--seeds", "1"], "--seeds is given twice"),
-                        (["--seeds", "99999999999"], "99999999999 is not a seed in 0 .. 4294967295"),
+                        (["--seeds", "99999999999"], "'99999999999' is not an integer in 0..4294967295"),
                         (["--runs", str(tmp_path / "file")], "is a file; --runs and --results take a folder")):
         r = _reproduce("--quick", "--dry-run", *argv)
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
@@ -485,6 +487,100 @@ def test_the_plan_names_what_fetches_its_missing_data_and_reproduce_sh_download_
     assert failed.returncode == 2 and "refused: bad sum" in failed.stderr and not (tmp_path / "runs2").exists()
 
 
+def test_the_plan_states_each_table_s_cost_before_anything_runs(tmp_path):
+    """Issue 75, 1: per paper table and in all, the bytes to download (ImageNet-1k: the user's own copy, not fetched),
+    the disk and the GPU-hours est. on A100 / H100 / H200 from the counted FLOPs; a measured step replaces the
+    estimate and drops its label; a key neither measured nor counted is said to be, not guessed."""
+    plan = reporting.plan.run_list(data=str(tmp_path / "none"))
+    text = reporting.plan.describe(plan, {})
+    rows = {line.split()[0]: line for line in text.splitlines()}
+    for table in ("boolean", "arithmetic", "vision", "lm", "in"):
+        assert re.search(r" runs  est\. [0-9.]+ / [0-9.]+ / [0-9.]+ GPU-hours on A100 / H100 / H200, download .+, "
+                         r"disk [0-9.]+ [MG]iB", rows[table]), rows[table]
+    assert "download none, " in rows["boolean"] and "download 2.1 GiB, " in rows["lm"]
+    assert "download 324 MiB and your ImageNet-1k copy (144.0 GiB, not fetched)" in rows["vision"]
+    assert "in all        123 runs" in text and "download 2.4 GiB and your ImageNet-1k copy" in rows["in"]
+    assert "A100 312, H100 989, H200 989 TFLOPS" in rows["est.:"] and text.startswith("plan: 60 runs")
+    h100 = [float(rows[t].split(" / ")[1]) for t in ("boolean", "arithmetic", "vision", "lm", "in")]
+    assert abs(sum(h100[:4]) - h100[4]) < 0.2 and h100[2] > h100[0] > 0
+    times = {reporting.plan.time_key(r): {"ms_step": 30.0, "ms_eval": 90.0, "ms_final": 90.0, "ms_setup": 0.0,
+                                          "device": "NVIDIA H100"} for r in plan.runs if r.table == "boolean"}
+    measured = {line.split()[0]: line for line in reporting.plan.describe(plan, times).splitlines()}
+    hours = sum(reporting.plan.hours(r, times) for r in plan.runs if r.table == "boolean")
+    assert f"36 runs  {hours:.2f} device-hours (measured), download none" in measured["boolean"]
+    assert "est." not in measured["boolean"] and measured["vision"] == rows["vision"] and "est." in measured["in"]
+    assert "36 runs  GPU-hours not measured or counted, download none, disk not counted" in (
+        reporting.plan.describe(plan, {}, flops={}))
+
+
+@pytest.mark.slow
+def test_budget_plans_the_tables_that_fit_in_claim_order_and_says_each_reduction(tmp_path):
+    """--budget HOURS: the tables in the order of the paper's claims, whole while they fit; then one with the seeds
+    that fit, its line saying so; the rest left out, each with its cost. reproduce.sh passes it to the plan."""
+    whole, times, flops = reporting.plan.run_list(data=None), reporting.plan.step_times(), reporting.plan.step_flops()
+    need = {t: sum(reporting.plan.cost(r, times, flops)[0] for r in whole.runs if r.table == t)
+            for t in ("boolean", "arithmetic", "vision", "lm")}
+    budget = round(need["boolean"] + need["arithmetic"] + need["vision"] / 3, 2) + 0.01   # vision: one seed of three
+    plan = reporting.plan.budget_plan(budget, "H100", None, (0, 1, 2), str(tmp_path / "none"), None)
+    assert [r.table for r in plan.runs] == ["boolean"] * 36 + ["arithmetic"] * 24          # vision, lm: no data
+    assert {r.seed for r in plan.missing} == {0} and {r.table for r in plan.missing} == {"vision"}
+    assert plan.absent == ["cifar10", "cifar100", "imagenet100"]
+    r = _reproduce("--budget", str(budget), "--dry-run", "--data", str(tmp_path / "none"), "--runs",
+                   str(tmp_path / "runs"))
+    lines = [line for line in r.stdout.splitlines() if line.startswith("  ")]
+    assert r.returncode == 0 and f"budget {budget:g} GPU-hours on one H100" in r.stdout.splitlines()[0]
+    assert [line.split()[0] for line in lines[:5]] == ["boolean", "arithmetic", "vision", "lm", "in"], lines
+    assert "only" not in lines[0] + lines[1] and "15 runs  est." in lines[2]
+    assert f"seed 0 only, within the budget (all 3: est. {need['vision']:.1f} GPU-hours on H100)" in lines[2]
+    assert lines[3].startswith(f"  lm              0 runs  left out: 18 runs, est. {need['lm']:.1f} GPU-hours on H100")
+    assert sum(line.startswith("start") for line in r.stdout.splitlines()) == 60 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_budget_is_refused_in_one_line_and_nothing_runs(tmp_path, capsys):
+    """--budget takes GPU-hours above 0 of the paper presets: a bad value, --quick or a study (CPU minutes, which
+    their plan prints), or an unknown --gpu is one line, exit 2, from the plan and from reproduce.sh, nothing run."""
+    for argv, words in ((["--budget", "0"], "--budget needs a number of GPU-hours above 0"), (["--budget", "-1"], "0"),
+                        (["--budget", "abc"], "not 'abc'"), (["--budget", "nan"], "nan"), (["--budget", "1e7"], "1e7"),
+                        (["--budget", "١٠"], "١٠"), (["--budget", "5", "--quick"], "leave out --budget"),
+                        (["--budget", "5", "--only", "ablation"], "--quick and the studies run on a CPU"),
+                        (["--budget", "5", "--gpu", "V100"], "invalid choice: 'V100'")):
+        capsys.readouterr()
+        try:
+            code = reporting.plan.main(argv)
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and out == "", (argv, err)
+    calls = tmp_path / "calls"
+    fake = _fake_python(tmp_path / "py", f'echo "$@" >> {calls}\nexit 0')
+    for argv in (["--budget", "abc"], ["--quick", "--budget", "2"]):
+        r = _reproduce(*argv, "--runs", str(tmp_path / "runs"), env={"PYTHON": str(fake)})
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not calls.exists() and not (tmp_path / "runs").exists()
+
+
+def test_the_counted_flops_cover_the_plans_and_agree_with_a_recount(tmp_path):
+    """results/step_flops.json (bench_paper.py --flops --write) holds every time key of the paper and --quick plans,
+    and one cheap key counted again gives the same FLOPs and checkpoint bytes: the file cannot go stale in silence."""
+    flops = reporting.plan.step_flops()
+    keys = {reporting.plan.time_key(r, "small" if quick else "paper")
+            for quick in (False, True) for r in reporting.plan.run_list(quick, data=None).runs}
+    assert keys <= set(flops), sorted(keys - set(flops))
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    try:
+        import bench_paper
+    finally:
+        sys.path.pop(0)
+    with torch.random.fork_rng():
+        assert bench_paper.count_flops(reporting.plan.Run("boolean", "parity2", "default", 0), "small") == flops[
+            "small parity2 default"]
+    (tmp_path / "f.json").write_text('{"paper parity2 mask": {"step": -1, "eval": 1, "final": 1, "layers": 2, '
+                                     '"ckpt_bytes": 1}}')
+    with pytest.raises(runfiles.ReadError, match="step is -1, not an integer from 0 to 1e100; count them again"):
+        reporting.plan.step_flops(str(tmp_path / "f.json"))
+
+
 @pytest.mark.slow
 def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
     """--only mult-ladder: the paper preset, msb and lsb at 5,000 steps, four inits (the partial pattern one of
@@ -520,13 +616,6 @@ def test_mult_ladder_runs_both_orders_then_the_better_one_longer(tmp_path):
     assert dry.returncode == 0 and dry.stdout.count("\nstart") == 24
     assert "\nthen    the runs the plan chooses" in dry.stdout and quick.returncode == 2
     assert r.returncode == 0 and (tmp_path / "run2" / "mult-ladder" / "multiplication-qk-opt-s0-msb-20k").is_dir()
-
-
-def test_reproduce_sh_takes_every_table_of_the_plan():
-    """reproduce.sh's --only list is the plan's TABLES (a table added there is reachable from the script)."""
-    text = open(os.path.join(HERE, "reproduce.sh")).read()
-    case = re.search(r'case "\$ONLY" in\n\s*""\|([a-z0-9|-]+)\)', text).group(1).split("|")
-    assert sorted(case) == sorted(reporting.plan.TABLES)
 
 
 @pytest.mark.parametrize("text, words", [

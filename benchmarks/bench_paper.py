@@ -1,26 +1,18 @@
-"""What `bash reproduce.sh` (the paper presets) costs on this device: every (task, init) of its run
-list (reporting/plan.py, the one list reproduce.sh reads) timed on its real path, training step and
-evaluation, times its steps and evaluations and its runs, as device-hours per table of the paper.
+"""What `bash reproduce.sh` (the paper presets) costs: every (task, init) of its run list (reporting/plan.py) built
+as `train.py --task T --init I --preset paper` builds it (train.build; bf16 autocast on CUDA), its data drawn at the
+real shapes (images of the stored size through the preset's whole augmentation, token windows of the corpus'
+vocabulary), and timed: train.py's step after warm-up steps, a log step's evaluation and the final whole-set one, a
+run's start (process, imports, data, model, init). --write keeps the times in results/step_times.json under
+reporting/plan.time_key; reproduce.sh's plan reads them (device-hours; --quick, minutes). --flops counts FLOPs
+instead (a step, the evaluations) and checkpoint bytes, into results/step_flops.json, the plan's estimates.
 
     python benchmarks/bench_paper.py --device cuda --write      # the whole paper on one GPU, bf16; keeps the times
     python benchmarks/bench_paper.py --only vision --steps 3     # one table, fewer timed steps
     python benchmarks/bench_paper.py --quick --device cpu --write   # reproduce.sh --quick on this CPU, 1 thread a run
+    python benchmarks/bench_paper.py --flops --write; python benchmarks/bench_paper.py --flops --quick --write
     python benchmarks/bench_paper.py --plan                      # runs and steps only, no timing
 
-Each (task, init) is built as `train.py --task T --init I --preset paper` builds it (train.build:
-same flags, same attention path, the init applied; bf16 autocast on CUDA). A step is train.py's own
-step on the batch its task makes (`train_batch`): the Boolean and arithmetic tasks' data; images
-drawn as uint8 of the stored size and put through the preset's whole augmentation (random resized
-crop to 224, RandAugment, erasing, mixup and cutmix) on the device; token windows of the corpus'
-vocabulary. An evaluation is the task's own (`evaluate`) on a test set of the real size (images and
-tokens drawn; the Boolean cube and the arithmetic pairs as they are), at the log steps' size
-(`--eval-points`) and, once, the final whole-set one. The timed steps follow warm-up steps, with
-the device synchronised. With --write the times go to results/step_times.json, which reproduce.sh's
-plan reads for its device-hours (or, --quick, its minutes), under keys of preset, task, init and
-the flags that change a step's cost (reporting/plan.time_key); a run's start (the process, its
-imports, the data and the model built, the init applied) is timed too. On a CPU use `--batch-size 2
---steps 1 --eval-points 64` to check that everything builds and runs (the times are then
-meaningless).
+On a CPU, `--batch-size 2 --steps 1 --eval-points 64` checks that everything builds and runs (no cost then).
 """
 import argparse
 import json
@@ -31,6 +23,7 @@ import sys
 import time
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -92,6 +85,43 @@ def build(task_name: str, init: str, device: torch.device, extra: list, preset: 
     return train.build(args, device, explicit, task)
 
 
+def count_flops(run, preset: str) -> dict:
+    """A time key's FLOPs (torch.utils.flop_counter: matrix products and attention; elementwise ops, the optimizer's
+    update among them, count 0) and its checkpoint's bytes (weights, optimizer moments, the start snapshot). The run
+    is built on the CPU as train.py builds it (`build`) and its first batch drawn there; then the model moves to the
+    meta device, where train.train_step (forward, backward, optimizer) and the task's own evaluations (a log step's,
+    the final one) run at the real shapes, counted and not computed: a ViT-Tiny step at 224 px would take a minute."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    fast = ["--qk-opt-steps", "20"] if run.init == "qk-opt" and preset != "paper" else []    # Q, K's values: no FLOP
+    built = build(run.task, run.init, cpu, [*flags_of(run.flags), *fast], preset)
+    config, task, model = built.config, built.task, built.model
+    batch = task.train_batch(0, config.batch_size)
+    model.to(meta)                  # new parameters: an optimizer of its own, as train.py makes it
+    optimizer = train.make_optimizer(model, config)
+    if task.KIND == "vision":       # the test images too (their evaluation view: no FLOP counted, none computed)
+        task.x_test, task.mean, task.std = (t.to(meta) for t in (task.x_test, task.mean, task.std))
+    # autocast knows no meta device: the CPU's (off), which changes no FLOP
+    step = counted(lambda: train.train_step(model, model, optimizer, task, tuple(t.to(meta) for t in batch)
+                                            if isinstance(batch, tuple) else batch.to(meta), config, cpu, 0))
+    def on_meta(x):                 # the model on the meta device (FLOPs counted), its output zeros for the task
+        out = model(x.to(meta))
+        return torch.zeros(out.shape, dtype=out.dtype)
+    final = counted(lambda: task.evaluate(on_meta))
+    sample = config.eval_points if task.final_eval_size() else 0    # a log step's sample, else the whole test set
+    state = [*model.state_dict().values(), *(t for layer in mp.prior_snapshot(model) for t in layer.values()),
+             *(t for s in optimizer.state_dict()["state"].values() for t in s.values())]
+    return {"step": step, "eval": counted(lambda: task.evaluate(on_meta, points=sample)) if sample else final,
+            "final": final, "layers": config.layers, "ckpt_bytes": sum(t.nbytes for t in state if torch.is_tensor(t)),
+            "batch_size": config.batch_size}
+
+
+def counted(fn) -> int:
+    """The FLOPs torch.utils.flop_counter counts in fn()."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 def time_run(built, device, warmup: int, steps: int, eval_cap: int = 0) -> tuple[float, float, float]:
     """(ms a training step, ms a log-step evaluation, ms the final evaluation) of a built run, on its real path.
     eval_cap n > 0: both evaluations on n points (a check that they run, not their cost)."""
@@ -138,17 +168,17 @@ def parse_flags():
     p.add_argument("--starts", type=int, default=3, choices=range(1, 11), metavar="1..10",
                    help="processes started to time a run's start (their median; default 3)")
     p.add_argument("--threads", type=int, help="torch's CPU threads (default: 1 with --quick, torch's own otherwise)")
-    p.add_argument("--batch-size", type=int,
-                   help="override the presets' batch (a CPU smoke test); the hours then do not describe the paper")
-    p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points, log and final alike "
-                   "(a CPU smoke test); the hours then do not describe the paper")
+    p.add_argument("--batch-size", type=int, help="override the presets' batch (a CPU smoke test, not the cost)")
+    p.add_argument("--eval-points", type=int, default=0, help="evaluate on this many points (a smoke test, likewise)")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (train.py --compile)")
     p.add_argument("--plan", action="store_true", help="only the runs and steps per table (nothing is timed)")
+    p.add_argument("--flops", action="store_true", help="count each (task, init)'s FLOPs instead (a step, the "
+                   "evaluations; on the meta device, nothing timed); --write keeps them for the plan's estimates")
     p.add_argument("--write", action="store_true",
                    help=f"keep the times in {os.path.relpath(reporting.plan.STEP_TIMES)}")
     a = p.parse_args()
-    if a.write and (a.batch_size or a.eval_points):
-        p.error("--write keeps a preset's own times: leave out --batch-size and --eval-points")
+    if (a.write or a.flops) and (a.batch_size or a.eval_points):
+        p.error("--write and --flops keep a preset's own shapes: leave out --batch-size and --eval-points")
     return p, a
 
 
@@ -191,16 +221,33 @@ def time_runs(a, runs: list, preset: str, device: torch.device, ms_start: float)
 
 
 def print_totals(runs: list, times: dict, ratio: dict, preset: str) -> None:
-    per_table = {}
-    for r in runs:
-        per_table[r.table] = per_table.get(r.table, 0.0) + reporting.plan.hours(r, times, preset)
-    for table, h in per_table.items():
-        print(f"total {table:<11}{h:>9.2f} device-hours (steps, evaluations, starts)")
-    print(f"total            {sum(per_table.values()):>9.2f} device-hours")
+    print(f"total {sum(reporting.plan.hours(r, times, preset) for r in runs):.2f} device-hours (steps, evaluations, "
+          "starts; per table in the plan, python -m reporting.plan, once they are written)")
     ratio = {t: m["mask"] / m["default"] for t, m in ratio.items() if "mask" in m and "default" in m}
     if ratio:
         print("mask / default step time: " + ", ".join(f"{t} {r:.3f}" for t, r in ratio.items())
               + f" (median {statistics.median(ratio.values()):.3f})")
+
+
+def count_all(a, runs: list, preset: str) -> None:
+    """--flops: each time key's FLOPs and checkpoint (`count_flops`), a line each; --write keeps them."""
+    counts = reporting.plan.step_flops() if a.write else {}
+    print(f"{'time key':<44}{'TFLOP/step':>11}{'TFLOP/eval':>11}{'final':>9}{'ckpt MiB':>9}")
+    first = {}
+    for r in runs:
+        first.setdefault(reporting.plan.time_key(r, preset), r)
+    for key, run in first.items():
+        c = counts[key] = count_flops(run, preset)
+        print(f"{key:<44}{c['step'] / 1e12:>11.4f}{c['eval'] / 1e12:>11.3f}{c['final'] / 1e12:>9.3f}"
+              f"{c['ckpt_bytes'] / 2 ** 20:>9.1f}", flush=True)
+    if a.write:
+        write(reporting.plan.STEP_FLOPS, counts)
+
+
+def write(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    runfiles.atomic_write(path, json.dumps(obj, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def main():
@@ -212,6 +259,8 @@ def main():
         p.error(f"--task {a.task} is not in the run list{' of ' + a.only if a.only else ''}")
     if a.plan:
         return print_plan(runs, len(plan.seeds), preset)
+    if a.flops:
+        return count_all(a, runs, preset)
     device = torch.device(a.device)
     threads = a.threads or (1 if preset == "small" and device.type == "cpu" else None)
     if threads:
@@ -229,9 +278,7 @@ def main():
     times, ratio = time_runs(a, runs, preset, device, ms_start)
     print_totals(runs, times, ratio, preset)
     if a.write:
-        os.makedirs(os.path.dirname(reporting.plan.STEP_TIMES), exist_ok=True)
-        runfiles.atomic_write(reporting.plan.STEP_TIMES, json.dumps(times, indent=2) + "\n")
-        print(f"wrote {reporting.plan.STEP_TIMES}")
+        write(reporting.plan.STEP_TIMES, times)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The runs of a reproduction, in one place: which runs each table of the paper makes (`run_list`), the datasets
-they read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh` prints before its first run (runs
-per table, the ones skipped and why, device-hours or --quick minutes where a step time was measured). reproduce.sh
-reads the list from `python -m reporting.plan ... --list`; benchmarks/bench_paper.py imports it. It reads the tasks'
-presets (tasks.py) and the datasets' names, nothing of train.py.
+they read and how to fetch them (`fetch_lines`), and the plan `bash reproduce.sh` prints before its first run (per
+table its runs and cost: download, disk, GPU-hours measured or est. from counted FLOPs; the runs skipped and why;
+`budget_plan`: the tables that fit in --budget hours). reproduce.sh reads the list from `python -m reporting.plan ...
+--list`; benchmarks/bench_paper.py imports it. It reads the tasks' presets and the data sets' names, not train.py.
 
-    python -m reporting.plan                      # the paper on one GPU: the plan
+    python -m reporting.plan                      # the paper on one GPU: the plan and its cost
+    python -m reporting.plan --budget 8 --gpu A100   # the tables that fit in 8 hours of one A100
     python -m reporting.plan --quick --list       # the CPU version's runs, one a line, as reproduce.sh reads them
 
 A run is a line `TABLE TASK INIT SEED TAG FLAGS...` (TAG `-` for none; @DATA and @RUNS stand for the --data and
@@ -16,8 +17,11 @@ absent data sets `train.py download` fetches (--download). The run's folder is R
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -58,8 +62,9 @@ REPLAN = "REPLAN"  # the runs before it finish, then reproduce.sh reads the plan
 @dataclass
 class Plan:
     """What a reproduction runs: `items` (Runs and WAITs, in order), `skipped` ({table: [(what, why)]}: the runs
-    left out for want of their data, with where to get it) and `absent` (the data sets missing from their own place
-    in DATA, which `train.py download` or `train.py imagenet100` puts there)."""
+    left out for want of their data, with where to get it; `missing`: those runs) and `absent` (the data sets missing
+    from their own place in DATA, which `train.py download` or `train.py imagenet100` puts there); with --budget,
+    `notes` ({table: "; " and its reduced budget}) and `left_out` ({table: its cost, which does not fit})."""
     quick: bool
     only: str | None
     seeds: tuple
@@ -68,6 +73,10 @@ class Plan:
     skipped: dict
     absent: list = field(default_factory=list)
     later: list = field(default_factory=list)  # [(Run, why)]: runs planned once the runs before REPLAN are in
+    missing: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+    left_out: dict = field(default_factory=dict)
+    budget: str = ""
 
     @property
     def runs(self) -> list[Run]:
@@ -86,13 +95,12 @@ def run_list(quick: bool = False, only: str | None = None, seeds=(0, 1, 2),
         return only is None or only == table
 
     def add(table, task, inits, flags="", tag="", where=None):
-        if where is not None and not _have(plan, table, task, where, len(inits) * len(seeds)):
-            return
+        have = where is None or _have(plan, table, task, where, len(inits) * len(seeds))
         if where is not None and "--data-dir" not in flags:
             flags += f" --data-dir @DATA{where}"
         # @SEED in the flags: each run's seed (a student's teacher is the run of its seed)
-        plan.items.extend(Run(table, task, init, s, tag, flags.replace("@SEED", str(s)))
-                          for s in seeds for init in inits)
+        (plan.items if have else plan.missing).extend(Run(table, task, init, s, tag, flags.replace("@SEED", str(s)))
+                                                      for s in seeds for init in inits)
 
     if want("boolean"):             # not --only persistence: it only aggregates the Boolean runs already made
         for t in ("parity2", "majority3", "cyclic3"):
@@ -349,33 +357,104 @@ def _oracle_free_group(plan, add, group, twice, teacher):
             "250steps-samebudget")
 
 
-# ---- the plan printed before the first run: runs per table, skipped ones and why, device-hours where known
+# ---- the plan printed before the first run: per table its runs and cost, the runs skipped and why
 
-STEP_TIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "step_times.json")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+STEP_TIMES, STEP_FLOPS = os.path.join(RESULTS, "step_times.json"), os.path.join(RESULTS, "step_flops.json")
 
 
 def step_times(path: str = STEP_TIMES) -> dict:
     """{time_key: {"ms_step", "ms_eval", "ms_final", "ms_setup", "device", ...}} that benchmarks/bench_paper.py
     measured (paper presets on a GPU, --quick ones on a CPU; real data path, evaluation included); {} without it."""
+    return _read_keys(path, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), "the step times", "measure them again", "")
+
+
+def step_flops(path: str = STEP_FLOPS) -> dict:
+    """{time_key: {"step", "eval", "final": FLOPs, "layers", "ckpt_bytes", ...}} that bench_paper.py --flops counted:
+    a training step, a log step's evaluation, the final one; a checkpoint's bytes. {} without it."""
+    return _read_keys(path, FLOPS_SCHEMA, tuple(FLOPS_SCHEMA), "the counts", "count them again", "--flops ")
+
+
+def _read_keys(path: str, schema: dict, required: tuple, what: str, how: str, flag: str) -> dict:
     if not os.path.exists(path):
         return {}
-    times = runfiles.read_json(path)
-    how = "measure them again with python benchmarks/bench_paper.py --write, or remove the file"
-    if not isinstance(times, dict):
-        raise runfiles.ReadError(f"{path} holds {type(times).__name__}, not the step times bench_paper.py writes; "
-                                 f"{how}")
-    for key, entry in times.items():
+    found, how = runfiles.read_json(path), f"{how} with python benchmarks/bench_paper.py {flag}--write, or remove it"
+    if not isinstance(found, dict):
+        raise runfiles.ReadError(f"{path} holds {type(found).__name__}, not {what} bench_paper.py {flag}writes; {how}")
+    for key, entry in found.items():
         try:
-            runfiles.check_schema(entry, STEP_TIME_SCHEMA, ("ms_step", "ms_eval"), f"{path} [{key!r}]")
+            runfiles.check_schema(entry, schema, required, f"{path} [{key!r}]")
         except runfiles.ReadError as e:
             raise runfiles.ReadError(f"{e}; {how}") from None
-    return times
+    return found
 
 
 _ms = (lambda v: runfiles.is_finite(v) and v >= 0, "milliseconds, a finite number >= 0")
 STEP_TIME_SCHEMA = {"ms_step": _ms, "ms_eval": _ms, "ms_final": _ms, "ms_setup": _ms,  # what hours() reads
                     "device": (lambda v: isinstance(v, str) and len(v) <= 200 and v.isprintable(),
                                "the device's name, printable text of at most 200 characters")}
+_count = (lambda v: runfiles.is_count(v) and v <= runfiles.MAX_VALUE, "an integer from 0 to 1e100")
+FLOPS_SCHEMA = {"step": _count, "eval": _count, "final": _count, "ckpt_bytes": _count,
+                "layers": (lambda v: runfiles.is_count(v) and 0 < v <= runfiles.MAX_LAYERS, "1 to 1024 layers")}
+
+# An estimate's GPU: its bf16 dense tensor-core peak in FLOP/s (NVIDIA's datasheets of the SXM parts: A100 312
+# TFLOPS; H100 and H200 1,979 "with sparsity", 989.4 dense), of which a step uses UTIL, and no step is faster
+# than FLOOR_S a layer. Both from the steps measured on one H200 (results/README.md), their FLOPs counted here:
+# ViT-Tiny/2 at 32 px, batch 512 (preset paper32), 5.10 TFLOP in 59.6 ms: 8.7%; the 12-layer Boolean model, batch
+# 256, 0.15 TFLOP in 27.4 ms: 2.3 ms a layer (a small step waits on kernel launches, not on FLOPs).
+PEAK = {"A100": 312e12, "H100": 989.4e12, "H200": 989.4e12}
+UTIL, FLOOR_S = 0.087, 0.0023
+LOG_BYTES = 2048            # a log step's lines in metrics.jsonl and the run's .log, about
+IMAGENET_1K = 147_897_477_120 + 6_744_924_160   # ILSVRC2012_img_train.tar and _val.tar (image-net.org: 138 + 6.3 GiB)
+TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}      # test images as released
+
+
+def cost(run: Run, times: dict, flops: dict, preset: str = "paper", gpu: str = "H100") -> tuple[float | None, bool]:
+    """(hours, measured) of a run: step_times.json's (`hours`, on the device that measured them) where there, else the
+    paper presets' estimate on `gpu` from the counted FLOPs at UTIL of its peak; None where neither is known (a --quick
+    plan's minutes are measured only)."""
+    h, counted = hours(run, times, preset), flops.get(time_key(run, preset))
+    if h is not None or preset != "paper" or counted is None:
+        return h, h is not None
+    steps, evals, rate = *steps_of(run, preset), UTIL * PEAK[gpu]     # a step no faster than FLOOR_S a layer
+    return (steps * max(counted["step"] / rate, counted["layers"] * FLOOR_S)
+            + (counted["eval"] * (evals - 1) + counted["final"]) / rate) / 3600, False
+
+
+def data_bytes(task: str) -> tuple[int, int]:
+    """(bytes fetched, bytes on disk) of a task's data set: its published files (datafetch SOURCES; an archive is
+    unpacked, at most max_unpacked, and deleted) and an image set's decoded cache (uint8 at 32 x 32). ImageNet-100
+    fetches nothing: it is hard-linked from the user's ImageNet-1k copy (IMAGENET_1K)."""
+    files = datafetch.download.SOURCES.get(task, ())
+    cache = (tasks.TASKS[task].TRAIN_SIZE + TEST_SIZE[task]) * 3 * 32 * 32 if task in TEST_SIZE else 0
+    return sum(f.size for f in files), sum(f.max_unpacked or f.size for f in files) + cache
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB" if n else "none"
+
+
+def cost_text(rs: list, plan: Plan, times: dict, flops: dict, jobs: int = 1) -> str:
+    """What runs `rs` cost: their time (--quick: measured minutes at `jobs` runs at a time; else GPU-hours, measured,
+    or est. on each GPU of PEAK), the bytes to download (the plan's absent sets) and the disk (their data sets, each
+    run's ckpt.pt and logs); "not counted" where a time key was neither measured nor counted."""
+    preset = "small" if plan.quick else "paper"
+    h = {gpu: [cost(r, times, flops, preset, gpu) for r in rs] for gpu in (("H100",) if plan.quick else PEAK)}
+    total = {gpu: sum(x or 0 for x, _ in v) for gpu, v in h.items()}
+    if any(x is None for x, _ in h["H100"]):
+        when = "minutes not measured" if plan.quick else "GPU-hours not measured or counted"
+    elif plan.quick:
+        when = f"about {60 * total['H100'] / jobs:.0f} min"
+    else:
+        when = (f"{total['H100']:.2f} device-hours (measured)" if all(m for _, m in h["H100"]) else
+                f"est. {' / '.join(f'{x:.1f}' for x in total.values())} GPU-hours on {' / '.join(h)}")
+    sets = [t for t in dict.fromkeys(r.task for r in rs) if t in TEST_SIZE or t in datafetch.download.SOURCES]
+    mine = "imagenet100" in plan.absent and "imagenet100" in sets
+    disk = [c["ckpt_bytes"] + steps_of(r, preset)[1] * LOG_BYTES if (c := flops.get(time_key(r, preset))) else None
+            for r in rs]
+    return (f"{when}, download {_bytes(sum(data_bytes(t)[0] for t in sets if t in plan.absent))}"
+            + f" and your ImageNet-1k copy ({_bytes(IMAGENET_1K)}, not fetched)" * mine + ", disk "
+            + ("not counted" if None in disk else _bytes(sum(disk) + sum(data_bytes(t)[1] for t in sets))))
 
 
 LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")  # not a step's cost (time_key)
@@ -416,39 +495,40 @@ def steps_of(run: Run, preset: str = "paper") -> tuple[int, int]:
     return steps, steps // log_every + 1
 
 
+@functools.cache
 def train_size(task: str) -> int:
     """Training examples of a task at its defaults: an image set's size as released (`TRAIN_SIZE`),
     else its own count once set up (the Boolean and arithmetic tasks make their data)."""
     return getattr(tasks.TASKS[task], "TRAIN_SIZE", None) or tasks.make_task(task).setup().n_train
 
 
-def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
-    """The plan as reproduce.sh prints it first: per table its runs and time from the measured step times (the paper
-    presets: device-hours; --quick: minutes of wall time at `jobs` runs at a time), or "not measured"; then every
-    table or task skipped and why, and the commands that fetch the missing data."""
+def describe(plan: Plan, times: dict | None = None, jobs: int = 1, flops: dict | None = None) -> str:
+    """The plan as reproduce.sh prints it first: per table, in the order of the paper's claims, its runs (those
+    skipped for want of their data too) and their cost (`cost_text`), with --budget each reduced budget and the tables
+    left out; the cost in all and what it rests on; then every table or task skipped and why, and the commands that
+    fetch the missing data."""
     times = step_times() if times is None else times
-    preset = "small" if plan.quick else "paper"
-    lines, total, by_table = [], 0.0, {}
-    for r in plan.runs:
+    flops = step_flops() if flops is None else flops
+    preset, every, by_table = "small" if plan.quick else "paper", plan.runs + plan.missing, {}
+    for r in every:
         by_table.setdefault(r.table, []).append(r)
-    lines.append(f"plan: {len(plan.runs)} runs, preset {preset} "
-                 f"({'CPU' if plan.quick else 'one GPU'}), seeds {' '.join(map(str, plan.seeds))}")
-    unknown = False
-    for table, rs in by_table.items():
-        h = [hours(r, times, preset) for r in rs]
-        if None in h:
-            unknown, when = True, ("minutes" if plan.quick else "device-hours") + " not measured"
-        else:
-            total += sum(h)
-            when = f"about {60 * sum(h) / jobs:.0f} min" if plan.quick else f"{sum(h):.2f} device-hours"
-        lines.append(f"  {table:<12} {len(rs):>4} runs  {when}")
+    lines = [f"plan: {len(plan.runs)} runs, preset {preset} ({'CPU' if plan.quick else 'one GPU'}), "
+             f"seeds {' '.join(map(str, plan.seeds))}{plan.budget}"]
+    for table in sorted({*by_table, *plan.left_out}, key=TABLES.index):
+        rs, skipped = by_table.get(table, []), sum(r.table == table for r in plan.missing)
+        lines.append(f"  {table:<12} {len(rs):>4} runs  " + (f"left out: {plan.left_out[table]}" if table in
+                     plan.left_out else cost_text(rs, plan, times, flops, jobs) + f"; {skipped} skipped (no data)"
+                     * bool(skipped) + plan.notes.get(table, "")))
     if plan.later:
-        h = [hours(r, times, preset) for r, _ in plan.later]
-        cost = "device-hours not measured" if None in h else f"{sum(h):.2f} device-hours"
-        lines.append(f"  then {len(plan.later):>4} runs  {cost}: {plan.later[0][1]}")
-    if by_table and not unknown:
-        lines.append(f"  in all: about {60 * total / jobs:.0f} min, {jobs} run(s) at a time" if plan.quick else
-                     f"  in all: {total:.2f} device-hours")
+        lines.append(f"  then {len(plan.later):>4} runs  {cost_text([r for r, _ in plan.later], plan, times, flops)}"
+                     f": {plan.later[0][1]}")
+    lines += [f"  {'in all':<12} {len(every):>4} runs  {cost_text(every, plan, times, flops, jobs)}"
+              + f", {jobs} run(s) at a time" * plan.quick] * (len(by_table) > 1)
+    lines += [f"  est.: the FLOPs of a step and of the evaluations ({os.path.relpath(STEP_FLOPS)}) at {UTIL:.1%} of "
+              f"each GPU's bf16 dense peak ({', '.join(f'{g} {p / 1e12:.0f}' for g, p in PEAK.items())} TFLOPS), a "
+              f"step no faster than {1000 * FLOOR_S:.1f} ms a layer, until a step is measured"] * (not plan.quick)
+    lines.append("  disk: the data sets unpacked and decoded" + " (ImageNet-100: hard links to your copy)" * (
+        not plan.quick) + ", each run's ckpt.pt and logs")
     lines += [f"  skipped: {table} {what}: {why}" for table, skips in plan.skipped.items() for what, why in skips]
     lines += [f"  fetch: {line}" for line in fetch_lines(plan)]
     measured = {t.get("device") for k, t in times.items() if k.startswith(preset + " ") and isinstance(t, dict)}
@@ -457,6 +537,34 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1) -> str:
                  f"({', '.join(sorted(map(str, measured)))}; {how} measures them again)"
                  if measured else f"  step times: none measured ({how} measures them)")
     return "\n".join(lines)
+
+
+def budget_plan(budget: float, gpu: str, only: str | None, seeds, data: str | None, runs: str | None) -> Plan:
+    """The paper presets' tables (or `only`'s) that fit in `budget` hours of one `gpu`, in the order of the paper's
+    claims: each with all its seeds, else with the first seeds that fit (its note says so), else left out with its
+    cost. A table's cost is its runs' as if every data set were there (`cost`): what fits does not hang on DATA."""
+    times, flops, left, seeds = step_times(), step_flops(), budget, tuple(seeds)
+    plan, whole = Plan(False, only, seeds, data, [], {}), run_list(False, only, seeds, None, runs)
+    every = whole.runs + [r for r, _ in whole.later]
+    for table in dict.fromkeys(r.table for r in every):
+        costs = [[cost(r, times, flops, "paper", gpu) for r in every if r.table == table and r.seed == s]
+                 for s in seeds]
+        est = "est. " * any(not m for c in costs for _, m in c)
+        need = list(itertools.accumulate(sum(math.inf if h is None else h for h, _ in c) for c in costs))
+        if not (k := sum(h <= left for h in need)):      # inf: a run neither measured nor counted
+            plan.left_out[table] = (f"{sum(map(len, costs))} runs, {est}{need[-1]:.1f} GPU-hours on {gpu} (a seed "
+                                    f"{need[0]:.1f}), more than the {left:.1f} left").replace("inf", "uncounted")
+            continue
+        left -= need[k - 1]
+        part = run_list(False, table, seeds[:k], data, runs)
+        for name in ("items", "missing", "later", "absent"):
+            getattr(plan, name).extend(getattr(part, name))
+        plan.skipped.update(part.skipped)
+        if k < len(seeds):
+            plan.notes[table] = (f"; seed{'s' * (k > 1)} {' '.join(map(str, seeds[:k]))} only, within the budget "
+                                 f"(all {len(seeds)}: {est}{need[-1]:.1f} GPU-hours on {gpu})")
+    plan.budget = f"; budget {budget:g} GPU-hours on one {gpu}, {budget - left:.1f} of them planned"
+    return plan
 
 
 class _Once(argparse.Action):
@@ -499,7 +607,10 @@ JOBS = (1, 1024)            # runs at a time
 # every flag past argparse, in one table: flag -> its parser (text -> value; a refusal is one line)
 FLAGS = {"seeds": parse_seeds, "jobs": lambda text: tasks.parse_count(text, "jobs", *JOBS),
          "data": _folder("data", "the data sets' folder"),
-         "runs": _folder("runs", "the run folders a later stage reads")}
+         "runs": _folder("runs", "the run folders a later stage reads"),
+         "budget": lambda text: text and (float(text) if re.fullmatch(r"[0-9]*\.?[0-9]+", text) and 0 < float(text)
+                                          <= 1e6 else _refused(runfiles.UsageError(
+             f"--budget needs a number of GPU-hours above 0 (up to 1e6), e.g. 8 or 2.5, not {tasks.cut(text)}")))}
 
 
 def main(argv=None) -> int:
@@ -511,13 +622,20 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="data")
     p.add_argument("--runs", help="the run folders a later stage chooses from (mult-ladder)")
     p.add_argument("--jobs", default="1", help=f"runs at a time (the --quick plan's minutes), {JOBS[0]} .. {JOBS[1]}")
+    p.add_argument("--budget", metavar="HOURS", help="plan the paper's tables that fit in HOURS of one --gpu, in the "
+                   "order of its claims, a table with fewer seeds where only those fit")
+    p.add_argument("--gpu", choices=tuple(PEAK), default="H100", help="the GPU whose hours --budget counts")
     p.add_argument("--list", action="store_true",
                    help="the plan as reproduce.sh reads it: its text, each line led by '# ', then the runs, one a line")
     a = p.parse_args(argv)
     try:
         flags = {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
-        plan = run_list(a.quick, a.only, flags["seeds"], a.data, a.runs)
-        step_times()
+        if flags["budget"] and (a.quick or a.only in STUDIES):
+            raise runfiles.UsageError("--budget counts GPU-hours of the paper presets; --quick and the studies run on "
+                                      "a CPU and their plan gives their minutes: leave out --budget")
+        step_times(), step_flops()
+        plan = (budget_plan(flags["budget"], a.gpu, a.only, flags["seeds"], a.data, a.runs) if flags["budget"] else
+                run_list(a.quick, a.only, flags["seeds"], a.data, a.runs))
     except (runfiles.UsageError, runfiles.ReadError) as e:  # one line, exit 2: reproduce.sh relays it, starts nothing
         print(runfiles.one_line(f"reporting.plan: {e}"), file=sys.stderr)
         return 2
