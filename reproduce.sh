@@ -15,9 +15,8 @@ results/step_flops.json until results/step_times.json holds a measured step).
   (default)      the paper presets on one GPU: Boolean (parity2, majority3, cyclic3), arithmetic
                  (addition, multiplication), vision (CIFAR-10, CIFAR-100, ImageNet-100), language
                  modelling (WikiText-2, TinyStories)
-  --quick        the CPU version: the Boolean tasks and addition at the `small` presets, 2 runs at
-                 a time (about 80 minutes on an idle 2-core CPU); addition at 250 steps (tag
-                 250steps, every init: where the paper's numbers show) and at 1,500 (default, mask)
+  --quick        the CPU version: the Boolean tasks and addition (at 250 steps, every init, and at
+                 1,500, default and mask) at the `small` presets, 2 runs at a time
   --only TABLE   boolean, arithmetic (with --quick: every init, multiplication too), vision, lm,
                  persistence (aggregates the Boolean runs made), or a study at the small presets,
                  never part of the default or --quick run: data, ablation, mult2, lee (the paper's
@@ -30,8 +29,8 @@ results/step_flops.json until results/step_times.json holds a measured step).
   --gpus N       each run data-parallel on N GPUs of this machine (torchrun), one run at a time
   --data DIR     data sets (default data/), as train.py download and train.py imagenet100 put them
   --runs DIR     run folders (default runs/paper, runs/quick with --quick)
-  --results DIR  tables and plots (default results/, results/quick/ with --quick); a relative
-                 folder is read from the current one, the defaults live beside this script
+  --results DIR  tables and plots (default results/, results/quick/ with --quick); relative to
+                 the current folder, the defaults beside this script
   --download     first fetch the published sets the plan misses (train.py download: checked,
                  resumable); ImageNet-100 is built from your ImageNet-1k copy:
                  python train.py imagenet100 --from IMAGENET_1K_DIR --data DIR

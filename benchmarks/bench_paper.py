@@ -37,8 +37,6 @@ from bench_attention import sync, synthetic_images  # noqa: E402
 
 # WikiText-2's word vocabulary; bytes + end of text
 VOCAB = {"wikitext2": 33_278, "tinystories": 257}
-# test images as released
-TEST_SIZE = {"cifar10": 10_000, "cifar100": 10_000, "imagenet100": 5_000}
 # WikiText-2's validation split; the preset's cap
 VALID_TOKENS = {"wikitext2": 217_646, "tinystories": 2_000_000}
 
@@ -58,7 +56,7 @@ def synthetic_data(task, device, args):
     """The data a vision or language task would read, drawn (timing only): `synthetic_images` with a test set of the
     real size; token streams of the corpus' vocabulary for the training windows and the validation split."""
     if task.KIND == "vision":
-        return synthetic_images(task, device, TEST_SIZE[task.NAME])
+        return synthetic_images(task, device, reporting.plan.TEST_SIZE[task.NAME])
     g = torch.Generator().manual_seed(0)
     task.device = torch.device(device)
     v = task.vocab_size = VOCAB[task.NAME]

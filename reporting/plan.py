@@ -421,23 +421,16 @@ def cost(run: Run, times: dict, flops: dict, preset: str = "paper", gpu: str = "
             + (counted["eval"] * (evals - 1) + counted["final"]) / rate) / 3600, False
 
 
-def data_bytes(task: str) -> tuple[int, int]:
-    """(bytes fetched, bytes on disk) of a task's data set: its published files (datafetch SOURCES; an archive is
-    unpacked, at most max_unpacked, and deleted) and an image set's decoded cache (uint8 at 32 x 32). ImageNet-100
-    fetches nothing: it is hard-linked from the user's ImageNet-1k copy (IMAGENET_1K)."""
-    files = datafetch.download.SOURCES.get(task, ())
-    cache = (tasks.TASKS[task].TRAIN_SIZE + TEST_SIZE[task]) * 3 * 32 * 32 if task in TEST_SIZE else 0
-    return sum(f.size for f in files), sum(f.max_unpacked or f.size for f in files) + cache
-
-
 def _bytes(n: int) -> str:
     return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB" if n else "none"
 
 
 def cost_text(rs: list, plan: Plan, times: dict, flops: dict, jobs: int = 1) -> str:
     """What runs `rs` cost: their time (--quick: measured minutes at `jobs` runs at a time; else GPU-hours, measured,
-    or est. on each GPU of PEAK), the bytes to download (the plan's absent sets) and the disk (their data sets, each
-    run's ckpt.pt and logs); "not counted" where a time key was neither measured nor counted."""
+    or est. on each GPU of PEAK), the bytes to download (the plan's absent sets: datafetch SOURCES; ImageNet-100 is
+    hard-linked from the user's ImageNet-1k copy) and the disk (their data sets, an archive unpacked at most to
+    max_unpacked, an image set's decoded uint8 cache at 32 x 32; each run's ckpt.pt and logs); "not counted" where a
+    time key was neither measured nor counted."""
     preset = "small" if plan.quick else "paper"
     h = {gpu: [cost(r, times, flops, preset, gpu) for r in rs] for gpu in (("H100",) if plan.quick else PEAK)}
     total = {gpu: sum(x or 0 for x, _ in v) for gpu, v in h.items()}
@@ -449,12 +442,15 @@ def cost_text(rs: list, plan: Plan, times: dict, flops: dict, jobs: int = 1) -> 
         when = (f"{total['H100']:.2f} device-hours (measured)" if all(m for _, m in h["H100"]) else
                 f"est. {' / '.join(f'{x:.1f}' for x in total.values())} GPU-hours on {' / '.join(h)}")
     sets = [t for t in dict.fromkeys(r.task for r in rs) if t in TEST_SIZE or t in datafetch.download.SOURCES]
+    files = {t: datafetch.download.SOURCES.get(t, ()) for t in sets}
+    on_disk = sum(f.max_unpacked or f.size for t in sets for f in files[t]) + sum(
+        (tasks.TASKS[t].TRAIN_SIZE + TEST_SIZE[t]) * 3 * 32 * 32 for t in sets if t in TEST_SIZE)
     mine = "imagenet100" in plan.absent and "imagenet100" in sets
     disk = [c["ckpt_bytes"] + steps_of(r, preset)[1] * LOG_BYTES if (c := flops.get(time_key(r, preset))) else None
             for r in rs]
-    return (f"{when}, download {_bytes(sum(data_bytes(t)[0] for t in sets if t in plan.absent))}"
+    return (f"{when}, download {_bytes(sum(f.size for t in sets if t in plan.absent for f in files[t]))}"
             + f" and your ImageNet-1k copy ({_bytes(IMAGENET_1K)}, not fetched)" * mine + ", disk "
-            + ("not counted" if None in disk else _bytes(sum(disk) + sum(data_bytes(t)[1] for t in sets))))
+            + ("not counted" if None in disk else _bytes(sum(disk) + on_disk)))
 
 
 LENGTH_FLAGS = ("--steps", "--epochs", "--log-every", "--data-dir", "--prior-from")  # not a step's cost (time_key)
