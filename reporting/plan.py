@@ -548,8 +548,9 @@ def budget_plan(budget: float, gpu: str, only: str | None, seeds, data: str | No
         est = "est. " * any(not m for c in costs for _, m in c)
         need = list(itertools.accumulate(sum(math.inf if h is None else h for h, _ in c) for c in costs))
         if not (k := sum(h <= left for h in need)):      # inf: a run neither measured nor counted
-            plan.left_out[table] = (f"{sum(map(len, costs))} runs, {est}{need[-1]:.1f} GPU-hours on {gpu} (a seed "
-                                    f"{need[0]:.1f}), more than the {left:.1f} left").replace("inf", "uncounted")
+            plan.left_out[table] = f"{sum(map(len, costs))} runs, " + (
+                f"{est}{need[-1]:.1f} GPU-hours on {gpu} (a seed {need[0]:.1f}), more than the {left:.1f} left"
+                if need[-1] < math.inf else "GPU-hours not measured or counted (bench_paper.py --flops --write)")
             continue
         left -= need[k - 1]
         part = run_list(False, table, seeds[:k], data, runs)
