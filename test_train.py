@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import io
 import json
+import itertools
 import math
 import os
 import shutil
@@ -560,9 +561,12 @@ def test_a_discovered_pattern_runs_and_is_recorded(tmp_path, capsys):
 def test_slow_work_says_its_size_and_an_estimate_before_it_starts(tmp_path, capsys, monkeypatch):
     """The Walsh search of --pattern discovered and a final evaluation that scores 10x a log step's sample each
     print their size and an estimate first when it passes 10 s (made slow here: a slower rate, a slower sample);
-    at their real pace on this small task neither says a word."""
+    at a fast pace (the clock's every interval 1 ms, whatever else the machine runs) neither says a word."""
     argv = [*TINY[:-2], "--eval-points", "64", "--init", "mask", "--pattern", "discovered", "--steps", "2"]
-    assert train.main([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    with monkeypatch.context() as fast:
+        tick = itertools.count()
+        fast.setattr(time, "perf_counter", lambda: next(tick) * 1e-3)
+        assert train.main([*argv, "--out", str(tmp_path / "quiet")]) == 0
     assert "finding the pattern" not in (said := capsys.readouterr().out) and "the final evaluation" not in said
     monkeypatch.setattr(tasks, "WALSH_RATE", 1e3)
     evaluate = tasks.BooleanTask.evaluate
