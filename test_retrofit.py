@@ -2148,6 +2148,11 @@ MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs 
     ),
     (f"timm {_shown(TIMM_MODELS)}", "works", "test_timm_vits_take_a_prior_per_layer"),
     (
+        "timm `dynamic_img_size`, HF ViT `interpolate_pos_encoding`: another image size",
+        '`param="grid"` serves it by patch displacement; another prior: refused, naming it',
+        "test_a_vit_given_an_image_of_another_size_is_served_by_the_grid_prior_its_refusal_names",
+    ),
+    (
         "your attention with an `attn_mask` keyword",
         "works (`modules=`)",
         "test_a_nanogpt_style_attention_takes_a_prior_through_its_mask_keyword",
@@ -2157,6 +2162,11 @@ MODEL_TABLE = [  # (model or use, what the prior does there, the test that runs 
         "works: M trains, is saved with the adapter, merged "
         "and reloaded; without it, or PEFT first: refused in one line naming it",
         "test_peft_keeps_m_trainable_and_saved_with_the_adapter_or_says_how_in_one_line",
+    ),
+    (
+        "an adapter saved with M, loaded by plain PEFT",
+        "refused anywhere, naming `maskprior_retrofit`; onto a model given its priors: M back",
+        "test_an_adapter_saved_with_m_refuses_a_plain_load_in_a_process_that_never_imported_maskprior",
     ),
     (
         f"{_shown(UNREACHABLE[:-1])}; a pattern larger than Swin's window",
