@@ -27,6 +27,9 @@ import runconfig
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's): a worker a core, each on one thread, and
+    os.environ["OMP_NUM_THREADS"] = "1"    # so are the processes it starts (two workers of two threads each on two
+    torch.set_num_threads(1)               # cores spent 864 CPU-s where one thread each spends about 450)
 
 
 @pytest.fixture(autouse=True, scope="module")
