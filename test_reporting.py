@@ -1013,8 +1013,8 @@ def test_redraw_refuses_a_damaged_table_in_one_line_and_draws_nothing(tmp_path, 
 @pytest.mark.slow
 def test_show_draws_m_at_start_and_end_and_the_attention(tmp_path, capsys, monkeypatch, readable_figures):
     """train.py show RUN: m.png (M at the start and the end, a grid of layers x heads, no strip wider than 4:1),
-    attention.png and the run's curves.png for a mask run; no m.png for an init without M; a relative M as profiles; a folder
-    without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
+    attention.png and the run's curves.png for a mask run; no m.png for an init without M; a relative M as profiles;
+    a folder without a checkpoint or an --out that is a file is one line, exit 2, nothing written."""
     _extra("matplotlib")
     from PIL import Image
     for init in ("mask", "default"):      # the preset's 2 layers x 4 heads (the figures' grid), narrower: quicker

@@ -2237,7 +2237,7 @@ WRITERS = {
     ("datafetch/write.py", "write_new_dataset"): "a staging folder of its own (mkdtemp), renamed into place or removed",
     ("datafetch/write.py", "unmake"): "removes the folders make_folder made, where they are empty",
     ("datafetch/write.py", "_make_dirs"): "makes a data folder's missing folders, each recorded for unmake",
-    ("maskprior_retrofit.py", "_save_adapter_marked"): "marks the adapter_config.json PEFT's save just wrote in this call",
+    ("maskprior_retrofit.py", "_save_adapter_marked"): "marks the adapter_config.json PEFT's save wrote in this call",
     ("reporting/figures.py", "save_figure"): "savefig into the new file runfiles.atomic_output made",
     ("tasks.py", "_save_image_cache"): "np.savez into the new file runfiles.atomic_output made",
 }
