@@ -189,13 +189,8 @@ def test_a_whole_clip_gives_each_tower_its_own_token_count_and_both_take_a_prior
     """Issue 75: in a whole CLIPModel the text tower's layers are read at the text model's positions and the vision
     tower's at its grid (the vision count reached the text tower, which then could take no prior); each tower takes
     its own prior, and both change their tower's outputs."""
-    tf = _extra("transformers")
-    cfg = tf.CLIPConfig(text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0),
-                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=4, image_size=32, patch_size=8, attention_dropout=0.0))
-    clip = tf.CLIPModel(cfg).eval()
-    x = dict(input_ids=torch.randint(1, 50, (2, 20)), pixel_values=torch.randn(2, 3, 32, 32))
+    clip, x, _ = _clip()
+    x["input_ids"] = torch.randint(1, 50, (2, 20))
     sites = {s.name.split(".")[0]: (s.tokens, s.max_tokens) for s in retrofit.find_attention(clip)}
     assert sites == {"text_model": (None, 24), "vision_model": (17, None)}
     plain = clip(**x)
@@ -437,6 +432,28 @@ def _hf(name: str):
     cfg = tf.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
                        image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return tf.ViTModel(cfg).eval(), torch.randn(2, 3, 32, 32), 17                   # 16 patches + CLS
+
+
+def _clip():
+    """A whole CLIPModel (both towers), its input (12 tokens of the text tower's 24 positions, an image of 16 patches
+    + CLS) and the N one prior serves both towers at: the vision tower's 17 tokens, the text tower's first 12."""
+    tf = _extra("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = tf.CLIPConfig(text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, max_position_embeddings=24, attention_dropout=0.0),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=32, patch_size=8, attention_dropout=0.0))
+    x = dict(input_ids=torch.randint(1, 50, (2, 12)), pixel_values=torch.randn(2, 3, 32, 32))
+    return tf.CLIPModel(cfg).eval(), x, 17
+
+
+def _eager(name: str):
+    """A transformers model built as a user asks for eager attention: from_config(..., attn_implementation='eager')."""
+    tf = _extra("transformers")
+    model, x, n = _hf(name)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval(), x, n
 
 
 def _out(model, x):
@@ -1775,8 +1792,9 @@ def _nanogpt():
 class Family:
     """A row of the README's models table, as the behaviour matrix meets it: how to build a small one (model in eval
     mode, an input, the prior's N), what it is ("causal": a decoder LM; "text": an encoder of tokens; "image";
-    "seq2seq"; "torch": nn.TransformerEncoder; "keyword": an attention named with modules=), whether it is a
-    transformers model, and add_mask_prior's other arguments."""
+    "seq2seq"; "towers": a model of several towers, one add_mask_prior call for all; "torch": nn.TransformerEncoder;
+    "keyword": an attention named with modules=), whether it is a transformers model, and add_mask_prior's other
+    arguments."""
     build: Callable
     kind: str
     hf: bool = True
@@ -1788,6 +1806,8 @@ FAMILIES = {
        for n in HF_MODELS},
     **{n: Family(lambda n=n: _seq2seq(n), "seq2seq") for n in SEQ2SEQ},
     **{n: Family(lambda n=n: _timm(n), "image", hf=False) for n in TIMM_MODELS},
+    "clip-both-towers": Family(_clip, "towers"),
+    "gpt2-built-eager": Family(lambda: _eager("gpt2"), "causal"),
     "nn.TransformerEncoder": Family(_torch_encoder, "torch", hf=False),
     "nanoGPT-style": Family(_nanogpt, "keyword", hf=False, attach=dict(causal=True, modules=CausalSelfAttention)),
 }
@@ -1999,22 +2019,26 @@ def _behaves_on_the_meta_device(name):
 
 def _behaves_saved_and_loaded(name, tmp_path):
     """Saved and loaded: a transformers model through save_pretrained and retrofit.from_pretrained (with and without
-    output_loading_info), anything else through its state_dict into a fresh retrofit: the outputs bit for bit."""
+    output_loading_info and the model's attn_implementation), anything else through its state_dict into a fresh
+    retrofit: the outputs bit for bit (a model built eager, reloaded with the default dispatch: to rounding)."""
     for prior in PRIORS:
         fam, model, x, n, plain = _built(name, prior)
         if fam.hf:
             model.save_pretrained(tmp_path / prior)
             back = retrofit.from_pretrained(type(model), str(tmp_path / prior)).eval()
-            again, info = retrofit.from_pretrained(type(model), str(tmp_path / prior), output_loading_info=True)
+            again, info = retrofit.from_pretrained(type(model), str(tmp_path / prior), output_loading_info=True,
+                                                   attn_implementation=model.config._attn_implementation)
             assert not info["missing_keys"] and not info["unexpected_keys"]
         else:
             back = fam.build()[0]
             _attach(fam, back, n, "real" if prior == "neutral" else "neutral")
             back.load_state_dict(model.state_dict())
             again = back
+        # built eager: back has the dispatch transformers gives (sdpa), to rounding; again asked for eager
+        exact = not fam.hf or back.config._attn_implementation == model.config._attn_implementation
         with torch.no_grad():
-            for m in (back, again.eval()):
-                _same(_run(m, x), _run(model, x), atol=0)
+            for m, atol in ((back, 0 if exact else 1e-5), (again.eval(), 0)):
+                _same(_run(m, x), _run(model, x), atol=atol)
 
 
 def _behaves_with_gradient_checkpointing(name):
