@@ -2109,9 +2109,9 @@ def test_bench_retrofit_prints_the_ratio_side_by_side(monkeypatch, capsys):
 def test_the_peer_plugin_gives_each_model_one_prior_and_the_runner_reads_junit(tmp_path, monkeypatch):
     """benchmarks/peer_plugin.py, which runs transformers' and timm's own suites with a prior on every model they
     build (benchmarks/peer_suites.py): a neutral prior at the model's positions, once per model (a second post_init
-    adds none), a real one that moves the output; where maskprior_retrofit does not import, the plugin stops the run
-    (it ran the plain models and reported nothing newly failing); peer_suites reads a JUnit file's passed, failed and
-    skipped."""
+    adds none), a real one that moves the output, an encoder-decoder's on both parts; where maskprior_retrofit does
+    not import, the plugin stops the run (it ran the plain models and reported nothing newly failing); peer_suites
+    reads a JUnit file's passed, failed and skipped."""
     tf = _extra("transformers")
     monkeypatch.syspath_prepend(os.path.join(HERE, "benchmarks"))
     import peer_plugin
@@ -2130,6 +2130,10 @@ def test_the_peer_plugin_gives_each_model_one_prior_and_the_runner_reads_junit(t
                                       max_position_embeddings=16, vocab_size=10))
     peer_plugin.attach(bert)
     assert [p.param for p in mp.mask_priors(bert)] == ["relative"]          # a text encoder's, by distance
+    for name in ("bart", "t5"):        # every layer by distance (a full M on the encoder: refused); T5 at its buckets'
+        seq2seq = _seq2seq(name)[0]
+        peer_plugin.attach(seq2seq)
+        assert {(p.param, p.causal) for p in mp.mask_priors(seq2seq)} == {("relative", False), ("relative", True)}
     monkeypatch.setitem(sys.modules, "maskprior_retrofit", None)             # not importable
     with pytest.raises(ImportError, match="maskprior_retrofit"):
         peer_plugin.pytest_configure(None)

@@ -4,11 +4,11 @@
 
 `neutral`: logits = +30 everywhere (log sigmoid(30) ~ -1e-13: the outputs must equal the plain model's);
 `real`: `causal_distance_logits` (nothing may crash). N is the model's positions: its config's
-max_position_embeddings / n_positions, or a timm ViT's patch grid plus prefix tokens. Every model is given
-the prior when its outermost constructor returns (transformers: the model whose post_init ends the
-construction; timm: create_model), so a model built inside another is not given a second one. A folder
-saved with priors is loaded the way a user of the prior loads it, through `retrofit.from_pretrained`.
-MASKPRIOR_PEER_LOG=FILE appends one JSON line per model: attached, refused (with the reason) or skipped.
+max_position_embeddings / n_positions (T5: relative_attention_max_distance), or a timm ViT's patch grid plus
+prefix tokens. Every model is given the prior when its outermost constructor returns (transformers: the
+model whose post_init ends the construction; timm: create_model), so a model built inside another is not given
+a second one. A folder saved with priors is loaded the way a user of the prior loads it, through
+`retrofit.from_pretrained`. MASKPRIOR_PEER_LOG=FILE appends a JSON line per model: attached, refused or skipped (why).
 """
 import functools
 import importlib.util
@@ -34,7 +34,7 @@ def _positions(model) -> int | None:
         return embed.num_patches + int(getattr(model, "num_prefix_tokens", 0))
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    for attr in ("max_position_embeddings", "n_positions"):
+    for attr in ("max_position_embeddings", "n_positions", "relative_attention_max_distance"):   # the last: T5's
         if isinstance(getattr(cfg, attr, None), int):
             return getattr(cfg, attr)
     return None
@@ -53,9 +53,9 @@ def attach(model) -> None:
     heads = sites[0].heads or 1
     with torch.device("cpu"):                    # values, also where the test builds on the meta device
         logits = torch.full((n, n), 30.0) if MODE == "neutral" else mp.causal_distance_logits(n, heads)
-    # the library's default for a causal layer; a text encoder's M by distance (a full one, 2M parameters on BERT's
-    # 512 positions, fails the suite's own size check), an image model's in full (a prior on its grid)
-    param = None if any(s.causal for s in sites) else "full" if hasattr(model, "patch_embed") else "relative"
+    # a text model's M by distance (the library's default for a causal layer; a full one on an encoder, 2M parameters
+    # on BERT's 512 positions, fails the suite's own size check), an image model's in full (a prior on its grid)
+    param = "full" if hasattr(model, "patch_embed") else "relative"
     try:
         priors = retrofit.add_mask_prior(model, logits=logits, param=param)
     except ValueError as e:
