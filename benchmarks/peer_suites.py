@@ -1,13 +1,12 @@
-"""Run the peers' own test suites (../shared/peer-tests: transformers' model tests, timm's test_models.py)
-plain, with a neutral prior and with a real one on every model they build (benchmarks/peer_plugin.py), and
-print per file what newly fails and how many models were given a prior (the checkout's maskprior, not an installed
-one; a mode that gave none says so).
+"""Run the peers' own test suites (../shared/peer-tests: transformers' model tests, timm's test_models.py) plain,
+with a neutral prior and with a real one on every model they build (benchmarks/peer_plugin.py), and print per file
+what newly fails and how many models were given a prior (the checkout's maskprior; a mode that gave none says so).
 
     python benchmarks/peer_suites.py SCRATCH [--modes off,neutral,real] [--only gpt2,timm] [--deps DIR] [--peers DIR]
 
-SCRATCH receives the unpacked suites and one JUnit XML and event log per file and mode. --deps: a folder
-with the suites' own test dependencies (pip install --no-deps --target DIR parameterized pytest-timeout
-httpx httpcore). Each file takes 1-7 minutes per mode on 2 cores; the table is printed as each ends.
+SCRATCH receives the unpacked suites, one JUnit XML and event log per file and mode (a run without off compares
+with the off run there). --deps: the suites' own test dependencies (pip install --no-deps --target DIR
+parameterized pytest-timeout httpx httpcore timeout-decorator). A file takes 1-2 minutes a mode on 2 cores.
 """
 import argparse
 import json
@@ -26,6 +25,9 @@ FILES = {                                  # name: (suite, test file, pytest -k)
     "mistral": ("hf", "tests/models/mistral/test_modeling_mistral.py", None),
     "qwen2": ("hf", "tests/models/qwen2/test_modeling_qwen2.py", None),
     "bert": ("hf", "tests/models/bert/test_modeling_bert.py", None),
+    "gemma2": ("hf", "tests/models/gemma2/test_modeling_gemma2.py", None),
+    "bart": ("hf", "tests/models/bart/test_modeling_bart.py", None),
+    "t5": ("hf", "tests/models/t5/test_modeling_t5.py", None),
     "timm": ("timm", "tests/test_models.py", "vit_tiny_patch16_224 or deit_tiny_patch16_224 "
                                              "or deit_tiny_distilled_patch16_224"),
 }
@@ -35,7 +37,6 @@ def unpack(scratch: str, peers: str) -> None:
     for suite, archive in (("hf", "hf-tests-5.15.tar.xz"), ("timm", "timm-tests.tar.xz")):
         target = os.path.join(scratch, suite)
         if not os.path.isdir(target):
-            os.makedirs(target)
             with tarfile.open(os.path.join(peers, archive)) as tar:
                 tar.extractall(target, filter="data")
 
@@ -80,19 +81,18 @@ def main(argv=None) -> None:
     os.makedirs(args.scratch, exist_ok=True)
     unpack(args.scratch, args.peers)
     modes = args.modes.split(",")
-    print("file | mode | passed | failed | skipped | newly failing (passed plain) | models given a prior | seconds",
-          flush=True)
+    print("file | mode | passed | failed | skipped | newly failing | models given a prior | seconds", flush=True)
     for name in args.only.split(","):
-        base = None
+        off = os.path.join(args.scratch, f"{name}-off.xml")
+        base = outcomes(off) if os.path.exists(off) else None          # a run without off: the one there
         for mode in modes:
             start = time.time()
             got, attached = run(args.scratch, name, mode, args.deps)
             base = got if mode == "off" else base
             count = {k: sum(v == k for v in got.values()) for k in ("passed", "failed", "skipped")}
-            new = ([t for t, v in got.items() if v == "failed" and base.get(t) == "passed"]
-                   if base is not None and mode != "off" else [])
+            new = [t for t, v in got.items() if v == "failed" and (base or {}).get(t) == "passed"]
             print(f"{name} | {mode} | {count['passed']} | {count['failed']} | {count['skipped']} | "
-                  f"{len(new) if mode != 'off' else '-'} | "
+                  f"{'-' if mode == 'off' or base is None else len(new)} | "
                   f"{'-' if mode == 'off' else attached or 'NONE: this mode ran the plain models'} | "
                   f"{time.time() - start:.0f}", flush=True)
             with open(os.path.join(args.scratch, f"{name}-{mode}.new"), "w") as f:
