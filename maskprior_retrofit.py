@@ -21,7 +21,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 import torch.nn as nn
@@ -465,9 +465,10 @@ def _timm_record_hook(drop: nn.Module, args: tuple, output):
         prior.record.append(args[0])
 
 
-def _grid_hook(conv: nn.Module, args: tuple, output) -> None:
-    """Forward hook of an image model's patch projection: the patch grid of this image, for `_served`."""
-    if isinstance(output, torch.Tensor):
+def _grid_hook(conv: nn.Module, args: Tuple[torch.Tensor], output: torch.Tensor) -> None:
+    """Forward hook of an image model's patch projection: the patch grid of this image, for `_served` (typed, and a
+    no-op under TorchScript, which compiles a module's hooks with it: an fx-traced ViT scripts)."""
+    if not torch.jit.is_scripting():
         conv.mask_prior_grid = tuple(output.shape[-2:])
 
 

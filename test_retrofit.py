@@ -582,6 +582,10 @@ def test_a_vit_given_an_image_of_another_size_is_served_by_the_grid_prior_its_re
         prior.bias.grad = None
         out.square().mean().backward()
         assert prior.bias.grad.abs().max() > 0
+    # the hook that reads each image's grid scripts (a no-op there): TorchScript compiles a module's hooks with it,
+    # as timm's own test_model_forward_fx_torchscript does for the patch projection an fx trace keeps
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert torch.equal(torch.jit.script(conv)(torch.ones(1, 3, 8, 8)), conv(torch.ones(1, 3, 8, 8)))
 
 
 def test_param_grid_on_a_model_that_names_no_patch_grid_asks_for_grid_in_one_line():
