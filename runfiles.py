@@ -40,6 +40,16 @@ def one_line(text) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
+def cut(text, most: int = 40) -> str:
+    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not echoed whole)."""
+    text = str(text)
+    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else ""
+
+
 class BusyError(UsageError):
     """A run folder in use by another process: exit status 75 (EX_TEMPFAIL: try again later)."""
     status = 75
@@ -225,7 +235,7 @@ def load_torch(data: bytes, path: str | os.PathLike):
         raise ReadError(f"{path} holds more than tensors and plain values ({what}), which no file of this program "
                         "holds and which would run code if unpickled; it was not run") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-        raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {_first_line(e)})") from None
+        raise ReadError(f"{path} is not a torch file ({type(e).__name__}: {first_line(e)})") from None
 
 
 JSON_MAX_DEPTH, JSON_MAX_DIGITS = 64, 40        # deeper than anything this program writes; an int past any count
@@ -265,7 +275,7 @@ def load_json(data: bytes, path: str | os.PathLike):
             raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep")
         return json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
     except ValueError as e:                         # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ReadError(f"{path} is not JSON as this program writes it ({_first_line(e)})") from None
+        raise ReadError(f"{path} is not JSON as this program writes it ({first_line(e)})") from None
 
 
 def read_json(path: str | os.PathLike):
@@ -497,7 +507,7 @@ def weights_mismatch(config: dict, state: dict) -> str | None:
         with torch.device("meta"):
             model = {k: (tuple(t.shape), t.dtype) for k, t in mp.model_from_config(config).state_dict().items()}
     except Exception as e:  # noqa: BLE001 - a config the model refuses is an answer, not a crash
-        return f"its config does not build a model ({type(e).__name__}: {_first_line(e)[:160]})"
+        return f"its config does not build a model ({type(e).__name__}: {first_line(e)[:160]})"
     saved = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
     missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
     other = [k for k in sorted(set(model) & set(saved)) if model[k] != saved[k]]
@@ -848,10 +858,6 @@ def truncate_log(folder: RunFolder, step: int) -> None:
     """Drop log lines past the checkpoint's step and a last line cut short: the log written anew, whole."""
     folder.write("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_log(folder.file("metrics.jsonl"))
                                           if r["step"] <= step))
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 # ---- prior.pt: the prior a run starts from

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import augment
 import inits
 import maskprior as mp
-from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, open_back, read_back, read_json)
+from runfiles import (Prior, ReadError, UsageError, atomic_output, atomic_write, cut, first_line, open_back, read_back,
+                      read_json)
 
 
 class Must(NamedTuple):
@@ -850,12 +851,6 @@ class Cyclic3(_PaperBoolean):
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
     FIELDS = dict(target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
                   top_monomial=(0, 1, 2), degree=3, exact=True)
-
-
-def cut(text, most: int = 40) -> str:
-    """`text` as a message quotes it: repr, cut to `most` characters (a 5,000-digit index is not echoed whole)."""
-    text = str(text)
-    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:
@@ -1674,9 +1669,8 @@ def _load_pickle(path: str) -> dict:
     try:
         d = ReleaseUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways (MemoryError, LookupError, ...)
-        what = str(e).splitlines()[0][:200] if str(e) else ""
         raise DataError(f"{path} is truncated, damaged or not a release pickle "
-                        f"({type(e).__name__}: {what}); re-download the release") from None
+                        f"({type(e).__name__}: {first_line(e)}); re-download the release") from None
     if not isinstance(d, dict):
         raise DataError(f"{path} does not hold a dict of arrays (found {type(d).__name__})")
     return d

@@ -1013,13 +1013,8 @@ def _cells(kinds: tuple, cells: list, rest: str | None = None) -> list:
     values = [parse(text) for (parse, _, _), text in zip(specs, cells)]
     bad = [(text, what) for (_, ok, what), text, v in zip(specs, cells, values) if v is None or not ok(v)][:1]
     if bad:
-        raise ValueError(f"{_cut(bad[0][0])} is not {bad[0][1]}")
+        raise ValueError(f"{runfiles.cut(bad[0][0])} is not {bad[0][1]}")
     return values
-
-
-def _cut(text: str, most: int = 40) -> str:
-    """`text` as a message quotes it: repr, cut to `most` characters."""
-    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
 
 
 def _persistence_row(cells: list) -> dict:
