@@ -215,25 +215,20 @@ def _split_url(text: str):
         return None
 
 
-class _locked:
+@contextlib.contextmanager
+def _locked(folder: str):
     """An exclusive lock on the data folder, refused at once (BusyError) while another download holds it."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def __enter__(self):
-        self.fd = os.open(self.folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
         if fcntl is not None:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                os.close(self.fd)
-                raise runfiles.BusyError(f"another download into {self.folder} is running; wait for it, or give "
+                raise runfiles.BusyError(f"another download into {folder} is running; wait for it, or give "
                                          "another --data") from None
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -244,19 +239,14 @@ def _resumable(f: File, data_dir: str):
         yield
     except KeyboardInterrupt:
         part = os.path.join(data_dir, f.name + ".part")
-        kept = _part_bytes(part)
+        try:
+            info = os.lstat(part)
+            kept = info.st_size if stat.S_ISREG(info.st_mode) else None
+        except OSError:
+            kept = None
         raise Interrupted(f"interrupted: {part} is kept, {kept:,} of the {f.size:,} bytes of {f.name}; run the same "
                           "command again to resume from it" if kept is not None else f"interrupted before {f.name} "
                           "was fetched; nothing written for it: run the same command again") from None
-
-
-def _part_bytes(part: str) -> int | None:
-    """The bytes of the regular file at `part`; None where there is none."""
-    try:
-        info = os.lstat(part)
-    except OSError:
-        return None
-    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 def _fetch_one(set_name: str, f: File, data_dir: str, mirror: str | None, timeout: float) -> None:
