@@ -209,11 +209,14 @@ class Task:
     def found_prior(self, pattern: torch.Tensor, logits: torch.Tensor, source: dict) -> Prior:
         """A Prior; one found (in the data or a teacher) carries its pairs' precision and recall against the default
         hand pattern (`mp.pattern_agreement`); a TaskError where it names no pair beyond self-loops (`found_rows`)."""
-        if source["from"] != "hand" and not self.names_pairs(pattern):
-            where = "training data" if source["from"] == "data" else "teacher's attention"
-            raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, so it "
-                            "would hold nothing; it is refused, not used (use a hand pattern or another teacher)")
         if source["from"] != "hand":
+            off = pattern & ~torch.eye(pattern.shape[-1], dtype=torch.bool, device=pattern.device)
+            rows = self.found_rows()
+            if not (off if rows is None else off[..., rows, :]).any():
+                where = "training data" if source["from"] == "data" else "teacher's attention"
+                raise TaskError(f"the prior found in the {where} names no pair of tokens beyond each token itself, "
+                                "so it would hold nothing; it is refused, not used (use a hand pattern or another "
+                                "teacher)")
             oracle = self.pattern(self.DEFAULT_PATTERN)
             source = {**source, **mp.pattern_agreement(pattern, oracle, self.arch().get("causal", False))}
         return Prior(pattern, logits, source)
@@ -246,12 +249,6 @@ class Task:
     def found_rows(self) -> list[int] | None:
         """The rows a found prior is found for (None: all); the others are the task's own (arithmetic's: causal)."""
         return None
-
-    def names_pairs(self, pattern: torch.Tensor) -> bool:
-        """Whether `pattern` ((N, N) or (H, N, N)) allows any pair beyond self-loops in `found_rows`."""
-        off = pattern & ~torch.eye(pattern.shape[-1], dtype=torch.bool, device=pattern.device)
-        rows = self.found_rows()
-        return bool((off if rows is None else off[..., rows, :]).any())
 
     # ---- a prior from a teacher's attention (train.py --prior-from): what the teacher reads and how
     TEACHER_KINDS: ClassVar[tuple] = ("pattern", "logits")      # --prior-kind values; the first is the default
@@ -428,10 +425,6 @@ def parity_fn(bits):
 
 def majority_fn(bits):
     return lambda x: np.sign(x[:, list(bits)].astype(np.float64).sum(axis=1))
-
-
-def cyclic_fn(n: int, k: int = 3):
-    return lambda x: sum(chi(x, [(i + j) % n for j in range(k)]) for i in range(n))
 
 
 def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
@@ -849,8 +842,9 @@ class Cyclic3(_PaperBoolean):
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
-    FIELDS = dict(target=cyclic_fn(15), unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15),
-                  top_monomial=(0, 1, 2), degree=3, exact=True)
+    FIELDS = dict(target=lambda x: sum(chi(x, [(i + j) % 15 for j in range(3)]) for i in range(15)),
+                  unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3,
+                  exact=True)
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:
@@ -2134,10 +2128,8 @@ class ImageTask(Task):
             if len(y) == 0 or y.min() < 0 or y.max() >= self.n_classes:
                 raise DataError(f"{self.name} {split} labels must lie in 0..{self.n_classes - 1} and be non-empty")
         self.device = torch.device(device)
-        self.x_train = torch.as_tensor(xtr, device=device)
-        self.y_train = torch.as_tensor(ytr, device=device)
-        self.x_test = torch.as_tensor(xte, device=device)
-        self.y_test = torch.as_tensor(yte, device=device)
+        self.x_train, self.y_train, self.x_test, self.y_test = (torch.as_tensor(a, device=device)
+                                                                for a in (xtr, ytr, xte, yte))
         xf = self.x_train.float() / 255
         self.mean = xf.mean(dim=(0, 2, 3)).view(1, 3, 1, 1)
         self.std = xf.std(dim=(0, 2, 3)).view(1, 3, 1, 1).clamp_min(1e-3)
