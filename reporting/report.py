@@ -95,8 +95,7 @@ def mean_std(values, digits: int = 2, count: bool = False) -> str:
 
 def init_order(runs: list):
     """The sort key of the inits of `runs`: each init's place in inits.INITS, as its runs record it."""
-    order = {r["init"]: r["init_order"] for r in runs}
-    return order.__getitem__
+    return {r["init"]: r["init_order"] for r in runs}.__getitem__
 
 
 def _by_init(runs: list) -> dict:
@@ -199,8 +198,7 @@ PATTERN_WORDS = {"soft": "soft bump", "local": "local window"}
 
 
 def flag_words(key: str, value: str) -> str:
-    """One flag in words: ("pattern", "soft") -> "soft bump", ("mask_off", "10.0") -> "M off -10", ("log_every",
-    "75") -> "log every 75"."""
+    """("pattern", "soft") -> "soft bump", ("mask_off", "10.0") -> "M off -10", ("log_every", "5") -> "log every 5"."""
     value = value[:-2] if value.endswith(".0") else value
     if key == "pattern" and value in PATTERN_WORDS:
         return PATTERN_WORDS[value]
@@ -723,9 +721,8 @@ def _efficiency_table(by: dict, inits: list, sizes: list, digits: int) -> list[s
 
 
 def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str]:
-    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more training set
-    sizes, sequence accuracy against the size, a band per init run at more than one (`plot_band`). Returns [path], or
-    [] without matplotlib or such a configuration."""
+    """data_efficiency.png from data_efficiency.csv's rows: a panel per configuration run at two or more sizes, the
+    accuracy against the size, a band per init run at more than one. [path], or [] without matplotlib or such panels."""
     by_config = {}                                          # {label: {init: {n_train: [seq_acc]}}}
     for label, init, seed, n, seq_acc, digit_acc in rows:
         by_config.setdefault(label, {}).setdefault(init, {}).setdefault(n, []).append(seq_acc)
@@ -933,7 +930,6 @@ def report(runs_dir: str, out_dir: str) -> list[str]:
 
 
 def emit(out_dir: str, name: str, text: str) -> str:
-    """Write a report file atomically; returns its path."""
     path = os.path.join(out_dir, name)
     runfiles.atomic_write(path, text)
     return path
@@ -1165,8 +1161,7 @@ def _holds_runs(folder: str) -> bool:
 
 def report_command(runs: str, out: str) -> int:
     """`report` with its refusals: a folder with neither table folders nor run folders (a hint naming a folder in it
-    that holds runs), an OUT that is a file, and a failed write (a full or read-only disk) are one line; what was
-    written before is whole."""
+    that holds runs), an OUT that is a file, and a failed write are one line; what was written before is whole."""
     if not os.path.isdir(runs):
         raise ReportError(f"report: {runs} is not a folder of runs")
     if not _table_folders(runs) and not _holds_runs(runs):
