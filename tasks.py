@@ -557,8 +557,7 @@ def set_patterns(n_bits: int, sets):
         clique = pattern_from_sets(n_bits, sets, cls)
         if not cls:
             return {"clique": clique}
-        singles = [(b,) for s in sets for b in s]
-        return {"clique": clique, "cls": pattern_from_sets(n_bits, singles, True)}
+        return {"clique": clique, "cls": pattern_from_sets(n_bits, [(b,) for s in sets for b in s], True)}
     return build
 
 
@@ -706,13 +705,11 @@ class BooleanTask(Task):
     def setup(self, device="cpu"):
         """Build the train set (seeded) and the whole cube as test set, on `device`."""
         x_all = cube(self.n_bits)
-        unseen = self.in_unseen(x_all)
-        seen = x_all[~unseen]
+        seen = x_all[~self.in_unseen(x_all)]
         if self.train_size is None:
             x_train = seen
         else:
-            rng = np.random.default_rng(self.seed)
-            x_train = seen[rng.integers(0, len(seen), size=self.train_size)]
+            x_train = seen[np.random.default_rng(self.seed).integers(0, len(seen), size=self.train_size)]
         self.device = torch.device(device)
         self.x_train = torch.as_tensor((x_train > 0).astype(np.int64), device=device)
         self.y_train = torch.as_tensor(self.target(x_train), dtype=torch.float32, device=device)
@@ -941,11 +938,10 @@ class _CustomBoolean(BooleanTask):
         fn = term_fn(*terms[0]) if len(terms) == 1 else (lambda x: sum(term_fn(*t)(x) for t in terms))
         patterns = set_patterns(n_bits, [bits for _, bits in terms])
         self.label = f"{self.NAME}[{text}|U:{','.join(map(str, u))}]"
-        super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns,
+        super().__init__(n_bits=n_bits, target=fn, unseen={i: -1 for i in u}, patterns=patterns, support=b, seed=seed,
                          top_monomial=max((bits for _, bits in terms), key=len), degree=max(len(t) for _, t in terms),
-                         train_size=train_size, support=b, readout=readout, exact=len(terms) > 1,
-                         discover_degree=discover_degree, discover_threshold=discover_threshold,
-                         discover_alpha=discover_alpha, seed=seed)
+                         train_size=train_size, readout=readout, exact=len(terms) > 1, discover_alpha=discover_alpha,
+                         discover_degree=discover_degree, discover_threshold=discover_threshold)
 
     @property
     def name(self) -> str:
@@ -1119,9 +1115,7 @@ class ArithmeticTask(Task):
         return lv
 
     def build_pattern(self, variant: str) -> torch.Tensor:
-        if variant == "discovered":
-            return self.discovered_pattern()
-        return self._levels(variant) > 0
+        return self.discovered_pattern() if variant == "discovered" else self._levels(variant) > 0
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
         """Graded initial M: +m_on on strong pairs, 0 on the other allowed (log sigmoid 0 = -0.69), -m_off elsewhere."""
@@ -1192,8 +1186,7 @@ class ArithmeticTask(Task):
 
     # ---- data
     def setup(self, device="cpu"):
-        rng = np.random.default_rng(self.seed)
-        idx = rng.choice(self.universe, size=self.n_train + self.test_size, replace=False)
+        idx = np.random.default_rng(self.seed).choice(self.universe, size=self.n_train + self.test_size, replace=False)
         self.test_idx, self.train_idx = idx[:self.test_size], idx[self.test_size:]
         self.device = torch.device(device)
         base = 10 ** self.n_digits                                 # pair index = a * base + b
@@ -1219,8 +1212,7 @@ class ArithmeticTask(Task):
         """Greedy decoding of the answer digits. prompts: (B, eq_pos + 1) -> (B, n_answer)."""
         seq = prompts
         for _ in range(self.n_answer):
-            logits = model(seq)[:, -1, :10]                          # digits only
-            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+            seq = torch.cat([seq, model(seq)[:, -1, :10].argmax(-1, keepdim=True)], dim=1)     # among the digits
         return seq[:, self.eq_pos + 1:]
 
     def evaluate(self, model, points: int | None = None, batch_size: int = 2500) -> dict:
@@ -1546,8 +1538,7 @@ class LeeMultiplication(ArithmeticTask):
 
     def probe_inputs(self, n: int = 512) -> torch.Tensor:
         """Test prompts of two 2-digit operands only: their roles are their positions (probes read M by position)."""
-        two = self.test_pairs.min(1) >= 10
-        return self.test_seq[torch.as_tensor(two, device=self.device)][:n, :-1]
+        return self.test_seq[torch.as_tensor(self.test_pairs.min(1) >= 10, device=self.device)][:n, :-1]
 
     def teacher_inputs(self, n: int = 512) -> torch.Tensor:
         raise TaskError("--prior-from reads a teacher's attention by position; with --lee-samples the layout moves "
@@ -2164,8 +2155,7 @@ class ImageTask(Task):
         return torch.sum(-y * F.log_softmax(model(x).float(), dim=-1), dim=-1).mean()
 
     def test_view(self, x_uint8: torch.Tensor) -> torch.Tensor:
-        """Test images as the model sees them: normalised, and at another input size resized to input / crop_pct and
-        centre-cropped (timm's evaluation view)."""
+        """Test images as the model sees them: normalised, resized to input / crop_pct, centre-cropped as timm does."""
         if self.input_size != self.image_size:
             x_uint8 = augment.resize_center_crop(x_uint8, self.input_size, self.crop_pct)
         return self.normalize(x_uint8)
@@ -2181,7 +2171,6 @@ class ImageTask(Task):
         return self.test_view(self.x_train[:n])
 
     def teacher_fit(self, model, n: int) -> float:
-        """Top-1 accuracy on the training images of `teacher_inputs`."""
         return float((model(self.teacher_inputs(n)).argmax(-1) == self.y_train[:n]).float().mean())
 
     def teacher_prior(self, attn, kind, ratio, m_on, m_off):
@@ -2275,9 +2264,8 @@ class ImageNet100(ImageTask):
 #
 # Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536) or uint32 binary
 # file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures (`_source_signature`), so a changed
-# source is re-tokenised); the WikiText vocabulary is a JSON list beside them. The cache lives in the first writable
-# of `default_cache_dirs`. Every file is written to a temporary name and moved into place, the meta last, so an
-# interrupted build leaves no cache that would be taken as valid. Splits are returned as read-only np.memmap arrays.
+# source is re-tokenised); the WikiText vocabulary is a JSON list beside them. Every file is written to a temporary name
+# and moved into place, the meta last, so an interrupted build leaves no cache that would be taken as valid.
 
 
 WIKITEXT_URL = "https://wikitext.smerity.com"  # the two zips as their authors released them
@@ -2330,8 +2318,7 @@ def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator:
     x[b] = tokens[s_b : s_b + T], y[b] = tokens[s_b + 1 : s_b + T + 1]."""
     n = len(tokens)
     _check_context(context, n, "training")
-    starts = torch.randint(0, n - context, (batch_size,), generator=generator).numpy()
-    return _gather_windows(tokens, starts, context)
+    return _gather_windows(tokens, torch.randint(0, n - context, (batch_size,), generator=generator).numpy(), context)
 
 
 def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1
@@ -2368,8 +2355,7 @@ def _iter_eval_windows(tokens: np.ndarray, context: int, batch_size: int
     n_targets = len(tokens) - 1
     n_full = n_targets // context
     for first in range(0, n_full, batch_size):
-        last = min(first + batch_size, n_full)
-        yield _gather_windows(tokens, np.arange(first, last) * context, context)
+        yield _gather_windows(tokens, np.arange(first, min(first + batch_size, n_full)) * context, context)
     rest = n_targets - n_full * context
     if rest:
         yield _gather_windows(tokens, np.array([n_full * context]), rest)
@@ -2379,7 +2365,6 @@ def _iter_eval_windows(tokens: np.ndarray, context: int, batch_size: int
 
 def load_wikitext2(data_dir: str | os.PathLike, release: str = "auto",
                    cache_dir: str | os.PathLike | None = None) -> dict:
-    """Load WikiText-2 (`release` "auto", "tokens" or "raw"); see `load_lm_corpus`."""
     release, files = find_wikitext_files(data_dir, release)
     stem = f"wikitext2-{release}"
     candidates = _cache_candidates(data_dir, cache_dir)
@@ -2513,7 +2498,6 @@ def _read_wikitext_cache(folder: Path, stem: str, sources: list[dict]
 
 def load_tinystories(data_dir: str | os.PathLike, version: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
                      cache_dir: str | os.PathLike | None = None) -> dict:
-    """Load TinyStories (`version` "auto", "v2" or "v1"); see `load_lm_corpus`."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     version, files = find_tinystories_files(data_dir, version)
@@ -2778,9 +2762,7 @@ class LMTask(Task):
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> token ids (words of the corpus vocabulary, or UTF-8 bytes)."""
-        if self.vocab is None:
-            return list(text.encode("utf-8"))
-        return encode_words(text.split(), self.vocab).tolist()
+        return list(text.encode("utf-8")) if self.vocab is None else encode_words(text.split(), self.vocab).tolist()
 
     @torch.no_grad()
     def continue_text(self, model, prompt: str, n: int, temperature: float, top_k: int, generator) -> str:
@@ -2822,7 +2804,6 @@ class LMTask(Task):
         return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
     def probe_inputs(self, n: int = 64) -> torch.Tensor:
-        """The first min(n, 16) validation windows (B, context)."""
         x, _ = next(eval_windows(self.valid, self.context, max(1, min(n, 16))))
         return x.to(self.device)
 
@@ -2830,12 +2811,10 @@ class LMTask(Task):
     TEACHER_MIN_FIT = 0.2
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
-        """The first min(n, 16) training windows (B, context)."""
         x, _ = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
         return x.to(self.device)
 
     def teacher_fit(self, model, n: int) -> float:
-        """Next-token top-1 accuracy on the training windows of `teacher_inputs`."""
         x, y = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
         return float((model(x.to(self.device)).argmax(-1) == y.to(self.device)).float().mean())
 
