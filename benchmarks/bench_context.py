@@ -18,8 +18,7 @@ The model is a 2-layer, width-128, 4-head causal decoder over bytes (vocabulary 
 backward, AdamW update). Every variant of one N runs in one process, timed in interleaved rounds (warm-up excluded) so
 that drifts in machine load hit all alike; peak memory on the CPU is measured with each variant alone in a fresh
 process. The table is on stdout, with the legend under it; what runs, N by N, on stderr. Why the floor was once slower
-than the prior (it was not the prior's kernel call): results/speed/README.md.
-"""
+than the prior (it was not the prior's kernel call): results/speed/README.md."""
 import argparse
 import json
 import os

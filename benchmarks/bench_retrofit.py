@@ -24,8 +24,7 @@ is_causal, then our own backward, which the floor runs without M's gradient); nn
 --full) hands it to SDPA as attn_mask, where a mask that needs a gradient takes the math path and a constant one the
 fused kernel, faster (one attention call of the encoder's size, batch 32, 4 heads, 64 tokens: 0.80x against 1.29x of
 no mask). So a floor above the prior is noise, which the per-round min-max shows; the stderr notes say so when it
-happens.
-"""
+happens."""
 import argparse
 import functools
 import os

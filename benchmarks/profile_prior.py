@@ -10,8 +10,7 @@ constant and is_causal, its own backward), full (M per query and key), relative 
 relativeW (a table of W distances) - the last three through mp.prior_attention, what a layer with M runs;
 `--backward` times the backward alone, ours (which gives M's gradient) against the kernel's own. Times are
 this thread's CPU time (a shared machine's other work stretches them less than the wall clock); the profile's is
-torch.profiler's own.
-"""
+torch.profiler's own."""
 import argparse
 import os
 import statistics

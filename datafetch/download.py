@@ -22,8 +22,7 @@ input is one line, exit status 2. Every failure after is a DataError (train.py: 
 DIR as it was, but for a resumable .part: whatever urllib, http.client, socket or ssl raise (NET_WORDS), and
 whatever a damaged archive makes tarfile or zipfile raise (DAMAGED), is worded at that boundary. Ctrl-C is one line
 too (Interrupted, exit status 130), saying what .part is kept for the same command to resume from. One download into
-a folder at a time (a lock on DIR; a second is refused with exit status 75). Standard library only.
-"""
+a folder at a time (a lock on DIR; a second is refused with exit status 75). Standard library only."""
 from __future__ import annotations
 
 import contextlib

@@ -7,8 +7,7 @@ The source holds ImageNet-1k as class folders, train/<wnid>/*.JPEG and val/<wnid
 ImageNet and most copies use; a flat val/ must first be sorted into its classes). Every one of the 100 classes must
 be there in both splits, as regular files; each file is hard-linked where the filesystem allows (no space taken),
 else copied. The tree is built in a hidden staging folder in DIR and renamed to DIR/imagenet100 once whole
-(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was.
-"""
+(datafetch.write.write_new_dataset): a set already there is never touched, and a failure leaves DIR as it was."""
 from __future__ import annotations
 
 import os

@@ -2,8 +2,7 @@
 random weights: nothing is downloaded) with a relative prior learns a copy task (each token repeats
 the one 3 back), then reporting.show.draw_model draws M's start, its end and end - start.
 
-    python examples/show_retrofit.py results/show/gpt2-retrofit/m.png      # about 20 s on a 2-core CPU
-"""
+    python examples/show_retrofit.py results/show/gpt2-retrofit/m.png      # about 20 s on a 2-core CPU"""
 import sys
 
 import torch

@@ -4,8 +4,7 @@ per layer, data efficiency and the oracle-free study. Loaded only by `python tra
 changes a run.
 
 Reading order: collecting runs (each once) -> the summary table -> the report's tables and figures, in the order
-above -> `report`, which writes them all.
-"""
+above -> `report`, which writes them all."""
 from __future__ import annotations
 
 import collections
