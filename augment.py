@@ -44,8 +44,7 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor) -> torch.Tensor:
     """Pillow's ImageEnhance: degenerate + factor * (x - degenerate) per image, truncated toward zero to uint8."""
-    f = _per_image(factor, x)
-    return (degenerate + f * (x.float() - degenerate)).clamp(0, 255).to(torch.uint8)
+    return (degenerate + _per_image(factor, x) * (x.float() - degenerate)).clamp(0, 255).to(torch.uint8)
 
 
 def aug_brightness(x, factor):
@@ -75,14 +74,12 @@ def aug_sharpness(x, factor):
 def aug_posterize(x, bits):
     """Keep the top `bits` bits of every value (bits per image, 1..8)."""
     keep = torch.as_tensor(bits, device=x.device).long().expand(x.shape[0]).view(-1, 1, 1, 1)
-    mask = (255 - ((1 << (8 - keep)) - 1)).to(torch.uint8)
-    return x & mask
+    return x & (255 - ((1 << (8 - keep)) - 1)).to(torch.uint8)
 
 
 def aug_solarize(x, threshold):
     """Invert every value >= threshold (per image; 256 leaves the image as it is)."""
-    t = _per_image(threshold, x)
-    return torch.where(x.float() >= t, 255 - x, x)
+    return torch.where(x.float() >= _per_image(threshold, x), 255 - x, x)
 
 
 def aug_autocontrast(x, *_):
@@ -90,8 +87,7 @@ def aug_autocontrast(x, *_):
     xf = x.double()
     lo, hi = xf.amin(dim=(2, 3), keepdim=True), xf.amax(dim=(2, 3), keepdim=True)
     scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)             # a true division, as Pillow's
-    out = (xf * scale - lo * scale).clamp(0, 255).floor()
-    return torch.where(hi > lo, out, xf).to(torch.uint8)
+    return torch.where(hi > lo, (xf * scale - lo * scale).clamp(0, 255).floor(), xf).to(torch.uint8)
 
 
 def aug_equalize(x, *_):
@@ -243,8 +239,7 @@ def random_resized_crop(x: torch.Tensor, out: int, generator: torch.Generator, s
     w, h = torch.where(fits, w, whole), torch.where(fits, h, whole)
     x0 = (torch.rand(b, **kw) * (s - w + 1)).floor()
     y0 = (torch.rand(b, **kw) * (s - h + 1)).floor()
-    mirror = torch.rand(b, **kw) < 0.5 if flip else None
-    return _sample(x, x0, y0, w, h, out, mirror)
+    return _sample(x, x0, y0, w, h, out, torch.rand(b, **kw) < 0.5 if flip else None)
 
 
 def resize_center_crop(x: torch.Tensor, out: int, crop_pct: float) -> torch.Tensor:
@@ -304,5 +299,4 @@ def random_erasing(x: torch.Tensor, prob: float, generator: torch.Generator, are
     cols = torch.arange(ww, device=x.device)[None, None, :]
     box = ((rows >= top[:, None, None]) & (rows < (top + h)[:, None, None])
            & (cols >= left[:, None, None]) & (cols < (left + w)[:, None, None]) & (use & fits)[:, None, None])
-    noise = torch.randn(x.shape, **kw, dtype=x.dtype)
-    return torch.where(box[:, None], noise, x)
+    return torch.where(box[:, None], torch.randn(x.shape, **kw, dtype=x.dtype), x)
