@@ -87,10 +87,8 @@ def replaced(attn: mp.Attention, attend):
 
 
 def floor_attention(attn: mp.Attention, bias: torch.Tensor):
-    """`attn`'s forward with `bias` (heads, N, N), the relative prior's, as a constant, through the kernel call the
-    prior's fused path makes: on the CPU torch's fused kernel with the bias and is_causal, so that it skips the
-    future's blocks as the prior's does (maskprior_fast), elsewhere SDPA with the bias as its mask; the kernel's
-    own backward, no M: the floor."""
+    """`attn`'s forward reading `bias` (heads, N, N) as a constant through the kernel call of the prior's fused path
+    (off the CPU: SDPA with the bias as its mask), with the kernel's own backward, no M: LEGEND's floor."""
     def attend(q, k, v):
         mask, kernel = bias.unsqueeze(0).to(q.dtype), maskprior_fast._cpu_kernel()
         return (kernel(q, k, v, 0.0, True, attn_mask=mask)[0] if kernel and q.device.type == "cpu"
@@ -100,8 +98,7 @@ def floor_attention(attn: mp.Attention, bias: torch.Tensor):
 
 def sdpa_attention(attn: mp.Attention):
     """`attn`'s forward through F.scaled_dot_product_attention with its prior's bias (log sigmoid(M), -inf on the
-    future) as attn_mask, M learnt: a plain implementation of a learnable bias (a mask that needs a gradient takes
-    SDPA's math path on the CPU, its memory-efficient kernel on CUDA)."""
+    future) as attn_mask, M learnt: the :sdpa peer (LEGEND)."""
     return replaced(attn, lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn.prior(q.shape[-2], q.dtype).unsqueeze(0)))
 
@@ -118,12 +115,10 @@ def build(n: int, variant: str, device: torch.device, amp: str):
     masked, path = kind != "default", path or "auto"
     window = int(kind[len("relative"):]) if kind[len("relative"):].isdigit() else None
     table = min(window, n) if window else n                      # the relative M's distances
-    cfg = mp.TransformerConfig(vocab_size=257, seq_len=n, n_outputs=257, readout="tokens",
-                               causal=True, tie_embeddings=True, n_layers=2, n_heads=4, dim=128,
-                               mlp_dim=512, qkv_bias=True, emb_init_std=0.02, pos_init_std=0.02,
-                               learnable_mask=masked,
-                               fused=path in ("sdpa", "band") or path == "auto" and train.use_fused(path, masked,
-                                                                                                  device, n),
+    fused = path in ("sdpa", "band") or path == "auto" and train.use_fused(path, masked, device, n)
+    cfg = mp.TransformerConfig(vocab_size=257, seq_len=n, n_outputs=257, readout="tokens", causal=True,
+                               tie_embeddings=True, n_layers=2, n_heads=4, dim=128, mlp_dim=512, qkv_bias=True,
+                               emb_init_std=0.02, pos_init_std=0.02, learnable_mask=masked, fused=fused,
                                flex=path == "flex", mask_param="full" if kind == "full" else "relative",
                                mask_window=table if window else None)
     torch.manual_seed(0)
@@ -167,8 +162,7 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
 
 def cpu_rounds(steps: dict, rounds: int) -> dict:
     """{name: [seconds per step, one a round]} as bench_attention.timed_rounds gives them, in this thread's CPU time
-    (one thread computes each step): on a machine shared with other work, time-slicing stretches the wall clock of
-    one round and not another; the CPU time a step takes, it leaves (memory and cache contention stay)."""
+    (one thread computes each step), which other work on a shared machine stretches less than the wall clock."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
@@ -179,9 +173,8 @@ def cpu_rounds(steps: dict, rounds: int) -> dict:
 
 
 def cuda_peaks(built: dict, device: torch.device) -> dict:
-    """{variant: peak MiB} on CUDA, in this process (no process a variant, each compiling its kernels again): one
-    step's peak allocation over what was resident before it, plus its model's parameters, gradients and AdamW's two
-    moments (4 x its trainable parameters' bytes, the rest once)."""
+    """{variant: peak MiB} on CUDA, in this process (no process a variant, each compiling its kernels again): a step's
+    peak allocation over what was resident, plus its parameters' bytes: 4 x (weight, gradient, AdamW's 2) if trained."""
     peaks = {}
     for v, (model, step) in built.items():
         sync(device)
@@ -284,12 +277,10 @@ def parse_args():
     p.add_argument("--sizes", default="256,1024,2048")
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", default="off", choices=("off", "bf16"), help="train.py's --amp (bf16 on a GPU)")
-    p.add_argument("--paths", default="auto", choices=tuple(PATHS),
-                   help="auto: each M through our path, the full and relative M beside SDPA with a learnt mask and "
-                        "the explicit softmax; all: each M through each path")
+    p.add_argument("--paths", default="auto", choices=tuple(PATHS), help="auto: each M through our path, the full and "
+                   "relative M beside SDPA with a learnt mask and the explicit softmax; all: each M through each path")
     p.add_argument("--only", help="the rows to time (comma-separated variants; default and floor always)")
-    p.add_argument("--rounds", type=int, default=7,
-                   help="interleaved timed steps per variant, after 2 warm-up steps")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timed steps per variant, after 2 warm-up steps")
     p.add_argument("--time", metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--peak", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--variants", help=argparse.SUPPRESS)
