@@ -1,7 +1,6 @@
 """What a run writes and what resume, `--prior-from` and the reports read back, in one place: the one writer (a file
-appears whole or not at all), the one reader (a regular file within a size limit; torch files with weights_only=True,
-JSON as JSON) and the schemas checked before any value is used: the run folder and its lock, ckpt.pt's container,
-result.json, metrics.jsonl and prior.pt."""
+appears whole or not at all), the one reader and the schemas checked before any value is used: the run folder and its
+lock, ckpt.pt's container, result.json, metrics.jsonl and prior.pt."""
 from __future__ import annotations
 
 import contextlib
@@ -110,7 +109,6 @@ def umask() -> int:
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, dir_fd: int | None = None) -> None:
-    """Write bytes, or text as UTF-8, to `path` atomically (`atomic_output`)."""
     with atomic_output(path, dir_fd) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
@@ -331,7 +329,6 @@ def schema_problem(obj, schema: dict, required) -> str | None:
 
 
 def check_schema(obj, schema: dict, required, path) -> dict:
-    """`obj` (a dict read back from `path`), or a ReadError naming what breaks `schema` (`schema_problem`)."""
     problem = schema_problem(obj, schema, required)
     if problem:
         raise ReadError(f"{path}{problem}")
@@ -649,7 +646,6 @@ class RunFolder:
             os.close(fd)
 
     def open_existing(self) -> None:
-        """Lock the folder of a run to resume; it must hold a checkpoint."""
         if not os.path.exists(self.file("ckpt.pt")):
             raise UsageError(f"--resume: no checkpoint {self.file('ckpt.pt')}; start the run without --resume")
         self._lock()
@@ -663,8 +659,7 @@ class RunFolder:
             try:
                 os.mkdir(self.path)
                 self.created = True
-            # there already, or made by a run starting at the same moment
-            except FileExistsError:
+            except FileExistsError:             # there already, or made by a run starting at the same moment
                 if not os.path.isdir(self.path):
                     raise
         except OSError as e:
@@ -728,9 +723,8 @@ class RunFolder:
                     f"{self.file('ckpt.pt')} is whole: put the file back and --resume, or start a new run"
                     if saved_step is not None else "start the run again"))
         if e.errno == errno.ENOENT and step is not None and not self.here():
-            kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes "
-                    "exactly with --resume --out NEW_PLACE" if saved_step is not None
-                    else "it had no checkpoint yet")
+            kept = (f"its files went with it, whole: the checkpoint of step {saved_step} resumes exactly with "
+                    "--resume --out NEW_PLACE" if saved_step is not None else "it had no checkpoint yet")
             return f"the run folder {self.path} disappeared at step {step} (moved or deleted while training); {kept}"
         if e.errno not in STORAGE_ERRORS:
             return None
