@@ -475,8 +475,7 @@ class Progress:
         text = f"{got / MB:9,.1f} / {self.size / MB:,.1f} MiB  {rate / MB:6.1f} MiB/s  ETA {_clock(eta)}"
         if self.tty:
             if now - self.last >= 0.1 or got == self.size:
-                bar = "#" * (30 * got // self.size)
-                self.stream.write(f"\r  [{bar:<30}] {text}")
+                self.stream.write(f"\r  [{'#' * (30 * got // self.size):<30}] {text}")
                 self.stream.flush()
                 self.last = now
         elif 10 * got // self.size > self.shown:
@@ -542,8 +541,7 @@ def _write_member(dest: str, kind: str, read, total: int, f: File, name: str) ->
                                           "set holds: refused, nothing unpacked")
                 out.write(block)
     except OSError as e:
-        raise WriteError(f"{f.name}: cannot write its member {_shown(name)} ({e.strerror}); "
-                         "nothing unpacked") from None
+        raise WriteError(f"{f.name}: cannot write its member {_shown(name)} ({e.strerror}); nothing unpacked") from None
     return total
 
 
@@ -587,8 +585,7 @@ def _read_guarded(items, f: File):
         except StopIteration:
             return
         except DAMAGED as e:
-            raise tasks.DataError(f"{f.name} is a damaged archive ({_words(e)}): refused, nothing "
-                                  "unpacked") from None
+            raise tasks.DataError(f"{f.name} is a damaged archive ({_words(e)}): refused, nothing unpacked") from None
         yield item
 
 
