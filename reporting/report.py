@@ -201,9 +201,7 @@ def flag_words(key: str, value: str) -> str:
     value = value[:-2] if value.endswith(".0") else value
     if key == "pattern" and value in PATTERN_WORDS:
         return PATTERN_WORDS[value]
-    if key in FLAG_WORDS:
-        return FLAG_WORDS[key].replace("{}", value)
-    return f"{key.replace('_', ' ')} {value}"
+    return FLAG_WORDS[key].replace("{}", value) if key in FLAG_WORDS else f"{key.replace('_', ' ')} {value}"
 
 
 def config_words(label: str, said: frozenset = frozenset()) -> str:
@@ -548,8 +546,7 @@ def draw_comparison(rows: list, path: str, title: str, data: dict | None = None)
                     plot_band(ax, by_step, labels[key], line_style(i), scale=scale)
             if not ax.lines:
                 ax.text(0.5, 0.5, "not logged by these runs", ha="center", transform=ax.transAxes)
-            ax.set_xlabel("training step")
-            ax.set_ylabel(METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
+            ax.set(xlabel="training step", ylabel=METRIC_NAMES.get(k, k) + (" %" if scale == 100.0 else ""))
             ax.grid(alpha=0.3)
         legend_below(fig, 7, [at(b, row) for row in range(len(metrics))] if len(columns) > 1 else None)
     for row in range(len(metrics)):                     # each metric on one scale
@@ -674,8 +671,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
             continue
         inits = sorted((i for i in by if len(by[i]) > 1), key=init_order(rs))    # a series each
         digits = run_config(rs[0]).get("digits") or 3  # the task's own universe: 10^(2d) pairs
-        md += ["\n**addition**" + (f" ({label})" if label else "") + "\n",
-               *_efficiency_table(by, inits, sizes, digits)]
+        md += ["\n**addition**" + (f" ({label})" if label else "") + "\n", *_efficiency_table(by, inits, sizes, digits)]
         panels.append(label)
     csv_path = write_rows(os.path.join(out_dir, "data_efficiency.csv"), EFFICIENCY_HEADER, rows, quoted=0)
     text = ("# Data efficiency: addition's sequence accuracy against the training set size\n\nFinal sequence "
@@ -738,8 +734,7 @@ def draw_efficiency(rows: list, path: str, data: dict | None = None) -> list[str
         ax.set_xscale("log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=7, rotation=30)
         ax.minorticks_off()
-        ax.set_xlabel("training pairs")
-        ax.set_ylabel("sequence accuracy %")
+        ax.set(xlabel="training pairs", ylabel="sequence accuracy %")
         title = "\n".join(filter(None, (data_title("addition", data), config_words(label))))
         ax.set_title(wrapped(title, 4.6, 9, LABEL_LINES), fontsize=9)
         ax.grid(alpha=0.3)
@@ -836,8 +831,7 @@ def oracle_free_mass(table: dict, rows: list, out_dir: str) -> list[str]:
         for head, by_step in lines.items():
             plot_band(ax, by_step, head, line_style(heads.index(head)))
         ax.set_title(row, fontsize=9)
-        ax.set_ylim(0, 1.02)
-        ax.set_xlabel("training step")
+        ax.set(ylim=(0, 1.02), xlabel="training step")
         ax.set_ylabel("mass on its pattern", fontsize=8)
         ax.grid(alpha=0.3)
     legend_below(fig)
@@ -881,14 +875,13 @@ STEPS_TO_TARGET_HEAD = (
     "mean steps: how many times faster the mask gets there; '> x' where default never does within its steps. The "
     "curves are `curves.csv` and `curves.png`. ")
 PRIOR_LAYERS_HEAD = (
-    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from each "
-    "run's metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step at "
-    "which the layer's mass has made half of its change from start to end. M drift: relative Frobenius change of M "
-    "(`mask`); Wq Wk^T drift: of the content logits' weights. Content margin: by how many nats the content logits "
-    "q.k/sqrt(d) alone favour the keys off the pattern over those on it (log-sum-exp off minus on, mean over rows, "
-    "heads and the probe batch; runs made before it was logged have none); a row keeps most of its mass on the "
-    "pattern while this stays below the prior's own gap (for `mask`, log sigmoid(m_on) - log sigmoid(-m_off), "
-    "about m_off). ")
+    "# The prior per layer: attention mass on the pattern and drift over training\n\nMean over seeds, from each run's "
+    "metrics.jsonl (the mass is measured on the probe batch). 'half-way step': the first logged step at which the "
+    "layer's mass has made half of its change from start to end. M drift: relative Frobenius change of M (`mask`); Wq "
+    "Wk^T drift: of the content logits' weights. Content margin: by how many nats the content logits q.k/sqrt(d) alone "
+    "favour the keys off the pattern over those on it (log-sum-exp off minus on, mean over rows, heads and the probe "
+    "batch; runs made before it was logged have none); a row keeps most of its mass on the pattern while this stays "
+    "below the prior's own gap (for `mask`, log sigmoid(m_on) - log sigmoid(-m_off), about m_off). ")
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
