@@ -154,7 +154,6 @@ class Task:
 
     @classmethod
     def inits(cls) -> tuple:
-        """The inits of inits.INITS its family takes (less those fitted on positions where its layout moves)."""
         return inits.offered(cls.KIND, cls.FIXED_LAYOUT)
 
     @classmethod
@@ -225,7 +224,6 @@ class Task:
         raise NotImplementedError
 
     def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Initial M for `--init mask`: +m_on on the pattern, -m_off elsewhere."""
         return mp.mask_logits_from_pattern(self.pattern(variant), m_on, m_off)
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -651,9 +649,8 @@ class BooleanTask(Task):
         return self.patterns(self.readout == "cls")[variant]
 
     def discovered_sets(self) -> list[tuple]:
-        """The sets of bits that interact in the training data (set up): every set of up to `discover_degree` bits
-        whose Walsh coefficient is at least `discover_threshold` times the largest and above the sampling noise
-        (`discover_alpha`; `walsh_sets`). None passing is a TaskError: no pattern is better than a wrong one."""
+        """The sets of bits that interact in the training data (set up): `walsh_sets` of up to `discover_degree` bits,
+        at `discover_threshold` and `discover_alpha`; none is a TaskError: no pattern is better than a wrong one."""
         if not hasattr(self, "x_train"):
             raise TaskError(f"--pattern discovered for {self.name} is found in the training set: set the task up first")
         if "discovery" not in self._cache:
@@ -2080,7 +2077,6 @@ class ImageTask(Task):
                 "n_classes": self.n_classes, "pool": self.pool}
 
     def offsets(self):
-        """One (dy, dx) offset per head: the fixed order, or drawn by the task's seed."""
         if self.impulse == "random":
             return mp.random_impulse_offsets(self.heads, 3, torch.Generator().manual_seed(self.seed))
         return [mp.IMPULSE_OFFSETS[h % len(mp.IMPULSE_OFFSETS)] for h in range(self.heads)]

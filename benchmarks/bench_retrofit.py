@@ -139,8 +139,7 @@ def twins(key: str, args, device):
 
 
 def explain(key: str, times: dict, args) -> None:
-    """What M costs this model (prior over floor, per round), what runs its attention, and why, if the floor came
-    out above the prior in the table."""
+    """What M costs here (prior / floor per round), what runs the attention, and why, if the floor beat the prior."""
     label, floor, prior = list(times)
     shown, (r, lo, hi) = round_ratios(times, label), round_ratios(times, floor)[prior]
     say(f"{label}: prior / floor {r:.3f}, per round {lo:.3f}-{hi:.3f}: what M costs")

@@ -60,9 +60,8 @@ def ratios(t: int, variants: list, rounds: int) -> dict:
 
 
 def backwards(t: int, rounds: int) -> str:
-    """The backward alone at T = t, this thread's CPU time (the least of `rounds`): the kernel's own (the floor's,
-    which gives no gradient for the bias) beside our hand backward (maskprior_fast._backward) of a full and a relative
-    M, which gives M's too."""
+    """The backward alone at T = t, this thread's CPU time (the least of `rounds`): the kernel's own (the floor's, no
+    gradient for the bias) beside our hand backward (maskprior_fast._backward) of a full and a relative M (M's too)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(B, H, t, D, generator=gen) for _ in range(4))
     best = {}

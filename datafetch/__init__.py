@@ -1,2 +1,1 @@
-"""Getting the data sets: `download` (the public ones, fetched and checked) and `imagenet100`
-(built from ImageNet-1k)."""
+"""Getting the data sets: `download` (the public ones, fetched and checked) and `imagenet100` (from ImageNet-1k)."""

@@ -1061,8 +1061,7 @@ def read_rows(path: str, header: tuple, parse, extra: int = 0) -> list:
 def redraw(results: str) -> tuple[list[str], list[str]]:
     """Every figure of `results` that a CSV beside it holds the data of (REDRAWN), drawn again from that CSV, each
     task titled by the data set data.csv names for it (`data_title`); the CSVs and tables are left as they are. Every
-    CSV is read and checked, and each figure's panels and series bounded (ReportError beyond REDRAW_MAX_PANELS,
-    _SERIES: more than any report draws), before any figure is drawn; a figure of many panels says so first. Returns
+    CSV is read and checked, and each figure's panels and series bounded, before any figure is drawn. Returns
     (written, the figures there drawn from the runs alone: report again to redraw them)."""
     if pyplot() is None:
         raise ReportError("redraw: drawing needs matplotlib: pip install matplotlib")
