@@ -431,8 +431,7 @@ def _null_space(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
     return v[:, w <= tol * max(float(w.max(initial=0.0)), 1.0)]
 
 
-def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray,
-                            max_degree: int | None = None):
+def min_degree_interpolator(x_seen: np.ndarray, y_seen: np.ndarray, x_eval: np.ndarray, max_degree: int | None = None):
     """The min-degree interpolator (MDI) of the data (x_seen, y_seen), evaluated on x_eval (x_*: (B, n), in {-1, +1}):
     the smallest degree profile (W_d, W_{d-1}, ..., W_0), lexicographically, W_k its Fourier weight on degree-k
     monomials: the smallest degree d that fits the data exactly, then least squares on the coefficients degree by degree
@@ -515,8 +514,7 @@ def walsh_noise(y: np.ndarray, n_sets: int, alpha: float) -> float:
     """The level a Walsh coefficient of P points reaches by sampling noise: for targets independent of the bits each
     coefficient mean((y - mean y) chi_S) has mean 0 and standard error std(y) / sqrt(P) (chi_S^2 = 1), so all `n_sets`
     stay below z * std(y) / sqrt(P), z = Phi^-1(1 - alpha / (2 n_sets)), with probability >= 1 - alpha (Bonferroni)."""
-    z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets))
-    return z * float(np.std(y)) / math.sqrt(len(y))
+    return statistics.NormalDist().inv_cdf(1 - alpha / (2 * n_sets)) * float(np.std(y)) / math.sqrt(len(y))
 
 
 def walsh_sets(x: np.ndarray, y: np.ndarray, max_degree: int = 3, threshold: float = 0.25,
@@ -1378,6 +1376,7 @@ class LeeMultiplication(ArithmeticTask):
     by significance; a plain (msb) answer's length is unknown while written, so its digits take the significance of the
     longest answer the operands allow (len(a) + len(b) digits; a shorter answer shifts every digit up by one)."""
     NAME = "multiplication"
+    name = "multiplication with --lee-samples"          # in messages
     PATTERNS = ("carry",)
     FIXED_LAYOUT = False
     inits_why = (" (--lee-samples: the layout moves with the operands' lengths, which a QK prior "
@@ -1400,10 +1399,6 @@ class LeeMultiplication(ArithmeticTask):
         super().__init__(data_frac=0.03, answer_order=answer_order, n_digits=digits,
                          discover_alpha=discover_alpha, seed=seed)
         self.n_train, self.length = lee_samples, LEE_ROW[answer_order]
-
-    @property
-    def name(self) -> str:
-        return "multiplication with --lee-samples"
 
     def arch(self) -> dict:
         return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1,
@@ -2255,8 +2250,7 @@ class ImageNet100(ImageTask):
 # whitespace is stripped. Byte level: a story's UTF-8 bytes are ids 0..255 and one end-of-text id 256 follows every
 # story (vocabulary 257). Why: there is no trained vocabulary to fit, ship or version; nothing is ever out of
 # vocabulary; and a 2 GB file streams chunk by chunk with no state beyond the current line. The cost: sequences
-# about 4x longer than with a BPE tokeniser. Stories are stripped of leading and trailing (ASCII) whitespace, inner
-# newlines kept, empty ones skipped (`iter_tinystories_tokens`).
+# about 4x longer than with a BPE tokeniser; stories are stripped, empty ones skipped (`iter_tinystories_tokens`).
 #
 # Token cache: every split is tokenised once into a flat little-endian uint16 (vocabulary <= 65536) or uint32 binary
 # file plus a JSON meta (dtype, count, vocabulary size, the sources' signatures (`_source_signature`), so a changed
@@ -2317,8 +2311,7 @@ def random_windows(tokens: np.ndarray, context: int, batch_size: int, generator:
     return _gather_windows(tokens, torch.randint(0, n - context, (batch_size,), generator=generator).numpy(), context)
 
 
-def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_windows(tokens: np.ndarray, context: int, batch_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """A split covered by consecutive, non-overlapping windows: window k starts at k * context, so every token of
     tokens[1:] is a target exactly once. Full windows come in batches (<= batch_size, context); the last partial
     window, when N - 1 is not a multiple of context, is INCLUDED as a final (1, r) batch, 0 < r < context: weight
@@ -2638,8 +2631,7 @@ def _split_paths(folder: Path, stem: str, split: str) -> tuple[Path, Path]:
     return folder / f"{stem}.{split}.bin", folder / f"{stem}.{split}.json"
 
 
-def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int
-                ) -> tuple[np.memmap, str] | None:
+def _read_split(folder: Path, stem: str, split: str, expected: dict, vocab_size: int) -> tuple[np.memmap, str] | None:
     """(the cached split as a read-only memmap (N,), the sha256 of its tokens), or None if absent, stale or damaged."""
     bin_path, meta_path = _split_paths(folder, stem, split)
     try:

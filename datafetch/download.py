@@ -164,8 +164,7 @@ class WriteError(tasks.DataError):
     """Unpacking failed on this side (the disk, the folder), not the archive's: the download is kept."""
 
 
-def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES,
-             timeout: float = 30.0) -> int:
+def download(names, data_dir: str, mirror: str | None = None, sources: dict = SOURCES, timeout: float = 30.0) -> int:
     """Fetch, check and unpack each named set of `sources` into `data_dir` (see the module's docstring); `mirror`: a
     base URL that holds the same file names. Its arguments are checked first (nothing written on a refusal). Returns
     0; DataError or UsageError (exit 2), BusyError (75) or Interrupted (Ctrl-C: 130) otherwise, each one line."""
