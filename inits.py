@@ -1,8 +1,6 @@
-"""The initialisations a run can start from, one record each (`Init`): its name, the function that writes it into
-a model from the run's prior and config, the task families that offer it, and what it reads and owns. Every list
-of inits elsewhere is derived from INITS: train.py's flag table and checks, a task's offer (`offered`), the run
-files' schema (runfiles.INITS) and the report's tables. A new init is one record here and one test
-(test_every_task_trains_with_every_init covers every init a task offers).
+"""The initialisations a run starts from, one record each (`Init`). Every list of inits elsewhere is derived from INITS:
+train.py's flags and checks, a task's offer (`offered`), the run files' schema (runfiles.INITS) and the report's tables.
+A new init is one record here and one test (test_every_task_trains_with_every_init covers each init a task offers).
 
     python train.py --task parity2 --init NAME        # NAME: a key of INITS"""
 from __future__ import annotations

@@ -701,10 +701,8 @@ class BooleanTask(Task):
         """Build the train set (seeded) and the whole cube as test set, on `device`."""
         x_all = cube(self.n_bits)
         seen = x_all[~self.in_unseen(x_all)]
-        if self.train_size is None:
-            x_train = seen
-        else:
-            x_train = seen[np.random.default_rng(self.seed).integers(0, len(seen), size=self.train_size)]
+        x_train = (seen if self.train_size is None
+                   else seen[np.random.default_rng(self.seed).integers(0, len(seen), size=self.train_size)])
         self.device = torch.device(device)
         self.x_train = torch.as_tensor((x_train > 0).astype(np.int64), device=device)
         self.y_train = torch.as_tensor(self.target(x_train), dtype=torch.float32, device=device)
@@ -834,9 +832,8 @@ class Cyclic3(_PaperBoolean):
     DEFAULT_PATTERN = "band"
     # 8,000 steps (why: results/README.md, "Choices where the paper is silent")
     PRESETS = {"small": {"recipe": dict(steps=8000, log_every=400)}, "paper": {"recipe": dict(epochs=80, lr=2e-5)}}
-    FIELDS = dict(target=lambda x: sum(chi(x, [(i + j) % 15 for j in range(3)]) for i in range(15)),
-                  unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3,
-                  exact=True)
+    FIELDS = dict(target=lambda x: sum(chi(x, [(i + j) % 15 for j in range(3)]) for i in range(15)), exact=True,
+                  unseen={0: -1, 1: -1, 2: -1}, patterns=cyclic_patterns(15), top_monomial=(0, 1, 2), degree=3)
 
 
 def parse_count(token, what: str, least: int, most: int) -> int:

@@ -156,8 +156,7 @@ def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict
     mib = cuda_peaks(built, device) if device.type == "cuda" else {}
     return {v: {"params": sum(p.numel() for p in built[v][0].parameters() if p.requires_grad),
                 "ms": 1000 * statistics.median(times[v]), "ms_rounds": [1000 * t for t in times[v]],
-                **({"mib": mib[v]} if v in mib else {})}
-            for v in variants}
+                **({"mib": mib[v]} if v in mib else {})} for v in variants}
 
 
 def cpu_rounds(steps: dict, rounds: int) -> dict:

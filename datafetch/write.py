@@ -156,11 +156,9 @@ def write_cifar10_python(folder: str, x_train: np.ndarray, y_train: np.ndarray, 
             dump(f"data_batch_{i}", x_train[part], y_train[part], f"training batch {i} of 5")
         dump("test_batch", x_test, y_test, "testing batch 1 of 1")
         names = label_names or [str(i) for i in range(10)]
-        atomic_write(os.path.join(out, "batches.meta"), pickle.dumps(
-            {b"label_names": [n.encode() for n in names], b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072},
-            protocol=2))
+        d = {b"label_names": [n.encode() for n in names], b"num_cases_per_batch": len(x_train) // 5, b"num_vis": 3072}
+        atomic_write(os.path.join(out, "batches.meta"), pickle.dumps(d, protocol=2))
 
-    # the CIFAR-10 release `read_cifar` would read from `folder`, if any (the python or binary layout)
     held = find_first(folder, [os.path.join("cifar-10-batches-py", "data_batch_1"), "data_batch_1",
                                "cifar-10-batches-py", os.path.join("cifar-10-batches-bin", "data_batch_1.bin"),
                                "data_batch_1.bin"])

@@ -689,8 +689,7 @@ def data_efficiency(folders: list, out_dir: str) -> list[str]:
 EFFICIENCY_METRICS = {"n_train": (lambda v: runfiles.is_count(v) and v > 0, "a count of pairs > 0"),
                       "seq_acc": (runfiles.is_share, "a share in [0, 1]"),
                       "digit_acc": (runfiles.is_share, "a share in [0, 1]")}
-EFFICIENCY_FLAGS = {"digits": (lambda v: v is None or runfiles.is_count(v) and 0 < v <= 64,
-                               "null or 1 .. 64 digits")}
+EFFICIENCY_FLAGS = {"digits": (lambda v: v is None or runfiles.is_count(v) and 0 < v <= 64, "null or 1 .. 64 digits")}
 
 
 def efficiency_problem(run: dict) -> str | None:
