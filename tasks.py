@@ -1401,12 +1401,8 @@ class LeeMultiplication(ArithmeticTask):
         return {"vocab_size": len(LEE_VOCAB), "seq_len": self.length - 1,
                 "n_outputs": len(LEE_VOCAB), "readout": "tokens", "causal": True}
 
-    def token_labels(self) -> None:
-        return None             # the operands' lengths move the digits: a position is no fixed digit
-
-    def mask_logits(self, variant: str | None, m_on: float, m_off: float) -> torch.Tensor:
-        """Two levels on the frame's roles (+m_on on the pattern, -m_off elsewhere), not the padded layout's grades."""
-        return Task.mask_logits(self, variant, m_on, m_off)
+    token_labels = Task.token_labels    # None: the operands' lengths move the digits, a position is no fixed digit
+    mask_logits = Task.mask_logits      # two levels on the frame's roles (+m_on, -m_off), not the padded layout's
 
     def build_pattern(self, variant: str) -> torch.Tensor:
         """(R, R) bool on the frame's roles (R = the longest row less its last character). Prompt rows: causal. The
@@ -2082,8 +2078,7 @@ class ImageTask(Task):
             return mp.window_pattern(g, g, self.window if variant == "local" else 3, self.heads, prefix)
         if variant == "soft":
             bias = torch.nn.functional.logsigmoid(self.mask_logits("soft", 10.0, 10.0))
-            # a CLS key is +m_on for every row
-            above, patches = bias > -1, bias[..., prefix:]
+            above, patches = bias > -1, bias[..., prefix:]               # a CLS key is +m_on for every row
             likeliest = torch.zeros_like(above)
             likeliest[..., prefix:] = patches == patches.amax(-1, keepdim=True)
             return above | (~above[..., prefix:].any(-1, keepdim=True) & likeliest)
