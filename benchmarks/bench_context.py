@@ -97,8 +97,7 @@ def floor_attention(attn: mp.Attention, bias: torch.Tensor):
 
 
 def sdpa_attention(attn: mp.Attention):
-    """`attn`'s forward through F.scaled_dot_product_attention with its prior's bias (log sigmoid(M), -inf on the
-    future) as attn_mask, M learnt: the :sdpa peer (LEGEND)."""
+    """`attn`'s forward through SDPA with its prior's bias (log sigmoid(M), -inf ahead) as attn_mask: LEGEND's :sdpa."""
     return replaced(attn, lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn.prior(q.shape[-2], q.dtype).unsqueeze(0)))
 
@@ -109,8 +108,7 @@ def band_attention(attn: mp.Attention):
 
 
 def build(n: int, variant: str, device: torch.device, amp: str):
-    """The model, optimiser and train.py step of one variant ("default", "floor", or one of PRIORS with ":PATH" for
-    another attention path: sdpa, explicit, band, flex)."""
+    """(model, its train.py step) of one variant: "default", "floor", or one of PRIORS, ":PATH" for another path."""
     kind, _, path = variant.partition(":")
     masked, path = kind != "default", path or "auto"
     window = int(kind[len("relative"):]) if kind[len("relative"):].isdigit() else None
@@ -144,8 +142,7 @@ def build(n: int, variant: str, device: torch.device, amp: str):
 
 
 def time_all(n: int, variants: list, device: str, rounds: int, amp: str) -> dict:
-    """{variant: {"params" (trainable), "ms" (the median), "ms_rounds" (one a round)}} of one N,
-    every variant in this process, in interleaved rounds."""
+    """{variant: {"params" (trainable), "ms" (median), "ms_rounds" (one a round)}} of one N, in interleaved rounds."""
     torch.set_num_threads(1)
     device = torch.device(device)
     built = {v: build(n, v, device, amp) for v in variants}

@@ -523,11 +523,10 @@ def draw_curves(rows: list, path: str, data: dict | None = None) -> list[str]:
 
 
 def draw_comparison(rows: list, path: str, title: str, data: dict | None = None) -> list[str]:
-    """One figure that sets every configuration and init of curve rows side by side: a panel per metric, a band per
-    (init, configuration) in words (`series_labels`, `plot_band`), the series in columns of at most LEGEND_MOST by
-    init (`in_groups`), each column its legend, a metric on one scale in every column, a configuration in one colour
-    where its column allows; the caption names the data (`data_title`) and the parts of the configuration most lines
-    share. Returns [path], or [] without matplotlib."""
+    """One figure that sets every configuration and init side by side: a panel per metric, a band per (init,
+    configuration) in words, the series in columns of at most LEGEND_MOST by init, each column its legend, a metric on
+    one scale in every column, a configuration in one colour where its column allows; the caption names the data
+    (`data_title`) and the parts of the configuration most lines share. Returns [path], or [] without matplotlib."""
     series = _by_metric(rows, lambda t, c, i: (i, c))
     labels, said = series_labels(list(series))
     tasks = " and ".join(data_title(t, data) for t in dict.fromkeys(r[0] for r in rows))
@@ -884,11 +883,10 @@ PRIOR_LAYERS_HEAD = (
 
 
 def report(runs_dir: str, out_dir: str) -> list[str]:
-    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (mean ± std over seeds, the paper's number
-    beside ours; a runs_dir of run folders alone is one table, runs.md or its table's name), the robustness grid,
-    the persistence curves of the Boolean runs, the data-efficiency table, the oracle-free study, and over every
-    table's runs the learning curves, steps to target and the prior per layer (`report_curves`). Unfinished or
-    unreadable runs are listed under their table. Returns the files written."""
+    """runs_dir/<table>/<task>-<init>-s<seed>/ -> out_dir/<table>.md (a runs_dir of run folders alone is one table,
+    runs.md or its table's name), the robustness grid, the persistence curves of the Boolean runs, the data-efficiency
+    table, the oracle-free study, and over every table's runs the learning curves, steps to target and the prior per
+    layer (`report_curves`). Unfinished or unreadable runs are listed under their table."""
     runfiles.output_folder(out_dir, "report")
     written = []
     made_by = f"made by `python train.py report {runs_dir} {out_dir}`"
