@@ -999,7 +999,10 @@ class ArithmeticTask(Task):
                                  schedule="cosine", warmup=100, steps=5000, log_every=500)},
     }
 
-    SYMBOL: ClassVar[str]               # the operation's token between the operands
+    SYMBOL: ClassVar[str]               # the operation's token between the operands; and three staticmethods:
+    answer: ClassVar[Callable]          # (B,) operands a, b -> (B,) answers
+    answer_digits: ClassVar[Callable]   # d -> digits in the answer of two d-digit operands (zero-padded to this length)
+    strong: ClassVar[Callable]          # (j, k) -> the carry pattern: is a digit of significance j <= k strong for c_k?
 
     data_frac: float
     answer_order: str = "msb"
@@ -1030,22 +1033,6 @@ class ArithmeticTask(Task):
         self.n_answer = self.answer_digits(self.n_digits)
         self.length = 2 * self.n_digits + 2 + self.n_answer      # tokens in a whole sequence
         self.eq_pos = 2 * self.n_digits + 1                       # index of '='
-
-    # ---- the operation (a subclass's)
-    @staticmethod
-    def answer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(B,) operands -> (B,) answers."""
-        raise NotImplementedError
-
-    @staticmethod
-    def answer_digits(d: int) -> int:
-        """Digits in the answer of two d-digit operands (zero-padded to this length)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def strong(j: int, k: int) -> bool:
-        """The carry pattern: whether an operand digit of significance j <= k is strong for answer digit c_k."""
-        raise NotImplementedError
 
     @property
     def vocab(self) -> str:

@@ -278,9 +278,8 @@ def log_records(run: dict) -> list[dict]:
 
 
 def persistence_rows(boolean_dir: str) -> list[dict]:
-    """Per logged step of every Boolean run of a PERSISTENCE_INITS init, from its metrics.jsonl: the attention mass
-    on the pattern (mean over layers, and per layer) and the drift of the prior itself, mean over layers: relative
-    Frobenius change of M for `mask`, of Wq Wk^T for the QK inits."""
+    """Per logged step of every Boolean run of a PERSISTENCE_INITS init, from its metrics.jsonl: the attention mass on
+    the pattern (mean and per layer) and the mean drift of the prior itself (M, or Wq Wk^T for the QK inits)."""
     rows = []
     for r in collect_runs([boolean_dir])[0]:
         if r["init"] not in PERSISTENCE_INITS:
