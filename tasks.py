@@ -1455,8 +1455,7 @@ class LeeMultiplication(ArithmeticTask):
     def lee_targets(self, batch: torch.Tensor) -> torch.Tensor:
         """(B, L - 1): the next character where a row predicts an answer character or the end, else -100."""
         y = batch[:, 1:]
-        answer = ((batch == LEE_TOKENS["="]).long().cumsum(1)[:, :-1] > 0) & (y != LEE_TOKENS["_"])
-        return torch.where(answer, y, -100)
+        return torch.where(((batch == LEE_TOKENS["="]).long().cumsum(1)[:, :-1] > 0) & (y != LEE_TOKENS["_"]), y, -100)
 
     @torch.no_grad()
     def lee_generate(self, model, prompts: torch.Tensor, temperature: float = 0.0,
@@ -2654,8 +2653,7 @@ def lm_patterns(context: int, n_heads: int) -> torch.Tensor:
     1 / slope_h tokens behind (ALiBi slopes 2^(-8h/H): 4, 16, 64, 256 for 4 heads), where log sigmoid(M) > -1."""
     i = torch.arange(context)
     d = i[:, None] - i[None, :]
-    width = (1.0 / mp.alibi_slopes(n_heads)).ceil().long()
-    return (d[None] >= 0) & (d[None] <= width[:, None, None])
+    return (d[None] >= 0) & (d[None] <= (1.0 / mp.alibi_slopes(n_heads)).ceil().long()[:, None, None])
 
 
 @dataclass(kw_only=True)

@@ -517,8 +517,7 @@ def _unpack(set_name: str, archive: str, f: File, data_dir: str) -> None:
         for name, kind, read in _members(archive, f):
             path = _member_path(name, f, kind)
             _claim(seen, path, kind, name, f)
-            dest = os.path.join(tmp, *path.split("/")) if path else tmp
-            total = _write_member(dest, kind, read, total, f, name)
+            total = _write_member(os.path.join(tmp, *path.split("/")) if path else tmp, kind, read, total, f, name)
         task = tasks.TASKS.get(set_name)
         if task is not None:
             task.locate(tmp)            # the reader finds the set where it will lie (DataError if not)
