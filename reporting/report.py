@@ -106,7 +106,6 @@ def _by_init(runs: list) -> dict:
 
 
 def md_table(header: list, rows) -> list[str]:
-    """A markdown table's lines: the header cells, the rule, one line per row of cells."""
     return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
@@ -185,7 +184,6 @@ PERSISTENCE_INITS = inits.WHERE_THE_PRIOR_LIVES          # the prior in M, or in
 
 
 def _table_folders(runs: str) -> list[str]:
-    """The folders of REPORT_FOLDERS that `runs` holds."""
     return [t for t in REPORT_FOLDERS if os.path.isdir(os.path.join(runs, t))]
 
 
@@ -461,12 +459,9 @@ METRIC_NAMES = {k: name for metrics in CURVE_METRICS.values() for k, name, _ in 
 def curve_rows(groups: dict) -> list[tuple]:
     """(task, configuration label, init, seed, step, metric, value) for every logged headline metric of every run of
     `groups` (`config_groups`), by init then seed: the rows of curves.csv, from which its figures are drawn."""
-    rows = []
-    for (task, label), rs in groups.items():
-        for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"])):
-            rows += [(task, label, r["init"], r["seed"], step, k, v)
-                     for k, pts in curve_points(r).items() for step, v in pts]
-    return rows
+    return [(task, label, r["init"], r["seed"], step, k, v) for (task, label), rs in groups.items()
+            for r in sorted(rs, key=lambda r: (r["init_order"], r["seed"]))
+            for k, pts in curve_points(r).items() for step, v in pts]
 
 
 def write_rows(path: str, header: tuple, rows: list, quoted: int | None = None) -> str:
@@ -492,7 +487,6 @@ METRIC_ORDER = ("acc_unseen", "mse", "seq_acc", "train_seq_acc", "top1", "prior_
 
 
 def _metric_order(metrics) -> list:
-    """The metrics in METRIC_ORDER (any other after, as met)."""
     return sorted(metrics, key=lambda k: METRIC_ORDER.index(k) if k in METRIC_ORDER else len(METRIC_ORDER))
 
 
@@ -1117,12 +1111,10 @@ def summarize_command(paths: list) -> int:
 
 
 def no_runs_in(path: str) -> str | None:
-    """Why `path` holds no run (the first of RUN_PATH_PROBLEMS that holds), or None."""
     return next((what for holds_none, what in RUN_PATH_PROBLEMS if holds_none(path)), None)
 
 
 def _listing(path: str) -> list | None:
-    """The names in folder `path`, or None where it cannot be read."""
     try:
         return os.listdir(path)
     except OSError:
