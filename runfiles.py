@@ -364,7 +364,6 @@ def is_mass(v) -> bool:
 
 
 def is_layers(check, least: int = 1):
-    """A list of `least` .. MAX_LAYERS values, one a layer."""
     return lambda v: isinstance(v, list) and least <= len(v) <= MAX_LAYERS and all(map(check, v))
 
 

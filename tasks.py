@@ -2565,8 +2565,7 @@ def decode_bytes(ids: Iterable[int]) -> str:
     """Byte ids to text (invalid UTF-8 replaced by U+FFFD); `EOT_ID` renders as `EOT_TEXT`."""
     parts: list[str] = []
     buffer = bytearray()
-    for i in ids:
-        i = int(i)
+    for i in map(int, ids):
         if i == EOT_ID:
             parts.append(buffer.decode("utf-8", errors="replace") + EOT_TEXT)
             buffer.clear()

@@ -545,8 +545,7 @@ def _write_member(dest: str, kind: str, read, total: int, f: File, name: str) ->
 
 def _chunks(read):
     with read() as src:
-        for block in iter(lambda: src.read(CHUNK), b""):
-            yield block
+        yield from iter(lambda: src.read(CHUNK), b"")
 
 
 def _members(archive: str, f: File):
