@@ -2768,15 +2768,13 @@ class LMTask(Task):
         return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
     def probe_inputs(self, n: int = 64) -> torch.Tensor:
-        x, _ = next(eval_windows(self.valid, self.context, max(1, min(n, 16))))
-        return x.to(self.device)
+        return next(eval_windows(self.valid, self.context, max(1, min(n, 16))))[0].to(self.device)     # (B, context)
 
     TEACHER_KINDS = ("relative", "pattern", "logits")
     TEACHER_MIN_FIT = 0.2
 
     def teacher_inputs(self, n: int = 64) -> torch.Tensor:
-        x, _ = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
-        return x.to(self.device)
+        return next(eval_windows(self.train, self.context, max(1, min(n, 16))))[0].to(self.device)     # (B, context)
 
     def teacher_fit(self, model, n: int) -> float:
         x, y = next(eval_windows(self.train, self.context, max(1, min(n, 16))))
