@@ -114,10 +114,11 @@ def legend_below(fig, size: float = 8, axes: list | None = None) -> None:
         (fig if axes is None else axes[-1]).legend(list(seen.values()), labels, ncols=ncols, fontsize=size, **where)
 
 
-def token_ticks(ax, names: list | None, n: int, size: float = 5.5, axes: tuple = ("key", "query")) -> None:
-    """Name the columns and rows of an n x n map (every k-th where n is over 24) by their tokens where `names` names
-    n of them, else by position, and label its axes (`axes`: the columns', the rows')."""
-    at, named = list(range(0, n, -(-n // 24))), bool(names) and len(names) == n
+def token_ticks(ax, names: list | None, n: int, size: float = 5.5, axes: tuple = ("key", "query"),
+                at: list | None = None) -> None:
+    """Name the columns and rows of an n x n map (those `at`, else every k-th where n is over 24) by their tokens
+    where `names` names n of them, else by position, and label its axes (`axes`: the columns', the rows')."""
+    at, named = at or list(range(0, n, -(-n // 24))), bool(names) and len(names) == n
     # a name with '$' is text, not math (tick labels keep math parsing for the axes' numbers)
     shown = [names[i].replace("$", r"\$") if named else str(i) for i in at]
     ax.set_xticks(at, shown, fontsize=size, rotation=90)

@@ -174,8 +174,10 @@ def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None
     # not a causal row 0's 1
     top = float(flat.kthvalue(max(1, int(0.99 * flat.numel()))).values) or float(flat.max())
     plt, fig, at = _grid(layers, 1, heads)
+    rows = None                                     # an image: its class tokens and each row's first patch
     if names is None and grid is not None:
         names = ["CLS"] * grid[1] + [f"{r},{c}" for r in range(grid[0]) for c in range(grid[0])]
+        rows = [*range(grid[1]), *range(grid[1], maps.shape[-1], grid[0])]
     axes = ("key patch (row,column)", "query patch") if grid is not None else ("key", "query")
     image, shown = None, []
     for layer in range(layers):
@@ -183,7 +185,7 @@ def draw_attention(maps: torch.Tensor, path: str, title: str, names: list | None
             ax = at(layer, 0, h)
             shown.append(ax)
             image = ax.imshow(maps[layer, h].numpy(), cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
-            token_ticks(ax, names, maps.shape[-1], axes=axes)
+            token_ticks(ax, names, maps.shape[-1], axes=axes, at=rows)
             ax.set_title(f"layer {layer} head {h}", fontsize=7)
     fig.colorbar(image, ax=shown, shrink=0.8, extend="max", label="mean attention")
     caption(fig, f"{title}; colour capped at the 99th percentile ({top:.2f})")
