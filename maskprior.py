@@ -1116,7 +1116,8 @@ def soft_offset_logits(grid_h: int, grid_w: int, offsets, alpha: float, m_on: fl
     check_size(who, "its (len(offsets), N, N) tensor (N = n_prefix + grid_h x grid_w)", len(offsets) * n * n,
                "give a smaller grid or fewer offsets")
     d = _grid_displacements(grid_h, grid_w)
-    off = torch.tensor(offsets, dtype=torch.float32)                      # (H, 2)
+    # (H, 2); an offset past 10^18 patches (past any grid) is read as 10^18: the squared distance stays finite
+    off = torch.tensor([[min(max(v, -10 ** 18), 10 ** 18) for v in p] for p in offsets], dtype=torch.float32)
     sq = ((d[None] - off[:, None, None, :]) ** 2).sum(-1)                 # (H, P, P)
     return _with_prefix(torch.logit(torch.exp(-alpha * sq)).clamp(-m_off, m_on), n_prefix, float(m_on))
 

@@ -207,6 +207,8 @@ def test_banded_causal_and_visible_patterns_keep_their_promise(kw):
                  alpha=1e308, m_on=5.0, m_off=5.0))                            # a nan bump, an int64 overflow
 @example(kw=dict(grid_h=400, grid_w=400, offsets=[(0, 1)], kernel=3, n_heads=4, n_prefix=0, prefix_all=True,
                  alpha=1.0, m_on=5.0, m_off=5.0))                              # 51e9 entries: refused, not built
+@example(kw=dict(grid_h=1, grid_w=1, offsets=[(10 ** 30, 10 ** 30)], kernel=1, n_heads=1, n_prefix=0,
+                 prefix_all=False, alpha=0.0, m_on=0.0, m_off=0.0))            # 0 x inf: a nan bump (found by CI)
 def test_grid_patterns_keep_their_promise(kw):
     ints = all(isinstance(kw[k], int) and not isinstance(kw[k], bool) for k in ("grid_h", "grid_w", "n_prefix"))
     n = kw["n_prefix"] + kw["grid_h"] * kw["grid_w"] if ints else 0
