@@ -501,6 +501,7 @@ def test_the_plan_states_each_table_s_cost_before_anything_runs(tmp_path):
     assert "download 324 MiB and your ImageNet-1k copy (144.0 GiB, not fetched)" in rows["vision"]
     assert "in all        123 runs" in text and "download 2.4 GiB and your ImageNet-1k copy" in rows["in"]
     assert "A100 312, H100 989, H200 989 TFLOPS" in rows["est.:"] and text.startswith("plan: 60 runs")
+    assert text.splitlines()[0].endswith("; 63 more once their data is there (below)")        # 60 + 63 = 123
     h100 = [float(rows[t].split(" / ")[1]) for t in ("boolean", "arithmetic", "vision", "lm", "in")]
     assert abs(sum(h100[:4]) - h100[4]) < 0.2 and h100[2] > h100[0] > 0
     times = {reporting.plan.time_key(r): {"ms_step": 30.0, "ms_eval": 90.0, "ms_final": 90.0, "ms_setup": 0.0,

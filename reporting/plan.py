@@ -509,7 +509,8 @@ def describe(plan: Plan, times: dict | None = None, jobs: int = 1, flops: dict |
     for r in every:
         by_table.setdefault(r.table, []).append(r)
     lines = [f"plan: {len(plan.runs)} runs, preset {preset} ({'CPU' if plan.quick else 'one GPU'}), "
-             f"seeds {' '.join(map(str, plan.seeds))}{plan.budget}"]
+             f"seeds {' '.join(map(str, plan.seeds))}{plan.budget}"
+             + (f"; {len(plan.missing)} more once their data is there (below)" if plan.missing else "")]
     for table in sorted({*by_table, *plan.left_out}, key=TABLES.index):
         rs, skipped = by_table.get(table, []), sum(r.table == table for r in plan.missing)
         lines.append(f"  {table:<12} {len(rs):>4} runs  " + (f"left out: {plan.left_out[table]}" if table in
