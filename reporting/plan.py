@@ -594,6 +594,14 @@ def parse_seeds(text: str) -> list[int]:
         f"--seeds needs distinct seeds, e.g. \"0 1 2\", got {tasks.cut(text)}"))
 
 
+def parse_budget(text: str | None) -> float | None:
+    """--budget HOURS: GPU-hours above 0, up to 1e6, as plain decimals (8, 2.5); None where not given."""
+    if text is None or re.fullmatch(r"[0-9]*\.?[0-9]+", text) and 0 < float(text) <= 1e6:
+        return text and float(text)
+    raise runfiles.UsageError(f"--budget needs a number of GPU-hours above 0 (up to 1e6), e.g. 8 or 2.5, not "
+                              f"{tasks.cut(text)}")
+
+
 def _folder(flag: str, what: str):
     """The parser of a folder flag: the path, where it is a folder or not there yet (a folder to come: its data
     sets absent, its runs not made); a path that is something else is refused."""
@@ -605,10 +613,7 @@ JOBS = (1, 1024)            # runs at a time
 # every flag past argparse, in one table: flag -> its parser (text -> value; a refusal is one line)
 FLAGS = {"seeds": parse_seeds, "jobs": lambda text: tasks.parse_count(text, "jobs", *JOBS),
          "data": _folder("data", "the data sets' folder"),
-         "runs": _folder("runs", "the run folders a later stage reads"),
-         "budget": lambda text: text and (float(text) if re.fullmatch(r"[0-9]*\.?[0-9]+", text) and 0 < float(text)
-                                          <= 1e6 else _refused(runfiles.UsageError(
-             f"--budget needs a number of GPU-hours above 0 (up to 1e6), e.g. 8 or 2.5, not {tasks.cut(text)}")))}
+         "runs": _folder("runs", "the run folders a later stage reads"), "budget": parse_budget}
 
 
 def main(argv=None) -> int:
@@ -631,7 +636,7 @@ def main(argv=None) -> int:
         if flags["budget"] and (a.quick or a.only in STUDIES):
             raise runfiles.UsageError("--budget counts GPU-hours of the paper presets; --quick and the studies run on "
                                       "a CPU and their plan gives their minutes: leave out --budget")
-        step_times(), step_flops()
+        times, flops = step_times(), step_flops()        # read once, a bad file refused before any line
         plan = (budget_plan(flags["budget"], a.gpu, a.only, flags["seeds"], a.data, a.runs) if flags["budget"] else
                 run_list(a.quick, a.only, flags["seeds"], a.data, a.runs))
     except (runfiles.UsageError, runfiles.ReadError) as e:  # one line, exit 2: reproduce.sh relays it, starts nothing
@@ -639,11 +644,11 @@ def main(argv=None) -> int:
         return 2
     if a.list:
         fetch = [t for t in plan.absent if t != "imagenet100"]
-        print("\n".join(["# " + line for line in describe(plan, jobs=flags["jobs"]).splitlines()]
+        print("\n".join(["# " + line for line in describe(plan, times, flags["jobs"], flops).splitlines()]
                         + (["DOWNLOAD " + " ".join(fetch)] if fetch else [])
                         + [item if isinstance(item, str) else item.line() for item in plan.items]))
     else:
-        print(describe(plan, jobs=flags["jobs"]))
+        print(describe(plan, times, flags["jobs"], flops))
     return 0
 
 
