@@ -540,12 +540,14 @@ def test_budget_plans_the_tables_that_fit_in_claim_order_and_says_each_reduction
 @pytest.mark.slow
 def test_a_bad_budget_is_refused_in_one_line_and_nothing_runs(tmp_path, capsys):
     """--budget takes GPU-hours above 0 of the paper presets: a bad value, --quick or a study (CPU minutes, which
-    their plan prints), or an unknown --gpu is one line, exit 2, from the plan and from reproduce.sh, nothing run."""
+    their plan prints), an unknown --gpu or one without --budget is one line, exit 2, from the plan and from
+    reproduce.sh, nothing run."""
     for argv, words in ((["--budget", "0"], "--budget needs a number of GPU-hours above 0"), (["--budget", "-1"], "0"),
                         (["--budget", "abc"], "not 'abc'"), (["--budget", "nan"], "nan"), (["--budget", "1e7"], "1e7"),
                         (["--budget", "١٠"], "١٠"), (["--budget", "5", "--quick"], "leave out --budget"),
                         (["--budget", "5", "--only", "ablation"], "--quick and the studies run on a CPU"),
-                        (["--budget", "5", "--gpu", "V100"], "invalid choice: 'V100'")):
+                        (["--budget", "5", "--gpu", "V100"], "invalid choice: 'V100'"),
+                        (["--gpu", "A100"], "give --budget HOURS with it")):           # alone it would change nothing
         capsys.readouterr()
         try:
             code = reporting.plan.main(argv)
@@ -555,7 +557,7 @@ def test_a_bad_budget_is_refused_in_one_line_and_nothing_runs(tmp_path, capsys):
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and out == "", (argv, err)
     calls = tmp_path / "calls"
     fake = _fake_python(tmp_path / "py", f'echo "$@" >> {calls}\nexit 0')
-    for argv in (["--budget", "abc"], ["--quick", "--budget", "2"]):
+    for argv in (["--budget", "abc"], ["--quick", "--budget", "2"], ["--gpu", "H200"]):
         r = _reproduce(*argv, "--runs", str(tmp_path / "runs"), env={"PYTHON": str(fake)})
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
     assert not calls.exists() and not (tmp_path / "runs").exists()

@@ -633,6 +633,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         flags = {flag: parse(getattr(a, flag)) for flag, parse in FLAGS.items()}
+        if "--gpu" in getattr(a, "_given", ()) and not flags["budget"]:
+            raise runfiles.UsageError("--gpu names the GPU whose hours --budget counts; give --budget HOURS with it "
+                                      "(the plan lists every GPU's hours without it)")
         if flags["budget"] and (a.quick or a.only in STUDIES):
             raise runfiles.UsageError("--budget counts GPU-hours of the paper presets; --quick and the studies run on "
                                       "a CPU and their plan gives their minutes: leave out --budget")
